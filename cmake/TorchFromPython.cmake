@@ -1,0 +1,23 @@
+# Finds LibTorch through the Python interpreter's torch package, without TorchConfig.cmake
+# (which drags in a CUDA language setup we do not need). Defines the target stitchcuda_libtorch.
+execute_process(
+  COMMAND ${Python_EXECUTABLE} -c "import torch, torch.utils.cpp_extension as c; print(','.join(c.include_paths()), ','.join(c.library_paths()), int(torch._C._GLIBCXX_USE_CXX11_ABI), torch.__version__, sep='|', end='')"
+  OUTPUT_VARIABLE _torch_info RESULT_VARIABLE _torch_rc ERROR_VARIABLE _torch_err)
+if(NOT _torch_rc EQUAL 0)
+  message(FATAL_ERROR "PyTorch is needed for the Python extension but '${Python_EXECUTABLE} -c \"import torch\"' failed:\n${_torch_err}\nInstall torch (make setup) or configure with -DSTITCHCUDA_BUILD_PYTHON=OFF.")
+endif()
+string(REPLACE "|" ";" _torch_parts "${_torch_info}")
+list(GET _torch_parts 0 _torch_inc)
+list(GET _torch_parts 1 _torch_lib)
+list(GET _torch_parts 2 _torch_abi)
+list(GET _torch_parts 3 STITCHCUDA_TORCH_VERSION)
+string(REPLACE "," ";" _torch_inc "${_torch_inc}")
+string(REPLACE "," ";" _torch_lib "${_torch_lib}")
+message(STATUS "stitchcuda: PyTorch ${STITCHCUDA_TORCH_VERSION} (C++11 ABI=${_torch_abi})")
+add_library(stitchcuda_libtorch INTERFACE)
+target_include_directories(stitchcuda_libtorch SYSTEM INTERFACE ${_torch_inc} ${CUDAToolkit_INCLUDE_DIRS})
+target_compile_definitions(stitchcuda_libtorch INTERFACE _GLIBCXX_USE_CXX11_ABI=${_torch_abi})
+foreach(_lib c10 c10_cuda torch torch_cpu torch_python)
+  find_library(STITCHCUDA_TORCH_${_lib} ${_lib} PATHS ${_torch_lib} NO_DEFAULT_PATH REQUIRED)
+  target_link_libraries(stitchcuda_libtorch INTERFACE ${STITCHCUDA_TORCH_${_lib}})
+endforeach()

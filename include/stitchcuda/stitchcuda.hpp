@@ -1,0 +1,5 @@
+// Umbrella header: everything a C++ program needs from StitchCUDA.
+#pragma once
+
+#include <stitchcuda/error.hpp>
+#include <stitchcuda/jit.hpp>

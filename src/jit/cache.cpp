@@ -1,0 +1,331 @@
+// KernelCache: an LRU of loaded modules in memory over a content-addressed store on disk.
+// Disk entries carry a checksum of their payload; anything that does not verify is deleted
+// and rebuilt. Writes go to a temporary file in the same folder and are renamed into place,
+// so a reader never sees a partial entry.
+#include <stitchcuda/jit.hpp>
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <list>
+#include <mutex>
+#include <unordered_map>
+
+#include "../core/sha256.hpp"
+#include "ptx.hpp"
+
+namespace stitchcuda::jit {
+namespace fs = std::filesystem;
+namespace {
+
+constexpr char kMagic[8] = {'S', 'T', 'C', 'H', 'J', 'I', 'T', '\x01'};
+constexpr std::uint32_t kFormat = 1;
+
+void put_u64(std::string& out, std::uint64_t v) {
+  for (int i = 0; i < 8; ++i) out += char((v >> (8 * i)) & 0xff);
+}
+
+bool get_u64(std::string_view& in, std::uint64_t& v) {
+  if (in.size() < 8) return false;
+  v = 0;
+  for (int i = 0; i < 8; ++i) v |= std::uint64_t(static_cast<unsigned char>(in[i])) << (8 * i);
+  in.remove_prefix(8);
+  return true;
+}
+
+void put_field(std::string& out, std::string_view s) {
+  put_u64(out, s.size());
+  out.append(s);
+}
+
+bool get_field(std::string_view& in, std::string& s) {
+  std::uint64_t n = 0;
+  if (!get_u64(in, n) || in.size() < n) return false;
+  s.assign(in.substr(0, n));
+  in.remove_prefix(n);
+  return true;
+}
+
+std::string serialize(const Binary& b) {
+  std::string payload;
+  put_field(payload, b.key);
+  put_field(payload, b.program_name);
+  put_field(payload, b.arch);
+  put_field(payload, b.cubin);
+  put_field(payload, b.ptx);
+  put_field(payload, b.log);
+  put_u64(payload, b.lowered_names.size());
+  for (auto& [expr, symbol] : b.lowered_names) {
+    put_field(payload, expr);
+    put_field(payload, symbol);
+  }
+  std::string out(kMagic, sizeof(kMagic));
+  for (int i = 0; i < 4; ++i) out += char((kFormat >> (8 * i)) & 0xff);
+  put_u64(out, payload.size());
+  auto digest = stitchcuda::detail::Sha256().update(payload).digest();
+  out.append(reinterpret_cast<const char*>(digest.data()), digest.size());
+  out += payload;
+  return out;
+}
+
+// Returns false for anything that is not a complete, verified entry for `key`.
+bool deserialize(std::string_view in, const std::string& key, Binary& b) {
+  if (in.size() < sizeof(kMagic) + 4 + 8 + 32 || std::memcmp(in.data(), kMagic, sizeof(kMagic)) != 0) return false;
+  in.remove_prefix(sizeof(kMagic));
+  std::uint32_t format = 0;
+  for (int i = 0; i < 4; ++i) format |= std::uint32_t(static_cast<unsigned char>(in[i])) << (8 * i);
+  in.remove_prefix(4);
+  if (format != kFormat) return false;
+  std::uint64_t size = 0;
+  if (!get_u64(in, size) || in.size() != 32 + size) return false;
+  auto stored = in.substr(0, 32);
+  in.remove_prefix(32);
+  auto digest = stitchcuda::detail::Sha256().update(in).digest();
+  if (std::memcmp(stored.data(), digest.data(), 32) != 0) return false;
+  std::uint64_t n = 0;
+  if (!get_field(in, b.key) || b.key != key || !get_field(in, b.program_name) || !get_field(in, b.arch) ||
+      !get_field(in, b.cubin) || !get_field(in, b.ptx) || !get_field(in, b.log) || !get_u64(in, n) || n > 100000)
+    return false;
+  for (std::uint64_t i = 0; i < n; ++i) {
+    std::string expr, symbol;
+    if (!get_field(in, expr) || !get_field(in, symbol)) return false;
+    b.lowered_names.emplace_back(std::move(expr), std::move(symbol));
+  }
+  return in.empty();
+}
+
+Error io_error(const std::string& dir, const std::string& why) {
+  return Error{ErrorCode::IoError,
+               "the kernel cache folder '" + dir + "' cannot be used (" + why +
+                   "): set STITCHCUDA_CACHE_DIR to a writable folder, or to an empty string to disable the disk cache",
+               {},
+               {}};
+}
+
+}  // namespace
+
+struct KernelCache::Impl {
+  std::string dir;
+  std::size_t capacity = 512;
+  std::string warning;
+  mutable std::mutex mu;
+  std::list<std::string> order;  // most recently used first
+  struct Slot {
+    std::shared_ptr<Module> module;
+    std::list<std::string>::iterator pos;
+  };
+  std::unordered_map<std::string, Slot> entries;
+  std::unordered_map<std::string, std::shared_future<Result<std::shared_ptr<Module>>>> inflight;
+  CacheStats stats;
+
+  void remember(const std::string& key, std::shared_ptr<Module> module) {
+    if (auto it = entries.find(key); it != entries.end()) {
+      order.erase(it->second.pos);
+      entries.erase(it);
+    }
+    order.push_front(key);
+    entries[key] = Slot{std::move(module), order.begin()};
+    while (entries.size() > capacity && !order.empty()) {
+      entries.erase(order.back());
+      order.pop_back();
+    }
+  }
+
+  std::string path_of(const std::string& key) const {
+    if (dir.empty()) return {};
+    return (fs::path(dir) / "v1" / key.substr(0, 2) / (key + ".bin")).string();
+  }
+
+  // Reads an entry; a damaged one is removed and counted.
+  std::shared_ptr<const Binary> read(const std::string& key) {
+    std::string path = path_of(key);
+    if (path.empty()) return nullptr;
+    std::ifstream in(path, std::ios::binary);
+    if (!in) return nullptr;
+    std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    auto b = std::make_shared<Binary>();
+    if (!deserialize(data, key, *b)) {
+      std::error_code ec;
+      fs::remove(path, ec);
+      std::lock_guard lock(mu);
+      ++stats.corrupt_entries;
+      return nullptr;
+    }
+    b->kernels = detail::parse_ptx_kernels(b->ptx);
+    return b;
+  }
+
+  bool write(const Binary& b) {
+    std::string path = path_of(b.key);
+    if (path.empty()) return true;
+    static std::atomic<unsigned> counter{0};
+    std::error_code ec;
+    fs::create_directories(fs::path(path).parent_path(), ec);
+    std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
+    {
+      std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+      if (!out) return false;
+      std::string data = serialize(b);
+      out.write(data.data(), std::streamsize(data.size()));
+      out.flush();
+      if (!out) {
+        out.close();
+        fs::remove(tmp, ec);
+        return false;
+      }
+    }
+    fs::rename(tmp, path, ec);
+    if (ec) {
+      fs::remove(tmp, ec);
+      return false;
+    }
+    return true;
+  }
+};
+
+KernelCache::KernelCache(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+KernelCache::~KernelCache() = default;
+
+Result<std::shared_ptr<KernelCache>> KernelCache::open(std::string dir, std::size_t memory_entries) {
+  auto impl = std::make_unique<Impl>();
+  impl->capacity = std::max<std::size_t>(memory_entries, 1);
+  if (!dir.empty()) {
+    std::error_code ec;
+    fs::path root = fs::absolute(fs::path(dir), ec);
+    if (ec) return tl::unexpected(io_error(dir, ec.message()));
+    fs::create_directories(root / "v1", ec);
+    if (ec) return tl::unexpected(io_error(dir, ec.message()));
+    // Prove we can write: a folder we can list but not write would fail every store later.
+    fs::path probe = root / "v1" / (".probe." + std::to_string(::getpid()));
+    {
+      std::ofstream out(probe, std::ios::binary | std::ios::trunc);
+      out << "ok";
+      if (!out) return tl::unexpected(io_error(dir, "not writable"));
+    }
+    fs::remove(probe, ec);
+    impl->dir = root.string();
+  }
+  return std::shared_ptr<KernelCache>(new KernelCache(std::move(impl)));
+}
+
+namespace {
+std::mutex g_global_mu;
+std::shared_ptr<KernelCache> g_global;
+}  // namespace
+
+std::string KernelCache::default_dir() {
+  if (const char* env = std::getenv("STITCHCUDA_CACHE_DIR")) return env;  // "" disables the disk store
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) return (fs::path(xdg) / "stitchcuda").string();
+  if (const char* home = std::getenv("HOME"); home && *home) return (fs::path(home) / ".cache" / "stitchcuda").string();
+  return (fs::temp_directory_path() / "stitchcuda-cache").string();
+}
+
+std::shared_ptr<KernelCache> KernelCache::global() {
+  std::lock_guard lock(g_global_mu);
+  if (!g_global) {
+    std::string dir = default_dir();
+    auto opened = open(dir);
+    if (opened) {
+      g_global = *opened;
+    } else {
+      g_global = *open("");
+      g_global->impl_->warning = opened.error().message + " — using a memory-only cache";
+    }
+  }
+  return g_global;
+}
+
+Result<void> KernelCache::set_global_dir(std::string dir) {
+  auto opened = open(std::move(dir));
+  if (!opened) return tl::unexpected(opened.error());
+  std::lock_guard lock(g_global_mu);
+  g_global = *opened;
+  return {};
+}
+
+const std::string& KernelCache::dir() const { return impl_->dir; }
+
+std::string KernelCache::warning() const {
+  std::lock_guard lock(impl_->mu);
+  return impl_->warning;
+}
+
+std::string KernelCache::entry_path(const std::string& key) const { return impl_->path_of(key); }
+
+CacheStats KernelCache::stats() const {
+  std::lock_guard lock(impl_->mu);
+  return impl_->stats;
+}
+
+void KernelCache::clear_memory() {
+  std::lock_guard lock(impl_->mu);
+  impl_->entries.clear();
+  impl_->order.clear();
+}
+
+Result<std::shared_ptr<Module>> KernelCache::get(std::string_view source, const CompileOptions& options,
+                                                 std::string_view program_name) {
+  auto key = Compiler::cache_key(source, options, program_name);
+  if (!key) return tl::unexpected(key.error());
+  Impl& c = *impl_;
+  std::promise<Result<std::shared_ptr<Module>>> promise;
+  {
+    std::unique_lock lock(c.mu);
+    if (auto it = c.entries.find(*key); it != c.entries.end()) {
+      ++c.stats.memory_hits;
+      c.order.splice(c.order.begin(), c.order, it->second.pos);
+      return it->second.module->with_origin("memory");
+    }
+    if (auto it = c.inflight.find(*key); it != c.inflight.end()) {
+      auto waiting = it->second;
+      ++c.stats.memory_hits;
+      lock.unlock();
+      auto result = waiting.get();
+      if (!result) return result;
+      return (*result)->with_origin("memory");
+    }
+    c.inflight.emplace(*key, promise.get_future().share());
+  }
+
+  Result<std::shared_ptr<Module>> result = fail(ErrorCode::Internal, "unset");
+  if (auto binary = c.read(*key)) {
+    auto module = Module::create(std::move(binary));
+    module->set_origin("disk");
+    std::lock_guard lock(c.mu);
+    ++c.stats.disk_hits;
+    result = module;
+  } else {
+    {
+      std::lock_guard lock(c.mu);
+      ++c.stats.misses;
+      ++c.stats.compiles;
+    }
+    auto compiled = Compiler::compile(source, options, program_name);
+    if (compiled) {
+      bool stored = c.write(*compiled);
+      auto module = Module::create(std::make_shared<const Binary>(std::move(*compiled)));
+      std::lock_guard lock(c.mu);
+      if (!stored) ++c.stats.disk_errors;
+      result = module;
+    } else {
+      result = tl::unexpected(compiled.error());  // failures are never cached
+    }
+  }
+  std::lock_guard lock(c.mu);
+  if (result) c.remember(*key, *result);
+  c.inflight.erase(*key);
+  promise.set_value(result);
+  return result;
+}
+
+Result<std::shared_ptr<Module>> build(std::string_view source, const CompileOptions& options,
+                                      std::string_view program_name) {
+  return KernelCache::global()->get(source, options, program_name);
+}
+
+}  // namespace stitchcuda::jit

@@ -1,0 +1,17 @@
+// Reads kernel entry points and their parameter types from PTX text.
+#pragma once
+
+#include <string_view>
+#include <vector>
+
+#include <stitchcuda/jit.hpp>
+
+namespace stitchcuda::jit::detail {
+
+/// Every `.entry` in the PTX with its parameters, in order.
+std::vector<KernelInfo> parse_ptx_kernels(std::string_view ptx);
+
+/// "u64", "f32", "bytes"...
+const char* to_string(ParamKind kind);
+
+}  // namespace stitchcuda::jit::detail
