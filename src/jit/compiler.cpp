@@ -235,7 +235,10 @@ Result<std::vector<std::string>> Compiler::supported_archs() {
   std::vector<int> nums(std::size_t(std::max(n, 0)));
   if (n > 0) (*api)->GetSupportedArchs(nums.data());
   std::vector<std::string> out;
-  for (int a : nums) out.push_back("sm_" + std::to_string(a));
+  for (int a : nums) {
+    out.push_back("sm_" + std::to_string(a));
+    if (a >= 90) out.push_back("sm_" + std::to_string(a) + "a");  // arch-specific features (wgmma, ...)
+  }
   return out;
 }
 

@@ -40,11 +40,38 @@ std::string type_of(std::string decl) {
   return trim(out);
 }
 
+// Comments can sit between parameters; they are not part of any type.
+std::string strip_comments(std::string_view in) {
+  std::string out;
+  for (std::size_t i = 0; i < in.size(); ++i) {
+    if (in.compare(i, 2, "//") == 0) {
+      while (i < in.size() && in[i] != '\n') ++i;
+      out += '\n';
+    } else if (in.compare(i, 2, "/*") == 0) {
+      auto end = in.find("*/", i + 2);
+      i = end == std::string_view::npos ? in.size() : end + 1;
+      out += ' ';
+    } else {
+      out += in[i];
+    }
+  }
+  return out;
+}
+
+bool is_identifier(std::string_view s) {
+  if (s.empty() || std::isdigit(static_cast<unsigned char>(s[0]))) return false;
+  for (char c : s)
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '_') return false;
+  return true;
+}
+
 }  // namespace
 
 std::vector<std::string> declared_signature(std::string_view source, std::string_view kernel_name) {
-  std::string text(source);
-  const std::regex decl("__global__[^;{(]*?\\b" + std::string(kernel_name) + R"(\s*\(([^)]*)\))");
+  if (!is_identifier(kernel_name)) return {};
+  std::string text = strip_comments(source);
+  // Attributes such as __launch_bounds__(256) may sit between __global__ and the name.
+  const std::regex decl("__global__(?:[^;{(]|\\([^)]*\\))*?\\b" + std::string(kernel_name) + R"(\s*\(([^)]*)\))");
   std::smatch m;
   if (!std::regex_search(text, m, decl)) return {};
   // A template kernel's parameter types depend on its arguments: no fixed signature.

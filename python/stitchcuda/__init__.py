@@ -1,0 +1,50 @@
+"""StitchCUDA: compile CUDA C++ in-process with NVRTC and run it on PyTorch tensors.
+
+Start with :func:`stitchcuda.jit.compile`; ``stitchcuda doctor`` checks the machine.
+"""
+
+# torch first: the native module links against LibTorch, whose libraries must already be loaded.
+import torch  # noqa: F401
+
+try:
+    from . import _C
+except ImportError as exc:  # pragma: no cover - depends on the build state
+    raise ImportError(
+        f"stitchcuda's native module stitchcuda._C could not be imported ({exc}). "
+        "Build it from the repository root with `make build` (or install the package with "
+        "`pip install .`), using the same Python and torch as this interpreter."
+    ) from exc
+
+from . import errors, jit
+from .doctor import doctor
+from .errors import (
+    CompileError,
+    CudaError,
+    Diagnostic,
+    InternalError,
+    InvalidArgumentError,
+    LaunchError,
+    NotFoundError,
+    StitchError,
+    StitchIOError,
+    UnavailableError,
+)
+
+__version__: str = _C.version()
+
+__all__ = [
+    "__version__",
+    "jit",
+    "errors",
+    "doctor",
+    "Diagnostic",
+    "StitchError",
+    "InvalidArgumentError",
+    "CompileError",
+    "LaunchError",
+    "CudaError",
+    "NotFoundError",
+    "UnavailableError",
+    "StitchIOError",
+    "InternalError",
+]

@@ -1,0 +1,329 @@
+"""The Pythonic JIT API: compile CUDA C++ with NVRTC (cached) and launch kernels on torch tensors.
+
+Thin by design: options become the dict ``stitchcuda._C.compile`` takes, and a launch forwards
+straight to the native launcher so the per-launch cost stays in C++.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+
+from . import _C
+
+__all__ = [
+    "compile",
+    "compile_module",
+    "Kernel",
+    "Module",
+    "KernelAttributes",
+    "Param",
+    "declared_signature",
+    "cache_stats",
+    "cache_dir",
+    "set_cache_dir",
+    "clear_memory_cache",
+    "synchronize",
+]
+
+
+@dataclass(frozen=True)
+class KernelAttributes:
+    """Per-device facts about a compiled kernel, as the driver reports them."""
+
+    num_registers: int  # registers per thread
+    static_shared_bytes: int  # __shared__ arrays
+    max_dynamic_shared_bytes: int  # dynamic shared memory currently allowed
+    local_bytes: int  # local memory per thread (spills, stack)
+    const_bytes: int  # __constant__ data
+    max_threads_per_block: int  # limited by registers and __launch_bounds__
+    ptx_version: int  # e.g. 90
+    binary_version: int  # e.g. 90
+
+
+class Param(NamedTuple):
+    """One kernel parameter as PTX declares it: kind ("u64" for pointers, "f32", "bytes"...) and size."""
+
+    kind: str
+    size: int
+
+
+_ATTRIBUTE_FIELDS = tuple(f.name for f in fields(KernelAttributes))
+
+
+class Kernel:
+    """A compiled kernel, launchable as ``kernel(grid, block, *args, shared_mem=0, stream=None)``.
+
+    grid, block and cluster are an int or a tuple of 1-3 ints; args are torch tensors (their data
+    pointer is passed), ints, floats or bools, in declaration order. The kernel runs on PyTorch's
+    current stream of the tensors' device unless ``stream`` (a torch.cuda.Stream or a raw handle) is
+    given. Tensor dtypes are checked against ``signature`` when it is known.
+    """
+
+    __slots__ = ("_native", "_launch", "_signature", "_module")
+
+    def __init__(self, native: Any, module: "Module", signature: Sequence[str] | None) -> None:
+        self._native = native
+        # Bound once: __call__ is on the launch hot path, so it avoids attribute lookups per call.
+        self._launch = native.launch
+        self._signature = list(signature) if signature else None
+        self._module = module
+
+    def __call__(self, grid, block, *args, shared_mem=0, stream=None, cluster=None) -> None:
+        self._launch(grid, block, args, shared_mem, stream, cluster, self._signature)
+
+    def launch(self, grid, block, args: Sequence[Any] = (), shared_mem: int = 0, stream: Any = None,
+               cluster: Any = None) -> None:
+        """Same as calling the kernel, with the arguments as one sequence."""
+        self._launch(grid, block, args, shared_mem, stream, cluster, self._signature)
+
+    @property
+    def name(self) -> str:
+        """The name asked for: an extern "C" name or a name expression such as ``scale<float>``."""
+        return self._native.name
+
+    @property
+    def symbol(self) -> str:
+        """The symbol in the binary (mangled unless extern "C")."""
+        return self._native.symbol
+
+    @property
+    def params(self) -> list[Param]:
+        """Parameters in declaration order, as PTX declares them."""
+        return [Param(kind, size) for kind, size in self._native.params]
+
+    @property
+    def signature(self) -> list[str] | None:
+        """Declared parameter types ("const float*", "int") used to check tensors, or None."""
+        return list(self._signature) if self._signature else None
+
+    @property
+    def module(self) -> "Module":
+        """The compiled module this kernel belongs to (PTX, CUBIN, log, cache origin...)."""
+        return self._module
+
+    @property
+    def attributes(self) -> KernelAttributes:
+        """Registers, shared and local memory, thread limit on the current device (needs a GPU)."""
+        return self.attributes_on(-1)
+
+    def attributes_on(self, device: int) -> KernelAttributes:
+        """Attributes on one device (-1: the current one)."""
+        raw = self._native.attributes(device)
+        return KernelAttributes(**{name: int(raw[name]) for name in _ATTRIBUTE_FIELDS})
+
+    def occupancy(self, block_size: int, shared_mem: int = 0, device: int = -1) -> int:
+        """Resident blocks per multiprocessor at this block size and dynamic shared memory."""
+        return self._native.max_active_blocks_per_sm(block_size, shared_mem, device)
+
+    def __repr__(self) -> str:
+        params = ", ".join(self._signature) if self._signature else \
+            ", ".join(kind for kind, _ in self._native.params)
+        return f"<stitchcuda.jit.Kernel {self.name}({params}) arch={self._module.arch}>"
+
+
+class Module:
+    """One compiled program: machine code, PTX, the compiler log and where it came from."""
+
+    __slots__ = ("_native", "_source")
+
+    def __init__(self, native: Any, source: str) -> None:
+        self._native = native
+        self._source = source  # kept to read declared signatures of its kernels
+
+    def kernel(self, name: str, signature: Sequence[str] | None = None) -> Kernel:
+        """The kernel called ``name`` (extern "C" name, symbol or name expression).
+
+        ``signature`` defaults to the parameter types declared in the source; NotFoundError
+        lists the kernels that exist.
+        """
+        if signature is None:
+            signature = _C.declared_signature(self._source, name)
+        return Kernel(self._native.kernel(name), self, signature)
+
+    @property
+    def arch(self) -> str:
+        """The architecture the CUBIN is for, e.g. "sm_90a"."""
+        return self._native.arch
+
+    @property
+    def ptx(self) -> str:
+        return self._native.ptx
+
+    @property
+    def cubin(self) -> bytes:
+        """Machine code (empty for compute_XX targets)."""
+        return self._native.cubin
+
+    @property
+    def log(self) -> str:
+        """NVRTC's log (warnings) of the compile that produced this module."""
+        return self._native.log
+
+    @property
+    def key(self) -> str:
+        """Cache key (hex SHA-256) of source, options, headers, NVRTC and library versions, arch."""
+        return self._native.key
+
+    @property
+    def origin(self) -> str:
+        """"compiled", "memory" (in-process cache) or "disk" (on-disk store)."""
+        return self._native.origin
+
+    @property
+    def compile_ms(self) -> float:
+        """Milliseconds NVRTC took (0 when the module came from a cache)."""
+        return self._native.compile_ms
+
+    @property
+    def kernel_names(self) -> list[str]:
+        """Symbols of every kernel entry point in the program."""
+        return list(self._native.kernel_names)
+
+    @property
+    def lowered_names(self) -> dict[str, str]:
+        """Name expression -> symbol, for the name expressions asked for."""
+        return dict(self._native.lowered_names)
+
+    @property
+    def source(self) -> str:
+        return self._source
+
+    def __repr__(self) -> str:
+        return (f"<stitchcuda.jit.Module {self.arch} origin={self.origin} "
+                f"kernels={self.kernel_names} key={self.key[:12]}>")
+
+
+def _options(
+    *,
+    arch: str | None,
+    std: int,
+    include_paths: Iterable[str | os.PathLike],
+    defines: Mapping[str, Any] | None,
+    headers: Mapping[str, str] | None,
+    fast_math: bool,
+    line_info: bool,
+    max_registers: int,
+    name_expressions: Iterable[str],
+    pch: str,
+    extra_flags: Iterable[str],
+) -> dict[str, Any]:
+    """The options dict of ``_C.compile``; validation of values is left to the native side."""
+    options: dict[str, Any] = {
+        "std": std,
+        "include_paths": [os.fspath(p) for p in include_paths],
+        # None gives a bare -DNAME; other values are spelled as C++ would see them.
+        "defines": {str(k): ("" if v is None else _define_value(v)) for k, v in (defines or {}).items()},
+        "headers": {str(k): str(v) for k, v in (headers or {}).items()},
+        "fast_math": bool(fast_math),
+        "line_info": bool(line_info),
+        "max_registers": max_registers,
+        "name_expressions": list(name_expressions),
+        "pch": pch,
+        "extra_flags": list(extra_flags),
+    }
+    if arch is not None:
+        options["arch"] = arch
+    return options
+
+
+def _define_value(value: Any) -> str:
+    if isinstance(value, bool):  # before int: True must become 1, not "True"
+        return "1" if value else "0"
+    return str(value)
+
+
+def compile(
+    source: str,
+    name: str,
+    *,
+    arch: str | None = None,
+    std: int = 17,
+    include_paths: Iterable[str | os.PathLike] = (),
+    defines: Mapping[str, Any] | None = None,
+    headers: Mapping[str, str] | None = None,
+    fast_math: bool = False,
+    line_info: bool = False,
+    max_registers: int = 0,
+    name_expressions: Iterable[str] = (),
+    pch: str = "auto",
+    extra_flags: Iterable[str] = (),
+    signature: Sequence[str] | None = None,
+    cache: bool = True,
+    program_name: str = "kernel.cu",
+) -> Kernel:
+    """Compiles ``source`` with NVRTC (through the kernel cache) and returns the kernel ``name``.
+
+    ``name`` is an extern "C" kernel name, a symbol, or a template name expression such as
+    ``"scale<float, 4>"`` (added to ``name_expressions`` automatically). ``arch`` defaults to the
+    current GPU's architecture, else sm_90a. ``signature`` (parameter types such as
+    ``["const float*", "int"]``) defaults to what the source declares; it is used to check tensor
+    dtypes at launch. Raises CompileError (with ``.log``, ``.line``, ``.diagnostics``),
+    InvalidArgumentError for bad options and NotFoundError when the kernel does not exist.
+    """
+    name_expressions = list(name_expressions)
+    if "<" in name and name not in name_expressions:
+        name_expressions.append(name)
+    module = compile_module(
+        source, arch=arch, std=std, include_paths=include_paths, defines=defines, headers=headers,
+        fast_math=fast_math, line_info=line_info, max_registers=max_registers,
+        name_expressions=name_expressions, pch=pch, extra_flags=extra_flags, cache=cache,
+        program_name=program_name)
+    return module.kernel(name, signature)
+
+
+def compile_module(
+    source: str,
+    *,
+    arch: str | None = None,
+    std: int = 17,
+    include_paths: Iterable[str | os.PathLike] = (),
+    defines: Mapping[str, Any] | None = None,
+    headers: Mapping[str, str] | None = None,
+    fast_math: bool = False,
+    line_info: bool = False,
+    max_registers: int = 0,
+    name_expressions: Iterable[str] = (),
+    pch: str = "auto",
+    extra_flags: Iterable[str] = (),
+    cache: bool = True,
+    program_name: str = "kernel.cu",
+) -> Module:
+    """Compiles a program holding several kernels; take each with ``Module.kernel(name)``."""
+    options = _options(
+        arch=arch, std=std, include_paths=include_paths, defines=defines, headers=headers,
+        fast_math=fast_math, line_info=line_info, max_registers=max_registers,
+        name_expressions=name_expressions, pch=pch, extra_flags=extra_flags)
+    return Module(_C.compile(source, program_name, options, cache), source)
+
+
+def declared_signature(source: str, kernel_name: str) -> list[str]:
+    """Parameter types of ``__global__ void kernel_name(...)`` in source; [] for templates or if absent."""
+    return list(_C.declared_signature(source, kernel_name))
+
+
+def cache_stats() -> dict[str, int]:
+    """Counters of the process-wide cache: memory_hits, disk_hits, misses, compiles,
+    corrupt_entries, disk_errors (since the cache folder was last set)."""
+    return dict(_C.cache_stats())
+
+
+def cache_dir() -> str:
+    """The on-disk cache folder ("" when the cache is memory only)."""
+    return _C.cache_dir()
+
+
+def set_cache_dir(path: str | os.PathLike) -> None:
+    """Moves the process-wide cache to ``path`` ("" = memory only); StitchIOError if unusable."""
+    _C.set_cache_dir(os.fspath(path))
+
+
+def clear_memory_cache() -> None:
+    """Drops in-memory cache entries; the disk store stays, so the next compile is a disk hit."""
+    _C.cache_clear_memory()
+
+
+def synchronize(device: int = -1) -> None:
+    """Waits for all work on a device; a fault in an earlier kernel is raised here as a StitchError."""
+    _C.synchronize(device)

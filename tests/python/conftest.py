@@ -1,0 +1,72 @@
+"""Shared pytest set-up: the `gpu` marker (skipped with a reason where no GPU is present) and a
+fresh kernel-cache folder per test, so cache tests never see entries from other tests or runs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+# Tests run against the source tree (python/) unless the package is installed.
+_PYTHON_DIR = Path(__file__).resolve().parents[2] / "python"
+if str(_PYTHON_DIR) not in sys.path:
+    sys.path.insert(0, str(_PYTHON_DIR))
+
+from stitchcuda import _C, jit  # noqa: E402
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped where none is present")
+    config.addinivalue_line("markers", "slow: takes seconds (benchmarks, subprocesses)")
+
+
+def _no_gpu_reason() -> str | None:
+    if _C.device_count() > 0:
+        return None
+    ok, reason = _C.driver_available()
+    return "no GPU: " + ("the driver reports no device" if ok else reason)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reason = _no_gpu_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=reason)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Keeps the test run out of the user's cache folder (~/.cache/stitchcuda)."""
+    previous = jit.cache_dir()
+    jit.set_cache_dir(tmp_path_factory.mktemp("session-kernel-cache"))
+    yield
+    jit.set_cache_dir(previous)
+
+
+@pytest.fixture
+def fresh_cache(tmp_path: Path):
+    """A new, empty on-disk cache folder for the test; the previous folder is restored after."""
+    previous = jit.cache_dir()
+    folder = tmp_path / "kernel-cache"
+    folder.mkdir()
+    jit.set_cache_dir(folder)
+    try:
+        yield folder
+    finally:
+        jit.set_cache_dir(previous)
+
+
+@pytest.fixture
+def subprocess_env(tmp_path: Path) -> dict[str, str]:
+    """Environment for child Pythons: this source tree importable, a private cache folder."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PYTHON_DIR), env.get("PYTHONPATH")]))
+    env["STITCHCUDA_CACHE_DIR"] = str(tmp_path / "child-cache")
+    return env
+
