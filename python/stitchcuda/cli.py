@@ -49,7 +49,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     if _C.device_count() == 0:
         ok, reason = _C.driver_available()
-        why = "no CUDA driver: " + reason if not ok else "the driver reports no GPU"
+        why = reason if not ok else "the driver reports no GPU"
         print(f"launch skipped: {why} (compile-only mode)")
         return EXIT_OK
 

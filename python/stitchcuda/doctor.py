@@ -131,8 +131,8 @@ def _check_gpus() -> Check:
 
 
 def cuda_home() -> Path:
-    """The CUDA toolkit folder: $CUDA_HOME, else /usr/local/cuda."""
-    return Path(os.environ.get("CUDA_HOME") or "/usr/local/cuda")
+    """The CUDA toolkit folder: $CUDA_HOME, else $CUDA_PATH, else /usr/local/cuda (the C++ side's order)."""
+    return Path(os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda")
 
 
 def find_nvcc() -> str | None:

@@ -61,22 +61,25 @@ class Kernel:
     given. Tensor dtypes are checked against ``signature`` when it is known.
     """
 
-    __slots__ = ("_native", "_launch", "_signature", "_module")
+    __slots__ = ("_native", "_launch", "_module")
 
-    def __init__(self, native: Any, module: "Module", signature: Sequence[str] | None) -> None:
+    def __init__(self, native: Any, module: "Module", signature: Sequence[str] | None = None) -> None:
+        # The native kernel keeps the signature (declared in the source unless given here), so a
+        # launch passes none and nothing is converted per call.
+        if signature is not None:
+            native.signature = list(signature)
         self._native = native
         # Bound once: __call__ is on the launch hot path, so it avoids attribute lookups per call.
         self._launch = native.launch
-        self._signature = list(signature) if signature else None
         self._module = module
 
     def __call__(self, grid, block, *args, shared_mem=0, stream=None, cluster=None) -> None:
-        self._launch(grid, block, args, shared_mem, stream, cluster, self._signature)
+        self._launch(grid, block, args, shared_mem, stream, cluster)
 
     def launch(self, grid, block, args: Sequence[Any] = (), shared_mem: int = 0, stream: Any = None,
                cluster: Any = None) -> None:
         """Same as calling the kernel, with the arguments as one sequence."""
-        self._launch(grid, block, args, shared_mem, stream, cluster, self._signature)
+        self._launch(grid, block, args, shared_mem, stream, cluster)
 
     @property
     def name(self) -> str:
@@ -96,7 +99,8 @@ class Kernel:
     @property
     def signature(self) -> list[str] | None:
         """Declared parameter types ("const float*", "int") used to check tensors, or None."""
-        return list(self._signature) if self._signature else None
+        signature = self._native.signature
+        return list(signature) if signature else None
 
     @property
     def module(self) -> "Module":
@@ -118,8 +122,7 @@ class Kernel:
         return self._native.max_active_blocks_per_sm(block_size, shared_mem, device)
 
     def __repr__(self) -> str:
-        params = ", ".join(self._signature) if self._signature else \
-            ", ".join(kind for kind, _ in self._native.params)
+        params = ", ".join(self.signature or [kind for kind, _ in self._native.params])
         return f"<stitchcuda.jit.Kernel {self.name}({params}) arch={self._module.arch}>"
 
 
@@ -130,7 +133,7 @@ class Module:
 
     def __init__(self, native: Any, source: str) -> None:
         self._native = native
-        self._source = source  # kept to read declared signatures of its kernels
+        self._source = source
 
     def kernel(self, name: str, signature: Sequence[str] | None = None) -> Kernel:
         """The kernel called ``name`` (extern "C" name, symbol or name expression).
@@ -138,8 +141,6 @@ class Module:
         ``signature`` defaults to the parameter types declared in the source; NotFoundError
         lists the kernels that exist.
         """
-        if signature is None:
-            signature = _C.declared_signature(self._source, name)
         return Kernel(self._native.kernel(name), self, signature)
 
     @property

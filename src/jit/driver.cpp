@@ -32,7 +32,9 @@ Result<DriverApi> load() {
     return fail(ErrorCode::Unavailable, "the CUDA driver supports CUDA " + std::to_string(api.version / 1000) +
                                             "." + std::to_string(api.version % 1000 / 10) +
                                             ", StitchCUDA needs 12.4 or newer: update the NVIDIA driver");
-  const int want = std::min(api.version, CUDA_VERSION);
+  // Ask for the 12.4 ABI of every entry point: it matches the unsuffixed declarations in cuda.h
+  // (CUDA 13's versions of cuCtxGetDevice and cuCtxSynchronize take an extra context argument).
+  const int want = 12040;
   std::string missing;
   auto bind = [&](auto& fn, const char* name) {
     void* p = nullptr;

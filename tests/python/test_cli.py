@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -56,6 +57,16 @@ def test_demo_compiles_and_runs_or_says_why_not(subprocess_env):
     # The second run in the same cache folder finds the kernel on disk.
     again = run_cli(["demo"], subprocess_env)
     assert again.returncode == 0 and "from the disk cache" in again.stdout
+
+
+def test_console_script_runs_the_same_cli(subprocess_env):
+    script = Path(sys.executable).with_name("stitchcuda")
+    if not script.exists():
+        pytest.skip(f"no console script beside {sys.executable} (package not installed)")
+    result = subprocess.run([str(script), "demo"], env=subprocess_env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "add_f32" in result.stdout
 
 
 @pytest.mark.slow

@@ -189,6 +189,20 @@ def test_wrong_dtype_against_signature_is_rejected():
     assert "float" in message and ("double" in message or "float64" in message)
 
 
+def test_explicit_signature_checks_template_kernels():
+    source = "template <typename T> __global__ void fill(T* out, T v) { out[threadIdx.x] = v; }"
+    unchecked = jit.compile(source, "fill<float>")
+    checked = jit.compile(source, "fill<float>", signature=["float*", "float"])
+    x = torch.zeros(8, device="cuda", dtype=torch.float64)
+    with pytest.raises(stitchcuda.StitchError):
+        checked(1, 8, x, 1.0)
+    y = torch.zeros(8, device="cuda")
+    checked(1, 8, y, 2.0)
+    unchecked(1, 8, y, 3.0, shared_mem=0)  # no signature: no dtype check, still correct here
+    torch.cuda.synchronize()
+    assert torch.all(y == 3.0)
+
+
 def test_non_contiguous_tensor_is_rejected():
     kernel = jit.compile(ADD_ONE, "add_one")
     x = torch.zeros(16, 16, device="cuda").t()

@@ -68,6 +68,7 @@ def test_default_arch_without_gpu_is_sm90a():
     if _C.device_count() > 0:
         pytest.skip("a GPU is present: the default is its architecture")
     assert _C.default_arch() == "sm_90a"
+    assert "sm_90a" in _C.supported_archs()
     assert jit.compile(SCALE, "scale").module.arch == "sm_90a"
 
 
