@@ -311,18 +311,9 @@ void bind_jit(py::module_& m) {
     cfg.block = to_dim3(block, "block");
     std::vector<at::Tensor> keep;
     auto converted = to_args(args, keep);
-    int device = 0;
-    jit::KernelArgs packed;
-    for (auto& a : converted) {
-      if (auto t = std::get_if<const at::Tensor*>(&a)) {
-        packed.pointer((*t)->data_ptr());
-        device = (*t)->get_device();
-      } else if (auto v = std::get_if<std::int64_t>(&a)) {
-        packed.i32(std::int32_t(*v));
-      } else if (auto f = std::get_if<double>(&a)) {
-        packed.f32(float(*f));
-      }
-    }
+    int device = -1;
+    auto packed = unwrap(torch::pack(k.kernel, converted, k.signature, device));
+    if (device < 0) device = 0;
     cfg.device = device;
     cfg.stream = torch::current_stream(device);
     unwrap(k.kernel.launch(cfg, packed));  // warm-up, and proof the arguments are right

@@ -66,6 +66,8 @@ struct Binary {
 
   /// The kernel called `name`: an extern "C" name, a symbol, or a name expression.
   const KernelInfo* find_kernel(std::string_view name) const;
+  /// Whether the cubin runs on a device of this compute capability (else the PTX is JIT-compiled).
+  bool cubin_runs_on(int cc_major, int cc_minor) const;
 };
 
 /// NVRTC front end: CUDA C++ source to CUBIN and PTX, in this process.

@@ -27,6 +27,11 @@ using Arg = std::variant<const at::Tensor*, std::int64_t, double, bool>;
 Result<void> launch(const jit::Kernel& kernel, jit::LaunchConfig cfg, const std::vector<Arg>& args,
                     const std::vector<std::string>& signature = {});
 
+/// Checks tensors and scalars as `launch` does and packs them once, for callers that launch the same
+/// arguments many times. `device` receives the tensors' device (-1 when there are no tensors).
+Result<jit::KernelArgs> pack(const jit::Kernel& kernel, const std::vector<Arg>& args,
+                             const std::vector<std::string>& signature, int& device);
+
 /// PyTorch's current stream (a CUstream) on `device`.
 void* current_stream(int device);
 

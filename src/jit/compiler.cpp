@@ -146,7 +146,11 @@ std::vector<std::string> nvrtc_flags(const CompileOptions& o, const std::string&
   f.push_back("-std=c++" + std::to_string(o.cpp_standard));
   for (auto& p : o.include_paths) f.push_back("-I" + p);
   for (auto& p : Compiler::system_include_paths()) f.push_back("-I" + p);
-  for (auto& [name, value] : o.defines) f.push_back("-D" + name + (value.empty() ? "" : "=" + value));
+  // Defines are normalized by name (stable, so a repeated name keeps its order): {A,B} and {B,A}
+  // are one program and share one cache entry.
+  auto defines = o.defines;
+  std::stable_sort(defines.begin(), defines.end(), [](auto& a, auto& b) { return a.first < b.first; });
+  for (auto& [name, value] : defines) f.push_back("-D" + name + (value.empty() ? "" : "=" + value));
   if (o.fast_math) f.push_back("--use_fast_math");
   if (o.line_info) f.push_back("-lineinfo");
   if (o.max_registers > 0) f.push_back("--maxrregcount=" + std::to_string(o.max_registers));
@@ -213,6 +217,21 @@ const KernelInfo* Binary::find_kernel(std::string_view name) const {
   for (auto& k : kernels)
     if (k.name == name) return &k;
   return nullptr;
+}
+
+bool Binary::cubin_runs_on(int cc_major, int cc_minor) const {
+  // Machine code runs on later minor versions of the same major, except arch-specific ("a") code,
+  // which runs only on its exact target, and family ("f") code, which runs within its family.
+  if (cubin.empty() || arch.rfind("sm_", 0) != 0) return false;
+  std::size_t end = 3;
+  while (end < arch.size() && std::isdigit(static_cast<unsigned char>(arch[end]))) ++end;
+  if (end == 3) return false;
+  const int number = std::stoi(arch.substr(3, end - 3));
+  const std::string suffix = arch.substr(end);
+  const int major = number / 10, minor = number % 10;
+  if (major != cc_major) return false;
+  if (suffix == "a") return minor == cc_minor;
+  return minor <= cc_minor;
 }
 
 Result<std::string> Compiler::nvrtc_version() {

@@ -52,13 +52,16 @@ Result<void*> Module::library() {
   std::lock_guard lock(state_->mu);
   if (state_->library) return static_cast<void*>(state_->library);
   // Initialize the context first: loading needs the driver initialized, launching needs a context.
-  if (auto dev = detail::ensure_context(api, -1); !dev) return tl::unexpected(dev.error());
-  CUresult r = CUDA_ERROR_INVALID_IMAGE;
-  if (!binary_->cubin.empty())
-    r = api.LibraryLoadData(&state_->library, binary_->cubin.data(), nullptr, nullptr, 0, nullptr, nullptr, 0);
-  // A cubin for another architecture (or a compute_XX target) falls back to the driver's PTX JIT.
-  if (r != CUDA_SUCCESS && !binary_->ptx.empty())
-    r = api.LibraryLoadData(&state_->library, binary_->ptx.c_str(), nullptr, nullptr, 0, nullptr, nullptr, 0);
+  auto dev = detail::ensure_context(api, -1);
+  if (!dev) return tl::unexpected(dev.error());
+  int major = 0, minor = 0;
+  api.DeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, *dev);
+  api.DeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, *dev);
+  // Loading is lazy, so a cubin for the wrong GPU would only fail at the first lookup: choose the
+  // image up front. A cubin for another architecture (or a compute_XX target) uses the driver's PTX JIT.
+  const void* image = binary_->cubin_runs_on(major, minor) ? static_cast<const void*>(binary_->cubin.data())
+                                                            : static_cast<const void*>(binary_->ptx.c_str());
+  CUresult r = api.LibraryLoadData(&state_->library, image, nullptr, nullptr, 0, nullptr, nullptr, 0);
   if (r != CUDA_SUCCESS) {
     state_->library = nullptr;
     return tl::unexpected(detail::cuda_error(
@@ -94,12 +97,11 @@ Result<Kernel> Module::kernel(std::string_view name) {
     return fail(ErrorCode::NotFound, "no kernel named '" + std::string(name) + "' in " + binary_->program_name +
                                          "; it defines: " + (names.empty() ? "(no kernels)" : names) + hint);
   }
+  // Resolve the handle now when a GPU can load the module; otherwise (compile-only machines,
+  // or a module this GPU cannot run) the launch resolves it and reports why it cannot.
   void* handle = nullptr;
-  if (Driver::device_count() > 0) {
-    auto h = kernel_handle(info->name);
-    if (!h) return tl::unexpected(h.error());
-    handle = *h;
-  }
+  if (Driver::device_count() > 0)
+    if (auto h = kernel_handle(info->name)) handle = *h;
   return Kernel(shared_from_this(), std::string(name), info, handle);
 }
 

@@ -46,14 +46,14 @@ void* current_stream(int device) {
   return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
 }
 
-Result<void> launch(const jit::Kernel& kernel, jit::LaunchConfig cfg, const std::vector<Arg>& args,
-                    const std::vector<std::string>& signature) {
+Result<jit::KernelArgs> pack(const jit::Kernel& kernel, const std::vector<Arg>& args,
+                             const std::vector<std::string>& signature, int& device) {
   const auto& params = kernel.params();
   if (args.size() != params.size())
     return fail(ErrorCode::InvalidArgument, "kernel '" + kernel.name() + "' takes " + std::to_string(params.size()) +
                                                 " argument(s) but " + std::to_string(args.size()) + " were given");
   // Tensors are checked before anything touches the driver, so mistakes are reported on any machine.
-  int device = -1;
+  device = -1;
   jit::KernelArgs packed;
   for (std::size_t i = 0; i < args.size(); ++i) {
     const auto& p = params[i];
@@ -118,12 +118,20 @@ Result<void> launch(const jit::Kernel& kernel, jit::LaunchConfig cfg, const std:
       packed.bytes(&byte, 1, 1);
     }
   }
+  return packed;
+}
+
+Result<void> launch(const jit::Kernel& kernel, jit::LaunchConfig cfg, const std::vector<Arg>& args,
+                    const std::vector<std::string>& signature) {
+  int device = -1;
+  auto packed = pack(kernel, args, signature, device);
+  if (!packed) return tl::unexpected(packed.error());
   if (device < 0) device = cfg.device >= 0 ? cfg.device : static_cast<int>(c10::cuda::current_device());
   // Make the tensors' device current, as PyTorch itself would before a launch.
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   cfg.device = device;
   if (!cfg.stream) cfg.stream = current_stream(device);
-  return kernel.launch(cfg, packed);
+  return kernel.launch(cfg, *packed);
 }
 
 }  // namespace stitchcuda::torch

@@ -481,3 +481,31 @@ TEST_CASE("error codes have stable names", "[jit][compiler]") {
   CHECK(contains(e.describe(), "the log"));
   CHECK_FALSE(std::string(version()).empty());
 }
+
+TEST_CASE("a cubin is loaded only where its machine code runs", "[jit]") {
+  using stitchcuda::jit::Binary;
+  Binary b;
+  b.cubin = "\x7f" "ELF";
+  b.arch = "sm_80";
+  CHECK(b.cubin_runs_on(8, 0));
+  CHECK(b.cubin_runs_on(8, 6));   // later minor of the same major
+  CHECK_FALSE(b.cubin_runs_on(9, 0));
+  b.arch = "sm_90a";
+  CHECK(b.cubin_runs_on(9, 0));
+  CHECK_FALSE(b.cubin_runs_on(10, 0));  // arch-specific code runs only on its target
+  b.arch = "compute_90";
+  CHECK_FALSE(b.cubin_runs_on(9, 0));   // PTX targets are JIT-compiled by the driver
+}
+
+TEST_CASE("the order of defines does not change the cache key", "[jit]") {
+  using namespace stitchcuda::jit;
+  const char* src = "extern \"C\" __global__ void k(int* x) { x[0] = A + B; }";
+  CompileOptions ab, ba;
+  ab.defines = {{"A", "1"}, {"B", "2"}};
+  ba.defines = {{"B", "2"}, {"A", "1"}};
+  auto k1 = Compiler::cache_key(src, ab);
+  auto k2 = Compiler::cache_key(src, ba);
+  REQUIRE(k1);
+  REQUIRE(k2);
+  CHECK(*k1 == *k2);
+}
