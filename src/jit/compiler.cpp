@@ -7,6 +7,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <mutex>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -270,7 +272,18 @@ std::string Compiler::default_arch() {
       if ((*api)->CtxGetCurrent(&ctx) == CUDA_SUCCESS && ctx && (*api)->CtxGetDevice(&dev) == CUDA_SUCCESS)
         device = int(dev);
     }
-    if (auto info = Driver::device(device)) return info->arch();
+    // Every cache lookup resolves the architecture, and a full device query costs about a
+    // millisecond on an H200: remember the answer per device.
+    static std::mutex mu;
+    static std::map<int, std::string> known;
+    {
+      std::lock_guard lock(mu);
+      if (auto it = known.find(device); it != known.end()) return it->second;
+    }
+    if (auto info = Driver::device(device)) {
+      std::lock_guard lock(mu);
+      return known[device] = info->arch();
+    }
   }
   return "sm_90a";
 }
