@@ -32,19 +32,4 @@ from .errors import (
 
 __version__: str = _C.version()
 
-__all__ = [
-    "__version__",
-    "jit",
-    "errors",
-    "doctor",
-    "Diagnostic",
-    "StitchError",
-    "InvalidArgumentError",
-    "CompileError",
-    "LaunchError",
-    "CudaError",
-    "NotFoundError",
-    "UnavailableError",
-    "StitchIOError",
-    "InternalError",
-]
+__all__ = ["__version__", "jit", "errors", "doctor", *errors.__all__]

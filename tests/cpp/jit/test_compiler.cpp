@@ -10,6 +10,7 @@
 
 #include "catch_shim.hpp"
 #include "gpu.hpp"
+#include "kernels.hpp"
 #include "temp_dir.hpp"
 
 using namespace stitchcuda;
@@ -18,11 +19,6 @@ using stitchcuda_test::contains;
 
 namespace {
 
-const char* const kVectorAdd = R"(extern "C" __global__ void add(const float* a, const float* b, float* c, int n) {
-  int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n) c[i] = a[i] + b[i];
-}
-)";
 
 // Compiles and fails the test with the full compiler output when NVRTC says no.
 Binary compile_ok(std::string_view source, const CompileOptions& options = {}) {

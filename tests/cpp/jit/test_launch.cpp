@@ -9,6 +9,7 @@
 
 #include "catch_shim.hpp"
 #include "gpu.hpp"
+#include "kernels.hpp"
 
 using namespace stitchcuda;
 using namespace stitchcuda::jit;
@@ -17,11 +18,6 @@ using stitchcuda_test::DeviceBuffer;
 
 namespace {
 
-const char* const kVectorAdd = R"(extern "C" __global__ void add(const float* a, const float* b, float* c, int n) {
-  int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n) c[i] = a[i] + b[i];
-}
-)";
 
 Kernel kernel_of(std::string_view source, std::string_view name, const CompileOptions& options = {}) {
   auto module = build(source, options);
