@@ -186,7 +186,9 @@ void hash_user_headers(stitchcuda::detail::Sha256& h, std::string_view source, c
       if (memory_names.count(name)) continue;  // hashed with the options
       fs::path found = resolve_include(name, dir, (*it)[1] == "\"", o.include_paths);
       if (found.empty()) continue;
-      std::string key = fs::weakly_canonical(found).string();
+      std::error_code ec;
+      auto canonical = fs::weakly_canonical(found, ec);
+      std::string key = (ec ? found : canonical).string();
       if (!seen.insert(key).second) continue;
       std::ifstream in(found, std::ios::binary);
       std::string content((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
