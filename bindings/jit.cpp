@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 
 #include <stitchcuda/jit.hpp>
 #include <stitchcuda/torch.hpp>
@@ -305,7 +306,8 @@ void bind_jit(py::module_& m) {
   m.def("cache_entry_path", [](const std::string& key) { return jit::KernelCache::global()->entry_path(key); });
 
   // Host time per launch from C++, with arguments packed once: what a C++ server pays.
-  m.def("bench_launch_us", [](const PyKernel& k, py::handle grid, py::handle block, py::handle args, int n) {
+  m.def("bench_launch_us", [](const PyKernel& k, py::handle grid, py::handle block, py::handle args, int n,
+                              bool prepared) {
     jit::LaunchConfig cfg;
     cfg.grid = to_dim3(grid, "grid");
     cfg.block = to_dim3(block, "block");
@@ -317,6 +319,9 @@ void bind_jit(py::module_& m) {
     cfg.device = device;
     cfg.stream = torch::current_stream(device);
     unwrap(k.kernel.launch(cfg, packed));  // warm-up, and proof the arguments are right
+    // prepared: validated once, then only the driver call per launch (a C++ server replaying steps).
+    std::optional<jit::PreparedLaunch> ready;
+    if (prepared) ready.emplace(unwrap(k.kernel.prepare(cfg, packed)));
     std::vector<double> us(std::size_t(std::max(n, 1)));
     {
       py::gil_scoped_release release;
@@ -326,7 +331,7 @@ void bind_jit(py::module_& m) {
       for (std::size_t i = 0; i < us.size(); ++i) {
         if (i % batch == 0 && !jit::Driver::synchronize(device)) break;
         auto t0 = std::chrono::steady_clock::now();
-        auto r = k.kernel.launch(cfg, packed);
+        auto r = ready ? ready->launch() : k.kernel.launch(cfg, packed);
         auto t1 = std::chrono::steady_clock::now();
         if (!r) break;
         us[i] = std::chrono::duration<double, std::micro>(t1 - t0).count();
@@ -334,7 +339,8 @@ void bind_jit(py::module_& m) {
     }
     std::sort(us.begin(), us.end());
     return us[us.size() / 2];
-  }, py::arg("kernel"), py::arg("grid"), py::arg("block"), py::arg("args"), py::arg("n") = 10000);
+  }, py::arg("kernel"), py::arg("grid"), py::arg("block"), py::arg("args"), py::arg("n") = 10000,
+     py::arg("prepared") = false);
 }
 
 }  // namespace stitchcuda::bindings

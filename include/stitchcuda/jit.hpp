@@ -235,6 +235,30 @@ struct Driver {
   static Result<void> synchronize(int device = -1);
 };
 
+class Kernel;
+
+/// A launch checked once and enqueued many times (a C++ server replaying a step): only the
+/// stream may change between calls. Enqueues on the calling thread's current CUDA context.
+class PreparedLaunch {
+ public:
+  /// Enqueues the kernel on `stream` (nullptr: the stream given to Kernel::prepare).
+  Result<void> launch(void* stream = nullptr) const;
+  PreparedLaunch(PreparedLaunch&&) = default;
+  PreparedLaunch& operator=(PreparedLaunch&&) = default;
+  PreparedLaunch(const PreparedLaunch&) = delete;
+  PreparedLaunch& operator=(const PreparedLaunch&) = delete;
+
+ private:
+  friend class Kernel;
+  PreparedLaunch() = default;
+  std::shared_ptr<Module> module_;  // keeps the loaded code alive
+  std::string name_;
+  void* handle_ = nullptr;          // CUkernel
+  LaunchConfig cfg_;
+  KernelArgs args_;
+  std::vector<void*> pointers_;     // into args_'s storage, which moves with it
+};
+
 /// One kernel of a loaded module.
 class Kernel {
  public:
@@ -253,9 +277,15 @@ class Kernel {
                                        int device = -1) const;
   /// Validates the configuration and arguments, then enqueues the kernel on cfg.stream.
   Result<void> launch(const LaunchConfig& cfg, const KernelArgs& args) const;
+  /// Validates once (as launch does) and returns a launch that can be enqueued repeatedly.
+  Result<PreparedLaunch> prepare(const LaunchConfig& cfg, KernelArgs args) const;
 
  private:
   friend class Module;
+  friend class PreparedLaunch;
+  // Every check of launch(); makes a context current, opts into shared memory; returns the CUkernel.
+  Result<void*> validate(const LaunchConfig& cfg, const KernelArgs& args) const;
+  static Result<void> enqueue(void* handle, const std::string& name, const LaunchConfig& cfg, void** args);
   Kernel(std::shared_ptr<Module> module, std::string name, const KernelInfo* info, void* handle)
       : module_(std::move(module)), name_(std::move(name)), info_(info), handle_(handle) {}
   std::shared_ptr<Module> module_;

@@ -172,7 +172,7 @@ Result<void> check_dims(const LaunchConfig& cfg) {
 
 }  // namespace
 
-Result<void> Kernel::launch(const LaunchConfig& cfg, const KernelArgs& args) const {
+Result<void*> Kernel::validate(const LaunchConfig& cfg, const KernelArgs& args) const {
   const auto& params = info_->params;
   if (args.size() != params.size())
     return fail(ErrorCode::InvalidArgument, "kernel '" + name_ + "' takes " + std::to_string(params.size()) +
@@ -183,7 +183,7 @@ Result<void> Kernel::launch(const LaunchConfig& cfg, const KernelArgs& args) con
                   "argument " + std::to_string(i) + " of kernel '" + name_ + "' is " + std::to_string(args.size_of(i)) +
                       " bytes but the kernel declares " + std::to_string(params[i].size) + " (" +
                       detail::to_string(params[i].kind) + ")");
-  if (auto ok = check_dims(cfg); !ok) return ok;
+  if (auto ok = check_dims(cfg); !ok) return tl::unexpected(ok.error());
 
   auto loaded = detail::driver();
   if (!loaded) return tl::unexpected(loaded.error());
@@ -236,16 +236,6 @@ Result<void> Kernel::launch(const LaunchConfig& cfg, const KernelArgs& args) con
     st.limits[{kernel, *dev}].dynamic_allowed = int(cfg.shared_mem_bytes);
   }
 
-  CUlaunchAttribute attrs[1];
-  CUlaunchConfig lc{};
-  lc.gridDimX = cfg.grid.x;
-  lc.gridDimY = cfg.grid.y;
-  lc.gridDimZ = cfg.grid.z;
-  lc.blockDimX = cfg.block.x;
-  lc.blockDimY = cfg.block.y;
-  lc.blockDimZ = cfg.block.z;
-  lc.sharedMemBytes = unsigned(cfg.shared_mem_bytes);
-  lc.hStream = static_cast<CUstream>(cfg.stream);
   if (cfg.cluster.x > 0) {
     if (lim.cc_major < 9)
       return fail(ErrorCode::LaunchError, "thread-block clusters need compute capability 9.0 or newer");
@@ -260,6 +250,24 @@ Result<void> Kernel::launch(const LaunchConfig& cfg, const KernelArgs& args) con
       std::lock_guard lock(st.mu);
       st.limits[{kernel, *dev}].non_portable_clusters = true;
     }
+  }
+  return h;
+}
+
+Result<void> Kernel::enqueue(void* handle, const std::string& name, const LaunchConfig& cfg, void** args) {
+  auto loaded = detail::driver();
+  if (!loaded) return tl::unexpected(loaded.error());
+  CUlaunchAttribute attrs[1];
+  CUlaunchConfig lc{};
+  lc.gridDimX = cfg.grid.x;
+  lc.gridDimY = cfg.grid.y;
+  lc.gridDimZ = cfg.grid.z;
+  lc.blockDimX = cfg.block.x;
+  lc.blockDimY = cfg.block.y;
+  lc.blockDimZ = cfg.block.z;
+  lc.sharedMemBytes = unsigned(cfg.shared_mem_bytes);
+  lc.hStream = static_cast<CUstream>(cfg.stream);
+  if (cfg.cluster.x > 0) {
     attrs[0].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
     attrs[0].value.clusterDim.x = cfg.cluster.x;
     attrs[0].value.clusterDim.y = cfg.cluster.y;
@@ -267,14 +275,40 @@ Result<void> Kernel::launch(const LaunchConfig& cfg, const KernelArgs& args) con
     lc.attrs = attrs;
     lc.numAttrs = 1;
   }
-  auto ptrs = args.pointers();
-  if (CUresult r = api.LaunchKernelEx(&lc, reinterpret_cast<CUfunction>(kernel), ptrs.data(), nullptr);
+  if (CUresult r = (*loaded)->LaunchKernelEx(&lc, reinterpret_cast<CUfunction>(handle), args, nullptr);
       r != CUDA_SUCCESS)
     return tl::unexpected(detail::cuda_error(
-        r, "launching '" + name_ + "' with grid " + dims(cfg.grid) + ", block " + dims(cfg.block) + ", " +
+        r, "launching '" + name + "' with grid " + dims(cfg.grid) + ", block " + dims(cfg.block) + ", " +
                std::to_string(cfg.shared_mem_bytes) + " B shared",
         ErrorCode::LaunchError));
   return {};
+}
+
+Result<void> Kernel::launch(const LaunchConfig& cfg, const KernelArgs& args) const {
+  auto handle = validate(cfg, args);
+  if (!handle) return tl::unexpected(handle.error());
+  auto ptrs = args.pointers();
+  return enqueue(*handle, name_, cfg, ptrs.data());
+}
+
+Result<PreparedLaunch> Kernel::prepare(const LaunchConfig& cfg, KernelArgs args) const {
+  auto handle = validate(cfg, args);
+  if (!handle) return tl::unexpected(handle.error());
+  PreparedLaunch p;
+  p.module_ = module_;
+  p.name_ = name_;
+  p.handle_ = *handle;
+  p.cfg_ = cfg;
+  p.args_ = std::move(args);
+  p.pointers_ = p.args_.pointers();
+  return p;
+}
+
+Result<void> PreparedLaunch::launch(void* stream) const {
+  if (!stream) return Kernel::enqueue(handle_, name_, cfg_, const_cast<void**>(pointers_.data()));
+  LaunchConfig cfg = cfg_;
+  cfg.stream = stream;
+  return Kernel::enqueue(handle_, name_, cfg, const_cast<void**>(pointers_.data()));
 }
 
 Result<KernelAttributes> Kernel::attributes(int device) const {

@@ -261,11 +261,17 @@ def _launch_overhead(notes: dict[str, Any]) -> dict[str, float] | None:
         samples.append(clock() - start)
     torch.cuda.synchronize()
     python_us = _median(samples) / 1e3
-    cpp_us = _C.bench_launch_us(kernel._native, grid, block, [a, b, out, n], LAUNCHES)
+    # "cpp": a launch prepared once and enqueued many times (what a C++ server replaying a program
+    # pays); "cpp_checked": Kernel::launch, which validates every call.
+    cpp_us = _C.bench_launch_us(kernel._native, grid, block, [a, b, out, n], LAUNCHES, prepared=True)
+    cpp_checked_us = _C.bench_launch_us(kernel._native, grid, block, [a, b, out, n], LAUNCHES)
     torch.cuda.synchronize()
+    if not torch.allclose(out, a + b):
+        raise RuntimeError("the benchmark kernel computed a wrong result in the C++ launch loop")
     notes["launch"] = (f"{LAUNCHES} launches of add_f32 on {n} floats, grid {grid}, block {block}; "
                        f"queue drained every {BATCH} launches (untimed)")
-    return {"python": round(python_us, 3), "cpp": round(float(cpp_us), 3)}
+    return {"python": round(python_us, 3), "cpp": round(float(cpp_us), 3),
+            "cpp_checked": round(float(cpp_checked_us), 3)}
 
 
 def run(repeats: int = 5) -> dict[str, Any]:

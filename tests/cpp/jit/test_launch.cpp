@@ -84,6 +84,37 @@ TEST_CASE("vector add matches the CPU element by element", "[jit][launch][gpu]")
   CHECK(wrong == 0);
 }
 
+TEST_CASE("a prepared launch is validated once and enqueued repeatedly", "[jit][launch][gpu]") {
+  REQUIRE_GPU();
+  const int n = 4099;
+  std::vector<float> a(n), b(n);
+  for (int i = 0; i < n; ++i) {
+    a[i] = static_cast<float>(i);
+    b[i] = 1.0f;
+  }
+  DeviceBuffer<float> da(a), db(b), dc(std::vector<float>(n, -1.0f));
+  const Kernel add = kernel_of(kVectorAdd, "add");
+  KernelArgs args;
+  args.pointer(da.get()).pointer(db.get()).pointer(dc.get()).i32(n);
+  auto prepared = add.prepare(config((n + 255) / 256, 256), args);
+  if (!prepared) FAIL("prepare failed: " << prepared.error().describe());
+  for (int rep = 0; rep < 3; ++rep) {
+    auto launched = prepared->launch();
+    if (!launched) FAIL("prepared launch failed: " << launched.error().describe());
+  }
+  auto synced = Driver::synchronize();
+  if (!synced) FAIL(synced.error().describe());
+  const std::vector<float> c = dc.download();
+  int wrong = 0;
+  for (int i = 0; i < n; ++i) wrong += c[i] != a[i] + 1.0f;
+  CHECK(wrong == 0);
+
+  // The checks happen in prepare: a bad configuration never yields a prepared launch.
+  auto bad = add.prepare(config(1, 2048), args);
+  REQUIRE_FALSE(bad);
+  CHECK(bad.error().code == ErrorCode::LaunchError);
+}
+
 TEST_CASE("a bfloat16 kernel computes within bf16 tolerance", "[jit][launch][gpu]") {
   REQUIRE_GPU();
   const char* source = R"(#include <cuda_bf16.h>
