@@ -293,28 +293,33 @@ Result<std::shared_ptr<Module>> KernelCache::get(std::string_view source, const 
   }
 
   Result<std::shared_ptr<Module>> result = fail(ErrorCode::Internal, "unset");
-  if (auto binary = c.read(*key)) {
-    auto module = Module::create(std::move(binary));
-    module->set_origin("disk");
-    std::lock_guard lock(c.mu);
-    ++c.stats.disk_hits;
-    result = module;
-  } else {
-    {
+  // Waiters block on the promise: it must be fulfilled whatever happens below.
+  try {
+    if (auto binary = c.read(*key)) {
+      auto module = Module::create(std::move(binary));
+      module->set_origin("disk");
       std::lock_guard lock(c.mu);
-      ++c.stats.misses;
-      ++c.stats.compiles;
-    }
-    auto compiled = Compiler::compile(source, options, program_name);
-    if (compiled) {
-      bool stored = c.write(*compiled);
-      auto module = Module::create(std::make_shared<const Binary>(std::move(*compiled)));
-      std::lock_guard lock(c.mu);
-      if (!stored) ++c.stats.disk_errors;
+      ++c.stats.disk_hits;
       result = module;
     } else {
-      result = tl::unexpected(compiled.error());  // failures are never cached
+      {
+        std::lock_guard lock(c.mu);
+        ++c.stats.misses;
+        ++c.stats.compiles;
+      }
+      auto compiled = Compiler::compile(source, options, program_name);
+      if (compiled) {
+        bool stored = c.write(*compiled);
+        auto module = Module::create(std::make_shared<const Binary>(std::move(*compiled)));
+        std::lock_guard lock(c.mu);
+        if (!stored) ++c.stats.disk_errors;
+        result = module;
+      } else {
+        result = tl::unexpected(compiled.error());  // failures are never cached
+      }
     }
+  } catch (const std::exception& e) {
+    result = fail(ErrorCode::Internal, std::string("compiling through the kernel cache failed unexpectedly: ") + e.what());
   }
   std::lock_guard lock(c.mu);
   if (result) c.remember(*key, *result);
