@@ -9,13 +9,14 @@ namespace py = pybind11;
 namespace stitchcuda::bindings {
 
 void bind_jit(py::module_& m);
+void bind_llm(py::module_& m);
 
 void throw_error(const Error& e) {
   py::list diagnostics;
   for (auto& d : e.diagnostics)
     diagnostics.append(py::make_tuple(d.file, d.line, d.column, d.severity, d.message, d.source_line));
   py::object make = py::module_::import("stitchcuda.errors").attr("_from_native");
-  py::object exc = make(to_string(e.code), e.message, e.log, diagnostics);
+  py::object exc = make(to_string(e.code), e.message, e.log, diagnostics, e.http_status, e.transient);
   PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
   throw py::error_already_set();
 }
@@ -26,4 +27,5 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "StitchCUDA native core (see the stitchcuda package for the Python API)";
   m.def("version", [] { return std::string(stitchcuda::version()); });
   stitchcuda::bindings::bind_jit(m);
+  stitchcuda::bindings::bind_llm(m);
 }

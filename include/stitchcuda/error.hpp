@@ -17,6 +17,9 @@ enum class ErrorCode {
   NotFound,         ///< a named thing (kernel, file, symbol) does not exist
   Unavailable,      ///< a component (driver, NVRTC, GPU) is missing on this machine
   IoError,          ///< a file or folder could not be read or written
+  LlmError,         ///< a model server failed, refused, or answered with something unusable
+  Timeout,          ///< an operation did not finish within its time limit
+  Cancelled,        ///< the caller cancelled the operation
   Internal,         ///< a bug in StitchCUDA
 };
 
@@ -39,6 +42,9 @@ struct Error {
   std::string message;                   ///< one paragraph: the problem and the fix
   std::string log;                       ///< full tool output (compiler log, driver text)
   std::vector<Diagnostic> diagnostics;   ///< parsed compiler diagnostics, if any
+  int http_status = 0;                   ///< HTTP status of the reply that failed (0: none)
+  bool transient = false;                ///< trying again may succeed (connection lost, 429, 5xx...)
+  double retry_after_s = -1.0;           ///< how long the server asked to wait first (< 0: it did not say)
 
   /// message, followed by the log when there is one.
   std::string describe() const;

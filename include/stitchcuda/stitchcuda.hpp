@@ -3,3 +3,4 @@
 
 #include <stitchcuda/error.hpp>
 #include <stitchcuda/jit.hpp>
+#include <stitchcuda/llm.hpp>

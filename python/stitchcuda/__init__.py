@@ -1,6 +1,7 @@
-"""StitchCUDA: compile CUDA C++ in-process with NVRTC and run it on PyTorch tensors.
+"""StitchCUDA: compile CUDA C++ in-process with NVRTC and run it on PyTorch tensors; talk to models.
 
-Start with :func:`stitchcuda.jit.compile`; ``stitchcuda doctor`` checks the machine.
+Start with :func:`stitchcuda.jit.compile` or :func:`stitchcuda.llm.connect`; ``stitchcuda doctor``
+checks the machine.
 """
 
 # torch first: the native module links against LibTorch, whose libraries must already be loaded.
@@ -15,21 +16,24 @@ except ImportError as exc:  # pragma: no cover - depends on the build state
         "`pip install .`), using the same Python and torch as this interpreter."
     ) from exc
 
-from . import errors, jit
+from . import errors, jit, llm
 from .doctor import doctor
 from .errors import (
+    CancelledError,
     CompileError,
     CudaError,
     Diagnostic,
     InternalError,
     InvalidArgumentError,
     LaunchError,
+    LLMError,
     NotFoundError,
     StitchError,
     StitchIOError,
+    StitchTimeoutError,
     UnavailableError,
 )
 
 __version__: str = _C.version()
 
-__all__ = ["__version__", "jit", "errors", "doctor", *errors.__all__]
+__all__ = ["__version__", "jit", "llm", "errors", "doctor", *errors.__all__]

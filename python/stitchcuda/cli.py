@@ -1,4 +1,4 @@
-"""The `stitchcuda` command line (also `python -m stitchcuda`): doctor, demo and benchmarks.
+"""The `stitchcuda` command line (also `python -m stitchcuda`): doctor, demo, benchmarks, llm ping.
 
 Exit codes: 0 success, 1 failure, 2 usage error.
 """
@@ -88,6 +88,36 @@ def _bench(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+PING_PROMPT = "Reply with the single word: pong"
+
+
+def _llm_ping(args: argparse.Namespace) -> int:
+    from . import llm
+    from .errors import StitchError
+
+    try:
+        backend = llm.connect(args.spec)
+        # allow_truncated: a reasoning model may spend a small budget thinking; an answer is an answer.
+        reply = backend.complete([{"role": "user", "content": PING_PROMPT}], max_tokens=args.max_tokens,
+                                 timeout=args.timeout, stream=args.stream, allow_truncated=True)
+    except StitchError as exc:
+        print(f"llm ping {args.spec} failed: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    u = reply.usage
+    if args.json:
+        print(json.dumps({"backend": backend.name, "model": reply.model, "latency_ms": reply.latency_ms,
+                          "usage": {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                                    "total_tokens": u.total_tokens},
+                          "finish_reason": reply.finish_reason, "attempts": reply.attempts, "reply": reply.text}))
+        return EXIT_OK
+    print(f"backend    {backend.name}")
+    print(f"model      {reply.model or '(not reported)'}")
+    print(f"latency    {reply.latency_ms:.1f} ms ({reply.attempts} attempt{'s' if reply.attempts > 1 else ''})")
+    print(f"usage      {u.prompt_tokens} prompt + {u.completion_tokens} completion = {u.total_tokens} tokens")
+    print(f"reply      {reply.text.strip()} [{reply.finish_reason}]")
+    return EXIT_OK
+
+
 def _repeats(text: str) -> int:
     value = int(text)
     if value < 5:
@@ -97,7 +127,7 @@ def _repeats(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stitchcuda",
-                                     description="StitchCUDA: in-process CUDA JIT for PyTorch.")
+                                     description="StitchCUDA: in-process CUDA JIT for PyTorch, and the model backends its agents use.")
     parser.set_defaults(run=None, usage_of=parser)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -115,6 +145,17 @@ def build_parser() -> argparse.ArgumentParser:
     jit.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     jit.add_argument("--repeats", type=_repeats, default=5, help="cold compiles per kernel (>= 5)")
     jit.set_defaults(run=_bench)
+
+    llm = commands.add_parser("llm", help="model backends (docs/llm.md)")
+    llm.set_defaults(run=None, usage_of=llm)
+    llm_commands = llm.add_subparsers(dest="llm_command", metavar="COMMAND")
+    ping = llm_commands.add_parser("ping", help="send one short request; print model, latency and usage")
+    ping.add_argument("spec", metavar="SPEC", help="PROVIDER:MODEL[@BASE_URL], e.g. openai:gpt-4.1")
+    ping.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    ping.add_argument("--stream", action="store_true", help="stream the reply")
+    ping.add_argument("--timeout", type=float, default=60.0, help="seconds for the whole call (default 60)")
+    ping.add_argument("--max-tokens", type=int, default=32, help="completion token limit (default 32)")
+    ping.set_defaults(run=_llm_ping)
     return parser
 
 
@@ -124,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse exits 2 on bad usage, 0 for --help
         return int(exc.code or 0)
-    if args.run is None:  # no command, or `bench` without a suite
+    if args.run is None:  # no command, or `bench` / `llm` without a subcommand
         args.usage_of.print_usage(sys.stderr)
         return EXIT_USAGE
     try:

@@ -37,11 +37,14 @@ class StitchError(Exception):
 
     code = "Internal"
 
-    def __init__(self, message: str, log: str = "", diagnostics: Iterable[Diagnostic] = ()) -> None:
+    def __init__(self, message: str, log: str = "", diagnostics: Iterable[Diagnostic] = (),
+                 http_status: int = 0, transient: bool = False) -> None:
         super().__init__(message)
         self.message = message
         self.log = log
         self.diagnostics: list[Diagnostic] = list(diagnostics)
+        self.http_status = http_status  # HTTP status of the reply that failed; 0 when none
+        self.transient = transient  # trying again may succeed (already retried where StitchCUDA retries)
 
     def __str__(self) -> str:
         if self.log and self.log.strip() and self.log.strip() not in self.message:
@@ -51,7 +54,8 @@ class StitchError(Exception):
     # Exceptions pickle through self.args (the message only); keep the log and diagnostics so an
     # error raised in an isolated worker process arrives whole in the parent.
     def __reduce__(self):
-        return (_rebuild, (self.code, self.message, self.log, self.diagnostics))
+        return (_rebuild, (self.code, self.message, self.log, self.diagnostics, self.http_status,
+                           self.transient))
 
 
 class InvalidArgumentError(StitchError, ValueError):
@@ -97,17 +101,41 @@ class UnavailableError(StitchError):
     code = "Unavailable"
 
 
-class StitchIOError(StitchError, OSError):
+class _OSErrorFromStitch(StitchError):
+    """Base of the classes that are also OSErrors: OSError.__init__ would reinterpret
+    (message, log, ...) as (errno, strerror, ...), so construction and text bypass it."""
+
+    def __init__(self, message: str, log: str = "", diagnostics: Iterable[Diagnostic] = (),
+                 http_status: int = 0, transient: bool = False) -> None:
+        StitchError.__init__(self, message, log, diagnostics, http_status, transient)
+
+    def __str__(self) -> str:
+        return StitchError.__str__(self)
+
+
+class StitchIOError(_OSErrorFromStitch, OSError):
     """A file or folder could not be read or written; the message names the path."""
 
     code = "IoError"
 
-    # OSError.__init__ would reinterpret (message, log, ...) as (errno, strerror, ...): bypass it.
-    def __init__(self, message: str, log: str = "", diagnostics: Iterable[Diagnostic] = ()) -> None:
-        StitchError.__init__(self, message, log, diagnostics)
 
-    def __str__(self) -> str:
-        return StitchError.__str__(self)
+class LLMError(StitchError):
+    """A model server failed, refused, or answered with something unusable; ``.http_status`` is the
+    HTTP status (0 when the server was not reached), the message says what to check."""
+
+    code = "LlmError"
+
+
+class StitchTimeoutError(_OSErrorFromStitch, TimeoutError):
+    """An operation (a model call, its retries included) did not finish within its time limit."""
+
+    code = "Timeout"
+
+
+class CancelledError(StitchError):
+    """The caller cancelled the operation (a CancelToken, or Ctrl-C while waiting)."""
+
+    code = "Cancelled"
 
 
 class InternalError(StitchError):
@@ -126,13 +154,17 @@ _BY_CODE: dict[str, type[StitchError]] = {
         NotFoundError,
         UnavailableError,
         StitchIOError,
+        LLMError,
+        StitchTimeoutError,
+        CancelledError,
         InternalError,
     )
 }
 
 
-def _rebuild(code: str, message: str, log: str, diagnostics: Sequence[Diagnostic]) -> StitchError:
-    return _BY_CODE.get(code, InternalError)(message, log, diagnostics)
+def _rebuild(code: str, message: str, log: str, diagnostics: Sequence[Diagnostic], http_status: int = 0,
+             transient: bool = False) -> StitchError:
+    return _BY_CODE.get(code, InternalError)(message, log, diagnostics, http_status, transient)
 
 
 def _from_native(
@@ -140,6 +172,8 @@ def _from_native(
     message: str,
     log: str = "",
     diagnostics: Sequence[tuple[str, int, int, str, str, str]] = (),
+    http_status: int = 0,
+    transient: bool = False,
 ) -> StitchError:
     """Builds the exception for a C++ ``stitchcuda::Error`` (called by ``stitchcuda._C``)."""
     cls = _BY_CODE.get(code)
@@ -149,7 +183,7 @@ def _from_native(
         message = f"[unknown error code {code!r}] {message}"
     parsed = [Diagnostic(str(f), int(ln), int(col), str(sev), str(msg), str(src))
               for f, ln, col, sev, msg, src in diagnostics]
-    return cls(message, log, parsed)
+    return cls(message, log, parsed, int(http_status), bool(transient))
 
 
 __all__ = [
@@ -162,5 +196,8 @@ __all__ = [
     "NotFoundError",
     "UnavailableError",
     "StitchIOError",
+    "LLMError",
+    "StitchTimeoutError",
+    "CancelledError",
     "InternalError",
 ]

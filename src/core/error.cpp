@@ -12,6 +12,9 @@ const char* to_string(ErrorCode code) noexcept {
     case ErrorCode::NotFound: return "NotFound";
     case ErrorCode::Unavailable: return "Unavailable";
     case ErrorCode::IoError: return "IoError";
+    case ErrorCode::LlmError: return "LlmError";
+    case ErrorCode::Timeout: return "Timeout";
+    case ErrorCode::Cancelled: return "Cancelled";
     case ErrorCode::Internal: return "Internal";
   }
   return "Internal";

@@ -17,6 +17,9 @@ CODES = {
     "NotFound": (errors.NotFoundError, LookupError),
     "Unavailable": (errors.UnavailableError, errors.StitchError),
     "IoError": (errors.StitchIOError, OSError),
+    "LlmError": (errors.LLMError, errors.StitchError),
+    "Timeout": (errors.StitchTimeoutError, TimeoutError),
+    "Cancelled": (errors.CancelledError, errors.StitchError),
     "Internal": (errors.InternalError, errors.StitchError),
 }
 
@@ -55,6 +58,15 @@ def test_compile_error_line_is_first_error_not_first_warning():
     assert str(exc.diagnostics[1]).startswith("kernel.cu:7:5: error: identifier")
     with pytest.raises(Exception):
         exc.diagnostics[0].line = 3  # frozen
+
+
+def test_http_status_and_transient_survive_pickling():
+    exc = errors._from_native("LlmError", "HTTP 503", "body", [], 503, True)
+    assert (exc.http_status, exc.transient) == (503, True)
+    back = pickle.loads(pickle.dumps(exc))
+    assert type(back) is errors.LLMError and (back.http_status, back.transient, back.log) == (503, True, "body")
+    timeout = pickle.loads(pickle.dumps(errors._from_native("Timeout", "too slow")))
+    assert isinstance(timeout, TimeoutError) and str(timeout) == "too slow"
 
 
 def test_compile_error_without_located_error_has_no_line():
