@@ -88,7 +88,8 @@ def test_bench_jit_json_has_the_required_keys(subprocess_env):
     if _C.device_count() == 0:
         assert out["launch_us"] is None
     else:
-        assert set(out["launch_us"]) == {"python", "cpp"} and out["launch_us"]["cpp"] > 0
+        assert set(out["launch_us"]) == {"python", "cpp", "cpp_checked"}
+        assert all(us > 0 for us in out["launch_us"].values())
 
 
 @pytest.mark.parametrize("argv", [[], ["bench"], ["frobnicate"], ["bench", "jit", "--repeats", "2"]])
