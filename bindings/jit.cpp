@@ -150,24 +150,6 @@ py::dict device_dict(const jit::DeviceInfo& d) {
   return out;
 }
 
-const char* kind_name(jit::ParamKind k) {
-  switch (k) {
-    case jit::ParamKind::U8: return "u8";
-    case jit::ParamKind::S8: return "s8";
-    case jit::ParamKind::U16: return "u16";
-    case jit::ParamKind::S16: return "s16";
-    case jit::ParamKind::U32: return "u32";
-    case jit::ParamKind::S32: return "s32";
-    case jit::ParamKind::U64: return "u64";
-    case jit::ParamKind::S64: return "s64";
-    case jit::ParamKind::F16: return "f16";
-    case jit::ParamKind::F32: return "f32";
-    case jit::ParamKind::F64: return "f64";
-    case jit::ParamKind::Bytes: return "bytes";
-  }
-  return "bytes";
-}
-
 }  // namespace
 
 void bind_jit(py::module_& m) {
@@ -201,7 +183,7 @@ void bind_jit(py::module_& m) {
                     [](PyKernel& k, std::vector<std::string> s) { k.signature = std::move(s); })
       .def_property_readonly("params", [](const PyKernel& k) {
         py::list out;
-        for (auto& p : k.kernel.params()) out.append(py::make_tuple(kind_name(p.kind), p.size));
+        for (auto& p : k.kernel.params()) out.append(py::make_tuple(jit::to_string(p.kind), p.size));
         return out;
       })
       .def("attributes", [](const PyKernel& k, int device) {

@@ -39,6 +39,9 @@ struct CompileOptions {
 /// Scalar or pointer type of one kernel parameter, as PTX declares it.
 enum class ParamKind { U8, S8, U16, S16, U32, S32, U64, S64, F16, F32, F64, Bytes };
 
+/// The PTX spelling of a parameter kind: "u64", "f32", "bytes"...
+const char* to_string(ParamKind kind) noexcept;
+
 /// One kernel parameter: its PTX type, size and alignment in bytes.
 struct ParamInfo {
   ParamKind kind = ParamKind::Bytes;  ///< U64 for pointers

@@ -182,7 +182,7 @@ Result<void*> Kernel::validate(const LaunchConfig& cfg, const KernelArgs& args) 
       return fail(ErrorCode::InvalidArgument,
                   "argument " + std::to_string(i) + " of kernel '" + name_ + "' is " + std::to_string(args.size_of(i)) +
                       " bytes but the kernel declares " + std::to_string(params[i].size) + " (" +
-                      detail::to_string(params[i].kind) + ")");
+                      to_string(params[i].kind) + ")");
   if (auto ok = check_dims(cfg); !ok) return tl::unexpected(ok.error());
 
   auto loaded = detail::driver();

@@ -27,24 +27,6 @@ ParamKind kind_of(const std::string& type, std::size_t& size) {
 
 }  // namespace
 
-const char* to_string(ParamKind kind) {
-  switch (kind) {
-    case ParamKind::U8: return "u8";
-    case ParamKind::S8: return "s8";
-    case ParamKind::U16: return "u16";
-    case ParamKind::S16: return "s16";
-    case ParamKind::U32: return "u32";
-    case ParamKind::S32: return "s32";
-    case ParamKind::U64: return "u64";
-    case ParamKind::S64: return "s64";
-    case ParamKind::F16: return "f16";
-    case ParamKind::F32: return "f32";
-    case ParamKind::F64: return "f64";
-    case ParamKind::Bytes: return "bytes";
-  }
-  return "bytes";
-}
-
 std::vector<KernelInfo> parse_ptx_kernels(std::string_view ptx) {
   static const std::regex entry(R"(\.entry\s+([A-Za-z_$][A-Za-z0-9_$]*)\s*\()");
   static const std::regex param(
@@ -77,3 +59,25 @@ std::vector<KernelInfo> parse_ptx_kernels(std::string_view ptx) {
 }
 
 }  // namespace stitchcuda::jit::detail
+
+namespace stitchcuda::jit {
+
+const char* to_string(ParamKind kind) noexcept {
+  switch (kind) {
+    case ParamKind::U8: return "u8";
+    case ParamKind::S8: return "s8";
+    case ParamKind::U16: return "u16";
+    case ParamKind::S16: return "s16";
+    case ParamKind::U32: return "u32";
+    case ParamKind::S32: return "s32";
+    case ParamKind::U64: return "u64";
+    case ParamKind::S64: return "s64";
+    case ParamKind::F16: return "f16";
+    case ParamKind::F32: return "f32";
+    case ParamKind::F64: return "f64";
+    case ParamKind::Bytes: return "bytes";
+  }
+  return "bytes";
+}
+
+}  // namespace stitchcuda::jit

@@ -11,7 +11,4 @@ namespace stitchcuda::jit::detail {
 /// Every `.entry` in the PTX with its parameters, in order.
 std::vector<KernelInfo> parse_ptx_kernels(std::string_view ptx);
 
-/// "u64", "f32", "bytes"...
-const char* to_string(ParamKind kind);
-
 }  // namespace stitchcuda::jit::detail
