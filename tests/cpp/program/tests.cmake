@@ -1,0 +1,6 @@
+# Tests of the program layer (CPU only): IR and validation, liveness planning, the .stitch artifact.
+target_sources(stitchcuda_cpp_tests PRIVATE
+  ${CMAKE_CURRENT_SOURCE_DIR}/program/test_validate.cpp
+  ${CMAKE_CURRENT_SOURCE_DIR}/program/test_plan.cpp
+  ${CMAKE_CURRENT_SOURCE_DIR}/program/test_artifact.cpp
+)
