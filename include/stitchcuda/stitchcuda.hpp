@@ -4,3 +4,5 @@
 #include <stitchcuda/error.hpp>
 #include <stitchcuda/jit.hpp>
 #include <stitchcuda/llm.hpp>
+#include <stitchcuda/program.hpp>
+#include <stitchcuda/profile.hpp>

@@ -1,0 +1,353 @@
+// The CUPTI Activity API behind Tracer: libcupti.so.13 is loaded at run time (never linked), records
+// arrive in buffers CUPTI hands back on its own thread, and every failure becomes an Unavailable value.
+#include <cupti.h>
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <stitchcuda/profile.hpp>
+
+#include "activity.hpp"
+
+namespace stitchcuda::profile {
+namespace {
+
+using detail::PendingApi;
+
+struct CuptiApi {
+  decltype(&::cuptiGetVersion) GetVersion = nullptr;
+  decltype(&::cuptiGetResultString) GetResultString = nullptr;
+  decltype(&::cuptiSubscribe) Subscribe = nullptr;
+  decltype(&::cuptiSubscribe_v2) Subscribe_v2 = nullptr;  // optional: names the other subscriber
+  decltype(&::cuptiUnsubscribe) Unsubscribe = nullptr;
+  decltype(&::cuptiActivityEnable) ActivityEnable = nullptr;
+  decltype(&::cuptiActivityDisable) ActivityDisable = nullptr;
+  decltype(&::cuptiActivityRegisterCallbacks) ActivityRegisterCallbacks = nullptr;
+  decltype(&::cuptiActivityFlushAll) ActivityFlushAll = nullptr;
+  decltype(&::cuptiActivityGetNextRecord) ActivityGetNextRecord = nullptr;
+  decltype(&::cuptiActivityGetNumDroppedRecords) ActivityGetNumDroppedRecords = nullptr;
+  decltype(&::cuptiGetCallbackName) GetCallbackName = nullptr;
+  std::string path;
+  std::uint32_t version = 0;
+};
+
+Result<CuptiApi> load_cupti() {
+  std::vector<std::string> tried;
+  void* lib = nullptr;
+  auto attempt = [&](const std::string& candidate, int extra_flags) {
+    if (lib) return;
+    tried.push_back(candidate);
+    lib = dlopen(candidate.c_str(), RTLD_NOW | RTLD_LOCAL | extra_flags);
+  };
+  if (const char* env = std::getenv("STITCHCUDA_CUPTI"); env && *env) {
+    attempt(env, 0);
+    if (!lib)
+      return fail(ErrorCode::Unavailable, std::string("profiler unavailable: STITCHCUDA_CUPTI points to '") + env +
+                                              "', which could not be loaded: point it at a libcupti.so.13 or unset it");
+  }
+  // One process, one CUDA major: prefer a CUPTI already loaded (PyTorch's wheels bring one).
+  attempt("libcupti.so.13", RTLD_NOLOAD);
+  attempt("libcupti.so.13", 0);
+  for (const char* var : {"CUDA_HOME", "CUDA_PATH"}) {
+    if (const char* home = std::getenv(var); home && *home) {
+      attempt(std::string(home) + "/lib64/libcupti.so.13", 0);
+      attempt(std::string(home) + "/extras/CUPTI/lib64/libcupti.so.13", 0);
+    }
+  }
+  attempt("/usr/local/cuda/lib64/libcupti.so.13", 0);
+  attempt("/usr/local/cuda/extras/CUPTI/lib64/libcupti.so.13", 0);
+  if (!lib) {
+    std::string where;
+    for (const auto& t : tried) where += "\n  " + t;
+    return fail(ErrorCode::Unavailable,
+                "profiler unavailable: CUPTI (libcupti.so.13) was not found: install the CUDA 13 toolkit's CUPTI, "
+                "set CUDA_HOME, or set STITCHCUDA_CUPTI to the library's path",
+                "looked for:" + where);
+  }
+  CuptiApi api;
+  std::string missing;
+  auto bind = [&](auto& fn, const char* name, bool required = true) {
+    fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
+    if (!fn && required) missing += std::string(" ") + name;
+  };
+  bind(api.GetVersion, "cuptiGetVersion");
+  bind(api.GetResultString, "cuptiGetResultString");
+  bind(api.Subscribe, "cuptiSubscribe");
+  bind(api.Subscribe_v2, "cuptiSubscribe_v2", false);
+  bind(api.Unsubscribe, "cuptiUnsubscribe");
+  bind(api.ActivityEnable, "cuptiActivityEnable");
+  bind(api.ActivityDisable, "cuptiActivityDisable");
+  bind(api.ActivityRegisterCallbacks, "cuptiActivityRegisterCallbacks");
+  bind(api.ActivityFlushAll, "cuptiActivityFlushAll");
+  bind(api.ActivityGetNextRecord, "cuptiActivityGetNextRecord");
+  bind(api.ActivityGetNumDroppedRecords, "cuptiActivityGetNumDroppedRecords");
+  bind(api.GetCallbackName, "cuptiGetCallbackName");
+  Dl_info info{};
+  api.path = dladdr(reinterpret_cast<void*>(api.GetVersion), &info) && info.dli_fname ? info.dli_fname : tried.back();
+  if (!missing.empty())
+    return fail(ErrorCode::Unavailable, "profiler unavailable: the CUPTI at '" + api.path +
+                                            "' lacks functions StitchCUDA needs:" + missing + "; use CUPTI of CUDA 13");
+  api.GetVersion(&api.version);
+  // Activity record layouts (CUpti_ActivityKernel10...) are those of the CUDA 13 headers we built with.
+  if (api.version / 10000 != CUPTI_API_VERSION / 10000)
+    return fail(ErrorCode::Unavailable, "profiler unavailable: the CUPTI at '" + api.path + "' has API version " +
+                                            std::to_string(api.version) + ", StitchCUDA was built for " +
+                                            std::to_string(CUPTI_API_VERSION) + ": use the CUPTI of CUDA 13");
+  return api;
+}
+
+// Never destroyed: CUPTI's own thread may hand back a buffer while the process exits.
+Result<const CuptiApi*> cupti() {
+  static const Result<CuptiApi>* loaded = new Result<CuptiApi>(load_cupti());
+  if (!*loaded) return tl::unexpected(loaded->error());
+  return &**loaded;
+}
+
+std::string result_text(const CuptiApi& api, CUptiResult r) {
+  const char* text = nullptr;
+  api.GetResultString(r, &text);
+  return text ? text : "CUPTI error " + std::to_string(int(r));
+}
+
+// Turns a failed CUPTI call into a value naming the cause and the fix.
+Error cupti_error(const CuptiApi& api, CUptiResult r, const std::string& what, const std::string& other = {}) {
+  std::string message = "profiler unavailable: " + what + " failed (" + result_text(api, r) + ")";
+  if (r == CUPTI_ERROR_INSUFFICIENT_PRIVILEGES || r == CUPTI_ERROR_VIRTUALIZED_DEVICE_INSUFFICIENT_PRIVILEGES)
+    message += ": this user may not profile the GPU; run as root, or set the driver option "
+               "NVreg_RestrictProfilingToAdminUsers=0 (https://developer.nvidia.com/ERR_NVGPUCTRPERM)";
+  else if (r == CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED)
+    message += ": another CUPTI client is attached" + (other.empty() ? std::string() : " (" + other + ")") +
+               "; stop torch.profiler, Nsight Systems/Compute or cuda-gdb first, then trace again";
+  else if (r == CUPTI_ERROR_NOT_INITIALIZED)
+    message += ": CUPTI could not initialise; check that the driver and CUPTI are both from CUDA 13";
+  return Error{ErrorCode::Unavailable, std::move(message), {}, {}};
+}
+
+// ---- state shared with CUPTI's callbacks (plain function pointers, so it lives at namespace scope) ----
+
+struct Recording {
+  std::mutex mutex;
+  bool active = false;
+  std::size_t buffer_bytes = 8u << 20;
+  Trace trace;
+  std::vector<PendingApi> pending_api;  // names resolved in stop(), outside CUPTI's callbacks
+  CUpti_SubscriberHandle subscriber = nullptr;
+  std::vector<CUpti_ActivityKind> enabled;
+};
+
+// Never destroyed, for the same reason as cupti(): callbacks can outlive static destructors.
+Recording& recording() {
+  static Recording* r = new Recording;
+  return *r;
+}
+
+// CUPTI asks for an empty buffer; records must start 8-byte aligned.
+void CUPTIAPI buffer_requested(std::uint8_t** buffer, std::size_t* size, std::size_t* max_records) {
+  std::size_t bytes;
+  {
+    std::lock_guard lock(recording().mutex);
+    bytes = recording().buffer_bytes;
+  }
+  *buffer = static_cast<std::uint8_t*>(std::aligned_alloc(8, bytes));
+  *size = *buffer ? bytes : 0;
+  *max_records = 0;  // as many as fit
+}
+
+// CUPTI hands back a filled buffer (on its own thread, or inside cuptiActivityFlushAll).
+void CUPTIAPI buffer_completed(CUcontext context, std::uint32_t stream_id, std::uint8_t* buffer, std::size_t,
+                               std::size_t valid_bytes) {
+  auto api = cupti();
+  Recording& rec = recording();
+  if (api && buffer) {
+    std::lock_guard lock(rec.mutex);
+    // A buffer completed after stop() belongs to no one: drop its records.
+    if (rec.active) {
+      CUpti_Activity* record = nullptr;
+      while ((*api)->ActivityGetNextRecord(buffer, valid_bytes, &record) == CUPTI_SUCCESS) detail::append_activity(record, rec.trace, rec.pending_api);
+      std::size_t dropped = 0;
+      if ((*api)->ActivityGetNumDroppedRecords(context, stream_id, &dropped) == CUPTI_SUCCESS)
+        rec.trace.dropped_records += dropped;
+    }
+  }
+  std::free(buffer);
+}
+
+// The subscription only claims CUPTI, so that a second client is refused instead of stealing buffers.
+void CUPTIAPI ignore_callback(void*, CUpti_CallbackDomain, CUpti_CallbackId, const void*) {}
+
+void disable_kinds(const CuptiApi& api, Recording& rec) {
+  for (CUpti_ActivityKind kind : rec.enabled) api.ActivityDisable(kind);
+  rec.enabled.clear();
+}
+
+// Leaves CUPTI as it was found, so torch.profiler or Nsight can attach after us.
+void disable_all(const CuptiApi& api, Recording& rec) {
+  disable_kinds(api, rec);
+  if (rec.subscriber) {
+    api.Unsubscribe(rec.subscriber);
+    rec.subscriber = nullptr;
+  }
+}
+
+// Guards start/stop: one Tracer per process, and no start while a stop is flushing.
+std::mutex& lifecycle_mutex() {
+  static std::mutex m;
+  return m;
+}
+bool tracer_running = false;
+
+}  // namespace
+
+Result<void> Tracer::available() {
+  auto api = cupti();
+  if (!api) return tl::unexpected(api.error());
+  return {};
+}
+
+Result<std::string> Tracer::cupti_path() {
+  auto api = cupti();
+  if (!api) return tl::unexpected(api.error());
+  return (*api)->path;
+}
+
+Result<Tracer> Tracer::start(const TracerOptions& options) {
+  std::lock_guard life(lifecycle_mutex());
+  if (tracer_running)
+    return fail(ErrorCode::Unavailable,
+                "profiler unavailable: another stitchcuda::profile::Tracer is recording in this process; stop it "
+                "before starting a new one (scopes cannot nest)");
+  if (jit::Driver::device_count() <= 0) {
+    auto driver = jit::Driver::available();
+    return fail(ErrorCode::Unavailable, "profiler unavailable: no CUDA device to trace (" +
+                                            (driver ? std::string("the driver reports no devices")
+                                                    : driver.error().message) +
+                                            "); run on a machine with an NVIDIA GPU");
+  }
+  auto loaded = cupti();
+  if (!loaded) return tl::unexpected(loaded.error());
+  const CuptiApi& api = **loaded;
+  Recording& rec = recording();
+  {
+    std::lock_guard lock(rec.mutex);
+    rec.trace = Trace{};
+    rec.pending_api.clear();
+    rec.buffer_bytes = options.buffer_bytes < 64 * 1024 ? 64 * 1024 : options.buffer_bytes;
+  }
+
+  CUptiResult r;
+  std::string other;
+  if (api.Subscribe_v2) {
+    char other_name[CUPTI_OLD_SUBSCRIBER_NAME_MIN_LEN + 1] = {};
+    CUpti_SubscriberParams params{};
+    params.structSize = CUpti_SubscriberParams_STRUCT_SIZE;
+    params.subscriberName = "StitchCUDA Tracer";
+    params.oldSubscriberName = other_name;
+    params.oldSubscriberSize = sizeof(other_name);
+    r = api.Subscribe_v2(&rec.subscriber, ignore_callback, nullptr, &params);
+    other = other_name;
+  } else {
+    r = api.Subscribe(&rec.subscriber, ignore_callback, nullptr);
+  }
+  if (r != CUPTI_SUCCESS) {
+    rec.subscriber = nullptr;
+    return tl::unexpected(cupti_error(api, r, "subscribing to CUPTI", other));
+  }
+  if (r = api.ActivityRegisterCallbacks(buffer_requested, buffer_completed); r != CUPTI_SUCCESS) {
+    disable_all(api, rec);
+    return tl::unexpected(cupti_error(api, r, "registering activity buffers"));
+  }
+  std::vector<CUpti_ActivityKind> kinds;
+  if (options.kernels) kinds.push_back(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL);
+  if (options.memory) {
+    kinds.push_back(CUPTI_ACTIVITY_KIND_MEMCPY);
+    kinds.push_back(CUPTI_ACTIVITY_KIND_MEMSET);
+  }
+  if (options.api_calls) {
+    kinds.push_back(CUPTI_ACTIVITY_KIND_RUNTIME);
+    kinds.push_back(CUPTI_ACTIVITY_KIND_DRIVER);
+  }
+  {
+    std::lock_guard lock(rec.mutex);
+    rec.active = true;
+  }
+  for (CUpti_ActivityKind kind : kinds) {
+    if (r = api.ActivityEnable(kind); r != CUPTI_SUCCESS) {
+      {
+        std::lock_guard lock(rec.mutex);
+        rec.active = false;
+      }
+      disable_all(api, rec);
+      return tl::unexpected(cupti_error(api, r, "enabling activity kind " + std::to_string(int(kind))));
+    }
+    rec.enabled.push_back(kind);
+  }
+  tracer_running = true;
+  Tracer tracer;
+  tracer.active_ = true;
+  return tracer;
+}
+
+Result<Trace> Tracer::stop() {
+  if (!active_)
+    return fail(ErrorCode::InvalidArgument, "this Tracer was already stopped (or moved from): start a new one");
+  active_ = false;
+  std::lock_guard life(lifecycle_mutex());
+  auto loaded = cupti();
+  if (!loaded) return tl::unexpected(loaded.error());  // cannot happen: start() loaded it
+  const CuptiApi& api = **loaded;
+  Recording& rec = recording();
+
+  // Records of work still running would arrive incomplete: wait for the device first. A fault inside
+  // the scope is reported, but what was recorded is still flushed and CUPTI still released.
+  // Disabling before the flush means the flush is the last delivery: nothing recorded after it is lost.
+  auto synced = jit::Driver::synchronize();
+  disable_kinds(api, rec);
+  CUptiResult flushed = api.ActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED);
+  Trace trace;
+  std::vector<PendingApi> pending;
+  {
+    std::lock_guard lock(rec.mutex);
+    rec.active = false;
+    trace = std::move(rec.trace);
+    pending = std::move(rec.pending_api);
+    rec.trace = Trace{};
+    rec.pending_api.clear();
+  }
+  disable_all(api, rec);
+  tracer_running = false;
+  if (!synced)
+    return fail(ErrorCode::LaunchError, "work inside the traced scope failed: " + synced.error().message);
+  if (flushed != CUPTI_SUCCESS) return tl::unexpected(cupti_error(api, flushed, "flushing activity records"));
+
+  for (PendingApi& p : pending) {
+    const char* name = nullptr;
+    const CUpti_CallbackDomain domain =
+        p.record.domain == ApiDomain::Runtime ? CUPTI_CB_DOMAIN_RUNTIME_API : CUPTI_CB_DOMAIN_DRIVER_API;
+    if (api.GetCallbackName(domain, p.cbid, &name) == CUPTI_SUCCESS && name)
+      p.record.name = name;
+    else
+      p.record.name = "cbid " + std::to_string(p.cbid);
+    trace.api_calls.push_back(std::move(p.record));
+  }
+  return trace;
+}
+
+Tracer::Tracer(Tracer&& other) noexcept : active_(other.active_) { other.active_ = false; }
+
+Tracer& Tracer::operator=(Tracer&& other) noexcept {
+  if (this != &other) {
+    if (active_) (void)stop();
+    active_ = other.active_;
+    other.active_ = false;
+  }
+  return *this;
+}
+
+Tracer::~Tracer() {
+  if (active_) (void)stop();
+}
+
+}  // namespace stitchcuda::profile
