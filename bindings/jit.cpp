@@ -226,9 +226,7 @@ void bind_jit(py::module_& m) {
       .def_property_readonly("cubin", [](const PyModule& m) { return py::bytes(m.module->binary().cubin); })
       .def_property_readonly("log", [](const PyModule& m) { return m.module->binary().log; })
       .def_property_readonly("key", [](const PyModule& m) { return m.module->binary().key; })
-      .def_property_readonly("compile_ms", [](const PyModule& m) {
-        return m.module->origin() == "compiled" ? m.module->binary().compile_ms : 0.0;  // hits cost no compile
-      })
+      .def_property_readonly("compile_ms", [](const PyModule& m) { return m.module->compile_ms(); })
       .def_property_readonly("origin", [](const PyModule& m) { return m.module->origin(); })
       .def_property_readonly("kernel_names", [](const PyModule& m) {
         std::vector<std::string> out;

@@ -65,7 +65,7 @@ struct Binary {
   std::vector<std::pair<std::string, std::string>> lowered_names;  ///< name expression, symbol
   std::vector<KernelInfo> kernels; ///< entry points, parsed from the PTX
   std::string key;                 ///< cache key (hex SHA-256)
-  double compile_ms = 0.0;         ///< wall time NVRTC took (0 when read from the cache)
+  double compile_ms = 0.0;         ///< wall time NVRTC took (0 when read from disk; see Module::compile_ms)
 
   /// The kernel called `name`: an extern "C" name, a symbol, or a name expression.
   const KernelInfo* find_kernel(std::string_view name) const;
@@ -308,6 +308,8 @@ class Module : public std::enable_shared_from_this<Module> {
   const std::string& origin() const { return origin_; }
   /// Sets the origin (used by the cache).
   void set_origin(std::string origin) { origin_ = std::move(origin); }
+  /// What obtaining this handle cost in NVRTC time: the compile's time, 0 for a cache hit.
+  double compile_ms() const { return origin_ == "compiled" ? binary_->compile_ms : 0.0; }
   /// The kernel called `name`; NotFound lists the kernels that exist.
   Result<Kernel> kernel(std::string_view name);
   /// Loads the binary into the driver (CUlibrary) if not yet loaded.
