@@ -34,6 +34,21 @@ MemcpyKind memcpy_kind(std::uint8_t kind) {
   }
 }
 
+namespace {
+
+// Every GPU activity record says when, where and for which launch it ran, under the same names.
+template <class Record, class Activity>
+void copy_placement(Record& r, const Activity* a) {
+  r.start_ns = a->start;
+  r.end_ns = a->end;
+  r.stream_id = a->streamId;
+  r.correlation_id = a->correlationId;
+  r.graph_id = a->graphId;
+  r.device = int(a->deviceId);
+}
+
+}  // namespace
+
 void append_activity(const CUpti_Activity* activity, Trace& trace, std::vector<PendingApi>& api) {
   switch (activity->kind) {
     case CUPTI_ACTIVITY_KIND_KERNEL:
@@ -42,18 +57,13 @@ void append_activity(const CUpti_Activity* activity, Trace& trace, std::vector<P
       KernelRecord r;
       r.mangled_name = k->name ? k->name : "";
       r.name = demangle(k->name);
-      r.start_ns = k->start;
-      r.end_ns = k->end;
+      copy_placement(r, k);
       r.grid = {unsigned(k->gridX), unsigned(k->gridY), unsigned(k->gridZ)};
       r.block = {unsigned(k->blockX), unsigned(k->blockY), unsigned(k->blockZ)};
       r.registers_per_thread = k->registersPerThread;
       r.static_shared_bytes = k->staticSharedMemory;
       r.dynamic_shared_bytes = k->dynamicSharedMemory;
       r.local_bytes_per_thread = k->localMemoryPerThread;
-      r.stream_id = k->streamId;
-      r.correlation_id = k->correlationId;
-      r.graph_id = k->graphId;
-      r.device = int(k->deviceId);
       trace.kernels.push_back(std::move(r));
       break;
     }
@@ -62,12 +72,7 @@ void append_activity(const CUpti_Activity* activity, Trace& trace, std::vector<P
       MemcpyRecord r;
       r.kind = memcpy_kind(m->copyKind);
       r.bytes = m->bytes;
-      r.start_ns = m->start;
-      r.end_ns = m->end;
-      r.stream_id = m->streamId;
-      r.correlation_id = m->correlationId;
-      r.graph_id = m->graphId;
-      r.device = int(m->deviceId);
+      copy_placement(r, m);
       trace.memcpys.push_back(r);
       break;
     }
@@ -76,12 +81,7 @@ void append_activity(const CUpti_Activity* activity, Trace& trace, std::vector<P
       MemsetRecord r;
       r.bytes = m->bytes;
       r.value = m->value;
-      r.start_ns = m->start;
-      r.end_ns = m->end;
-      r.stream_id = m->streamId;
-      r.correlation_id = m->correlationId;
-      r.graph_id = m->graphId;
-      r.device = int(m->deviceId);
+      copy_placement(r, m);
       trace.memsets.push_back(r);
       break;
     }
