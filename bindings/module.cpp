@@ -10,6 +10,8 @@ namespace stitchcuda::bindings {
 
 void bind_jit(py::module_& m);
 void bind_llm(py::module_& m);
+void bind_profile(py::module_& m);
+void bind_program(py::module_& m);
 
 void throw_error(const Error& e) {
   py::list diagnostics;
@@ -28,4 +30,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("version", [] { return std::string(stitchcuda::version()); });
   stitchcuda::bindings::bind_jit(m);
   stitchcuda::bindings::bind_llm(m);
+  stitchcuda::bindings::bind_profile(m);
+  stitchcuda::bindings::bind_program(m);
 }

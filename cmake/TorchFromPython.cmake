@@ -17,7 +17,7 @@ message(STATUS "stitchcuda: PyTorch ${STITCHCUDA_TORCH_VERSION} (C++11 ABI=${_to
 add_library(stitchcuda_libtorch INTERFACE)
 target_include_directories(stitchcuda_libtorch SYSTEM INTERFACE ${_torch_inc} ${CUDAToolkit_INCLUDE_DIRS})
 target_compile_definitions(stitchcuda_libtorch INTERFACE _GLIBCXX_USE_CXX11_ABI=${_torch_abi})
-foreach(_lib c10 c10_cuda torch torch_cpu torch_python)
+foreach(_lib c10 c10_cuda torch torch_cpu torch_cuda torch_python)
   find_library(STITCHCUDA_TORCH_${_lib} ${_lib} PATHS ${_torch_lib} NO_DEFAULT_PATH REQUIRED)
   target_link_libraries(stitchcuda_libtorch INTERFACE ${STITCHCUDA_TORCH_${_lib}})
 endforeach()

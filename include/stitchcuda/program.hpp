@@ -313,4 +313,9 @@ class ProgramBuilder {
   BufferId next_id_ = 0;
 };
 
+/// Compiles every kernel of `program` whose CUBIN is missing or built for another architecture, and
+/// records the CUBIN, its architecture and the declared signature, so the saved artifact loads without
+/// NVRTC on a machine of that architecture. `arch` empty: the current device's (else sm_90a).
+Result<void> compile_kernels(Program& program, const std::string& arch = {});
+
 }  // namespace stitchcuda::program

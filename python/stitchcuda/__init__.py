@@ -17,6 +17,7 @@ except ImportError as exc:  # pragma: no cover - depends on the build state
     ) from exc
 
 from . import errors, jit, llm
+from .program import Program, ProgramBuilder, ProgramModule, load
 from .doctor import doctor
 from .errors import (
     CancelledError,
@@ -36,4 +37,5 @@ from .errors import (
 
 __version__: str = _C.version()
 
-__all__ = ["__version__", "jit", "llm", "errors", "doctor", *errors.__all__]
+__all__ = ["__version__", "jit", "llm", "errors", "doctor", "Program", "ProgramBuilder", "ProgramModule", "load",
+           *errors.__all__]

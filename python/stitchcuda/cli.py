@@ -88,6 +88,14 @@ def _bench(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _bench_suite(args: argparse.Namespace) -> int:
+    """Benchmarks that live beside their layer: stitchcuda.bench.<suite>.run(json_output)."""
+    import importlib
+
+    module = importlib.import_module(f"stitchcuda.bench.{args.suite}")
+    return int(module.run(json_output=args.json))
+
+
 PING_PROMPT = "Reply with the single word: pong"
 
 
@@ -145,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     jit.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     jit.add_argument("--repeats", type=_repeats, default=5, help="cold compiles per kernel (>= 5)")
     jit.set_defaults(run=_bench)
+    for suite, text in (("program", "program runtime: graph replay host time, cuBLASLt epilogues, planning (issue 7)"),
+                        ("profile", "profiler: Tracer vs events, tracing overhead, metrics vs ncu (issue 3)"),
+                        ("verify", "verifier: candidates per minute, speed-up agreement (issue 4)")):
+        sub = suites.add_parser(suite, help=text)
+        sub.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+        sub.set_defaults(run=_bench_suite)
 
     llm = commands.add_parser("llm", help="model backends (docs/llm.md)")
     llm.set_defaults(run=None, usage_of=llm)
@@ -156,6 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     ping.add_argument("--timeout", type=float, default=60.0, help="seconds for the whole call (default 60)")
     ping.add_argument("--max-tokens", type=int, default=32, help="completion token limit (default 32)")
     ping.set_defaults(run=_llm_ping)
+
+    # Layers that own a subcommand keep it beside their code.
+    from .profile import cli as profile_cli
+    from .verify import cli as verify_cli
+
+    profile_cli.register(commands)
+    verify_cli.register(commands)
     return parser
 
 

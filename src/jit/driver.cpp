@@ -67,6 +67,8 @@ Result<DriverApi> load() {
   bind(api.KernelGetFunction, "cuKernelGetFunction");
   bind(api.OccupancyMaxActiveBlocksPerMultiprocessor, "cuOccupancyMaxActiveBlocksPerMultiprocessor");
   bind(api.LaunchKernelEx, "cuLaunchKernelEx");
+  bind(api.MemcpyAsync, "cuMemcpyAsync");
+  bind(api.StreamSynchronize, "cuStreamSynchronize");
   if (!missing.empty())
     return fail(ErrorCode::Unavailable, "the CUDA driver lacks functions StitchCUDA needs:" + missing +
                                             "; update the NVIDIA driver");

@@ -33,6 +33,8 @@ struct DriverApi {
   decltype(&::cuKernelGetFunction) KernelGetFunction = nullptr;
   decltype(&::cuOccupancyMaxActiveBlocksPerMultiprocessor) OccupancyMaxActiveBlocksPerMultiprocessor = nullptr;
   decltype(&::cuLaunchKernelEx) LaunchKernelEx = nullptr;
+  decltype(&::cuMemcpyAsync) MemcpyAsync = nullptr;
+  decltype(&::cuStreamSynchronize) StreamSynchronize = nullptr;
   int version = 0;  ///< driver API version, e.g. 13000
 };
 

@@ -1,0 +1,88 @@
+// stitchcuda::program::Executor — runs a Program on a GPU: arena from liveness planning, kernels from
+// CUBIN or recompiled, cuBLASLt matmuls with epilogues, ATen ops through the dispatcher, views, and the
+// whole forward captured once into a CUDA graph and replayed. Needs LibTorch (its caching allocator,
+// dispatcher and streams); the implementation lives in src/torch/, the one folder that includes it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <stitchcuda/error.hpp>
+#include <stitchcuda/program.hpp>
+
+namespace at {
+class Tensor;
+}
+
+namespace stitchcuda::program {
+
+/// How an Executor runs its program.
+struct ExecutorOptions {
+  bool graphs = true;        ///< capture after one eager warm-up run, then replay; false: always eager
+  int device = -1;           ///< CUDA device; -1: PyTorch's current device
+  std::size_t workspace_bytes = 32u << 20;  ///< cuBLASLt workspace per instance
+};
+
+/// Counters since creation.
+struct ExecutorStats {
+  std::uint64_t runs = 0;          ///< run() calls that succeeded
+  std::uint64_t eager_runs = 0;    ///< runs that executed the steps one by one
+  std::uint64_t replays = 0;       ///< runs that replayed a captured graph
+  std::uint64_t captures = 0;      ///< graphs captured (one per stream used)
+  std::uint64_t copies_skipped = 0;///< inputs/outputs that were already the graph's static buffers
+  std::size_t instances = 0;       ///< per-stream instances (each: arena, workspace, static I/O, graph)
+  std::size_t arena_bytes = 0;     ///< planned arena of one instance
+};
+
+/// Runs one Program; thread-safe: each stream gets its own instance (arena, static inputs/outputs,
+/// captured graph), so threads running on their own streams replay concurrently.
+class Executor {
+ public:
+  /// Validates and plans the program, loads its kernels (the CUBIN when it was built for this device's
+  /// architecture, else recompiled from source through the kernel cache), resolves every ATen op in the
+  /// dispatcher and checks its arguments, and uploads the weights. Errors name the step at fault.
+  static Result<std::shared_ptr<Executor>> create(Program program, ExecutorOptions options = {});
+  /// Program::load + create.
+  static Result<std::shared_ptr<Executor>> load(const std::string& path, ExecutorOptions options = {});
+
+  /// Runs the program on `stream` (nullptr: PyTorch's current stream on the device). Inputs and
+  /// outputs are in buffer-id order of the input and output buffers; each must match its buffer's
+  /// shape, strides and dtype and live on the executor's device. Outputs are written in place.
+  Result<void> run(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs,
+                   void* stream = nullptr);
+  /// As above, allocating the outputs.
+  Result<std::vector<at::Tensor>> run(const std::vector<at::Tensor>& inputs, void* stream = nullptr);
+  /// As above, on raw device pointers (a C++ server without at::Tensor at hand).
+  Result<void> run(const std::vector<const void*>& inputs, const std::vector<void*>& outputs,
+                   void* stream = nullptr);
+
+  /// The graph's own input and output tensors for `stream`: a caller that writes its inputs there and
+  /// reads its outputs there (passing these tensors to run) saves the copies in and out.
+  Result<std::vector<at::Tensor>> static_inputs(void* stream = nullptr);
+  /// See static_inputs.
+  Result<std::vector<at::Tensor>> static_outputs(void* stream = nullptr);
+
+  /// Replaces a weight's contents (same shape and dtype); captured graphs see the new values.
+  Result<void> set_weight(BufferId weight, const at::Tensor& value);
+
+  const Program& program() const;            ///< what it runs
+  const BufferPlan& plan() const;            ///< arena layout of the intermediates
+  std::vector<BufferId> inputs() const;      ///< input buffer ids, in run() order
+  std::vector<BufferId> outputs() const;     ///< output buffer ids, in run() order
+  int device() const;                        ///< CUDA device it runs on
+  ExecutorStats stats() const;               ///< counters
+
+  struct Impl;
+  explicit Executor(std::unique_ptr<Impl> impl);
+  ~Executor();
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace stitchcuda::program

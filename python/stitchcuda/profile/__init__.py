@@ -1,0 +1,1 @@
+"""Profiling (placeholder until the profile package lands)."""

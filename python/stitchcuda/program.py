@@ -1,0 +1,271 @@
+"""The stitched program as a value: build one step by step, validate and plan it, save it as a
+`.stitch` artifact, and run it — eagerly or replayed as one CUDA graph — from Python or C++.
+
+    b = stitchcuda.ProgramBuilder()
+    x = b.input([64, 256]); w = b.weight([512, 256], data=weight_bytes); bias = b.weight([512], data=...)
+    y = b.output([64, 512])
+    b.matmul(x, w, y, bias=bias, transpose_b=True, epilogue="bias_relu")
+    program = b.build()
+    program.save("mlp.stitch")
+    model = stitchcuda.load("mlp.stitch")      # an nn.Module
+    out = model(torch.randn(64, 256, device="cuda"))
+
+See docs/program.md for the step kinds, the artifact layout and the executor.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import torch
+
+from . import _C
+
+__all__ = ["Program", "ProgramBuilder", "Executor", "ProgramModule", "load", "DTYPES"]
+
+# Program dtype names and the torch dtypes they mean.
+DTYPES: dict[str, torch.dtype] = {
+    "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "f64": torch.float64,
+    "i32": torch.int32, "i64": torch.int64, "u8": torch.uint8, "bool": torch.bool,
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """The program's name for a torch dtype ("f32" for torch.float32); names pass through."""
+    if isinstance(dtype, str):
+        return dtype
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise TypeError(f"{dtype} has no program dtype; use one of {sorted(DTYPES.values(), key=str)}") from None
+
+
+class ProgramBuilder:
+    """Assembles a Program; every method mirrors C++ `stitchcuda::program::ProgramBuilder`.
+
+    Buffers are integers (their ids). Kernel arguments are pairs: ``("in", buf)``, ``("out", buf)``,
+    ``("inout", buf)`` for buffers, ``("i32", n)``, ``("i64", n)``, ``("f32", x)``, ``("f64", x)`` for scalars.
+    """
+
+    def __init__(self) -> None:
+        self._b = _C.program.ProgramBuilder()
+
+    def input(self, shape: Sequence[int], dtype: torch.dtype | str = "f32", *, strides=None, name: str = "") -> int:
+        """A tensor the caller passes to every run."""
+        return self._b.input(list(shape), dtype_name(dtype), strides, name)
+
+    def output(self, shape: Sequence[int], dtype: torch.dtype | str = "f32", *, strides=None, name: str = "") -> int:
+        """A tensor the program writes and returns."""
+        return self._b.output(list(shape), dtype_name(dtype), strides, name)
+
+    def intermediate(self, shape: Sequence[int], dtype: torch.dtype | str = "f32", *, strides=None,
+                     name: str = "") -> int:
+        """A temporary placed in the arena by liveness planning."""
+        return self._b.intermediate(list(shape), dtype_name(dtype), strides, name)
+
+    def weight(self, shape: Sequence[int] | torch.Tensor, dtype: torch.dtype | str = "f32", *, data=None,
+               strides=None, name: str = "") -> int:
+        """Constant data stored in the artifact: pass a tensor (any device), or a shape plus raw bytes."""
+        if isinstance(shape, torch.Tensor):
+            t = shape.detach().to("cpu").contiguous()
+            return self._b.weight(list(t.shape), dtype_name(t.dtype), _tensor_bytes(t), None, name)
+        return self._b.weight(list(shape), dtype_name(dtype), data, strides, name)
+
+    def kernel(self, source: str, name: str, *, options: Sequence[str] = (), signature: Sequence[str] = ()) -> int:
+        """Adds CUDA source to the kernel table; returns its index for launch()."""
+        return self._b.kernel(source, name, list(options), list(signature))
+
+    def launch(self, kernel: int, grid, block, args: Sequence[tuple[str, Any]], *, shared_mem: int = 0) -> "ProgramBuilder":
+        """Appends a kernel launch with a fixed configuration."""
+        self._b.launch(kernel, _dims(grid), _dims(block), list(args), shared_mem)
+        return self
+
+    def matmul(self, a: int, b: int, c: int, *, bias: int | None = None, transpose_a: bool = False,
+               transpose_b: bool = False, batch: int = 1, alpha: float = 1.0, beta: float = 0.0,
+               epilogue: str = "none", precision: str = "fp32") -> "ProgramBuilder":
+        """Appends a cuBLASLt matmul: c = epilogue(alpha * op(a) @ op(b) + beta * c [+ bias]).
+
+        Epilogues: none, relu, gelu, bias, bias_relu, bias_gelu (cuBLASLt's GELU is the tanh approximation,
+        ``F.gelu(x, approximate="tanh")``). Precision: fp32, tf32, bf16, capped by the program's policy.
+        """
+        self._b.matmul(a, b, c, bias, transpose_a, transpose_b, batch, alpha, beta, epilogue, precision)
+        return self
+
+    def aten(self, op: str, inputs: Sequence[int], outputs: Sequence[int], **attributes: Any) -> "ProgramBuilder":
+        """Appends any ATen op by name and overload ("aten::convolution", "aten::add.Tensor"); tensor
+        arguments come from `inputs` in schema order, the others from keyword attributes by schema name."""
+        self._b.aten(op, list(inputs), list(outputs), attributes)
+        return self
+
+    def view(self, kind: str, source: int, shape: Sequence[int], *, strides=None, storage_offset: int = 0) -> int:
+        """A view (reshape, permute, slice) of `source` without a copy; returns the new buffer."""
+        return self._b.view(kind, source, list(shape), strides, storage_offset)
+
+    def precision(self, matmul: str = "fp32", *, cudnn_tf32: bool = True) -> "ProgramBuilder":
+        """The lossiest matmul precision the program may use (PyTorch's defaults: fp32, cuDNN TF32)."""
+        self._b.precision(matmul, cudnn_tf32)
+        return self
+
+    def verified_on(self, **hardware: str) -> "ProgramBuilder":
+        """Records where the program was verified: device, arch, driver, cuda, torch."""
+        self._b.verified_on(**hardware)
+        return self
+
+    def build(self) -> "Program":
+        """Validates and returns the Program (errors name the first bad step)."""
+        return Program(self._b.build())
+
+
+class Program:
+    """A stitched program: buffers, kernel table, steps, weights, precision policy and provenance."""
+
+    def __init__(self, native: Any) -> None:
+        self._p = native
+
+    @staticmethod
+    def load(path: str | os.PathLike) -> "Program":
+        """Reads a `.stitch` artifact; a truncated, tampered or wrong-version file raises InvalidArgumentError."""
+        return Program(_C.program.Program.load(os.fspath(path)))
+
+    @staticmethod
+    def deserialize(data: bytes) -> "Program":
+        """Reads `.stitch` bytes."""
+        return Program(_C.program.Program.deserialize(data))
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the artifact atomically."""
+        self._p.save(os.fspath(path))
+
+    def serialize(self) -> bytes:
+        """The `.stitch` bytes."""
+        return self._p.serialize()
+
+    def validate(self) -> None:
+        """Raises InvalidArgumentError naming the first problem."""
+        self._p.validate()
+
+    def plan(self) -> dict:
+        """Liveness planning of the intermediates: arena_bytes, live_bound_bytes, placements..."""
+        return self._p.plan()
+
+    def compile_kernels(self, arch: str = "") -> None:
+        """Stores CUBINs for `arch` (default: this device's, else sm_90a) so the artifact loads without NVRTC."""
+        self._p.compile_kernels(arch)
+
+    @property
+    def buffers(self) -> list[dict]:
+        return self._p.buffers
+
+    @property
+    def steps(self) -> list[dict]:
+        return self._p.steps
+
+    @property
+    def kernels(self) -> list[dict]:
+        return self._p.kernels
+
+    @property
+    def precision(self) -> dict:
+        return self._p.precision
+
+    @property
+    def verified_on(self) -> dict:
+        return self._p.verified_on
+
+    def executor(self, *, graphs: bool = True, device: int | None = None) -> "Executor":
+        """An Executor for this program (needs a GPU)."""
+        return Executor(self, graphs=graphs, device=device)
+
+    def __repr__(self) -> str:
+        kinds: dict[str, int] = {}
+        for s in self.steps:
+            kinds[s["kind"]] = kinds.get(s["kind"], 0) + 1
+        steps = ", ".join(f"{n} {k}" for k, n in kinds.items()) or "no steps"
+        return f"<stitchcuda.Program: {len(self.buffers)} buffers, {steps}, {len(self.kernels)} kernels>"
+
+
+class Executor:
+    """Runs a Program: eager once, then one CUDA graph replay per call; thread-safe across streams."""
+
+    def __init__(self, program: Program, *, graphs: bool = True, device: int | None = None) -> None:
+        self.program = program
+        self._e = _C.program.Executor(program._p, graphs, -1 if device is None else int(device))
+
+    def run(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor] | None = None, *,
+            stream: torch.cuda.Stream | None = None) -> list[torch.Tensor]:
+        """Runs on `stream` (default: the current stream); returns the outputs (allocated when not given)."""
+        handle = 0 if stream is None else int(stream.cuda_stream)
+        return self._e.run(list(inputs), None if outputs is None else list(outputs), handle)
+
+    def static_inputs(self, stream: torch.cuda.Stream | None = None) -> list[torch.Tensor]:
+        """The graph's own input tensors on `stream`: write into them and pass them to run() to skip copies."""
+        return self._e.static_inputs(0 if stream is None else int(stream.cuda_stream))
+
+    def static_outputs(self, stream: torch.cuda.Stream | None = None) -> list[torch.Tensor]:
+        """The graph's own output tensors on `stream` (see static_inputs)."""
+        return self._e.static_outputs(0 if stream is None else int(stream.cuda_stream))
+
+    def set_weight(self, buffer: int, value: torch.Tensor) -> None:
+        """Replaces a weight's values in place (captured graphs see them)."""
+        self._e.set_weight(buffer, value)
+
+    @property
+    def device(self) -> int:
+        return self._e.device
+
+    def stats(self) -> dict:
+        """runs, eager_runs, replays, captures, copies_skipped, instances, arena_bytes."""
+        return self._e.stats()
+
+
+class ProgramModule(torch.nn.Module):
+    """An nn.Module that runs a Program: forward(*inputs) returns the output, or a tuple of them."""
+
+    def __init__(self, program: Program, *, graphs: bool = True, device: int | None = None) -> None:
+        super().__init__()
+        self.program = program
+        self.executor = Executor(program, graphs=graphs, device=device)
+        specs = {b["id"]: b for b in program.buffers}
+        self._inputs = [specs[i] for i in self.executor._e.inputs]
+
+    def forward(self, *inputs: torch.Tensor):
+        if len(inputs) != len(self._inputs):
+            raise TypeError(f"the program takes {len(self._inputs)} input(s), {len(inputs)} given")
+        ready = []
+        for t, spec in zip(inputs, self._inputs):
+            if isinstance(t, torch.Tensor) and not t.is_contiguous() and _contiguous_spec(spec):
+                t = t.contiguous()
+            ready.append(t)
+        outs = self.executor.run(ready)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def stats(self) -> dict:
+        return self.executor.stats()
+
+    def extra_repr(self) -> str:
+        return repr(self.program)
+
+
+def load(path: str | os.PathLike, *, graphs: bool = True, device: int | None = None) -> ProgramModule:
+    """Loads a `.stitch` artifact as a callable nn.Module running on the GPU."""
+    return ProgramModule(Program.load(path), graphs=graphs, device=device)
+
+
+def _dims(v) -> list[int]:
+    return [int(v)] if isinstance(v, int) else [int(x) for x in v]
+
+
+def _contiguous_spec(spec: dict) -> bool:
+    expected, stride = [], 1
+    for extent in reversed(spec["shape"]):
+        expected.append(stride)
+        stride *= max(extent, 1)
+    return list(reversed(expected)) == list(spec["strides"])
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    if t.numel() == 0:
+        return b""
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()

@@ -1,0 +1,5 @@
+"""`stitchcuda check` (placeholder)."""
+
+
+def register(commands) -> None:
+    """Adds the `check` subcommand to the CLI's subparsers."""

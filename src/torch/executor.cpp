@@ -1,0 +1,561 @@
+// The program runtime: one Executor per Program, one Instance per stream. An instance owns the arena
+// (from liveness planning, allocated through PyTorch's caching allocator), a cuBLASLt workspace, the
+// static input/output tensors and, after one eager warm-up run, a CUDA graph of the whole forward.
+#include <stitchcuda/executor.hpp>
+#include <stitchcuda/jit.hpp>
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+
+#include "../jit/driver.hpp"
+#include "steps.hpp"
+
+namespace stitchcuda::program {
+namespace {
+
+c10::ScalarType scalar_type(DType d) {
+  switch (d) {
+    case DType::f32: return c10::kFloat;
+    case DType::f16: return c10::kHalf;
+    case DType::bf16: return c10::kBFloat16;
+    case DType::f64: return c10::kDouble;
+    case DType::i32: return c10::kInt;
+    case DType::i64: return c10::kLong;
+    case DType::u8: return c10::kByte;
+    case DType::boolean: return c10::kBool;
+  }
+  return c10::kFloat;
+}
+
+const char* dtype_name(c10::ScalarType t) {
+  for (DType d : {DType::f32, DType::f16, DType::bf16, DType::f64, DType::i32, DType::i64, DType::u8, DType::boolean})
+    if (scalar_type(d) == t) return to_string(d);
+  return c10::toString(t);
+}
+
+std::string describe(const at::Tensor& t) {
+  std::string s = std::string(dtype_name(t.scalar_type())) + "[";
+  for (std::int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  s += "]";
+  if (!t.is_contiguous()) {
+    s += " strides (";
+    for (std::int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.stride(i));
+    s += ")";
+  }
+  return s + " on " + t.device().str();
+}
+
+std::string step_label(const Program& p, std::size_t i) {
+  std::string label = "step " + std::to_string(i) + " (" + step_kind(p.steps[i]);
+  if (auto* op = std::get_if<AtenOp>(&p.steps[i])) label += " " + op->op;
+  if (auto* k = std::get_if<KernelLaunch>(&p.steps[i]); k && k->kernel < p.kernels.size())
+    label += " '" + p.kernels[k->kernel].name + "'";
+  return label + ")";
+}
+
+Error at_step(const Program& p, std::size_t i, Error e) {
+  e.message = step_label(p, i) + ": " + e.message;
+  return e;
+}
+
+// Whether `t` has exactly the buffer's shape, strides and dtype.
+bool matches(const at::Tensor& t, const TensorSpec& spec) {
+  if (t.scalar_type() != scalar_type(spec.dtype) || t.dim() != std::int64_t(spec.shape.size())) return false;
+  for (std::size_t i = 0; i < spec.shape.size(); ++i) {
+    if (t.size(std::int64_t(i)) != spec.shape[i]) return false;
+    if (spec.shape[i] > 1 && t.stride(std::int64_t(i)) != spec.strides[i]) return false;
+  }
+  return true;
+}
+
+// ParamInfo for a declared C type: what the driver needs to pack arguments of a CUBIN without PTX.
+std::optional<jit::ParamInfo> param_of(const std::string& type) {
+  using jit::ParamKind;
+  if (!type.empty() && type.back() == '*') return jit::ParamInfo{ParamKind::U64, 8, 8};
+  struct Row { const char* name; ParamKind kind; std::size_t size; };
+  static const Row rows[] = {
+      {"int", ParamKind::S32, 4},          {"int32_t", ParamKind::S32, 4},       {"unsigned", ParamKind::U32, 4},
+      {"unsigned int", ParamKind::U32, 4}, {"uint32_t", ParamKind::U32, 4},      {"float", ParamKind::F32, 4},
+      {"double", ParamKind::F64, 8},       {"long long", ParamKind::S64, 8},     {"int64_t", ParamKind::S64, 8},
+      {"long", ParamKind::S64, 8},         {"size_t", ParamKind::U64, 8},        {"uint64_t", ParamKind::U64, 8},
+      {"unsigned long long", ParamKind::U64, 8}, {"bool", ParamKind::U8, 1}};
+  std::string t = type;
+  if (t.rfind("const ", 0) == 0) t.erase(0, 6);
+  for (const Row& r : rows)
+    if (t == r.name) return jit::ParamInfo{r.kind, r.size, r.size};
+  return std::nullopt;
+}
+
+bool is_identifier(const std::string& s) {
+  if (s.empty() || std::isdigit(static_cast<unsigned char>(s[0]))) return false;
+  for (char c : s)
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '_') return false;
+  return true;
+}
+
+// The kernel of a KernelSource: its CUBIN when built for `arch` (no NVRTC needed), else recompiled.
+Result<jit::Kernel> load_kernel(const KernelSource& ks, const std::string& arch) {
+  if (!ks.cubin.empty() && ks.arch == arch && !ks.signature.empty() && is_identifier(ks.name)) {
+    auto binary = std::make_shared<jit::Binary>();
+    binary->program_name = ks.name + ".cu";
+    binary->arch = ks.arch;
+    binary->cubin = ks.cubin;
+    jit::KernelInfo info{ks.name, {}};
+    bool known = true;
+    for (const std::string& type : ks.signature) {
+      auto p = param_of(type);
+      if (!p) { known = false; break; }
+      info.params.push_back(*p);
+    }
+    if (known) {
+      binary->kernels.push_back(std::move(info));
+      auto module = jit::Module::create(binary);
+      module->set_origin("artifact");
+      return module->kernel(ks.name);
+    }
+  }
+  jit::CompileOptions options;
+  options.arch = arch;
+  options.extra_flags = ks.options;
+  if (!is_identifier(ks.name)) options.name_expressions.push_back(ks.name);
+  auto module = jit::build(ks.source, options, ks.name + ".cu");
+  if (!module) return tl::unexpected(module.error());
+  return (*module)->kernel(ks.name);
+}
+
+}  // namespace
+
+// One stream's state: everything a run touches, so instances never share mutable memory.
+struct Instance {
+  std::mutex mu;
+  at::Tensor arena, workspace;
+  std::vector<at::Tensor> tensors;  // by buffer slot; intermediates bound to the arena
+  std::vector<at::Tensor> static_in, static_out;
+  std::vector<std::unique_ptr<program::detail::PreparedMatmul>> matmuls;  // by step (null for others)
+  std::unique_ptr<at::cuda::CUDAGraph> graph;
+  bool warmed = false;
+};
+
+struct Executor::Impl {
+  Program program;
+  BufferPlan plan;
+  ExecutorOptions options;
+  int device = 0;
+  std::string arch;
+  std::unordered_map<BufferId, std::size_t> slot;  // buffer id -> index in Program::buffers
+  std::vector<BufferId> input_ids, output_ids;
+  std::vector<jit::Kernel> kernels;                // by kernel table index
+  std::vector<std::optional<program::detail::BoundAtenOp>> aten;  // by step
+  std::map<BufferId, at::Tensor> weights;          // device copies
+  const jit::detail::DriverApi* driver = nullptr;
+
+  std::mutex instances_mu;
+  std::map<void*, std::unique_ptr<Instance>> instances;
+  std::atomic<std::uint64_t> runs{0}, eager_runs{0}, replays{0}, captures{0}, copies_skipped{0};
+
+  at::TensorOptions options_for(const TensorSpec& s) const {
+    return at::TensorOptions().dtype(scalar_type(s.dtype)).device(at::kCUDA, c10::DeviceIndex(device));
+  }
+  const TensorSpec& spec(BufferId id) const { return program.buffers[slot.at(id)].spec; }
+
+  void* resolve(void* stream) const {
+    return stream ? stream : static_cast<void*>(c10::cuda::getCurrentCUDAStream(c10::DeviceIndex(device)).stream());
+  }
+  Result<Instance*> instance(void* stream);
+  Result<void> execute(Instance& in, void* stream);
+  Result<void> check_io(const std::vector<at::Tensor>& given, const std::vector<BufferId>& ids, const char* what) const;
+  Result<void> copy(const at::Tensor& dst, const at::Tensor& src, void* stream);
+};
+
+Result<Instance*> Executor::Impl::instance(void* stream) {
+  std::lock_guard<std::mutex> lock(instances_mu);
+  if (auto it = instances.find(stream); it != instances.end()) return it->second.get();
+  auto in = std::make_unique<Instance>();
+  try {
+    c10::cuda::CUDAGuard guard(c10::DeviceIndex(this->device));
+    in->arena = at::empty({std::int64_t(std::max<std::size_t>(plan.arena_bytes, 1))},
+                          at::TensorOptions().dtype(at::kByte).device(at::kCUDA, c10::DeviceIndex(device)));
+    bool any_matmul = false;
+    for (const Step& s : program.steps) any_matmul |= std::holds_alternative<Matmul>(s);
+    if (any_matmul)
+      in->workspace = at::empty({std::int64_t(options.workspace_bytes)},
+                                at::TensorOptions().dtype(at::kByte).device(at::kCUDA, c10::DeviceIndex(device)));
+    in->tensors.resize(program.buffers.size());
+    auto* base = static_cast<std::uint8_t*>(in->arena.data_ptr());
+    for (const Placement& p : plan.placements) {
+      if (p.buffer != p.storage) continue;  // views are taken by their View step
+      const TensorSpec& s = spec(p.buffer);
+      in->tensors[slot.at(p.buffer)] = at::from_blob(base + p.offset, s.shape, s.strides, options_for(s));
+    }
+    for (const auto& [id, t] : weights) in->tensors[slot.at(id)] = t;
+    for (BufferId id : input_ids) {
+      const TensorSpec& s = spec(id);
+      in->static_in.push_back(at::empty_strided(s.shape, s.strides, options_for(s)));
+    }
+    for (BufferId id : output_ids) {
+      const TensorSpec& s = spec(id);
+      in->static_out.push_back(at::empty_strided(s.shape, s.strides, options_for(s)));
+    }
+    in->matmuls.resize(program.steps.size());
+    for (std::size_t i = 0; i < program.steps.size(); ++i)
+      if (auto* m = std::get_if<Matmul>(&program.steps[i])) {
+        auto prepared = program::detail::PreparedMatmul::create(*m, program, options.workspace_bytes);
+        if (!prepared) return tl::unexpected(at_step(program, i, prepared.error()));
+        in->matmuls[i] = std::move(*prepared);
+      }
+  } catch (const c10::Error& e) {
+    return fail(ErrorCode::CudaError, std::string("allocating the program's buffers failed: ") + e.what_without_backtrace());
+  }
+  Instance* raw = in.get();
+  instances.emplace(stream, std::move(in));
+  return raw;
+}
+
+Result<void> Executor::Impl::copy(const at::Tensor& dst, const at::Tensor& src, void* stream) {
+  if (dst.data_ptr() == src.data_ptr()) {
+    copies_skipped++;
+    return {};
+  }
+  // Both match the buffer's spec, so one copy of the storage span moves every element.
+  std::size_t span = dst.numel() ? 1 : 0;
+  for (std::int64_t d = 0; span && d < dst.dim(); ++d) span += std::size_t((dst.size(d) - 1) * dst.stride(d));
+  CUresult r = driver->MemcpyAsync(reinterpret_cast<CUdeviceptr>(dst.data_ptr()), reinterpret_cast<CUdeviceptr>(src.data_ptr()),
+                                   span * dst.element_size(), static_cast<CUstream>(stream));
+  if (r != CUDA_SUCCESS) return tl::unexpected(jit::detail::cuda_error(r, "copying a program input or output"));
+  return {};
+}
+
+Result<void> Executor::Impl::check_io(const std::vector<at::Tensor>& given, const std::vector<BufferId>& ids,
+                                      const char* what) const {
+  if (given.size() != ids.size())
+    return fail(ErrorCode::InvalidArgument, std::string("the program takes ") + std::to_string(ids.size()) + " " + what +
+                                                "(s) but " + std::to_string(given.size()) + " were given");
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    const Buffer& b = program.buffers[slot.at(ids[i])];
+    const at::Tensor& t = given[i];
+    std::string name = std::string(what) + " " + std::to_string(i) + (b.name.empty() ? "" : " ('" + b.name + "')");
+    if (!t.defined()) return fail(ErrorCode::InvalidArgument, name + " is an undefined tensor");
+    if (!t.is_cuda() || t.get_device() != device)
+      return fail(ErrorCode::InvalidArgument, name + " is on " + t.device().str() + " but the program runs on cuda:" +
+                                                  std::to_string(device) + ": move it with .to('cuda:" + std::to_string(device) + "')");
+    if (!matches(t, b.spec))
+      return fail(ErrorCode::InvalidArgument, name + " must be " + b.spec.describe() + " but is " + describe(t) +
+                                                  (t.is_contiguous() ? "" : ": pass .contiguous()"));
+  }
+  return {};
+}
+
+Result<void> Executor::Impl::execute(Instance& in, void* stream) {
+  const auto& steps = program.steps;
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    const Step& step = steps[i];
+    Result<void> ok{};
+    try {
+      if (auto* k = std::get_if<KernelLaunch>(&step)) {
+        jit::KernelArgs args;
+        for (const KernelArg& a : k->args) {
+          if (auto* b = std::get_if<BufferArg>(&a)) args.pointer(in.tensors[slot.at(b->buffer)].data_ptr());
+          else if (auto* v = std::get_if<std::int32_t>(&a)) args.i32(*v);
+          else if (auto* v = std::get_if<std::int64_t>(&a)) args.i64(*v);
+          else if (auto* v = std::get_if<float>(&a)) args.f32(*v);
+          else if (auto* v = std::get_if<double>(&a)) args.f64(*v);
+        }
+        jit::LaunchConfig cfg;
+        cfg.grid = {k->grid[0], k->grid[1], k->grid[2]};
+        cfg.block = {k->block[0], k->block[1], k->block[2]};
+        cfg.shared_mem_bytes = k->shared_mem_bytes;
+        cfg.stream = stream;
+        cfg.device = device;
+        ok = kernels[k->kernel].launch(cfg, args);
+      } else if (auto* m = std::get_if<Matmul>(&step)) {
+        const at::Tensor* bias = m->bias ? &in.tensors[slot.at(*m->bias)] : nullptr;
+        ok = in.matmuls[i]->run(in.tensors[slot.at(m->a)], in.tensors[slot.at(m->b)], in.tensors[slot.at(m->c)], bias,
+                                in.workspace.defined() ? in.workspace.data_ptr() : nullptr, options.workspace_bytes, stream);
+      } else if (auto* op = std::get_if<AtenOp>(&step)) {
+        std::vector<at::Tensor> args;
+        args.reserve(op->inputs.size());
+        for (BufferId id : op->inputs) args.push_back(in.tensors[slot.at(id)]);
+        std::vector<at::Tensor> results = aten[i]->call(args);
+        if (results.size() != op->outputs.size())
+          ok = fail(ErrorCode::InvalidArgument, "returned " + std::to_string(results.size()) + " tensor(s) for " +
+                                                    std::to_string(op->outputs.size()) + " output buffer(s)");
+        for (std::size_t r = 0; ok && r < results.size(); ++r) {
+          at::Tensor& out = in.tensors[slot.at(op->outputs[r])];
+          if (!in.warmed && (results[r].sizes() != out.sizes() || results[r].scalar_type() != out.scalar_type()))
+            ok = fail(ErrorCode::InvalidArgument, "result " + std::to_string(r) + " is " + describe(results[r]) +
+                                                      " but its buffer is " + spec(op->outputs[r]).describe());
+          else
+            out.copy_(results[r]);
+        }
+      } else if (auto* v = std::get_if<View>(&step)) {
+        const at::Tensor& src = in.tensors[slot.at(v->source)];
+        const TensorSpec& s = spec(v->result);
+        in.tensors[slot.at(v->result)] = src.as_strided(s.shape, s.strides, src.storage_offset() + v->storage_offset);
+      }
+    } catch (const c10::Error& e) {
+      ok = fail(ErrorCode::CudaError, e.what_without_backtrace());
+    }
+    if (!ok) return tl::unexpected(at_step(program, i, ok.error()));
+  }
+  return {};
+}
+
+Executor::Executor(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Executor::~Executor() = default;
+
+Result<std::shared_ptr<Executor>> Executor::create(Program program, ExecutorOptions options) {
+  auto plan = program.plan();  // validates first
+  if (!plan) return tl::unexpected(plan.error());
+  // Everything that needs no GPU is checked first, so a bad program fails the same way everywhere.
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  impl->plan = std::move(*plan);
+  impl->program = std::move(program);
+  Impl& x = *impl;
+  for (std::size_t i = 0; i < x.program.buffers.size(); ++i) {
+    const Buffer& b = x.program.buffers[i];
+    x.slot[b.id] = i;
+    if (b.role == BufferRole::input) x.input_ids.push_back(b.id);
+    if (b.role == BufferRole::output) x.output_ids.push_back(b.id);
+  }
+  std::sort(x.input_ids.begin(), x.input_ids.end());
+  std::sort(x.output_ids.begin(), x.output_ids.end());
+  x.aten.resize(x.program.steps.size());
+  for (std::size_t i = 0; i < x.program.steps.size(); ++i)
+    if (auto* op = std::get_if<AtenOp>(&x.program.steps[i])) {
+      auto bound = program::detail::BoundAtenOp::bind(*op, x.program);
+      if (!bound) return tl::unexpected(at_step(x.program, i, bound.error()));
+      x.aten[i] = std::move(*bound);
+    }
+  auto drv = jit::detail::driver();
+  if (!drv) return tl::unexpected(drv.error());
+  x.driver = *drv;
+  if (jit::Driver::device_count() == 0)
+    return fail(ErrorCode::Unavailable, "no CUDA device: a program runs on a GPU (it can be built, validated, planned "
+                                        "and saved without one)");
+  try {
+    x.device = options.device >= 0 ? options.device : int(c10::cuda::current_device());
+  } catch (const c10::Error& e) {
+    return fail(ErrorCode::Unavailable, std::string("PyTorch sees no CUDA device: ") + e.what_without_backtrace());
+  }
+  auto info = jit::Driver::device(x.device);
+  if (!info) return tl::unexpected(info.error());
+  x.arch = info->arch();
+  for (const KernelSource& ks : x.program.kernels) {
+    auto k = load_kernel(ks, x.arch);
+    if (!k) {
+      Error e = k.error();
+      e.message = "kernel '" + ks.name + "': " + e.message;
+      return tl::unexpected(std::move(e));
+    }
+    x.kernels.push_back(std::move(*k));
+  }
+  // Arguments against the kernels' parameters, so a wrong scalar type fails here, naming the step.
+  for (std::size_t i = 0; i < x.program.steps.size(); ++i) {
+    auto* k = std::get_if<KernelLaunch>(&x.program.steps[i]);
+    if (!k) continue;
+    const auto& params = x.kernels[k->kernel].params();
+    if (params.size() != k->args.size())
+      return fail(ErrorCode::InvalidArgument, step_label(x.program, i) + ": the kernel takes " + std::to_string(params.size()) +
+                                                  " argument(s) but the step passes " + std::to_string(k->args.size()));
+    for (std::size_t a = 0; a < params.size(); ++a) {
+      std::size_t size = std::visit([](const auto& v) -> std::size_t {
+        using T = std::decay_t<decltype(v)>;
+        if constexpr (std::is_same_v<T, BufferArg>) return sizeof(void*);
+        else return sizeof(T);
+      }, k->args[a]);
+      if (size != params[a].size)
+        return fail(ErrorCode::InvalidArgument, step_label(x.program, i) + ": argument " + std::to_string(a) + " is " +
+                                                    std::to_string(size) + " bytes but the kernel's parameter is " +
+                                                    jit::to_string(params[a].kind) + " (" + std::to_string(params[a].size) +
+                                                    " bytes)");
+    }
+  }
+  try {
+    c10::cuda::CUDAGuard guard(c10::DeviceIndex(x.device));
+    for (const Buffer& b : x.program.buffers) {
+      if (b.role != BufferRole::weight) continue;
+      auto dev = at::empty_strided(b.spec.shape, b.spec.strides, x.options_for(b.spec));
+      auto it = x.program.weights.find(b.id);
+      if (it != x.program.weights.end() && !it->second.empty()) {
+        auto host = at::from_blob(const_cast<char*>(it->second.data()), b.spec.shape, b.spec.strides,
+                                  at::TensorOptions().dtype(scalar_type(b.spec.dtype)));
+        dev.copy_(host);
+      } else {
+        dev.zero_();  // bound later with set_weight; zeros rather than garbage until then
+      }
+      x.weights[b.id] = dev;
+    }
+  } catch (const c10::Error& e) {
+    return fail(ErrorCode::CudaError, std::string("uploading the weights failed: ") + e.what_without_backtrace());
+  }
+  return std::make_shared<Executor>(std::move(impl));
+}
+
+Result<std::shared_ptr<Executor>> Executor::load(const std::string& path, ExecutorOptions options) {
+  auto p = Program::load(path);
+  if (!p) return tl::unexpected(p.error());
+  return create(std::move(*p), options);
+}
+
+Result<void> Executor::run(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs, void* stream) {
+  Impl& x = *impl_;
+  if (auto r = x.check_io(inputs, x.input_ids, "input"); !r) return r;
+  if (auto r = x.check_io(outputs, x.output_ids, "output"); !r) return r;
+  stream = x.resolve(stream);
+  auto got = x.instance(stream);
+  if (!got) return tl::unexpected(got.error());
+  Instance& in = **got;
+  std::lock_guard<std::mutex> lock(in.mu);
+  try {
+    c10::cuda::CUDAGuard device_guard(c10::DeviceIndex(x.device));
+    c10::cuda::CUDAStreamGuard stream_guard(
+        c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream), c10::DeviceIndex(x.device)));
+    if (!in.warmed || !x.options.graphs) {
+      // Eager: the caller's tensors are the program's inputs and outputs.
+      for (std::size_t i = 0; i < inputs.size(); ++i) in.tensors[x.slot.at(x.input_ids[i])] = inputs[i];
+      for (std::size_t i = 0; i < outputs.size(); ++i) in.tensors[x.slot.at(x.output_ids[i])] = outputs[i];
+      auto ok = x.execute(in, stream);
+      for (BufferId id : x.input_ids) in.tensors[x.slot.at(id)] = at::Tensor();
+      for (BufferId id : x.output_ids) in.tensors[x.slot.at(id)] = at::Tensor();
+      if (!ok) return ok;
+      in.warmed = true;
+      x.eager_runs++;
+      x.runs++;
+      return {};
+    }
+    if (!in.graph) {
+      // Capture on a side stream ordered after the caller's work; captures are serialized process-wide
+      // and thread-local, so other threads keep launching and replaying meanwhile.
+      static std::mutex capture_mu;
+      std::lock_guard<std::mutex> capture_lock(capture_mu);
+      for (std::size_t i = 0; i < x.input_ids.size(); ++i) in.tensors[x.slot.at(x.input_ids[i])] = in.static_in[i];
+      for (std::size_t i = 0; i < x.output_ids.size(); ++i) in.tensors[x.slot.at(x.output_ids[i])] = in.static_out[i];
+      auto side = c10::cuda::getStreamFromPool(false, c10::DeviceIndex(x.device));
+      side.synchronize();
+      if (CUresult r = x.driver->StreamSynchronize(static_cast<CUstream>(stream)); r != CUDA_SUCCESS)
+        return tl::unexpected(jit::detail::cuda_error(r, "waiting for the stream before capture"));
+      auto graph = std::make_unique<at::cuda::CUDAGraph>();
+      Result<void> ok{};
+      {
+        c10::cuda::CUDAStreamGuard capture_guard(side);
+        graph->capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
+        ok = x.execute(in, side.stream());
+        graph->capture_end();
+      }
+      if (!ok) return ok;
+      in.graph = std::move(graph);
+      x.captures++;
+    }
+    for (std::size_t i = 0; i < inputs.size(); ++i)
+      if (auto r = x.copy(in.static_in[i], inputs[i], stream); !r) return r;
+    in.graph->replay();
+    for (std::size_t i = 0; i < outputs.size(); ++i)
+      if (auto r = x.copy(outputs[i], in.static_out[i], stream); !r) return r;
+    x.replays++;
+    x.runs++;
+    return {};
+  } catch (const c10::Error& e) {
+    return fail(ErrorCode::CudaError, std::string("running the program failed: ") + e.what_without_backtrace());
+  }
+}
+
+Result<std::vector<at::Tensor>> Executor::run(const std::vector<at::Tensor>& inputs, void* stream) {
+  std::vector<at::Tensor> outputs;
+  try {
+    for (BufferId id : impl_->output_ids) {
+      const TensorSpec& s = impl_->spec(id);
+      outputs.push_back(at::empty_strided(s.shape, s.strides, impl_->options_for(s)));
+    }
+  } catch (const c10::Error& e) {
+    return fail(ErrorCode::CudaError, std::string("allocating the outputs failed: ") + e.what_without_backtrace());
+  }
+  if (auto r = run(inputs, outputs, stream); !r) return tl::unexpected(r.error());
+  return outputs;
+}
+
+Result<void> Executor::run(const std::vector<const void*>& inputs, const std::vector<void*>& outputs, void* stream) {
+  Impl& x = *impl_;
+  auto wrap = [&](const void* ptr, BufferId id) {
+    const TensorSpec& s = x.spec(id);
+    return at::from_blob(const_cast<void*>(ptr), s.shape, s.strides, x.options_for(s));
+  };
+  if (inputs.size() != x.input_ids.size() || outputs.size() != x.output_ids.size())
+    return fail(ErrorCode::InvalidArgument, "the program takes " + std::to_string(x.input_ids.size()) + " input(s) and " +
+                                                std::to_string(x.output_ids.size()) + " output(s); got " +
+                                                std::to_string(inputs.size()) + " and " + std::to_string(outputs.size()));
+  std::vector<at::Tensor> in, out;
+  try {
+    for (std::size_t i = 0; i < inputs.size(); ++i) {
+      if (!inputs[i]) return fail(ErrorCode::InvalidArgument, "input " + std::to_string(i) + " is a null pointer");
+      in.push_back(wrap(inputs[i], x.input_ids[i]));
+    }
+    for (std::size_t i = 0; i < outputs.size(); ++i) {
+      if (!outputs[i]) return fail(ErrorCode::InvalidArgument, "output " + std::to_string(i) + " is a null pointer");
+      out.push_back(wrap(outputs[i], x.output_ids[i]));
+    }
+  } catch (const c10::Error& e) {
+    return fail(ErrorCode::InvalidArgument, std::string("wrapping the device pointers failed: ") + e.what_without_backtrace());
+  }
+  return run(in, out, stream);
+}
+
+Result<std::vector<at::Tensor>> Executor::static_inputs(void* stream) {
+  auto in = impl_->instance(impl_->resolve(stream));
+  if (!in) return tl::unexpected(in.error());
+  return (*in)->static_in;
+}
+
+Result<std::vector<at::Tensor>> Executor::static_outputs(void* stream) {
+  auto in = impl_->instance(impl_->resolve(stream));
+  if (!in) return tl::unexpected(in.error());
+  return (*in)->static_out;
+}
+
+Result<void> Executor::set_weight(BufferId weight, const at::Tensor& value) {
+  auto it = impl_->weights.find(weight);
+  if (it == impl_->weights.end())
+    return fail(ErrorCode::InvalidArgument, "buffer " + std::to_string(weight) + " is not a weight of this program");
+  const TensorSpec& s = impl_->spec(weight);
+  if (value.sizes().vec() != s.shape || value.scalar_type() != scalar_type(s.dtype))
+    return fail(ErrorCode::InvalidArgument, "weight " + std::to_string(weight) + " must be " + s.describe() + " but the value is " +
+                                                describe(value));
+  try {
+    c10::cuda::CUDAGuard guard(c10::DeviceIndex(impl_->device));
+    it->second.copy_(value);  // in place: every instance and captured graph sees the new values
+    c10::cuda::device_synchronize();
+  } catch (const c10::Error& e) {
+    return fail(ErrorCode::CudaError, std::string("setting the weight failed: ") + e.what_without_backtrace());
+  }
+  return {};
+}
+
+const Program& Executor::program() const { return impl_->program; }
+const BufferPlan& Executor::plan() const { return impl_->plan; }
+std::vector<BufferId> Executor::inputs() const { return impl_->input_ids; }
+std::vector<BufferId> Executor::outputs() const { return impl_->output_ids; }
+int Executor::device() const { return impl_->device; }
+
+ExecutorStats Executor::stats() const {
+  ExecutorStats s;
+  s.runs = impl_->runs, s.eager_runs = impl_->eager_runs, s.replays = impl_->replays, s.captures = impl_->captures;
+  s.copies_skipped = impl_->copies_skipped;
+  {
+    std::lock_guard<std::mutex> lock(impl_->instances_mu);
+    s.instances = impl_->instances.size();
+  }
+  s.arena_bytes = impl_->plan.arena_bytes;
+  return s;
+}
+
+}  // namespace stitchcuda::program

@@ -1,0 +1,58 @@
+// The executor's step runners that need more than a kernel launch: cuBLASLt matmuls and ATen ops.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <stitchcuda/program.hpp>
+
+namespace stitchcuda::program::detail {
+
+// ---- cuBLASLt (libcublasLt.so.13, the one PyTorch loaded) ----
+
+/// A matmul step with its descriptors and algorithm chosen once per instance.
+class PreparedMatmul {
+ public:
+  /// Builds the descriptors for `m` on `device` and picks an algorithm with `workspace_bytes`.
+  static Result<std::unique_ptr<PreparedMatmul>> create(const Matmul& m, const Program& program,
+                                                        std::size_t workspace_bytes);
+  /// Enqueues c = epilogue(alpha * op(a) @ op(b) + beta * c [+ bias]) on `stream`.
+  Result<void> run(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, const at::Tensor* bias,
+                   void* workspace, std::size_t workspace_bytes, void* stream) const;
+  ~PreparedMatmul();
+  PreparedMatmul(const PreparedMatmul&) = delete;
+  PreparedMatmul& operator=(const PreparedMatmul&) = delete;
+
+  struct Descriptors;
+
+ private:
+  PreparedMatmul() = default;
+  std::unique_ptr<Descriptors> d_;
+};
+
+// ---- ATen ops through the dispatcher ----
+
+/// An ATen op resolved in the dispatcher, with its non-tensor arguments converted once.
+class BoundAtenOp {
+ public:
+  /// Resolves `op.op`, matches inputs and attributes to its schema; errors name the argument.
+  static Result<BoundAtenOp> bind(const AtenOp& op, const Program& program);
+  /// Calls the op on `inputs` and returns its tensor results, flattened.
+  std::vector<at::Tensor> call(const std::vector<at::Tensor>& inputs) const;
+
+ private:
+  // One schema argument: a tensor from the inputs (or a list of them), or a fixed value.
+  struct Slot {
+    enum Kind { tensor, tensor_list, optional_absent, value } kind = value;
+    std::size_t first = 0, count = 0;  // inputs used by tensor / tensor_list
+    c10::IValue constant;              // for value
+  };
+  std::shared_ptr<c10::OperatorHandle> handle_;
+  std::vector<Slot> slots_;
+};
+
+}  // namespace stitchcuda::program::detail

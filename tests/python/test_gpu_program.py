@@ -1,0 +1,214 @@
+"""The program runtime on a GPU: hand-built programs (an MLP with fused cuBLASLt epilogues, a residual
+block with a convolution as an ATen step, a program mixing every step kind) against eager PyTorch; graph
+replay; several threads on their own streams; an artifact's output bitwise equal to the program's.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import stitchcuda
+from stitchcuda import ProgramBuilder, Program
+
+pytestmark = pytest.mark.gpu
+
+RESIDUAL_RELU = r"""
+extern "C" __global__ void residual_relu(const float* x, const float* h, float* y, long long n) {
+  long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (i < n) y[i] = x[i] + fmaxf(h[i], 0.0f);
+}
+"""
+
+SCALE_SHIFT = r"""
+extern "C" __global__ void scale_shift(const float* x, float* y, float scale, float shift, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = x[i] * scale + shift;
+}
+"""
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32():
+    """Eager references in true fp32 (the executor follows the same flags)."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def mlp_program(w1, b1, w2, b2, batch, epilogue1="bias_relu"):
+    b = ProgramBuilder()
+    x = b.input([batch, w1.shape[1]], name="x")
+    W1, B1 = b.weight(w1, name="w1"), b.weight(b1, name="b1")
+    W2, B2 = b.weight(w2, name="w2"), b.weight(b2, name="b2")
+    h = b.intermediate([batch, w1.shape[0]], name="h")
+    y = b.output([batch, w2.shape[0]], name="y")
+    b.matmul(x, W1, h, bias=B1, transpose_b=True, epilogue=epilogue1)
+    b.matmul(h, W2, y, bias=B2, transpose_b=True, epilogue="bias")
+    return b.build()
+
+
+def test_mlp_with_fused_epilogues_matches_eager():
+    torch.manual_seed(0)
+    w1, b1 = torch.randn(512, 256, device="cuda") / 16, torch.randn(512, device="cuda")
+    w2, b2 = torch.randn(128, 512, device="cuda") / 22, torch.randn(128, device="cuda")
+    for epilogue, act in (("bias_relu", F.relu), ("bias_gelu", lambda t: F.gelu(t, approximate="tanh"))):
+        model = stitchcuda.ProgramModule(mlp_program(w1, b1, w2, b2, 64, epilogue))
+        for trial in range(3):  # eager, capture + replay, replay
+            x = torch.randn(64, 256, device="cuda") * (trial + 1)
+            expected = F.linear(act(F.linear(x, w1, b1)), w2, b2)
+            torch.testing.assert_close(model(x), expected, atol=1e-4, rtol=1e-4)
+        stats = model.stats()
+        assert stats["eager_runs"] == 1 and stats["captures"] == 1 and stats["replays"] == 2, stats
+
+
+def residual_program(weight, bias, shape):
+    b = ProgramBuilder()
+    x = b.input(shape, name="x")
+    w, wb = b.weight(weight, name="conv.weight"), b.weight(bias, name="conv.bias")
+    h = b.intermediate(shape, name="conv")
+    y = b.output(shape, name="y")
+    b.aten("aten::convolution", [x, w, wb], [h], stride=[1, 1], padding=[1, 1], dilation=[1, 1],
+           transposed=False, output_padding=[0, 0], groups=1)
+    k = b.kernel(RESIDUAL_RELU, "residual_relu")
+    n = 1
+    for e in shape:
+        n *= e
+    b.launch(k, (n + 255) // 256, 256, [("in", x), ("in", h), ("out", y), ("i64", n)])
+    return b.build()
+
+
+def test_residual_block_with_convolution_as_aten_step():
+    torch.manual_seed(1)
+    shape = [4, 16, 24, 24]
+    weight, bias = torch.randn(16, 16, 3, 3, device="cuda") / 12, torch.randn(16, device="cuda")
+    model = stitchcuda.ProgramModule(residual_program(weight, bias, shape))
+    for trial in range(3):
+        x = torch.randn(*shape, device="cuda")
+        expected = x + F.relu(F.conv2d(x, weight, bias, padding=1))
+        torch.testing.assert_close(model(x), expected, atol=1e-4, rtol=1e-4)
+
+
+def mixed_program(w):
+    """view -> ATen softmax -> view -> custom kernel -> cuBLASLt matmul: every step kind."""
+    b = ProgramBuilder()
+    x = b.input([8, 32], name="x")
+    W = b.weight(w, name="w")
+    x3 = b.view("reshape", x, [8, 4, 8])
+    s3 = b.intermediate([8, 4, 8], name="softmax")
+    b.aten("aten::_softmax", [x3], [s3], dim=-1, half_to_float=False)
+    s2 = b.view("reshape", s3, [8, 32])
+    t = b.intermediate([8, 32], name="scaled")
+    k = b.kernel(SCALE_SHIFT, "scale_shift")
+    b.launch(k, 1, 256, [("in", s2), ("out", t), ("f32", 3.0), ("f32", -0.5), ("i32", 256)])
+    y = b.output([8, 16], name="y")
+    b.matmul(t, W, y)
+    return b.build()
+
+
+def mixed_reference(x, w):
+    s = torch.softmax(x.view(8, 4, 8), dim=-1).view(8, 32)
+    return (s * 3.0 - 0.5) @ w
+
+
+def test_program_mixing_every_step_kind():
+    torch.manual_seed(2)
+    w = torch.randn(32, 16, device="cuda")
+    program = mixed_program(w)
+    assert {s["kind"] for s in program.steps} == {"view", "aten", "kernel", "matmul"}
+    for graphs in (True, False):
+        model = stitchcuda.ProgramModule(program, graphs=graphs)
+        for _ in range(3):
+            x = torch.randn(8, 32, device="cuda")
+            torch.testing.assert_close(model(x), mixed_reference(x, w), atol=1e-4, rtol=1e-4)
+        assert model.stats()["replays"] == (2 if graphs else 0)
+
+
+def test_replay_reads_new_inputs_and_static_buffers_skip_copies():
+    torch.manual_seed(3)
+    w = torch.randn(32, 16, device="cuda")
+    ex = mixed_program(w).executor()
+    x0 = torch.randn(8, 32, device="cuda")
+    ex.run([x0])
+    ins, outs = ex.static_inputs(), ex.static_outputs()
+    for _ in range(3):
+        ins[0].copy_(torch.randn(8, 32, device="cuda"))
+        got = ex.run(ins, outs)
+        torch.testing.assert_close(got[0], mixed_reference(ins[0], w), atol=1e-4, rtol=1e-4)
+        assert got[0].data_ptr() == outs[0].data_ptr()
+    assert ex.stats()["copies_skipped"] >= 6
+
+
+def test_threads_on_their_own_streams():
+    torch.manual_seed(4)
+    w1, b1 = torch.randn(256, 128, device="cuda") / 11, torch.randn(256, device="cuda")
+    w2, b2 = torch.randn(64, 256, device="cuda") / 16, torch.randn(64, device="cuda")
+    ex = mlp_program(w1, b1, w2, b2, 32).executor()
+    failures: list[str] = []
+
+    def serve(seed: int) -> None:
+        stream = torch.cuda.Stream()
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        with torch.cuda.stream(stream):
+            for i in range(40):
+                x = torch.randn(32, 128, device="cuda", generator=gen)
+                y = ex.run([x], stream=stream)[0]
+                expected = F.linear(F.relu(F.linear(x, w1, b1)), w2, b2)
+                if not torch.allclose(y, expected, atol=1e-4, rtol=1e-4):
+                    failures.append(f"thread {seed}, request {i}: max error {(y - expected).abs().max().item()}")
+            stream.synchronize()
+
+    threads = [threading.Thread(target=serve, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures[:3]
+    stats = ex.stats()
+    assert stats["instances"] == 4 and stats["captures"] == 4 and stats["runs"] == 160, stats
+
+
+def test_saved_artifact_runs_bitwise_identically(tmp_path):
+    torch.manual_seed(5)
+    weight, bias = torch.randn(16, 16, 3, 3, device="cuda") / 12, torch.randn(16, device="cuda")
+    program = residual_program(weight, bias, [2, 16, 12, 12])
+    program.compile_kernels()
+    assert program.kernels[0]["cubin_bytes"] > 0 and program.kernels[0]["signature"]
+    path = tmp_path / "block.stitch"
+    program.save(path)
+    before, after = stitchcuda.ProgramModule(program), stitchcuda.load(path)
+    for _ in range(3):
+        x = torch.randn(2, 16, 12, 12, device="cuda")
+        assert torch.equal(before(x), after(x))
+
+
+def test_wrong_inputs_are_clear_errors():
+    ex = mixed_program(torch.randn(32, 16, device="cuda")).executor()
+    with pytest.raises(stitchcuda.InvalidArgumentError, match=r"input 0 \('x'\) must be f32\[8, 32\]"):
+        ex.run([torch.randn(8, 31, device="cuda")])
+    with pytest.raises(stitchcuda.InvalidArgumentError, match="is on cpu"):
+        ex.run([torch.randn(8, 32)])
+    with pytest.raises(stitchcuda.InvalidArgumentError, match="takes 1 input"):
+        ex.run([])
+
+
+def test_kernel_argument_mismatch_names_the_step():
+    b = ProgramBuilder()
+    x, y = b.input([256]), b.output([256])
+    k = b.kernel(SCALE_SHIFT, "scale_shift")
+    b.launch(k, 1, 256, [("in", x), ("out", y), ("f32", 1.0), ("f32", 0.0), ("i64", 256)])
+    with pytest.raises(stitchcuda.InvalidArgumentError, match=r"step 0 \(kernel 'scale_shift'\): argument 4"):
+        b.build().executor()
+
+
+def test_aten_result_of_the_wrong_shape_names_the_step():
+    b = ProgramBuilder()
+    x, y = b.input([4, 4]), b.output([4, 4])
+    b.aten("aten::sum.dim_IntList", [x], [y], dim=[1])
+    with pytest.raises(stitchcuda.InvalidArgumentError, match=r"step 0 \(aten aten::sum.dim_IntList\): result 0 is f32\[4\]"):
+        b.build().executor().run([torch.randn(4, 4, device="cuda")])

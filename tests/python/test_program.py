@@ -1,0 +1,120 @@
+"""The program layer from Python without a GPU: building, validation errors that name the step,
+liveness planning, the artifact round trip and its corruption checks, and the executor's checks that run
+before any GPU is needed (unknown ATen ops, arguments that do not fit the op's schema).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import stitchcuda
+from stitchcuda import Program, ProgramBuilder
+
+
+def mlp(batch=4):
+    b = ProgramBuilder()
+    x = b.input([batch, 8], name="x")
+    w = b.weight(torch.arange(128, dtype=torch.float32).reshape(16, 8), name="w")
+    bias = b.weight(torch.ones(16), name="bias")
+    h = b.intermediate([batch, 16], name="h")
+    y = b.output([batch, 16], name="y")
+    b.matmul(x, w, h, bias=bias, transpose_b=True, epilogue="bias_relu")
+    b.aten("aten::gelu", [h], [y], approximate="none")
+    return b.build()
+
+
+def test_build_describes_buffers_steps_and_weights():
+    p = mlp()
+    assert [b["role"] for b in p.buffers] == ["input", "weight", "weight", "intermediate", "output"]
+    assert [s["kind"] for s in p.steps] == ["matmul", "aten"]
+    assert p.steps[0]["epilogue"] == "bias_relu" and p.steps[0]["transpose_b"] is True
+    assert p.steps[1]["attributes"] == {"approximate": "none"}
+    assert p.plan()["arena_bytes"] == 256  # one [4, 16] f32 intermediate, aligned to 256 bytes
+    assert "2 steps" not in repr(p) and "1 matmul, 1 aten" in repr(p)
+
+
+def test_round_trip_is_byte_identical_and_keeps_weights(tmp_path):
+    p = mlp()
+    path = tmp_path / "mlp.stitch"
+    p.save(path)
+    q = Program.load(path)
+    assert q.serialize() == p.serialize()
+    assert q.buffers == p.buffers and q.steps == p.steps
+
+
+def test_corrupted_truncated_and_wrong_version_artifacts_are_clear_errors(tmp_path):
+    data = bytearray(mlp().serialize())
+    with pytest.raises(stitchcuda.InvalidArgumentError):
+        Program.deserialize(bytes(data[: len(data) // 2]))
+    tampered = bytearray(data)
+    tampered[-5] ^= 0xFF  # inside the last section (weights): its checksum no longer matches
+    with pytest.raises(stitchcuda.InvalidArgumentError, match="fails its SHA-256 check"):
+        Program.deserialize(bytes(tampered))
+    newer = bytearray(data)
+    newer[8:12] = (2).to_bytes(4, "little")  # format version 2, from a future StitchCUDA
+    with pytest.raises(stitchcuda.InvalidArgumentError, match="version"):
+        Program.deserialize(bytes(newer))
+    with pytest.raises(stitchcuda.StitchError):
+        Program.deserialize(b"not an artifact at all")
+    with pytest.raises(stitchcuda.StitchError, match="no artifact at"):
+        Program.load(tmp_path / "missing.stitch")
+
+
+def test_validation_names_the_step():
+    b = ProgramBuilder()
+    x = b.input([4, 8])
+    w = b.weight([5, 8])
+    y = b.output([4, 4])
+    b.matmul(x, w, y, transpose_b=True)
+    with pytest.raises(stitchcuda.InvalidArgumentError, match="step 0"):
+        b.build()
+
+
+def test_bad_builder_arguments():
+    b = ProgramBuilder()
+    with pytest.raises(stitchcuda.InvalidArgumentError, match="unknown dtype 'f8'"):
+        b.input([4], "f8")
+    x = b.input([4])
+    y = b.output([4])
+    with pytest.raises(stitchcuda.InvalidArgumentError, match="unknown epilogue 'swish'"):
+        b.matmul(x, x, y, epilogue="swish")
+    with pytest.raises(stitchcuda.InvalidArgumentError, match="kernel argument kind 'ptr'"):
+        b.launch(0, 1, 1, [("ptr", x)])
+    with pytest.raises(stitchcuda.InvalidArgumentError, match="24 bytes were given"):
+        b.weight([4, 4], data=b"\0" * 24)
+
+
+@pytest.mark.parametrize(
+    "op, attributes, message",
+    [
+        ("aten::nosuch", {}, "unknown ATen op 'aten::nosuch'"),
+        ("aten::gelu", {"approx": "tanh"}, "has no argument 'approx'"),
+        ("aten::gelu", {"approximate": 3}, "argument 'approximate': int 3 does not fit"),
+        ("aten::transpose.int", {"dim0": 0}, "needs argument 'dim1'"),
+        ("aten::relu_", {}, "in place"),
+    ],
+)
+def test_aten_steps_are_checked_against_the_dispatcher_before_any_gpu(op, attributes, message):
+    b = ProgramBuilder()
+    x, y = b.input([4, 4]), b.output([4, 4])
+    b.aten(op, [x], [y], **attributes)
+    with pytest.raises(stitchcuda.InvalidArgumentError, match=rf"step 0 \(aten {op}\): .*{message}"):
+        b.build().executor()
+
+
+def test_executor_without_a_gpu_says_why():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(stitchcuda.UnavailableError):
+        mlp().executor()
+    with pytest.raises(stitchcuda.UnavailableError):
+        stitchcuda.load(_saved(mlp()))
+
+
+def _saved(p: Program) -> str:
+    import tempfile
+
+    path = tempfile.mkdtemp() + "/p.stitch"
+    p.save(path)
+    return path
