@@ -7,6 +7,8 @@
 
 #if STITCHCUDA_CATCH_MAJOR >= 3
 #include <catch2/catch_all.hpp>
+// Catch2 3 moved Approx into the Catch namespace; 2.x exports it globally.
+using Catch::Approx;
 // Catch2 3 reports a skipped test as skipped.
 #define STITCHCUDA_SKIP(msg) SKIP(msg)
 #else
