@@ -77,10 +77,11 @@ def host_overhead() -> dict:
         y = torch.empty(n, device="cuda")
         ex.run([x], [y])  # eager warm-up
         ex.run([x], [y])  # capture
-        expected = x.clone()
+        expected = x.double()
         for _ in range(steps):
             expected = 1.0001 * expected + 1e-4
-        ok = torch.allclose(ex.run([x], [y])[0], expected, rtol=1e-5, atol=1e-5)
+        # fp32 rounding accumulates over the chain: about steps * 2**-24 relative.
+        ok = torch.allclose(ex.run([x], [y])[0].double(), expected, rtol=steps * 2e-7, atol=1e-5)
         ins, outs = ex.static_inputs(), ex.static_outputs()
         ins[0].copy_(x)
         replay_static = _host_us(lambda: ex.run(ins, outs))

@@ -1,0 +1,162 @@
+// serve: a C++ inference server's core loop without Python. Loads a .stitch artifact (or, given none,
+// builds a small MLP program with ProgramBuilder and saves it first), then answers requests from
+// several threads, each on its own CUDA stream, replaying the program's CUDA graph. Every answer is
+// compared with an eager (no graph) executor of the same artifact; the host time per forward is printed.
+//
+//   serve [artifact.stitch] [--threads N] [--requests N]
+//
+// Prints "ok ..." on success, "no GPU: built only (...)" where no GPU is present; exits 1 on any error.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <stitchcuda/executor.hpp>
+#include <stitchcuda/program.hpp>
+
+namespace program = stitchcuda::program;
+
+static int failed(const char* what, const stitchcuda::Error& e) {
+  std::fprintf(stderr, "error: %s: %s\n", what, e.describe().c_str());
+  return 1;
+}
+
+// x[batch, 256] -> linear+bias+ReLU (cuBLASLt epilogue) -> [batch, 512] -> linear+bias -> y[batch, 128].
+static program::Program demo_program(int batch) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  auto bytes_of = [&](std::size_t n, float scale) {
+    std::vector<float> v(n);
+    for (float& x : v) x = normal(rng) * scale;
+    return std::string(reinterpret_cast<const char*>(v.data()), n * sizeof(float));
+  };
+  using program::TensorSpec;
+  program::ProgramBuilder b;
+  auto x = b.input(TensorSpec::contiguous({batch, 256}), "x");
+  auto w1 = b.weight(TensorSpec::contiguous({512, 256}), bytes_of(512 * 256, 1.0f / 16), "w1");
+  auto b1 = b.weight(TensorSpec::contiguous({512}), bytes_of(512, 1.0f), "b1");
+  auto w2 = b.weight(TensorSpec::contiguous({128, 512}), bytes_of(128 * 512, 1.0f / 22), "w2");
+  auto b2 = b.weight(TensorSpec::contiguous({128}), bytes_of(128, 1.0f), "b2");
+  auto h = b.intermediate(TensorSpec::contiguous({batch, 512}), "h");
+  auto y = b.output(TensorSpec::contiguous({batch, 128}), "y");
+  program::Matmul first{.a = x, .b = w1, .c = h, .bias = b1, .transpose_b = true, .epilogue = program::Epilogue::bias_relu};
+  program::Matmul second{.a = h, .b = w2, .c = y, .bias = b2, .transpose_b = true, .epilogue = program::Epilogue::bias};
+  b.matmul(first).matmul(second);
+  auto built = b.build();
+  if (!built) {
+    std::fprintf(stderr, "error: the demo program does not validate: %s\n", built.error().describe().c_str());
+    std::exit(1);
+  }
+  return std::move(*built);
+}
+
+int main(int argc, char** argv) {
+  std::string path;
+  int threads = 4, requests = 100;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) threads = std::max(1, std::atoi(argv[++i]));
+    else if (!std::strcmp(argv[i], "--requests") && i + 1 < argc) requests = std::max(1, std::atoi(argv[++i]));
+    else path = argv[i];
+  }
+  if (path.empty()) {
+    path = (std::filesystem::temp_directory_path() / "stitchcuda-serve-demo.stitch").string();
+    if (auto saved = demo_program(32).save(path); !saved) return failed("saving the demo program", saved.error());
+  }
+  auto loaded = program::Program::load(path);
+  if (!loaded) return failed(("loading " + path).c_str(), loaded.error());
+  std::printf("artifact %s: %zu buffers, %zu steps, %zu kernels\n", path.c_str(), loaded->buffers.size(),
+              loaded->steps.size(), loaded->kernels.size());
+
+  auto served = program::Executor::create(*loaded);
+  if (!served) {
+    if (served.error().code == stitchcuda::ErrorCode::Unavailable) {
+      std::printf("no GPU: built only (%s)\n", served.error().message.c_str());
+      return 0;
+    }
+    return failed("creating the executor", served.error());
+  }
+  auto eager = program::Executor::create(*loaded, {.graphs = false});
+  if (!eager) return failed("creating the eager executor", eager.error());
+  auto& ex = **served;
+
+  // Inputs as the artifact declares them: random values, one set per request.
+  auto make_inputs = [&](std::uint64_t seed) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+    std::vector<at::Tensor> in;
+    for (auto id : ex.inputs()) {
+      const auto& spec = ex.program().buffer(id)->spec;
+      in.push_back(at::randn(spec.shape, gen, at::kFloat).to(at::kCUDA));
+    }
+    return in;
+  };
+
+  std::atomic<int> mismatches{0};
+  std::atomic<int> errors{0};
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t)
+    pool.emplace_back([&, t] {
+      c10::cuda::CUDAGuard device(c10::DeviceIndex(ex.device()));
+      auto stream = c10::cuda::getStreamFromPool(false, c10::DeviceIndex(ex.device()));
+      c10::cuda::CUDAStreamGuard on_stream(stream);
+      for (int r = 0; r < requests; ++r) {
+        auto in = make_inputs(std::uint64_t(t) * 100003u + std::uint64_t(r));
+        auto got = ex.run(in, stream.stream());
+        auto want = (*eager)->run(in, stream.stream());
+        if (!got || !want) {
+          std::fprintf(stderr, "error: thread %d request %d: %s\n", t, r,
+                       (!got ? got.error() : want.error()).describe().c_str());
+          errors++;
+          return;
+        }
+        for (std::size_t o = 0; o < got->size(); ++o)
+          if (!at::equal((*got)[o], (*want)[o])) mismatches++;
+      }
+      stream.synchronize();
+    });
+  for (auto& th : pool) th.join();
+  if (errors) return 1;
+
+  // Host cost of one forward: the graph's static buffers (no copies), each call timed alone.
+  auto stream = c10::cuda::getStreamFromPool(false, c10::DeviceIndex(ex.device()));
+  auto in = ex.static_inputs(stream.stream());
+  auto out = ex.static_outputs(stream.stream());
+  if (!in || !out) return failed("static buffers", !in ? in.error() : out.error());
+  std::vector<double> host_us;
+  for (int i = 0; i < 300; ++i) {
+    stream.synchronize();
+    auto t0 = std::chrono::steady_clock::now();
+    if (auto r = ex.run(*in, *out, stream.stream()); !r) return failed("timed run", r.error());
+    host_us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+  }
+  stream.synchronize();
+  // Raw device pointers, as a server holding its own allocations would call it.
+  std::vector<const void*> raw_in;
+  std::vector<void*> raw_out;
+  for (auto& t : *in) raw_in.push_back(t.data_ptr());
+  auto fresh = ex.run(*in, stream.stream());
+  for (auto& t : *fresh) raw_out.push_back(t.data_ptr());
+  std::vector<at::Tensor> expected;
+  for (auto& t : *out) expected.push_back(t.clone());
+  if (auto r = ex.run(raw_in, raw_out, stream.stream()); !r) return failed("raw-pointer run", r.error());
+  stream.synchronize();
+  for (std::size_t o = 0; o < fresh->size(); ++o)
+    if (!at::equal((*fresh)[o], expected[o])) mismatches++;
+
+  std::nth_element(host_us.begin(), host_us.begin() + long(host_us.size() / 2), host_us.end());
+  auto stats = ex.stats();
+  std::printf("%s threads=%d requests=%d mismatches=%d replays=%llu captures=%llu host_us_per_forward=%.2f\n",
+              mismatches ? "FAILED" : "ok", threads, threads * requests, mismatches.load(),
+              static_cast<unsigned long long>(stats.replays), static_cast<unsigned long long>(stats.captures),
+              host_us[host_us.size() / 2]);
+  return mismatches ? 1 : 0;
+}
