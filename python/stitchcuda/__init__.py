@@ -18,6 +18,7 @@ except ImportError as exc:  # pragma: no cover - depends on the build state
 
 from . import errors, jit, llm
 from .program import Program, ProgramBuilder, ProgramModule, load
+from .graph import OptimizedModule, optimize
 from .doctor import doctor
 from .errors import (
     CancelledError,
@@ -38,4 +39,5 @@ from .errors import (
 __version__: str = _C.version()
 
 __all__ = ["__version__", "jit", "llm", "errors", "doctor", "Program", "ProgramBuilder", "ProgramModule", "load",
+           "optimize", "OptimizedModule",
            *errors.__all__]

@@ -81,6 +81,16 @@ std::optional<c10::IValue> convert(const Attribute& a, const c10::TypePtr& decla
         return std::nullopt;
       }
       break;
+    case c10::TypeKind::DeviceObjType:
+      if (auto* s = std::get_if<std::string>(&a)) {
+        try {
+          return c10::IValue(c10::Device(*s));
+        } catch (const c10::Error&) {
+          why = "'" + *s + "' is not a device (cuda, cuda:0, cpu)";
+          return std::nullopt;
+        }
+      }
+      break;
     case c10::TypeKind::ListType: {
       auto element = type->castRaw<c10::ListType>()->getElementType()->kind();
       if (element == c10::TypeKind::IntType || element == c10::TypeKind::SymIntType) {
@@ -140,7 +150,17 @@ Result<BoundAtenOp> BoundAtenOp::bind(const AtenOp& step, const Program& program
     const c10::Argument& arg = args[i];
     Slot slot;
     const c10::TypePtr& type = arg.type();
-    if (is_tensor(type) || is_optional_tensor(type)) {
+    auto given = step.attributes.find(arg.name());
+    if (is_optional_tensor(type) && given != step.attributes.end()) {
+      // An absent optional tensor before a present one (layer_norm without weight but with bias)
+      // is spelt as the attribute "<name>": "none".
+      auto* text = std::get_if<std::string>(&given->second);
+      if (!text || *text != "none")
+        return fail(ErrorCode::InvalidArgument, "ATen op '" + step.op + "', argument '" + arg.name() +
+                                                    "': an optional tensor takes the attribute \"none\" or an input");
+      slot.kind = Slot::optional_absent;
+      used.insert(arg.name());
+    } else if (is_tensor(type) || is_optional_tensor(type)) {
       if (next < n_inputs) {
         slot.kind = Slot::tensor, slot.first = next++, slot.count = 1;
       } else if (is_optional_tensor(type)) {

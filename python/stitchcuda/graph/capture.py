@@ -1,0 +1,217 @@
+"""Capture: a live nn.Module and example inputs -> a core-ATen dataflow graph the Planner can partition.
+
+`torch.export` (non-strict) traces the module; `run_decompositions()` lowers it to core ATen. The result
+mirrors the program layer's graph IR (`stitchcuda::program::Graph`): values (user inputs, weights,
+node results) with shape, strides and dtype, and nodes (an ATen op with tensor inputs and non-tensor
+arguments). What cannot be captured raises CaptureError with the reason and what to do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["CaptureError", "Value", "Node", "Graph", "capture"]
+
+
+class CaptureError(Exception):
+    """The model could not be captured; the message says why and what to do."""
+
+
+@dataclass
+class Value:
+    """A tensor in the graph."""
+
+    name: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: torch.dtype
+    kind: str  # "input", "weight", "node"
+    storage_offset: int = 0
+    data: torch.Tensor | None = None  # weights: the tensor
+    producer: "Node | None" = None
+    users: list["Node"] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for e in self.shape:
+            n *= e
+        return n
+
+    def is_contiguous(self) -> bool:
+        expected = 1
+        for extent, stride in zip(reversed(self.shape), reversed(self.strides)):
+            if extent != 1 and stride != expected:
+                return False
+            expected *= extent
+        return True
+
+
+@dataclass
+class Node:
+    """One ATen op: `op` is "aten::name" or "aten::name.overload"; `args` mirror the call with Values in
+    place of tensors; `outputs` are the values it produces (several for e.g. native_layer_norm)."""
+
+    name: str
+    op: str
+    target: Any  # the torch OpOverload
+    args: tuple
+    kwargs: dict
+    outputs: list[Value | None]
+
+    @property
+    def inputs(self) -> list[Value]:
+        found: list[Value] = []
+
+        def visit(a):
+            if isinstance(a, Value):
+                if a not in found:
+                    found.append(a)
+            elif isinstance(a, (list, tuple)):
+                for x in a:
+                    visit(x)
+
+        visit(self.args)
+        visit(tuple(self.kwargs.values()))
+        return found
+
+    @property
+    def out(self) -> Value:
+        assert self.outputs[0] is not None
+        return self.outputs[0]
+
+
+@dataclass
+class Graph:
+    """A captured forward: user inputs in call order, weights, nodes in topological order, outputs."""
+
+    inputs: list[Value]
+    weights: list[Value]
+    nodes: list[Node]
+    outputs: list[Value]
+    out_spec: Any  # pytree spec to rebuild the module's output structure
+    in_spec: Any
+    exported: Any  # the ExportedProgram (for the reference interpreter)
+
+    def op_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for n in self.nodes:
+            counts[n.op] = counts.get(n.op, 0) + 1
+        return counts
+
+
+def op_name(target: Any) -> str:
+    """"aten::addmm" for aten.addmm.default, "aten::add.Tensor" for aten.add.Tensor."""
+    schema = target._schema
+    return schema.name + (f".{schema.overload_name}" if schema.overload_name else "")
+
+
+def _meta(val: Any, name: str) -> tuple:
+    if not isinstance(val, torch.Tensor):
+        raise CaptureError(f"value '{name}' is a {type(val).__name__}, not a tensor: StitchCUDA programs pass "
+                           "tensors between steps (return tensors from forward)")
+    if any(not isinstance(s, int) for s in val.shape):
+        raise CaptureError(f"value '{name}' has a symbolic shape {tuple(val.shape)}: capture with static shapes")
+    return tuple(int(s) for s in val.shape), tuple(int(s) for s in val.stride()), val.dtype, int(val.storage_offset())
+
+
+def capture(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Graph:
+    """Exports `model` on `example_inputs` and returns its core-ATen graph."""
+    try:
+        exported = torch.export.export(model, tuple(example_inputs), strict=False)
+        exported = exported.run_decompositions()
+    except Exception as exc:  # torch raises many types here; the message is what the user needs
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CaptureError(
+            f"torch.export could not capture the model ({type(exc).__name__}: {first}). Common causes: "
+            "control flow that depends on tensor values, non-tensor inputs that change, unsupported Python "
+            "in forward. The model runs eagerly instead.") from exc
+
+    sig = exported.graph_signature
+    state = dict(exported.state_dict)
+    state.update(exported.constants)
+    placeholder_target: dict[str, str] = {}
+    for spec in sig.input_specs:
+        if spec.target is not None and hasattr(spec.arg, "name"):
+            placeholder_target[spec.arg.name] = spec.target
+    user_inputs = set(sig.user_inputs)
+
+    values: dict[str, Value] = {}
+    inputs: list[Value] = []
+    weights: list[Value] = []
+    nodes: list[Node] = []
+    multi: dict[str, Node] = {}
+
+    def convert(a):
+        if isinstance(a, torch.fx.Node):
+            if a.name in values:
+                return values[a.name]
+            raise CaptureError(f"'{a.name}' is used but produces no tensor StitchCUDA can hold")
+        if isinstance(a, (list, tuple)):
+            return type(a)(convert(x) for x in a)
+        if isinstance(a, (torch.dtype, torch.device, torch.layout, torch.memory_format, int, float, bool, str)) or a is None:
+            return a
+        raise CaptureError(f"unsupported argument of type {type(a).__name__} in the exported graph")
+
+    for fx in exported.graph.nodes:
+        if fx.op == "placeholder":
+            shape, strides, dtype, offset = _meta(fx.meta.get("val"), fx.name)
+            if fx.name in user_inputs:
+                v = Value(fx.name, shape, strides, dtype, "input", offset)
+                inputs.append(v)
+            else:
+                target = placeholder_target.get(fx.name)
+                data = state.get(target) if target is not None else None
+                if data is None:
+                    raise CaptureError(f"graph input '{fx.name}' is neither a user input nor a known weight")
+                v = Value(fx.name, shape, strides, dtype, "weight", offset, data=data.detach())
+                weights.append(v)
+            values[fx.name] = v
+        elif fx.op == "call_function":
+            if fx.target is __import__("operator").getitem:
+                parent = multi.get(fx.args[0].name)
+                if parent is None:
+                    raise CaptureError(f"getitem on '{fx.args[0].name}', which is not a multi-output op")
+                index = int(fx.args[1])
+                v = parent.outputs[index]
+                if v is None:
+                    raise CaptureError(f"'{fx.name}' selects result {index} of {parent.op}, which is not a tensor")
+                values.pop(v.name, None)
+                v.name = fx.name
+                values[fx.name] = v
+                continue
+            if not isinstance(fx.target, torch._ops.OpOverload):
+                raise CaptureError(f"node '{fx.name}' calls {fx.target}, which is not an ATen operator")
+            node = Node(fx.name, op_name(fx.target), fx.target, convert(fx.args), {k: convert(v) for k, v in fx.kwargs.items()}, [])
+            val = fx.meta.get("val")
+            if isinstance(val, (list, tuple)):
+                # Every result gets a value (an op step needs a buffer for each), named by getitem later.
+                multi[fx.name] = node
+                for k, item in enumerate(val):
+                    if isinstance(item, torch.Tensor):
+                        shape, strides, dtype, offset = _meta(item, f"{fx.name}[{k}]")
+                        node.outputs.append(Value(f"{fx.name}.{k}", shape, strides, dtype, "node", offset, producer=node))
+                    else:
+                        node.outputs.append(None)
+            else:
+                shape, strides, dtype, offset = _meta(val, fx.name)
+                v = Value(fx.name, shape, strides, dtype, "node", offset, producer=node)
+                node.outputs = [v]
+                values[fx.name] = v
+            for i in node.inputs:
+                i.users.append(node)
+            nodes.append(node)
+        elif fx.op == "output":
+            outs = fx.args[0]
+            outputs = [convert(o) for o in (outs if isinstance(outs, (list, tuple)) else [outs])]
+            for o in outputs:
+                if not isinstance(o, Value):
+                    raise CaptureError("the model returns a non-tensor value; return tensors only")
+        else:
+            raise CaptureError(f"unsupported node kind '{fx.op}' ({fx.name}) in the exported graph")
+    if not inputs:
+        raise CaptureError("the model has no tensor inputs")
+    return Graph(inputs, weights, nodes, outputs, exported.call_spec.out_spec, exported.call_spec.in_spec, exported)

@@ -1,0 +1,418 @@
+"""Lowering: a Plan's groups -> a stitched Program (buffers, kernels from the template Coder, cuBLASLt
+matmuls, ATen steps, views), and the per-group check against the group's ATen subgraph.
+
+Views and constants are materialized lazily, at their first consumer, so a weight transpose folded into
+a matmul or a constant nobody reads costs nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+from ..program import Program, ProgramBuilder, dtype_name
+from .capture import Graph, Node, Value
+from .planner import Group, Plan
+from .templates import POINTWISE_OPS, KernelCode, PointwiseInput, pointwise_kernel, row_reduction_kernel
+
+__all__ = ["LoweringError", "Lowering", "reference_values", "check_group", "tolerance"]
+
+
+class LoweringError(Exception):
+    """A group cannot be expressed as program steps; the message says why."""
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, s = [], 1
+    for e in reversed(shape):
+        strides.append(s)
+        s *= max(int(e), 1)
+    return tuple(reversed(strides))
+
+
+def tolerance(dtype: torch.dtype, precision: str = "fp32") -> tuple[float, float]:
+    """(atol, rtol): fp32 1e-4 (1e-2 when TF32/bf16 matmuls are allowed), fp16/bf16 1e-2."""
+    if dtype in (torch.float16, torch.bfloat16) or precision != "fp32":
+        return 1e-2, 1e-2
+    return 1e-4, 1e-4
+
+
+def reference_values(graph: Graph, inputs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Runs the exported graph with ATen, recording every value by name (weights included)."""
+    env: dict[str, torch.Tensor] = {}
+    gm = graph.exported.graph_module
+    weights = {w.name: w.data for w in graph.weights}
+    user = {v.name: t for v, t in zip(graph.inputs, inputs)}
+    args = []
+    for fx in gm.graph.nodes:
+        if fx.op == "placeholder":
+            args.append(user[fx.name] if fx.name in user else weights[fx.name])
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, n):
+            result = super().run_node(n)
+            if isinstance(result, torch.Tensor):
+                env[n.name] = result
+            elif isinstance(result, (list, tuple)):
+                for k, r in enumerate(result):
+                    if isinstance(r, torch.Tensor):
+                        env[f"{n.name}.{k}"] = r
+            return result
+
+    with torch.no_grad():
+        Recorder(gm).run(*args)
+    return env
+
+
+class Lowering:
+    """Builds one Program from groups. `externals`: values that are program inputs (in order)."""
+
+    def __init__(self, graph: Graph, plan: Plan, constants: dict[str, torch.Tensor], sm_count: int = 132) -> None:
+        self.graph, self.plan, self.constants, self.sm_count = graph, plan, constants, sm_count
+        self.b = ProgramBuilder()
+        self.buf: dict[str, int] = {}
+        self.spec: dict[int, tuple[tuple[int, ...], tuple[int, ...], torch.dtype]] = {}
+        self.pending: dict[str, Group] = {}
+        self.kernels: list[tuple[Group, KernelCode]] = []
+        self.notes: list[str] = []
+        self._names = itertools.count()
+
+    # ---- buffers ----
+
+    def _record(self, value: Value, bid: int, shape, strides, dtype) -> int:
+        self.buf[value.name] = bid
+        self.spec[bid] = (tuple(shape), tuple(strides), dtype)
+        return bid
+
+    def need(self, v: Value, contiguous: bool = False) -> int:
+        """The buffer holding `v`, materializing views and constants on first use."""
+        if v.name not in self.buf:
+            if v.name in self.pending:
+                self._lower_view(self.pending.pop(v.name))
+            elif v.kind == "weight" or v.name in self.constants:
+                data = (v.data if v.kind == "weight" else self.constants[v.name]).detach().contiguous()
+                bid = self.b.weight(data, name=v.name)
+                self._record(v, bid, data.shape, _contiguous_strides(data.shape), data.dtype)
+            else:
+                raise LoweringError(f"value '{v.name}' is used before any step produces it")
+        bid = self.buf[v.name]
+        shape, strides, dtype = self.spec[bid]
+        if contiguous and strides != _contiguous_strides(shape):
+            out = self.b.intermediate(list(shape), dtype_name(dtype), name=f"{v.name}.contiguous")
+            self.b.aten("aten::contiguous", [bid], [out])
+            self.spec[out] = (shape, _contiguous_strides(shape), dtype)
+            self.buf[v.name] = out
+            return out
+        return bid
+
+    def produce(self, v: Value) -> int:
+        """A fresh contiguous buffer for `v` (the output buffer when `v` is a graph output)."""
+        if v.name in self.buf:
+            raise LoweringError(f"value '{v.name}' is produced twice")
+        if v.name in self.output_ids and v.name not in self.written:
+            self.written.add(v.name)
+            bid = self.output_ids[v.name]
+        else:
+            bid = self.b.intermediate(list(v.shape), dtype_name(v.dtype), name=v.name)
+        return self._record(v, bid, v.shape, _contiguous_strides(v.shape), v.dtype)
+
+    # ---- the program ----
+
+    def build(self, groups: list[Group], inputs: list[Value], outputs: list[Value], fallback: set[int] = frozenset()) -> Program:
+        self.output_ids: dict[str, int] = {}
+        self.written: set[str] = set()
+        for v in inputs:
+            self._record(v, self.b.input(list(v.shape), dtype_name(v.dtype), name=v.name), v.shape,
+                         _contiguous_strides(v.shape), v.dtype)
+        extra_outputs: list[tuple[Value, int]] = []
+        for v in outputs:
+            bid = self.b.output(list(v.shape), dtype_name(v.dtype), name=v.name)
+            if v.name in self.output_ids:
+                extra_outputs.append((v, bid))
+            else:
+                self.output_ids[v.name] = bid
+        for g in groups:
+            if g.kind in ("view",):
+                self.pending[g.nodes[0].out.name] = g
+            elif g.kind == "constant":
+                continue  # values already in self.constants; weights are created at first use
+            elif id(g) in fallback or g.kind == "aten":
+                for n in g.nodes:
+                    self._lower_aten(n)
+            elif g.kind == "gemm":
+                self._lower_gemm(g)
+            elif g.kind == "pointwise":
+                self._lower_pointwise(g)
+            elif g.kind == "reduction":
+                self._lower_reduction(g)
+            else:
+                raise LoweringError(f"unknown group kind {g.kind}")
+        # Outputs nothing wrote (a returned input, weight, constant or view, or a value returned twice).
+        for v in outputs:
+            if v.name in self.output_ids and v.name not in self.written:
+                src = self.need(v)  # may lower a pending view straight into the output buffer
+                if v.name not in self.written:
+                    self.b.aten("aten::clone", [src], [self.output_ids[v.name]])
+                    self.written.add(v.name)
+        for v, bid in extra_outputs:
+            self.b.aten("aten::clone", [self.need(v)], [bid])
+        self.b.precision(self.plan.precision)
+        return self.b.build()
+
+    # ---- groups ----
+
+    def _name(self, prefix: str, group: Group) -> str:
+        safe = "".join(c if c.isalnum() else "_" for c in group.name)
+        return f"{prefix}_{safe}_{next(self._names)}"
+
+    def _lower_gemm(self, g: Group) -> None:
+        p = g.params
+        node = g.nodes[0]
+        a, b = self.need(p["a"], contiguous=True), self.need(p["b"], contiguous=True)
+        bias = self.need(p["bias"], contiguous=True) if p["bias"] is not None else None
+        c = self.produce(p["result"])
+        batch = p["result"].shape[0] if node.op == "aten::bmm" else 1
+        self.b.matmul(a, b, c, bias=bias, transpose_a=p["transpose_a"], transpose_b=p["transpose_b"], batch=batch,
+                      epilogue=p["epilogue"], precision=p["precision"])
+
+    def _lower_reduction(self, g: Group) -> None:
+        p, node = g.params, g.nodes[0]
+        x = node.args[0]
+        has_w = p.get("weight") is not None
+        has_b = p.get("bias") is not None
+        code = row_reduction_kernel(self._name(p["kind"], g), p["kind"], p["rows"], p["cols"], x.dtype,
+                                    node.out.dtype, eps=p.get("eps", 1e-5), has_weight=has_w, has_bias=has_b,
+                                    sm_count=self.sm_count)
+        buffers = {"x": self.need(x, contiguous=True)}
+        if has_w:
+            buffers["weight"] = self.need(p["weight"], contiguous=True)
+        if has_b:
+            buffers["bias"] = self.need(p["bias"], contiguous=True)
+        buffers["y"] = self.produce(node.out)
+        self._launch(g, code, buffers)
+
+    def _launch(self, g: Group, code: KernelCode, buffers: dict[str, int]) -> None:
+        k = self.b.kernel(code.source, code.name)
+        args = []
+        for kind, key in code.args:
+            args.append((kind, buffers[key]) if kind in ("in", "out") else (kind, key))
+        self.b.launch(k, code.grid, code.block, args)
+        self.kernels.append((g, code))
+
+    def _lower_pointwise(self, g: Group) -> None:
+        shape = tuple(g.params["shape"])
+        rank = len(shape)
+        outputs = g.outputs(set(self.output_ids))
+        inputs: list[PointwiseInput] = []
+        buffers: dict[str, int] = {}
+        var: dict[str, str] = {}
+        keyed: dict[tuple[str, str], str] = {}
+
+        def operand(v: Value, mode: str = "broadcast") -> str:
+            if v.name in var and mode == "broadcast":
+                return var[v.name]
+            if (v.name, mode) in keyed:
+                return keyed[(v.name, mode)]
+            bid = self.need(v)
+            vshape, vstrides, vdtype = self.spec[bid]
+            strides = [0] * rank
+            if mode == "channel":  # batch norm parameters: [C] along dimension 1
+                strides[1] = vstrides[0] if vshape[0] != 1 else 0
+            else:
+                for d in range(rank):
+                    di = d - (rank - len(vshape))
+                    if di >= 0 and not (vshape[di] == 1 and shape[d] != 1):
+                        strides[d] = vstrides[di]
+            key = f"in{len(inputs)}"
+            inputs.append(PointwiseInput(key, vdtype, tuple(strides)))
+            buffers[key] = bid
+            keyed[(v.name, mode)] = key
+            return key
+
+        body: list[str] = []
+        for j, n in enumerate(g.nodes):
+            batch_norm = n.op == "aten::_native_batch_norm_legit_no_training"
+            args = []
+            for k, a in enumerate(n.args):
+                if isinstance(a, Value):
+                    args.append(operand(a, "channel" if batch_norm and k in (1, 2, 3, 4) else "broadcast"))
+                elif a is None:
+                    args.append(None)
+                else:
+                    s = _scalar_literal(a)
+                    args.append(s if s is not None else a)
+            kwargs = {}
+            for k, a in n.kwargs.items():
+                if isinstance(a, Value):
+                    kwargs[k] = operand(a)
+                else:
+                    s = _scalar_literal(a)
+                    kwargs[k] = s if s is not None else a
+            expr = POINTWISE_OPS[n.op](args, kwargs)
+            out = n.out
+            if n.op == "aten::_to_copy" and out.dtype == torch.float16:
+                expr = f"__half2float(__float2half_rn({expr}))"
+            elif n.op == "aten::_to_copy" and out.dtype == torch.bfloat16:
+                expr = f"__bfloat162float(__float2bfloat16_rn({expr}))"
+            elif out.dtype == torch.bool:
+                expr = f"(({expr}) != 0.0f ? 1.0f : 0.0f)"
+            body.append(f"const float t{j} = {expr};")
+            var[out.name] = f"t{j}"
+        # Input variables are parameters named in0..; the body reads them by key.
+        results = []
+        for v in outputs:
+            key = f"out{len(results)}"
+            results.append((key, var[v.name], v.dtype))
+        code = pointwise_kernel(self._name("fused", g), shape, inputs, body, results, self.sm_count)
+        for (key, _, _), v in zip(results, outputs):
+            buffers[key] = self.produce(v)
+        self._launch(g, code, buffers)
+
+    def _lower_view(self, g: Group) -> None:
+        n = g.nodes[0]
+        out = n.out
+        src = n.args[0]
+        sbid = self.need(src)
+        sshape, sstrides, dtype = self.spec[sbid]
+        result = _view_layout(n, sshape, sstrides)
+        if result is not None and out.name not in self.output_ids:
+            shape, strides, offset = result
+            kind = "permute" if n.op in ("aten::permute", "aten::transpose.int", "aten::t") else \
+                "slice" if n.op in ("aten::slice.Tensor", "aten::select.int") else "reshape"
+            bid = self.b.view(kind, sbid, list(shape), strides=list(strides), storage_offset=offset)
+            self._record(out, bid, shape, strides, dtype)
+            return
+        self._lower_aten(n)
+
+    def _lower_aten(self, n: Node) -> None:
+        schema = n.target._schema
+        inputs: list[int] = []
+        attributes: dict[str, Any] = {}
+        positional = list(n.args)
+        arguments = list(schema.arguments)
+        tensor_positions = [i for i, a in enumerate(arguments) if "Tensor" in str(a.type)]
+        for i, arg in enumerate(arguments):
+            if i < len(positional) and not arg.kwarg_only:
+                value = positional[i]
+            elif arg.name in n.kwargs:
+                value = n.kwargs[arg.name]
+            else:
+                continue  # the schema's default
+            t = str(arg.type)
+            if "Tensor" in t:
+                if isinstance(value, Value):
+                    inputs.append(self.need(value))
+                elif isinstance(value, (list, tuple)):
+                    inputs.extend(self.need(v) for v in value)
+                elif value is None and any(p > i for p in tensor_positions):
+                    attributes[arg.name] = "none"
+                continue
+            if value is None:
+                continue
+            attributes[arg.name] = _attribute(value, n, arg.name)
+        outs = []
+        for v in n.outputs:
+            if v is None:
+                raise LoweringError(f"{n.op} returns a non-tensor value: no buffer can hold it")
+            outs.append(self.produce(v))
+        self.b.aten(n.op, inputs, outs, **attributes)
+
+
+def _scalar_literal(a) -> str | None:
+    from .templates import _scalar
+
+    return _scalar(a)
+
+
+def _attribute(value: Any, node: Node, name: str) -> Any:
+    if isinstance(value, torch.dtype):
+        try:
+            return dtype_name(value)
+        except TypeError as exc:
+            raise LoweringError(f"{node.op}: argument '{name}' is {value}, which programs cannot hold") from exc
+    if isinstance(value, torch.device):
+        return str(value)
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value):
+        return list(value)
+    raise LoweringError(f"{node.op}: argument '{name}' = {value!r} cannot be expressed as a program attribute")
+
+
+def _view_layout(n: Node, shape, strides):
+    """(shape, strides, storage offset) of a view of a buffer with `shape`/`strides`, or None when the
+    layout does not allow a view without a copy."""
+    rank = len(shape)
+    contiguous = tuple(strides) == _contiguous_strides(shape)
+    op, args = n.op, n.args
+    out_shape = n.out.shape
+    if op in ("aten::view", "aten::_unsafe_view", "aten::reshape", "aten::alias", "aten::unsqueeze",
+              "aten::squeeze.dim", "aten::squeeze.dims", "aten::squeeze"):
+        if contiguous:
+            return out_shape, _contiguous_strides(out_shape), 0
+        return None
+    if op == "aten::permute":
+        dims = [d % rank for d in args[1]]
+        return tuple(shape[d] for d in dims), tuple(strides[d] for d in dims), 0
+    if op == "aten::transpose.int":
+        d0, d1 = args[1] % rank, args[2] % rank
+        s, t = list(shape), list(strides)
+        s[d0], s[d1], t[d0], t[d1] = s[d1], s[d0], t[d1], t[d0]
+        return tuple(s), tuple(t), 0
+    if op == "aten::t":
+        return tuple(reversed(shape)), tuple(reversed(strides)), 0
+    if op == "aten::expand":
+        new = list(args[1])
+        lead = len(new) - rank
+        out_strides = []
+        for d, e in enumerate(new):
+            if d < lead:
+                out_strides.append(0)
+            else:
+                src = shape[d - lead]
+                out_strides.append(0 if (src == 1 and out_shape[d] != 1) else strides[d - lead])
+        return out_shape, tuple(out_strides), 0
+    if op == "aten::slice.Tensor":
+        dim = args[1] % rank if len(args) > 1 else 0
+        start = args[2] if len(args) > 2 and args[2] is not None else 0
+        step = args[4] if len(args) > 4 else 1
+        start = max(0, min(start + shape[dim] if start < 0 else start, shape[dim]))
+        t = list(strides)
+        t[dim] = strides[dim] * step
+        return out_shape, tuple(t), start * strides[dim]
+    if op == "aten::select.int":
+        dim, index = args[1] % rank, args[2]
+        index = index + shape[dim] if index < 0 else index
+        t = [s for d, s in enumerate(strides) if d != dim]
+        return out_shape, tuple(t), index * strides[dim]
+    return None
+
+
+def check_group(graph: Graph, plan: Plan, group: Group, values: dict[str, torch.Tensor],
+                constants: dict[str, torch.Tensor], sm_count: int) -> tuple[bool, str, KernelCode | None]:
+    """Runs `group` alone as a program on recorded inputs and compares with ATen's recorded outputs."""
+    outputs_all = {v.name for v in graph.outputs}
+    inputs = [v for v in group.inputs() if v.kind != "weight" and v.name not in constants]
+    outputs = group.outputs(outputs_all)
+    lowering = Lowering(graph, plan, constants, sm_count)
+    try:
+        program = lowering.build([group], inputs, outputs)
+        ex = program.executor(graphs=False)
+        got = ex.run([values[v.name].contiguous() for v in inputs])
+    except Exception as exc:  # a compile or launch error is a fallback reason, not a crash
+        return False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", None
+    code = lowering.kernels[0][1] if lowering.kernels else None
+    for v, t in zip(outputs, got):
+        want = values[v.name]
+        atol, rtol = tolerance(v.dtype, plan.precision)
+        if t.shape != want.shape:
+            return False, f"output '{v.name}' has shape {tuple(t.shape)}, ATen's {tuple(want.shape)}", code
+        if not torch.allclose(t.float(), want.float(), atol=atol, rtol=rtol, equal_nan=True):
+            diff = (t.float() - want.float()).abs()
+            diff = torch.nan_to_num(diff, nan=float("inf"))
+            idx = int(diff.argmax())
+            return False, (f"output '{v.name}' differs from ATen: max |error| {diff.max().item():.3g} at flat index "
+                           f"{idx} (expected {want.flatten()[idx].item():.6g}, got {t.flatten()[idx].item():.6g})"), code
+    return True, "matches ATen", code

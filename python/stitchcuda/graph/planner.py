@@ -1,0 +1,280 @@
+"""The offline Planner: partitions a captured core-ATen graph into groups, each with a strategy and the
+reason for it, plus the host decisions (CUDA graph, precision). No LLM: rules a compiler engineer would
+apply first.
+
+- GEMMs (`mm`, `addmm`, `bmm`; `linear` arrives as `permute` + `addmm`) become cuBLASLt steps; a weight's
+  transpose is folded into the step, a bias into the bias epilogue, and a following ReLU or tanh-GELU
+  into the epilogue too. Whatever else follows (an exact GELU, a residual add) is a pointwise group.
+- Pointwise chains of the same shape (with broadcasting, dtype casts, inference batch norm) become one
+  fused kernel; values used only inside the chain never touch memory.
+- Row reductions over the trailing contiguous dimensions (softmax, log-softmax, layer norm, sum, mean,
+  amax, amin) become template kernels.
+- Views become View steps (no copy) where the source's layout allows.
+- Values computed only from weights are folded into constants.
+- Everything else (convolutions through cuDNN, pooling, indexing, ...) stays an ATen step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .capture import Graph, Node, Value
+from .templates import FUSABLE_DTYPES, POINTWISE_OPS
+
+__all__ = ["Group", "Plan", "OfflinePlanner"]
+
+_VIEW_OPS = {"aten::view", "aten::_unsafe_view", "aten::reshape", "aten::alias", "aten::permute",
+             "aten::transpose.int", "aten::t", "aten::unsqueeze", "aten::squeeze.dim", "aten::squeeze.dims",
+             "aten::squeeze", "aten::expand", "aten::slice.Tensor", "aten::select.int"}
+_GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm"}
+_REDUCTION_OPS = {"aten::_softmax": "softmax", "aten::_log_softmax": "log_softmax",
+                  "aten::native_layer_norm": "layer_norm", "aten::sum.dim_IntList": "sum",
+                  "aten::mean.dim": "mean", "aten::amax": "amax", "aten::amin": "amin"}
+
+
+@dataclass
+class Group:
+    """A unit of the plan: `kind` in gemm, pointwise, reduction, view, constant, aten."""
+
+    kind: str
+    nodes: list[Node]
+    reason: str
+    params: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.nodes[-1].name if self.nodes else "?"
+
+    def outputs(self, graph_outputs: set[str]) -> list[Value]:
+        """Values of the group used after it (by nodes outside it, or as graph outputs)."""
+        inside = {id(n) for n in self.nodes}
+        out: list[Value] = []
+        for n in self.nodes:
+            for v in n.outputs:
+                if v is None:
+                    continue
+                if v.name in graph_outputs or any(id(u) not in inside for u in v.users):
+                    out.append(v)
+        return out
+
+    def inputs(self) -> list[Value]:
+        """Values the group reads that it does not produce."""
+        produced = {v.name for n in self.nodes for v in n.outputs if v is not None}
+        seen: dict[str, Value] = {}
+        for n in self.nodes:
+            for v in n.inputs:
+                if v.name not in produced:
+                    seen.setdefault(v.name, v)
+        return list(seen.values())
+
+
+@dataclass
+class Plan:
+    """Groups in execution order and the host-side decisions, each with its reason."""
+
+    groups: list[Group]
+    decisions: list[tuple[str, str]]  # (decision, reason)
+    precision: str
+
+    def summary(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for g in self.groups:
+            counts[g.kind] = counts.get(g.kind, 0) + 1
+        return counts
+
+
+def _dims(dims, rank: int) -> list[int]:
+    if dims is None:
+        return list(range(rank))
+    if isinstance(dims, int):
+        dims = [dims]
+    return sorted(d % rank if rank else 0 for d in dims)
+
+
+class OfflinePlanner:
+    """Rules-based partitioning (no LLM). `precision`: "fp32" follows PyTorch's flags at call time;
+    "tf32" or "bf16" allow faster matmuls."""
+
+    def __init__(self, precision: str = "fp32", graphs: bool = True) -> None:
+        if precision not in ("fp32", "tf32", "bf16"):
+            raise ValueError(f"precision must be 'fp32', 'tf32' or 'bf16', not {precision!r}")
+        self.precision = precision
+        self.graphs = graphs
+
+    def plan(self, graph: Graph) -> Plan:
+        decisions: list[tuple[str, str]] = []
+        matmul_precision = self.precision
+        if self.precision == "fp32" and torch.backends.cuda.matmul.allow_tf32:
+            matmul_precision = "tf32"
+            decisions.append(("matmuls may use TF32", "torch.backends.cuda.matmul.allow_tf32 is on at call time"))
+        elif self.precision == "fp32":
+            decisions.append(("matmuls in true fp32", "PyTorch's default (allow_tf32 off); pass precision='tf32' or "
+                                                      "'bf16' to allow faster tensor-core math"))
+        else:
+            decisions.append((f"matmuls may use {self.precision}", "requested by the caller"))
+        decisions.append(("convolutions through cuDNN with TF32" if torch.backends.cudnn.allow_tf32 else
+                          "convolutions through cuDNN in fp32", "torch.backends.cudnn.allow_tf32 at call time"))
+        decisions.append(("replay as one CUDA graph" if self.graphs else "run eagerly (no CUDA graph)",
+                          "static shapes: one capture, then a single launch per forward" if self.graphs
+                          else "graphs=False was requested"))
+
+        outputs = {v.name for v in graph.outputs}
+        constant: set[str] = {w.name for w in graph.weights}
+        groups: list[Group] = []
+        absorbed: set[int] = set()
+        open_pointwise: Group | None = None
+
+        def close():
+            nonlocal open_pointwise
+            open_pointwise = None
+
+        for node in graph.nodes:
+            if id(node) in absorbed:
+                continue
+            ins = node.inputs
+            # Constant folding: nothing here depends on a user input.
+            if all(v.name in constant for v in ins) and ins:
+                for v in node.outputs:
+                    if v is not None:
+                        constant.add(v.name)
+                groups.append(Group("constant", [node], "depends only on weights: computed once, stored as a constant"))
+                close()
+                continue
+            if node.op in _GEMM_OPS:
+                g = self._gemm(node, outputs, absorbed, matmul_precision)
+                groups.append(g)
+                close()
+                continue
+            if node.op in _REDUCTION_OPS:
+                groups.append(self._reduction(node, outputs))
+                close()
+                continue
+            if node.op in _VIEW_OPS:
+                groups.append(Group("view", [node], "a view: no copy where the source's layout allows"))
+                close()
+                continue
+            why_not = self._pointwise_blocker(node)
+            if why_not is None:
+                out = node.out
+                if open_pointwise is not None and open_pointwise.params["shape"] == out.shape and \
+                        any(v.producer in open_pointwise.nodes for v in ins):
+                    open_pointwise.nodes.append(node)
+                else:
+                    open_pointwise = Group("pointwise", [node], "elementwise chain fused into one kernel",
+                                           {"shape": out.shape})
+                    groups.append(open_pointwise)
+                continue
+            groups.append(Group("aten", [node], why_not))
+            close()
+        for g in groups:
+            if g.kind == "pointwise":
+                ops = ", ".join(n.op.removeprefix("aten::") for n in g.nodes)
+                g.reason = f"{len(g.nodes)} elementwise op(s) ({ops}) fused into one kernel"
+        return Plan(groups, decisions, matmul_precision)
+
+    # ---- rules ----
+
+    def _gemm(self, node: Node, outputs: set[str], absorbed: set[int], precision: str) -> Group:
+        out = node.out
+        if node.op == "aten::addmm":
+            bias, a, b = node.args[0], node.args[1], node.args[2]
+            beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+            if beta != 1 or alpha != 1:
+                return Group("aten", [node], "addmm with alpha/beta other than 1 stays an ATen step")
+            if not (isinstance(bias, Value) and bias.shape == (out.shape[-1],) and bias.dtype == out.dtype):
+                return Group("aten", [node], f"addmm bias of shape {getattr(bias, 'shape', None)} is not a [N] "
+                                             "vector the bias epilogue can add: ATen step")
+        else:
+            bias, a, b = None, node.args[0], node.args[1]
+        if out.dtype not in (torch.float32, torch.float16, torch.bfloat16) or a.dtype != out.dtype or b.dtype != out.dtype:
+            return Group("aten", [node], f"{out.dtype} matmul stays an ATen step")
+        params = {"a": a, "b": b, "bias": bias, "transpose_a": False, "transpose_b": False, "precision": precision}
+        notes = []
+        # A transposed operand (x @ w.t()) is read in place with a transpose flag instead of copied.
+        for key, flag in (("b", "transpose_b"), ("a", "transpose_a")):
+            v = params[key]
+            p = v.producer
+            if p is not None and p.op == "aten::permute" and list(p.args[1]) == [1, 0] and p.args[0].is_contiguous() \
+                    and len(v.shape) == 2:
+                params[key] = p.args[0]
+                params[flag] = True
+                notes.append(f"{key} transposed in place")
+        nodes = [node]
+        epilogue = "bias" if bias is not None else "none"
+        users = out.users
+        if len(users) == 1 and out.name not in outputs:
+            u = users[0]
+            act = None
+            if u.op == "aten::relu":
+                act = "relu"
+            elif u.op == "aten::gelu" and (u.kwargs.get("approximate") == "tanh" or
+                                          (len(u.args) > 1 and u.args[1] == "tanh")):
+                act = "gelu"
+            if act is not None and u.out.dtype == out.dtype:
+                epilogue = f"bias_{act}" if bias is not None else act
+                nodes.append(u)
+                absorbed.add(id(u))
+                notes.append(f"{u.op.removeprefix('aten::')} fused into the cuBLASLt epilogue")
+        params["epilogue"] = epilogue
+        params["result"] = nodes[-1].out
+        reason = "cuBLASLt matmul" + (f" with the {epilogue} epilogue" if epilogue != "none" else "")
+        if notes:
+            reason += " (" + "; ".join(notes) + ")"
+        return Group("gemm", nodes, reason, params)
+
+    @staticmethod
+    def _reduction(node: Node, outputs: set[str]) -> Group:
+        kind = _REDUCTION_OPS[node.op]
+        x = node.args[0]
+        if not isinstance(x, Value) or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            return Group("aten", [node], f"{kind} of {getattr(x, 'dtype', '?')} stays an ATen step")
+        rank = len(x.shape)
+        if kind in ("softmax", "log_softmax"):
+            if node.args[2]:
+                return Group("aten", [node], f"{kind} with half_to_float stays an ATen step")
+            dims = _dims(node.args[1], rank)
+        elif kind == "layer_norm":
+            dims = list(range(rank - len(node.args[1]), rank))
+            if any(v is not None and (v.name in outputs or v.users) for v in node.outputs[1:]):
+                return Group("aten", [node], "layer norm whose mean/rstd are used stays an ATen step")
+        else:
+            dims = _dims(node.args[1] if len(node.args) > 1 else None, rank)
+            if node.kwargs.get("dtype") is not None:
+                return Group("aten", [node], f"{kind} with a dtype argument stays an ATen step")
+        if dims != list(range(rank - len(dims), rank)):
+            return Group("aten", [node], f"{kind} over dims {dims} (not the trailing ones) stays an ATen step")
+        cols = 1
+        for d in dims:
+            cols *= x.shape[d]
+        rows = x.numel // cols if cols else 0
+        if rows == 0 or cols == 0:
+            return Group("aten", [node], f"{kind} of an empty tensor stays an ATen step")
+        params = {"kind": kind, "rows": rows, "cols": cols}
+        if kind == "layer_norm":
+            params["weight"], params["bias"], params["eps"] = node.args[2], node.args[3], float(node.args[4])
+        strategy = "a warp per row" if cols <= 1024 else "a block per row"
+        return Group("reduction", [node], f"{kind} over {rows} rows of {cols}: template kernel, {strategy}", params)
+
+    @staticmethod
+    def _pointwise_blocker(node: Node) -> str | None:
+        """None when the node can join a fused elementwise kernel, else why not."""
+        if node.op not in POINTWISE_OPS:
+            return f"{node.op} has no template: ATen step"
+        if any(v is None for v in node.outputs[:1]) or not node.outputs:
+            return f"{node.op} without a tensor result: ATen step"
+        out = node.out
+        if node.op == "aten::_native_batch_norm_legit_no_training":
+            if len(out.shape) < 2 or any(v is not None and (v.users) for v in node.outputs[1:]):
+                return "batch norm whose statistics are used stays an ATen step"
+        if node.op == "aten::_to_copy":
+            extra = {k: v for k, v in node.kwargs.items() if k not in ("dtype",) and v not in (None, False)}
+            if extra:
+                return f"_to_copy with {sorted(extra)} stays an ATen step"
+        if out.dtype not in FUSABLE_DTYPES or any(v.dtype not in FUSABLE_DTYPES for v in node.inputs):
+            return f"{node.op} on {out.dtype} stays an ATen step"
+        for v in node.inputs:
+            if len(v.shape) > len(out.shape) and node.op != "aten::_native_batch_norm_legit_no_training":
+                return f"{node.op} reduces rank: ATen step"
+        return None

@@ -1,0 +1,415 @@
+"""The template Coder: readable CUDA C++ for each fused group the offline Planner forms.
+
+- pointwise groups: one expression body per element, broadcasting and arbitrary input strides through
+  index arithmetic; a 16-byte (float4) vectorized path when every operand is contiguous fp32 of the
+  output's shape;
+- row reductions over the trailing contiguous dimensions: online softmax / log-softmax, one-pass
+  (Welford) layer norm, sum / mean / amax / amin — a warp per row for short rows, a block per row with
+  a shared-memory combine of the warps' partials for long ones.
+
+Every kernel is `extern "C"`, computes in fp32 (fp16/bf16 are converted on load and store) and takes its
+sizes as arguments where they vary; shapes that select the code path are baked in as constants.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+__all__ = ["KernelCode", "PointwiseInput", "pointwise_kernel", "row_reduction_kernel", "POINTWISE_OPS",
+           "REDUCTIONS", "is_pointwise"]
+
+_PRELUDE = r"""#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+__device__ __forceinline__ float ld(const float* p, long long i) { return p[i]; }
+__device__ __forceinline__ float ld(const __half* p, long long i) { return __half2float(p[i]); }
+__device__ __forceinline__ float ld(const __nv_bfloat16* p, long long i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ float ld(const bool* p, long long i) { return p[i] ? 1.0f : 0.0f; }
+__device__ __forceinline__ void st(float* p, long long i, float v) { p[i] = v; }
+__device__ __forceinline__ void st(__half* p, long long i, float v) { p[i] = __float2half_rn(v); }
+__device__ __forceinline__ void st(__nv_bfloat16* p, long long i, float v) { p[i] = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void st(bool* p, long long i, float v) { p[i] = v != 0.0f; }
+// NaN-propagating max/min, as torch.maximum / torch.amax behave.
+__device__ __forceinline__ float nanmax(float a, float b) { return a != a ? a : (b != b ? b : fmaxf(a, b)); }
+__device__ __forceinline__ float nanmin(float a, float b) { return a != a ? a : (b != b ? b : fminf(a, b)); }
+"""
+
+_CTYPE = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.bool: "bool"}
+FUSABLE_DTYPES = set(_CTYPE)
+
+
+@dataclass
+class KernelCode:
+    """A generated kernel: source, entry point, launch geometry and the arguments' order."""
+
+    source: str
+    name: str
+    grid: int
+    block: int
+    args: list[tuple[str, object]] = field(default_factory=list)  # ("in"/"out", key) or ("i64", value)
+    description: str = ""
+    vectorized: bool = False
+
+
+def _lit(x: float) -> str:
+    x = float(x)
+    if math.isnan(x):
+        return "__int_as_float(0x7fc00000)"
+    if math.isinf(x):
+        return "__int_as_float(0x7f800000)" if x > 0 else "__int_as_float(0xff800000)"
+    return f"{x!r}f"
+
+
+def _scalar(a) -> str | None:
+    if isinstance(a, bool):
+        return "1.0f" if a else "0.0f"
+    if isinstance(a, (int, float)):
+        return _lit(a)
+    return None
+
+
+# Each entry: (op name, function of (args as C expressions or Python scalars, kwargs) -> C expression).
+def _binary(fmt: str) -> Callable:
+    def emit(a, kw):
+        x, y = a[0], a[1]
+        alpha = kw.get("alpha", a[2] if len(a) > 2 else None)
+        if alpha not in (1, 1.0, None, "1.0f"):
+            y = f"({alpha if isinstance(alpha, str) else _lit(alpha)} * {y})"
+        return fmt.format(x=x, y=y)
+    return emit
+
+
+def _unary(fmt: str) -> Callable:
+    return lambda a, kw: fmt.format(x=a[0])
+
+
+def _gelu(a, kw):
+    approximate = kw.get("approximate", a[1] if len(a) > 1 else "none")
+    x = a[0]
+    if approximate == "tanh":
+        return f"(0.5f * {x} * (1.0f + tanhf(0.7978845608028654f * ({x} + 0.044715f * {x} * {x} * {x}))))"
+    return f"({x} * 0.5f * (1.0f + erff({x} * 0.7071067811865476f)))"
+
+
+def _clamp(a, kw):
+    x = a[0]
+    lo = kw.get("min", a[1] if len(a) > 1 else None)
+    hi = kw.get("max", a[2] if len(a) > 2 else None)
+    if lo is not None:
+        x = f"nanmax({x}, {lo})"
+    if hi is not None:
+        x = f"nanmin({x}, {hi})"
+    return x
+
+
+def _pow(a, kw):
+    e = a[1]
+    if e in ("2.0f", "2"):
+        return f"({a[0]} * {a[0]})"
+    if e in ("0.5f",):
+        return f"sqrtf({a[0]})"
+    return f"powf({a[0]}, {e})"
+
+
+def _where(a, kw):
+    return f"(({a[0]}) != 0.0f ? ({a[1]}) : ({a[2]}))"
+
+
+def _hardtanh(a, kw):
+    lo = a[1] if len(a) > 1 else "-1.0f"
+    hi = a[2] if len(a) > 2 else "1.0f"
+    return f"nanmin(nanmax({a[0]}, {lo}), {hi})"
+
+
+def _leaky(a, kw):
+    slope = a[1] if len(a) > 1 else kw.get("negative_slope", "0.01f")
+    return f"({a[0]} > 0.0f ? {a[0]} : {a[0]} * {slope})"
+
+
+def _batch_norm(a, kw):
+    # _native_batch_norm_legit_no_training(input, weight, bias, running_mean, running_var, momentum, eps)
+    x, w, b, mean, var = a[0], a[1], a[2], a[3], a[4]
+    eps = a[6] if len(a) > 6 else kw.get("eps", "1e-05f")
+    y = f"(({x} - {mean}) * rsqrtf({var} + {eps}))"
+    if w not in (None, "None"):
+        y = f"({y} * {w})"
+    if b not in (None, "None"):
+        y = f"({y} + {b})"
+    return y
+
+
+POINTWISE_OPS: dict[str, Callable] = {
+    "aten::add.Tensor": _binary("({x} + {y})"), "aten::add.Scalar": _binary("({x} + {y})"),
+    "aten::sub.Tensor": _binary("({x} - {y})"), "aten::sub.Scalar": _binary("({x} - {y})"),
+    "aten::rsub.Scalar": _binary("({y} - {x})"),
+    "aten::mul.Tensor": _binary("({x} * {y})"), "aten::mul.Scalar": _binary("({x} * {y})"),
+    "aten::div.Tensor": _binary("({x} / {y})"), "aten::div.Scalar": _binary("({x} / {y})"),
+    "aten::maximum": _binary("nanmax({x}, {y})"), "aten::minimum": _binary("nanmin({x}, {y})"),
+    "aten::neg": _unary("(-{x})"), "aten::relu": _unary("({x} != {x} ? {x} : fmaxf({x}, 0.0f))"),
+    "aten::sigmoid": _unary("(1.0f / (1.0f + expf(-{x})))"), "aten::tanh": _unary("tanhf({x})"),
+    "aten::exp": _unary("expf({x})"), "aten::log": _unary("logf({x})"), "aten::log1p": _unary("log1pf({x})"),
+    "aten::expm1": _unary("expm1f({x})"), "aten::sqrt": _unary("sqrtf({x})"), "aten::rsqrt": _unary("rsqrtf({x})"),
+    "aten::abs": _unary("fabsf({x})"), "aten::sin": _unary("sinf({x})"), "aten::cos": _unary("cosf({x})"),
+    "aten::erf": _unary("erff({x})"), "aten::reciprocal": _unary("(1.0f / {x})"),
+    "aten::floor": _unary("floorf({x})"), "aten::ceil": _unary("ceilf({x})"), "aten::trunc": _unary("truncf({x})"),
+    "aten::silu": _unary("({x} / (1.0f + expf(-{x})))"), "aten::gelu": _gelu,
+    "aten::clamp": _clamp, "aten::clamp_min": lambda a, kw: f"nanmax({a[0]}, {a[1]})",
+    "aten::clamp_max": lambda a, kw: f"nanmin({a[0]}, {a[1]})",
+    "aten::pow.Tensor_Scalar": _pow, "aten::pow.Tensor_Tensor": lambda a, kw: f"powf({a[0]}, {a[1]})",
+    "aten::where.self": _where, "aten::hardtanh": _hardtanh, "aten::leaky_relu": _leaky,
+    "aten::eq.Tensor": _binary("(float)({x} == {y})"), "aten::eq.Scalar": _binary("(float)({x} == {y})"),
+    "aten::ne.Tensor": _binary("(float)({x} != {y})"), "aten::ne.Scalar": _binary("(float)({x} != {y})"),
+    "aten::gt.Tensor": _binary("(float)({x} > {y})"), "aten::gt.Scalar": _binary("(float)({x} > {y})"),
+    "aten::ge.Tensor": _binary("(float)({x} >= {y})"), "aten::ge.Scalar": _binary("(float)({x} >= {y})"),
+    "aten::lt.Tensor": _binary("(float)({x} < {y})"), "aten::lt.Scalar": _binary("(float)({x} < {y})"),
+    "aten::le.Tensor": _binary("(float)({x} <= {y})"), "aten::le.Scalar": _binary("(float)({x} <= {y})"),
+    "aten::logical_not": _unary("(float)({x} == 0.0f)"),
+    "aten::_to_copy": _unary("{x}"), "aten::clone": _unary("{x}"), "aten::alias": _unary("{x}"),
+    "aten::_native_batch_norm_legit_no_training": _batch_norm,
+}
+
+
+def is_pointwise(op: str) -> bool:
+    return op in POINTWISE_OPS
+
+
+@dataclass
+class PointwiseInput:
+    """One tensor a pointwise kernel reads, with its strides (elements) over the group's output shape."""
+
+    key: str
+    dtype: torch.dtype
+    strides: tuple[int, ...]  # 0 where broadcast
+    offset: int = 0
+
+    def linear(self, shape: tuple[int, ...]) -> bool:
+        expected = 1
+        for extent, stride in zip(reversed(shape), reversed(self.strides)):
+            if extent != 1 and stride != expected:
+                return False
+            expected *= extent
+        return self.offset == 0
+
+
+def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseInput],
+                     body: list[str], results: list[tuple[str, str, torch.dtype]], sm_count: int = 132) -> KernelCode:
+    """A fused elementwise kernel. `body` are C statements over the float variables `in0..inK`
+    (the inputs' values) defining the result variables; `results` maps (key, variable, dtype)."""
+    n = 1
+    for e in shape:
+        n *= e
+    params = [f"const {_CTYPE[i.dtype]}* __restrict__ p{k}" for k, i in enumerate(inputs)]
+    params += [f"{_CTYPE[dt]}* __restrict__ q{k}" for k, (_, _, dt) in enumerate(results)]
+    params.append("long long n")
+    fn_params = [f"float in{k}" for k in range(len(inputs))] + [f"float& r{k}" for k in range(len(results))]
+    lines = [_PRELUDE, f"// {name}: {len(body)} fused elementwise op(s) over {list(shape)}",
+             f"__device__ __forceinline__ void {name}_body({', '.join(fn_params)}) {{"]
+    lines += [f"  {s}" for s in body]
+    lines += [f"  r{k} = {var};" for k, (_, var, _) in enumerate(results)]
+    lines.append("}")
+    all_linear = all(i.linear(shape) for i in inputs)
+    vectorized = (all_linear and n % 4 == 0 and all(i.dtype == torch.float32 for i in inputs)
+                  and all(dt == torch.float32 for _, _, dt in results))
+    lines.append(f'extern "C" __global__ void {name}({", ".join(params)}) {{')
+    if vectorized:
+        # 16-byte loads and stores: four elements per thread and iteration.
+        lines.append("  const long long n4 = n / 4;")
+        lines.append("  for (long long v = blockIdx.x * (long long)blockDim.x + threadIdx.x; v < n4; "
+                     "v += (long long)gridDim.x * blockDim.x) {")
+        for k in range(len(inputs)):
+            lines.append(f"    const float4 a{k} = reinterpret_cast<const float4*>(p{k})[v];")
+        for k in range(len(results)):
+            lines.append(f"    float4 b{k};")
+        for lane in "xyzw":
+            call = [f"a{k}.{lane}" for k in range(len(inputs))] + [f"b{k}.{lane}" for k in range(len(results))]
+            lines.append(f"    {name}_body({', '.join(call)});")
+        for k in range(len(results)):
+            lines.append(f"    reinterpret_cast<float4*>(q{k})[v] = b{k};")
+        lines.append("  }")
+        threads, work = 256, n // 4
+    else:
+        lines.append("  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; "
+                     "i += (long long)gridDim.x * blockDim.x) {")
+        if not all_linear:
+            lines.append("    long long r = i;")
+            for d in range(len(shape) - 1, -1, -1):
+                lines.append(f"    const long long c{d} = r % {shape[d]}LL; r /= {shape[d]}LL;")
+        for k, inp in enumerate(inputs):
+            if inp.linear(shape):
+                index = "i"
+            else:
+                terms = [f"c{d} * {s}LL" for d, s in enumerate(inp.strides) if s != 0 and shape[d] != 1]
+                if inp.offset:
+                    terms.append(f"{inp.offset}LL")
+                index = " + ".join(terms) or "0"
+            lines.append(f"    const float v{k} = ld(p{k}, {index});")
+        for k in range(len(results)):
+            lines.append(f"    float o{k};")
+        call = [f"v{k}" for k in range(len(inputs))] + [f"o{k}" for k in range(len(results))]
+        lines.append(f"    {name}_body({', '.join(call)});")
+        for k in range(len(results)):
+            lines.append(f"    st(q{k}, i, o{k});")
+        lines.append("  }")
+        threads, work = 256, n
+    lines.append("}")
+    grid = max(1, min((work + threads - 1) // threads, sm_count * 16))
+    args = [("in", i.key) for i in inputs] + [("out", key) for key, _, _ in results] + [("i64", n)]
+    kind = "vectorized float4" if vectorized else ("linear" if all_linear else "strided/broadcast")
+    return KernelCode("\n".join(lines) + "\n", name, grid, threads, args,
+                      f"{len(body)} elementwise op(s), {kind}, {len(inputs)} input(s), {len(results)} output(s)",
+                      vectorized)
+
+
+# ---- row reductions ----
+
+REDUCTIONS = ("softmax", "log_softmax", "layer_norm", "sum", "mean", "amax", "amin")
+
+_ROW_PRELUDE = r"""
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = nanmax(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ float warp_min(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = nanmin(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// Combines (max, sum of exp(x - max)) pairs: the online-softmax state.
+__device__ __forceinline__ void softmax_combine(float& m, float& s, float m2, float s2) {
+  const float mm = nanmax(m, m2);
+  const float a = (m == -__int_as_float(0x7f800000)) ? 0.0f : s * expf(m - mm);
+  const float b = (m2 == -__int_as_float(0x7f800000)) ? 0.0f : s2 * expf(m2 - mm);
+  m = mm; s = a + b;
+}
+__device__ __forceinline__ void warp_softmax(float& m, float& s) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+    softmax_combine(m, s, m2, s2);
+  }
+}
+// Chan et al.'s combination of (count, mean, M2) Welford states.
+__device__ __forceinline__ void welford_combine(float& n, float& mean, float& m2, float nb, float meanb, float m2b) {
+  const float nn = n + nb;
+  if (nn == 0.0f) return;
+  const float delta = meanb - mean;
+  mean += delta * (nb / nn);
+  m2 += m2b + delta * delta * (n * nb / nn);
+  n = nn;
+}
+__device__ __forceinline__ void warp_welford(float& n, float& mean, float& m2) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float nb = __shfl_xor_sync(0xffffffffu, n, o), mb = __shfl_xor_sync(0xffffffffu, mean, o),
+                qb = __shfl_xor_sync(0xffffffffu, m2, o);
+    welford_combine(n, mean, m2, nb, mb, qb);
+  }
+}
+"""
+
+
+def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torch.dtype,
+                         out_dtype: torch.dtype | None = None, eps: float = 1e-5, has_weight: bool = False,
+                         has_bias: bool = False, sm_count: int = 132) -> KernelCode:
+    """A kernel reducing each of `rows` contiguous rows of `cols` elements.
+
+    softmax/log_softmax/layer_norm write a row of the same size; sum/mean/amax/amin write one value.
+    Arguments: x, [weight], [bias], y, rows, cols.
+    """
+    if kind not in REDUCTIONS:
+        raise ValueError(f"unknown reduction '{kind}'")
+    out_dtype = out_dtype or dtype
+    tpr = 32 if cols <= 1024 else (256 if cols <= 4096 else 512)  # threads per row
+    rpb = 4 if tpr == 32 else 1                                     # rows per block
+    warps = tpr // 32
+    T, U = _CTYPE[dtype], _CTYPE[out_dtype]
+    params = [f"const {T}* __restrict__ x"]
+    if has_weight:
+        params.append(f"const {T}* __restrict__ w")
+    if has_bias:
+        params.append(f"const {T}* __restrict__ b")
+    params += [f"{U}* __restrict__ y", "long long rows", "long long cols"]
+    L = [_PRELUDE, _ROW_PRELUDE, f"// {name}: {kind} over rows of {cols} ({'a warp' if tpr == 32 else f'{tpr} threads'} per row)",
+         f"#define TPR {tpr}", f"#define RPB {rpb}", f"#define WARPS {warps}",
+         f'extern "C" __global__ void __launch_bounds__(TPR * RPB) {name}({", ".join(params)}) {{',
+         "  const long long row = (long long)blockIdx.x * RPB + threadIdx.x / TPR;",
+         "  const int t = threadIdx.x % TPR;",
+         "  const int lane = threadIdx.x & 31, warp = (threadIdx.x % TPR) >> 5;",
+         "  if (row >= rows) return;",
+         "  const long long base = row * cols;"]
+    shared = warps > 1
+    if shared:
+        L.append("  __shared__ float sh[3][WARPS];")
+
+    def block_combine(fields: list[str], combine: str):
+        """After a warp-level reduction of `fields`, combine the warps' partials through shared memory."""
+        if not shared:
+            return
+        for k, f in enumerate(fields):
+            L.append(f"  if (lane == 0) sh[{k}][warp] = {f};")
+        L.append("  __syncthreads();")
+        init = ", ".join(f"sh[{k}][lane < WARPS ? lane : 0]" for k in range(len(fields)))
+        L.append(f"  if (lane < WARPS) {{ {'; '.join(f'{f} = sh[{k}][lane]' for k, f in enumerate(fields))}; }}")
+        L.append(combine)
+        L.append("  __syncthreads();")
+        del init
+
+    if kind in ("softmax", "log_softmax"):
+        L += ["  float m = -__int_as_float(0x7f800000), s = 0.0f;",
+              "  for (long long c = t; c < cols; c += TPR) {",
+              "    const float v = ld(x, base + c);",
+              "    softmax_combine(m, s, v, 1.0f);",
+              "  }",
+              "  warp_softmax(m, s);"]
+        block_combine(["m", "s"], "  if (lane >= WARPS) { m = -__int_as_float(0x7f800000); s = 0.0f; }\n  warp_softmax(m, s);")
+        if kind == "softmax":
+            L += ["  const float inv = 1.0f / s;",
+                  "  for (long long c = t; c < cols; c += TPR) st(y, base + c, expf(ld(x, base + c) - m) * inv);"]
+        else:
+            L += ["  const float shift = m + logf(s);",
+                  "  for (long long c = t; c < cols; c += TPR) st(y, base + c, ld(x, base + c) - shift);"]
+    elif kind == "layer_norm":
+        L += ["  float n = 0.0f, mean = 0.0f, m2 = 0.0f;",
+              "  for (long long c = t; c < cols; c += TPR) {",
+              "    const float v = ld(x, base + c);",
+              "    n += 1.0f; const float d = v - mean; mean += d / n; m2 += d * (v - mean);",
+              "  }",
+              "  warp_welford(n, mean, m2);"]
+        block_combine(["n", "mean", "m2"], "  if (lane >= WARPS) { n = 0.0f; mean = 0.0f; m2 = 0.0f; }\n  warp_welford(n, mean, m2);")
+        L += [f"  const float rstd = rsqrtf(m2 / (float)cols + {_lit(eps)});",
+              "  for (long long c = t; c < cols; c += TPR) {",
+              "    float v = (ld(x, base + c) - mean) * rstd;"]
+        if has_weight:
+            L.append("    v *= ld(w, c);")
+        if has_bias:
+            L.append("    v += ld(b, c);")
+        L += ["    st(y, base + c, v);", "  }"]
+    else:
+        init = {"sum": "0.0f", "mean": "0.0f", "amax": "-__int_as_float(0x7f800000)",
+                "amin": "__int_as_float(0x7f800000)"}[kind]
+        step = {"sum": "a += v", "mean": "a += v", "amax": "a = nanmax(a, v)", "amin": "a = nanmin(a, v)"}[kind]
+        reduce = {"sum": "warp_sum", "mean": "warp_sum", "amax": "warp_max", "amin": "warp_min"}[kind]
+        L += [f"  float a = {init};",
+              "  for (long long c = t; c < cols; c += TPR) {",
+              f"    const float v = ld(x, base + c); {step};",
+              "  }",
+              f"  a = {reduce}(a);"]
+        block_combine(["a"], f"  if (lane >= WARPS) a = {init};\n  a = {reduce}(a);")
+        final = "a / (float)cols" if kind == "mean" else "a"
+        L.append(f"  if (t == 0) st(y, row, {final});")
+    L.append("}")
+    args: list[tuple[str, object]] = [("in", "x")]
+    if has_weight:
+        args.append(("in", "weight"))
+    if has_bias:
+        args.append(("in", "bias"))
+    args += [("out", "y"), ("i64", rows), ("i64", cols)]
+    grid = (rows + rpb - 1) // rpb
+    return KernelCode("\n".join(L) + "\n", name, grid, tpr * rpb, args,
+                      f"{kind} over {rows} rows of {cols}, {'warp' if tpr == 32 else 'block'} per row, warp shuffles"
+                      + (" + shared-memory combine" if shared else "") + (", Welford" if kind == "layer_norm" else "")
+                      + (", online" if kind in ("softmax", "log_softmax") else ""))

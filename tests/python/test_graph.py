@@ -1,0 +1,107 @@
+"""Graph mode without a GPU: capture to core ATen, the offline Planner's partition and its reasons, the
+template Coder's kernels compiling through NVRTC, lowering to a valid Program, and optimize() falling
+back to the eager model with a reason where it cannot proceed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import stitchcuda
+from stitchcuda import jit
+from stitchcuda.graph import CaptureError, Lowering, OfflinePlanner, capture, reference_values
+from stitchcuda.graph.templates import pointwise_kernel, row_reduction_kernel, PointwiseInput
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.ln, self.l2 = nn.Linear(32, 64), nn.LayerNorm(64), nn.Linear(64, 16)
+        self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+
+    def forward(self, x, img):
+        h = self.ln(F.gelu(self.l1(x))) * 2 + 1
+        y = torch.softmax(F.relu(self.l2(h)), -1)
+        z = F.relu(self.bn(self.conv(img)))
+        return y, z.mean(dim=(2, 3)), h.transpose(0, 1)
+
+
+def planned(model, inputs):
+    graph = capture(model.eval(), inputs)
+    return graph, OfflinePlanner().plan(graph)
+
+
+def test_planner_partitions_and_explains():
+    graph, plan = planned(Block(), (torch.randn(4, 32), torch.randn(2, 3, 8, 8)))
+    kinds = [(g.kind, [n.op for n in g.nodes]) for g in plan.groups]
+    assert ("gemm", ["aten::addmm", "aten::relu"]) in kinds                      # ReLU in the epilogue
+    assert ("pointwise", ["aten::gelu"]) in kinds                                # exact GELU: a kernel
+    assert ("reduction", ["aten::native_layer_norm"]) in kinds
+    assert ("reduction", ["aten::_softmax"]) in kinds
+    assert ("pointwise", ["aten::mul.Tensor", "aten::add.Tensor"]) in kinds       # fused chain
+    assert ("pointwise", ["aten::_native_batch_norm_legit_no_training", "aten::relu"]) in kinds
+    assert ("aten", ["aten::convolution"]) in kinds
+    assert ("reduction", ["aten::mean.dim"]) in kinds                             # NCHW mean over H, W
+    gemm = next(g for g in plan.groups if g.kind == "gemm" and len(g.nodes) == 2)
+    assert gemm.params["transpose_b"] and "bias_relu" in gemm.reason
+    assert any("fp32" in d for d, _ in plan.decisions) and any("CUDA graph" in d for d, _ in plan.decisions)
+
+
+def test_lowering_builds_a_valid_program_with_views_and_no_copies_of_weights():
+    model = Block().eval()
+    inputs = (torch.randn(4, 32), torch.randn(2, 3, 8, 8))
+    graph, plan = planned(model, inputs)
+    values = reference_values(graph, list(inputs))
+    constants = {g.nodes[0].out.name: values[g.nodes[0].out.name] for g in plan.groups if g.kind == "constant"}
+    lowering = Lowering(graph, plan, constants)
+    program = lowering.build(plan.groups, graph.inputs, graph.outputs)
+    kinds = [s["kind"] for s in program.steps]
+    assert kinds.count("matmul") == 2 and kinds.count("kernel") == 6
+    # The weight transposes were folded into the matmuls, so no transposed copy is stored.
+    assert [b["shape"] for b in program.buffers if b["name"] == "p_l1_weight"] == [[64, 32]]
+    assert not any(b["name"].startswith("permute") and b["role"] == "weight" for b in program.buffers)
+    # Every generated kernel compiles with NVRTC (no GPU needed).
+    for _, code in lowering.kernels:
+        jit.compile(code.source, code.name)
+    program.validate()
+
+
+def test_fused_kernel_source_reads_like_the_ops():
+    code = pointwise_kernel("fused_demo", (8, 4), [PointwiseInput("in0", torch.float32, (4, 1)),
+                                                   PointwiseInput("in1", torch.float32, (0, 1))],
+                            ["const float t0 = (in0 + in1);", "const float t1 = fmaxf(t0, 0.0f);"],
+                            [("out0", "t1", torch.float32)])
+    assert "c1 * 1LL" in code.source and "float4" not in code.source  # broadcast input: strided path
+    jit.compile(code.source, code.name)
+    vec = pointwise_kernel("fused_vec", (8, 4), [PointwiseInput("in0", torch.float32, (4, 1))],
+                           ["const float t0 = in0 * 2.0f;"], [("out0", "t0", torch.float32)])
+    assert vec.vectorized and "float4" in vec.source
+    for kind in ("softmax", "log_softmax", "layer_norm", "sum", "mean", "amax", "amin"):
+        for cols in (16, 3000, 9000):
+            code = row_reduction_kernel(f"r_{kind}_{cols}", kind, 8, cols, torch.float32,
+                                        has_weight=kind == "layer_norm", has_bias=kind == "layer_norm")
+            jit.compile(code.source, code.name)
+
+
+def test_data_dependent_control_flow_is_a_capture_error():
+    class Branchy(nn.Module):
+        def forward(self, x):
+            return x * 2 if x.sum() > 0 else x - 1
+
+    with pytest.raises(CaptureError, match="torch.export could not capture"):
+        capture(Branchy(), (torch.randn(4),))
+
+
+def test_optimize_without_a_gpu_returns_the_model_with_the_reason():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    model = nn.Linear(4, 4)
+    fast = stitchcuda.optimize(model, (torch.randn(2, 4),))
+    assert fast.report.status == "eager" and "no CUDA device" in fast.report.reason
+    x = torch.randn(2, 4)
+    assert torch.equal(fast(x), model(x))
+    with pytest.raises(RuntimeError, match="nothing to save"):
+        fast.save("/tmp/never.stitch")
