@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -156,6 +157,8 @@ class Tracer {
   static Result<void> available();
   /// Where CUPTI was loaded from, or Unavailable.
   static Result<std::string> cupti_path();
+  /// CUPTI's clock now (ns): the clock of ApiRecord and GPU timestamps, to place host events on a trace.
+  static Result<std::uint64_t> timestamp_ns();
 
   /// Synchronizes the device, flushes CUPTI, releases it, and returns what was recorded.
   /// A second call is an InvalidArgument error.
@@ -200,6 +203,8 @@ struct KernelMeasurement {
   MathUnit unit = MathUnit::Fp32;          ///< which FLOP ceiling applies
   std::size_t launches = 1;                ///< launches (kernels, copies, memsets) in duration_ns
   double gap_ns = 0.0;                     ///< GPU idle time between those launches
+  std::optional<double> sm_throughput;     ///< measured SM throughput, 0..1 of peak (Metrics)
+  std::optional<double> memory_throughput; ///< measured memory throughput, 0..1 of peak (Metrics)
 
   /// The whole GPU timeline of a trace as one workload (busy time, gaps, launches).
   static KernelMeasurement from(const TraceSummary& summary, std::string name = "trace");
@@ -226,16 +231,18 @@ struct Finding {
   double roofline_fraction = 0.0;  ///< speed-of-light time / duration (0 when unknown)
   double sol_ns = 0.0;             ///< max(flops / peak, bytes / bandwidth); 0 when neither is known
   double duration_ns = 0.0;        ///< measured GPU time
-  std::optional<double> compute_fraction;  ///< achieved FLOP/s / peak
-  std::optional<double> memory_fraction;   ///< achieved DRAM bytes/s / peak
+  std::optional<double> compute_fraction;  ///< achieved FLOP/s / peak (measured: SM throughput)
+  std::optional<double> memory_fraction;   ///< achieved DRAM bytes/s / peak (measured: memory throughput)
   std::optional<double> arithmetic_intensity;  ///< flops / DRAM byte
   double ridge_intensity = 0.0;    ///< peak FLOP/s / bandwidth: above it a kernel can be compute-bound
   std::optional<double> achieved_occupancy;  ///< from the measurement
   std::size_t launches = 0;        ///< from the measurement
   double gap_share = 0.0;          ///< gaps / (duration + gaps)
+  bool measured = false;           ///< the class comes from measured SM / memory throughput (Metrics)
 };
 
-/// Places a measurement on the roofline and names its limiter (rules in docs/profile.md).
+/// Places a measurement on the roofline and names its limiter (rules in docs/profile.md). Measured
+/// throughputs (sm_throughput and memory_throughput), when both are set, decide between the roofs.
 Finding classify(const KernelMeasurement& measurement, const DeviceCeilings& ceilings = {},
                  const DiagnosisRules& rules = {});
 
@@ -244,5 +251,61 @@ std::vector<std::string> advise(const Finding& finding, const DiagnosisRules& ru
 /// Advice for a whole trace: gaps between launches, the kernel that dominates, host cost per launch.
 std::vector<std::string> advise(const TraceSummary& summary, const DeviceCeilings& ceilings = {},
                                 const DiagnosisRules& rules = {});
+
+// ---- hardware metrics (CUPTI range profiler) ----
+
+/// Nsight Compute's names of the speed-of-light set that Metrics collects by default.
+std::vector<std::string> speed_of_light_metrics();
+
+/// What Metrics collects and how.
+struct MetricsOptions {
+  std::vector<std::string> metrics;  ///< metric names; empty: speed_of_light_metrics()
+  std::size_t max_kernels = 1024;    ///< launches recorded; a workload launching more is an InvalidArgument
+  int device = -1;                   ///< device whose context to use when none is current (-1: 0)
+};
+
+/// Hardware metrics of one kernel launch (one range of the range profiler).
+struct KernelMetrics {
+  std::string name;                ///< the range's name as CUPTI gives it (the kernel, in launch order)
+  std::size_t index = 0;           ///< launch order within the workload
+  double sm_throughput_pct = 0;    ///< sm__throughput.avg.pct_of_peak_sustained_elapsed
+  double memory_throughput_pct = 0;  ///< gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed
+  double dram_throughput_pct = 0;  ///< gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed
+  double l1_throughput_pct = 0;    ///< l1tex__throughput.avg.pct_of_peak_sustained_active
+  double l2_throughput_pct = 0;    ///< lts__throughput.avg.pct_of_peak_sustained_elapsed
+  double achieved_occupancy_pct = 0;  ///< sm__warps_active.avg.pct_of_peak_sustained_active
+  double duration_ns = 0;          ///< gpu__time_duration.sum
+  double dram_bytes_read = 0;      ///< dram__bytes_read.sum
+  double dram_bytes_written = 0;   ///< dram__bytes_write.sum
+  std::vector<std::pair<std::string, double>> values;  ///< every collected metric, in request order
+  /// The value of a collected metric by name, if it was collected.
+  std::optional<double> value(const std::string& metric) const;
+  /// Duration, DRAM bytes, occupancy and throughputs in the form classify() takes.
+  KernelMeasurement measurement() const;
+};
+
+/// Fills the named fields of KernelMetrics from `values` (metric name, value); others are kept only in values.
+KernelMetrics make_kernel_metrics(std::string name, std::size_t index,
+                                  std::vector<std::pair<std::string, double>> values);
+
+/// Per-kernel hardware counters through the CUPTI range profiler (auto range, kernel replay): each
+/// launch inside the workload is one range, replayed as many passes as the metrics need.
+struct Metrics {
+  /// Runs `workload` once under the profiler and returns one entry per kernel launch, in launch order.
+  /// Unavailable: no GPU, no CUPTI, no permission (CUPTI_ERROR_INSUFFICIENT_PRIVILEGES), another
+  /// profiler attached, a Tracer recording. InvalidArgument: a metric name the device does not have.
+  /// An exception thrown by the workload is rethrown after CUPTI is released.
+  static Result<std::vector<KernelMetrics>> collect(const std::function<void()>& workload,
+                                                    const MetricsOptions& options = {});
+  /// Checks metric names against a chip ("GH100") with the host API only: no GPU needed.
+  /// InvalidArgument names the first unknown metric; Unavailable when CUPTI or the chip is unsupported.
+  static Result<void> validate(const std::vector<std::string>& metrics, const std::string& chip);
+  /// Replay passes a set of metrics needs on a chip (host API only).
+  static Result<std::size_t> passes(const std::vector<std::string>& metrics, const std::string& chip);
+  /// Chips the loaded CUPTI's host API knows ("GH100", ...).
+  static Result<std::vector<std::string>> supported_chips();
+  /// The chip name of a device (needs the GPU).
+  static Result<std::string> chip_name(int device = 0);
+};
 
 }  // namespace stitchcuda::profile

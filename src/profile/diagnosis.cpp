@@ -71,9 +71,24 @@ Finding classify(const KernelMeasurement& m, const DeviceCeilings& ceilings, con
   }
   if (m.flops && m.dram_bytes && *m.dram_bytes > 0) f.arithmetic_intensity = *m.flops / *m.dram_bytes;
 
+  // Measured throughputs (the range profiler's SM and memory %) are against the device's real peaks,
+  // so when both are known they decide between the roofs instead of the datasheet ceilings.
+  const bool measured = m.sm_throughput && m.memory_throughput && m.duration_ns > 0;
+  f.measured = measured;
+  if (measured) {
+    f.compute_fraction = *m.sm_throughput;
+    f.memory_fraction = *m.memory_throughput;
+    f.roofline_fraction = std::max(*m.sm_throughput, *m.memory_throughput);
+  }
+
   // Order matters: idle time between launches hides every other limiter, so it is judged first.
   if (m.launches > 1 && f.gap_share >= rules.launch_gap_share) {
     f.bound = Bound::Launch;
+  } else if (measured) {
+    if (f.roofline_fraction < rules.latency_below)
+      f.bound = Bound::Latency;
+    else
+      f.bound = *m.sm_throughput >= *m.memory_throughput ? Bound::Compute : Bound::Memory;
   } else if (m.duration_ns <= 0 || (!m.flops && !m.dram_bytes)) {
     f.bound = Bound::Unknown;
   } else if (f.roofline_fraction < rules.latency_below) {
@@ -95,7 +110,16 @@ std::vector<std::string> advise(const Finding& f, const DiagnosisRules& rules) {
                     " launches: fuse kernels or capture a CUDA graph");
       break;
     case Bound::Memory:
-      if (f.roofline_fraction >= rules.near_roof)
+      if (f.measured) {
+        // Measured memory throughput covers L1, L2 and DRAM: name the unit by what was measured.
+        if (f.roofline_fraction >= rules.near_roof)
+          out.push_back(who + " is memory-bound at " + percent(f.memory_fraction.value_or(0.0)) +
+                        " of peak memory throughput: move fewer bytes (fuse with neighbours, keep data in "
+                        "shared memory or registers, use a narrower type)");
+        else
+          out.push_back("memory throughput at " + percent(f.memory_fraction.value_or(0.0)) + " of peak in " + who +
+                        ": use 16-byte vector loads, check coalescing and shared-memory bank conflicts");
+      } else if (f.roofline_fraction >= rules.near_roof)
         out.push_back(who + " is memory-bound at " + percent(f.memory_fraction.value_or(0.0)) +
                       " of DRAM peak: move fewer bytes (fuse with neighbours, keep data in shared memory, "
                       "use a narrower type)");
@@ -104,7 +128,16 @@ std::vector<std::string> advise(const Finding& f, const DiagnosisRules& rules) {
                       ": use 16-byte vector loads and check coalescing");
       break;
     case Bound::Compute:
-      if (f.roofline_fraction >= rules.near_roof)
+      if (f.measured) {
+        // SM throughput is the busiest SM pipe (FMA, ALU, tensor, load/store issue), not FLOP/s alone.
+        if (f.roofline_fraction >= rules.near_roof)
+          out.push_back(who + " is compute-bound with its SMs at " + percent(f.compute_fraction.value_or(0.0)) +
+                        " of peak throughput: do less work per element (algebraic simplification, fewer "
+                        "instructions) or use lower-precision tensor cores");
+        else
+          out.push_back("SMs at " + percent(f.compute_fraction.value_or(0.0)) + " of peak throughput in " + who +
+                        ": use tensor cores (wgmma/mma), tile through shared memory and raise ILP");
+      } else if (f.roofline_fraction >= rules.near_roof)
         out.push_back(who + " is compute-bound at " + percent(f.compute_fraction.value_or(0.0)) +
                       " of peak FLOP/s: do less math (algebraic simplification) or use lower-precision tensor cores");
       else

@@ -211,12 +211,24 @@ class EventWriter {
   std::string out_;
 };
 
+// Appended piece by piece: `"[" + std::to_string(...)` trips GCC 12's false -Wrestrict warning.
 std::string dim_json(const jit::Dim3& d) {
-  return "[" + std::to_string(d.x) + "," + std::to_string(d.y) + "," + std::to_string(d.z) + "]";
+  std::string s = "[";
+  s += std::to_string(d.x);
+  s += ',';
+  s += std::to_string(d.y);
+  s += ',';
+  s += std::to_string(d.z);
+  s += ']';
+  return s;
 }
 
 std::string field(std::string_view key, std::uint64_t value) {
-  return "\"" + std::string(key) + "\":" + std::to_string(value);
+  std::string s = "\"";
+  s += key;
+  s += "\":";
+  s += std::to_string(value);
+  return s;
 }
 
 }  // namespace

@@ -1,8 +1,5 @@
 // The CUPTI Activity API behind Tracer: libcupti.so.13 is loaded at run time (never linked), records
 // arrive in buffers CUPTI hands back on its own thread, and every failure becomes an Unavailable value.
-#include <cupti.h>
-#include <dlfcn.h>
-
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -11,120 +8,15 @@
 #include <stitchcuda/profile.hpp>
 
 #include "activity.hpp"
+#include "cupti.hpp"
 
 namespace stitchcuda::profile {
 namespace {
 
+using detail::CuptiApi;
+using detail::cupti;
+using detail::cupti_error;
 using detail::PendingApi;
-
-struct CuptiApi {
-  decltype(&::cuptiGetVersion) GetVersion = nullptr;
-  decltype(&::cuptiGetResultString) GetResultString = nullptr;
-  decltype(&::cuptiSubscribe) Subscribe = nullptr;
-  decltype(&::cuptiSubscribe_v2) Subscribe_v2 = nullptr;  // optional: names the other subscriber
-  decltype(&::cuptiUnsubscribe) Unsubscribe = nullptr;
-  decltype(&::cuptiActivityEnable) ActivityEnable = nullptr;
-  decltype(&::cuptiActivityDisable) ActivityDisable = nullptr;
-  decltype(&::cuptiActivityRegisterCallbacks) ActivityRegisterCallbacks = nullptr;
-  decltype(&::cuptiActivityFlushAll) ActivityFlushAll = nullptr;
-  decltype(&::cuptiActivityGetNextRecord) ActivityGetNextRecord = nullptr;
-  decltype(&::cuptiActivityGetNumDroppedRecords) ActivityGetNumDroppedRecords = nullptr;
-  decltype(&::cuptiGetCallbackName) GetCallbackName = nullptr;
-  std::string path;
-  std::uint32_t version = 0;
-};
-
-Result<CuptiApi> load_cupti() {
-  std::vector<std::string> tried;
-  void* lib = nullptr;
-  auto attempt = [&](const std::string& candidate, int extra_flags) {
-    if (lib) return;
-    tried.push_back(candidate);
-    lib = dlopen(candidate.c_str(), RTLD_NOW | RTLD_LOCAL | extra_flags);
-  };
-  if (const char* env = std::getenv("STITCHCUDA_CUPTI"); env && *env) {
-    attempt(env, 0);
-    if (!lib)
-      return fail(ErrorCode::Unavailable, std::string("profiler unavailable: STITCHCUDA_CUPTI points to '") + env +
-                                              "', which could not be loaded: point it at a libcupti.so.13 or unset it");
-  }
-  // One process, one CUDA major: prefer a CUPTI already loaded (PyTorch's wheels bring one).
-  attempt("libcupti.so.13", RTLD_NOLOAD);
-  attempt("libcupti.so.13", 0);
-  for (const char* var : {"CUDA_HOME", "CUDA_PATH"}) {
-    if (const char* home = std::getenv(var); home && *home) {
-      attempt(std::string(home) + "/lib64/libcupti.so.13", 0);
-      attempt(std::string(home) + "/extras/CUPTI/lib64/libcupti.so.13", 0);
-    }
-  }
-  attempt("/usr/local/cuda/lib64/libcupti.so.13", 0);
-  attempt("/usr/local/cuda/extras/CUPTI/lib64/libcupti.so.13", 0);
-  if (!lib) {
-    std::string where;
-    for (const auto& t : tried) where += "\n  " + t;
-    return fail(ErrorCode::Unavailable,
-                "profiler unavailable: CUPTI (libcupti.so.13) was not found: install the CUDA 13 toolkit's CUPTI, "
-                "set CUDA_HOME, or set STITCHCUDA_CUPTI to the library's path",
-                "looked for:" + where);
-  }
-  CuptiApi api;
-  std::string missing;
-  auto bind = [&](auto& fn, const char* name, bool required = true) {
-    fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
-    if (!fn && required) missing += std::string(" ") + name;
-  };
-  bind(api.GetVersion, "cuptiGetVersion");
-  bind(api.GetResultString, "cuptiGetResultString");
-  bind(api.Subscribe, "cuptiSubscribe");
-  bind(api.Subscribe_v2, "cuptiSubscribe_v2", false);
-  bind(api.Unsubscribe, "cuptiUnsubscribe");
-  bind(api.ActivityEnable, "cuptiActivityEnable");
-  bind(api.ActivityDisable, "cuptiActivityDisable");
-  bind(api.ActivityRegisterCallbacks, "cuptiActivityRegisterCallbacks");
-  bind(api.ActivityFlushAll, "cuptiActivityFlushAll");
-  bind(api.ActivityGetNextRecord, "cuptiActivityGetNextRecord");
-  bind(api.ActivityGetNumDroppedRecords, "cuptiActivityGetNumDroppedRecords");
-  bind(api.GetCallbackName, "cuptiGetCallbackName");
-  Dl_info info{};
-  api.path = dladdr(reinterpret_cast<void*>(api.GetVersion), &info) && info.dli_fname ? info.dli_fname : tried.back();
-  if (!missing.empty())
-    return fail(ErrorCode::Unavailable, "profiler unavailable: the CUPTI at '" + api.path +
-                                            "' lacks functions StitchCUDA needs:" + missing + "; use CUPTI of CUDA 13");
-  api.GetVersion(&api.version);
-  // Activity record layouts (CUpti_ActivityKernel10...) are those of the CUDA 13 headers we built with.
-  if (api.version / 10000 != CUPTI_API_VERSION / 10000)
-    return fail(ErrorCode::Unavailable, "profiler unavailable: the CUPTI at '" + api.path + "' has API version " +
-                                            std::to_string(api.version) + ", StitchCUDA was built for " +
-                                            std::to_string(CUPTI_API_VERSION) + ": use the CUPTI of CUDA 13");
-  return api;
-}
-
-// Never destroyed: CUPTI's own thread may hand back a buffer while the process exits.
-Result<const CuptiApi*> cupti() {
-  static const Result<CuptiApi>* loaded = new Result<CuptiApi>(load_cupti());
-  if (!*loaded) return tl::unexpected(loaded->error());
-  return &**loaded;
-}
-
-std::string result_text(const CuptiApi& api, CUptiResult r) {
-  const char* text = nullptr;
-  api.GetResultString(r, &text);
-  return text ? text : "CUPTI error " + std::to_string(int(r));
-}
-
-// Turns a failed CUPTI call into a value naming the cause and the fix.
-Error cupti_error(const CuptiApi& api, CUptiResult r, const std::string& what, const std::string& other = {}) {
-  std::string message = "profiler unavailable: " + what + " failed (" + result_text(api, r) + ")";
-  if (r == CUPTI_ERROR_INSUFFICIENT_PRIVILEGES || r == CUPTI_ERROR_VIRTUALIZED_DEVICE_INSUFFICIENT_PRIVILEGES)
-    message += ": this user may not profile the GPU; run as root, or set the driver option "
-               "NVreg_RestrictProfilingToAdminUsers=0 (https://developer.nvidia.com/ERR_NVGPUCTRPERM)";
-  else if (r == CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED)
-    message += ": another CUPTI client is attached" + (other.empty() ? std::string() : " (" + other + ")") +
-               "; stop torch.profiler, Nsight Systems/Compute or cuda-gdb first, then trace again";
-  else if (r == CUPTI_ERROR_NOT_INITIALIZED)
-    message += ": CUPTI could not initialise; check that the driver and CUPTI are both from CUDA 13";
-  return Error{ErrorCode::Unavailable, std::move(message), {}, {}};
-}
 
 // ---- state shared with CUPTI's callbacks (plain function pointers, so it lives at namespace scope) ----
 
@@ -201,6 +93,11 @@ bool tracer_running = false;
 
 }  // namespace
 
+bool detail::tracer_recording() {
+  std::lock_guard life(lifecycle_mutex());
+  return tracer_running;
+}
+
 Result<void> Tracer::available() {
   auto api = cupti();
   if (!api) return tl::unexpected(api.error());
@@ -211,6 +108,15 @@ Result<std::string> Tracer::cupti_path() {
   auto api = cupti();
   if (!api) return tl::unexpected(api.error());
   return (*api)->path;
+}
+
+Result<std::uint64_t> Tracer::timestamp_ns() {
+  auto api = cupti();
+  if (!api) return tl::unexpected(api.error());
+  std::uint64_t now = 0;
+  if (CUptiResult r = (*api)->GetTimestamp(&now); r != CUPTI_SUCCESS)
+    return tl::unexpected(cupti_error(**api, r, "cuptiGetTimestamp"));
+  return now;
 }
 
 Result<Tracer> Tracer::start(const TracerOptions& options) {

@@ -200,3 +200,13 @@ TEST_CASE("copies are traced, and CUPTI is released so a new Tracer can start", 
   Tracer last = start_or_fail();
   CHECK(last.stop());
 }
+
+TEST_CASE("CUPTI's clock reads without a GPU and moves forward", "[profile]") {
+  if (!Tracer::available()) STITCHCUDA_SKIP("CUPTI is not loadable here: " + Tracer::available().error().message);
+  auto first = Tracer::timestamp_ns();
+  REQUIRE(first);
+  auto second = Tracer::timestamp_ns();
+  REQUIRE(second);
+  CHECK(*first > 0);
+  CHECK(*second >= *first);
+}

@@ -1,0 +1,239 @@
+"""`stitchcuda bench profile`: how far the profiler can be trusted, against baselines in the same run
+(issue 3's targets): Tracer kernel time vs CUDA events on one kernel, tracing overhead on 1,000 small
+launches, DRAM % of a large copy from Metrics vs `ncu --clock-control none`, and profile() of a small
+CNN vs torch.profiler run after it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from typing import Any
+
+DRAM_METRIC = "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"
+COPY_FLOATS = 256 << 20  # 1 GiB per tensor: far beyond L2
+
+# A copy kernel, not Tensor.copy_: torch turns a contiguous same-type copy into cudaMemcpyAsync, which
+# is a memcpy record, not a kernel the range profiler (or ncu) measures.
+COPY_SOURCE = r"""
+extern "C" __global__ void copy4(const float4* __restrict__ in, float4* __restrict__ out, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = in[i];
+}
+"""
+
+# The same copy, alone in a process so that ncu sees exactly this kernel.
+_NCU_SCRIPT = f"""
+import torch
+from stitchcuda import jit
+copy = jit.compile({COPY_SOURCE!r}, "copy4")
+n4 = {COPY_FLOATS // 4}
+src = torch.empty(4 * n4, device="cuda")
+dst = torch.empty_like(src)
+copy((n4 + 255) // 256, 256, src, dst, n4)
+torch.cuda.synchronize()
+"""
+
+
+def _tracer_vs_events(trials: int = 20) -> dict[str, Any]:
+    import torch
+
+    from .. import profile as prof
+
+    a = torch.randn(4096, 4096, device="cuda")
+    torch.mm(a, a)
+    torch.cuda.synchronize()
+    ratios, kernel_ms, event_ms = [], [], []
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with prof.trace(memory=False, api_calls=False) as t:
+            start.record()
+            torch.mm(a, a)
+            end.record()
+        events = start.elapsed_time(end)
+        traced = sum(k.duration_ns for k in t.trace.kernels) / 1e6
+        kernel_ms.append(traced)
+        event_ms.append(events)
+        ratios.append(traced / events)
+    return {"kernel": "torch.mm 4096x4096 fp32", "trials": trials, "tracer_ms": statistics.median(kernel_ms),
+            "cuda_event_ms": statistics.median(event_ms), "ratio_median": statistics.median(ratios),
+            "ratio_min": min(ratios), "ratio_max": max(ratios), "target": "within 5% (ratio 0.95..1.05)"}
+
+
+def _tracing_overhead(launches: int = 1000, rounds: int = 7) -> dict[str, Any]:
+    import torch
+
+    from .. import profile as prof
+
+    x = torch.zeros(256, device="cuda")
+
+    def workload() -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(launches):
+            x.add_(1.0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    workload()  # warm
+    plain, traced, kernels_only, scope_cost = [], [], [], []
+    for _ in range(rounds):  # interleaved, so drift hits all sides alike
+        plain.append(workload())
+        t0 = time.perf_counter()
+        with prof.trace() as t:
+            traced.append(workload())
+        scope_cost.append(time.perf_counter() - t0 - traced[-1])
+        recorded = t.summary().kernel_launches
+        if recorded != launches:
+            raise RuntimeError(f"the trace recorded {recorded} of {launches} launches")
+        with prof.trace(memory=False, api_calls=False):
+            kernels_only.append(workload())
+    p, q, k = statistics.median(plain), statistics.median(traced), statistics.median(kernels_only)
+    return {"launches": launches, "rounds": rounds, "untraced_ms": p * 1e3, "traced_ms": q * 1e3,
+            "overhead_pct": (q / p - 1.0) * 100.0, "kernels_only_traced_ms": k * 1e3,
+            "kernels_only_overhead_pct": (k / p - 1.0) * 100.0,
+            "start_stop_ms": statistics.median(scope_cost) * 1e3,
+            "target": "<= 3% overhead (default trace: kernels, memory and API calls)"}
+
+
+def _ncu_dram_pct() -> tuple[float | None, str]:
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        return None, "ncu not on PATH"
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "copy.py")
+        with open(script, "w") as f:
+            f.write(_NCU_SCRIPT)
+        cmd = [ncu, "--clock-control", "none", "--kernel-name", "copy4", "--metrics", DRAM_METRIC, "--csv",
+               sys.executable, script]
+        env = dict(os.environ)
+        package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../stitchcuda
+        package_parent = os.path.dirname(package_dir)  # the child imports this same stitchcuda
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        except subprocess.TimeoutExpired:
+            return None, "ncu timed out"
+    values = []
+    for line in done.stdout.splitlines():
+        if DRAM_METRIC in line:
+            cells = [c.strip('"') for c in re.findall(r'"[^"]*"|[^,]+', line)]
+            try:
+                values.append(float(cells[-1].replace(",", "")))
+            except (ValueError, IndexError):
+                pass
+    if not values:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        return None, f"ncu gave no value (exit {done.returncode}: {tail[0][:200]})"
+    return values[-1], f"{len(values)} kernel(s) measured"
+
+
+def _dram_from_metrics() -> dict[str, Any]:
+    import torch
+
+    from .. import profile as prof
+    from ..errors import StitchError
+
+    from .. import jit
+
+    copy = jit.compile(COPY_SOURCE, "copy4")
+    n4 = COPY_FLOATS // 4
+    src = torch.empty(COPY_FLOATS, device="cuda")
+    dst = torch.empty_like(src)
+    grid = (n4 + 255) // 256
+    copy(grid, 256, src, dst, n4)
+    torch.cuda.synchronize()
+    out: dict[str, Any] = {"bytes_each_way": COPY_FLOATS * 4}
+    try:
+        measured = prof.metrics(copy, grid, 256, src, dst, n4)
+    except StitchError as exc:
+        out["error"] = exc.message
+        return out
+    del src, dst
+    torch.cuda.empty_cache()
+    copy = max(measured, key=lambda m: m.duration_ns)
+    out.update({"kernel": copy.name, "dram_pct": copy.dram_throughput_pct, "memory_pct": copy.memory_throughput_pct,
+                "sm_pct": copy.sm_throughput_pct, "dram_bytes_read": copy.dram_bytes_read,
+                "dram_bytes_written": copy.dram_bytes_written,
+                "bound": prof.classify(copy.measurement()).bound})
+    ncu_pct, note = _ncu_dram_pct()
+    out["ncu_dram_pct"] = ncu_pct
+    out["ncu_note"] = note
+    if ncu_pct is not None:
+        out["difference_points"] = copy.dram_throughput_pct - ncu_pct
+    out["target"] = "within 5 points of ncu --clock-control none; bound = memory"
+    return out
+
+
+def _cnn_vs_torch_profiler() -> dict[str, Any]:
+    import torch
+
+    from .. import profile as prof
+
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.BatchNorm2d(32), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.BatchNorm2d(64), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(64, 10)).cuda().eval()
+    x = torch.randn(32, 3, 64, 64, device="cuda")
+    with torch.inference_mode():
+        report = prof.profile(model, x, top_k=5, metrics=True, title="small CNN")
+        with torch.profiler.profile(activities=activities) as p:
+            model(x)
+            torch.cuda.synchronize()
+    kernels = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset"))]
+    totals: Counter = Counter()
+    for e in kernels:
+        totals[e.name] += e.device_time
+    torch_top = [name for name, _ in totals.most_common(3)]
+    ours_top = [k.name for k in report.kernels[:3]]
+    return {"launches": report.kernel_launches, "torch_profiler_launches": len(kernels),
+            "launches_agree": report.kernel_launches == len(kernels), "top_kernels": ours_top,
+            "torch_profiler_top_kernels": torch_top, "top_kernel_agrees": bool(ours_top and torch_top)
+            and ours_top[0] == torch_top[0], "top3_overlap": len(set(ours_top) & set(torch_top)),
+            "top_ops": [k.op for k in report.kernels[:3]], "metrics": report.metrics_status,
+            "gap_fraction": report.gap_fraction}
+
+
+def measure() -> dict[str, Any]:
+    """Every number of the benchmark, as one JSON-ready dict (needs a GPU)."""
+    from .. import profile as prof
+
+    ok, reason = prof.available()
+    if not ok:
+        return {"skipped": reason}
+    result: dict[str, Any] = {}
+    for key, step in (("tracer_vs_cuda_events", _tracer_vs_events), ("tracing_overhead", _tracing_overhead),
+                      ("copy_dram", _dram_from_metrics), ("cnn_vs_torch_profiler", _cnn_vs_torch_profiler)):
+        try:
+            result[key] = step()
+        except Exception as exc:  # one failing part must not hide the others' numbers
+            result[key] = {"error": f"{type(exc).__name__}: {exc}"}
+    return result
+
+
+def run(json_output: bool = False) -> int:
+    """Prints the numbers (one JSON object with json_output); 0 when every part produced its numbers,
+    1 when a part failed. Without a GPU it prints why and returns 0: there is nothing to measure."""
+    result = measure()
+    if json_output:
+        print(json.dumps(result))
+    elif "skipped" in result:
+        print(f"profile benchmark skipped: {result['skipped']}")
+    else:
+        for key, value in result.items():
+            print(f"{key}:")
+            for k, v in value.items():
+                print(f"  {k:28} {v:.4g}" if isinstance(v, float) else f"  {k:28} {v}")
+    failed = any(isinstance(v, dict) and "error" in v for v in result.values())
+    return 1 if failed else 0
