@@ -364,16 +364,13 @@ def _view_layout(n: Node, shape, strides):
     if op == "aten::t":
         return tuple(reversed(shape)), tuple(reversed(strides)), 0
     if op == "aten::expand":
-        new = list(args[1])
+        # Only an expand that broadcasts nothing is a view the program can hold (stride-0 buffers would
+        # alias); a real broadcast is materialized by the ATen step, and fused kernels broadcast by strides.
+        new = [int(e) for e in args[1]]
         lead = len(new) - rank
-        out_strides = []
-        for d, e in enumerate(new):
-            if d < lead:
-                out_strides.append(0)
-            else:
-                src = shape[d - lead]
-                out_strides.append(0 if (src == 1 and out_shape[d] != 1) else strides[d - lead])
-        return out_shape, tuple(out_strides), 0
+        if lead == 0 and all(e == -1 or e == s for e, s in zip(new, shape)) and contiguous:
+            return tuple(shape), tuple(strides), 0
+        return None
     if op == "aten::slice.Tensor":
         dim = args[1] % rank if len(args) > 1 else 0
         start = args[2] if len(args) > 2 and args[2] is not None else 0
