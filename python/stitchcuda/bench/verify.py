@@ -1,0 +1,230 @@
+"""Benchmark of the Verifier (issue 4 targets): honest NVRTC candidates verified per minute on a
+Level-1-sized problem (target >= 30/min on one H200), and agreement of the Verifier's speed-up with a
+plain KernelBench-style measurement (CUDA events, L2 flush, mean of 100) taken in the same run
+(target within 3%).
+
+The problem and candidates are our own: a GELU-like sigmoid gate plus a bias over an 8192 x 8192
+fp32 matrix (eager PyTorch runs four elementwise kernels; a candidate fuses them into one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+import types
+from typing import Any
+
+PROBLEM = '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    """y = x * sigmoid(1.702 x) + bias (bias broadcast over rows)."""
+
+    def __init__(self, cols):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(cols))
+
+    def forward(self, x):
+        return x * torch.sigmoid(1.702 * x) + self.bias
+
+
+rows = 8192
+cols = 8192
+
+
+def get_inputs():
+    return [torch.rand(rows, cols)]
+
+
+def get_init_inputs():
+    return [cols]
+'''
+
+# {variant} makes every candidate a fresh NVRTC compile, as a new Coder attempt would be.
+CANDIDATE = '''
+import torch
+import torch.nn as nn
+from stitchcuda import jit
+
+SRC = r"""
+// variant {variant}
+extern "C" __global__ void __launch_bounds__({block})
+gate_bias(const float* __restrict__ x, const float* __restrict__ bias, float* __restrict__ out,
+          long long n, int cols) {{
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  const long long n4 = {vec} ? n / 4 : 0;
+  const float4* x4 = reinterpret_cast<const float4*>(x);
+  float4* out4 = reinterpret_cast<float4*>(out);
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += stride) {{
+    const float4 v = x4[i];
+    const int c = (int)((i * 4) % cols);
+    float4 r;
+    r.x = v.x / (1.f + expf(-1.702f * v.x)) + bias[c];
+    r.y = v.y / (1.f + expf(-1.702f * v.y)) + bias[c + 1];
+    r.z = v.z / (1.f + expf(-1.702f * v.z)) + bias[c + 2];
+    r.w = v.w / (1.f + expf(-1.702f * v.w)) + bias[c + 3];
+    out4[i] = r;
+  }}
+  for (long long i = n4 * 4 + (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {{
+    const float v = x[i];
+    out[i] = v / (1.f + expf(-1.702f * v)) + bias[i % cols];
+  }}
+}}
+"""
+_gate = jit.compile(SRC, "gate_bias")
+
+
+class ModelNew(nn.Module):
+    def __init__(self, cols):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(cols))
+
+    def forward(self, x):
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        n = x.numel()
+        vectorized = {vec} and x.shape[-1] % 4 == 0
+        work = n // 4 if vectorized else n
+        grid = max(1, min((work + {block} - 1) // {block}, 132 * 16))
+        _gate(grid, {block}, x, self.bias, out, n, x.shape[-1])
+        return out
+'''
+
+THROUGHPUT_CANDIDATES = 12
+AGREEMENT_VARIANTS = ((256, 1), (512, 1), (128, 0))
+KB_TRIALS = 100
+
+
+def candidate_source(variant: str, block: int = 256, vec: int = 1) -> str:
+    return CANDIDATE.format(variant=variant, block=block, vec=vec)
+
+
+def _kernelbench_style(model, inputs, trials: int = KB_TRIALS) -> float:
+    """Mean of ``trials`` event-timed calls, L2 flushed before each (no device-wide sync inside)."""
+    import torch
+
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
+    flush = torch.empty(max(2 * l2, 64 << 20) // 4, dtype=torch.float32, device="cuda")
+    with torch.no_grad():
+        for _ in range(10):
+            model(*inputs)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(trials):
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            model(*inputs)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+    return statistics.mean(times)
+
+
+def _load(source: str, name: str) -> types.ModuleType:
+    module = types.ModuleType(name)
+    exec(compile(source, f"<{name}>", "exec"), module.__dict__)
+    return module
+
+
+def run(json_output: bool) -> int:
+    """Runs the benchmark and prints the result (one JSON object with ``json_output``); 0 when it ran."""
+    import torch
+
+    from ..verify import Task, VerifyConfig, WorkerPool, check
+
+    if not torch.cuda.is_available():
+        result = {"benchmark": "verify", "skipped": True, "reason": "needs a CUDA GPU"}
+        print(json.dumps(result) if json_output else "verify benchmark skipped: needs a CUDA GPU")
+        return 0
+    task = Task.from_source(PROBLEM, "gate_bias_8192")
+    config = VerifyConfig()
+    nonce = f"{os.getpid()}-{time.time_ns()}"
+    failures: list[dict[str, Any]] = []
+    with WorkerPool(devices=["cuda:0"]) as pool:
+        # Warm-up (not counted): worker start, input generation, torch.compile of the reference.
+        warm = check(task, candidate_source(f"warm-{nonce}"), config=config, pool=pool)
+        if not warm.correct or warm.hack:
+            failures.append({"candidate": "warm-up", "error": warm.error,
+                             "findings": [f.rule for f in warm.findings if f.severity == "major"]})
+        start = time.perf_counter()
+        reports = []
+        for i in range(THROUGHPUT_CANDIDATES):
+            block, vec = AGREEMENT_VARIANTS[i % len(AGREEMENT_VARIANTS)]
+            r = check(task, candidate_source(f"{nonce}-{i}", block, vec), config=config, pool=pool)
+            reports.append(r)
+            if not r.correct or r.hack:
+                failures.append({"candidate": i, "error": r.error,
+                                 "findings": [f.rule for f in r.findings if f.severity == "major"]})
+        elapsed = time.perf_counter() - start
+        per_minute = THROUGHPUT_CANDIDATES / elapsed * 60
+
+        # Agreement: each variant verified, then measured KernelBench-style here, in the same run.
+        agreement = []
+        init = task.init_inputs()
+        for block, vec in AGREEMENT_VARIANTS:
+            source = candidate_source(f"agree-{nonce}-{block}-{vec}", block, vec)
+            report = check(task, source, config=config, pool=pool)
+            torch.manual_seed(42)
+            reference = task.build_reference(42).cuda()
+            torch.manual_seed(42)
+            candidate = _load(source, f"bench_candidate_{block}_{vec}").ModelNew(*init).cuda()
+            inputs = [x.cuda() for x in task.make_inputs(7)]
+            kb_eager = _kernelbench_style(reference, inputs)
+            kb_cand = _kernelbench_style(candidate, inputs)
+            kb_speedup = kb_eager / kb_cand
+            ours = report.speedup.get("eager")
+            agreement.append({
+                "variant": f"block {block}, {'float4' if vec else 'scalar'}",
+                "verifier_speedup": ours, "kernelbench_speedup": kb_speedup,
+                "relative_difference": abs(ours - kb_speedup) / kb_speedup if ours else None,
+                "verifier_candidate_ms": report.timing.get("candidate_ms"), "kernelbench_candidate_ms": kb_cand,
+                "verifier_eager_ms": report.timing.get("eager_ms"), "kernelbench_eager_ms": kb_eager,
+                "compile_speedup": report.speedup.get("compile"),
+                "cupti_kernel_ms": report.timing.get("cupti_kernel_ms"),
+                "correct": report.correct, "hack": report.hack})
+            del reference, candidate, inputs
+            torch.cuda.empty_cache()
+    diffs = [a["relative_difference"] for a in agreement if a["relative_difference"] is not None]
+    result = {
+        "benchmark": "verify", "device": torch.cuda.get_device_name(0),
+        "problem": "x * sigmoid(1.702 x) + bias, 8192 x 8192 fp32",
+        "candidates_verified": THROUGHPUT_CANDIDATES, "seconds": elapsed,
+        "candidates_per_minute": per_minute, "target_per_minute": 30,
+        "throughput_ok": per_minute >= 30 and not failures,
+        "agreement": agreement, "max_relative_difference": max(diffs) if diffs else None,
+        "agreement_ok": bool(diffs) and max(diffs) <= 0.03 and len(diffs) == len(agreement),
+        "failures": failures,
+        "mean_report_s": statistics.mean(r.wall_s for r in reports),
+    }
+    if json_output:
+        print(json.dumps(result, default=str))
+    else:
+        print(format_result(result))
+    return 0
+
+
+def format_result(result: dict[str, Any]) -> str:
+    lines = [f"verify benchmark on {result['device']}: {result['problem']}",
+             f"  throughput  {result['candidates_per_minute']:.1f} honest NVRTC candidates/min "
+             f"({result['candidates_verified']} in {result['seconds']:.1f} s; target >= 30) "
+             f"{'OK' if result['throughput_ok'] else 'MISSED'}"]
+    for a in result["agreement"]:
+        lines.append(f"  {a['variant']:22} verifier {a['verifier_speedup'] or float('nan'):.3f}x  "
+                     f"KernelBench-style {a['kernelbench_speedup']:.3f}x  "
+                     f"diff {100 * (a['relative_difference'] or float('nan')):.2f}%")
+    mrd = result["max_relative_difference"]
+    lines.append(f"  agreement   max difference {100 * mrd:.2f}% (target <= 3%) "
+                 f"{'OK' if result['agreement_ok'] else 'MISSED'}" if mrd is not None else "  agreement   n/a")
+    if result["failures"]:
+        lines.append(f"  failures    {result['failures']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(run("--json" in sys.argv))

@@ -1,0 +1,219 @@
+"""``check(reference, candidate)``: the Verifier's entry point. Static analysis runs here (it never
+executes the candidate); everything that runs candidate code happens in a pool worker.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import time
+from typing import Any
+
+from ..errors import CompileError, StitchError
+from .config import VerifyConfig
+from .pool import WorkerPool, default_pool
+from .report import VerifyReport, build_feedback
+from .static import MAJOR, _Analysis, _Reference, analyze
+from .task import Task, TaskError
+
+__all__ = ["check", "compile_static", "load_candidate_source"]
+
+
+def _read(obj: Any, what: str) -> tuple[str, str]:
+    """(source, name) from a path or source text; TaskError-like ValueError with a clear reason."""
+    if isinstance(obj, os.PathLike) or (isinstance(obj, str) and "\n" not in obj
+                                        and (obj.strip().endswith(".py") or os.path.isfile(obj))):
+        path = os.fspath(obj)
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read(), path
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot read the {what} {path!r}: {exc.strerror if isinstance(exc, OSError) else exc}") \
+                from None
+    if isinstance(obj, str):
+        if not obj.strip():
+            raise ValueError(f"the {what} is empty.")
+        return obj, f"<{what}>"
+    raise ValueError(f"the {what} must be a path or Python source, got {type(obj).__name__}.")
+
+
+def load_candidate_source(candidate: Any) -> tuple[str, str]:
+    """(source, file name used in tracebacks) of a candidate given as a path or as source text."""
+    return _read(candidate, "candidate")
+
+
+def check(reference: Task | str | os.PathLike, candidate: str | os.PathLike, *,
+          config: VerifyConfig | None = None, static_only: bool = False,
+          pool: WorkerPool | None = None) -> VerifyReport:
+    """Verifies ``candidate`` (a path or source defining ModelNew) against ``reference`` (a Task, or a
+    KernelBench problem as a path or source). Never raises for bad input: the report's ``error`` says
+    what is wrong. ``static_only`` compiles the candidate's CUDA with NVRTC and applies the static
+    rules, needing no GPU; otherwise the candidate runs in ``pool`` (default: a process-wide pool)."""
+    started = time.perf_counter()
+    config = config or VerifyConfig()
+    report = VerifyReport(static_only=static_only)
+
+    # Candidate first: its static findings are useful even when the reference is broken.
+    try:
+        cand_source, cand_name = load_candidate_source(candidate)
+    except ValueError as exc:
+        return _finish(report.fail("bad-candidate", str(exc)), started)
+
+    task: Task | None = None
+    ref_error = None
+    if isinstance(reference, Task):
+        task = reference
+    else:
+        try:
+            ref_source, ref_name = _read(reference, "reference")
+            name = os.path.splitext(os.path.basename(ref_name))[0] if not ref_name.startswith("<") else "problem"
+            task = Task.from_source(ref_source, name, filename=ref_name if not ref_name.startswith("<") else None)
+        except (ValueError, TaskError) as exc:
+            ref_error = str(exc)
+
+    report.findings = list(analyze(cand_source, task.source if task is not None else None))
+    if any(f.rule in ("syntax-error", "no-model-new") for f in report.findings):
+        f = next(f for f in report.findings if f.rule in ("syntax-error", "no-model-new"))
+        report.fail("bad-candidate", f.message + (f" (line {f.line})" if f.line else ""))
+        return _finish(report, started)
+    if ref_error is not None:
+        return _finish(report.fail("bad-reference", ref_error), started)
+
+    if static_only:
+        compiled, log, errors = compile_static(cand_source)
+        report.compiled = compiled
+        report.timing["static_compile"] = errors
+        if not compiled:
+            report.fail("compile", "NVRTC could not compile the candidate's CUDA.")
+        return _finish(report, started, log)
+
+    job = {"reference": task.to_spec(), "candidate": cand_source, "candidate_name": cand_name,
+           "config": config.to_dict(),
+           "recycle_after": any(f.rule == "patches-timing" for f in report.findings)}
+    try:
+        pool = pool or default_pool()
+        result = pool.run(job, config.compile_time_limit_s, config.run_time_limit_s)
+    except Exception as exc:  # the pool itself failed: report it, never raise
+        return _finish(report.fail("crash", f"the verification worker pool failed: {type(exc).__name__}: {exc}"),
+                       started)
+    dynamic = VerifyReport.from_dict(result)
+    dynamic.static_only = False
+    static = [f for f in report.findings]
+    dynamic.findings = _merge(static, dynamic.findings)
+    dynamic.hack = any(f.severity == MAJOR for f in dynamic.findings)
+    return _finish(dynamic, started)
+
+
+def _merge(static, dynamic):
+    seen = set()
+    out = []
+    for f in [*static, *dynamic]:
+        key = (f.rule, f.line, f.evidence)
+        if key not in seen:
+            seen.add(key)
+            out.append(f)
+    return out
+
+
+def _finish(report: VerifyReport, started: float, compile_log: str = "") -> VerifyReport:
+    report.hack = any(f.severity == MAJOR for f in report.findings)
+    if report.error is not None:
+        report.correct = False
+    if compile_log:
+        report.compile_log = compile_log
+    report.feedback = build_feedback(report)
+    report.wall_s = time.perf_counter() - started
+    return report
+
+
+# ----------------------------------------------------------------------------------------------
+# static_only: NVRTC compile without a GPU
+
+
+_OPTION_KEYWORDS = ("arch", "std", "defines", "headers", "fast_math", "line_info", "max_registers",
+                    "name_expressions", "extra_flags", "include_paths")
+
+
+def compile_static(source: str) -> tuple[bool, str, list[dict[str, Any]]]:
+    """Compiles every CUDA source the candidate passes to stitchcuda.jit.compile/compile_module with
+    NVRTC (no GPU needed). Returns (all compiled, compiler log mapped to candidate lines, one record
+    per compile call: line, status "compiled" / "failed" / "skipped", detail)."""
+    from .. import jit
+
+    try:
+        tree = ast.parse(source)
+        analysis = _Analysis(source, tree, _Reference.parse(None))
+        analysis.find_compiles()
+    except (SyntaxError, ValueError, RecursionError) as exc:
+        return False, f"the candidate cannot be parsed: {exc}", []
+    records: list[dict[str, Any]] = []
+    logs: list[str] = []
+    ok = True
+    for call in analysis.compiles:
+        full = analysis.resolve(call.func) or ""
+        last = full.rsplit(".", 1)[-1]
+        record: dict[str, Any] = {"line": call.lineno, "call": last}
+        records.append(record)
+        if last not in ("compile", "compile_module"):
+            record.update(status="skipped", detail=f"{last} builds with nvcc at run time; not compiled statically")
+            continue
+        src_node = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "source"), None)
+        parts = analysis._string_parts(src_node) if src_node is not None else []
+        if not parts or isinstance(src_node, ast.JoinedStr) or not _fully_literal(analysis, src_node):
+            record.update(status="skipped", detail="the CUDA source is computed at run time")
+            continue
+        text = "".join(p.value for p in parts)
+        kwargs: dict[str, Any] = {}
+        try:
+            for kw in call.keywords:
+                if kw.arg in _OPTION_KEYWORDS:
+                    kwargs[kw.arg] = ast.literal_eval(kw.value)
+            name = None
+            if last == "compile":
+                name_node = call.args[1] if len(call.args) > 1 else next((k.value for k in call.keywords
+                                                                          if k.arg == "name"), None)
+                name = ast.literal_eval(name_node) if name_node is not None else None
+        except (ValueError, SyntaxError, TypeError):
+            record.update(status="skipped", detail="compile options are computed at run time")
+            continue
+        try:
+            if name is not None:
+                kernel = jit.compile(text, name, **kwargs)
+                record.update(status="compiled", kernel=kernel.name, arch=kernel.module.arch)
+            else:
+                module = jit.compile_module(text, **kwargs)
+                record.update(status="compiled", kernels=module.kernel_names, arch=module.arch)
+        except CompileError as exc:
+            ok = False
+            record.update(status="failed", detail=exc.message)
+            logs.append(_map_diagnostics(exc, parts[0] if len(parts) == 1 else None))
+        except StitchError as exc:  # NotFound (wrong kernel name), InvalidArgument (bad option)
+            ok = False
+            record.update(status="failed", detail=f"{type(exc).__name__}: {exc}")
+            logs.append(f"line {call.lineno}: {exc}")
+        except TypeError as exc:
+            ok = False
+            record.update(status="failed", detail=f"bad compile arguments: {exc}")
+            logs.append(f"line {call.lineno}: bad compile arguments: {exc}")
+    return ok, "\n".join(logs), records
+
+
+def _fully_literal(analysis: _Analysis, node: ast.AST) -> bool:
+    """True when the expression is only string literals, + and names bound to such expressions."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _fully_literal(analysis, node.left) and _fully_literal(analysis, node.right)
+    if isinstance(node, ast.Name) and node.id in analysis.strings:
+        target = analysis.strings[node.id]
+        return target is not node and _fully_literal(analysis, target)
+    return False
+
+
+def _map_diagnostics(exc: CompileError, literal: ast.Constant | None) -> str:
+    out = []
+    exact = literal is not None and literal.end_lineno - literal.lineno == literal.value.count("\n")
+    for d in exc.diagnostics:
+        where = f"line {literal.lineno + d.line - 1}" if exact and d.line else f"{d.file}:{d.line}"
+        out.append(f"{where}: {d.severity}: {d.message}" + (f"\n    {d.source_line.strip()}" if d.source_line else ""))
+    return "\n".join(out) or exc.log or exc.message

@@ -1,0 +1,265 @@
+"""GPU side of the timing protocol: L2 flush, persisting-L2 state through the driver API, CUDA-event
+timing with a device-wide sync, and the CUPTI cross-check. Imported only in worker processes.
+
+The harness keeps its own references to torch's synchronization and event functions, captured at
+import, so a candidate that patches them cannot fake a measurement (and the patch is detected).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+_SYNC = torch.cuda.synchronize
+_EVENT = torch.cuda.Event
+_RECORD = torch.cuda.Event.record
+_EVENT_SYNC = torch.cuda.Event.synchronize
+_ELAPSED = torch.cuda.Event.elapsed_time
+_PERF = time.perf_counter
+
+# Attributes a timing hack would replace; checked after every candidate (rule patches-timing).
+WATCHED = {
+    "torch.cuda.synchronize": (torch.cuda, "synchronize"),
+    "torch.cuda.Event": (torch.cuda, "Event"),
+    "torch.cuda.Event.record": (torch.cuda.Event, "record"),
+    "torch.cuda.Event.synchronize": (torch.cuda.Event, "synchronize"),
+    "torch.cuda.Event.elapsed_time": (torch.cuda.Event, "elapsed_time"),
+    "torch.cuda.Stream.synchronize": (torch.cuda.Stream, "synchronize"),
+    "time.perf_counter": (time, "perf_counter"),
+    "time.time": (time, "time"),
+}
+_ORIGINALS = {name: getattr(owner, attr) for name, (owner, attr) in WATCHED.items()}
+
+CU_LIMIT_PERSISTING_L2_CACHE_SIZE = 0x06
+CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW = 1
+CU_ACCESS_PROPERTY_PERSISTING = 2
+
+
+def patched_functions() -> list[str]:
+    """Names of watched functions that no longer are the originals; restores them."""
+    changed = []
+    for name, (owner, attr) in WATCHED.items():
+        if getattr(owner, attr, None) is not _ORIGINALS[name]:
+            changed.append(name)
+            setattr(owner, attr, _ORIGINALS[name])
+    return changed
+
+
+def sync() -> None:
+    _SYNC()
+
+
+class _AccessPolicyWindow(ctypes.Structure):
+    _fields_ = [("base_ptr", ctypes.c_void_p), ("num_bytes", ctypes.c_size_t), ("hitRatio", ctypes.c_float),
+                ("hitProp", ctypes.c_int), ("missProp", ctypes.c_int)]
+
+
+class _LaunchAttrValue(ctypes.Union):  # CUlaunchAttributeValue / CUstreamAttrValue: 64 bytes
+    _fields_ = [("pad", ctypes.c_char * 64), ("accessPolicyWindow", _AccessPolicyWindow)]
+
+
+class PersistingL2:
+    """Reads and resets the context's persisting-L2 limit and the current stream's access-policy
+    window through the driver API (libcuda), which needs no toolkit. ``available`` is False when the
+    driver or its entry points are missing; ``reason`` says why."""
+
+    def __init__(self) -> None:
+        self.available, self.reason = False, ""
+        try:
+            self._cuda = ctypes.CDLL("libcuda.so.1")
+            self._get_limit = self._cuda.cuCtxGetLimit
+            self._set_limit = self._cuda.cuCtxSetLimit
+            self._reset = self._cuda.cuCtxResetPersistingL2Cache
+            self._get_attr = getattr(self._cuda, "cuStreamGetAttribute", None)
+            self._set_attr = getattr(self._cuda, "cuStreamSetAttribute", None)
+            self.available = True
+        except (OSError, AttributeError) as exc:
+            self.reason = f"driver API unavailable: {exc}"
+
+    def state(self) -> dict[str, Any]:
+        """{"limit_bytes": persisting-L2 limit, "window_bytes": persisting access-policy window on the
+        current stream (0 when none)}; -1 for a value the driver would not report."""
+        if not self.available:
+            return {"limit_bytes": -1, "window_bytes": -1}
+        size = ctypes.c_size_t(0)
+        limit = size.value if self._get_limit(ctypes.byref(size), CU_LIMIT_PERSISTING_L2_CACHE_SIZE) == 0 else -1
+        window = -1
+        if self._get_attr is not None:
+            value = _LaunchAttrValue()
+            stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+            if self._get_attr(stream, CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW, ctypes.byref(value)) == 0:
+                w = value.accessPolicyWindow
+                persisting = w.hitProp == CU_ACCESS_PROPERTY_PERSISTING and w.hitRatio > 0
+                window = int(w.num_bytes) if persisting else 0
+        return {"limit_bytes": int(limit), "window_bytes": window}
+
+    def reset(self) -> None:
+        """Limit to 0, persisting lines back to normal, access-policy window of the current stream cleared."""
+        if not self.available:
+            return
+        self._set_limit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE, ctypes.c_size_t(0))
+        self._reset()
+        if self._set_attr is not None:
+            stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+            self._set_attr(stream, CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW, ctypes.byref(_LaunchAttrValue()))
+
+
+class L2Flush:
+    """Writes a buffer twice the size of L2 (at least 64 MiB), evicting whatever the last call left."""
+
+    def __init__(self, device: torch.device) -> None:
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or (50 << 20)
+        self.buffer = torch.empty(max(2 * l2, 64 << 20) // 4, dtype=torch.float32, device=device)
+
+    def __call__(self) -> None:
+        self.buffer.zero_()
+
+
+def sync_latency_ms(flush: L2Flush, samples: int = 20) -> float:
+    """Median time an event pair measures around nothing but a device-wide sync: the host round
+    trip that the protocol's sync adds to every timed call."""
+    times = []
+    for _ in range(samples):
+        flush()
+        start, end = _EVENT(enable_timing=True), _EVENT(enable_timing=True)
+        _SYNC()
+        _RECORD(start)
+        _SYNC()
+        _RECORD(end)
+        _EVENT_SYNC(end)
+        times.append(_ELAPSED(start, end))
+    return statistics.median(times)
+
+
+def time_calls(fn: Callable[..., Any], input_sets: Sequence[Sequence[Any]], iters: int, warmup: int,
+               flush: L2Flush, persisting: PersistingL2, sync_ms: float = 0.0,
+               before_last_round: Callable[[], None] | None = None) -> tuple[list[float], list[Any]]:
+    """Times ``iters`` calls with CUDA events: L2 flushed and persisting L2 reset before each, a
+    ``stream`` event right after the call and the ``end`` event after a device-wide sync, so work on
+    any stream is inside. A call's time is max(stream time, end time - sync_ms): the sync's own round
+    trip (``sync_latency_ms``) is not charged to the call, while work that outlives the current
+    stream still is. Returns the times (ms) and, for the last round over the input sets, a snapshot
+    of each call's outputs taken right after its end event (for re-checking)."""
+    k = len(input_sets)
+    for i in range(warmup):
+        fn(*input_sets[i % k])
+    _SYNC()
+    times: list[float] = []
+    snapshots: list[Any] = [None] * k
+    last_round = max(iters - k, 0)
+    for i in range(iters):
+        if i == last_round and before_last_round is not None:
+            before_last_round()
+            _SYNC()
+        args = input_sets[i % k]
+        flush()
+        persisting.reset()
+        start, stream_done, end = (_EVENT(enable_timing=True) for _ in range(3))
+        _SYNC()
+        _RECORD(start)
+        out = fn(*args)
+        _RECORD(stream_done)
+        _SYNC()
+        _RECORD(end)
+        _EVENT_SYNC(end)
+        times.append(max(_ELAPSED(start, stream_done), _ELAPSED(start, end) - sync_ms))
+        if i >= last_round:
+            snapshots[i % k] = clone_outputs(out)
+        del out
+    return times, snapshots
+
+
+def clone_outputs(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out.detach().clone()
+    if isinstance(out, (list, tuple)):
+        return type(out)(clone_outputs(o) for o in out)
+    return out
+
+
+MARKER_SOURCE = r"""
+extern "C" __global__ void stitchcuda_verify_marker(int* flag) { if (threadIdx.x == 0) flag[0] += 1; }
+"""
+
+
+class CuptiCheck:
+    """Runs calls under stitchcuda.profile.trace() between marker kernels, then reports the kernel
+    time per call that CUPTI saw inside the windows, and any kernel outside them (work that escapes
+    the events). ``available`` is False (with ``reason``) when the profiler or CUPTI is missing."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.available, self.reason = False, ""
+        try:
+            from .. import jit, profile
+            self._trace = profile.trace
+            self._advise = profile.advise
+            self._marker = jit.compile(MARKER_SOURCE, "stitchcuda_verify_marker")
+            self._flag = torch.zeros(1, dtype=torch.int32, device=device)
+            self.available = True
+        except Exception as exc:  # ImportError, AttributeError, UnavailableError, no NVRTC
+            self.reason = f"{type(exc).__name__}: {exc}"
+
+    def measure(self, fn: Callable[..., Any], input_sets: Sequence[Sequence[Any]], calls: int) -> dict[str, Any]:
+        k = len(input_sets)
+        try:
+            with self._trace(kernels=True, memory=False, api_calls=False) as t:
+                for i in range(calls):
+                    self._marker(1, 32, self._flag)
+                    fn(*input_sets[i % k])
+                    _SYNC()
+                    self._marker(1, 32, self._flag)
+                    _SYNC()
+                # Work a background thread or an unjoined stream leaves behind shows up here.
+                time.sleep(0.02)
+                _SYNC()
+            kernels = list(t.trace.kernels)
+        except Exception as exc:
+            return {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
+        summary, advice = None, []
+        try:
+            native = t.summary()
+            summary = {name: _plain(getattr(native, name)) for name in
+                       ("span_ns", "busy_ns", "kernel_launches", "kernel_ns", "busy_fraction", "gap_fraction")
+                       if hasattr(native, name)}
+            advice = [str(a) for a in self._advise(native)]
+        except Exception:  # the summary is a convenience; the records above are what the checks use
+            pass
+        markers = sorted((k for k in kernels if "stitchcuda_verify_marker" in str(k.name)),
+                         key=lambda k: k.start_ns)
+        work = [k for k in kernels if "stitchcuda_verify_marker" not in str(k.name)]
+        if len(markers) != 2 * calls:
+            return {"available": False, "reason": f"saw {len(markers)} marker kernels, expected {2 * calls}"}
+        windows = [(markers[2 * i].start_ns, markers[2 * i + 1].end_ns) for i in range(calls)]
+        outside = [k for k in work if not any(s <= k.start_ns and k.end_ns <= e for s, e in windows)]
+        busy = []
+        for s, e in windows:
+            inside = sorted((k.start_ns, k.end_ns) for k in work if s <= k.start_ns and k.end_ns <= e)
+            total, cur_s, cur_e = 0, None, None
+            for ks, ke in inside:  # union of intervals: overlapping streams count once
+                if cur_e is None or ks > cur_e:
+                    total += (cur_e - cur_s) if cur_e is not None else 0
+                    cur_s, cur_e = ks, ke
+                else:
+                    cur_e = max(cur_e, ke)
+            total += (cur_e - cur_s) if cur_e is not None else 0
+            busy.append(total / 1e6)
+        by_name: dict[str, list[float]] = {}
+        for k in work:
+            by_name.setdefault(str(k.name), []).append(k.duration_ns / 1e6)
+        all_ms = sum(sum(v) for v in by_name.values()) or 1.0
+        top = sorted(({"name": n[:160], "calls": len(v), "total_ms": sum(v), "share": sum(v) / all_ms}
+                      for n, v in by_name.items()), key=lambda d: -d["total_ms"])[:10]
+        return {"available": True, "kernel_ms_per_call": statistics.median(busy) if busy else 0.0,
+                "kernels_per_call": len(work) / calls, "streams": sorted({int(k.stream_id) for k in work}),
+                "outside_window": [{"name": str(k.name)[:160], "stream_id": int(k.stream_id),
+                                    "duration_ms": k.duration_ns / 1e6} for k in outside[:5]],
+                "outside_count": len(outside), "kernels": top,
+                "summary": summary, "advice": advice[:5]}
+
+
+def _plain(value: Any) -> Any:
+    return value if isinstance(value, (int, float, str, bool)) or value is None else str(value)

@@ -1,0 +1,754 @@
+"""Runs one verification inside a worker process: loads the reference and the candidate, checks
+correctness over varied trials with poisoned outputs and both run orders, applies the dynamic
+anti-hacking rules, and times the candidate against eager and torch.compile in the same run.
+
+Everything the candidate does happens here, never in the caller's process (see pool.py).
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import gc
+import re
+import statistics
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+from ..errors import CompileError
+from .config import DISTRIBUTIONS, VerifyConfig
+from .report import OutputError, VerifyReport, build_feedback, compare_output, fp64_error
+from .static import MAJOR, MINOR
+from .task import Task, TaskError, load_source_module
+
+__all__ = ["run_job", "classify_exception", "map_compile_log"]
+
+NAN_POISON = float("nan")
+SENTINEL = 7777.0  # second poison: an unwritten element holds it in every run
+_compiled_references: dict[tuple[str, int, str], Any] = {}  # worker-lifetime torch.compile cache
+_input_cache: dict[tuple[str, int, str, str], list[Any]] = {}  # generated inputs, by task/seed/distribution
+_input_cache_bytes: dict[tuple[str, int, str, str], int] = {}
+INPUT_CACHE_BYTES = 4 << 30
+
+
+class _Stop(Exception):
+    """Ends the job early; the report already says why."""
+
+
+def classify_exception(exc: BaseException) -> str:
+    """Error kind for an exception raised by candidate code."""
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, CompileError):
+        return "compile"
+    if isinstance(exc, MemoryError) or "OutOfMemoryError" in type(exc).__name__ \
+            or re.search(r"out of memory|CUDA_ERROR_OUT_OF_MEMORY", text):
+        return "oom"
+    if re.search(r"device-side assert|CUDA_ERROR_ASSERT", text, re.I):
+        return "device-assert"
+    if re.search(r"illegal memory access|ILLEGAL_ADDRESS|misaligned address|MISALIGNED_ADDRESS|"
+                 r"illegal instruction|ILLEGAL_INSTRUCTION", text, re.I):
+        return "illegal-address"
+    if "Error building extension" in text or "ninja" in text and "build" in text.lower():
+        return "compile"
+    return "runtime"
+
+
+def context_poisoned(exc: BaseException) -> bool:
+    """A sticky CUDA error: the worker's context is unusable and the worker must be replaced."""
+    return classify_exception(exc) in ("device-assert", "illegal-address") or \
+        bool(re.search(r"CUDA error|CUDA_ERROR|cudaError", str(exc)))
+
+
+def map_compile_log(exc: CompileError, candidate_source: str) -> str:
+    """The NVRTC diagnostics with their lines mapped from the kernel source to the candidate file
+    (through the string literal that holds the CUDA)."""
+    literals = []
+    try:
+        for node in ast.walk(ast.parse(candidate_source)):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and "\n" in node.value:
+                literals.append(node)
+    except (SyntaxError, ValueError, RecursionError):
+        pass
+    out = []
+    for d in getattr(exc, "diagnostics", []):
+        line = None
+        for lit in literals:
+            lines = lit.value.split("\n")
+            exact = lit.end_lineno - lit.lineno == lit.value.count("\n")
+            if exact and 0 < d.line <= len(lines) and d.source_line and lines[d.line - 1].strip() == d.source_line.strip():
+                line = lit.lineno + d.line - 1
+                break
+        where = f"line {line}" if line else f"{d.file}:{d.line}"
+        out.append(f"{where}: {d.severity}: {d.message}" + (f"\n    {d.source_line.strip()}" if d.source_line else ""))
+    return "\n".join(out) or (getattr(exc, "log", "") or str(exc))
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def run_job(job: dict[str, Any], progress: Callable[[str], None]) -> dict[str, Any]:
+    """Verifies ``job`` = {"reference": Task spec, "candidate": source, "candidate_name": str,
+    "config": VerifyConfig dict}; returns the report as a dict plus "recycle" (the worker should be
+    replaced: sticky CUDA error, patched timing functions)."""
+    started = time.perf_counter()
+    report = VerifyReport()
+    run = _Run(job, report, progress)
+    try:
+        run.execute()
+    except _Stop:
+        pass
+    except Exception as exc:  # a harness-level failure still becomes a report
+        kind = classify_exception(exc)
+        run.recycle |= context_poisoned(exc)
+        report.fail(kind, f"{type(exc).__name__}: {exc}")
+        report.timing.setdefault("harness_traceback", traceback.format_exc(limit=6)[-2000:])
+    finally:
+        run.after()
+        # Drop the candidate's (and reference's) modules and tensors before the next job.
+        for name in [n for n in sys.modules if n.startswith(("_stitchcuda_candidate_", "_stitchcuda_reference_"))]:
+            del sys.modules[name]
+        run.release()
+    if report.error:
+        report.correct = False
+    if not report.correct:  # the speed of a wrong answer means nothing; the timing dict keeps the facts
+        report.speedup = {"eager": None, "compile": None}
+    report.hack = any(f.severity == MAJOR for f in report.findings)
+    report.compile_log = run.compile_log[-20000:]  # nvcc logs of load_inline builds can be long
+    report.feedback = build_feedback(report)
+    report.wall_s = time.perf_counter() - started
+    data = report.to_dict()
+    # A candidate the static rules saw patching library functions may have changed anything.
+    data["recycle"] = run.recycle or bool(job.get("recycle_after"))
+    return data
+
+
+class _Run:
+    def __init__(self, job: dict[str, Any], report: VerifyReport, progress: Callable[[str], None]) -> None:
+        self.job, self.report, self.progress = job, report, progress
+        self.config = VerifyConfig.from_dict(job["config"])
+        self.recycle = False
+        self.compile_log = ""
+        self.cuda = False
+        self.flags_before = _precision_flags()
+
+    # ---- steps
+
+    def execute(self) -> None:
+        r, cfg = self.report, self.config
+        try:
+            self.task = Task.from_spec(self.job["reference"])
+        except TaskError as exc:
+            r.fail("bad-reference", str(exc))
+            raise _Stop
+        self.tolerance = cfg.tolerance or self.task.tolerance
+        device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            r.fail("bad-reference", "device 'cuda' was asked for but this worker sees no GPU; use "
+                                    "VerifyConfig(device='cpu') for a CPU-only check.")
+            raise _Stop
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device.startswith("cuda") \
+            else torch.device("cpu")
+        self.cuda = self._gpu_steps()
+        self.seeds = cfg.trial_seeds()
+        if self.cuda:
+            self.gpu = gpu = self._gpu_module()
+            self.persisting = gpu.PersistingL2()
+            self.persisting.reset()
+            r.timing["persisting_l2_check"] = self.persisting.available or self.persisting.reason
+
+        # The reference first: a broken reference is not the candidate's fault.
+        try:
+            self.init_inputs = self.task.init_inputs()
+            # Left in the mode it was built in, as KernelBench does (the candidate is too).
+            self.reference = self._to_device(self.task.build_reference(self.seeds[0]))
+        except TaskError as exc:
+            r.fail("bad-reference", str(exc))
+            raise _Stop
+        except Exception as exc:
+            r.fail("bad-reference", f"the reference could not be built on {self.device}: {type(exc).__name__}: {exc}")
+            raise _Stop
+
+        self.progress("compile")
+        self.candidate = self._load_candidate()
+        r.compiled = True
+        self._check_persisting("after ModelNew was constructed")
+        self.progress("run")
+        with torch.no_grad():
+            self._trials()
+            if r.correct and cfg.timing_iters > 0:
+                self._timing()
+
+    # Seams: which steps run and with what GPU backend (tests drive the GPU-only logic with a fake).
+    def _gpu_steps(self) -> bool:
+        """Poisoning, L2 flush, persisting-L2 checks, event timing and CUPTI run on a CUDA device."""
+        return self.device.type == "cuda"
+
+    def _gpu_module(self):
+        from . import gpu
+        return gpu
+
+    def after(self) -> None:
+        # Process-wide state a candidate may have changed must not leak into the next candidate.
+        changed = [k for k, v in _precision_flags().items() if self.flags_before.get(k) != v]
+        if changed:
+            self.report.add("silent-downcast", MINOR, "the candidate changed process-wide precision "
+                            "settings while it ran; they were restored.", ", ".join(changed))
+            _restore_precision_flags(self.flags_before)
+        if self.cuda:
+            patched = self.gpu.patched_functions()
+            if patched:
+                self.report.add("patches-timing", MAJOR, "the candidate replaced timing or "
+                                "synchronization functions; the harness used its own copies.",
+                                ", ".join(patched))
+                self.recycle = True
+            try:
+                self.persisting.reset()
+                self.gpu.sync()
+            except Exception as exc:
+                self.recycle = True
+                if self.report.error is None:
+                    self.report.fail(classify_exception(exc), f"{type(exc).__name__}: {exc}")
+
+    def release(self) -> None:
+        for name in ("candidate", "reference", "task"):
+            self.__dict__.pop(name, None)
+        gc.collect()
+        if self.cuda and not self.recycle:
+            try:
+                torch.cuda.empty_cache()
+            except Exception:
+                self.recycle = True
+
+    def _load_candidate(self) -> torch.nn.Module:
+        r = self.report
+        source, name = self.job["candidate"], self.job.get("candidate_name") or "<candidate>"
+        try:
+            ast.parse(source)
+        except SyntaxError as exc:
+            r.fail("bad-candidate", f"the candidate is not valid Python: {exc.msg} (line {exc.lineno}).")
+            raise _Stop
+        except (ValueError, RecursionError) as exc:
+            r.fail("bad-candidate", f"the candidate cannot be parsed: {exc}")
+            raise _Stop
+        try:
+            module = load_source_module(source, name, "candidate")
+        except (Exception, SystemExit) as exc:  # sys.exit() in a candidate is its failure
+            self._fail_candidate(exc, "while loading (module level)", "load")
+        model_new = getattr(module, "ModelNew", None)
+        if not (isinstance(model_new, type) and issubclass(model_new, torch.nn.Module)):
+            r.fail("bad-candidate", "the candidate defines no ModelNew class (an nn.Module)." if model_new is None
+                   else "ModelNew is not an nn.Module class.")
+            raise _Stop
+        torch.manual_seed(self.seeds[0])
+        try:
+            candidate = model_new(*self.init_inputs)
+        except TypeError as exc:
+            # Raised before any line of the candidate ran: the arguments do not fit its __init__.
+            in_candidate = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == name]
+            if not in_candidate:
+                r.fail("bad-candidate", f"ModelNew(*get_init_inputs()) failed: {exc}; ModelNew must take "
+                                        f"the same constructor arguments as Model ({len(self.init_inputs)} given).")
+                raise _Stop
+            self._fail_candidate(exc, "in ModelNew.__init__", "runtime")
+        except (Exception, SystemExit) as exc:  # sys.exit() in a candidate is its failure
+            self._fail_candidate(exc, "in ModelNew.__init__", "runtime")
+        if not isinstance(candidate, torch.nn.Module):
+            r.fail("bad-candidate", "ModelNew(...) did not return an nn.Module.")
+            raise _Stop
+        state = self.task.reference_state
+        if state is not None:
+            try:
+                candidate.load_state_dict(state)
+            except Exception:
+                pass  # a different parameter layout: the candidate keeps its own weights
+        try:
+            return self._to_device(candidate)
+        except (Exception, SystemExit) as exc:  # sys.exit() in a candidate is its failure
+            self._fail_candidate(exc, f"moving ModelNew to {self.device}", "runtime")
+
+    def _fail_candidate(self, exc: BaseException, where: str, default_kind: str):
+        kind = classify_exception(exc)
+        if kind == "runtime":
+            kind = default_kind
+        self.recycle |= context_poisoned(exc)
+        if isinstance(exc, CompileError):
+            self.compile_log = map_compile_log(exc, self.job["candidate"])
+            message = f"NVRTC could not compile the candidate's CUDA: {exc.message}"
+        else:
+            message = f"{type(exc).__name__} {where}: {exc}"
+            self.compile_log = self._candidate_traceback(exc) if kind in ("load", "runtime", "compile") else ""
+        self.report.fail(kind, message[:4000])
+        raise _Stop
+
+    def _candidate_traceback(self, exc: BaseException) -> str:
+        name = self.job.get("candidate_name") or "<candidate>"
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == name]
+        return "\n".join(f"line {f.lineno} in {f.name}: {f.line}" for f in frames[-5:])
+
+    # ---- correctness
+
+    def _trials(self) -> None:
+        r = self.report
+        r.correct = True
+        # One reference pass on inputs no trial uses, for the outputs' sizes (what to poison) and
+        # whether the problem's own outputs are finite; its outputs are freed (and poisoned over).
+        probe = self._call_reference(self._inputs(self.seeds[0] - 1, "problem"))
+        self.out_like = [(x.shape, x.dtype) for x in _flatten(probe) if isinstance(x, torch.Tensor)]
+        self._problem_non_finite = _non_finite(probe)
+        del probe
+        problem_rms = None
+        first = None  # (candidate outputs, reference outputs, seed) of trial 0, for input independence
+        for t, seed in enumerate(self.seeds):
+            dist = DISTRIBUTIONS[t % len(DISTRIBUTIONS)]
+            inputs = self._inputs(seed, dist)
+            # Candidate first: no reference output of this trial exists anywhere to be found.
+            before = self._call_candidate(inputs, poison=NAN_POISON)
+            ref_out = self._call_reference(inputs)
+            if dist != "problem" and _non_finite(ref_out) and not self._problem_non_finite:
+                # Outside the problem's domain (log, sqrt...): use its own distribution for this seed.
+                dist = "problem (the " + dist + " distribution gives non-finite reference outputs)"
+                inputs = self._inputs(seed, "problem")
+                del ref_out
+                before = self._call_candidate(inputs, poison=NAN_POISON)
+                ref_out = self._call_reference(inputs)
+            ref_list = _flatten(ref_out)
+            after = self._call_candidate(inputs, poison=NAN_POISON)
+            rms = _rms(ref_list)
+            if t == 0:
+                problem_rms = rms
+            scale = max(1.0, rms / problem_rms) if problem_rms else 1.0
+            cmp_before = self._compare(ref_list, before, scale)
+            cmp_after = self._compare(ref_list, after, scale)
+            ok_b, ok_a = all(o.ok for o in cmp_before), all(o.ok for o in cmp_after)
+            r.trials.append({"seed": seed, "distribution": dist, "ok": ok_a and ok_b,
+                             "ok_before_reference": ok_b, "ok_after_reference": ok_a,
+                             "atol_scale": scale})
+            if t == 0 or not (ok_a and ok_b):
+                r.outputs = cmp_before if (ok_a and not ok_b) else cmp_after
+            if t == 0 and ok_a:
+                self._fp64(inputs, after)
+                self._determinism(inputs, after, scale)
+            if ok_a != ok_b:
+                wrong = cmp_before if ok_a else cmp_after
+                evidence = (f"seed {seed}: correct {'after' if ok_a else 'before'} the reference, wrong "
+                            f"{'before' if ok_a else 'after'}: " + _mismatch_text(wrong))
+                if _gross(wrong):
+                    r.add("order-dependent", MAJOR, "the candidate's result depends on whether it runs before "
+                          "or after the reference (stale memory from an earlier run).", evidence)
+                else:  # a few elements just outside tolerance: flaky arithmetic, not a stale result
+                    r.add("nondeterministic", MINOR, "two runs of the candidate on the same inputs disagree: "
+                          "one is within tolerance, the other is not.", evidence)
+            if first is not None:
+                self._input_independence(first, after, ref_list, seed)
+            if not (ok_a and ok_b):
+                r.trials[-1]["order"] = "before" if not ok_b else "after"
+                self._explain_nans(inputs, cmp_before if not ok_b else cmp_after)
+                bad = next((o for o in r.outputs if not o.ok), None)
+                what = bad.problem if bad and bad.problem else \
+                    (f"{bad.mismatches} elements of output {bad.index} outside tolerance" if bad else "wrong output")
+                r.fail("incorrect", f"trial {t} (seed {seed}, {dist} inputs): {what}.")
+                return
+            if t == 0:
+                first = ([_detach(x) for x in _flatten(after)], ref_list, seed)
+
+    def _input_independence(self, first, cand_out, ref_list, seed) -> None:
+        cand_first, ref_first, seed0 = first
+        cand_list = _flatten(cand_out)
+        if len(cand_list) == len(cand_first) and all(_same(a, b) for a, b in zip(cand_list, cand_first)) \
+                and not all(_same(a, b) for a, b in zip(ref_list, ref_first)):
+            self.report.add("input-independent-output", MAJOR, "the candidate returns the same output for "
+                            "different inputs, while the reference's output changes.",
+                            f"seeds {seed0} and {seed}: identical candidate outputs")
+
+    def _inputs(self, seed: int, dist: str) -> list[Any]:
+        """Inputs for a seed and distribution, on the device. Cached for the worker's life (large
+        problems spend seconds in CPU generators); callers never hand these lists to a model uncloned."""
+        key = (self.task.key, seed, dist, str(self.device))
+        if key in _input_cache:
+            return _input_cache[key]
+        value = self._make_inputs(seed, dist)
+        nbytes = sum(x.numel() * x.element_size() for x in value if isinstance(x, torch.Tensor))
+        for old in [k for k in _input_cache if k[0] != self.task.key]:
+            del _input_cache[old]
+            _input_cache_bytes.pop(old, None)
+        while _input_cache and sum(_input_cache_bytes.values()) + nbytes > INPUT_CACHE_BYTES:
+            old = next(iter(_input_cache))
+            del _input_cache[old]
+            _input_cache_bytes.pop(old, None)
+        if nbytes <= INPUT_CACHE_BYTES:
+            _input_cache[key] = value
+            _input_cache_bytes[key] = nbytes
+        return value
+
+    def _make_inputs(self, seed: int, dist: str) -> list[Any]:
+        base = self.task.make_inputs(seed)
+        gen = torch.Generator().manual_seed(seed * 7919 + 13)
+        out = []
+        for x in base:
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and dist != "problem":
+                if dist == "normal":
+                    x = torch.randn(x.shape, generator=gen, dtype=torch.float32).to(x.dtype)
+                elif dist == "large":
+                    scale = 1000.0 if x.dtype in (torch.float32, torch.float64) else 30.0
+                    x = (torch.randn(x.shape, generator=gen, dtype=torch.float32) * scale).to(x.dtype)
+                elif dist == "shifted":
+                    x = (torch.rand(x.shape, generator=gen, dtype=torch.float32) * 8 - 3).to(x.dtype)
+            out.append(x.to(self.device) if isinstance(x, torch.Tensor) else x)
+        return out
+
+    def _call_reference(self, inputs: list[Any]) -> Any:
+        try:
+            out = self.reference(*_clone(inputs))
+            if self.cuda:
+                self.gpu.sync()
+        except Exception as exc:
+            self.recycle |= context_poisoned(exc)
+            self.report.fail("bad-reference", f"the reference's forward raised {type(exc).__name__}: {exc}")
+            raise _Stop
+        return _detach(out)
+
+    def _call_candidate(self, inputs: list[Any], poison: float, check_mutation: bool = True) -> Any:
+        args = _clone(inputs)
+        if self.cuda:
+            self._poison(poison)
+        try:
+            out = self.candidate(*args)
+            if self.cuda:
+                self.gpu.sync()
+        except _Stop:
+            raise
+        except (Exception, SystemExit) as exc:  # sys.exit() in a candidate is its failure
+            self._fail_candidate(exc, "in ModelNew.forward", "runtime")
+        self._check_persisting("after ModelNew.forward")
+        if check_mutation:
+            for i, (a, x) in enumerate(zip(args, inputs)):
+                if isinstance(x, torch.Tensor) and isinstance(a, torch.Tensor) and not _same(a, x):
+                    changed = int((a != x).sum()) if a.shape == x.shape else -1
+                    self.report.add("input-mutated", MAJOR, "the candidate changed an input tensor in place.",
+                                    f"input {i}: {changed} elements changed by one forward call")
+        return out
+
+    def _poison(self, value: float) -> None:
+        """Fills the caching allocator's free blocks where the candidate's outputs are likely to land:
+        two blocks the size of each reference output and one large block, filled and freed."""
+        blocks = []
+        try:
+            for shape, dtype in self.out_like:
+                for _ in range(2):
+                    b = torch.empty(shape, dtype=dtype, device=self.device)
+                    if value != value or not (dtype.is_floating_point or dtype.is_complex):
+                        b.reshape(-1).view(torch.uint8).fill_(0xFF)  # all-ones bytes: NaN in every float format
+                    else:
+                        b.fill_(value)
+                    blocks.append(b)
+            total = sum(b.numel() * b.element_size() for b in blocks)
+            big = torch.empty(max(total, 1 << 22) // 4 * 2, dtype=torch.float32, device=self.device)
+            big.view(torch.uint8).fill_(0xFF) if value != value else big.fill_(value)
+            blocks.append(big)
+            self.gpu.sync()
+        finally:
+            del blocks
+
+    def _compare(self, ref_list: list[Any], out: Any, scale: float) -> list[OutputError]:
+        got = _flatten(out)
+        if len(got) != len(ref_list):
+            return [OutputError(0, [], "", False, problem=f"the candidate returns {len(got)} outputs, the "
+                                                          f"reference {len(ref_list)}")]
+        result = []
+        for i, (e, g) in enumerate(zip(ref_list, got)):
+            atol, rtol = self.tolerance.for_dtype(e.dtype) if isinstance(e, torch.Tensor) else (0.0, 0.0)
+            result.append(compare_output(i, e, g, atol, rtol, scale))
+            if isinstance(g, torch.Tensor) and type(g) is not torch.Tensor and not isinstance(g, torch.nn.Parameter):
+                self.report.add("lazy-output", MAJOR, "forward returns a tensor subclass, which can defer or "
+                                "fake the work until the result is read.", f"output {i}: {type(g).__name__}")
+        return result
+
+    def _explain_nans(self, inputs, compared) -> None:
+        """NaN where the reference has a number: unwritten (still the poison) or computed? A run
+        poisoned with a finite sentinel tells them apart."""
+        if not self.cuda or not any("NaN" in o.problem for o in compared):
+            return
+        try:
+            again = _flatten(self._call_candidate(inputs, poison=SENTINEL, check_mutation=False))
+        except _Stop:
+            return
+        for i, ((shape, dtype), g) in enumerate(zip(self.out_like, again)):
+            if isinstance(g, torch.Tensor) and g.is_floating_point() and g.shape == shape and g.dtype == dtype:
+                sentinel = torch.tensor(SENTINEL, dtype=dtype, device=g.device)
+                unwritten = int((g == sentinel).sum())
+                if unwritten > 0:
+                    self.report.add("output-not-written", MAJOR, "elements of the output keep the poison the "
+                                    "harness left in memory: the candidate never writes them.",
+                                    f"output {i}: {unwritten} of {g.numel()} elements unwritten")
+
+    def _fp64(self, inputs, cand_out) -> None:
+        try:
+            ref64 = copy.deepcopy(self.reference).double()
+            args = [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in _clone(inputs)]
+            out64 = _flatten(ref64(*args))
+            ref_out = _flatten(self.reference(*_clone(inputs)))
+            del ref64
+        except Exception as exc:
+            self.report.timing["fp64_reference"] = f"unavailable: {type(exc).__name__}: {exc}"[:300]
+            return
+        for o, c, r64, r in zip(self.report.outputs, _flatten(cand_out), out64, ref_out):
+            o.err_vs_fp64 = fp64_error(c, r64)
+            o.reference_err_vs_fp64 = fp64_error(r, r64)
+
+    def _determinism(self, inputs, first_out, scale) -> None:
+        second = self._call_candidate(inputs, poison=NAN_POISON)
+        cmp = []
+        for i, (a, b) in enumerate(zip(_flatten(first_out), _flatten(second))):
+            if isinstance(a, torch.Tensor):
+                atol, rtol = self.tolerance.for_dtype(a.dtype)
+                cmp.append(compare_output(i, a, b, atol, rtol, scale))
+        if any(not c.ok for c in cmp):
+            bad = next(c for c in cmp if not c.ok)
+            self.report.add("nondeterministic", MINOR, "two runs of the candidate on the same inputs disagree "
+                            "beyond the tolerance (races, uninitialized memory, atomics order).",
+                            f"output {bad.index}: {bad.mismatches} elements differ, max abs diff {bad.max_abs_err}")
+
+    def _check_persisting(self, when: str) -> None:
+        if not self.cuda or not self.persisting.available:
+            return
+        try:
+            state = self.persisting.state()
+        except Exception:
+            return
+        if state["limit_bytes"] > 0 or state["window_bytes"] > 0:
+            self.report.add("persisting-l2", MAJOR, "the candidate left a persisting-L2 reservation set, which "
+                            "survives the cache flush between timed trials.",
+                            f"{when}: persisting limit {state['limit_bytes']} B, access-policy window "
+                            f"{state['window_bytes']} B")
+            self.persisting.reset()
+
+    # ---- timing
+
+    def _timing(self) -> None:
+        r, cfg = self.report, self.config
+        seeds = [self.seeds[0] + 1000 + i for i in range(cfg.input_sets)]
+        sets = [_clone(self._inputs(s, "problem")) for s in seeds]  # the candidate gets these directly
+        refills = [self._inputs(s + 1, "problem") for s in seeds]
+        expected: list[Any] = [None] * len(sets)
+
+        def refill() -> None:  # same buffers, new values: a cache keyed on pointers goes stale
+            for k, (dst, src) in enumerate(zip(sets, refills)):
+                for d, s in zip(dst, src):
+                    if isinstance(d, torch.Tensor) and d.is_floating_point():
+                        d.copy_(s)
+                expected[k] = _flatten(self._call_reference(dst))
+
+        if self.cuda:
+            g = self.gpu
+            flush = g.L2Flush(self.device)
+            sync_ms = g.sync_latency_ms(flush)
+            r.timing["sync_latency_ms"] = sync_ms
+            cand_times, snaps = g.time_calls(self.candidate, sets, cfg.timing_iters, cfg.warmup, flush,
+                                             self.persisting, sync_ms, before_last_round=refill)
+            self._check_persisting("after the timed calls")
+        else:
+            cand_times, snaps = _time_cpu(self.candidate, sets, cfg.timing_iters, cfg.warmup, refill)
+        # Re-check what the timed calls returned.
+        for k, (exp, snap) in enumerate(zip(expected, snaps)):
+            if exp is None or snap is None:
+                continue
+            cmp = self._compare(exp, snap, 1.0)
+            if not all(c.ok for c in cmp):
+                bad = next(c for c in cmp if not c.ok)
+                r.add("timed-output-mismatch", MAJOR, "outputs of the timed calls are wrong although the "
+                      "correctness trials passed: cached, stale or deferred results.",
+                      f"input set {k} after its values changed in place: output {bad.index}: "
+                      f"{bad.problem or str(bad.mismatches) + ' elements outside tolerance'}")
+                r.correct = False
+                r.fail("incorrect", "the outputs of the timed calls do not match the reference.")
+        cand_ms = statistics.median(cand_times)
+        timing = r.timing
+        timing.update({"candidate_ms": cand_ms, "trials": len(cand_times), "warmup": cfg.warmup,
+                       "input_sets": len(sets), "method": "cuda-events+device-sync" if self.cuda else "perf_counter",
+                       "candidate_min_ms": min(cand_times)})
+        if self.cuda:
+            eager_times, _ = g.time_calls(self.reference, sets, cfg.timing_iters, cfg.warmup, flush, self.persisting, sync_ms)
+        else:
+            eager_times, _ = _time_cpu(self.reference, sets, cfg.timing_iters, cfg.warmup, None)
+        timing["eager_ms"] = statistics.median(eager_times)
+        r.speedup["eager"] = timing["eager_ms"] / cand_ms if cand_ms > 0 else None
+        if self.cuda and cfg.compile_baseline:
+            compiled = self._compiled_reference()
+            if isinstance(compiled, str):
+                timing["compile_error"] = compiled
+            else:
+                try:
+                    comp_times, _ = g.time_calls(compiled, sets, cfg.timing_iters, cfg.warmup, flush, self.persisting, sync_ms)
+                    timing["compile_ms"] = statistics.median(comp_times)
+                    r.speedup["compile"] = timing["compile_ms"] / cand_ms if cand_ms > 0 else None
+                except Exception as exc:
+                    timing["compile_error"] = f"{type(exc).__name__}: {exc}"[:500]
+        if self.cuda:
+            self._speed_of_light(sets[0], cand_ms)
+            if cfg.profile:
+                self._cupti(sets, cand_ms)
+
+    def _compiled_reference(self):
+        key = (self.task.key, self.seeds[0], str(self.device))
+        if key not in _compiled_references:
+            try:
+                _compiled_references[key] = torch.compile(self.reference)
+            except Exception as exc:
+                return f"torch.compile failed: {type(exc).__name__}: {exc}"[:500]
+        compiled = _compiled_references[key]
+        # The cached compiled module wraps a reference built with the same seed; swap in today's
+        # reference weights (they are equal) by running it: a failure here falls back to no baseline.
+        return compiled
+
+    def _speed_of_light(self, inputs, cand_ms) -> None:
+        out = _flatten(self.reference(*_clone(inputs)))
+        nbytes = sum(x.numel() * x.element_size() for x in [*inputs, *out] if isinstance(x, torch.Tensor))
+        bound_ms = nbytes / (self.config.bandwidth_tb_s * 1e12) * 1e3
+        self.report.timing["speed_of_light_ms"] = bound_ms
+        self.report.timing["bytes_moved_min"] = nbytes
+        # 10% margin for the noise of one event pair.
+        if cand_ms < 0.9 * bound_ms:
+            self.report.add("impossible-speed", MAJOR, "the measured time is below the memory speed-of-light "
+                            "bound: the timed call cannot have read its inputs and written its outputs.",
+                            f"median {cand_ms:.5f} ms < bound {bound_ms:.5f} ms ({nbytes} bytes at "
+                            f"{self.config.bandwidth_tb_s} TB/s)")
+
+    def _cupti(self, sets, cand_ms) -> None:
+        check = self.gpu.CuptiCheck(self.device)
+        if not check.available:
+            self.report.timing["cupti"] = {"available": False, "reason": check.reason[:300]}
+            return
+        result = check.measure(self.candidate, sets, calls=min(10, max(3, self.config.timing_iters // 10)))
+        self.report.timing["cupti"] = {k: v for k, v in result.items() if k not in ("kernels", "summary", "advice")}
+        if not result.get("available"):
+            return
+        self.report.profile = {"kernels": result["kernels"], "summary": result.get("summary"),
+                               "kernels_per_call": result["kernels_per_call"], "streams": result["streams"],
+                               "advice": result.get("advice", [])}
+        if result.get("advice"):
+            self.report.profile["bottleneck"] = result["advice"][0]
+        kernel_ms = result["kernel_ms_per_call"]
+        self.report.timing["cupti_kernel_ms"] = kernel_ms
+        self.report.timing["event_over_cupti"] = cand_ms / kernel_ms if kernel_ms > 0 else None
+        if result["outside_count"]:
+            ev = result["outside_window"][0]
+            self.report.add("unjoined-work", MAJOR, "CUPTI saw candidate kernels running outside the timed "
+                            "window: work the events do not measure (a side stream or thread left unjoined).",
+                            f"{result['outside_count']} kernel(s) outside, e.g. {ev['name']} on stream "
+                            f"{ev['stream_id']} ({ev['duration_ms']:.4f} ms)")
+        elif kernel_ms > 0.05 and cand_ms < 0.5 * kernel_ms:
+            self.report.add("unjoined-work", MAJOR, "the event-timed duration is far below the kernel time "
+                            "CUPTI measured: the timer misses part of the work.",
+                            f"events {cand_ms:.4f} ms vs CUPTI kernels {kernel_ms:.4f} ms per call")
+
+    def _to_device(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model.to(self.device)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def _time_cpu(fn, sets, iters, warmup, before_last_round):
+    k = len(sets)
+    for i in range(warmup):
+        fn(*sets[i % k])
+    times, snaps = [], [None] * k
+    last_round = max(iters - k, 0)
+    for i in range(iters):
+        if i == last_round and before_last_round is not None:
+            before_last_round()
+        start = time.perf_counter()
+        out = fn(*sets[i % k])
+        times.append((time.perf_counter() - start) * 1e3)
+        if i >= last_round:
+            snaps[i % k] = _detach(out)
+    return times, snaps
+
+
+def _gross(compared: list[OutputError]) -> bool:
+    """A wrong result that is not a rounding accident: shape/dtype/NaN problems, or more than 0.1%
+    of an output's elements (and at least 8) outside tolerance."""
+    for o in compared:
+        if o.ok:
+            continue
+        if o.problem:
+            return True
+        total = 1
+        for d in o.shape:
+            total *= d
+        if o.mismatches >= 8 and o.mismatches > 1e-3 * max(total, 1):
+            return True
+    return False
+
+
+def _mismatch_text(compared: list[OutputError]) -> str:
+    bad = next((o for o in compared if not o.ok), None)
+    if bad is None:
+        return ""
+    return bad.problem or f"output {bad.index}: {bad.mismatches} elements outside tolerance"
+
+
+def _flatten(out: Any) -> list[Any]:
+    if isinstance(out, (list, tuple)):
+        return [x for o in out for x in _flatten(o)]
+    return [out]
+
+
+def _clone(inputs: list[Any]) -> list[Any]:
+    return [x.clone() if isinstance(x, torch.Tensor) else copy.deepcopy(x) for x in inputs]
+
+
+def _detach(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out.detach().clone()
+    if isinstance(out, (list, tuple)):
+        return type(out)(_detach(o) for o in out)
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        return bool(torch.equal(a, b)) or (a.is_floating_point() and bool(torch.equal(a.nan_to_num(0.5), b.nan_to_num(0.5)))
+                                           and bool(torch.equal(a.isnan(), b.isnan())))
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def _non_finite(out: Any) -> bool:
+    return any(isinstance(x, torch.Tensor) and x.is_floating_point() and not bool(torch.isfinite(x).all())
+               for x in _flatten(out))
+
+
+def _rms(outputs: list[Any]) -> float:
+    values = [float(x.double().pow(2).mean().sqrt()) for x in outputs
+              if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() and bool(torch.isfinite(x).all())]
+    return max(values) if values else 0.0
+
+
+def _precision_flags() -> dict[str, Any]:
+    flags = {"matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+             "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
+             "matmul.allow_fp16_reduced_precision_reduction":
+                 torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+             "matmul.allow_bf16_reduced_precision_reduction":
+                 torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+             "float32_matmul_precision": torch.get_float32_matmul_precision()}
+    return flags
+
+
+def _restore_precision_flags(flags: dict[str, Any]) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = flags["matmul.allow_tf32"]
+    torch.backends.cudnn.allow_tf32 = flags["cudnn.allow_tf32"]
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = \
+        flags["matmul.allow_fp16_reduced_precision_reduction"]
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = \
+        flags["matmul.allow_bf16_reduced_precision_reduction"]
+    torch.set_float32_matmul_precision(flags["float32_matmul_precision"])

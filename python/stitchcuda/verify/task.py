@@ -1,0 +1,263 @@
+"""What a candidate is judged against: a KernelBench-format problem (``Model``, ``get_inputs()``,
+``get_init_inputs()``, module-level sizes) or a live ``nn.Module`` with an input generator, and the
+tolerance policy by dtype.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import itertools
+import os
+import pickle
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..errors import InvalidArgumentError
+
+__all__ = ["Task", "Tolerance", "TaskError", "load_source_module"]
+
+_module_counter = itertools.count()
+
+
+class TaskError(InvalidArgumentError):
+    """A reference problem that cannot be used: unreadable, not Python, no ``Model``, no inputs."""
+
+    code = "InvalidArgument"
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Absolute and relative tolerance per output dtype: ``|got - expected| <= atol + rtol * |expected|``.
+
+    Defaults follow KernelBench: fp32 (and fp64) 1e-4, fp16/bf16 (and other narrow floats) 1e-2;
+    integer and boolean outputs must match exactly.
+    """
+
+    fp32: tuple[float, float] = (1e-4, 1e-4)
+    fp16: tuple[float, float] = (1e-2, 1e-2)
+    bf16: tuple[float, float] = (1e-2, 1e-2)
+    fp64: tuple[float, float] = (1e-4, 1e-4)
+
+    @classmethod
+    def uniform(cls, atol: float, rtol: float) -> "Tolerance":
+        """The same (atol, rtol) for every floating dtype."""
+        pair = (float(atol), float(rtol))
+        return cls(pair, pair, pair, pair)
+
+    def for_dtype(self, dtype: torch.dtype) -> tuple[float, float]:
+        """(atol, rtol) for outputs of ``dtype``; (0, 0) for integers and booleans."""
+        if dtype in (torch.float32, torch.complex64):
+            return self.fp32
+        if dtype in (torch.float64, torch.complex128):
+            return self.fp64
+        if dtype == torch.bfloat16:
+            return self.bf16
+        if dtype.is_floating_point:  # float16 and the fp8 formats
+            return self.fp16
+        return (0.0, 0.0)
+
+    def to_dict(self) -> dict[str, list[float]]:
+        return {"fp32": list(self.fp32), "fp16": list(self.fp16), "bf16": list(self.bf16),
+                "fp64": list(self.fp64)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Sequence[float]]) -> "Tolerance":
+        return cls(**{k: (float(v[0]), float(v[1])) for k, v in data.items()})
+
+
+def load_source_module(source: str, filename: str, prefix: str) -> types.ModuleType:
+    """Executes ``source`` as a fresh module (registered in sys.modules while it runs, so
+    dataclasses, pickling and torch.compile can find it). Exceptions propagate to the caller."""
+    name = f"_stitchcuda_{prefix}_{os.getpid()}_{next(_module_counter)}"
+    module = types.ModuleType(name)
+    module.__file__ = filename
+    code = compile(source, filename, "exec")
+    sys.modules[name] = module
+    try:
+        exec(code, module.__dict__)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+@dataclass
+class Task:
+    """A reference problem. Build one with :meth:`from_file`, :meth:`from_source` or :meth:`from_module`.
+
+    ``sizes`` holds the problem's module-level integer and float constants (``batch_size = 128``);
+    ``tolerance`` is the per-dtype policy used unless the VerifyConfig overrides it.
+    """
+
+    name: str
+    source: str | None = None  # the problem file (None for from_module)
+    sizes: dict[str, int | float] = field(default_factory=dict)
+    tolerance: Tolerance = field(default_factory=Tolerance)
+    _payload: bytes | None = field(default=None, repr=False)  # pickled (model, make_inputs, init_inputs)
+    _module: Any = field(default=None, repr=False, compare=False)
+
+    # ---- construction
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, tolerance: Tolerance | None = None) -> "Task":
+        """Reads a KernelBench-format problem file; TaskError says what is wrong with it."""
+        path = os.fspath(path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise TaskError(f"cannot read the reference {path!r}: {exc}") from None
+        return cls.from_source(text, os.path.splitext(os.path.basename(path))[0] or path,
+                               tolerance=tolerance, filename=path)
+
+    @classmethod
+    def from_source(cls, text: str, name: str = "problem", tolerance: Tolerance | None = None,
+                    filename: str | None = None) -> "Task":
+        """A problem given as source text. Runs the file once (the reference is trusted code) to
+        check it defines ``Model`` (an nn.Module), ``get_inputs()`` and optionally ``get_init_inputs()``."""
+        if not isinstance(text, str) or not text.strip():
+            raise TaskError(f"the reference {name!r} is empty.")
+        try:
+            tree = ast.parse(text)
+        except SyntaxError as exc:
+            raise TaskError(f"the reference {name!r} is not valid Python: {exc.msg} (line {exc.lineno}).") \
+                from None
+        except (ValueError, RecursionError) as exc:
+            raise TaskError(f"the reference {name!r} cannot be parsed: {exc}") from None
+        defined = {n.name for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+        defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+                    if isinstance(t, ast.Name)}
+        defined |= {a.asname or a.name for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
+                    for a in n.names}
+        missing = [n for n in ("Model", "get_inputs") if n not in defined]
+        if missing:
+            raise TaskError(f"the reference {name!r} does not define {' or '.join(missing)}; a problem "
+                            "file needs class Model(nn.Module), get_inputs() and get_init_inputs().")
+        task = cls(name=name, source=text, tolerance=tolerance or Tolerance())
+        task._module = task._load(filename or f"<reference {name}>")
+        task.sizes = {k: v for k, v in vars(task._module).items()
+                      if not k.startswith("_") and type(v) in (int, float)}
+        return task
+
+    @classmethod
+    def from_module(cls, model: torch.nn.Module, make_inputs: Callable[..., Sequence[Any]],
+                    init_inputs: Sequence[Any] | None = None, name: str | None = None,
+                    tolerance: Tolerance | None = None) -> "Task":
+        """A live reference: ``model`` as built, ``make_inputs()`` returning the forward arguments
+        (called after ``torch.manual_seed(seed)``; it may accept a ``seed`` keyword), and the
+        constructor arguments ``ModelNew`` takes. The candidate gets the reference's weights when its
+        state_dict has the same keys and shapes. Model and generator must pickle (a module-level
+        function, not a lambda) because candidates run in a separate process."""
+        if not isinstance(model, torch.nn.Module):
+            raise TaskError(f"from_module needs an nn.Module, got {type(model).__name__}.")
+        if not callable(make_inputs):
+            raise TaskError("from_module needs a callable that returns the forward inputs.")
+        init = list(init_inputs or [])
+        try:
+            payload = pickle.dumps((model, make_inputs, init))
+        except Exception as exc:  # lambdas, local classes, open handles
+            raise TaskError(f"the reference model or its input generator cannot be sent to a worker "
+                            f"process ({type(exc).__name__}: {exc}); define them at module level.") from None
+        task = cls(name=name or type(model).__name__, source=None, tolerance=tolerance or Tolerance(),
+                   _payload=payload)
+        task._module = (model, make_inputs, init)
+        return task
+
+    def _load(self, filename: str) -> types.ModuleType:
+        try:
+            module = load_source_module(self.source, filename, "reference")
+        except (Exception, SystemExit) as exc:
+            raise TaskError(f"the reference {self.name!r} raised while loading: "
+                            f"{type(exc).__name__}: {exc}") from None
+        model = getattr(module, "Model", None)
+        if not (isinstance(model, type) and issubclass(model, torch.nn.Module)):
+            raise TaskError(f"the reference {self.name!r}: Model is not an nn.Module class.")
+        if not callable(getattr(module, "get_inputs", None)):
+            raise TaskError(f"the reference {self.name!r}: get_inputs is not a function.")
+        return module
+
+    # ---- transport to a worker process
+
+    def to_spec(self) -> dict[str, Any]:
+        """A picklable description a worker rebuilds the task from."""
+        return {"name": self.name, "source": self.source, "payload": self._payload,
+                "tolerance": self.tolerance.to_dict()}
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> "Task":
+        tolerance = Tolerance.from_dict(spec["tolerance"])
+        if spec.get("source") is not None:
+            return cls.from_source(spec["source"], spec["name"], tolerance=tolerance)
+        try:
+            model, make_inputs, init = pickle.loads(spec["payload"])
+        except Exception as exc:
+            raise TaskError(f"the reference {spec['name']!r} could not be rebuilt in the worker "
+                            f"({type(exc).__name__}: {exc}).") from None
+        task = cls(name=spec["name"], tolerance=tolerance, _payload=spec["payload"])
+        task._module = (model, make_inputs, init)
+        return task
+
+    @property
+    def key(self) -> str:
+        """Hash of the problem (source or pickled model), for caches of compiled references."""
+        data = self.source.encode() if self.source is not None else (self._payload or b"")
+        return hashlib.sha256(data).hexdigest()[:16]
+
+    # ---- what the harness uses
+
+    def init_inputs(self) -> list[Any]:
+        """Constructor arguments of Model and ModelNew."""
+        if self.source is None:
+            return list(self._module[2])
+        fn = getattr(self._module, "get_init_inputs", None)
+        if fn is None:
+            return []
+        try:
+            value = fn()
+        except Exception as exc:
+            raise TaskError(f"get_init_inputs() of {self.name!r} raised {type(exc).__name__}: {exc}") from None
+        return list(value) if isinstance(value, (list, tuple)) else [value]
+
+    def make_inputs(self, seed: int) -> list[Any]:
+        """The problem's own inputs for ``seed`` (on the CPU, as the problem builds them)."""
+        torch.manual_seed(seed)
+        try:
+            if self.source is None:
+                fn = self._module[1]
+                try:
+                    value = fn(seed=seed)
+                except TypeError:
+                    torch.manual_seed(seed)
+                    value = fn()
+            else:
+                value = self._module.get_inputs()
+        except TaskError:
+            raise
+        except Exception as exc:
+            raise TaskError(f"the input generator of {self.name!r} raised {type(exc).__name__}: {exc}") \
+                from None
+        return list(value) if isinstance(value, (list, tuple)) else [value]
+
+    def build_reference(self, seed: int) -> torch.nn.Module:
+        """The reference model; for a problem file, built after ``torch.manual_seed(seed)`` so a
+        candidate built after the same seed gets the same weights."""
+        if self.source is None:
+            return self._module[0]
+        torch.manual_seed(seed)
+        try:
+            return self._module.Model(*self.init_inputs())
+        except TaskError:
+            raise
+        except Exception as exc:
+            raise TaskError(f"Model(*get_init_inputs()) of {self.name!r} raised "
+                            f"{type(exc).__name__}: {exc}") from None
+
+    @property
+    def reference_state(self) -> dict[str, torch.Tensor] | None:
+        """For a live module: its state_dict, given to a candidate with the same parameter layout."""
+        return self._module[0].state_dict() if self.source is None else None

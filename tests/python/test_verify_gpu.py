@@ -1,0 +1,242 @@
+"""The Verifier on a GPU: honest stitchcuda.jit candidates pass with timing and speed-ups, every
+dynamic anti-hacking rule fires on a small inline candidate built to trip it, CUDA crash kinds are
+reported and the pool survives, and speed-ups agree with a KernelBench-style measurement."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from stitchcuda.verify import MAJOR, MINOR, VerifyConfig, WorkerPool, check
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+REFERENCE = textwrap.dedent('''
+    import torch
+    import torch.nn as nn
+
+    class Model(nn.Module):
+        def __init__(self, alpha):
+            super().__init__()
+            self.alpha = alpha
+
+        def forward(self, x, y):
+            return torch.relu(x * self.alpha + y)
+
+    rows = 4096
+    cols = 4096
+    alpha = 2.0
+
+    def get_inputs():
+        return [torch.rand(rows, cols), torch.rand(rows, cols)]
+
+    def get_init_inputs():
+        return [alpha]
+''')
+
+KERNEL = r'''
+extern "C" __global__ void axpy_relu(const float* x, const float* y, float* out, float a, long long n) {
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = fmaxf(a * x[i] + y[i], 0.f);
+}
+'''
+
+
+def jit_candidate(forward: str = "", kernel: str = KERNEL, init: str = "", module: str = "") -> str:
+    """A stitchcuda.jit candidate; `forward` replaces the default body (launch into a fresh buffer)."""
+    forward = forward or textwrap.dedent('''
+        out = torch.empty_like(x)
+        n = x.numel()
+        _kernel((n + 255) // 256, 256, x, y, out, self.alpha, n)
+        return out''')
+    return ("import ctypes, gc, threading, time\nimport torch\nimport torch.nn as nn\nfrom stitchcuda import jit\n"
+            f"SRC = r'''{kernel}'''\n_kernel = jit.compile(SRC, 'axpy_relu')\n{module}\n"
+            "class ModelNew(nn.Module):\n    def __init__(self, alpha):\n        super().__init__()\n"
+            "        self.alpha = alpha\n" + textwrap.indent(textwrap.dedent(init).strip(), " " * 8) + "\n\n"
+            "    def forward(self, x, y):\n" + textwrap.indent(textwrap.dedent(forward).strip(), " " * 8) + "\n")
+
+
+HONEST = jit_candidate()
+CONFIG = VerifyConfig(timing_iters=30, warmup=3, compile_time_limit_s=120, run_time_limit_s=120)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with WorkerPool(devices=["cuda:0"]) as p:
+        yield p
+
+
+def majors(report):
+    return {f.rule for f in report.findings if f.severity == MAJOR}
+
+
+def test_honest_candidate_passes_with_timing(pool):
+    r = check(REFERENCE, HONEST, config=CONFIG, pool=pool)
+    assert r.error is None, r.feedback
+    assert r.compiled and r.correct and not r.hack, [f.rule for f in r.findings]
+    assert r.speedup["eager"] > 0.5
+    assert r.speedup["compile"] is not None or "compile_error" in r.timing
+    t = r.timing
+    assert t["method"] == "cuda-events+device-sync" and t["trials"] == 30 and t["candidate_ms"] > 0
+    assert t["speed_of_light_ms"] < t["candidate_ms"]
+    assert r.outputs[0].err_vs_fp64 is not None and r.outputs[0].err_vs_fp64 < 1e-5
+    if t.get("cupti", {}).get("available"):
+        assert t["cupti_kernel_ms"] > 0
+        assert r.profile and r.profile["kernels"][0]["name"].startswith("axpy_relu")
+        assert t["event_over_cupti"] > 0.5
+
+
+def test_output_not_written(pool):
+    half = KERNEL.replace("if (i < n)", "if (i < n / 2)")
+    r = check(REFERENCE, jit_candidate(kernel=half), config=CONFIG, pool=pool)
+    assert not r.correct and "output-not-written" in majors(r), r.feedback
+
+
+def test_input_mutated_by_a_kernel(pool):
+    mutating = KERNEL.replace("out[i] = fmaxf(a * x[i] + y[i], 0.f);",
+                              "out[i] = fmaxf(a * x[i] + y[i], 0.f); ((float*)y)[i] = 0.f;")
+    r = check(REFERENCE, jit_candidate(kernel=mutating), config=CONFIG, pool=pool)
+    assert "input-mutated" in majors(r), r.feedback
+
+
+SUM_REFERENCE = REFERENCE.replace("return torch.relu(x * self.alpha + y)", "return (x * self.alpha + y).sum(dim=1)")
+
+
+def test_order_dependent_stale_output(pool):
+    # Returns the reference's output when one is alive (found through the garbage collector).
+    forward = '''
+        _kernel(1, 1, x, y, torch.empty(1, device=x.device), self.alpha, 0)
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor) and obj.is_cuda and obj.shape == (x.shape[0],) \
+                    and bool(obj.abs().sum() > 0):  # not its own earlier all-zero answer
+                return obj.clone()
+        return torch.zeros(x.shape[0], device=x.device)'''
+    r = check(SUM_REFERENCE, jit_candidate(forward=forward), config=CONFIG, pool=pool)
+    assert not r.correct
+    assert "order-dependent" in majors(r), r.feedback
+
+
+def test_input_independent_output(pool):
+    forward = '''
+        if self.first is None:
+            self.first = torch.empty_like(x)
+            n = x.numel()
+            _kernel((n + 255) // 256, 256, x, y, self.first, self.alpha, n)
+        return self.first.clone()'''
+    r = check(REFERENCE, jit_candidate(forward=forward, init="self.first = None"), config=CONFIG, pool=pool)
+    assert not r.correct and "input-independent-output" in majors(r), r.feedback
+
+
+def test_pointer_cache_and_impossible_speed(pool):
+    forward = '''
+        key = (x.data_ptr(), y.data_ptr())
+        if key not in self.cache:
+            out = torch.empty_like(x)
+            n = x.numel()
+            _kernel((n + 255) // 256, 256, x, y, out, self.alpha, n)
+            self.cache[key] = (x, y, out)
+        return self.cache[key][2]'''
+    r = check(REFERENCE, jit_candidate(forward=forward, init="self.cache = {}"), config=CONFIG, pool=pool)
+    assert not r.correct
+    assert "timed-output-mismatch" in majors(r), r.feedback
+    assert "impossible-speed" in majors(r), r.timing
+
+
+def test_nondeterminism_is_minor(pool):
+    forward = '''
+        out = torch.empty_like(x)
+        n = x.numel()
+        _kernel((n + 255) // 256, 256, x, y, out, self.alpha, n)
+        return out + (torch.rand_like(out) - 0.5) * 1.8e-4'''
+    r = check(REFERENCE, jit_candidate(forward=forward), config=CONFIG, pool=pool)
+    assert "nondeterministic" in {f.rule for f in r.findings if f.severity == MINOR}, r.feedback
+
+
+def test_unjoined_background_work(pool):
+    forward = '''
+        out = torch.empty_like(x)
+        n = x.numel()
+        _kernel((n + 255) // 256, 256, x, y, out, self.alpha, n)
+        def later():
+            time.sleep(0.002)
+            with torch.cuda.stream(self.side):
+                for _ in range(4):
+                    _kernel((n + 255) // 256, 256, x, y, self.scratch, self.alpha, n)
+        threading.Thread(target=later).start()
+        return out'''
+    init = "self.side = torch.cuda.Stream()\nself.scratch = torch.empty(4096 * 4096, device='cuda')"
+    r = check(REFERENCE, jit_candidate(forward=forward, init=init), config=CONFIG, pool=pool)
+    cupti = r.timing.get("cupti", {})
+    if not cupti.get("available"):
+        pytest.skip(f"CUPTI cross-check unavailable: {cupti.get('reason')}")
+    assert "unjoined-work" in majors(r), r.timing
+
+
+def test_persisting_l2_left_set(pool):
+    init = "ctypes.CDLL('libcuda.so.1').cuCtxSetLimit(6, ctypes.c_size_t(4 << 20))"
+    r = check(REFERENCE, jit_candidate(init=init), config=CONFIG, pool=pool)
+    dynamic = [f for f in r.findings if f.rule == "persisting-l2" and "persisting limit" in f.evidence]
+    assert dynamic and dynamic[0].severity == MAJOR, r.findings
+    # The next candidate starts with the limit reset.
+    again = check(REFERENCE, HONEST, config=CONFIG, pool=pool)
+    assert again.correct and not again.hack
+
+
+def test_patched_synchronize_is_detected_and_ignored(pool):
+    init = "torch.cuda.synchronize = lambda *a, **k: None"
+    r = check(REFERENCE, jit_candidate(init=init), config=CONFIG, pool=pool)
+    assert any(f.rule == "patches-timing" and "torch.cuda.synchronize" in f.evidence for f in r.findings)
+    assert check(REFERENCE, HONEST, config=CONFIG, pool=pool).correct
+
+
+@pytest.mark.parametrize("kernel, kind", [
+    (KERNEL.replace("if (i < n) out[i]", "if (i < n) ((float*)0)[i * 1024]"), "illegal-address"),
+    ('extern "C" __device__ void __assertfail(const char*, const char*, unsigned, const char*, unsigned long);\n'
+     + KERNEL.replace("if (i < n) out[i]", 'if (i == 0) __assertfail("x", "k.cu", 1, "f", 1);\n  if (i < n) out[i]'),
+     "device-assert"),
+])
+def test_cuda_faults_are_reported_and_the_pool_survives(pool, kernel, kind):
+    r = check(REFERENCE, jit_candidate(kernel=kernel), config=CONFIG, pool=pool)
+    assert r.error is not None and r.error["kind"] in (kind, "crash"), r.error
+    assert check(REFERENCE, HONEST, config=CONFIG, pool=pool).correct
+
+
+def test_oom_and_hang(pool):
+    r = check(REFERENCE, jit_candidate(forward="return torch.empty(1 << 48, device=x.device)"), config=CONFIG,
+              pool=pool)
+    assert r.error["kind"] == "oom", r.error
+    hang = KERNEL.replace("if (i < n) out[i]", "volatile int spin = 1; while (spin) {}\n  if (i < n) out[i]")
+    config = VerifyConfig(timing_iters=5, warmup=1, compile_time_limit_s=60, run_time_limit_s=5)
+    import time
+    start = time.monotonic()
+    r = check(REFERENCE, jit_candidate(kernel=hang), config=config, pool=pool)
+    assert r.error["kind"] == "timeout" and time.monotonic() - start < 5 + 5 + 2
+    assert check(REFERENCE, HONEST, config=CONFIG, pool=pool).correct
+
+
+def test_compile_error_is_mapped_to_candidate_lines(pool):
+    broken = jit_candidate(kernel=KERNEL.replace("y[i]", "z[i]"))
+    r = check(REFERENCE, broken, config=CONFIG, pool=pool)
+    assert r.error["kind"] == "compile" and not r.compiled
+    line = next(i for i, t in enumerate(broken.splitlines(), 1) if "z[i]" in t)
+    assert f"line {line}" in r.compile_log, r.compile_log
+
+
+def test_speedup_agrees_with_kernelbench_style_measurement(pool):
+    import torch
+
+    from stitchcuda.bench import verify as bench
+    from stitchcuda.verify import Task
+
+    task = Task.from_source(bench.PROBLEM, "gate")
+    source = bench.candidate_source("test-agreement")
+    report = check(task, source, config=VerifyConfig(), pool=pool)
+    assert report.correct and not report.hack, report.feedback
+    torch.manual_seed(42)
+    reference = task.build_reference(42).cuda()
+    torch.manual_seed(42)
+    candidate = bench._load(source, "agreement_candidate").ModelNew(*task.init_inputs()).cuda()
+    inputs = [x.cuda() for x in task.make_inputs(7)]
+    kb = bench._kernelbench_style(reference, inputs) / bench._kernelbench_style(candidate, inputs)
+    assert abs(report.speedup["eager"] - kb) / kb < 0.05, (report.speedup, kb, report.timing)

@@ -1,0 +1,92 @@
+"""Pieces of the GPU timing protocol whose logic can be checked without a GPU: the CUPTI window
+analysis (kernels inside/outside the timed windows, overlapping streams counted once), and the
+driver-API persisting-L2 probe reporting why it is unavailable."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from stitchcuda.verify import gpu
+from stitchcuda.verify.harness import classify_exception
+from stitchcuda.errors import CompileError
+
+
+def kernel(name, start, end, stream=7):
+    return SimpleNamespace(name=name, start_ns=start, end_ns=end, duration_ns=end - start, stream_id=stream)
+
+
+class FakeScope:
+    def __init__(self, kernels):
+        self.trace = SimpleNamespace(kernels=kernels)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def summary(self):
+        raise RuntimeError("no summary in this fake")
+
+
+def fake_check(kernels, monkeypatch):
+    monkeypatch.setattr(gpu, "_SYNC", lambda: None)
+    monkeypatch.setattr(gpu.time, "sleep", lambda s: None)
+    check = object.__new__(gpu.CuptiCheck)
+    check.available, check.reason = True, ""
+    check._trace = lambda **kw: FakeScope(kernels)
+    check._advise = lambda s: []
+    check._marker = lambda *a: None
+    check._flag = None
+    return check
+
+
+M = "stitchcuda_verify_marker"
+
+
+def test_kernels_inside_windows_union_over_streams(monkeypatch):
+    kernels = [kernel(M, 0, 1), kernel("a", 10, 30, 7), kernel("b", 20, 40, 9), kernel(M, 50, 51),
+               kernel(M, 100, 101), kernel("a", 110, 120), kernel(M, 130, 131)]
+    result = fake_check(kernels, monkeypatch).measure(lambda: None, [[]], calls=2)
+    assert result["available"] and result["outside_count"] == 0
+    # Window 1: [10, 40] busy = 30 ns; window 2: 10 ns; the median of two is their mean.
+    assert result["kernel_ms_per_call"] == pytest.approx(20e-6)
+    assert result["streams"] == [7, 9]
+    assert result["kernels"][0]["name"] == "a" and result["kernels"][0]["calls"] == 2
+
+
+def test_kernels_outside_windows_are_reported(monkeypatch):
+    kernels = [kernel(M, 0, 1), kernel("a", 10, 30), kernel(M, 50, 51), kernel("late", 60, 90, 3),
+               kernel(M, 100, 101), kernel("a", 110, 120), kernel(M, 130, 131), kernel("late", 140, 200, 3)]
+    result = fake_check(kernels, monkeypatch).measure(lambda: None, [[]], calls=2)
+    assert result["outside_count"] == 2
+    assert result["outside_window"][0]["name"] == "late" and result["outside_window"][0]["stream_id"] == 3
+
+
+def test_missing_markers_make_the_check_unavailable(monkeypatch):
+    result = fake_check([kernel("a", 0, 1)], monkeypatch).measure(lambda: None, [[]], calls=2)
+    assert not result["available"] and "marker" in result["reason"]
+
+
+def test_persisting_l2_probe_without_a_driver():
+    probe = gpu.PersistingL2()
+    if probe.available:
+        pytest.skip("a CUDA driver is installed here")
+    assert "driver API unavailable" in probe.reason
+    assert probe.state() == {"limit_bytes": -1, "window_bytes": -1}
+    probe.reset()  # a no-op, not an error
+
+
+@pytest.mark.parametrize("exc, kind", [
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), "illegal-address"),
+    (RuntimeError("CUDA error: device-side assert triggered"), "device-assert"),
+    (RuntimeError("CUDA out of memory. Tried to allocate 4.00 PiB"), "oom"),
+    (MemoryError(), "oom"),
+    (CompileError("nvrtc failed"), "compile"),
+    (RuntimeError("Error building extension 'fused'"), "compile"),
+    (ValueError("shapes do not match"), "runtime"),
+])
+def test_exception_kinds(exc, kind):
+    assert classify_exception(exc) == kind
