@@ -354,12 +354,13 @@ def test_tracer_duration_agrees_with_cuda_events():
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with prof.trace() as t:
+        torch.cuda._sleep(2_000_000)  # the GPU waits on this while the host enqueues the timed work
         start.record()
         torch.mm(a, a)
         end.record()
     event_ns = start.elapsed_time(end) * 1e6
-    kernel_ns = sum(k.duration_ns for k in t.trace.kernels)
-    assert kernel_ns == pytest.approx(event_ns, rel=0.10)
+    kernel_ns = sum(k.duration_ns for k in t.trace.kernels if "spin" not in k.name)
+    assert kernel_ns == pytest.approx(event_ns, rel=0.05)
 
 
 @pytest.mark.gpu
@@ -419,23 +420,6 @@ def test_cli_profiles_a_problem_file(tmp_path, subprocess_env):
 # shows up here and not as a confusing failure of an earlier test.
 
 @pytest.mark.gpu
-def test_torch_profiler_attaches_after_a_trace_and_a_trace_after_it():
-    x = torch.randn(1 << 16, device="cuda")
-    with prof.trace() as t:
-        torch.relu(x)
-    assert t.summary().kernel_launches >= 1
-    with torch.profiler.profile(activities=TORCH_ACTIVITIES) as p:
-        torch.relu(x)
-        torch.cuda.synchronize()
-    assert any(e.device_type == torch.autograd.DeviceType.CUDA for e in p.events())
-    # PyTorch's profiler (Kineto) stays subscribed to CUPTI for the rest of the process, so a trace after
-    # it is refused with the typed "another CUPTI client" reason rather than crashing or hanging.
-    with pytest.raises(stitchcuda.UnavailableError, match="another CUPTI client"):
-        with prof.trace():
-            torch.relu(x)
-
-
-@pytest.mark.gpu
 def test_profile_of_a_small_cnn_agrees_with_torch_profiler(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
@@ -493,3 +477,21 @@ def test_cupti_absent_is_a_clear_error_not_a_crash(subprocess_env, tmp_path):
     assert lines[0] == "False"
     assert lines[1].startswith("profiler unavailable: STITCHCUDA_CUPTI points to") and "libcupti.so.13" in lines[1]
     assert lines[2].startswith("raised profiler unavailable: STITCHCUDA_CUPTI")
+
+
+# Last on purpose: after torch.profiler, CUPTI stays taken for the rest of this process.
+@pytest.mark.gpu
+def test_zz_torch_profiler_attaches_after_a_trace_and_then_holds_cupti():
+    x = torch.randn(1 << 16, device="cuda")
+    with prof.trace() as t:
+        torch.relu(x)
+    assert t.summary().kernel_launches >= 1
+    with torch.profiler.profile(activities=TORCH_ACTIVITIES) as p:
+        torch.relu(x)
+        torch.cuda.synchronize()
+    assert any(e.device_type == torch.autograd.DeviceType.CUDA for e in p.events())
+    # PyTorch's profiler (Kineto) stays subscribed to CUPTI for the rest of the process, so a trace after
+    # it is refused with the typed "another CUPTI client" reason rather than crashing or hanging.
+    with pytest.raises(stitchcuda.UnavailableError, match="another CUPTI client"):
+        with prof.trace():
+            torch.relu(x)
