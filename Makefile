@@ -24,10 +24,12 @@ $(BUILD)/build.ninja: $(STAMP) CMakeLists.txt
 build: $(BUILD)/build.ninja
 	cmake --build $(BUILD)
 
-# The main job (until optimize() lands): check the machine, then the JIT demo.
+# The main job: check the machine, the JIT demo, then optimize a transformer block (planned and compiled
+# only where there is no GPU; verified, timed and saved where there is one).
 run: build
 	$(VENV)/bin/stitchcuda doctor
 	$(VENV)/bin/stitchcuda demo
+	$(VENV)/bin/stitchcuda optimize examples/models/block.py --save $(BUILD)/block.stitch
 
 test-cpp: build
 	cd $(BUILD) && ctest --output-on-failure

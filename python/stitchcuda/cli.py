@@ -173,9 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
     ping.set_defaults(run=_llm_ping)
 
     # Layers that own a subcommand keep it beside their code.
+    from .graph import cli as graph_cli
     from .profile import cli as profile_cli
     from .verify import cli as verify_cli
 
+    graph_cli.register(commands)
     profile_cli.register(commands)
     verify_cli.register(commands)
     return parser

@@ -105,3 +105,23 @@ def test_optimize_without_a_gpu_returns_the_model_with_the_reason():
     assert torch.equal(fast(x), model(x))
     with pytest.raises(RuntimeError, match="nothing to save"):
         fast.save("/tmp/never.stitch")
+
+
+def test_cli_optimize_plans_a_problem_file_without_a_gpu(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU (the GPU path is tested in test_gpu_graph.py)")
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-m", "stitchcuda", "optimize", str(root / "examples/models/block.py")],
+                         capture_output=True, text=True, timeout=300, cwd=root)
+    assert run.returncode == 0, run.stderr
+    assert "planned and compiled only" in run.stdout and "[gemm     ] addmm" in run.stdout
+    assert "[reduction] _softmax" in run.stdout and "Traceback" not in run.stderr
+    bad = tmp_path / "nothing.py"
+    bad.write_text("x = 1\n")
+    run = subprocess.run([sys.executable, "-m", "stitchcuda", "optimize", str(bad)], capture_output=True, text=True,
+                         timeout=300, cwd=root)
+    assert run.returncode == 2 and "Model" in run.stderr and "Traceback" not in run.stderr

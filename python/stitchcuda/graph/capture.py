@@ -8,6 +8,7 @@ arguments). What cannot be captured raises CaptureError with the reason and what
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -121,8 +122,11 @@ def _meta(val: Any, name: str) -> tuple:
 def capture(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Graph:
     """Exports `model` on `example_inputs` and returns its core-ATen graph."""
     try:
-        exported = torch.export.export(model, tuple(example_inputs), strict=False)
-        exported = exported.run_decompositions()
+        with warnings.catch_warnings():
+            # torch's own pytree deprecation notices, raised inside export: not the user's concern.
+            warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
+            exported = torch.export.export(model, tuple(example_inputs), strict=False)
+            exported = exported.run_decompositions()
     except Exception as exc:  # torch raises many types here; the message is what the user needs
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CaptureError(

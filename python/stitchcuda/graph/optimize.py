@@ -90,8 +90,12 @@ class Report:
                          f"{v.get('max_rel_error_fp64', 0):.3g}")
         for d, why in self.decisions:
             lines.append(f"  decision: {d} ({why})")
+        views = sum(g["kind"] == "view" for g in self.groups)
         for g in self.groups:
-            lines.append(f"  [{g['kind']:9}] {g['nodes']}: {g['reason']}")
+            if g["kind"] != "view":
+                lines.append(f"  [{g['kind']:9}] {g['nodes']}: {g['reason']}")
+        if views:
+            lines.append(f"  [view     ] {views} view(s) of buffers without a copy")
         for f in self.fallbacks:
             lines.append(f"  fallback {f['group']}: {f['reason']}")
         return "\n".join(lines)
@@ -179,6 +183,7 @@ def optimize(model: torch.nn.Module, example_inputs: Sequence[Any], *, llm: Any 
                                  "LLM agents do not drive graph mode yet; the llm argument is ignored"))
     if not torch.cuda.is_available():
         report.reason = "no CUDA device: the model runs eagerly"
+        _plan_only(model, example_inputs, precision, graphs, report)
         return OptimizedModule(model, None, None, report)
     devices = {t.device for t in pytree.tree_flatten(example_inputs)[0] if isinstance(t, torch.Tensor)}
     devices |= {p.device for p in model.parameters()}
@@ -248,6 +253,43 @@ def optimize(model: torch.nn.Module, example_inputs: Sequence[Any], *, llm: Any 
     except Exception as exc:  # anything else: never break the caller, say what happened
         report.reason = f"{type(exc).__name__} while optimizing: {exc}"
         return OptimizedModule(model, None, None, report)
+    finally:
+        model.train(was_training)
+
+
+def _plan_only(model, example_inputs, precision: str, graphs: bool, report: Report) -> None:
+    """Without a GPU: capture, plan, lower and compile (NVRTC needs no GPU), so the report shows what
+    would run. Nothing is verified or timed; any failure only adds to the reason."""
+    was_training = model.training
+    model.eval()
+    try:
+        graph = capture(model, example_inputs)
+        report.op_counts = graph.op_counts()
+        plan = OfflinePlanner(precision=precision, graphs=graphs).plan(graph)
+        report.decisions += plan.decisions
+        flat = [t for t in pytree.tree_flatten(example_inputs)[0] if isinstance(t, torch.Tensor)]
+        values = reference_values(graph, flat)
+        constants = {g.nodes[0].out.name: values[g.nodes[0].out.name] for g in plan.groups
+                     if g.kind == "constant" and g.nodes[0].out.name in values}
+        lowering = Lowering(graph, plan, constants)
+        program = lowering.build(plan.groups, graph.inputs, graph.outputs)
+        program.compile_kernels()
+        codes = {id(g): code for g, code in lowering.kernels}
+        for g in plan.groups:
+            if g.kind in ("view", "constant") and not _used(g, lowering):
+                continue
+            entry = {"kind": g.kind, "nodes": ", ".join(n.op.removeprefix("aten::") for n in g.nodes), "reason": g.reason}
+            code = codes.get(id(g))
+            if code is not None:
+                entry.update(kernel=code.name, source=code.source, launch=f"grid {code.grid}, block {code.block}",
+                             strategy=code.description)
+            report.groups.append(entry)
+        steps = [s["kind"] for s in program.steps]
+        report.reason += (f"; planned and compiled only: {len(steps)} steps ({steps.count('kernel')} generated kernels, "
+                          f"{steps.count('matmul')} cuBLASLt matmuls, {steps.count('aten')} ATen steps), "
+                          "unverified until run on a GPU")
+    except Exception as exc:  # planning is a courtesy here; the eager model is the answer
+        report.reason += f"; planning without a GPU stopped: {type(exc).__name__}: {exc}"
     finally:
         model.train(was_training)
 
