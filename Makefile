@@ -24,12 +24,14 @@ $(BUILD)/build.ninja: $(STAMP) CMakeLists.txt
 build: $(BUILD)/build.ninja
 	cmake --build $(BUILD)
 
-# The main job: check the machine, the JIT demo, then optimize a transformer block (planned and compiled
+# The main job: check the machine, the JIT demo, then optimize the example models (planned and compiled
 # only where there is no GPU; verified, timed and saved where there is one).
 run: build
 	$(VENV)/bin/stitchcuda doctor
 	$(VENV)/bin/stitchcuda demo
-	$(VENV)/bin/stitchcuda optimize examples/models/block.py --save $(BUILD)/block.stitch
+	for model in examples/models/*.py; do \
+	  $(VENV)/bin/stitchcuda optimize $$model --save $(BUILD)/$$(basename $$model .py).stitch || exit 1; \
+	done
 
 test-cpp: build
 	cd $(BUILD) && ctest --output-on-failure
