@@ -138,7 +138,8 @@ def sync_latency_ms(flush: L2Flush, samples: int = 20) -> float:
 def time_calls(fn: Callable[..., Any], input_sets: Sequence[Sequence[Any]], iters: int, warmup: int,
                flush: L2Flush, persisting: PersistingL2, sync_ms: float = 0.0,
                before_last_round: Callable[[], None] | None = None) -> tuple[list[float], list[Any]]:
-    """Times ``iters`` calls with CUDA events: L2 flushed and persisting L2 reset before each, a
+    """Times ``iters`` calls with CUDA events: L2 flushed and persisting L2 reset before each (the start
+    event queued behind the flush), a
     ``stream`` event right after the call and the ``end`` event after a device-wide sync, so work on
     any stream is inside. A call's time is max(stream time, end time - sync_ms): the sync's own round
     trip (``sync_latency_ms``) is not charged to the call, while work that outlives the current
@@ -159,7 +160,9 @@ def time_calls(fn: Callable[..., Any], input_sets: Sequence[Sequence[Any]], iter
         flush()
         persisting.reset()
         start, stream_done, end = (_EVENT(enable_timing=True) for _ in range(3))
-        _SYNC()
+        # No sync here: the flush is still running when the call is enqueued, so the start event fires
+        # as the call's work can begin and the host's launch latency is not charged (KernelBench's
+        # protocol does the same); the previous call's work on every stream was joined by its end sync.
         _RECORD(start)
         out = fn(*args)
         _RECORD(stream_done)
