@@ -31,10 +31,11 @@ def _run(args: argparse.Namespace) -> int:
     fast = optimize(model, inputs, precision=args.precision, compare_compile=not args.no_compile_baseline,
                     progress=not args.json and None)
     if args.save:
-        try:
+        if fast.report.status == "optimized":
             fast.save(args.save)
-        except RuntimeError as exc:
-            print(f"stitchcuda optimize: not saved: {exc}", file=sys.stderr)
+        else:
+            print(f"stitchcuda optimize: {args.save} not written: the model runs eagerly (see the report)",
+                  file=sys.stderr)
     if args.json:
         report = fast.report.to_dict()
         for g in report["groups"]:
