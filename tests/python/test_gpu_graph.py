@@ -114,6 +114,9 @@ def test_saved_artifact_reproduces_the_module(tmp_path):
     fast.save(tmp_path / "mlp.stitch")
     loaded = stitchcuda.load(tmp_path / "mlp.stitch")
     assert torch.equal(loaded(x), fast(x))
+    hardware = loaded.program.verified_on
+    assert hardware["device"] == torch.cuda.get_device_name() and hardware["arch"].startswith("sm_")
+    assert hardware["torch"] == torch.__version__
 
 
 def test_torch_compile_backend():

@@ -120,7 +120,8 @@ class Lowering:
 
     # ---- the program ----
 
-    def build(self, groups: list[Group], inputs: list[Value], outputs: list[Value], fallback: set[int] = frozenset()) -> Program:
+    def build(self, groups: list[Group], inputs: list[Value], outputs: list[Value], fallback: set[int] = frozenset(),
+              hardware: dict[str, str] | None = None) -> Program:
         self.output_ids: dict[str, int] = {}
         self.written: set[str] = set()
         for v in inputs:
@@ -159,6 +160,8 @@ class Lowering:
         for v, bid in extra_outputs:
             self.b.aten("aten::clone", [self.need(v)], [bid])
         self.b.precision(self.plan.precision)
+        if hardware:
+            self.b.verified_on(**hardware)
         return self.b.build()
 
     # ---- groups ----

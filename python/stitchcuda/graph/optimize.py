@@ -141,6 +141,15 @@ def _device_facts() -> tuple[int, str]:
     return props.multi_processor_count, props.name
 
 
+def _hardware() -> dict[str, str]:
+    """The machine the program is verified on, recorded in the artifact."""
+    from .. import _C
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {"device": props.name, "arch": f"sm_{props.major}{props.minor}" + ("a" if props.major == 9 else ""),
+            "driver": str(_C.driver_version()), "cuda": str(torch.version.cuda or ""), "torch": torch.__version__}
+
+
 def _time_ms(fn, repeats: int = 30) -> float:
     for _ in range(3):
         fn()
@@ -222,7 +231,7 @@ def optimize(model: torch.nn.Module, example_inputs: Sequence[Any], *, llm: Any 
             report.stage_seconds["generate_and_check"] = time.perf_counter() - t0
         with steps.step("building the program"):
             lowering = Lowering(graph, plan, constants, sm_count)
-            program = lowering.build(plan.groups, graph.inputs, graph.outputs, fallback)
+            program = lowering.build(plan.groups, graph.inputs, graph.outputs, fallback, _hardware())
             program.compile_kernels()
         for g in plan.groups:
             if g.kind in ("view", "constant") and not _used(g, lowering):
