@@ -335,6 +335,7 @@ void bind_program(py::module_& m) {
       .def_property_readonly("inputs", &Executor::inputs)
       .def_property_readonly("outputs", &Executor::outputs)
       .def_property_readonly("device", &Executor::device)
+      .def_property_readonly("warnings", &Executor::warnings)
       .def_property_readonly("program", &Executor::program, py::return_value_policy::reference_internal)
       .def("stats", [](const Executor& e) {
         ExecutorStats s = e.stats();

@@ -74,6 +74,8 @@ class Executor {
   std::vector<BufferId> outputs() const;     ///< output buffer ids, in run() order
   int device() const;                        ///< CUDA device it runs on
   ExecutorStats stats() const;               ///< counters
+  /// What a user should know before trusting the results here, e.g. a program verified on another GPU.
+  const std::vector<std::string>& warnings() const;
 
   struct Impl;
   explicit Executor(std::unique_ptr<Impl> impl);

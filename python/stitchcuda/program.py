@@ -16,6 +16,7 @@ See docs/program.md for the step kinds, the artifact layout and the executor.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -215,6 +216,11 @@ class Executor:
     def device(self) -> int:
         return self._e.device
 
+    @property
+    def warnings(self) -> list[str]:
+        """E.g. that the program was verified on another GPU (its kernels were recompiled here)."""
+        return self._e.warnings
+
     def stats(self) -> dict:
         """runs, eager_runs, replays, captures, copies_skipped, instances, arena_bytes."""
         return self._e.stats()
@@ -227,6 +233,8 @@ class ProgramModule(torch.nn.Module):
         super().__init__()
         self.program = program
         self.executor = Executor(program, graphs=graphs, device=device)
+        for text in self.executor.warnings:
+            warnings.warn(f"stitchcuda: {text}", RuntimeWarning, stacklevel=2)
         specs = {b["id"]: b for b in program.buffers}
         self._inputs = [specs[i] for i in self.executor._e.inputs]
 

@@ -155,6 +155,7 @@ struct Executor::Impl {
   std::unordered_map<BufferId, std::size_t> slot;  // buffer id -> index in Program::buffers
   std::vector<BufferId> input_ids, output_ids;
   std::vector<jit::Kernel> kernels;                // by kernel table index
+  std::vector<std::string> warnings;
   std::vector<std::optional<program::detail::BoundAtenOp>> aten;  // by step
   std::map<BufferId, at::Tensor> weights;          // device copies
   const jit::detail::DriverApi* driver = nullptr;
@@ -351,6 +352,10 @@ Result<std::shared_ptr<Executor>> Executor::create(Program program, ExecutorOpti
   auto info = jit::Driver::device(x.device);
   if (!info) return tl::unexpected(info.error());
   x.arch = info->arch();
+  if (const HardwareInfo& hw = x.program.verified_on; !hw.arch.empty() && hw.arch != x.arch)
+    x.warnings.push_back("the program was verified on " + (hw.device.empty() ? hw.arch : hw.device + " (" + hw.arch + ")") +
+                         " but runs on " + info->name + " (" + x.arch + "): its kernels are recompiled from source "
+                         "and its results are unverified here; verify it again on this GPU");
   for (const KernelSource& ks : x.program.kernels) {
     auto k = load_kernel(ks, x.arch);
     if (!k) {
@@ -545,6 +550,7 @@ const BufferPlan& Executor::plan() const { return impl_->plan; }
 std::vector<BufferId> Executor::inputs() const { return impl_->input_ids; }
 std::vector<BufferId> Executor::outputs() const { return impl_->output_ids; }
 int Executor::device() const { return impl_->device; }
+const std::vector<std::string>& Executor::warnings() const { return impl_->warnings; }
 
 ExecutorStats Executor::stats() const {
   ExecutorStats s;

@@ -212,3 +212,15 @@ def test_aten_result_of_the_wrong_shape_names_the_step():
     b.aten("aten::sum.dim_IntList", [x], [y], dim=[1])
     with pytest.raises(stitchcuda.InvalidArgumentError, match=r"step 0 \(aten aten::sum.dim_IntList\): result 0 is f32\[4\]"):
         b.build().executor().run([torch.randn(4, 4, device="cuda")])
+
+
+def test_a_program_verified_on_another_gpu_warns():
+    b = ProgramBuilder()
+    x, y = b.input([256]), b.output([256])
+    k = b.kernel(SCALE_SHIFT, "scale_shift")
+    b.launch(k, 1, 256, [("in", x), ("out", y), ("f32", 2.0), ("f32", 0.0), ("i32", 256)])
+    b.verified_on(device="Another GPU", arch="sm_80")
+    with pytest.warns(RuntimeWarning, match=r"verified on Another GPU \(sm_80\) but runs on"):
+        model = stitchcuda.ProgramModule(b.build())
+    x = torch.randn(256, device="cuda")
+    torch.testing.assert_close(model(x), 2 * x)
