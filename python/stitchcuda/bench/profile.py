@@ -112,7 +112,7 @@ def _ncu_dram_pct() -> tuple[float | None, str]:
     if ncu is None:
         return None, "ncu not on PATH"
     with tempfile.TemporaryDirectory() as tmp:
-        script = os.path.join(tmp, "copy.py")
+        script = os.path.join(tmp, "stitchcuda_ncu_copy.py")  # not copy.py: it would shadow the stdlib copy module
         with open(script, "w") as f:
             f.write(_NCU_SCRIPT)
         cmd = [ncu, "--clock-control", "none", "--kernel-name", "copy4", "--metrics", DRAM_METRIC, "--csv",
