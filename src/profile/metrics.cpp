@@ -335,8 +335,11 @@ Result<std::vector<KernelMetrics>> Metrics::collect(const std::function<void()>&
   size.pRangeProfilerObject = cleanup.object_;
   size.pMetricNames = names.data();
   size.numMetrics = names.size();
-  size.maxNumOfRanges = options.max_kernels;
-  size.maxNumRangeTreeNodes = std::uint32_t(options.max_kernels);
+  // One range more than asked for: a workload that fills it launched too many kernels (CUPTI may drop
+  // the ranges past the image without counting them as dropped).
+  const std::size_t capacity = options.max_kernels + 1;
+  size.maxNumOfRanges = capacity;
+  size.maxNumRangeTreeNodes = std::uint32_t(capacity);
   if (CUptiResult r = api.RangeProfilerGetCounterDataSize(&size); r != CUPTI_SUCCESS)
     return tl::unexpected(cupti_error(api, r, "sizing the counter data image"));
   counter_data.resize(size.counterDataSize);
@@ -358,7 +361,7 @@ Result<std::vector<KernelMetrics>> Metrics::collect(const std::function<void()>&
   set.pCounterDataImage = counter_data.data();
   set.range = CUPTI_AutoRange;
   set.replayMode = CUPTI_KernelReplay;
-  set.maxRangesPerPass = options.max_kernels;
+  set.maxRangesPerPass = capacity;
   set.numNestingLevels = 1;
   set.minNestingLevel = 1;
   set.passIndex = 0;
@@ -407,6 +410,10 @@ Result<std::vector<KernelMetrics>> Metrics::collect(const std::function<void()>&
   info.counterDataImageSize = counter_data.size();
   if (CUptiResult r = api.RangeProfilerGetCounterDataInfo(&info); r != CUPTI_SUCCESS)
     return tl::unexpected(cupti_error(api, r, "reading the number of ranges"));
+  if (info.numTotalRanges > options.max_kernels)
+    return fail(ErrorCode::InvalidArgument, "the workload launched more kernels than MetricsOptions::max_kernels = " +
+                                                std::to_string(options.max_kernels) +
+                                                ": raise max_kernels or profile less at once");
 
   std::vector<KernelMetrics> out;
   std::vector<double> values(metrics.size());
