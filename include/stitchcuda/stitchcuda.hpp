@@ -6,3 +6,4 @@
 #include <stitchcuda/llm.hpp>
 #include <stitchcuda/program.hpp>
 #include <stitchcuda/profile.hpp>
+#include <stitchcuda/rubric.hpp>

@@ -156,7 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     for suite, text in (("program", "program runtime: graph replay host time, cuBLASLt epilogues, planning (issue 7)"),
                         ("profile", "profiler: Tracer vs events, tracing overhead, metrics vs ncu (issue 3)"),
                         ("verify", "verifier: candidates per minute, speed-up agreement (issue 4)"),
-                        ("graph", "optimize(model) end to end: speed-up vs eager and torch.compile (issue 8)")):
+                        ("graph", "optimize(model) end to end: speed-up vs eager and torch.compile (issue 8)"),
+                        ("suite", "the bench/suite models: eager vs torch.compile (default, reduce-overhead) vs "
+                                  "optimize, correctness (issue 8)")):
         sub = suites.add_parser(suite, help=text)
         sub.add_argument("--json", action="store_true", help="print one JSON object on stdout")
         sub.set_defaults(run=_bench_suite)

@@ -189,6 +189,10 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Graph:
                 continue
             if not isinstance(fx.target, torch._ops.OpOverload):
                 raise CaptureError(f"node '{fx.name}' calls {fx.target}, which is not an ATen operator")
+            if not fx.target._schema.returns:
+                # Checks with no result (aten._assert_tensor_metadata after .to(dtype), _assert_async...):
+                # export already verified them for these shapes, and a program has nothing to hold.
+                continue
             node = Node(fx.name, op_name(fx.target), fx.target, convert(fx.args), {k: convert(v) for k, v in fx.kwargs.items()}, [])
             val = fx.meta.get("val")
             if isinstance(val, (list, tuple)):

@@ -314,6 +314,12 @@ class Lowering:
                 continue
             if value is None:
                 continue
+            if isinstance(value, torch.memory_format):
+                continue  # only strides: the step's result is copied into its planned buffer anyway
+            if isinstance(value, torch.layout):
+                if value != torch.strided:
+                    raise LoweringError(f"{n.op}: layout {value} is not supported (programs hold strided tensors)")
+                continue  # the default
             attributes[arg.name] = _attribute(value, n, arg.name)
         outs = []
         for v in n.outputs:

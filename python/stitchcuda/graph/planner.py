@@ -158,8 +158,9 @@ class OfflinePlanner:
             why_not = self._pointwise_blocker(node)
             if why_not is None:
                 out = node.out
-                if open_pointwise is not None and open_pointwise.params["shape"] == out.shape and \
-                        any(v.producer in open_pointwise.nodes for v in ins):
+                # The open group is the last unit emitted, so every input already exists: any elementwise
+                # node of the same shape may join it, a consumer of the chain or an independent branch.
+                if open_pointwise is not None and open_pointwise.params["shape"] == out.shape:
                     open_pointwise.nodes.append(node)
                 else:
                     open_pointwise = Group("pointwise", [node], "elementwise chain fused into one kernel",

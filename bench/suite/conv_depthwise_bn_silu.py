@@ -1,0 +1,28 @@
+"""Depthwise 3x3 convolution (groups = channels), inference batch norm and SiLU, as in mobile CNNs."""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+BATCH, CHANNELS, SIZE = 32, 192, 56
+
+
+class Model(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1, groups=channels, bias=False)
+        self.bn = nn.BatchNorm2d(channels)
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-0.2, 0.2)
+            self.bn.running_var.uniform_(0.5, 1.5)
+
+    def forward(self, x):
+        return F.silu(self.bn(self.conv(x)))
+
+
+def get_inputs():
+    return [torch.randn(BATCH, CHANNELS, SIZE, SIZE)]
+
+
+def get_init_inputs():
+    return [CHANNELS]
