@@ -12,6 +12,7 @@ void bind_jit(py::module_& m);
 void bind_llm(py::module_& m);
 void bind_profile(py::module_& m);
 void bind_program(py::module_& m);
+void bind_rubric(py::module_& m);
 
 void throw_error(const Error& e) {
   py::list diagnostics;
@@ -32,4 +33,5 @@ PYBIND11_MODULE(_C, m) {
   stitchcuda::bindings::bind_llm(m);
   stitchcuda::bindings::bind_profile(m);
   stitchcuda::bindings::bind_program(m);
+  stitchcuda::bindings::bind_rubric(m);
 }
