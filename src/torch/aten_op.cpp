@@ -24,20 +24,6 @@ std::string describe(const Attribute& a) {
       a);
 }
 
-c10::ScalarType scalar_type(DType d) {
-  switch (d) {
-    case DType::f32: return c10::kFloat;
-    case DType::f16: return c10::kHalf;
-    case DType::bf16: return c10::kBFloat16;
-    case DType::f64: return c10::kDouble;
-    case DType::i32: return c10::kInt;
-    case DType::i64: return c10::kLong;
-    case DType::u8: return c10::kByte;
-    case DType::boolean: return c10::kBool;
-  }
-  return c10::kFloat;
-}
-
 // The IValue an attribute gives for a schema type, or an explanation of the mismatch.
 std::optional<c10::IValue> convert(const Attribute& a, const c10::TypePtr& declared, std::optional<int32_t> fixed_size,
                                    std::string& why) {

@@ -23,19 +23,7 @@
 namespace stitchcuda::program {
 namespace {
 
-c10::ScalarType scalar_type(DType d) {
-  switch (d) {
-    case DType::f32: return c10::kFloat;
-    case DType::f16: return c10::kHalf;
-    case DType::bf16: return c10::kBFloat16;
-    case DType::f64: return c10::kDouble;
-    case DType::i32: return c10::kInt;
-    case DType::i64: return c10::kLong;
-    case DType::u8: return c10::kByte;
-    case DType::boolean: return c10::kBool;
-  }
-  return c10::kFloat;
-}
+using detail::scalar_type;
 
 const char* dtype_name(c10::ScalarType t) {
   for (DType d : {DType::f32, DType::f16, DType::bf16, DType::f64, DType::i32, DType::i64, DType::u8, DType::boolean})

@@ -12,6 +12,21 @@
 
 namespace stitchcuda::program::detail {
 
+/// The ATen element type of a program dtype.
+inline c10::ScalarType scalar_type(DType d) {
+  switch (d) {
+    case DType::f32: return c10::kFloat;
+    case DType::f16: return c10::kHalf;
+    case DType::bf16: return c10::kBFloat16;
+    case DType::f64: return c10::kDouble;
+    case DType::i32: return c10::kInt;
+    case DType::i64: return c10::kLong;
+    case DType::u8: return c10::kByte;
+    case DType::boolean: return c10::kBool;
+  }
+  return c10::kFloat;
+}
+
 // ---- cuBLASLt (libcublasLt.so.13, the one PyTorch loaded) ----
 
 /// A matmul step with its descriptors and algorithm chosen once per instance.

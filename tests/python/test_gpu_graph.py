@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import stitchcuda
+from stitchcuda.bench import graph as bench_graph
 from stitchcuda.graph import templates
 
 pytestmark = pytest.mark.gpu
@@ -25,30 +26,12 @@ def _exact_fp32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l1, self.l2, self.l3 = nn.Linear(256, 512), nn.Linear(512, 512), nn.Linear(512, 128)
-
-    def forward(self, x):
-        return self.l3(F.gelu(self.l2(F.relu(self.l1(x))), approximate="tanh"))
+def MLP():
+    return bench_graph.MLP(256, 512, 128)
 
 
-class Attention(nn.Module):
-    def __init__(self, d=64, heads=4):
-        super().__init__()
-        self.heads, self.ln1, self.ln2 = heads, nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
-        q, k, v = (t.reshape(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
-        att = torch.softmax(q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5, dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(b, s, d)
-        x = x + self.proj(y)
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+def Attention():
+    return bench_graph.Block(d=64, heads=4)
 
 
 class ConvBlock(nn.Module):
