@@ -13,6 +13,7 @@ void bind_llm(py::module_& m);
 void bind_profile(py::module_& m);
 void bind_program(py::module_& m);
 void bind_rubric(py::module_& m);
+void bind_agents(py::module_& m);
 
 void throw_error(const Error& e) {
   py::list diagnostics;
@@ -34,4 +35,5 @@ PYBIND11_MODULE(_C, m) {
   stitchcuda::bindings::bind_profile(m);
   stitchcuda::bindings::bind_program(m);
   stitchcuda::bindings::bind_rubric(m);
+  stitchcuda::bindings::bind_agents(m);
 }

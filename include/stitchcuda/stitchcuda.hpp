@@ -1,6 +1,7 @@
 // Umbrella header: everything a C++ program needs from StitchCUDA.
 #pragma once
 
+#include <stitchcuda/agents.hpp>
 #include <stitchcuda/error.hpp>
 #include <stitchcuda/jit.hpp>
 #include <stitchcuda/llm.hpp>

@@ -16,7 +16,7 @@ except ImportError as exc:  # pragma: no cover - depends on the build state
         "`pip install .`), using the same Python and torch as this interpreter."
     ) from exc
 
-from . import errors, jit, llm, profile, rubric
+from . import agents, errors, jit, llm, profile, rubric
 from .rubric import reward
 from .program import Program, ProgramBuilder, ProgramModule, load
 from .graph import OptimizedModule, optimize
@@ -39,6 +39,6 @@ from .errors import (
 
 __version__: str = _C.version()
 
-__all__ = ["__version__", "jit", "llm", "profile", "errors", "doctor", "Program", "ProgramBuilder", "ProgramModule", "load",
+__all__ = ["__version__", "agents", "jit", "llm", "profile", "errors", "doctor", "Program", "ProgramBuilder", "ProgramModule", "load",
            "optimize", "OptimizedModule", "rubric", "reward",
            *errors.__all__]

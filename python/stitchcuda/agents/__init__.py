@@ -1,0 +1,50 @@
+"""The agents' shared machinery. For now, retrieval: the Planner and Coder are shown the sections of a
+documentation corpus (shipped in `corpus/`, or a folder of your own) that best match their task, ranked
+with BM25 by the C++ `stitchcuda::agents::Retriever`.
+
+    r = stitchcuda.agents.Retriever.default()
+    for hit in r.search("vectorized loads for a memory-bound elementwise kernel", k=3):
+        print(hit["id"], round(hit["score"], 2))
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .. import _C
+
+__all__ = ["Retriever", "CORPUS_DIR"]
+
+# The corpus shipped with the package; STITCHCUDA_DOCS_DIR points retrieval at another folder.
+CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
+
+
+class Retriever:
+    """BM25 over the `## ` sections of markdown files; each hit is {id, title, text, score}."""
+
+    def __init__(self, native) -> None:
+        self._r = native
+
+    @classmethod
+    def default(cls) -> "Retriever":
+        """The shipped corpus, or the folder named by STITCHCUDA_DOCS_DIR."""
+        return cls.from_folder(os.environ.get("STITCHCUDA_DOCS_DIR") or CORPUS_DIR)
+
+    @classmethod
+    def from_folder(cls, folder: str | os.PathLike) -> "Retriever":
+        """Every *.md file of `folder` but README.md; NotFoundError / InvalidArgumentError say what is wrong."""
+        return cls(_C.agents.Retriever.from_folder(os.fspath(folder)))
+
+    @classmethod
+    def from_documents(cls, documents: dict[str, str]) -> "Retriever":
+        """Documents given as {name: markdown}."""
+        return cls(_C.agents.Retriever.from_documents(list(documents.items())))
+
+    def search(self, query: str, k: int = 3) -> list[dict]:
+        """The k best sections for `query`, best first (only sections sharing a term with it)."""
+        return self._r.search(query, k)
+
+    def snippets(self) -> list[dict]:
+        """Every indexed section, in document order."""
+        return self._r.snippets()
