@@ -82,6 +82,11 @@ def test_persisting_l2_probe_without_a_driver():
 @pytest.mark.parametrize("exc, kind", [
     (RuntimeError("CUDA error: an illegal memory access was encountered"), "illegal-address"),
     (RuntimeError("CUDA error: device-side assert triggered"), "device-assert"),
+    # PyTorch's hint about device-side assertions follows every CUDA error; the fault decides the kind.
+    (RuntimeError("CUDA error: an illegal memory access was encountered\nCompile with `TORCH_USE_CUDA_DSA` "
+                  "to enable device-side assertions."), "illegal-address"),
+    (RuntimeError("CUDA error: device-side assert triggered\nCompile with `TORCH_USE_CUDA_DSA` to enable "
+                  "device-side assertions."), "device-assert"),
     (RuntimeError("CUDA out of memory. Tried to allocate 4.00 PiB"), "oom"),
     (MemoryError(), "oom"),
     (CompileError("nvrtc failed"), "compile"),

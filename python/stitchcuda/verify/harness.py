@@ -47,11 +47,13 @@ def classify_exception(exc: BaseException) -> str:
     if isinstance(exc, MemoryError) or "OutOfMemoryError" in type(exc).__name__ \
             or re.search(r"out of memory|CUDA_ERROR_OUT_OF_MEMORY", text):
         return "oom"
-    if re.search(r"device-side assert|CUDA_ERROR_ASSERT", text, re.I):
-        return "device-assert"
+    # The fault first: PyTorch appends "Compile with TORCH_USE_CUDA_DSA to enable device-side assertions"
+    # to every CUDA error, an illegal address included.
     if re.search(r"illegal memory access|ILLEGAL_ADDRESS|misaligned address|MISALIGNED_ADDRESS|"
                  r"illegal instruction|ILLEGAL_INSTRUCTION", text, re.I):
         return "illegal-address"
+    if re.search(r"device-side assert triggered|CUDA_ERROR_ASSERT", text, re.I):
+        return "device-assert"
     if "Error building extension" in text or "ninja" in text and "build" in text.lower():
         return "compile"
     return "runtime"
