@@ -1,14 +1,25 @@
-// stitchcuda::agents — the agents' shared machinery. For now: retrieval over the documentation corpus
-// the Planner and Coder read (BM25 over markdown sections). Pure C++, no CUDA or LibTorch header.
+// stitchcuda::agents — the StitchCUDA method: a Planner that writes a structured plan from the reference
+// and its profile, a Coder with two skills (from the plan; from feedback), a VerifierAgent that turns the
+// Verifier's report into feedback, a Replanner, and the Optimizer loop that composes them with the Rubric,
+// budgets and a run directory. Shared machinery: retrieval over the documentation corpus (BM25), prompt
+// files, code extraction. Pure C++, no CUDA or LibTorch header; the Verifier itself is given by the caller
+// (Python's stitchcuda.verify, or any implementation of agents::Verifier).
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
 #include <stitchcuda/error.hpp>
+#include <stitchcuda/llm.hpp>
+#include <stitchcuda/rubric.hpp>
 
 namespace stitchcuda::agents {
 
@@ -52,6 +63,425 @@ class Retriever {
   std::vector<double> lengths_;                                       // tokens per snippet
   double mean_length_ = 0.0;
   Bm25 params_;
+};
+
+// ---- prompts: versioned files, overridable from a folder -----------------------------------------
+
+/// One prompt template. Files are `<name>.md`; an optional first line `<!-- version: N -->` gives the
+/// version. Placeholders are `{{key}}`; `{{#key}}...{{/key}}` keeps its body only when key is non-empty.
+struct Prompt {
+  std::string name;     ///< "planner", "coder_plan", "coder_feedback", "replanner", "verifier"
+  std::string version;  ///< from the version line ("0" when absent)
+  std::string text;     ///< the template, version line removed
+  std::string path;     ///< where it was read ("" for built from a string)
+  std::string sha256;   ///< of `text`, so a run records exactly which prompt it used
+};
+
+/// The prompts the agents use: the shipped folder, with files of an override folder replacing those of
+/// the same name.
+class PromptLibrary {
+ public:
+  /// The prompt names every library must hold.
+  static const std::vector<std::string>& required_names();
+  /// Reads `<dir>/*.md`, then `<override_dir>/*.md` over it ("" = none). NotFound names a missing folder
+  /// or a required prompt absent from both; InvalidArgument a template whose `{{#key}}` is not closed.
+  static Result<PromptLibrary> load(const std::string& dir, const std::string& override_dir = "");
+  /// From (name, text) pairs (tests, embedding without files); same checks.
+  static Result<PromptLibrary> from_texts(const std::vector<std::pair<std::string, std::string>>& prompts);
+  /// The prompt called `name`; NotFound lists the names there are.
+  Result<const Prompt*> get(const std::string& name) const;
+  /// Fills a template. InvalidArgument names a placeholder without a value (every one must be given;
+  /// pass "" for an empty one).
+  Result<std::string> render(const std::string& name, const std::map<std::string, std::string>& values) const;
+  /// All prompts, by name.
+  const std::map<std::string, Prompt>& prompts() const { return prompts_; }
+
+ private:
+  std::map<std::string, Prompt> prompts_;
+};
+
+// ---- code extraction ----------------------------------------------------------------------------
+
+/// One fenced block of a reply.
+struct CodeBlock {
+  std::string language;  ///< the fence's info string, lower case ("python", "cuda", "" when none)
+  std::string code;      ///< the block's text
+  int line = 0;          ///< 1-based line of the opening fence in the reply
+  bool closed = true;    ///< false: the reply ended inside the block
+};
+
+/// The candidate a Coder's reply contains.
+struct Extraction {
+  std::string code;                 ///< the Python source defining ModelNew ("" when none was found)
+  std::vector<CodeBlock> blocks;    ///< every fenced block, in order
+  bool truncated = false;           ///< the reply was cut (finish reason "length", or an unclosed fence)
+  std::vector<std::string> notes;   ///< what the extractor decided and why ("picked block 2 of 3: defines ModelNew")
+};
+
+/// Finds the candidate in a reply: the block (```python, ```py or unlabeled) that defines `class ModelNew`,
+/// the last such when several do; a reply with no fence that is itself Python defining ModelNew; CUDA blocks
+/// are never the candidate. `finish_reason` "length" marks it truncated. Errors (LlmError, naming what to
+/// ask the model): no block defines ModelNew, the chosen block is cut off, the reply is empty.
+Result<Extraction> extract_code(std::string_view reply, std::string_view finish_reason = "");
+
+// ---- the plan ------------------------------------------------------------------------------------
+
+/// One step of a plan.
+struct PlanStep {
+  std::string title;   ///< "Fuse bias, GELU and residual into the GEMM epilogue"
+  std::string detail;  ///< how, in a few sentences
+};
+
+/// Operators one kernel is to compute.
+struct FusionGroup {
+  std::vector<std::string> ops;  ///< reference operators, in order ("linear", "gelu", "add")
+  std::string kernel;            ///< the kernel's name or the library call ("cublasLt matmul + epilogue")
+  std::string rationale;         ///< why fusing them pays (bytes saved, launches saved)
+};
+
+/// The Planner's output; JSON with these keys (plan_schema()).
+struct Plan {
+  std::string summary;                     ///< one paragraph
+  std::vector<PlanStep> steps;             ///< at least one
+  std::vector<FusionGroup> fusion_groups;  ///< may be empty
+  std::vector<std::string> bottlenecks;    ///< expected after the change
+  std::vector<std::string> risks;          ///< correctness risks (numerics, aliasing, shapes)
+  std::vector<std::string> constraints;    ///< what must hold (dtypes, layouts, no torch ops in forward)
+
+  /// The plan as JSON (the schema's layout).
+  std::string to_json() const;
+  /// The plan as a numbered text for prompts.
+  std::string describe() const;
+  /// Parses a JSON object (a reply may wrap it in prose or a ```json fence: the first balanced object
+  /// is taken). InvalidArgument lists every schema violation ("steps[1].title: missing"), so a model can
+  /// be asked again with the message.
+  static Result<Plan> parse(std::string_view text);
+};
+/// The JSON Schema a plan follows (also sent as a structured-output schema where the server supports it).
+const std::string& plan_schema();
+
+// ---- what the agents know about the problem and the machine -------------------------------------
+
+/// The GPU the candidate is for, as the Planner is told.
+struct Hardware {
+  std::string gpu = "unknown GPU";  ///< "NVIDIA H200"
+  std::string arch;                 ///< "sm_90"
+  int sms = 0;                      ///< streaming multiprocessors (0 = unknown)
+  double memory_gib = 0.0;          ///< device memory
+  double dram_tb_s = 0.0;           ///< peak DRAM bandwidth (0 = unknown)
+  double fp32_tflops = 0.0;         ///< peak FP32 (non-tensor) throughput
+  double tf32_tflops = 0.0;         ///< peak dense TF32 tensor-core throughput
+  std::string cuda;                 ///< CUDA version ("13.0")
+  /// A few lines for prompts.
+  std::string describe() const;
+};
+
+/// The problem being optimized.
+struct Problem {
+  std::string name;             ///< "block_gelu" (the file's stem)
+  std::string reference;        ///< KernelBench-format Python source (Model, get_inputs, get_init_inputs)
+  Hardware hardware;            ///< the target GPU
+  std::string profile;          ///< the reference's profile as text (top kernels, launches, gaps); may be ""
+};
+
+// ---- one exchange with a model, as recorded ------------------------------------------------------
+
+/// A call to a model and its answer, for the run directory and trajectories.
+struct Exchange {
+  std::string agent;                   ///< "planner", "coder", "verifier", "replanner"
+  std::vector<llm::Message> messages;  ///< what was sent
+  std::string reply;                   ///< what came back ("" on failure)
+  std::string finish_reason;           ///< as the backend reported
+  llm::Usage usage;                    ///< tokens
+  double latency_s = 0.0;              ///< wall time of the call
+  std::string error;                   ///< the call's error message ("" when it succeeded)
+  std::string prompt_name;             ///< template used
+  std::string prompt_sha256;           ///< its hash
+  std::vector<std::string> snippets;   ///< ids of retrieved documentation sections put in the prompt
+};
+
+/// How the agents call their model.
+struct AgentOptions {
+  llm::Options llm;                    ///< sampling and limits of each call (max_tokens, temperature...)
+  std::size_t doc_snippets = 3;        ///< retrieved sections per prompt (0 = none)
+  int max_repairs = 2;                 ///< Planner: re-asks after an invalid plan; Coder: after an unusable reply
+};
+
+// ---- the agents --------------------------------------------------------------------------------
+
+/// What the Planner (and Replanner) produced.
+struct PlanResult {
+  Plan plan;                        ///< the validated plan
+  std::vector<Exchange> exchanges;  ///< every call made (re-asks included)
+};
+
+/// Reads the reference, the hardware and the profile; writes a validated Plan.
+class Planner {
+ public:
+  /// `docs` may be null (no retrieval).
+  Planner(std::shared_ptr<llm::Backend> llm, std::shared_ptr<const PromptLibrary> prompts,
+          std::shared_ptr<const Retriever> docs = nullptr, AgentOptions options = {});
+  /// The plan. An invalid plan is re-asked with the validation error up to max_repairs times; then
+  /// LlmError carrying the last problem. Backend errors pass through.
+  Result<PlanResult> plan(const Problem& problem) const;
+
+ protected:
+  /// Asks with `prompt` (rendered from `values`) and validates, re-asking on invalid JSON.
+  Result<PlanResult> ask(const std::string& agent, const std::string& prompt, std::map<std::string, std::string> values,
+                         const std::string& query) const;
+  std::shared_ptr<llm::Backend> llm_;
+  std::shared_ptr<const PromptLibrary> prompts_;
+  std::shared_ptr<const Retriever> docs_;
+  AgentOptions options_;
+};
+
+/// What a Verifier concluded about one candidate: the fields of a VerifyReport the agents read.
+struct Report {
+  bool compiled = false;                    ///< loaded and its kernels compiled
+  bool correct = false;                     ///< every correctness trial passed
+  bool static_only = false;                 ///< no GPU run: compile and static rules only (unverified)
+  std::optional<double> speedup_eager;      ///< over eager PyTorch
+  std::optional<double> speedup_compile;    ///< over torch.compile
+  std::vector<rubric::Finding> findings;    ///< every finding
+  std::vector<std::string> finding_messages;///< the message of each finding (same order)
+  std::vector<int> finding_lines;           ///< line of each finding in the candidate (0 = none)
+  std::string error_kind;                   ///< "compile", "incorrect", "timeout"... ("" = none)
+  std::string error_message;                ///< the first failure, in words
+  std::string compile_log;                  ///< compiler messages, lines mapped to the candidate file
+  std::vector<std::string> mismatches;      ///< "output 0 [64, 128] float32: 812 elements outside tolerance; at [0, 3]: expected 1.25, got 0.0"
+  std::string bottleneck;                   ///< the profile's diagnosis of the candidate ("" when not profiled)
+  std::string top_kernel;                   ///< "k_gelu (71% of GPU time)" ("" when not profiled)
+  double candidate_ms = 0.0;                ///< median time of one forward (0 = not timed)
+  double wall_s = 0.0;                      ///< how long verification took
+  std::string json;                         ///< the report as the Verifier wrote it
+
+  /// Any major finding.
+  bool hack() const;
+  /// From a VerifyReport's JSON (stitchcuda.verify's to_json()); unknown keys are ignored.
+  static Result<Report> from_json(std::string_view json);
+  /// The rubric's view of it.
+  rubric::VerifyOutcome outcome() const;
+};
+
+/// Verifies candidates: implemented by the caller (Python wraps stitchcuda.verify; a C++ server may wrap
+/// its own harness). Must never throw; a crashing candidate is a Report with error_kind "crash".
+class Verifier {
+ public:
+  virtual ~Verifier() = default;
+  /// The verdict on `candidate` (Python source defining ModelNew) against `problem.reference`.
+  virtual Result<Report> verify(const Problem& problem, const std::string& candidate) = 0;
+};
+
+/// What the Coder is asked to do.
+struct CoderRequest {
+  rubric::Skill skill = rubric::Skill::from_plan;  ///< Skill 1 or Skill 2
+  const Problem* problem = nullptr;                 ///< required
+  const Plan* plan = nullptr;                       ///< required for Skill 1, shown for Skill 2 when given
+  std::string previous;                             ///< Skill 2: the candidate to revise
+  std::string feedback;                             ///< Skill 2: the VerifierAgent's text
+};
+
+/// What the Coder wrote.
+struct CoderResult {
+  Extraction extraction;            ///< the candidate (extraction.code)
+  std::vector<Exchange> exchanges;  ///< every call made (re-asks included)
+};
+
+/// Writes CUDA from a plan (Skill 1) or revises a candidate from feedback (Skill 2).
+class Coder {
+ public:
+  Coder(std::shared_ptr<llm::Backend> llm, std::shared_ptr<const PromptLibrary> prompts,
+        std::shared_ptr<const Retriever> docs = nullptr, AgentOptions options = {});
+  /// The candidate. A reply without a usable candidate (none, truncated) is re-asked saying what was
+  /// wrong, up to max_repairs times; then LlmError. InvalidArgument for a request missing its inputs.
+  Result<CoderResult> write(const CoderRequest& request) const;
+
+ private:
+  std::shared_ptr<llm::Backend> llm_;
+  std::shared_ptr<const PromptLibrary> prompts_;
+  std::shared_ptr<const Retriever> docs_;
+  AgentOptions options_;
+};
+
+/// Feedback for the Coder: what to fix first, or which bottleneck to attack.
+struct Feedback {
+  std::string kind;                ///< "compile", "runtime", "incorrect", "hack", "slow", "correct", "unverified"
+  std::string text;                ///< the message the Coder reads
+  std::vector<std::string> asks;   ///< the concrete requests in it (the rubric checks compliance against them)
+  std::optional<Exchange> exchange;///< the LLM call that refined it, when one did
+};
+
+/// Turns a Report into Feedback: deterministic (compile error lines, first mismatches, findings, the
+/// bottleneck diagnosis), then, with a backend, refined by the model's diagnosis (appended; a failing
+/// call leaves the deterministic text).
+class VerifierAgent {
+ public:
+  /// `llm` may be null: deterministic feedback only.
+  explicit VerifierAgent(std::shared_ptr<llm::Backend> llm = nullptr, std::shared_ptr<const PromptLibrary> prompts = nullptr,
+                         AgentOptions options = {});
+  /// The feedback on `report` for `candidate`; `target_speedup` (> 0) is said when the candidate is
+  /// correct but short of it.
+  Feedback feedback(const Problem& problem, const std::string& candidate, const Report& report,
+                    double target_speedup = 0.0) const;
+
+ private:
+  std::shared_ptr<llm::Backend> llm_;
+  std::shared_ptr<const PromptLibrary> prompts_;
+  AgentOptions options_;
+};
+
+/// One attempt as the Replanner sees it.
+struct AttemptSummary {
+  int index = 0;             ///< 1-based
+  std::string outcome;       ///< "compile error: ...", "incorrect: ...", "correct, 1.42x"
+};
+
+/// Writes a new plan when progress stalls, from the old plan and what the attempts showed.
+class Replanner : public Planner {
+ public:
+  using Planner::Planner;
+  /// A new plan that avoids what failed. Same re-ask rule as Planner::plan.
+  Result<PlanResult> replan(const Problem& problem, const Plan& previous,
+                            const std::vector<AttemptSummary>& history) const;
+};
+
+// ---- the run directory ---------------------------------------------------------------------------
+
+/// One attempt as recorded.
+struct AttemptRecord {
+  int index = 0;                       ///< 1-based
+  int plan = 0;                        ///< which plan it followed (1 = first, 2 = after the first replan...)
+  rubric::Skill skill = rubric::Skill::from_plan;
+  std::string candidate;               ///< the source ("" when the Coder failed)
+  std::string coder_error;             ///< why there is no candidate ("" when there is)
+  Report report;                       ///< the Verifier's verdict (default when no candidate)
+  Feedback feedback;                   ///< what the Coder is told next
+  rubric::Scorecard scorecard;         ///< the rubric's items
+  rubric::Reward reward;               ///< the reward
+  std::vector<Exchange> exchanges;     ///< the Coder's calls for this attempt
+  double wall_s = 0.0;                 ///< the attempt's wall time
+  double llm_s = 0.0;                  ///< of which waiting for models
+  double verify_s = 0.0;               ///< of which verifying (compile and GPU)
+};
+
+/// The folder a run writes: config.json (secrets redacted), hardware.json, problem.py, prompts/ (with
+/// hashes), plans/plan-N.json, attempts/NNN/{candidate.py, report.json, feedback.md, rubric.json, reward.json},
+/// best.py, summary.json, trajectories.jsonl (one record per Coder call) and events.jsonl (the progress).
+class RunDirectory {
+ public:
+  /// Creates `path` (must not exist or be empty). IoError names what could not be written.
+  static Result<RunDirectory> create(const std::string& path);
+  /// Opens an existing run to resume it; NotFound / InvalidArgument when it is not a run directory.
+  static Result<RunDirectory> open(const std::string& path);
+  /// A fresh name under `root`: "<root>/<UTC yyyymmdd-hhmmss>-<problem>" (made unique).
+  static std::string fresh_path(const std::string& root, const std::string& problem);
+
+  const std::string& path() const { return path_; }
+
+  /// config.json; values of keys naming secrets (key, token, secret, password, authorization) become "<redacted>".
+  Result<void> write_config(const std::string& config_json) const;
+  Result<void> write_problem(const Problem& problem) const;
+  Result<void> write_prompts(const PromptLibrary& prompts) const;
+  /// plans/plan-N.json (N is 1-based) and the calls that made it.
+  Result<void> write_plan(int n, const PlanResult& plan) const;
+  /// attempts/NNN/ and one line per Coder call appended to trajectories.jsonl.
+  Result<void> write_attempt(const AttemptRecord& attempt) const;
+  /// best.py (atomic replace).
+  Result<void> write_best(const std::string& candidate) const;
+  /// summary.json (atomic replace).
+  Result<void> write_summary(const std::string& summary_json) const;
+  /// Appends one JSON line to events.jsonl.
+  Result<void> append_event(const std::string& event_json) const;
+
+  /// What a resumed run reads back.
+  struct Saved {
+    std::string config_json;               ///< "" when absent
+    std::vector<Plan> plans;               ///< plan-1, plan-2... in order
+    std::vector<AttemptRecord> attempts;   ///< finished attempts only (attempt.json present), in order
+  };
+  /// Reads the plans and the finished attempts (attempt.json is written last: an attempt folder without
+  /// attempt.json was interrupted and is dropped).
+  Result<Saved> load() const;
+
+ private:
+  explicit RunDirectory(std::string path) : path_(std::move(path)) {}
+  std::string path_;
+};
+
+/// An attempt as one JSON object (index, plan, skill, candidate, coder_error, report, feedback, scorecard,
+/// reward, exchanges, times): what attempts/NNN/ holds, and what RunDirectory::load reads back.
+std::string to_json(const AttemptRecord& attempt);
+/// An exchange as JSON (agent, messages, reply, finish_reason, usage, latency_s, error, prompt, snippets).
+std::string to_json(const Exchange& exchange);
+
+// ---- the loop ------------------------------------------------------------------------------------
+
+/// Limits of one optimization run (0 = no limit).
+struct Budget {
+  int attempts = 8;                  ///< Coder calls that produce a candidate to verify
+  int replans = 2;                   ///< new plans after the first
+  double wall_s = 0.0;               ///< whole run
+  std::int64_t tokens = 0;           ///< prompt + completion tokens of all calls
+  double target_speedup = 0.0;       ///< stop once a correct, unhacked candidate reaches it
+  int replan_after_failures = 3;     ///< consecutive attempts without a correct candidate before replanning
+  int stagnation = 3;                ///< consecutive correct attempts without a better speed-up before replanning
+};
+
+/// Something the loop reports as it goes (for progress views and events.jsonl).
+struct Event {
+  std::string stage;        ///< "plan", "code", "verify", "feedback", "replan", "done"
+  int attempt = 0;          ///< current attempt (0 before the first)
+  int plan = 0;             ///< current plan
+  double best_speedup = 0;  ///< best correct, unhacked speed-up so far (0 = none yet)
+  std::string message;      ///< one line
+};
+using EventCallback = std::function<void(const Event&)>;
+
+/// The agents a loop uses; any may be replaced by a user's subclass or configuration.
+struct Agents {
+  std::shared_ptr<const Planner> planner;
+  std::shared_ptr<const Coder> coder;
+  std::shared_ptr<const VerifierAgent> verifier_agent;
+  std::shared_ptr<const Replanner> replanner;
+  std::shared_ptr<const rubric::Rubric> rubric;
+  rubric::RewardConfig reward;
+};
+
+/// The end of a run.
+struct Outcome {
+  std::string run_dir;               ///< where everything is
+  std::string best;                  ///< best correct, unhacked candidate ("" when none)
+  int best_attempt = 0;              ///< its attempt (0 = none)
+  double best_speedup = 0.0;         ///< its speed-up over eager
+  bool verified = true;              ///< false when verification was static only (no GPU)
+  std::string stop_reason;           ///< "target reached", "attempt budget spent", "wall-time budget spent"...
+  std::vector<AttemptRecord> attempts;  ///< all attempts, resumed ones included
+  int plans = 0;                     ///< plans made (1 + replans)
+  llm::Usage usage;                  ///< tokens of every call
+  double wall_s = 0.0;               ///< this process's time on the run
+  double overhead_s = 0.0;           ///< wall_s minus model, verification time: the loop's own cost
+  std::string summary_json() const;  ///< what summary.json holds
+};
+
+/// Plans, codes, verifies, gives feedback, replans, within a budget; records everything in a RunDirectory.
+class Optimizer {
+ public:
+  Optimizer(Agents agents, std::shared_ptr<Verifier> verifier, Budget budget = {});
+  /// Runs `problem` into a new run directory at `run_dir` (created; "" = RunDirectory::fresh_path("runs", name)).
+  /// `config_json` is written (redacted) as config.json. Errors: the directory cannot be created, the
+  /// Planner fails for good, the Coder or Verifier fail in a way that is not the candidate's fault.
+  Result<Outcome> run(const Problem& problem, const std::string& run_dir = "", const std::string& config_json = "{}",
+                      const EventCallback& on_event = {}) const;
+  /// Continues the run in `run_dir`: finished attempts and plans are read back, not repeated; the budget
+  /// counts them.
+  Result<Outcome> resume(const Problem& problem, const std::string& run_dir, const EventCallback& on_event = {}) const;
+
+ private:
+  Result<Outcome> drive(const Problem& problem, RunDirectory dir, RunDirectory::Saved saved,
+                        const EventCallback& on_event) const;
+  Agents agents_;
+  std::shared_ptr<Verifier> verifier_;
+  Budget budget_;
 };
 
 }  // namespace stitchcuda::agents

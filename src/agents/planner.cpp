@@ -1,0 +1,1 @@
+#include <stitchcuda/agents.hpp>
