@@ -283,7 +283,8 @@ struct CoderRequest {
 
 /// What the Coder wrote.
 struct CoderResult {
-  Extraction extraction;            ///< the candidate (extraction.code)
+  Extraction extraction;            ///< the candidate (extraction.code; "" when there is none)
+  std::string problem;              ///< why there is no candidate after the re-asks ("" when there is one)
   std::vector<Exchange> exchanges;  ///< every call made (re-asks included)
 };
 
@@ -293,7 +294,9 @@ class Coder {
   Coder(std::shared_ptr<llm::Backend> llm, std::shared_ptr<const PromptLibrary> prompts,
         std::shared_ptr<const Retriever> docs = nullptr, AgentOptions options = {});
   /// The candidate. A reply without a usable candidate (none, truncated) is re-asked saying what was
-  /// wrong, up to max_repairs times; then LlmError. InvalidArgument for a request missing its inputs.
+  /// wrong, up to max_repairs times; then a result without code whose `problem` says why (the calls
+  /// are kept: they are trajectories too). InvalidArgument for a request missing its inputs; backend
+  /// errors pass through.
   Result<CoderResult> write(const CoderRequest& request) const;
 
  private:
@@ -445,6 +448,7 @@ struct Agents {
   std::shared_ptr<const Replanner> replanner;
   std::shared_ptr<const rubric::Rubric> rubric;
   rubric::RewardConfig reward;
+  std::shared_ptr<const PromptLibrary> prompts;  ///< recorded in the run directory (prompts/) when set
 };
 
 /// The end of a run.
@@ -477,6 +481,7 @@ class Optimizer {
   Result<Outcome> resume(const Problem& problem, const std::string& run_dir, const EventCallback& on_event = {}) const;
 
  private:
+  Result<void> check() const;
   Result<Outcome> drive(const Problem& problem, RunDirectory dir, RunDirectory::Saved saved,
                         const EventCallback& on_event) const;
   Agents agents_;

@@ -1,1 +1,324 @@
+// The Optimizer: plan, then code / verify / feed back within a budget, replanning when attempts keep
+// failing or stop improving; every step is recorded in the run directory, so a killed run resumes
+// where it stopped. The Rubric scores each candidate and the reward goes into trajectories.jsonl.
 #include <stitchcuda/agents.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <exception>
+
+#include <nlohmann/json.hpp>
+
+namespace stitchcuda::agents {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+std::string speed(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.3gx", x);
+  return buf;
+}
+
+// CUDA sources written inline in the candidate's Python: triple-quoted literals holding a __global__.
+// The rubric scans CUDA only where it is told it is.
+std::vector<std::string> inline_cuda(const std::string& python) {
+  std::vector<std::string> out;
+  for (const char* quote : {"\"\"\"", "'''"}) {
+    std::size_t at = 0;
+    while ((at = python.find(quote, at)) != std::string::npos) {
+      const std::size_t end = python.find(quote, at + 3);
+      if (end == std::string::npos) break;
+      std::string body = python.substr(at + 3, end - at - 3);
+      if (body.find("__global__") != std::string::npos) out.push_back(std::move(body));
+      at = end + 3;
+    }
+  }
+  return out;
+}
+
+std::int64_t tokens_of(const std::vector<Exchange>& exchanges) {
+  std::int64_t n = 0;
+  for (const Exchange& e : exchanges) n += e.usage.total_tokens;
+  return n;
+}
+
+double latency_of(const std::vector<Exchange>& exchanges) {
+  double s = 0;
+  for (const Exchange& e : exchanges) s += e.latency_s;
+  return s;
+}
+
+// What an attempt came to, in a few words (history for the Replanner, events).
+std::string describe_outcome(const AttemptRecord& a) {
+  if (!a.coder_error.empty()) return "no candidate: " + a.coder_error.substr(0, 200);
+  const Report& r = a.report;
+  if (r.hack()) return "rejected (" + (r.findings.empty() ? std::string("hack") : r.findings.front().rule) + ")";
+  if (!r.error_kind.empty()) return r.error_kind + ": " + r.error_message.substr(0, 200);
+  if (r.static_only) return r.compiled ? "compiled (unverified: no GPU)" : "does not compile";
+  if (!r.correct) return "incorrect" + (r.mismatches.empty() ? std::string() : ": " + r.mismatches.front().substr(0, 200));
+  return "correct, " + (r.speedup_eager ? speed(*r.speedup_eager) + " over eager" : std::string("not timed"));
+}
+
+// A candidate that may be the answer: correct (or, without a GPU, compiled) and trusted.
+bool usable(const AttemptRecord& a) {
+  if (!a.coder_error.empty() || a.report.hack() || !a.report.compiled) return false;
+  return a.report.correct || a.report.static_only;
+}
+
+double speedup_of(const AttemptRecord& a) { return a.report.speedup_eager.value_or(0.0); }
+
+}  // namespace
+
+std::string Outcome::summary_json() const {
+  nlohmann::json j;
+  j["run_dir"] = run_dir;
+  j["best_attempt"] = best_attempt;
+  j["best_speedup"] = best_speedup;
+  j["verified"] = verified;
+  j["stop_reason"] = stop_reason;
+  j["plans"] = plans;
+  j["usage"] = {{"prompt_tokens", usage.prompt_tokens},
+                {"completion_tokens", usage.completion_tokens},
+                {"total_tokens", usage.total_tokens}};
+  j["wall_s"] = wall_s;
+  j["overhead_s"] = overhead_s;
+  j["attempts"] = nlohmann::json::array();
+  for (const AttemptRecord& a : attempts)
+    j["attempts"].push_back({{"index", a.index},
+                             {"plan", a.plan},
+                             {"skill", static_cast<int>(a.skill)},
+                             {"outcome", describe_outcome(a)},
+                             {"feedback_kind", a.feedback.kind},
+                             {"speedup", a.report.speedup_eager ? nlohmann::json(*a.report.speedup_eager) : nlohmann::json()},
+                             {"reward", a.reward.value},
+                             {"rubric_total", a.scorecard.total()},
+                             {"wall_s", a.wall_s},
+                             {"llm_s", a.llm_s},
+                             {"verify_s", a.verify_s}});
+  return j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+Optimizer::Optimizer(Agents agents, std::shared_ptr<Verifier> verifier, Budget budget)
+    : agents_(std::move(agents)), verifier_(std::move(verifier)), budget_(budget) {}
+
+Result<void> Optimizer::check() const {
+  if (!agents_.planner || !agents_.coder || !agents_.verifier_agent || !agents_.rubric || !verifier_)
+    return fail(ErrorCode::InvalidArgument, "the Optimizer needs a planner, coder, verifier agent, rubric and verifier");
+  return agents_.reward.validate();
+}
+
+Result<Outcome> Optimizer::run(const Problem& problem, const std::string& run_dir, const std::string& config_json,
+                               const EventCallback& on_event) const {
+  const std::string path = run_dir.empty() ? RunDirectory::fresh_path("runs", problem.name) : run_dir;
+  if (auto ok = check(); !ok) return tl::unexpected(ok.error());  // before anything is written
+  auto dir = RunDirectory::create(path);
+  if (!dir) return tl::unexpected(dir.error());
+  if (auto ok = dir->write_config(config_json); !ok) return tl::unexpected(ok.error());
+  if (auto ok = dir->write_problem(problem); !ok) return tl::unexpected(ok.error());
+  if (agents_.prompts)
+    if (auto ok = dir->write_prompts(*agents_.prompts); !ok) return tl::unexpected(ok.error());
+  return drive(problem, std::move(*dir), {}, on_event);
+}
+
+Result<Outcome> Optimizer::resume(const Problem& problem, const std::string& run_dir,
+                                  const EventCallback& on_event) const {
+  auto dir = RunDirectory::open(run_dir);
+  if (!dir) return tl::unexpected(dir.error());
+  auto saved = dir->load();
+  if (!saved) return tl::unexpected(saved.error());
+  return drive(problem, std::move(*dir), std::move(*saved), on_event);
+}
+
+Result<Outcome> Optimizer::drive(const Problem& problem, RunDirectory dir, RunDirectory::Saved saved,
+                                 const EventCallback& on_event) const {
+  const auto started = Clock::now();
+  if (auto ok = check(); !ok) return tl::unexpected(ok.error());
+
+  Outcome out;
+  out.run_dir = dir.path();
+  out.attempts = std::move(saved.attempts);
+  std::vector<Plan> plans = std::move(saved.plans);
+  double waited_s = 0.0;  // model and verification time in this process: not the loop's own cost
+  std::int64_t tokens = 0;
+  for (const AttemptRecord& a : out.attempts) tokens += tokens_of(a.exchanges) + (a.feedback.exchange ? a.feedback.exchange->usage.total_tokens : 0);
+
+  const AttemptRecord* best = nullptr;
+  auto consider = [&](const AttemptRecord& a) {
+    if (!usable(a)) return;
+    if (best == nullptr || speedup_of(a) > speedup_of(*best)) best = &a;
+  };
+  for (const AttemptRecord& a : out.attempts) consider(a);
+
+  auto emit = [&](const std::string& stage, const std::string& message) {
+    Event e{stage, static_cast<int>(out.attempts.size()), static_cast<int>(plans.size()),
+            best ? speedup_of(*best) : 0.0, message};
+    // events.jsonl is a progress log: losing a line must not stop the run (the attempt files are the record).
+    (void)dir.append_event(nlohmann::json{{"stage", e.stage}, {"attempt", e.attempt}, {"plan", e.plan},
+                                          {"best_speedup", e.best_speedup}, {"message", e.message}}
+                               .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+    if (on_event) {
+      try {
+        on_event(e);
+      } catch (const std::exception&) {  // a progress view must not stop the run
+      }
+    }
+  };
+  auto add_tokens = [&](const std::vector<Exchange>& exchanges) {
+    tokens += tokens_of(exchanges);
+    waited_s += latency_of(exchanges);
+    for (const Exchange& e : exchanges) {
+      out.usage.prompt_tokens += e.usage.prompt_tokens;
+      out.usage.completion_tokens += e.usage.completion_tokens;
+      out.usage.total_tokens += e.usage.total_tokens;
+    }
+  };
+
+  if (plans.empty()) {
+    emit("plan", "planning " + problem.name);
+    auto planned = agents_.planner->plan(problem);
+    if (!planned) return tl::unexpected(planned.error());
+    add_tokens(planned->exchanges);
+    if (auto ok = dir.write_plan(1, *planned); !ok) return tl::unexpected(ok.error());
+    plans.push_back(planned->plan);
+  }
+
+  // Counters since the current plan began.
+  int failures = 0, stagnant = 0;
+  double plan_best = 0.0;
+  for (const AttemptRecord& a : out.attempts) {
+    if (a.plan != static_cast<int>(plans.size())) continue;
+    if (!usable(a)) {
+      ++failures;
+    } else {
+      failures = 0;
+      if (speedup_of(a) > plan_best) plan_best = speedup_of(a), stagnant = 0;
+      else ++stagnant;
+    }
+  }
+
+  while (true) {
+    const bool target_met = best && budget_.target_speedup > 0 && speedup_of(*best) >= budget_.target_speedup;
+    if (target_met) { out.stop_reason = "target reached: " + speed(speedup_of(*best)) + " >= " + speed(budget_.target_speedup); break; }
+    if (best && best->report.static_only) { out.stop_reason = "compiled and passed the static checks (unverified: no GPU to run it)"; break; }
+    if (budget_.attempts > 0 && static_cast<int>(out.attempts.size()) >= budget_.attempts) { out.stop_reason = "attempt budget spent (" + std::to_string(budget_.attempts) + ")"; break; }
+    if (budget_.wall_s > 0 && seconds_since(started) >= budget_.wall_s) { out.stop_reason = "wall-time budget spent"; break; }
+    if (budget_.tokens > 0 && tokens >= budget_.tokens) { out.stop_reason = "token budget spent (" + std::to_string(tokens) + " tokens)"; break; }
+
+    // Replan when the current plan keeps failing or stopped paying.
+    const int replans_done = static_cast<int>(plans.size()) - 1;
+    const bool stuck = (budget_.replan_after_failures > 0 && failures >= budget_.replan_after_failures) ||
+                       (budget_.stagnation > 0 && stagnant >= budget_.stagnation);
+    if (stuck && replans_done < budget_.replans && agents_.replanner) {
+      emit("replan", failures > 0 ? std::to_string(failures) + " attempts without a correct candidate"
+                                  : std::to_string(stagnant) + " correct attempts without a better speed-up");
+      std::vector<AttemptSummary> history;
+      for (const AttemptRecord& a : out.attempts) history.push_back({a.index, describe_outcome(a)});
+      auto replanned = agents_.replanner->replan(problem, plans.back(), history);
+      if (!replanned) return tl::unexpected(replanned.error());
+      add_tokens(replanned->exchanges);
+      if (auto ok = dir.write_plan(static_cast<int>(plans.size()) + 1, *replanned); !ok) return tl::unexpected(ok.error());
+      plans.push_back(replanned->plan);
+      failures = stagnant = 0;
+      plan_best = 0.0;
+      continue;
+    }
+
+    const auto attempt_start = Clock::now();
+    AttemptRecord rec;
+    rec.index = static_cast<int>(out.attempts.size()) + 1;
+    rec.plan = static_cast<int>(plans.size());
+    // Skill 2 revises the last candidate of this plan with its feedback; a new plan starts from Skill 1.
+    const AttemptRecord* previous = nullptr;
+    for (auto it = out.attempts.rbegin(); it != out.attempts.rend(); ++it)
+      if (it->plan == rec.plan) { if (!it->candidate.empty()) previous = &*it; break; }
+    CoderRequest request;
+    request.problem = &problem;
+    request.plan = &plans.back();
+    if (previous) {
+      request.skill = rubric::Skill::from_feedback;
+      request.previous = previous->candidate;
+      request.feedback = previous->feedback.text;
+    }
+    rec.skill = request.skill;
+    emit("code", "attempt " + std::to_string(rec.index) + (previous ? ": revising from feedback" : ": writing from the plan"));
+    auto written = agents_.coder->write(request);
+    if (!written) return tl::unexpected(written.error());  // the backend failed: stop, resumable
+    rec.exchanges = written->exchanges;
+    rec.candidate = written->extraction.code;
+    rec.coder_error = written->problem;  // the model's fault: an attempt spent, the run goes on
+    add_tokens(rec.exchanges);
+    rec.llm_s = latency_of(rec.exchanges);
+
+    if (!rec.candidate.empty()) {
+      emit("verify", "attempt " + std::to_string(rec.index));
+      const auto verify_start = Clock::now();
+      auto report = verifier_->verify(problem, rec.candidate);
+      rec.verify_s = seconds_since(verify_start);
+      waited_s += rec.verify_s;
+      if (!report) return tl::unexpected(report.error());
+      rec.report = std::move(*report);
+      rec.feedback = agents_.verifier_agent->feedback(problem, rec.candidate, rec.report, budget_.target_speedup);
+      if (rec.feedback.exchange) {
+        add_tokens({*rec.feedback.exchange});
+        rec.llm_s += rec.feedback.exchange->latency_s;
+      }
+    } else {
+      rec.feedback.kind = "coder";
+      rec.feedback.text = "The previous answer held no usable candidate: " + rec.coder_error;
+    }
+
+    rubric::Input input;
+    input.candidate = {inline_cuda(rec.candidate), rec.candidate};
+    input.outcome = rec.report.outcome();
+    input.task.skill = rec.skill;
+    if (previous) {
+      input.task.asks = previous->feedback.asks;
+      input.task.previous = {inline_cuda(previous->candidate), previous->candidate};
+    } else {
+      for (const PlanStep& s : plans.back().steps) input.task.asks.push_back(s.title);
+    }
+    rec.scorecard = agents_.rubric->score(input);
+    if (auto r = rubric::reward(input.outcome, rec.scorecard, rec.skill, agents_.reward)) rec.reward = *r;
+    rec.wall_s = seconds_since(attempt_start);
+    if (auto ok = dir.write_attempt(rec); !ok) return tl::unexpected(ok.error());
+
+    out.attempts.push_back(std::move(rec));
+    best = nullptr;  // the vector may have moved: find the best again
+    for (const AttemptRecord& a : out.attempts) consider(a);
+    const AttemptRecord& last = out.attempts.back();
+    if (!usable(last)) {
+      ++failures;
+    } else {
+      failures = 0;
+      if (speedup_of(last) > plan_best) plan_best = speedup_of(last), stagnant = 0;
+      else ++stagnant;
+    }
+    if (best == &last) {
+      if (auto ok = dir.write_best(last.candidate); !ok) return tl::unexpected(ok.error());
+    }
+    emit("feedback", "attempt " + std::to_string(last.index) + ": " + describe_outcome(last));
+  }
+
+  if (best) {
+    out.best = best->candidate;
+    out.best_attempt = best->index;
+    out.best_speedup = speedup_of(*best);
+  }
+  for (const AttemptRecord& a : out.attempts)
+    if (a.report.static_only) out.verified = false;
+  out.plans = static_cast<int>(plans.size());
+  out.wall_s = seconds_since(started);
+  out.overhead_s = std::max(0.0, out.wall_s - waited_s);
+  nlohmann::json summary = nlohmann::json::parse(out.summary_json());
+  summary["problem"] = problem.name;
+  if (auto ok = dir.write_summary(summary.dump(2, ' ', false, nlohmann::json::error_handler_t::replace)); !ok)
+    return tl::unexpected(ok.error());
+  emit("done", out.stop_reason);
+  return out;
+}
+
+}  // namespace stitchcuda::agents
