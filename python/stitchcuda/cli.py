@@ -1,4 +1,5 @@
-"""The `stitchcuda` command line (also `python -m stitchcuda`): doctor, demo, benchmarks, llm ping.
+"""The `stitchcuda` command line (also `python -m stitchcuda`): doctor, demo, benchmarks, llm ping, and the
+commands layers keep beside their code (optimize, runs, profile, check).
 
 Exit codes: 0 success, 1 failure, 2 usage error.
 """
@@ -175,11 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
     ping.set_defaults(run=_llm_ping)
 
     # Layers that own a subcommand keep it beside their code.
+    from .agents import cli as agents_cli
     from .graph import cli as graph_cli
     from .profile import cli as profile_cli
     from .verify import cli as verify_cli
 
     graph_cli.register(commands)
+    agents_cli.register(commands)  # after graph: `optimize --llm` extends graph mode's `optimize`
     profile_cli.register(commands)
     verify_cli.register(commands)
     return parser
@@ -191,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse exits 2 on bad usage, 0 for --help
         return int(exc.code or 0)
-    if args.run is None:  # no command, or `bench` / `llm` without a subcommand
+    if args.run is None:  # no command, or `bench` / `llm` / `runs` without a subcommand
         args.usage_of.print_usage(sys.stderr)
         return EXIT_USAGE
     try:

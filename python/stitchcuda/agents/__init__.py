@@ -1,6 +1,10 @@
-"""The agents' shared machinery. For now, retrieval: the Planner and Coder are shown the sections of a
+"""The StitchCUDA agents: the optimization loop (`optimize_problem`, in loop.py; the Planner, Coder,
+VerifierAgent, Replanner and Optimizer themselves are C++) and its shared machinery — prompts shipped in
+`prompts/`, code extraction, plans, and retrieval: the Planner and Coder are shown the sections of a
 documentation corpus (shipped in `corpus/`, or a folder of your own) that best match their task, ranked
 with BM25 by the C++ `stitchcuda::agents::Retriever`.
+
+    out = stitchcuda.agents.optimize_problem("problem.py", "openai:gpt-4.1", attempts=8)
 
     r = stitchcuda.agents.Retriever.default()
     for hit in r.search("vectorized loads for a memory-bound elementwise kernel", k=3):
@@ -13,8 +17,11 @@ import os
 from pathlib import Path
 
 from .. import _C
+from .loop import (NO_GPU, PROMPTS_DIR, Plan, PromptLibrary, extract_code, hardware, optimize_problem, plan_schema,
+                   report_from_json)
 
-__all__ = ["Retriever", "CORPUS_DIR"]
+__all__ = ["Retriever", "CORPUS_DIR", "PROMPTS_DIR", "NO_GPU", "hardware", "extract_code", "Plan", "plan_schema",
+           "PromptLibrary", "report_from_json", "optimize_problem"]
 
 # The corpus shipped with the package; STITCHCUDA_DOCS_DIR points retrieval at another folder.
 CORPUS_DIR = Path(__file__).resolve().parent / "corpus"

@@ -1,0 +1,268 @@
+"""The StitchCUDA optimization loop from Python: a KernelBench problem file and a model in, a run
+directory out. The loop itself (Planner, Coder, VerifierAgent, Replanner, Rubric, budgets, run records)
+is C++ (``stitchcuda::agents::Optimizer``); this module gives it the machine's description, the
+reference's profile and a verify function built on :mod:`stitchcuda.verify`.
+
+    out = stitchcuda.agents.optimize_problem("problems/block_gelu.py", "openai:gpt-4.1", attempts=8)
+    print(out["run_dir"], out["best_speedup"], out["stop_reason"])
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from .. import _C
+
+__all__ = ["PROMPTS_DIR", "hardware", "extract_code", "Plan", "plan_schema", "PromptLibrary", "report_from_json",
+           "optimize_problem", "NO_GPU"]
+
+_native = _C.agents
+
+#: The prompt templates shipped with the package (planner, coder_plan, coder_feedback, replanner, verifier).
+PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
+#: What hardware() calls the machine when there is no GPU: candidates are compiled and checked statically.
+NO_GPU = "no GPU (compile-only verification)"
+
+# Peak numbers the Planner reasons with, by a substring of the device name: DRAM TB/s, FP32 TFLOPS
+# (non-tensor), dense TF32 tensor-core TFLOPS. Unknown GPUs get 0 (the prompt then says "unknown").
+_PEAKS = {"H200": (4.8, 67.0, 495.0)}
+
+
+def _gpu_present() -> bool:
+    try:
+        import torch
+
+        return _C.device_count() > 0 and torch.cuda.is_available()
+    except Exception:  # a broken driver is no GPU for this purpose
+        return False
+
+
+def hardware() -> dict[str, Any]:
+    """The current GPU as the Planner is told of it: {gpu, arch, sms, memory_gib, dram_tb_s, fp32_tflops,
+    tf32_tflops, cuda}; without a GPU, {"gpu": NO_GPU, "cuda": ...}."""
+    import torch
+
+    cuda = torch.version.cuda or ""
+    if not _gpu_present():
+        return {"gpu": NO_GPU, "cuda": cuda}
+    p = torch.cuda.get_device_properties(torch.cuda.current_device())
+    dram, fp32, tf32 = next((v for k, v in _PEAKS.items() if k in p.name), (0.0, 0.0, 0.0))
+    return {"gpu": p.name, "arch": f"sm_{p.major}{p.minor}", "sms": int(p.multi_processor_count),
+            "memory_gib": round(p.total_memory / 2**30, 1), "dram_tb_s": dram, "fp32_tflops": fp32,
+            "tf32_tflops": tf32, "cuda": cuda}
+
+
+def extract_code(reply: str, finish_reason: str = "") -> dict[str, Any]:
+    """The candidate in a Coder's reply: {code, blocks: [{language, code, line, closed}], truncated, notes}.
+    LLMError says what to ask the model when there is none (no ModelNew, a cut-off block, an empty reply)."""
+    return _native.extract_code(reply, finish_reason)
+
+
+def plan_schema() -> dict[str, Any]:
+    """The JSON Schema a Planner's plan follows."""
+    return json.loads(_native.plan_schema())
+
+
+def report_from_json(text: str) -> dict[str, Any]:
+    """What the agents read of a VerifyReport JSON (compiled, correct, static_only, speed-ups, findings,
+    error_kind, mismatches, bottleneck...): the C++ ``Report::from_json``."""
+    return _native.report_from_json(text)
+
+
+@dataclass
+class Plan:
+    """A validated plan: summary, steps [{title, detail}], fusion_groups [{ops, kernel, rationale}],
+    bottlenecks, risks, constraints; ``text`` is the numbered form the Coder reads."""
+
+    summary: str
+    steps: list[dict[str, str]]
+    fusion_groups: list[dict[str, Any]] = field(default_factory=list)
+    bottlenecks: list[str] = field(default_factory=list)
+    risks: list[str] = field(default_factory=list)
+    constraints: list[str] = field(default_factory=list)
+    text: str = ""
+
+    @classmethod
+    def parse(cls, text: str) -> "Plan":
+        """A plan from a reply (JSON, possibly inside prose or a ```json fence); InvalidArgumentError lists
+        every schema violation."""
+        as_json, described = _native.plan_parse(text)
+        data = json.loads(as_json)
+        return cls(summary=data.get("summary", ""), steps=list(data.get("steps", [])),
+                   fusion_groups=list(data.get("fusion_groups", [])), bottlenecks=list(data.get("bottlenecks", [])),
+                   risks=list(data.get("risks", [])), constraints=list(data.get("constraints", [])), text=described)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"summary": self.summary, "steps": self.steps, "fusion_groups": self.fusion_groups,
+                "bottlenecks": self.bottlenecks, "risks": self.risks, "constraints": self.constraints}
+
+
+class PromptLibrary:
+    """The agents' prompt templates: a folder of ``<name>.md`` (default: the shipped one), with the files
+    of ``override_dir`` replacing those of the same name."""
+
+    def __init__(self, native: Any) -> None:
+        self._lib = native
+
+    @classmethod
+    def load(cls, folder: str | os.PathLike = PROMPTS_DIR, override_dir: str | os.PathLike | None = None) -> "PromptLibrary":
+        return cls(_native.PromptLibrary.load(os.fspath(folder), os.fspath(override_dir) if override_dir else ""))
+
+    def prompts(self) -> dict[str, dict[str, str]]:
+        """{name: {version, sha256, path, text}}."""
+        return self._lib.prompts()
+
+    def render(self, name: str, **values: str) -> str:
+        """The template filled in; every placeholder needs a value ("" for none)."""
+        return self._lib.render(name, {k: str(v) for k, v in values.items()})
+
+
+# ---- the loop -----------------------------------------------------------------------------------
+
+
+# The call options of a connected Backend the agents pass on to every call they make.
+_CALL_OPTIONS = ("temperature", "top_p", "max_tokens", "seed", "timeout")
+
+
+def _native_backend(llm: Any) -> tuple[Any, str, dict[str, Any]]:
+    """(the native backend, its name for the config, the call options it was connected with)."""
+    from .. import llm as llm_module
+
+    if isinstance(llm, _C.LlmBackend):
+        return llm, llm.name, {}
+    backend = llm if isinstance(llm, llm_module.Backend) else llm_module.connect(llm)
+    defaults = {k: v for k, v in backend._defaults.items() if k in _CALL_OPTIONS and v is not None}
+    return backend._native, backend.name, defaults
+
+
+def _profile_text(task: Any, name: str) -> tuple[str, str]:
+    """(the reference's profile as text, a note when there is none)."""
+    try:
+        import torch
+
+        from .. import profile
+
+        model = task.build_reference(0).cuda().eval()
+        inputs = [t.cuda() if isinstance(t, torch.Tensor) else t for t in task.make_inputs(0)]
+        with torch.no_grad():
+            return str(profile.profile(model, *inputs, title=name)), ""
+    except Exception as exc:  # the loop runs without a profile; the Planner is told less
+        return "", f"the reference was not profiled: {type(exc).__name__}: {exc}"
+
+
+def _verify_config(config: Any) -> Any:
+    from ..verify import VerifyConfig
+
+    if config is None or isinstance(config, VerifyConfig):
+        return config or VerifyConfig()
+    if isinstance(config, Mapping):
+        return VerifyConfig.from_dict(dict(config))
+    raise TypeError(f"verify_config must be a VerifyConfig or a dict, got {type(config).__name__}")
+
+
+def _saved_config(run_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def optimize_problem(problem_path: str | os.PathLike | None, llm: Any, *, attempts: int = 8, replans: int = 2,
+                     target_speedup: float = 0, wall_s: float = 0, tokens: int = 0,
+                     run_dir: str | os.PathLike | None = None, resume: str | os.PathLike | None = None,
+                     prompts_dir: str | os.PathLike | None = None,
+                     on_event: Callable[[dict[str, Any]], Any] | None = None,
+                     verify_config: Any = None, static_only: bool | None = None) -> dict[str, Any]:
+    """Runs the StitchCUDA loop on a KernelBench-format problem file and returns the outcome.
+
+    ``llm``: a spec string (``openai:gpt-4.1``, ``scripted:rules.json``, ``python:module:fn``), a
+    :class:`stitchcuda.llm.Backend` or a callable. ``run_dir``: where the run is recorded (default
+    ``runs/<UTC time>-<problem>``); ``resume``: a run directory to continue (its finished attempts count
+    against the budget; ``problem_path`` may be None: the run's problem.py is used). ``prompts_dir``: a
+    folder whose ``<name>.md`` files replace the shipped prompts. ``on_event`` receives {stage, attempt,
+    plan, best_speedup, message} as the loop goes. ``verify_config``: a VerifyConfig (or dict) for GPU
+    verification. ``static_only``: True compiles and checks candidates statically even where a GPU is
+    present (None: only where there is none).
+
+    With a GPU, each candidate is verified in a worker pool made for the run (correctness trials, timing,
+    anti-hacking rules) and the reference is profiled for the Planner. Without one, candidates are
+    compiled with NVRTC and checked statically only: the outcome has ``unverified`` True.
+
+    Returns {run_dir, best, best_attempt, best_speedup, verified, unverified, stop_reason, plans, usage,
+    wall_s, overhead_s, attempts: [attempt records], summary, hardware, notes}. Raises InvalidArgumentError
+    for an unusable problem or budget, NotFoundError for a missing run directory to resume.
+    """
+    from ..errors import InvalidArgumentError
+    from ..verify import Task, check
+
+    if resume is not None:
+        resume_dir = Path(resume)
+        if not resume_dir.is_dir():
+            from ..errors import NotFoundError
+            raise NotFoundError(f"run directory '{resume}' does not exist")
+        if problem_path is None:
+            problem_path = resume_dir / "problem.py"
+    if problem_path is None:
+        raise InvalidArgumentError("optimize_problem needs a problem file (or resume= a run directory)")
+    path = Path(problem_path)
+    try:
+        source = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidArgumentError(f"cannot read the problem {os.fspath(path)!r}: {exc}") from None
+    name = path.stem
+    if resume is not None:
+        name = _saved_config(Path(resume)).get("problem") or name
+    task = Task.from_source(source, name, filename=os.fspath(path))  # TaskError names what is wrong
+
+    notes: list[str] = []
+    gpu = _gpu_present() and not static_only
+    machine = hardware()
+    profile_text = ""
+    if gpu:
+        profile_text, note = _profile_text(task, name)
+        if note:
+            notes.append(note)
+    else:
+        notes.append("static verification only: candidates are compiled with NVRTC and checked, never run")
+
+    backend, llm_record, call_options = _native_backend(llm)
+    config = _verify_config(verify_config) if gpu else None
+    pool = None
+    if gpu:
+        from ..verify import WorkerPool
+
+        pool = WorkerPool()
+
+        def verify(candidate: str) -> str:
+            return check(task, candidate if "\n" in candidate else candidate + "\n", config=config, pool=pool).to_json()
+    else:
+        def verify(candidate: str) -> str:
+            return check(task, candidate if "\n" in candidate else candidate + "\n", static_only=True).to_json()
+
+    budget = {"attempts": int(attempts), "replans": int(replans), "target_speedup": float(target_speedup),
+              "wall_s": float(wall_s), "tokens": int(tokens)}
+    options = {"prompts_dir": os.fspath(PROMPTS_DIR), "prompts_override": os.fspath(prompts_dir) if prompts_dir else "",
+               "docs_dir": os.environ.get("STITCHCUDA_DOCS_DIR") or os.fspath(Path(__file__).resolve().parent / "corpus"),
+               **call_options}
+    run_config = {"problem": name, "problem_path": os.fspath(path.resolve()), "llm": llm_record,
+                  "llm_spec": llm if isinstance(llm, str) else None, "budget": budget,
+                  "prompts_override": options["prompts_override"], "docs_dir": options["docs_dir"],
+                  "call_options": call_options,
+                  "hardware": machine, "verify": config.to_dict() if config else {"static_only": True},
+                  "stitchcuda": _C.version()}
+    problem = {"name": name, "reference": source, "profile": profile_text, "hardware": machine}
+    try:
+        outcome = _native.optimize(problem, backend, verify, budget,
+                                   os.fspath(resume if resume is not None else (run_dir or "")),
+                                   json.dumps(run_config, default=str), resume is not None, on_event, options)
+    finally:
+        if pool is not None:
+            pool.close()
+    outcome["unverified"] = not outcome["verified"]
+    outcome["hardware"] = machine
+    outcome["notes"] = notes + list(outcome.get("notes", []))
+    return outcome
