@@ -138,7 +138,7 @@ def test_the_loop_reaches_the_fast_candidate_with_actionable_feedback(tmp_path):
     # What the Coder read before attempts 2, 3 and 4 (Skill 2 prompts).
     assert len(script.coder_prompts) == 4
     after_compile, after_wrong, after_slow = script.coder_prompts[1:]
-    assert re.search(r"line \d+: error: expected a ";"", after_compile), after_compile[-2000:]
+    assert re.search(r'line \d+: error: expected a ";"', after_compile), after_compile[-2000:]
     assert re.search(r"expected -?[0-9.e+-]+, got -?[0-9.e+-]+", after_wrong)
     assert "Bottleneck:" in after_slow
 
