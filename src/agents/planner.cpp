@@ -5,6 +5,8 @@
 
 #include <chrono>
 #include <exception>
+#include <optional>
+#include <type_traits>
 
 namespace stitchcuda::agents {
 namespace {
@@ -53,6 +55,30 @@ Exchange call(llm::Backend& llm, const llm::Options& options, std::string agent,
   return e;
 }
 
+// Asks until `parse` accepts a reply: an unusable one is answered with parse's error and `again`, up to
+// `repairs` times. Every call is appended to `exchanges`. A backend error ends it; so does running out
+// of repairs, which leaves `problem` with the last reply's fault and returns nothing.
+template <class Parse>
+Result<std::optional<std::invoke_result_t<Parse, const Exchange&>>> converse(
+    llm::Backend& llm, const AgentOptions& options, const std::string& agent, const Prompt& prompt,
+    const std::vector<std::string>& snippets, std::string text, Parse parse, const std::string& again,
+    std::vector<Exchange>& exchanges, std::string& problem) {
+  std::vector<llm::Message> messages{{"user", std::move(text)}};
+  for (int round = 0; round <= options.max_repairs; ++round) {
+    Error error;
+    Exchange e = call(llm, options.llm, agent, messages, prompt, snippets, &error);
+    const bool failed = !e.error.empty();
+    exchanges.push_back(e);
+    if (failed) return tl::unexpected(error);
+    auto parsed = parse(e);
+    if (parsed) return std::optional(std::move(parsed));
+    problem = parsed.error().message;
+    messages.push_back({"assistant", e.reply});
+    messages.push_back({"user", "Your answer cannot be used: " + problem + "\n" + again});
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 Planner::Planner(std::shared_ptr<llm::Backend> llm, std::shared_ptr<const PromptLibrary> prompts,
@@ -71,26 +97,17 @@ Result<PlanResult> Planner::ask(const std::string& agent, const std::string& pro
   if (!text) return tl::unexpected(text.error());
 
   PlanResult result;
-  std::vector<llm::Message> messages{{"user", *text}};
   std::string problem;
-  for (int round = 0; round <= options_.max_repairs; ++round) {
-    Error error;
-    Exchange e = call(*llm_, options_.llm, agent, messages, **prompt, ids, &error);
-    const bool failed = !e.error.empty();
-    result.exchanges.push_back(e);
-    if (failed) return tl::unexpected(error);
-    auto plan = Plan::parse(e.reply);
-    if (plan) {
-      result.plan = std::move(*plan);
-      return result;
-    }
-    problem = plan.error().message;
-    messages.push_back({"assistant", e.reply});
-    messages.push_back({"user", "Your answer cannot be used: " + problem +
-                                    "\nAnswer again with only the corrected JSON object that follows the schema."});
-  }
-  return fail(ErrorCode::LlmError, "the " + agent + "'s model gave no valid plan in " +
-                                       std::to_string(options_.max_repairs + 1) + " replies; the last: " + problem);
+  auto plan = converse(*llm_, options_, agent, **prompt, ids, std::move(*text),
+                       [](const Exchange& e) { return Plan::parse(e.reply); },
+                       "Answer again with only the corrected JSON object that follows the schema.", result.exchanges,
+                       problem);
+  if (!plan) return tl::unexpected(plan.error());
+  if (!*plan)
+    return fail(ErrorCode::LlmError, "the " + agent + "'s model gave no valid plan in " +
+                                         std::to_string(options_.max_repairs + 1) + " replies; the last: " + problem);
+  result.plan = std::move(***plan);
+  return result;
 }
 
 Result<PlanResult> Planner::plan(const Problem& problem) const {
@@ -139,26 +156,17 @@ Result<CoderResult> Coder::write(const CoderRequest& request) const {
   if (!text) return tl::unexpected(text.error());
 
   CoderResult result;
-  std::vector<llm::Message> messages{{"user", *text}};
   std::string problem;
-  for (int round = 0; round <= options_.max_repairs; ++round) {
-    Error error;
-    Exchange e = call(*llm_, options_.llm, "coder", messages, **prompt, ids, &error);
-    const bool failed = !e.error.empty();
-    result.exchanges.push_back(e);
-    if (failed) return tl::unexpected(error);
-    auto extraction = extract_code(e.reply, e.finish_reason);
-    if (extraction) {
-      result.extraction = std::move(*extraction);
-      return result;
-    }
-    problem = extraction.error().message;
-    messages.push_back({"assistant", e.reply});
-    messages.push_back({"user", "Your answer cannot be used: " + problem +
-                                    "\nAnswer again with one complete ```python block that defines class ModelNew."});
-  }
-  result.problem = "the Coder's model gave no usable candidate in " + std::to_string(options_.max_repairs + 1) +
-                   " replies; the last: " + problem;
+  auto extraction = converse(*llm_, options_, "coder", **prompt, ids, std::move(*text),
+                             [](const Exchange& e) { return extract_code(e.reply, e.finish_reason); },
+                             "Answer again with one complete ```python block that defines class ModelNew.",
+                             result.exchanges, problem);
+  if (!extraction) return tl::unexpected(extraction.error());
+  if (*extraction)
+    result.extraction = std::move(***extraction);
+  else
+    result.problem = "the Coder's model gave no usable candidate in " + std::to_string(options_.max_repairs + 1) +
+                     " replies; the last: " + problem;
   return result;
 }
 
