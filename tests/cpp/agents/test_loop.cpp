@@ -45,12 +45,7 @@ namespace {
 
 // ---- fixtures ------------------------------------------------------------------------------------
 
-std::string read(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+std::string read(const fs::path& path) { return stitchcuda_test::read_file(path); }
 
 std::vector<std::string> lines_of(const fs::path& path) {
   std::vector<std::string> out;

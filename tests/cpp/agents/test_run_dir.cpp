@@ -30,12 +30,7 @@ namespace rubric = stitchcuda::rubric;
 
 namespace {
 
-std::string read(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+std::string read(const fs::path& path) { return stitchcuda_test::read_file(path); }
 
 std::vector<Json> read_lines(const fs::path& path) {
   std::vector<Json> out;
