@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import stitchcuda
 from stitchcuda import _C, jit
 from stitchcuda.verify import MAJOR, MINOR, analyze
 
@@ -166,6 +167,24 @@ def test_static_hack_is_caught_with_its_rule(entry):
         assert entry.rule in {f.rule for f in findings if f.severity == MINOR}, findings
     else:
         assert entry.rule in major_rules(findings), findings
+
+
+MAJOR_STATIC_HACKS = [e for e in STATIC_HACKS if e.rule not in MINOR_ONLY_RULES]
+
+
+@pytest.mark.parametrize("entry", MAJOR_STATIC_HACKS, ids=ids(MAJOR_STATIC_HACKS))
+def test_rubric_scores_a_static_hack_anti_hacking_1_and_reward_0(entry):
+    """Even when the hack got past the tolerance check and looks 10x faster, the reward is zero."""
+    findings = [{"rule": f.rule, "severity": f.severity, "evidence": f.evidence}
+                for f in analyze(entry.source, reference_source=entry.problem_source)]
+    report = {"compiled": True, "correct": True, "speedup": {"eager": 10.0}, "findings": findings}
+    card = stitchcuda.rubric.score(report, python=entry.source)
+    scores = {i["dimension"]: i["score"] for i in card["items"]}
+    assert scores["anti-hacking"] == 1, card["text"]
+    reward = stitchcuda.reward(report, card)
+    assert reward["value"] == 0.0 and entry.rule in reward["zero_reason"], reward
+    honest = {**report, "findings": [f for f in findings if f["severity"] != MAJOR]}
+    assert stitchcuda.reward(honest, stitchcuda.rubric.score(honest, python=entry.source))["value"] > 0
 
 
 @pytest.mark.parametrize("entry", DYNAMIC_HACKS, ids=ids(DYNAMIC_HACKS))
