@@ -39,7 +39,7 @@ jit::PchMode pch_mode(const std::string& s) {
 
 jit::CompileOptions to_options(const py::dict& d) {
   static const char* known[] = {"arch", "std", "include_paths", "defines", "headers", "fast_math", "line_info",
-                                "max_registers", "name_expressions", "pch", "extra_flags"};
+                                "max_registers", "name_expressions", "pch", "extra_flags", "device_runtime"};
   jit::CompileOptions o;
   for (auto [k, v] : d) {
     std::string key = py::str(k);
@@ -63,6 +63,7 @@ jit::CompileOptions to_options(const py::dict& d) {
     else if (key == "name_expressions") o.name_expressions = v.cast<std::vector<std::string>>();
     else if (key == "pch") o.pch = pch_mode(v.cast<std::string>());
     else if (key == "extra_flags") o.extra_flags = v.cast<std::vector<std::string>>();
+    else if (key == "device_runtime") o.device_runtime = v.cast<bool>();
   }
   return o;
 }

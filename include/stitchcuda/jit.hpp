@@ -34,6 +34,10 @@ struct CompileOptions {
   std::vector<std::string> name_expressions;  ///< template instantiations to export, e.g. "scale<float>"
   PchMode pch = PchMode::Auto;            ///< precompiled headers
   std::vector<std::string> extra_flags;   ///< further NVRTC flags, passed as given
+  /// Relocatable device code linked with the CUDA device runtime (libcudadevrt.a, through nvJitLink):
+  /// kernels may then launch CUDA graphs (device graph launch) or grids from the device. Needs an
+  /// sm_XX architecture; the PTX of such a module cannot be loaded on its own.
+  bool device_runtime = false;
 };
 
 /// Scalar or pointer type of one kernel parameter, as PTX declares it.

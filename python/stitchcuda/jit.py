@@ -209,6 +209,7 @@ def _options(
     name_expressions: Iterable[str],
     pch: str,
     extra_flags: Iterable[str],
+    device_runtime: bool = False,
 ) -> dict[str, Any]:
     """The options dict of ``_C.compile``; validation of values is left to the native side."""
     options: dict[str, Any] = {
@@ -223,6 +224,7 @@ def _options(
         "name_expressions": list(name_expressions),
         "pch": pch,
         "extra_flags": list(extra_flags),
+        "device_runtime": bool(device_runtime),
     }
     if arch is not None:
         options["arch"] = arch
@@ -250,6 +252,7 @@ def compile(
     name_expressions: Iterable[str] = (),
     pch: str = "auto",
     extra_flags: Iterable[str] = (),
+    device_runtime: bool = False,
     signature: Sequence[str] | None = None,
     cache: bool = True,
     program_name: str = "kernel.cu",
@@ -260,7 +263,8 @@ def compile(
     ``"scale<float, 4>"`` (added to ``name_expressions`` automatically). ``arch`` defaults to the
     current GPU's architecture, else sm_90a. ``signature`` (parameter types such as
     ``["const float*", "int"]``) defaults to what the source declares; it is used to check tensor
-    dtypes at launch. Raises CompileError (with ``.log``, ``.line``, ``.diagnostics``),
+    dtypes at launch. ``device_runtime=True`` compiles relocatable code and links the CUDA device
+    runtime (nvJitLink + libcudadevrt.a), for kernels that launch graphs or grids themselves. Raises CompileError (with ``.log``, ``.line``, ``.diagnostics``),
     InvalidArgumentError for bad options and NotFoundError when the kernel does not exist.
     """
     name_expressions = list(name_expressions)
@@ -269,8 +273,8 @@ def compile(
     module = compile_module(
         source, arch=arch, std=std, include_paths=include_paths, defines=defines, headers=headers,
         fast_math=fast_math, line_info=line_info, max_registers=max_registers,
-        name_expressions=name_expressions, pch=pch, extra_flags=extra_flags, cache=cache,
-        program_name=program_name)
+        name_expressions=name_expressions, pch=pch, extra_flags=extra_flags, device_runtime=device_runtime,
+        cache=cache, program_name=program_name)
     return module.kernel(name, signature)
 
 
@@ -288,6 +292,7 @@ def compile_module(
     name_expressions: Iterable[str] = (),
     pch: str = "auto",
     extra_flags: Iterable[str] = (),
+    device_runtime: bool = False,
     cache: bool = True,
     program_name: str = "kernel.cu",
 ) -> Module:
@@ -295,7 +300,7 @@ def compile_module(
     options = _options(
         arch=arch, std=std, include_paths=include_paths, defines=defines, headers=headers,
         fast_math=fast_math, line_info=line_info, max_registers=max_registers,
-        name_expressions=name_expressions, pch=pch, extra_flags=extra_flags)
+        name_expressions=name_expressions, pch=pch, extra_flags=extra_flags, device_runtime=device_runtime)
     return Module(_C.compile(source, program_name, options, cache), source)
 
 

@@ -15,6 +15,7 @@
 
 #include "../core/sha256.hpp"
 #include "driver.hpp"
+#include "link.hpp"
 #include "nvrtc.hpp"
 #include "ptx.hpp"
 
@@ -157,6 +158,7 @@ std::vector<std::string> nvrtc_flags(const CompileOptions& o, const std::string&
   if (o.line_info) f.push_back("-lineinfo");
   if (o.max_registers > 0) f.push_back("--maxrregcount=" + std::to_string(o.max_registers));
   if (pch) f.push_back("-pch");
+  if (o.device_runtime) f.push_back("-rdc=true");
   for (auto& e : o.extra_flags) f.push_back(e);
   return f;
 }
@@ -206,6 +208,7 @@ std::string key_for(std::string_view source, const CompileOptions& o, const std:
   h.field(program_name).field(source);
   for (auto& f : nvrtc_flags(o, arch, false)) h.field(f);
   for (auto& e : o.name_expressions) h.field("name:" + e);
+  if (o.device_runtime) h.field("link:cudadevrt");  // -rdc=true alone is the unlinked object
   for (auto& [name, text] : o.headers) h.field("header:" + name).field(text);
   hash_user_headers(h, source, o);
   return h.hex();
@@ -328,6 +331,9 @@ Result<Binary> Compiler::compile(std::string_view source, const CompileOptions& 
   if (auto ok = validate(source, options); !ok) return tl::unexpected(ok.error());
   auto arch = resolve_arch(options.arch);
   if (!arch) return tl::unexpected(arch.error());
+  if (options.device_runtime && arch->rfind("sm_", 0) != 0)
+    return fail(ErrorCode::InvalidArgument, "device_runtime needs a real architecture (sm_90a), not '" + *arch +
+                                                "': relocatable code is linked for one GPU");
 
   const bool pch = options.pch == PchMode::On || (options.pch == PchMode::Auto && uses_cccl(source, options));
   auto flags = nvrtc_flags(options, *arch, pch);
@@ -401,6 +407,11 @@ Result<Binary> Compiler::compile(std::string_view source, const CompileOptions& 
   if (arch->rfind("sm_", 0) == 0 && api.GetCUBINSize(guard.prog, &n) == NVRTC_SUCCESS && n > 0) {
     out.cubin.resize(n);
     api.GetCUBIN(guard.prog, out.cubin.data());
+  }
+  if (options.device_runtime) {
+    auto linked = detail::link_device_runtime(out.cubin, *arch);
+    if (!linked) return tl::unexpected(linked.error());
+    out.cubin = std::move(*linked);
   }
   for (auto& e : options.name_expressions) {
     const char* lowered = nullptr;

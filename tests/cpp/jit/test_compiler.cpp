@@ -505,3 +505,53 @@ TEST_CASE("the order of defines does not change the cache key", "[jit]") {
   REQUIRE(k2);
   CHECK(*k1 == *k2);
 }
+
+namespace {
+// e_type of an ELF image: 1 = relocatable object, 2 = executable (a loadable CUBIN).
+int elf_type(const std::string& image) {
+  REQUIRE(image.size() > 18);
+  REQUIRE(image.compare(0, 4, "\x7f" "ELF") == 0);
+  return static_cast<unsigned char>(image[16]) | (static_cast<unsigned char>(image[17]) << 8);
+}
+}  // namespace
+
+TEST_CASE("device_runtime links relocatable code with the CUDA device runtime", "[jit][compiler]") {
+  // The device graph launcher the program executor uses: cudaGraphLaunch is defined in libcudadevrt.a.
+  const char* launcher = R"(
+extern "C" __global__ void launch_graph(cudaGraphExec_t exec) { cudaGraphLaunch(exec, cudaStreamGraphTailLaunch); }
+)";
+  CompileOptions relocatable;
+  relocatable.arch = "sm_90a";
+  relocatable.extra_flags = {"-rdc=true"};
+  Binary unlinked = compile_ok(launcher, relocatable);
+  CHECK(elf_type(unlinked.cubin) == 1);
+
+  CompileOptions linked;
+  linked.arch = "sm_90a";
+  linked.device_runtime = true;
+  Binary b = compile_ok(launcher, linked);
+  CHECK(elf_type(b.cubin) == 2);
+  REQUIRE(b.find_kernel("launch_graph") != nullptr);
+  CHECK(b.find_kernel("launch_graph")->params.size() == 1);
+  auto plain_key = Compiler::cache_key(launcher, relocatable);
+  REQUIRE(plain_key);
+  CHECK(b.key != *plain_key);
+
+  SECTION("an undefined device function is a link error naming it") {
+    auto r = Compiler::compile(R"(
+extern __device__ int not_defined_anywhere(int);
+extern "C" __global__ void k(int* x) { x[0] = not_defined_anywhere(x[0]); }
+)", linked);
+    REQUIRE_FALSE(r);
+    CHECK(r.error().code == ErrorCode::CompileError);
+    CHECK(contains(r.error().message + r.error().log, "not_defined_anywhere"));
+  }
+  SECTION("a PTX-only target cannot be linked") {
+    CompileOptions virtual_arch = linked;
+    virtual_arch.arch = "compute_90";
+    auto r = Compiler::compile(launcher, virtual_arch);
+    REQUIRE_FALSE(r);
+    CHECK(r.error().code == ErrorCode::InvalidArgument);
+    CHECK(contains(r.error().message, "sm_90a"));
+  }
+}
