@@ -299,11 +299,12 @@ void bind_program(py::module_& m) {
       .def("build", [](ProgramBuilder& b) { return unwrap(b.build()); });
 
   py::class_<Executor, std::shared_ptr<Executor>>(pm, "Executor")
-      .def(py::init([](const Program& p, bool graphs, int device, std::size_t workspace) {
+      .def(py::init([](const Program& p, bool graphs, int device, std::size_t workspace, bool device_launch) {
         ExecutorOptions o;
-        o.graphs = graphs, o.device = device, o.workspace_bytes = workspace;
+        o.graphs = graphs, o.device = device, o.workspace_bytes = workspace, o.device_launch = device_launch;
         return unwrap(Executor::create(p, o));
-      }), py::arg("program"), py::arg("graphs") = true, py::arg("device") = -1, py::arg("workspace_bytes") = 32u << 20)
+      }), py::arg("program"), py::arg("graphs") = true, py::arg("device") = -1, py::arg("workspace_bytes") = 32u << 20,
+          py::arg("device_launch") = true)
       .def("run", [](Executor& e, const py::sequence& inputs, std::optional<py::sequence> outputs, std::uintptr_t stream) {
         auto in = tensors_of(inputs, "input");
         std::vector<at::Tensor> out;
@@ -342,6 +343,7 @@ void bind_program(py::module_& m) {
         py::dict d;
         d["runs"] = s.runs, d["eager_runs"] = s.eager_runs, d["replays"] = s.replays, d["captures"] = s.captures;
         d["copies_skipped"] = s.copies_skipped, d["instances"] = s.instances, d["arena_bytes"] = s.arena_bytes;
+        d["device_launches"] = s.device_launches, d["host_replay_note"] = s.host_replay_note;
         return d;
       });
 }

@@ -24,6 +24,10 @@ struct ExecutorOptions {
   bool graphs = true;        ///< capture after one eager warm-up run, then replay; false: always eager
   int device = -1;           ///< CUDA device; -1: PyTorch's current device
   std::size_t workspace_bytes = 32u << 20;  ///< cuBLASLt workspace per instance
+  /// Replay through a device-side graph launch: the host enqueues one single-kernel graph whose kernel
+  /// tail-launches the captured forward, so host time per run does not grow with the number of steps.
+  /// Where the graph or the machine does not allow it, runs replay from the host (see warnings()).
+  bool device_launch = true;
 };
 
 /// Counters since creation.
@@ -31,10 +35,13 @@ struct ExecutorStats {
   std::uint64_t runs = 0;          ///< run() calls that succeeded
   std::uint64_t eager_runs = 0;    ///< runs that executed the steps one by one
   std::uint64_t replays = 0;       ///< runs that replayed a captured graph
+  std::uint64_t device_launches = 0;  ///< replays launched from the device (one host launch each)
   std::uint64_t captures = 0;      ///< graphs captured (one per stream used)
   std::uint64_t copies_skipped = 0;///< inputs/outputs that were already the graph's static buffers
   std::size_t instances = 0;       ///< per-stream instances (each: arena, workspace, static I/O, graph)
   std::size_t arena_bytes = 0;     ///< planned arena of one instance
+  /// Why replays run from the host although ExecutorOptions::device_launch asked otherwise ("" if not).
+  std::string host_replay_note;
 };
 
 /// Runs one Program; thread-safe: each stream gets its own instance (arena, static inputs/outputs,

@@ -188,11 +188,17 @@ class Program:
 
 
 class Executor:
-    """Runs a Program: eager once, then one CUDA graph replay per call; thread-safe across streams."""
+    """Runs a Program: eager once, then one CUDA graph replay per call; thread-safe across streams.
 
-    def __init__(self, program: Program, *, graphs: bool = True, device: int | None = None) -> None:
+    ``device_launch`` (default): each replay is one host launch of a single-kernel graph that launches
+    the captured forward from the device, so host time per call does not grow with the number of
+    steps; ``stats()["host_replay_note"]`` says why a program replays from the host instead."""
+
+    def __init__(self, program: Program, *, graphs: bool = True, device: int | None = None,
+                 device_launch: bool = True) -> None:
         self.program = program
-        self._e = _C.program.Executor(program._p, graphs, -1 if device is None else int(device))
+        self._e = _C.program.Executor(program._p, graphs, -1 if device is None else int(device), 32 << 20,
+                                      bool(device_launch))
 
     def run(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor] | None = None, *,
             stream: torch.cuda.Stream | None = None) -> list[torch.Tensor]:
@@ -222,7 +228,8 @@ class Executor:
         return self._e.warnings
 
     def stats(self) -> dict:
-        """runs, eager_runs, replays, captures, copies_skipped, instances, arena_bytes."""
+        """runs, eager_runs, replays, device_launches, captures, copies_skipped, instances, arena_bytes,
+        host_replay_note."""
         return self._e.stats()
 
 

@@ -15,6 +15,7 @@
 #include <cctype>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 
 #include "../jit/driver.hpp"
@@ -132,7 +133,36 @@ struct Instance {
   std::vector<std::unique_ptr<program::detail::PreparedMatmul>> matmuls;  // by step (null for others)
   std::unique_ptr<at::cuda::CUDAGraph> graph;
   bool warmed = false;
+  // Device-side replay: the forward instantiated for device launch, and a one-kernel graph whose
+  // kernel tail-launches it (writing the device's cudaGraphLaunch result to `launch_status`).
+  cudaGraphExec_t device_exec = nullptr;
+  cudaGraphExec_t launcher = nullptr;
+  at::Tensor launch_status;
+  bool device_launch_tried = false;
+  void drop_device_launch() {
+    if (launcher) cudaGraphExecDestroy(launcher);
+    if (device_exec) cudaGraphExecDestroy(device_exec);
+    launcher = device_exec = nullptr;
+  }
+  ~Instance() { drop_device_launch(); }
 };
+
+// The launcher of device-side replay. A graph may be launched from the device only by a kernel that
+// itself runs inside a graph; the tail launch starts the forward when the launcher's graph finishes,
+// and the stream's next work waits for both (they share one execution environment).
+constexpr const char* kGraphLauncherSource = R"(
+extern "C" __global__ void stitchcuda_tail_launch(cudaGraphExec_t forward, int* status) {
+  *status = (int)cudaGraphLaunch(forward, cudaStreamGraphTailLaunch);
+}
+)";
+
+// ATen ops whose captured replay depends on PyTorch advancing generator offsets in CUDAGraph::replay.
+bool draws_random_numbers(const std::string& op) {
+  for (const char* word : {"rand", "dropout", "bernoulli", "normal", "multinomial", "exponential", "geometric",
+                           "cauchy", "uniform"})
+    if (op.find(word) != std::string::npos) return true;
+  return false;
+}
 
 struct Executor::Impl {
   Program program;
@@ -150,7 +180,11 @@ struct Executor::Impl {
 
   std::mutex instances_mu;
   std::map<void*, std::unique_ptr<Instance>> instances;
-  std::atomic<std::uint64_t> runs{0}, eager_runs{0}, replays{0}, captures{0}, copies_skipped{0};
+  std::atomic<std::uint64_t> runs{0}, eager_runs{0}, replays{0}, captures{0}, copies_skipped{0}, device_launches{0};
+  std::string no_device_launch;  // set at creation when the program rules device-side replay out
+  std::mutex launcher_mu;        // guards launcher_kernel and host_replay_note
+  std::optional<jit::Kernel> launcher_kernel;
+  std::string host_replay_note;  // why runs replay from the host although device launch was asked for
 
   at::TensorOptions options_for(const TensorSpec& s) const {
     return at::TensorOptions().dtype(scalar_type(s.dtype)).device(at::kCUDA, c10::DeviceIndex(device));
@@ -164,7 +198,81 @@ struct Executor::Impl {
   Result<void> execute(Instance& in, void* stream);
   Result<void> check_io(const std::vector<at::Tensor>& given, const std::vector<BufferId>& ids, const char* what) const;
   Result<void> copy(const at::Tensor& dst, const at::Tensor& src, void* stream);
+  Result<jit::Kernel> graph_launcher();
+  std::string launch_from_device(Instance& in, cudaStream_t stream);
 };
+
+Result<jit::Kernel> Executor::Impl::graph_launcher() {
+  std::lock_guard<std::mutex> lock(launcher_mu);
+  if (!launcher_kernel) {
+    jit::CompileOptions options;
+    options.arch = arch;
+    options.device_runtime = true;
+    auto module = jit::build(kGraphLauncherSource, options, "graph_launcher.cu");
+    if (!module) return tl::unexpected(module.error());
+    auto kernel = (*module)->kernel("stitchcuda_tail_launch");
+    if (!kernel) return tl::unexpected(kernel.error());
+    launcher_kernel = std::move(*kernel);
+  }
+  return *launcher_kernel;
+}
+
+// Sets up device-side replay of `in`'s captured forward and runs it once (this run's forward):
+// "" when that worked, else why not, with nothing run and nothing left behind.
+std::string Executor::Impl::launch_from_device(Instance& in, cudaStream_t stream) {
+  if (!no_device_launch.empty()) return no_device_launch;
+  auto kernel = graph_launcher();
+  if (!kernel) return "the device graph launcher could not be built: " + kernel.error().message;
+  auto give_up = [&](const std::string& what, cudaError_t e) {
+    (void)cudaGetLastError();  // a failed setup call must not surface in the caller's next check
+    in.drop_device_launch();
+    return what + " (" + cudaGetErrorString(e) + ")";
+  };
+  if (cudaError_t e = cudaGraphInstantiateWithFlags(&in.device_exec, in.graph->raw_cuda_graph(),
+                                                    cudaGraphInstantiateFlagDeviceLaunch);
+      e != cudaSuccess) {
+    in.device_exec = nullptr;
+    return give_up("the captured forward cannot be launched from the device", e);
+  }
+  if (cudaError_t e = cudaGraphUpload(in.device_exec, stream); e != cudaSuccess)
+    return give_up("uploading the forward graph for device launch failed", e);
+  in.launch_status = at::full({1}, -1, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, c10::DeviceIndex(device)));
+  jit::LaunchConfig cfg;
+  cfg.grid = {1, 1, 1};
+  cfg.block = {1, 1, 1};
+  jit::KernelArgs args;
+  args.pointer(static_cast<const void*>(in.device_exec)).pointer(in.launch_status.data_ptr());
+  auto prepared = kernel->prepare(cfg, std::move(args));
+  if (!prepared) {
+    in.drop_device_launch();
+    return "the device graph launcher could not be prepared: " + prepared.error().message;
+  }
+  // The launcher's graph: captured on a side stream (thread-local mode leaves other threads alone).
+  auto side = c10::cuda::getStreamFromPool(false, c10::DeviceIndex(device));
+  cudaGraph_t launcher_graph = nullptr;
+  if (cudaError_t e = cudaStreamBeginCapture(side.stream(), cudaStreamCaptureModeThreadLocal); e != cudaSuccess)
+    return give_up("capturing the device graph launcher failed", e);
+  auto launched = prepared->launch(side.stream());
+  cudaError_t ended = cudaStreamEndCapture(side.stream(), &launcher_graph);
+  if (!launched) {
+    if (launcher_graph) cudaGraphDestroy(launcher_graph);
+    in.drop_device_launch();
+    return "capturing the device graph launcher failed: " + launched.error().message;
+  }
+  if (ended != cudaSuccess) return give_up("capturing the device graph launcher failed", ended);
+  cudaError_t made = cudaGraphInstantiate(&in.launcher, launcher_graph, 0);
+  cudaGraphDestroy(launcher_graph);
+  if (made != cudaSuccess) {
+    in.launcher = nullptr;
+    return give_up("instantiating the device graph launcher failed", made);
+  }
+  // The first device-side replay is this run's forward; its status says whether the device accepted it.
+  if (cudaError_t e = cudaGraphLaunch(in.launcher, stream); e != cudaSuccess)
+    return give_up("launching the device graph launcher failed", e);
+  const int status = in.launch_status.item<int>();  // waits for the stream
+  if (status != 0) return give_up("the device refused the graph launch", cudaError_t(status));
+  return "";
+}
 
 Result<Instance*> Executor::Impl::instance(void* stream) {
   std::lock_guard<std::mutex> lock(instances_mu);
@@ -374,6 +482,10 @@ Result<std::shared_ptr<Executor>> Executor::create(Program program, ExecutorOpti
                                                     " bytes)");
     }
   }
+  for (std::size_t i = 0; i < x.program.steps.size() && x.no_device_launch.empty(); ++i)
+    if (auto* a = std::get_if<AtenOp>(&x.program.steps[i]); a && draws_random_numbers(a->op))
+      x.no_device_launch = step_label(x.program, i) + " (" + a->op + ") draws random numbers, and only PyTorch's "
+                           "host-side replay advances the generator between runs";
   try {
     c10::cuda::CUDAGuard guard(c10::DeviceIndex(x.device));
     for (const Buffer& b : x.program.buffers) {
@@ -438,7 +550,7 @@ Result<void> Executor::run(const std::vector<at::Tensor>& inputs, const std::vec
       side.synchronize();
       if (CUresult r = x.driver->StreamSynchronize(static_cast<CUstream>(stream)); r != CUDA_SUCCESS)
         return tl::unexpected(jit::detail::cuda_error(r, "waiting for the stream before capture"));
-      auto graph = std::make_unique<at::cuda::CUDAGraph>();
+      auto graph = std::make_unique<at::cuda::CUDAGraph>(/*keep_graph=*/true);  // device replay instantiates it again
       Result<void> ok{};
       {
         c10::cuda::CUDAStreamGuard capture_guard(side);
@@ -447,12 +559,29 @@ Result<void> Executor::run(const std::vector<at::Tensor>& inputs, const std::vec
         graph->capture_end();
       }
       if (!ok) return ok;
+      graph->instantiate();
       in.graph = std::move(graph);
       x.captures++;
     }
     for (std::size_t i = 0; i < inputs.size(); ++i)
       if (auto r = x.copy(in.static_in[i], inputs[i], stream); !r) return r;
-    in.graph->replay();
+    const auto cuda_stream = static_cast<cudaStream_t>(stream);
+    bool from_device = false;
+    if (in.launcher) {
+      if (cudaError_t e = cudaGraphLaunch(in.launcher, cuda_stream); e != cudaSuccess)
+        return fail(ErrorCode::CudaError, std::string("launching the program's graph failed: ") + cudaGetErrorString(e));
+      from_device = true;
+    } else if (x.options.device_launch && !in.device_launch_tried) {
+      in.device_launch_tried = true;
+      std::string why = x.launch_from_device(in, cuda_stream);
+      from_device = why.empty();
+      if (!from_device) {
+        std::lock_guard<std::mutex> lock(x.launcher_mu);
+        if (x.host_replay_note.empty()) x.host_replay_note = std::move(why);
+      }
+    }
+    if (from_device) x.device_launches++;
+    else in.graph->replay();
     for (std::size_t i = 0; i < outputs.size(); ++i)
       if (auto r = x.copy(outputs[i], in.static_out[i], stream); !r) return r;
     x.replays++;
@@ -543,7 +672,11 @@ const std::vector<std::string>& Executor::warnings() const { return impl_->warni
 ExecutorStats Executor::stats() const {
   ExecutorStats s;
   s.runs = impl_->runs, s.eager_runs = impl_->eager_runs, s.replays = impl_->replays, s.captures = impl_->captures;
-  s.copies_skipped = impl_->copies_skipped;
+  s.copies_skipped = impl_->copies_skipped, s.device_launches = impl_->device_launches;
+  {
+    std::lock_guard<std::mutex> lock(impl_->launcher_mu);
+    s.host_replay_note = impl_->host_replay_note;
+  }
   {
     std::lock_guard<std::mutex> lock(impl_->instances_mu);
     s.instances = impl_->instances.size();

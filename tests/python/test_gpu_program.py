@@ -127,6 +127,7 @@ def test_program_mixing_every_step_kind():
             x = torch.randn(8, 32, device="cuda")
             torch.testing.assert_close(model(x), mixed_reference(x, w), atol=1e-4, rtol=1e-4)
         assert model.stats()["replays"] == (2 if graphs else 0)
+        assert model.stats()["device_launches"] == (2 if graphs else 0), model.stats()["host_replay_note"]
 
 
 def test_replay_reads_new_inputs_and_static_buffers_skip_copies():
@@ -224,3 +225,45 @@ def test_a_program_verified_on_another_gpu_warns():
         model = stitchcuda.ProgramModule(b.build())
     x = torch.randn(256, device="cuda")
     torch.testing.assert_close(model(x), 2 * x)
+
+
+def chain_program(steps: int, n: int = 1 << 16):
+    """`steps` launches of y = x * 1 + 1 in a row: the output is the input plus `steps`, exactly."""
+    b = ProgramBuilder()
+    k = b.kernel(SCALE_SHIFT, "scale_shift")
+    current = b.input([n], name="x")
+    for i in range(steps):
+        nxt = b.output([n], name="y") if i == steps - 1 else b.intermediate([n])
+        b.launch(k, (n + 255) // 256, 256, [("in", current), ("out", nxt), ("f32", 1.0), ("f32", 1.0), ("i32", n)])
+        current = nxt
+    return b.build()
+
+
+def test_device_side_replay_is_ordered_with_the_callers_stream():
+    """Each replay is one host launch whose kernel tail-launches the forward from the device; the output
+    copy after it must see this run's result, never the previous one's (a 200-step chain makes a race
+    visible), and host replay must give the same bits."""
+    program = chain_program(200)
+    device, host = program.executor(), stitchcuda.Executor(program, device_launch=False)
+    for i in range(6):
+        x = torch.randn(1 << 16, device="cuda") * (i + 1)
+        a, b = device.run([x])[0], host.run([x])[0]
+        assert torch.equal(a, b), f"run {i}: device-side replay differs from host replay"
+        torch.testing.assert_close(a, x + 200.0, rtol=0, atol=1e-3 * (i + 1))
+    stats = device.stats()
+    assert stats["host_replay_note"] == "", stats["host_replay_note"]
+    assert stats["replays"] == 5 and stats["device_launches"] == 5, stats
+    assert host.stats()["device_launches"] == 0 and host.stats()["replays"] == 5
+
+
+def test_a_random_op_keeps_replay_on_the_host():
+    b = ProgramBuilder()
+    x, y = b.input([4096]), b.output([4096])
+    b.aten("aten::bernoulli.p", [x], [y], p=0.5)
+    ex = b.build().executor()
+    for _ in range(3):
+        out = ex.run([torch.zeros(4096, device="cuda")])[0]
+        assert set(out.unique().tolist()) <= {0.0, 1.0}
+    stats = ex.stats()
+    assert stats["device_launches"] == 0 and stats["replays"] == 2
+    assert "random numbers" in stats["host_replay_note"] and "bernoulli" in stats["host_replay_note"]
