@@ -299,12 +299,14 @@ void bind_program(py::module_& m) {
       .def("build", [](ProgramBuilder& b) { return unwrap(b.build()); });
 
   py::class_<Executor, std::shared_ptr<Executor>>(pm, "Executor")
-      .def(py::init([](const Program& p, bool graphs, int device, std::size_t workspace, bool device_launch) {
+      .def(py::init([](const Program& p, bool graphs, int device, std::size_t workspace, bool device_launch,
+                       std::size_t min_nodes) {
         ExecutorOptions o;
         o.graphs = graphs, o.device = device, o.workspace_bytes = workspace, o.device_launch = device_launch;
+        o.device_launch_min_nodes = min_nodes;
         return unwrap(Executor::create(p, o));
       }), py::arg("program"), py::arg("graphs") = true, py::arg("device") = -1, py::arg("workspace_bytes") = 32u << 20,
-          py::arg("device_launch") = true)
+          py::arg("device_launch") = true, py::arg("device_launch_min_nodes") = 128)
       .def("run", [](Executor& e, const py::sequence& inputs, std::optional<py::sequence> outputs, std::uintptr_t stream) {
         auto in = tensors_of(inputs, "input");
         std::vector<at::Tensor> out;

@@ -190,15 +190,17 @@ class Program:
 class Executor:
     """Runs a Program: eager once, then one CUDA graph replay per call; thread-safe across streams.
 
-    ``device_launch`` (default): each replay is one host launch of a single-kernel graph that launches
-    the captured forward from the device, so host time per call does not grow with the number of
-    steps; ``stats()["host_replay_note"]`` says why a program replays from the host instead."""
+    ``device_launch`` (default): a forward of at least ``device_launch_min_nodes`` graph nodes is
+    replayed by one host launch of a single-kernel graph that launches it from the device, so host time
+    per call grows little with the number of steps and the GPU runs its nodes sooner; smaller ones are
+    launched from the host, which is faster there. ``stats()["host_replay_note"]`` says why a program
+    replays from the host."""
 
     def __init__(self, program: Program, *, graphs: bool = True, device: int | None = None,
-                 device_launch: bool = True) -> None:
+                 device_launch: bool = True, device_launch_min_nodes: int = 128) -> None:
         self.program = program
         self._e = _C.program.Executor(program._p, graphs, -1 if device is None else int(device), 32 << 20,
-                                      bool(device_launch))
+                                      bool(device_launch), int(device_launch_min_nodes))
 
     def run(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor] | None = None, *,
             stream: torch.cuda.Stream | None = None) -> list[torch.Tensor]:

@@ -221,6 +221,11 @@ Result<jit::Kernel> Executor::Impl::graph_launcher() {
 // "" when that worked, else why not, with nothing run and nothing left behind.
 std::string Executor::Impl::launch_from_device(Instance& in, cudaStream_t stream) {
   if (!no_device_launch.empty()) return no_device_launch;
+  std::size_t nodes = 0;
+  if (cudaGraphGetNodes(in.graph->raw_cuda_graph(), nullptr, &nodes) == cudaSuccess && nodes < options.device_launch_min_nodes)
+    return "the forward has " + std::to_string(nodes) + " graph nodes, fewer than device_launch_min_nodes (" +
+           std::to_string(options.device_launch_min_nodes) + "): launching it from the host is faster there";
+  (void)cudaGetLastError();
   auto kernel = graph_launcher();
   if (!kernel) return "the device graph launcher could not be built: " + kernel.error().message;
   auto give_up = [&](const std::string& what, cudaError_t e) {

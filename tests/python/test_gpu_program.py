@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import stitchcuda
 from stitchcuda import ProgramBuilder, Program
+from stitchcuda.program import Executor
 
 pytestmark = pytest.mark.gpu
 
@@ -127,7 +128,9 @@ def test_program_mixing_every_step_kind():
             x = torch.randn(8, 32, device="cuda")
             torch.testing.assert_close(model(x), mixed_reference(x, w), atol=1e-4, rtol=1e-4)
         assert model.stats()["replays"] == (2 if graphs else 0)
-        assert model.stats()["device_launches"] == (2 if graphs else 0), model.stats()["host_replay_note"]
+        assert model.stats()["device_launches"] == 0  # 4 nodes: host replay is faster
+        if graphs:
+            assert "fewer than device_launch_min_nodes" in model.stats()["host_replay_note"]
 
 
 def test_replay_reads_new_inputs_and_static_buffers_skip_copies():
@@ -244,7 +247,7 @@ def test_device_side_replay_is_ordered_with_the_callers_stream():
     copy after it must see this run's result, never the previous one's (a 200-step chain makes a race
     visible), and host replay must give the same bits."""
     program = chain_program(200)
-    device, host = program.executor(), stitchcuda.Executor(program, device_launch=False)
+    device, host = program.executor(), Executor(program, device_launch=False)
     for i in range(6):
         x = torch.randn(1 << 16, device="cuda") * (i + 1)
         a, b = device.run([x])[0], host.run([x])[0]
@@ -260,7 +263,7 @@ def test_a_random_op_keeps_replay_on_the_host():
     b = ProgramBuilder()
     x, y = b.input([4096]), b.output([4096])
     b.aten("aten::bernoulli.p", [x], [y], p=0.5)
-    ex = b.build().executor()
+    ex = Executor(b.build(), device_launch_min_nodes=0)
     for _ in range(3):
         out = ex.run([torch.zeros(4096, device="cuda")])[0]
         assert set(out.unique().tolist()) <= {0.0, 1.0}

@@ -5,7 +5,8 @@
    running the same number of ops. Each call is timed alone after a device sync, so the number is the
    host's cost, not queueing behind the GPU. Device-side replay (the default: one host launch of a
    single-kernel graph that tail-launches the forward) against host-side cudaGraphLaunch of the whole
-   forward, whose cost grows by 10-30 ns per kernel node. Floor: one cudaGraphLaunch of a one-node graph
+   forward, whose cost grows by 5-30 ns per kernel node; GPU time per forward for both (the device launch
+   adds latency once and runs the nodes sooner: the default uses it from 128 nodes on). Floor: one cudaGraphLaunch of a one-node graph
    (~2-4 us on this driver) plus the Python binding call, whatever the number of steps.
 2. cuBLASLt matmul with a fused epilogue versus F.linear followed by the activation (separate kernels):
    CUDA events, median of 20. The epilogue saves one read and one write of the output.
@@ -83,7 +84,8 @@ def host_overhead() -> dict:
         row = {}
         # Device-side replay (the default) against host-side cudaGraphLaunch of the whole forward.
         for mode, device_launch in (("device", True), ("host", False)):
-            ex = program.executor() if device_launch else Executor(program, device_launch=False)
+            # Device launch forced at every size (the default starts at 128 nodes), to show both sides.
+            ex = Executor(program, device_launch=device_launch, device_launch_min_nodes=0)
             ex.run([x], [y])  # eager warm-up
             ex.run([x], [y])  # capture (and, for device replay, its set-up)
             # fp32 rounding accumulates over the chain: about steps * 2**-24 relative.
