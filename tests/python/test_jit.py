@@ -404,3 +404,18 @@ def test_kernel_repr_and_params_need_no_gpu():
     kernel = jit.compile(SCALE, "scale")
     assert "scale(float*, float, int)" in repr(kernel)
     assert "origin=" in repr(kernel.module)
+
+
+def test_device_runtime_links_a_loadable_cubin_without_a_gpu():
+    launcher = r"""
+extern "C" __global__ void tail_launch(cudaGraphExec_t graph, int* status) {
+  *status = (int)cudaGraphLaunch(graph, cudaStreamGraphTailLaunch);
+}
+"""
+    module = jit.compile_module(launcher, arch="sm_90a", device_runtime=True, cache=False)
+    assert module.cubin[:4] == b"\x7fELF" and module.cubin[16] == 2  # ET_EXEC: linked, loadable
+    unlinked = jit.compile_module(launcher, arch="sm_90a", extra_flags=["-rdc=true"], cache=False)
+    assert unlinked.cubin[16] == 1  # ET_REL: cudaGraphLaunch still undefined
+    assert module.key != unlinked.key
+    with pytest.raises(stitchcuda.errors.InvalidArgumentError, match="sm_90a"):
+        jit.compile_module(launcher, arch="compute_90", device_runtime=True)
