@@ -142,10 +142,7 @@ struct Trace {
 struct TracerOptions {
   bool kernels = true;              ///< concurrent kernel records
   bool memory = true;               ///< memcpy and memset records
-  bool api_calls = true;            ///< runtime and driver API calls that launch, copy, set, synchronize, allocate or free
-  /// Every runtime and driver call (cudaGetDevice, cudaGetLastError...): each traced call costs host
-  /// time, and these tell the profile nothing, so by default they are not recorded.
-  bool all_api_calls = false;
+  bool api_calls = true;            ///< runtime and driver API calls
   std::size_t buffer_bytes = 8u << 20;  ///< size of each activity buffer handed to CUPTI
 };
 

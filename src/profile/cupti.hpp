@@ -31,9 +31,6 @@ struct CuptiApi {
   decltype(&::cuptiActivityGetNextRecord) ActivityGetNextRecord = nullptr;
   decltype(&::cuptiActivityGetNumDroppedRecords) ActivityGetNumDroppedRecords = nullptr;
   decltype(&::cuptiGetCallbackName) GetCallbackName = nullptr;
-  // Optional: per-call selection of API activity records (absent: the whole kinds are traced).
-  decltype(&::cuptiActivityEnableRuntimeApi) ActivityEnableRuntimeApi = nullptr;
-  decltype(&::cuptiActivityEnableDriverApi) ActivityEnableDriverApi = nullptr;
 
   // Range profiler (target side) and profiler host API.
   decltype(&::cuptiProfilerInitialize) ProfilerInitialize = nullptr;

@@ -2,7 +2,6 @@
 // arrive in buffers CUPTI hands back on its own thread, and every failure becomes an Unavailable value.
 #include <cstdlib>
 #include <mutex>
-#include <string_view>
 #include <string>
 #include <vector>
 
@@ -29,17 +28,7 @@ struct Recording {
   std::vector<PendingApi> pending_api;  // names resolved in stop(), outside CUPTI's callbacks
   CUpti_SubscriberHandle subscriber = nullptr;
   std::vector<CUpti_ActivityKind> enabled;
-  std::vector<CUpti_CallbackId> runtime_calls, driver_calls;  // enabled one by one (TracerOptions::all_api_calls off)
 };
-
-// API calls the profile uses: launches (host cost per launch, correlation with the GPU work), copies,
-// sets, synchronization, allocation. Chosen by name, so new CUDA versions' variants are included.
-bool profiled_call(std::string_view name) {
-  for (std::string_view word : {"Launch", "Memcpy", "Memset", "Synchronize", "Malloc", "Alloc", "Free",
-                                "EventRecord", "WaitEvent"})
-    if (name.find(word) != std::string_view::npos) return true;
-  return false;
-}
 
 // Never destroyed, for the same reason as cupti(): callbacks can outlive static destructors.
 Recording& recording() {
@@ -84,30 +73,6 @@ void CUPTIAPI ignore_callback(void*, CUpti_CallbackDomain, CUpti_CallbackId, con
 void disable_kinds(const CuptiApi& api, Recording& rec) {
   for (CUpti_ActivityKind kind : rec.enabled) api.ActivityDisable(kind);
   rec.enabled.clear();
-  for (CUpti_CallbackId cbid : rec.runtime_calls) api.ActivityEnableRuntimeApi(cbid, 0);
-  for (CUpti_CallbackId cbid : rec.driver_calls) api.ActivityEnableDriverApi(cbid, 0);
-  rec.runtime_calls.clear();
-  rec.driver_calls.clear();
-}
-
-// Enables activity records for the profiled runtime and driver calls only; false when this CUPTI
-// cannot select calls (the caller then enables the whole kinds).
-bool enable_profiled_calls(const CuptiApi& api, Recording& rec) {
-  if (!api.ActivityEnableRuntimeApi || !api.ActivityEnableDriverApi) return false;
-  auto select = [&](CUpti_CallbackDomain domain, std::uint32_t count, auto enable, std::vector<CUpti_CallbackId>& out) {
-    for (CUpti_CallbackId cbid = 1; cbid < count; ++cbid) {
-      const char* name = nullptr;
-      if (api.GetCallbackName(domain, cbid, &name) != CUPTI_SUCCESS || !name || !profiled_call(name)) continue;
-      if (enable(cbid, 1) == CUPTI_SUCCESS) out.push_back(cbid);
-    }
-  };
-  select(CUPTI_CB_DOMAIN_RUNTIME_API, CUPTI_RUNTIME_TRACE_CBID_SIZE, api.ActivityEnableRuntimeApi, rec.runtime_calls);
-  select(CUPTI_CB_DOMAIN_DRIVER_API, CUPTI_DRIVER_TRACE_CBID_SIZE, api.ActivityEnableDriverApi, rec.driver_calls);
-  if (rec.runtime_calls.empty() || rec.driver_calls.empty()) {  // names not as expected: trace everything
-    disable_kinds(api, rec);
-    return false;
-  }
-  return true;
 }
 
 // Leaves CUPTI as it was found, so torch.profiler or Nsight can attach after us.
@@ -206,7 +171,7 @@ Result<Tracer> Tracer::start(const TracerOptions& options) {
     kinds.push_back(CUPTI_ACTIVITY_KIND_MEMCPY);
     kinds.push_back(CUPTI_ACTIVITY_KIND_MEMSET);
   }
-  if (options.api_calls && (options.all_api_calls || !enable_profiled_calls(api, rec))) {
+  if (options.api_calls) {
     kinds.push_back(CUPTI_ACTIVITY_KIND_RUNTIME);
     kinds.push_back(CUPTI_ACTIVITY_KIND_DRIVER);
   }

@@ -87,7 +87,7 @@ def _tracing_overhead(launches: int = 1000, rounds: int = 7) -> dict[str, Any]:
         return time.perf_counter() - t0
 
     workload()  # warm
-    plain, traced, kernels_only, all_calls, scope_cost = [], [], [], [], []
+    plain, traced, kernels_only, scope_cost = [], [], [], []
     for _ in range(rounds):  # interleaved, so drift hits all sides alike
         plain.append(workload())
         t0 = time.perf_counter()
@@ -99,14 +99,10 @@ def _tracing_overhead(launches: int = 1000, rounds: int = 7) -> dict[str, Any]:
             raise RuntimeError(f"the trace recorded {recorded} of {launches} launches")
         with prof.trace(memory=False, api_calls=False):
             kernels_only.append(workload())
-        with prof.trace(api_calls="all"):
-            all_calls.append(workload())
     p, q, k = statistics.median(plain), statistics.median(traced), statistics.median(kernels_only)
-    a = statistics.median(all_calls)
     return {"launches": launches, "rounds": rounds, "untraced_ms": p * 1e3, "traced_ms": q * 1e3,
             "overhead_pct": (q / p - 1.0) * 100.0, "kernels_only_traced_ms": k * 1e3,
             "kernels_only_overhead_pct": (k / p - 1.0) * 100.0,
-            "all_api_calls_traced_ms": a * 1e3, "all_api_calls_overhead_pct": (a / p - 1.0) * 100.0,
             "start_stop_ms": statistics.median(scope_cost) * 1e3,
             "target": "<= 3% overhead (default trace: kernels, memory and API calls)"}
 

@@ -74,13 +74,9 @@ class TraceScope:
     :class:`~stitchcuda.errors.LaunchError` unless the block already raised.
     """
 
-    def __init__(self, kernels: bool = True, memory: bool = True, api_calls: bool | str = True,
+    def __init__(self, kernels: bool = True, memory: bool = True, api_calls: bool = True,
                  buffer_bytes: int = 8 << 20) -> None:
-        if api_calls not in (True, False, "all"):
-            raise InvalidArgumentError(f"api_calls={api_calls!r}: use True (launches, copies, syncs, allocations), "
-                                       "'all' (every runtime and driver call) or False")
-        self._options = dict(kernels=kernels, memory=memory, api_calls=bool(api_calls), buffer_bytes=buffer_bytes,
-                             all_api_calls=api_calls == "all")
+        self._options = dict(kernels=kernels, memory=memory, api_calls=api_calls, buffer_bytes=buffer_bytes)
         self._tracer = None
         self._used = False
         self.trace: RecordedTrace | None = None
@@ -120,12 +116,9 @@ class TraceScope:
         return _native.advise_summary(self.summary(), ceilings or DeviceCeilings())
 
 
-def trace(kernels: bool = True, memory: bool = True, api_calls: bool | str = True,
+def trace(kernels: bool = True, memory: bool = True, api_calls: bool = True,
           buffer_bytes: int = 8 << 20) -> TraceScope:
-    """``with trace() as t: ...`` records kernels, memcpy/memset and CUDA API calls inside the block.
-
-    ``api_calls=True`` records the calls that launch, copy, set, synchronize, allocate or free (what the
-    summary and the timeline use); ``"all"`` every runtime and driver call, at more tracing cost."""
+    """``with trace() as t: ...`` records kernels, memcpy/memset and CUDA API calls inside the block."""
     return TraceScope(kernels=kernels, memory=memory, api_calls=api_calls, buffer_bytes=buffer_bytes)
 
 
