@@ -125,3 +125,18 @@ def test_cli_optimize_plans_a_problem_file_without_a_gpu(tmp_path):
     run = subprocess.run([sys.executable, "-m", "stitchcuda", "optimize", str(bad)], capture_output=True, text=True,
                          timeout=300, cwd=root)
     assert run.returncode == 2 and "Model" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_optimize_time_bench_model_is_past_100_ops_and_compiles_here():
+    """The optimize-time benchmark's model (`stitchcuda bench graph`): its size, and that its CPU side
+    (capture, plan, generate, NVRTC compile, cold then warm cache) runs where there is no GPU."""
+    if torch.cuda.is_available():
+        pytest.skip("the GPU run of this benchmark happens in scripts/gpu-check")
+    from stitchcuda.bench.graph import optimize_time
+
+    cache = jit.cache_dir()
+    timing = optimize_time(gpu=False)
+    assert timing["ops"] >= 100 and timing["generated_kernels"] > 0, timing
+    assert timing["cold_s"] > 0 and timing["warm_s"] > 0 and timing["verified"] is None
+    assert "nothing verified" in timing["scope"] and timing["met"] is False
+    assert jit.cache_dir() == cache  # the benchmark's temporary cache is gone and the user's restored
