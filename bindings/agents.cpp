@@ -5,17 +5,15 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
-#include <chrono>
-#include <condition_variable>
 #include <filesystem>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <thread>
 
 #include <stitchcuda/agents.hpp>
 
 #include "errors.hpp"
+#include "interrupt.hpp"
 
 namespace py = pybind11;
 
@@ -147,25 +145,6 @@ std::string exception_text(py::error_already_set& e) {
   }
 }
 
-// A Python exception raised by a callback (or Ctrl-C), kept to be raised once the run returns; the
-// run is cancelled through the agents' CancelToken meanwhile.
-struct Pending {
-  std::mutex mu;
-  std::optional<py::error_already_set> error;
-  llm::CancelToken cancel;
-  void keep(py::error_already_set&& e) {
-    {
-      std::lock_guard lock(mu);
-      if (!error) error.emplace(std::move(e));
-    }
-    cancel.cancel();
-  }
-  bool set() {
-    std::lock_guard lock(mu);
-    return error.has_value();
-  }
-};
-
 Report crash_report(const std::string& message) {
   Report r;
   r.compiled = false;
@@ -178,7 +157,7 @@ Report crash_report(const std::string& message) {
 // raising function or an unreadable answer is a crash report.
 class PythonVerifier final : public Verifier {
  public:
-  PythonVerifier(py::object fn, Pending& pending) : fn_(std::move(fn)), pending_(pending) {}
+  PythonVerifier(py::object fn, PendingError& pending) : fn_(std::move(fn)), pending_(pending) {}
   ~PythonVerifier() override {
     py::gil_scoped_acquire gil;  // the last reference may be dropped without the GIL
     fn_ = py::object();
@@ -214,7 +193,7 @@ class PythonVerifier final : public Verifier {
 
  private:
   py::object fn_;
-  Pending& pending_;
+  PendingError& pending_;
 };
 
 // The run's model: the connected backend, refusing new calls once the run is interrupted (a backend
@@ -296,7 +275,7 @@ py::dict optimize(const py::dict& problem_dict, std::shared_ptr<llm::ReliableBac
   const Budget budget = to_budget(budget_dict);
   LoopOptions options = to_loop_options(options_dict);
 
-  Pending pending;
+  PendingError pending;
   options.agent.llm.cancel = pending.cancel;  // Ctrl-C and a raising callback end the model calls
   auto prompts = std::make_shared<const PromptLibrary>(unwrap(PromptLibrary::load(options.prompts_dir, options.prompts_override)));
   std::shared_ptr<const Retriever> docs;
@@ -325,37 +304,10 @@ py::dict optimize(const py::dict& problem_dict, std::shared_ptr<llm::ReliableBac
     }
   };
 
-  Result<Outcome> result = fail(ErrorCode::Internal, "the run did not start");
-  {
-    py::gil_scoped_release release;
-    std::mutex mu;
-    std::condition_variable finished;
-    bool done = false;
-    std::thread worker([&] {
-      Result<Outcome> r = fail(ErrorCode::Internal, "unset");
-      try {
-        r = resume ? optimizer.resume(problem, path, callback) : optimizer.run(problem, path, config_json, callback);
-      } catch (const std::exception& e) {  // nothing may escape a thread
-        r = fail(ErrorCode::Internal, std::string("the optimization loop threw: ") + e.what());
-      }
-      std::lock_guard lock(mu);
-      result = std::move(r);
-      done = true;
-      finished.notify_all();
-    });
-    std::unique_lock lock(mu);
-    while (!finished.wait_for(lock, std::chrono::milliseconds(50), [&] { return done; })) {
-      lock.unlock();
-      {
-        py::gil_scoped_acquire gil;
-        if (PyErr_CheckSignals() != 0) pending.keep(py::error_already_set());
-      }
-      lock.lock();
-    }
-    lock.unlock();
-    worker.join();
-  }
-  if (pending.error) throw std::move(*pending.error);
+  Result<Outcome> result = run_interruptible<Outcome>(
+      [&] { return resume ? optimizer.resume(problem, path, callback) : optimizer.run(problem, path, config_json, callback); },
+      pending, "the optimization loop");
+  pending.raise();
   py::dict out = outcome_dict(unwrap(std::move(result)));
   out["notes"] = py::list();
   return out;

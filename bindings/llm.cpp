@@ -5,15 +5,14 @@
 
 #include <algorithm>
 #include <chrono>
-#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <thread>
 
 #include <stitchcuda/llm.hpp>
 
 #include "errors.hpp"
+#include "interrupt.hpp"
 
 namespace py = pybind11;
 using namespace stitchcuda;
@@ -231,69 +230,28 @@ class PythonBackend final : public llm::Backend {
   py::object fn_;
 };
 
-// A Python exception raised inside a call (by on_text, or Ctrl-C), kept to be raised once C++ returns.
-struct PendingException {
-  std::mutex mu;
-  std::optional<py::error_already_set> error;
-  void keep(py::error_already_set&& e) {
-    std::lock_guard lock(mu);
-    if (!error) error.emplace(std::move(e));
-  }
-};
-
-// Runs the call on a worker thread so that this thread can look for Ctrl-C every 50 ms while the
-// GIL is released; a signal cancels the call and its exception is raised here.
+// The call runs off this thread (run_interruptible) so that Ctrl-C is seen while the GIL is released;
+// a signal or an exception from on_text cancels it and is raised here.
 py::dict complete(llm::Backend& backend, const py::handle& messages, const py::dict& options, py::object on_text) {
   const auto list = to_messages(messages);
   llm::Options opts = to_options(options);  // Ctrl-C and a failing callback cancel through opts.cancel
-  PendingException pending;
+  PendingError pending;
+  pending.cancel = opts.cancel;
   llm::TextCallback callback;
   if (!on_text.is_none()) {
-    callback = [&, token = opts.cancel](std::string_view piece) {
+    callback = [&](std::string_view piece) {
       py::gil_scoped_acquire gil;
-      if (pending.error) return;
+      if (pending.set()) return;
       try {
         on_text(py::str(piece.data(), piece.size()));
       } catch (py::error_already_set& e) {
-        pending.keep(std::move(e));
-        token.cancel();
+        pending.keep(std::move(e));  // cancels the call through opts.cancel
       }
     };
   }
-  Result<llm::Completion> result = fail(ErrorCode::Internal, "the call did not run");
-  {
-    py::gil_scoped_release release;
-    std::mutex mu;
-    std::condition_variable finished;
-    bool done = false;
-    std::thread worker([&] {
-      Result<llm::Completion> r = fail(ErrorCode::Internal, "unset");
-      try {
-        r = backend.complete(list, opts, callback);
-      } catch (const std::exception& e) {  // nothing may escape a thread
-        r = fail(ErrorCode::Internal, std::string("the model call threw: ") + e.what());
-      }
-      std::lock_guard lock(mu);
-      result = std::move(r);
-      done = true;
-      finished.notify_all();
-    });
-    std::unique_lock lock(mu);
-    while (!finished.wait_for(lock, std::chrono::milliseconds(50), [&] { return done; })) {
-      lock.unlock();
-      {
-        py::gil_scoped_acquire gil;
-        if (PyErr_CheckSignals() != 0) {
-          pending.keep(py::error_already_set());
-          opts.cancel.cancel();
-        }
-      }
-      lock.lock();
-    }
-    lock.unlock();
-    worker.join();
-  }
-  if (pending.error) throw std::move(*pending.error);
+  Result<llm::Completion> result =
+      run_interruptible<llm::Completion>([&] { return backend.complete(list, opts, callback); }, pending, "the model call");
+  pending.raise();
   return completion_dict(unwrap(std::move(result)));
 }
 
