@@ -20,6 +20,7 @@ _RECORD = torch.cuda.Event.record
 _EVENT_SYNC = torch.cuda.Event.synchronize
 _ELAPSED = torch.cuda.Event.elapsed_time
 _PERF = time.perf_counter
+_SLEEP = torch.cuda._sleep  # a busy-wait kernel of a given number of clock cycles
 
 # Attributes a timing hack would replace; checked after every candidate (rule patches-timing).
 WATCHED = {
@@ -119,20 +120,24 @@ class L2Flush:
         self.buffer.zero_()
 
 
-def sync_latency_ms(flush: L2Flush, samples: int = 20) -> float:
-    """Median time an event pair measures around nothing but a device-wide sync: the host round
-    trip that the protocol's sync adds to every timed call."""
-    times = []
+def sync_latency_ms(flush: L2Flush, samples: int = 20, busy_cycles: int = 200_000) -> float:
+    """Median of what a timed call's end event adds over its stream event when the call did nothing
+    beyond its stream: the host, blocked in the device-wide sync while the GPU works (here a busy-wait
+    kernel of ~0.1 ms), wakes, then enqueues the end event. Measured the way ``time_calls`` measures,
+    so that subtracting it charges a call nothing for the sync itself. (A sync on an idle GPU returns
+    at once and would miss the wake-up, which is most of it.)"""
+    extra = []
     for _ in range(samples):
         flush()
-        start, end = _EVENT(enable_timing=True), _EVENT(enable_timing=True)
-        _SYNC()
+        start, stream_done, end = (_EVENT(enable_timing=True) for _ in range(3))
         _RECORD(start)
+        _SLEEP(busy_cycles)
+        _RECORD(stream_done)
         _SYNC()
         _RECORD(end)
         _EVENT_SYNC(end)
-        times.append(_ELAPSED(start, end))
-    return statistics.median(times)
+        extra.append(_ELAPSED(start, end) - _ELAPSED(start, stream_done))
+    return statistics.median(extra)
 
 
 def time_calls(fn: Callable[..., Any], input_sets: Sequence[Sequence[Any]], iters: int, warmup: int,
