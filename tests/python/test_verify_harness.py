@@ -207,3 +207,16 @@ def test_a_sticky_cuda_error_recycles(fake_gpu):
                           "raise RuntimeError('CUDA error: an illegal memory access was encountered')")
     r, recycle = run(cand)
     assert r.error["kind"] == "illegal-address" and recycle
+
+
+def test_without_profile_advice_the_bottleneck_is_the_distance_to_the_memory_speed_of_light(fake_gpu):
+    # One slow kernel: CUPTI's per-call summary has nothing to say, the roofline does.
+    bound = 3 * 128 * 32 * 4 / 4.3e12 * 1e3
+    fake_gpu(per_call_ms=0.5, cupti={"available": True, "kernel_ms_per_call": 100 * bound, "kernels_per_call": 1.0,
+                                     "streams": [7], "outside_window": [], "outside_count": 0,
+                                     "kernels": [{"name": "k", "calls": 10, "total_ms": 1.0, "share": 1.0}],
+                                     "summary": None, "advice": []})
+    r, _ = run()
+    assert r.profile["bottleneck"].startswith("the kernels run") and "(1% of that memory speed of light)" in \
+        r.profile["bottleneck"] and "vector loads" in r.profile["bottleneck"], r.profile
+    assert "Bottleneck: the kernels run" in r.feedback

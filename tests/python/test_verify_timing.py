@@ -95,3 +95,40 @@ def test_persisting_l2_probe_without_a_driver():
 ])
 def test_exception_kinds(exc, kind):
     assert classify_exception(exc) == kind
+
+
+def native_kernel(name, start, end, stream=7):
+    import stitchcuda.profile as prof
+
+    k = prof.KernelRecord()
+    k.name, k.mangled_name, k.start_ns, k.end_ns, k.stream_id = name, name, start, end, stream
+    return k
+
+
+def real_advice_check(kernels, monkeypatch):
+    import stitchcuda.profile as prof
+
+    check = fake_check(kernels, monkeypatch)
+    check._advise, check._new_trace = prof.advise, prof.Trace
+    return check
+
+
+def test_advice_is_about_one_call_not_the_markers_and_syncs_between_calls(monkeypatch):
+    # One kernel per call, calls far apart (the syncs): no launch-gap advice for a single-kernel candidate.
+    kernels = []
+    for i in range(10):
+        t = i * 1_000_000
+        kernels += [native_kernel(M, t, t + 1_000), native_kernel("add_relu", t + 20_000, t + 80_000),
+                    native_kernel(M, t + 100_000, t + 101_000)]
+    result = real_advice_check(kernels, monkeypatch).measure(lambda: None, [[]], calls=10)
+    assert result["summary"]["kernel_launches"] == 1, result["summary"]
+    assert not any("gaps between" in a for a in result["advice"]), result["advice"]
+    # Two kernels with a long host gap between them inside each call: that gap is the candidate's own.
+    kernels = []
+    for i in range(10):
+        t = i * 1_000_000
+        kernels += [native_kernel(M, t, t + 1_000), native_kernel("scale", t + 20_000, t + 22_000),
+                    native_kernel("shift", t + 80_000, t + 82_000), native_kernel(M, t + 100_000, t + 101_000)]
+    result = real_advice_check(kernels, monkeypatch).measure(lambda: None, [[]], calls=10)
+    assert result["summary"]["kernel_launches"] == 2
+    assert result["advice"] and "gaps between 2 launches" in result["advice"][0], result["advice"]

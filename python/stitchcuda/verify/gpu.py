@@ -205,6 +205,7 @@ class CuptiCheck:
             from .. import jit, profile
             self._trace = profile.trace
             self._advise = profile.advise
+            self._new_trace = profile.Trace
             self._marker = jit.compile(MARKER_SOURCE, "stitchcuda_verify_marker")
             self._flag = torch.zeros(1, dtype=torch.int32, device=device)
             self.available = True
@@ -227,21 +228,13 @@ class CuptiCheck:
             kernels = list(t.trace.kernels)
         except Exception as exc:
             return {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
-        summary, advice = None, []
-        try:
-            native = t.summary()
-            summary = {name: _plain(getattr(native, name)) for name in
-                       ("span_ns", "busy_ns", "kernel_launches", "kernel_ns", "busy_fraction", "gap_fraction")
-                       if hasattr(native, name)}
-            advice = [str(a) for a in self._advise(native)]
-        except Exception:  # the summary is a convenience; the records above are what the checks use
-            pass
         markers = sorted((k for k in kernels if "stitchcuda_verify_marker" in str(k.name)),
                          key=lambda k: k.start_ns)
         work = [k for k in kernels if "stitchcuda_verify_marker" not in str(k.name)]
         if len(markers) != 2 * calls:
             return {"available": False, "reason": f"saw {len(markers)} marker kernels, expected {2 * calls}"}
         windows = [(markers[2 * i].start_ns, markers[2 * i + 1].end_ns) for i in range(calls)]
+        summary, advice = self._one_call(work, windows)
         outside = [k for k in work if not any(s <= k.start_ns and k.end_ns <= e for s, e in windows)]
         busy = []
         for s, e in windows:
@@ -267,6 +260,26 @@ class CuptiCheck:
                                     "duration_ms": k.duration_ns / 1e6} for k in outside[:5]],
                 "outside_count": len(outside), "kernels": top,
                 "summary": summary, "advice": advice[:5]}
+
+
+    def _one_call(self, work: list, windows: list[tuple[int, int]]) -> tuple[dict | None, list[str]]:
+        """Summary and advice of one call: the candidate's own kernels inside the window of the call
+        whose GPU work lasted the median time. The whole trace would count the markers and the syncs
+        between calls as launch gaps ("fuse kernels") even for a single-kernel candidate."""
+        try:
+            calls = [[k for k in work if s <= k.start_ns and k.end_ns <= e] for s, e in windows]
+            calls = sorted((c for c in calls if c), key=lambda c: max(k.end_ns for k in c) - min(k.start_ns for k in c))
+            if not calls:
+                return None, []
+            one = self._new_trace()
+            one.kernels = calls[len(calls) // 2]
+            native = one.summary()
+            summary = {name: _plain(getattr(native, name)) for name in
+                       ("span_ns", "busy_ns", "kernel_launches", "kernel_ns", "busy_fraction", "gap_fraction")
+                       if hasattr(native, name)}
+            return summary, [str(a) for a in self._advise(native)]
+        except Exception:  # the summary is a convenience; the records are what the checks use
+            return None, []
 
 
 def _plain(value: Any) -> Any:

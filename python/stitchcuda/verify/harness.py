@@ -619,6 +619,20 @@ class _Run:
                             f"median {cand_ms:.5f} ms < bound {bound_ms:.5f} ms ({nbytes} bytes at "
                             f"{self.config.bandwidth_tb_s} TB/s)")
 
+    def _roofline_line(self, kernel_ms: float) -> str:
+        """How far the kernels are from moving the inputs and outputs at DRAM speed ("" when unknown)."""
+        bound_ms = self.report.timing.get("speed_of_light_ms") or 0.0
+        if kernel_ms <= 0 or bound_ms <= 0:
+            return ""
+        share = bound_ms / kernel_ms
+        text = (f"the kernels run {kernel_ms:.4f} ms per call; reading the inputs and writing the outputs once "
+                f"at {self.config.bandwidth_tb_s} TB/s takes {bound_ms:.4f} ms ({100 * share:.0f}% of that "
+                "memory speed of light)")
+        if share < 0.5:
+            text += ": for memory-bound work, fill the GPU (enough blocks for every SM), use 16-byte vector " \
+                    "loads and make one pass over memory"
+        return text
+
     def _cupti(self, sets, cand_ms) -> None:
         check = self.gpu.CuptiCheck(self.device)
         if not check.available:
@@ -631,9 +645,12 @@ class _Run:
         self.report.profile = {"kernels": result["kernels"], "summary": result.get("summary"),
                                "kernels_per_call": result["kernels_per_call"], "streams": result["streams"],
                                "advice": result.get("advice", [])}
-        if result.get("advice"):
-            self.report.profile["bottleneck"] = result["advice"][0]
         kernel_ms = result["kernel_ms_per_call"]
+        roofline = self._roofline_line(kernel_ms)
+        if roofline:
+            self.report.profile["advice"] = [*self.report.profile["advice"], roofline]
+        if self.report.profile["advice"]:
+            self.report.profile["bottleneck"] = self.report.profile["advice"][0]
         self.report.timing["cupti_kernel_ms"] = kernel_ms
         self.report.timing["event_over_cupti"] = cand_ms / kernel_ms if kernel_ms > 0 else None
         if result["outside_count"]:
