@@ -365,7 +365,8 @@ void timed_feedback(Draft& d, const Report& r, double target) {
   if (!r.top_kernel.empty()) d.ask("optimize " + r.top_kernel + " first: it dominates the GPU time");
   if (r.speedup_compile && *r.speedup_compile < 1.0)
     d.ask("close the gap to torch.compile (" + speed(*r.speedup_compile) +
-          "): fuse what it fuses (elementwise chains into one kernel) and use tensor cores for the matmuls");
+          "): fuse what it fuses (elementwise chains into one kernel) and run any matmuls or convolutions on "
+          "tensor cores");
   if (r.bottleneck.empty() && r.top_kernel.empty())
     d.ask("cut launches by fusing operators, vectorize memory access (float4), and tile the heavy operators "
           "through shared memory or tensor cores");
