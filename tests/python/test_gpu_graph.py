@@ -49,6 +49,8 @@ def _check(model, inputs, fresh):
     fast = stitchcuda.optimize(model, inputs, compare_compile=False)
     assert fast.report.status == "optimized", str(fast.report)
     assert fast.report.verification["passed"] and fast.report.timing["speedup_eager"] > 0
+    assert not fast.report.fallbacks, fast.report.fallbacks  # every group matched ATen in the worker
+    assert any("isolated worker" in d for d, _ in fast.report.decisions)
     for _ in range(3):
         xs = fresh()
         with torch.no_grad():
@@ -79,11 +81,12 @@ def test_cnn_block_keeps_the_convolution_in_cudnn():
     assert any(g["kind"] == "pointwise" and "batch_norm" in g["nodes"] for g in groups)
 
 
-def test_a_wrong_group_falls_back_to_aten_with_the_reason(monkeypatch):
+@pytest.mark.parametrize("isolated", [True, False])
+def test_a_wrong_group_falls_back_to_aten_with_the_reason(monkeypatch, isolated):
     monkeypatch.setitem(templates.POINTWISE_OPS, "aten::relu", lambda a, kw: f"({a[0]} + 1.0f)")
     model = ConvBlock().cuda().eval()
     x = torch.randn(2, 16, 8, 8, device="cuda")
-    fast = stitchcuda.optimize(model, (x,), measure=False)
+    fast = stitchcuda.optimize(model, (x,), measure=False, isolated=isolated)
     assert fast.report.status == "optimized"
     assert any("differs from ATen" in f["reason"] for f in fast.report.fallbacks), fast.report.fallbacks
     with torch.no_grad():

@@ -5,6 +5,8 @@ back to the eager model with a reason where it cannot proceed.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -140,3 +142,26 @@ def test_optimize_time_bench_model_is_past_100_ops_and_compiles_here():
     assert timing["cold_s"] > 0 and timing["warm_s"] > 0 and timing["verified"] is None
     assert "nothing verified" in timing["scope"] and timing["met"] is False
     assert jit.cache_dir() == cache  # the benchmark's temporary cache is gone and the user's restored
+
+
+def test_group_check_runs_in_the_verifiers_worker_and_reports_back():
+    """check_group(..., pool=) ships the group's program (CUBINs included) to a worker process. Without a
+    GPU the worker cannot run it: the group falls back with the worker's reason, and this process is
+    untouched (on the GPU machine the same path checks the kernels: tests/python/test_gpu_graph.py)."""
+    if torch.cuda.is_available():
+        pytest.skip("checked with a real GPU in test_gpu_graph.py")
+    from stitchcuda.graph.lower import check_group
+    from stitchcuda.verify import WorkerPool
+
+    model = Block().eval()
+    inputs = (torch.randn(4, 32), torch.randn(2, 3, 8, 8))
+    graph, plan = planned(model, inputs)
+    values = reference_values(graph, list(inputs))
+    constants = {g.nodes[0].out.name: values[g.nodes[0].out.name] for g in plan.groups if g.kind == "constant"}
+    group = next(g for g in plan.groups if g.kind == "pointwise" and len(g.nodes) == 2)
+    with WorkerPool(["cpu"]) as pool:
+        ok, why, code = check_group(graph, plan, group, values, constants, 132, pool)
+        worker_pids = pool.pids
+    assert not ok and why.startswith("runtime: UnavailableError") and re.search(r"CUDA (device|driver)", why), why
+    assert code is not None and code.name in code.source  # the generated kernel is still reported
+    assert worker_pids[0] not in (None, __import__("os").getpid())

@@ -397,28 +397,54 @@ def _view_layout(n: Node, shape, strides):
 
 
 def check_group(graph: Graph, plan: Plan, group: Group, values: dict[str, torch.Tensor],
-                constants: dict[str, torch.Tensor], sm_count: int) -> tuple[bool, str, KernelCode | None]:
-    """Runs `group` alone as a program on recorded inputs and compares with ATen's recorded outputs."""
+                constants: dict[str, torch.Tensor], sm_count: int,
+                pool: Any = None) -> tuple[bool, str, KernelCode | None]:
+    """Runs `group` alone as a program on recorded inputs and compares with ATen's recorded outputs.
+
+    With `pool` (a stitchcuda.verify.WorkerPool) the program runs in the Verifier's isolated worker,
+    saved as an artifact with its CUBINs: a fault, a hang or a crash of generated code is a fallback
+    reason, never the caller's process. Without it, in this process (generated templates only)."""
     outputs_all = {v.name for v in graph.outputs}
     inputs = [v for v in group.inputs() if v.kind != "weight" and v.name not in constants]
     outputs = group.outputs(outputs_all)
     lowering = Lowering(graph, plan, constants, sm_count)
     try:
         program = lowering.build([group], inputs, outputs)
-        ex = program.executor(graphs=False)
-        got = ex.run([values[v.name].contiguous() for v in inputs])
-    except Exception as exc:  # a compile or launch error is a fallback reason, not a crash
+        if pool is not None:
+            program.compile_kernels()  # the worker loads CUBINs, compiles nothing
+    except Exception as exc:  # a compile error is a fallback reason, not a crash
         return False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", None
     code = lowering.kernels[0][1] if lowering.kernels else None
-    for v, t in zip(outputs, got):
-        want = values[v.name]
-        atol, rtol = tolerance(v.dtype, plan.precision)
-        if t.shape != want.shape:
-            return False, f"output '{v.name}' has shape {tuple(t.shape)}, ATen's {tuple(want.shape)}", code
-        if not torch.allclose(t.float(), want.float(), atol=atol, rtol=rtol, equal_nan=True):
-            diff = (t.float() - want.float()).abs()
-            diff = torch.nan_to_num(diff, nan=float("inf"))
-            idx = int(diff.argmax())
-            return False, (f"output '{v.name}' differs from ATen: max |error| {diff.max().item():.3g} at flat index "
-                           f"{idx} (expected {want.flatten()[idx].item():.6g}, got {t.flatten()[idx].item():.6g})"), code
+    feed = [values[v.name].contiguous() for v in inputs]
+    wants = [values[v.name] for v in outputs]
+    tolerances = [tolerance(v.dtype, plan.precision) for v in outputs]
+    if pool is not None:
+        return (*_check_in_worker(program, feed, outputs, wants, tolerances, pool), code)
+    from ..verify.harness import first_difference
+
+    try:
+        got = program.executor(graphs=False).run(feed)
+    except Exception as exc:  # a launch error is a fallback reason, not a crash
+        return False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", code
+    for v, t, want, (atol, rtol) in zip(outputs, got, wants, tolerances):
+        problem = first_difference(v.name, t, want, atol, rtol)
+        if problem:
+            return False, problem.replace("the reference", "ATen"), code
     return True, "matches ATen", code
+
+
+def _check_in_worker(program: Program, feed: list[torch.Tensor], outputs: list[Value], wants: list[torch.Tensor],
+                     tolerances: list[tuple[float, float]], pool: Any) -> tuple[bool, str]:
+    from ..verify import VerifyConfig
+
+    config = VerifyConfig(device="cuda" if any(t.is_cuda for t in feed) else None)
+    job = {"kind": "program", "artifact": program.serialize(), "inputs": [t.detach().cpu() for t in feed],
+           "expected": [t.detach().cpu() for t in wants], "tolerances": tolerances,
+           "names": [v.name for v in outputs], "config": config.to_dict()}
+    result = pool.run(job, config.compile_time_limit_s, config.run_time_limit_s)
+    if result.get("correct"):
+        return True, "matches ATen (checked in the Verifier's isolated worker)"
+    error = result.get("error") or {}
+    message = str(error.get("message") or "the worker reported no result").replace("the reference", "ATen")
+    kind = error.get("kind", "")
+    return False, message if kind in ("incorrect", "") else f"{kind}: {message}"

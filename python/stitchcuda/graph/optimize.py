@@ -177,12 +177,15 @@ def _random_like(t: torch.Tensor, seed: int) -> torch.Tensor:
 
 def optimize(model: torch.nn.Module, example_inputs: Sequence[Any], *, llm: Any = None, precision: str = "fp32",
              graphs: bool = True, verify_sets: int = 3, measure: bool = True, compare_compile: bool = True,
-             progress: bool | None = None) -> OptimizedModule:
+             progress: bool | None = None, isolated: bool = True) -> OptimizedModule:
     """Optimizes `model` for inputs shaped like `example_inputs` (on a CUDA device).
 
     Returns an OptimizedModule whose `.report` says what was done and why; when a stage cannot proceed
     (capture, lowering, verification, no GPU) the module runs the original model and the report says why.
     `llm` is reserved for the LLM agents (graph mode uses the built-in Planner and template Coder).
+    `isolated`: each generated group is checked against its ATen subgraph in the Verifier's isolated
+    worker process (a fault or hang in generated code becomes a fallback reason); False checks them in
+    this process, which saves the worker's start-up.
     """
     report = Report()
     steps = _Progress(progress)
@@ -220,10 +223,17 @@ def optimize(model: torch.nn.Module, example_inputs: Sequence[Any], *, llm: Any 
         codes = {}
         with steps.step(f"generating and checking {sum(g.kind in ('gemm', 'pointwise', 'reduction') for g in plan.groups)} group(s)"):
             t0 = time.perf_counter()
+            pool = None
+            if isolated:
+                from ..verify import default_pool
+
+                pool = default_pool()
+                report.decisions.append(("group checks in the Verifier's isolated worker",
+                                         "generated code runs apart from this process until it matches ATen"))
             for g in plan.groups:
                 if g.kind not in ("gemm", "pointwise", "reduction"):
                     continue
-                ok, why, code = check_group(graph, plan, g, values, constants, sm_count)
+                ok, why, code = check_group(graph, plan, g, values, constants, sm_count, pool)
                 codes[id(g)] = code
                 if not ok:
                     fallback.add(id(g))

@@ -25,7 +25,7 @@ from .report import OutputError, VerifyReport, build_feedback, compare_output, f
 from .static import MAJOR, MINOR
 from .task import Task, TaskError, load_source_module
 
-__all__ = ["run_job", "classify_exception", "map_compile_log"]
+__all__ = ["run_job", "classify_exception", "map_compile_log", "first_difference"]
 
 NAN_POISON = float("nan")
 SENTINEL = 7777.0  # second poison: an unwritten element holds it in every run
@@ -92,10 +92,64 @@ def map_compile_log(exc: CompileError, candidate_source: str) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
+def first_difference(name: str, got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float) -> str | None:
+    """None when `got` matches `want` within atol + rtol·|want| (NaN where NaN), else the first problem
+    in words: the shape, or the largest error with where it is and both values."""
+    if tuple(got.shape) != tuple(want.shape):
+        return f"output '{name}' has shape {tuple(got.shape)}, the reference's {tuple(want.shape)}"
+    got, want = got.float().cpu(), want.float().cpu()
+    if torch.allclose(got, want, atol=atol, rtol=rtol, equal_nan=True):
+        return None
+    diff = torch.nan_to_num((got - want).abs(), nan=float("inf"))
+    idx = int(diff.argmax())
+    return (f"output '{name}' differs from the reference: max |error| {diff.max().item():.3g} at flat index {idx} "
+            f"(expected {want.flatten()[idx].item():.6g}, got {got.flatten()[idx].item():.6g})")
+
+
+def run_program_job(job: dict[str, Any], progress: Callable[[str], None]) -> dict[str, Any]:
+    """Runs a saved program (job["artifact"]: .stitch bytes) on job["inputs"] and compares each output
+    with job["expected"] under job["tolerances"] ([(atol, rtol)] per output, named by job["names"]):
+    graph mode's check of one generated group against its ATen subgraph, isolated like a candidate.
+    Returns a VerifyReport dict (correct, error, outputs as messages in feedback) plus "recycle"."""
+    started = time.perf_counter()
+    report, recycle = VerifyReport(), False
+    try:
+        from ..program import Program
+
+        program = Program.deserialize(job["artifact"])
+        device = torch.device(VerifyConfig.from_dict(job["config"]).device or "cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        executor = program.executor(graphs=False)  # CUBINs from the artifact: nothing recompiles
+        report.compiled = True
+        progress("run")
+        got = executor.run([t.to(device) for t in job["inputs"]])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        problems = [first_difference(n, g, w, atol, rtol) for n, g, w, (atol, rtol)
+                    in zip(job["names"], got, job["expected"], job["tolerances"])]
+        problems = [p for p in problems if p]
+        report.correct = not problems and len(got) == len(job["expected"])
+        if problems:
+            report.fail("incorrect", problems[0])
+    except Exception as exc:  # noqa: BLE001 - whatever the program did becomes the report
+        kind = classify_exception(exc)
+        recycle = context_poisoned(exc)
+        report.fail(kind, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    report.feedback = build_feedback(report)
+    report.wall_s = time.perf_counter() - started
+    data = report.to_dict()
+    data["recycle"] = recycle
+    return data
+
+
 def run_job(job: dict[str, Any], progress: Callable[[str], None]) -> dict[str, Any]:
     """Verifies ``job`` = {"reference": Task spec, "candidate": source, "candidate_name": str,
     "config": VerifyConfig dict}; returns the report as a dict plus "recycle" (the worker should be
-    replaced: sticky CUDA error, patched timing functions)."""
+    replaced: sticky CUDA error, patched timing functions). A job with "kind": "program" checks a
+    saved program against expected outputs instead (``run_program_job``)."""
+    if job.get("kind") == "program":
+        return run_program_job(job, progress)
     started = time.perf_counter()
     report = VerifyReport()
     run = _Run(job, report, progress)
