@@ -220,3 +220,13 @@ def test_without_profile_advice_the_bottleneck_is_the_distance_to_the_memory_spe
     assert r.profile["bottleneck"].startswith("the kernels run") and "(1% of that memory speed of light)" in \
         r.profile["bottleneck"] and "vector loads" in r.profile["bottleneck"], r.profile
     assert "Bottleneck: the kernels run" in r.feedback
+
+
+def test_first_difference_names_the_shape_or_the_largest_error():
+    want = torch.tensor([1.0, float("nan"), 3.0])
+    assert harness.first_difference("y", want.clone(), want, 1e-5, 1e-5) is None  # NaN where NaN
+    assert "shape (2,)" in harness.first_difference("y", torch.zeros(2), want, 1e-5, 1e-5)
+    got = torch.tensor([1.0, float("nan"), 3.5])
+    text = harness.first_difference("y", got, want, 1e-5, 1e-5)
+    assert text.startswith("output 'y' differs") and "flat index 2" in text and "expected 3" in text and "got 3.5" in text
+    assert "flat index 1" in harness.first_difference("y", torch.tensor([1.0, 2.0, 3.0]), want, 1e-5, 1e-5)

@@ -100,7 +100,8 @@ def first_difference(name: str, got: torch.Tensor, want: torch.Tensor, atol: flo
     got, want = got.float().cpu(), want.float().cpu()
     if torch.allclose(got, want, atol=atol, rtol=rtol, equal_nan=True):
         return None
-    diff = torch.nan_to_num((got - want).abs(), nan=float("inf"))
+    both_nan = got.isnan() & want.isnan()
+    diff = torch.nan_to_num((got - want).abs(), nan=float("inf")).masked_fill(both_nan, 0.0)  # one NaN: infinite
     idx = int(diff.argmax())
     return (f"output '{name}' differs from the reference: max |error| {diff.max().item():.3g} at flat index {idx} "
             f"(expected {want.flatten()[idx].item():.6g}, got {got.flatten()[idx].item():.6g})")
@@ -117,9 +118,8 @@ def run_program_job(job: dict[str, Any], progress: Callable[[str], None]) -> dic
         from ..program import Program
 
         program = Program.deserialize(job["artifact"])
+        # "cuda" is the worker's own GPU (the pool set it current when the worker started).
         device = torch.device(VerifyConfig.from_dict(job["config"]).device or "cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
         executor = program.executor(graphs=False)  # CUBINs from the artifact: nothing recompiles
         report.compiled = True
         progress("run")
