@@ -17,6 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..program import Program, ProgramModule
+from ..verify.harness import first_difference
 from .capture import CaptureError, Graph, capture
 from .lower import Lowering, LoweringError, check_group, reference_values, tolerance
 from .planner import OfflinePlanner, Plan
@@ -346,18 +347,19 @@ def _verify(model, optimized: OptimizedModule, example_inputs, sets: int, plan: 
                 return {"passed": False, "input_sets": k + 1, "max_abs_error": float("inf"), "max_rel_error_fp64": float("inf"),
                         "detail": f"output {i} is {g.dtype}{list(g.shape)}, the model's {w.dtype}{list(w.shape)}"}
             atol, rtol = tolerance(w.dtype, plan.precision)
-            diff = (g.float() - w.float()).abs()
-            worst_abs = max(worst_abs, float(torch.nan_to_num(diff, nan=float("inf")).max()) if diff.numel() else 0.0)
+            # NaN where the model has NaN is no error; NaN anywhere else is an infinite one.
+            diff = torch.nan_to_num((g.float() - w.float()).abs(), nan=float("inf")).masked_fill(
+                g.isnan() & w.isnan(), 0.0)
+            worst_abs = max(worst_abs, float(diff.max()) if diff.numel() else 0.0)
             if exact is not None and diff.numel():
                 # Normwise: max |got - exact| / max |exact| (elementwise ratios explode near zero).
                 ref = exact[i].double()
                 scale = float(ref.abs().max()) or 1.0
                 worst_rel = max(worst_rel, float((g.double() - ref).abs().max()) / scale)
-            if not torch.allclose(g.float(), w.float(), atol=atol, rtol=rtol, equal_nan=True) and passed:
+            problem = first_difference(str(i), g, w, atol, rtol) if passed else None
+            if problem:
                 passed = False
-                idx = int(torch.nan_to_num(diff, nan=float("inf")).argmax())
-                detail = (f"input set {k}, output {i}: max |error| {float(diff.max()):.3g} at flat index {idx} "
-                          f"(expected {w.flatten()[idx].item():.6g}, got {g.flatten()[idx].item():.6g})")
+                detail = f"input set {k}, {problem.replace('the reference', 'the model')}"
     return {"passed": passed, "input_sets": sets, "max_abs_error": worst_abs, "max_rel_error_fp64": worst_rel,
             "detail": detail}
 
