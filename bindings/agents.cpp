@@ -22,24 +22,7 @@ namespace {
 
 using namespace stitchcuda::agents;
 
-[[noreturn]] void invalid(const std::string& message) { throw_error(Error{ErrorCode::InvalidArgument, message, {}, {}}); }
-
 py::object json_loads(const std::string& text) { return py::module_::import("json").attr("loads")(text); }
-
-// Unknown keys are errors that list the known ones, as in the llm and jit bindings.
-void check_keys(const py::dict& d, std::initializer_list<const char*> known, const char* what) {
-  for (auto [k, v] : d) {
-    const std::string key = py::str(k);
-    if (std::none_of(known.begin(), known.end(), [&](const char* n) { return key == n; })) {
-      std::string list;
-      for (auto n : known) {
-        if (!list.empty()) list += ", ";
-        list += n;
-      }
-      invalid("unknown " + std::string(what) + " '" + key + "'; known: " + list);
-    }
-  }
-}
 
 template <class T>
 T get_or(const py::dict& d, const char* key, T fallback) {

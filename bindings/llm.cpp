@@ -20,22 +20,6 @@ using namespace stitchcuda;
 namespace stitchcuda::bindings {
 namespace {
 
-[[noreturn]] void invalid(const std::string& message) { throw_error(Error{ErrorCode::InvalidArgument, message, {}, {}}); }
-
-// Unknown keys are errors that list the known ones, as in the jit bindings.
-void check_keys(const py::dict& d, std::initializer_list<const char*> known, const char* what) {
-  for (auto [k, v] : d) {
-    const std::string key = py::str(k);
-    if (std::none_of(known.begin(), known.end(), [&](const char* n) { return key == n; })) {
-      std::string list;
-      for (auto n : known) {
-        if (!list.empty()) list += ", ";
-        list += n;
-      }
-      invalid("unknown " + std::string(what) + " '" + key + "'; known: " + list);
-    }
-  }
-}
 
 std::vector<llm::Message> to_messages(const py::handle& seq) {
   if (!py::isinstance<py::sequence>(seq) || py::isinstance<py::str>(seq))

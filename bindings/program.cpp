@@ -16,8 +16,6 @@ namespace {
 
 using namespace stitchcuda::program;
 
-[[noreturn]] void invalid(const std::string& message) { throw_error(Error{ErrorCode::InvalidArgument, message}); }
-
 DType dtype_of(const std::string& name) {
   auto d = dtype_from_string(name);
   if (!d) invalid("unknown dtype '" + name + "': use f32, f16, bf16, f64, i32, i64, u8 or bool");
@@ -57,7 +55,7 @@ Attribute attribute_of(const std::string& key, const py::handle& v) {
     if (all_int) return seq.cast<std::vector<std::int64_t>>();
     return seq.cast<std::vector<double>>();
   }
-  invalid("attribute '" + key + "' has a value of type " + std::string(py::str(v.get_type().attr("__name__"))) +
+  invalid("attribute '" + key + "' has a value of type " + std::string(py::str(py::type::handle_of(v).attr("__name__"))) +
           ": use int, float, bool, str or a list of numbers");
 }
 
@@ -136,7 +134,7 @@ std::vector<at::Tensor> tensors_of(const py::sequence& seq, const char* what) {
   for (std::size_t i = 0; i < seq.size(); ++i) {
     py::object item = seq[i];
     if (!THPVariable_Check(item.ptr()))
-      invalid(std::string(what) + " " + std::to_string(i) + " is a " + std::string(py::str(item.get_type().attr("__name__"))) +
+      invalid(std::string(what) + " " + std::to_string(i) + " is a " + std::string(py::str(py::type::handle_of(item).attr("__name__"))) +
               ", not a torch.Tensor");
     out.push_back(THPVariable_Unpack(item.ptr()));
   }
