@@ -146,6 +146,17 @@ def test_impossible_speed(fake_gpu):
     assert "impossible-speed" in majors(r) and r.correct
 
 
+def test_too_little_gpu_work_per_call_is_impossible_even_when_events_look_slow(fake_gpu):
+    # A Python-level cache with a sync in it: events see host time, CUPTI sees 1 ns of GPU work.
+    fake_gpu(per_call_ms=0.5, cupti={"available": True, "kernel_ms_per_call": 1e-6, "gpu_ms_per_call": 1e-6,
+                                     "kernels_per_call": 1.0, "streams": [7], "outside_window": [],
+                                     "outside_count": 0, "kernels": [], "summary": None, "advice": []})
+    r, _ = run()
+    hits = [f for f in r.findings if f.rule == "impossible-speed"]
+    assert hits and hits[0].severity == "major" and hits[0].evidence.startswith("CUPTI: 0.00000 ms"), r.findings
+    assert r.hack and r.timing["cupti_gpu_ms"] == 1e-6
+
+
 def test_unjoined_work_outside_the_window(fake_gpu):
     fake_gpu(per_call_ms=0.5, cupti={"available": True, "kernel_ms_per_call": 0.4, "kernels_per_call": 2.0,
                                      "streams": [7, 9], "outside_count": 3, "kernels": [],

@@ -18,8 +18,8 @@ def kernel(name, start, end, stream=7):
 
 
 class FakeScope:
-    def __init__(self, kernels):
-        self.trace = SimpleNamespace(kernels=kernels)
+    def __init__(self, kernels, memcpys=()):
+        self.trace = SimpleNamespace(kernels=kernels, memcpys=list(memcpys), memsets=[])
 
     def __enter__(self):
         return self
@@ -31,12 +31,12 @@ class FakeScope:
         raise RuntimeError("no summary in this fake")
 
 
-def fake_check(kernels, monkeypatch):
+def fake_check(kernels, monkeypatch, memcpys=()):
     monkeypatch.setattr(gpu, "_SYNC", lambda: None)
     monkeypatch.setattr(gpu.time, "sleep", lambda s: None)
     check = object.__new__(gpu.CuptiCheck)
     check.available, check.reason = True, ""
-    check._trace = lambda **kw: FakeScope(kernels)
+    check._trace = lambda **kw: FakeScope(kernels, memcpys)
     check._advise = lambda s: []
     check._marker = lambda *a: None
     check._flag = None
@@ -55,6 +55,14 @@ def test_kernels_inside_windows_union_over_streams(monkeypatch):
     assert result["kernel_ms_per_call"] == pytest.approx(20e-6)
     assert result["streams"] == [7, 9]
     assert result["kernels"][0]["name"] == "a" and result["kernels"][0]["calls"] == 2
+
+
+def test_copies_count_as_gpu_work_but_not_as_kernel_time(monkeypatch):
+    kernels = [kernel(M, 0, 1), kernel("a", 10, 20), kernel(M, 50, 51)]
+    copies = [SimpleNamespace(start_ns=15, end_ns=40, duration_ns=25, stream_id=7)]  # overlaps "a"
+    result = fake_check(kernels, monkeypatch, copies).measure(lambda: None, [[]], calls=1)
+    assert result["kernel_ms_per_call"] == pytest.approx(10e-6)
+    assert result["gpu_ms_per_call"] == pytest.approx(30e-6)  # [10, 40], the overlap counted once
 
 
 def test_kernels_outside_windows_are_reported(monkeypatch):

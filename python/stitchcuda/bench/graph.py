@@ -94,7 +94,8 @@ def optimize_time(gpu: bool) -> dict:
             jit.set_cache_dir(saved)
     r = fast.report
     steps = [g["kind"] for g in r.groups]
-    out.update(ops=sum(r.op_counts.values()), groups=len(steps), generated_kernels=sum(1 for g in r.groups if "kernel" in g),
+    out["ops"] = sum(r.op_counts.values())
+    out.update(groups=len(steps), generated_kernels=sum(1 for g in r.groups if "kernel" in g),
                status=r.status, verified=r.verification.get("passed"),
                scope="capture, plan, generate, compile, verify" if gpu else
                "capture, plan, generate and NVRTC compile only (no GPU: nothing verified)",

@@ -661,11 +661,20 @@ class _Run:
         return compiled
 
     def _speed_of_light(self, inputs, cand_ms) -> None:
-        out = _flatten(self.reference(*_clone(inputs)))
-        nbytes = sum(x.numel() * x.element_size() for x in [*inputs, *out] if isinstance(x, torch.Tensor))
+        args = _clone(inputs)
+        out = _flatten(self.reference(*args))
+        # An output that is a view of an input costs no traffic of its own.
+        held = {x.untyped_storage().data_ptr() for x in args if isinstance(x, torch.Tensor)}
+        fresh = [x for x in out if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in held]
+        nbytes = sum(x.numel() * x.element_size() for x in [*inputs, *fresh] if isinstance(x, torch.Tensor))
         bound_ms = nbytes / (self.config.bandwidth_tb_s * 1e12) * 1e3
         self.report.timing["speed_of_light_ms"] = bound_ms
         self.report.timing["bytes_moved_min"] = nbytes
+        # The floor for GPU work measured without an L2 flush (the CUPTI cross-check): whatever fits in
+        # L2 may be served from it, the rest has to cross DRAM.
+        l2 = int(getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 0) or 0) \
+            if self.device.type == "cuda" else 0
+        self.report.timing["dram_floor_ms"] = max(nbytes - l2, 0) / (self.config.bandwidth_tb_s * 1e12) * 1e3
         # 10% margin for the noise of one event pair.
         if cand_ms < 0.9 * bound_ms:
             self.report.add("impossible-speed", MAJOR, "the measured time is below the memory speed-of-light "
@@ -707,6 +716,17 @@ class _Run:
             self.report.profile["bottleneck"] = self.report.profile["advice"][0]
         self.report.timing["cupti_kernel_ms"] = kernel_ms
         self.report.timing["event_over_cupti"] = cand_ms / kernel_ms if kernel_ms > 0 else None
+        gpu_ms = result.get("gpu_ms_per_call", kernel_ms)
+        self.report.timing["cupti_gpu_ms"] = gpu_ms
+        floor_ms = self.report.timing.get("dram_floor_ms") or 0.0
+        # Events include host time (a Python-level cache lookup, a sync): only CUPTI shows that the GPU
+        # itself did too little. 10% margin, as for the events.
+        if floor_ms > 0 and gpu_ms < 0.9 * floor_ms and \
+                not any(f.rule == "impossible-speed" for f in self.report.findings):
+            self.report.add("impossible-speed", MAJOR, "the GPU did less work per call than reading the inputs "
+                            "and writing the outputs takes: the result was cached or skipped, not computed.",
+                            f"CUPTI: {gpu_ms:.5f} ms of kernels and copies per call (all streams) < "
+                            f"{floor_ms:.5f} ms for the bytes beyond L2 at {self.config.bandwidth_tb_s} TB/s")
         if result["outside_count"]:
             ev = result["outside_window"][0]
             self.report.add("unjoined-work", MAJOR, "CUPTI saw candidate kernels running outside the timed "
