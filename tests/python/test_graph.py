@@ -82,7 +82,7 @@ def test_fused_kernel_source_reads_like_the_ops():
                            ["const float t0 = in0 * 2.0f;"], [("out0", "t0", torch.float32)])
     assert vec.vectorized and "float4" in vec.source
     for kind in ("softmax", "log_softmax", "layer_norm", "sum", "mean", "amax", "amin"):
-        for cols in (16, 3000, 9000):
+        for cols in (16, 3000, 3001, 9000, 32768):  # warp, registers, block, registers, registers at the limit
             code = row_reduction_kernel(f"r_{kind}_{cols}", kind, 8, cols, torch.float32,
                                         has_weight=kind == "layer_norm", has_bias=kind == "layer_norm")
             jit.compile(code.source, code.name)

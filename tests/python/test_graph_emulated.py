@@ -39,8 +39,8 @@ def _run(emu, code, tensors: dict):
     kernel(code.grid, code.block, *args)
 
 
-@pytest.mark.parametrize("rows, cols", [(6, 16), (3, 100), (2, 3000), (2, 5000)],
-                         ids=["warp-short", "warp-long", "block-256", "block-512"])
+@pytest.mark.parametrize("rows, cols", [(6, 16), (3, 100), (2, 3001), (2, 5002), (2, 3000), (3, 5000)],
+                         ids=["warp-short", "warp-long", "block-256", "block-512", "registers-full", "registers-partial"])
 @pytest.mark.parametrize("kind", ["softmax", "log_softmax", "layer_norm", "sum", "mean", "amax", "amin"])
 def test_row_reductions_match_torch(emu, kind, rows, cols):
     torch.manual_seed(rows * cols)
@@ -64,6 +64,32 @@ def test_softmax_of_a_row_of_minus_infinity_is_nan_as_in_torch(emu):
     y = torch.zeros(4, 64)
     _run(emu, code, {"x": x, "y": y})
     torch.testing.assert_close(y, torch.softmax(x, -1), equal_nan=True)
+
+
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax", "layer_norm"])
+def test_rows_held_in_registers_take_scalar_loads_when_misaligned(emu, kind):
+    rows, cols = 3, 2048
+    code = row_reduction_kernel(f"r_{kind}_odd", kind, rows, cols, torch.float32, has_weight=True, has_bias=True)
+    assert "row held in registers" in code.description and code.block == 128
+    storage = torch.randn(rows * cols + 1)
+    x = storage[1:].view(rows, cols)  # 4 bytes past a 16-byte boundary
+    x[1, 7] = float("-inf") if kind != "layer_norm" else x[1, 7]
+    w, b = torch.randn(cols), torch.randn(cols)
+    expected = {"softmax": lambda: torch.softmax(x, -1), "log_softmax": lambda: torch.log_softmax(x, -1),
+                "layer_norm": lambda: torch.nn.functional.layer_norm(x, (cols,), w, b, 1e-5)}[kind]()
+    y = torch.full((rows * cols + 1,), float("nan"))[1:].view(rows, cols)
+    _run(emu, code, {"x": x, "weight": w, "bias": b, "y": y})
+    torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_row_of_minus_infinity_held_in_registers_is_nan_as_in_torch(emu):
+    x = torch.randn(3, 2048)
+    x[2] = float("-inf")
+    for kind, fn in (("softmax", torch.softmax), ("log_softmax", torch.log_softmax)):
+        code = row_reduction_kernel(f"r_inf_{kind}", kind, 3, 2048, torch.float32)
+        y = torch.zeros(3, 2048)
+        _run(emu, code, {"x": x, "y": y})
+        torch.testing.assert_close(y, fn(x, -1), equal_nan=True)
 
 
 def test_broadcast_pointwise_matches_torch(emu):

@@ -5,7 +5,9 @@
   output's shape;
 - row reductions over the trailing contiguous dimensions: online softmax / log-softmax, one-pass
   (Welford) layer norm, sum / mean / amax / amin — a warp per row for short rows, a block per row with
-  a shared-memory combine of the warps' partials for long ones.
+  a shared-memory combine of the warps' partials for long ones; long fp32 rows of softmax, log-softmax
+  and layer norm (up to 32,768 elements) are held in registers, so that memory sees one read and one
+  write per element with 16-byte accesses.
 
 Every kernel is `extern "C"`, computes in fp32 (fp16/bf16 are converted on load and store) and takes its
 sizes as arguments where they vary; shapes that select the code path are baked in as constants.
@@ -323,6 +325,9 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
     if kind not in REDUCTIONS:
         raise ValueError(f"unknown reduction '{kind}'")
     out_dtype = out_dtype or dtype
+    if (kind in ("softmax", "log_softmax", "layer_norm") and dtype == out_dtype == torch.float32
+            and cols % 4 == 0 and 1024 < cols <= CACHED_ROW_MAX):
+        return _cached_row_kernel(name, kind, rows, cols, eps, has_weight, has_bias)
     tpr = 32 if cols <= 1024 else (256 if cols <= 4096 else 512)  # threads per row
     rpb = 4 if tpr == 32 else 1                                     # rows per block
     warps = tpr // 32
@@ -413,3 +418,125 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
                       f"{kind} over {rows} rows of {cols}, {'warp' if tpr == 32 else 'block'} per row, warp shuffles"
                       + (" + shared-memory combine" if shared else "") + (", Welford" if kind == "layer_norm" else "")
                       + (", online" if kind in ("softmax", "log_softmax") else ""))
+
+
+# ---- long fp32 rows held in registers ----
+
+CACHED_ROW_MAX = 32768  # 8 float4 per thread at 1,024 threads
+
+_BLOCK_PRELUDE = r"""
+// Reductions over the whole block (one row per block); every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float* sh) {
+  v = warp_sum(v);
+  if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = (threadIdx.x & 31) < WARPS ? sh[threadIdx.x & 31] : 0.0f;
+  v = warp_sum(v);
+  __syncthreads();  // sh is reused by the next reduction
+  return v;
+}
+__device__ __forceinline__ float block_max(float v, float* sh) {
+  v = warp_max(v);
+  if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = (threadIdx.x & 31) < WARPS ? sh[threadIdx.x & 31] : -__int_as_float(0x7f800000);
+  v = warp_max(v);
+  __syncthreads();
+  return v;
+}
+"""
+
+
+def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, has_weight: bool,
+                       has_bias: bool) -> KernelCode:
+    """Softmax, log-softmax or layer norm over long fp32 rows, one block per row: the row is read once
+    from memory with 16-byte loads into registers (VPT float4 per thread), reduced there (exact two-pass
+    statistics, one exp per element) and written once with 16-byte stores. Rows that are not 16-byte
+    aligned (a view at an odd offset) take scalar loads into the same registers."""
+    c4 = cols // 4
+    tpr = 128
+    while tpr < 1024 and tpr * 4 < c4:  # about four float4 per thread
+        tpr *= 2
+    vpt = -(-c4 // tpr)
+    params = ["const float* __restrict__ x"]
+    ptrs = ["x + row * cols", "y + row * cols"]
+    if has_weight:
+        params.append("const float* __restrict__ w")
+    if has_bias:
+        params.append("const float* __restrict__ b")
+    params += ["float* __restrict__ y", "long long rows", "long long cols"]
+    aligned = " | ".join(f"reinterpret_cast<unsigned long long>({p})" for p in
+                         ["xr", "yr"] + (["w"] if has_weight else []) + (["b"] if has_bias else []))
+    L = [_PRELUDE, _ROW_PRELUDE,
+         f"// {name}: {kind} over rows of {cols}, one block of {tpr} threads per row, the row held in registers",
+         f"#define TPR {tpr}", f"#define WARPS {tpr // 32}", f"#define VPT {vpt}", f"#define C4 {c4}",
+         _BLOCK_PRELUDE,
+         "__device__ __forceinline__ float4 load4(const float* p, int c4, bool vec) {",
+         "  return vec ? reinterpret_cast<const float4*>(p)[c4] : make_float4(p[4 * c4], p[4 * c4 + 1], p[4 * c4 + 2], p[4 * c4 + 3]);",
+         "}",
+         "__device__ __forceinline__ void store4(float* p, int c4, float4 v, bool vec) {",
+         "  if (vec) { reinterpret_cast<float4*>(p)[c4] = v; return; }",
+         "  p[4 * c4] = v.x; p[4 * c4 + 1] = v.y; p[4 * c4 + 2] = v.z; p[4 * c4 + 3] = v.w;",
+         "}",
+         f'extern "C" __global__ void __launch_bounds__(TPR) {name}({", ".join(params)}) {{',
+         "  const long long row = blockIdx.x;",
+         "  if (row >= rows) return;",
+         "  __shared__ float sh[WARPS];",
+         f"  const float* xr = {ptrs[0]};",
+         f"  float* yr = {ptrs[1]};",
+         f"  const bool vec = (({aligned}) & 15ULL) == 0;",
+         "  float4 v[VPT];",
+         "#pragma unroll",
+         "  for (int k = 0; k < VPT; ++k) {",
+         "    const int c = threadIdx.x + k * TPR;",
+         "    v[k] = c < C4 ? load4(xr, c, vec) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);",
+         "  }"]
+
+    def each(body: list[str]) -> None:
+        L.extend(["#pragma unroll", "  for (int k = 0; k < VPT; ++k) {",
+                  "    if (threadIdx.x + k * TPR >= C4) break;", *[f"    {b}" for b in body], "  }"])
+
+    if kind in ("softmax", "log_softmax"):
+        L.append("  float m = -__int_as_float(0x7f800000);")
+        each(["m = nanmax(m, nanmax(nanmax(v[k].x, v[k].y), nanmax(v[k].z, v[k].w)));"])
+        L += ["  m = block_max(m, sh);", "  float s = 0.0f;"]
+        if kind == "softmax":
+            each(["v[k] = make_float4(expf(v[k].x - m), expf(v[k].y - m), expf(v[k].z - m), expf(v[k].w - m));",
+                  "s += (v[k].x + v[k].y) + (v[k].z + v[k].w);"])
+            L += ["  const float inv = 1.0f / block_sum(s, sh);"]
+            each(["store4(yr, threadIdx.x + k * TPR, make_float4(v[k].x * inv, v[k].y * inv, v[k].z * inv, "
+                  "v[k].w * inv), vec);"])
+        else:
+            each(["s += (expf(v[k].x - m) + expf(v[k].y - m)) + (expf(v[k].z - m) + expf(v[k].w - m));"])
+            L += ["  const float shift = m + logf(block_sum(s, sh));"]
+            each(["store4(yr, threadIdx.x + k * TPR, make_float4(v[k].x - shift, v[k].y - shift, v[k].z - shift, "
+                  "v[k].w - shift), vec);"])
+    else:  # layer norm: exact mean, then the mean of squared deviations, both from registers
+        L.append("  float s = 0.0f;")
+        each(["s += (v[k].x + v[k].y) + (v[k].z + v[k].w);"])
+        L += ["  const float mean = block_sum(s, sh) / (float)cols;", "  float q = 0.0f;"]
+        each(["const float4 d = make_float4(v[k].x - mean, v[k].y - mean, v[k].z - mean, v[k].w - mean);",
+              "q += (d.x * d.x + d.y * d.y) + (d.z * d.z + d.w * d.w);"])
+        L.append(f"  const float rstd = rsqrtf(block_sum(q, sh) / (float)cols + {_lit(eps)});")
+        body = ["const int c = threadIdx.x + k * TPR;",
+                "float4 o = make_float4((v[k].x - mean) * rstd, (v[k].y - mean) * rstd, (v[k].z - mean) * rstd, "
+                "(v[k].w - mean) * rstd);"]
+        if has_weight:
+            body += ["const float4 g = load4(w, c, vec);",
+                     "o.x *= g.x; o.y *= g.y; o.z *= g.z; o.w *= g.w;"]
+        if has_bias:
+            body += ["const float4 h = load4(b, c, vec);",
+                     "o.x += h.x; o.y += h.y; o.z += h.z; o.w += h.w;"]
+        body.append("store4(yr, c, o, vec);")
+        each(body)
+    L.append("}")
+    args: list[tuple[str, object]] = [("in", "x")]
+    if has_weight:
+        args.append(("in", "weight"))
+    if has_bias:
+        args.append(("in", "bias"))
+    args += [("out", "y"), ("i64", rows), ("i64", cols)]
+    what = "exact two-pass mean and variance" if kind == "layer_norm" else "max, then one exp per element"
+    return KernelCode("\n".join(L) + "\n", name, rows, tpr, args,
+                      f"{kind} over {rows} rows of {cols}, block per row, row held in registers "
+                      f"({vpt} float4 per thread), one read and one write, {what}", vectorized=True)
