@@ -237,3 +237,26 @@ def test_bench_suite_without_a_gpu_says_why_and_returns_3(capsys):
     assert suite.run(json_output=True) == 3
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and "no GPU" in out
+
+
+def test_bench_suite_jobs_come_from_the_environment(monkeypatch):
+    files = suite.model_files(SUITE)
+    monkeypatch.setenv("STITCHCUDA_SUITE_JOBS", "0")
+    assert suite._jobs(files) == 0
+    monkeypatch.setenv("STITCHCUDA_SUITE_JOBS", "3")
+    assert suite._jobs(files) == 3
+    monkeypatch.setenv("STITCHCUDA_SUITE_JOBS", "many")
+    with pytest.raises(SystemExit, match="STITCHCUDA_SUITE_JOBS must be a whole number, got 'many'"):
+        suite._jobs(files)
+    monkeypatch.delenv("STITCHCUDA_SUITE_JOBS")
+    assert suite._jobs(files[:1]) == 0 and 1 <= suite._jobs(files) <= 8
+
+
+def test_bench_suite_warm_pool_reports_every_model_and_its_error():
+    # Spawned workers, as on the GPU machine; here every model stops at .cuda() and says so.
+    files = suite.model_files(SUITE, "softmax_rows,gemm_bias_relu")
+    warm = suite.warm_caches(files, jobs=2)
+    assert warm["jobs"] == 2 and set(warm["per_model_s"]) == {"softmax_rows", "gemm_bias_relu"}
+    if not torch.cuda.is_available():
+        assert set(warm["errors"]) == {"softmax_rows", "gemm_bias_relu"}
+        assert all("NVIDIA driver" in e or "CUDA" in e for e in warm["errors"].values()), warm["errors"]
