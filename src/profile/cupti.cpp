@@ -62,6 +62,7 @@ Result<CuptiApi> load_cupti() {
   bind(api.ActivityGetNextRecord, "cuptiActivityGetNextRecord");
   bind(api.ActivityGetNumDroppedRecords, "cuptiActivityGetNumDroppedRecords");
   bind(api.GetCallbackName, "cuptiGetCallbackName");
+  bind(api.ActivitySetAttribute, "cuptiActivitySetAttribute", false);
   bind(api.GetTimestamp, "cuptiGetTimestamp");
   // The range profiler's functions: Metrics refuses to run without them, tracing does not need them.
   auto bind_profiler = [&](auto& fn, const char* name) {

@@ -31,6 +31,7 @@ struct CuptiApi {
   decltype(&::cuptiActivityGetNextRecord) ActivityGetNextRecord = nullptr;
   decltype(&::cuptiActivityGetNumDroppedRecords) ActivityGetNumDroppedRecords = nullptr;
   decltype(&::cuptiGetCallbackName) GetCallbackName = nullptr;
+  decltype(&::cuptiActivitySetAttribute) ActivitySetAttribute = nullptr;  // optional
 
   // Range profiler (target side) and profiler host API.
   decltype(&::cuptiProfilerInitialize) ProfilerInitialize = nullptr;

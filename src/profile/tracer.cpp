@@ -1,5 +1,7 @@
 // The CUPTI Activity API behind Tracer: libcupti.so.13 is loaded at run time (never linked), records
 // arrive in buffers CUPTI hands back on its own thread, and every failure becomes an Unavailable value.
+#include <sys/mman.h>
+
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -36,20 +38,24 @@ Recording& recording() {
   return *r;
 }
 
-// CUPTI asks for an empty buffer; records must start 8-byte aligned.
+// CUPTI asks for an empty buffer (records 8-byte aligned) on the thread that is launching work. Fresh
+// anonymous pages are zero and page-aligned, and only the pages records reach get touched; start()
+// tells CUPTI the buffers come zeroed, or it clears all of them there, in the application's path
+// (~1 ms for 8 MiB: most of the measured overhead of tracing 1,000 launches).
 void CUPTIAPI buffer_requested(std::uint8_t** buffer, std::size_t* size, std::size_t* max_records) {
   std::size_t bytes;
   {
     std::lock_guard lock(recording().mutex);
     bytes = recording().buffer_bytes;
   }
-  *buffer = static_cast<std::uint8_t*>(std::aligned_alloc(8, bytes));
+  void* pages = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  *buffer = pages == MAP_FAILED ? nullptr : static_cast<std::uint8_t*>(pages);
   *size = *buffer ? bytes : 0;
   *max_records = 0;  // as many as fit
 }
 
 // CUPTI hands back a filled buffer (on its own thread, or inside cuptiActivityFlushAll).
-void CUPTIAPI buffer_completed(CUcontext context, std::uint32_t stream_id, std::uint8_t* buffer, std::size_t,
+void CUPTIAPI buffer_completed(CUcontext context, std::uint32_t stream_id, std::uint8_t* buffer, std::size_t size,
                                std::size_t valid_bytes) {
   auto api = cupti();
   Recording& rec = recording();
@@ -64,7 +70,7 @@ void CUPTIAPI buffer_completed(CUcontext context, std::uint32_t stream_id, std::
         rec.trace.dropped_records += dropped;
     }
   }
-  std::free(buffer);
+  if (buffer) munmap(buffer, size);
 }
 
 // The subscription only claims CUPTI, so that a second client is refused instead of stealing buffers.
@@ -75,9 +81,15 @@ void disable_kinds(const CuptiApi& api, Recording& rec) {
   rec.enabled.clear();
 }
 
-// Leaves CUPTI as it was found, so torch.profiler or Nsight can attach after us.
+// Leaves CUPTI as it was found, so torch.profiler or Nsight can attach after us (their buffers are not
+// zeroed: CUPTI must go back to clearing them).
 void disable_all(const CuptiApi& api, Recording& rec) {
   disable_kinds(api, rec);
+  if (api.ActivitySetAttribute) {
+    std::uint8_t zeroed = 0;
+    std::size_t zeroed_size = sizeof zeroed;
+    api.ActivitySetAttribute(CUPTI_ACTIVITY_ATTR_ZEROED_OUT_ACTIVITY_BUFFER, &zeroed_size, &zeroed);
+  }
   if (rec.subscriber) {
     api.Unsubscribe(rec.subscriber);
     rec.subscriber = nullptr;
@@ -160,6 +172,11 @@ Result<Tracer> Tracer::start(const TracerOptions& options) {
   if (r != CUPTI_SUCCESS) {
     rec.subscriber = nullptr;
     return tl::unexpected(cupti_error(api, r, "subscribing to CUPTI", other));
+  }
+  if (api.ActivitySetAttribute) {  // our buffers arrive zeroed (see buffer_requested); an old CUPTI clears them itself
+    std::uint8_t zeroed = 1;
+    std::size_t zeroed_size = sizeof zeroed;
+    api.ActivitySetAttribute(CUPTI_ACTIVITY_ATTR_ZEROED_OUT_ACTIVITY_BUFFER, &zeroed_size, &zeroed);
   }
   if (r = api.ActivityRegisterCallbacks(buffer_requested, buffer_completed); r != CUPTI_SUCCESS) {
     disable_all(api, rec);
