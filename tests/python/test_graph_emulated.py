@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "corpus"))
 from cpu_emulator.emulator import EmulatedJit, EmulatedModule, unavailable  # noqa: E402
 
-from stitchcuda.graph.templates import PointwiseInput, pointwise_kernel, row_reduction_kernel  # noqa: E402
+from stitchcuda.graph.templates import PointwiseInput, RowPrologue, pointwise_kernel, row_reduction_kernel  # noqa: E402
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"CUDA emulator: {unavailable()}")
 
@@ -90,6 +90,51 @@ def test_a_row_of_minus_infinity_held_in_registers_is_nan_as_in_torch(emu):
         y = torch.zeros(3, 2048)
         _run(emu, code, {"x": x, "y": y})
         torch.testing.assert_close(y, fn(x, -1), equal_nan=True)
+
+
+def _prologue_case(rows, cols):
+    """x = (a + b) * scale - shift[row]: a full-shape tensor, a row vector, a scalar and a per-row value."""
+    a, b = torch.randn(rows, cols), torch.randn(cols)
+    scale, shift = torch.tensor([1.5]), torch.randn(rows, 1)
+    inputs = [PointwiseInput("in0", torch.float32, (cols, 1)), PointwiseInput("in1", torch.float32, (0, 1)),
+              PointwiseInput("in2", torch.float32, (0, 0)), PointwiseInput("in3", torch.float32, (1, 0))]
+    body = ["const float t0 = (in0 + in1);", "const float t1 = (t0 * in2);", "const float t2 = (t1 - in3);"]
+    prologue = RowPrologue((rows, cols), inputs, body, "t2")
+    tensors = {"in0": a, "in1": b, "in2": scale, "in3": shift}
+    return prologue, tensors, (a + b) * scale - shift
+
+
+@pytest.mark.parametrize("rows, cols", [(5, 40), (2, 3001), (3, 2048)], ids=["warp", "block", "registers"])
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax", "layer_norm", "sum", "amax"])
+def test_elementwise_prologue_is_computed_on_load(emu, kind, rows, cols):
+    torch.manual_seed(cols)
+    prologue, tensors, x = _prologue_case(rows, cols)
+    w, b = torch.randn(cols), torch.randn(cols)
+    ln = kind == "layer_norm"
+    code = row_reduction_kernel(f"p_{kind}", kind, rows, cols, torch.float32, has_weight=ln, has_bias=ln,
+                                prologue=prologue)
+    assert [k for _, k in code.args[:4]] == ["in0", "in1", "in2", "in3"] and "x" not in [k for _, k in code.args]
+    expected = {"softmax": lambda: torch.softmax(x, -1), "log_softmax": lambda: torch.log_softmax(x, -1),
+                "layer_norm": lambda: torch.nn.functional.layer_norm(x, (cols,), w, b, 1e-5),
+                "sum": lambda: x.sum(-1), "amax": lambda: x.amax(-1)}[kind]()
+    y = torch.full_like(expected, float("nan"))
+    _run(emu, code, {**tensors, "weight": w, "bias": b, "y": y})
+    torch.testing.assert_close(y, expected, atol=1e-4 * (cols ** 0.5 if kind == "sum" else 1), rtol=1e-4)
+
+
+def test_a_prologue_of_row_and_column_operands_loads_16_bytes_at_a_time(emu):
+    rows, cols = 3, 2048
+    a, r, bias = torch.randn(rows, cols), torch.randn(rows, cols), torch.randn(cols)
+    inputs = [PointwiseInput("in0", torch.float32, (cols, 1)), PointwiseInput("in1", torch.float32, (cols, 1)),
+              PointwiseInput("in2", torch.float32, (0, 1))]
+    prologue = RowPrologue((rows, cols), inputs, ["const float t0 = ((in0 + in1) + in2);"], "t0")
+    assert prologue.vector_kinds(cols) == ["row", "row", "col"]
+    assert _prologue_case(rows, cols)[0].vector_kinds(cols) is None  # the per-row shift has no 16-byte path
+    code = row_reduction_kernel("p_ln", "layer_norm", rows, cols, torch.float32, prologue=prologue)
+    assert "(16-byte)" in code.description and "load4(p_in0 + row * COLS" in code.source
+    y = torch.empty(rows, cols)
+    _run(emu, code, {"in0": a, "in1": r, "in2": bias, "y": y})
+    torch.testing.assert_close(y, torch.nn.functional.layer_norm(a + r + bias, (cols,)), atol=1e-4, rtol=1e-4)
 
 
 def test_broadcast_pointwise_matches_torch(emu):

@@ -172,18 +172,34 @@ def test_golden_conv_is_an_aten_step_with_a_fused_batch_norm_relu_epilogue():
         ("pointwise", ["aten::_native_batch_norm_legit_no_training", "aten::relu"])]
 
 
-def test_golden_rmsnorm_from_torch_ops_is_square_mean_then_scale():
+def test_golden_rmsnorm_from_torch_ops_squares_inside_the_mean_then_scales():
     assert _partition("norm_rmsnorm") == [
-        ("pointwise", ["aten::pow.Tensor_Scalar"]),
-        ("reduction", ["aten::mean.dim"]),
+        ("reduction", ["aten::pow.Tensor_Scalar", "aten::mean.dim"]),
         ("pointwise", ["aten::add.Tensor", "aten::rsqrt"]),
         ("pointwise", ["aten::mul.Tensor", "aten::mul.Tensor"])]
+    mean = _planned("norm_rmsnorm").groups[0]
+    assert [n.op for n in mean.params["prologue"]] == ["aten::pow.Tensor_Scalar"] and "fused into its loads" in mean.reason
 
 
-def test_golden_logsumexp_alternates_reductions_and_pointwise():
+def test_golden_logsumexp_fuses_the_shifted_exp_into_the_sum():
     assert _partition("reduce_logsumexp_manual") == [
-        ("reduction", ["aten::amax"]), ("pointwise", ["aten::sub.Tensor", "aten::exp"]),
-        ("reduction", ["aten::sum.dim_IntList"]), ("pointwise", ["aten::log", "aten::add.Tensor"])]
+        ("reduction", ["aten::amax"]), ("reduction", ["aten::sub.Tensor", "aten::exp", "aten::sum.dim_IntList"]),
+        ("pointwise", ["aten::log", "aten::add.Tensor"])]
+
+
+def test_golden_residual_add_and_temperature_are_prologues_of_long_rows_held_in_registers():
+    assert _partition("norm_layernorm_residual") == [("reduction", ["aten::add.Tensor", "aten::native_layer_norm"])]
+    assert _partition("softmax_log_temperature") == [("reduction", ["aten::div.Tensor", "aten::_log_softmax"])]
+    for stem in ("norm_layernorm_residual", "softmax_log_temperature"):
+        reason = _planned(stem).groups[-1].reason
+        assert "the row held in registers" in reason and "1 elementwise op(s)" in reason, reason
+
+
+def test_a_chain_whose_values_are_used_elsewhere_is_not_a_prologue():
+    # model_transformer_block's first layer norm reads the block input, which the residual add reads too;
+    # its attention softmax takes the scaled scores, which nothing else reads: a prologue.
+    reductions = [g for g in _planned("model_transformer_block").groups if g.kind == "reduction"]
+    assert [len(g.params.get("prologue") or []) for g in reductions] == [0, 1, 0]
 
 
 def test_golden_mean_over_a_middle_dimension_stays_an_aten_step():

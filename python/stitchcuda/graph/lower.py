@@ -15,7 +15,7 @@ import torch
 from ..program import Program, ProgramBuilder, dtype_name
 from .capture import Graph, Node, Value
 from .planner import Group, Plan
-from .templates import POINTWISE_OPS, KernelCode, PointwiseInput, pointwise_kernel, row_reduction_kernel
+from .templates import POINTWISE_OPS, KernelCode, PointwiseInput, RowPrologue, pointwise_kernel, row_reduction_kernel
 
 __all__ = ["LoweringError", "Lowering", "reference_values", "check_group", "tolerance"]
 
@@ -181,14 +181,19 @@ class Lowering:
                       epilogue=p["epilogue"], precision=p["precision"])
 
     def _lower_reduction(self, g: Group) -> None:
-        p, node = g.params, g.nodes[0]
+        p, node = g.params, g.nodes[-1]
         x = node.args[0]
         has_w = p.get("weight") is not None
         has_b = p.get("bias") is not None
+        prologue, buffers = None, {}
+        if p.get("prologue"):  # the elementwise ops producing x, computed on load: x is never stored
+            inputs, buffers, body, var = self._elementwise(p["prologue"], tuple(x.shape))
+            prologue = RowPrologue(tuple(x.shape), inputs, body, var[x.name])
         code = row_reduction_kernel(self._name(p["kind"], g), p["kind"], p["rows"], p["cols"], x.dtype,
                                     node.out.dtype, eps=p.get("eps", 1e-5), has_weight=has_w, has_bias=has_b,
-                                    sm_count=self.sm_count)
-        buffers = {"x": self.need(x, contiguous=True)}
+                                    sm_count=self.sm_count, prologue=prologue)
+        if prologue is None:
+            buffers["x"] = self.need(x, contiguous=True)
         if has_w:
             buffers["weight"] = self.need(p["weight"], contiguous=True)
         if has_b:
@@ -206,8 +211,23 @@ class Lowering:
 
     def _lower_pointwise(self, g: Group) -> None:
         shape = tuple(g.params["shape"])
-        rank = len(shape)
         outputs = g.outputs(set(self.output_ids))
+        inputs, buffers, body, var = self._elementwise(g.nodes, shape)
+        results = []
+        for v in outputs:
+            key = f"out{len(results)}"
+            results.append((key, var[v.name], v.dtype))
+        code = pointwise_kernel(self._name("fused", g), shape, inputs, body, results, self.sm_count)
+        for (key, _, _), v in zip(results, outputs):
+            buffers[key] = self.produce(v)
+        self._launch(g, code, buffers)
+
+    def _elementwise(self, nodes: list[Node], shape: tuple[int, ...]) -> tuple[list[PointwiseInput], dict[str, int],
+                                                                              list[str], dict[str, str]]:
+        """C statements computing `nodes` (elementwise, over `shape`) as float variables t0..: the inputs
+        they read (keys in0.., strides over `shape`), their buffers, the statements, and each value's
+        variable."""
+        rank = len(shape)
         inputs: list[PointwiseInput] = []
         buffers: dict[str, int] = {}
         var: dict[str, str] = {}
@@ -235,7 +255,7 @@ class Lowering:
             return key
 
         body: list[str] = []
-        for j, n in enumerate(g.nodes):
+        for j, n in enumerate(nodes):
             batch_norm = n.op == "aten::_native_batch_norm_legit_no_training"
             args = []
             for k, a in enumerate(n.args):
@@ -263,15 +283,7 @@ class Lowering:
                 expr = f"(({expr}) != 0.0f ? 1.0f : 0.0f)"
             body.append(f"const float t{j} = {expr};")
             var[out.name] = f"t{j}"
-        # Input variables are parameters named in0..; the body reads them by key.
-        results = []
-        for v in outputs:
-            key = f"out{len(results)}"
-            results.append((key, var[v.name], v.dtype))
-        code = pointwise_kernel(self._name("fused", g), shape, inputs, body, results, self.sm_count)
-        for (key, _, _), v in zip(results, outputs):
-            buffers[key] = self.produce(v)
-        self._launch(g, code, buffers)
+        return inputs, buffers, body, var
 
     def _lower_view(self, g: Group) -> None:
         n = g.nodes[0]

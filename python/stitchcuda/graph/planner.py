@@ -8,7 +8,8 @@ apply first.
 - Pointwise chains of the same shape (with broadcasting, dtype casts, inference batch norm) become one
   fused kernel; values used only inside the chain never touch memory.
 - Row reductions over the trailing contiguous dimensions (softmax, log-softmax, layer norm, sum, mean,
-  amax, amin) become template kernels.
+  amax, amin) become template kernels; an elementwise chain that only computes a reduction's input
+  (a residual add before a layer norm, a scale before a softmax) is fused into its loads.
 - Views become View steps (no copy) where the source's layout allows.
 - Values computed only from weights are folded into constants.
 - Everything else (convolutions through cuDNN, pooling, indexing, ...) stays an ATen step.
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .capture import Graph, Node, Value
-from .templates import FUSABLE_DTYPES, POINTWISE_OPS
+from .templates import CACHED_ROW_MAX, FUSABLE_DTYPES, POINTWISE_OPS
 
 __all__ = ["Group", "Plan", "OfflinePlanner"]
 
@@ -148,7 +149,16 @@ class OfflinePlanner:
                 close()
                 continue
             if node.op in _REDUCTION_OPS:
-                groups.append(self._reduction(node, outputs))
+                g = self._reduction(node, outputs)
+                if g.kind == "reduction" and open_pointwise is not None and \
+                        self._prologue_fits(open_pointwise, node, outputs):
+                    # The chain computes only the reduction's input: fuse it into the loads.
+                    groups.remove(open_pointwise)
+                    ops = ", ".join(n.op.removeprefix("aten::") for n in open_pointwise.nodes)
+                    g.params["prologue"] = list(open_pointwise.nodes)
+                    g.nodes = [*open_pointwise.nodes, node]
+                    g.reason += f", with {len(open_pointwise.nodes)} elementwise op(s) ({ops}) fused into its loads"
+                groups.append(g)
                 close()
                 continue
             if node.op in _VIEW_OPS:
@@ -255,8 +265,26 @@ class OfflinePlanner:
         params = {"kind": kind, "rows": rows, "cols": cols}
         if kind == "layer_norm":
             params["weight"], params["bias"], params["eps"] = node.args[2], node.args[3], float(node.args[4])
-        strategy = "a warp per row" if cols <= 1024 else "a block per row"
+        if cols <= 1024:
+            strategy = "a warp per row"
+        elif kind in ("softmax", "log_softmax", "layer_norm") and x.dtype == node.out.dtype == torch.float32 \
+                and cols % 4 == 0 and cols <= CACHED_ROW_MAX:
+            strategy = "a block per row, the row held in registers"
+        else:
+            strategy = "a block per row"
         return Group("reduction", [node], f"{kind} over {rows} rows of {cols}: template kernel, {strategy}", params)
+
+    @staticmethod
+    def _prologue_fits(chain: Group, node: Node, outputs: set[str]) -> bool:
+        """Whether the open elementwise chain can be computed inside the reduction's loads: it produces
+        the reduction's input, of the reduction's input shape, and nothing else anyone reads."""
+        x = node.args[0]
+        if not isinstance(x, Value) or x.producer is None or all(n is not x.producer for n in chain.nodes):
+            return False
+        if chain.params["shape"] != x.shape or x.name in outputs or len(x.users) != 1:
+            return False
+        leaving = chain.outputs(outputs)
+        return len(leaving) == 1 and leaving[0] is x
 
     @staticmethod
     def _pointwise_blocker(node: Node) -> str | None:

@@ -21,8 +21,8 @@ from typing import Callable
 
 import torch
 
-__all__ = ["KernelCode", "PointwiseInput", "pointwise_kernel", "row_reduction_kernel", "POINTWISE_OPS",
-           "REDUCTIONS", "is_pointwise"]
+__all__ = ["KernelCode", "PointwiseInput", "RowPrologue", "pointwise_kernel", "row_reduction_kernel",
+           "POINTWISE_OPS", "REDUCTIONS", "is_pointwise"]
 
 _PRELUDE = r"""#include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -314,31 +314,109 @@ __device__ __forceinline__ void warp_welford(float& n, float& mean, float& m2) {
 """
 
 
+@dataclass
+class RowPrologue:
+    """Elementwise ops computing the reduction's input from other tensors, fused into its loads: `body`
+    are C statements over `in0..inK` (the inputs' values) ending in the float variable `result`; each
+    input's strides are over `shape`, the reduction input's shape (0 where broadcast)."""
+
+    shape: tuple[int, ...]
+    inputs: list[PointwiseInput]
+    body: list[str]
+    result: str
+
+    def params(self) -> list[str]:
+        return [f"const {_CTYPE[i.dtype]}* __restrict__ {i.key}" for i in self.inputs]
+
+    def pointers(self) -> str:
+        return ", ".join(i.key for i in self.inputs)
+
+    def value_function(self, name: str) -> list[str]:
+        """`{name}_x(i, in0, ..)`: the reduction input's value at flat index i."""
+        shape, linear = self.shape, [i.linear(self.shape) for i in self.inputs]
+        params = ", ".join(["long long i", *[f"const {_CTYPE[i.dtype]}* __restrict__ p_{i.key}" for i in self.inputs]])
+        L = [f"__device__ __forceinline__ float {name}_x({params}) {{"]
+        if not all(linear):
+            L.append("  long long r = i;")
+            for d in range(len(shape) - 1, -1, -1):
+                L.append(f"  const long long c{d} = r % {shape[d]}LL; r /= {shape[d]}LL;")
+        for inp, lin in zip(self.inputs, linear):
+            if lin:
+                index = "i"
+            else:
+                terms = [f"c{d} * {st}LL" for d, st in enumerate(inp.strides) if st != 0 and shape[d] != 1]
+                if inp.offset:
+                    terms.append(f"{inp.offset}LL")
+                index = " + ".join(terms) or "0"
+            L.append(f"  const float {inp.key} = ld(p_{inp.key}, {index});")
+        L += [f"  {b}" for b in self.body] + [f"  return {self.result};", "}"]
+        return L
+
+    def vector_kinds(self, cols: int) -> list[str] | None:
+        """Per input, how a 16-byte path reads it — "row" (the same layout as the reduction input), "col"
+        (a vector over the reduced dimensions, repeated over rows) or "scalar" — or None when some
+        input fits none of them (or is not fp32)."""
+        kinds = []
+        full = self.shape
+        for inp in self.inputs:
+            if inp.dtype != torch.float32 or inp.offset:
+                return None
+            if inp.linear(full):
+                kinds.append("row")
+                continue
+            if all(st == 0 for st in inp.strides):
+                kinds.append("scalar")
+                continue
+            # Reduced dimensions: the trailing ones whose extents multiply to cols.
+            tail, n = [], 1
+            for d in range(len(full) - 1, -1, -1):
+                if n == cols:
+                    break
+                tail.append(d)
+                n *= full[d]
+            expected, ok = 1, n == cols
+            for d in tail:
+                if full[d] != 1 and inp.strides[d] != expected:
+                    ok = False
+                expected *= full[d]
+            if ok and all(inp.strides[d] == 0 or full[d] == 1 for d in range(len(full)) if d not in tail):
+                kinds.append("col")
+                continue
+            return None
+        return kinds
+
+
 def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torch.dtype,
                          out_dtype: torch.dtype | None = None, eps: float = 1e-5, has_weight: bool = False,
-                         has_bias: bool = False, sm_count: int = 132) -> KernelCode:
+                         has_bias: bool = False, sm_count: int = 132,
+                         prologue: RowPrologue | None = None) -> KernelCode:
     """A kernel reducing each of `rows` contiguous rows of `cols` elements.
 
     softmax/log_softmax/layer_norm write a row of the same size; sum/mean/amax/amin write one value.
-    Arguments: x, [weight], [bias], y, rows, cols.
+    Arguments: x, [weight], [bias], y, rows, cols — with a `prologue`, its inputs (in0..) instead of x:
+    the reduction input is computed on load and never stored.
     """
     if kind not in REDUCTIONS:
         raise ValueError(f"unknown reduction '{kind}'")
     out_dtype = out_dtype or dtype
     if (kind in ("softmax", "log_softmax", "layer_norm") and dtype == out_dtype == torch.float32
             and cols % 4 == 0 and 1024 < cols <= CACHED_ROW_MAX):
-        return _cached_row_kernel(name, kind, rows, cols, eps, has_weight, has_bias)
+        return _cached_row_kernel(name, kind, rows, cols, eps, has_weight, has_bias, prologue)
+    X = (lambda idx: f"ld(x, {idx})") if prologue is None else \
+        (lambda idx: f"{name}_x({idx}, {prologue.pointers()})")
     tpr = 32 if cols <= 1024 else (256 if cols <= 4096 else 512)  # threads per row
     rpb = 4 if tpr == 32 else 1                                     # rows per block
     warps = tpr // 32
     T, U = _CTYPE[dtype], _CTYPE[out_dtype]
-    params = [f"const {T}* __restrict__ x"]
+    params = [f"const {T}* __restrict__ x"] if prologue is None else prologue.params()
     if has_weight:
         params.append(f"const {T}* __restrict__ w")
     if has_bias:
         params.append(f"const {T}* __restrict__ b")
     params += [f"{U}* __restrict__ y", "long long rows", "long long cols"]
-    L = [_PRELUDE, _ROW_PRELUDE, f"// {name}: {kind} over rows of {cols} ({'a warp' if tpr == 32 else f'{tpr} threads'} per row)",
+    L = [_PRELUDE, _ROW_PRELUDE, *(prologue.value_function(name) if prologue else []),
+         f"// {name}: {kind} over rows of {cols} ({'a warp' if tpr == 32 else f'{tpr} threads'} per row)"
+         + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else ""),
          f"#define TPR {tpr}", f"#define RPB {rpb}", f"#define WARPS {warps}",
          f'extern "C" __global__ void __launch_bounds__(TPR * RPB) {name}({", ".join(params)}) {{',
          "  const long long row = (long long)blockIdx.x * RPB + threadIdx.x / TPR;",
@@ -366,28 +444,28 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
     if kind in ("softmax", "log_softmax"):
         L += ["  float m = -__int_as_float(0x7f800000), s = 0.0f;",
               "  for (long long c = t; c < cols; c += TPR) {",
-              "    const float v = ld(x, base + c);",
+              f"    const float v = {X('base + c')};",
               "    softmax_combine(m, s, v, 1.0f);",
               "  }",
               "  warp_softmax(m, s);"]
         block_combine(["m", "s"], "  if (lane >= WARPS) { m = -__int_as_float(0x7f800000); s = 0.0f; }\n  warp_softmax(m, s);")
         if kind == "softmax":
             L += ["  const float inv = 1.0f / s;",
-                  "  for (long long c = t; c < cols; c += TPR) st(y, base + c, expf(ld(x, base + c) - m) * inv);"]
+                  f"  for (long long c = t; c < cols; c += TPR) st(y, base + c, expf({X('base + c')} - m) * inv);"]
         else:
             L += ["  const float shift = m + logf(s);",
-                  "  for (long long c = t; c < cols; c += TPR) st(y, base + c, ld(x, base + c) - shift);"]
+                  f"  for (long long c = t; c < cols; c += TPR) st(y, base + c, {X('base + c')} - shift);"]
     elif kind == "layer_norm":
         L += ["  float n = 0.0f, mean = 0.0f, m2 = 0.0f;",
               "  for (long long c = t; c < cols; c += TPR) {",
-              "    const float v = ld(x, base + c);",
+              f"    const float v = {X('base + c')};",
               "    n += 1.0f; const float d = v - mean; mean += d / n; m2 += d * (v - mean);",
               "  }",
               "  warp_welford(n, mean, m2);"]
         block_combine(["n", "mean", "m2"], "  if (lane >= WARPS) { n = 0.0f; mean = 0.0f; m2 = 0.0f; }\n  warp_welford(n, mean, m2);")
         L += [f"  const float rstd = rsqrtf(m2 / (float)cols + {_lit(eps)});",
               "  for (long long c = t; c < cols; c += TPR) {",
-              "    float v = (ld(x, base + c) - mean) * rstd;"]
+              f"    float v = ({X('base + c')} - mean) * rstd;"]
         if has_weight:
             L.append("    v *= ld(w, c);")
         if has_bias:
@@ -400,24 +478,30 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
         reduce = {"sum": "warp_sum", "mean": "warp_sum", "amax": "warp_max", "amin": "warp_min"}[kind]
         L += [f"  float a = {init};",
               "  for (long long c = t; c < cols; c += TPR) {",
-              f"    const float v = ld(x, base + c); {step};",
+              f"    const float v = {X('base + c')}; {step};",
               "  }",
               f"  a = {reduce}(a);"]
         block_combine(["a"], f"  if (lane >= WARPS) a = {init};\n  a = {reduce}(a);")
         final = "a / (float)cols" if kind == "mean" else "a"
         L.append(f"  if (t == 0) st(y, row, {final});")
     L.append("}")
-    args: list[tuple[str, object]] = [("in", "x")]
-    if has_weight:
-        args.append(("in", "weight"))
-    if has_bias:
-        args.append(("in", "bias"))
-    args += [("out", "y"), ("i64", rows), ("i64", cols)]
+    args = _reduction_args(has_weight, has_bias, rows, cols, prologue)
     grid = (rows + rpb - 1) // rpb
     return KernelCode("\n".join(L) + "\n", name, grid, tpr * rpb, args,
                       f"{kind} over {rows} rows of {cols}, {'warp' if tpr == 32 else 'block'} per row, warp shuffles"
                       + (" + shared-memory combine" if shared else "") + (", Welford" if kind == "layer_norm" else "")
-                      + (", online" if kind in ("softmax", "log_softmax") else ""))
+                      + (", online" if kind in ("softmax", "log_softmax") else "")
+                      + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else ""))
+
+
+def _reduction_args(has_weight: bool, has_bias: bool, rows: int, cols: int,
+                    prologue: RowPrologue | None) -> list[tuple[str, object]]:
+    args: list[tuple[str, object]] = [("in", "x")] if prologue is None else [("in", i.key) for i in prologue.inputs]
+    if has_weight:
+        args.append(("in", "weight"))
+    if has_bias:
+        args.append(("in", "bias"))
+    return args + [("out", "y"), ("i64", rows), ("i64", cols)]
 
 
 # ---- long fp32 rows held in registers ----
@@ -448,7 +532,7 @@ __device__ __forceinline__ float block_max(float v, float* sh) {
 
 
 def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, has_weight: bool,
-                       has_bias: bool) -> KernelCode:
+                       has_bias: bool, prologue: RowPrologue | None = None) -> KernelCode:
     """Softmax, log-softmax or layer norm over long fp32 rows, one block per row: the row is read once
     from memory with 16-byte loads into registers (VPT float4 per thread), reduced there (exact two-pass
     statistics, one exp per element) and written once with 16-byte stores. Rows that are not 16-byte
@@ -458,18 +542,25 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
     while tpr < 1024 and tpr * 4 < c4:  # about four float4 per thread
         tpr *= 2
     vpt = -(-c4 // tpr)
-    params = ["const float* __restrict__ x"]
+    params = ["const float* __restrict__ x"] if prologue is None else prologue.params()
     ptrs = ["x + row * cols", "y + row * cols"]
+    kinds = prologue.vector_kinds(cols) if prologue else None
+    # What must be 16-byte aligned for the vector path: the row's start in every row-shaped operand.
+    checked = ["xr", "yr"] if prologue is None else ["yr"]
+    if kinds:
+        checked += [f"{i.key} + row * cols" if k == "row" else i.key
+                    for i, k in zip(prologue.inputs, kinds) if k != "scalar"]
     if has_weight:
         params.append("const float* __restrict__ w")
     if has_bias:
         params.append("const float* __restrict__ b")
     params += ["float* __restrict__ y", "long long rows", "long long cols"]
     aligned = " | ".join(f"reinterpret_cast<unsigned long long>({p})" for p in
-                         ["xr", "yr"] + (["w"] if has_weight else []) + (["b"] if has_bias else []))
+                         checked + (["w"] if has_weight else []) + (["b"] if has_bias else []))
     L = [_PRELUDE, _ROW_PRELUDE,
          f"// {name}: {kind} over rows of {cols}, one block of {tpr} threads per row, the row held in registers",
          f"#define TPR {tpr}", f"#define WARPS {tpr // 32}", f"#define VPT {vpt}", f"#define C4 {c4}",
+         f"#define COLS {cols}LL",
          _BLOCK_PRELUDE,
          "__device__ __forceinline__ float4 load4(const float* p, int c4, bool vec) {",
          "  return vec ? reinterpret_cast<const float4*>(p)[c4] : make_float4(p[4 * c4], p[4 * c4 + 1], p[4 * c4 + 2], p[4 * c4 + 3]);",
@@ -478,18 +569,21 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
          "  if (vec) { reinterpret_cast<float4*>(p)[c4] = v; return; }",
          "  p[4 * c4] = v.x; p[4 * c4 + 1] = v.y; p[4 * c4 + 2] = v.z; p[4 * c4 + 3] = v.w;",
          "}",
+         *(_cached_prologue(name, prologue, kinds) if prologue else []),
          f'extern "C" __global__ void __launch_bounds__(TPR) {name}({", ".join(params)}) {{',
          "  const long long row = blockIdx.x;",
          "  if (row >= rows) return;",
          "  __shared__ float sh[WARPS];",
-         f"  const float* xr = {ptrs[0]};",
+         *([f"  const float* xr = {ptrs[0]};"] if prologue is None else []),
          f"  float* yr = {ptrs[1]};",
          f"  const bool vec = (({aligned}) & 15ULL) == 0;",
          "  float4 v[VPT];",
          "#pragma unroll",
          "  for (int k = 0; k < VPT; ++k) {",
          "    const int c = threadIdx.x + k * TPR;",
-         "    v[k] = c < C4 ? load4(xr, c, vec) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);",
+         "    v[k] = c < C4 ? " + ("load4(xr, c, vec)" if prologue is None else
+                                    f"{name}_x4(row, c, vec, {prologue.pointers()})")
+         + " : make_float4(0.0f, 0.0f, 0.0f, 0.0f);",
          "  }"]
 
     def each(body: list[str]) -> None:
@@ -530,13 +624,47 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
         body.append("store4(yr, c, o, vec);")
         each(body)
     L.append("}")
-    args: list[tuple[str, object]] = [("in", "x")]
-    if has_weight:
-        args.append(("in", "weight"))
-    if has_bias:
-        args.append(("in", "bias"))
-    args += [("out", "y"), ("i64", rows), ("i64", cols)]
+    args = _reduction_args(has_weight, has_bias, rows, cols, prologue)
+    if prologue:
+        what_in = "16-byte" if kinds else "scalar"
+        fused = f", {len(prologue.body)} elementwise op(s) fused into the loads ({what_in})"
+    else:
+        fused = ""
     what = "exact two-pass mean and variance" if kind == "layer_norm" else "max, then one exp per element"
     return KernelCode("\n".join(L) + "\n", name, rows, tpr, args,
                       f"{kind} over {rows} rows of {cols}, block per row, row held in registers "
-                      f"({vpt} float4 per thread), one read and one write, {what}", vectorized=True)
+                      f"({vpt} float4 per thread), one read and one write, {what}{fused}", vectorized=True)
+
+
+def _cached_prologue(name: str, prologue: RowPrologue, kinds: list[str] | None) -> list[str]:
+    """`{name}_x4(row, c4, vec, in0, ..)`: four consecutive values of the reduction input (one float4 of
+    the row), 16-byte loads of each operand when `kinds` allows, else the scalar value function."""
+    L = prologue.value_function(name)
+    params = ", ".join(["long long row", "int c4", "bool vec",
+                        *[f"const float* __restrict__ p_{i.key}" if kinds else
+                          f"const {_CTYPE[i.dtype]}* __restrict__ p_{i.key}" for i in prologue.inputs]])
+    L.append(f"__device__ __forceinline__ float4 {name}_x4({params}) {{")
+    if kinds is None:
+        args = ", ".join(f"p_{i.key}" for i in prologue.inputs)
+        L.append("  const long long i = row * COLS + 4LL * c4;")
+        L.append(f"  return make_float4({name}_x(i, {args}), {name}_x(i + 1, {args}), {name}_x(i + 2, {args}), "
+                 f"{name}_x(i + 3, {args}));")
+        L.append("}")
+        return L
+    for inp, k in zip(prologue.inputs, kinds):
+        if k == "row":
+            L.append(f"  const float4 a_{inp.key} = load4(p_{inp.key} + row * COLS, c4, vec);")
+        elif k == "col":
+            L.append(f"  const float4 a_{inp.key} = load4(p_{inp.key}, c4, vec);")
+        else:
+            L.append(f"  const float s_{inp.key} = p_{inp.key}[0];")
+            L.append(f"  const float4 a_{inp.key} = make_float4(s_{inp.key}, s_{inp.key}, s_{inp.key}, s_{inp.key});")
+    L.append("  float4 out;")
+    for lane in "xyzw":
+        L.append("  {")
+        L += [f"    const float {i.key} = a_{i.key}.{lane};" for i in prologue.inputs]
+        L += [f"    {b}" for b in prologue.body]
+        L.append(f"    out.{lane} = {prologue.result};")
+        L.append("  }")
+    L += ["  return out;", "}"]
+    return L
