@@ -137,6 +137,29 @@ def test_a_prologue_of_row_and_column_operands_loads_16_bytes_at_a_time(emu):
     torch.testing.assert_close(y, torch.nn.functional.layer_norm(a + r + bias, (cols,)), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("rows, cols", [(6, 48), (2, 3000)], ids=["warp", "block"])
+def test_rms_norm_epilogue_applies_the_statistic_to_the_row(emu, rows, cols):
+    # mean(x * x) with the square as a prologue; then x * rsqrt(stat + eps) * w over the row.
+    x, w = torch.randn(rows, cols) * 2, torch.randn(cols)
+    row = (cols, 1)
+    prologue = RowPrologue((rows, cols), [PointwiseInput("in0", torch.float32, row)], ["const float t0 = (in0 * in0);"], "t0")
+    epilogue = RowPrologue((rows, cols), [PointwiseInput("e0", torch.float32, row), PointwiseInput("e1", torch.float32, (0, 1))],
+                           ["const float t0 = (stat + 1e-06f);", "const float t1 = rsqrtf(t0);",
+                            "const float t2 = (e0 * t1);", "const float t3 = (t2 * e1);"], "t3", ("stat",))
+    code = row_reduction_kernel("rms", "mean", rows, cols, torch.float32, prologue=prologue, epilogue=epilogue)
+    assert [k for _, k in code.args] == ["in0", "e0", "e1", "y", rows, cols]
+    y = torch.full((rows, cols), float("nan"))
+    _run(emu, code, {"in0": x, "e0": x, "e1": w, "y": y})
+    expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_an_epilogue_needs_a_statistic():
+    epilogue = RowPrologue((2, 8), [], ["const float t0 = stat;"], "t0", ("stat",))
+    with pytest.raises(ValueError, match="applies to sum/mean/amax/amin"):
+        row_reduction_kernel("bad", "softmax", 2, 8, torch.float32, epilogue=epilogue)
+
+
 def test_broadcast_pointwise_matches_torch(emu):
     a, bias = torch.randn(5, 7, 3), torch.randn(3)
     gate = torch.randn(5, 1, 3)

@@ -172,13 +172,15 @@ def test_golden_conv_is_an_aten_step_with_a_fused_batch_norm_relu_epilogue():
         ("pointwise", ["aten::_native_batch_norm_legit_no_training", "aten::relu"])]
 
 
-def test_golden_rmsnorm_from_torch_ops_squares_inside_the_mean_then_scales():
+def test_golden_rmsnorm_from_torch_ops_is_one_kernel():
+    # The square is computed on load, the statistic applied to the row in the same kernel.
     assert _partition("norm_rmsnorm") == [
-        ("reduction", ["aten::pow.Tensor_Scalar", "aten::mean.dim"]),
-        ("pointwise", ["aten::add.Tensor", "aten::rsqrt"]),
-        ("pointwise", ["aten::mul.Tensor", "aten::mul.Tensor"])]
-    mean = _planned("norm_rmsnorm").groups[0]
-    assert [n.op for n in mean.params["prologue"]] == ["aten::pow.Tensor_Scalar"] and "fused into its loads" in mean.reason
+        ("reduction", ["aten::pow.Tensor_Scalar", "aten::mean.dim", "aten::add.Tensor", "aten::rsqrt",
+                       "aten::mul.Tensor", "aten::mul.Tensor"])]
+    rms = _planned("norm_rmsnorm").groups[0]
+    assert [n.op for n in rms.params["prologue"]] == ["aten::pow.Tensor_Scalar"] and "fused into its loads" in rms.reason
+    assert len(rms.params["epilogue"]) == 4 and "the statistic is never stored" in rms.reason
+    assert rms.params["result"].shape == rms.params["node"].args[0].shape
 
 
 def test_golden_logsumexp_fuses_the_shifted_exp_into_the_sum():

@@ -181,24 +181,30 @@ class Lowering:
                       epilogue=p["epilogue"], precision=p["precision"])
 
     def _lower_reduction(self, g: Group) -> None:
-        p, node = g.params, g.nodes[-1]
+        p = g.params
+        node = p.get("node") or g.nodes[-1]
         x = node.args[0]
+        result = p.get("result") or node.out
         has_w = p.get("weight") is not None
         has_b = p.get("bias") is not None
-        prologue, buffers = None, {}
+        prologue, epilogue, buffers = None, None, {}
         if p.get("prologue"):  # the elementwise ops producing x, computed on load: x is never stored
             inputs, buffers, body, var = self._elementwise(p["prologue"], tuple(x.shape))
             prologue = RowPrologue(tuple(x.shape), inputs, body, var[x.name])
+        if p.get("epilogue"):  # elementwise ops over the row reading its statistic: the statistic is never stored
+            inputs, more, body, var = self._elementwise(p["epilogue"], tuple(x.shape), {node.out.name: "stat"}, "e")
+            epilogue = RowPrologue(tuple(x.shape), inputs, body, var[result.name], ("stat",))
+            buffers.update(more)
         code = row_reduction_kernel(self._name(p["kind"], g), p["kind"], p["rows"], p["cols"], x.dtype,
-                                    node.out.dtype, eps=p.get("eps", 1e-5), has_weight=has_w, has_bias=has_b,
-                                    sm_count=self.sm_count, prologue=prologue)
+                                    result.dtype, eps=p.get("eps", 1e-5), has_weight=has_w, has_bias=has_b,
+                                    sm_count=self.sm_count, prologue=prologue, epilogue=epilogue)
         if prologue is None:
             buffers["x"] = self.need(x, contiguous=True)
         if has_w:
             buffers["weight"] = self.need(p["weight"], contiguous=True)
         if has_b:
             buffers["bias"] = self.need(p["bias"], contiguous=True)
-        buffers["y"] = self.produce(node.out)
+        buffers["y"] = self.produce(result)
         self._launch(g, code, buffers)
 
     def _launch(self, g: Group, code: KernelCode, buffers: dict[str, int]) -> None:
@@ -222,15 +228,15 @@ class Lowering:
             buffers[key] = self.produce(v)
         self._launch(g, code, buffers)
 
-    def _elementwise(self, nodes: list[Node], shape: tuple[int, ...]) -> tuple[list[PointwiseInput], dict[str, int],
-                                                                              list[str], dict[str, str]]:
+    def _elementwise(self, nodes: list[Node], shape: tuple[int, ...], known: dict[str, str] | None = None,
+                     prefix: str = "in") -> tuple[list[PointwiseInput], dict[str, int], list[str], dict[str, str]]:
         """C statements computing `nodes` (elementwise, over `shape`) as float variables t0..: the inputs
-        they read (keys in0.., strides over `shape`), their buffers, the statements, and each value's
-        variable."""
+        they read (keys {prefix}0.., strides over `shape`), their buffers, the statements, and each value's
+        variable. `known` maps values the kernel already holds (a reduction's statistic) to C variables."""
         rank = len(shape)
         inputs: list[PointwiseInput] = []
         buffers: dict[str, int] = {}
-        var: dict[str, str] = {}
+        var: dict[str, str] = dict(known or {})
         keyed: dict[tuple[str, str], str] = {}
 
         def operand(v: Value, mode: str = "broadcast") -> str:
@@ -248,7 +254,7 @@ class Lowering:
                     di = d - (rank - len(vshape))
                     if di >= 0 and not (vshape[di] == 1 and shape[d] != 1):
                         strides[d] = vstrides[di]
-            key = f"in{len(inputs)}"
+            key = f"{prefix}{len(inputs)}"
             inputs.append(PointwiseInput(key, vdtype, tuple(strides)))
             buffers[key] = bid
             keyed[(v.name, mode)] = key

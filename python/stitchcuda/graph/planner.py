@@ -9,7 +9,8 @@ apply first.
   fused kernel; values used only inside the chain never touch memory.
 - Row reductions over the trailing contiguous dimensions (softmax, log-softmax, layer norm, sum, mean,
   amax, amin) become template kernels; an elementwise chain that only computes a reduction's input
-  (a residual add before a layer norm, a scale before a softmax) is fused into its loads.
+  (a residual add before a layer norm, a scale before a softmax) is fused into its loads, and
+  elementwise ops that apply a sum/mean/amax/amin back to its row (an RMS norm) into the same kernel.
 - Views become View steps (no copy) where the source's layout allows.
 - Values computed only from weights are folded into constants.
 - Everything else (convolutions through cuDNN, pooling, indexing, ...) stays an ATen step.
@@ -183,7 +184,49 @@ class OfflinePlanner:
             if g.kind == "pointwise":
                 ops = ", ".join(n.op.removeprefix("aten::") for n in g.nodes)
                 g.reason = f"{len(g.nodes)} elementwise op(s) ({ops}) fused into one kernel"
-        return Plan(groups, decisions, matmul_precision)
+        return Plan(self._row_epilogues(groups, outputs), decisions, matmul_precision)
+
+    @staticmethod
+    def _row_epilogues(groups: list[Group], outputs: set[str]) -> list[Group]:
+        """Folds `statistic -> [elementwise on the statistic] -> elementwise over the row` into the
+        reduction (an RMS norm: mean of squares, then rsqrt(m + eps), then x * that * weight): the kernel
+        that computes the row's statistic applies it to the row, and the statistic is never stored."""
+        out: list[Group] = []
+        i = 0
+        while i < len(groups):
+            g = groups[i]
+            fused = None
+            if g.kind == "reduction" and g.params["kind"] in ("sum", "mean", "amax", "amin"):
+                node = g.params["node"]
+                stat, row_shape = node.out, node.args[0].shape
+                nxt = groups[i + 1:i + 3]
+                on_stat = nxt[0] if nxt and nxt[0].kind == "pointwise" and nxt[0].params["shape"] == stat.shape \
+                    and nxt[0].params["shape"] != row_shape else None
+                over_row = nxt[1 if on_stat else 0] if len(nxt) > (1 if on_stat else 0) else None
+                if over_row is not None and over_row.kind == "pointwise" and over_row.params["shape"] == row_shape:
+                    epilogue = [*(on_stat.nodes if on_stat else []), *over_row.nodes]
+                    inside = {id(n) for n in epilogue}
+                    leaving = over_row.outputs(outputs)
+                    ok = stat.name not in outputs and stat.users and all(id(u) in inside for u in stat.users) \
+                        and len(leaving) == 1 and leaving[0].dtype in (torch.float32, torch.float16, torch.bfloat16)
+                    if ok and on_stat is not None:
+                        # The statistic's own ops read only it, and only the row's ops read them.
+                        ok = [v.name for v in on_stat.inputs()] == [stat.name] and all(
+                            v.name not in outputs and all(id(u) in inside for u in v.users)
+                            for n in on_stat.nodes for v in n.outputs if v is not None)
+                    if ok:
+                        ops = ", ".join(n.op.removeprefix("aten::") for n in epilogue)
+                        fused = Group("reduction", [*g.nodes, *epilogue],
+                                      f"{g.reason}; then {len(epilogue)} elementwise op(s) ({ops}) applying it to "
+                                      "the row in the same kernel: the statistic is never stored",
+                                      {**g.params, "epilogue": epilogue, "result": leaving[0]})
+                        i += 2 + (1 if on_stat else 0)
+            if fused is None:
+                out.append(g)
+                i += 1
+            else:
+                out.append(fused)
+        return out
 
     # ---- rules ----
 
@@ -262,7 +305,7 @@ class OfflinePlanner:
         rows = x.numel // cols if cols else 0
         if rows == 0 or cols == 0:
             return Group("aten", [node], f"{kind} of an empty tensor stays an ATen step")
-        params = {"kind": kind, "rows": rows, "cols": cols}
+        params = {"kind": kind, "rows": rows, "cols": cols, "node": node}
         if kind == "layer_norm":
             params["weight"], params["bias"], params["eps"] = node.args[2], node.args[3], float(node.args[4])
         if cols <= 1024:

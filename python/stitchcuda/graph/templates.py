@@ -324,6 +324,7 @@ class RowPrologue:
     inputs: list[PointwiseInput]
     body: list[str]
     result: str
+    extra: tuple[str, ...] = ()  # float values the body reads besides its inputs (an epilogue's "stat")
 
     def params(self) -> list[str]:
         return [f"const {_CTYPE[i.dtype]}* __restrict__ {i.key}" for i in self.inputs]
@@ -331,11 +332,13 @@ class RowPrologue:
     def pointers(self) -> str:
         return ", ".join(i.key for i in self.inputs)
 
-    def value_function(self, name: str) -> list[str]:
-        """`{name}_x(i, in0, ..)`: the reduction input's value at flat index i."""
+    def value_function(self, name: str, suffix: str = "x") -> list[str]:
+        """`{name}_{suffix}(i, [extra..], in0, ..)`: the value at flat index i (of the reduction input for a
+        prologue, of the output for an epilogue)."""
         shape, linear = self.shape, [i.linear(self.shape) for i in self.inputs]
-        params = ", ".join(["long long i", *[f"const {_CTYPE[i.dtype]}* __restrict__ p_{i.key}" for i in self.inputs]])
-        L = [f"__device__ __forceinline__ float {name}_x({params}) {{"]
+        params = ", ".join(["long long i", *[f"float {e}" for e in self.extra],
+                            *[f"const {_CTYPE[i.dtype]}* __restrict__ p_{i.key}" for i in self.inputs]])
+        L = [f"__device__ __forceinline__ float {name}_{suffix}({params}) {{"]
         if not all(linear):
             L.append("  long long r = i;")
             for d in range(len(shape) - 1, -1, -1):
@@ -389,15 +392,19 @@ class RowPrologue:
 def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torch.dtype,
                          out_dtype: torch.dtype | None = None, eps: float = 1e-5, has_weight: bool = False,
                          has_bias: bool = False, sm_count: int = 132,
-                         prologue: RowPrologue | None = None) -> KernelCode:
+                         prologue: RowPrologue | None = None, epilogue: RowPrologue | None = None) -> KernelCode:
     """A kernel reducing each of `rows` contiguous rows of `cols` elements.
 
     softmax/log_softmax/layer_norm write a row of the same size; sum/mean/amax/amin write one value.
-    Arguments: x, [weight], [bias], y, rows, cols — with a `prologue`, its inputs (in0..) instead of x:
-    the reduction input is computed on load and never stored.
+    Arguments: x, [weight], [bias], [epilogue inputs], y, rows, cols — with a `prologue`, its inputs
+    (in0..) instead of x: the reduction input is computed on load and never stored. An `epilogue`
+    (sum/mean/amax/amin only) maps the row's statistic (`stat`) and its own inputs, element by element,
+    to a y of the row's shape: an RMS norm's scaling, without storing the statistic.
     """
     if kind not in REDUCTIONS:
         raise ValueError(f"unknown reduction '{kind}'")
+    if epilogue is not None and (kind not in ("sum", "mean", "amax", "amin") or epilogue.extra != ("stat",)):
+        raise ValueError(f"an epilogue applies to sum/mean/amax/amin and reads 'stat', not {kind}/{epilogue.extra}")
     out_dtype = out_dtype or dtype
     if (kind in ("softmax", "log_softmax", "layer_norm") and dtype == out_dtype == torch.float32
             and cols % 4 == 0 and 1024 < cols <= CACHED_ROW_MAX):
@@ -413,8 +420,11 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
         params.append(f"const {T}* __restrict__ w")
     if has_bias:
         params.append(f"const {T}* __restrict__ b")
+    if epilogue:
+        params += epilogue.params()
     params += [f"{U}* __restrict__ y", "long long rows", "long long cols"]
     L = [_PRELUDE, _ROW_PRELUDE, *(prologue.value_function(name) if prologue else []),
+         *(epilogue.value_function(name, "e") if epilogue else []),
          f"// {name}: {kind} over rows of {cols} ({'a warp' if tpr == 32 else f'{tpr} threads'} per row)"
          + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else ""),
          f"#define TPR {tpr}", f"#define RPB {rpb}", f"#define WARPS {warps}",
@@ -483,24 +493,32 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
               f"  a = {reduce}(a);"]
         block_combine(["a"], f"  if (lane >= WARPS) a = {init};\n  a = {reduce}(a);")
         final = "a / (float)cols" if kind == "mean" else "a"
-        L.append(f"  if (t == 0) st(y, row, {final});")
+        if epilogue is None:
+            L.append(f"  if (t == 0) st(y, row, {final});")
+        else:  # every thread holds the statistic after the combine
+            L += [f"  const float stat = {final};",
+                  f"  for (long long c = t; c < cols; c += TPR) st(y, base + c, {name}_e(base + c, stat, "
+                  f"{epilogue.pointers()}));"]
     L.append("}")
-    args = _reduction_args(has_weight, has_bias, rows, cols, prologue)
+    args = _reduction_args(has_weight, has_bias, rows, cols, prologue, epilogue)
     grid = (rows + rpb - 1) // rpb
     return KernelCode("\n".join(L) + "\n", name, grid, tpr * rpb, args,
                       f"{kind} over {rows} rows of {cols}, {'warp' if tpr == 32 else 'block'} per row, warp shuffles"
                       + (" + shared-memory combine" if shared else "") + (", Welford" if kind == "layer_norm" else "")
                       + (", online" if kind in ("softmax", "log_softmax") else "")
-                      + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else ""))
+                      + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else "")
+                      + (f", {len(epilogue.body)} elementwise op(s) applying the {kind} to its row" if epilogue else ""))
 
 
-def _reduction_args(has_weight: bool, has_bias: bool, rows: int, cols: int,
-                    prologue: RowPrologue | None) -> list[tuple[str, object]]:
+def _reduction_args(has_weight: bool, has_bias: bool, rows: int, cols: int, prologue: RowPrologue | None,
+                    epilogue: RowPrologue | None = None) -> list[tuple[str, object]]:
     args: list[tuple[str, object]] = [("in", "x")] if prologue is None else [("in", i.key) for i in prologue.inputs]
     if has_weight:
         args.append(("in", "weight"))
     if has_bias:
         args.append(("in", "bias"))
+    if epilogue:
+        args += [("in", i.key) for i in epilogue.inputs]
     return args + [("out", "y"), ("i64", rows), ("i64", cols)]
 
 
