@@ -166,3 +166,20 @@ def test_group_check_runs_in_the_verifiers_worker_and_reports_back():
     assert not ok and why.startswith("runtime: UnavailableError") and re.search(r"CUDA (device|driver)", why), why
     assert code is not None and code.name in code.source  # the generated kernel is still reported
     assert worker_pids[0] not in (None, __import__("os").getpid())
+
+
+def test_input_free_factories_fold_into_constants_up_to_a_size(monkeypatch):
+    from stitchcuda.graph import planner
+
+    class Masked(nn.Module):
+        def forward(self, x):
+            mask = torch.arange(8).unsqueeze(0) <= torch.arange(8).unsqueeze(1)
+            return torch.where(mask, x, torch.full((8, 8), -1.0))
+
+    graph, plan = planned(Masked(), (torch.randn(8, 8),))
+    kinds = {n.op: g.kind for g in plan.groups for n in g.nodes}
+    assert kinds["aten::arange.start_step"] == kinds["aten::full"] == kinds["aten::le.Tensor"] == "constant", kinds
+    assert kinds["aten::where.self"] == "pointwise"
+    monkeypatch.setattr(planner, "_FACTORY_FOLD_BYTES", 8 * 8 * 4 - 1)  # the full no longer fits
+    _, plan = planned(Masked(), (torch.randn(8, 8),))
+    assert {n.op: g.kind for g in plan.groups for n in g.nodes}["aten::full"] == "aten"

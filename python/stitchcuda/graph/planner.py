@@ -31,6 +31,11 @@ _VIEW_OPS = {"aten::view", "aten::_unsafe_view", "aten::reshape", "aten::alias",
              "aten::transpose.int", "aten::t", "aten::unsqueeze", "aten::squeeze.dim", "aten::squeeze.dims",
              "aten::squeeze", "aten::expand", "aten::slice.Tensor", "aten::select.int"}
 _GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm"}
+# Ops whose result depends on their arguments' values alone (no tensor input): a causal mask's arange and
+# full, a scalar_tensor(-inf). Folded into constants up to this many bytes.
+_FACTORY_OPS = {"aten::arange", "aten::arange.start", "aten::arange.start_step", "aten::full", "aten::scalar_tensor",
+                "aten::zeros", "aten::ones"}
+_FACTORY_FOLD_BYTES = 64 << 20
 _REDUCTION_OPS = {"aten::_softmax": "softmax", "aten::_log_softmax": "log_softmax",
                   "aten::native_layer_norm": "layer_norm", "aten::sum.dim_IntList": "sum",
                   "aten::mean.dim": "mean", "aten::amax": "amax", "aten::amin": "amin"}
@@ -137,7 +142,7 @@ class OfflinePlanner:
                 continue
             ins = node.inputs
             # Constant folding: nothing here depends on a user input.
-            if all(v.name in constant for v in ins) and ins:
+            if (ins and all(v.name in constant for v in ins)) or (not ins and self._foldable_factory(node)):
                 for v in node.outputs:
                     if v is not None:
                         constant.add(v.name)
@@ -316,6 +321,13 @@ class OfflinePlanner:
         else:
             strategy = "a block per row"
         return Group("reduction", [node], f"{kind} over {rows} rows of {cols}: template kernel, {strategy}", params)
+
+    @staticmethod
+    def _foldable_factory(node: Node) -> bool:
+        if node.op not in _FACTORY_OPS or len(node.outputs) != 1 or node.out is None:
+            return False
+        out = node.out
+        return out.numel * torch.empty(0, dtype=out.dtype).element_size() <= _FACTORY_FOLD_BYTES
 
     @staticmethod
     def _prologue_fits(chain: Group, node: Node, outputs: set[str]) -> bool:
