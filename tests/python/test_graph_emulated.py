@@ -154,6 +154,38 @@ def test_rms_norm_epilogue_applies_the_statistic_to_the_row(emu, rows, cols):
     torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("n, c, hw, groups, path", [(2, 6, 9, 3, "warp per row"), (2, 8, 1027, 8, "shared-memory combine"),
+                                                     (2, 8, 1024, 4, "held in registers"), (2, 4, 1030, 2, "held in registers")],
+                         ids=["warp", "block", "registers", "registers-channel-inside-a-vector"])
+def test_group_norm_with_a_silu_applied_before_the_store(emu, n, c, hw, groups, path):
+    # Rows are (sample, group) pairs; weight and bias are per channel; SiLU reads each result twice.
+    x = torch.randn(n, c, hw) * 3 + 1
+    w, b = torch.rand(c) + 0.5, torch.randn(c)
+    cols = c // groups * hw
+    output = RowPrologue((n, c, hw), [], ["const float t0 = (1.0f / (1.0f + expf(-yv)));", "const float t1 = (yv * t0);"],
+                         "t1", ("yv",))
+    code = row_reduction_kernel("gn", "group_norm", n * groups, cols, torch.float32, eps=1e-5, has_weight=True,
+                                has_bias=True, output=output, groups=groups, group_hw=hw)
+    assert path in code.description, code.description
+    y = torch.full_like(x, float("nan"))
+    _run(emu, code, {"x": x, "weight": w, "bias": b, "y": y})
+    expected = torch.nn.functional.silu(torch.nn.functional.group_norm(x, groups, w, b, 1e-5))
+    torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_an_output_function_reads_an_operand_by_index(emu):
+    # softmax(x) * mask + r: a full-shape operand and a column vector, in the register path.
+    rows, cols = 2, 2048
+    x, r, mask = torch.randn(rows, cols), torch.randn(rows, cols), (torch.rand(cols) > 0.5).float()
+    inputs = [PointwiseInput("o0", torch.float32, (0, 1)), PointwiseInput("o1", torch.float32, (cols, 1))]
+    output = RowPrologue((rows, cols), inputs, ["const float t0 = ((yv * o0) + o1);"], "t0", ("yv",))
+    code = row_reduction_kernel("sm", "softmax", rows, cols, torch.float32, output=output)
+    assert "row held in registers" in code.description and [k for _, k in code.args][:3] == ["x", "o0", "o1"]
+    y = torch.empty(rows, cols)
+    _run(emu, code, {"x": x, "o0": mask, "o1": r, "y": y})
+    torch.testing.assert_close(y, torch.softmax(x, -1) * mask + r, atol=1e-5, rtol=1e-4)
+
+
 def test_an_epilogue_needs_a_statistic():
     epilogue = RowPrologue((2, 8), [], ["const float t0 = stat;"], "t0", ("stat",))
     with pytest.raises(ValueError, match="applies to sum/mean/amax/amin"):

@@ -197,6 +197,14 @@ def test_golden_residual_add_and_temperature_are_prologues_of_long_rows_held_in_
         assert "the row held in registers" in reason and "1 elementwise op(s)" in reason, reason
 
 
+def test_golden_group_norm_is_a_template_with_its_silu_applied_before_the_store():
+    assert _partition("norm_groupnorm_silu") == [
+        ("reduction", ["aten::native_group_norm", "aten::sigmoid", "aten::mul.Tensor"])]
+    gn = _planned("norm_groupnorm_silu").groups[0]
+    assert (gn.params["rows"], gn.params["cols"], gn.params["groups"], gn.params["group_hw"]) == (32 * 32, 8 * 64 * 64, 32, 64 * 64)
+    assert "held in registers" in gn.reason and "applied before the store" in gn.reason
+
+
 def test_a_chain_whose_values_are_used_elsewhere_is_not_a_prologue():
     # model_transformer_block's first layer norm reads the block input, which the residual add reads too;
     # its attention softmax takes the scaled scores, which nothing else reads: a prologue.

@@ -195,9 +195,15 @@ class Lowering:
             inputs, more, body, var = self._elementwise(p["epilogue"], tuple(x.shape), {node.out.name: "stat"}, "e")
             epilogue = RowPrologue(tuple(x.shape), inputs, body, var[result.name], ("stat",))
             buffers.update(more)
+        output = None
+        if p.get("output"):  # elementwise ops on each result before it is stored (a SiLU after a group norm)
+            inputs, more, body, var = self._elementwise(p["output"], tuple(node.out.shape), {node.out.name: "yv"}, "o")
+            output = RowPrologue(tuple(node.out.shape), inputs, body, var[result.name], ("yv",))
+            buffers.update(more)
         code = row_reduction_kernel(self._name(p["kind"], g), p["kind"], p["rows"], p["cols"], x.dtype,
                                     result.dtype, eps=p.get("eps", 1e-5), has_weight=has_w, has_bias=has_b,
-                                    sm_count=self.sm_count, prologue=prologue, epilogue=epilogue)
+                                    sm_count=self.sm_count, prologue=prologue, epilogue=epilogue, output=output,
+                                    groups=p.get("groups", 0), group_hw=p.get("group_hw", 0))
         if prologue is None:
             buffers["x"] = self.need(x, contiguous=True)
         if has_w:

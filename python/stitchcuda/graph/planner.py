@@ -9,8 +9,9 @@ apply first.
   fused kernel; values used only inside the chain never touch memory.
 - Row reductions over the trailing contiguous dimensions (softmax, log-softmax, layer norm, sum, mean,
   amax, amin) become template kernels; an elementwise chain that only computes a reduction's input
-  (a residual add before a layer norm, a scale before a softmax) is fused into its loads, and
-  elementwise ops that apply a sum/mean/amax/amin back to its row (an RMS norm) into the same kernel.
+  (a residual add before a layer norm, a scale before a softmax) is fused into its loads,
+  elementwise ops that apply a sum/mean/amax/amin back to its row (an RMS norm) into the same kernel,
+  and an elementwise chain reading only a normalized result (GroupNorm -> SiLU) into its store.
 - Views become View steps (no copy) where the source's layout allows.
 - Values computed only from weights are folded into constants.
 - Everything else (convolutions through cuDNN, pooling, indexing, ...) stays an ATen step.
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .capture import Graph, Node, Value
-from .templates import CACHED_ROW_MAX, FUSABLE_DTYPES, POINTWISE_OPS
+from .templates import CACHED_ROW_MAX, FUSABLE_DTYPES, NORMALIZING, POINTWISE_OPS
 
 __all__ = ["Group", "Plan", "OfflinePlanner"]
 
@@ -37,7 +38,8 @@ _FACTORY_OPS = {"aten::arange", "aten::arange.start", "aten::arange.start_step",
                 "aten::zeros", "aten::ones"}
 _FACTORY_FOLD_BYTES = 64 << 20
 _REDUCTION_OPS = {"aten::_softmax": "softmax", "aten::_log_softmax": "log_softmax",
-                  "aten::native_layer_norm": "layer_norm", "aten::sum.dim_IntList": "sum",
+                  "aten::native_layer_norm": "layer_norm", "aten::native_group_norm": "group_norm",
+                  "aten::sum.dim_IntList": "sum",
                   "aten::mean.dim": "mean", "aten::amax": "amax", "aten::amin": "amin"}
 
 
@@ -226,6 +228,19 @@ class OfflinePlanner:
                                       "the row in the same kernel: the statistic is never stored",
                                       {**g.params, "epilogue": epilogue, "result": leaving[0]})
                         i += 2 + (1 if on_stat else 0)
+            elif g.kind == "reduction" and g.params["kind"] in NORMALIZING and "output" not in g.params:
+                node = g.params["node"]
+                y = node.out
+                nxt = groups[i + 1] if i + 1 < len(groups) else None
+                if nxt is not None and nxt.kind == "pointwise" and nxt.params["shape"] == y.shape \
+                        and y.name not in outputs and y.users and all(u in nxt.nodes for u in y.users):
+                    leaving = nxt.outputs(outputs)
+                    if len(leaving) == 1 and leaving[0].dtype in (torch.float32, torch.float16, torch.bfloat16):
+                        ops = ", ".join(n.op.removeprefix("aten::") for n in nxt.nodes)
+                        fused = Group("reduction", [*g.nodes, *nxt.nodes],
+                                      f"{g.reason}; then {len(nxt.nodes)} elementwise op(s) ({ops}) applied "
+                                      "before the store", {**g.params, "output": list(nxt.nodes), "result": leaving[0]})
+                        i += 2
             if fused is None:
                 out.append(g)
                 i += 1
@@ -294,10 +309,16 @@ class OfflinePlanner:
             if node.args[2]:
                 return Group("aten", [node], f"{kind} with half_to_float stays an ATen step")
             dims = _dims(node.args[1], rank)
-        elif kind == "layer_norm":
-            dims = list(range(rank - len(node.args[1]), rank))
+        elif kind in ("layer_norm", "group_norm"):
             if any(v is not None and (v.name in outputs or v.users) for v in node.outputs[1:]):
-                return Group("aten", [node], "layer norm whose mean/rstd are used stays an ATen step")
+                return Group("aten", [node], f"{kind.replace('_', ' ')} whose mean/rstd are used stays an ATen step")
+            if kind == "layer_norm":
+                dims = list(range(rank - len(node.args[1]), rank))
+            else:  # (input, weight, bias, N, C, HxW, group, eps): rows are (sample, group) pairs
+                channels, groups = int(node.args[4]), int(node.args[6])
+                if rank < 2 or groups <= 0 or channels % groups or x.shape[1] != channels:
+                    return Group("aten", [node], "group norm of this layout stays an ATen step")
+                dims = list(range(1, rank))
         else:
             dims = _dims(node.args[1] if len(node.args) > 1 else None, rank)
             if node.kwargs.get("dtype") is not None:
@@ -307,15 +328,22 @@ class OfflinePlanner:
         cols = 1
         for d in dims:
             cols *= x.shape[d]
+        if kind == "group_norm":
+            cols //= int(node.args[6])
         rows = x.numel // cols if cols else 0
         if rows == 0 or cols == 0:
             return Group("aten", [node], f"{kind} of an empty tensor stays an ATen step")
         params = {"kind": kind, "rows": rows, "cols": cols, "node": node}
         if kind == "layer_norm":
             params["weight"], params["bias"], params["eps"] = node.args[2], node.args[3], float(node.args[4])
+        elif kind == "group_norm":
+            params["weight"], params["bias"], params["eps"] = node.args[1], node.args[2], float(node.args[7])
+            params["groups"], params["group_hw"] = int(node.args[6]), int(node.args[5])
+        if any(isinstance(params.get(k), Value) and params[k].dtype != x.dtype for k in ("weight", "bias")):
+            return Group("aten", [node], f"{kind} with weights of another dtype stays an ATen step")
         if cols <= 1024:
             strategy = "a warp per row"
-        elif kind in ("softmax", "log_softmax", "layer_norm") and x.dtype == node.out.dtype == torch.float32 \
+        elif kind in NORMALIZING and x.dtype == node.out.dtype == torch.float32 \
                 and cols % 4 == 0 and cols <= CACHED_ROW_MAX:
             strategy = "a block per row, the row held in registers"
         else:

@@ -6,8 +6,10 @@
 - row reductions over the trailing contiguous dimensions: online softmax / log-softmax, one-pass
   (Welford) layer norm, sum / mean / amax / amin — a warp per row for short rows, a block per row with
   a shared-memory combine of the warps' partials for long ones; long fp32 rows of softmax, log-softmax
-  and layer norm (up to 32,768 elements) are held in registers, so that memory sees one read and one
-  write per element with 16-byte accesses.
+  and layer/group norm (up to 32,768 elements) are held in registers, so that memory sees one read and
+  one write per element with 16-byte accesses; elementwise prologues (computing the input on load),
+  epilogues (applying a statistic to its row) and output functions (on each result before the store)
+  fuse the ops around a reduction into its kernel.
 
 Every kernel is `extern "C"`, computes in fp32 (fp16/bf16 are converted on load and store) and takes its
 sizes as arguments where they vary; shapes that select the code path are baked in as constants.
@@ -267,7 +269,8 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
 
 # ---- row reductions ----
 
-REDUCTIONS = ("softmax", "log_softmax", "layer_norm", "sum", "mean", "amax", "amin")
+REDUCTIONS = ("softmax", "log_softmax", "layer_norm", "group_norm", "sum", "mean", "amax", "amin")
+NORMALIZING = ("softmax", "log_softmax", "layer_norm", "group_norm")  # write a row of the input's shape
 
 _ROW_PRELUDE = r"""
 __device__ __forceinline__ float warp_sum(float v) {
@@ -330,7 +333,8 @@ class RowPrologue:
         return [f"const {_CTYPE[i.dtype]}* __restrict__ {i.key}" for i in self.inputs]
 
     def pointers(self) -> str:
-        return ", ".join(i.key for i in self.inputs)
+        """The inputs as trailing call arguments (", in0, in1"), "" when there are none."""
+        return "".join(f", {i.key}" for i in self.inputs)
 
     def value_function(self, name: str, suffix: str = "x") -> list[str]:
         """`{name}_{suffix}(i, [extra..], in0, ..)`: the value at flat index i (of the reduction input for a
@@ -392,25 +396,36 @@ class RowPrologue:
 def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torch.dtype,
                          out_dtype: torch.dtype | None = None, eps: float = 1e-5, has_weight: bool = False,
                          has_bias: bool = False, sm_count: int = 132,
-                         prologue: RowPrologue | None = None, epilogue: RowPrologue | None = None) -> KernelCode:
+                         prologue: RowPrologue | None = None, epilogue: RowPrologue | None = None,
+                         output: RowPrologue | None = None, groups: int = 0, group_hw: int = 0) -> KernelCode:
     """A kernel reducing each of `rows` contiguous rows of `cols` elements.
 
     softmax/log_softmax/layer_norm write a row of the same size; sum/mean/amax/amin write one value.
     Arguments: x, [weight], [bias], [epilogue inputs], y, rows, cols — with a `prologue`, its inputs
     (in0..) instead of x: the reduction input is computed on load and never stored. An `epilogue`
     (sum/mean/amax/amin only) maps the row's statistic (`stat`) and its own inputs, element by element,
-    to a y of the row's shape: an RMS norm's scaling, without storing the statistic.
+    to a y of the row's shape: an RMS norm's scaling, without storing the statistic. An `output`
+    (softmax, log-softmax, layer and group norm) maps each result (`yv`) and its own inputs to the
+    value stored: a SiLU after a group norm. group_norm rows are (sample, group) pairs of
+    cols = channels per group x `group_hw` elements, its weight and bias indexed by channel (`groups`).
     """
     if kind not in REDUCTIONS:
         raise ValueError(f"unknown reduction '{kind}'")
     if epilogue is not None and (kind not in ("sum", "mean", "amax", "amin") or epilogue.extra != ("stat",)):
         raise ValueError(f"an epilogue applies to sum/mean/amax/amin and reads 'stat', not {kind}/{epilogue.extra}")
+    if output is not None and (kind not in NORMALIZING or output.extra != ("yv",)):
+        raise ValueError(f"an output function applies to {'/'.join(NORMALIZING)} and reads 'yv', not "
+                         f"{kind}/{output.extra}")
+    if kind == "group_norm" and (groups <= 0 or group_hw <= 0 or cols % group_hw):
+        raise ValueError(f"group_norm needs groups > 0 and a group_hw dividing cols, got {groups}, {group_hw}, {cols}")
     out_dtype = out_dtype or dtype
-    if (kind in ("softmax", "log_softmax", "layer_norm") and dtype == out_dtype == torch.float32
+    if (kind in NORMALIZING and dtype == out_dtype == torch.float32
             and cols % 4 == 0 and 1024 < cols <= CACHED_ROW_MAX):
-        return _cached_row_kernel(name, kind, rows, cols, eps, has_weight, has_bias, prologue)
+        return _cached_row_kernel(name, kind, rows, cols, eps, has_weight, has_bias, prologue, output, groups,
+                                  group_hw)
+    ch = _channel(groups, group_hw, cols)
     X = (lambda idx: f"ld(x, {idx})") if prologue is None else \
-        (lambda idx: f"{name}_x({idx}, {prologue.pointers()})")
+        (lambda idx: f"{name}_x({idx}{prologue.pointers()})")
     tpr = 32 if cols <= 1024 else (256 if cols <= 4096 else 512)  # threads per row
     rpb = 4 if tpr == 32 else 1                                     # rows per block
     warps = tpr // 32
@@ -422,9 +437,17 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
         params.append(f"const {T}* __restrict__ b")
     if epilogue:
         params += epilogue.params()
+    if output:
+        params += output.params()
     params += [f"{U}* __restrict__ y", "long long rows", "long long cols"]
+
+    def Y(idx: str, value: str) -> str:  # the store of one result, through the output function if any
+        return f"st(y, {idx}, {value})" if output is None else \
+            f"st(y, {idx}, {name}_o({idx}, {value}{output.pointers()}))"
+
     L = [_PRELUDE, _ROW_PRELUDE, *(prologue.value_function(name) if prologue else []),
          *(epilogue.value_function(name, "e") if epilogue else []),
+         *(output.value_function(name, "o") if output else []),
          f"// {name}: {kind} over rows of {cols} ({'a warp' if tpr == 32 else f'{tpr} threads'} per row)"
          + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else ""),
          f"#define TPR {tpr}", f"#define RPB {rpb}", f"#define WARPS {warps}",
@@ -451,6 +474,7 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
         L.append("  __syncthreads();")
         del init
 
+    xc = X("base + c")  # the row's element c
     if kind in ("softmax", "log_softmax"):
         L += ["  float m = -__int_as_float(0x7f800000), s = 0.0f;",
               "  for (long long c = t; c < cols; c += TPR) {",
@@ -461,11 +485,11 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
         block_combine(["m", "s"], "  if (lane >= WARPS) { m = -__int_as_float(0x7f800000); s = 0.0f; }\n  warp_softmax(m, s);")
         if kind == "softmax":
             L += ["  const float inv = 1.0f / s;",
-                  f"  for (long long c = t; c < cols; c += TPR) st(y, base + c, expf({X('base + c')} - m) * inv);"]
+                  f"  for (long long c = t; c < cols; c += TPR) {Y('base + c', f'expf({xc} - m) * inv')};"]
         else:
             L += ["  const float shift = m + logf(s);",
-                  f"  for (long long c = t; c < cols; c += TPR) st(y, base + c, {X('base + c')} - shift);"]
-    elif kind == "layer_norm":
+                  f"  for (long long c = t; c < cols; c += TPR) {Y('base + c', f'{xc} - shift')};"]
+    elif kind in ("layer_norm", "group_norm"):
         L += ["  float n = 0.0f, mean = 0.0f, m2 = 0.0f;",
               "  for (long long c = t; c < cols; c += TPR) {",
               f"    const float v = {X('base + c')};",
@@ -477,10 +501,10 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
               "  for (long long c = t; c < cols; c += TPR) {",
               f"    float v = ({X('base + c')} - mean) * rstd;"]
         if has_weight:
-            L.append("    v *= ld(w, c);")
+            L.append(f"    v *= ld(w, {ch('c')});")
         if has_bias:
-            L.append("    v += ld(b, c);")
-        L += ["    st(y, base + c, v);", "  }"]
+            L.append(f"    v += ld(b, {ch('c')});")
+        L += [f"    {Y('base + c', 'v')};", "  }"]
     else:
         init = {"sum": "0.0f", "mean": "0.0f", "amax": "-__int_as_float(0x7f800000)",
                 "amin": "__int_as_float(0x7f800000)"}[kind]
@@ -497,28 +521,38 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
             L.append(f"  if (t == 0) st(y, row, {final});")
         else:  # every thread holds the statistic after the combine
             L += [f"  const float stat = {final};",
-                  f"  for (long long c = t; c < cols; c += TPR) st(y, base + c, {name}_e(base + c, stat, "
+                  f"  for (long long c = t; c < cols; c += TPR) st(y, base + c, {name}_e(base + c, stat"
                   f"{epilogue.pointers()}));"]
     L.append("}")
-    args = _reduction_args(has_weight, has_bias, rows, cols, prologue, epilogue)
+    args = _reduction_args(has_weight, has_bias, rows, cols, prologue, epilogue, output)
     grid = (rows + rpb - 1) // rpb
     return KernelCode("\n".join(L) + "\n", name, grid, tpr * rpb, args,
                       f"{kind} over {rows} rows of {cols}, {'warp' if tpr == 32 else 'block'} per row, warp shuffles"
-                      + (" + shared-memory combine" if shared else "") + (", Welford" if kind == "layer_norm" else "")
+                      + (" + shared-memory combine" if shared else "") + (", Welford" if kind in ("layer_norm", "group_norm") else "")
                       + (", online" if kind in ("softmax", "log_softmax") else "")
                       + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else "")
-                      + (f", {len(epilogue.body)} elementwise op(s) applying the {kind} to its row" if epilogue else ""))
+                      + (f", {len(epilogue.body)} elementwise op(s) applying the {kind} to its row" if epilogue else "")
+                      + (f", {len(output.body)} elementwise op(s) applied before the store" if output else ""))
+
+
+def _channel(groups: int, group_hw: int, cols: int):
+    """The weight/bias index of the row's element `c`: c itself, or a group norm's channel."""
+    if not groups:
+        return lambda c: c
+    per_group = cols // group_hw
+    return lambda c: f"((row % {groups}LL) * {per_group}LL + ({c}) / {group_hw}LL)"
 
 
 def _reduction_args(has_weight: bool, has_bias: bool, rows: int, cols: int, prologue: RowPrologue | None,
-                    epilogue: RowPrologue | None = None) -> list[tuple[str, object]]:
+                    epilogue: RowPrologue | None = None, output: RowPrologue | None = None) -> list[tuple[str, object]]:
     args: list[tuple[str, object]] = [("in", "x")] if prologue is None else [("in", i.key) for i in prologue.inputs]
     if has_weight:
         args.append(("in", "weight"))
     if has_bias:
         args.append(("in", "bias"))
-    if epilogue:
-        args += [("in", i.key) for i in epilogue.inputs]
+    for extra in (epilogue, output):
+        if extra:
+            args += [("in", i.key) for i in extra.inputs]
     return args + [("out", "y"), ("i64", rows), ("i64", cols)]
 
 
@@ -550,8 +584,9 @@ __device__ __forceinline__ float block_max(float v, float* sh) {
 
 
 def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, has_weight: bool,
-                       has_bias: bool, prologue: RowPrologue | None = None) -> KernelCode:
-    """Softmax, log-softmax or layer norm over long fp32 rows, one block per row: the row is read once
+                       has_bias: bool, prologue: RowPrologue | None = None, output: RowPrologue | None = None,
+                       groups: int = 0, group_hw: int = 0) -> KernelCode:
+    """Softmax, log-softmax, layer or group norm over long fp32 rows, one block per row: the row is read once
     from memory with 16-byte loads into registers (VPT float4 per thread), reduced there (exact two-pass
     statistics, one exp per element) and written once with 16-byte stores. Rows that are not 16-byte
     aligned (a view at an odd offset) take scalar loads into the same registers."""
@@ -572,9 +607,13 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
         params.append("const float* __restrict__ w")
     if has_bias:
         params.append("const float* __restrict__ b")
+    if output:
+        params += output.params()
     params += ["float* __restrict__ y", "long long rows", "long long cols"]
+    # A group norm reads its weight and bias by channel, one element at a time: not part of the vector check.
+    vector_wb = not groups
     aligned = " | ".join(f"reinterpret_cast<unsigned long long>({p})" for p in
-                         checked + (["w"] if has_weight else []) + (["b"] if has_bias else []))
+                         checked + (["w"] if has_weight and vector_wb else []) + (["b"] if has_bias and vector_wb else []))
     L = [_PRELUDE, _ROW_PRELUDE,
          f"// {name}: {kind} over rows of {cols}, one block of {tpr} threads per row, the row held in registers",
          f"#define TPR {tpr}", f"#define WARPS {tpr // 32}", f"#define VPT {vpt}", f"#define C4 {c4}",
@@ -588,6 +627,7 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
          "  p[4 * c4] = v.x; p[4 * c4 + 1] = v.y; p[4 * c4 + 2] = v.z; p[4 * c4 + 3] = v.w;",
          "}",
          *(_cached_prologue(name, prologue, kinds) if prologue else []),
+         *(_cached_output(name, output) if output else []),
          f'extern "C" __global__ void __launch_bounds__(TPR) {name}({", ".join(params)}) {{',
          "  const long long row = blockIdx.x;",
          "  if (row >= rows) return;",
@@ -600,13 +640,18 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
          "  for (int k = 0; k < VPT; ++k) {",
          "    const int c = threadIdx.x + k * TPR;",
          "    v[k] = c < C4 ? " + ("load4(xr, c, vec)" if prologue is None else
-                                    f"{name}_x4(row, c, vec, {prologue.pointers()})")
+                                    f"{name}_x4(row, c, vec{prologue.pointers()})")
          + " : make_float4(0.0f, 0.0f, 0.0f, 0.0f);",
          "  }"]
 
     def each(body: list[str]) -> None:
         L.extend(["#pragma unroll", "  for (int k = 0; k < VPT; ++k) {",
                   "    if (threadIdx.x + k * TPR >= C4) break;", *[f"    {b}" for b in body], "  }"])
+
+    def store(c: str, value: str) -> str:  # one float4 of results, through the output function if any
+        if output is not None:
+            value = f"{name}_o4(row, {c}, {value}{output.pointers()})"
+        return f"store4(yr, {c}, {value}, vec);"
 
     if kind in ("softmax", "log_softmax"):
         L.append("  float m = -__int_as_float(0x7f800000);")
@@ -616,14 +661,13 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
             each(["v[k] = make_float4(expf(v[k].x - m), expf(v[k].y - m), expf(v[k].z - m), expf(v[k].w - m));",
                   "s += (v[k].x + v[k].y) + (v[k].z + v[k].w);"])
             L += ["  const float inv = 1.0f / block_sum(s, sh);"]
-            each(["store4(yr, threadIdx.x + k * TPR, make_float4(v[k].x * inv, v[k].y * inv, v[k].z * inv, "
-                  "v[k].w * inv), vec);"])
+            each([store("threadIdx.x + k * TPR", "make_float4(v[k].x * inv, v[k].y * inv, v[k].z * inv, v[k].w * inv)")])
         else:
             each(["s += (expf(v[k].x - m) + expf(v[k].y - m)) + (expf(v[k].z - m) + expf(v[k].w - m));"])
             L += ["  const float shift = m + logf(block_sum(s, sh));"]
-            each(["store4(yr, threadIdx.x + k * TPR, make_float4(v[k].x - shift, v[k].y - shift, v[k].z - shift, "
-                  "v[k].w - shift), vec);"])
-    else:  # layer norm: exact mean, then the mean of squared deviations, both from registers
+            each([store("threadIdx.x + k * TPR", "make_float4(v[k].x - shift, v[k].y - shift, v[k].z - shift, "
+                        "v[k].w - shift)")])
+    else:  # layer or group norm: exact mean, then the mean of squared deviations, both from registers
         L.append("  float s = 0.0f;")
         each(["s += (v[k].x + v[k].y) + (v[k].z + v[k].w);"])
         L += ["  const float mean = block_sum(s, sh) / (float)cols;", "  float q = 0.0f;"]
@@ -633,25 +677,45 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
         body = ["const int c = threadIdx.x + k * TPR;",
                 "float4 o = make_float4((v[k].x - mean) * rstd, (v[k].y - mean) * rstd, (v[k].z - mean) * rstd, "
                 "(v[k].w - mean) * rstd);"]
-        if has_weight:
-            body += ["const float4 g = load4(w, c, vec);",
-                     "o.x *= g.x; o.y *= g.y; o.z *= g.z; o.w *= g.w;"]
-        if has_bias:
-            body += ["const float4 h = load4(b, c, vec);",
-                     "o.x += h.x; o.y += h.y; o.z += h.z; o.w += h.w;"]
-        body.append("store4(yr, c, o, vec);")
+        ch = _channel(groups, group_hw, cols)
+        for flag, ptr, op, var in ((has_weight, "w", "*=", "g"), (has_bias, "b", "+=", "h")):
+            if not flag:
+                continue
+            if groups:
+                body.append(f"const float4 {var} = make_float4({ptr}[{ch('4 * c')}], {ptr}[{ch('4 * c + 1')}], "
+                            f"{ptr}[{ch('4 * c + 2')}], {ptr}[{ch('4 * c + 3')}]);")
+            else:
+                body.append(f"const float4 {var} = load4({ptr}, c, vec);")
+            body.append(f"o.x {op} {var}.x; o.y {op} {var}.y; o.z {op} {var}.z; o.w {op} {var}.w;")
+        body.append(store("c", "o"))
         each(body)
     L.append("}")
-    args = _reduction_args(has_weight, has_bias, rows, cols, prologue)
+    args = _reduction_args(has_weight, has_bias, rows, cols, prologue, None, output)
     if prologue:
         what_in = "16-byte" if kinds else "scalar"
         fused = f", {len(prologue.body)} elementwise op(s) fused into the loads ({what_in})"
     else:
         fused = ""
-    what = "exact two-pass mean and variance" if kind == "layer_norm" else "max, then one exp per element"
+    what = "exact two-pass mean and variance" if kind in ("layer_norm", "group_norm") else "max, then one exp per element"
+    if output:
+        fused += f", {len(output.body)} elementwise op(s) applied before the store"
     return KernelCode("\n".join(L) + "\n", name, rows, tpr, args,
                       f"{kind} over {rows} rows of {cols}, block per row, row held in registers "
                       f"({vpt} float4 per thread), one read and one write, {what}{fused}", vectorized=True)
+
+
+def _cached_output(name: str, output: RowPrologue) -> list[str]:
+    """`{name}_o4(row, c4, v, in0, ..)`: the output function on one float4 of results."""
+    L = output.value_function(name, "o")
+    params = ", ".join(["long long row", "int c4", "float4 v",
+                        *[f"const {_CTYPE[i.dtype]}* __restrict__ p_{i.key}" for i in output.inputs]])
+    args = "".join(f", p_{i.key}" for i in output.inputs)
+    L += [f"__device__ __forceinline__ float4 {name}_o4({params}) {{",
+          "  const long long i = row * COLS + 4LL * c4;",
+          f"  return make_float4({name}_o(i, v.x{args}), {name}_o(i + 1, v.y{args}), "
+          f"{name}_o(i + 2, v.z{args}), {name}_o(i + 3, v.w{args}));",
+          "}"]
+    return L
 
 
 def _cached_prologue(name: str, prologue: RowPrologue, kinds: list[str] | None) -> list[str]:
@@ -663,10 +727,10 @@ def _cached_prologue(name: str, prologue: RowPrologue, kinds: list[str] | None) 
                           f"const {_CTYPE[i.dtype]}* __restrict__ p_{i.key}" for i in prologue.inputs]])
     L.append(f"__device__ __forceinline__ float4 {name}_x4({params}) {{")
     if kinds is None:
-        args = ", ".join(f"p_{i.key}" for i in prologue.inputs)
+        args = "".join(f", p_{i.key}" for i in prologue.inputs)
         L.append("  const long long i = row * COLS + 4LL * c4;")
-        L.append(f"  return make_float4({name}_x(i, {args}), {name}_x(i + 1, {args}), {name}_x(i + 2, {args}), "
-                 f"{name}_x(i + 3, {args}));")
+        L.append(f"  return make_float4({name}_x(i{args}), {name}_x(i + 1{args}), {name}_x(i + 2{args}), "
+                 f"{name}_x(i + 3{args}));")
         L.append("}")
         return L
     for inp, k in zip(prologue.inputs, kinds):
