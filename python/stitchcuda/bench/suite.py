@@ -263,6 +263,16 @@ def _warm_one(path_str: str) -> tuple[str, float, str]:
     return path.stem, time.perf_counter() - t0, error
 
 
+def _init_warm_worker(threads: int) -> None:
+    """Each pool process gets its share of the CPUs for Inductor's own compile workers."""
+    try:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.compile_threads = threads
+    except Exception:  # an Inductor without the knob compiles with its default
+        pass
+
+
 def warm_caches(files: list[Path], jobs: int) -> dict[str, Any]:
     """Runs `_warm_one` over `files` in `jobs` spawned processes (never forked: CUDA is live here; not
     a multiprocessing.Pool, whose daemonic workers could not start optimize's Verifier worker)."""
@@ -272,7 +282,9 @@ def warm_caches(files: list[Path], jobs: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     per_model: dict[str, float] = {}
     errors: dict[str, str] = {}
-    with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), max_tasks_per_child=4) as pool:
+    threads = max(1, (os.cpu_count() or 2) // jobs)
+    with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), max_tasks_per_child=4,
+                             initializer=_init_warm_worker, initargs=(threads,)) as pool:
         futures = {pool.submit(_warm_one, str(p)): p.stem for p in files}
         for future in as_completed(futures):
             try:
