@@ -140,6 +140,21 @@ def test_gpu_protocol_on_an_honest_candidate(fake_gpu):
     assert fake.flushes == 3 * 12 and fake.resets >= 36  # L2 flushed, persisting L2 reset before each call
 
 
+def test_speed_of_light_counts_storage_not_broadcast_views_or_aliases(fake_gpu):
+    # Outputs: a view of the input x (no traffic of its own) and a 128x broadcast of a fresh row.
+    fake_gpu(per_call_ms=0.5)
+    reference = REFERENCE.replace("return torch.relu(x * 2 + y)",
+                                  "return x.view(32, 128), (x + y).sum(0, keepdim=True).expand(128, 32)")
+    candidate = HONEST.replace("return torch.clamp(x * 2 + y, min=0.0)",
+                               "return x.view(32, 128), (x + y).sum(0, keepdim=True).expand(128, 32)")
+    job = {"reference": Task.from_source(reference, "p").to_spec(), "candidate": candidate,
+           "candidate_name": "<candidate>",
+           "config": VerifyConfig(device="cpu", timing_iters=12, warmup=2).to_dict()}
+    data = harness.run_job(job, lambda phase: None)
+    # x and y read in full; the first output aliases x; the second's storage is one row of 32 floats.
+    assert data["timing"]["bytes_moved_min"] == 2 * 128 * 32 * 4 + 32 * 4, data["timing"]
+
+
 def test_impossible_speed(fake_gpu):
     fake_gpu(per_call_ms=1e-7)
     r, _ = run()

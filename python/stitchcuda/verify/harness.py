@@ -666,7 +666,9 @@ class _Run:
         # An output that is a view of an input costs no traffic of its own.
         held = {x.untyped_storage().data_ptr() for x in args if isinstance(x, torch.Tensor)}
         fresh = [x for x in out if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in held]
-        nbytes = sum(x.numel() * x.element_size() for x in [*inputs, *fresh] if isinstance(x, torch.Tensor))
+        # A broadcast (expanded) tensor moves no more than its storage.
+        nbytes = sum(min(x.numel() * x.element_size(), x.untyped_storage().nbytes())
+                     for x in [*inputs, *fresh] if isinstance(x, torch.Tensor))
         bound_ms = nbytes / (self.config.bandwidth_tb_s * 1e12) * 1e3
         self.report.timing["speed_of_light_ms"] = bound_ms
         self.report.timing["bytes_moved_min"] = nbytes
