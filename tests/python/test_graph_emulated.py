@@ -186,6 +186,22 @@ def test_an_output_function_reads_an_operand_by_index(emu):
     torch.testing.assert_close(y, torch.softmax(x, -1) * mask + r, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("rows, cols", [(5, 40), (2, 3001)], ids=["warp", "block"])
+def test_logsumexp_from_its_max_is_one_kernel_after_the_max(emu, rows, cols):
+    # sum(exp(x - m[row])) with the shift and exp on load, then log(s) + m[row] applied to the stored sum.
+    x = torch.randn(rows, cols) * 4
+    m = x.amax(-1, keepdim=True)
+    prologue = RowPrologue((rows, cols), [PointwiseInput("in0", torch.float32, (cols, 1)),
+                                          PointwiseInput("in1", torch.float32, (1, 0))],
+                           ["const float t0 = (in0 - in1);", "const float t1 = expf(t0);"], "t1")
+    output = RowPrologue((rows, 1), [PointwiseInput("o0", torch.float32, (1, 0))],
+                         ["const float t0 = logf(yv);", "const float t1 = (t0 + o0);"], "t1", ("yv",))
+    code = row_reduction_kernel("lse", "sum", rows, cols, torch.float32, prologue=prologue, output=output)
+    y = torch.full((rows, 1), float("nan"))
+    _run(emu, code, {"in0": x, "in1": m, "o0": m, "y": y})
+    torch.testing.assert_close(y, torch.logsumexp(x, -1, keepdim=True), atol=1e-4, rtol=1e-4)
+
+
 def test_an_epilogue_needs_a_statistic():
     epilogue = RowPrologue((2, 8), [], ["const float t0 = stat;"], "t0", ("stat",))
     with pytest.raises(ValueError, match="applies to sum/mean/amax/amin"):

@@ -102,6 +102,22 @@ def _dims(dims, rank: int) -> list[int]:
     return sorted(d % rank if rank else 0 for d in dims)
 
 
+def _output_function(g: Group, nxt: Group, outputs: set[str]) -> Group | None:
+    """The reduction `g` with the elementwise group `nxt` applied to its results before the store, when
+    `nxt` has the result's shape, is the only reader of the result, and leaves one float value."""
+    y = g.params["node"].out
+    if nxt.kind != "pointwise" or nxt.params["shape"] != y.shape or y.name in outputs or not y.users \
+            or any(u not in nxt.nodes for u in y.users):
+        return None
+    leaving = nxt.outputs(outputs)
+    if len(leaving) != 1 or leaving[0].dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return None
+    ops = ", ".join(n.op.removeprefix("aten::") for n in nxt.nodes)
+    return Group("reduction", [*g.nodes, *nxt.nodes],
+                 f"{g.reason}; then {len(nxt.nodes)} elementwise op(s) ({ops}) applied before the store",
+                 {**g.params, "output": list(nxt.nodes), "result": leaving[0]})
+
+
 class OfflinePlanner:
     """Rules-based partitioning (no LLM). `precision`: "fp32" follows PyTorch's flags at call time;
     "tf32" or "bf16" allow faster matmuls."""
@@ -228,19 +244,12 @@ class OfflinePlanner:
                                       "the row in the same kernel: the statistic is never stored",
                                       {**g.params, "epilogue": epilogue, "result": leaving[0]})
                         i += 2 + (1 if on_stat else 0)
-            elif g.kind == "reduction" and g.params["kind"] in NORMALIZING and "output" not in g.params:
-                node = g.params["node"]
-                y = node.out
-                nxt = groups[i + 1] if i + 1 < len(groups) else None
-                if nxt is not None and nxt.kind == "pointwise" and nxt.params["shape"] == y.shape \
-                        and y.name not in outputs and y.users and all(u in nxt.nodes for u in y.users):
-                    leaving = nxt.outputs(outputs)
-                    if len(leaving) == 1 and leaving[0].dtype in (torch.float32, torch.float16, torch.bfloat16):
-                        ops = ", ".join(n.op.removeprefix("aten::") for n in nxt.nodes)
-                        fused = Group("reduction", [*g.nodes, *nxt.nodes],
-                                      f"{g.reason}; then {len(nxt.nodes)} elementwise op(s) ({ops}) applied "
-                                      "before the store", {**g.params, "output": list(nxt.nodes), "result": leaving[0]})
-                        i += 2
+                if fused is None and on_stat is not None:
+                    fused = _output_function(g, on_stat, outputs)
+                    i += 2 if fused is not None else 0
+            elif g.kind == "reduction" and g.params["kind"] in NORMALIZING and i + 1 < len(groups):
+                fused = _output_function(g, groups[i + 1], outputs)
+                i += 2 if fused is not None else 0
             if fused is None:
                 out.append(g)
                 i += 1

@@ -404,18 +404,17 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
     Arguments: x, [weight], [bias], [epilogue inputs], y, rows, cols — with a `prologue`, its inputs
     (in0..) instead of x: the reduction input is computed on load and never stored. An `epilogue`
     (sum/mean/amax/amin only) maps the row's statistic (`stat`) and its own inputs, element by element,
-    to a y of the row's shape: an RMS norm's scaling, without storing the statistic. An `output`
-    (softmax, log-softmax, layer and group norm) maps each result (`yv`) and its own inputs to the
-    value stored: a SiLU after a group norm. group_norm rows are (sample, group) pairs of
+    to a y of the row's shape: an RMS norm's scaling, without storing the statistic. An `output` maps
+    each result (`yv`) and its own inputs to the value stored: a SiLU after a group norm, the log of a
+    sum (its inputs then indexed like the statistic). group_norm rows are (sample, group) pairs of
     cols = channels per group x `group_hw` elements, its weight and bias indexed by channel (`groups`).
     """
     if kind not in REDUCTIONS:
         raise ValueError(f"unknown reduction '{kind}'")
     if epilogue is not None and (kind not in ("sum", "mean", "amax", "amin") or epilogue.extra != ("stat",)):
         raise ValueError(f"an epilogue applies to sum/mean/amax/amin and reads 'stat', not {kind}/{epilogue.extra}")
-    if output is not None and (kind not in NORMALIZING or output.extra != ("yv",)):
-        raise ValueError(f"an output function applies to {'/'.join(NORMALIZING)} and reads 'yv', not "
-                         f"{kind}/{output.extra}")
+    if output is not None and (output.extra != ("yv",) or epilogue is not None):
+        raise ValueError(f"an output function reads 'yv' and excludes an epilogue, got {output.extra}")
     if kind == "group_norm" and (groups <= 0 or group_hw <= 0 or cols % group_hw):
         raise ValueError(f"group_norm needs groups > 0 and a group_hw dividing cols, got {groups}, {group_hw}, {cols}")
     out_dtype = out_dtype or dtype
@@ -518,7 +517,7 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
         block_combine(["a"], f"  if (lane >= WARPS) a = {init};\n  a = {reduce}(a);")
         final = "a / (float)cols" if kind == "mean" else "a"
         if epilogue is None:
-            L.append(f"  if (t == 0) st(y, row, {final});")
+            L.append(f"  if (t == 0) {Y('row', final)};")
         else:  # every thread holds the statistic after the combine
             L += [f"  const float stat = {final};",
                   f"  for (long long c = t; c < cols; c += TPR) st(y, base + c, {name}_e(base + c, stat"
