@@ -16,7 +16,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "corpus"))
 from cpu_emulator.emulator import EmulatedJit, EmulatedModule, unavailable  # noqa: E402
 
-from stitchcuda.graph.templates import PointwiseInput, RowPrologue, pointwise_kernel, row_reduction_kernel  # noqa: E402
+from stitchcuda.graph.templates import (PointwiseInput, RowPrologue, column_reduction_kernel, pointwise_kernel,  # noqa: E402
+                                        row_reduction_kernel)
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"CUDA emulator: {unavailable()}")
 
@@ -200,6 +201,30 @@ def test_logsumexp_from_its_max_is_one_kernel_after_the_max(emu, rows, cols):
     y = torch.full((rows, 1), float("nan"))
     _run(emu, code, {"in0": x, "in1": m, "o0": m, "y": y})
     torch.testing.assert_close(y, torch.logsumexp(x, -1, keepdim=True), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("outer, reduce, inner", [(3, 37, 70), (2, 5, 1), (1, 64, 32)])
+@pytest.mark.parametrize("kind", ["sum", "mean", "amax", "amin"])
+def test_column_reductions_match_torch(emu, kind, outer, reduce, inner):
+    x = torch.randn(outer, reduce, inner) * 3
+    x[0, reduce // 2, 0] = 50.0  # one extreme value in one column
+    code = column_reduction_kernel(f"c_{kind}", kind, outer, reduce, inner, torch.float32)
+    y = torch.full((outer, inner), float("nan"))
+    _run(emu, code, {"x": x, "y": y})
+    expected = {"sum": x.sum(1), "mean": x.mean(1), "amax": x.amax(1), "amin": x.amin(1)}[kind]
+    torch.testing.assert_close(y, expected, atol=1e-4 * reduce ** 0.5, rtol=1e-4)
+
+
+def test_column_reduction_with_a_relu_on_load(emu):
+    x = torch.randn(2, 9, 4, 5)
+    prologue = RowPrologue((2, 9, 4, 5), [PointwiseInput("in0", torch.float32, (180, 20, 5, 1))],
+                           ["const float t0 = (in0 != in0 ? in0 : fmaxf(in0, 0.0f));"], "t0")
+    code = column_reduction_kernel("c_relu", "sum", 2, 9, 20, torch.float32, prologue=prologue)
+    y = torch.empty(2, 4, 5)
+    _run(emu, code, {"in0": x, "y": y})
+    torch.testing.assert_close(y, torch.relu(x).sum(1), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="column reduction is sum, mean, amax or amin"):
+        column_reduction_kernel("c_bad", "softmax", 2, 9, 20, torch.float32)
 
 
 def test_an_epilogue_needs_a_statistic():

@@ -213,9 +213,14 @@ def test_a_chain_whose_values_are_used_elsewhere_is_not_a_prologue():
     assert [len(g.params.get("prologue") or []) for g in reductions] == [0, 1, 0]
 
 
-def test_golden_mean_over_a_middle_dimension_stays_an_aten_step():
-    assert _partition("reduce_mean_middle") == [("aten", ["aten::mean.dim"])]
-    assert "not the trailing" in _planned("reduce_mean_middle").groups[0].reason
+def test_golden_middle_dimension_reductions_are_column_templates():
+    assert _partition("reduce_mean_middle") == [("reduction", ["aten::mean.dim"])]
+    mean = _planned("reduce_mean_middle").groups[0].params
+    assert (mean["layout"], mean["outer"], mean["reduce"], mean["inner"]) == ("column", 128, 1024, 512)
+    # The ReLU before a sum over NCHW channels is computed on load.
+    assert _partition("reduce_sum_channels") == [("reduction", ["aten::relu", "aten::sum.dim_IntList"])]
+    total = _planned("reduce_sum_channels").groups[0].params
+    assert (total["outer"], total["reduce"], total["inner"]) == (64, 128, 64 * 64) and total["prologue"]
 
 
 def test_golden_transformer_block_counts():

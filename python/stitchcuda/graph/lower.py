@@ -15,7 +15,8 @@ import torch
 from ..program import Program, ProgramBuilder, dtype_name
 from .capture import Graph, Node, Value
 from .planner import Group, Plan
-from .templates import POINTWISE_OPS, KernelCode, PointwiseInput, RowPrologue, pointwise_kernel, row_reduction_kernel
+from .templates import (POINTWISE_OPS, KernelCode, PointwiseInput, RowPrologue, column_reduction_kernel, pointwise_kernel,
+                        row_reduction_kernel)
 
 __all__ = ["LoweringError", "Lowering", "reference_values", "check_group", "tolerance"]
 
@@ -195,6 +196,14 @@ class Lowering:
             inputs, more, body, var = self._elementwise(p["epilogue"], tuple(x.shape), {node.out.name: "stat"}, "e")
             epilogue = RowPrologue(tuple(x.shape), inputs, body, var[result.name], ("stat",))
             buffers.update(more)
+        if p.get("layout") == "column":
+            code = column_reduction_kernel(self._name(p["kind"], g), p["kind"], p["outer"], p["reduce"], p["inner"],
+                                           x.dtype, result.dtype, prologue)
+            if prologue is None:
+                buffers["x"] = self.need(x, contiguous=True)
+            buffers["y"] = self.produce(result)
+            self._launch(g, code, buffers)
+            return
         output = None
         if p.get("output"):  # elementwise ops on each result before it is stored (a SiLU after a group norm)
             inputs, more, body, var = self._elementwise(p["output"], tuple(node.out.shape), {node.out.name: "yv"}, "o")

@@ -219,7 +219,8 @@ class OfflinePlanner:
         while i < len(groups):
             g = groups[i]
             fused = None
-            if g.kind == "reduction" and g.params["kind"] in ("sum", "mean", "amax", "amin"):
+            if g.kind == "reduction" and g.params["kind"] in ("sum", "mean", "amax", "amin") \
+                    and g.params.get("layout") != "column":
                 node = g.params["node"]
                 stat, row_shape = node.out, node.args[0].shape
                 nxt = groups[i + 1:i + 3]
@@ -333,7 +334,10 @@ class OfflinePlanner:
             if node.kwargs.get("dtype") is not None:
                 return Group("aten", [node], f"{kind} with a dtype argument stays an ATen step")
         if dims != list(range(rank - len(dims), rank)):
-            return Group("aten", [node], f"{kind} over dims {dims} (not the trailing ones) stays an ATen step")
+            if kind in ("sum", "mean", "amax", "amin") and dims and dims == list(range(dims[0], dims[-1] + 1)):
+                return OfflinePlanner._column(node, kind, x, dims)
+            return Group("aten", [node], f"{kind} over dims {dims} (neither trailing nor one block of dims) stays "
+                                         "an ATen step")
         cols = 1
         for d in dims:
             cols *= x.shape[d]
@@ -358,6 +362,24 @@ class OfflinePlanner:
         else:
             strategy = "a block per row"
         return Group("reduction", [node], f"{kind} over {rows} rows of {cols}: template kernel, {strategy}", params)
+
+    @staticmethod
+    def _column(node: Node, kind: str, x: Value, dims: list[int]) -> Group:
+        """A reduction over a block of middle dimensions: [outer, reduce, inner] with y = [outer, inner]."""
+        outer = reduce = inner = 1
+        for d, e in enumerate(x.shape):
+            if d < dims[0]:
+                outer *= e
+            elif d <= dims[-1]:
+                reduce *= e
+            else:
+                inner *= e
+        if outer * reduce * inner == 0 or outer > 65535:
+            return Group("aten", [node], f"{kind} over dims {dims} of this size stays an ATen step")
+        params = {"kind": kind, "layout": "column", "outer": outer, "reduce": reduce, "inner": inner, "node": node,
+                  "rows": outer * inner, "cols": reduce}
+        return Group("reduction", [node], f"{kind} over the middle extent {reduce} of [{outer}, {reduce}, {inner}]: "
+                                          "column template kernel, coalesced columns, 8 warps per block", params)
 
     @staticmethod
     def _foldable_factory(node: Node) -> bool:
