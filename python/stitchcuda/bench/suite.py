@@ -122,16 +122,21 @@ def _compiled_ms(model, inputs, flush, mode: str | None) -> float:
         return _time_ms(lambda: compiled(*inputs), flush, warmup=5)
 
 
+def _on_gpu(path: Path) -> tuple[torch.nn.Module, tuple]:
+    """The file's model (seed 0, eval mode) and inputs, on the GPU."""
+    module = load(path)
+    torch.manual_seed(0)
+    model = module.Model(*module.get_init_inputs()).cuda().eval()
+    return model, tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in module.get_inputs())
+
+
 def run_model(path: Path, flush: torch.Tensor) -> dict:
     """One model's row: times, speed-ups, correctness, report status; errors recorded, never raised."""
     from ..graph import optimize
 
     row: dict[str, Any] = {"model": path.stem, "errors": {}}
     try:
-        module = load(path)
-        torch.manual_seed(0)
-        model = module.Model(*module.get_init_inputs()).cuda().eval()
-        inputs = tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in module.get_inputs())
+        model, inputs = _on_gpu(path)
         with torch.no_grad():
             want = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, model(*inputs))
             row["eager_ms"] = _time_ms(lambda: model(*inputs), flush)
@@ -243,10 +248,7 @@ def _warm_one(path_str: str) -> tuple[str, float, str]:
     try:
         from ..graph import optimize
 
-        module = load(path)
-        torch.manual_seed(0)
-        model = module.Model(*module.get_init_inputs()).cuda().eval()
-        inputs = tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in module.get_inputs())
+        model, inputs = _on_gpu(path)
         with torch.no_grad():
             for mode in (None, "reduce-overhead"):
                 torch._dynamo.reset()

@@ -198,6 +198,25 @@ class PointwiseInput:
         return self.offset == 0
 
 
+def _element_indices(shape: tuple[int, ...], inputs: list[PointwiseInput]) -> tuple[list[str], list[str]]:
+    """For the element at flat index `i` of `shape`: the statements splitting i into coordinates c0..
+    (none when every input is laid out like the output) and each input's element index."""
+    coords: list[str] = []
+    if not all(inp.linear(shape) for inp in inputs):
+        coords.append("long long r = i;")
+        coords += [f"const long long c{d} = r % {shape[d]}LL; r /= {shape[d]}LL;" for d in range(len(shape) - 1, -1, -1)]
+    indices = []
+    for inp in inputs:
+        if inp.linear(shape):
+            indices.append("i")
+            continue
+        terms = [f"c{d} * {st}LL" for d, st in enumerate(inp.strides) if st != 0 and shape[d] != 1]
+        if inp.offset:
+            terms.append(f"{inp.offset}LL")
+        indices.append(" + ".join(terms) or "0")
+    return coords, indices
+
+
 def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseInput],
                      body: list[str], results: list[tuple[str, str, torch.dtype]], sm_count: int = 132) -> KernelCode:
     """A fused elementwise kernel. `body` are C statements over the float variables `in0..inK`
@@ -237,19 +256,9 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
     else:
         lines.append("  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; "
                      "i += (long long)gridDim.x * blockDim.x) {")
-        if not all_linear:
-            lines.append("    long long r = i;")
-            for d in range(len(shape) - 1, -1, -1):
-                lines.append(f"    const long long c{d} = r % {shape[d]}LL; r /= {shape[d]}LL;")
-        for k, inp in enumerate(inputs):
-            if inp.linear(shape):
-                index = "i"
-            else:
-                terms = [f"c{d} * {s}LL" for d, s in enumerate(inp.strides) if s != 0 and shape[d] != 1]
-                if inp.offset:
-                    terms.append(f"{inp.offset}LL")
-                index = " + ".join(terms) or "0"
-            lines.append(f"    const float v{k} = ld(p{k}, {index});")
+        coords, indices = _element_indices(shape, inputs)
+        lines += [f"    {c}" for c in coords]
+        lines += [f"    const float v{k} = ld(p{k}, {index});" for k, index in enumerate(indices)]
         for k in range(len(results)):
             lines.append(f"    float o{k};")
         call = [f"v{k}" for k in range(len(inputs))] + [f"o{k}" for k in range(len(results))]
@@ -343,19 +352,9 @@ class RowPrologue:
         params = ", ".join(["long long i", *[f"float {e}" for e in self.extra],
                             *[f"const {_CTYPE[i.dtype]}* __restrict__ p_{i.key}" for i in self.inputs]])
         L = [f"__device__ __forceinline__ float {name}_{suffix}({params}) {{"]
-        if not all(linear):
-            L.append("  long long r = i;")
-            for d in range(len(shape) - 1, -1, -1):
-                L.append(f"  const long long c{d} = r % {shape[d]}LL; r /= {shape[d]}LL;")
-        for inp, lin in zip(self.inputs, linear):
-            if lin:
-                index = "i"
-            else:
-                terms = [f"c{d} * {st}LL" for d, st in enumerate(inp.strides) if st != 0 and shape[d] != 1]
-                if inp.offset:
-                    terms.append(f"{inp.offset}LL")
-                index = " + ".join(terms) or "0"
-            L.append(f"  const float {inp.key} = ld(p_{inp.key}, {index});")
+        coords, indices = _element_indices(shape, self.inputs)
+        L += [f"  {c}" for c in coords]
+        L += [f"  const float {inp.key} = ld(p_{inp.key}, {index});" for inp, index in zip(self.inputs, indices)]
         L += [f"  {b}" for b in self.body] + [f"  return {self.result};", "}"]
         return L
 
