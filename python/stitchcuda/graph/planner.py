@@ -106,8 +106,9 @@ def _output_function(g: Group, nxt: Group, outputs: set[str]) -> Group | None:
     """The reduction `g` with the elementwise group `nxt` applied to its results before the store, when
     `nxt` has the result's shape, is the only reader of the result, and leaves one float value."""
     y = g.params["node"].out
+    inside = {id(n) for n in nxt.nodes}
     if nxt.kind != "pointwise" or nxt.params["shape"] != y.shape or y.name in outputs or not y.users \
-            or any(u not in nxt.nodes for u in y.users):
+            or any(id(u) not in inside for u in y.users):
         return None
     leaving = nxt.outputs(outputs)
     if len(leaving) != 1 or leaving[0].dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -174,10 +175,10 @@ class OfflinePlanner:
                 continue
             if node.op in _REDUCTION_OPS:
                 g = self._reduction(node, outputs)
-                if g.kind == "reduction" and open_pointwise is not None and \
+                if g.kind == "reduction" and open_pointwise is not None and groups[-1] is open_pointwise and \
                         self._prologue_fits(open_pointwise, node, outputs):
                     # The chain computes only the reduction's input: fuse it into the loads.
-                    groups.remove(open_pointwise)
+                    groups.pop()  # identity, not list.remove: groups compare by value, down to tensors
                     ops = ", ".join(n.op.removeprefix("aten::") for n in open_pointwise.nodes)
                     g.params["prologue"] = list(open_pointwise.nodes)
                     g.nodes = [*open_pointwise.nodes, node]
