@@ -25,6 +25,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 import statistics
 import time
 import traceback
@@ -336,9 +337,12 @@ def run(json_output: bool = False) -> int:
             if not json_output:
                 print(f"[suite] compiling {len(files)} models in {jobs} processes (not timed)", flush=True)
             warm = warm_caches(files, jobs)
+            print(f"[suite-warm] {json.dumps(warm)}", file=sys.stderr, flush=True)
         for path in files:
             row = run_model(path, flush)
             rows.append(row)
+            # One line per model on stderr as it finishes, so a run cut short still reports what it measured.
+            print("[suite-row] " + json.dumps(row, default=str), file=sys.stderr, flush=True)
             if not json_output:
                 print(f"[suite] {row['model']}: done", flush=True)
     finally:
