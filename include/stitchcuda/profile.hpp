@@ -142,7 +142,8 @@ struct Trace {
 struct TracerOptions {
   bool kernels = true;              ///< concurrent kernel records
   bool memory = true;               ///< memcpy and memset records
-  bool api_calls = true;            ///< runtime and driver API calls
+  bool api_calls = true;            ///< runtime and driver calls that launch, copy, set or synchronize
+  bool all_api_calls = false;       ///< every runtime and driver call (cudaGetDevice too): slower tracing
   std::size_t buffer_bytes = 8u << 20;  ///< size of each activity buffer handed to CUPTI
 };
 

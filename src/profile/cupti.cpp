@@ -63,6 +63,8 @@ Result<CuptiApi> load_cupti() {
   bind(api.ActivityGetNumDroppedRecords, "cuptiActivityGetNumDroppedRecords");
   bind(api.GetCallbackName, "cuptiGetCallbackName");
   bind(api.ActivitySetAttribute, "cuptiActivitySetAttribute", false);
+  bind(api.ActivityEnableRuntimeApi, "cuptiActivityEnableRuntimeApi", false);
+  bind(api.ActivityEnableDriverApi, "cuptiActivityEnableDriverApi", false);
   bind(api.GetTimestamp, "cuptiGetTimestamp");
   // The range profiler's functions: Metrics refuses to run without them, tracing does not need them.
   auto bind_profiler = [&](auto& fn, const char* name) {

@@ -32,6 +32,8 @@ struct CuptiApi {
   decltype(&::cuptiActivityGetNumDroppedRecords) ActivityGetNumDroppedRecords = nullptr;
   decltype(&::cuptiGetCallbackName) GetCallbackName = nullptr;
   decltype(&::cuptiActivitySetAttribute) ActivitySetAttribute = nullptr;  // optional
+  decltype(&::cuptiActivityEnableRuntimeApi) ActivityEnableRuntimeApi = nullptr;  // optional (per-call selection)
+  decltype(&::cuptiActivityEnableDriverApi) ActivityEnableDriverApi = nullptr;    // optional
 
   // Range profiler (target side) and profiler host API.
   decltype(&::cuptiProfilerInitialize) ProfilerInitialize = nullptr;

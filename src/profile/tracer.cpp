@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <mutex>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include <stitchcuda/profile.hpp>
@@ -30,6 +32,7 @@ struct Recording {
   std::vector<PendingApi> pending_api;  // names resolved in stop(), outside CUPTI's callbacks
   CUpti_SubscriberHandle subscriber = nullptr;
   std::vector<CUpti_ActivityKind> enabled;
+  std::vector<std::pair<CUpti_CallbackDomain, CUpti_CallbackId>> enabled_calls;  // per-call API selection
 };
 
 // Never destroyed, for the same reason as cupti(): callbacks can outlive static destructors.
@@ -79,6 +82,34 @@ void CUPTIAPI ignore_callback(void*, CUpti_CallbackDomain, CUpti_CallbackId, con
 void disable_kinds(const CuptiApi& api, Recording& rec) {
   for (CUpti_ActivityKind kind : rec.enabled) api.ActivityDisable(kind);
   rec.enabled.clear();
+  for (auto [domain, cbid] : rec.enabled_calls)
+    (domain == CUPTI_CB_DOMAIN_RUNTIME_API ? api.ActivityEnableRuntimeApi : api.ActivityEnableDriverApi)(cbid, 0);
+  rec.enabled_calls.clear();
+}
+
+// The calls a trace needs to place GPU work on the host timeline: launches (kernels, graphs, host
+// functions), copies, memsets and synchronizations. PyTorch makes several other runtime and driver calls
+// per launch (device queries, error checks); recording each costs CUPTI a record in the launching thread.
+bool launches_or_moves_work(std::string_view name) {
+  for (std::string_view part : {"Launch", "Memcpy", "Memset", "Synchronize"})
+    if (name.find(part) != std::string_view::npos) return true;
+  return false;
+}
+
+// Enables the API records launches_or_moves_work() selects, call by call, in both domains.
+CUptiResult enable_work_calls(const CuptiApi& api, Recording& rec) {
+  for (auto [domain, count] : {std::pair{CUPTI_CB_DOMAIN_RUNTIME_API, int(CUPTI_RUNTIME_TRACE_CBID_SIZE)},
+                               std::pair{CUPTI_CB_DOMAIN_DRIVER_API, int(CUPTI_DRIVER_TRACE_CBID_SIZE)}}) {
+    auto enable = domain == CUPTI_CB_DOMAIN_RUNTIME_API ? api.ActivityEnableRuntimeApi : api.ActivityEnableDriverApi;
+    for (int cbid = 1; cbid < count; ++cbid) {
+      const char* name = nullptr;
+      if (api.GetCallbackName(domain, CUpti_CallbackId(cbid), &name) != CUPTI_SUCCESS || !name) continue;
+      if (!launches_or_moves_work(name)) continue;
+      if (CUptiResult r = enable(CUpti_CallbackId(cbid), 1); r != CUPTI_SUCCESS) return r;
+      rec.enabled_calls.emplace_back(domain, CUpti_CallbackId(cbid));
+    }
+  }
+  return CUPTI_SUCCESS;
 }
 
 // Leaves CUPTI as it was found, so torch.profiler or Nsight can attach after us (their buffers are not
@@ -188,7 +219,10 @@ Result<Tracer> Tracer::start(const TracerOptions& options) {
     kinds.push_back(CUPTI_ACTIVITY_KIND_MEMCPY);
     kinds.push_back(CUPTI_ACTIVITY_KIND_MEMSET);
   }
-  if (options.api_calls) {
+  // Per-call selection needs CUDA 12.2's CUPTI; an older one records every call.
+  const bool select_calls = options.api_calls && !options.all_api_calls && api.ActivityEnableRuntimeApi &&
+                            api.ActivityEnableDriverApi;
+  if (options.api_calls && !select_calls) {
     kinds.push_back(CUPTI_ACTIVITY_KIND_RUNTIME);
     kinds.push_back(CUPTI_ACTIVITY_KIND_DRIVER);
   }
@@ -206,6 +240,16 @@ Result<Tracer> Tracer::start(const TracerOptions& options) {
       return tl::unexpected(cupti_error(api, r, "enabling activity kind " + std::to_string(int(kind))));
     }
     rec.enabled.push_back(kind);
+  }
+  if (select_calls) {
+    if (r = enable_work_calls(api, rec); r != CUPTI_SUCCESS) {
+      {
+        std::lock_guard lock(rec.mutex);
+        rec.active = false;
+      }
+      disable_all(api, rec);
+      return tl::unexpected(cupti_error(api, r, "enabling the launch, copy and synchronize API records"));
+    }
   }
   tracer_running = true;
   Tracer tracer;
