@@ -32,7 +32,7 @@ struct Recording {
   std::vector<PendingApi> pending_api;  // names resolved in stop(), outside CUPTI's callbacks
   CUpti_SubscriberHandle subscriber = nullptr;
   std::vector<CUpti_ActivityKind> enabled;
-  std::vector<std::pair<CUpti_CallbackDomain, CUpti_CallbackId>> enabled_calls;  // per-call API selection
+  std::vector<std::pair<CUpti_CallbackDomain, CUpti_CallbackId>> disabled_calls;  // switched off one by one
 };
 
 // Never destroyed, for the same reason as cupti(): callbacks can outlive static destructors.
@@ -80,11 +80,13 @@ void CUPTIAPI buffer_completed(CUcontext context, std::uint32_t stream_id, std::
 void CUPTIAPI ignore_callback(void*, CUpti_CallbackDomain, CUpti_CallbackId, const void*) {}
 
 void disable_kinds(const CuptiApi& api, Recording& rec) {
+  // The calls switched off one by one go back on while their kind is still enabled (CUPTI keeps one
+  // flag per call: disabling the kind then clears them all), so the next client starts from CUPTI's default.
+  for (auto [domain, cbid] : rec.disabled_calls)
+    (domain == CUPTI_CB_DOMAIN_RUNTIME_API ? api.ActivityEnableRuntimeApi : api.ActivityEnableDriverApi)(cbid, 1);
+  rec.disabled_calls.clear();
   for (CUpti_ActivityKind kind : rec.enabled) api.ActivityDisable(kind);
   rec.enabled.clear();
-  for (auto [domain, cbid] : rec.enabled_calls)
-    (domain == CUPTI_CB_DOMAIN_RUNTIME_API ? api.ActivityEnableRuntimeApi : api.ActivityEnableDriverApi)(cbid, 0);
-  rec.enabled_calls.clear();
 }
 
 // The calls a trace needs to place GPU work on the host timeline: launches (kernels, graphs, host
@@ -96,17 +98,19 @@ bool launches_or_moves_work(std::string_view name) {
   return false;
 }
 
-// Enables the API records launches_or_moves_work() selects, call by call, in both domains.
-CUptiResult enable_work_calls(const CuptiApi& api, Recording& rec) {
+// With the RUNTIME and DRIVER kinds enabled (every call), switches off the records of the calls
+// launches_or_moves_work() does not select, call by call; a call whose name CUPTI cannot give stays on.
+// (Disabling from "all" is CUPTI's documented path; a later ActivityEnable of the kind restores all.)
+CUptiResult keep_only_work_calls(const CuptiApi& api, Recording& rec) {
   for (auto [domain, count] : {std::pair{CUPTI_CB_DOMAIN_RUNTIME_API, int(CUPTI_RUNTIME_TRACE_CBID_SIZE)},
                                std::pair{CUPTI_CB_DOMAIN_DRIVER_API, int(CUPTI_DRIVER_TRACE_CBID_SIZE)}}) {
     auto enable = domain == CUPTI_CB_DOMAIN_RUNTIME_API ? api.ActivityEnableRuntimeApi : api.ActivityEnableDriverApi;
     for (int cbid = 1; cbid < count; ++cbid) {
       const char* name = nullptr;
       if (api.GetCallbackName(domain, CUpti_CallbackId(cbid), &name) != CUPTI_SUCCESS || !name) continue;
-      if (!launches_or_moves_work(name)) continue;
-      if (CUptiResult r = enable(CUpti_CallbackId(cbid), 1); r != CUPTI_SUCCESS) return r;
-      rec.enabled_calls.emplace_back(domain, CUpti_CallbackId(cbid));
+      if (launches_or_moves_work(name)) continue;
+      if (CUptiResult r = enable(CUpti_CallbackId(cbid), 0); r != CUPTI_SUCCESS) return r;
+      rec.disabled_calls.emplace_back(domain, CUpti_CallbackId(cbid));
     }
   }
   return CUPTI_SUCCESS;
@@ -222,7 +226,7 @@ Result<Tracer> Tracer::start(const TracerOptions& options) {
   // Per-call selection needs CUDA 12.2's CUPTI; an older one records every call.
   const bool select_calls = options.api_calls && !options.all_api_calls && api.ActivityEnableRuntimeApi &&
                             api.ActivityEnableDriverApi;
-  if (options.api_calls && !select_calls) {
+  if (options.api_calls) {
     kinds.push_back(CUPTI_ACTIVITY_KIND_RUNTIME);
     kinds.push_back(CUPTI_ACTIVITY_KIND_DRIVER);
   }
@@ -242,7 +246,7 @@ Result<Tracer> Tracer::start(const TracerOptions& options) {
     rec.enabled.push_back(kind);
   }
   if (select_calls) {
-    if (r = enable_work_calls(api, rec); r != CUPTI_SUCCESS) {
+    if (r = keep_only_work_calls(api, rec); r != CUPTI_SUCCESS) {
       {
         std::lock_guard lock(rec.mutex);
         rec.active = false;

@@ -309,6 +309,22 @@ def test_cli_rejects_bad_top_k(capsys, tmp_path):
 # ---- on a GPU ----
 
 @pytest.mark.gpu
+def test_default_trace_keeps_the_calls_that_place_work_and_all_api_calls_the_rest():
+    x = torch.randn(1 << 16, device="cuda")
+    torch.cuda.synchronize()
+    with prof.trace() as selected:
+        torch.relu(x).sum().item()
+    with prof.trace(all_api_calls=True) as every:
+        torch.relu(x).sum().item()
+    work = ("Launch", "Memcpy", "Memset", "Synchronize")
+    names = [a.name for a in selected.trace.api_calls]
+    assert sum("Launch" in n for n in names) >= 2 and any("Memcpy" in n for n in names), names
+    assert all(any(part in n for part in work) for n in names), names
+    others = [a.name for a in every.trace.api_calls if not any(part in a.name for part in work)]
+    assert others and len(every.trace.api_calls) > len(names), others
+
+
+@pytest.mark.gpu
 def test_trace_records_torch_kernels_and_releases_cupti():
     x = torch.randn(1 << 20, device="cuda")
     torch.cuda.synchronize()

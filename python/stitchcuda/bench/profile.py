@@ -83,6 +83,7 @@ def _tracing_overhead(launches: int = 1000, rounds: int = 11) -> dict[str, Any]:
                 "kernels_only": {"memory": False, "api_calls": False}}
     times: dict[str, list[float]] = {k: [] for k in ["plain", "plain_4x", "default_4x", *settings]}
     scope_cost: list[float] = []
+    api_records: dict[str, int] = {}
     for _ in range(rounds):
         times["plain"].append(workload())
         for name, options in settings.items():
@@ -94,6 +95,10 @@ def _tracing_overhead(launches: int = 1000, rounds: int = 11) -> dict[str, Any]:
             recorded = t.summary().kernel_launches
             if recorded != launches:
                 raise RuntimeError(f"the {name} trace recorded {recorded} of {launches} launches")
+            api_records[name] = len(t.trace.api_calls)
+            launch_calls = sum("Launch" in a.name for a in t.trace.api_calls)
+            if options.get("api_calls", True) and launch_calls < launches:
+                raise RuntimeError(f"the {name} trace recorded {launch_calls} launch calls for {launches} launches")
         times["plain_4x"].append(workload(4 * launches))
         with prof.trace():
             times["default_4x"].append(workload(4 * launches))
@@ -111,7 +116,7 @@ def _tracing_overhead(launches: int = 1000, rounds: int = 11) -> dict[str, Any]:
               "all_api_calls_overhead_pct": pct("all_api_calls"), "kernels_only_overhead_pct": pct("kernels_only"),
               "overhead_pct_4x_launches": pct("default_4x", "plain_4x"),
               "added_us_per_launch": per_launch_s * 1e6, "added_us_per_scope": (extra_1 - launches * per_launch_s) * 1e6,
-              "start_stop_ms": statistics.median(scope_cost) * 1e3,
+              "start_stop_ms": statistics.median(scope_cost) * 1e3, "api_records_per_trace": api_records,
               "target": "<= 3% overhead (default trace: kernels, memory and launch/copy/sync API calls)"}
     return result
 
