@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from stitchcuda.verify import Task, VerifyConfig, VerifyReport
-from stitchcuda.verify import harness
+from stitchcuda.verify import gpu, harness
 
 REFERENCE = textwrap.dedent('''
     import torch
@@ -75,14 +75,14 @@ class FakeGPU:
     def sync(self):
         pass
 
-    def sync_latency_ms(self, flush):
-        return 0.0
+    def sync_latency(self, flush):
+        return gpu.SyncLatency(0.0, 0.0)
 
     def patched_functions(self):
         patched, self.patched = self.patched, []
         return patched
 
-    def time_calls(self, fn, sets, iters, warmup, flush, persisting, sync_ms=0.0, before_last_round=None):
+    def time_calls(self, fn, sets, iters, warmup, flush, persisting, sync=None, before_last_round=None):
         times, snaps = [], [None] * len(sets)
         last_round = max(iters - len(sets), 0)
         for i in range(warmup):

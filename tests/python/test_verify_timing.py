@@ -140,3 +140,40 @@ def test_advice_is_about_one_call_not_the_markers_and_syncs_between_calls(monkey
     result = real_advice_check(kernels, monkeypatch).measure(lambda: None, [[]], calls=10)
     assert result["summary"]["kernel_launches"] == 2
     assert result["advice"] and "gaps between 2 launches" in result["advice"][0], result["advice"]
+
+
+def scripted_timer(monkeypatch, calls):
+    """Replaces the event functions of gpu.py: each timed call's stream and end events land at the
+    (stream_ms, end_ms) given for it, after a start at 0."""
+    script = iter(calls)
+    state = {}
+
+    class Event:
+        def __init__(self, enable_timing=True):
+            self.at = None
+
+    def record(event):
+        order = state.setdefault("order", [])
+        order.append(event)
+        if len(order) == 3:  # start, stream, end of one call
+            stream_ms, end_ms = next(script)
+            order[0].at, order[1].at, order[2].at = 0.0, stream_ms, end_ms
+            state["order"] = []
+
+    monkeypatch.setattr(gpu, "_EVENT", Event)
+    monkeypatch.setattr(gpu, "_RECORD", record)
+    monkeypatch.setattr(gpu, "_ELAPSED", lambda a, b: b.at - a.at)
+    monkeypatch.setattr(gpu, "_SYNC", lambda: None)
+    monkeypatch.setattr(gpu, "_EVENT_SYNC", lambda e: None)
+
+
+def test_a_call_is_charged_its_stream_time_unless_work_outlived_the_stream(monkeypatch):
+    # Sync round trips measured at 12 us typically, 20 us at most.
+    sync = gpu.SyncLatency(typical_ms=0.012, high_ms=0.020)
+    calls = [(0.150, 0.162),   # a typical sync: the stream's time
+             (0.150, 0.169),   # a slow sync, still within what bare syncs took: the stream's time
+             (0.150, 0.400)]   # the end came 0.25 ms after the stream: work elsewhere, charged
+    scripted_timer(monkeypatch, calls)
+    flush, persisting = (lambda: None), SimpleNamespace(reset=lambda: None)
+    times, _ = gpu.time_calls(lambda: None, [()], iters=3, warmup=0, flush=flush, persisting=persisting, sync=sync)
+    assert times == pytest.approx([0.150, 0.150, 0.388])

@@ -601,10 +601,10 @@ class _Run:
         if self.cuda:
             g = self.gpu
             flush = g.L2Flush(self.device)
-            sync_ms = g.sync_latency_ms(flush)
-            r.timing["sync_latency_ms"] = sync_ms
+            sync = g.sync_latency(flush)
+            r.timing["sync_latency_ms"], r.timing["sync_latency_high_ms"] = sync.typical_ms, sync.high_ms
             cand_times, snaps = g.time_calls(self.candidate, sets, cfg.timing_iters, cfg.warmup, flush,
-                                             self.persisting, sync_ms, before_last_round=refill)
+                                             self.persisting, sync, before_last_round=refill)
             self._check_persisting("after the timed calls")
         else:
             cand_times, snaps = _time_cpu(self.candidate, sets, cfg.timing_iters, cfg.warmup, refill)
@@ -627,7 +627,7 @@ class _Run:
                        "input_sets": len(sets), "method": "cuda-events+device-sync" if self.cuda else "perf_counter",
                        "candidate_min_ms": min(cand_times)})
         if self.cuda:
-            eager_times, _ = g.time_calls(self.reference, sets, cfg.timing_iters, cfg.warmup, flush, self.persisting, sync_ms)
+            eager_times, _ = g.time_calls(self.reference, sets, cfg.timing_iters, cfg.warmup, flush, self.persisting, sync)
         else:
             eager_times, _ = _time_cpu(self.reference, sets, cfg.timing_iters, cfg.warmup, None)
         timing["eager_ms"] = statistics.median(eager_times)
@@ -638,7 +638,7 @@ class _Run:
                 timing["compile_error"] = compiled
             else:
                 try:
-                    comp_times, _ = g.time_calls(compiled, sets, cfg.timing_iters, cfg.warmup, flush, self.persisting, sync_ms)
+                    comp_times, _ = g.time_calls(compiled, sets, cfg.timing_iters, cfg.warmup, flush, self.persisting, sync)
                     timing["compile_ms"] = statistics.median(comp_times)
                     r.speedup["compile"] = timing["compile_ms"] / cand_ms if cand_ms > 0 else None
                 except Exception as exc:
