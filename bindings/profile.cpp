@@ -152,8 +152,10 @@ void bind_profile(py::module_& parent) {
       .def("to_chrome_json", &Trace::to_chrome_json);
 
   py::class_<Tracer>(m, "Tracer", "Records GPU activity through CUPTI between start() and stop().")
-      .def_static("start", [](bool kernels, bool memory, bool api_calls, bool all_api_calls, std::size_t buffer_bytes) {
+      .def_static("start", [](bool kernels, bool memory, bool api_calls, bool all_api_calls, bool warm_up,
+                              std::size_t buffer_bytes) {
             TracerOptions o;
+            o.warm_up = warm_up;
             o.kernels = kernels;
             o.memory = memory;
             o.api_calls = api_calls;
@@ -161,7 +163,7 @@ void bind_profile(py::module_& parent) {
             o.buffer_bytes = buffer_bytes;
             return unwrap(Tracer::start(o));
           }, py::arg("kernels") = true, py::arg("memory") = true, py::arg("api_calls") = true,
-          py::arg("all_api_calls") = false, py::arg("buffer_bytes") = TracerOptions{}.buffer_bytes)
+          py::arg("all_api_calls") = false, py::arg("warm_up") = true, py::arg("buffer_bytes") = TracerOptions{}.buffer_bytes)
       .def("stop", [](Tracer& t) {
             Result<Trace> r = [&] {
               py::gil_scoped_release release;  // synchronizes the device

@@ -144,6 +144,10 @@ struct TracerOptions {
   bool memory = true;               ///< memcpy and memset records
   bool api_calls = true;            ///< runtime and driver calls that launch, copy, set or synchronize
   bool all_api_calls = false;       ///< every runtime and driver call (cudaGetDevice too): slower tracing
+  /// start() launches one empty kernel on a private stream and waits for it, so that CUPTI's per-scope
+  /// set-up of kernel timing is not charged to the traced work; its records are dropped (and with them
+  /// anything another thread began before start() returned).
+  bool warm_up = true;
   std::size_t buffer_bytes = 8u << 20;  ///< size of each activity buffer handed to CUPTI
 };
 

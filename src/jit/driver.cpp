@@ -69,6 +69,8 @@ Result<DriverApi> load() {
   bind(api.LaunchKernelEx, "cuLaunchKernelEx");
   bind(api.MemcpyAsync, "cuMemcpyAsync");
   bind(api.StreamSynchronize, "cuStreamSynchronize");
+  bind(api.StreamCreate, "cuStreamCreate");
+  bind(api.StreamDestroy, "cuStreamDestroy");
   if (!missing.empty())
     return fail(ErrorCode::Unavailable, "the CUDA driver lacks functions StitchCUDA needs:" + missing +
                                             "; update the NVIDIA driver");

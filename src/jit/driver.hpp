@@ -35,6 +35,8 @@ struct DriverApi {
   decltype(&::cuLaunchKernelEx) LaunchKernelEx = nullptr;
   decltype(&::cuMemcpyAsync) MemcpyAsync = nullptr;
   decltype(&::cuStreamSynchronize) StreamSynchronize = nullptr;
+  decltype(&::cuStreamCreate) StreamCreate = nullptr;
+  decltype(&::cuStreamDestroy) StreamDestroy = nullptr;
   int version = 0;  ///< driver API version, e.g. 13000
 };
 

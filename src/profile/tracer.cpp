@@ -2,6 +2,7 @@
 // arrive in buffers CUPTI hands back on its own thread, and every failure becomes an Unavailable value.
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -11,6 +12,7 @@
 
 #include <stitchcuda/profile.hpp>
 
+#include "../jit/driver.hpp"
 #include "activity.hpp"
 #include "cupti.hpp"
 
@@ -33,6 +35,7 @@ struct Recording {
   CUpti_SubscriberHandle subscriber = nullptr;
   std::vector<CUpti_ActivityKind> enabled;
   std::vector<std::pair<CUpti_CallbackDomain, CUpti_CallbackId>> disabled_calls;  // switched off one by one
+  std::uint64_t since = 0;  // CUPTI time at the end of the warm-up; earlier records are the warm-up's
 };
 
 // Never destroyed, for the same reason as cupti(): callbacks can outlive static destructors.
@@ -129,6 +132,59 @@ void disable_all(const CuptiApi& api, Recording& rec) {
     api.Unsubscribe(rec.subscriber);
     rec.subscriber = nullptr;
   }
+}
+
+// An empty kernel in PTX: the driver compiles it for whatever GPU is present (sm_75 and newer).
+constexpr char kWarmUpPtx[] = R"(.version 8.0
+.target sm_75
+.address_size 64
+.visible .entry stitchcuda_tracer_warm_up()
+{
+  ret;
+}
+)";
+
+// CUPTI prepares its kernel timing for a context at the first launch it sees there after the kinds are
+// enabled (on Hopper it times kernels with semaphores written around each launch): measured as ~0.7-1 ms
+// per scope, which would land inside the traced work. One empty kernel on a private stream, launched and
+// waited for here, pays it in start(). Returns the CUPTI time after it (records before it belong to the
+// warm-up and are dropped), or 0 when there was nothing to warm: no current context (the first launch
+// will pay instead) or a driver call failed (tracing goes on without it).
+std::uint64_t warm_up(const CuptiApi& cupti_api) {
+  auto loaded = jit::detail::driver();
+  if (!loaded) return 0;
+  const jit::detail::DriverApi& api = **loaded;
+  CUcontext ctx = nullptr;
+  if (api.CtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx) return 0;
+  static CUlibrary library = [&] {
+    CUlibrary lib = nullptr;
+    if (api.LibraryLoadData(&lib, kWarmUpPtx, nullptr, nullptr, 0, nullptr, nullptr, 0) != CUDA_SUCCESS) return CUlibrary{};
+    return lib;
+  }();
+  CUkernel kernel = nullptr;
+  if (!library || api.LibraryGetKernel(&kernel, library, "stitchcuda_tracer_warm_up") != CUDA_SUCCESS) return 0;
+  CUstream stream = nullptr;
+  if (api.StreamCreate(&stream, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) return 0;
+  CUlaunchConfig config{};
+  config.gridDimX = config.gridDimY = config.gridDimZ = 1;
+  config.blockDimX = config.blockDimY = config.blockDimZ = 1;
+  config.hStream = stream;
+  bool ran = api.LaunchKernelEx(&config, reinterpret_cast<CUfunction>(kernel), nullptr, nullptr) == CUDA_SUCCESS &&
+             api.StreamSynchronize(stream) == CUDA_SUCCESS;
+  api.StreamDestroy(stream);
+  std::uint64_t now = 0;
+  if (!ran || cupti_api.GetTimestamp(&now) != CUPTI_SUCCESS) return 0;
+  return now;
+}
+
+// Removes what the warm-up recorded: every record that began before `since`.
+void drop_before(std::uint64_t since, Trace& trace, std::vector<PendingApi>& pending) {
+  if (!since) return;
+  auto early = [since](const auto& r) { return r.start_ns < since; };
+  std::erase_if(trace.kernels, early);
+  std::erase_if(trace.memcpys, early);
+  std::erase_if(trace.memsets, early);
+  std::erase_if(pending, [since](const PendingApi& p) { return p.record.start_ns < since; });
 }
 
 // Guards start/stop: one Tracer per process, and no start while a stop is flushing.
@@ -255,6 +311,7 @@ Result<Tracer> Tracer::start(const TracerOptions& options) {
       return tl::unexpected(cupti_error(api, r, "enabling the launch, copy and synchronize API records"));
     }
   }
+  rec.since = options.warm_up && options.kernels ? warm_up(api) : 0;
   tracer_running = true;
   Tracer tracer;
   tracer.active_ = true;
@@ -284,6 +341,8 @@ Result<Trace> Tracer::stop() {
     rec.active = false;
     trace = std::move(rec.trace);
     pending = std::move(rec.pending_api);
+    drop_before(rec.since, trace, pending);
+    rec.since = 0;
     rec.trace = Trace{};
     rec.pending_api.clear();
   }

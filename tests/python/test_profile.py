@@ -322,6 +322,12 @@ def test_default_trace_keeps_the_calls_that_place_work_and_all_api_calls_the_res
     assert all(any(part in n for part in work) for n in names), names
     others = [a.name for a in every.trace.api_calls if not any(part in a.name for part in work)]
     assert others and len(every.trace.api_calls) > len(names), others
+    # The warm-up kernel of trace() (on by default) is run and dropped before the block: both traces hold
+    # the block's kernels (relu, sum) and nothing else, as many as a trace without the warm-up.
+    with prof.trace(warm_up=False) as cold:
+        torch.relu(x).sum().item()
+    assert len(selected.trace.kernels) == len(every.trace.kernels) == len(cold.trace.kernels) >= 2
+    assert not any("warm_up" in k.name for t in (selected, every, cold) for k in t.trace.kernels)
 
 
 @pytest.mark.gpu

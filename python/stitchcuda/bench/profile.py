@@ -79,7 +79,7 @@ def _tracing_overhead(launches: int = 1000, rounds: int = 11) -> dict[str, Any]:
     from .. import profile as prof
 
     workload = _launch_workload(launches)
-    settings = {"default": {}, "all_api_calls": {"all_api_calls": True},
+    settings = {"default": {}, "no_warm_up": {"warm_up": False}, "all_api_calls": {"all_api_calls": True},
                 "kernels_only": {"memory": False, "api_calls": False}}
     times: dict[str, list[float]] = {k: [] for k in ["plain", "plain_4x", "default_4x", *settings]}
     scope_cost: list[float] = []
@@ -113,7 +113,8 @@ def _tracing_overhead(launches: int = 1000, rounds: int = 11) -> dict[str, Any]:
     result = {"launches": launches, "rounds": rounds, "untraced_ms": med["plain"] * 1e3,
               "host_us_per_launch": med["plain"] / launches * 1e6,
               "traced_ms": med["default"] * 1e3, "overhead_pct": pct("default"),
-              "all_api_calls_overhead_pct": pct("all_api_calls"), "kernels_only_overhead_pct": pct("kernels_only"),
+              "no_warm_up_overhead_pct": pct("no_warm_up"), "all_api_calls_overhead_pct": pct("all_api_calls"),
+              "kernels_only_overhead_pct": pct("kernels_only"),
               "overhead_pct_4x_launches": pct("default_4x", "plain_4x"),
               "added_us_per_launch": per_launch_s * 1e6, "added_us_per_scope": (extra_1 - launches * per_launch_s) * 1e6,
               "start_stop_ms": statistics.median(scope_cost) * 1e3, "api_records_per_trace": api_records,
