@@ -240,11 +240,13 @@ def format_table(rows: list[dict], summary: dict, device: str) -> str:
     return "\n".join(lines)
 
 
-def _warm_one(path_str: str) -> tuple[str, float, str]:
+def _warm_one(path_str: str) -> tuple[str, float, str, dict[str, float]]:
     """In a pool worker: one model through both torch.compile modes and optimize, nothing timed, so that
-    the timed pass finds their kernels in the on-disk caches. Returns (stem, seconds, first error)."""
+    the timed pass finds their kernels in the on-disk caches. Returns (stem, seconds, first error,
+    seconds per stage)."""
     path = Path(path_str)
     t0, error = time.perf_counter(), ""
+    stages: dict[str, float] = {}
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # as the timed pass
     try:
         from ..graph import optimize
@@ -253,17 +255,21 @@ def _warm_one(path_str: str) -> tuple[str, float, str]:
         with torch.no_grad():
             for mode in (None, "reduce-overhead"):
                 torch._dynamo.reset()
+                t = time.perf_counter()
                 try:
                     compiled = torch.compile(model, mode=mode) if mode else torch.compile(model)
                     compiled(*inputs)
                     compiled(*inputs)
                 except Exception as exc:  # the timed pass records it in the row
                     error = error or _first_line(exc)
+                stages[mode or "default"] = round(time.perf_counter() - t, 1)
             torch._dynamo.reset()
+        t = time.perf_counter()
         optimize(model, inputs, measure=False, progress=False)
+        stages["optimize"] = round(time.perf_counter() - t, 1)
     except Exception as exc:
         error = error or _first_line(exc)
-    return path.stem, time.perf_counter() - t0, error
+    return path.stem, time.perf_counter() - t0, error, stages
 
 
 def _init_warm_worker(threads: int) -> None:
@@ -291,10 +297,13 @@ def warm_caches(files: list[Path], jobs: int) -> dict[str, Any]:
         futures = {pool.submit(_warm_one, str(p)): p.stem for p in files}
         for future in as_completed(futures):
             try:
-                stem, seconds, error = future.result()
+                stem, seconds, error, stages = future.result()
             except Exception as exc:  # a worker died (segfault, OOM kill): the timed pass still runs
-                stem, seconds, error = futures[future], 0.0, _first_line(exc)
+                stem, seconds, error, stages = futures[future], 0.0, _first_line(exc), {}
             per_model[stem] = round(seconds, 1)
+            # As each finishes, so that a run cut short still says where the compile time went.
+            print(f"[suite-warm-model] {stem} {seconds:.1f} s {json.dumps(stages)}{' ' + error if error else ''}",
+                  file=sys.stderr, flush=True)
             if error:
                 errors[stem] = error
     return {"jobs": jobs, "seconds": round(time.perf_counter() - t0, 1), "per_model_s": per_model,
