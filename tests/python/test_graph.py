@@ -6,6 +6,7 @@ back to the eager model with a reason where it cannot proceed.
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -183,3 +184,17 @@ def test_input_free_factories_fold_into_constants_up_to_a_size(monkeypatch):
     monkeypatch.setattr(planner, "_FACTORY_FOLD_BYTES", 8 * 8 * 4 - 1)  # the full no longer fits
     _, plan = planned(Masked(), (torch.randn(8, 8),))
     assert {n.op: g.kind for g in plan.groups for n in g.nodes}["aten::full"] == "aten"
+
+
+def test_reshape_of_a_strided_buffer_is_a_view_exactly_when_aten_says_so():
+    from stitchcuda.graph.lower import _view_layout
+
+    base = torch.empty(3, 2, 4, 5).permute(1, 0, 2, 3)[0:1]  # sliced, permuted: not contiguous
+    node = lambda op, out, *args: SimpleNamespace(op=op, args=(None, *args), out=SimpleNamespace(shape=out))
+    squeezed = _view_layout(node("aten::squeeze.dims", (3, 4, 5), [0]), base.shape, base.stride())
+    assert squeezed == ((3, 4, 5), base.squeeze(0).stride(), 0)
+    merged = _view_layout(node("aten::view", (1, 3, 20), [1, 3, 20]), base.shape, base.stride())
+    assert merged == ((1, 3, 20), base.view(1, 3, 20).stride(), 0)
+    with pytest.raises(RuntimeError):
+        base.view(1, 12, 5)  # dims 1 and 2 are not adjacent in memory after the permute
+    assert _view_layout(node("aten::view", (1, 12, 5), [1, 12, 5]), base.shape, base.stride()) is None

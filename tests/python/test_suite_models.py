@@ -292,3 +292,16 @@ def test_bench_suite_warm_pool_reports_every_model_and_its_error():
     if not torch.cuda.is_available():
         assert set(warm["errors"]) == {"softmax_rows", "gemm_bias_relu"}
         assert all("NVIDIA driver" in e or "CUDA" in e for e in warm["errors"].values()), warm["errors"]
+
+
+def test_golden_sdpa_stays_one_library_step_fed_by_views_without_copies():
+    # scaled_dot_product_attention is kept whole (flash / memory-efficient kernels), not decomposed into
+    # GEMMs around a materialized score tensor; q, k and v are strided views of the qkv projection.
+    assert _partition("attention_sdpa") == [("gemm", ["aten::addmm"]), ("aten", ["aten::scaled_dot_product_attention"]),
+                                            ("gemm", ["aten::addmm"])]
+    graph, plan = _captured("attention_sdpa"), _planned("attention_sdpa")
+    program = Lowering(graph, plan, {}).build(plan.groups, graph.inputs, graph.outputs)
+    program.validate()
+    aten = [s["op"] for s in program.steps if s["kind"] == "aten"]
+    # The attention, then the copy that reshaping its transposed result needs, then the output's own buffer.
+    assert aten == ["aten::scaled_dot_product_attention", "aten::view", "aten::view"], aten

@@ -119,6 +119,22 @@ def _meta(val: Any, name: str) -> tuple:
     return tuple(int(s) for s in val.shape), tuple(int(s) for s in val.stride()), val.dtype, int(val.storage_offset())
 
 
+# Operators kept whole rather than lowered to core ATen: each runs as one library call (an ATen step)
+# that beats what its decomposition would become. scaled_dot_product_attention dispatches to the flash
+# or memory-efficient attention kernels (one kernel, scores never in memory); its decomposition is two
+# batched GEMMs around a softmax over a materialized [batch, heads, seq, seq] score tensor, plus the
+# any/where/full_like steps that guard fully masked rows.
+KEPT_WHOLE = ("scaled_dot_product_attention.default",)
+
+
+def _decompositions() -> dict:
+    table = torch.export.default_decompositions()
+    for name in KEPT_WHOLE:
+        packet, _, overload = name.partition(".")
+        table.pop(getattr(getattr(torch.ops.aten, packet), overload), None)
+    return table
+
+
 def capture(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Graph:
     """Exports `model` on `example_inputs` and returns its core-ATen graph."""
     try:
@@ -126,7 +142,7 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Graph:
             # torch's own pytree deprecation notices, raised inside export: not the user's concern.
             warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
             exported = torch.export.export(model, tuple(example_inputs), strict=False)
-            exported = exported.run_decompositions()
+            exported = exported.run_decompositions(_decompositions())
     except Exception as exc:  # torch raises many types here; the message is what the user needs
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CaptureError(

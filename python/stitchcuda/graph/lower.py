@@ -317,6 +317,8 @@ class Lowering:
             shape, strides, offset = result
             kind = "permute" if n.op in ("aten::permute", "aten::transpose.int", "aten::t") else \
                 "slice" if n.op in ("aten::slice.Tensor", "aten::select.int") else "reshape"
+            if kind == "reshape" and tuple(strides) != _contiguous_strides(shape):
+                kind = "slice"  # a strided reshape (squeeze of a slice): the IR's general strided view
             bid = self.b.view(kind, sbid, list(shape), strides=list(strides), storage_offset=offset)
             self._record(out, bid, shape, strides, dtype)
             return
@@ -394,7 +396,13 @@ def _view_layout(n: Node, shape, strides):
               "aten::squeeze.dim", "aten::squeeze.dims", "aten::squeeze"):
         if contiguous:
             return out_shape, _contiguous_strides(out_shape), 0
-        return None
+        # A strided source: ATen's own rule (view() on a meta tensor of that layout) says whether the new
+        # shape is a view and with which strides (a squeeze of a sliced, permuted buffer always is).
+        try:
+            viewed = torch.empty_strided(tuple(shape), tuple(strides), device="meta").view(tuple(out_shape))
+        except RuntimeError:
+            return None
+        return out_shape, tuple(viewed.stride()), 0
     if op == "aten::permute":
         dims = [d % rank for d in args[1]]
         return tuple(shape[d] for d in dims), tuple(strides[d] for d in dims), 0
