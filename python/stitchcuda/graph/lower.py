@@ -137,7 +137,9 @@ class Lowering:
                 self.output_ids[v.name] = bid
         for g in groups:
             if g.kind in ("view",):
-                self.pending[g.nodes[0].out.name] = g
+                for v in g.nodes[0].outputs:  # a split has several: the first use lowers them all
+                    if v is not None:
+                        self.pending[v.name] = g
             elif g.kind == "constant":
                 continue  # values already in self.constants; weights are created at first use
             elif id(g) in fallback or g.kind == "aten":
@@ -308,10 +310,13 @@ class Lowering:
 
     def _lower_view(self, g: Group) -> None:
         n = g.nodes[0]
-        out = n.out
         src = n.args[0]
         sbid = self.need(src)
         sshape, sstrides, dtype = self.spec[sbid]
+        if n.op in _SPLIT_OPS:
+            self._lower_split(n, sbid, sshape, sstrides, dtype)
+            return
+        out = n.out
         result = _view_layout(n, sshape, sstrides)
         if result is not None and out.name not in self.output_ids:
             shape, strides, offset = result
@@ -323,6 +328,22 @@ class Lowering:
             self._record(out, bid, shape, strides, dtype)
             return
         self._lower_aten(n)
+
+    def _lower_split(self, n: Node, sbid: int, shape, strides, dtype) -> None:
+        """Every piece of a split or unbind at once: views of the source, unless a piece is a graph output
+        (outputs own their buffers), in which case the ATen step copies them all."""
+        for v in n.outputs:
+            if v is not None:
+                self.pending.pop(v.name, None)
+        layouts = _split_layouts(n, shape, strides)
+        used = [(v, layout) for v, layout in zip(n.outputs, layouts) if v is not None]
+        if len(layouts) != len(n.outputs) or any(v.name in self.output_ids for v, _ in used) or \
+                any(tuple(v.shape) != layout[0] for v, layout in used):
+            self._lower_aten(n)
+            return
+        for v, (piece, piece_strides, offset) in used:
+            bid = self.b.view("slice", sbid, list(piece), strides=list(piece_strides), storage_offset=offset)
+            self._record(v, bid, piece, piece_strides, dtype)
 
     def _lower_aten(self, n: Node) -> None:
         schema = n.target._schema
@@ -383,6 +404,32 @@ def _attribute(value: Any, node: Node, name: str) -> Any:
     if isinstance(value, (list, tuple)) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value):
         return list(value)
     raise LoweringError(f"{node.op}: argument '{name}' = {value!r} cannot be expressed as a program attribute")
+
+
+_SPLIT_OPS = ("aten::split_with_sizes", "aten::split.Tensor", "aten::unbind.int")
+
+
+def _split_layouts(n: Node, shape, strides) -> list[tuple[tuple, tuple, int]]:
+    """(shape, strides, storage offset) of each piece of a split or unbind: every piece is a view."""
+    rank = len(shape)
+    dim = (n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)) if n.op != "aten::unbind.int" else \
+        (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0))
+    dim %= rank
+    if n.op == "aten::unbind.int":
+        rest = tuple(s for d, s in enumerate(shape) if d != dim), tuple(t for d, t in enumerate(strides) if d != dim)
+        return [(rest[0], rest[1], i * strides[dim]) for i in range(shape[dim])]
+    if n.op == "aten::split.Tensor":
+        size = int(n.args[1])
+        sizes = [min(size, shape[dim] - start) for start in range(0, shape[dim], size)] or [0]
+    else:
+        sizes = [int(x) for x in n.args[1]]
+    pieces, start = [], 0
+    for size in sizes:
+        piece = list(shape)
+        piece[dim] = size
+        pieces.append((tuple(piece), tuple(strides), start * strides[dim]))
+        start += size
+    return pieces
 
 
 def _view_layout(n: Node, shape, strides):

@@ -30,7 +30,8 @@ __all__ = ["Group", "Plan", "OfflinePlanner"]
 
 _VIEW_OPS = {"aten::view", "aten::_unsafe_view", "aten::reshape", "aten::alias", "aten::permute",
              "aten::transpose.int", "aten::t", "aten::unsqueeze", "aten::squeeze.dim", "aten::squeeze.dims",
-             "aten::squeeze", "aten::expand", "aten::slice.Tensor", "aten::select.int"}
+             "aten::squeeze", "aten::expand", "aten::slice.Tensor", "aten::select.int",
+             "aten::split_with_sizes", "aten::split.Tensor", "aten::unbind.int"}
 _GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm"}
 # Ops whose result depends on their arguments' values alone (no tensor input): a causal mask's arange and
 # full, a scalar_tensor(-inf). Folded into constants up to this many bytes.
