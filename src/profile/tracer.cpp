@@ -83,8 +83,8 @@ void CUPTIAPI buffer_completed(CUcontext context, std::uint32_t stream_id, std::
 void CUPTIAPI ignore_callback(void*, CUpti_CallbackDomain, CUpti_CallbackId, const void*) {}
 
 void disable_kinds(const CuptiApi& api, Recording& rec) {
-  // The calls switched off one by one go back on while their kind is still enabled (CUPTI keeps one
-  // flag per call: disabling the kind then clears them all), so the next client starts from CUPTI's default.
+  // The calls switched off one by one go back on while their kind is still enabled (where turning them
+  // on changes nothing), then the kinds go off: the next client starts from CUPTI's default.
   for (auto [domain, cbid] : rec.disabled_calls)
     (domain == CUPTI_CB_DOMAIN_RUNTIME_API ? api.ActivityEnableRuntimeApi : api.ActivityEnableDriverApi)(cbid, 1);
   rec.disabled_calls.clear();
@@ -144,9 +144,9 @@ constexpr char kWarmUpPtx[] = R"(.version 8.0
 }
 )";
 
-// CUPTI prepares its kernel timing for a context at the first launch it sees there after the kinds are
-// enabled (on Hopper it times kernels with semaphores written around each launch): measured as ~0.7-1 ms
-// per scope, which would land inside the traced work. One empty kernel on a private stream, launched and
+// The H200 measured a fixed ~0.7-1 ms per trace scope inside the traced work (bench profile, two lengths
+// of the same workload); most likely CUPTI preparing its kernel timing for the context at the first launch
+// after the kinds are enabled (on Hopper it times kernels with semaphores written around each launch). One empty kernel on a private stream, launched and
 // waited for here, pays it in start(). Returns the CUPTI time after it (records before it belong to the
 // warm-up and are dropped), or 0 when there was nothing to warm: no current context (the first launch
 // will pay instead) or a driver call failed (tracing goes on without it).
