@@ -240,6 +240,17 @@ def test_bench_suite_finds_the_repository_folder_and_filters(monkeypatch):
     assert suite.suite_dir() == Path("/elsewhere")
 
 
+def test_bench_suite_chunks_cover_the_suite_once():
+    chunks = [suite.model_files(SUITE, chunk=f"{k}/4") for k in range(1, 5)]
+    assert sorted(p.stem for c in chunks for p in c) == STEMS
+    assert all(len(c) in (len(STEMS) // 4, len(STEMS) // 4 + 1) for c in chunks)
+    assert any(p.stem.startswith("model_") for p in chunks[0]) and any(p.stem.startswith("softmax") or
+                                                                       p.stem.startswith("reduce") for p in chunks[0])
+    for bad in ("0/4", "5/4", "1of4", "a/b"):
+        with pytest.raises(SystemExit, match="STITCHCUDA_SUITE_CHUNK must be K/N"):
+            suite.model_files(SUITE, chunk=bad)
+
+
 def test_bench_suite_summary_geomeans_and_counts_eager_fallbacks_as_correct():
     rows = [{"model": "a", "correct": True, "status": "optimized", "speedup_compile": 2.0, "speedup_stitch": 4.0},
             {"model": "b", "correct": True, "status": "eager", "speedup_compile": 0.5, "speedup_stitch": 1.0},

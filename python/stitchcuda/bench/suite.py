@@ -16,6 +16,7 @@ those caches; what it measures is unchanged.
 
 Environment: STITCHCUDA_SUITE_DIR (the folder of model files; default `bench/suite` found by walking up
 from this file), STITCHCUDA_SUITE_ONLY (comma-separated file stems to run, e.g. `gemm_bias_relu,softmax_rows`),
+STITCHCUDA_SUITE_CHUNK (`K/N`: every N-th model from the K-th, for runs that must fit a time limit),
 STITCHCUDA_SUITE_JOBS (see above).
 """
 
@@ -51,12 +52,18 @@ def suite_dir() -> Path | None:
     return None
 
 
-def model_files(folder: Path, only: str | None = None) -> list[Path]:
-    """The suite's model files, sorted; `only` is a comma-separated list of stems."""
+def model_files(folder: Path, only: str | None = None, chunk: str | None = None) -> list[Path]:
+    """The suite's model files, sorted; `only` is a comma-separated list of stems; `chunk` "K/N" keeps
+    every N-th file from the K-th (1-based), so N runs cover the suite once, each with a mix of kinds."""
     files = sorted(p for p in folder.glob("*.py") if not p.name.startswith("_"))
     if only:
         wanted = {s.strip() for s in only.split(",") if s.strip()}
         files = [p for p in files if p.stem in wanted]
+    if chunk:
+        k, _, n = chunk.partition("/")
+        if not (k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+            raise SystemExit(f"bench suite: STITCHCUDA_SUITE_CHUNK must be K/N with 1 <= K <= N, got {chunk!r}")
+        files = files[int(k) - 1::int(n)]
     return files
 
 
@@ -329,10 +336,11 @@ def run(json_output: bool = False) -> int:
         print(f"bench suite: no model folder ({folder or 'bench/suite not found above ' + __file__}); "
               "set STITCHCUDA_SUITE_DIR")
         return 2
-    only = os.environ.get("STITCHCUDA_SUITE_ONLY")
-    files = model_files(folder, only)
+    only, chunk = os.environ.get("STITCHCUDA_SUITE_ONLY"), os.environ.get("STITCHCUDA_SUITE_CHUNK")
+    files = model_files(folder, only, chunk)
     if not files:
-        print(f"bench suite: no model files in {folder} match STITCHCUDA_SUITE_ONLY={only!r}")
+        print(f"bench suite: no model files in {folder} match STITCHCUDA_SUITE_ONLY={only!r} "
+              f"STITCHCUDA_SUITE_CHUNK={chunk!r}")
         return 2
 
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
