@@ -172,6 +172,9 @@ struct Executor::Impl {
   std::string arch;
   std::unordered_map<BufferId, std::size_t> slot;  // buffer id -> index in Program::buffers
   std::vector<BufferId> input_ids, output_ids;
+  // By slot: an intermediate that owns its storage, so an ATen step may hand over its result tensor
+  // instead of copying it into the arena (its views are taken from whatever the slot holds at run time).
+  std::vector<char> adoptable;
   std::vector<jit::Kernel> kernels;                // by kernel table index
   std::vector<std::string> warnings;
   std::vector<std::optional<program::detail::BoundAtenOp>> aten;  // by step
@@ -190,6 +193,15 @@ struct Executor::Impl {
     return at::TensorOptions().dtype(scalar_type(s.dtype)).device(at::kCUDA, c10::DeviceIndex(device));
   }
   const TensorSpec& spec(BufferId id) const { return program.buffers[slot.at(id)].spec; }
+  // Whether `result` can stand in for `buffer`: same layout and device, and no storage shared with the
+  // step's inputs (a view of an input would outlive the input's arena span, which later steps reuse).
+  static bool adopt(const at::Tensor& result, const at::Tensor& buffer, const std::vector<at::Tensor>& inputs) {
+    if (result.strides() != buffer.strides() || result.device() != buffer.device() || !result.has_storage())
+      return false;
+    for (const at::Tensor& a : inputs)
+      if (a.defined() && a.has_storage() && result.storage().is_alias_of(a.storage())) return false;
+    return true;
+  }
 
   void* resolve(void* stream) const {
     return stream ? stream : static_cast<void*>(c10::cuda::getCurrentCUDAStream(c10::DeviceIndex(device)).stream());
@@ -392,10 +404,13 @@ Result<void> Executor::Impl::execute(Instance& in, void* stream) {
           ok = fail(ErrorCode::InvalidArgument, "returned " + std::to_string(results.size()) + " tensor(s) for " +
                                                     std::to_string(op->outputs.size()) + " output buffer(s)");
         for (std::size_t r = 0; ok && r < results.size(); ++r) {
-          at::Tensor& out = in.tensors[slot.at(op->outputs[r])];
+          const std::size_t k = slot.at(op->outputs[r]);
+          at::Tensor& out = in.tensors[k];
           if (!in.warmed && (results[r].sizes() != out.sizes() || results[r].scalar_type() != out.scalar_type()))
             ok = fail(ErrorCode::InvalidArgument, "result " + std::to_string(r) + " is " + describe(results[r]) +
                                                       " but its buffer is " + spec(op->outputs[r]).describe());
+          else if (adoptable[k] && adopt(results[r], out, args))
+            out = results[r];  // no copy: a convolution's output is often the largest tensor of the step
           else
             out.copy_(results[r]);
         }
@@ -432,6 +447,10 @@ Result<std::shared_ptr<Executor>> Executor::create(Program program, ExecutorOpti
   }
   std::sort(x.input_ids.begin(), x.input_ids.end());
   std::sort(x.output_ids.begin(), x.output_ids.end());
+  x.adoptable.assign(x.program.buffers.size(), 0);
+  for (const Placement& p : x.plan.placements)
+    if (p.buffer == p.storage && x.program.buffers[x.slot.at(p.buffer)].role == BufferRole::intermediate)
+      x.adoptable[x.slot.at(p.buffer)] = 1;
   x.aten.resize(x.program.steps.size());
   for (std::size_t i = 0; i < x.program.steps.size(); ++i)
     if (auto* op = std::get_if<AtenOp>(&x.program.steps[i])) {

@@ -85,6 +85,31 @@ def test_cnn_block_keeps_the_convolution_in_cudnn():
     assert any(g["kind"] == "reduction" and "batch_norm" in g["nodes"] and "mean" in g["nodes"] for g in groups), groups
 
 
+class _BigPointwise(nn.Module):
+    def forward(self, x):
+        return torch.sigmoid(x) * x + 1.0
+
+
+def test_replay_mode_is_measured_and_the_kept_runner_is_the_one_named():
+    # One kernel over 64 MiB: a graph replay would add a copy of the input and of the output (256 MiB of
+    # traffic against the kernel's 128 MiB), so the direct launch must be measured faster and kept.
+    x = torch.randn(4096, 4096, device="cuda")
+    fast = stitchcuda.optimize(_BigPointwise().cuda().eval(), (x,), measure=False)
+    assert fast.report.status == "optimized", str(fast.report)
+    chosen = [(d, why) for d, why in fast.report.decisions if why.startswith("measured on the example inputs")]
+    assert len(chosen) == 1, fast.report.decisions
+    decision, why = chosen[0]
+    assert decision.startswith("launch the steps directly"), chosen
+    graph_ms = float(why.split("CUDA graph replay ")[1].split(" ms")[0])
+    direct_ms = float(why.split("direct launches ")[1].split(" ms")[0])
+    assert direct_ms < graph_ms, why
+    before = fast._runner.stats()
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), torch.sigmoid(x) * x + 1.0)
+    after = fast._runner.stats()
+    assert after["replays"] == before["replays"] and after["eager_runs"] == before["eager_runs"] + 1
+
+
 @pytest.mark.parametrize("isolated", [True, False])
 def test_a_wrong_group_falls_back_to_aten_with_the_reason(monkeypatch, isolated):
     monkeypatch.setitem(templates.POINTWISE_OPS, "aten::relu", lambda a, kw: f"({a[0]} + 1.0f)")

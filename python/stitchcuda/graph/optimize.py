@@ -114,13 +114,15 @@ class OptimizedModule(torch.nn.Module):
     """Runs the stitched program (or the original module when optimization did not apply)."""
 
     def __init__(self, original: torch.nn.Module, program: Program | None, graph: Graph | None, report: Report,
-                 graphs: bool = True) -> None:
+                 graphs: bool = True, runner: ProgramModule | None = None) -> None:
         super().__init__()
         self.original = original
         self.report = report
         self.program = program
         self._graph = graph
-        self._runner = ProgramModule(program, graphs=graphs) if program is not None else None
+        if runner is None and program is not None:
+            runner = ProgramModule(program, graphs=graphs)
+        self._runner = runner
 
     def forward(self, *args, **kwargs):
         if self._runner is None:
@@ -166,6 +168,34 @@ def _time_ms(fn, repeats: int = 30) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def _choose_replay(program: Program, inputs: list[torch.Tensor]) -> tuple[ProgramModule, tuple[str, str]]:
+    """Times the program replayed as one CUDA graph and launched step by step on the example inputs and
+    keeps the faster runner. A replay saves host time per launch but copies the inputs into, and the
+    outputs out of, the graph's own buffers: on a few large kernels the copies cost more than they save."""
+    times: dict[bool, float] = {}
+    errors: dict[bool, str] = {}
+    runners: dict[bool, ProgramModule] = {}
+    for graphs in (True, False):
+        try:
+            runner = ProgramModule(program, graphs=graphs)
+            times[graphs] = _time_ms(lambda r=runner: r.executor.run(inputs))
+            runners[graphs] = runner
+        except Exception as exc:  # the other mode may still run; verification judges the one kept
+            errors[graphs] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    if len(times) == 2:
+        graph_ms, direct_ms = times[True], times[False]
+        use_graph = graph_ms <= direct_ms
+        why = (f"measured on the example inputs: CUDA graph replay {graph_ms:.4f} ms, direct launches "
+               f"{direct_ms:.4f} ms per call")
+    elif times:
+        use_graph = next(iter(times))
+        why = f"the other mode failed: {errors[not use_graph]}"
+    else:  # neither ran: keep the graph runner and let verification report the failure
+        return ProgramModule(program, graphs=True), ("replay as one CUDA graph", f"neither mode ran: {errors[True]}")
+    decision = "replay as one CUDA graph" if use_graph else "launch the steps directly (no CUDA graph)"
+    return runners[use_graph], (decision, why)
 
 
 def _random_like(t: torch.Tensor, seed: int) -> torch.Tensor:
@@ -254,7 +284,12 @@ def optimize(model: torch.nn.Module, example_inputs: Sequence[Any], *, llm: Any 
                 entry.update(kernel=code.name, source=code.source, launch=f"grid {code.grid}, block {code.block}",
                              strategy=code.description)
             report.groups.append(entry)
-        optimized = OptimizedModule(model, program, graph, report, graphs=graphs)
+        runner = None
+        if graphs:
+            with steps.step("choosing CUDA graph replay or direct launches"):
+                runner, decision = _choose_replay(program, [t.contiguous() for t in flat_inputs])
+                report.decisions.append(decision)
+        optimized = OptimizedModule(model, program, graph, report, graphs=graphs, runner=runner)
         with steps.step(f"verifying on {verify_sets} input set(s)"):
             report.verification = _verify(model, optimized, example_inputs, verify_sets, plan)
         if not report.verification["passed"]:

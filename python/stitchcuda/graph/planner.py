@@ -143,9 +143,11 @@ class OfflinePlanner:
             decisions.append((f"matmuls may use {self.precision}", "requested by the caller"))
         decisions.append(("convolutions through cuDNN with TF32" if torch.backends.cudnn.allow_tf32 else
                           "convolutions through cuDNN in fp32", "torch.backends.cudnn.allow_tf32 at call time"))
-        decisions.append(("replay as one CUDA graph" if self.graphs else "run eagerly (no CUDA graph)",
-                          "static shapes: one capture, then a single launch per forward" if self.graphs
-                          else "graphs=False was requested"))
+        decisions.append(("replay as one CUDA graph or launch the steps directly, whichever is faster"
+                          if self.graphs else "launch the steps directly (no CUDA graph)",
+                          "static shapes allow one capture and a single launch per forward, but a replay copies the "
+                          "inputs and outputs through the graph's own buffers: both are timed on the example inputs "
+                          "once the program is built" if self.graphs else "graphs=False was requested"))
 
         outputs = {v.name for v in graph.outputs}
         constant: set[str] = {w.name for w in graph.weights}
