@@ -239,5 +239,15 @@ def test_speedup_agrees_with_kernelbench_style_measurement(pool):
     torch.manual_seed(42)
     candidate = bench._load(source, "agreement_candidate").ModelNew(*task.init_inputs()).cuda()
     inputs = [x.cuda() for x in task.make_inputs(7)]
-    kb = bench._kernelbench_style(reference, inputs) / bench._kernelbench_style(candidate, inputs)
-    assert abs(report.speedup["eager"] - kb) / kb < 0.05, (report.speedup, kb, report.timing)
+    # One measurement of either protocol moves 3-10% between repeats on the H200, so this compares the
+    # medians of three interleaved repeats and catches a bias (a charged sync round trip is ~13% here);
+    # the 3% target is `stitchcuda bench verify`'s, over nine repeats.
+    ours, kb = [report.speedup["eager"]], []
+    for i in range(3):
+        if i:
+            again = check(task, source, config=VerifyConfig(), pool=pool)
+            assert again.correct and not again.hack, again.feedback
+            ours.append(again.speedup["eager"])
+        kb.append(bench._kernelbench_style(reference, inputs) / bench._kernelbench_style(candidate, inputs))
+    ours_mid, kb_mid = sorted(ours)[1], sorted(kb)[1]
+    assert abs(ours_mid - kb_mid) / kb_mid < 0.08, (ours, kb, report.timing)

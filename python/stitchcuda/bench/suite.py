@@ -174,7 +174,7 @@ def run_model(path: Path, flush: torch.Tensor) -> dict:
                    groups={k: sum(g["kind"] == k for g in report.groups) for k in kinds})
         replay = [d for d, why in report.decisions if why.startswith("measured on the example inputs")]
         if replay:
-            row["replay"] = "graph" if "CUDA graph" in replay[0] else "direct"
+            row["replay"] = "graph" if replay[0].startswith("replay") else "direct"
         if report.status == "optimized":
             with torch.no_grad():
                 ok, worst, detail = _compare(fast(*inputs), want)
