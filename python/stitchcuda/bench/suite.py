@@ -8,16 +8,14 @@ A model whose optimize falls back to eager counts as correct at its eager time (
 StitchCUDA result counts as 1x in the geomean; an exception in any column is recorded in that model's row
 and never stops the run.
 
-Compilation is not what the suite measures, and on one GPU it is most of the wall time: before timing, a
-pool of spawned processes (STITCHCUDA_SUITE_JOBS, default min(8, CPUs / 2); 0 turns it off) runs each
-model once through both torch.compile modes and `optimize`, which fills Inductor's and StitchCUDA's
-on-disk kernel caches. The timed pass then runs one model at a time, alone on the GPU, and compiles from
-those caches; what it measures is unchanged.
+Each model compiles inside the timed pass (its first call, not timed): on the H200 the whole suite, 40
+models through all four columns, takes about two minutes that way. (A pool of processes compiling every
+model first was slower there: eight processes contending for the CPUs did not finish 20 models in nine
+minutes.) Each row records the first-call seconds of both torch.compile modes and optimize's seconds.
 
 Environment: STITCHCUDA_SUITE_DIR (the folder of model files; default `bench/suite` found by walking up
 from this file), STITCHCUDA_SUITE_ONLY (comma-separated file stems to run, e.g. `gemm_bias_relu,softmax_rows`),
-STITCHCUDA_SUITE_CHUNK (`K/N`: every N-th model from the K-th, for runs that must fit a time limit),
-STITCHCUDA_SUITE_JOBS (see above).
+STITCHCUDA_SUITE_CHUNK (`K/N`: every N-th model from the K-th, for runs that must fit a time limit).
 """
 
 from __future__ import annotations
@@ -254,86 +252,6 @@ def format_table(rows: list[dict], summary: dict, device: str) -> str:
     return "\n".join(lines)
 
 
-def _warm_one(path_str: str) -> tuple[str, float, str, dict[str, float]]:
-    """In a pool worker: one model through both torch.compile modes and optimize, nothing timed, so that
-    the timed pass finds their kernels in the on-disk caches. Returns (stem, seconds, first error,
-    seconds per stage)."""
-    path = Path(path_str)
-    t0, error = time.perf_counter(), ""
-    stages: dict[str, float] = {}
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # as the timed pass
-    try:
-        from ..graph import optimize
-
-        model, inputs = _on_gpu(path)
-        with torch.no_grad():
-            for mode in (None, "reduce-overhead"):
-                torch._dynamo.reset()
-                t = time.perf_counter()
-                try:
-                    compiled = torch.compile(model, mode=mode) if mode else torch.compile(model)
-                    compiled(*inputs)
-                    compiled(*inputs)
-                except Exception as exc:  # the timed pass records it in the row
-                    error = error or _first_line(exc)
-                stages[mode or "default"] = round(time.perf_counter() - t, 1)
-            torch._dynamo.reset()
-        t = time.perf_counter()
-        optimize(model, inputs, measure=False, progress=False)
-        stages["optimize"] = round(time.perf_counter() - t, 1)
-    except Exception as exc:
-        error = error or _first_line(exc)
-    return path.stem, time.perf_counter() - t0, error, stages
-
-
-def _init_warm_worker(threads: int) -> None:
-    """Each pool process gets its share of the CPUs for Inductor's own compile workers."""
-    try:
-        import torch._inductor.config as inductor_config
-
-        inductor_config.compile_threads = threads
-    except Exception:  # an Inductor without the knob compiles with its default
-        pass
-
-
-def warm_caches(files: list[Path], jobs: int) -> dict[str, Any]:
-    """Runs `_warm_one` over `files` in `jobs` spawned processes (never forked: CUDA is live here; not
-    a multiprocessing.Pool, whose daemonic workers could not start optimize's Verifier worker)."""
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-
-    t0 = time.perf_counter()
-    per_model: dict[str, float] = {}
-    errors: dict[str, str] = {}
-    threads = max(1, (os.cpu_count() or 2) // jobs)
-    with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), max_tasks_per_child=4,
-                             initializer=_init_warm_worker, initargs=(threads,)) as pool:
-        futures = {pool.submit(_warm_one, str(p)): p.stem for p in files}
-        for future in as_completed(futures):
-            try:
-                stem, seconds, error, stages = future.result()
-            except Exception as exc:  # a worker died (segfault, OOM kill): the timed pass still runs
-                stem, seconds, error, stages = futures[future], 0.0, _first_line(exc), {}
-            per_model[stem] = round(seconds, 1)
-            # As each finishes, so that a run cut short still says where the compile time went.
-            print(f"[suite-warm-model] {stem} {seconds:.1f} s {json.dumps(stages)}{' ' + error if error else ''}",
-                  file=sys.stderr, flush=True)
-            if error:
-                errors[stem] = error
-    return {"jobs": jobs, "seconds": round(time.perf_counter() - t0, 1), "per_model_s": per_model,
-            "errors": errors}
-
-
-def _jobs(files: list[Path]) -> int:
-    raw = os.environ.get("STITCHCUDA_SUITE_JOBS")
-    if raw is not None:
-        try:
-            return max(0, int(raw))
-        except ValueError:
-            raise SystemExit(f"bench suite: STITCHCUDA_SUITE_JOBS must be a whole number, got {raw!r}") from None
-    return 0 if len(files) < 2 else min(8, max(1, (os.cpu_count() or 2) // 2), len(files))
-
-
 def run(json_output: bool = False) -> int:
     if not torch.cuda.is_available():
         print("bench suite: no GPU (torch.cuda.is_available() is False); nothing measured")
@@ -354,14 +272,7 @@ def run(json_output: bool = False) -> int:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # true fp32 everywhere
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # several times the H200's 50 MB L2
     rows = []
-    warm = None
     try:
-        jobs = _jobs(files)
-        if jobs:
-            if not json_output:
-                print(f"[suite] compiling {len(files)} models in {jobs} processes (not timed)", flush=True)
-            warm = warm_caches(files, jobs)
-            print(f"[suite-warm] {json.dumps(warm)}", file=sys.stderr, flush=True)
         for path in files:
             row = run_model(path, flush)
             rows.append(row)
@@ -375,9 +286,7 @@ def run(json_output: bool = False) -> int:
     device = torch.cuda.get_device_name()
     if json_output:
         print(json.dumps({"device": device, "suite_dir": str(folder), "tolerance": {"atol": ATOL, "rtol": RTOL},
-                          "repeats": REPEATS, "summary": summary, "warm": warm, "models": rows}, default=str))
+                          "repeats": REPEATS, "summary": summary, "models": rows}, default=str))
     else:
         print(format_table(rows, summary, device))
-        if warm:
-            print(f"(kernel caches filled first by {warm['jobs']} processes in {warm['seconds']:.0f} s, not timed)")
     return 0

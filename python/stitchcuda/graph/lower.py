@@ -108,16 +108,22 @@ class Lowering:
             return out
         return bid
 
-    def produce(self, v: Value) -> int:
-        """A fresh contiguous buffer for `v` (the output buffer when `v` is a graph output)."""
+    def produce(self, v: Value, captured_layout: bool = False) -> int:
+        """A fresh buffer for `v` (the output buffer when `v` is a graph output): contiguous, or, with
+        `captured_layout`, laid out as the capture saw it when that is a dense permutation. (An ATen
+        step's result keeps its own layout: scaled_dot_product_attention returns [B, H, S, D] stored as
+        [B, S, H, D], and the transpose-and-view traced after it is a view only in that layout.)"""
         if v.name in self.buf:
             raise LoweringError(f"value '{v.name}' is produced twice")
+        strides = _contiguous_strides(v.shape)
         if v.name in self.output_ids and v.name not in self.written:
             self.written.add(v.name)
             bid = self.output_ids[v.name]
         else:
-            bid = self.b.intermediate(list(v.shape), dtype_name(v.dtype), name=v.name)
-        return self._record(v, bid, v.shape, _contiguous_strides(v.shape), v.dtype)
+            if captured_layout and _dense_permutation(v.shape, v.strides):
+                strides = tuple(v.strides)
+            bid = self.b.intermediate(list(v.shape), dtype_name(v.dtype), strides=list(strides), name=v.name)
+        return self._record(v, bid, v.shape, strides, v.dtype)
 
     # ---- the program ----
 
@@ -327,7 +333,15 @@ class Lowering:
             bid = self.b.view(kind, sbid, list(shape), strides=list(strides), storage_offset=offset)
             self._record(out, bid, shape, strides, dtype)
             return
-        self._lower_aten(n)
+        if result is None and n.op in _RESHAPES and out.name not in self.output_ids:
+            # The capture traced a view of a layout the program's buffer does not have: an ATen view step
+            # would fail at run time, so the source is copied contiguous and viewed.
+            sbid = self.need(src, contiguous=True)
+            shape, strides, offset = _view_layout(n, *self.spec[sbid][:2])
+            bid = self.b.view("reshape", sbid, list(shape), strides=list(strides), storage_offset=offset)
+            self._record(out, bid, shape, strides, dtype)
+            return
+        self._lower_aten(n, captured_layout=False)
 
     def _lower_split(self, n: Node, sbid: int, shape, strides, dtype) -> None:
         """Every piece of a split or unbind at once: views of the source, unless a piece is a graph output
@@ -339,13 +353,15 @@ class Lowering:
         used = [(v, layout) for v, layout in zip(n.outputs, layouts) if v is not None]
         if len(layouts) != len(n.outputs) or any(v.name in self.output_ids for v, _ in used) or \
                 any(tuple(v.shape) != layout[0] for v, layout in used):
-            self._lower_aten(n)
+            self._lower_aten(n, captured_layout=False)
             return
         for v, (piece, piece_strides, offset) in used:
             bid = self.b.view("slice", sbid, list(piece), strides=list(piece_strides), storage_offset=offset)
             self._record(v, bid, piece, piece_strides, dtype)
 
-    def _lower_aten(self, n: Node) -> None:
+    def _lower_aten(self, n: Node, captured_layout: bool = True) -> None:
+        """`n` as an ATen step. Its results keep the layout the capture saw (see `produce`), except for a
+        view op that could not be a view step: its result is a copy, planned contiguous."""
         schema = n.target._schema
         inputs: list[int] = []
         attributes: dict[str, Any] = {}
@@ -381,7 +397,7 @@ class Lowering:
         for v in n.outputs:
             if v is None:
                 raise LoweringError(f"{n.op} returns a non-tensor value: no buffer can hold it")
-            outs.append(self.produce(v))
+            outs.append(self.produce(v, captured_layout=captured_layout))
         self.b.aten(n.op, inputs, outs, **attributes)
 
 
@@ -407,6 +423,18 @@ def _attribute(value: Any, node: Node, name: str) -> Any:
 
 
 _SPLIT_OPS = ("aten::split_with_sizes", "aten::split.Tensor", "aten::unbind.int")
+_RESHAPES = ("aten::view", "aten::_unsafe_view", "aten::reshape")
+
+
+def _dense_permutation(shape, strides) -> bool:
+    """Whether `strides` lay `shape` out with no gaps or overlaps (contiguous after some permutation)."""
+    dims = sorted((st, ex) for ex, st in zip(shape, strides) if ex != 1)
+    expected = 1
+    for st, ex in dims:
+        if st != expected:
+            return False
+        expected *= ex
+    return True
 
 
 def _split_layouts(n: Node, shape, strides) -> list[tuple[tuple, tuple, int]]:
