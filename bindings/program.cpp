@@ -215,7 +215,15 @@ void bind_program(py::module_& m) {
         d["device"] = p.verified_on.device, d["arch"] = p.verified_on.arch, d["driver"] = p.verified_on.driver;
         d["cuda"] = p.verified_on.cuda, d["torch"] = p.verified_on.torch;
         return d;
-      });
+      })
+      .def_property_readonly("replay", [](const Program& p) {
+        py::dict d;
+        d["mode"] = to_string(p.replay.mode), d["reason"] = p.replay.reason;
+        return d;
+      })
+      .def("set_replay", [](Program& p, const std::string& mode, std::string reason) {
+        p.replay = {enum_of(mode, {Replay::unmeasured, Replay::graph, Replay::direct}, "replay mode"), std::move(reason)};
+      }, py::arg("mode"), py::arg("reason") = "");
 
   py::class_<ProgramBuilder>(pm, "ProgramBuilder")
       .def(py::init<>())
@@ -297,13 +305,13 @@ void bind_program(py::module_& m) {
       .def("build", [](ProgramBuilder& b) { return unwrap(b.build()); });
 
   py::class_<Executor, std::shared_ptr<Executor>>(pm, "Executor")
-      .def(py::init([](const Program& p, bool graphs, int device, std::size_t workspace, bool device_launch,
+      .def(py::init([](const Program& p, std::optional<bool> graphs, int device, std::size_t workspace, bool device_launch,
                        std::size_t min_nodes) {
         ExecutorOptions o;
         o.graphs = graphs, o.device = device, o.workspace_bytes = workspace, o.device_launch = device_launch;
         o.device_launch_min_nodes = min_nodes;
         return unwrap(Executor::create(p, o));
-      }), py::arg("program"), py::arg("graphs") = true, py::arg("device") = -1, py::arg("workspace_bytes") = 32u << 20,
+      }), py::arg("program"), py::arg("graphs") = py::none(), py::arg("device") = -1, py::arg("workspace_bytes") = 32u << 20,
           py::arg("device_launch") = true, py::arg("device_launch_min_nodes") = 128)
       .def("run", [](Executor& e, const py::sequence& inputs, std::optional<py::sequence> outputs, std::uintptr_t stream) {
         auto in = tensors_of(inputs, "input");

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,7 +22,9 @@ namespace stitchcuda::program {
 
 /// How an Executor runs its program.
 struct ExecutorOptions {
-  bool graphs = true;        ///< capture after one eager warm-up run, then replay; false: always eager
+  /// true: capture after one eager warm-up run, then replay; false: always eager (the steps launched
+  /// directly); unset: as the program's measured ReplayChoice says (a graph when unmeasured).
+  std::optional<bool> graphs;
   int device = -1;           ///< CUDA device; -1: PyTorch's current device
   std::size_t workspace_bytes = 32u << 20;  ///< cuBLASLt workspace per instance
   /// Replay through a device-side graph launch: the host enqueues one single-kernel graph whose kernel

@@ -243,6 +243,22 @@ struct BufferPlan {
   const Placement* find(BufferId buffer) const;
 };
 
+/// How a program ran fastest on the machine that built it, both ways timed on its example inputs:
+/// replayed as one CUDA graph (saves host time per launch, copies inputs and outputs through the graph's
+/// own buffers) or launched step by step. An Executor follows it unless told otherwise.
+enum class Replay : std::uint8_t {
+  unmeasured,  ///< nobody timed it: replay as a graph
+  graph,
+  direct,
+};
+/// "unmeasured", "graph", "direct".
+const char* to_string(Replay mode) noexcept;
+struct ReplayChoice {
+  Replay mode = Replay::unmeasured;
+  std::string reason;  ///< the measurement, e.g. "CUDA graph replay 0.106 ms, direct launches 0.037 ms per call"
+  bool operator==(const ReplayChoice&) const = default;
+};
+
 /// A stitched program: buffers, a kernel table, steps in order, weights, precision and provenance.
 /// Build one with ProgramBuilder, or load one from a `.stitch` artifact.
 struct Program {
@@ -252,6 +268,7 @@ struct Program {
   std::map<BufferId, std::string> weights;     ///< raw bytes of weight buffers (may be bound later)
   PrecisionPolicy precision;                   ///< what matmuls may use
   HardwareInfo verified_on;                    ///< where it was verified
+  ReplayChoice replay;                         ///< graph replay or direct launches, as measured there
 
   /// The buffer with this id, or null.
   const Buffer* buffer(BufferId id) const;

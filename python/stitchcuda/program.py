@@ -175,7 +175,17 @@ class Program:
     def verified_on(self) -> dict:
         return self._p.verified_on
 
-    def executor(self, *, graphs: bool = True, device: int | None = None) -> "Executor":
+    @property
+    def replay(self) -> dict:
+        """{"mode": "graph" | "direct" | "unmeasured", "reason": ...}: how the program ran fastest where it
+        was built (optimize times both); executors follow it unless given ``graphs``."""
+        return self._p.replay
+
+    def set_replay(self, mode: str, reason: str = "") -> None:
+        """Records the measured replay mode ("graph", "direct" or "unmeasured"); saved in the artifact."""
+        self._p.set_replay(mode, reason)
+
+    def executor(self, *, graphs: bool | None = None, device: int | None = None) -> "Executor":
         """An Executor for this program (needs a GPU)."""
         return Executor(self, graphs=graphs, device=device)
 
@@ -188,7 +198,9 @@ class Program:
 
 
 class Executor:
-    """Runs a Program: eager once, then one CUDA graph replay per call; thread-safe across streams.
+    """Runs a Program: eager once, then one CUDA graph replay per call, or every call eagerly (the steps
+    launched directly); thread-safe across streams. ``graphs`` (default: the program's measured
+    ``replay`` mode, a graph when unmeasured) picks which.
 
     ``device_launch`` (default): a forward of at least ``device_launch_min_nodes`` graph nodes is
     replayed by one host launch of a single-kernel graph that launches it from the device, so host time
@@ -196,7 +208,7 @@ class Executor:
     launched from the host, which is faster there. ``stats()["host_replay_note"]`` says why a program
     replays from the host."""
 
-    def __init__(self, program: Program, *, graphs: bool = True, device: int | None = None,
+    def __init__(self, program: Program, *, graphs: bool | None = None, device: int | None = None,
                  device_launch: bool = True, device_launch_min_nodes: int = 128) -> None:
         self.program = program
         self._e = _C.program.Executor(program._p, graphs, -1 if device is None else int(device), 32 << 20,
@@ -238,7 +250,7 @@ class Executor:
 class ProgramModule(torch.nn.Module):
     """An nn.Module that runs a Program: forward(*inputs) returns the output, or a tuple of them."""
 
-    def __init__(self, program: Program, *, graphs: bool = True, device: int | None = None) -> None:
+    def __init__(self, program: Program, *, graphs: bool | None = None, device: int | None = None) -> None:
         super().__init__()
         self.program = program
         self.executor = Executor(program, graphs=graphs, device=device)
@@ -265,7 +277,7 @@ class ProgramModule(torch.nn.Module):
         return repr(self.program)
 
 
-def load(path: str | os.PathLike, *, graphs: bool = True, device: int | None = None) -> ProgramModule:
+def load(path: str | os.PathLike, *, graphs: bool | None = None, device: int | None = None) -> ProgramModule:
     """Loads a `.stitch` artifact as a callable nn.Module running on the GPU."""
     return ProgramModule(Program.load(path), graphs=graphs, device=device)
 

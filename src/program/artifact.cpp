@@ -198,6 +198,7 @@ constexpr DType kDTypes[] = {DType::f32, DType::f16, DType::bf16, DType::f64, DT
 constexpr Epilogue kEpilogues[] = {Epilogue::none, Epilogue::relu, Epilogue::gelu, Epilogue::bias, Epilogue::bias_relu, Epilogue::bias_gelu};
 constexpr ComputePrecision kPrecisions[] = {ComputePrecision::fp32, ComputePrecision::tf32, ComputePrecision::bf16};
 constexpr ViewKind kViews[] = {ViewKind::reshape, ViewKind::permute, ViewKind::slice};
+constexpr Replay kReplays[] = {Replay::graph, Replay::direct};  // "unmeasured" is never written
 
 Attributes read_attributes(const Field& f) {
   Attributes out;
@@ -299,6 +300,9 @@ std::string Program::serialize() const {
   sections.emplace_back("hardware", json{{"device", verified_on.device}, {"arch", verified_on.arch},
                                          {"driver", verified_on.driver}, {"cuda", verified_on.cuda},
                                          {"torch", verified_on.torch}}.dump(1));
+  if (replay.mode != Replay::unmeasured)
+    sections.emplace_back("replay", json{{"mode", to_string(replay.mode)},
+                                         {"reason", replay.reason}}.dump(1));
   for (std::size_t k = 0; k < kernels.size(); ++k) {
     sections.emplace_back(kernel_section(k, "source"), kernels[k].source);
     sections.emplace_back(kernel_section(k, "cubin"), kernels[k].cubin);
@@ -408,10 +412,16 @@ Result<Program> Program::deserialize(std::string_view bytes) {
     Field hardware(hardware_json, "hardware");
     p.verified_on = HardwareInfo{hardware["device"].text(), hardware["arch"].text(), hardware["driver"].text(),
                                  hardware["cuda"].text(), hardware["torch"].text()};
+    if (sections.count("replay")) {  // optional: written when the program's replay mode was measured
+      json replay_json = parse_json(section("replay"), "section 'replay'");
+      Field replay(replay_json, "replay");
+      p.replay.mode = replay["mode"].choice(kReplays);
+      p.replay.reason = replay["reason"].text();
+    }
 
     // Every section must be one this reader understands, so nothing in the file goes unchecked.
     for (const auto& [name, data] : sections) {
-      if (name == "program" || name == "precision" || name == "hardware") continue;
+      if (name == "program" || name == "precision" || name == "hardware" || name == "replay") continue;
       if (name.rfind("kernel.", 0) == 0) {
         bool known = false;
         for (std::size_t k = 0; k < p.kernels.size() && !known; ++k)

@@ -72,6 +72,15 @@ const char* to_string(Epilogue epilogue) noexcept {
   return "?";
 }
 
+const char* to_string(Replay mode) noexcept {
+  switch (mode) {
+    case Replay::unmeasured: return "unmeasured";
+    case Replay::graph: return "graph";
+    case Replay::direct: return "direct";
+  }
+  return "?";
+}
+
 const char* to_string(ViewKind kind) noexcept {
   switch (kind) {
     case ViewKind::reshape: return "reshape";

@@ -436,6 +436,7 @@ Result<std::shared_ptr<Executor>> Executor::create(Program program, ExecutorOpti
   // Everything that needs no GPU is checked first, so a bad program fails the same way everywhere.
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  if (!impl->options.graphs) impl->options.graphs = program.replay.mode != Replay::direct;
   impl->plan = std::move(*plan);
   impl->program = std::move(program);
   Impl& x = *impl;
@@ -550,7 +551,7 @@ Result<void> Executor::run(const std::vector<at::Tensor>& inputs, const std::vec
     c10::cuda::CUDAGuard device_guard(c10::DeviceIndex(x.device));
     c10::cuda::CUDAStreamGuard stream_guard(
         c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream), c10::DeviceIndex(x.device)));
-    if (!in.warmed || !x.options.graphs) {
+    if (!in.warmed || !*x.options.graphs) {
       // Eager: the caller's tensors are the program's inputs and outputs.
       for (std::size_t i = 0; i < inputs.size(); ++i) in.tensors[x.slot.at(x.input_ids[i])] = inputs[i];
       for (std::size_t i = 0; i < outputs.size(); ++i) in.tensors[x.slot.at(x.output_ids[i])] = outputs[i];

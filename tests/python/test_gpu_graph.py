@@ -90,7 +90,7 @@ class _BigPointwise(nn.Module):
         return torch.sigmoid(x) * x + 1.0
 
 
-def test_replay_mode_is_measured_and_the_kept_runner_is_the_one_named():
+def test_replay_mode_is_measured_and_the_kept_runner_is_the_one_named(tmp_path):
     # One kernel over 64 MiB: a graph replay would add a copy of the input and of the output (256 MiB of
     # traffic against the kernel's 128 MiB), so the direct launch must be measured faster and kept.
     x = torch.randn(4096, 4096, device="cuda")
@@ -108,6 +108,13 @@ def test_replay_mode_is_measured_and_the_kept_runner_is_the_one_named():
         torch.testing.assert_close(fast(x), torch.sigmoid(x) * x + 1.0)
     after = fast._runner.stats()
     assert after["replays"] == before["replays"] and after["eager_runs"] == before["eager_runs"] + 1
+    # The choice travels with the artifact: a server loading it launches directly too.
+    assert fast.program.replay == {"mode": "direct", "reason": why}
+    fast.save(tmp_path / "big.stitch")
+    loaded = stitchcuda.load(tmp_path / "big.stitch")
+    for _ in range(3):
+        torch.testing.assert_close(loaded(x), torch.sigmoid(x) * x + 1.0)
+    assert loaded.stats()["replays"] == 0 and loaded.stats()["eager_runs"] == 3
 
 
 @pytest.mark.parametrize("isolated", [True, False])

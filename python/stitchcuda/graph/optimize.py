@@ -195,6 +195,7 @@ def _choose_replay(program: Program, inputs: list[torch.Tensor]) -> tuple[Progra
     else:  # neither ran: keep the graph runner and let verification report the failure
         return ProgramModule(program, graphs=True), ("replay as one CUDA graph", f"neither mode ran: {errors[True]}")
     decision = "replay as one CUDA graph" if use_graph else "launch the steps directly (no CUDA graph)"
+    program.set_replay("graph" if use_graph else "direct", why)  # a saved artifact runs the same way
     return runners[use_graph], (decision, why)
 
 
@@ -289,6 +290,8 @@ def optimize(model: torch.nn.Module, example_inputs: Sequence[Any], *, llm: Any 
             with steps.step("choosing CUDA graph replay or direct launches"):
                 runner, decision = _choose_replay(program, [t.contiguous() for t in flat_inputs])
                 report.decisions.append(decision)
+        else:
+            program.set_replay("direct", "graphs=False was requested")  # carried into the saved artifact
         optimized = OptimizedModule(model, program, graph, report, graphs=graphs, runner=runner)
         with steps.step(f"verifying on {verify_sets} input set(s)"):
             report.verification = _verify(model, optimized, example_inputs, verify_sets, plan)

@@ -53,6 +53,7 @@ Program sample_program() {
   b.verified_on(HardwareInfo{"NVIDIA H200", "sm_90a", "13000", "13.0", "2.11.0+cu130"});
   auto p = b.build();
   if (!p) FAIL(p.error().describe() << "\n" << p.error().log);
+  p->replay = {Replay::direct, "CUDA graph replay 0.106 ms, direct launches 0.037 ms per call"};
   return *p;
 }
 
@@ -133,6 +134,8 @@ TEST_CASE("an artifact round trip keeps every field", "[program]") {
   CHECK(loaded->kernels[0].arch == "sm_90a");
   CHECK(loaded->precision == original.precision);
   CHECK(loaded->verified_on == original.verified_on);
+  CHECK(loaded->replay == original.replay);
+  CHECK(loaded->replay.mode == Replay::direct);
 
   const auto& launch = std::get<KernelLaunch>(loaded->steps[1]);
   CHECK(launch.grid == std::array<std::uint32_t, 3>{2, 3, 1});
@@ -293,6 +296,22 @@ TEST_CASE("a re-checksummed but edited artifact is still checked field by field"
       std::erase_if(s, [](auto& sec) { return sec.first == "hardware"; });
     });
     CHECK(contains(rejection(edited), "missing section 'hardware'"));
+  }
+  SECTION("a replay mode nobody writes") {
+    auto edited = repack(bytes, [](nlohmann::json&, Sections& s) {
+      for (auto& sec : s)
+        if (sec.first == "replay") sec.second = R"({"mode": "sometimes", "reason": ""})";
+    });
+    CHECK(contains(rejection(edited), "replay.mode = \"sometimes\" is not a known value"));
+  }
+  SECTION("an unmeasured program writes no replay section and reads back unmeasured") {
+    Program p = sample_program();
+    p.replay = {};
+    std::string plain = p.serialize();
+    CHECK(plain.find("\"replay\"") == std::string::npos);
+    auto loaded = Program::deserialize(plain);
+    REQUIRE(loaded.has_value());
+    CHECK(loaded->replay.mode == Replay::unmeasured);
   }
   SECTION("an unknown section") {
     auto edited = repack(bytes, [](nlohmann::json&, Sections& s) { s.emplace_back("surprise", "?"); });
