@@ -170,9 +170,8 @@ def run_model(path: Path, flush: torch.Tensor) -> dict:
         kinds = sorted({g["kind"] for g in report.groups})
         row.update(status=report.status, reason=report.reason, fallbacks=len(report.fallbacks),
                    groups={k: sum(g["kind"] == k for g in report.groups) for k in kinds})
-        replay = [d for d, why in report.decisions if why.startswith("measured on the example inputs")]
-        if replay:
-            row["replay"] = "graph" if replay[0].startswith("replay") else "direct"
+        if fast.program is not None:
+            row["replay"] = fast.program.replay["mode"]  # graph or direct, as measured by optimize
         if report.status == "optimized":
             with torch.no_grad():
                 ok, worst, detail = _compare(fast(*inputs), want)
