@@ -232,3 +232,40 @@ def test_split_and_unbind_pieces_are_views_at_the_right_offsets():
             assert torch.equal(held[s["result"]], values[name]), name
             pieces += 1
     assert pieces >= 3 + 3 + 2
+
+
+@pytest.mark.parametrize("graph_ms, direct_ms, fails, mode", [
+    (0.106, 0.037, None, "direct"),   # a big one-kernel program: the replay's copies cost more
+    (0.050, 0.210, None, "graph"),    # many small launches: the replay saves host time
+    (0.050, 0.050, None, "graph"),    # a tie keeps the graph (less host time when the host is busy)
+    (0.050, 0.010, False, "graph"),   # the faster mode failed to run: the one that ran is kept
+    (0.050, 0.010, True, "direct"),
+])
+def test_the_faster_replay_mode_is_kept_and_recorded_in_the_program(monkeypatch, graph_ms, direct_ms, fails, mode):
+    import importlib
+
+    # The module, not the function `optimize` that stitchcuda.graph re-exports under the same name.
+    opt = importlib.import_module("stitchcuda.graph.optimize")
+
+    class FakeRunner:  # stands in for a ProgramModule, which needs a GPU
+        def __init__(self, program, graphs):
+            if graphs is fails:
+                raise RuntimeError(f"capture failed ({'graph' if graphs else 'direct'})")
+            self.graphs = graphs
+            self.executor = SimpleNamespace(run=lambda inputs: graph_ms if graphs else direct_ms)
+
+    monkeypatch.setattr(opt, "ProgramModule", FakeRunner)
+    monkeypatch.setattr(opt, "_time_ms", lambda fn: fn())
+    b = stitchcuda.ProgramBuilder()
+    x, y = b.input([4]), b.output([4])
+    b.aten("aten::relu", [x], [y])
+    program = b.build()
+    runner, (decision, why) = opt._choose_replay(program, [torch.randn(4)])
+    assert runner.graphs is (mode == "graph")
+    assert decision.startswith("replay as one CUDA graph" if mode == "graph" else "launch the steps directly")
+    assert program.replay == {"mode": mode, "reason": why}
+    if fails is None:
+        assert why == (f"measured on the example inputs: CUDA graph replay {graph_ms:.4f} ms, direct launches "
+                       f"{direct_ms:.4f} ms per call")
+    else:
+        assert why.startswith("the other mode failed: RuntimeError: capture failed")
