@@ -259,3 +259,24 @@ def test_vectorized_pointwise_matches_torch(emu):
     y = torch.empty(64, 32)
     _run(emu, code, {"in0": x, "out0": y})
     torch.testing.assert_close(y, torch.nn.functional.gelu(x))
+
+
+@pytest.mark.parametrize("kind", ["amax", "amin"])
+@pytest.mark.parametrize("rows, cols", [(8, 40), (8, 3001)], ids=["warp", "block"])
+def test_amax_and_amin_propagate_nan_and_keep_infinities_as_torch(emu, kind, rows, cols):
+    # NaN first, in the middle, last, beside an infinity of each sign; rows of infinities alone.
+    x = torch.randn(rows, cols)
+    x[0, 0] = x[1, cols // 2] = x[2, cols - 1] = float("nan")
+    x[3, 1], x[3, 2] = float("inf"), float("nan")
+    x[4, 1], x[4, 2] = float("nan"), float("-inf")
+    x[5, :] = float("-inf")
+    x[6, :] = float("inf")
+    x[7, 3] = float("inf") if kind == "amax" else float("-inf")
+    code = row_reduction_kernel(f"n_{kind}", kind, rows, cols, torch.float32)
+    y = torch.zeros(rows)
+    _run(emu, code, {"x": x, "y": y})
+    torch.testing.assert_close(y, getattr(x, kind)(-1), equal_nan=True, atol=0, rtol=0)
+    column = column_reduction_kernel(f"nc_{kind}", kind, 1, rows, cols, torch.float32)
+    yc = torch.zeros(1, cols)
+    _run(emu, column, {"x": x.unsqueeze(0), "y": yc})
+    torch.testing.assert_close(yc, getattr(x, kind)(0, keepdim=True), equal_nan=True, atol=0, rtol=0)

@@ -36,9 +36,11 @@ __device__ __forceinline__ void st(float* p, long long i, float v) { p[i] = v; }
 __device__ __forceinline__ void st(__half* p, long long i, float v) { p[i] = __float2half_rn(v); }
 __device__ __forceinline__ void st(__nv_bfloat16* p, long long i, float v) { p[i] = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void st(bool* p, long long i, float v) { p[i] = v != 0.0f; }
-// NaN-propagating max/min, as torch.maximum / torch.amax behave.
-__device__ __forceinline__ float nanmax(float a, float b) { return a != a ? a : (b != b ? b : fmaxf(a, b)); }
-__device__ __forceinline__ float nanmin(float a, float b) { return a != a ? a : (b != b ? b : fminf(a, b)); }
+// NaN-propagating max/min, as torch.maximum / torch.amax behave. Written as one select (a + b is NaN
+// when either is), which compiles without branches: nested conditionals put every load of an unrolled
+// reduction loop in its own basic block, one load in flight per thread.
+__device__ __forceinline__ float nanmax(float a, float b) { const float m = fmaxf(a, b); return (a != a || b != b) ? a + b : m; }
+__device__ __forceinline__ float nanmin(float a, float b) { const float m = fminf(a, b); return (a != a || b != b) ? a + b : m; }
 """
 
 _CTYPE = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.bool: "bool"}
