@@ -493,7 +493,9 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
         L += ["  float n = 0.0f, mean = 0.0f, m2 = 0.0f;",
               "  for (long long c = t; c < cols; c += TPR) {",
               f"    const float v = {X('base + c')};",
-              "    n += 1.0f; const float d = v - mean; mean += d / n; m2 += d * (v - mean);",
+              # __fdividef: an IEEE division expands to a call with a slow-path branch, which keeps each
+              # iteration's load apart (one in flight per thread); the approximate one is two instructions.
+              "    n += 1.0f; const float d = v - mean; mean += __fdividef(d, n); m2 += d * (v - mean);",
               "  }",
               "  warp_welford(n, mean, m2);"]
         block_combine(["n", "mean", "m2"], "  if (lane >= WARPS) { n = 0.0f; mean = 0.0f; m2 = 0.0f; }\n  warp_welford(n, mean, m2);")

@@ -33,6 +33,7 @@ extern unsigned char* emu_dynamic_shared;  // `extern __shared__ T name[];` is r
 
 inline void __syncthreads() { emu_block_barrier->arrive_and_wait(); }
 inline float rsqrtf(float v) { return 1.0f / sqrtf(v); }
+inline float __fdividef(float a, float b) { return a / b; }  // the GPU's is approximate (2 ulp)
 inline float __int_as_float(unsigned u) {
   float f;
   std::memcpy(&f, &u, sizeof f);
