@@ -297,11 +297,13 @@ __device__ __forceinline__ float warp_min(float v) {
   return v;
 }
 // Combines (max, sum of exp(x - max)) pairs: the online-softmax state.
+// An empty side (max -inf) gets exponent -inf, so its term is exp(-inf) = 0 with no branch: skipping the
+// exponential behind a condition put each loop iteration's load in its own basic block.
 __device__ __forceinline__ void softmax_combine(float& m, float& s, float m2, float s2) {
+  const float inf = __int_as_float(0x7f800000);
   const float mm = nanmax(m, m2);
-  const float a = (m == -__int_as_float(0x7f800000)) ? 0.0f : s * expf(m - mm);
-  const float b = (m2 == -__int_as_float(0x7f800000)) ? 0.0f : s2 * expf(m2 - mm);
-  m = mm; s = a + b;
+  const float da = m == -inf ? -inf : m - mm, db = m2 == -inf ? -inf : m2 - mm;
+  m = mm; s = s * expf(da) + s2 * expf(db);
 }
 __device__ __forceinline__ void warp_softmax(float& m, float& s) {
   for (int o = 16; o > 0; o >>= 1) {
