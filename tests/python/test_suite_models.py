@@ -340,3 +340,11 @@ def test_dense_permutation(shape, strides, dense):
     from stitchcuda.graph.lower import _dense_permutation
 
     assert _dense_permutation(shape, strides) is dense
+
+
+def test_golden_causal_scale_mask_and_softmax_are_one_kernel():
+    # The mask's -inf is a constant computed once; it no longer splits the scale from the masking, so
+    # both are computed as the softmax loads each score (the scores are read once instead of three times).
+    assert _partition("attention_causal_masked") == [
+        ("gemm", ["aten::bmm"]), ("reduction", ["aten::mul.Tensor", "aten::where.self", "aten::_softmax"]),
+        ("gemm", ["aten::bmm"])]

@@ -168,8 +168,10 @@ class OfflinePlanner:
                 for v in node.outputs:
                     if v is not None:
                         constant.add(v.name)
-                groups.append(Group("constant", [node], "depends only on weights: computed once, stored as a constant"))
-                close()
+                # Computed once, before any run, from no value of the forward: it goes to the front and
+                # the open chain stays open (a causal mask's -inf between a scale and the masking, or a
+                # weight's transpose between a norm and its output ops, no longer splits them).
+                groups.insert(0, Group("constant", [node], "depends only on weights: computed once, stored as a constant"))
                 continue
             if node.op in _GEMM_OPS:
                 g = self._gemm(node, outputs, absorbed, matmul_precision)
