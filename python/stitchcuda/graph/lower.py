@@ -120,7 +120,7 @@ class Lowering:
             self.written.add(v.name)
             bid = self.output_ids[v.name]
         else:
-            if captured_layout and _dense_permutation(v.shape, v.strides):
+            if captured_layout and not v.is_contiguous() and _dense_permutation(v.shape, v.strides):
                 strides = tuple(v.strides)
             bid = self.b.intermediate(list(v.shape), dtype_name(v.dtype), strides=list(strides), name=v.name)
         return self._record(v, bid, v.shape, strides, v.dtype)
