@@ -85,6 +85,28 @@ def test_cnn_block_keeps_the_convolution_in_cudnn():
     assert any(g["kind"] == "reduction" and "batch_norm" in g["nodes"] and "mean" in g["nodes"] for g in groups), groups
 
 
+class DepthwiseBlock(nn.Module):
+    def __init__(self, c=32, stride=1):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, stride=stride, padding=1, groups=c, bias=stride == 2)
+        self.bn = nn.BatchNorm2d(c)
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-0.2, 0.2)
+            self.bn.running_var.uniform_(0.5, 1.5)
+
+    def forward(self, x):
+        return F.silu(self.bn(self.conv(x)))
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_depthwise_convolution_runs_as_one_template_kernel(stride):
+    fresh = lambda: (torch.randn(4, 32, 28, 28, device="cuda"),)  # noqa: E731
+    fast = _check(DepthwiseBlock(stride=stride), fresh(), fresh)
+    assert not fast.report.fallbacks, fast.report.fallbacks
+    (conv,) = [g for g in fast.report.groups if g["kind"] == "conv"]
+    assert conv["kernel"].startswith("depthwise") and "batch_norm" in conv["nodes"] and "sigmoid" in conv["nodes"]
+
+
 class _BigPointwise(nn.Module):
     def forward(self, x):
         return torch.sigmoid(x) * x + 1.0

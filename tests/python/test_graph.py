@@ -77,8 +77,15 @@ def test_fused_kernel_source_reads_like_the_ops():
                                                    PointwiseInput("in1", torch.float32, (0, 1))],
                             ["const float t0 = (in0 + in1);", "const float t1 = fmaxf(t0, 0.0f);"],
                             [("out0", "t1", torch.float32)])
-    assert "c1 * 1LL" in code.source and "float4" not in code.source  # broadcast input: strided path
+    # A broadcast input over a last extent of 4: four outputs per step, the row vector one 16-byte load.
+    assert "c1 * 1LL" in code.source and "four outputs per thread" in code.description
+    assert "reinterpret_cast<const float4*>(p1 + e1)" in code.source
     jit.compile(code.source, code.name)
+    odd = pointwise_kernel("fused_odd", (8, 3), [PointwiseInput("in0", torch.float32, (3, 1)),
+                                                 PointwiseInput("in1", torch.float32, (0, 1))],
+                           ["const float t0 = (in0 + in1);"], [("out0", "t0", torch.float32)])
+    assert "float4" not in odd.source and "strided/broadcast" in odd.description  # 3 wide: one per step
+    jit.compile(odd.source, odd.name)
     vec = pointwise_kernel("fused_vec", (8, 4), [PointwiseInput("in0", torch.float32, (4, 1))],
                            ["const float t0 = in0 * 2.0f;"], [("out0", "t0", torch.float32)])
     assert vec.vectorized and "float4" in vec.source
@@ -87,6 +94,36 @@ def test_fused_kernel_source_reads_like_the_ops():
             code = row_reduction_kernel(f"r_{kind}_{cols}", kind, 8, cols, torch.float32,
                                         has_weight=kind == "layer_norm", has_bias=kind == "layer_norm")
             jit.compile(code.source, code.name)
+
+
+class MobileBlock(nn.Module):
+    """A depthwise 3x3 convolution, inference batch norm and SiLU, then a pointwise (1x1) convolution."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.dw, self.bn = nn.Conv2d(c, c, 3, padding=1, groups=c, bias=False), nn.BatchNorm2d(c)
+        self.pw = nn.Conv2d(c, 2 * c, 1)
+
+    def forward(self, x):
+        return self.pw(F.silu(self.bn(self.dw(x))))
+
+
+def test_depthwise_convolution_is_a_template_with_its_activation_before_the_store():
+    graph, plan = planned(MobileBlock(), (torch.randn(2, 8, 12, 12),))
+    kinds = [(g.kind, [n.op for n in g.nodes]) for g in plan.groups]
+    assert ("conv", ["aten::convolution", "aten::_native_batch_norm_legit_no_training", "aten::sigmoid",
+                     "aten::mul.Tensor"]) in kinds, kinds
+    assert ("aten", ["aten::convolution"]) in kinds  # the 1x1 convolution mixes channels: cuDNN
+    lowering = Lowering(graph, plan, {})
+    program = lowering.build(plan.groups, graph.inputs, graph.outputs)
+    (group, code), = [(g, c) for g, c in lowering.kernels if g.kind == "conv"]
+    assert code.name.startswith("depthwise") and "3 elementwise op(s) applied before the store" in code.description
+    jit.compile(code.source, code.name)
+    program.validate()
+    # Not depthwise, or a filter past the unrolled limit: cuDNN.
+    for conv in (nn.Conv2d(8, 8, 3, groups=2), nn.Conv2d(8, 8, 9, padding=4, groups=8)):
+        graph, plan = planned(conv, (torch.randn(1, 8, 12, 12),))
+        assert [g.kind for g in plan.groups if g.kind != "constant"] == ["aten"]
 
 
 def test_data_dependent_control_flow_is_a_capture_error():

@@ -16,8 +16,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "corpus"))
 from cpu_emulator.emulator import EmulatedJit, EmulatedModule, unavailable  # noqa: E402
 
-from stitchcuda.graph.templates import (PointwiseInput, RowPrologue, column_reduction_kernel, pointwise_kernel,  # noqa: E402
-                                        row_reduction_kernel)
+from stitchcuda.graph.templates import (PointwiseInput, RowPrologue, column_reduction_kernel,  # noqa: E402
+                                        depthwise_conv_kernel, pointwise_kernel, row_reduction_kernel)
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"CUDA emulator: {unavailable()}")
 
@@ -40,8 +40,10 @@ def _run(emu, code, tensors: dict):
     kernel(code.grid, code.block, *args)
 
 
-@pytest.mark.parametrize("rows, cols", [(6, 16), (3, 100), (2, 3001), (2, 5002), (2, 3000), (3, 5000)],
-                         ids=["warp-short", "warp-long", "block-256", "block-512", "registers-full", "registers-partial"])
+@pytest.mark.parametrize("rows, cols", [(6, 16), (3, 100), (2, 3001), (2, 5002), (2, 3000), (3, 5000), (11, 1024),
+                                        (3, 260)],
+                         ids=["warp-short", "warp-long", "block-256", "block-512", "registers-full", "registers-partial",
+                              "registers-warp", "registers-warp-partial"])
 @pytest.mark.parametrize("kind", ["softmax", "log_softmax", "layer_norm", "sum", "mean", "amax", "amin"])
 def test_row_reductions_match_torch(emu, kind, rows, cols):
     torch.manual_seed(rows * cols)
@@ -250,6 +252,34 @@ def test_broadcast_pointwise_matches_torch(emu):
     torch.testing.assert_close(out0, torch.relu((a + bias) * torch.sigmoid(gate)))
 
 
+@pytest.mark.parametrize("misaligned", [False, True], ids=["16-byte", "scalar-fallback"])
+def test_grouped_broadcast_pointwise_matches_torch(emu, misaligned):
+    # [N, C, H, W] with W a multiple of 4: a row-broadcast vector along W (one 16-byte load), a per-channel
+    # parameter (broadcast along W: one value repeated), a transposed operand (four loads) and a view at an
+    # odd offset (four loads). A misaligned output makes the same loop take scalar stores.
+    torch.manual_seed(3)
+    shape = (2, 3, 5, 8)
+    x, w_row, chan = torch.randn(shape), torch.randn(8), torch.randn(3, 1, 1)
+    t_storage = torch.randn(2, 3, 8, 5)
+    t = t_storage.transpose(2, 3)
+    flat = torch.randn(2 * 3 * 5 * 8 + 1)
+    odd = flat[1:].view(shape)
+    inputs = [PointwiseInput("in0", torch.float32, (120, 40, 8, 1)), PointwiseInput("in1", torch.float32, (0, 0, 0, 1)),
+              PointwiseInput("in2", torch.float32, (0, 1, 0, 0)), PointwiseInput("in3", torch.float32, t.stride()),
+              PointwiseInput("in4", torch.float32, (120, 40, 8, 1), offset=1)]
+    body = ["const float t0 = (in0 + in1) * in2;", "const float t1 = t0 + in3 * in4;"]
+    code = pointwise_kernel("fused_grouped", shape, inputs, body, [("out0", "t1", torch.float32)])
+    assert "four outputs per thread" in code.description
+    src = code.source
+    assert "*reinterpret_cast<const float4*>(p0 + e0)" in src and "*reinterpret_cast<const float4*>(p1 + e1)" in src
+    assert "make_float4(s2, s2, s2, s2)" in src
+    assert "ld(p3, e3 + 5LL)" in src and "ld(p4, e4 + 1LL)" in src
+    storage = torch.full((2 * 3 * 5 * 8 + 1,), float("nan"))
+    out = storage[1:].view(shape) if misaligned else storage[:-1].view(shape)
+    _run(emu, code, {"in0": x, "in1": w_row, "in2": chan.reshape(3), "in3": t_storage, "in4": flat, "out0": out})
+    torch.testing.assert_close(out, (x + w_row) * chan + t * odd)
+
+
 def test_vectorized_pointwise_matches_torch(emu):
     x = torch.randn(64, 32)
     code = pointwise_kernel("fused_vec", (64, 32), [PointwiseInput("in0", torch.float32, (32, 1))],
@@ -280,3 +310,38 @@ def test_amax_and_amin_propagate_nan_and_keep_infinities_as_torch(emu, kind, row
     yc = torch.zeros(1, cols)
     _run(emu, column, {"x": x.unsqueeze(0), "y": yc})
     torch.testing.assert_close(yc, getattr(x, kind)(0, keepdim=True), equal_nan=True, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("size, kernel, stride, padding, dilation, per_thread", [
+    ((9, 12), (3, 3), (1, 1), (1, 1), (1, 1), 4),    # the usual same-size 3x3, 12 wide
+    ((10, 13), (3, 3), (2, 2), (1, 1), (1, 1), 1),   # strided, an odd output width (7)
+    ((8, 15), (5, 3), (1, 2), (2, 0), (1, 2), 2),    # rectangular, dilated, no padding along W (6 wide)
+], ids=["3x3", "strided", "dilated"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_depthwise_conv_matches_torch(emu, size, kernel, stride, padding, dilation, per_thread, bias):
+    torch.manual_seed(size[0] * 7 + kernel[0])
+    n, c = 2, 3
+    x = torch.randn(n, c, *size)
+    w, b = torch.randn(c, 1, *kernel), torch.randn(c)
+    expected = torch.nn.functional.conv2d(x, w, b if bias else None, stride, padding, dilation, groups=c)
+    code = depthwise_conv_kernel("dw", (n, c, *size), kernel, stride, padding, dilation, torch.float32,
+                                 has_bias=bias)
+    assert f"{per_thread} outputs per thread" in code.description
+    y = torch.full_like(expected, float("nan"))
+    _run(emu, code, {"x": x, "weight": w, "bias": b, "y": y})
+    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_depthwise_conv_applies_its_output_function(emu):
+    # The convolution's result goes through a per-channel scale and SiLU before the store.
+    torch.manual_seed(5)
+    x, w, scale = torch.randn(2, 4, 6, 8), torch.randn(4, 1, 3, 3), torch.randn(4)
+    output = RowPrologue((2, 4, 6, 8), [PointwiseInput("o0", torch.float32, (0, 1, 0, 0))],
+                         ["const float t0 = yv * o0;", "const float t1 = t0 / (1.0f + expf(-t0));"], "t1", ("yv",))
+    code = depthwise_conv_kernel("dw_silu", (2, 4, 6, 8), (3, 3), (1, 1), (1, 1), (1, 1), torch.float32, output=output)
+    y = torch.full((2, 4, 6, 8), float("nan"))
+    _run(emu, code, {"x": x, "weight": w, "o0": scale, "y": y})
+    conv = torch.nn.functional.conv2d(x, w, None, 1, 1, groups=4) * scale.view(1, 4, 1, 1)
+    torch.testing.assert_close(y, torch.nn.functional.silu(conv), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="has no template"):
+        depthwise_conv_kernel("dw_big", (1, 1, 16, 16), (9, 9), (1, 1), (4, 4), (1, 1), torch.float32)

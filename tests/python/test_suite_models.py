@@ -133,7 +133,7 @@ def test_plan_lowers_to_a_valid_program_whose_kernels_compile(stem):
     lowering = Lowering(graph, plan, constants)
     program = lowering.build(plan.groups, graph.inputs, graph.outputs)
     program.validate()
-    fused = sum(g.kind in ("pointwise", "reduction") for g in plan.groups)
+    fused = sum(g.kind in ("pointwise", "reduction", "conv") for g in plan.groups)
     assert len(lowering.kernels) == fused
     for _, code in lowering.kernels:
         jit.compile(code.source, code.name)  # NVRTC for sm_90a: no GPU needed

@@ -15,8 +15,8 @@ import torch
 from ..program import Program, ProgramBuilder, dtype_name
 from .capture import Graph, Node, Value
 from .planner import Group, Plan
-from .templates import (POINTWISE_OPS, KernelCode, PointwiseInput, RowPrologue, column_reduction_kernel, pointwise_kernel,
-                        row_reduction_kernel)
+from .templates import (POINTWISE_OPS, KernelCode, PointwiseInput, RowPrologue, column_reduction_kernel,
+                        depthwise_conv_kernel, pointwise_kernel, row_reduction_kernel)
 
 __all__ = ["LoweringError", "Lowering", "reference_values", "check_group", "tolerance"]
 
@@ -157,6 +157,8 @@ class Lowering:
                 self._lower_pointwise(g)
             elif g.kind == "reduction":
                 self._lower_reduction(g)
+            elif g.kind == "conv":
+                self._lower_conv(g)
             else:
                 raise LoweringError(f"unknown group kind {g.kind}")
         # Outputs nothing wrote (a returned input, weight, constant or view, or a value returned twice).
@@ -227,6 +229,27 @@ class Lowering:
             buffers["weight"] = self.need(p["weight"], contiguous=True)
         if has_b:
             buffers["bias"] = self.need(p["bias"], contiguous=True)
+        buffers["y"] = self.produce(result)
+        self._launch(g, code, buffers)
+
+    def _lower_conv(self, g: Group) -> None:
+        p = g.params
+        node = p["node"]
+        x, w, bias, stride, padding, dilation = node.args[:6]
+        result = p.get("result") or node.out
+        buffers = {}
+        output = None
+        if p.get("output"):  # elementwise ops on each result before it is stored (batch norm, SiLU)
+            inputs, buffers, body, var = self._elementwise(p["output"], tuple(node.out.shape), {node.out.name: "yv"}, "o")
+            output = RowPrologue(tuple(node.out.shape), inputs, body, var[result.name], ("yv",))
+        has_bias = isinstance(bias, Value)
+        code = depthwise_conv_kernel(self._name("depthwise", g), tuple(x.shape), tuple(w.shape[2:]), tuple(stride),
+                                     tuple(padding), tuple(dilation), x.dtype, result.dtype, has_bias, output,
+                                     self.sm_count)
+        buffers["x"] = self.need(x, contiguous=True)
+        buffers["weight"] = self.need(w, contiguous=True)
+        if has_bias:
+            buffers["bias"] = self.need(bias, contiguous=True)
         buffers["y"] = self.produce(result)
         self._launch(g, code, buffers)
 

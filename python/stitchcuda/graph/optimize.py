@@ -20,7 +20,7 @@ from ..program import Program, ProgramModule
 from ..verify.harness import first_difference
 from .capture import CaptureError, Graph, capture
 from .lower import Lowering, LoweringError, check_group, reference_values, tolerance
-from .planner import OfflinePlanner, Plan
+from .planner import GENERATED, OfflinePlanner, Plan
 
 __all__ = ["optimize", "OptimizedModule", "Report"]
 
@@ -253,7 +253,7 @@ def optimize(model: torch.nn.Module, example_inputs: Sequence[Any], *, llm: Any 
         sm_count, device_name = _device_facts()
         fallback: set[int] = set()
         codes = {}
-        with steps.step(f"generating and checking {sum(g.kind in ('gemm', 'pointwise', 'reduction') for g in plan.groups)} group(s)"):
+        with steps.step(f"generating and checking {sum(g.kind in GENERATED for g in plan.groups)} group(s)"):
             t0 = time.perf_counter()
             pool = None
             if isolated:
@@ -263,7 +263,7 @@ def optimize(model: torch.nn.Module, example_inputs: Sequence[Any], *, llm: Any 
                 report.decisions.append(("group checks in the Verifier's isolated worker",
                                          "generated code runs apart from this process until it matches ATen"))
             for g in plan.groups:
-                if g.kind not in ("gemm", "pointwise", "reduction"):
+                if g.kind not in GENERATED:
                     continue
                 ok, why, code = check_group(graph, plan, g, values, constants, sm_count, pool)
                 codes[id(g)] = code

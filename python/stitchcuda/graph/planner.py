@@ -12,9 +12,12 @@ apply first.
   (a residual add before a layer norm, a scale before a softmax) is fused into its loads,
   elementwise ops that apply a sum/mean/amax/amin back to its row (an RMS norm) into the same kernel,
   and an elementwise chain reading only a normalized result (GroupNorm -> SiLU) into its store.
+- Depthwise convolutions (one filter per channel, a MobileNet block's 3x3) become a template kernel, with
+  the elementwise chain reading only its result (an inference batch norm and activation) applied before
+  the store; other convolutions go to cuDNN.
 - Views become View steps (no copy) where the source's layout allows.
 - Values computed only from weights are folded into constants.
-- Everything else (convolutions through cuDNN, pooling, indexing, ...) stays an ATen step.
+- Everything else (other convolutions through cuDNN, pooling, indexing, ...) stays an ATen step.
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ from dataclasses import dataclass, field
 import torch
 
 from .capture import Graph, Node, Value
-from .templates import CACHED_ROW_MAX, FUSABLE_DTYPES, NORMALIZING, POINTWISE_OPS
+from .templates import CACHED_ROW_MAX, CACHED_ROW_MIN, DEPTHWISE_MAX_TAPS, FUSABLE_DTYPES, NORMALIZING, POINTWISE_OPS
 
-__all__ = ["Group", "Plan", "OfflinePlanner"]
+__all__ = ["Group", "Plan", "OfflinePlanner", "GENERATED"]
+
+# Group kinds whose code the template Coder writes (and optimize checks against ATen before use).
+GENERATED = ("gemm", "pointwise", "reduction", "conv")
 
 _VIEW_OPS = {"aten::view", "aten::_unsafe_view", "aten::reshape", "aten::alias", "aten::permute",
              "aten::transpose.int", "aten::t", "aten::unsqueeze", "aten::squeeze.dim", "aten::squeeze.dims",
@@ -115,7 +121,7 @@ def _output_function(g: Group, nxt: Group, outputs: set[str]) -> Group | None:
     if len(leaving) != 1 or leaving[0].dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return None
     ops = ", ".join(n.op.removeprefix("aten::") for n in nxt.nodes)
-    return Group("reduction", [*g.nodes, *nxt.nodes],
+    return Group(g.kind, [*g.nodes, *nxt.nodes],
                  f"{g.reason}; then {len(nxt.nodes)} elementwise op(s) ({ops}) applied before the store",
                  {**g.params, "output": list(nxt.nodes), "result": leaving[0]})
 
@@ -176,6 +182,10 @@ class OfflinePlanner:
             if node.op in _GEMM_OPS:
                 g = self._gemm(node, outputs, absorbed, matmul_precision)
                 groups.append(g)
+                close()
+                continue
+            if node.op == "aten::convolution" and self._depthwise(node) is None:
+                groups.append(Group("conv", [node], self._conv_reason(node), {"node": node}))
                 close()
                 continue
             if node.op in _REDUCTION_OPS:
@@ -254,7 +264,8 @@ class OfflinePlanner:
                 if fused is None and on_stat is not None:
                     fused = _output_function(g, on_stat, outputs)
                     i += 2 if fused is not None else 0
-            elif g.kind == "reduction" and g.params["kind"] in NORMALIZING and i + 1 < len(groups):
+            elif ((g.kind == "reduction" and g.params["kind"] in NORMALIZING) or g.kind == "conv") \
+                    and i + 1 < len(groups):
                 fused = _output_function(g, groups[i + 1], outputs)
                 i += 2 if fused is not None else 0
             if fused is None:
@@ -360,14 +371,38 @@ class OfflinePlanner:
             params["groups"], params["group_hw"] = int(node.args[6]), int(node.args[5])
         if any(isinstance(params.get(k), Value) and params[k].dtype != x.dtype for k in ("weight", "bias")):
             return Group("aten", [node], f"{kind} with weights of another dtype stays an ATen step")
-        if cols <= 1024:
+        if kind in NORMALIZING and x.dtype == node.out.dtype == torch.float32 \
+                and cols % 4 == 0 and CACHED_ROW_MIN <= cols <= CACHED_ROW_MAX:
+            strategy = f"a {'warp' if cols <= 1024 else 'block'} per row, the row held in registers"
+        elif cols <= 1024:
             strategy = "a warp per row"
-        elif kind in NORMALIZING and x.dtype == node.out.dtype == torch.float32 \
-                and cols % 4 == 0 and cols <= CACHED_ROW_MAX:
-            strategy = "a block per row, the row held in registers"
         else:
             strategy = "a block per row"
         return Group("reduction", [node], f"{kind} over {rows} rows of {cols}: template kernel, {strategy}", params)
+
+    @staticmethod
+    def _depthwise(node: Node) -> str | None:
+        """None when the convolution is one the depthwise template computes, else why not."""
+        x, w, bias, stride, padding, dilation, transposed, _, groups = node.args[:9]
+        if transposed or not isinstance(x, Value) or not isinstance(w, Value) or len(x.shape) != 4:
+            return "not a 2-D, non-transposed convolution"
+        c = x.shape[1]
+        if groups != c or w.shape[:2] != (c, 1) or node.out.shape[1] != c:
+            return "not depthwise (groups = channels, one filter each)"
+        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or w.dtype != x.dtype or \
+                node.out.dtype != x.dtype or (isinstance(bias, Value) and bias.dtype != x.dtype):
+            return f"{x.dtype} convolution"
+        if w.shape[2] * w.shape[3] > DEPTHWISE_MAX_TAPS:
+            return f"a {w.shape[2]}x{w.shape[3]} filter (the template unrolls up to {DEPTHWISE_MAX_TAPS} taps)"
+        if len(stride) != 2 or len(padding) != 2 or len(dilation) != 2 or x.numel == 0:
+            return "unusual stride/padding/dilation"
+        return None
+
+    @staticmethod
+    def _conv_reason(node: Node) -> str:
+        w = node.args[1]
+        return (f"depthwise {w.shape[2]}x{w.shape[3]} convolution over {list(node.args[0].shape)}: direct template "
+                "kernel (memory-bound: each input read once from memory), elementwise ops after it fusable into its store")
 
     @staticmethod
     def _column(node: Node, kind: str, x: Value, dims: list[int]) -> Group:

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 __all__ = ["KernelCode", "PointwiseInput", "RowPrologue", "pointwise_kernel", "row_reduction_kernel",
-           "column_reduction_kernel", "POINTWISE_OPS", "REDUCTIONS", "is_pointwise"]
+           "column_reduction_kernel", "depthwise_conv_kernel", "POINTWISE_OPS", "REDUCTIONS", "is_pointwise"]
 
 _PRELUDE = r"""#include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -238,8 +238,14 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
     all_linear = all(i.linear(shape) for i in inputs)
     vectorized = (all_linear and n % 4 == 0 and all(i.dtype == torch.float32 for i in inputs)
                   and all(dt == torch.float32 for _, _, dt in results))
+    # Broadcast or strided operands over a last dimension of a multiple of 4: four consecutive outputs share
+    # every coordinate but the last, so each operand is one 16-byte load, one value repeated, or four loads.
+    grouped = not vectorized and not all_linear and len(shape) > 0 and shape[-1] % 4 == 0
     lines.append(f'extern "C" __global__ void {name}({", ".join(params)}) {{')
-    if vectorized:
+    if grouped:
+        lines += _grouped_pointwise_loop(name, shape, inputs, results)
+        threads, work = 256, n // 4
+    elif vectorized:
         # 16-byte loads and stores: four elements per thread and iteration.
         lines.append("  const long long n4 = n / 4;")
         lines.append("  for (long long v = blockIdx.x * (long long)blockDim.x + threadIdx.x; v < n4; "
@@ -272,10 +278,69 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
     lines.append("}")
     grid = max(1, min((work + threads - 1) // threads, sm_count * 16))
     args = [("in", i.key) for i in inputs] + [("out", key) for key, _, _ in results] + [("i64", n)]
-    kind = "vectorized float4" if vectorized else ("linear" if all_linear else "strided/broadcast")
+    kind = ("vectorized float4" if vectorized else "strided/broadcast, four outputs per thread and step" if grouped
+            else "linear" if all_linear else "strided/broadcast")
     return KernelCode("\n".join(lines) + "\n", name, grid, threads, args,
                       f"{len(body)} elementwise op(s), {kind}, {len(inputs)} input(s), {len(results)} output(s)",
                       vectorized)
+
+
+def _grouped_pointwise_loop(name: str, shape: tuple[int, ...], inputs: list[PointwiseInput],
+                            results: list[tuple[str, str, torch.dtype]]) -> list[str]:
+    """The loop of a pointwise kernel over groups of four consecutive outputs (the last extent a multiple
+    of 4). Per operand: `vec` — fp32, unit stride along the last dimension and every other term a multiple
+    of 4, so one 16-byte load; `splat` — broadcast along the last dimension, one load repeated; `gather` —
+    four loads. fp32 results are stored 16 bytes at a time. The 16-byte path runs when every pointer it
+    reads or writes that way is 16-byte aligned; otherwise the same loop takes scalar accesses."""
+    last = len(shape) - 1
+    kinds = []
+    for inp in inputs:
+        stride = inp.strides[last]
+        others = [st for d, st in enumerate(inp.strides) if d != last and shape[d] != 1]
+        if inp.dtype == torch.float32 and stride == 1 and all(st % 4 == 0 for st in others) and inp.offset % 4 == 0:
+            kinds.append("vec")
+        else:
+            kinds.append("splat" if stride == 0 else "gather")
+    wide = [f"p{k}" for k, kd in enumerate(kinds) if kd == "vec"] + \
+           [f"q{k}" for k, (_, _, dt) in enumerate(results) if dt == torch.float32]
+    aligned = " | ".join(f"reinterpret_cast<unsigned long long>({p})" for p in wide) or "0ULL"
+    coords = ["long long r = i;"] + [f"const long long c{d} = r % {shape[d]}LL; r /= {shape[d]}LL;"
+                                     for d in range(last, -1, -1)]
+    L = [f"  const bool wide = (({aligned}) & 15ULL) == 0;",
+         "  const long long n4 = n / 4;",
+         "  for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < n4; "
+         "g += (long long)gridDim.x * blockDim.x) {",
+         "    const long long i = 4 * g;"]
+    L += [f"    {c}" for c in coords]
+    for k, (inp, kd) in enumerate(zip(inputs, kinds)):
+        terms = [f"c{d} * {st}LL" for d, st in enumerate(inp.strides) if st != 0 and shape[d] != 1]
+        if inp.offset:
+            terms.append(f"{inp.offset}LL")
+        index = " + ".join(terms) or "0"
+        if kd == "vec":
+            L += [f"    const long long e{k} = {index};",
+                  f"    const float4 a{k} = wide ? *reinterpret_cast<const float4*>(p{k} + e{k})"
+                  f" : make_float4(p{k}[e{k}], p{k}[e{k} + 1], p{k}[e{k} + 2], p{k}[e{k} + 3]);"]
+        elif kd == "splat":
+            L += [f"    const float s{k} = ld(p{k}, {index});",
+                  f"    const float4 a{k} = make_float4(s{k}, s{k}, s{k}, s{k});"]
+        else:
+            step = inp.strides[last]
+            L += [f"    const long long e{k} = {index};",
+                  f"    const float4 a{k} = make_float4(ld(p{k}, e{k}), ld(p{k}, e{k} + {step}LL), "
+                  f"ld(p{k}, e{k} + {2 * step}LL), ld(p{k}, e{k} + {3 * step}LL));"]
+    L += [f"    float4 b{k};" for k in range(len(results))]
+    for lane in "xyzw":
+        call = [f"a{k}.{lane}" for k in range(len(inputs))] + [f"b{k}.{lane}" for k in range(len(results))]
+        L.append(f"    {name}_body({', '.join(call)});")
+    for k, (_, _, dt) in enumerate(results):
+        scalar = f"st(q{k}, i, b{k}.x); st(q{k}, i + 1, b{k}.y); st(q{k}, i + 2, b{k}.z); st(q{k}, i + 3, b{k}.w);"
+        if dt == torch.float32:
+            L.append(f"    if (wide) *reinterpret_cast<float4*>(q{k} + i) = b{k}; else {{ {scalar} }}")
+        else:
+            L.append(f"    {scalar}")
+    L.append("  }")
+    return L
 
 
 # ---- row reductions ----
@@ -422,7 +487,7 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
         raise ValueError(f"group_norm needs groups > 0 and a group_hw dividing cols, got {groups}, {group_hw}, {cols}")
     out_dtype = out_dtype or dtype
     if (kind in NORMALIZING and dtype == out_dtype == torch.float32
-            and cols % 4 == 0 and 1024 < cols <= CACHED_ROW_MAX):
+            and cols % 4 == 0 and CACHED_ROW_MIN <= cols <= CACHED_ROW_MAX):
         return _cached_row_kernel(name, kind, rows, cols, eps, has_weight, has_bias, prologue, output, groups,
                                   group_hw)
     ch = _channel(groups, group_hw, cols)
@@ -591,6 +656,100 @@ def column_reduction_kernel(name: str, kind: str, outer: int, reduce: int, inner
                       + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else ""))
 
 
+# ---- depthwise convolution ----
+
+DEPTHWISE_MAX_TAPS = 49  # up to 7x7: the taps are unrolled
+
+
+def depthwise_conv_kernel(name: str, x_shape: tuple[int, int, int, int], kernel: tuple[int, int],
+                          stride: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int],
+                          dtype: torch.dtype, out_dtype: torch.dtype | None = None, has_bias: bool = False,
+                          output: RowPrologue | None = None, sm_count: int = 132) -> KernelCode:
+    """A 2-D convolution with one filter per channel (groups = in = out channels, a [C, 1, kh, kw] weight)
+    over a contiguous NCHW input, accumulated in fp32. Each thread computes VEC consecutive outputs of one
+    output row: per filter row it loads the input segment those outputs share once (VEC + kw - 1 values at
+    stride 1) and applies every tap from registers. An `output` function (a batch norm and activation after
+    the convolution) maps each result (`yv`) before the store, so the convolution's output is never stored.
+    Arguments: x, weight, [bias], [output inputs], y, n (the number of outputs)."""
+    n_, c_, h, w = x_shape
+    kh, kw = kernel
+    sh, sw = stride
+    ph, pw = padding
+    dh, dw = dilation
+    if kh * kw > DEPTHWISE_MAX_TAPS or min(kh, kw, sh, sw, dh, dw) < 1 or min(ph, pw) < 0:
+        raise ValueError(f"depthwise convolution of kernel {kernel}, stride {stride}, padding {padding}, "
+                         f"dilation {dilation} has no template (up to {DEPTHWISE_MAX_TAPS} taps, positive sizes)")
+    oh = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    ow = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    if oh <= 0 or ow <= 0:
+        raise ValueError(f"depthwise convolution of a {h}x{w} input with kernel {kernel} has an empty output")
+    if output is not None and output.extra != ("yv",):
+        raise ValueError(f"an output function reads 'yv', got {output.extra}")
+    out_dtype = out_dtype or dtype
+    vec = 4 if ow % 4 == 0 else (2 if ow % 2 == 0 else 1)
+    seg = (vec - 1) * sw + (kw - 1) * dw + 1  # input values a thread's VEC outputs read per filter row
+    owv = ow // vec
+    total = n_ * c_ * oh * owv
+    T, U = _CTYPE[dtype], _CTYPE[out_dtype]
+    params = [f"const {T}* __restrict__ x", f"const {T}* __restrict__ wt"]
+    if has_bias:
+        params.append(f"const {T}* __restrict__ bias")
+    if output:
+        params += output.params()
+    params += [f"{U}* __restrict__ y", "long long n"]
+    value = (lambda i, v: v) if output is None else (lambda i, v: f"{name}_o({i}, {v}{output.pointers()})")
+    L = [_PRELUDE, *(output.value_function(name, "o") if output else []),
+         f"// {name}: depthwise {kh}x{kw} convolution (stride {sh}x{sw}, padding {ph}x{pw}, dilation {dh}x{dw}) "
+         f"over [{n_}, {c_}, {h}, {w}] -> [{n_}, {c_}, {oh}, {ow}], {vec} output(s) per thread",
+         f'extern "C" __global__ void __launch_bounds__(256) {name}({", ".join(params)}) {{',
+         f"  for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < {total}LL; "
+         "g += (long long)gridDim.x * blockDim.x) {",
+         f"    const int ox = (int)(g % {owv}LL) * {vec};",
+         f"    const long long rest = g / {owv}LL;",
+         f"    const int oy = (int)(rest % {oh}LL);",
+         f"    const long long plane = rest / {oh}LL;  // n * C + c",
+         f"    const int c = (int)(plane % {c_}LL);",
+         f"    const {T}* xp = x + plane * {h * w}LL;",
+         f"    const {T}* wp = wt + c * {kh * kw};",
+         f"    float acc[{vec}];",
+         "#pragma unroll",
+         f"    for (int j = 0; j < {vec}; ++j) acc[j] = {f'ld(bias, c)' if has_bias else '0.0f'};",
+         "#pragma unroll",
+         f"    for (int r = 0; r < {kh}; ++r) {{",
+         f"      const int iy = oy * {sh} - {ph} + r * {dh};",
+         # Predicated loads, no branch around a row: every load of the unrolled taps stays in one basic
+         # block, all in flight together.
+         f"      const bool row_in = iy >= 0 && iy < {h};",
+         f"      const int x0 = ox * {sw} - {pw};",
+         f"      float in[{seg}];",
+         "#pragma unroll",
+         f"      for (int k = 0; k < {seg}; ++k) {{",
+         "        const int ix = x0 + k;",
+         f"        in[k] = (row_in && ix >= 0 && ix < {w}) ? ld(xp, (long long)iy * {w} + ix) : 0.0f;",
+         "      }",
+         "#pragma unroll",
+         f"      for (int q = 0; q < {kw}; ++q) {{",
+         f"        const float tap = ld(wp, r * {kw} + q);",
+         "#pragma unroll",
+         f"        for (int j = 0; j < {vec}; ++j) acc[j] += tap * in[j * {sw} + q * {dw}];",
+         "      }",
+         "    }",
+         f"    const long long o = plane * {oh * ow}LL + (long long)oy * {ow} + ox;",
+         "#pragma unroll",
+         f"    for (int j = 0; j < {vec}; ++j) st(y, o + j, {value('o + j', 'acc[j]')});",
+         "  }",
+         "}"]
+    threads = 256
+    grid = max(1, min(-(-total // threads), sm_count * 16))
+    args = [("in", "x"), ("in", "weight")] + ([("in", "bias")] if has_bias else [])
+    args += [("in", i.key) for i in output.inputs] if output else []
+    args += [("out", "y"), ("i64", n_ * c_ * oh * ow)]
+    return KernelCode("\n".join(L) + "\n", name, grid, threads, args,
+                      f"depthwise {kh}x{kw} convolution over [{n_}, {c_}, {h}, {w}], {vec} outputs per thread, "
+                      f"each filter row's input segment loaded once"
+                      + (f", {len(output.body)} elementwise op(s) applied before the store" if output else ""))
+
+
 def _channel(groups: int, group_hw: int, cols: int):
     """The weight/bias index of the row's element `c`: c itself, or a group norm's channel."""
     if not groups:
@@ -615,6 +774,7 @@ def _reduction_args(has_weight: bool, has_bias: bool, rows: int, cols: int, prol
 # ---- long fp32 rows held in registers ----
 
 CACHED_ROW_MAX = 32768  # 8 float4 per thread at 1,024 threads
+CACHED_ROW_MIN = 128    # a warp's float4 loads cover the row at least once
 
 _BLOCK_PRELUDE = r"""
 // Reductions over the whole block (one row per block); every thread gets the result.
@@ -638,6 +798,12 @@ __device__ __forceinline__ float block_max(float v, float* sh) {
 }
 """
 
+_WARP_ROW_PRELUDE = r"""
+// A warp holds the whole row: the row's reductions are the warp's (sh is unused).
+__device__ __forceinline__ float block_sum(float v, float*) { return warp_sum(v); }
+__device__ __forceinline__ float block_max(float v, float*) { return warp_max(v); }
+"""
+
 
 def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, has_weight: bool,
                        has_bias: bool, prologue: RowPrologue | None = None, output: RowPrologue | None = None,
@@ -647,9 +813,12 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
     statistics, one exp per element) and written once with 16-byte stores. Rows that are not 16-byte
     aligned (a view at an odd offset) take scalar loads into the same registers."""
     c4 = cols // 4
-    tpr = 128
-    while tpr < 1024 and tpr * 4 < c4:  # about four float4 per thread
-        tpr *= 2
+    if c4 <= 256:  # up to 1,024 columns: a warp per row, eight rows per block, no barrier or shared memory
+        tpr, rpb = 32, 8
+    else:
+        tpr, rpb = 128, 1
+        while tpr < 1024 and tpr * 4 < c4:  # about four float4 per thread
+            tpr *= 2
     vpt = -(-c4 // tpr)
     params = ["const float* __restrict__ x"] if prologue is None else prologue.params()
     ptrs = ["x + row * cols", "y + row * cols"]
@@ -670,11 +839,12 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
     vector_wb = not groups
     aligned = " | ".join(f"reinterpret_cast<unsigned long long>({p})" for p in
                          checked + (["w"] if has_weight and vector_wb else []) + (["b"] if has_bias and vector_wb else []))
+    per_row = "one warp per row" if tpr == 32 else f"one block of {tpr} threads per row"
     L = [_PRELUDE, _ROW_PRELUDE,
-         f"// {name}: {kind} over rows of {cols}, one block of {tpr} threads per row, the row held in registers",
-         f"#define TPR {tpr}", f"#define WARPS {tpr // 32}", f"#define VPT {vpt}", f"#define C4 {c4}",
-         f"#define COLS {cols}LL",
-         _BLOCK_PRELUDE,
+         f"// {name}: {kind} over rows of {cols}, {per_row}, the row held in registers",
+         f"#define TPR {tpr}", f"#define RPB {rpb}", f"#define WARPS {tpr // 32}", f"#define VPT {vpt}",
+         f"#define C4 {c4}", f"#define COLS {cols}LL",
+         _BLOCK_PRELUDE if tpr > 32 else _WARP_ROW_PRELUDE,
          "__device__ __forceinline__ float4 load4(const float* p, int c4, bool vec) {",
          "  return vec ? reinterpret_cast<const float4*>(p)[c4] : make_float4(p[4 * c4], p[4 * c4 + 1], p[4 * c4 + 2], p[4 * c4 + 3]);",
          "}",
@@ -684,9 +854,10 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
          "}",
          *(_cached_prologue(name, prologue, kinds) if prologue else []),
          *(_cached_output(name, output) if output else []),
-         f'extern "C" __global__ void __launch_bounds__(TPR) {name}({", ".join(params)}) {{',
-         "  const long long row = blockIdx.x;",
-         "  if (row >= rows) return;",
+         f'extern "C" __global__ void __launch_bounds__(TPR * RPB) {name}({", ".join(params)}) {{',
+         "  const long long row = (long long)blockIdx.x * RPB + threadIdx.x / TPR;",
+         "  const int t = threadIdx.x % TPR;",
+         "  if (row >= rows) return;",  # a whole row's threads leave together: no barrier is left waiting
          "  __shared__ float sh[WARPS];",
          *([f"  const float* xr = {ptrs[0]};"] if prologue is None else []),
          f"  float* yr = {ptrs[1]};",
@@ -694,7 +865,7 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
          "  float4 v[VPT];",
          "#pragma unroll",
          "  for (int k = 0; k < VPT; ++k) {",
-         "    const int c = threadIdx.x + k * TPR;",
+         "    const int c = t + k * TPR;",
          "    v[k] = c < C4 ? " + ("load4(xr, c, vec)" if prologue is None else
                                     f"{name}_x4(row, c, vec{prologue.pointers()})")
          + " : make_float4(0.0f, 0.0f, 0.0f, 0.0f);",
@@ -702,7 +873,7 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
 
     def each(body: list[str]) -> None:
         L.extend(["#pragma unroll", "  for (int k = 0; k < VPT; ++k) {",
-                  "    if (threadIdx.x + k * TPR >= C4) break;", *[f"    {b}" for b in body], "  }"])
+                  "    if (t + k * TPR >= C4) break;", *[f"    {b}" for b in body], "  }"])
 
     def store(c: str, value: str) -> str:  # one float4 of results, through the output function if any
         if output is not None:
@@ -717,11 +888,11 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
             each(["v[k] = make_float4(expf(v[k].x - m), expf(v[k].y - m), expf(v[k].z - m), expf(v[k].w - m));",
                   "s += (v[k].x + v[k].y) + (v[k].z + v[k].w);"])
             L += ["  const float inv = 1.0f / block_sum(s, sh);"]
-            each([store("threadIdx.x + k * TPR", "make_float4(v[k].x * inv, v[k].y * inv, v[k].z * inv, v[k].w * inv)")])
+            each([store("t + k * TPR", "make_float4(v[k].x * inv, v[k].y * inv, v[k].z * inv, v[k].w * inv)")])
         else:
             each(["s += (expf(v[k].x - m) + expf(v[k].y - m)) + (expf(v[k].z - m) + expf(v[k].w - m));"])
             L += ["  const float shift = m + logf(block_sum(s, sh));"]
-            each([store("threadIdx.x + k * TPR", "make_float4(v[k].x - shift, v[k].y - shift, v[k].z - shift, "
+            each([store("t + k * TPR", "make_float4(v[k].x - shift, v[k].y - shift, v[k].z - shift, "
                         "v[k].w - shift)")])
     else:  # layer or group norm: exact mean, then the mean of squared deviations, both from registers
         L.append("  float s = 0.0f;")
@@ -730,7 +901,7 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
         each(["const float4 d = make_float4(v[k].x - mean, v[k].y - mean, v[k].z - mean, v[k].w - mean);",
               "q += (d.x * d.x + d.y * d.y) + (d.z * d.z + d.w * d.w);"])
         L.append(f"  const float rstd = rsqrtf(block_sum(q, sh) / (float)cols + {_lit(eps)});")
-        body = ["const int c = threadIdx.x + k * TPR;",
+        body = ["const int c = t + k * TPR;",
                 "float4 o = make_float4((v[k].x - mean) * rstd, (v[k].y - mean) * rstd, (v[k].z - mean) * rstd, "
                 "(v[k].w - mean) * rstd);"]
         ch = _channel(groups, group_hw, cols)
@@ -755,8 +926,8 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
     what = "exact two-pass mean and variance" if kind in ("layer_norm", "group_norm") else "max, then one exp per element"
     if output:
         fused += f", {len(output.body)} elementwise op(s) applied before the store"
-    return KernelCode("\n".join(L) + "\n", name, rows, tpr, args,
-                      f"{kind} over {rows} rows of {cols}, block per row, row held in registers "
+    return KernelCode("\n".join(L) + "\n", name, -(-rows // rpb), tpr * rpb, args,
+                      f"{kind} over {rows} rows of {cols}, {'warp' if tpr == 32 else 'block'} per row, row held in registers "
                       f"({vpt} float4 per thread), one read and one write, {what}{fused}", vectorized=True)
 
 
