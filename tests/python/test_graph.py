@@ -126,6 +126,34 @@ def test_depthwise_convolution_is_a_template_with_its_activation_before_the_stor
         assert [g.kind for g in plan.groups if g.kind != "constant"] == ["aten"]
 
 
+class ManualLogSumExp(nn.Module):
+    def __init__(self, keep_max=False):
+        super().__init__()
+        self.keep_max = keep_max
+
+    def forward(self, x):
+        m = torch.amax(x, dim=-1, keepdim=True)
+        lse = m + torch.log(torch.sum(torch.exp(x - m), dim=-1, keepdim=True))
+        return (lse, m) if self.keep_max else lse
+
+
+def test_a_hand_written_log_sum_exp_reads_its_rows_once():
+    graph, plan = planned(ManualLogSumExp(), (torch.randn(6, 64),))
+    (g,) = [g for g in plan.groups if g.kind == "reduction"]
+    assert g.params["kind"] == "sum_exp" and "read once" in g.reason
+    assert [n.op.removeprefix("aten::") for n in g.nodes] == ["amax", "sub.Tensor", "exp", "sum.dim_IntList", "log",
+                                                             "add.Tensor"]
+    lowering = Lowering(graph, plan, {})
+    program = lowering.build(plan.groups, graph.inputs, graph.outputs)
+    (_, code), = lowering.kernels
+    assert code.args[0] == ("in", "x") and "online" in code.description
+    jit.compile(code.source, code.name)
+    program.validate()
+    # The max is returned too: it must be stored, so the two reductions stay apart.
+    graph, plan = planned(ManualLogSumExp(keep_max=True), (torch.randn(6, 64),))
+    assert sorted(g.params["kind"] for g in plan.groups if g.kind == "reduction") == ["amax", "sum"]
+
+
 def test_data_dependent_control_flow_is_a_capture_error():
     class Branchy(nn.Module):
         def forward(self, x):

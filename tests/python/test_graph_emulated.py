@@ -345,3 +345,20 @@ def test_depthwise_conv_applies_its_output_function(emu):
     torch.testing.assert_close(y, torch.nn.functional.silu(conv), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="has no template"):
         depthwise_conv_kernel("dw_big", (1, 1, 16, 16), (9, 9), (1, 1), (4, 4), (1, 1), torch.float32)
+
+
+@pytest.mark.parametrize("rows, cols", [(5, 100), (3, 3000)], ids=["warp", "block"])
+def test_sum_exp_is_a_log_sum_exp_in_one_pass(emu, rows, cols):
+    # The output function reads the sum (yv) and the row's max (mx): log(yv) + mx is the log-sum-exp.
+    torch.manual_seed(cols)
+    x = torch.randn(rows, cols) * 20  # wide range: exp(x) alone would overflow fp32
+    x[0, 7] = 1000.0
+    output = RowPrologue((rows, 1), [], ["const float t0 = logf(yv);", "const float t1 = (mx + t0);"], "t1",
+                         ("yv", "mx"))
+    code = row_reduction_kernel("lse", "sum_exp", rows, cols, torch.float32, output=output)
+    y = torch.full((rows,), float("nan"))
+    _run(emu, code, {"x": x, "y": y})
+    torch.testing.assert_close(y, torch.logsumexp(x, -1), atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"reads \('yv', 'mx'\)"):
+        row_reduction_kernel("lse_bad", "sum_exp", rows, cols, torch.float32,
+                             output=RowPrologue((rows, 1), [], ["const float t0 = logf(yv);"], "t0", ("yv",)))

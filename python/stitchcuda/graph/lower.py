@@ -194,7 +194,7 @@ class Lowering:
     def _lower_reduction(self, g: Group) -> None:
         p = g.params
         node = p.get("node") or g.nodes[-1]
-        x = node.args[0]
+        x = p.get("x") or node.args[0]  # sum_exp: the sum's input is exp(x - max), computed in the kernel
         result = p.get("result") or node.out
         has_w = p.get("weight") is not None
         has_b = p.get("bias") is not None
@@ -216,8 +216,9 @@ class Lowering:
             return
         output = None
         if p.get("output"):  # elementwise ops on each result before it is stored (a SiLU after a group norm)
-            inputs, more, body, var = self._elementwise(p["output"], tuple(node.out.shape), {node.out.name: "yv"}, "o")
-            output = RowPrologue(tuple(node.out.shape), inputs, body, var[result.name], ("yv",))
+            known = {node.out.name: "yv", **({p["max"].name: "mx"} if "max" in p else {})}
+            inputs, more, body, var = self._elementwise(p["output"], tuple(node.out.shape), known, "o")
+            output = RowPrologue(tuple(node.out.shape), inputs, body, var[result.name], tuple(known.values()))
             buffers.update(more)
         code = row_reduction_kernel(self._name(p["kind"], g), p["kind"], p["rows"], p["cols"], x.dtype,
                                     result.dtype, eps=p.get("eps", 1e-5), has_weight=has_w, has_bias=has_b,

@@ -223,7 +223,7 @@ class OfflinePlanner:
             if g.kind == "pointwise":
                 ops = ", ".join(n.op.removeprefix("aten::") for n in g.nodes)
                 g.reason = f"{len(g.nodes)} elementwise op(s) ({ops}) fused into one kernel"
-        return Plan(self._row_epilogues(groups, outputs), decisions, matmul_precision)
+        return Plan(self._online_sum_exp(self._row_epilogues(groups, outputs), outputs), decisions, matmul_precision)
 
     @staticmethod
     def _row_epilogues(groups: list[Group], outputs: set[str]) -> list[Group]:
@@ -273,6 +273,38 @@ class OfflinePlanner:
                 i += 1
             else:
                 out.append(fused)
+        return out
+
+    @staticmethod
+    def _online_sum_exp(groups: list[Group], outputs: set[str]) -> list[Group]:
+        """`m = amax(x)` then `sum(exp(x - m))` over the same rows (a log-sum-exp or a softmax's
+        denominator written by hand) read x twice; the online max-and-sum reads it once. Merged when m has
+        the row statistic's keepdim shape and nothing but the subtraction and the sum's output ops read it.
+        The one difference: a row of only -inf sums to 0 (a log-sum-exp of -inf, torch.logsumexp's answer)
+        where the two-pass form computes exp(-inf - -inf) = NaN."""
+        out: list[Group] = []
+        for g in groups:
+            prev = out[-1] if out else None
+            p = g.params
+            if g.kind == "reduction" and p.get("kind") == "sum" and prev is not None and prev.kind == "reduction" \
+                    and prev.params.get("kind") == "amax" and not prev.params.get("epilogue") \
+                    and not prev.params.get("output") and "layout" not in p and "layout" not in prev.params \
+                    and not p.get("epilogue") and len(p.get("prologue") or []) == 2 \
+                    and (prev.params["rows"], prev.params["cols"]) == (p["rows"], p["cols"]):
+                amax, (sub, exp) = prev.params["node"], p["prologue"]
+                x, m = amax.args[0], amax.out
+                inside = {id(n) for n in [sub, *(p.get("output") or [])]}
+                if sub.op == "aten::sub.Tensor" and sub.kwargs.get("alpha", 1) == 1 and sub.args[0] is x \
+                        and sub.args[1] is m and exp.op == "aten::exp" and exp.args[0] is sub.out \
+                        and m.name not in outputs and all(id(u) in inside for u in m.users) \
+                        and m.shape == (*x.shape[:-1], 1) and p["cols"] == x.shape[-1]:
+                    out[-1] = Group("reduction", [*prev.nodes, *g.nodes],
+                                    f"{prev.reason}; merged with the sum of exp(x - max) that follows: one online "
+                                    "pass keeps the running max and the rescaled sum, the row read once",
+                                    {**p, "kind": "sum_exp", "max": m, "node": p["node"], "x": x,
+                                     "prologue": prev.params.get("prologue")})
+                    continue
+            out.append(g)
         return out
 
     # ---- rules ----

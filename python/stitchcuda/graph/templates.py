@@ -345,7 +345,7 @@ def _grouped_pointwise_loop(name: str, shape: tuple[int, ...], inputs: list[Poin
 
 # ---- row reductions ----
 
-REDUCTIONS = ("softmax", "log_softmax", "layer_norm", "group_norm", "sum", "mean", "amax", "amin")
+REDUCTIONS = ("softmax", "log_softmax", "layer_norm", "group_norm", "sum", "mean", "amax", "amin", "sum_exp")
 NORMALIZING = ("softmax", "log_softmax", "layer_norm", "group_norm")  # write a row of the input's shape
 
 _ROW_PRELUDE = r"""
@@ -468,7 +468,9 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
                          output: RowPrologue | None = None, groups: int = 0, group_hw: int = 0) -> KernelCode:
     """A kernel reducing each of `rows` contiguous rows of `cols` elements.
 
-    softmax/log_softmax/layer_norm write a row of the same size; sum/mean/amax/amin write one value.
+    softmax/log_softmax/layer_norm write a row of the same size; sum/mean/amax/amin write one value, and
+    so does sum_exp: sum(exp(x - max(x))) from one online pass, its output function reading the max (`mx`)
+    too — a hand-written log-sum-exp in one read of the row.
     Arguments: x, [weight], [bias], [epilogue inputs], y, rows, cols — with a `prologue`, its inputs
     (in0..) instead of x: the reduction input is computed on load and never stored. An `epilogue`
     (sum/mean/amax/amin only) maps the row's statistic (`stat`) and its own inputs, element by element,
@@ -481,8 +483,9 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
         raise ValueError(f"unknown reduction '{kind}'")
     if epilogue is not None and (kind not in ("sum", "mean", "amax", "amin") or epilogue.extra != ("stat",)):
         raise ValueError(f"an epilogue applies to sum/mean/amax/amin and reads 'stat', not {kind}/{epilogue.extra}")
-    if output is not None and (output.extra != ("yv",) or epilogue is not None):
-        raise ValueError(f"an output function reads 'yv' and excludes an epilogue, got {output.extra}")
+    extras = ("yv", "mx") if kind == "sum_exp" else ("yv",)
+    if output is not None and (output.extra != extras or epilogue is not None):
+        raise ValueError(f"an output function of {kind} reads {extras} and excludes an epilogue, got {output.extra}")
     if kind == "group_norm" and (groups <= 0 or group_hw <= 0 or cols % group_hw):
         raise ValueError(f"group_norm needs groups > 0 and a group_hw dividing cols, got {groups}, {group_hw}, {cols}")
     out_dtype = out_dtype or dtype
@@ -509,8 +512,9 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
     params += [f"{U}* __restrict__ y", "long long rows", "long long cols"]
 
     def Y(idx: str, value: str) -> str:  # the store of one result, through the output function if any
+        more = ", m" if kind == "sum_exp" else ""  # the row's maximum, which sum_exp's output reads
         return f"st(y, {idx}, {value})" if output is None else \
-            f"st(y, {idx}, {name}_o({idx}, {value}{output.pointers()}))"
+            f"st(y, {idx}, {name}_o({idx}, {value}{more}{output.pointers()}))"
 
     L = [_PRELUDE, _ROW_PRELUDE, *(prologue.value_function(name) if prologue else []),
          *(epilogue.value_function(name, "e") if epilogue else []),
@@ -542,7 +546,7 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
         del init
 
     xc = X("base + c")  # the row's element c
-    if kind in ("softmax", "log_softmax"):
+    if kind in ("softmax", "log_softmax", "sum_exp"):
         L += ["  float m = -__int_as_float(0x7f800000), s = 0.0f;",
               "  for (long long c = t; c < cols; c += TPR) {",
               f"    const float v = {X('base + c')};",
@@ -550,7 +554,9 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
               "  }",
               "  warp_softmax(m, s);"]
         block_combine(["m", "s"], "  if (lane >= WARPS) { m = -__int_as_float(0x7f800000); s = 0.0f; }\n  warp_softmax(m, s);")
-        if kind == "softmax":
+        if kind == "sum_exp":  # sum(exp(x - max(x))) in one read: a log-sum-exp with its max (m) at hand
+            L.append(f"  if (t == 0) {Y('row', 's')};")
+        elif kind == "softmax":
             L += ["  const float inv = 1.0f / s;",
                   f"  for (long long c = t; c < cols; c += TPR) {Y('base + c', f'expf({xc} - m) * inv')};"]
         else:
@@ -598,7 +604,7 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
     return KernelCode("\n".join(L) + "\n", name, grid, tpr * rpb, args,
                       f"{kind} over {rows} rows of {cols}, {'warp' if tpr == 32 else 'block'} per row, warp shuffles"
                       + (" + shared-memory combine" if shared else "") + (", Welford" if kind in ("layer_norm", "group_norm") else "")
-                      + (", online" if kind in ("softmax", "log_softmax") else "")
+                      + (", online" if kind in ("softmax", "log_softmax", "sum_exp") else "")
                       + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else "")
                       + (f", {len(epilogue.body)} elementwise op(s) applying the {kind} to its row" if epilogue else "")
                       + (f", {len(output.body)} elementwise op(s) applied before the store" if output else ""))
