@@ -183,11 +183,12 @@ def test_golden_rmsnorm_from_torch_ops_is_one_kernel():
     assert rms.params["result"].shape == rms.params["node"].args[0].shape
 
 
-def test_golden_logsumexp_is_the_max_then_one_kernel():
-    # The shift and exp computed on load by the sum, the log and the max's add applied to what it stores.
+def test_golden_logsumexp_is_one_online_kernel():
+    # The max and the sum of exp(x - max) in one pass, the log and the max's add applied to what it stores.
     assert _partition("reduce_logsumexp_manual") == [
-        ("reduction", ["aten::amax"]),
-        ("reduction", ["aten::sub.Tensor", "aten::exp", "aten::sum.dim_IntList", "aten::log", "aten::add.Tensor"])]
+        ("reduction", ["aten::amax", "aten::sub.Tensor", "aten::exp", "aten::sum.dim_IntList", "aten::log",
+                       "aten::add.Tensor"])]
+    assert _planned("reduce_logsumexp_manual").groups[0].params["kind"] == "sum_exp"
 
 
 def test_golden_residual_add_and_temperature_are_prologues_of_long_rows_held_in_registers():
