@@ -132,12 +132,36 @@ def test_a_prologue_of_row_and_column_operands_loads_16_bytes_at_a_time(emu):
               PointwiseInput("in2", torch.float32, (0, 1))]
     prologue = RowPrologue((rows, cols), inputs, ["const float t0 = ((in0 + in1) + in2);"], "t0")
     assert prologue.vector_kinds(cols) == ["row", "row", "col"]
-    assert _prologue_case(rows, cols)[0].vector_kinds(cols) is None  # the per-row shift has no 16-byte path
+    assert _prologue_case(rows, cols)[0].vector_kinds(cols) == ["row", "col", "scalar", "per_row"]
     code = row_reduction_kernel("p_ln", "layer_norm", rows, cols, torch.float32, prologue=prologue)
     assert "(16-byte)" in code.description and "load4(p_in0 + row * COLS" in code.source
     y = torch.empty(rows, cols)
     _run(emu, code, {"in0": a, "in1": r, "in2": bias, "y": y})
     torch.testing.assert_close(y, torch.nn.functional.layer_norm(a + r + bias, (cols,)), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cols", [128, 2048], ids=["warp", "block"])
+def test_a_masked_scaled_softmax_reads_its_broadcast_operands_per_row(emu, cols):
+    # Causal attention written out: scores [B, H, S, cols] * scale, a bool mask [S, cols] and a relative
+    # bias [S, cols] repeated over batch and heads (a base per row, then unit stride), a per-head shift.
+    torch.manual_seed(cols)
+    b, h, s = 2, 3, 8
+    scores, rel, head = torch.randn(b, h, s, cols), torch.randn(s, cols), torch.randn(h, 1, 1)
+    mask = torch.triu(torch.ones(s, cols, dtype=torch.bool), diagonal=1)
+    shape = (b, h, s, cols)
+    inputs = [PointwiseInput("in0", torch.float32, (h * s * cols, s * cols, cols, 1)),
+              PointwiseInput("in1", torch.bool, (0, 0, cols, 1)), PointwiseInput("in2", torch.float32, (0, 0, cols, 1)),
+              PointwiseInput("in3", torch.float32, (0, 1, 0, 0))]
+    body = ["const float t0 = in0 * 0.125f + in2 + in3;",
+            "const float t1 = in1 != 0.0f ? -__int_as_float(0x7f800000) : t0;"]
+    prologue = RowPrologue(shape, inputs, body, "t1")
+    assert prologue.vector_kinds(cols) == ["row", "based1", "based4", "per_row"]
+    code = row_reduction_kernel("masked", "softmax", b * h * s, cols, torch.float32, prologue=prologue)
+    assert "(16-byte)" in code.description and "load4(p_in2 + b_in2, c4, vec)" in code.source
+    y = torch.full(shape, float("nan"))
+    _run(emu, code, {"in0": scores, "in1": mask, "in2": rel, "in3": head.reshape(h), "y": y})
+    want = torch.softmax((scores * 0.125 + rel + head).masked_fill(mask, float("-inf")), -1)
+    torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("rows, cols", [(6, 48), (2, 3000)], ids=["warp", "block"])

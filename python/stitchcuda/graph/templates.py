@@ -428,37 +428,52 @@ class RowPrologue:
         return L
 
     def vector_kinds(self, cols: int) -> list[str] | None:
-        """Per input, how a 16-byte path reads it — "row" (the same layout as the reduction input), "col"
-        (a vector over the reduced dimensions, repeated over rows) or "scalar" — or None when some
-        input fits none of them (or is not fp32)."""
+        """Per input, how the register path reads four consecutive values of a row — "row" (fp32, the
+        reduction input's own layout: one 16-byte load), "col" (fp32, a vector over the reduced dimensions
+        repeated over rows: one 16-byte load), "scalar" (one value), and, when only the last dimension is
+        reduced, "based4"/"based1" (unit stride along it from a base that depends on the row: a causal mask
+        [S, S] over [B, H, S, S] scores; one 16-byte load when fp32 with 16-byte row bases, else four loads)
+        and "per_row" (one value per row) — or None when some input fits none of them."""
         kinds = []
         full = self.shape
+        last_only = bool(full) and full[-1] == cols
         for inp in self.inputs:
-            if inp.dtype != torch.float32 or inp.offset:
-                return None
-            if inp.linear(full):
+            fp32 = inp.dtype == torch.float32
+            if fp32 and not inp.offset and inp.linear(full):
                 kinds.append("row")
                 continue
             if all(st == 0 for st in inp.strides):
                 kinds.append("scalar")
                 continue
-            # Reduced dimensions: the trailing ones whose extents multiply to cols.
-            tail, n = [], 1
-            for d in range(len(full) - 1, -1, -1):
-                if n == cols:
-                    break
-                tail.append(d)
-                n *= full[d]
-            expected, ok = 1, n == cols
-            for d in tail:
-                if full[d] != 1 and inp.strides[d] != expected:
-                    ok = False
-                expected *= full[d]
-            if ok and all(inp.strides[d] == 0 or full[d] == 1 for d in range(len(full)) if d not in tail):
+            if fp32 and not inp.offset and self._repeated_over_rows(inp, cols):
                 kinds.append("col")
+                continue
+            if last_only and (inp.strides[-1] in (0, 1) or cols == 1):
+                if inp.strides[-1] == 0 or cols == 1:
+                    kinds.append("per_row")
+                else:
+                    whole = fp32 and inp.offset % 4 == 0 and all(
+                        st % 4 == 0 for d, st in enumerate(inp.strides[:-1]) if full[d] != 1)
+                    kinds.append("based4" if whole else "based1")
                 continue
             return None
         return kinds
+
+    def _repeated_over_rows(self, inp: PointwiseInput, cols: int) -> bool:
+        """Whether `inp` is one contiguous vector over the reduced (trailing) dimensions, broadcast over rows."""
+        full = self.shape
+        tail, n = [], 1
+        for d in range(len(full) - 1, -1, -1):
+            if n == cols:
+                break
+            tail.append(d)
+            n *= full[d]
+        expected, ok = 1, n == cols
+        for d in tail:
+            if full[d] != 1 and inp.strides[d] != expected:
+                ok = False
+            expected *= full[d]
+        return ok and all(inp.strides[d] == 0 or full[d] == 1 for d in range(len(full)) if d not in tail)
 
 
 def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torch.dtype,
@@ -833,7 +848,7 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
     checked = ["xr", "yr"] if prologue is None else ["yr"]
     if kinds:
         checked += [f"{i.key} + row * cols" if k == "row" else i.key
-                    for i, k in zip(prologue.inputs, kinds) if k != "scalar"]
+                    for i, k in zip(prologue.inputs, kinds) if k in ("row", "col", "based4")]
     if has_weight:
         params.append("const float* __restrict__ w")
     if has_bias:
@@ -956,8 +971,7 @@ def _cached_prologue(name: str, prologue: RowPrologue, kinds: list[str] | None) 
     the row), 16-byte loads of each operand when `kinds` allows, else the scalar value function."""
     L = prologue.value_function(name)
     params = ", ".join(["long long row", "int c4", "bool vec",
-                        *[f"const float* __restrict__ p_{i.key}" if kinds else
-                          f"const {_CTYPE[i.dtype]}* __restrict__ p_{i.key}" for i in prologue.inputs]])
+                        *[f"const {_CTYPE[i.dtype]}* __restrict__ p_{i.key}" for i in prologue.inputs]])
     L.append(f"__device__ __forceinline__ float4 {name}_x4({params}) {{")
     if kinds is None:
         args = "".join(f", p_{i.key}" for i in prologue.inputs)
@@ -966,14 +980,32 @@ def _cached_prologue(name: str, prologue: RowPrologue, kinds: list[str] | None) 
                  f"{name}_x(i + 3{args}));")
         L.append("}")
         return L
+    shape = prologue.shape
+    if any(k in ("based4", "based1", "per_row") for k in kinds):  # the row's coordinates (all but the last)
+        L.append("  long long r = row;")
+        L += [f"  const long long c{d} = r % {shape[d]}LL; r /= {shape[d]}LL;" for d in range(len(shape) - 2, -1, -1)]
     for inp, k in zip(prologue.inputs, kinds):
+        a, p = f"a_{inp.key}", f"p_{inp.key}"
         if k == "row":
-            L.append(f"  const float4 a_{inp.key} = load4(p_{inp.key} + row * COLS, c4, vec);")
+            L.append(f"  const float4 {a} = load4({p} + row * COLS, c4, vec);")
         elif k == "col":
-            L.append(f"  const float4 a_{inp.key} = load4(p_{inp.key}, c4, vec);")
+            L.append(f"  const float4 {a} = load4({p}, c4, vec);")
+        elif k in ("based4", "based1", "per_row"):
+            terms = [f"c{d} * {st}LL" for d, st in enumerate(inp.strides[:-1]) if st != 0 and shape[d] != 1]
+            base = " + ".join(terms + ([f"{inp.offset}LL"] if inp.offset else [])) or "0LL"
+            L.append(f"  const long long b_{inp.key} = {base};")
+            if k == "based4":
+                L.append(f"  const float4 {a} = load4({p} + b_{inp.key}, c4, vec);")
+            elif k == "based1":
+                e = f"b_{inp.key} + 4LL * c4"
+                L.append(f"  const float4 {a} = make_float4(ld({p}, {e}), ld({p}, {e} + 1), ld({p}, {e} + 2), "
+                         f"ld({p}, {e} + 3));")
+            else:
+                L.append(f"  const float s_{inp.key} = ld({p}, b_{inp.key});")
+                L.append(f"  const float4 {a} = make_float4(s_{inp.key}, s_{inp.key}, s_{inp.key}, s_{inp.key});")
         else:
-            L.append(f"  const float s_{inp.key} = p_{inp.key}[0];")
-            L.append(f"  const float4 a_{inp.key} = make_float4(s_{inp.key}, s_{inp.key}, s_{inp.key}, s_{inp.key});")
+            L.append(f"  const float s_{inp.key} = ld({p}, 0);")
+            L.append(f"  const float4 {a} = make_float4(s_{inp.key}, s_{inp.key}, s_{inp.key}, s_{inp.key});")
     L.append("  float4 out;")
     for lane in "xyzw":
         L.append("  {")
