@@ -126,6 +126,36 @@ def test_depthwise_convolution_is_a_template_with_its_activation_before_the_stor
         assert [g.kind for g in plan.groups if g.kind != "constant"] == ["aten"]
 
 
+class SwiGLU(nn.Module):
+    def __init__(self, d=16, hidden=32, reuse=False):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(d, hidden, bias=False), nn.Linear(d, hidden, bias=False), \
+            nn.Linear(hidden, d, bias=False)
+        self.mix = nn.Linear(hidden, hidden, bias=False) if reuse else None
+
+    def forward(self, x):
+        g = F.silu(self.gate(x))
+        # reuse: the second product reads the activation, so it cannot wait for the gated product.
+        u = self.up(x) if self.mix is None else self.mix(g)
+        return self.down(g * u)
+
+
+def test_an_activation_waits_past_a_matmul_for_the_product_that_reads_it():
+    graph, plan = planned(SwiGLU(), (torch.randn(8, 16),))
+    kinds = [(g.kind, [n.op.removeprefix("aten::") for n in g.nodes]) for g in plan.groups if g.kind != "view"
+             and g.kind != "constant"]
+    assert kinds == [("gemm", ["mm"]), ("gemm", ["mm"]), ("pointwise", ["sigmoid", "mul.Tensor", "mul.Tensor"]),
+                     ("gemm", ["mm"])], kinds
+    lowering = Lowering(graph, plan, {})
+    lowering.build(plan.groups, graph.inputs, graph.outputs).validate()
+    (code,) = [c for g, c in lowering.kernels if g.kind == "pointwise"]
+    assert sum(k == "out" for k, _ in code.args) == 1  # the product alone is stored, silu(gate) never
+    # A matmul in between reads the activation: it stays where it was.
+    graph, plan = planned(SwiGLU(reuse=True), (torch.randn(8, 16),))
+    pointwise = [[n.op.removeprefix("aten::") for n in g.nodes] for g in plan.groups if g.kind == "pointwise"]
+    assert ["sigmoid", "mul.Tensor"] in pointwise, pointwise
+
+
 class ManualLogSumExp(nn.Module):
     def __init__(self, keep_max=False):
         super().__init__()

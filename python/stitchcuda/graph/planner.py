@@ -210,8 +210,16 @@ class OfflinePlanner:
                 out = node.out
                 # The open group is the last unit emitted, so every input already exists: any elementwise
                 # node of the same shape may join it, a consumer of the chain or an independent branch.
+                sunk = None if open_pointwise is not None else self._sinkable(groups, node)
                 if open_pointwise is not None and open_pointwise.params["shape"] == out.shape:
                     open_pointwise.nodes.append(node)
+                elif sunk is not None:
+                    # An earlier chain of this shape that only this node reads (SwiGLU's silu(gate), split
+                    # from `* up` by the up projection): moved here, it joins the chain and its result never
+                    # reaches memory.
+                    open_pointwise = groups.pop(sunk)
+                    open_pointwise.nodes.append(node)
+                    groups.append(open_pointwise)
                 else:
                     open_pointwise = Group("pointwise", [node], "elementwise chain fused into one kernel",
                                            {"shape": out.shape})
@@ -274,6 +282,23 @@ class OfflinePlanner:
             else:
                 out.append(fused)
         return out
+
+    @staticmethod
+    def _sinkable(groups: list[Group], node: Node) -> int | None:
+        """The index of an earlier pointwise group of `node`'s shape that produces one of its inputs and
+        whose results no group after it reads — delaying it to `node` changes no value anyone reads."""
+        wanted = {v.name for v in node.inputs}
+        for i in range(len(groups) - 1, -1, -1):
+            g = groups[i]
+            if g.kind != "pointwise" or g.params["shape"] != node.out.shape:
+                continue
+            made = {v.name for n in g.nodes for v in n.outputs if v is not None}
+            if not made & wanted:
+                continue
+            if any(v.name in made for h in groups[i + 1:] for v in h.inputs()):
+                return None
+            return i
+        return None
 
     @staticmethod
     def _online_sum_exp(groups: list[Group], outputs: set[str]) -> list[Group]:
