@@ -340,7 +340,8 @@ def test_amax_and_amin_propagate_nan_and_keep_infinities_as_torch(emu, kind, row
     ((9, 12), (3, 3), (1, 1), (1, 1), (1, 1), 4),    # the usual same-size 3x3, 12 wide
     ((10, 13), (3, 3), (2, 2), (1, 1), (1, 1), 1),   # strided, an odd output width (7)
     ((8, 15), (5, 3), (1, 2), (2, 0), (1, 2), 2),    # rectangular, dilated, no padding along W (6 wide)
-], ids=["3x3", "strided", "dilated"])
+    ((7, 20), (5, 5), (1, 1), (2, 2), (1, 1), 4),    # 5x5 "same": two halo values from each neighbour
+], ids=["3x3", "strided", "dilated", "5x5"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 def test_depthwise_conv_matches_torch(emu, size, kernel, stride, padding, dilation, per_thread, bias):
     torch.manual_seed(size[0] * 7 + kernel[0])
@@ -351,9 +352,15 @@ def test_depthwise_conv_matches_torch(emu, size, kernel, stride, padding, dilati
     code = depthwise_conv_kernel("dw", (n, c, *size), kernel, stride, padding, dilation, torch.float32,
                                  has_bias=bias)
     assert f"{per_thread} outputs per thread" in code.description
-    y = torch.full_like(expected, float("nan"))
-    _run(emu, code, {"x": x, "weight": w, "bias": b, "y": y})
-    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+    # Stride 1, same width: the 16-byte load and neighbours' halo (at 12 and 20 wide, lanes 0 and 31 of
+    # a warp fall inside rows and load their halo themselves); it falls back to the segment loop when a
+    # pointer is not 16-byte aligned.
+    assert ("halo from neighbouring lanes" in code.description) == (stride == (1, 1) and dilation == (1, 1))
+    for misaligned in (False, True):
+        storage = torch.full((expected.numel() + 1,), float("nan"))
+        y = (storage[1:] if misaligned else storage[:-1]).view(expected.shape)
+        _run(emu, code, {"x": x, "weight": w, "bias": b, "y": y})
+        torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_depthwise_conv_applies_its_output_function(emu):

@@ -53,3 +53,5 @@ template <class T>
 T __shfl_xor_sync(unsigned, T v, int mask) { return emu_shuffle(v, emu_lane ^ mask); }
 template <class T>
 T __shfl_down_sync(unsigned, T v, int delta) { return emu_shuffle(v, emu_lane + delta < 32 ? emu_lane + delta : emu_lane); }
+template <class T>
+T __shfl_up_sync(unsigned, T v, int delta) { return emu_shuffle(v, emu_lane - delta >= 0 ? emu_lane - delta : emu_lane); }
