@@ -316,7 +316,7 @@ def test_vectorized_pointwise_matches_torch(emu):
 
 
 @pytest.mark.parametrize("kind", ["amax", "amin"])
-@pytest.mark.parametrize("rows, cols", [(8, 40), (8, 3001)], ids=["warp", "block"])
+@pytest.mark.parametrize("rows, cols", [(8, 40), (8, 3001), (8, 1024)], ids=["warp", "block", "registers"])
 def test_amax_and_amin_propagate_nan_and_keep_infinities_as_torch(emu, kind, rows, cols):
     # NaN first, in the middle, last, beside an infinity of each sign; rows of infinities alone.
     x = torch.randn(rows, cols)
@@ -378,15 +378,17 @@ def test_depthwise_conv_applies_its_output_function(emu):
         depthwise_conv_kernel("dw_big", (1, 1, 16, 16), (9, 9), (1, 1), (4, 4), (1, 1), torch.float32)
 
 
-@pytest.mark.parametrize("rows, cols", [(5, 100), (3, 3000)], ids=["warp", "block"])
+@pytest.mark.parametrize("rows, cols", [(5, 100), (3, 3000), (4, 512)], ids=["warp", "registers", "warp-registers"])
 def test_sum_exp_is_a_log_sum_exp_in_one_pass(emu, rows, cols):
     # The output function reads the sum (yv) and the row's max (mx): log(yv) + mx is the log-sum-exp.
     torch.manual_seed(cols)
     x = torch.randn(rows, cols) * 20  # wide range: exp(x) alone would overflow fp32
     x[0, 7] = 1000.0
+    x[1] = float("-inf")  # torch.logsumexp's -inf (the two-pass form written out would give NaN)
     output = RowPrologue((rows, 1), [], ["const float t0 = logf(yv);", "const float t1 = (mx + t0);"], "t1",
                          ("yv", "mx"))
     code = row_reduction_kernel("lse", "sum_exp", rows, cols, torch.float32, output=output)
+    assert ("held in registers" in code.description) == (cols % 4 == 0 and cols >= 128)
     y = torch.full((rows,), float("nan"))
     _run(emu, code, {"x": x, "y": y})
     torch.testing.assert_close(y, torch.logsumexp(x, -1), atol=1e-4, rtol=1e-5)

@@ -347,6 +347,7 @@ def _grouped_pointwise_loop(name: str, shape: tuple[int, ...], inputs: list[Poin
 
 REDUCTIONS = ("softmax", "log_softmax", "layer_norm", "group_norm", "sum", "mean", "amax", "amin", "sum_exp")
 NORMALIZING = ("softmax", "log_softmax", "layer_norm", "group_norm")  # write a row of the input's shape
+STATISTICS = ("sum", "mean", "amax", "amin", "sum_exp")                # write one value per row
 
 _ROW_PRELUDE = r"""
 __device__ __forceinline__ float warp_sum(float v) {
@@ -504,10 +505,10 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
     if kind == "group_norm" and (groups <= 0 or group_hw <= 0 or cols % group_hw):
         raise ValueError(f"group_norm needs groups > 0 and a group_hw dividing cols, got {groups}, {group_hw}, {cols}")
     out_dtype = out_dtype or dtype
-    if (kind in NORMALIZING and dtype == out_dtype == torch.float32
-            and cols % 4 == 0 and CACHED_ROW_MIN <= cols <= CACHED_ROW_MAX):
+    if (dtype == torch.float32 and cols % 4 == 0 and CACHED_ROW_MIN <= cols <= CACHED_ROW_MAX
+            and ((kind in NORMALIZING and out_dtype == torch.float32) or (kind in STATISTICS and epilogue is None))):
         return _cached_row_kernel(name, kind, rows, cols, eps, has_weight, has_bias, prologue, output, groups,
-                                  group_hw)
+                                  group_hw, out_dtype)
     ch = _channel(groups, group_hw, cols)
     X = (lambda idx: f"ld(x, {idx})") if prologue is None else \
         (lambda idx: f"{name}_x({idx}{prologue.pointers()})")
@@ -867,22 +868,34 @@ __device__ __forceinline__ float block_max(float v, float* sh) {
   __syncthreads();
   return v;
 }
+__device__ __forceinline__ float block_min(float v, float* sh) {
+  v = warp_min(v);
+  if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = (threadIdx.x & 31) < WARPS ? sh[threadIdx.x & 31] : __int_as_float(0x7f800000);
+  v = warp_min(v);
+  __syncthreads();
+  return v;
+}
 """
 
 _WARP_ROW_PRELUDE = r"""
 // A warp holds the whole row: the row's reductions are the warp's (sh is unused).
 __device__ __forceinline__ float block_sum(float v, float*) { return warp_sum(v); }
 __device__ __forceinline__ float block_max(float v, float*) { return warp_max(v); }
+__device__ __forceinline__ float block_min(float v, float*) { return warp_min(v); }
 """
 
 
 def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, has_weight: bool,
                        has_bias: bool, prologue: RowPrologue | None = None, output: RowPrologue | None = None,
-                       groups: int = 0, group_hw: int = 0) -> KernelCode:
-    """Softmax, log-softmax, layer or group norm over long fp32 rows, one block per row: the row is read once
-    from memory with 16-byte loads into registers (VPT float4 per thread), reduced there (exact two-pass
-    statistics, one exp per element) and written once with 16-byte stores. Rows that are not 16-byte
-    aligned (a view at an odd offset) take scalar loads into the same registers."""
+                       groups: int = 0, group_hw: int = 0, out_dtype: torch.dtype = torch.float32) -> KernelCode:
+    """Softmax, log-softmax, layer or group norm over fp32 rows, a warp or a block per row: the row is read
+    once from memory with 16-byte loads into registers (VPT float4 per thread), reduced there (exact
+    two-pass statistics, one exp per element) and written once with 16-byte stores. Rows that are not
+    16-byte aligned (a view at an odd offset) take scalar loads into the same registers. The statistics
+    (sum, mean, amax, amin, sum_exp) read the same way and store one value per row."""
+    stat = kind in STATISTICS
     c4 = cols // 4
     if c4 <= 256:  # up to 1,024 columns: a warp per row, eight rows per block, no barrier or shared memory
         tpr, rpb = 32, 8
@@ -895,7 +908,7 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
     ptrs = ["x + row * cols", "y + row * cols"]
     kinds = prologue.vector_kinds(cols) if prologue else None
     # What must be 16-byte aligned for the vector path: the row's start in every row-shaped operand.
-    checked = ["xr", "yr"] if prologue is None else ["yr"]
+    checked = (["xr"] if prologue is None else []) + ([] if stat else ["yr"])
     if kinds:
         checked += [f"{i.key} + row * cols" if k == "row" else i.key
                     for i, k in zip(prologue.inputs, kinds) if k in ("row", "col", "based4")]
@@ -905,11 +918,12 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
         params.append("const float* __restrict__ b")
     if output:
         params += output.params()
-    params += ["float* __restrict__ y", "long long rows", "long long cols"]
+    params += [f"{_CTYPE[out_dtype]}* __restrict__ y", "long long rows", "long long cols"]
     # A group norm reads its weight and bias by channel, one element at a time: not part of the vector check.
     vector_wb = not groups
     aligned = " | ".join(f"reinterpret_cast<unsigned long long>({p})" for p in
-                         checked + (["w"] if has_weight and vector_wb else []) + (["b"] if has_bias and vector_wb else []))
+                         checked + (["w"] if has_weight and vector_wb else []) + (["b"] if has_bias and vector_wb else [])) \
+        or "0ULL"
     per_row = "one warp per row" if tpr == 32 else f"one block of {tpr} threads per row"
     L = [_PRELUDE, _ROW_PRELUDE,
          f"// {name}: {kind} over rows of {cols}, {per_row}, the row held in registers",
@@ -924,14 +938,14 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
          "  p[4 * c4] = v.x; p[4 * c4 + 1] = v.y; p[4 * c4 + 2] = v.z; p[4 * c4 + 3] = v.w;",
          "}",
          *(_cached_prologue(name, prologue, kinds) if prologue else []),
-         *(_cached_output(name, output) if output else []),
+         *((output.value_function(name, "o") if stat else _cached_output(name, output)) if output else []),
          f'extern "C" __global__ void __launch_bounds__(TPR * RPB) {name}({", ".join(params)}) {{',
          "  const long long row = (long long)blockIdx.x * RPB + threadIdx.x / TPR;",
          "  const int t = threadIdx.x % TPR;",
          "  if (row >= rows) return;",  # a whole row's threads leave together: no barrier is left waiting
          "  __shared__ float sh[WARPS];",
          *([f"  const float* xr = {ptrs[0]};"] if prologue is None else []),
-         f"  float* yr = {ptrs[1]};",
+         *([] if stat else [f"  float* yr = {ptrs[1]};"]),
          f"  const bool vec = (({aligned}) & 15ULL) == 0;",
          "  float4 v[VPT];",
          "#pragma unroll",
@@ -951,7 +965,27 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
             value = f"{name}_o4(row, {c}, {value}{output.pointers()})"
         return f"store4(yr, {c}, {value}, vec);"
 
-    if kind in ("softmax", "log_softmax"):
+    if stat:
+        inf = "__int_as_float(0x7f800000)"
+        if kind in ("sum", "mean"):
+            L.append("  float a = 0.0f;")
+            each(["a += (v[k].x + v[k].y) + (v[k].z + v[k].w);"])
+            L.append("  a = block_sum(a, sh);" + (" a /= (float)cols;" if kind == "mean" else ""))
+        elif kind in ("amax", "amin"):
+            f = "nanmax" if kind == "amax" else "nanmin"
+            L.append(f"  float a = {'-' if kind == 'amax' else ''}{inf};")
+            each([f"a = {f}(a, {f}({f}(v[k].x, v[k].y), {f}(v[k].z, v[k].w)));"])
+            L.append(f"  a = block_{kind[1:]}(a, sh);")
+        else:  # sum_exp: the max, then the sum of exp(x - max) from the registers; a row of -inf sums to 0
+            L.append(f"  float m = -{inf};")
+            each(["m = nanmax(m, nanmax(nanmax(v[k].x, v[k].y), nanmax(v[k].z, v[k].w)));"])
+            L += ["  m = block_max(m, sh);", f"  const float shift = m == -{inf} ? 0.0f : m;", "  float a = 0.0f;"]
+            each(["a += (expf(v[k].x - shift) + expf(v[k].y - shift)) + (expf(v[k].z - shift) + expf(v[k].w - shift));"])
+            L.append("  a = block_sum(a, sh);")
+        more = ", m" if kind == "sum_exp" else ""
+        value = "a" if output is None else f"{name}_o(row, a{more}{output.pointers()})"
+        L.append(f"  if (t == 0) st(y, row, {value});")
+    elif kind in ("softmax", "log_softmax"):
         L.append("  float m = -__int_as_float(0x7f800000);")
         each(["m = nanmax(m, nanmax(nanmax(v[k].x, v[k].y), nanmax(v[k].z, v[k].w)));"])
         L += ["  m = block_max(m, sh);", "  float s = 0.0f;"]
@@ -994,12 +1028,14 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
         fused = f", {len(prologue.body)} elementwise op(s) fused into the loads ({what_in})"
     else:
         fused = ""
-    what = "exact two-pass mean and variance" if kind in ("layer_norm", "group_norm") else "max, then one exp per element"
+    what = ("exact two-pass mean and variance" if kind in ("layer_norm", "group_norm") else
+            "max, then one exp per element" if kind in ("softmax", "log_softmax", "sum_exp") else "16-byte loads")
+    io = "one read, one value per row" if stat else "one read and one write"
     if output:
         fused += f", {len(output.body)} elementwise op(s) applied before the store"
     return KernelCode("\n".join(L) + "\n", name, -(-rows // rpb), tpr * rpb, args,
                       f"{kind} over {rows} rows of {cols}, {'warp' if tpr == 32 else 'block'} per row, row held in registers "
-                      f"({vpt} float4 per thread), one read and one write, {what}{fused}", vectorized=True)
+                      f"({vpt} float4 per thread), {io}, {what}{fused}", vectorized=True)
 
 
 def _cached_output(name: str, output: RowPrologue) -> list[str]:
