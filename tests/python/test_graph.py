@@ -86,6 +86,12 @@ def test_fused_kernel_source_reads_like_the_ops():
                            ["const float t0 = (in0 + in1);"], [("out0", "t0", torch.float32)])
     assert "float4" not in odd.source and "strided/broadcast" in odd.description  # 3 wide: one per step
     jit.compile(odd.source, odd.name)
+    # Coordinates in 32 bits while the flat index fits, 64 past 2^31 elements.
+    assert "const unsigned c1 = r % 3u" in odd.source
+    huge = pointwise_kernel("fused_huge", (1 << 16, 1 << 15, 3), [PointwiseInput("in0", torch.float32, (0, 3, 1))],
+                            ["const float t0 = in0 * 2.0f;"], [("out0", "t0", torch.float32)])
+    assert "const long long c1 = r % 32768LL" in huge.source
+    jit.compile(huge.source, huge.name)
     vec = pointwise_kernel("fused_vec", (8, 4), [PointwiseInput("in0", torch.float32, (4, 1))],
                            ["const float t0 = in0 * 2.0f;"], [("out0", "t0", torch.float32)])
     assert vec.vectorized and "float4" in vec.source

@@ -200,13 +200,25 @@ class PointwiseInput:
         return self.offset == 0
 
 
+def _split(value: str, shape: tuple[int, ...], dims: list[int]) -> list[str]:
+    """Statements splitting the flat `value` into the coordinates c{d} of `dims` (innermost last). 32-bit
+    when the extents allow: a division by a constant is then a multiply-high and a shift, where a 64-bit
+    one costs several times that — per element, in a kernel whose index arithmetic can outweigh its
+    arithmetic (a batch norm's parameters read by channel in an epilogue)."""
+    n = 1
+    for d in dims:
+        n *= shape[d]
+    t, suffix = ("unsigned", "u") if n < 2 ** 31 else ("long long", "LL")
+    return [f"{t} r = ({t})({value});"] + [f"const {t} c{d} = r % {shape[d]}{suffix}; r /= {shape[d]}{suffix};"
+                                           for d in reversed(dims)]
+
+
 def _element_indices(shape: tuple[int, ...], inputs: list[PointwiseInput]) -> tuple[list[str], list[str]]:
     """For the element at flat index `i` of `shape`: the statements splitting i into coordinates c0..
     (none when every input is laid out like the output) and each input's element index."""
     coords: list[str] = []
     if not all(inp.linear(shape) for inp in inputs):
-        coords.append("long long r = i;")
-        coords += [f"const long long c{d} = r % {shape[d]}LL; r /= {shape[d]}LL;" for d in range(len(shape) - 1, -1, -1)]
+        coords += _split("i", shape, list(range(len(shape))))
     indices = []
     for inp in inputs:
         if inp.linear(shape):
@@ -304,8 +316,7 @@ def _grouped_pointwise_loop(name: str, shape: tuple[int, ...], inputs: list[Poin
     wide = [f"p{k}" for k, kd in enumerate(kinds) if kd == "vec"] + \
            [f"q{k}" for k, (_, _, dt) in enumerate(results) if dt == torch.float32]
     aligned = " | ".join(f"reinterpret_cast<unsigned long long>({p})" for p in wide) or "0ULL"
-    coords = ["long long r = i;"] + [f"const long long c{d} = r % {shape[d]}LL; r /= {shape[d]}LL;"
-                                     for d in range(last, -1, -1)]
+    coords = _split("i", shape, list(range(len(shape))))
     L = [f"  const bool wide = (({aligned}) & 15ULL) == 0;",
          "  const long long n4 = n / 4;",
          "  for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < n4; "
@@ -727,12 +738,16 @@ def depthwise_conv_kernel(name: str, x_shape: tuple[int, int, int, int], kernel:
                 and 0 <= pw <= 4 and 0 <= right <= 4)
     init = "ld(bias, c)" if has_bias else "0.0f"
 
+    ix_t, sfx = ("unsigned", "u") if total < 2 ** 31 else ("long long", "LL")  # 32-bit division when it fits
+
     def head(g: str) -> list[str]:  # coordinates of the thread's outputs, its planes, accumulators
-        return [f"    const int ox = (int)({g} % {owv}LL) * {vec};",
-                f"    const long long rest = {g} / {owv}LL;",
-                f"    const int oy = (int)(rest % {oh}LL);",
-                f"    const long long plane = rest / {oh}LL;  // n * C + c",
-                f"    const int c = (int)(plane % {c_}LL);",
+        return [f"    const {ix_t} gi = ({ix_t}){g};",
+                f"    const int ox = (int)(gi % {owv}{sfx}) * {vec};",
+                f"    const {ix_t} rest = gi / {owv}{sfx};",
+                f"    const int oy = (int)(rest % {oh}{sfx});",
+                f"    const {ix_t} nc = rest / {oh}{sfx};  // n * C + c",
+                f"    const long long plane = (long long)nc;",
+                f"    const int c = (int)(nc % {c_}{sfx});",
                 f"    const {T}* xp = x + plane * {h * w}LL;",
                 f"    const {T}* wp = wt + c * {kh * kw};",
                 f"    float acc[{vec}];",
@@ -1068,8 +1083,7 @@ def _cached_prologue(name: str, prologue: RowPrologue, kinds: list[str] | None) 
         return L
     shape = prologue.shape
     if any(k in ("based4", "based1", "per_row") for k in kinds):  # the row's coordinates (all but the last)
-        L.append("  long long r = row;")
-        L += [f"  const long long c{d} = r % {shape[d]}LL; r /= {shape[d]}LL;" for d in range(len(shape) - 2, -1, -1)]
+        L += [f"  {c}" for c in _split("row", shape, list(range(len(shape) - 1)))]
     for inp, k in zip(prologue.inputs, kinds):
         a, p = f"a_{inp.key}", f"p_{inp.key}"
         if k == "row":
