@@ -370,10 +370,12 @@ def test_depthwise_conv_applies_its_output_function(emu):
     output = RowPrologue((2, 4, 6, 8), [PointwiseInput("o0", torch.float32, (0, 1, 0, 0))],
                          ["const float t0 = yv * o0;", "const float t1 = t0 / (1.0f + expf(-t0));"], "t1", ("yv",))
     code = depthwise_conv_kernel("dw_silu", (2, 4, 6, 8), (3, 3), (1, 1), (1, 1), (1, 1), torch.float32, output=output)
-    y = torch.full((2, 4, 6, 8), float("nan"))
-    _run(emu, code, {"x": x, "weight": w, "o0": scale, "y": y})
     conv = torch.nn.functional.conv2d(x, w, None, 1, 1, groups=4) * scale.view(1, 4, 1, 1)
-    torch.testing.assert_close(y, torch.nn.functional.silu(conv), atol=1e-5, rtol=1e-5)
+    for misaligned in (False, True):  # the shuffled 16-byte path, then the segment loop
+        storage = torch.full((2 * 4 * 6 * 8 + 1,), float("nan"))
+        y = (storage[1:] if misaligned else storage[:-1]).view(2, 4, 6, 8)
+        _run(emu, code, {"x": x, "weight": w, "o0": scale, "y": y})
+        torch.testing.assert_close(y, torch.nn.functional.silu(conv), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="has no template"):
         depthwise_conv_kernel("dw_big", (1, 1, 16, 16), (9, 9), (1, 1), (4, 4), (1, 1), torch.float32)
 

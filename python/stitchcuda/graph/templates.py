@@ -439,6 +439,22 @@ class RowPrologue:
         L += [f"  {b}" for b in self.body] + [f"  return {self.result};", "}"]
         return L
 
+    def coordinate_function(self, name: str, suffix: str = "o") -> list[str]:
+        """`{name}_{suffix}c(c0, .., c{r-1}, [extra..], in0, ..)`: the same value at coordinates the caller
+        already holds — no division, and the loads of an operand broadcast along the dimensions the
+        caller varies (a per-channel parameter across a thread's four outputs) are one load the
+        compiler shares between the calls."""
+        shape = self.shape
+        params = ", ".join([*[f"long long c{d}" for d in range(len(shape))], *[f"float {e}" for e in self.extra],
+                            *[f"const {_CTYPE[i.dtype]}* __restrict__ p_{i.key}" for i in self.inputs]])
+        L = [f"__device__ __forceinline__ float {name}_{suffix}c({params}) {{"]
+        for inp in self.inputs:
+            terms = [f"c{d} * {st}LL" for d, st in enumerate(inp.strides) if st != 0 and shape[d] != 1]
+            index = " + ".join(terms + ([f"{inp.offset}LL"] if inp.offset else [])) or "0"
+            L.append(f"  const float {inp.key} = ld(p_{inp.key}, {index});")
+        L += [f"  {b}" for b in self.body] + [f"  return {self.result};", "}"]
+        return L
+
     def vector_kinds(self, cols: int) -> list[str] | None:
         """Per input, how the register path reads four consecutive values of a row — "row" (fp32, the
         reduction input's own layout: one 16-byte load), "col" (fp32, a vector over the reduced dimensions
@@ -730,7 +746,10 @@ def depthwise_conv_kernel(name: str, x_shape: tuple[int, int, int, int], kernel:
     if output:
         params += output.params()
     params += [f"{U}* __restrict__ y", "long long n"]
-    value = (lambda i, v: v) if output is None else (lambda i, v: f"{name}_o({i}, {v}{output.pointers()})")
+    # The output function at the output's coordinates (n, c, oy, ox + j): its per-channel operands are
+    # read once for a thread's outputs.
+    value = (lambda j, v: v) if output is None else \
+        (lambda j, v: f"{name}_oc(n, c, oy, ox + {j}, {v}{output.pointers()})")
     right = kw - 1 - pw  # halo to the right of a thread's four outputs (stride 1, same width)
     # The common case (stride 1, no dilation, fp32, "same" width, a multiple of 4): each thread loads its
     # four inputs of a filter row with one 16-byte load and takes the halo from its neighbours' registers.
@@ -748,6 +767,7 @@ def depthwise_conv_kernel(name: str, x_shape: tuple[int, int, int, int], kernel:
                 f"    const {ix_t} nc = rest / {oh}{sfx};  // n * C + c",
                 f"    const long long plane = (long long)nc;",
                 f"    const int c = (int)(nc % {c_}{sfx});",
+                f"    const long long n = (long long)(nc / {c_}{sfx});",
                 f"    const {T}* xp = x + plane * {h * w}LL;",
                 f"    const {T}* wp = wt + c * {kh * kw};",
                 f"    float acc[{vec}];",
@@ -780,9 +800,9 @@ def depthwise_conv_kernel(name: str, x_shape: tuple[int, int, int, int], kernel:
                "      }",
                *taps,
                "#pragma unroll",
-               f"    for (int j = 0; j < {vec}; ++j) st(y, o + j, {value('o + j', 'acc[j]')});",
+               f"    for (int j = 0; j < {vec}; ++j) st(y, o + j, {value('j', 'acc[j]')});",
                "  }"]
-    L = [_PRELUDE, *(output.value_function(name, "o") if output else []),
+    L = [_PRELUDE, *(output.coordinate_function(name) if output else []),
          f"// {name}: depthwise {kh}x{kw} convolution (stride {sh}x{sw}, padding {ph}x{pw}, dilation {dh}x{dw}) "
          f"over [{n_}, {c_}, {h}, {w}] -> [{n_}, {c_}, {oh}, {ow}], {vec} output(s) per thread",
          f'extern "C" __global__ void __launch_bounds__(256) {name}({", ".join(params)}) {{']
@@ -801,9 +821,9 @@ def depthwise_conv_kernel(name: str, x_shape: tuple[int, int, int, int], kernel:
                            f"        in[{pw + 4 + k}] = ix >= {w} ? 0.0f : lane != 31 ? nb : "
                            f"(row_in ? xp[(long long)iy * {w} + ix] : 0.0f); }}"]
         store = (["      *reinterpret_cast<float4*>(y + o) = make_float4("
-                  + ", ".join(value(f"o + {j}", f"acc[{j}]") for j in range(4)) + ");"]
+                  + ", ".join(value(str(j), f"acc[{j}]") for j in range(4)) + ");"]
                  if out_dtype == torch.float32 else
-                 ["#pragma unroll", f"      for (int j = 0; j < 4; ++j) st(y, o + j, {value('o + j', 'acc[j]')});"])
+                 ["#pragma unroll", f"      for (int j = 0; j < 4; ++j) st(y, o + j, {value('j', 'acc[j]')});"])
         L += [f"  const bool wide = (({aligned}) & 15ULL) == 0;",
               "  if (wide) {",
               # Whole warps iterate together (the halo comes through shuffles): lanes past the end compute
