@@ -184,8 +184,10 @@ class OfflinePlanner:
                 groups.append(g)
                 close()
                 continue
-            if node.op == "aten::convolution" and self._depthwise(node) is None:
-                groups.append(Group("conv", [node], self._conv_reason(node), {"node": node}))
+            if node.op == "aten::convolution":
+                why_not = self._depthwise(node)
+                groups.append(Group("conv", [node], self._conv_reason(node), {"node": node}) if why_not is None
+                              else Group("aten", [node], f"convolution through cuDNN: {why_not}"))
                 close()
                 continue
             if node.op in _REDUCTION_OPS:
@@ -445,7 +447,7 @@ class OfflinePlanner:
             return "not a 2-D, non-transposed convolution"
         c = x.shape[1]
         if groups != c or w.shape[:2] != (c, 1) or node.out.shape[1] != c:
-            return "not depthwise (groups = channels, one filter each)"
+            return "not depthwise (that needs groups = channels and one filter per channel)"
         if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or w.dtype != x.dtype or \
                 node.out.dtype != x.dtype or (isinstance(bias, Value) and bias.dtype != x.dtype):
             return f"{x.dtype} convolution"
@@ -459,7 +461,7 @@ class OfflinePlanner:
     def _conv_reason(node: Node) -> str:
         w = node.args[1]
         return (f"depthwise {w.shape[2]}x{w.shape[3]} convolution over {list(node.args[0].shape)}: direct template "
-                "kernel (memory-bound: each input read once from memory), elementwise ops after it fusable into its store")
+                "kernel (memory-bound: each input read once from memory)")
 
     @staticmethod
     def _column(node: Node, kind: str, x: Value, dims: list[int]) -> Group:
