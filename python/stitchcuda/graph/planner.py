@@ -52,7 +52,7 @@ _REDUCTION_OPS = {"aten::_softmax": "softmax", "aten::_log_softmax": "log_softma
 
 @dataclass
 class Group:
-    """A unit of the plan: `kind` in gemm, pointwise, reduction, view, constant, aten."""
+    """A unit of the plan: `kind` in gemm, pointwise, reduction, conv, view, constant, aten."""
 
     kind: str
     nodes: list[Node]
