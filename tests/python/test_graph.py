@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import stitchcuda
 from stitchcuda import jit
 from stitchcuda.graph import CaptureError, Lowering, OfflinePlanner, capture, reference_values
-from stitchcuda.graph.templates import pointwise_kernel, row_reduction_kernel, PointwiseInput
+from stitchcuda.graph.templates import PointwiseInput, depthwise_conv_kernel, pointwise_kernel, row_reduction_kernel
 
 
 class Block(nn.Module):
@@ -126,6 +126,11 @@ def test_depthwise_convolution_is_a_template_with_its_activation_before_the_stor
     assert code.name.startswith("depthwise") and "3 elementwise op(s) applied before the store" in code.description
     jit.compile(code.source, code.name)
     program.validate()
+    # Half and bfloat16 take the segment loop (converted on load, fp32 accumulation) and compile too.
+    for dtype in (torch.float16, torch.bfloat16):
+        half = depthwise_conv_kernel("dw_half", (2, 8, 12, 12), (3, 3), (1, 1), (1, 1), (1, 1), dtype, has_bias=True)
+        assert "halo" not in half.description
+        jit.compile(half.source, half.name)
     # Not depthwise, or a filter past the unrolled limit: cuDNN.
     for conv in (nn.Conv2d(8, 8, 3, groups=2), nn.Conv2d(8, 8, 9, padding=4, groups=8)):
         graph, plan = planned(conv, (torch.randn(1, 8, 12, 12),))
