@@ -426,7 +426,7 @@ class Lowering:
 
 
 def _scalar_literal(a) -> str | None:
-    from .templates import _scalar
+    from .templates.ops import _scalar
 
     return _scalar(a)
 

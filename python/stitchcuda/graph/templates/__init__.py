@@ -1,0 +1,31 @@
+"""The template Coder: readable CUDA C++ for each fused group the offline Planner forms, one module per
+kind of kernel.
+
+- `pointwise`: one expression body per element (`ops` holds each op's C expression); broadcasting and
+  any input strides through index arithmetic; a 16-byte (float4) path when every operand is contiguous
+  fp32 of the output's shape, four outputs per step when broadcast operands allow;
+- `rows`: reductions over the trailing contiguous dimensions — online softmax / log-softmax, layer and
+  group norm, sum / mean / amax / amin and sum_exp (a log-sum-exp in one pass); fp32 rows of 128 to
+  32,768 elements held in registers (a warp per row up to 1,024, a block above), so memory sees one read
+  (and one write) per element with 16-byte accesses; elementwise prologues (computing the input on
+  load), epilogues (applying a statistic to its row) and output functions (on each result before the
+  store) fuse the ops around a reduction into its kernel;
+- `columns`: sum / mean / amax / amin over a block of middle dimensions;
+- `depthwise`: one-filter-per-channel convolution with its output function;
+- `common`: the prelude every kernel includes, KernelCode, and the inputs and elementwise functions the
+  others share.
+
+Every kernel is `extern "C"`, computes in fp32 (fp16/bf16 are converted on load and store) and takes its
+sizes as arguments where they vary; shapes that select the code path are baked in as constants.
+"""
+
+from .columns import column_reduction_kernel
+from .common import FUSABLE_DTYPES, KernelCode, PointwiseInput, RowPrologue
+from .depthwise import DEPTHWISE_MAX_TAPS, depthwise_conv_kernel
+from .ops import POINTWISE_OPS, is_pointwise
+from .pointwise import pointwise_kernel
+from .rows import CACHED_ROW_MAX, CACHED_ROW_MIN, NORMALIZING, REDUCTIONS, STATISTICS, row_reduction_kernel
+
+__all__ = ["KernelCode", "PointwiseInput", "RowPrologue", "pointwise_kernel", "row_reduction_kernel",
+           "column_reduction_kernel", "depthwise_conv_kernel", "POINTWISE_OPS", "REDUCTIONS", "NORMALIZING",
+           "STATISTICS", "FUSABLE_DTYPES", "CACHED_ROW_MAX", "CACHED_ROW_MIN", "DEPTHWISE_MAX_TAPS", "is_pointwise"]

@@ -1,0 +1,59 @@
+"""Reductions over a block of middle dimensions: coalesced columns, warps splitting the reduced extent."""
+
+from __future__ import annotations
+
+import torch
+
+from .common import _CTYPE, _PRELUDE, KernelCode, RowPrologue
+
+
+def column_reduction_kernel(name: str, kind: str, outer: int, reduce: int, inner: int, dtype: torch.dtype,
+                            out_dtype: torch.dtype | None = None, prologue: RowPrologue | None = None) -> KernelCode:
+    """sum/mean/amax/amin over the middle extent of a contiguous [outer, reduce, inner] tensor (a sum over
+    an NCHW tensor's channels, a mean over a sequence): y is [outer, inner]. A block covers 32 columns of
+    one outer index; its 32 lanes read consecutive columns (coalesced), its 8 warps split the reduced
+    extent, and a shared-memory combine of the 8 partials finishes. Arguments: x (or the prologue's
+    inputs), y."""
+    if kind not in ("sum", "mean", "amax", "amin"):
+        raise ValueError(f"a column reduction is sum, mean, amax or amin, not '{kind}'")
+    out_dtype = out_dtype or dtype
+    init = {"sum": "0.0f", "mean": "0.0f", "amax": "-__int_as_float(0x7f800000)",
+            "amin": "__int_as_float(0x7f800000)"}[kind]
+    step = {"sum": "a += v", "mean": "a += v", "amax": "a = nanmax(a, v)", "amin": "a = nanmin(a, v)"}[kind]
+    combine = {"sum": "a += p", "mean": "a += p", "amax": "a = nanmax(a, p)", "amin": "a = nanmin(a, p)"}[kind]
+    X = (lambda idx: f"ld(x, {idx})") if prologue is None else (lambda idx: f"{name}_x({idx}{prologue.pointers()})")
+    params = [f"const {_CTYPE[dtype]}* __restrict__ x"] if prologue is None else prologue.params()
+    params.append(f"{_CTYPE[out_dtype]}* __restrict__ y")
+    final = f"a / {reduce}.0f" if kind == "mean" else "a"
+    L = [_PRELUDE, *(prologue.value_function(name) if prologue else []),
+         f"// {name}: {kind} over the middle extent {reduce} of [{outer}, {reduce}, {inner}]"
+         + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else ""),
+         f'extern "C" __global__ void __launch_bounds__(256) {name}({", ".join(params)}) {{',
+         "  __shared__ float sh[8][33];",
+         "  const long long col = (long long)blockIdx.x * 32 + threadIdx.x;",
+         "  const long long o = blockIdx.y;",
+         f"  float a = {init};",
+         f"  if (col < {inner}LL) {{",
+         "#pragma unroll 4",
+         f"    for (long long r = threadIdx.y; r < {reduce}LL; r += 8) {{",
+         f"      const float v = {X(f'(o * {reduce}LL + r) * {inner}LL + col')};",
+         f"      {step};",
+         "    }",
+         "  }",
+         "  sh[threadIdx.y][threadIdx.x] = a;",
+         "  __syncthreads();",
+         f"  if (threadIdx.y == 0 && col < {inner}LL) {{",
+         "    for (int k = 1; k < 8; ++k) {",
+         "      const float p = sh[k][threadIdx.x];",
+         f"      {combine};",
+         "    }",
+         f"    st(y, o * {inner}LL + col, {final});",
+         "  }",
+         "}"]
+    args: list[tuple[str, object]] = [("in", "x")] if prologue is None else [("in", i.key) for i in prologue.inputs]
+    args.append(("out", "y"))
+    grid = (-(-inner // 32), outer, 1)
+    return KernelCode("\n".join(L) + "\n", name, grid, (32, 8, 1), args,
+                      f"{kind} over the middle extent {reduce} of [{outer}, {reduce}, {inner}]: 32 coalesced columns "
+                      "per block, 8 warps splitting the extent, shared-memory combine"
+                      + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else ""))

@@ -1,0 +1,189 @@
+"""What every template shares: the CUDA prelude (typed loads and stores, NaN-propagating max/min),
+the generated kernel's description, and the elementwise inputs and functions other kernels call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_PRELUDE = r"""#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+__device__ __forceinline__ float ld(const float* p, long long i) { return p[i]; }
+__device__ __forceinline__ float ld(const __half* p, long long i) { return __half2float(p[i]); }
+__device__ __forceinline__ float ld(const __nv_bfloat16* p, long long i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ float ld(const bool* p, long long i) { return p[i] ? 1.0f : 0.0f; }
+__device__ __forceinline__ void st(float* p, long long i, float v) { p[i] = v; }
+__device__ __forceinline__ void st(__half* p, long long i, float v) { p[i] = __float2half_rn(v); }
+__device__ __forceinline__ void st(__nv_bfloat16* p, long long i, float v) { p[i] = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void st(bool* p, long long i, float v) { p[i] = v != 0.0f; }
+// NaN-propagating max/min, as torch.maximum / torch.amax behave. Written as one select (a + b is NaN
+// when either is), which compiles without branches: nested conditionals put every load of an unrolled
+// reduction loop in its own basic block, one load in flight per thread.
+__device__ __forceinline__ float nanmax(float a, float b) { const float m = fmaxf(a, b); return (a != a || b != b) ? a + b : m; }
+__device__ __forceinline__ float nanmin(float a, float b) { const float m = fminf(a, b); return (a != a || b != b) ? a + b : m; }
+"""
+
+_CTYPE = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.bool: "bool"}
+FUSABLE_DTYPES = set(_CTYPE)
+
+
+@dataclass
+class KernelCode:
+    """A generated kernel: source, entry point, launch geometry and the arguments' order."""
+
+    source: str
+    name: str
+    grid: int | tuple[int, ...]
+    block: int | tuple[int, ...]
+    args: list[tuple[str, object]] = field(default_factory=list)  # ("in"/"out", key) or ("i64", value)
+    description: str = ""
+    vectorized: bool = False
+
+
+
+@dataclass
+class PointwiseInput:
+    """One tensor a pointwise kernel reads, with its strides (elements) over the group's output shape."""
+
+    key: str
+    dtype: torch.dtype
+    strides: tuple[int, ...]  # 0 where broadcast
+    offset: int = 0
+
+    def linear(self, shape: tuple[int, ...]) -> bool:
+        expected = 1
+        for extent, stride in zip(reversed(shape), reversed(self.strides)):
+            if extent != 1 and stride != expected:
+                return False
+            expected *= extent
+        return self.offset == 0
+
+
+def _split(value: str, shape: tuple[int, ...], dims: list[int]) -> list[str]:
+    """Statements splitting the flat `value` into the coordinates c{d} of `dims` (innermost last). 32-bit
+    when the extents allow: a division by a constant is then a multiply-high and a shift, where a 64-bit
+    one costs several times that — per element, in a kernel whose index arithmetic can outweigh its
+    arithmetic (a batch norm's parameters read by channel in an epilogue)."""
+    n = 1
+    for d in dims:
+        n *= shape[d]
+    t, suffix = ("unsigned", "u") if n < 2 ** 31 else ("long long", "LL")
+    return [f"{t} r = ({t})({value});"] + [f"const {t} c{d} = r % {shape[d]}{suffix}; r /= {shape[d]}{suffix};"
+                                           for d in reversed(dims)]
+
+
+def _element_indices(shape: tuple[int, ...], inputs: list[PointwiseInput]) -> tuple[list[str], list[str]]:
+    """For the element at flat index `i` of `shape`: the statements splitting i into coordinates c0..
+    (none when every input is laid out like the output) and each input's element index."""
+    coords: list[str] = []
+    if not all(inp.linear(shape) for inp in inputs):
+        coords += _split("i", shape, list(range(len(shape))))
+    indices = []
+    for inp in inputs:
+        if inp.linear(shape):
+            indices.append("i")
+            continue
+        terms = [f"c{d} * {st}LL" for d, st in enumerate(inp.strides) if st != 0 and shape[d] != 1]
+        if inp.offset:
+            terms.append(f"{inp.offset}LL")
+        indices.append(" + ".join(terms) or "0")
+    return coords, indices
+
+
+
+@dataclass
+class RowPrologue:
+    """Elementwise ops computing the reduction's input from other tensors, fused into its loads: `body`
+    are C statements over `in0..inK` (the inputs' values) ending in the float variable `result`; each
+    input's strides are over `shape`, the reduction input's shape (0 where broadcast)."""
+
+    shape: tuple[int, ...]
+    inputs: list[PointwiseInput]
+    body: list[str]
+    result: str
+    extra: tuple[str, ...] = ()  # float values the body reads besides its inputs (an epilogue's "stat")
+
+    def params(self) -> list[str]:
+        return [f"const {_CTYPE[i.dtype]}* __restrict__ {i.key}" for i in self.inputs]
+
+    def pointers(self) -> str:
+        """The inputs as trailing call arguments (", in0, in1"), "" when there are none."""
+        return "".join(f", {i.key}" for i in self.inputs)
+
+    def value_function(self, name: str, suffix: str = "x") -> list[str]:
+        """`{name}_{suffix}(i, [extra..], in0, ..)`: the value at flat index i (of the reduction input for a
+        prologue, of the output for an epilogue)."""
+        shape = self.shape
+        params = ", ".join(["long long i", *[f"float {e}" for e in self.extra],
+                            *[f"const {_CTYPE[i.dtype]}* __restrict__ p_{i.key}" for i in self.inputs]])
+        L = [f"__device__ __forceinline__ float {name}_{suffix}({params}) {{"]
+        coords, indices = _element_indices(shape, self.inputs)
+        L += [f"  {c}" for c in coords]
+        L += [f"  const float {inp.key} = ld(p_{inp.key}, {index});" for inp, index in zip(self.inputs, indices)]
+        L += [f"  {b}" for b in self.body] + [f"  return {self.result};", "}"]
+        return L
+
+    def coordinate_function(self, name: str, suffix: str = "o") -> list[str]:
+        """`{name}_{suffix}c(c0, .., c{r-1}, [extra..], in0, ..)`: the same value at coordinates the caller
+        already holds — no division, and the loads of an operand broadcast along the dimensions the
+        caller varies (a per-channel parameter across a thread's four outputs) are one load the
+        compiler shares between the calls."""
+        shape = self.shape
+        params = ", ".join([*[f"long long c{d}" for d in range(len(shape))], *[f"float {e}" for e in self.extra],
+                            *[f"const {_CTYPE[i.dtype]}* __restrict__ p_{i.key}" for i in self.inputs]])
+        L = [f"__device__ __forceinline__ float {name}_{suffix}c({params}) {{"]
+        for inp in self.inputs:
+            terms = [f"c{d} * {st}LL" for d, st in enumerate(inp.strides) if st != 0 and shape[d] != 1]
+            index = " + ".join(terms + ([f"{inp.offset}LL"] if inp.offset else [])) or "0"
+            L.append(f"  const float {inp.key} = ld(p_{inp.key}, {index});")
+        L += [f"  {b}" for b in self.body] + [f"  return {self.result};", "}"]
+        return L
+
+    def vector_kinds(self, cols: int) -> list[str] | None:
+        """Per input, how the register path reads four consecutive values of a row — "row" (fp32, the
+        reduction input's own layout: one 16-byte load), "col" (fp32, a vector over the reduced dimensions
+        repeated over rows: one 16-byte load), "scalar" (one value), and, when only the last dimension is
+        reduced, "based4"/"based1" (unit stride along it from a base that depends on the row: a causal mask
+        [S, S] over [B, H, S, S] scores; one 16-byte load when fp32 with 16-byte row bases, else four loads)
+        and "per_row" (one value per row) — or None when some input fits none of them."""
+        kinds = []
+        full = self.shape
+        last_only = bool(full) and full[-1] == cols
+        for inp in self.inputs:
+            fp32 = inp.dtype == torch.float32
+            if fp32 and not inp.offset and inp.linear(full):
+                kinds.append("row")
+                continue
+            if all(st == 0 for st in inp.strides):
+                kinds.append("scalar")
+                continue
+            if fp32 and not inp.offset and self._repeated_over_rows(inp, cols):
+                kinds.append("col")
+                continue
+            if last_only and (inp.strides[-1] in (0, 1) or cols == 1):
+                if inp.strides[-1] == 0 or cols == 1:
+                    kinds.append("per_row")
+                else:
+                    whole = fp32 and inp.offset % 4 == 0 and all(
+                        st % 4 == 0 for d, st in enumerate(inp.strides[:-1]) if full[d] != 1)
+                    kinds.append("based4" if whole else "based1")
+                continue
+            return None
+        return kinds
+
+    def _repeated_over_rows(self, inp: PointwiseInput, cols: int) -> bool:
+        """Whether `inp` is one contiguous vector over the reduced (trailing) dimensions, broadcast over rows."""
+        full = self.shape
+        tail, n = [], 1
+        for d in range(len(full) - 1, -1, -1):
+            if n == cols:
+                break
+            tail.append(d)
+            n *= full[d]
+        expected, ok = 1, n == cols
+        for d in tail:
+            if full[d] != 1 and inp.strides[d] != expected:
+                ok = False
+            expected *= full[d]
+        return ok and all(inp.strides[d] == 0 or full[d] == 1 for d in range(len(full)) if d not in tail)

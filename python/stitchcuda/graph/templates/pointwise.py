@@ -1,0 +1,131 @@
+"""Fused elementwise kernels: one body per element, a 16-byte path for contiguous operands, four outputs
+per step for broadcast ones."""
+
+from __future__ import annotations
+
+import torch
+
+from .common import _CTYPE, _PRELUDE, KernelCode, PointwiseInput, _element_indices, _split
+
+
+def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseInput],
+                     body: list[str], results: list[tuple[str, str, torch.dtype]], sm_count: int = 132) -> KernelCode:
+    """A fused elementwise kernel. `body` are C statements over the float variables `in0..inK`
+    (the inputs' values) defining the result variables; `results` maps (key, variable, dtype)."""
+    n = 1
+    for e in shape:
+        n *= e
+    params = [f"const {_CTYPE[i.dtype]}* __restrict__ p{k}" for k, i in enumerate(inputs)]
+    params += [f"{_CTYPE[dt]}* __restrict__ q{k}" for k, (_, _, dt) in enumerate(results)]
+    params.append("long long n")
+    fn_params = [f"float in{k}" for k in range(len(inputs))] + [f"float& r{k}" for k in range(len(results))]
+    lines = [_PRELUDE, f"// {name}: {len(body)} fused elementwise op(s) over {list(shape)}",
+             f"__device__ __forceinline__ void {name}_body({', '.join(fn_params)}) {{"]
+    lines += [f"  {s}" for s in body]
+    lines += [f"  r{k} = {var};" for k, (_, var, _) in enumerate(results)]
+    lines.append("}")
+    all_linear = all(i.linear(shape) for i in inputs)
+    vectorized = (all_linear and n % 4 == 0 and all(i.dtype == torch.float32 for i in inputs)
+                  and all(dt == torch.float32 for _, _, dt in results))
+    # Broadcast or strided operands over a last dimension of a multiple of 4: four consecutive outputs share
+    # every coordinate but the last, so each operand is one 16-byte load, one value repeated, or four loads.
+    grouped = not vectorized and not all_linear and len(shape) > 0 and shape[-1] % 4 == 0
+    lines.append(f'extern "C" __global__ void {name}({", ".join(params)}) {{')
+    if grouped:
+        lines += _grouped_pointwise_loop(name, shape, inputs, results)
+        threads, work = 256, n // 4
+    elif vectorized:
+        # 16-byte loads and stores: four elements per thread and iteration.
+        lines.append("  const long long n4 = n / 4;")
+        lines.append("  for (long long v = blockIdx.x * (long long)blockDim.x + threadIdx.x; v < n4; "
+                     "v += (long long)gridDim.x * blockDim.x) {")
+        for k in range(len(inputs)):
+            lines.append(f"    const float4 a{k} = reinterpret_cast<const float4*>(p{k})[v];")
+        for k in range(len(results)):
+            lines.append(f"    float4 b{k};")
+        for lane in "xyzw":
+            call = [f"a{k}.{lane}" for k in range(len(inputs))] + [f"b{k}.{lane}" for k in range(len(results))]
+            lines.append(f"    {name}_body({', '.join(call)});")
+        for k in range(len(results)):
+            lines.append(f"    reinterpret_cast<float4*>(q{k})[v] = b{k};")
+        lines.append("  }")
+        threads, work = 256, n // 4
+    else:
+        lines.append("  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; "
+                     "i += (long long)gridDim.x * blockDim.x) {")
+        coords, indices = _element_indices(shape, inputs)
+        lines += [f"    {c}" for c in coords]
+        lines += [f"    const float v{k} = ld(p{k}, {index});" for k, index in enumerate(indices)]
+        for k in range(len(results)):
+            lines.append(f"    float o{k};")
+        call = [f"v{k}" for k in range(len(inputs))] + [f"o{k}" for k in range(len(results))]
+        lines.append(f"    {name}_body({', '.join(call)});")
+        for k in range(len(results)):
+            lines.append(f"    st(q{k}, i, o{k});")
+        lines.append("  }")
+        threads, work = 256, n
+    lines.append("}")
+    grid = max(1, min((work + threads - 1) // threads, sm_count * 16))
+    args = [("in", i.key) for i in inputs] + [("out", key) for key, _, _ in results] + [("i64", n)]
+    kind = ("vectorized float4" if vectorized else "strided/broadcast, four outputs per thread and step" if grouped
+            else "linear" if all_linear else "strided/broadcast")
+    return KernelCode("\n".join(lines) + "\n", name, grid, threads, args,
+                      f"{len(body)} elementwise op(s), {kind}, {len(inputs)} input(s), {len(results)} output(s)",
+                      vectorized)
+
+
+def _grouped_pointwise_loop(name: str, shape: tuple[int, ...], inputs: list[PointwiseInput],
+                            results: list[tuple[str, str, torch.dtype]]) -> list[str]:
+    """The loop of a pointwise kernel over groups of four consecutive outputs (the last extent a multiple
+    of 4). Per operand: `vec` — fp32, unit stride along the last dimension and every other term a multiple
+    of 4, so one 16-byte load; `splat` — broadcast along the last dimension, one load repeated; `gather` —
+    four loads. fp32 results are stored 16 bytes at a time. The 16-byte path runs when every pointer it
+    reads or writes that way is 16-byte aligned; otherwise the same loop takes scalar accesses."""
+    last = len(shape) - 1
+    kinds = []
+    for inp in inputs:
+        stride = inp.strides[last]
+        others = [st for d, st in enumerate(inp.strides) if d != last and shape[d] != 1]
+        if inp.dtype == torch.float32 and stride == 1 and all(st % 4 == 0 for st in others) and inp.offset % 4 == 0:
+            kinds.append("vec")
+        else:
+            kinds.append("splat" if stride == 0 else "gather")
+    wide = [f"p{k}" for k, kd in enumerate(kinds) if kd == "vec"] + \
+           [f"q{k}" for k, (_, _, dt) in enumerate(results) if dt == torch.float32]
+    aligned = " | ".join(f"reinterpret_cast<unsigned long long>({p})" for p in wide) or "0ULL"
+    coords = _split("i", shape, list(range(len(shape))))
+    L = [f"  const bool wide = (({aligned}) & 15ULL) == 0;",
+         "  const long long n4 = n / 4;",
+         "  for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < n4; "
+         "g += (long long)gridDim.x * blockDim.x) {",
+         "    const long long i = 4 * g;"]
+    L += [f"    {c}" for c in coords]
+    for k, (inp, kd) in enumerate(zip(inputs, kinds)):
+        terms = [f"c{d} * {st}LL" for d, st in enumerate(inp.strides) if st != 0 and shape[d] != 1]
+        if inp.offset:
+            terms.append(f"{inp.offset}LL")
+        index = " + ".join(terms) or "0"
+        if kd == "vec":
+            L += [f"    const long long e{k} = {index};",
+                  f"    const float4 a{k} = wide ? *reinterpret_cast<const float4*>(p{k} + e{k})"
+                  f" : make_float4(p{k}[e{k}], p{k}[e{k} + 1], p{k}[e{k} + 2], p{k}[e{k} + 3]);"]
+        elif kd == "splat":
+            L += [f"    const float s{k} = ld(p{k}, {index});",
+                  f"    const float4 a{k} = make_float4(s{k}, s{k}, s{k}, s{k});"]
+        else:
+            step = inp.strides[last]
+            L += [f"    const long long e{k} = {index};",
+                  f"    const float4 a{k} = make_float4(ld(p{k}, e{k}), ld(p{k}, e{k} + {step}LL), "
+                  f"ld(p{k}, e{k} + {2 * step}LL), ld(p{k}, e{k} + {3 * step}LL));"]
+    L += [f"    float4 b{k};" for k in range(len(results))]
+    for lane in "xyzw":
+        call = [f"a{k}.{lane}" for k in range(len(inputs))] + [f"b{k}.{lane}" for k in range(len(results))]
+        L.append(f"    {name}_body({', '.join(call)});")
+    for k, (_, _, dt) in enumerate(results):
+        scalar = f"st(q{k}, i, b{k}.x); st(q{k}, i + 1, b{k}.y); st(q{k}, i + 2, b{k}.z); st(q{k}, i + 3, b{k}.w);"
+        if dt == torch.float32:
+            L.append(f"    if (wide) *reinterpret_cast<float4*>(q{k} + i) = b{k}; else {{ {scalar} }}")
+        else:
+            L.append(f"    {scalar}")
+    L.append("  }")
+    return L

@@ -1,0 +1,492 @@
+"""Row reductions over trailing contiguous dimensions: a warp or a block per row, rows held in registers
+where they fit, with prologues, epilogues and output functions fused around the reduction."""
+
+from __future__ import annotations
+
+import torch
+
+from .common import _CTYPE, _PRELUDE, KernelCode, RowPrologue, _split
+from .ops import _lit
+
+# ---- row reductions ----
+
+REDUCTIONS = ("softmax", "log_softmax", "layer_norm", "group_norm", "sum", "mean", "amax", "amin", "sum_exp")
+NORMALIZING = ("softmax", "log_softmax", "layer_norm", "group_norm")  # write a row of the input's shape
+STATISTICS = ("sum", "mean", "amax", "amin", "sum_exp")                # write one value per row
+
+_ROW_PRELUDE = r"""
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = nanmax(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ float warp_min(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = nanmin(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// Combines (max, sum of exp(x - max)) pairs: the online-softmax state.
+// An empty side (max -inf) gets exponent -inf, so its term is exp(-inf) = 0 with no branch: skipping the
+// exponential behind a condition put each loop iteration's load in its own basic block.
+__device__ __forceinline__ void softmax_combine(float& m, float& s, float m2, float s2) {
+  const float inf = __int_as_float(0x7f800000);
+  const float mm = nanmax(m, m2);
+  const float da = m == -inf ? -inf : m - mm, db = m2 == -inf ? -inf : m2 - mm;
+  m = mm; s = s * expf(da) + s2 * expf(db);
+}
+__device__ __forceinline__ void warp_softmax(float& m, float& s) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+    softmax_combine(m, s, m2, s2);
+  }
+}
+// Chan et al.'s combination of (count, mean, M2) Welford states.
+__device__ __forceinline__ void welford_combine(float& n, float& mean, float& m2, float nb, float meanb, float m2b) {
+  const float nn = n + nb;
+  if (nn == 0.0f) return;
+  const float delta = meanb - mean;
+  mean += delta * (nb / nn);
+  m2 += m2b + delta * delta * (n * nb / nn);
+  n = nn;
+}
+__device__ __forceinline__ void warp_welford(float& n, float& mean, float& m2) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float nb = __shfl_xor_sync(0xffffffffu, n, o), mb = __shfl_xor_sync(0xffffffffu, mean, o),
+                qb = __shfl_xor_sync(0xffffffffu, m2, o);
+    welford_combine(n, mean, m2, nb, mb, qb);
+  }
+}
+"""
+
+
+
+def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torch.dtype,
+                         out_dtype: torch.dtype | None = None, eps: float = 1e-5, has_weight: bool = False,
+                         has_bias: bool = False, sm_count: int = 132,
+                         prologue: RowPrologue | None = None, epilogue: RowPrologue | None = None,
+                         output: RowPrologue | None = None, groups: int = 0, group_hw: int = 0) -> KernelCode:
+    """A kernel reducing each of `rows` contiguous rows of `cols` elements.
+
+    softmax/log_softmax/layer_norm write a row of the same size; sum/mean/amax/amin write one value, and
+    so does sum_exp: sum(exp(x - max(x))) from one online pass, its output function reading the max (`mx`)
+    too — a hand-written log-sum-exp in one read of the row.
+    Arguments: x, [weight], [bias], [epilogue inputs], y, rows, cols — with a `prologue`, its inputs
+    (in0..) instead of x: the reduction input is computed on load and never stored. An `epilogue`
+    (sum/mean/amax/amin only) maps the row's statistic (`stat`) and its own inputs, element by element,
+    to a y of the row's shape: an RMS norm's scaling, without storing the statistic. An `output` maps
+    each result (`yv`) and its own inputs to the value stored: a SiLU after a group norm, the log of a
+    sum (its inputs then indexed like the statistic). group_norm rows are (sample, group) pairs of
+    cols = channels per group x `group_hw` elements, its weight and bias indexed by channel (`groups`).
+    """
+    if kind not in REDUCTIONS:
+        raise ValueError(f"unknown reduction '{kind}'")
+    if epilogue is not None and (kind not in ("sum", "mean", "amax", "amin") or epilogue.extra != ("stat",)):
+        raise ValueError(f"an epilogue applies to sum/mean/amax/amin and reads 'stat', not {kind}/{epilogue.extra}")
+    extras = ("yv", "mx") if kind == "sum_exp" else ("yv",)
+    if output is not None and (output.extra != extras or epilogue is not None):
+        raise ValueError(f"an output function of {kind} reads {extras} and excludes an epilogue, got {output.extra}")
+    if kind == "group_norm" and (groups <= 0 or group_hw <= 0 or cols % group_hw):
+        raise ValueError(f"group_norm needs groups > 0 and a group_hw dividing cols, got {groups}, {group_hw}, {cols}")
+    out_dtype = out_dtype or dtype
+    if (dtype == torch.float32 and cols % 4 == 0 and CACHED_ROW_MIN <= cols <= CACHED_ROW_MAX
+            and ((kind in NORMALIZING and out_dtype == torch.float32) or (kind in STATISTICS and epilogue is None))):
+        return _cached_row_kernel(name, kind, rows, cols, eps, has_weight, has_bias, prologue, output, groups,
+                                  group_hw, out_dtype)
+    ch = _channel(groups, group_hw, cols)
+    X = (lambda idx: f"ld(x, {idx})") if prologue is None else \
+        (lambda idx: f"{name}_x({idx}{prologue.pointers()})")
+    tpr = 32 if cols <= 1024 else (256 if cols <= 4096 else 512)  # threads per row
+    rpb = 4 if tpr == 32 else 1                                     # rows per block
+    warps = tpr // 32
+    T, U = _CTYPE[dtype], _CTYPE[out_dtype]
+    params = [f"const {T}* __restrict__ x"] if prologue is None else prologue.params()
+    if has_weight:
+        params.append(f"const {T}* __restrict__ w")
+    if has_bias:
+        params.append(f"const {T}* __restrict__ b")
+    if epilogue:
+        params += epilogue.params()
+    if output:
+        params += output.params()
+    params += [f"{U}* __restrict__ y", "long long rows", "long long cols"]
+
+    def Y(idx: str, value: str) -> str:  # the store of one result, through the output function if any
+        more = ", m" if kind == "sum_exp" else ""  # the row's maximum, which sum_exp's output reads
+        return f"st(y, {idx}, {value})" if output is None else \
+            f"st(y, {idx}, {name}_o({idx}, {value}{more}{output.pointers()}))"
+
+    L = [_PRELUDE, _ROW_PRELUDE, *(prologue.value_function(name) if prologue else []),
+         *(epilogue.value_function(name, "e") if epilogue else []),
+         *(output.value_function(name, "o") if output else []),
+         f"// {name}: {kind} over rows of {cols} ({'a warp' if tpr == 32 else f'{tpr} threads'} per row)"
+         + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else ""),
+         f"#define TPR {tpr}", f"#define RPB {rpb}", f"#define WARPS {warps}",
+         f'extern "C" __global__ void __launch_bounds__(TPR * RPB) {name}({", ".join(params)}) {{',
+         "  const long long row = (long long)blockIdx.x * RPB + threadIdx.x / TPR;",
+         "  const int t = threadIdx.x % TPR;",
+         "  const int lane = threadIdx.x & 31, warp = (threadIdx.x % TPR) >> 5;",
+         "  if (row >= rows) return;",
+         "  const long long base = row * cols;"]
+    shared = warps > 1
+    if shared:
+        L.append("  __shared__ float sh[3][WARPS];")
+
+    def block_combine(fields: list[str], combine: str):
+        """After a warp-level reduction of `fields`, combine the warps' partials through shared memory."""
+        if not shared:
+            return
+        for k, f in enumerate(fields):
+            L.append(f"  if (lane == 0) sh[{k}][warp] = {f};")
+        L.append("  __syncthreads();")
+        init = ", ".join(f"sh[{k}][lane < WARPS ? lane : 0]" for k in range(len(fields)))
+        L.append(f"  if (lane < WARPS) {{ {'; '.join(f'{f} = sh[{k}][lane]' for k, f in enumerate(fields))}; }}")
+        L.append(combine)
+        L.append("  __syncthreads();")
+        del init
+
+    xc = X("base + c")  # the row's element c
+    if kind in ("softmax", "log_softmax", "sum_exp"):
+        L += ["  float m = -__int_as_float(0x7f800000), s = 0.0f;",
+              "  for (long long c = t; c < cols; c += TPR) {",
+              f"    const float v = {X('base + c')};",
+              "    softmax_combine(m, s, v, 1.0f);",
+              "  }",
+              "  warp_softmax(m, s);"]
+        block_combine(["m", "s"], "  if (lane >= WARPS) { m = -__int_as_float(0x7f800000); s = 0.0f; }\n  warp_softmax(m, s);")
+        if kind == "sum_exp":  # sum(exp(x - max(x))) in one read: a log-sum-exp with its max (m) at hand
+            L.append(f"  if (t == 0) {Y('row', 's')};")
+        elif kind == "softmax":
+            L += ["  const float inv = 1.0f / s;",
+                  f"  for (long long c = t; c < cols; c += TPR) {Y('base + c', f'expf({xc} - m) * inv')};"]
+        else:
+            L += ["  const float shift = m + logf(s);",
+                  f"  for (long long c = t; c < cols; c += TPR) {Y('base + c', f'{xc} - shift')};"]
+    elif kind in ("layer_norm", "group_norm"):
+        L += ["  float n = 0.0f, mean = 0.0f, m2 = 0.0f;",
+              "  for (long long c = t; c < cols; c += TPR) {",
+              f"    const float v = {X('base + c')};",
+              # __fdividef: an IEEE division expands to a call with a slow-path branch, which keeps each
+              # iteration's load apart (one in flight per thread); the approximate one is two instructions.
+              "    n += 1.0f; const float d = v - mean; mean += __fdividef(d, n); m2 += d * (v - mean);",
+              "  }",
+              "  warp_welford(n, mean, m2);"]
+        block_combine(["n", "mean", "m2"], "  if (lane >= WARPS) { n = 0.0f; mean = 0.0f; m2 = 0.0f; }\n  warp_welford(n, mean, m2);")
+        L += [f"  const float rstd = rsqrtf(m2 / (float)cols + {_lit(eps)});",
+              "  for (long long c = t; c < cols; c += TPR) {",
+              f"    float v = ({X('base + c')} - mean) * rstd;"]
+        if has_weight:
+            L.append(f"    v *= ld(w, {ch('c')});")
+        if has_bias:
+            L.append(f"    v += ld(b, {ch('c')});")
+        L += [f"    {Y('base + c', 'v')};", "  }"]
+    else:
+        init = {"sum": "0.0f", "mean": "0.0f", "amax": "-__int_as_float(0x7f800000)",
+                "amin": "__int_as_float(0x7f800000)"}[kind]
+        step = {"sum": "a += v", "mean": "a += v", "amax": "a = nanmax(a, v)", "amin": "a = nanmin(a, v)"}[kind]
+        reduce = {"sum": "warp_sum", "mean": "warp_sum", "amax": "warp_max", "amin": "warp_min"}[kind]
+        L += [f"  float a = {init};",
+              "  for (long long c = t; c < cols; c += TPR) {",
+              f"    const float v = {X('base + c')}; {step};",
+              "  }",
+              f"  a = {reduce}(a);"]
+        block_combine(["a"], f"  if (lane >= WARPS) a = {init};\n  a = {reduce}(a);")
+        final = "a / (float)cols" if kind == "mean" else "a"
+        if epilogue is None:
+            L.append(f"  if (t == 0) {Y('row', final)};")
+        else:  # every thread holds the statistic after the combine
+            L += [f"  const float stat = {final};",
+                  f"  for (long long c = t; c < cols; c += TPR) st(y, base + c, {name}_e(base + c, stat"
+                  f"{epilogue.pointers()}));"]
+    L.append("}")
+    args = _reduction_args(has_weight, has_bias, rows, cols, prologue, epilogue, output)
+    grid = (rows + rpb - 1) // rpb
+    return KernelCode("\n".join(L) + "\n", name, grid, tpr * rpb, args,
+                      f"{kind} over {rows} rows of {cols}, {'warp' if tpr == 32 else 'block'} per row, warp shuffles"
+                      + (" + shared-memory combine" if shared else "") + (", Welford" if kind in ("layer_norm", "group_norm") else "")
+                      + (", online" if kind in ("softmax", "log_softmax", "sum_exp") else "")
+                      + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else "")
+                      + (f", {len(epilogue.body)} elementwise op(s) applying the {kind} to its row" if epilogue else "")
+                      + (f", {len(output.body)} elementwise op(s) applied before the store" if output else ""))
+
+
+
+def _channel(groups: int, group_hw: int, cols: int):
+    """The weight/bias index of the row's element `c`: c itself, or a group norm's channel."""
+    if not groups:
+        return lambda c: c
+    per_group = cols // group_hw
+    return lambda c: f"((row % {groups}LL) * {per_group}LL + ({c}) / {group_hw}LL)"
+
+
+def _reduction_args(has_weight: bool, has_bias: bool, rows: int, cols: int, prologue: RowPrologue | None,
+                    epilogue: RowPrologue | None = None, output: RowPrologue | None = None) -> list[tuple[str, object]]:
+    args: list[tuple[str, object]] = [("in", "x")] if prologue is None else [("in", i.key) for i in prologue.inputs]
+    if has_weight:
+        args.append(("in", "weight"))
+    if has_bias:
+        args.append(("in", "bias"))
+    for extra in (epilogue, output):
+        if extra:
+            args += [("in", i.key) for i in extra.inputs]
+    return args + [("out", "y"), ("i64", rows), ("i64", cols)]
+
+
+# ---- long fp32 rows held in registers ----
+
+CACHED_ROW_MAX = 32768  # 8 float4 per thread at 1,024 threads
+CACHED_ROW_MIN = 128    # a warp's float4 loads cover the row at least once
+
+_BLOCK_PRELUDE = r"""
+// Reductions over the whole block (one row per block); every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float* sh) {
+  v = warp_sum(v);
+  if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = (threadIdx.x & 31) < WARPS ? sh[threadIdx.x & 31] : 0.0f;
+  v = warp_sum(v);
+  __syncthreads();  // sh is reused by the next reduction
+  return v;
+}
+__device__ __forceinline__ float block_max(float v, float* sh) {
+  v = warp_max(v);
+  if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = (threadIdx.x & 31) < WARPS ? sh[threadIdx.x & 31] : -__int_as_float(0x7f800000);
+  v = warp_max(v);
+  __syncthreads();
+  return v;
+}
+__device__ __forceinline__ float block_min(float v, float* sh) {
+  v = warp_min(v);
+  if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = (threadIdx.x & 31) < WARPS ? sh[threadIdx.x & 31] : __int_as_float(0x7f800000);
+  v = warp_min(v);
+  __syncthreads();
+  return v;
+}
+"""
+
+_WARP_ROW_PRELUDE = r"""
+// A warp holds the whole row: the row's reductions are the warp's (sh is unused).
+__device__ __forceinline__ float block_sum(float v, float*) { return warp_sum(v); }
+__device__ __forceinline__ float block_max(float v, float*) { return warp_max(v); }
+__device__ __forceinline__ float block_min(float v, float*) { return warp_min(v); }
+"""
+
+
+def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, has_weight: bool,
+                       has_bias: bool, prologue: RowPrologue | None = None, output: RowPrologue | None = None,
+                       groups: int = 0, group_hw: int = 0, out_dtype: torch.dtype = torch.float32) -> KernelCode:
+    """Softmax, log-softmax, layer or group norm over fp32 rows, a warp or a block per row: the row is read
+    once from memory with 16-byte loads into registers (VPT float4 per thread), reduced there (exact
+    two-pass statistics, one exp per element) and written once with 16-byte stores. Rows that are not
+    16-byte aligned (a view at an odd offset) take scalar loads into the same registers. The statistics
+    (sum, mean, amax, amin, sum_exp) read the same way and store one value per row."""
+    stat = kind in STATISTICS
+    c4 = cols // 4
+    if c4 <= 256:  # up to 1,024 columns: a warp per row, eight rows per block, no barrier or shared memory
+        tpr, rpb = 32, 8
+    else:
+        tpr, rpb = 128, 1
+        while tpr < 1024 and tpr * 4 < c4:  # about four float4 per thread
+            tpr *= 2
+    vpt = -(-c4 // tpr)
+    params = ["const float* __restrict__ x"] if prologue is None else prologue.params()
+    ptrs = ["x + row * cols", "y + row * cols"]
+    kinds = prologue.vector_kinds(cols) if prologue else None
+    # What must be 16-byte aligned for the vector path: the row's start in every row-shaped operand.
+    checked = (["xr"] if prologue is None else []) + ([] if stat else ["yr"])
+    if kinds:
+        checked += [f"{i.key} + row * cols" if k == "row" else i.key
+                    for i, k in zip(prologue.inputs, kinds) if k in ("row", "col", "based4")]
+    if has_weight:
+        params.append("const float* __restrict__ w")
+    if has_bias:
+        params.append("const float* __restrict__ b")
+    if output:
+        params += output.params()
+    params += [f"{_CTYPE[out_dtype]}* __restrict__ y", "long long rows", "long long cols"]
+    # A group norm reads its weight and bias by channel, one element at a time: not part of the vector check.
+    vector_wb = not groups
+    aligned = " | ".join(f"reinterpret_cast<unsigned long long>({p})" for p in
+                         checked + (["w"] if has_weight and vector_wb else []) + (["b"] if has_bias and vector_wb else [])) \
+        or "0ULL"
+    per_row = "one warp per row" if tpr == 32 else f"one block of {tpr} threads per row"
+    L = [_PRELUDE, _ROW_PRELUDE,
+         f"// {name}: {kind} over rows of {cols}, {per_row}, the row held in registers",
+         f"#define TPR {tpr}", f"#define RPB {rpb}", f"#define WARPS {tpr // 32}", f"#define VPT {vpt}",
+         f"#define C4 {c4}", f"#define COLS {cols}LL",
+         _BLOCK_PRELUDE if tpr > 32 else _WARP_ROW_PRELUDE,
+         "__device__ __forceinline__ float4 load4(const float* p, int c4, bool vec) {",
+         "  return vec ? reinterpret_cast<const float4*>(p)[c4] : make_float4(p[4 * c4], p[4 * c4 + 1], p[4 * c4 + 2], p[4 * c4 + 3]);",
+         "}",
+         "__device__ __forceinline__ void store4(float* p, int c4, float4 v, bool vec) {",
+         "  if (vec) { reinterpret_cast<float4*>(p)[c4] = v; return; }",
+         "  p[4 * c4] = v.x; p[4 * c4 + 1] = v.y; p[4 * c4 + 2] = v.z; p[4 * c4 + 3] = v.w;",
+         "}",
+         *(_cached_prologue(name, prologue, kinds) if prologue else []),
+         *((output.value_function(name, "o") if stat else _cached_output(name, output)) if output else []),
+         f'extern "C" __global__ void __launch_bounds__(TPR * RPB) {name}({", ".join(params)}) {{',
+         "  const long long row = (long long)blockIdx.x * RPB + threadIdx.x / TPR;",
+         "  const int t = threadIdx.x % TPR;",
+         "  if (row >= rows) return;",  # a whole row's threads leave together: no barrier is left waiting
+         "  __shared__ float sh[WARPS];",
+         *([f"  const float* xr = {ptrs[0]};"] if prologue is None else []),
+         *([] if stat else [f"  float* yr = {ptrs[1]};"]),
+         f"  const bool vec = (({aligned}) & 15ULL) == 0;",
+         "  float4 v[VPT];",
+         "#pragma unroll",
+         "  for (int k = 0; k < VPT; ++k) {",
+         "    const int c = t + k * TPR;",
+         "    v[k] = c < C4 ? " + ("load4(xr, c, vec)" if prologue is None else
+                                    f"{name}_x4(row, c, vec{prologue.pointers()})")
+         + " : make_float4(0.0f, 0.0f, 0.0f, 0.0f);",
+         "  }"]
+
+    def each(body: list[str]) -> None:
+        L.extend(["#pragma unroll", "  for (int k = 0; k < VPT; ++k) {",
+                  "    if (t + k * TPR >= C4) break;", *[f"    {b}" for b in body], "  }"])
+
+    def store(c: str, value: str) -> str:  # one float4 of results, through the output function if any
+        if output is not None:
+            value = f"{name}_o4(row, {c}, {value}{output.pointers()})"
+        return f"store4(yr, {c}, {value}, vec);"
+
+    if stat:
+        inf = "__int_as_float(0x7f800000)"
+        if kind in ("sum", "mean"):
+            L.append("  float a = 0.0f;")
+            each(["a += (v[k].x + v[k].y) + (v[k].z + v[k].w);"])
+            L.append("  a = block_sum(a, sh);" + (" a /= (float)cols;" if kind == "mean" else ""))
+        elif kind in ("amax", "amin"):
+            f = "nanmax" if kind == "amax" else "nanmin"
+            L.append(f"  float a = {'-' if kind == 'amax' else ''}{inf};")
+            each([f"a = {f}(a, {f}({f}(v[k].x, v[k].y), {f}(v[k].z, v[k].w)));"])
+            L.append(f"  a = block_{kind[1:]}(a, sh);")
+        else:  # sum_exp: the max, then the sum of exp(x - max) from the registers; a row of -inf sums to 0
+            L.append(f"  float m = -{inf};")
+            each(["m = nanmax(m, nanmax(nanmax(v[k].x, v[k].y), nanmax(v[k].z, v[k].w)));"])
+            L += ["  m = block_max(m, sh);", f"  const float shift = m == -{inf} ? 0.0f : m;", "  float a = 0.0f;"]
+            each(["a += (expf(v[k].x - shift) + expf(v[k].y - shift)) + (expf(v[k].z - shift) + expf(v[k].w - shift));"])
+            L.append("  a = block_sum(a, sh);")
+        more = ", m" if kind == "sum_exp" else ""
+        value = "a" if output is None else f"{name}_o(row, a{more}{output.pointers()})"
+        L.append(f"  if (t == 0) st(y, row, {value});")
+    elif kind in ("softmax", "log_softmax"):
+        L.append("  float m = -__int_as_float(0x7f800000);")
+        each(["m = nanmax(m, nanmax(nanmax(v[k].x, v[k].y), nanmax(v[k].z, v[k].w)));"])
+        L += ["  m = block_max(m, sh);", "  float s = 0.0f;"]
+        if kind == "softmax":
+            each(["v[k] = make_float4(expf(v[k].x - m), expf(v[k].y - m), expf(v[k].z - m), expf(v[k].w - m));",
+                  "s += (v[k].x + v[k].y) + (v[k].z + v[k].w);"])
+            L += ["  const float inv = 1.0f / block_sum(s, sh);"]
+            each([store("t + k * TPR", "make_float4(v[k].x * inv, v[k].y * inv, v[k].z * inv, v[k].w * inv)")])
+        else:
+            each(["s += (expf(v[k].x - m) + expf(v[k].y - m)) + (expf(v[k].z - m) + expf(v[k].w - m));"])
+            L += ["  const float shift = m + logf(block_sum(s, sh));"]
+            each([store("t + k * TPR", "make_float4(v[k].x - shift, v[k].y - shift, v[k].z - shift, "
+                        "v[k].w - shift)")])
+    else:  # layer or group norm: exact mean, then the mean of squared deviations, both from registers
+        L.append("  float s = 0.0f;")
+        each(["s += (v[k].x + v[k].y) + (v[k].z + v[k].w);"])
+        L += ["  const float mean = block_sum(s, sh) / (float)cols;", "  float q = 0.0f;"]
+        each(["const float4 d = make_float4(v[k].x - mean, v[k].y - mean, v[k].z - mean, v[k].w - mean);",
+              "q += (d.x * d.x + d.y * d.y) + (d.z * d.z + d.w * d.w);"])
+        L.append(f"  const float rstd = rsqrtf(block_sum(q, sh) / (float)cols + {_lit(eps)});")
+        body = ["const int c = t + k * TPR;",
+                "float4 o = make_float4((v[k].x - mean) * rstd, (v[k].y - mean) * rstd, (v[k].z - mean) * rstd, "
+                "(v[k].w - mean) * rstd);"]
+        ch = _channel(groups, group_hw, cols)
+        for flag, ptr, op, var in ((has_weight, "w", "*=", "g"), (has_bias, "b", "+=", "h")):
+            if not flag:
+                continue
+            if groups:
+                body.append(f"const float4 {var} = make_float4({ptr}[{ch('4 * c')}], {ptr}[{ch('4 * c + 1')}], "
+                            f"{ptr}[{ch('4 * c + 2')}], {ptr}[{ch('4 * c + 3')}]);")
+            else:
+                body.append(f"const float4 {var} = load4({ptr}, c, vec);")
+            body.append(f"o.x {op} {var}.x; o.y {op} {var}.y; o.z {op} {var}.z; o.w {op} {var}.w;")
+        body.append(store("c", "o"))
+        each(body)
+    L.append("}")
+    args = _reduction_args(has_weight, has_bias, rows, cols, prologue, None, output)
+    if prologue:
+        what_in = "16-byte" if kinds else "scalar"
+        fused = f", {len(prologue.body)} elementwise op(s) fused into the loads ({what_in})"
+    else:
+        fused = ""
+    what = ("exact two-pass mean and variance" if kind in ("layer_norm", "group_norm") else
+            "max, then one exp per element" if kind in ("softmax", "log_softmax", "sum_exp") else "16-byte loads")
+    io = "one read, one value per row" if stat else "one read and one write"
+    if output:
+        fused += f", {len(output.body)} elementwise op(s) applied before the store"
+    return KernelCode("\n".join(L) + "\n", name, -(-rows // rpb), tpr * rpb, args,
+                      f"{kind} over {rows} rows of {cols}, {'warp' if tpr == 32 else 'block'} per row, row held in registers "
+                      f"({vpt} float4 per thread), {io}, {what}{fused}", vectorized=True)
+
+
+def _cached_output(name: str, output: RowPrologue) -> list[str]:
+    """`{name}_o4(row, c4, v, in0, ..)`: the output function on one float4 of results."""
+    L = output.value_function(name, "o")
+    params = ", ".join(["long long row", "int c4", "float4 v",
+                        *[f"const {_CTYPE[i.dtype]}* __restrict__ p_{i.key}" for i in output.inputs]])
+    args = "".join(f", p_{i.key}" for i in output.inputs)
+    L += [f"__device__ __forceinline__ float4 {name}_o4({params}) {{",
+          "  const long long i = row * COLS + 4LL * c4;",
+          f"  return make_float4({name}_o(i, v.x{args}), {name}_o(i + 1, v.y{args}), "
+          f"{name}_o(i + 2, v.z{args}), {name}_o(i + 3, v.w{args}));",
+          "}"]
+    return L
+
+
+def _cached_prologue(name: str, prologue: RowPrologue, kinds: list[str] | None) -> list[str]:
+    """`{name}_x4(row, c4, vec, in0, ..)`: four consecutive values of the reduction input (one float4 of
+    the row), 16-byte loads of each operand when `kinds` allows, else the scalar value function."""
+    L = prologue.value_function(name)
+    params = ", ".join(["long long row", "int c4", "bool vec",
+                        *[f"const {_CTYPE[i.dtype]}* __restrict__ p_{i.key}" for i in prologue.inputs]])
+    L.append(f"__device__ __forceinline__ float4 {name}_x4({params}) {{")
+    if kinds is None:
+        args = "".join(f", p_{i.key}" for i in prologue.inputs)
+        L.append("  const long long i = row * COLS + 4LL * c4;")
+        L.append(f"  return make_float4({name}_x(i{args}), {name}_x(i + 1{args}), {name}_x(i + 2{args}), "
+                 f"{name}_x(i + 3{args}));")
+        L.append("}")
+        return L
+    shape = prologue.shape
+    if any(k in ("based4", "based1", "per_row") for k in kinds):  # the row's coordinates (all but the last)
+        L += [f"  {c}" for c in _split("row", shape, list(range(len(shape) - 1)))]
+    for inp, k in zip(prologue.inputs, kinds):
+        a, p = f"a_{inp.key}", f"p_{inp.key}"
+        if k == "row":
+            L.append(f"  const float4 {a} = load4({p} + row * COLS, c4, vec);")
+        elif k == "col":
+            L.append(f"  const float4 {a} = load4({p}, c4, vec);")
+        elif k in ("based4", "based1", "per_row"):
+            terms = [f"c{d} * {st}LL" for d, st in enumerate(inp.strides[:-1]) if st != 0 and shape[d] != 1]
+            base = " + ".join(terms + ([f"{inp.offset}LL"] if inp.offset else [])) or "0LL"
+            L.append(f"  const long long b_{inp.key} = {base};")
+            if k == "based4":
+                L.append(f"  const float4 {a} = load4({p} + b_{inp.key}, c4, vec);")
+            elif k == "based1":
+                e = f"b_{inp.key} + 4LL * c4"
+                L.append(f"  const float4 {a} = make_float4(ld({p}, {e}), ld({p}, {e} + 1), ld({p}, {e} + 2), "
+                         f"ld({p}, {e} + 3));")
+            else:
+                L.append(f"  const float s_{inp.key} = ld({p}, b_{inp.key});")
+                L.append(f"  const float4 {a} = make_float4(s_{inp.key}, s_{inp.key}, s_{inp.key}, s_{inp.key});")
+        else:
+            L.append(f"  const float s_{inp.key} = ld({p}, 0);")
+            L.append(f"  const float4 {a} = make_float4(s_{inp.key}, s_{inp.key}, s_{inp.key}, s_{inp.key});")
+    L.append("  float4 out;")
+    for lane in "xyzw":
+        L.append("  {")
+        L += [f"    const float {i.key} = a_{i.key}.{lane};" for i in prologue.inputs]
+        L += [f"    {b}" for b in prologue.body]
+        L.append(f"    out.{lane} = {prologue.result};")
+        L.append("  }")
+    L += ["  return out;", "}"]
+    return L
