@@ -73,6 +73,14 @@ def _split(value: str, shape: tuple[int, ...], dims: list[int]) -> list[str]:
                                            for d in reversed(dims)]
 
 
+def _index(inp: PointwiseInput, shape: tuple[int, ...], dims: int | None = None) -> str:
+    """C expression of `inp`'s element index from the coordinates c0.. of its first `dims` dimensions (all by
+    default), broadcast dimensions left out."""
+    dims = len(shape) if dims is None else dims
+    terms = [f"c{d} * {inp.strides[d]}LL" for d in range(dims) if inp.strides[d] != 0 and shape[d] != 1]
+    return " + ".join(terms + ([f"{inp.offset}LL"] if inp.offset else [])) or "0"
+
+
 def _element_indices(shape: tuple[int, ...], inputs: list[PointwiseInput]) -> tuple[list[str], list[str]]:
     """For the element at flat index `i` of `shape`: the statements splitting i into coordinates c0..
     (none when every input is laid out like the output) and each input's element index."""
@@ -84,10 +92,7 @@ def _element_indices(shape: tuple[int, ...], inputs: list[PointwiseInput]) -> tu
         if inp.linear(shape):
             indices.append("i")
             continue
-        terms = [f"c{d} * {st}LL" for d, st in enumerate(inp.strides) if st != 0 and shape[d] != 1]
-        if inp.offset:
-            terms.append(f"{inp.offset}LL")
-        indices.append(" + ".join(terms) or "0")
+        indices.append(_index(inp, shape))
     return coords, indices
 
 
@@ -134,9 +139,7 @@ class RowPrologue:
                             *[f"const {_CTYPE[i.dtype]}* __restrict__ p_{i.key}" for i in self.inputs]])
         L = [f"__device__ __forceinline__ float {name}_{suffix}c({params}) {{"]
         for inp in self.inputs:
-            terms = [f"c{d} * {st}LL" for d, st in enumerate(inp.strides) if st != 0 and shape[d] != 1]
-            index = " + ".join(terms + ([f"{inp.offset}LL"] if inp.offset else [])) or "0"
-            L.append(f"  const float {inp.key} = ld(p_{inp.key}, {index});")
+            L.append(f"  const float {inp.key} = ld(p_{inp.key}, {_index(inp, shape)});")
         L += [f"  {b}" for b in self.body] + [f"  return {self.result};", "}"]
         return L
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import _CTYPE, _PRELUDE, KernelCode, PointwiseInput, _element_indices, _split
+from .common import _CTYPE, _PRELUDE, KernelCode, PointwiseInput, _element_indices, _index, _split
 
 
 def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseInput],
@@ -101,10 +101,7 @@ def _grouped_pointwise_loop(name: str, shape: tuple[int, ...], inputs: list[Poin
          "    const long long i = 4 * g;"]
     L += [f"    {c}" for c in coords]
     for k, (inp, kd) in enumerate(zip(inputs, kinds)):
-        terms = [f"c{d} * {st}LL" for d, st in enumerate(inp.strides) if st != 0 and shape[d] != 1]
-        if inp.offset:
-            terms.append(f"{inp.offset}LL")
-        index = " + ".join(terms) or "0"
+        index = _index(inp, shape)
         if kd == "vec":
             L += [f"    const long long e{k} = {index};",
                   f"    const float4 a{k} = wide ? *reinterpret_cast<const float4*>(p{k} + e{k})"

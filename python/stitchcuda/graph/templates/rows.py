@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import _CTYPE, _PRELUDE, KernelCode, RowPrologue, _split
+from .common import _CTYPE, _PRELUDE, KernelCode, RowPrologue, _index, _split
 from .ops import _lit
 
 # ---- row reductions ----
@@ -466,9 +466,7 @@ def _cached_prologue(name: str, prologue: RowPrologue, kinds: list[str] | None) 
         elif k == "col":
             L.append(f"  const float4 {a} = load4({p}, c4, vec);")
         elif k in ("based4", "based1", "per_row"):
-            terms = [f"c{d} * {st}LL" for d, st in enumerate(inp.strides[:-1]) if st != 0 and shape[d] != 1]
-            base = " + ".join(terms + ([f"{inp.offset}LL"] if inp.offset else [])) or "0LL"
-            L.append(f"  const long long b_{inp.key} = {base};")
+            L.append(f"  const long long b_{inp.key} = {_index(inp, shape, len(shape) - 1)};")
             if k == "based4":
                 L.append(f"  const float4 {a} = load4({p} + b_{inp.key}, c4, vec);")
             elif k == "based1":
