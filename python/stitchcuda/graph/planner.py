@@ -285,12 +285,15 @@ class OfflinePlanner:
                 out.append(fused)
         return out
 
-    @staticmethod
-    def _sinkable(groups: list[Group], node: Node) -> int | None:
-        """The index of an earlier pointwise group of `node`'s shape that produces one of its inputs and
-        whose results no group after it reads — delaying it to `node` changes no value anyone reads."""
+    SINK_WINDOW = 16  # groups looked back over: a SwiGLU's chain is 2-3 back; bounds the planner at O(n)
+
+    @classmethod
+    def _sinkable(cls, groups: list[Group], node: Node) -> int | None:
+        """The index of an earlier pointwise group of `node`'s shape, among the last SINK_WINDOW, that
+        produces one of its inputs and whose results no group after it reads — delaying it to `node`
+        changes no value anyone reads."""
         wanted = {v.name for v in node.inputs}
-        for i in range(len(groups) - 1, -1, -1):
+        for i in range(len(groups) - 1, max(-1, len(groups) - 1 - cls.SINK_WINDOW), -1):
             g = groups[i]
             if g.kind != "pointwise" or g.params["shape"] != node.out.shape:
                 continue
