@@ -1,4 +1,4 @@
-// Bindings of the agents layer: retrieval, prompts, code extraction, plans, Verifier reports, and
+// Bindings of the agents layer: retrieval, prompts, code extraction, problem plans, Verifier reports, and
 // `optimize`, which runs the C++ Optimizer with a Python verify function — on a worker thread with the
 // GIL released, so that Ctrl-C is seen while models and verification run.
 #include <pybind11/pybind11.h>
@@ -44,11 +44,15 @@ Hardware to_hardware(const py::dict& d) {
 }
 
 Problem to_problem(const py::dict& d) {
-  check_keys(d, {"name", "reference", "profile", "hardware"}, "problem key");
+  check_keys(d, {"name", "reference", "profile", "hardware", "answer", "target"}, "problem key");
   Problem p;
   p.name = get_or<std::string>(d, "name", "");
   p.reference = get_or<std::string>(d, "reference", "");
   p.profile = get_or<std::string>(d, "profile", "");
+  p.answer = get_or<std::string>(d, "answer", p.answer);
+  p.target = get_or<std::string>(d, "target", "");
+  if (p.answer != "model_new" && p.answer != "kernel_step")
+    invalid("the problem's 'answer' is '" + p.answer + "'; expected 'model_new' or 'kernel_step'");
   if (d.contains("hardware") && !d["hardware"].is_none()) p.hardware = to_hardware(d["hardware"].cast<py::dict>());
   if (p.name.empty()) invalid("the problem needs a 'name' (the problem file's stem)");
   if (p.reference.empty()) invalid("the problem needs a 'reference' (the KernelBench-format source)");
@@ -339,12 +343,19 @@ void bind_agents(py::module_& m) {
   am.def("extract_code", [](const std::string& reply, const std::string& finish_reason) {
     return extraction_dict(unwrap(extract_code(reply, finish_reason)));
   }, py::arg("reply"), py::arg("finish_reason") = "");
-  // (the plan as JSON, the plan as the numbered text prompts show)
-  am.def("plan_parse", [](const std::string& text) {
-    Plan plan = unwrap(Plan::parse(text));
+  am.def("extract_kernel_step", [](const std::string& reply, const std::string& finish_reason) {
+    return extraction_dict(unwrap(extract_kernel_step(reply, finish_reason)));
+  }, py::arg("reply"), py::arg("finish_reason") = "");
+  // A kernel step's canonical text, validated and normalized (InvalidArgumentError names each problem).
+  am.def("kernel_step_parse", [](const std::string& text) { return unwrap(KernelStep::parse(text)).to_json(); },
+         py::arg("text"));
+  // (the problem plan as JSON, the plan as the numbered text prompts show)
+  am.def("problem_plan_parse", [](const std::string& text) {
+    ProblemPlan plan = unwrap(ProblemPlan::parse(text));
     return py::make_tuple(plan.to_json(), plan.describe());
   }, py::arg("text"));
-  am.def("plan_schema", [] { return plan_schema(); });
+  am.def("problem_plan_schema", [] { return problem_plan_schema(); });
+  am.def("report_schema", [] { return report_schema(); });
   am.def("report_from_json", [](const std::string& json) { return report_dict(unwrap(Report::from_json(json))); },
          py::arg("json"));
   am.def("fresh_run_path", &RunDirectory::fresh_path, py::arg("root"), py::arg("problem"));

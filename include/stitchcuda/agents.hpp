@@ -70,7 +70,7 @@ class Retriever {
 /// One prompt template. Files are `<name>.md`; an optional first line `<!-- version: N -->` gives the
 /// version. Placeholders are `{{key}}`; `{{#key}}...{{/key}}` keeps its body only when key is non-empty.
 struct Prompt {
-  std::string name;     ///< "planner", "coder_plan", "coder_feedback", "replanner", "verifier"
+  std::string name;     ///< "planner", "coder_plan", "coder_feedback", "answer_model_new", "replanner", "verifier"
   std::string version;  ///< from the version line ("0" when absent)
   std::string text;     ///< the template, version line removed
   std::string path;     ///< where it was read ("" for built from a string)
@@ -124,10 +124,39 @@ struct Extraction {
 /// ask the model): no block defines ModelNew, the chosen block is cut off, the reply is empty.
 Result<Extraction> extract_code(std::string_view reply, std::string_view finish_reason = "");
 
-// ---- the plan ------------------------------------------------------------------------------------
+/// What the Coder answers for a graph-mode target: one CUDA kernel the Program launches without Python.
+/// Launch dimensions, dynamic shared memory and scalar arguments are expressions over the target's
+/// shapes ("ceil_div(out0.numel, 1024)", "in0.shape[1]", "4096"); buffers are named in0.., out0..
+/// (the target's inputs and outputs, in the order the prompt lists them). Expressions are evaluated
+/// where the shapes are known (Python's lowering); here only their form is checked.
+struct KernelStep {
+  std::string source;                  ///< CUDA source holding the kernel (extern "C" __global__)
+  std::string kernel;                  ///< entry point
+  std::vector<std::string> grid;       ///< 1-3 expressions
+  std::vector<std::string> block;      ///< 1-3 expressions
+  std::string shared_bytes = "0";      ///< dynamic shared memory per block, an expression
+  std::vector<std::string> args;       ///< in declaration order: "in0", "out1", or a scalar expression
 
-/// One step of a plan.
-struct PlanStep {
+  /// The canonical text (a JSON object with "kernel_step": 1 and the fields above): what a run records
+  /// as the candidate and what parse() reads back.
+  std::string to_json() const;
+  /// From the canonical text. InvalidArgument lists every problem ("grid: 1-3 entries", "kernel 'k' is
+  /// not a __global__ function of the source").
+  static Result<KernelStep> parse(std::string_view json);
+};
+
+/// Finds a kernel step in a reply: a ```cuda (or ```cpp / ```c++ / ```cu) block holding the kernel and a
+/// ```json block with {"kernel", "grid", "block", "shared_bytes"?, "args"}; the last of each when several.
+/// Extraction::code is KernelStep::to_json(). Errors (LlmError, saying what to send): no CUDA block, no
+/// launch block, invalid JSON or fields, a kernel name the source does not define, a cut-off reply.
+Result<Extraction> extract_kernel_step(std::string_view reply, std::string_view finish_reason = "");
+
+// ---- the problem plan -----------------------------------------------------------------------------
+// What the Planner writes for one problem: how to implement it. Not the graph partition (Python's
+// stitchcuda.graph GraphPlan) and not a Program's memory layout (BufferPlan).
+
+/// One step of a problem plan.
+struct ProblemPlanStep {
   std::string title;   ///< "Fuse bias, GELU and residual into the GEMM epilogue"
   std::string detail;  ///< how, in a few sentences
 };
@@ -139,10 +168,10 @@ struct FusionGroup {
   std::string rationale;         ///< why fusing them pays (bytes saved, launches saved)
 };
 
-/// The Planner's output; JSON with these keys (plan_schema()).
-struct Plan {
+/// The Planner's output; JSON with these keys (problem_plan_schema()).
+struct ProblemPlan {
   std::string summary;                     ///< one paragraph
-  std::vector<PlanStep> steps;             ///< at least one
+  std::vector<ProblemPlanStep> steps;      ///< at least one
   std::vector<FusionGroup> fusion_groups;  ///< may be empty
   std::vector<std::string> bottlenecks;    ///< expected after the change
   std::vector<std::string> risks;          ///< correctness risks (numerics, aliasing, shapes)
@@ -155,10 +184,13 @@ struct Plan {
   /// Parses a JSON object (a reply may wrap it in prose or a ```json fence: the first balanced object
   /// is taken). InvalidArgument lists every schema violation ("steps[1].title: missing"), so a model can
   /// be asked again with the message.
-  static Result<Plan> parse(std::string_view text);
+  static Result<ProblemPlan> parse(std::string_view text);
 };
-/// The JSON Schema a plan follows (also sent as a structured-output schema where the server supports it).
-const std::string& plan_schema();
+/// The JSON Schema a problem plan follows (also sent as a structured-output schema where the server supports it).
+const std::string& problem_plan_schema();
+/// The JSON Schema of a Verifier report (Python's VerifyReport.to_json(), "schema_version": 1), the
+/// format Report::from_json reads; it refuses a report without that version or with another one.
+const std::string& report_schema();
 
 // ---- what the agents know about the problem and the machine -------------------------------------
 
@@ -178,10 +210,17 @@ struct Hardware {
 
 /// The problem being optimized.
 struct Problem {
-  std::string name;             ///< "block_gelu" (the file's stem)
+  std::string name;             ///< "block_gelu" (the file's stem), or a graph-mode target's id
   std::string reference;        ///< KernelBench-format Python source (Model, get_inputs, get_init_inputs)
   Hardware hardware;            ///< the target GPU
   std::string profile;          ///< the reference's profile as text (top kernels, launches, gaps); may be ""
+  /// What the Coder answers: "model_new" (a Python module defining ModelNew: program mode) or
+  /// "kernel_step" (one CUDA kernel and its launch: a graph-mode target). Picks the answer contract the
+  /// Coder's prompts show (prompts/answer_<answer>.md) and how its reply is read.
+  std::string answer = "model_new";
+  /// Graph mode: the target described for the Coder (its inputs in0.. and outputs out0.., with shapes
+  /// and dtypes); shown in the Coder's prompts when non-empty.
+  std::string target;
 };
 
 // ---- one exchange with a model, as recorded ------------------------------------------------------
@@ -189,6 +228,7 @@ struct Problem {
 /// A call to a model and its answer, for the run directory and trajectories.
 struct Exchange {
   std::string agent;                   ///< "planner", "coder", "verifier", "replanner"
+  std::string model;                   ///< the model that answered (as the server said, else the backend's name)
   std::vector<llm::Message> messages;  ///< what was sent
   std::string reply;                   ///< what came back ("" on failure)
   std::string finish_reason;           ///< as the backend reported
@@ -210,12 +250,12 @@ struct AgentOptions {
 // ---- the agents --------------------------------------------------------------------------------
 
 /// What the Planner (and Replanner) produced.
-struct PlanResult {
-  Plan plan;                        ///< the validated plan
+struct ProblemPlanResult {
+  ProblemPlan plan;                 ///< the validated plan
   std::vector<Exchange> exchanges;  ///< every call made (re-asks included)
 };
 
-/// Reads the reference, the hardware and the profile; writes a validated Plan.
+/// Reads the reference, the hardware and the profile; writes a validated ProblemPlan.
 class Planner {
  public:
   /// `docs` may be null (no retrieval).
@@ -223,11 +263,11 @@ class Planner {
           std::shared_ptr<const Retriever> docs = nullptr, AgentOptions options = {});
   /// The plan. An invalid plan is re-asked with the validation error up to max_repairs times; then
   /// LlmError carrying the last problem. Backend errors pass through.
-  Result<PlanResult> plan(const Problem& problem) const;
+  Result<ProblemPlanResult> plan(const Problem& problem) const;
 
  protected:
   /// Asks with `prompt` (rendered from `values`) and validates, re-asking on invalid JSON.
-  Result<PlanResult> ask(const std::string& agent, const std::string& prompt, std::map<std::string, std::string> values,
+  Result<ProblemPlanResult> ask(const std::string& agent, const std::string& prompt, std::map<std::string, std::string> values,
                          const std::string& query) const;
   std::shared_ptr<llm::Backend> llm_;
   std::shared_ptr<const PromptLibrary> prompts_;
@@ -276,7 +316,7 @@ class Verifier {
 struct CoderRequest {
   rubric::Skill skill = rubric::Skill::from_plan;  ///< Skill 1 or Skill 2
   const Problem* problem = nullptr;                 ///< required
-  const Plan* plan = nullptr;                       ///< required for Skill 1, shown for Skill 2 when given
+  const ProblemPlan* plan = nullptr;                ///< required for Skill 1, shown for Skill 2 when given
   std::string previous;                             ///< Skill 2: the candidate to revise
   std::string feedback;                             ///< Skill 2: the VerifierAgent's text
 };
@@ -288,15 +328,19 @@ struct CoderResult {
   std::vector<Exchange> exchanges;  ///< every call made (re-asks included)
 };
 
-/// Writes CUDA from a plan (Skill 1) or revises a candidate from feedback (Skill 2).
+/// Writes CUDA from a plan (Skill 1) or revises a candidate from feedback (Skill 2). The answer it asks
+/// for is the problem's (Problem::answer): the contract in prompts/answer_<answer>.md fills the
+/// `{{answer}}` of coder_plan.md and coder_feedback.md, and the reply is read with extract_code
+/// ("model_new") or extract_kernel_step ("kernel_step"; a reply that holds a ModelNew instead is taken
+/// as that ModelNew, with a note: it is judged, never part of the program).
 class Coder {
  public:
   Coder(std::shared_ptr<llm::Backend> llm, std::shared_ptr<const PromptLibrary> prompts,
         std::shared_ptr<const Retriever> docs = nullptr, AgentOptions options = {});
   /// The candidate. A reply without a usable candidate (none, truncated) is re-asked saying what was
   /// wrong, up to max_repairs times; then a result without code whose `problem` says why (the calls
-  /// are kept: they are trajectories too). InvalidArgument for a request missing its inputs; backend
-  /// errors pass through.
+  /// are kept: they are trajectories too). InvalidArgument for a request missing its inputs or a problem
+  /// whose answer is neither "model_new" nor "kernel_step"; backend errors pass through.
   Result<CoderResult> write(const CoderRequest& request) const;
 
  private:
@@ -344,7 +388,7 @@ class Replanner : public Planner {
  public:
   using Planner::Planner;
   /// A new plan that avoids what failed. Same re-ask rule as Planner::plan.
-  Result<PlanResult> replan(const Problem& problem, const Plan& previous,
+  Result<ProblemPlanResult> replan(const Problem& problem, const ProblemPlan& previous,
                             const std::vector<AttemptSummary>& history) const;
 };
 
@@ -369,7 +413,8 @@ struct AttemptRecord {
 
 /// The folder a run writes: config.json (secrets redacted), hardware.json, problem.py, prompts/ (with
 /// hashes), plans/plan-N.json, attempts/NNN/{candidate.py, report.json, feedback.md, rubric.json, reward.json},
-/// best.py, summary.json, trajectories.jsonl (one record per Coder call) and events.jsonl (the progress).
+/// best.py, summary.json, trajectories.jsonl (one record per model call: docs/agents.md, "Trajectories")
+/// and events.jsonl (the progress). The run's id is the folder's name.
 class RunDirectory {
  public:
   /// Creates `path` (must not exist or be empty). IoError names what could not be written.
@@ -385,10 +430,13 @@ class RunDirectory {
   Result<void> write_config(const std::string& config_json) const;
   Result<void> write_problem(const Problem& problem) const;
   Result<void> write_prompts(const PromptLibrary& prompts) const;
-  /// plans/plan-N.json (N is 1-based) and the calls that made it.
-  Result<void> write_plan(int n, const PlanResult& plan) const;
-  /// attempts/NNN/ and one line per Coder call appended to trajectories.jsonl.
-  Result<void> write_attempt(const AttemptRecord& attempt) const;
+  /// plans/plan-N.json (N is 1-based), the calls that made it, and one trajectories.jsonl record per
+  /// call. `problem` is the problem's name; `attempts_done` the attempts finished when the plan was made
+  /// (a replan's record names it as its attempt; the first plan's attempt is null).
+  Result<void> write_plan(int n, const ProblemPlanResult& plan, const std::string& problem, int attempts_done = 0) const;
+  /// attempts/NNN/ and one trajectories.jsonl record per model call of the attempt: the Coder's (with
+  /// the reward) and the VerifierAgent's.
+  Result<void> write_attempt(const AttemptRecord& attempt, const std::string& problem) const;
   /// best.py (atomic replace).
   Result<void> write_best(const std::string& candidate) const;
   /// summary.json (atomic replace).
@@ -399,12 +447,16 @@ class RunDirectory {
   /// What a resumed run reads back.
   struct Saved {
     std::string config_json;               ///< "" when absent
-    std::vector<Plan> plans;               ///< plan-1, plan-2... in order
+    std::vector<ProblemPlanResult> plans;  ///< plan-1, plan-2... in order, with the calls that made them
     std::vector<AttemptRecord> attempts;   ///< finished attempts only (attempt.json present), in order
   };
-  /// Reads the plans and the finished attempts (attempt.json is written last: an attempt folder without
-  /// attempt.json was interrupted and is dropped).
+  /// Reads the plans (and their calls) and the finished attempts (attempt.json is written last: an
+  /// attempt folder without attempt.json was interrupted and is dropped).
   Result<Saved> load() const;
+  /// Replaces trajectories.jsonl with the records of `saved`, in the order the calls were made: what a
+  /// resumed run starts from, so that a kill between an attempt's files and its records leaves neither
+  /// a missing nor a repeated record.
+  Result<void> write_trajectories(const Saved& saved, const std::string& problem) const;
 
  private:
   explicit RunDirectory(std::string path) : path_(std::move(path)) {}
@@ -414,12 +466,14 @@ class RunDirectory {
 /// An attempt as one JSON object (index, plan, skill, candidate, coder_error, report, feedback, scorecard,
 /// reward, exchanges, times): what attempts/NNN/ holds, and what RunDirectory::load reads back.
 std::string to_json(const AttemptRecord& attempt);
-/// An exchange as JSON (agent, messages, reply, finish_reason, usage, latency_s, error, prompt, snippets).
+/// An exchange as JSON (agent, model, messages, reply, finish_reason, usage, latency_s, error, prompt, snippets).
 std::string to_json(const Exchange& exchange);
 
 // ---- the loop ------------------------------------------------------------------------------------
 
-/// Limits of one optimization run (0 = no limit).
+/// Limits of one optimization run (0 = no limit). A run records its budget in config.json ("budget");
+/// a resumed run records the budget it continues with there too, and what changed, in "resumes" and
+/// in a "resume" event.
 struct Budget {
   int attempts = 8;                  ///< Coder calls that produce a candidate to verify
   int replans = 2;                   ///< new plans after the first
@@ -428,6 +482,14 @@ struct Budget {
   double target_speedup = 0.0;       ///< stop once a correct, unhacked candidate reaches it
   int replan_after_failures = 3;     ///< consecutive attempts without a correct candidate before replanning
   int stagnation = 3;                ///< consecutive correct attempts without a better speed-up before replanning
+
+  /// The budget as JSON (every field, by its name).
+  std::string to_json() const;
+  /// The fields `json` holds over `defaults` (unknown keys ignored; a field of the wrong type is
+  /// InvalidArgument): how a resumed run reads back the budget it was saved with.
+  static Result<Budget> from_json(std::string_view json, const Budget& defaults);
+  /// The same over the default budget.
+  static Result<Budget> from_json(std::string_view json);
 };
 
 /// Something the loop reports as it goes (for progress views and events.jsonl).
@@ -461,7 +523,7 @@ struct Outcome {
   std::string stop_reason;           ///< "target reached", "attempt budget spent", "wall-time budget spent"...
   std::vector<AttemptRecord> attempts;  ///< all attempts, resumed ones included
   int plans = 0;                     ///< plans made (1 + replans)
-  llm::Usage usage;                  ///< tokens of every call
+  llm::Usage usage;                  ///< tokens of every call of the run, before a resume too (plans, Coder, VerifierAgent)
   double wall_s = 0.0;               ///< this process's time on the run
   double overhead_s = 0.0;           ///< wall_s minus model, verification time: the loop's own cost
   std::string summary_json() const;  ///< what summary.json holds
@@ -477,7 +539,8 @@ class Optimizer {
   Result<Outcome> run(const Problem& problem, const std::string& run_dir = "", const std::string& config_json = "{}",
                       const EventCallback& on_event = {}) const;
   /// Continues the run in `run_dir`: finished attempts and plans are read back, not repeated; the budget
-  /// counts them.
+  /// (this Optimizer's) counts them and every saved call's tokens. config.json's "budget" becomes this
+  /// budget; what differs from the saved one is listed in its "resumes" and in a "resume" event.
   Result<Outcome> resume(const Problem& problem, const std::string& run_dir, const EventCallback& on_event = {}) const;
 
  private:

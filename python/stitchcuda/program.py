@@ -147,8 +147,9 @@ class Program:
         """Raises InvalidArgumentError naming the first problem."""
         self._p.validate()
 
-    def plan(self) -> dict:
-        """Liveness planning of the intermediates: arena_bytes, live_bound_bytes, placements..."""
+    def buffer_plan(self) -> dict:
+        """The buffer plan (C++ BufferPlan): liveness planning of the intermediates into one arena:
+        arena_bytes, live_bound_bytes, placements..."""
         return self._p.plan()
 
     def compile_kernels(self, arch: str = "") -> None:

@@ -5,8 +5,11 @@
 #include <algorithm>
 #include <cctype>
 #include <regex>
+#include <optional>
 #include <set>
 #include <sstream>
+
+#include <nlohmann/json.hpp>
 
 namespace stitchcuda::agents {
 namespace {
@@ -191,6 +194,180 @@ Result<Extraction> extract_code(std::string_view reply, std::string_view finish_
   else if (cut)
     out.notes.push_back("the model stopped at max_tokens after the candidate's block closed; the code is complete");
   out.blocks = std::move(blocks);
+  return out;
+}
+
+}  // namespace stitchcuda::agents
+
+// ---- kernel steps: a graph-mode target's answer ---------------------------------------------------
+
+namespace stitchcuda::agents {
+namespace {
+
+using Json = nlohmann::json;
+
+bool cuda_language(const std::string& language) {
+  static const std::set<std::string> names = {"cuda", "cu", "cpp", "c++", "cxx", "c", "cuh"};
+  return names.count(language) > 0;
+}
+
+/// Names of the `__global__` functions a source defines (extern "C" or not).
+std::vector<std::string> global_functions(std::string_view source) {
+  static const std::regex pattern(R"(__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?([A-Za-z_]\w*)\s*\()");
+  std::vector<std::string> names;
+  for (std::cregex_iterator it(source.data(), source.data() + source.size(), pattern), end; it != end; ++it)
+    names.push_back((*it)[1].str());
+  return names;
+}
+
+/// The form of one launch expression: integers, in<k>/out<k> with .shape[d] or .numel, + - * / % ( ) ,
+/// and the functions ceil_div, min, max. The value is computed where shapes are known; here a typo is
+/// caught while the model can still be asked again.
+std::string expression_problem(const std::string& text) {
+  if (text.empty()) return "empty expression";
+  if (text.size() > 200) return "longer than 200 characters";
+  static const std::set<std::string> words = {"shape", "numel", "ceil_div", "min", "max"};
+  static const std::regex buffer(R"((in|out)\d+)");
+  int depth = 0;
+  for (std::size_t i = 0; i < text.size();) {
+    const char c = text[i];
+    if (std::isspace(static_cast<unsigned char>(c)) || std::isdigit(static_cast<unsigned char>(c)) ||
+        std::string_view("+-*/%,.[]").find(c) != std::string_view::npos) {
+      ++i;
+      continue;
+    }
+    if (c == '(' || c == ')') {
+      depth += c == '(' ? 1 : -1;
+      if (depth < 0) return "unbalanced ')'";
+      ++i;
+      continue;
+    }
+    if (std::isalpha(static_cast<unsigned char>(c)) || c == '_') {
+      std::size_t j = i;
+      while (j < text.size() && (std::isalnum(static_cast<unsigned char>(text[j])) || text[j] == '_')) ++j;
+      const std::string word = text.substr(i, j - i);
+      if (!words.count(word) && !std::regex_match(word, buffer))
+        return "unknown name '" + word + "' (use in0.., out0.., .shape[d], .numel, ceil_div, min, max)";
+      i = j;
+      continue;
+    }
+    return std::string("unexpected character '") + c + "'";
+  }
+  return depth == 0 ? "" : "unbalanced '('";
+}
+
+std::string as_expression(const Json& v) {
+  if (v.is_number_integer()) return std::to_string(v.get<long long>());
+  if (v.is_string()) return v.get<std::string>();
+  return "";
+}
+
+/// Fields of a kernel step from a JSON object (the launch block, or the canonical text), every problem listed.
+Result<KernelStep> kernel_step_from(const Json& j, std::string source) {
+  std::vector<std::string> problems;
+  KernelStep step;
+  step.source = std::move(source);
+  if (!j.is_object()) return fail(ErrorCode::InvalidArgument, "a kernel step is a JSON object");
+  if (j.contains("kernel") && j["kernel"].is_string()) step.kernel = j["kernel"].get<std::string>();
+  else problems.push_back("kernel: missing (the __global__ function to launch)");
+  auto dims = [&](const char* key, std::vector<std::string>& out) {
+    if (!j.contains(key)) return problems.push_back(std::string(key) + ": missing");
+    const Json& v = j[key];
+    const Json list = v.is_array() ? v : Json::array({v});
+    if (list.empty() || list.size() > 3) return problems.push_back(std::string(key) + ": 1-3 entries");
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      std::string e = as_expression(list[i]);
+      const std::string why = e.empty() ? "an integer or an expression string" : expression_problem(e);
+      if (!why.empty()) problems.push_back(std::string(key) + "[" + std::to_string(i) + "]: " + why);
+      out.push_back(std::move(e));
+    }
+  };
+  dims("grid", step.grid);
+  dims("block", step.block);
+  if (j.contains("shared_bytes")) {
+    step.shared_bytes = as_expression(j["shared_bytes"]);
+    const std::string why = step.shared_bytes.empty() ? "an integer or an expression string" : expression_problem(step.shared_bytes);
+    if (!why.empty()) problems.push_back("shared_bytes: " + why);
+  }
+  if (!j.contains("args") || !j["args"].is_array()) {
+    problems.push_back("args: missing (a list: \"in0\", \"out0\", or scalar expressions, in the kernel's order)");
+  } else {
+    for (std::size_t i = 0; i < j["args"].size(); ++i) {
+      std::string e = as_expression(j["args"][i]);
+      const std::string why = e.empty() ? "a buffer name or an expression string" : expression_problem(e);
+      if (!why.empty()) problems.push_back("args[" + std::to_string(i) + "]: " + why);
+      step.args.push_back(std::move(e));
+    }
+  }
+  if (step.source.find("__global__") == std::string::npos) problems.push_back("source: no __global__ function");
+  if (!step.kernel.empty()) {
+    const auto names = global_functions(step.source);
+    if (std::find(names.begin(), names.end(), step.kernel) == names.end()) {
+      std::string list;
+      for (const auto& n : names) list += (list.empty() ? "" : ", ") + n;
+      problems.push_back("kernel '" + step.kernel + "' is not a __global__ function of the source (it defines: " +
+                         (list.empty() ? std::string("none") : list) + ")");
+    }
+  }
+  if (!problems.empty()) {
+    std::string message = "the kernel step is invalid: ";
+    for (std::size_t i = 0; i < problems.size(); ++i) message += (i ? "; " : "") + problems[i];
+    return fail(ErrorCode::InvalidArgument, message);
+  }
+  return step;
+}
+
+}  // namespace
+
+std::string KernelStep::to_json() const {
+  Json j{{"kernel_step", 1}, {"kernel", kernel}, {"grid", grid}, {"block", block},
+         {"shared_bytes", shared_bytes}, {"args", args}, {"source", source}};
+  return j.dump(2, ' ', false, Json::error_handler_t::replace);
+}
+
+Result<KernelStep> KernelStep::parse(std::string_view text) {
+  Json j = Json::parse(text.begin(), text.end(), nullptr, false);
+  if (j.is_discarded() || !j.is_object() || j.value("kernel_step", 0) != 1)
+    return fail(ErrorCode::InvalidArgument, "not a kernel step: expected a JSON object with \"kernel_step\": 1");
+  if (!j.contains("source") || !j["source"].is_string())
+    return fail(ErrorCode::InvalidArgument, "the kernel step is invalid: source: missing");
+  return kernel_step_from(j, j["source"].get<std::string>());
+}
+
+Result<Extraction> extract_kernel_step(std::string_view reply, std::string_view finish_reason) {
+  const bool cut = finish_reason == "length";
+  const std::string ask = "answer with one ```cuda block holding the kernel and one ```json block "
+                          "{\"kernel\", \"grid\", \"block\", \"shared_bytes\", \"args\"}";
+  if (std::all_of(reply.begin(), reply.end(), [](char c) { return std::isspace(static_cast<unsigned char>(c)); }))
+    return fail(ErrorCode::LlmError, "the model returned an empty reply" +
+                                         std::string(cut ? " (cut off at max_tokens: raise max_tokens)" : "; " + ask));
+  Extraction out;
+  out.blocks = fenced_blocks(split_lines(reply));
+  out.truncated = cut || (!out.blocks.empty() && !out.blocks.back().closed);
+  std::optional<std::size_t> cuda, launch;
+  for (std::size_t i = 0; i < out.blocks.size(); ++i) {
+    const CodeBlock& b = out.blocks[i];
+    if (cuda_language(b.language) && b.code.find("__global__") != std::string::npos) cuda = i;
+    else if (b.language == "json") launch = i;
+  }
+  if (!cuda)
+    return fail(ErrorCode::LlmError, std::string("no ```cuda block defines a __global__ kernel; ") + ask +
+                                         (out.truncated ? std::string("; the reply was also cut off, so ") + kShorterAnswer : ""));
+  if (!out.blocks[*cuda].closed)
+    return fail(ErrorCode::LlmError, "the reply was cut off inside the CUDA block (" + block_name(out.blocks, *cuda) +
+                                         " never closes); " + kShorterAnswer);
+  if (!launch)
+    return fail(ErrorCode::LlmError, "the reply has the kernel but no ```json launch block; " + ask);
+  if (!out.blocks[*launch].closed)
+    return fail(ErrorCode::LlmError, "the reply was cut off inside the launch block; " + std::string(kShorterAnswer));
+  Json j = Json::parse(out.blocks[*launch].code, nullptr, false);
+  if (j.is_discarded())
+    return fail(ErrorCode::LlmError, "the ```json launch block (" + block_name(out.blocks, *launch) +
+                                         ") is not valid JSON; " + ask);
+  auto step = kernel_step_from(j, out.blocks[*cuda].code);
+  if (!step) return fail(ErrorCode::LlmError, step.error().message + "; " + ask);
+  out.code = step->to_json();
+  out.notes.push_back("kernel from " + block_name(out.blocks, *cuda) + ", launch from " + block_name(out.blocks, *launch));
   return out;
 }
 

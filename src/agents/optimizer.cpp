@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <exception>
+#include <type_traits>
 
 #include <nlohmann/json.hpp>
 
@@ -40,10 +41,44 @@ std::vector<std::string> inline_cuda(const std::string& python) {
   return out;
 }
 
-std::int64_t tokens_of(const std::vector<Exchange>& exchanges) {
-  std::int64_t n = 0;
-  for (const Exchange& e : exchanges) n += e.usage.total_tokens;
-  return n;
+// The code the rubric reads of a candidate: a kernel step's CUDA source (it has no Python), else the
+// ModelNew module with the CUDA written inline in it.
+rubric::Candidate rubric_candidate(const std::string& candidate) {
+  if (auto step = KernelStep::parse(candidate)) return {{step->source}, ""};
+  return {inline_cuda(candidate), candidate};
+}
+
+// The Verifier's result as the rubric takes it: a static-only report was never run, so it is
+// unverified, not incorrect.
+rubric::VerifyOutcome rubric_outcome(const Report& report) {
+  rubric::VerifyOutcome outcome = report.outcome();
+  outcome.verified = !report.static_only;
+  return outcome;
+}
+
+void add_usage(llm::Usage& total, const std::vector<Exchange>& exchanges) {
+  for (const Exchange& e : exchanges) {
+    total.prompt_tokens += e.usage.prompt_tokens;
+    total.completion_tokens += e.usage.completion_tokens;
+    total.total_tokens += e.usage.total_tokens;
+  }
+}
+
+// Every call an attempt made: the Coder's and the VerifierAgent's.
+std::vector<Exchange> calls_of(const AttemptRecord& a) {
+  std::vector<Exchange> calls = a.exchanges;
+  if (a.feedback.exchange) calls.push_back(*a.feedback.exchange);
+  return calls;
+}
+
+nlohmann::json budget_json(const Budget& b) {
+  return {{"attempts", b.attempts},
+          {"replans", b.replans},
+          {"wall_s", b.wall_s},
+          {"tokens", b.tokens},
+          {"target_speedup", b.target_speedup},
+          {"replan_after_failures", b.replan_after_failures},
+          {"stagnation", b.stagnation}};
 }
 
 double latency_of(const std::vector<Exchange>& exchanges) {
@@ -72,6 +107,37 @@ bool usable(const AttemptRecord& a) {
 double speedup_of(const AttemptRecord& a) { return a.report.speedup_eager.value_or(0.0); }
 
 }  // namespace
+
+std::string Budget::to_json() const { return budget_json(*this).dump(); }
+
+Result<Budget> Budget::from_json(std::string_view text) { return from_json(text, Budget{}); }
+
+Result<Budget> Budget::from_json(std::string_view text, const Budget& defaults) {
+  nlohmann::json j = nlohmann::json::parse(text.begin(), text.end(), nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return fail(ErrorCode::InvalidArgument, "a budget is a JSON object");
+  Budget b = defaults;
+  std::string wrong;
+  auto take = [&](const char* key, auto& field) {
+    auto it = j.find(key);
+    if (it == j.end() || it->is_null()) return;
+    using T = std::decay_t<decltype(field)>;
+    const bool ok = std::is_floating_point_v<T> ? it->is_number() : it->is_number_integer();
+    if (!ok) {
+      wrong += std::string(wrong.empty() ? "" : ", ") + key;
+      return;
+    }
+    field = it->get<T>();
+  };
+  take("attempts", b.attempts);
+  take("replans", b.replans);
+  take("wall_s", b.wall_s);
+  take("tokens", b.tokens);
+  take("target_speedup", b.target_speedup);
+  take("replan_after_failures", b.replan_after_failures);
+  take("stagnation", b.stagnation);
+  if (!wrong.empty()) return fail(ErrorCode::InvalidArgument, "budget field(s) of the wrong type: " + wrong);
+  return b;
+}
 
 std::string Outcome::summary_json() const {
   nlohmann::json j;
@@ -115,9 +181,15 @@ Result<Outcome> Optimizer::run(const Problem& problem, const std::string& run_di
                                const EventCallback& on_event) const {
   const std::string path = run_dir.empty() ? RunDirectory::fresh_path("runs", problem.name) : run_dir;
   if (auto ok = check(); !ok) return tl::unexpected(ok.error());  // before anything is written
+  // The budget this run keeps is recorded whole: a resumed run starts from it.
+  nlohmann::json config = nlohmann::json::parse(config_json, nullptr, false);
+  if (config.is_discarded() || !config.is_object())
+    return fail(ErrorCode::InvalidArgument, "the run's configuration must be a JSON object");
+  config["budget"] = budget_json(budget_);
   auto dir = RunDirectory::create(path);
   if (!dir) return tl::unexpected(dir.error());
-  if (auto ok = dir->write_config(config_json); !ok) return tl::unexpected(ok.error());
+  if (auto ok = dir->write_config(config.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)); !ok)
+    return tl::unexpected(ok.error());
   if (auto ok = dir->write_problem(problem); !ok) return tl::unexpected(ok.error());
   if (agents_.prompts)
     if (auto ok = dir->write_prompts(*agents_.prompts); !ok) return tl::unexpected(ok.error());
@@ -130,6 +202,38 @@ Result<Outcome> Optimizer::resume(const Problem& problem, const std::string& run
   if (!dir) return tl::unexpected(dir.error());
   auto saved = dir->load();
   if (!saved) return tl::unexpected(saved.error());
+  // The records of what was read back, exactly: an interrupted attempt's lines go, a finished one's stay.
+  if (auto ok = dir->write_trajectories(*saved, problem.name); !ok) return tl::unexpected(ok.error());
+  // The budget it goes on with is this Optimizer's; config.json says so, and what changed from the saved one.
+  nlohmann::json config = nlohmann::json::parse(saved->config_json.empty() ? "{}" : saved->config_json, nullptr, false);
+  if (config.is_discarded() || !config.is_object()) config = nlohmann::json::object();
+  const nlohmann::json before = config.contains("budget") && config["budget"].is_object() ? config["budget"] : nlohmann::json::object();
+  const nlohmann::json now = budget_json(budget_);
+  nlohmann::json changes = nlohmann::json::object();
+  std::string said;
+  for (const auto& [key, value] : now.items()) {
+    if (before.contains(key) && before[key] == value) continue;
+    changes[key] = {{"saved", before.contains(key) ? before[key] : nlohmann::json()}, {"now", value}};
+    said += (said.empty() ? "" : ", ") + key + " " + (before.contains(key) ? before[key].dump() : "unset") + " -> " + value.dump();
+  }
+  config["budget"] = now;
+  if (!config.contains("resumes") || !config["resumes"].is_array()) config["resumes"] = nlohmann::json::array();
+  config["resumes"].push_back({{"attempts_done", saved->attempts.size()}, {"budget_changes", changes}});
+  if (auto ok = dir->write_config(config.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)); !ok)
+    return tl::unexpected(ok.error());
+  const Event resumed{"resume", static_cast<int>(saved->attempts.size()), static_cast<int>(saved->plans.size()), 0.0,
+                      "resuming after " + std::to_string(saved->attempts.size()) + " attempts; budget " +
+                          (said.empty() ? std::string("as saved") : said)};
+  (void)dir->append_event(nlohmann::json{{"stage", resumed.stage}, {"attempt", resumed.attempt}, {"plan", resumed.plan},
+                                         {"best_speedup", resumed.best_speedup}, {"message", resumed.message},
+                                         {"budget", now}, {"budget_changes", changes}}
+                              .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+  if (on_event) {
+    try {
+      on_event(resumed);
+    } catch (const std::exception&) {  // a progress view must not stop the run
+    }
+  }
   return drive(problem, std::move(*dir), std::move(*saved), on_event);
 }
 
@@ -141,10 +245,14 @@ Result<Outcome> Optimizer::drive(const Problem& problem, RunDirectory dir, RunDi
   Outcome out;
   out.run_dir = dir.path();
   out.attempts = std::move(saved.attempts);
-  std::vector<Plan> plans = std::move(saved.plans);
+  std::vector<ProblemPlan> plans;
+  // Usage counts every call of the run, those before a kill too, so a token budget holds across resumes.
+  for (ProblemPlanResult& p : saved.plans) {
+    add_usage(out.usage, p.exchanges);
+    plans.push_back(std::move(p.plan));
+  }
+  for (const AttemptRecord& a : out.attempts) add_usage(out.usage, calls_of(a));
   double waited_s = 0.0;  // model and verification time in this process: not the loop's own cost
-  std::int64_t tokens = 0;
-  for (const AttemptRecord& a : out.attempts) tokens += tokens_of(a.exchanges) + (a.feedback.exchange ? a.feedback.exchange->usage.total_tokens : 0);
 
   const AttemptRecord* best = nullptr;
   auto consider = [&](const AttemptRecord& a) {
@@ -168,13 +276,8 @@ Result<Outcome> Optimizer::drive(const Problem& problem, RunDirectory dir, RunDi
     }
   };
   auto add_tokens = [&](const std::vector<Exchange>& exchanges) {
-    tokens += tokens_of(exchanges);
     waited_s += latency_of(exchanges);
-    for (const Exchange& e : exchanges) {
-      out.usage.prompt_tokens += e.usage.prompt_tokens;
-      out.usage.completion_tokens += e.usage.completion_tokens;
-      out.usage.total_tokens += e.usage.total_tokens;
-    }
+    add_usage(out.usage, exchanges);
   };
 
   if (plans.empty()) {
@@ -182,7 +285,7 @@ Result<Outcome> Optimizer::drive(const Problem& problem, RunDirectory dir, RunDi
     auto planned = agents_.planner->plan(problem);
     if (!planned) return tl::unexpected(planned.error());
     add_tokens(planned->exchanges);
-    if (auto ok = dir.write_plan(1, *planned); !ok) return tl::unexpected(ok.error());
+    if (auto ok = dir.write_plan(1, *planned, problem.name); !ok) return tl::unexpected(ok.error());
     plans.push_back(planned->plan);
   }
 
@@ -206,7 +309,7 @@ Result<Outcome> Optimizer::drive(const Problem& problem, RunDirectory dir, RunDi
     if (best && best->report.static_only) { out.stop_reason = "compiled and passed the static checks (unverified: no GPU to run it)"; break; }
     if (budget_.attempts > 0 && static_cast<int>(out.attempts.size()) >= budget_.attempts) { out.stop_reason = "attempt budget spent (" + std::to_string(budget_.attempts) + ")"; break; }
     if (budget_.wall_s > 0 && seconds_since(started) >= budget_.wall_s) { out.stop_reason = "wall-time budget spent"; break; }
-    if (budget_.tokens > 0 && tokens >= budget_.tokens) { out.stop_reason = "token budget spent (" + std::to_string(tokens) + " tokens)"; break; }
+    if (budget_.tokens > 0 && out.usage.total_tokens >= budget_.tokens) { out.stop_reason = "token budget spent (" + std::to_string(out.usage.total_tokens) + " tokens)"; break; }
 
     // Replan when the current plan keeps failing or stopped paying.
     const int replans_done = static_cast<int>(plans.size()) - 1;
@@ -220,7 +323,10 @@ Result<Outcome> Optimizer::drive(const Problem& problem, RunDirectory dir, RunDi
       auto replanned = agents_.replanner->replan(problem, plans.back(), history);
       if (!replanned) return tl::unexpected(replanned.error());
       add_tokens(replanned->exchanges);
-      if (auto ok = dir.write_plan(static_cast<int>(plans.size()) + 1, *replanned); !ok) return tl::unexpected(ok.error());
+      if (auto ok = dir.write_plan(static_cast<int>(plans.size()) + 1, *replanned, problem.name,
+                                   static_cast<int>(out.attempts.size()));
+          !ok)
+        return tl::unexpected(ok.error());
       plans.push_back(replanned->plan);
       failures = stagnant = 0;
       plan_best = 0.0;
@@ -272,19 +378,20 @@ Result<Outcome> Optimizer::drive(const Problem& problem, RunDirectory dir, RunDi
     }
 
     rubric::Input input;
-    input.candidate = {inline_cuda(rec.candidate), rec.candidate};
-    input.outcome = rec.report.outcome();
+    input.candidate = rubric_candidate(rec.candidate);
+    input.outcome = rubric_outcome(rec.report);
     input.task.skill = rec.skill;
     if (previous) {
       input.task.asks = previous->feedback.asks;
-      input.task.previous = {inline_cuda(previous->candidate), previous->candidate};
+      input.task.previous = rubric_candidate(previous->candidate);
+      input.task.previous_outcome = rubric_outcome(previous->report);
     } else {
-      for (const PlanStep& s : plans.back().steps) input.task.asks.push_back(s.title);
+      for (const ProblemPlanStep& s : plans.back().steps) input.task.asks.push_back(s.title);
     }
     rec.scorecard = agents_.rubric->score(input);
     if (auto r = rubric::reward(input.outcome, rec.scorecard, rec.skill, agents_.reward)) rec.reward = *r;
     rec.wall_s = seconds_since(attempt_start);
-    if (auto ok = dir.write_attempt(rec); !ok) return tl::unexpected(ok.error());
+    if (auto ok = dir.write_attempt(rec, problem.name); !ok) return tl::unexpected(ok.error());
 
     out.attempts.push_back(std::move(rec));
     best = nullptr;  // the vector may have moved: find the best again

@@ -191,7 +191,9 @@ Result<void> read_folder(const std::string& dir, std::map<std::string, Prompt>& 
 }  // namespace
 
 const std::vector<std::string>& PromptLibrary::required_names() {
-  static const std::vector<std::string> names = {"planner", "coder_plan", "coder_feedback", "replanner", "verifier"};
+  // answer_*: the Coder's answer contracts, one per Problem::answer, rendered into {{answer}}.
+  static const std::vector<std::string> names = {"planner",   "coder_plan", "coder_feedback",   "answer_model_new",
+                                                 "answer_kernel_step", "replanner", "verifier"};
   return names;
 }
 

@@ -1,5 +1,6 @@
 // Report: the part of a Verifier's verdict (Python's VerifyReport.to_json()) the agents read, with the
-// bad outputs and the profile turned into the sentences feedback quotes.
+// bad outputs and the profile turned into the sentences feedback quotes; and the JSON Schema of that
+// verdict (report_schema()), versioned so that a reader never guesses at a format it does not know.
 #include <stitchcuda/agents.hpp>
 
 #include <algorithm>
@@ -12,6 +13,9 @@ namespace stitchcuda::agents {
 namespace {
 
 using Json = nlohmann::json;
+
+// The report format this reader understands; Python's stitchcuda.verify.report.SCHEMA_VERSION writes it.
+constexpr int kSchemaVersion = 1;
 
 // A missing key, a null and a value of another type all read as "not given": a report written by an
 // older or newer Verifier still yields what it has.
@@ -145,6 +149,22 @@ Result<Report> Report::from_json(std::string_view json) {
     return fail(ErrorCode::InvalidArgument,
                 std::string("the Verifier's report must be a JSON object, not ") + j.type_name());
 
+  // The version first: every other key is read leniently (absent = not given), which is only safe for
+  // a format whose meaning is known. A report without one predates the versioned format.
+  const auto version = j.find("schema_version");
+  if (version == j.end() || version->is_null())
+    return fail(ErrorCode::InvalidArgument,
+                "the Verifier's report has no schema_version; this reader reads schema_version " +
+                    std::to_string(kSchemaVersion) + " (written by stitchcuda.verify's VerifyReport.to_json())");
+  if (!version->is_number_integer())
+    return fail(ErrorCode::InvalidArgument, "the Verifier's report has schema_version " + version->dump() +
+                                                ", not an integer; this reader reads schema_version " +
+                                                std::to_string(kSchemaVersion));
+  if (version->get<long long>() != kSchemaVersion)
+    return fail(ErrorCode::InvalidArgument, "the Verifier's report has schema_version " + version->dump() +
+                                                "; this reader reads schema_version " + std::to_string(kSchemaVersion) +
+                                                " only (update StitchCUDA's C++ side and Python side together)");
+
   Report r;
   r.json = std::string(json);
   r.compiled = get_bool(j, "compiled");
@@ -184,6 +204,96 @@ Result<Report> Report::from_json(std::string_view json) {
     r.bottleneck = bottleneck_text(*profile);
   }
   return r;
+}
+
+const std::string& report_schema() {
+  // Kept in step with Python's VerifyReport.to_dict() (tests/python/test_judge.py validates a real
+  // report against it) and with from_json above, which reads a subset of these keys.
+  static const std::string schema = R"({
+  "$schema": "http://json-schema.org/draft-07/schema#",
+  "$id": "stitchcuda.verify_report/1",
+  "title": "StitchCUDA Verifier report",
+  "description": "What stitchcuda.verify.check() concluded about one candidate (VerifyReport.to_json()).",
+  "type": "object",
+  "required": ["schema_version", "compiled", "correct", "hack", "findings", "outputs", "speedup", "timing",
+               "profile", "error", "feedback", "compile_log", "trials", "static_only", "wall_s"],
+  "properties": {
+    "schema_version": {"const": 1, "description": "The format's version; readers refuse any other."},
+    "compiled": {"type": "boolean", "description": "The candidate loaded and its kernels compiled."},
+    "correct": {"type": "boolean", "description": "Every correctness trial passed."},
+    "hack": {"type": "boolean", "description": "Any finding of severity major."},
+    "findings": {
+      "type": "array",
+      "items": {
+        "type": "object",
+        "required": ["rule", "severity", "message"],
+        "properties": {
+          "rule": {"type": "string"},
+          "severity": {"enum": ["major", "minor"]},
+          "message": {"type": "string"},
+          "line": {"type": ["integer", "null"], "description": "Line in the candidate file."},
+          "evidence": {"type": "string"}
+        }
+      }
+    },
+    "outputs": {
+      "type": "array",
+      "items": {
+        "type": "object",
+        "required": ["index", "shape", "dtype", "ok"],
+        "properties": {
+          "index": {"type": "integer"},
+          "shape": {"type": "array", "items": {"type": "integer"}},
+          "dtype": {"type": "string"},
+          "ok": {"type": "boolean"},
+          "max_abs_err": {"type": ["number", "null"]},
+          "max_rel_err": {"type": ["number", "null"]},
+          "mismatches": {"type": "integer", "minimum": 0},
+          "err_vs_fp64": {"type": ["number", "null"]},
+          "reference_err_vs_fp64": {"type": ["number", "null"]},
+          "first_mismatches": {
+            "type": "array",
+            "items": {
+              "type": "object",
+              "required": ["index", "expected", "got"],
+              "properties": {"index": {"type": "array", "items": {"type": "integer"}},
+                             "expected": {"type": ["number", "string", "boolean"]},
+                             "got": {"type": ["number", "string", "boolean"]}}
+            }
+          },
+          "problem": {"type": "string"}
+        }
+      }
+    },
+    "speedup": {
+      "type": "object",
+      "required": ["eager", "compile"],
+      "properties": {"eager": {"type": ["number", "null"]}, "compile": {"type": ["number", "null"]}}
+    },
+    "timing": {
+      "type": "object",
+      "description": "Measurements (ms): candidate_ms, eager_ms, compile_ms, speed_of_light_ms...",
+      "properties": {"candidate_ms": {"type": "number"}, "eager_ms": {"type": "number"},
+                     "compile_ms": {"type": "number"}, "speed_of_light_ms": {"type": "number"}}
+    },
+    "profile": {"type": ["object", "null"]},
+    "error": {
+      "type": ["object", "null"],
+      "required": ["kind", "message"],
+      "properties": {
+        "kind": {"enum": ["load", "compile", "runtime", "crash", "timeout", "oom", "illegal-address",
+                          "device-assert", "incorrect", "bad-reference", "bad-candidate"]},
+        "message": {"type": "string"}
+      }
+    },
+    "feedback": {"type": "string"},
+    "compile_log": {"type": "string"},
+    "trials": {"type": "array", "items": {"type": "object"}},
+    "static_only": {"type": "boolean", "description": "Compiled and checked statically only: unverified."},
+    "wall_s": {"type": "number", "minimum": 0}
+  }
+})";
+  return schema;
 }
 
 rubric::VerifyOutcome Report::outcome() const {

@@ -213,6 +213,7 @@ Json messages_json(const std::vector<llm::Message>& messages) {
 
 Json exchange_json(const Exchange& e) {
   return {{"agent", e.agent},
+          {"model", e.model},
           {"messages", messages_json(e.messages)},
           {"reply", e.reply},
           {"finish_reason", e.finish_reason},
@@ -225,6 +226,7 @@ Json exchange_json(const Exchange& e) {
 Exchange exchange_from(const Json& j) {
   Exchange e;
   e.agent = str(j, "agent");
+  e.model = str(j, "model");
   for (const auto& m : array(j, "messages")) e.messages.push_back({str(m, "role"), str(m, "content")});
   e.reply = str(j, "reply");
   e.finish_reason = str(j, "finish_reason");
@@ -408,24 +410,118 @@ Result<AttemptRecord> attempt_from(const Json& j) {
   return a;
 }
 
-// One trajectories.jsonl record: a Coder call with the reward its candidate earned.
-Json trajectory_json(const AttemptRecord& a, const Exchange& e) {
-  Json scores = Json::array();
-  for (const auto& item : a.scorecard.items) scores.push_back(item.score);
+// ---- trajectories.jsonl ----------------------------------------------------------------------------
+// One record per model call, every record with the same keys and value types (null where a key does
+// not apply), so `datasets.load_dataset("json", ...)` reads a run as it is: `messages` is the whole
+// conversation (what was sent, then the reply), `prompt` and `completion` the same split for
+// prompt/completion trainers. Documented in docs/agents.md ("Trajectories"); Python checks records
+// against stitchcuda.agents.TRAJECTORY_SCHEMA.
+
+// The first line of `text`, at most `limit` characters.
+std::string first_line(std::string_view text, std::size_t limit = 300) {
+  std::string s(text.substr(0, text.find('\n')));
+  if (s.size() > limit) s = s.substr(0, limit) + "...";
+  return s;
+}
+
+// Why an attempt's reward is 0, in one of four words a filter can match: "incorrect: ...", "hack: <rule>",
+// "no candidate: ...", "unverified"; "" when it is not 0.
+std::string why_zero(const AttemptRecord& a) {
+  if (a.reward.value != 0.0) return "";
+  if (a.candidate.empty()) return "no candidate: " + first_line(a.coder_error);
+  const Report& r = a.report;
+  std::string rules;
+  for (const rubric::Finding& f : r.findings)
+    if (f.severity == rubric::Severity::major && rules.find(f.rule) == std::string::npos)
+      rules += (rules.empty() ? "" : ", ") + f.rule;
+  if (!rules.empty()) return "hack: " + rules;
+  if (r.compiled && r.static_only) return "unverified";
+  if (!r.compiled || !r.correct || !r.error_kind.empty()) {
+    const std::string kind = !r.error_kind.empty() ? r.error_kind : r.compiled ? "incorrect" : "compile";
+    std::string what = !r.error_message.empty() ? r.error_message : r.mismatches.empty() ? "" : r.mismatches.front();
+    return "incorrect: " + kind + (what.empty() ? "" : ": " + first_line(what));
+  }
+  return "shaped reward is 0: " + a.reward.describe();  // possible only at lambda 2 with every item at 1
+}
+
+// The reward and its named parts (the rubric by item name).
+Json trajectory_reward(const AttemptRecord& a) {
+  Json items = Json::object();
+  for (const auto& item : a.scorecard.items) items[rubric::to_string(item.dimension)] = item.score;
   const auto& r = a.reward;
-  return {{"attempt", a.index},
-          {"plan", a.plan},
-          {"skill", static_cast<int>(a.skill)},
-          {"messages", messages_json(e.messages)},
-          {"reply", e.reply},
+  return {{"value", r.value},           {"correct", r.correct}, {"hack", r.hack},       {"speedup", r.speedup},
+          {"rubric", items},            {"total", r.total},     {"normalized", r.normalized},
+          {"lambda", r.lambda},         {"why_zero", why_zero(a)}};
+}
+
+// What a record says beside the call itself.
+struct RecordContext {
+  std::string run_id;
+  std::string problem;
+  Json plan = nullptr;     // the plan the call made or followed (1-based)
+  Json attempt = nullptr;  // null for the first Planner call
+  Json skill = nullptr;    // 1 or 2 for the Coder
+  std::string feedback_kind;
+  Json reward = nullptr;   // the Coder's attempt's reward; null for the other agents
+};
+
+Json trajectory_json(const RecordContext& c, const Exchange& e) {
+  Json prompt = messages_json(e.messages);
+  Json reply = {{"role", "assistant"}, {"content", e.reply}};
+  Json messages = prompt;
+  messages.push_back(reply);
+  return {{"run_id", c.run_id},
+          {"problem", c.problem},
+          {"model", e.model},
+          {"agent", e.agent},
+          {"prompt_name", e.prompt_name},
+          {"prompt_sha256", e.prompt_sha256},
+          {"plan", c.plan},
+          {"attempt", c.attempt},
+          {"skill", c.skill},
+          {"messages", messages},
+          {"prompt", prompt},
+          {"completion", Json::array({reply})},
           {"finish_reason", e.finish_reason},
           {"error", e.error},
           {"usage", usage_json(e.usage)},
-          {"reward",
-           {{"value", r.value}, {"correct", r.correct}, {"hack", r.hack}, {"speedup", r.speedup}, {"total", r.total},
-            {"normalized", r.normalized}, {"lambda", r.lambda}}},
-          {"rubric", scores},
-          {"feedback_kind", a.feedback.kind}};
+          {"latency_s", e.latency_s},
+          {"snippets", e.snippets},
+          {"feedback_kind", c.feedback_kind},
+          {"reward", c.reward}};
+}
+
+// The run's id: its folder's name (a trailing separator is not a name).
+std::string run_id_of(const std::string& path) {
+  fs::path p = fs::path(path).lexically_normal();
+  if (p.filename().empty()) p = p.parent_path();
+  return p.filename().string();
+}
+
+// The trajectories.jsonl lines of plan `n`'s calls; `attempts_done`: the attempts before it.
+std::vector<std::string> plan_lines(const std::string& run_id, int n, const ProblemPlanResult& plan,
+                                    const std::string& problem, int attempts_done) {
+  std::vector<std::string> lines;
+  RecordContext context{run_id, problem, n};
+  for (const auto& e : plan.exchanges) {
+    // The first plan comes before any attempt; a replan follows the attempts that stalled.
+    context.attempt = e.agent == "planner" ? Json(nullptr) : Json(attempts_done);
+    lines.push_back(dump(trajectory_json(context, e)));
+  }
+  return lines;
+}
+
+// The lines of an attempt's calls: the Coder's (with the attempt's reward), then the VerifierAgent's.
+std::vector<std::string> attempt_lines(const std::string& run_id, const AttemptRecord& attempt, const std::string& problem) {
+  std::vector<std::string> lines;
+  const RecordContext coder{run_id, problem, attempt.plan, attempt.index, static_cast<int>(attempt.skill),
+                            attempt.feedback.kind, trajectory_reward(attempt)};
+  for (const auto& e : attempt.exchanges) lines.push_back(dump(trajectory_json(coder, e)));
+  if (attempt.feedback.exchange) {
+    const RecordContext verifier{run_id, problem, attempt.plan, attempt.index, nullptr, attempt.feedback.kind, nullptr};
+    lines.push_back(dump(trajectory_json(verifier, *attempt.feedback.exchange)));
+  }
+  return lines;
 }
 
 std::string attempt_folder(int index) {
@@ -524,7 +620,8 @@ Result<void> RunDirectory::write_prompts(const PromptLibrary& prompts) const {
   return write_atomic(dir / "index.json", dump(index, 2) + "\n");
 }
 
-Result<void> RunDirectory::write_plan(int n, const PlanResult& plan) const {
+Result<void> RunDirectory::write_plan(int n, const ProblemPlanResult& plan, const std::string& problem,
+                                      int attempts_done) const {
   if (n < 1) return fail(ErrorCode::InvalidArgument, "plan numbers start at 1, got " + std::to_string(n));
   fs::path dir = fs::path(path_) / "plans";
   if (auto ok = make_dirs(dir); !ok) return ok;
@@ -532,10 +629,13 @@ Result<void> RunDirectory::write_plan(int n, const PlanResult& plan) const {
   if (auto ok = write_atomic(dir / (stem + ".json"), plan.plan.to_json() + "\n"); !ok) return ok;
   Json calls = Json::array();
   for (const auto& e : plan.exchanges) calls.push_back(exchange_json(e));
-  return write_atomic(dir / (stem + ".calls.json"), dump(calls, 2) + "\n");
+  if (auto ok = write_atomic(dir / (stem + ".calls.json"), dump(calls, 2) + "\n"); !ok) return ok;
+  for (const auto& line : plan_lines(run_id_of(path_), n, plan, problem, attempts_done))
+    if (auto ok = append_line(fs::path(path_) / "trajectories.jsonl", line); !ok) return ok;
+  return {};
 }
 
-Result<void> RunDirectory::write_attempt(const AttemptRecord& attempt) const {
+Result<void> RunDirectory::write_attempt(const AttemptRecord& attempt, const std::string& problem) const {
   if (attempt.index < 1)
     return fail(ErrorCode::InvalidArgument, "attempt numbers start at 1, got " + std::to_string(attempt.index));
   fs::path dir = fs::path(path_) / "attempts" / attempt_folder(attempt.index);
@@ -554,9 +654,25 @@ Result<void> RunDirectory::write_attempt(const AttemptRecord& attempt) const {
   };
   for (const auto& [name, text] : files)
     if (auto ok = write_atomic(dir / name, text); !ok) return ok;
-  for (const auto& e : attempt.exchanges)
-    if (auto ok = append_line(fs::path(path_) / "trajectories.jsonl", dump(trajectory_json(attempt, e))); !ok) return ok;
+  for (const auto& line : attempt_lines(run_id_of(path_), attempt, problem))
+    if (auto ok = append_line(fs::path(path_) / "trajectories.jsonl", line); !ok) return ok;
   return {};
+}
+
+Result<void> RunDirectory::write_trajectories(const Saved& saved, const std::string& problem) const {
+  const std::string run_id = run_id_of(path_);
+  std::string text;
+  // In the order the run made the calls: each plan after the attempts that came before it.
+  std::size_t next = 0;
+  for (std::size_t k = 0; k < saved.plans.size(); ++k) {
+    const int n = static_cast<int>(k) + 1;
+    for (; next < saved.attempts.size() && saved.attempts[next].plan < n; ++next)
+      for (const auto& line : attempt_lines(run_id, saved.attempts[next], problem)) text += line + "\n";
+    for (const auto& line : plan_lines(run_id, n, saved.plans[k], problem, static_cast<int>(next))) text += line + "\n";
+  }
+  for (; next < saved.attempts.size(); ++next)
+    for (const auto& line : attempt_lines(run_id, saved.attempts[next], problem)) text += line + "\n";
+  return write_atomic(fs::path(path_) / "trajectories.jsonl", text);
 }
 
 Result<void> RunDirectory::write_best(const std::string& candidate) const {
@@ -590,9 +706,20 @@ Result<RunDirectory::Saved> RunDirectory::load() const {
     if (!present(file)) break;
     auto text = read_text(file);
     if (!text) return tl::unexpected(text.error());
-    auto plan = Plan::parse(*text);
+    auto plan = ProblemPlan::parse(*text);
     if (!plan) return fail(ErrorCode::InvalidArgument, quoted(file) + ": " + plan.error().message);
-    saved.plans.push_back(std::move(*plan));
+    ProblemPlanResult made{std::move(*plan), {}};
+    // The calls that made it count in the run's usage; a plan whose calls file is gone made none known.
+    fs::path calls = root / "plans" / ("plan-" + std::to_string(n) + ".calls.json");
+    if (present(calls)) {
+      auto calls_text = read_text(calls);
+      if (!calls_text) return tl::unexpected(calls_text.error());
+      auto j = parse_json(*calls_text, quoted(calls));
+      if (!j) return tl::unexpected(j.error());
+      if (j->is_array())
+        for (const auto& e : *j) made.exchanges.push_back(exchange_from(e));
+    }
+    saved.plans.push_back(std::move(made));
   }
 
   std::vector<std::pair<int, fs::path>> folders;

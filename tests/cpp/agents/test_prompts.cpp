@@ -4,6 +4,7 @@
 #include "catch_shim.hpp"
 #include "temp_dir.hpp"
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
 #include <set>
@@ -119,7 +120,8 @@ TEST_CASE("malformed sections and missing prompts are load errors", "[agents]") 
   auto missing = PromptLibrary::from_texts({{"planner", "p"}, {"verifier", "v"}});
   REQUIRE_FALSE(missing);
   CHECK(missing.error().code == ErrorCode::NotFound);
-  CHECK(contains(missing.error().message, "coder_plan.md, coder_feedback.md, replanner.md"));
+  CHECK(contains(missing.error().message,
+                 "coder_plan.md, coder_feedback.md, answer_model_new.md, answer_kernel_step.md, replanner.md"));
   CHECK_FALSE(contains(missing.error().message, "planner.md,"));
 }
 
@@ -133,13 +135,13 @@ TEST_CASE("load reads a folder; an override folder replaces and adds prompts", "
 
   auto base = PromptLibrary::load(shipped.str());
   REQUIRE(base);
-  CHECK(base->prompts().size() == 5);
+  CHECK(base->prompts().size() == PromptLibrary::required_names().size());
   CHECK((*base->get("verifier"))->version == "2");
   CHECK((*base->get("verifier"))->path == (shipped.path() / "verifier.md").string());
 
   auto lib = PromptLibrary::load(shipped.str(), custom.str());
   REQUIRE(lib);
-  CHECK(lib->prompts().size() == 6);
+  CHECK(lib->prompts().size() == PromptLibrary::required_names().size() + 1);  // judge.md added
   auto verifier = lib->get("verifier");
   REQUIRE(verifier);
   CHECK((*verifier)->version == "9");
@@ -178,9 +180,12 @@ TEST_CASE("the shipped prompts render with exactly the placeholders the agents p
   auto lib = PromptLibrary::load(folder.string());
   REQUIRE(lib);
   const std::map<std::string, std::vector<std::string>> placeholders = {
-      {"planner", {"reference", "hardware", "profile", "docs", "schema"}},
-      {"coder_plan", {"reference", "plan", "hardware", "docs"}},
-      {"coder_feedback", {"reference", "previous", "feedback", "plan", "hardware", "docs"}},
+      {"planner", {"reference", "hardware", "profile", "docs", "schema", "target"}},
+      {"graph_planner", {"graph", "hardware", "docs", "max_targets"}},
+      {"answer_kernel_step", {"target"}},
+      {"coder_plan", {"reference", "plan", "hardware", "docs", "answer"}},
+      {"coder_feedback", {"reference", "previous", "feedback", "plan", "hardware", "docs", "answer"}},
+      {"answer_model_new", {}},
       {"replanner", {"reference", "hardware", "previous_plan", "history", "profile", "docs", "schema"}},
       {"verifier", {"reference", "candidate", "report", "hardware"}},
   };
@@ -188,9 +193,10 @@ TEST_CASE("the shipped prompts render with exactly the placeholders the agents p
     INFO("prompt " << name);
     auto prompt = lib->get(name);
     REQUIRE(prompt);
-    CHECK((*prompt)->version == "1");
+    CHECK((*prompt)->version != "0");  // every shipped prompt says its version
     std::map<std::string, std::string> values;
     for (const auto& key : keys) values[key] = "<<" + key + " value>>";
+    if (name == "planner") values["model_new"] = "", values["kernel_step"] = "1";  // sections: which answer
     // Succeeds only when the template uses no placeholder outside the set.
     auto full = lib->render(name, values);
     REQUIRE(full);
@@ -208,13 +214,40 @@ TEST_CASE("the shipped prompts render with exactly the placeholders the agents p
   }
   // Optional parts vanish when empty.
   std::map<std::string, std::string> planner = {
-      {"reference", "R"}, {"hardware", "H"}, {"profile", ""}, {"docs", ""}, {"schema", "S"}};
+      {"reference", "R"}, {"hardware", "H"}, {"profile", ""}, {"docs", ""}, {"schema", "S"},
+      {"model_new", "1"}, {"kernel_step", ""}, {"target", ""}};
   auto bare = lib->render("planner", planner);
   REQUIRE(bare);
   CHECK_FALSE(contains(*bare, "Profile of the reference"));
   CHECK_FALSE(contains(*bare, "Documentation"));
-  auto coder = lib->render("coder_plan", {{"reference", "R"}, {"plan", "P"}, {"hardware", "H"}, {"docs", ""}});
+  CHECK(contains(*bare, "class ModelNew"));  // program mode plans a ModelNew...
+  planner["model_new"] = "", planner["kernel_step"] = "1", planner["target"] = "- in0: float32[4, 8]";
+  auto kernel = lib->render("planner", planner);
+  REQUIRE(kernel);  // ...a graph target one kernel over its buffers
+  CHECK_FALSE(contains(*kernel, "class ModelNew"));
+  CHECK(contains(*kernel, "- in0: float32[4, 8]"));
+  auto coder = lib->render("coder_plan", {{"reference", "R"}, {"plan", "P"}, {"hardware", "H"}, {"docs", ""},
+                                          {"answer", "<<the contract>>"}});
   REQUIRE(coder);
-  CHECK(contains(*coder, "jit.compile("));
   CHECK_FALSE(contains(*coder, "Documentation"));
+  CHECK(contains(*coder, "<<the contract>>"));
+  CHECK(coder->find("## How to write it") < coder->find("<<the contract>>"));  // the contract ends the prompt
+  auto model_new = lib->render("answer_model_new", {});
+  REQUIRE(model_new);
+  CHECK(contains(*model_new, "## The contract your answer must meet"));
+  CHECK(contains(*model_new, "jit.compile("));
+  CHECK(contains(*model_new, "## Answer"));
+  // The kernel step's contract (graph mode) renders with what the Coder passes, the target among it.
+  std::map<std::string, std::string> coder_values = {{"reference", "R"}, {"plan", "P"}, {"hardware", "H"},
+                                                     {"docs", ""}, {"target", "<<target>>"}, {"previous", ""},
+                                                     {"feedback", ""}};
+  auto step = lib->render("answer_kernel_step", coder_values);
+  REQUIRE(step);
+  CHECK_FALSE(contains(*step, "{{"));
+  CHECK(contains(*step, "## Answer"));
+  for (const char* name : {"answer_model_new", "answer_kernel_step"}) {
+    INFO(name);
+    CHECK(std::find(PromptLibrary::required_names().begin(), PromptLibrary::required_names().end(), name) !=
+          PromptLibrary::required_names().end());
+  }
 }

@@ -16,8 +16,8 @@
 using stitchcuda::ErrorCode;
 using stitchcuda::agents::AttemptRecord;
 using stitchcuda::agents::Exchange;
-using stitchcuda::agents::Plan;
-using stitchcuda::agents::PlanResult;
+using stitchcuda::agents::ProblemPlan;
+using stitchcuda::agents::ProblemPlanResult;
 using stitchcuda::agents::Problem;
 using stitchcuda::agents::PromptLibrary;
 using stitchcuda::agents::Report;
@@ -41,11 +41,12 @@ std::vector<Json> read_lines(const fs::path& path) {
 }
 
 const char* kReportJson =
-    R"({"compiled": true, "correct": true, "hack": false, "findings": [{"rule": "hardcoded-shape", "severity": "minor", "message": "assumes 128 columns.", "line": 30, "evidence": "const int N = 128;"}], "outputs": [], "speedup": {"eager": 1.5, "compile": null}, "timing": {"candidate_ms": 0.2}, "profile": {"kernels": [{"name": "k_gelu", "share": 0.8}], "bottleneck": "memory-bound"}, "error": null, "feedback": "", "compile_log": "", "trials": [], "static_only": false, "wall_s": 2.0})";
+    R"({"schema_version": 1, "compiled": true, "correct": true, "hack": false, "findings": [{"rule": "hardcoded-shape", "severity": "minor", "message": "assumes 128 columns.", "line": 30, "evidence": "const int N = 128;"}], "outputs": [], "speedup": {"eager": 1.5, "compile": null}, "timing": {"candidate_ms": 0.2}, "profile": {"kernels": [{"name": "k_gelu", "share": 0.8}], "bottleneck": "memory-bound"}, "error": null, "feedback": "", "compile_log": "", "trials": [], "static_only": false, "wall_s": 2.0})";
 
 Exchange exchange(const std::string& agent, const std::string& reply) {
   Exchange e;
   e.agent = agent;
+  e.model = "gpt-4.1-2025-04-14";
   e.messages = {{"system", "You write CUDA."}, {"user", "Write ModelNew for:\nclass Model: ..."}};
   e.reply = reply;
   e.finish_reason = "stop";
@@ -111,8 +112,8 @@ AttemptRecord failed_attempt() {
   return a;
 }
 
-Plan plan() {
-  Plan p;
+ProblemPlan plan() {
+  ProblemPlan p;
   p.summary = "Fuse the GEMM epilogue.";
   p.steps = {{"Use cuBLASLt with a GELU epilogue", "bias and GELU in the epilogue"}};
   p.fusion_groups = {{{"linear", "gelu"}, "cublasLt matmul + epilogue", "saves one round trip"}};
@@ -146,11 +147,11 @@ TEST_CASE("a run directory round-trips plans and attempts", "[agents]") {
   REQUIRE(prompts);
   REQUIRE(dir->write_prompts(*prompts));
 
-  PlanResult made{plan(), {exchange("planner", "{\"summary\": ...}")}};
-  REQUIRE(dir->write_plan(1, made));
+  ProblemPlanResult made{plan(), {exchange("planner", "{\"summary\": ...}")}};
+  REQUIRE(dir->write_plan(1, made, problem.name));
   AttemptRecord first = finished_attempt(), second = failed_attempt();
-  REQUIRE(dir->write_attempt(first));
-  REQUIRE(dir->write_attempt(second));
+  REQUIRE(dir->write_attempt(first, problem.name));
+  REQUIRE(dir->write_attempt(second, problem.name));
   REQUIRE(dir->write_best(first.candidate));
   REQUIRE(dir->write_summary(R"({"best_speedup": 1.5})"));
   REQUIRE(dir->append_event("{\n  \"stage\": \"plan\",\n  \"attempt\": 0\n}"));
@@ -186,22 +187,81 @@ TEST_CASE("a run directory round-trips plans and attempts", "[agents]") {
     CHECK(events[0]["stage"] == "plan");
   }
 
-  SECTION("trajectories: one line per Coder call, with the reward") {
+  SECTION("trajectories: one record per model call, every record with the same keys") {
     auto lines = read_lines(run / "trajectories.jsonl");
-    REQUIRE(lines.size() == 3);
-    CHECK(lines[0]["attempt"] == 1);
-    CHECK(lines[0]["skill"] == 1);
-    CHECK(lines[0]["error"] == "the reply defines no ModelNew");
-    CHECK(lines[1]["reply"] == "```python\nclass ModelNew: ...\n```");
-    CHECK(lines[1]["messages"][1]["content"] == "Write ModelNew for:\nclass Model: ...");
-    CHECK(lines[1]["reward"]["value"] == 2.1);
-    CHECK(lines[1]["reward"]["lambda"] == 1.0);
-    CHECK(lines[1]["rubric"] == Json::array({4, 2, 4, 4}));
-    CHECK(lines[1]["feedback_kind"] == "correct");
-    CHECK(lines[1]["usage"]["total_tokens"] == 2000);
-    CHECK(lines[2]["attempt"] == 2);
-    CHECK(lines[2]["skill"] == 2);
-    CHECK(lines[2]["reward"]["value"] == 0.0);
+    // The Planner's call; attempt 1's two Coder calls and the VerifierAgent's; attempt 2's Coder call.
+    REQUIRE(lines.size() == 5);
+    const std::vector<std::string> agents = {"planner", "coder", "coder", "verifier", "coder"};
+    auto keys_of = [](const Json& j) {
+      std::vector<std::string> keys;
+      for (const auto& item : j.items()) keys.push_back(item.key());
+      return keys;
+    };
+    for (const char* key : {"messages", "prompt", "completion", "problem", "run_id", "model", "agent", "prompt_name",
+                            "prompt_sha256", "skill", "attempt", "reward"})
+      CHECK(lines[0].contains(key));
+    for (std::size_t i = 0; i < lines.size(); ++i) {
+      INFO("record " << i);
+      const Json& t = lines[i];
+      CHECK(keys_of(t) == keys_of(lines[0]));
+      CHECK(t["agent"] == agents[i]);
+      CHECK(t["run_id"] == "run");
+      CHECK(t["problem"] == "block_gelu");
+      CHECK(t["model"] == "gpt-4.1-2025-04-14");
+      CHECK(t["prompt_sha256"] == std::string(64, 'a'));
+      // messages = prompt + the reply as the last, assistant message; completion = that message alone.
+      REQUIRE(t["completion"].size() == 1);
+      CHECK(t["completion"][0]["role"] == "assistant");
+      Json whole = t["prompt"];
+      whole.push_back(t["completion"][0]);
+      CHECK(t["messages"] == whole);
+      CHECK(t["prompt"][1]["content"] == "Write ModelNew for:\nclass Model: ...");
+      CHECK(t["latency_s"].is_number_float());
+    }
+    // Who and when: the first plan precedes every attempt; only the Coder has a skill and a reward.
+    CHECK(lines[0]["attempt"].is_null());
+    CHECK(lines[0]["plan"] == 1);
+    for (std::size_t i : {0, 3}) {
+      CHECK(lines[i]["skill"].is_null());
+      CHECK(lines[i]["reward"].is_null());
+    }
+    CHECK(lines[3]["attempt"] == 1);
+    CHECK(lines[3]["feedback_kind"] == "correct");
+    CHECK(lines[3]["completion"][0]["content"] == "Use float4 loads.");
+    CHECK(lines[1]["attempt"] == 1);
+    CHECK(lines[1]["skill"] == 1);
+    CHECK(lines[1]["error"] == "the reply defines no ModelNew");
+    CHECK(lines[2]["completion"][0]["content"] == "```python\nclass ModelNew: ...\n```");
+    CHECK(lines[2]["usage"]["total_tokens"] == 2000);
+    CHECK(lines[2]["prompt_name"] == "coder_plan");
+    const Json& reward = lines[2]["reward"];
+    CHECK(reward["value"] == 2.1);
+    CHECK(reward["lambda"] == 1.0);
+    CHECK(reward["total"] == 14);
+    CHECK(reward["rubric"] == Json{{"anti-hacking", 4}, {"cuda-engineering", 2}, {"operator-coverage", 4},
+                                   {"skill-compliance", 4}});
+    CHECK(reward["why_zero"] == "");
+    CHECK(lines[4]["attempt"] == 2);
+    CHECK(lines[4]["skill"] == 2);
+    CHECK(lines[4]["reward"]["value"] == 0.0);
+    CHECK(lines[4]["reward"]["why_zero"] == "no candidate: the model's reply was cut off at max_tokens");
+  }
+
+  SECTION("write_trajectories rebuilds the file from what load reads back, dropping an unfinished attempt") {
+    const std::string appended = read(run / "trajectories.jsonl");
+    auto saved = dir->load();
+    REQUIRE(saved);
+    REQUIRE(dir->write_trajectories(*saved, problem.name));
+    CHECK(read(run / "trajectories.jsonl") == appended);  // the same records, in the same order
+
+    fs::remove(run / "attempts" / "002" / "attempt.json");  // killed after its records were appended
+    saved = dir->load();
+    REQUIRE(saved);
+    REQUIRE(dir->write_trajectories(*saved, problem.name));
+    auto lines = read_lines(run / "trajectories.jsonl");
+    REQUIRE(lines.size() == 4);  // attempt 2's record is gone: the resumed run writes it again
+    CHECK(lines.back()["agent"] == "verifier");
+    CHECK(lines.back()["attempt"] == 1);
   }
 
   SECTION("load gives every field back") {
@@ -211,7 +271,10 @@ TEST_CASE("a run directory round-trips plans and attempts", "[agents]") {
     REQUIRE(saved);
     CHECK(contains(saved->config_json, "<redacted>"));
     REQUIRE(saved->plans.size() == 1);
-    CHECK(saved->plans[0].to_json() == plan().to_json());
+    CHECK(saved->plans[0].plan.to_json() == plan().to_json());
+    REQUIRE(saved->plans[0].exchanges.size() == 1);  // the calls that made it: their tokens count on resume
+    CHECK(saved->plans[0].exchanges[0].usage.total_tokens == 2000);
+    CHECK(saved->plans[0].exchanges[0].model == "gpt-4.1-2025-04-14");
     REQUIRE(saved->attempts.size() == 2);
 
     const AttemptRecord& a = saved->attempts[0];
@@ -270,7 +333,7 @@ TEST_CASE("a run directory round-trips plans and attempts", "[agents]") {
   SECTION("an attempt folder without attempt.json was interrupted and is dropped") {
     AttemptRecord third = finished_attempt();
     third.index = 3;
-    REQUIRE(dir->write_attempt(third));
+    REQUIRE(dir->write_attempt(third, problem.name));
     fs::remove(run / "attempts" / "003" / "attempt.json");
     fs::create_directories(run / "attempts" / "005");
     std::ofstream(run / "attempts" / "005" / "candidate.py") << "class ModelNew: ...";
@@ -354,7 +417,7 @@ TEST_CASE("create refuses a folder that holds files; open wants a run", "[agents
   CHECK_FALSE(RunDirectory::create(fresh->path()));
 
   AttemptRecord zero;
-  CHECK_FALSE(fresh->write_attempt(zero));  // attempts count from 1
+  CHECK_FALSE(fresh->write_attempt(zero, "p"));  // attempts count from 1
   CHECK_FALSE(fresh->append_event("not json"));
   CHECK_FALSE(fresh->write_summary("{"));
 
@@ -381,4 +444,47 @@ TEST_CASE("fresh paths are stamped, sanitized and unique", "[agents]") {
   CHECK(second != p);
   CHECK_FALSE(fs::exists(second));
   if (fs::path(second).filename().string().substr(0, 15) == name.substr(0, 15)) CHECK(second == p + "-2");
+}
+
+TEST_CASE("a replan's records name the attempts before it; plans load back with their calls", "[agents]") {
+  TempDir tmp;
+  // A trailing separator is not the run's name.
+  auto dir = RunDirectory::create((tmp.path() / "20261203-004200-block_gelu").string() + "/");
+  REQUIRE(dir);
+  ProblemPlanResult first{plan(), {exchange("planner", "{\"summary\": ...}")}};
+  ProblemPlanResult second{plan(), {exchange("replanner", "not JSON"), exchange("replanner", "{\"summary\": ...}")}};
+  second.plan.summary = "A simpler plan.";
+  REQUIRE(dir->write_plan(1, first, "block_gelu"));
+  REQUIRE(dir->write_plan(2, second, "block_gelu", 3));
+  auto lines = read_lines(fs::path(dir->path()) / "trajectories.jsonl");
+  REQUIRE(lines.size() == 3);
+  CHECK(lines[0]["attempt"].is_null());
+  for (std::size_t i : {1, 2}) {
+    CHECK(lines[i]["agent"] == "replanner");
+    CHECK(lines[i]["attempt"] == 3);
+    CHECK(lines[i]["plan"] == 2);
+    CHECK(lines[i]["reward"].is_null());
+  }
+  CHECK(lines[0]["run_id"] == "20261203-004200-block_gelu");
+
+  // Rebuilt from the records, a replan comes after the attempts before it and names how many.
+  stitchcuda::agents::AttemptRecord done;
+  done.index = 1;
+  done.plan = 1;
+  done.exchanges = {exchange("coder", "```python\nclass ModelNew: ...\n```")};
+  auto saved = dir->load();
+  REQUIRE(saved);
+  saved->attempts = {done};
+  REQUIRE(dir->write_trajectories(*saved, "block_gelu"));
+  auto rebuilt = read_lines(fs::path(dir->path()) / "trajectories.jsonl");
+  REQUIRE(rebuilt.size() == 4);
+  CHECK(rebuilt[0]["agent"] == "planner");
+  CHECK(rebuilt[1]["agent"] == "coder");
+  CHECK(rebuilt[2]["agent"] == "replanner");
+  CHECK(rebuilt[2]["attempt"] == 1);
+
+  REQUIRE(saved->plans.size() == 2);
+  CHECK(saved->plans[1].plan.summary == "A simpler plan.");
+  REQUIRE(saved->plans[1].exchanges.size() == 2);
+  CHECK(saved->plans[1].exchanges[0].reply == "not JSON");
 }

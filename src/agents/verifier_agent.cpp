@@ -11,6 +11,8 @@
 #include <exception>
 #include <sstream>
 
+#include "conversation.hpp"
+
 namespace stitchcuda::agents {
 namespace {
 
@@ -377,6 +379,7 @@ void refine(Feedback& f, llm::Backend& llm, const PromptLibrary& prompts, const 
             const Problem& problem, const std::string& candidate) {
   Exchange ex;
   ex.agent = "verifier";
+  ex.model = llm.name();
   ex.prompt_name = "verifier";
   try {
     auto prompt = prompts.get("verifier");
@@ -387,7 +390,7 @@ void refine(Feedback& f, llm::Backend& llm, const PromptLibrary& prompts, const 
     }
     ex.prompt_sha256 = (*prompt)->sha256;
     auto text = prompts.render("verifier", {{"reference", problem.reference},
-                                            {"candidate", candidate},
+                                            {"candidate", detail::fenced_candidate(candidate)},
                                             {"report", f.text},
                                             {"hardware", problem.hardware.describe()}});
     if (!text) {
@@ -405,6 +408,7 @@ void refine(Feedback& f, llm::Backend& llm, const PromptLibrary& prompts, const 
       ex.reply = reply->text;
       ex.finish_reason = reply->finish_reason;
       ex.usage = reply->usage;
+      if (!reply->model.empty()) ex.model = reply->model;
       if (reply->text.find_first_not_of(" \t\r\n") == std::string::npos) ex.error = "the model's reply was empty";
       else f.text += "\nDiagnosis:\n" + reply->text + (reply->text.back() == '\n' ? "" : "\n");
     }

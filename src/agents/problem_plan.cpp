@@ -1,4 +1,4 @@
-// The Planner's plan: its JSON Schema, parsing from a model's reply (prose and fences around the object
+// The Planner's ProblemPlan: its JSON Schema, parsing from a model's reply (prose and fences around the object
 // are tolerated) with every schema violation reported at once, and its text for prompts. Also the
 // hardware description the Planner reads.
 #include <stitchcuda/agents.hpp>
@@ -142,7 +142,7 @@ class Checker {
   void problem(const std::string& path, const std::string& what) { problems.push_back(path + ": " + what); }
 };
 
-json to_json_value(const Plan& plan) {
+json to_json_value(const ProblemPlan& plan) {
   json steps = json::array(), groups = json::array();
   for (const auto& s : plan.steps) steps.push_back({{"title", s.title}, {"detail", s.detail}});
   for (const auto& g : plan.fusion_groups)
@@ -165,9 +165,9 @@ std::string number(double x) {
 
 }  // namespace
 
-std::string Plan::to_json() const { return to_json_value(*this).dump(2); }
+std::string ProblemPlan::to_json() const { return to_json_value(*this).dump(2); }
 
-std::string Plan::describe() const {
+std::string ProblemPlan::describe() const {
   std::string out = "Summary: " + summary + "\n\nSteps:\n";
   for (std::size_t i = 0; i < steps.size(); ++i) {
     out += std::to_string(i + 1) + ". " + steps[i].title + "\n";
@@ -190,12 +190,12 @@ std::string Plan::describe() const {
   return out;
 }
 
-Result<Plan> Plan::parse(std::string_view text) {
+Result<ProblemPlan> ProblemPlan::parse(std::string_view text) {
   auto parsed = first_object(text);
   if (!parsed) return tl::unexpected(parsed.error());
   const json& root = *parsed;
   Checker check;
-  Plan plan;
+  ProblemPlan plan;
   plan.summary = check.text(root, "summary", "summary");
 
   auto steps = root.find("steps");
@@ -246,8 +246,8 @@ Result<Plan> Plan::parse(std::string_view text) {
   return plan;
 }
 
-const std::string& plan_schema() {
-  // Kept in step with Plan::parse: what the schema requires, parse reports when absent.
+const std::string& problem_plan_schema() {
+  // Kept in step with ProblemPlan::parse: what the schema requires, parse reports when absent.
   static const std::string schema = R"({
   "$schema": "http://json-schema.org/draft-07/schema#",
   "title": "StitchCUDA optimization plan",

@@ -1,4 +1,4 @@
-// Plans: parsing from replies with prose and fences, every schema violation in one message, the JSON
+// Problem plans (the Planner's ProblemPlan): parsing from replies with prose and fences, every schema violation in one message, the JSON
 // round trip, the schema itself, and the text the Coder and Planner read.
 #include "catch_shim.hpp"
 
@@ -8,8 +8,8 @@
 
 using stitchcuda::ErrorCode;
 using stitchcuda::agents::Hardware;
-using stitchcuda::agents::Plan;
-using stitchcuda::agents::plan_schema;
+using stitchcuda::agents::ProblemPlan;
+using stitchcuda::agents::problem_plan_schema;
 using stitchcuda_test::contains;
 
 namespace {
@@ -32,7 +32,7 @@ const char* kPlan = R"({
 }  // namespace
 
 TEST_CASE("a plan parses from a reply with prose and a json fence", "[agents]") {
-  auto plan = Plan::parse(std::string("Here is my plan {as asked}:\n```json\n") + kPlan + "\n```\nDone.");
+  auto plan = ProblemPlan::parse(std::string("Here is my plan {as asked}:\n```json\n") + kPlan + "\n```\nDone.");
   REQUIRE(plan);
   CHECK(plan->summary == "Fuse the GEMM epilogue {bias, GELU} and the residual add.");
   REQUIRE(plan->steps.size() == 2);
@@ -48,7 +48,7 @@ TEST_CASE("a plan parses from a reply with prose and a json fence", "[agents]") 
 }
 
 TEST_CASE("optional arrays may be absent; braces in strings do not end the object", "[agents]") {
-  auto plan = Plan::parse(R"({"summary": "s } {", "steps": [{"title": "t \"}\""}]} trailing {"x": 1})");
+  auto plan = ProblemPlan::parse(R"({"summary": "s } {", "steps": [{"title": "t \"}\""}]} trailing {"x": 1})");
   REQUIRE(plan);
   CHECK(plan->summary == "s } {");
   CHECK(plan->steps[0].title == "t \"}\"");
@@ -59,7 +59,7 @@ TEST_CASE("optional arrays may be absent; braces in strings do not end the objec
 }
 
 TEST_CASE("every schema violation is reported in one message", "[agents]") {
-  auto plan = Plan::parse(R"({
+  auto plan = ProblemPlan::parse(R"({
     "summary": "  ",
     "steps": [{"title": "ok"}, {"detail": "no title"}, "just text", {"title": 3, "detail": 4}],
     "fusion_groups": [{"ops": []}, {"kernel": "k"}, {"ops": ["a", 1]}],
@@ -81,22 +81,22 @@ TEST_CASE("every schema violation is reported in one message", "[agents]") {
   CHECK(contains(m, "constraints: expected an array of strings"));
   CHECK_FALSE(contains(m, "steps[0]"));
 
-  auto empty = Plan::parse(R"({"steps": []})");
+  auto empty = ProblemPlan::parse(R"({"steps": []})");
   REQUIRE_FALSE(empty);
   CHECK(contains(empty.error().message, "summary: missing; steps: expected a non-empty array"));
-  auto no_steps = Plan::parse(R"({"summary": "s", "fusion_groups": {}})");
+  auto no_steps = ProblemPlan::parse(R"({"summary": "s", "fusion_groups": {}})");
   REQUIRE_FALSE(no_steps);
   CHECK(contains(no_steps.error().message, "steps: missing"));
   CHECK(contains(no_steps.error().message, "fusion_groups: expected an array"));
 }
 
 TEST_CASE("text that is not a plan gives an error with a position", "[agents]") {
-  auto none = Plan::parse("I think we should fuse everything.");
+  auto none = ProblemPlan::parse("I think we should fuse everything.");
   REQUIRE_FALSE(none);
   CHECK(none.error().code == ErrorCode::InvalidArgument);
   CHECK(contains(none.error().message, "no JSON object"));
 
-  auto broken = Plan::parse("Plan:\n{\n  \"summary\": \"s\",\n  \"steps\": [{\"title\": \"a\",}]\n}");
+  auto broken = ProblemPlan::parse("Plan:\n{\n  \"summary\": \"s\",\n  \"steps\": [{\"title\": \"a\",}]\n}");
   REQUIRE_FALSE(broken);
   CHECK(broken.error().code == ErrorCode::InvalidArgument);
   CHECK(contains(broken.error().message, "does not parse"));
@@ -104,20 +104,20 @@ TEST_CASE("text that is not a plan gives an error with a position", "[agents]") 
   // The nested step object of a broken plan is never taken for the plan.
   CHECK_FALSE(contains(broken.error().message, "summary: missing"));
 
-  auto cut = Plan::parse("{\"summary\": \"s\", \"steps\": [{\"title\": \"a\"");
+  auto cut = ProblemPlan::parse("{\"summary\": \"s\", \"steps\": [{\"title\": \"a\"");
   REQUIRE_FALSE(cut);
   CHECK(contains(cut.error().message, "never closed"));
 
   // A balanced region of prose before the plan is skipped.
-  auto after_prose = Plan::parse("Use {fusion} here.\n{\"summary\": \"s\", \"steps\": [{\"title\": \"a\"}]}");
+  auto after_prose = ProblemPlan::parse("Use {fusion} here.\n{\"summary\": \"s\", \"steps\": [{\"title\": \"a\"}]}");
   REQUIRE(after_prose);
   CHECK(after_prose->summary == "s");
 }
 
 TEST_CASE("to_json round-trips and describe numbers the steps", "[agents]") {
-  auto plan = Plan::parse(kPlan);
+  auto plan = ProblemPlan::parse(kPlan);
   REQUIRE(plan);
-  auto again = Plan::parse(plan->to_json());
+  auto again = ProblemPlan::parse(plan->to_json());
   REQUIRE(again);
   CHECK(again->to_json() == plan->to_json());
   CHECK(again->summary == plan->summary);
@@ -127,7 +127,7 @@ TEST_CASE("to_json round-trips and describe numbers the steps", "[agents]") {
   CHECK(contains(text, "1. GEMM with cuBLASLt\n   Row-major, fp32 accumulate.\n2. Fused epilogue kernel\n"));
   CHECK(contains(text, "- linear + gelu + add -> k_bias_gelu_add (saves two round trips)"));
   CHECK(contains(text, "Risks:\n- erf precision"));
-  Plan minimal;
+  ProblemPlan minimal;
   minimal.summary = "s";
   minimal.steps = {{"only step", ""}};
   CHECK_FALSE(contains(minimal.describe(), "Risks"));
@@ -135,7 +135,7 @@ TEST_CASE("to_json round-trips and describe numbers the steps", "[agents]") {
 }
 
 TEST_CASE("the plan schema is draft-07 JSON Schema matching what parse requires", "[agents]") {
-  const auto schema = nlohmann::json::parse(plan_schema());
+  const auto schema = nlohmann::json::parse(problem_plan_schema());
   CHECK(schema["$schema"] == "http://json-schema.org/draft-07/schema#");
   CHECK(schema["type"] == "object");
   CHECK(schema["required"] == nlohmann::json::array({"summary", "steps"}));

@@ -4,7 +4,10 @@
 // and the model's diagnosis appended — or left out, with the error recorded, when the call fails.
 #include "catch_shim.hpp"
 
+#include <algorithm>
 #include <stdexcept>
+
+#include <nlohmann/json.hpp>
 
 #include <stitchcuda/agents.hpp>
 
@@ -22,7 +25,7 @@ namespace {
 
 // A candidate whose CUDA misspells threadIdx.x; NVRTC's lines mapped to the candidate file.
 const char* kCompileFailure = R"json({
-  "compiled": false, "correct": false, "hack": false,
+  "schema_version": 1, "compiled": false, "correct": false, "hack": false,
   "findings": [{"rule": "unguarded-index", "severity": "minor",
                 "message": "the kernel indexes without comparing against the element count.",
                 "line": 18, "evidence": "y[i] = v * 0.5f;"}],
@@ -35,7 +38,7 @@ const char* kCompileFailure = R"json({
 
 // Ran, but output 0 has zeros where the reference has values and output 1 has the wrong shape.
 const char* kIncorrect = R"json({
-  "compiled": true, "correct": false, "hack": false, "findings": [],
+  "schema_version": 1, "compiled": true, "correct": false, "hack": false, "findings": [],
   "outputs": [
     {"index": 0, "shape": [64, 128], "dtype": "float32", "ok": false, "max_abs_err": 0.5, "max_rel_err": 1.0,
      "mismatches": 812, "err_vs_fp64": null, "reference_err_vs_fp64": null,
@@ -55,7 +58,7 @@ const char* kIncorrect = R"json({
 
 // Correct and profiled by CUPTI: the harness stores the first advice as "bottleneck".
 const char* kCorrectProfiled = R"json({
-  "compiled": true, "correct": true, "hack": false,
+  "schema_version": 1, "compiled": true, "correct": true, "hack": false,
   "findings": [{"rule": "hardcoded-shape", "severity": "minor", "message": "the kernel assumes 128 columns.",
                 "line": 30, "evidence": "const int N = 128;"}],
   "outputs": [{"index": 0, "shape": [64, 128], "dtype": "float32", "ok": true, "max_abs_err": 1e-7,
@@ -73,7 +76,7 @@ const char* kCorrectProfiled = R"json({
 
 // Correct by the numbers, but torch does the GEMM.
 const char* kHack = R"json({
-  "compiled": true, "correct": true, "hack": true,
+  "schema_version": 1, "compiled": true, "correct": true, "hack": true,
   "findings": [{"rule": "torch-does-heavy-work", "severity": "major",
                 "message": "torch.matmul does the GEMM the problem is about.", "line": 42,
                 "evidence": "return torch.matmul(x, self.w)"},
@@ -157,7 +160,7 @@ TEST_CASE("a profiled report names the top kernel and the bottleneck", "[agents]
 }
 
 TEST_CASE("the bottleneck falls back to the summary's diagnosis", "[agents]") {
-  auto r = Report::from_json(R"({"compiled": true, "correct": true,
+  auto r = Report::from_json(R"({"schema_version": 1, "compiled": true, "correct": true,
     "profile": {"kernels": [{"name": "k", "share": 1.0}],
                 "summary": {"diagnosis": ["launch-bound: 40 launches per call", "idle gaps 30%"]}}})");
   REQUIRE(r);
@@ -166,18 +169,18 @@ TEST_CASE("the bottleneck falls back to the summary's diagnosis", "[agents]") {
 }
 
 TEST_CASE("missing keys and nulls read as defaults; malformed JSON is an error", "[agents]") {
-  auto empty = Report::from_json("{}");
+  auto empty = Report::from_json(R"({"schema_version": 1})");
   REQUIRE(empty);
   CHECK_FALSE(empty->compiled);
   CHECK(empty->mismatches.empty());
   CHECK(empty->outcome().speedup == 0.0);
 
-  auto nulls = Report::from_json(R"({"compiled": null, "speedup": null, "timing": null, "profile": null,
+  auto nulls = Report::from_json(R"({"schema_version": 1, "compiled": null, "speedup": null, "timing": null, "profile": null,
     "error": null, "findings": null, "outputs": null, "compile_log": null})");
   REQUIRE(nulls);
   CHECK(nulls->error_kind.empty());
 
-  auto bad = Report::from_json(R"({"compiled": tru)");
+  auto bad = Report::from_json(R"({"schema_version": 1, "compiled": tru)");
   REQUIRE_FALSE(bad);
   CHECK(bad.error().code == ErrorCode::InvalidArgument);
   CHECK(contains(bad.error().message, "byte"));
@@ -186,6 +189,48 @@ TEST_CASE("missing keys and nulls read as defaults; malformed JSON is an error",
   REQUIRE_FALSE(array);
   CHECK(array.error().code == ErrorCode::InvalidArgument);
   CHECK(contains(array.error().message, "array"));
+}
+
+TEST_CASE("a report without schema_version 1 is refused, naming the versions", "[agents]") {
+  auto legacy = Report::from_json(R"({"compiled": true, "correct": true})");
+  REQUIRE_FALSE(legacy);
+  CHECK(legacy.error().code == ErrorCode::InvalidArgument);
+  CHECK(contains(legacy.error().message, "no schema_version"));
+  CHECK(contains(legacy.error().message, "schema_version 1"));
+
+  auto newer = Report::from_json(R"({"schema_version": 2, "compiled": true, "correct": true})");
+  REQUIRE_FALSE(newer);
+  CHECK(newer.error().code == ErrorCode::InvalidArgument);
+  CHECK(contains(newer.error().message, "schema_version 2"));
+  CHECK(contains(newer.error().message, "reads schema_version 1"));
+
+  auto text = Report::from_json(R"({"schema_version": "1", "compiled": true})");
+  REQUIRE_FALSE(text);
+  CHECK(contains(text.error().message, "not an integer"));
+
+  auto current = Report::from_json(R"({"schema_version": 1, "compiled": true, "correct": true})");
+  REQUIRE(current);
+  CHECK(current->correct);
+}
+
+TEST_CASE("the report schema is JSON naming the version from_json reads", "[agents]") {
+  const auto schema = nlohmann::json::parse(stitchcuda::agents::report_schema());
+  CHECK(schema["properties"]["schema_version"]["const"] == 1);
+  CHECK(schema["$id"] == "stitchcuda.verify_report/1");
+  const auto& required = schema["required"];
+  for (const char* key : {"schema_version", "compiled", "correct", "static_only", "findings", "outputs", "speedup",
+                          "timing", "profile", "error", "compile_log", "wall_s"})
+    CHECK(std::find(required.begin(), required.end(), key) != required.end());
+  // A report made of the schema's required keys with their simplest values is one from_json reads.
+  nlohmann::json minimal = {{"schema_version", 1}, {"compiled", true}, {"correct", false}, {"hack", false},
+                            {"findings", nlohmann::json::array()}, {"outputs", nlohmann::json::array()},
+                            {"speedup", {{"eager", nullptr}, {"compile", nullptr}}}, {"timing", nlohmann::json::object()},
+                            {"profile", nullptr}, {"error", {{"kind", "incorrect"}, {"message", "wrong"}}},
+                            {"feedback", ""}, {"compile_log", ""}, {"trials", nlohmann::json::array()},
+                            {"static_only", false}, {"wall_s", 0.5}};
+  auto r = Report::from_json(minimal.dump());
+  REQUIRE(r);
+  CHECK(r->error_kind == "incorrect");
 }
 
 TEST_CASE("compile feedback quotes the log and asks for each error line", "[agents]") {
@@ -215,7 +260,7 @@ TEST_CASE("an unmapped NVRTC log still yields asks naming the location", "[agent
 }
 
 TEST_CASE("run-time failures get the cause and a hint for their kind", "[agents]") {
-  Report r = parse(R"({"compiled": true, "correct": false,
+  Report r = parse(R"({"schema_version": 1, "compiled": true, "correct": false,
     "error": {"kind": "illegal-address", "message": "RuntimeError: CUDA error: an illegal memory access was encountered"}})");
   Feedback f = VerifierAgent().feedback(problem(), "", r);
   CHECK(f.kind == "runtime");
@@ -285,7 +330,7 @@ TEST_CASE("incorrect feedback shows the first mismatches and asks about them", "
 }
 
 TEST_CASE("a static-only report is unverified, not incorrect", "[agents]") {
-  Report r = parse(R"({"compiled": true, "correct": false, "static_only": true, "error": null,
+  Report r = parse(R"({"schema_version": 1, "compiled": true, "correct": false, "static_only": true, "error": null,
     "findings": [], "outputs": []})");
   Feedback f = VerifierAgent().feedback(problem(), "", r);
   CHECK(f.kind == "unverified");
@@ -405,4 +450,20 @@ TEST_CASE("a blank reply is not appended", "[agents]") {
   CHECK_FALSE(contains(f.text, "Diagnosis:"));
   REQUIRE(f.exchange);
   CHECK_FALSE(f.exchange->error.empty());
+}
+
+TEST_CASE("the model reads a kernel step as its CUDA and launch blocks; the call names the model", "[agents]") {
+  auto backend = llm::scripted_backend({{"Diagnose this", {"Guard the index."}}});
+  REQUIRE(backend);
+  auto step = stitchcuda::agents::extract_kernel_step(
+      "```cuda\nextern \"C\" __global__ void k(const float* x, float* y) { y[threadIdx.x] = x[threadIdx.x]; }\n```\n"
+      "```json\n{\"kernel\": \"k\", \"grid\": [1], \"block\": [\"out0.numel\"], \"args\": [\"in0\", \"out0\"]}\n```\n");
+  REQUIRE(step);
+  Feedback f = VerifierAgent(*backend, prompts(kVerifierPrompt)).feedback(problem(), step->code, parse(kIncorrect));
+  REQUIRE(f.exchange);
+  const std::string sent = f.exchange->messages.at(0).content;
+  CHECK(contains(sent, "```cuda\nextern \"C\" __global__ void k("));
+  CHECK(contains(sent, "```json\n{\"kernel\":\"k\",\"grid\":[\"1\"],\"block\":[\"out0.numel\"]"));
+  CHECK_FALSE(contains(sent, "\"kernel_step\""));
+  CHECK(f.exchange->model == (*backend)->name());  // the scripted backend names itself as the model
 }
