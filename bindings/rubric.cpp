@@ -30,6 +30,8 @@ VerifyOutcome outcome_of(const py::dict& d) {
   o.compiled = get<bool>(d, "compiled", false);
   o.correct = get<bool>(d, "correct", false);
   o.speedup = get<double>(d, "speedup", 0.0);
+  // false: compiled and checked statically, never run (no GPU): the reward says "unverified".
+  o.verified = get<bool>(d, "verified", true);
   if (d.contains("findings"))
     for (auto f : d["findings"].cast<py::list>()) {
       auto fd = f.cast<py::dict>();
@@ -77,6 +79,9 @@ Input input_of(const py::dict& d) {
     in.task.skill = skill_of(get<int>(t, "skill", 1));
     in.task.asks = get<std::vector<std::string>>(t, "asks", {});
     if (t.contains("previous") && !t["previous"].is_none()) in.task.previous = candidate_of(t["previous"].cast<py::dict>());
+    // The Verifier's outcome of the previous candidate: repair asks are judged against its failure.
+    if (t.contains("previous_outcome") && !t["previous_outcome"].is_none())
+      in.task.previous_outcome = outcome_of(t["previous_outcome"].cast<py::dict>());
     in.task.summary = get<std::string>(t, "summary", "");
   }
   return in;

@@ -42,6 +42,10 @@ struct VerifyOutcome {
   bool correct = false;           ///< every correctness trial passed
   double speedup = 0.0;           ///< over eager PyTorch (s of the reward); 0 when not timed
   std::vector<Finding> findings;  ///< every finding, static and dynamic
+  /// false: the candidate was compiled and checked statically but never run (no GPU), so whether it
+  /// is correct is unknown — the reward says "unverified", not "incorrect". (Last, so that aggregate
+  /// initializations written before it keep their meaning.)
+  bool verified = true;
 };
 
 /// The code a candidate consists of. CUDA given inline in Python must be passed in `cuda` as well:
@@ -84,6 +88,9 @@ struct Task {
   Skill skill = Skill::from_plan;  ///< which skill produced the candidate
   std::vector<std::string> asks;   ///< plan steps (Skill 1) or the feedback's asks (Skill 2)
   Candidate previous;              ///< Skill 2: the candidate that was revised (empty: unknown)
+  /// Skill 2: the Verifier's result on `previous` (unknown: nullopt). A repair ask is judged by comparing
+  /// it with the new outcome: the failure it was about is gone, persists, or cannot be told (not run).
+  std::optional<VerifyOutcome> previous_outcome;
   std::string summary;             ///< the Coder's own account; shown to a Judge, never trusted by detectors
 };
 
@@ -192,6 +199,9 @@ class Rubric {
   explicit Rubric(std::shared_ptr<Judge> judge = nullptr) : judge_(std::move(judge)) {}
   /// The scorecard of one candidate. Never fails: a failing or invalid Judge answer (error, thrown
   /// exception, wrong order, score outside 1–5) leaves the deterministic items and says so in judge_note.
+  /// A candidate that did not compile scores 1 on every item (total 4, the least a compiled candidate
+  /// can score): its code is not credited for techniques or steps it never ran; the detectors' evidence
+  /// is kept and no Judge is asked.
   Scorecard score(const Input& input) const;
 
  private:
@@ -224,7 +234,7 @@ struct Reward {
   double lambda = 0.0;      ///< λ of the skill
   double shaped = 0.0;      ///< (s + τ)(1 + λ·r̂) before the cap
   bool capped = false;      ///< shaped exceeded R_max
-  std::string zero_reason;  ///< why R is 0 by an indicator ("not compiled", "incorrect", "hack: rule…")
+  std::string zero_reason;  ///< why R is 0 by an indicator ("not compiled", "incorrect", "unverified", "hack: rule…")
   /// "R=2.875 (s=2, tau=0.3, total=16, r=0.25, lambda=1)" or "R=0: incorrect".
   std::string describe() const;
 };

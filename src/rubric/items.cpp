@@ -7,6 +7,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -314,6 +315,60 @@ bool is_repair(const std::string& ask) {
                      [&](const char* w) { return has_phrase(text, w); });
 }
 
+// How far a candidate got, in the order the Verifier stops it.
+enum class Stage { not_compiled, failed, unverified, passed };
+
+Stage stage_of(const VerifyOutcome& o) {
+  if (!o.compiled) return Stage::not_compiled;
+  if (!o.verified) return Stage::unverified;  // compiled, never run: neither failed nor passed
+  return o.correct ? Stage::passed : Stage::failed;
+}
+
+bool fires(const VerifyOutcome& o, const std::string& rule) {
+  return std::any_of(o.findings.begin(), o.findings.end(), [&](const Finding& f) { return f.rule == rule; });
+}
+
+// An ask about a finding of the previous candidate ("remove the [rule] problem ...") is met when the
+// rule no longer fires; nothing when the ask names none of its findings.
+std::optional<Check> check_finding(const std::string& ask, const VerifyOutcome& now, const VerifyOutcome& before) {
+  for (const Finding& f : before.findings) {
+    if (f.rule.empty() || ask.find("[" + f.rule + "]") == std::string::npos) continue;
+    if (fires(now, f.rule)) return Check{Verdict::missed, "the [" + f.rule + "] finding still fires"};
+    return Check{Verdict::followed, "the [" + f.rule + "] finding is gone"};
+  }
+  return std::nullopt;
+}
+
+// A repair ask is judged by what it repairs: the failure of the previous candidate against the new
+// outcome (an unverified candidate cannot show that a run-time failure is gone). Nothing when the
+// previous candidate had not failed: the ask is then read like any other.
+std::optional<Check> check_repair(const VerifyOutcome& now, const std::optional<VerifyOutcome>& before) {
+  const Stage after = stage_of(now);
+  if (!before) {  // what failed before is unknown: only a correct candidate shows the repair
+    if (after == Stage::passed) return Check{Verdict::followed, "repair: the candidate now compiles and is correct"};
+    if (after == Stage::unverified)
+      return Check{Verdict::unverifiable, "repair: the candidate compiles but was not run, so whether it is fixed is unknown"};
+    return Check{Verdict::missed, "repair: the candidate still fails"};
+  }
+  switch (stage_of(*before)) {
+    case Stage::not_compiled:
+      if (after == Stage::not_compiled) return Check{Verdict::missed, "repair: the candidate still does not compile"};
+      return Check{Verdict::followed, "repair: the candidate compiles now; it did not before"};
+    case Stage::failed:
+      if (after == Stage::passed) return Check{Verdict::followed, "repair: it failed when run before; now it is correct"};
+      if (after == Stage::unverified)
+        return Check{Verdict::unverifiable, "repair: it compiles but was not run, so whether the failure is gone is unknown"};
+      if (after == Stage::failed) return Check{Verdict::missed, "repair: it still fails when run"};
+      return Check{Verdict::missed, "repair: it no longer compiles (it did before)"};
+    case Stage::unverified:
+    case Stage::passed:
+      if (after == Stage::not_compiled) return Check{Verdict::missed, "repair: it no longer compiles (it did before)"};
+      if (after == Stage::failed) return Check{Verdict::missed, "repair: it now fails when run"};
+      return std::nullopt;
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 Item score_skill_compliance(const Input& input) {
@@ -325,16 +380,11 @@ Item score_skill_compliance(const Input& input) {
   const Code code = read_code(input.candidate, feedback ? task.previous : Candidate{});
   int followed = 0, checkable = 0;
   for (const std::string& ask : task.asks) {
-    Check check;
-    if (feedback && !code.changed) {
-      check = {Verdict::missed, "the candidate is unchanged"};
-    } else if (feedback && is_repair(ask)) {
-      const bool ok = input.outcome.compiled && input.outcome.correct;
-      check = {ok ? Verdict::followed : Verdict::missed,
-               ok ? "repair: the candidate now compiles and is correct" : "repair: the candidate still fails"};
-    } else {
-      check = check_ask(ask, techniques, input.facts, feedback ? code.fresh : code.all);
-    }
+    std::optional<Check> judged;
+    if (feedback && !code.changed) judged = Check{Verdict::missed, "the candidate is unchanged"};
+    if (!judged && feedback && task.previous_outcome) judged = check_finding(ask, input.outcome, *task.previous_outcome);
+    if (!judged && feedback && is_repair(ask)) judged = check_repair(input.outcome, task.previous_outcome);
+    const Check check = judged ? *judged : check_ask(ask, techniques, input.facts, feedback ? code.fresh : code.all);
     const char* mark = check.verdict == Verdict::followed ? "followed" : check.verdict == Verdict::missed ? "missed" : "unverifiable";
     item.evidence.push_back(std::string(mark) + ": \"" + ask + "\" (" + check.why + ")");
     if (check.verdict == Verdict::unverifiable) continue;

@@ -59,6 +59,17 @@ Scorecard Rubric::score(const Input& input) const {
   Scorecard card;
   card.items = {score_anti_hacking(input), score_cuda_engineering(input), score_operator_coverage(input),
                 score_skill_compliance(input)};
+  if (!input.outcome.compiled) {
+    // Code that never compiled has shown no technique, covered no operator and followed no step: were
+    // its source credited, a broken candidate could outscore one that compiles. Every item takes the
+    // floor (total 4, the least any compiled candidate can have); what the detectors saw stays as evidence.
+    for (Item& item : card.items) {
+      item.evidence.insert(item.evidence.begin(), "detector: " + std::to_string(item.score) + "/5, " + item.reason);
+      item.score = 1;
+      item.reason = "the candidate did not compile: nothing of it is credited.";
+    }
+    return card;
+  }
   if (!judge_) return card;
   Result<Items> refined = fail(ErrorCode::Internal, "the judge returned nothing");
   try {
@@ -121,8 +132,11 @@ Result<Reward> reward(const VerifyOutcome& outcome, const Scorecard& scores, Ski
       return fail(ErrorCode::InvalidArgument, std::string("reward: ") + to_string(item.dimension) + " score " +
                                                   std::to_string(item.score) + " is outside 1-5.");
   Reward r;
-  r.correct = outcome.compiled && outcome.correct;
+  // A candidate never run (static verification only) is not known to be correct: unverified, which a
+  // reader of the reward must not take for a wrong answer.
+  r.correct = outcome.compiled && outcome.verified && outcome.correct;
   if (!outcome.compiled) r.zero_reason = "not compiled";
+  else if (!outcome.verified) r.zero_reason = "unverified";
   else if (!outcome.correct) r.zero_reason = "incorrect";
   for (const Finding& f : outcome.findings)
     if (f.severity == Severity::major) {

@@ -58,3 +58,25 @@ def test_bad_input_is_a_clear_error():
         stitchcuda.reward(report(), {"items": [{"score": 3}] * 4}, skill=3)
     with pytest.raises(InvalidArgumentError):
         stitchcuda.reward(report(), {"items": [{"score": 9}] * 4})
+
+
+def test_unverified_uncompiled_and_repairs_through_the_bindings():
+    from stitchcuda import _C
+
+    # Compiled and checked statically, never run: unverified, not incorrect.
+    unrun = {"compiled": True, "correct": False, "speedup": 0.0, "findings": [], "verified": False}
+    card = _C.rubric.score({"candidate": {"cuda": [TILED]}, "outcome": unrun})
+    r = _C.rubric.reward(unrun, [i["score"] for i in card["items"]], 1, {})
+    assert r["value"] == 0.0 and r["zero_reason"] == "unverified"
+
+    # A candidate that did not compile is credited nothing, however rich its source.
+    broken = dict(unrun, compiled=False)
+    assert _C.rubric.score({"candidate": {"cuda": [TILED]}, "outcome": broken})["total"] == 4
+    assert _C.rubric.score({"candidate": {"cuda": [TILED]}, "outcome": unrun})["total"] > 4
+
+    # A compile error the feedback asked to fix is fixed once the candidate compiles, run or not.
+    task = {"skill": 2, "asks": ["fix the compile error at line 3: expected a \";\""],
+            "previous": {"cuda": ["__global__ void k() { int x }"]}, "previous_outcome": broken}
+    fixed = _C.rubric.score({"candidate": {"cuda": [TILED]}, "outcome": unrun, "task": task})
+    compliance = {i["dimension"]: i for i in fixed["items"]}["skill-compliance"]
+    assert compliance["score"] == 5 and "compiles now" in compliance["evidence"][0]

@@ -251,3 +251,79 @@ TEST_CASE("judge: refines when valid, deterministic scores kept when it fails", 
   const Scorecard forgiven = Rubric(std::make_shared<ScriptedJudge>(ScriptedJudge::Mode::raise_hack)).score(hacked);
   CHECK(forgiven[Dimension::anti_hacking].score == 1);
 }
+
+TEST_CASE("skill 2 repairs are judged against the previous candidate's failure", "[rubric]") {
+  Input in;
+  in.task.skill = Skill::from_feedback;
+  in.task.previous.cuda = {kNaive};
+  in.candidate.cuda = {std::string(kNaive) + "__global__ void other(float* y) { y[0] = 1; }\n"};  // changed code
+  in.task.asks = {"fix the compile error at line 3: expected a \";\""};
+  VerifyOutcome not_compiled;  // compiled = false
+  VerifyOutcome unverified;    // compiled, checked statically, never run
+  unverified.compiled = true;
+  unverified.verified = false;
+  VerifyOutcome wrong;
+  wrong.compiled = true;
+  VerifyOutcome right;
+  right.compiled = right.correct = true;
+  auto verdict = [&](const VerifyOutcome& before, const VerifyOutcome& now) {
+    in.task.previous_outcome = before;
+    in.outcome = now;
+    const Item item = score_skill_compliance(in);
+    REQUIRE(item.evidence.size() == 1);
+    return item.evidence[0].substr(0, item.evidence[0].find(':'));
+  };
+  // Without a GPU the fix of a compile error shows: the candidate compiles now.
+  CHECK(verdict(not_compiled, unverified) == "followed");
+  CHECK(verdict(not_compiled, wrong) == "followed");  // the compile error asked about is gone
+  CHECK(verdict(not_compiled, not_compiled) == "missed");
+  in.task.asks = {"fix the mismatch at [0, 3] (expected 1.25, got 0)"};
+  CHECK(verdict(wrong, right) == "followed");
+  CHECK(verdict(wrong, unverified) == "unverifiable");  // not run: whether it is fixed is unknown
+  CHECK(verdict(wrong, wrong) == "missed");
+  CHECK(verdict(wrong, not_compiled) == "missed");
+  in.task.previous_outcome = wrong;
+  in.outcome = unverified;
+  CHECK(score_skill_compliance(in).reason == "no checkable ask: neutral.");
+
+  // With the previous outcome unknown, an unverified candidate shows nothing either way.
+  in.task.previous_outcome.reset();
+  in.outcome = unverified;
+  CHECK(stitchcuda_test::contains(score_skill_compliance(in).evidence.at(0), "unverifiable"));
+  in.outcome = wrong;
+  CHECK(stitchcuda_test::contains(score_skill_compliance(in).evidence.at(0), "still fails"));
+
+  // An ask about a finding is met when the rule no longer fires.
+  VerifyOutcome hacked = right;
+  hacked.findings = {major("torch-does-heavy-work")};
+  in.task.asks = {"remove the [torch-does-heavy-work] problem at line 9: forward computes GELU with torch"};
+  CHECK(verdict(hacked, right) == "followed");
+  CHECK(verdict(hacked, hacked) == "missed");
+}
+
+TEST_CASE("a candidate that did not compile scores 1 on every item and never outscores a compiled one", "[rubric]") {
+  Input broken;
+  broken.candidate.cuda = {kTuned};  // rich in techniques, but it never compiled
+  broken.task.asks = {"Vectorize the loads with float4"};
+  broken.outcome.compiled = false;
+  auto judge = std::make_shared<ScriptedJudge>(ScriptedJudge::Mode::echo_plus_one);
+  const Scorecard card = Rubric(judge).score(broken);
+  CHECK(card.total() == 4);
+  CHECK(judge->calls == 0);  // nothing for a judge to credit
+  for (const Item& item : card.items) {
+    CHECK(item.score == 1);
+    CHECK(item.reason == "the candidate did not compile: nothing of it is credited.");
+    REQUIRE_FALSE(item.evidence.empty());
+    CHECK(stitchcuda_test::contains(item.evidence[0], "detector: "));  // what the detectors saw is kept
+  }
+  // The detector saw techniques (it would score above 1); none is credited.
+  CHECK(stitchcuda_test::contains(card[Dimension::cuda_engineering].evidence[0], "technique(s)"));
+  CHECK_FALSE(stitchcuda_test::contains(card[Dimension::cuda_engineering].evidence[0], "detector: 1/5"));
+
+  Input compiled;
+  compiled.candidate.cuda = {kNaive};
+  compiled.outcome.compiled = true;
+  compiled.outcome.verified = false;  // static only
+  compiled.outcome.findings = {major("calls-reference-model"), minor("a")};
+  CHECK(Rubric().score(compiled).total() >= card.total());
+}

@@ -73,7 +73,7 @@ TEST_CASE("reward is capped at R_max", "[rubric]") {
   CHECK(reward_ok(ok(3.0), card(5, 5, 5, 5), Skill::from_feedback).value == Approx(3.3 * 1.35));
 }
 
-TEST_CASE("a hack, an incorrect or an uncompiled candidate earns 0", "[rubric]") {
+TEST_CASE("a hack, an incorrect, an unverified or an uncompiled candidate earns 0", "[rubric]") {
   VerifyOutcome hacked = ok(3.0);
   hacked.findings = {{"library-does-heavy-work", Severity::minor, ""},
                      {"torch-does-heavy-work", Severity::major, "torch.matmul"},
@@ -95,6 +95,15 @@ TEST_CASE("a hack, an incorrect or an uncompiled candidate earns 0", "[rubric]")
   CHECK(wrong.value == 0.0);
   CHECK_FALSE(wrong.correct);
   CHECK(wrong.zero_reason == "incorrect");
+  // Compiled and statically checked, never run: unverified, which is not a wrong answer.
+  VerifyOutcome unrun{true, false, 0.0, {}};
+  unrun.verified = false;
+  Reward unverified = reward_ok(unrun, card(5, 5, 5, 5), Skill::from_plan);
+  CHECK(unverified.value == 0.0);
+  CHECK_FALSE(unverified.correct);
+  CHECK(unverified.zero_reason == "unverified");
+  unrun.correct = true;  // a static check cannot make it correct
+  CHECK(reward_ok(unrun, card(5, 5, 5, 5), Skill::from_plan).zero_reason == "unverified");
   Reward broken = reward_ok({false, false, 0.0, {}}, card(5, 5, 5, 5), Skill::from_feedback);
   CHECK(broken.value == 0.0);
   CHECK(broken.zero_reason == "not compiled");
