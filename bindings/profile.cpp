@@ -181,24 +181,29 @@ void bind_profile(py::module_& parent) {
   m.def("timestamp_ns", [] { return unwrap(Tracer::timestamp_ns()); });
 
   py::class_<DeviceCeilings>(m, "DeviceCeilings", "The ceilings a kernel is measured against (H200 by default).")
-      .def(py::init([](const std::string& name, double fp32, double bf16, double dram, double launch) {
+      .def(py::init([](const std::string& name, double fp32, double bf16, double dram, double launch, double tf32) {
              DeviceCeilings c;
              c.name = name;
              c.fp32_flops_per_s = fp32;
              c.bf16_tensor_flops_per_s = bf16;
              c.dram_bytes_per_s = dram;
              c.launch_overhead_ns = launch;
+             c.tf32_tensor_flops_per_s = tf32;
              return c;
            }), py::arg("name") = DeviceCeilings{}.name, py::arg("fp32_flops_per_s") = DeviceCeilings{}.fp32_flops_per_s,
            py::arg("bf16_tensor_flops_per_s") = DeviceCeilings{}.bf16_tensor_flops_per_s,
            py::arg("dram_bytes_per_s") = DeviceCeilings{}.dram_bytes_per_s,
-           py::arg("launch_overhead_ns") = DeviceCeilings{}.launch_overhead_ns)
+           py::arg("launch_overhead_ns") = DeviceCeilings{}.launch_overhead_ns,
+           py::arg("tf32_tensor_flops_per_s") = DeviceCeilings{}.tf32_tensor_flops_per_s)
       .def_readwrite("name", &DeviceCeilings::name)
       .def_readwrite("fp32_flops_per_s", &DeviceCeilings::fp32_flops_per_s)
       .def_readwrite("bf16_tensor_flops_per_s", &DeviceCeilings::bf16_tensor_flops_per_s)
+      .def_readwrite("tf32_tensor_flops_per_s", &DeviceCeilings::tf32_tensor_flops_per_s)
       .def_readwrite("dram_bytes_per_s", &DeviceCeilings::dram_bytes_per_s)
       .def_readwrite("launch_overhead_ns", &DeviceCeilings::launch_overhead_ns)
-      .def_static("h200", &DeviceCeilings::h200);
+      .def_static("h200", &DeviceCeilings::h200)
+      .def_static("for_device", &DeviceCeilings::for_device, py::arg("device_name"),
+                  "The table's ceilings for a device name (torch.cuda.get_device_name()), or None when unknown.");
 
   py::class_<DiagnosisRules>(m, "DiagnosisRules", "Thresholds of the classification.")
       .def(py::init<>())

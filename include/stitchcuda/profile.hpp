@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <stitchcuda/error.hpp>
@@ -184,15 +185,22 @@ class Tracer {
 
 // ---- roofline and diagnosis ----
 
-/// The ceilings a kernel is measured against.
+/// The ceilings a kernel is measured against. This is StitchCUDA's one description of a GPU's peaks:
+/// the roofline here, the Verifier's speed-of-light bound and the Planner's prompt (Python's
+/// stitchcuda.verify.hardware) all read these numbers, so they cannot disagree.
 struct DeviceCeilings {
   std::string name = "NVIDIA H200";          ///< what these numbers describe
   double fp32_flops_per_s = 67e12;           ///< FP32 without tensor cores (datasheet)
   double bf16_tensor_flops_per_s = 790e12;   ///< measured bf16 GEMM
   double dram_bytes_per_s = 4.3e12;          ///< measured device-to-device copy
   double launch_overhead_ns = 2000.0;        ///< typical host cost of one kernel launch
+  double tf32_tensor_flops_per_s = 495e12;   ///< dense TF32 tensor cores (datasheet)
   /// The H200 numbers of DESIGN.md.
   static DeviceCeilings h200() { return {}; }
+  /// The table's entry for a device name as the driver reports it ("NVIDIA H200"; matched by the model
+  /// name inside it), or nullopt for a GPU the table does not know: peaks are measured or read from a
+  /// datasheet, never guessed.
+  static std::optional<DeviceCeilings> for_device(std::string_view device_name);
 };
 
 /// Which math units a kernel's FLOPs run on.

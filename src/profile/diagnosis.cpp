@@ -28,6 +28,17 @@ std::string label(const std::string& name) { return name.empty() ? std::string("
 
 }  // namespace
 
+std::optional<DeviceCeilings> DeviceCeilings::for_device(std::string_view device_name) {
+  // One row today: the GPU whose numbers were measured (DESIGN.md). Matched by model name, as the
+  // driver spells it inside longer names ("NVIDIA H200", "H200 SXM 141GB").
+  if (device_name.find("H200") != std::string_view::npos) {
+    DeviceCeilings c = h200();
+    c.name = std::string(device_name);
+    return c;
+  }
+  return std::nullopt;
+}
+
 const char* to_string(Bound bound) noexcept {
   switch (bound) {
     case Bound::Memory: return "memory";

@@ -118,6 +118,8 @@ def bandwidth(rows: int = 8192, cols: int = 8192) -> dict:
     Floor: every kernel here reads its inputs and writes its outputs once, so its time is bytes moved
     over DRAM bandwidth; the copy (read + write) measures that bandwidth. Target: >= 80% of the copy."""
     from ..graph import Lowering, OfflinePlanner, capture
+    from ..verify.compare import first_difference
+    from ..verify.tolerance import tolerance
     from .program import _gpu_ms
 
     n = rows * cols
@@ -145,7 +147,7 @@ def bandwidth(rows: int = 8192, cols: int = 8192) -> dict:
         outputs = ex.run(list(inputs))
         with torch.no_grad():
             want = fn(*inputs)
-        correct = torch.allclose(outputs[0], want, atol=1e-4, rtol=1e-4)
+        correct = first_difference("y", outputs[0], want, *tolerance(want.dtype)) is None
         ms = _gpu_ms(lambda: ex.run(list(inputs), outputs))
         gbs = nbytes / ms / 1e6
         out["kernels"][name] = {"steps": steps, "kernel": lowering.kernels[0][1].name if lowering.kernels else None,

@@ -238,6 +238,8 @@ def _launch_overhead(notes: dict[str, Any]) -> dict[str, float] | None:
     import torch
 
     from ..jit import compile as jit_compile
+    from ..verify.compare import first_difference
+    from ..verify.tolerance import tolerance
 
     kernel = jit_compile(ELEMENTWISE, "add_f32")
     a = torch.randn(1024, device="cuda")
@@ -247,7 +249,7 @@ def _launch_overhead(notes: dict[str, Any]) -> dict[str, float] | None:
     for _ in range(100):  # warm: module load, first-launch setup
         kernel(grid, block, a, b, out, n)
     torch.cuda.synchronize()
-    if not torch.allclose(out, a + b):
+    if first_difference("out", out, a + b, *tolerance(out.dtype)) is not None:
         raise RuntimeError("the benchmark kernel computed a wrong result")
     samples = []
     clock = time.perf_counter_ns
@@ -266,7 +268,7 @@ def _launch_overhead(notes: dict[str, Any]) -> dict[str, float] | None:
     cpp_us = _C.bench_launch_us(kernel._native, grid, block, [a, b, out, n], LAUNCHES, prepared=True)
     cpp_checked_us = _C.bench_launch_us(kernel._native, grid, block, [a, b, out, n], LAUNCHES)
     torch.cuda.synchronize()
-    if not torch.allclose(out, a + b):
+    if first_difference("out", out, a + b, *tolerance(out.dtype)) is not None:
         raise RuntimeError("the benchmark kernel computed a wrong result in the C++ launch loop")
     notes["launch"] = (f"{LAUNCHES} launches of add_f32 on {n} floats, grid {grid}, block {block}; "
                        f"queue drained every {BATCH} launches (untimed)")

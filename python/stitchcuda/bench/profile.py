@@ -44,25 +44,27 @@ torch.cuda.synchronize()
 
 
 def _tracer_vs_events(trials: int = 20) -> dict[str, Any]:
+    """The Tracer's kernel time of one GEMM against the one timer's CUDA events (stitchcuda.verify.measure
+    with a ~1 ms busy-wait queued ahead of the call: the GPU is busy while the host enqueues the start
+    event and the GEMM, so the events time the GEMM and not the host's launch latency, which CUPTI's
+    tracing lengthens beyond what the L2 flush alone hides)."""
     import torch
 
     from .. import profile as prof
+    from ..verify import measure
 
     a = torch.randn(4096, 4096, device="cuda")
     torch.mm(a, a)
     torch.cuda.synchronize()
+    # The GEMM's own kernels, by name: the timer's flush and busy-wait kernels run in the same trace.
+    with prof.trace(memory=False, api_calls=False) as bare:
+        torch.mm(a, a)
+    gemm = {k.name for k in bare.trace.kernels}
     ratios, kernel_ms, event_ms = [], [], []
     for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with prof.trace(memory=False, api_calls=False) as t:
-            # Keep the GPU busy while the host enqueues start, mm and end, so the events time the GEMM
-            # and not the host's launch latency between them.
-            torch.cuda._sleep(2_000_000)
-            start.record()
-            torch.mm(a, a)
-            end.record()
-        events = start.elapsed_time(end)
-        traced = sum(k.duration_ns for k in t.trace.kernels if "spin" not in k.name) / 1e6
+            events = measure(lambda: torch.mm(a, a), repeats=1, warmup=0, busy_cycles=2_000_000).median_ms
+        traced = sum(k.duration_ns for k in t.trace.kernels if k.name in gemm) / 1e6
         kernel_ms.append(traced)
         event_ms.append(events)
         ratios.append(traced / events)

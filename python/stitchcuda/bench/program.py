@@ -9,7 +9,7 @@
    adds latency once and runs the nodes sooner: the default uses it from 128 nodes on). Floor: one cudaGraphLaunch of a one-node graph
    (~2-4 us on this driver) plus the Python binding call, whatever the number of steps.
 2. cuBLASLt matmul with a fused epilogue versus F.linear followed by the activation (separate kernels):
-   CUDA events, median of 20. The epilogue saves one read and one write of the output.
+   the Verifier's timer (stitchcuda.verify.measure: L2 flushed before each call), median of 20. The epilogue saves one read and one write of the output.
 3. Liveness planning: arena bytes versus the widest point's live bytes and versus no reuse.
 4. An artifact's output against the program's before saving (bitwise).
 """
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..program import Executor, ProgramBuilder, Program, load
+from ..verify.compare import first_difference
 
 _CHAIN = r"""
 extern "C" __global__ void axpb(const float* x, float* y, float a, float b, int n) {
@@ -58,17 +59,10 @@ def _host_us(fn, repeats: int = 200) -> float:
 
 
 def _gpu_ms(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """GPU milliseconds per call: the median on the Verifier's protocol (stitchcuda.verify.measure)."""
+    from ..verify import measure
+
+    return measure(fn, repeats=repeats, warmup=3).median_ms
 
 
 def host_overhead() -> dict:
@@ -89,7 +83,7 @@ def host_overhead() -> dict:
             ex.run([x], [y])  # eager warm-up
             ex.run([x], [y])  # capture (and, for device replay, its set-up)
             # fp32 rounding accumulates over the chain: about steps * 2**-24 relative.
-            ok = torch.allclose(ex.run([x], [y])[0].double(), expected, rtol=steps * 2e-7, atol=1e-5)
+            ok = first_difference("y", ex.run([x], [y])[0].double(), expected, atol=1e-5, rtol=steps * 2e-7) is None
             ins, outs = ex.static_inputs(), ex.static_outputs()
             ins[0].copy_(x)
             row[f"{mode}_replay_host_us"] = round(_host_us(lambda: ex.run(ins, outs)), 2)
@@ -149,7 +143,7 @@ def epilogues() -> dict:
 def planning() -> dict:
     out = {}
     for steps in (50, 500):
-        plan = chain_program(steps).plan()
+        plan = chain_program(steps).buffer_plan()
         out[f"chain_{steps}"] = {k: plan[k] for k in ("arena_bytes", "live_bound_bytes", "unshared_bytes")}
         out[f"chain_{steps}"]["arena_within_bound"] = plan["arena_bytes"] <= plan["live_bound_bytes"]
     return out

@@ -1,8 +1,10 @@
 """`stitchcuda bench suite`: every model in `bench/suite/` (KernelBench format) through eager PyTorch,
 torch.compile (default and mode="reduce-overhead") and `stitchcuda.optimize`, timed in one run, with
-StitchCUDA's outputs checked against eager (fp32, atol = rtol = 1e-4) and geomean speed-ups over eager.
+StitchCUDA's outputs checked against eager and geomean speed-ups over eager.
 
-Timing: CUDA events, warm-up calls first, L2 flushed before every trial, median of 30. Matmuls and cuDNN
+Timing: the Verifier's protocol (stitchcuda.verify.measure: CUDA events, warm-up calls first, L2 flushed
+and persisting L2 reset before every trial), median of 30. Outputs are compared by the Verifier's
+comparator under its tolerance table (fp32: atol = rtol = 1e-4). Matmuls and cuDNN
 convolutions run in true fp32 (TF32 off) for every column, so the comparison and the tolerance are fair.
 A model whose optimize falls back to eager counts as correct at its eager time (status "eager"); a wrong
 StitchCUDA result counts as 1x in the geomean; an exception in any column is recorded in that model's row
@@ -25,7 +27,6 @@ import json
 import math
 import os
 import sys
-import statistics
 import time
 import traceback
 from pathlib import Path
@@ -35,7 +36,6 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-ATOL = RTOL = 1e-4
 REPEATS = 30
 
 
@@ -76,20 +76,16 @@ def load(path: Path) -> ModuleType:
     return module
 
 
-def _time_ms(fn: Callable[[], Any], flush: torch.Tensor, warmup: int = 3, repeats: int = REPEATS) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        flush.zero_()  # evicts L2, so every trial reads its operands from HBM
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def _time_ms(fn: Callable[[], Any], warmup: int = 3, repeats: int = REPEATS) -> float:
+    from ..verify import measure
+
+    return measure(fn, repeats=repeats, warmup=warmup).median_ms
+
+
+def _fp32_tolerance() -> tuple[float, float]:
+    from ..verify.tolerance import tolerance
+
+    return tolerance(torch.float32)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -98,7 +94,11 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _compare(got: Any, want: Any) -> tuple[bool, float, str]:
-    """(all close, max |error|, what differs first) for two output structures."""
+    """(all close, max |error|, what differs first) for two output structures, by the Verifier's
+    comparator and tolerance table (the suite runs in true fp32)."""
+    from ..verify.compare import first_difference, largest_error, max_abs_error
+    from ..verify.tolerance import tolerance
+
     got_flat, want_flat = pytree.tree_flatten(got)[0], pytree.tree_flatten(want)[0]
     if len(got_flat) != len(want_flat):
         return False, math.inf, f"{len(got_flat)} outputs, eager has {len(want_flat)}"
@@ -109,18 +109,16 @@ def _compare(got: Any, want: Any) -> tuple[bool, float, str]:
         if not isinstance(g, torch.Tensor) or g.shape != w.shape or g.dtype != w.dtype:
             return False, math.inf, f"output {i}: {getattr(g, 'dtype', type(g))} {list(getattr(g, 'shape', []))}, " \
                                     f"eager {w.dtype} {list(w.shape)}"
-        diff = torch.nan_to_num((g.float() - w.float()).abs(), nan=math.inf)
-        if diff.numel():
-            worst = max(worst, float(diff.max()))
-        if ok and not torch.allclose(g.float(), w.float(), atol=ATOL, rtol=RTOL, equal_nan=True):
+        worst = max(worst, max_abs_error(g, w))
+        if ok and first_difference(str(i), g, w, *tolerance(w.dtype)) is not None:
             ok = False
-            idx = int(diff.argmax())
-            detail = (f"output {i}: max |error| {float(diff.max()):.3g} at flat index {idx} (eager "
+            err, idx = largest_error(g, w)
+            detail = (f"output {i}: max |error| {err:.3g} at flat index {idx} (eager "
                       f"{w.flatten()[idx].item():.6g}, StitchCUDA {g.flatten()[idx].item():.6g})")
     return ok, worst, detail
 
 
-def _compiled_ms(model, inputs, flush, mode: str | None) -> tuple[float, float]:
+def _compiled_ms(model, inputs, mode: str | None) -> tuple[float, float]:
     """(median milliseconds per call, seconds the first call took: compilation, from the caches if warm)."""
     torch._dynamo.reset()  # a fresh cache per model and mode: no recompilation limits, no cross-talk
     compiled = torch.compile(model, mode=mode) if mode else torch.compile(model)
@@ -128,7 +126,7 @@ def _compiled_ms(model, inputs, flush, mode: str | None) -> tuple[float, float]:
         t0 = time.perf_counter()
         compiled(*inputs)  # compiles (and, for reduce-overhead, starts recording CUDA graphs)
         first_s = time.perf_counter() - t0
-        return _time_ms(lambda: compiled(*inputs), flush, warmup=5), first_s
+        return _time_ms(lambda: compiled(*inputs), warmup=5), first_s
 
 
 def _on_gpu(path: Path) -> tuple[torch.nn.Module, tuple]:
@@ -139,7 +137,7 @@ def _on_gpu(path: Path) -> tuple[torch.nn.Module, tuple]:
     return model, tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in module.get_inputs())
 
 
-def run_model(path: Path, flush: torch.Tensor) -> dict:
+def run_model(path: Path) -> dict:
     """One model's row: times, speed-ups, correctness, report status; errors recorded, never raised."""
     from ..graph import optimize
 
@@ -148,7 +146,7 @@ def run_model(path: Path, flush: torch.Tensor) -> dict:
         model, inputs = _on_gpu(path)
         with torch.no_grad():
             want = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, model(*inputs))
-            row["eager_ms"] = _time_ms(lambda: model(*inputs), flush)
+            row["eager_ms"] = _time_ms(lambda: model(*inputs))
     except Exception as exc:  # the model itself does not load or run: nothing else can be measured
         row["errors"]["eager"] = _first_line(exc)
         row["correct"] = False
@@ -156,7 +154,7 @@ def run_model(path: Path, flush: torch.Tensor) -> dict:
 
     for key, mode in (("compile_ms", None), ("reduce_overhead_ms", "reduce-overhead")):
         try:
-            row[key], first_s = _compiled_ms(model, inputs, flush, mode)
+            row[key], first_s = _compiled_ms(model, inputs, mode)
             row[key.removesuffix("_ms") + "_first_call_s"] = round(first_s, 2)
         except Exception as exc:  # no compiler toolchain, a dynamo failure: the row says so
             row["errors"][key.removesuffix("_ms")] = _first_line(exc)
@@ -175,7 +173,7 @@ def run_model(path: Path, flush: torch.Tensor) -> dict:
         if report.status == "optimized":
             with torch.no_grad():
                 ok, worst, detail = _compare(fast(*inputs), want)
-                row["stitch_ms"] = _time_ms(lambda: fast(*inputs), flush)
+                row["stitch_ms"] = _time_ms(lambda: fast(*inputs))
             row.update(correct=ok, max_abs_error=worst)
             if detail:
                 row["mismatch"] = detail
@@ -269,11 +267,10 @@ def run(json_output: bool = False) -> int:
 
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # true fp32 everywhere
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # several times the H200's 50 MB L2
     rows = []
     try:
         for path in files:
-            row = run_model(path, flush)
+            row = run_model(path)
             rows.append(row)
             # One line per model on stderr as it finishes, so a run cut short still reports what it measured.
             print("[suite-row] " + json.dumps(row, default=str), file=sys.stderr, flush=True)
@@ -284,7 +281,8 @@ def run(json_output: bool = False) -> int:
     summary = summarize(rows)
     device = torch.cuda.get_device_name()
     if json_output:
-        print(json.dumps({"device": device, "suite_dir": str(folder), "tolerance": {"atol": ATOL, "rtol": RTOL},
+        atol, rtol = _fp32_tolerance()
+        print(json.dumps({"device": device, "suite_dir": str(folder), "tolerance": {"atol": atol, "rtol": rtol},
                           "repeats": REPEATS, "summary": summary, "models": rows}, default=str))
     else:
         print(format_table(rows, summary, device))

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ..errors import InvalidArgumentError
+from .hardware import floor_bandwidth_tb_s
 from .task import Tolerance
 
 __all__ = ["VerifyConfig", "DISTRIBUTIONS"]
@@ -32,7 +33,9 @@ class VerifyConfig:
     tolerance: Tolerance | None = None  # None: the task's policy
     compile_baseline: bool = True  # also time the reference under torch.compile (GPU only)
     profile: bool = True  # CUPTI cross-check and kernel summary where stitchcuda.profile works
-    bandwidth_tb_s: float = 4.3  # DRAM bandwidth of the speed-of-light bound (H200 measured copy)
+    # DRAM bandwidth of the speed-of-light bound: the hardware table's (the H200's measured copy, 4.3),
+    # the number the Planner is told; set it when verifying on another GPU.
+    bandwidth_tb_s: float = field(default_factory=floor_bandwidth_tb_s)
 
     def __post_init__(self) -> None:
         if self.trials < 5:

@@ -1,5 +1,7 @@
 """GPU side of the timing protocol: L2 flush, persisting-L2 state through the driver API, CUDA-event
-timing with a device-wide sync, and the CUPTI cross-check. Imported only in worker processes.
+timing with a device-wide sync, and the CUPTI cross-check. The only module of StitchCUDA that touches
+CUDA events (tests/python/test_judge.py fails on any other): the Verifier's workers call it directly,
+everything else through verify/timing.py's ``measure``.
 
 The harness keeps its own references to torch's synchronization and event functions, captured at
 import, so a candidate that patches them cannot fake a measurement (and the patch is detected).
@@ -150,7 +152,8 @@ def sync_latency(flush: L2Flush, samples: int = 20, busy_cycles: int = 200_000) 
 
 def time_calls(fn: Callable[..., Any], input_sets: Sequence[Sequence[Any]], iters: int, warmup: int,
                flush: L2Flush, persisting: PersistingL2, sync: SyncLatency | None = None,
-               before_last_round: Callable[[], None] | None = None) -> tuple[list[float], list[Any]]:
+               before_last_round: Callable[[], None] | None = None,
+               snapshot: bool = True, busy_cycles: int = 0) -> tuple[list[float], list[Any]]:
     """Times ``iters`` calls with CUDA events: L2 flushed and persisting L2 reset before each (the start
     event queued behind the flush), a ``stream`` event right after the call and the ``end`` event after
     a device-wide sync, so work on any stream is inside. A call's time is its stream time, unless the
@@ -158,7 +161,11 @@ def time_calls(fn: Callable[..., Any], input_sets: Sequence[Sequence[Any]], iter
     outlived the stream and the call is charged end time - the typical sync round trip. (Always taking
     max(stream, end - typical) charged honest calls every sync slower than the median: on a busy host,
     up to 10% of a 0.15 ms kernel.) Returns the times (ms) and, for the last round over the input sets,
-    a snapshot of each call's outputs taken right after its end event (for re-checking)."""
+    a snapshot of each call's outputs taken right after its end event (for re-checking; None without
+    ``snapshot``: a caller that only wants the times keeps no copies). ``busy_cycles`` > 0 queues a
+    busy-wait kernel of that many clock cycles after the flush: the GPU is still busy when the host has
+    enqueued the call, so no launch latency shows in the events (for comparing one kernel's event time
+    with a profiler's; the Verifier charges what the flush does not hide, as KernelBench does)."""
     sync = sync or SyncLatency(0.0, 0.0)
     k = len(input_sets)
     for i in range(warmup):
@@ -182,6 +189,8 @@ def time_calls(fn: Callable[..., Any], input_sets: Sequence[Sequence[Any]], iter
         start, stream_done, end = (_EVENT(enable_timing=True) for _ in range(3))
         persisting.reset()
         flush()
+        if busy_cycles:
+            _SLEEP(busy_cycles)
         _RECORD(start)
         out = fn(*args)
         _RECORD(stream_done)
@@ -190,10 +199,32 @@ def time_calls(fn: Callable[..., Any], input_sets: Sequence[Sequence[Any]], iter
         _EVENT_SYNC(end)
         stream_ms, end_ms = _ELAPSED(start, stream_done), _ELAPSED(start, end)
         times.append(max(stream_ms, end_ms - sync.typical_ms) if end_ms - stream_ms > sync.high_ms else stream_ms)
-        if i >= last_round:
+        if snapshot and i >= last_round:
             snapshots[i % k] = clone_outputs(out)
         del out
     return times, snapshots
+
+
+def time_calls_kernelbench(fn: Callable[..., Any], input_sets: Sequence[Sequence[Any]], iters: int, warmup: int,
+                           flush: L2Flush) -> list[float]:
+    """KernelBench's own protocol, kept as the agreement baseline for ``time_calls``: L2 flushed before
+    each call, start and end events around it on the current stream, a device-wide sync after the end
+    event (so nothing is joined before it); the caller takes the mean. No persisting-L2 reset and no
+    stream/end split: work left on other streams is not seen, which is what the comparison is about."""
+    k = len(input_sets)
+    for i in range(warmup):
+        fn(*input_sets[i % k])
+    _SYNC()
+    times: list[float] = []
+    for i in range(iters):
+        flush()
+        start, end = _EVENT(enable_timing=True), _EVENT(enable_timing=True)
+        _RECORD(start)
+        fn(*input_sets[i % k])
+        _RECORD(end)
+        _SYNC()
+        times.append(_ELAPSED(start, end))
+    return times
 
 
 def clone_outputs(out: Any) -> Any:

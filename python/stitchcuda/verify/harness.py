@@ -21,7 +21,8 @@ import torch
 
 from ..errors import CompileError
 from .config import DISTRIBUTIONS, VerifyConfig
-from .report import OutputError, VerifyReport, build_feedback, compare_output, fp64_error
+from .compare import OutputError, compare_output, first_difference, fp64_error  # first_difference: re-exported
+from .report import VerifyReport, build_feedback
 from .static import MAJOR, MINOR
 from .task import Task, TaskError, load_source_module
 
@@ -92,63 +93,14 @@ def map_compile_log(exc: CompileError, candidate_source: str) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def first_difference(name: str, got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float) -> str | None:
-    """None when `got` matches `want` within atol + rtol·|want| (NaN where NaN), else the first problem
-    in words: the shape, or the largest error with where it is and both values."""
-    if tuple(got.shape) != tuple(want.shape):
-        return f"output '{name}' has shape {tuple(got.shape)}, the reference's {tuple(want.shape)}"
-    got, want = got.float().cpu(), want.float().cpu()
-    if torch.allclose(got, want, atol=atol, rtol=rtol, equal_nan=True):
-        return None
-    both_nan = got.isnan() & want.isnan()
-    diff = torch.nan_to_num((got - want).abs(), nan=float("inf")).masked_fill(both_nan, 0.0)  # one NaN: infinite
-    idx = int(diff.argmax())
-    return (f"output '{name}' differs from the reference: max |error| {diff.max().item():.3g} at flat index {idx} "
-            f"(expected {want.flatten()[idx].item():.6g}, got {got.flatten()[idx].item():.6g})")
-
-
-def run_program_job(job: dict[str, Any], progress: Callable[[str], None]) -> dict[str, Any]:
-    """Runs a saved program (job["artifact"]: .stitch bytes) on job["inputs"] and compares each output
-    with job["expected"] under job["tolerances"] ([(atol, rtol)] per output, named by job["names"]):
-    graph mode's check of one generated group against its ATen subgraph, isolated like a candidate.
-    Returns a VerifyReport dict (correct, error, outputs as messages in feedback) plus "recycle"."""
-    started = time.perf_counter()
-    report, recycle = VerifyReport(), False
-    try:
-        from ..program import Program
-
-        program = Program.deserialize(job["artifact"])
-        # "cuda" is the worker's own GPU (the pool set it current when the worker started).
-        device = torch.device(VerifyConfig.from_dict(job["config"]).device or "cpu")
-        executor = program.executor(graphs=False)  # CUBINs from the artifact: nothing recompiles
-        report.compiled = True
-        progress("run")
-        got = executor.run([t.to(device) for t in job["inputs"]])
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        problems = [first_difference(n, g, w, atol, rtol) for n, g, w, (atol, rtol)
-                    in zip(job["names"], got, job["expected"], job["tolerances"])]
-        problems = [p for p in problems if p]
-        report.correct = not problems and len(got) == len(job["expected"])
-        if problems:
-            report.fail("incorrect", problems[0])
-    except Exception as exc:  # noqa: BLE001 - whatever the program did becomes the report
-        kind = classify_exception(exc)
-        recycle = context_poisoned(exc)
-        report.fail(kind, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-    report.feedback = build_feedback(report)
-    report.wall_s = time.perf_counter() - started
-    data = report.to_dict()
-    data["recycle"] = recycle
-    return data
-
-
 def run_job(job: dict[str, Any], progress: Callable[[str], None]) -> dict[str, Any]:
     """Verifies ``job`` = {"reference": Task spec, "candidate": source, "candidate_name": str,
     "config": VerifyConfig dict}; returns the report as a dict plus "recycle" (the worker should be
     replaced: sticky CUDA error, patched timing functions). A job with "kind": "program" checks a
-    saved program against expected outputs instead (``run_program_job``)."""
+    saved program against expected outputs instead (``verify.program.run_program_job``)."""
     if job.get("kind") == "program":
+        from .program import run_program_job  # imports this module: resolved at call time
+
         return run_program_job(job, progress)
     started = time.perf_counter()
     report = VerifyReport()

@@ -1,5 +1,6 @@
-"""The Verifier's verdict on one candidate (``VerifyReport``), output comparison under a tolerance,
-and the feedback text the Coder reads.
+"""The Verifier's verdict on one candidate (``VerifyReport``), its versioned JSON format (``SCHEMA_VERSION``,
+``report_schema()``: the schema the C++ agents' ``Report::from_json`` checks), and the feedback text the
+Coder reads. Output comparison lives in compare.py (re-exported here).
 """
 
 from __future__ import annotations
@@ -8,32 +9,25 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-import torch
-
+from ..errors import InvalidArgumentError
+from .compare import FIRST_MISMATCHES, OutputError, compare_output, fp64_error
 from .static import MAJOR, MINOR, Finding
 
-__all__ = ["VerifyReport", "OutputError", "ERROR_KINDS", "compare_output", "build_feedback"]
+__all__ = ["VerifyReport", "OutputError", "ERROR_KINDS", "SCHEMA_VERSION", "report_schema", "compare_output",
+           "fp64_error", "build_feedback"]
 
 ERROR_KINDS = ("load", "compile", "runtime", "crash", "timeout", "oom", "illegal-address",
                "device-assert", "incorrect", "bad-reference", "bad-candidate")
-FIRST_MISMATCHES = 5
+# The version of the JSON a VerifyReport writes. Readers (the C++ agents) refuse any other, so a change
+# of meaning of a key must bump it here and in report_schema() (src/agents/report.cpp) together.
+SCHEMA_VERSION = 1
 
 
-@dataclass
-class OutputError:
-    """How one output of the candidate compares with the reference's."""
+def report_schema() -> dict[str, Any]:
+    """The JSON Schema of ``VerifyReport.to_json()`` (draft-07), as the C++ side defines and checks it."""
+    from .. import _C
 
-    index: int  # position in the forward's returned tuple (0 for a single tensor)
-    shape: list[int]
-    dtype: str
-    ok: bool
-    max_abs_err: float | None = None
-    max_rel_err: float | None = None  # max |got - expected| / |expected| over nonzero expected
-    mismatches: int = 0  # elements outside atol + rtol * |expected|
-    err_vs_fp64: float | None = None  # ||got - ref64||_inf / ||ref64||_inf; None without an fp64 run
-    reference_err_vs_fp64: float | None = None  # the same for the reference itself, for scale
-    first_mismatches: list[dict[str, Any]] = field(default_factory=list)  # {"index", "expected", "got"}
-    problem: str = ""  # shape/dtype/NaN/Inf/type problem in words, "" when none
+    return json.loads(_C.agents.report_schema())
 
 
 @dataclass
@@ -70,7 +64,7 @@ class VerifyReport:
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        data = {"schema_version": SCHEMA_VERSION, **asdict(self)}
         data["hack"] = any(f.severity == MAJOR for f in self.findings)
         return data
 
@@ -79,6 +73,12 @@ class VerifyReport:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "VerifyReport":
+        """From ``to_dict()``'s layout. A dict of another schema_version is refused (InvalidArgumentError);
+        one without a version is taken as this process's own (every writer here goes through to_dict)."""
+        version = data.get("schema_version", SCHEMA_VERSION)
+        if version != SCHEMA_VERSION:
+            raise InvalidArgumentError(f"a VerifyReport of schema_version {version!r}; this reader reads "
+                                       f"schema_version {SCHEMA_VERSION}")
         known = {f.name for f in fields(cls)} - {"findings", "outputs"}
         report = cls(**{k: v for k, v in data.items() if k in known})
         report.findings = [Finding(**f) for f in data.get("findings", [])]
@@ -92,96 +92,6 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, float):
         return value
     return str(value)
-
-
-def _num(x: float) -> float | None:
-    x = float(x)
-    return x if x == x and abs(x) != float("inf") else None
-
-
-def _scalar(value: Any) -> Any:
-    value = value.item() if isinstance(value, torch.Tensor) else value
-    if isinstance(value, float) and (value != value or abs(value) == float("inf")):
-        return str(value)  # "nan", "inf": JSON has no such numbers
-    return value
-
-
-def compare_output(index: int, expected: Any, got: Any, atol: float, rtol: float,
-                   atol_scale: float = 1.0) -> OutputError:
-    """Compares one output. Shapes and dtypes must match exactly; NaN/Inf must sit where the
-    reference has them. ``atol_scale`` widens atol for inputs of larger magnitude than the problem's."""
-    if not isinstance(expected, torch.Tensor):
-        ok = type(got) is type(expected) and got == expected
-        return OutputError(index, [], type(expected).__name__, bool(ok),
-                           problem="" if ok else f"expected {expected!r}, got {got!r}")
-    shape, dtype = list(expected.shape), str(expected.dtype).replace("torch.", "")
-    if not isinstance(got, torch.Tensor):
-        return OutputError(index, shape, dtype, False, problem=f"expected a tensor, got {type(got).__name__}")
-    if type(got) is not torch.Tensor and not isinstance(got, torch.nn.Parameter):
-        return OutputError(index, shape, dtype, False,
-                           problem=f"the output is a {type(got).__name__}, a tensor subclass, not a plain tensor")
-    if list(got.shape) != shape:
-        return OutputError(index, shape, dtype, False,
-                           problem=f"shape {list(got.shape)} where the reference returns {shape}")
-    if got.dtype != expected.dtype:
-        return OutputError(index, shape, dtype, False,
-                           problem=f"dtype {str(got.dtype).replace('torch.', '')} where the reference returns {dtype}")
-    if got.device != expected.device:
-        got = got.to(expected.device)
-    if expected.numel() == 0:
-        return OutputError(index, shape, dtype, True, 0.0, 0.0)
-    if not (expected.is_floating_point() or expected.is_complex()):
-        bad = got != expected
-        return _finish(index, shape, dtype, expected, got, bad, 0.0 if not bad.any() else None, None)
-    e = expected.double()
-    g = got.double()
-    atol = atol * atol_scale
-    diff = (g - e).abs()
-    both_nan = torch.isnan(e) & torch.isnan(g)
-    same_inf = torch.isinf(e) & (g == e)
-    bad = ~(diff <= atol + rtol * e.abs()) & ~both_nan & ~same_inf
-    finite = torch.isfinite(diff)
-    max_abs = _num(diff[finite].max()) if finite.any() else None
-    nonzero = finite & (e != 0)
-    max_rel = _num((diff[nonzero] / e[nonzero].abs()).max()) if nonzero.any() else (0.0 if max_abs == 0 else None)
-    report = _finish(index, shape, dtype, expected, got, bad, max_abs, max_rel)
-    if not report.ok:
-        nan_got = int((torch.isnan(g) & ~torch.isnan(e)).sum())
-        inf_got = int((torch.isinf(g) & ~torch.isinf(e)).sum())
-        parts = []
-        if nan_got:
-            parts.append(f"{nan_got} NaN where the reference is a number")
-        if inf_got:
-            parts.append(f"{inf_got} Inf where the reference is finite")
-        if parts:
-            report.problem = "; ".join(parts)
-    return report
-
-
-def _finish(index, shape, dtype, expected, got, bad, max_abs, max_rel) -> OutputError:
-    count = int(bad.sum())
-    first = []
-    if count:
-        flat = bad.reshape(-1).nonzero()[:FIRST_MISMATCHES, 0].tolist()
-        for k in flat:
-            idx = list(torch.unravel_index(torch.tensor(k), expected.shape)) if expected.dim() else []
-            first.append({"index": [int(i) for i in idx], "expected": _scalar(expected.reshape(-1)[k]),
-                          "got": _scalar(got.reshape(-1)[k])})
-    return OutputError(index, shape, dtype, count == 0, max_abs, max_rel, count, first_mismatches=first)
-
-
-def fp64_error(got: torch.Tensor, ref64: torch.Tensor) -> float | None:
-    """Norm-wise relative error ||got - ref64||_inf / ||ref64||_inf (None for non-float outputs)."""
-    if not (isinstance(got, torch.Tensor) and isinstance(ref64, torch.Tensor)) or got.shape != ref64.shape \
-            or not ref64.is_floating_point() or ref64.numel() == 0:
-        return None
-    g, r = got.double().to(ref64.device), ref64.double()
-    finite = torch.isfinite(r) & torch.isfinite(g)
-    if not finite.any():
-        return None
-    scale = float(r[finite].abs().max())
-    err = float((g[finite] - r[finite]).abs().max())
-    return err / scale if scale > 0 else err
 
 
 def build_feedback(report: VerifyReport) -> str:

@@ -1,6 +1,6 @@
 """What a candidate is judged against: a KernelBench-format problem (``Model``, ``get_inputs()``,
-``get_init_inputs()``, module-level sizes) or a live ``nn.Module`` with an input generator, and the
-tolerance policy by dtype.
+``get_init_inputs()``, module-level sizes) or a live ``nn.Module`` with an input generator, judged under
+a tolerance policy by dtype (``Tolerance``, from verify/tolerance.py).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..errors import InvalidArgumentError
+from .tolerance import Tolerance  # the policy lives with the table it reads; re-exported here
 
 __all__ = ["Task", "Tolerance", "TaskError", "load_source_module"]
 
@@ -28,46 +29,6 @@ class TaskError(InvalidArgumentError):
     """A reference problem that cannot be used: unreadable, not Python, no ``Model``, no inputs."""
 
     code = "InvalidArgument"
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    """Absolute and relative tolerance per output dtype: ``|got - expected| <= atol + rtol * |expected|``.
-
-    Defaults follow KernelBench: fp32 (and fp64) 1e-4, fp16/bf16 (and other narrow floats) 1e-2;
-    integer and boolean outputs must match exactly.
-    """
-
-    fp32: tuple[float, float] = (1e-4, 1e-4)
-    fp16: tuple[float, float] = (1e-2, 1e-2)
-    bf16: tuple[float, float] = (1e-2, 1e-2)
-    fp64: tuple[float, float] = (1e-4, 1e-4)
-
-    @classmethod
-    def uniform(cls, atol: float, rtol: float) -> "Tolerance":
-        """The same (atol, rtol) for every floating dtype."""
-        pair = (float(atol), float(rtol))
-        return cls(pair, pair, pair, pair)
-
-    def for_dtype(self, dtype: torch.dtype) -> tuple[float, float]:
-        """(atol, rtol) for outputs of ``dtype``; (0, 0) for integers and booleans."""
-        if dtype in (torch.float32, torch.complex64):
-            return self.fp32
-        if dtype in (torch.float64, torch.complex128):
-            return self.fp64
-        if dtype == torch.bfloat16:
-            return self.bf16
-        if dtype.is_floating_point:  # float16 and the fp8 formats
-            return self.fp16
-        return (0.0, 0.0)
-
-    def to_dict(self) -> dict[str, list[float]]:
-        return {"fp32": list(self.fp32), "fp16": list(self.fp16), "bf16": list(self.bf16),
-                "fp64": list(self.fp64)}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Sequence[float]]) -> "Tolerance":
-        return cls(**{k: (float(v[0]), float(v[1])) for k, v in data.items()})
 
 
 def load_source_module(source: str, filename: str, prefix: str) -> types.ModuleType:

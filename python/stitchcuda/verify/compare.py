@@ -1,0 +1,187 @@
+"""The one comparator: whether an output matches its reference under (atol, rtol), and what to say when
+it does not. The Verifier's trials (``compare_output``), graph mode's group and whole-program checks
+(``first_difference``, ``max_abs_error``) and the benchmarks all use it, so NaN, infinities and dtype
+rules are the same wherever a result is judged.
+
+The rule, elementwise: ``|got - expected| <= atol + rtol * |expected|``, computed in float64; NaN matches
+only NaN, an infinity only the same infinity; integers and booleans must be equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["OutputError", "compare_output", "first_difference", "abs_error", "max_abs_error", "largest_error",
+           "fp64_error", "FIRST_MISMATCHES"]
+
+FIRST_MISMATCHES = 5
+
+
+@dataclass
+class OutputError:
+    """How one output of the candidate compares with the reference's."""
+
+    index: int  # position in the forward's returned tuple (0 for a single tensor)
+    shape: list[int]
+    dtype: str
+    ok: bool
+    max_abs_err: float | None = None
+    max_rel_err: float | None = None  # max |got - expected| / |expected| over nonzero expected
+    mismatches: int = 0  # elements outside atol + rtol * |expected|
+    err_vs_fp64: float | None = None  # ||got - ref64||_inf / ||ref64||_inf; None without an fp64 run
+    reference_err_vs_fp64: float | None = None  # the same for the reference itself, for scale
+    first_mismatches: list[dict[str, Any]] = field(default_factory=list)  # {"index", "expected", "got"}
+    problem: str = ""  # shape/dtype/NaN/Inf/type problem in words, "" when none
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.complex128) if t.is_complex() else t.double()
+
+
+def abs_error(got: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """|got - expected| elementwise in float64, on expected's device: 0 where both are NaN or both the
+    same infinity, +inf where only one is NaN or the infinities differ (inf - inf would read as NaN)."""
+    e, g = _wide(expected), _wide(got.to(expected.device))
+    diff = (g - e).abs()
+    agree = (torch.isnan(e) & torch.isnan(g)) | (torch.isinf(e) & (g == e))
+    return torch.nan_to_num(diff.masked_fill(agree, 0.0), nan=float("inf"), posinf=float("inf"))
+
+
+def _outside(diff: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> torch.Tensor:
+    """Elements outside the tolerance. A non-finite expected value must be matched exactly: its
+    relative bound would be infinite and accept anything."""
+    if not (expected.is_floating_point() or expected.is_complex()):
+        return diff != 0  # integers and booleans: exact
+    e = _wide(expected)
+    limit = torch.where(torch.isfinite(e), atol + rtol * e.abs(), torch.zeros((), dtype=torch.float64,
+                                                                                device=e.device))
+    return diff > limit
+
+
+def max_abs_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest |got - expected| (inf for a NaN the reference does not have; 0 for empty tensors)."""
+    if expected.numel() == 0:
+        return 0.0
+    return float(abs_error(got, expected).max())
+
+
+def largest_error(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, int]:
+    """(largest |got - expected|, its flat index): where to look first."""
+    diff = abs_error(got, expected).reshape(-1)
+    if diff.numel() == 0:
+        return 0.0, 0
+    idx = int(diff.argmax())
+    return float(diff[idx]), idx
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def first_difference(name: str, got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float,
+                     reference: str = "the reference") -> str | None:
+    """None when `got` matches `want` (the rule above), else the first problem in words: the shape, the
+    dtype, or the largest error with where it is and both values. `reference` names where `want` came
+    from ("ATen", "the model")."""
+    if tuple(got.shape) != tuple(want.shape):
+        return f"output '{name}' has shape {tuple(got.shape)}, {reference}'s {tuple(want.shape)}"
+    if got.dtype != want.dtype:
+        return f"output '{name}' is {_dtype_name(got.dtype)}, {reference}'s {_dtype_name(want.dtype)}"
+    diff = abs_error(got, want)
+    if not bool(_outside(diff, want, atol, rtol).any()):
+        return None
+    worst, idx = largest_error(got, want)
+    return (f"output '{name}' differs from {reference}: max |error| {worst:.3g} at flat index {idx} "
+            f"(expected {want.reshape(-1)[idx].item():.6g}, got {got.reshape(-1)[idx].item():.6g})")
+
+
+def _num(x: Any) -> float | None:
+    x = float(x)
+    return x if x == x and abs(x) != float("inf") else None
+
+
+def _scalar(value: Any) -> Any:
+    value = value.item() if isinstance(value, torch.Tensor) else value
+    if isinstance(value, complex):
+        return str(value)
+    if isinstance(value, float) and (value != value or abs(value) == float("inf")):
+        return str(value)  # "nan", "inf": JSON has no such numbers
+    return value
+
+
+def compare_output(index: int, expected: Any, got: Any, atol: float, rtol: float,
+                   atol_scale: float = 1.0) -> OutputError:
+    """Compares one output of a candidate. Shapes and dtypes must match exactly; NaN/Inf must sit where
+    the reference has them. ``atol_scale`` widens atol for inputs of larger magnitude than the problem's."""
+    if not isinstance(expected, torch.Tensor):
+        ok = type(got) is type(expected) and got == expected
+        return OutputError(index, [], type(expected).__name__, bool(ok),
+                           problem="" if ok else f"expected {expected!r}, got {got!r}")
+    shape, dtype = list(expected.shape), _dtype_name(expected.dtype)
+    if not isinstance(got, torch.Tensor):
+        return OutputError(index, shape, dtype, False, problem=f"expected a tensor, got {type(got).__name__}")
+    if type(got) is not torch.Tensor and not isinstance(got, torch.nn.Parameter):
+        return OutputError(index, shape, dtype, False,
+                           problem=f"the output is a {type(got).__name__}, a tensor subclass, not a plain tensor")
+    if list(got.shape) != shape:
+        return OutputError(index, shape, dtype, False,
+                           problem=f"shape {list(got.shape)} where the reference returns {shape}")
+    if got.dtype != expected.dtype:
+        return OutputError(index, shape, dtype, False,
+                           problem=f"dtype {_dtype_name(got.dtype)} where the reference returns {dtype}")
+    if got.device != expected.device:
+        got = got.to(expected.device)
+    if expected.numel() == 0:
+        return OutputError(index, shape, dtype, True, 0.0, 0.0)
+    if not (expected.is_floating_point() or expected.is_complex()):
+        bad = got != expected
+        return _finish(index, shape, dtype, expected, got, bad, 0.0 if not bad.any() else None, None)
+    diff = abs_error(got, expected)
+    bad = _outside(diff, expected, atol * atol_scale, rtol)
+    finite = torch.isfinite(diff)
+    max_abs = _num(diff[finite].max()) if finite.any() else None
+    e = _wide(expected)
+    nonzero = finite & (e != 0)
+    max_rel = _num((diff[nonzero] / e[nonzero].abs()).max()) if nonzero.any() else (0.0 if max_abs == 0 else None)
+    report = _finish(index, shape, dtype, expected, got, bad, max_abs, max_rel)
+    if not report.ok:
+        nan_got = int((torch.isnan(got) & ~torch.isnan(expected)).sum())
+        inf_got = int((torch.isinf(got) & ~torch.isinf(expected)).sum())
+        parts = []
+        if nan_got:
+            parts.append(f"{nan_got} NaN where the reference is a number")
+        if inf_got:
+            parts.append(f"{inf_got} Inf where the reference is finite")
+        if parts:
+            report.problem = "; ".join(parts)
+    return report
+
+
+def _finish(index, shape, dtype, expected, got, bad, max_abs, max_rel) -> OutputError:
+    count = int(bad.sum())
+    first = []
+    if count:
+        flat = bad.reshape(-1).nonzero()[:FIRST_MISMATCHES, 0].tolist()
+        for k in flat:
+            idx = list(torch.unravel_index(torch.tensor(k), expected.shape)) if expected.dim() else []
+            first.append({"index": [int(i) for i in idx], "expected": _scalar(expected.reshape(-1)[k]),
+                          "got": _scalar(got.reshape(-1)[k])})
+    return OutputError(index, shape, dtype, count == 0, max_abs, max_rel, count, first_mismatches=first)
+
+
+def fp64_error(got: torch.Tensor, ref64: torch.Tensor) -> float | None:
+    """Norm-wise relative error ||got - ref64||_inf / ||ref64||_inf (None for non-float outputs).
+    Norm-wise, not elementwise: elementwise ratios explode near zero."""
+    if not (isinstance(got, torch.Tensor) and isinstance(ref64, torch.Tensor)) or got.shape != ref64.shape \
+            or not ref64.is_floating_point() or ref64.numel() == 0:
+        return None
+    g, r = got.double().to(ref64.device), ref64.double()
+    finite = torch.isfinite(r) & torch.isfinite(g)
+    if not finite.any():
+        return None
+    scale = float(r[finite].abs().max())
+    err = float((g[finite] - r[finite]).abs().max())
+    return err / scale if scale > 0 else err

@@ -1,0 +1,178 @@
+"""The Verifier's judgement of stitched programs (graph mode): one program against expected outputs
+(``check_program``: a generated group against its ATen subgraph, in the isolated worker or in this
+process), and a whole optimized model against the original (``verify_whole``: the example inputs and
+fresh random sets, with the error against an fp64 copy of the model). Lowering builds the programs;
+this module only judges them, with the comparator and tolerance table every other check uses.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from .compare import first_difference, fp64_error, max_abs_error
+from .tolerance import tolerance
+
+__all__ = ["check_program", "program_job", "run_program_job", "verify_whole", "random_like"]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def program_job(program: Any, feed: Sequence[torch.Tensor], expected: Sequence[torch.Tensor],
+                tolerances: Sequence[tuple[float, float]], names: Sequence[str]) -> dict[str, Any]:
+    """The worker job (``{"kind": "program"}``) that checks `program` on `feed`: the artifact with its
+    CUBINs (the worker compiles nothing), inputs and expected outputs on the CPU (they cross a pipe)."""
+    from .config import VerifyConfig
+
+    config = VerifyConfig(device="cuda" if any(t.is_cuda for t in feed) else None)
+    return {"kind": "program", "artifact": program.serialize(), "inputs": [t.detach().cpu() for t in feed],
+            "expected": [t.detach().cpu() for t in expected], "tolerances": [tuple(t) for t in tolerances],
+            "names": list(names), "config": config.to_dict()}
+
+
+def check_program(program: Any, feed: Sequence[torch.Tensor], expected: Sequence[torch.Tensor],
+                  tolerances: Sequence[tuple[float, float]], names: Sequence[str], pool: Any = None,
+                  reference: str = "the reference") -> tuple[bool, str]:
+    """Runs `program` (a stitchcuda Program) on `feed` and compares output k with `expected[k]` under
+    `tolerances[k]` (atol, rtol); `names` name the outputs in messages, `reference` what `expected`
+    came from ("ATen"). Returns (ok, why): "matches <reference>", or the first difference or failure.
+
+    With `pool` (a WorkerPool) the program runs in the Verifier's isolated worker: a fault, a hang or a
+    crash of generated code becomes the reason, never this process's. Without it, in this process
+    (generated templates only: code StitchCUDA wrote itself)."""
+    if pool is not None:
+        from .config import VerifyConfig
+
+        job = program_job(program, feed, expected, tolerances, names)
+        config = VerifyConfig.from_dict(job["config"])
+        result = pool.run(job, config.compile_time_limit_s, config.run_time_limit_s)
+        if result.get("correct"):
+            return True, f"matches {reference} (checked in the Verifier's isolated worker)"
+        error = result.get("error") or {}
+        message = str(error.get("message") or "the worker reported no result").replace("the reference", reference)
+        kind = error.get("kind", "")
+        return False, message if kind in ("incorrect", "") else f"{kind}: {message}"
+    try:
+        got = program.executor(graphs=False).run(list(feed))
+    except Exception as exc:  # a launch error is a reason, not a crash of the caller
+        return False, _first_line(exc)
+    problem = _first_problem(got, expected, tolerances, names, reference)
+    return (False, problem) if problem else (True, f"matches {reference}")
+
+
+def _first_problem(got: Sequence[torch.Tensor], expected: Sequence[torch.Tensor],
+                   tolerances: Sequence[tuple[float, float]], names: Sequence[str], reference: str) -> str | None:
+    if len(got) != len(expected):
+        return f"the program returns {len(got)} outputs, {reference} {len(expected)}"
+    for name, g, w, (atol, rtol) in zip(names, got, expected, tolerances):
+        problem = first_difference(name, g, w, atol, rtol, reference=reference)
+        if problem:
+            return problem
+    return None
+
+
+def run_program_job(job: dict[str, Any], progress: Callable[[str], None]) -> dict[str, Any]:
+    """The worker side of ``program_job``: runs the saved program (job["artifact"]: .stitch bytes) on
+    job["inputs"] and compares each output with job["expected"] under job["tolerances"], isolated like a
+    candidate. Returns a VerifyReport dict (correct, error) plus "recycle" (a sticky CUDA error)."""
+    from .config import VerifyConfig
+    from .harness import classify_exception, context_poisoned
+    from .report import VerifyReport, build_feedback
+
+    started = time.perf_counter()
+    report, recycle = VerifyReport(), False
+    try:
+        from ..program import Program
+
+        program = Program.deserialize(job["artifact"])
+        # "cuda" is the worker's own GPU (the pool set it current when the worker started).
+        device = torch.device(VerifyConfig.from_dict(job["config"]).device or "cpu")
+        executor = program.executor(graphs=False)  # CUBINs from the artifact: nothing recompiles
+        report.compiled = True
+        progress("run")
+        got = executor.run([t.to(device) for t in job["inputs"]])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        problem = _first_problem(got, job["expected"], job["tolerances"], job["names"], "the reference")
+        report.correct = problem is None
+        if problem:
+            report.fail("incorrect", problem)
+    except Exception as exc:  # noqa: BLE001 - whatever the program did becomes the report
+        recycle = context_poisoned(exc)
+        report.fail(classify_exception(exc), _first_line(exc))
+    report.feedback = build_feedback(report)
+    report.wall_s = time.perf_counter() - started
+    data = report.to_dict()
+    data["recycle"] = recycle
+    return data
+
+
+def random_like(t: torch.Tensor, seed: int) -> torch.Tensor:
+    """A fresh input like `t`: normal values at `t`'s magnitude for floats (a model's own scale keeps
+    its activations in range), `t` itself (copied) otherwise: integer inputs are indices or sizes."""
+    g = torch.Generator(device=t.device).manual_seed(seed)
+    if t.is_floating_point():
+        scale = t.float().abs().max().item() if t.numel() else 1.0
+        return (torch.randn(t.shape, generator=g, device=t.device, dtype=torch.float32) * max(scale, 1e-3)).to(t.dtype)
+    return t.clone()
+
+
+def verify_whole(model: torch.nn.Module, optimized: Callable[..., Any], example_inputs: Sequence[Any], sets: int,
+                 precision: str = "fp32") -> dict[str, Any]:
+    """`optimized` against `model` on the example inputs, then on `sets - 1` fresh random sets, every
+    output under the tolerance table for its dtype and `precision`. Returns {passed, input_sets,
+    max_abs_error (the worst |optimized - model|), max_rel_error_fp64 (the worst norm-wise error against
+    an fp64 copy of the model; 0 when none can be made), detail (the first difference, "" when none)}."""
+    worst_abs, worst_rel = 0.0, 0.0
+    detail = ""
+    passed = True
+    try:  # an fp64 copy of the model for the error against exact arithmetic (the caller's model is untouched)
+        exact_model = copy.deepcopy(model).double()
+    except Exception:
+        exact_model = None
+    for k in range(sets):
+        inputs = example_inputs if k == 0 else pytree.tree_map(
+            lambda t: random_like(t, 1234 + k) if isinstance(t, torch.Tensor) else t, example_inputs)
+        with torch.no_grad():
+            want = pytree.tree_flatten(model(*inputs))[0]
+            got = pytree.tree_flatten(optimized(*inputs))[0]
+            exact = None
+            if exact_model is not None:
+                try:
+                    wide = pytree.tree_map(
+                        lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, inputs)
+                    exact = pytree.tree_flatten(exact_model(*wide))[0]
+                except Exception:  # a model that cannot run in fp64 (an fp16-only kernel): no exact error
+                    exact = None
+        if len(got) != len(want):
+            return {"passed": False, "input_sets": k + 1, "max_abs_error": float("inf"),
+                    "max_rel_error_fp64": float("inf"),
+                    "detail": f"the program returns {len(got)} outputs, the model {len(want)}"}
+        for i, (w, g) in enumerate(zip(want, got)):
+            if not isinstance(w, torch.Tensor):
+                continue
+            if not isinstance(g, torch.Tensor) or g.shape != w.shape or g.dtype != w.dtype:
+                what = f"{g.dtype}{list(g.shape)}" if isinstance(g, torch.Tensor) else type(g).__name__
+                return {"passed": False, "input_sets": k + 1, "max_abs_error": float("inf"),
+                        "max_rel_error_fp64": float("inf"),
+                        "detail": f"output {i} is {what}, the model's {w.dtype}{list(w.shape)}"}
+            worst_abs = max(worst_abs, max_abs_error(g, w))
+            if exact is not None and i < len(exact):
+                rel = fp64_error(g, exact[i])
+                if rel is not None:
+                    worst_rel = max(worst_rel, rel)
+            if passed:
+                atol, rtol = tolerance(w.dtype, precision)
+                problem = first_difference(str(i), g, w, atol, rtol, reference="the model")
+                if problem:
+                    passed = False
+                    detail = f"input set {k}, {problem}"
+    return {"passed": passed, "input_sets": sets, "max_abs_error": worst_abs, "max_rel_error_fp64": worst_rel,
+            "detail": detail}
