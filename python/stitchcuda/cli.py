@@ -181,8 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .profile import cli as profile_cli
     from .verify import cli as verify_cli
 
-    graph_cli.register(commands)
-    agents_cli.register(commands)  # after graph: `optimize --llm` extends graph mode's `optimize`
+    graph_cli.register(commands)  # `optimize`, both modes (--mode graph|program)
+    agents_cli.register(commands)  # `runs`
     profile_cli.register(commands)
     verify_cli.register(commands)
     return parser

@@ -1,7 +1,7 @@
 """The optimization loop from Python and the command line, on the CPU with scripted models: a candidate
 with a CUDA error gets compile feedback, the revised candidate compiles (static verification: the run
 says it is unverified), everything lands in the run directory, a run resumes where it stopped, and
-`stitchcuda optimize --llm` / `stitchcuda runs list|show|diff` work end to end."""
+`stitchcuda optimize --mode program --llm` / `stitchcuda runs list|show|diff` work end to end."""
 
 from __future__ import annotations
 
@@ -113,7 +113,8 @@ def kinds(outcome: dict) -> list[str]:
 
 def test_prompts_extraction_and_plans():
     prompts = agents.PromptLibrary.load().prompts()
-    assert set(prompts) >= {"planner", "coder_plan", "coder_feedback", "replanner", "verifier"}
+    assert set(prompts) >= {"planner", "coder_plan", "coder_feedback", "answer_model_new", "answer_kernel_step",
+                            "replanner", "verifier"}
     assert all(len(p["sha256"]) == 64 and p["path"].startswith(str(agents.PROMPTS_DIR)) for p in prompts.values())
 
     extraction = agents.extract_code("```cuda\n__global__ void k() {}\n```\n" + fenced(GOOD))
@@ -121,11 +122,11 @@ def test_prompts_extraction_and_plans():
     with pytest.raises(stitchcuda.LLMError, match="ModelNew"):
         agents.extract_code("I could not do it.")
 
-    plan = agents.Plan.parse("Sure:\n```json\n" + PLAN + "\n```")
+    plan = agents.ProblemPlan.parse("Sure:\n```json\n" + PLAN + "\n```")
     assert plan.steps[0]["title"] == "Write one fused add+ReLU kernel" and "1." in plan.text
     with pytest.raises(stitchcuda.InvalidArgumentError, match="steps"):
-        agents.Plan.parse('{"summary": "no steps"}')
-    assert "steps" in agents.plan_schema()["required"]
+        agents.ProblemPlan.parse('{"summary": "no steps"}')
+    assert "steps" in agents.problem_plan_schema()["required"]
 
 
 def test_hardware_describes_this_machine():
@@ -248,7 +249,7 @@ def write_rules(path: Path, coder_plan_reply: str) -> Path:
 
 def test_cli_optimize_and_runs(problem, tmp_path, subprocess_env):
     rules = write_rules(tmp_path / "rules.json", BROKEN)
-    result = run_cli(["optimize", str(problem), "--llm", f"scripted:{rules}", "--attempts", "4",
+    result = run_cli(["optimize", "--mode", "program", str(problem), "--llm", f"scripted:{rules}", "--attempts", "4",
                       "--run-dir", "runs/first", "--static-only"], subprocess_env, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "runs/first" in result.stdout and "UNVERIFIED (no GPU: compile and static checks only)" in result.stdout
@@ -257,7 +258,8 @@ def test_cli_optimize_and_runs(problem, tmp_path, subprocess_env):
 
     # A second run whose first candidate already compiles.
     rules_b = write_rules(tmp_path / "rules_b.json", GOOD.replace("256", "128"))
-    result = run_cli(["optimize", str(problem), "--llm", f"scripted:{rules_b}", "--run-dir", "runs/second",
+    result = run_cli(["optimize", "--mode", "program", str(problem), "--llm", f"scripted:{rules_b}", "--run-dir",
+                      "runs/second",
                       "--static-only"], subprocess_env, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -280,8 +282,8 @@ def test_cli_optimize_and_runs(problem, tmp_path, subprocess_env):
     assert "+        _kernel((n + 255) // 128, 128, x, y, out, n)" in diff.stdout
     assert "best_attempt: 2 -> 1" in diff.stdout and "attempts: 2 -> 1" in diff.stdout
 
-    # Resume without --llm takes the model from config.json; nothing is left to do once the run stopped
-    # on a candidate that compiled.
+    # Resume without --llm or --mode takes both from config.json; nothing is left to do once the run
+    # stopped on a candidate that compiled.
     resumed = run_cli(["optimize", "--resume", "runs/first", "--static-only"], subprocess_env, tmp_path)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "attempt 2" in resumed.stdout
@@ -290,7 +292,8 @@ def test_cli_optimize_and_runs(problem, tmp_path, subprocess_env):
 
 
 def test_cli_errors_are_one_line_and_exit_2(problem, tmp_path, subprocess_env):
-    result = run_cli(["optimize", str(problem), "--llm", "nosuchprovider:model"], subprocess_env, tmp_path)
+    result = run_cli(["optimize", "--mode", "program", str(problem), "--llm", "nosuchprovider:model"], subprocess_env,
+                     tmp_path)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     result = run_cli(["runs", "show", "nope"], subprocess_env, tmp_path)
     assert result.returncode == 2 and "nope" in result.stderr
@@ -312,7 +315,7 @@ def test_ctrl_c_stops_a_run_promptly(problem, tmp_path, subprocess_env):
             return {PLAN!r}
     '''))
     env = dict(subprocess_env, PYTHONPATH=f"{tmp_path}:{subprocess_env['PYTHONPATH']}")
-    child = subprocess.Popen([sys.executable, "-m", "stitchcuda", "optimize", str(problem), "--llm",
+    child = subprocess.Popen([sys.executable, "-m", "stitchcuda", "optimize", "--mode", "program", str(problem), "--llm",
                               "python:slow_model:answer", "--attempts", "50", "--static-only"], env=env, cwd=tmp_path,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert child.stdout.readline().startswith("[plan]")
@@ -365,3 +368,158 @@ def test_progress_rewrites_one_line_on_a_terminal():
     progress.close()
     text = screen.getvalue()
     assert text.count("\r") == 2 and text.count("\n") == 1 and "best 1.50x" in text
+
+
+# ---- resume keeps the budget and the totals ---------------------------------------------------------
+
+
+class CountedModel(ScriptedModel):
+    """ScriptedModel whose every answer reports 1000 tokens (600 prompt + 400 completion)."""
+
+    def __call__(self, messages: list[dict[str, str]]) -> dict:
+        return {"text": super().__call__(messages),
+                "usage": {"prompt_tokens": 600, "completion_tokens": 400, "total_tokens": 1000}}
+
+
+def test_resume_keeps_the_saved_budget_unless_told_otherwise(problem, tmp_path):
+    run_dir = tmp_path / "run"
+    out = agents.optimize_problem(problem, CountedModel(), attempts=1, run_dir=run_dir, static_only=True)
+    # The plan, attempt 1's Coder call and its VerifierAgent call.
+    assert len(out["attempts"]) == 1 and out["usage"]["total_tokens"] == 3000
+
+    # No budget given: the saved one (one attempt) holds, nothing is asked, the totals stay.
+    idle = CountedModel()
+    out = agents.optimize_problem(None, idle, resume=run_dir, static_only=True)
+    assert idle.calls == {} and len(out["attempts"]) == 1
+    assert out["stop_reason"] == "attempt budget spent (1)"
+    assert out["usage"] == {"prompt_tokens": 1800, "completion_tokens": 1200, "total_tokens": 3000}
+    assert json.loads((run_dir / "summary.json").read_text())["usage"]["total_tokens"] == 3000
+
+    # A budget given on resume replaces the saved one; config.json and events.jsonl say so.
+    more = CountedModel()
+    out = agents.optimize_problem(None, more, attempts=3, resume=run_dir, static_only=True)
+    assert kinds(out) == ["compile", "unverified"] and more.calls == {CODER_FEEDBACK: 1, VERIFIER: 1}
+    assert out["usage"]["total_tokens"] == 5000
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["mode"] == "program" and config["budget"]["attempts"] == 3
+    assert [r["budget_changes"] for r in config["resumes"]] == [{}, {"attempts": {"saved": 1, "now": 3}}]
+    resumes = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()
+               if json.loads(line)["stage"] == "resume"]
+    assert [e["message"].split("; ")[1] for e in resumes] == ["budget as saved", "budget attempts 1 -> 3"]
+
+
+def test_totals_are_the_same_after_a_kill_and_a_resume(problem, tmp_path):
+    run_dir = tmp_path / "run"
+    whole = agents.optimize_problem(problem, CountedModel(), attempts=2, run_dir=run_dir, static_only=True)
+    assert whole["usage"]["total_tokens"] == 5000
+    (run_dir / "attempts/002/attempt.json").unlink()  # killed before attempt 2 was recorded
+    (run_dir / "summary.json").unlink()
+    resumed = agents.optimize_problem(None, CountedModel(), resume=run_dir, static_only=True)
+    assert len(resumed["attempts"]) == 2 and resumed["usage"] == whole["usage"]
+    assert json.loads((run_dir / "summary.json").read_text())["usage"] == whole["usage"]
+    # The records of the killed attempt were dropped and written again once: none missing, none twice.
+    records = agents.read_trajectories(run_dir)
+    assert [(r["agent"], r["attempt"]) for r in records] == [("planner", None), ("coder", 1), ("verifier", 1),
+                                                             ("coder", 2), ("verifier", 2)]
+    assert sum(r["usage"]["total_tokens"] for r in records) == whole["usage"]["total_tokens"]
+
+
+def test_a_token_budget_holds_across_resumes(problem, tmp_path):
+    run_dir = tmp_path / "run"
+    out = agents.optimize_problem(problem, CountedModel(), attempts=5, tokens=2500, run_dir=run_dir, static_only=True)
+    assert out["stop_reason"] == "token budget spent (3000 tokens)"
+    again = CountedModel()
+    out = agents.optimize_problem(None, again, resume=run_dir, static_only=True)  # tokens=2500 from config.json
+    assert again.calls == {} and out["stop_reason"] == "token budget spent (3000 tokens)"
+
+
+# ---- trajectories.jsonl ----------------------------------------------------------------------------
+
+
+def test_trajectories_load_as_a_dataset(problem, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # nothing to fetch: the json builder ships with datasets
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    datasets = pytest.importorskip("datasets")
+    run_dir = tmp_path / "20261203-004200-add_relu"
+    agents.optimize_problem(problem, CountedModel(), attempts=4, run_dir=run_dir, static_only=True)
+
+    records = agents.read_trajectories(run_dir)
+    assert [r["agent"] for r in records] == ["planner", "coder", "verifier", "coder", "verifier"]
+    for record in records:
+        assert agents.validate_trajectory(record) == [], record["agent"]
+        assert set(record) == set(agents.TRAJECTORY_KEYS)
+
+    ds = datasets.load_dataset("json", data_files=str(run_dir / "trajectories.jsonl"), split="train",
+                               cache_dir=str(tmp_path / "hf-cache"))
+    assert ds.num_rows == 5 and set(ds.column_names) == set(agents.TRAJECTORY_KEYS)
+    assert ds["agent"] == ["planner", "coder", "verifier", "coder", "verifier"]
+    assert set(ds["run_id"]) == {"20261203-004200-add_relu"} and set(ds["problem"]) == {"add_relu"}
+    assert ds["skill"] == [None, 1, None, 2, None] and ds["attempt"] == [None, 1, 1, 2, 2]
+    assert ds["prompt_name"] == ["planner", "coder_plan", "verifier", "coder_feedback", "verifier"]
+    coder = ds.filter(lambda r: r["agent"] == "coder")
+    first, second = coder[0], coder[1]
+    # prompt/completion as TRL reads them; messages is the same conversation whole.
+    assert first["prompt"][0]["role"] == "user" and "Implement the plan below" in first["prompt"][0]["content"]
+    assert first["completion"] == [{"role": "assistant", "content": fenced(BROKEN)}]
+    assert first["messages"] == first["prompt"] + first["completion"]
+    assert first["reward"]["value"] == 0.0 and first["reward"]["why_zero"].startswith("incorrect: compile")
+    assert second["reward"]["why_zero"] == "unverified" and not second["reward"]["correct"]
+    assert set(second["reward"]["rubric"]) == set(agents.trajectories.RUBRIC_ITEMS)
+    assert second["reward"]["total"] == sum(second["reward"]["rubric"].values())
+    assert ds[0]["reward"] is None and ds[2]["reward"] is None  # the Planner's and the VerifierAgent's calls
+    assert ds[1]["usage"]["total_tokens"] == 1000
+
+
+def test_the_trajectory_checker_names_what_is_wrong(problem, tmp_path):
+    run_dir = tmp_path / "run"
+    agents.optimize_problem(problem, ScriptedModel(), attempts=1, run_dir=run_dir, static_only=True)
+    planner, coder = agents.read_trajectories(run_dir)[:2]
+    assert agents.validate_trajectory(coder) == []
+
+    assert "record.reward: missing" in agents.validate_trajectory({k: v for k, v in coder.items() if k != "reward"})
+    assert any("record.reward.total" in p for p in agents.validate_trajectory(
+        {**coder, "reward": {**coder["reward"], "total": 14.0}}))
+    assert "record.reward: set for the Coder's calls only" in agents.validate_trajectory({**planner, "reward": coder["reward"]})
+    assert "record.messages: is not prompt + completion" in agents.validate_trajectory({**coder, "messages": coder["prompt"]
+                                                                                         + coder["prompt"]})
+    assert any("why_zero" in p for p in agents.validate_trajectory(
+        {**coder, "reward": {**coder["reward"], "why_zero": ""}}))  # value 0 must say why
+    assert "record.extra: not a key of the record" in agents.validate_trajectory({**coder, "extra": 1})
+
+    # A record made in Python (graph mode's Planner) has the run directory's shape.
+    made = agents.trajectory_record({"agent": "planner", "model": "m", "messages": planner["prompt"], "reply": "{}",
+                                     "prompt_name": "graph_planner", "prompt_sha256": "0" * 64},
+                                    run_id="r", problem="graph")
+    assert set(made) == set(agents.TRAJECTORY_KEYS) and agents.validate_trajectory(made) == []
+
+
+# ---- a user's own script without a main guard -------------------------------------------------------
+
+
+def test_a_script_without_a_main_guard_spawns_workers(tmp_path, subprocess_env):
+    # multiprocessing's spawn re-runs the parent's main script in the child; the loop hides it while its
+    # Verifier workers start, so an unguarded script does not start over in each of them.
+    script = tmp_path / "user_script.py"
+    script.write_text(textwrap.dedent('''
+        import multiprocessing, sys, time
+        from stitchcuda.agents.loop import _main_module_hidden
+        print("script body ran", flush=True)
+        ctx = multiprocessing.get_context("spawn")
+        if sys.argv[1] == "hidden":
+            with _main_module_hidden():
+                child = ctx.Process(target=time.sleep, args=(0,))
+                child.start()
+            assert __file__.endswith("user_script.py")  # put back after the start
+        else:
+            child = ctx.Process(target=time.sleep, args=(0,))
+            child.start()
+        child.join()
+        print("child exit", child.exitcode, flush=True)
+    '''))
+    hidden = subprocess.run([sys.executable, str(script), "hidden"], env=subprocess_env, capture_output=True,
+                            text=True, timeout=120)
+    assert hidden.returncode == 0, hidden.stderr
+    assert hidden.stdout.splitlines() == ["script body ran", "child exit 0"]
+    plain = subprocess.run([sys.executable, str(script), "plain"], env=subprocess_env, capture_output=True, text=True,
+                           timeout=120)
+    assert plain.stdout.count("script body ran") == 2 and "child exit 1" in plain.stdout  # what it prevents

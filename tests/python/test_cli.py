@@ -100,3 +100,135 @@ def test_usage_errors_exit_2(argv, capsys):
 def test_help_exits_0(capsys):
     assert main(["--help"]) == 0
     assert "doctor" in capsys.readouterr().out
+
+
+# ---- stitchcuda optimize: --mode graph|program ------------------------------------------------------
+
+PROBLEM = '''
+import torch
+
+class Model(torch.nn.Module):
+    def forward(self, x):
+        return torch.relu(x)
+
+def get_inputs():
+    return [torch.randn(8, 8)]
+
+def get_init_inputs():
+    return []
+'''
+
+
+class _FakeReport:
+    status = "eager"
+    kernels: list = []
+
+    def to_dict(self) -> dict:
+        return {"status": self.status, "groups": []}
+
+    def __str__(self) -> str:
+        return "StitchCUDA report: eager (fake)"
+
+
+@pytest.fixture
+def graph_calls(monkeypatch) -> list[dict]:
+    """Replaces graph mode's optimize(model, inputs, **kwargs) and records the keyword arguments."""
+    import importlib
+
+    optimize_module = importlib.import_module("stitchcuda.graph.optimize")  # the module: the package exports the function
+
+    calls: list[dict] = []
+
+    def fake(model, inputs, **kwargs):
+        calls.append(kwargs)
+        return type("Fast", (), {"report": _FakeReport()})()
+
+    monkeypatch.setattr(optimize_module, "optimize", fake)
+    return calls
+
+
+@pytest.fixture
+def problem_file(tmp_path: Path) -> Path:
+    path = tmp_path / "relu.py"
+    path.write_text(PROBLEM)
+    return path
+
+
+def test_optimize_defaults_to_graph_mode_without_agent_arguments(graph_calls, problem_file, capsys):
+    assert main(["optimize", str(problem_file), "--precision", "tf32"]) == 0
+    assert "fake" in capsys.readouterr().out
+    # Exactly what graph mode passed before --mode existed: no agent keyword at all.
+    assert graph_calls == [{"precision": "tf32", "compare_compile": True, "progress": None}]
+
+
+def test_graph_mode_passes_only_the_given_agent_options(graph_calls, problem_file, tmp_path):
+    assert main(["optimize", str(problem_file), "--llm", "scripted:rules.json", "--attempts", "2",
+                 "--run-dir", str(tmp_path / "run")]) == 0
+    kwargs = graph_calls[0]
+    assert kwargs["llm"] == "scripted:rules.json" and kwargs["attempts"] == 2 and kwargs["run_dir"] == str(tmp_path / "run")
+    assert not {"tokens", "wall_s", "resume"} & set(kwargs)
+    assert main(["optimize", "--mode", "graph", str(problem_file), "--llm", "x:y", "--tokens", "900", "--wall-s", "60"]) == 0
+    assert graph_calls[1]["tokens"] == 900 and graph_calls[1]["wall_s"] == 60.0 and "attempts" not in graph_calls[1]
+
+
+def test_resume_takes_the_mode_the_run_recorded(graph_calls, problem_file, tmp_path, monkeypatch, capsys):
+    graph_run = tmp_path / "graph_run"
+    graph_run.mkdir()
+    (graph_run / "config.json").write_text(json.dumps({"mode": "graph", "llm_spec": "scripted:r.json",
+                                                       "problem_path": str(problem_file)}))
+    assert main(["optimize", "--resume", str(graph_run)]) == 0
+    assert graph_calls[-1]["resume"] == str(graph_run) and graph_calls[-1]["llm"] == "scripted:r.json"
+
+    from stitchcuda.agents import cli as agents_cli
+
+    program_runs: list = []
+    monkeypatch.setattr(agents_cli, "run_program", lambda args, config: program_runs.append((args, config)) or 0)
+    program_run = tmp_path / "program_run"
+    program_run.mkdir()
+    (program_run / "config.json").write_text(json.dumps({"mode": "program", "llm_spec": "scripted:r.json"}))
+    assert main(["optimize", "--resume", str(program_run), "--attempts", "5"]) == 0
+    args, config = program_runs[-1]
+    assert args.attempts == 5 and args.replans is None and config["mode"] == "program"
+    old_run = tmp_path / "old_run"  # made before runs recorded their mode: a program-mode run
+    old_run.mkdir()
+    (old_run / "config.json").write_text(json.dumps({"llm_spec": "scripted:r.json"}))
+    assert main(["optimize", "--resume", str(old_run)]) == 0 and len(program_runs) == 2
+    assert len(graph_calls) == 1
+
+    capsys.readouterr()
+    assert main(["optimize", "--mode", "graph", "--resume", str(program_run)]) == 2
+    assert "program-mode run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mode", "program", "PROBLEM"], "give --llm SPEC"),
+    (["PROBLEM", "--attempts", "3"], "--attempts needs --llm"),
+    (["PROBLEM", "--static-only"], "--static-only is for --mode program"),
+    (["--mode", "program", "PROBLEM", "--llm", "x:y", "--save", "out.stitch"], "--save is for --mode graph"),
+    (["--mode", "tree", "PROBLEM"], ""),
+    (["--resume", "/nonexistent/run"], "does not exist"),
+])
+def test_optimize_usage_errors(argv, message, problem_file, graph_calls, capsys):
+    argv = [str(problem_file) if a == "PROBLEM" else a for a in argv]
+    assert main(["optimize", *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert graph_calls == []
+
+
+def test_console_script_spawns_verifier_workers(subprocess_env, tmp_path):
+    # The Verifier runs candidates in spawned workers, and spawning imports the parent's main script:
+    # the console script must not run the CLI again there (multiprocessing's bootstrapping error).
+    script = Path(sys.executable).with_name("stitchcuda")
+    if not script.exists():
+        pytest.skip(f"no console script beside {sys.executable} (package not installed)")
+    (tmp_path / "ref.py").write_text(PROBLEM)
+    (tmp_path / "cand.py").write_text(PROBLEM.replace("class Model(", "class ModelNew("))
+    result = subprocess.run([str(script), "check", "--reference", str(tmp_path / "ref.py"), "--candidate",
+                             str(tmp_path / "cand.py"), "--device", "cpu", "--json"], env=subprocess_env,
+                            capture_output=True, text=True, timeout=300)
+    # Unguarded, the worker ran `check` again: a crash report naming the bootstrapping phase, printed twice.
+    assert "bootstrapping" not in result.stdout + result.stderr, result.stdout
+    assert len(result.stdout.splitlines()) == 1, result.stdout
+    report = json.loads(result.stdout)
+    assert report["trials"], report  # the candidate ran, in a worker
+    assert report["error"] is None or report["error"]["kind"] != "crash", report["error"]

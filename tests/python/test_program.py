@@ -30,7 +30,7 @@ def test_build_describes_buffers_steps_and_weights():
     assert [s["kind"] for s in p.steps] == ["matmul", "aten"]
     assert p.steps[0]["epilogue"] == "bias_relu" and p.steps[0]["transpose_b"] is True
     assert p.steps[1]["attributes"] == {"approximate": "none"}
-    assert p.plan()["arena_bytes"] == 256  # one [4, 16] f32 intermediate, aligned to 256 bytes
+    assert p.buffer_plan()["arena_bytes"] == 256  # one [4, 16] f32 intermediate, aligned to 256 bytes
     assert "2 steps" not in repr(p) and "1 matmul, 1 aten" in repr(p)
 
 

@@ -1,6 +1,6 @@
 """The StitchCUDA agents: the optimization loop (`optimize_problem`, in loop.py; the Planner, Coder,
 VerifierAgent, Replanner and Optimizer themselves are C++) and its shared machinery — prompts shipped in
-`prompts/`, code extraction, plans, and retrieval: the Planner and Coder are shown the sections of a
+`prompts/`, code extraction, problem plans, the trajectories.jsonl record (trajectories.py), and retrieval: the Planner and Coder are shown the sections of a
 documentation corpus (shipped in `corpus/`, or a folder of your own) that best match their task, ranked
 with BM25 by the C++ `stitchcuda::agents::Retriever`.
 
@@ -17,11 +17,14 @@ import os
 from pathlib import Path
 
 from .. import _C
-from .loop import (NO_GPU, PROMPTS_DIR, Plan, PromptLibrary, extract_code, hardware, optimize_problem, plan_schema,
-                   report_from_json)
+from .loop import (BUDGET_DEFAULTS, NO_GPU, PROMPTS_DIR, ProblemPlan, PromptLibrary, extract_code, hardware,
+                   optimize_problem, problem_plan_schema, report_from_json)
+from .trajectories import (TRAJECTORY_KEYS, TRAJECTORY_SCHEMA, read_trajectories, trajectory_record,
+                           validate_trajectory)
 
-__all__ = ["Retriever", "CORPUS_DIR", "PROMPTS_DIR", "NO_GPU", "hardware", "extract_code", "Plan", "plan_schema",
-           "PromptLibrary", "report_from_json", "optimize_problem"]
+__all__ = ["Retriever", "CORPUS_DIR", "PROMPTS_DIR", "NO_GPU", "BUDGET_DEFAULTS", "hardware", "extract_code",
+           "ProblemPlan", "problem_plan_schema", "PromptLibrary", "report_from_json", "optimize_problem",
+           "TRAJECTORY_SCHEMA", "TRAJECTORY_KEYS", "validate_trajectory", "read_trajectories", "trajectory_record"]
 
 # The corpus shipped with the package; STITCHCUDA_DOCS_DIR points retrieval at another folder.
 CORPUS_DIR = Path(__file__).resolve().parent / "corpus"

@@ -1,6 +1,6 @@
-"""`stitchcuda optimize PROBLEM.py --llm SPEC`: the agent loop from the command line (the graph-mode
-`optimize` of stitchcuda/graph/cli.py runs when neither --llm nor --resume is given), and
-`stitchcuda runs list|show|diff`: what the run directories hold.
+"""`stitchcuda optimize --mode program PROBLEM.py --llm SPEC`: the agent loop from the command line (the
+`optimize` parser and its --mode choice live in stitchcuda/graph/cli.py, which calls run_program here),
+and `stitchcuda runs list|show|diff`: what the run directories hold.
 
 Exit codes: 0 a run finished with a usable candidate (or a runs command worked), 1 a run found none,
 2 usage errors (bad arguments, unreadable problem, unknown model spec, missing run directory).
@@ -19,7 +19,7 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 UNVERIFIED = "UNVERIFIED (no GPU: compile and static checks only)"
 
 
-# ---- stitchcuda optimize --llm ----------------------------------------------------------------------
+# ---- stitchcuda optimize --mode program ------------------------------------------------------------
 
 
 class Progress:
@@ -52,7 +52,9 @@ class Progress:
             self.stream.flush()
 
 
-def _run_agents(args: argparse.Namespace) -> int:
+def run_program(args: argparse.Namespace, config: dict[str, Any] | None = None) -> int:
+    """Program mode: the agents' loop on PROBLEM.py (or the run in --resume, with the budget and model it
+    was saved with unless the command line gives others). `config`: the resumed run's config.json."""
     from ..errors import StitchError
     from .loop import optimize_problem
 
@@ -60,12 +62,13 @@ def _run_agents(args: argparse.Namespace) -> int:
         return _usage("stitchcuda optimize: give PROBLEM.py (or --resume RUN_DIR)")
     llm = args.llm
     if llm is None:  # --resume alone: the model the run was started with, when it was named by a spec
-        config = _read_json(Path(args.resume) / "config.json") or {}
+        config = config if config is not None else _read_json(Path(args.resume) / "config.json") or {}
         llm = config.get("llm_spec") if isinstance(config.get("llm_spec"), str) else None
         if not llm:
             return _usage(f"stitchcuda optimize: {args.resume} does not name its model; give --llm SPEC")
     progress = Progress(sys.stdout)
     try:
+        # None: not given, so a new run's default or a resumed run's saved value.
         out = optimize_problem(args.problem, llm, attempts=args.attempts, replans=args.replans,
                                target_speedup=args.target_speedup, wall_s=args.wall_s, tokens=args.tokens,
                                run_dir=args.run_dir, resume=args.resume, prompts_dir=args.prompts,
@@ -90,38 +93,6 @@ def _run_agents(args: argparse.Namespace) -> int:
     if out["unverified"]:
         print(UNVERIFIED)
     return EXIT_OK if out["best_attempt"] else EXIT_FAILURE
-
-
-def extend_optimize(commands: argparse._SubParsersAction) -> None:
-    """Adds the agent-loop options to the existing `optimize` subcommand (graph mode stays the default)."""
-    parser = commands.choices["optimize"]
-    graph_run: Callable[[argparse.Namespace], int] = parser.get_default("run")
-    for action in parser._actions:  # the problem may come from the run directory when resuming
-        if action.dest == "problem":
-            action.nargs = "?"
-    group = parser.add_argument_group("agent loop (with --llm or --resume)")
-    group.add_argument("--llm", metavar="SPEC", help="run the StitchCUDA agents with this model: openai:MODEL[@URL], "
-                                                      "anthropic:MODEL, scripted:RULES.json, python:MODULE:FN")
-    group.add_argument("--attempts", type=_positive_int, default=8, metavar="N", help="candidates to verify (default 8)")
-    group.add_argument("--replans", type=_non_negative_int, default=2, metavar="N", help="new plans after the first (default 2)")
-    group.add_argument("--target-speedup", type=float, default=0.0, metavar="X",
-                       help="stop once a correct candidate is X times faster than eager (default: no target)")
-    group.add_argument("--wall-s", type=float, default=0.0, metavar="S", help="wall-time budget (default: none)")
-    group.add_argument("--tokens", type=_non_negative_int, default=0, metavar="N", help="token budget (default: none)")
-    group.add_argument("--run-dir", metavar="DIR", help="record the run here (default runs/<UTC time>-<problem>)")
-    group.add_argument("--resume", metavar="RUN_DIR", help="continue the run recorded in RUN_DIR")
-    group.add_argument("--prompts", metavar="DIR", help="prompt files (<name>.md) replacing the shipped ones")
-    group.add_argument("--static-only", action="store_true",
-                       help="compile and check candidates statically even where a GPU is present")
-
-    def run(args: argparse.Namespace) -> int:
-        if args.llm is not None or args.resume is not None:
-            return _run_agents(args)
-        if args.problem is None:
-            return _usage("stitchcuda optimize: give PROBLEM.py")
-        return graph_run(args)
-
-    parser.set_defaults(run=run)
 
 
 # ---- stitchcuda runs -----------------------------------------------------------------------------
@@ -270,8 +241,7 @@ def _guard(run: Callable[[argparse.Namespace], int], what: str) -> Callable[[arg
 
 
 def register(commands: argparse._SubParsersAction) -> None:
-    """Adds `runs` to the CLI and the agent-loop options to `optimize` (which must be registered first)."""
-    extend_optimize(commands)
+    """Adds `runs` to the CLI (`optimize` is stitchcuda/graph/cli.py's, in both modes)."""
     runs = commands.add_parser("runs", help="list, show and compare agent run directories")
     runs.set_defaults(run=None, usage_of=runs)
     sub = runs.add_subparsers(dest="runs_command", metavar="COMMAND")
@@ -300,17 +270,3 @@ def _one_line(text: str) -> str:
 def _usage(message: str) -> int:
     print(message, file=sys.stderr)
     return EXIT_USAGE
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("at least 1")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError("0 or more")
-    return value

@@ -17,20 +17,16 @@ from typing import Any, Callable, Mapping
 
 from .. import _C
 
-__all__ = ["PROMPTS_DIR", "hardware", "extract_code", "Plan", "plan_schema", "PromptLibrary", "report_from_json",
-           "optimize_problem", "NO_GPU"]
+__all__ = ["PROMPTS_DIR", "hardware", "extract_code", "ProblemPlan", "problem_plan_schema", "PromptLibrary",
+           "report_from_json", "optimize_problem", "NO_GPU", "BUDGET_DEFAULTS"]
 
 _native = _C.agents
 
-#: The prompt templates shipped with the package (planner, coder_plan, coder_feedback, replanner, verifier).
+#: The prompt templates shipped with the package (planner, coder_plan, coder_feedback, answer_model_new,
+#: answer_kernel_step, replanner, verifier).
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
 #: What hardware() calls the machine when there is no GPU: candidates are compiled and checked statically.
 NO_GPU = "no GPU (compile-only verification)"
-
-# Peak numbers the Planner reasons with, by a substring of the device name: DRAM TB/s, FP32 TFLOPS
-# (non-tensor), dense TF32 tensor-core TFLOPS. Unknown GPUs get 0 (the prompt then says "unknown").
-_PEAKS = {"H200": (4.8, 67.0, 495.0)}
-
 
 def _gpu_present() -> bool:
     try:
@@ -41,19 +37,21 @@ def _gpu_present() -> bool:
         return False
 
 
+# What the Planner is told of the GPU: the keys the C++ agents' Hardware holds, a subset of the
+# Verifier's description (so the DRAM bandwidth in the prompt is the one candidates are judged against).
+_PLANNER_KEYS = ("gpu", "arch", "sms", "memory_gib", "dram_tb_s", "fp32_tflops", "tf32_tflops", "cuda")
+
+
 def hardware() -> dict[str, Any]:
     """The current GPU as the Planner is told of it: {gpu, arch, sms, memory_gib, dram_tb_s, fp32_tflops,
-    tf32_tflops, cuda}; without a GPU, {"gpu": NO_GPU, "cuda": ...}."""
-    import torch
+    tf32_tflops, cuda}, read from stitchcuda.verify's description (peaks from the C++ hardware table; 0
+    for a GPU it does not know, which the prompt calls unknown); without a GPU, {"gpu": NO_GPU, "cuda": ...}."""
+    from ..verify.hardware import describe
 
-    cuda = torch.version.cuda or ""
-    if not _gpu_present():
-        return {"gpu": NO_GPU, "cuda": cuda}
-    p = torch.cuda.get_device_properties(torch.cuda.current_device())
-    dram, fp32, tf32 = next((v for k, v in _PEAKS.items() if k in p.name), (0.0, 0.0, 0.0))
-    return {"gpu": p.name, "arch": f"sm_{p.major}{p.minor}", "sms": int(p.multi_processor_count),
-            "memory_gib": round(p.total_memory / 2**30, 1), "dram_tb_s": dram, "fp32_tflops": fp32,
-            "tf32_tflops": tf32, "cuda": cuda}
+    gpu = describe()
+    if gpu["gpu"] is None:
+        return {"gpu": NO_GPU, "cuda": gpu["cuda"]}
+    return {k: gpu[k] for k in _PLANNER_KEYS}
 
 
 def extract_code(reply: str, finish_reason: str = "") -> dict[str, Any]:
@@ -62,9 +60,9 @@ def extract_code(reply: str, finish_reason: str = "") -> dict[str, Any]:
     return _native.extract_code(reply, finish_reason)
 
 
-def plan_schema() -> dict[str, Any]:
-    """The JSON Schema a Planner's plan follows."""
-    return json.loads(_native.plan_schema())
+def problem_plan_schema() -> dict[str, Any]:
+    """The JSON Schema a Planner's ProblemPlan follows."""
+    return json.loads(_native.problem_plan_schema())
 
 
 def report_from_json(text: str) -> dict[str, Any]:
@@ -74,9 +72,10 @@ def report_from_json(text: str) -> dict[str, Any]:
 
 
 @dataclass
-class Plan:
-    """A validated plan: summary, steps [{title, detail}], fusion_groups [{ops, kernel, rationale}],
-    bottlenecks, risks, constraints; ``text`` is the numbered form the Coder reads."""
+class ProblemPlan:
+    """The Planner's validated plan for one problem (not graph mode's GraphPlan, not a Program's buffer
+    plan): summary, steps [{title, detail}], fusion_groups [{ops, kernel, rationale}], bottlenecks,
+    risks, constraints; ``text`` is the numbered form the Coder reads."""
 
     summary: str
     steps: list[dict[str, str]]
@@ -87,10 +86,10 @@ class Plan:
     text: str = ""
 
     @classmethod
-    def parse(cls, text: str) -> "Plan":
+    def parse(cls, text: str) -> "ProblemPlan":
         """A plan from a reply (JSON, possibly inside prose or a ```json fence); InvalidArgumentError lists
         every schema violation."""
-        as_json, described = _native.plan_parse(text)
+        as_json, described = _native.problem_plan_parse(text)
         data = json.loads(as_json)
         return cls(summary=data.get("summary", ""), steps=list(data.get("steps", [])),
                    fusion_groups=list(data.get("fusion_groups", [])), bottlenecks=list(data.get("bottlenecks", [])),
@@ -166,13 +165,60 @@ def _verify_config(config: Any) -> Any:
 
 def _saved_config(run_dir: Path) -> dict[str, Any]:
     try:
-        return json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
+        config = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
+    return config if isinstance(config, dict) else {}
 
 
-def optimize_problem(problem_path: str | os.PathLike | None, llm: Any, *, attempts: int = 8, replans: int = 2,
-                     target_speedup: float = 0, wall_s: float = 0, tokens: int = 0,
+#: A new run's budget where the caller names none (0 = no limit).
+BUDGET_DEFAULTS: dict[str, Any] = {"attempts": 8, "replans": 2, "target_speedup": 0.0, "wall_s": 0.0, "tokens": 0}
+_BUDGET_TYPES = {"attempts": int, "replans": int, "target_speedup": float, "wall_s": float, "tokens": int,
+                 "replan_after_failures": int, "stagnation": int}
+
+
+def _budget(given: Mapping[str, Any], saved: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The budget a run keeps: what the caller gave, else (resuming) what the run was saved with, else
+    the defaults. A resumed run made with attempts=1 stays at one attempt unless told otherwise."""
+    budget: dict[str, Any] = dict(BUDGET_DEFAULTS)
+    for key, kind in _BUDGET_TYPES.items():
+        value = (saved or {}).get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            budget[key] = kind(value)
+    for key, value in given.items():
+        if value is not None:
+            budget[key] = _BUDGET_TYPES[key](value)
+    return budget
+
+
+class _main_module_hidden:
+    """While verification workers are spawned, hides the __main__ module from multiprocessing (its
+    ``__file__`` and ``__spec__``), so a child does not run the user's script again: one without an
+    ``if __name__ == "__main__":`` guard would start the optimization over in every worker and fail with
+    multiprocessing's bootstrapping error. Workers run only stitchcuda's own code; they never need it."""
+
+    _KEYS = ("__file__", "__spec__")
+
+    def __enter__(self) -> "_main_module_hidden":
+        import sys
+
+        self.main = sys.modules.get("__main__")
+        self.saved = {k: getattr(self.main, k) for k in self._KEYS if hasattr(self.main, k)}
+        if "__file__" in self.saved:
+            del self.main.__file__
+        if "__spec__" in self.saved:
+            self.main.__spec__ = None
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        for key, value in self.saved.items():
+            setattr(self.main, key, value)
+        return False
+
+
+def optimize_problem(problem_path: str | os.PathLike | None, llm: Any, *, attempts: int | None = None,
+                     replans: int | None = None, target_speedup: float | None = None, wall_s: float | None = None,
+                     tokens: int | None = None,
                      run_dir: str | os.PathLike | None = None, resume: str | os.PathLike | None = None,
                      prompts_dir: str | os.PathLike | None = None,
                      on_event: Callable[[dict[str, Any]], Any] | None = None,
@@ -182,7 +228,10 @@ def optimize_problem(problem_path: str | os.PathLike | None, llm: Any, *, attemp
     ``llm``: a spec string (``openai:gpt-4.1``, ``scripted:rules.json``, ``python:module:fn``), a
     :class:`stitchcuda.llm.Backend` or a callable. ``run_dir``: where the run is recorded (default
     ``runs/<UTC time>-<problem>``); ``resume``: a run directory to continue (its finished attempts count
-    against the budget; ``problem_path`` may be None: the run's problem.py is used). ``prompts_dir``: a
+    against the budget; ``problem_path`` may be None: the run's problem.py is used). The budget
+    (``attempts`` 8, ``replans`` 2, ``target_speedup``, ``wall_s`` and ``tokens`` none, by default) of a
+    resumed run is the one saved in its config.json, each value given here replacing its saved one; tokens
+    count every call of the run, those before the resume too. ``prompts_dir``: a
     folder whose ``<name>.md`` files replace the shipped prompts. ``on_event`` receives {stage, attempt,
     plan, best_speedup, message} as the loop goes. ``verify_config``: a VerifyConfig (or dict) for GPU
     verification. ``static_only``: True compiles and checks candidates statically even where a GPU is
@@ -238,17 +287,20 @@ def optimize_problem(problem_path: str | os.PathLike | None, llm: Any, *, attemp
         pool = WorkerPool()
 
         def verify(candidate: str) -> str:
-            return check(task, candidate if "\n" in candidate else candidate + "\n", config=config, pool=pool).to_json()
+            with _main_module_hidden():  # workers start lazily, inside check
+                return check(task, candidate if "\n" in candidate else candidate + "\n", config=config,
+                             pool=pool).to_json()
     else:
         def verify(candidate: str) -> str:
             return check(task, candidate if "\n" in candidate else candidate + "\n", static_only=True).to_json()
 
-    budget = {"attempts": int(attempts), "replans": int(replans), "target_speedup": float(target_speedup),
-              "wall_s": float(wall_s), "tokens": int(tokens)}
+    saved_budget = _saved_config(Path(resume)).get("budget") if resume is not None else None
+    budget = _budget({"attempts": attempts, "replans": replans, "target_speedup": target_speedup, "wall_s": wall_s,
+                      "tokens": tokens}, saved_budget if isinstance(saved_budget, dict) else None)
     options = {"prompts_dir": os.fspath(PROMPTS_DIR), "prompts_override": os.fspath(prompts_dir) if prompts_dir else "",
                "docs_dir": os.environ.get("STITCHCUDA_DOCS_DIR") or os.fspath(Path(__file__).resolve().parent / "corpus"),
                **call_options}
-    run_config = {"problem": name, "problem_path": os.fspath(path.resolve()), "llm": llm_record,
+    run_config = {"mode": "program", "problem": name, "problem_path": os.fspath(path.resolve()), "llm": llm_record,
                   "llm_spec": llm if isinstance(llm, str) else None, "budget": budget,
                   "prompts_override": options["prompts_override"], "docs_dir": options["docs_dir"],
                   "call_options": call_options,

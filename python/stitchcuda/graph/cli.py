@@ -1,23 +1,88 @@
-"""`stitchcuda optimize PROBLEM.py`: optimize a KernelBench-format model file and print the report."""
+"""`stitchcuda optimize PROBLEM.py`: one command, two modes chosen by `--mode` (docs/cli.md).
+
+- graph (the default): `stitchcuda.optimize(model, inputs)` — capture, partition, stitch the program —
+  and the report; with `--llm SPEC` (or `--resume RUN_DIR`) the agents write kernels for the targets the
+  Planner picks, recorded in a run directory.
+- program: the agents' loop writes one `ModelNew` for the whole file (stitchcuda/agents/cli.py);
+  it needs `--llm SPEC` or `--resume RUN_DIR`.
+
+`--resume RUN_DIR` without `--mode` continues the run in the mode its config.json names.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
+from typing import Any
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+MODES = ("graph", "program")
+
+# Options of one mode only (dest: flag), refused in the other so that nothing is silently ignored.
+GRAPH_ONLY = {"precision": "--precision", "save": "--save", "json": "--json", "show_kernels": "--show-kernels",
+              "no_compile_baseline": "--no-compile-baseline"}
+PROGRAM_ONLY = {"replans": "--replans", "target_speedup": "--target-speedup", "prompts": "--prompts",
+                "static_only": "--static-only"}
+# The agents' options graph mode passes to optimize(model, inputs, ...) when --llm or --resume is set.
+AGENT_OPTIONS = {"run_dir": "--run-dir", "attempts": "--attempts", "tokens": "--tokens", "wall_s": "--wall-s"}
 
 
-def _run(args: argparse.Namespace) -> int:
+def _usage(message: str) -> int:
+    print(message, file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _given(args: argparse.Namespace, options: dict[str, str]) -> list[str]:
+    """The flags of `options` the command line set (store_true flags count when true)."""
+    return [flag for dest, flag in options.items() if getattr(args, dest, None) not in (None, False)]
+
+
+def _saved_config(run_dir: str) -> dict[str, Any] | None:
+    try:
+        config = json.loads((Path(run_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def run_mode(config: dict[str, Any] | None) -> str | None:
+    """The mode a run directory's config.json records: "graph" or "program"; runs made before graph
+    mode had run directories say nothing and were program-mode runs. None without a config."""
+    if config is None:
+        return None
+    return str(config.get("mode") or "program")
+
+
+def _run_graph(args: argparse.Namespace, config: dict[str, Any] | None) -> int:
     import torch
 
     from ..verify import Task
     from ..verify.task import TaskError
     from .optimize import optimize
 
+    agents = args.llm is not None or args.resume is not None
+    if not agents and _given(args, AGENT_OPTIONS):
+        return _usage(f"stitchcuda optimize: {', '.join(_given(args, AGENT_OPTIONS))} needs --llm SPEC (or --resume "
+                      "RUN_DIR) in graph mode")
+    problem = args.problem or (config or {}).get("problem_path")
+    if problem is None:
+        return _usage("stitchcuda optimize: give PROBLEM.py" +
+                      (" (the model file the run optimized)" if args.resume else ""))
+    kwargs: dict[str, Any] = {}
+    if agents:
+        llm = args.llm or (config or {}).get("llm_spec")
+        if not isinstance(llm, str) or not llm:
+            return _usage(f"stitchcuda optimize: {args.resume} does not name its model; give --llm SPEC")
+        kwargs["llm"] = llm
+        if args.resume is not None:
+            kwargs["resume"] = args.resume
+        for dest in AGENT_OPTIONS:  # only what was given: optimize's own defaults otherwise
+            if getattr(args, dest) is not None:
+                kwargs[dest] = getattr(args, dest)
     try:
-        task = Task.from_file(args.problem)
+        task = Task.from_file(problem)
     except (TaskError, OSError) as exc:
         print(f"stitchcuda optimize: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -28,8 +93,13 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     if torch.cuda.is_available():
         model, inputs = model.cuda(), [t.cuda() if isinstance(t, torch.Tensor) else t for t in inputs]
-    fast = optimize(model, inputs, precision=args.precision, compare_compile=not args.no_compile_baseline,
-                    progress=not args.json and None)
+    from ..errors import StitchError
+
+    try:
+        fast = optimize(model, inputs, precision=args.precision or "fp32", compare_compile=not args.no_compile_baseline,
+                        progress=not args.json and None, **kwargs)
+    except StitchError as exc:  # an unknown model spec, a run directory that is not one
+        return _usage(f"stitchcuda optimize: {exc.message.splitlines()[0] if exc.message else exc}")
     if args.save:
         if fast.report.status == "optimized":
             fast.save(args.save)
@@ -49,13 +119,87 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _run(args: argparse.Namespace) -> int:
+    config = None
+    mode = args.mode
+    if args.resume is not None:
+        if not Path(args.resume).is_dir():
+            return _usage(f"stitchcuda optimize: run directory '{args.resume}' does not exist")
+        config = _saved_config(args.resume)
+        saved = run_mode(config)
+        if saved == "graph-target":
+            return _usage(f"stitchcuda optimize: {args.resume} is one target of a graph-mode run: resume the graph "
+                          "run (the folder above targets/)")
+        if mode is not None and saved is not None and saved != mode:
+            return _usage(f"stitchcuda optimize: {args.resume} is a {saved}-mode run; drop --mode {mode}")
+        mode = mode or saved
+    mode = mode or "graph"
+    wrong = _given(args, PROGRAM_ONLY if mode == "graph" else GRAPH_ONLY)
+    if wrong:
+        return _usage(f"stitchcuda optimize: {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} for "
+                      f"--mode {'program' if mode == 'graph' else 'graph'}, not {mode} mode")
+    if mode == "program":
+        from ..agents import cli as agents_cli
+
+        if args.llm is None and args.resume is None:
+            return _usage("stitchcuda optimize --mode program: give --llm SPEC (or --resume RUN_DIR)")
+        return agents_cli.run_program(args, config)
+    return _run_graph(args, config)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("at least 1")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("0 or more")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError("0 or more")
+    return value
+
+
 def register(commands) -> None:
-    p = commands.add_parser("optimize", help="optimize a model file (Model, get_inputs, get_init_inputs); print the report")
-    p.add_argument("problem", metavar="PROBLEM.py", help="KernelBench-format file")
-    p.add_argument("--precision", choices=("fp32", "tf32", "bf16"), default="fp32",
-                   help="what matmuls may trade for speed (default fp32: PyTorch's own flags)")
-    p.add_argument("--save", metavar="PATH", help="write the stitched program as a .stitch artifact")
-    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    p.add_argument("--show-kernels", action="store_true", help="print the generated CUDA")
-    p.add_argument("--no-compile-baseline", action="store_true", help="skip timing torch.compile")
+    p = commands.add_parser(
+        "optimize", help="optimize a model file (Model, get_inputs, get_init_inputs): graph mode, or --mode program",
+        description="Graph mode (default): stitch the model into one program and print the report; with --llm the "
+                    "agents write kernels for its heaviest parts. Program mode: the agents write one ModelNew.")
+    p.add_argument("problem", metavar="PROBLEM.py", nargs="?",
+                   help="KernelBench-format file (with --resume: the run's own, where it records one)")
+    p.add_argument("--mode", choices=MODES,
+                   help="graph (default; with --resume: the run's mode) or program (the agent loop writes a ModelNew; "
+                        "needs --llm or --resume)")
+    graph = p.add_argument_group("graph mode")
+    graph.add_argument("--precision", choices=("fp32", "tf32", "bf16"),
+                       help="what matmuls may trade for speed (default fp32: PyTorch's own flags)")
+    graph.add_argument("--save", metavar="PATH", help="write the stitched program as a .stitch artifact")
+    graph.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    graph.add_argument("--show-kernels", action="store_true", help="print the generated CUDA")
+    graph.add_argument("--no-compile-baseline", action="store_true", help="skip timing torch.compile")
+    agents = p.add_argument_group("the agents (graph mode with --llm; program mode)")
+    agents.add_argument("--llm", metavar="SPEC", help="the agents' model: openai:MODEL[@URL], anthropic:MODEL, "
+                                                      "scripted:RULES.json, python:MODULE:FN")
+    agents.add_argument("--run-dir", metavar="DIR", help="record the run here (default runs/<UTC time>-<name>)")
+    agents.add_argument("--resume", metavar="RUN_DIR", help="continue the run recorded in RUN_DIR, with its saved budget "
+                                                            "unless options below replace it")
+    agents.add_argument("--attempts", type=_positive_int, metavar="N",
+                        help="candidates to verify (program: 8; graph: per target, 3)")
+    agents.add_argument("--tokens", type=_non_negative_int, metavar="N", help="token budget of the run (default: none)")
+    agents.add_argument("--wall-s", type=_non_negative_float, metavar="S", help="wall-time budget (default: none)")
+    program = p.add_argument_group("program mode")
+    program.add_argument("--replans", type=_non_negative_int, metavar="N", help="new plans after the first (default 2)")
+    program.add_argument("--target-speedup", type=_non_negative_float, metavar="X",
+                         help="stop once a correct candidate is X times faster than eager (default: no target)")
+    program.add_argument("--prompts", metavar="DIR", help="prompt files (<name>.md) replacing the shipped ones")
+    program.add_argument("--static-only", action="store_true",
+                         help="compile and check candidates statically even where a GPU is present")
     p.set_defaults(run=_run)
