@@ -7,7 +7,7 @@ Planner) -> kernels (the template Coder) and program steps (lowering) -> a verif
 from .capture import CaptureError, Graph, Node, Value, capture
 from .lower import Lowering, LoweringError, check_group, reference_values
 from .optimize import OptimizedModule, Report, optimize
-from .planner import Group, OfflinePlanner, Plan
+from .planner import Group, OfflinePlanner, GraphPlan
 
-__all__ = ["capture", "CaptureError", "Graph", "Node", "Value", "OfflinePlanner", "Plan", "Group", "Lowering",
+__all__ = ["capture", "CaptureError", "Graph", "Node", "Value", "OfflinePlanner", "GraphPlan", "Group", "Lowering",
            "LoweringError", "check_group", "reference_values", "optimize", "OptimizedModule", "Report"]

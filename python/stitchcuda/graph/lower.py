@@ -1,4 +1,4 @@
-"""Lowering: a Plan's groups -> a stitched Program (buffers, kernels from the template Coder, cuBLASLt
+"""Lowering: a GraphPlan's groups -> a stitched Program (buffers, kernels from the template Coder, cuBLASLt
 matmuls, ATen steps, views), and the per-group check against the group's ATen subgraph.
 
 Views and constants are materialized lazily, at their first consumer, so a weight transpose folded into
@@ -13,8 +13,10 @@ from typing import Any
 import torch
 
 from ..program import Program, ProgramBuilder, dtype_name
+from ..verify.program import check_program
+from ..verify.tolerance import tolerance  # the Verifier's table; re-exported for graph-mode callers
 from .capture import Graph, Node, Value
-from .planner import Group, Plan
+from .planner import Group, GraphPlan
 from .templates import (POINTWISE_OPS, KernelCode, PointwiseInput, RowPrologue, column_reduction_kernel,
                         depthwise_conv_kernel, pointwise_kernel, row_reduction_kernel)
 
@@ -31,13 +33,6 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
         strides.append(s)
         s *= max(int(e), 1)
     return tuple(reversed(strides))
-
-
-def tolerance(dtype: torch.dtype, precision: str = "fp32") -> tuple[float, float]:
-    """(atol, rtol): fp32 1e-4 (1e-2 when TF32/bf16 matmuls are allowed), fp16/bf16 1e-2."""
-    if dtype in (torch.float16, torch.bfloat16) or precision != "fp32":
-        return 1e-2, 1e-2
-    return 1e-4, 1e-4
 
 
 def reference_values(graph: Graph, inputs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -70,7 +65,7 @@ def reference_values(graph: Graph, inputs: list[torch.Tensor]) -> dict[str, torc
 class Lowering:
     """Builds one Program from groups. `externals`: values that are program inputs (in order)."""
 
-    def __init__(self, graph: Graph, plan: Plan, constants: dict[str, torch.Tensor], sm_count: int = 132) -> None:
+    def __init__(self, graph: Graph, plan: GraphPlan, constants: dict[str, torch.Tensor], sm_count: int = 132) -> None:
         self.graph, self.plan, self.constants, self.sm_count = graph, plan, constants, sm_count
         self.b = ProgramBuilder()
         self.buf: dict[str, int] = {}
@@ -159,6 +154,8 @@ class Lowering:
                 self._lower_reduction(g)
             elif g.kind == "conv":
                 self._lower_conv(g)
+            elif g.kind == "kernel_step":
+                self._lower_kernel_step(g)
             else:
                 raise LoweringError(f"unknown group kind {g.kind}")
         # Outputs nothing wrote (a returned input, weight, constant or view, or a value returned twice).
@@ -259,8 +256,17 @@ class Lowering:
         args = []
         for kind, key in code.args:
             args.append((kind, buffers[key]) if kind in ("in", "out") else (kind, key))
-        self.b.launch(k, code.grid, code.block, args)
+        self.b.launch(k, code.grid, code.block, args, shared_mem=code.shared_mem)
         self.kernels.append((g, code))
+
+    def _lower_kernel_step(self, g: Group) -> None:
+        """A target's kernel step (an LLM's or a template's, verified as its sub-problem): in0.. are the
+        target's inputs, contiguous, out0.. its outputs."""
+        code: KernelCode = g.params["code"]
+        buffers = {f"in{k}": self.need(v, contiguous=True) for k, v in enumerate(g.params["inputs"])}
+        for k, v in enumerate(g.params["outputs"]):
+            buffers[f"out{k}"] = self.produce(v)
+        self._launch(g, code, buffers)
 
     def _lower_pointwise(self, g: Group) -> None:
         shape = tuple(g.params["shape"])
@@ -536,14 +542,17 @@ def _view_layout(n: Node, shape, strides):
     return None
 
 
-def check_group(graph: Graph, plan: Plan, group: Group, values: dict[str, torch.Tensor],
+def check_group(graph: Graph, plan: GraphPlan, group: Group, values: dict[str, torch.Tensor],
                 constants: dict[str, torch.Tensor], sm_count: int,
                 pool: Any = None) -> tuple[bool, str, KernelCode | None]:
-    """Runs `group` alone as a program on recorded inputs and compares with ATen's recorded outputs.
+    """Runs `group` alone as a program on recorded inputs and compares with ATen's recorded outputs:
+    returns (ok, why, the group's generated kernel or None).
 
-    With `pool` (a stitchcuda.verify.WorkerPool) the program runs in the Verifier's isolated worker,
-    saved as an artifact with its CUBINs: a fault, a hang or a crash of generated code is a fallback
-    reason, never the caller's process. Without it, in this process (generated templates only)."""
+    Lowering builds the group's program; the Verifier judges it (verify.program.check_program) under
+    the tolerance table for the plan's precision. With `pool` (a stitchcuda.verify.WorkerPool) the
+    program runs in the Verifier's isolated worker, saved as an artifact with its CUBINs: a fault, a
+    hang or a crash of generated code is a fallback reason, never the caller's process. Without it, in
+    this process (generated templates only)."""
     outputs_all = {v.name for v in graph.outputs}
     inputs = [v for v in group.inputs() if v.kind != "weight" and v.name not in constants]
     outputs = group.outputs(outputs_all)
@@ -558,33 +567,5 @@ def check_group(graph: Graph, plan: Plan, group: Group, values: dict[str, torch.
     feed = [values[v.name].contiguous() for v in inputs]
     wants = [values[v.name] for v in outputs]
     tolerances = [tolerance(v.dtype, plan.precision) for v in outputs]
-    if pool is not None:
-        return (*_check_in_worker(program, feed, outputs, wants, tolerances, pool), code)
-    from ..verify.harness import first_difference
-
-    try:
-        got = program.executor(graphs=False).run(feed)
-    except Exception as exc:  # a launch error is a fallback reason, not a crash
-        return False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", code
-    for v, t, want, (atol, rtol) in zip(outputs, got, wants, tolerances):
-        problem = first_difference(v.name, t, want, atol, rtol)
-        if problem:
-            return False, problem.replace("the reference", "ATen"), code
-    return True, "matches ATen", code
-
-
-def _check_in_worker(program: Program, feed: list[torch.Tensor], outputs: list[Value], wants: list[torch.Tensor],
-                     tolerances: list[tuple[float, float]], pool: Any) -> tuple[bool, str]:
-    from ..verify import VerifyConfig
-
-    config = VerifyConfig(device="cuda" if any(t.is_cuda for t in feed) else None)
-    job = {"kind": "program", "artifact": program.serialize(), "inputs": [t.detach().cpu() for t in feed],
-           "expected": [t.detach().cpu() for t in wants], "tolerances": tolerances,
-           "names": [v.name for v in outputs], "config": config.to_dict()}
-    result = pool.run(job, config.compile_time_limit_s, config.run_time_limit_s)
-    if result.get("correct"):
-        return True, "matches ATen (checked in the Verifier's isolated worker)"
-    error = result.get("error") or {}
-    message = str(error.get("message") or "the worker reported no result").replace("the reference", "ATen")
-    kind = error.get("kind", "")
-    return False, message if kind in ("incorrect", "") else f"{kind}: {message}"
+    ok, why = check_program(program, feed, wants, tolerances, [v.name for v in outputs], pool=pool, reference="ATen")
+    return ok, why, code

@@ -4,10 +4,8 @@ runs the stitched program — or the original model with the reason, whenever an
 
 from __future__ import annotations
 
-import copy
 import html
 import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -17,10 +15,14 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..program import Program, ProgramModule
-from ..verify.harness import first_difference
+from ..verify.hardware import describe
+from ..verify.program import verify_whole
+from ..verify import timing as verify_timing  # a module name: optimize() has an argument called measure
 from .capture import CaptureError, Graph, capture
-from .lower import Lowering, LoweringError, check_group, reference_values, tolerance
-from .planner import GENERATED, OfflinePlanner, Plan
+from .lower import Lowering, LoweringError, check_group, reference_values
+from .agents import AgentBudget, run_agents
+from .planner import GENERATED, Group, OfflinePlanner, GraphPlan
+from .targets import merged_group
 
 __all__ = ["optimize", "OptimizedModule", "Report"]
 
@@ -65,6 +67,9 @@ class Report:
     timing: dict = field(default_factory=dict)
     op_counts: dict = field(default_factory=dict)
     stage_seconds: dict = field(default_factory=dict)
+    targets: list[dict] = field(default_factory=list)  # with llm=: per target, the candidates and the winner
+    agents: dict = field(default_factory=dict)          # with llm=: usage, wall and overhead time
+    run_dir: str = ""                                   # with llm=: where the agents' run is recorded
 
     @property
     def kernels(self) -> list[dict]:
@@ -73,7 +78,8 @@ class Report:
     def to_dict(self) -> dict:
         return {"status": self.status, "reason": self.reason, "decisions": self.decisions, "groups": self.groups,
                 "fallbacks": self.fallbacks, "verification": self.verification, "timing": self.timing,
-                "op_counts": self.op_counts, "stage_seconds": self.stage_seconds}
+                "op_counts": self.op_counts, "stage_seconds": self.stage_seconds, "targets": self.targets,
+                "agents": self.agents, "run_dir": self.run_dir}
 
     def __str__(self) -> str:
         lines = [f"StitchCUDA report: {self.status}" + (f" — {self.reason}" if self.reason else "")]
@@ -99,6 +105,11 @@ class Report:
             lines.append(f"  [view     ] {views} view(s) of buffers without a copy")
         for f in self.fallbacks:
             lines.append(f"  fallback {f['group']}: {f['reason']}")
+        for t in self.targets:
+            lines.append(f"  target {t['target']} ({', '.join(t['groups'])}: {t['ops']}): winner {t['winner']} — "
+                         + ", ".join(_speeds(t)) + (f"; {t['note']}" if t.get("note") else ""))
+        if self.run_dir:
+            lines.append(f"  agents' run directory: {self.run_dir}")
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -108,6 +119,17 @@ class Report:
         timing = "<br>".join(html.escape(l.strip()) for l in str(self).splitlines()[1:4])
         return (f"<div><b>{head}</b><br>{timing}<table><tr><th>kind</th><th>ops</th><th>why</th></tr>{rows}"
                 "</table></div>")
+
+
+def _speeds(t: dict) -> list[str]:
+    """A target's candidates as "ATen 1.00x, template 1.12x, LLM 2.9x (attempt 3)"."""
+    out = ["ATen 1.00x"]
+    tpl = t.get("template") or {}
+    out.append(f"template {tpl['speedup']:.2f}x" if tpl.get("correct") and tpl.get("speedup") else "template -")
+    llm = t.get("llm") or {}
+    out.append(f"LLM {llm['speedup']:.2f}x (attempt {llm.get('attempt')})" if llm.get("speedup") else
+               f"LLM - ({llm.get('attempts', 0)} attempt(s): {llm.get('stop_reason', '')})")
+    return out
 
 
 class OptimizedModule(torch.nn.Module):
@@ -140,34 +162,29 @@ class OptimizedModule(torch.nn.Module):
 
 
 def _device_facts() -> tuple[int, str]:
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    return props.multi_processor_count, props.name
+    """(SM count, name) of the current GPU, as the Verifier describes it."""
+    gpu = describe()
+    if gpu["gpu"] is None:
+        raise RuntimeError("no usable CUDA device (the driver sees none)")
+    return gpu["sms"], gpu["gpu"]
 
 
 def _hardware() -> dict[str, str]:
-    """The machine the program is verified on, recorded in the artifact."""
+    """The machine the program is verified on, recorded in the artifact: the Verifier's description of
+    the GPU, the architecture its kernels are built for (sm_90a on Hopper), driver, CUDA and torch."""
     from .. import _C
 
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    return {"device": props.name, "arch": f"sm_{props.major}{props.minor}" + ("a" if props.major == 9 else ""),
-            "driver": str(_C.driver_version()), "cuda": str(torch.version.cuda or ""), "torch": torch.__version__}
+    gpu = describe()
+    arch = gpu["arch"] + ("a" if gpu["arch"].startswith("sm_9") else "")
+    return {"device": gpu["gpu"], "arch": arch, "driver": str(_C.driver_version()), "cuda": gpu["cuda"],
+            "torch": torch.__version__}
 
 
 def _time_ms(fn, repeats: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    flush = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
-    for _ in range(repeats):
-        flush.zero_()  # evict L2 between trials
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Milliseconds per call of `fn()`: the median on the Verifier's protocol (verify.timing.measure:
+    L2 flushed and persisting L2 reset before each call), so optimize()'s speed-ups mean what the
+    Verifier's do."""
+    return verify_timing.measure(fn, repeats=repeats, warmup=3).median_ms
 
 
 def _choose_replay(program: Program, inputs: list[torch.Tensor]) -> tuple[ProgramModule, tuple[str, str]]:
@@ -199,32 +216,30 @@ def _choose_replay(program: Program, inputs: list[torch.Tensor]) -> tuple[Progra
     return runners[use_graph], (decision, why)
 
 
-def _random_like(t: torch.Tensor, seed: int) -> torch.Tensor:
-    g = torch.Generator(device=t.device).manual_seed(seed)
-    if t.is_floating_point():
-        scale = t.float().abs().max().item() if t.numel() else 1.0
-        return (torch.randn(t.shape, generator=g, device=t.device, dtype=torch.float32) * max(scale, 1e-3)).to(t.dtype)
-    return t.clone()
-
-
 def optimize(model: torch.nn.Module, example_inputs: Sequence[Any], *, llm: Any = None, precision: str = "fp32",
              graphs: bool = True, verify_sets: int = 3, measure: bool = True, compare_compile: bool = True,
-             progress: bool | None = None, isolated: bool = True) -> OptimizedModule:
+             progress: bool | None = None, isolated: bool = True, run_dir: str | os.PathLike | None = None,
+             resume: str | os.PathLike | None = None, attempts: int = 3, tokens: int = 0, wall_s: float = 0.0,
+             max_targets: int = 4, concurrency: int = 4, on_event: Any = None) -> OptimizedModule:
     """Optimizes `model` for inputs shaped like `example_inputs` (on a CUDA device).
 
     Returns an OptimizedModule whose `.report` says what was done and why; when a stage cannot proceed
     (capture, lowering, verification, no GPU) the module runs the original model and the report says why.
-    `llm` is reserved for the LLM agents (graph mode uses the built-in Planner and template Coder).
     `isolated`: each generated group is checked against its ATen subgraph in the Verifier's isolated
     worker process (a fault or hang in generated code becomes a fallback reason); False checks them in
     this process, which saves the worker's start-up.
+
+    With `llm` (a spec such as ``openai:gpt-4.1``, a stitchcuda.llm.Backend or a callable), the agents
+    join in after the offline plan: each group is profiled, the Planner picks targets (at most
+    `max_targets`), the Coder writes a kernel step for each (`attempts` per target, `tokens` and `wall_s`
+    for the whole model; `concurrency` targets' model calls at once), the Verifier judges it and the
+    template path alike, and the faster verified one enters the program. The run is recorded in
+    `run_dir` (default runs/<UTC time>-<model>); `resume` continues a killed run. Without `llm` nothing
+    of this runs.
     """
     report = Report()
     steps = _Progress(progress)
     example_inputs = tuple(example_inputs)
-    if llm is not None:
-        report.decisions.append(("built-in Planner and template Coder",
-                                 "LLM agents do not drive graph mode yet; the llm argument is ignored"))
     if not torch.cuda.is_available():
         report.reason = "no CUDA device: the model runs eagerly"
         _plan_only(model, example_inputs, precision, graphs, report)
@@ -271,20 +286,19 @@ def optimize(model: torch.nn.Module, example_inputs: Sequence[Any], *, llm: Any 
                     fallback.add(id(g))
                     report.fallbacks.append({"group": g.name, "kind": g.kind, "reason": why})
             report.stage_seconds["generate_and_check"] = time.perf_counter() - t0
+        offline_groups = list(plan.groups)
+        if llm is not None or resume is not None:
+            with steps.step("the agents: profile, choose targets, write and verify kernel steps"):
+                t0 = time.perf_counter()
+                _drive_agents(graph, plan, values, constants, sm_count, llm, report, fallback,
+                              name=type(model).__name__, run_dir=run_dir, resume=resume,
+                              budget=AgentBudget(attempts, tokens, wall_s, max_targets, concurrency), on_event=on_event)
+                report.stage_seconds["agents"] = time.perf_counter() - t0
         with steps.step("building the program"):
             lowering = Lowering(graph, plan, constants, sm_count)
             program = lowering.build(plan.groups, graph.inputs, graph.outputs, fallback, _hardware())
             program.compile_kernels()
-        for g in plan.groups:
-            if g.kind in ("view", "constant") and not _used(g, lowering):
-                continue
-            entry = {"kind": "aten (fallback)" if id(g) in fallback else g.kind,
-                     "nodes": ", ".join(n.op.removeprefix("aten::") for n in g.nodes), "reason": g.reason}
-            code = codes.get(id(g))
-            if code is not None and id(g) not in fallback:
-                entry.update(kernel=code.name, source=code.source, launch=f"grid {code.grid}, block {code.block}",
-                             strategy=code.description)
-            report.groups.append(entry)
+        report.groups = _group_entries(plan, lowering, fallback, codes)
         runner = None
         if graphs:
             with steps.step("choosing CUDA graph replay or direct launches"):
@@ -295,6 +309,26 @@ def optimize(model: torch.nn.Module, example_inputs: Sequence[Any], *, llm: Any 
         optimized = OptimizedModule(model, program, graph, report, graphs=graphs, runner=runner)
         with steps.step(f"verifying on {verify_sets} input set(s)"):
             report.verification = _verify(model, optimized, example_inputs, verify_sets, plan)
+        if not report.verification["passed"] and plan.groups != offline_groups:
+            # A kernel step passed its target's checks but the whole program does not match: keep the
+            # verified offline program instead of losing every gain.
+            detail = report.verification["detail"]
+            plan.groups = offline_groups
+            with steps.step("rebuilding without the agents' kernel steps"):
+                lowering = Lowering(graph, plan, constants, sm_count)
+                program = lowering.build(plan.groups, graph.inputs, graph.outputs, fallback, _hardware())
+                program.compile_kernels()
+                runner = None
+                if graphs:
+                    runner, decision = _choose_replay(program, [t.contiguous() for t in flat_inputs])
+                optimized = OptimizedModule(model, program, graph, report, graphs=graphs, runner=runner)
+                report.verification = _verify(model, optimized, example_inputs, verify_sets, plan)
+                report.groups = _group_entries(plan, lowering, fallback, codes)
+            for t in report.targets:
+                if t["winner"] == "llm":
+                    t["winner"], t["note"] = "template", f"dropped: the whole program with it did not match ({detail})"
+            report.decisions.append(("the agents' kernel steps left out", f"the whole program with them did not match "
+                                     f"the model: {detail}"))
         if not report.verification["passed"]:
             report.status = "eager"
             report.reason = "the stitched program does not match the model: " + report.verification["detail"]
@@ -352,54 +386,69 @@ def _plan_only(model, example_inputs, precision: str, graphs: bool, report: Repo
         model.train(was_training)
 
 
+def _group_entries(plan: GraphPlan, lowering: Lowering, fallback: set[int], codes: dict) -> list[dict]:
+    """One report entry per group that ran: its kind, ops, why, and the kernel it became."""
+    entries = []
+    for g in plan.groups:
+        if g.kind in ("view", "constant") and not _used(g, lowering):
+            continue
+        entry = {"kind": "aten (fallback)" if id(g) in fallback else g.kind,
+                 "nodes": ", ".join(n.op.removeprefix("aten::") for n in g.nodes), "reason": g.reason}
+        code = g.params.get("code") if g.kind == "kernel_step" else codes.get(id(g))
+        if code is not None and id(g) not in fallback:
+            entry.update(kernel=code.name, source=code.source, launch=f"grid {code.grid}, block {code.block}",
+                         strategy=code.description)
+        entries.append(entry)
+    return entries
+
+
+def _drive_agents(graph, plan: GraphPlan, values, constants, sm_count: int, llm, report: "Report", fallback: set[int], *,
+                  name: str, run_dir, resume, budget: AgentBudget, on_event) -> None:
+    """The agents on the offline plan (graph/agents.py): each target's winner replaces its groups in
+    `plan` (an LLM kernel step), or sends them to ATen (when ATen beat the template path), or leaves
+    them (the template path won). The report gets one row per target and the run directory."""
+    from ..agents import hardware
+    from ..verify import default_pool
+
+    run = run_agents(graph, plan, values, constants, llm, name=name, sm_count=sm_count, machine=hardware(),
+                     run_dir=run_dir, resume=resume, budget=budget, pool=default_pool(), on_event=on_event)
+    report.run_dir = run.run_dir
+    report.agents = {"usage": run.usage, "wall_s": run.wall_s, "overhead_s": run.overhead_s,
+                     "targets": len(run.targets)}
+    replaced: dict[int, Group] = {}
+    for res in run.targets:
+        report.targets.append(res.row())
+        if res.winner == "llm" and res.code is not None:
+            merged = merged_group(res.groups, res.code, res.sub, f"LLM (attempt {res.llm.get('attempt')})")
+            for g in res.groups:
+                replaced[id(g)] = merged
+        elif res.winner == "aten":
+            fallback.update(id(g) for g in res.groups if g.kind in GENERATED)
+    if replaced:
+        groups, placed = [], set()
+        for g in plan.groups:
+            m = replaced.get(id(g))
+            if m is None:
+                groups.append(g)
+            elif id(m) not in placed:
+                groups.append(m)
+                placed.add(id(m))
+        plan.groups = groups
+    won = sum(res.winner == "llm" for res in run.targets)
+    report.decisions.append((f"agents: {won} of {len(run.targets)} target(s) run an LLM kernel step",
+                             f"each target's candidates were judged by the Verifier (run directory {run.run_dir})"))
+
+
 def _used(g, lowering: Lowering) -> bool:
     return any(v is not None and v.name in lowering.buf for n in g.nodes for v in n.outputs)
 
 
-def _verify(model, optimized: OptimizedModule, example_inputs, sets: int, plan: Plan) -> dict:
-    """The whole program against the module: example inputs, then fresh random sets; errors vs fp64 too."""
-    worst_abs, worst_rel = 0.0, 0.0
-    detail = ""
-    passed = True
-    try:  # an fp64 copy of the model for the error against exact arithmetic (the caller's model is untouched)
-        exact_model = copy.deepcopy(model).double()
-    except Exception:
-        exact_model = None
-    for k in range(sets):
-        inputs = example_inputs if k == 0 else pytree.tree_map(
-            lambda t: _random_like(t, 1234 + k) if isinstance(t, torch.Tensor) else t, example_inputs)
-        with torch.no_grad():
-            want = pytree.tree_flatten(model(*inputs))[0]
-            got = pytree.tree_flatten(optimized(*inputs))[0]
-            exact = None
-            if exact_model is not None:
-                try:
-                    exact = pytree.tree_flatten(exact_model(*pytree.tree_map(
-                        lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, inputs)))[0]
-                except Exception:
-                    exact = None
-        for i, (w, g) in enumerate(zip(want, got)):
-            if not isinstance(w, torch.Tensor):
-                continue
-            if g.shape != w.shape or g.dtype != w.dtype:
-                return {"passed": False, "input_sets": k + 1, "max_abs_error": float("inf"), "max_rel_error_fp64": float("inf"),
-                        "detail": f"output {i} is {g.dtype}{list(g.shape)}, the model's {w.dtype}{list(w.shape)}"}
-            atol, rtol = tolerance(w.dtype, plan.precision)
-            # NaN where the model has NaN is no error; NaN anywhere else is an infinite one.
-            diff = torch.nan_to_num((g.float() - w.float()).abs(), nan=float("inf")).masked_fill(
-                g.isnan() & w.isnan(), 0.0)
-            worst_abs = max(worst_abs, float(diff.max()) if diff.numel() else 0.0)
-            if exact is not None and diff.numel():
-                # Normwise: max |got - exact| / max |exact| (elementwise ratios explode near zero).
-                ref = exact[i].double()
-                scale = float(ref.abs().max()) or 1.0
-                worst_rel = max(worst_rel, float((g.double() - ref).abs().max()) / scale)
-            problem = first_difference(str(i), g, w, atol, rtol) if passed else None
-            if problem:
-                passed = False
-                detail = f"input set {k}, {problem.replace('the reference', 'the model')}"
-    return {"passed": passed, "input_sets": sets, "max_abs_error": worst_abs, "max_rel_error_fp64": worst_rel,
-            "detail": detail}
+def _verify(model, optimized: OptimizedModule, example_inputs, sets: int, plan: GraphPlan) -> dict:
+    """The whole program against the module, judged by the Verifier (verify.program.verify_whole): the
+    example inputs, then fresh random sets, under the tolerance table for the plan's precision; the
+    error against an fp64 copy of the model too. {passed, input_sets, max_abs_error, max_rel_error_fp64,
+    detail}."""
+    return verify_whole(model, optimized, example_inputs, sets, plan.precision)
 
 
 def _measure(model, optimized: OptimizedModule, example_inputs, compare_compile: bool) -> dict:

@@ -29,7 +29,7 @@ import torch
 from .capture import Graph, Node, Value
 from .templates import CACHED_ROW_MAX, CACHED_ROW_MIN, DEPTHWISE_MAX_TAPS, FUSABLE_DTYPES, NORMALIZING, POINTWISE_OPS
 
-__all__ = ["Group", "Plan", "OfflinePlanner", "GENERATED"]
+__all__ = ["Group", "GraphPlan", "OfflinePlanner", "GENERATED"]
 
 # Group kinds whose code the template Coder writes (and optimize checks against ATen before use).
 GENERATED = ("gemm", "pointwise", "reduction", "conv")
@@ -87,7 +87,7 @@ class Group:
 
 
 @dataclass
-class Plan:
+class GraphPlan:
     """Groups in execution order and the host-side decisions, each with its reason."""
 
     groups: list[Group]
@@ -136,7 +136,7 @@ class OfflinePlanner:
         self.precision = precision
         self.graphs = graphs
 
-    def plan(self, graph: Graph) -> Plan:
+    def plan(self, graph: Graph) -> GraphPlan:
         decisions: list[tuple[str, str]] = []
         matmul_precision = self.precision
         if self.precision == "fp32" and torch.backends.cuda.matmul.allow_tf32:
@@ -233,7 +233,7 @@ class OfflinePlanner:
             if g.kind == "pointwise":
                 ops = ", ".join(n.op.removeprefix("aten::") for n in g.nodes)
                 g.reason = f"{len(g.nodes)} elementwise op(s) ({ops}) fused into one kernel"
-        return Plan(self._online_sum_exp(self._row_epilogues(groups, outputs), outputs), decisions, matmul_precision)
+        return GraphPlan(self._online_sum_exp(self._row_epilogues(groups, outputs), outputs), decisions, matmul_precision)
 
     @staticmethod
     def _row_epilogues(groups: list[Group], outputs: set[str]) -> list[Group]:

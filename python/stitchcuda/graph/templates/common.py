@@ -39,6 +39,7 @@ class KernelCode:
     args: list[tuple[str, object]] = field(default_factory=list)  # ("in"/"out", key) or ("i64", value)
     description: str = ""
     vectorized: bool = False
+    shared_mem: int = 0  # dynamic shared memory per block (bytes)
 
 
 
