@@ -74,6 +74,7 @@ class TargetResult:
     template: dict[str, Any] = field(default_factory=dict)  # {correct, speedup, ms, why}
     llm: dict[str, Any] = field(default_factory=dict)       # {attempt, speedup, ms, attempts, stop_reason}
     winner: str = "template"             # "llm", "template" or "aten"
+    template_s: float = 0.0              # judging the template path in this process (0 when resumed)
     code: Any = None                     # the winning kernel step's KernelCode (winner "llm")
     note: str = ""
 
@@ -310,6 +311,7 @@ def _run_target(r: _Runner, target: Target, groups: list[Group], index: int, tok
     template = _read_json(tdir / "template.json")
     if template is None:
         r.event("template", f"{target.id}: judging the template path of {', '.join(target.groups)}", target=target.id)
+        t0 = time.perf_counter()
         try:
             lowering = Lowering(r.graph, r.plan, r.constants, r.sm_count)
             program = lowering.build(groups, sub.inputs, sub.outputs)
@@ -323,6 +325,8 @@ def _run_target(r: _Runner, target: Target, groups: list[Group], index: int, tok
                         "steps": steps, "why": (report.get("error") or {}).get("message", "")}
         except Exception as exc:  # the template path may not lower alone; the LLM may still win
             template = {"correct": False, "speedup": None, "why": f"{type(exc).__name__}: {exc}"[:300]}
+        # Lowering, NVRTC and the Verifier's run (the worker's start on the first target): compile and GPU time.
+        result.template_s = time.perf_counter() - t0
     result.template = template
     result.eager_ms = template.get("eager_ms")
 
@@ -499,11 +503,14 @@ def run_agents(graph: Graph, plan: GraphPlan, values: dict[str, torch.Tensor], c
                                        "sha256": prompts["graph_planner"]["sha256"]}})
 
     profile = (_read_json(root / "graph.json") or {}).get("groups")
+    profile_s = 0.0
     if profile is None:
         r.event("profile", "profiling each group of the reference")
+        t0 = time.perf_counter()
         profile = profile_groups(graph, plan, values, machine)
+        profile_s = time.perf_counter() - t0
         _write_json(root / "graph.json", {"groups": profile, "table": describe_graph(plan, graph, profile)})
-    waited = 0.0
+    waited = profile_s
     saved_targets = _read_json(root / "plans" / "targets.json")
     exchanges: list[dict] = []
     if saved_targets is None:
@@ -551,11 +558,13 @@ def run_agents(graph: Graph, plan: GraphPlan, values: dict[str, torch.Tensor], c
     for res in results:
         for k in usage:
             usage[k] += int((res.llm.get("usage") or {}).get(k, 0))
-        waited += res.llm.get("verify_s", 0.0) + res.llm.get("llm_s", 0.0)
-    waited += sum(float(e.get("latency_s", 0.0)) for e in exchanges)
+    verify_s = sum(res.llm.get("verify_s", 0.0) + res.template_s for res in results)
+    llm_s = sum(res.llm.get("llm_s", 0.0) for res in results) + sum(float(e.get("latency_s", 0.0)) for e in exchanges)
+    waited += verify_s + llm_s
     wall = time.perf_counter() - started
     summary = {"mode": "graph", "model": name, "targets": [res.row() for res in results], "usage": usage,
-               "wall_s": wall, "profile_groups": len(profile)}
+               "wall_s": wall, "profile_groups": len(profile), "profile_s": profile_s, "verify_s": verify_s,
+               "llm_s": llm_s}
     run = GraphRun(os.fspath(root), results, profile, usage, wall, 0.0)
     # The loop's own cost: wall time minus model calls and verification (targets overlap, so this is a
     # lower bound of the overhead when several ran at once; each target's own overhead_s is exact).

@@ -292,7 +292,8 @@ def optimize(model: torch.nn.Module, example_inputs: Sequence[Any], *, llm: Any 
                 t0 = time.perf_counter()
                 _drive_agents(graph, plan, values, constants, sm_count, llm, report, fallback,
                               name=type(model).__name__, run_dir=run_dir, resume=resume,
-                              budget=AgentBudget(attempts, tokens, wall_s, max_targets, concurrency), on_event=on_event)
+                              budget=AgentBudget(attempts, tokens, wall_s, max_targets, concurrency), on_event=on_event,
+                              compare_compile=compare_compile)
                 report.stage_seconds["agents"] = time.perf_counter() - t0
         with steps.step("building the program"):
             lowering = Lowering(graph, plan, constants, sm_count)
@@ -403,15 +404,17 @@ def _group_entries(plan: GraphPlan, lowering: Lowering, fallback: set[int], code
 
 
 def _drive_agents(graph, plan: GraphPlan, values, constants, sm_count: int, llm, report: "Report", fallback: set[int], *,
-                  name: str, run_dir, resume, budget: AgentBudget, on_event) -> None:
+                  name: str, run_dir, resume, budget: AgentBudget, on_event, compare_compile: bool = True) -> None:
     """The agents on the offline plan (graph/agents.py): each target's winner replaces its groups in
     `plan` (an LLM kernel step), or sends them to ATen (when ATen beat the template path), or leaves
     them (the template path won). The report gets one row per target and the run directory."""
     from ..agents import hardware
-    from ..verify import default_pool
+    from ..verify import VerifyConfig, default_pool
 
+    # compare_compile=False spares each target's reference its torch.compile (tens of seconds a target).
     run = run_agents(graph, plan, values, constants, llm, name=name, sm_count=sm_count, machine=hardware(),
-                     run_dir=run_dir, resume=resume, budget=budget, pool=default_pool(), on_event=on_event)
+                     run_dir=run_dir, resume=resume, budget=budget, pool=default_pool(), on_event=on_event,
+                     verify_config=VerifyConfig(compile_baseline=compare_compile))
     report.run_dir = run.run_dir
     report.agents = {"usage": run.usage, "wall_s": run.wall_s, "overhead_s": run.overhead_s,
                      "targets": len(run.targets)}
