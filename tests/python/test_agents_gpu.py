@@ -142,11 +142,14 @@ def test_the_loop_reaches_the_fast_candidate_with_actionable_feedback(tmp_path):
     assert re.search(r"expected -?[0-9.e+-]+, got -?[0-9.e+-]+", after_wrong)
     assert "Bottleneck:" in after_slow
 
-    # The run directory holds every attempt, the best solution and one trajectory line per Coder call.
+    # The run directory holds every attempt, the best solution and one trajectory line per agent call:
+    # the Coder's four carry rewards; the Planner's and the VerifierAgent's are marked as theirs.
     assert (run_dir / "best.py").read_text().count("float4") >= 1
     assert sorted(p.name for p in (run_dir / "attempts").iterdir()) == ["001", "002", "003", "004"]
-    lines = (run_dir / "trajectories.jsonl").read_text().splitlines()
-    assert len(lines) == 4 and json.loads(lines[3])["reward"]["value"] > json.loads(lines[2])["reward"]["value"] > 0
+    records = [json.loads(l) for l in (run_dir / "trajectories.jsonl").read_text().splitlines()]
+    coder = [r for r in records if r["agent"] == "coder"]
+    assert len(coder) == 4 and coder[3]["reward"]["value"] > coder[2]["reward"]["value"] > 0
+    assert {r["agent"] for r in records} <= {"planner", "coder", "verifier", "replanner"} and records[0]["agent"] == "planner"
     summary = json.loads((run_dir / "summary.json").read_text())
     # Loop overhead: everything but model, compile and GPU time, per attempt (the target is <= 5%).
     print(f"loop overhead {summary['overhead_s']:.3f} s of {summary['wall_s']:.3f} s "

@@ -82,7 +82,7 @@ class Script:
 
 
 @pytest.mark.gpu
-def test_an_llm_kernel_step_wins_its_target_enters_the_program_and_serves_from_cpp(tmp_path):
+def test_an_llm_kernel_step_wins_its_target_enters_the_program_and_serves_from_cpp(tmp_path, record_property):
     torch.manual_seed(0)
     model = ScanModel().cuda().eval()
     x = torch.randn(ROWS, COLS, device="cuda")
@@ -130,14 +130,19 @@ def test_an_llm_kernel_step_wins_its_target_enters_the_program_and_serves_from_c
     if serve and Path(serve).exists():
         done = subprocess.run([serve, str(artifact), "--threads", "2", "--requests", "20"], capture_output=True,
                               text=True, timeout=300)
-        assert done.returncode == 0 and done.stdout.startswith("ok"), done.stdout + done.stderr
+        ok = [l for l in done.stdout.splitlines() if l.startswith("ok ")]
+        assert done.returncode == 0 and ok and "mismatches=0" in ok[0], done.stdout + done.stderr
 
     t_off, t_llm = offline.report.timing, report.timing
     summary = json.loads((run_dir / "summary.json").read_text())
-    print(f"journey: target ATen 1.00x, template {target['template']['speedup']:.2f}x, LLM {target['llm']['speedup']:.2f}x; "
+    line = (f"journey: target ATen 1.00x, template {target['template']['speedup']:.2f}x, LLM {target['llm']['speedup']:.2f}x; "
           f"whole model: offline {t_off['speedup_eager']:.2f}x, with the agents {t_llm['speedup_eager']:.2f}x over eager "
           f"({t_off['stitched_ms']:.4f} -> {t_llm['stitched_ms']:.4f} ms); loop overhead {summary['overhead_s']:.3f} s "
           f"of {summary['wall_s']:.2f} s")
+    print(line)
+    # The junit XML that scripts/gpu-check brings back keeps the numbers and the report.
+    record_property("journey", line)
+    record_property("report", str(report))
 
 
 HACK = """```python
@@ -150,15 +155,32 @@ class ModelNew(torch.nn.Module):
 """
 
 
+# A timing trick in CUDA: the kernel works on its first call only (a device-global counter), so every
+# later call, the timed ones among them, leaves the output as it finds it.
+FIRST_CALL_ONLY = kernel_step(SCAN.replace("extern \"C\"", "__device__ unsigned int stitch_calls;\nextern \"C\"", 1)
+                              .replace("  const int row = blockIdx.x;\n",
+                                       "  __shared__ unsigned skip;\n"
+                                       "  if (threadIdx.x == 0) skip = atomicAdd(&stitch_calls, 1u) >= gridDim.x;\n"
+                                       "  __syncthreads();\n  if (skip) return;\n  const int row = blockIdx.x;\n", 1))
+
+
 @pytest.mark.gpu
-def test_a_hacking_reply_never_enters_the_program(tmp_path):
+@pytest.mark.parametrize("reply", [HACK, FIRST_CALL_ONLY], ids=["torch-does-the-work", "works-on-first-call-only"])
+def test_a_hacking_reply_never_enters_the_program(tmp_path, reply):
     model = ScanModel().cuda().eval()
     x = torch.randn(256, COLS, device="cuda")
-    fast = stitchcuda.optimize(model, (x,), llm=Script([HACK]), run_dir=tmp_path / "run", attempts=1,
+    fast = stitchcuda.optimize(model, (x,), llm=Script([reply]), run_dir=tmp_path / "run", attempts=1,
                                compare_compile=False, measure=False)
     [target] = fast.report.targets
     assert target["winner"] != "llm"
     attempt = json.loads((tmp_path / "run" / "targets" / "01-t1" / "attempts" / "001" / "attempt.json").read_text())
-    assert any(f["severity"] == "major" for f in attempt["report"]["findings"])
+    report = attempt["report"]
+    majors = [f for f in report["findings"] if f["severity"] == "major"]
+    # Caught as a hack (a major finding) or as wrong on fresh inputs: either way reward 0, and why is recorded.
+    assert majors or not report["correct"], report
     assert attempt["reward"]["value"] == 0 and attempt["scorecard"]
+    assert attempt["feedback"], "the reason is recorded in the run directory"
     assert all(k["name"] != "scan_sigmoid_log1p" for k in fast.program.kernels)
+    if reply is HACK:  # torch doing the work is a hack however right its outputs are: anti-hacking 1 of 5
+        anti = next(i for i in attempt["scorecard"]["items"] if i["dimension"] == "anti-hacking")
+        assert majors and anti["score"] == 1, attempt["scorecard"]
