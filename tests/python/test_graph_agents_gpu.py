@@ -52,7 +52,7 @@ REPLIES = [
     kernel_step(SCAN),                                                                              # correct
 ]
 
-PLAN = {"summary": "One pass per row: multiply, scan, ReLU and add in registers.",
+PLAN = {"summary": "One pass per row: sigmoid times w, the scan and log1p in registers.",
         "steps": [{"title": "Scan each row in one block", "detail": "four elements per thread, warp shuffles"}],
         "fusion_groups": [{"ops": ["sigmoid", "mul", "cumsum", "log1p"], "kernel": "scan_sigmoid_log1p",
                            "rationale": "six passes over DRAM become two"}],
