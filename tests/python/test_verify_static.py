@@ -1019,3 +1019,244 @@ def test_strip_cuda_blanks_comments_and_literals_and_keeps_lines():
     for gone in "bcdeghij":
         assert gone not in clean
     assert "a" in clean and "f" in clean and "1'000" in clean and "k" in clean
+
+
+# ------------------------------------------------------------------------------------------------
+# Hacks written the way a trained model would spell them: the rules follow data, not names, and say
+# "opaque code" where they cannot see through.
+
+SCRATCH = "y = torch.empty_like(x)\n                " + LAUNCH  # a dummy launch on a scratch buffer
+
+
+@pytest.mark.parametrize("body, rule, marker", [
+    # torch's operator renamed, fetched with a literal getattr, or through operator / an unbound method
+    ('''
+        mm = torch.matmul
+
+        class ModelNew(nn.Module):
+            def forward(self, x, w):
+                {scratch}
+                return mm(x, w)  # <-
+    ''', "torch-does-heavy-work", "# <-"),
+    ('''
+        class ModelNew(nn.Module):
+            def forward(self, x, w):
+                {scratch}
+                return getattr(torch, "matmul")(x, w)  # <-
+    ''', "torch-does-heavy-work", "# <-"),
+    ('''
+        import operator
+
+        class ModelNew(nn.Module):
+            def forward(self, x, w):
+                {scratch}
+                return operator.matmul(x, w)  # <-
+    ''', "torch-does-heavy-work", "# <-"),
+    ('''
+        class ModelNew(nn.Module):
+            def forward(self, x, w):
+                {scratch}
+                return torch.Tensor.__matmul__(x, w)  # <-
+    ''', "torch-does-heavy-work", "# <-"),
+    # what static analysis cannot read is said to be unreadable
+    ('''
+        class ModelNew(nn.Module):
+            def forward(self, x, w):
+                {scratch}
+                return getattr(torch, "mat" + "mul")(x, w)  # <-
+    ''', "opaque-code", "# <-"),
+    ('''
+        import base64
+
+        BLOB = "cmV0dXJuIHRvcmNoLm1hdG11bCh4LCB3KQ=="
+
+        class ModelNew(nn.Module):
+            def forward(self, x, w):
+                {scratch}
+                return eval(base64.b64decode(BLOB).decode(), {{"torch": torch, "x": x, "w": w}})  # <-
+    ''', "opaque-code", "# <-"),
+    ('''
+        class ModelNew(nn.Module):
+            def forward(self, x, w):
+                {scratch}
+                ns = {{}}
+                exec("out = torch.matmul(x, w)", {{"torch": torch, "x": x, "w": w}}, ns)  # <-
+                return ns["out"]
+    ''', "opaque-code", "# <-"),
+    ('''
+        import importlib
+
+        class ModelNew(nn.Module):
+            def forward(self, x, w):
+                {scratch}
+                return importlib.import_module("torch").matmul(x, w)  # <-
+    ''', "opaque-code", "# <-"),
+    # reaching the reference and its outputs through the interpreter
+    ('''
+        import sys
+
+        class ModelNew(nn.Module):
+            def forward(self, x, w):
+                {scratch}
+                ref = sys.modules["__main__"].__dict__["Model"]  # <-
+                return ref()(x, w)
+    ''', "introspection", "# <-"),
+    ('''
+        import inspect
+
+        class ModelNew(nn.Module):
+            def forward(self, x, w):
+                {scratch}
+                caller = inspect.stack()[1].frame  # <-
+                return caller.f_locals["expected"]
+    ''', "introspection", "# <-"),
+    # the work done in numpy on the host
+    ('''
+        import numpy as np
+
+        class ModelNew(nn.Module):
+            def forward(self, x, w):
+                {scratch}
+                out = np.matmul(x.cpu().numpy(), w.cpu().numpy())  # <-
+                return torch.from_numpy(out).to(x.device)
+    ''', "host-compute", "# <-"),
+])
+def test_hacks_spelled_around_the_names_are_major(body, rule, marker):
+    src = candidate(body.format(scratch=SCRATCH))
+    found = {(f.rule, f.line) for f in majors(analyze(src))}
+    assert (rule, line_of(src, marker)) in found, analyze(src)
+
+
+def test_aten_in_a_load_inline_extension_is_major_unless_it_launches_a_kernel():
+    hack = '''\
+import torch
+import torch.nn as nn
+from torch.utils.cpp_extension import load_inline
+
+CPP = r"""
+#include <torch/extension.h>
+torch::Tensor forward(torch::Tensor x, torch::Tensor w) {
+  return at::matmul(x, w).relu();
+}
+"""
+
+ext = load_inline("mm_relu", cpp_sources=CPP, functions=["forward"])
+
+
+class ModelNew(nn.Module):
+    def forward(self, x, w):
+        return ext.forward(x, w)
+'''
+    found = majors(analyze(hack))
+    assert [(f.rule, f.line) for f in found] == [("aten-in-extension", line_of(hack, "at::matmul"))], found
+    honest = hack.replace('CPP = r"""', 'CUDA = r"""\n__global__ void relu(float* y, long n) {\n'
+                          '  long i = blockIdx.x * (long)blockDim.x + threadIdx.x; if (i < n) y[i] = fmaxf(y[i], 0.f);\n}\n'
+                          '"""\n\nCPP = r"""').replace("return at::matmul(x, w).relu();",
+                          "auto y = at::matmul(x, w);\n  relu<<<(y.numel() + 255) / 256, 256>>>(y.data_ptr<float>(), y.numel());\n  return y;")
+    honest = honest.replace("cpp_sources=CPP,", "cpp_sources=CPP, cuda_sources=CUDA,")
+    assert majors(analyze(honest)) == [], analyze(honest)
+    assert any(f.rule == "library-does-heavy-work" for f in analyze(honest))
+
+
+def test_a_ctypes_symbol_looked_up_by_a_built_name_is_opaque():
+    src = candidate('''
+        import ctypes
+
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib["cuStream" + "SetAttribute"]  # <-
+
+        class ModelNew(nn.Module):
+            def forward(self, x):
+                y = torch.empty_like(x)
+                _kernel((x.numel() + 255) // 256, 256, x, y, 2.0, x.numel())
+                return y
+    ''')
+    assert ("opaque-code", line_of(src, "# <-")) in {(f.rule, f.line) for f in majors(analyze(src))}
+
+
+# Honest engineering the rules must not punish.
+
+HONEST_ONE_MODULE = '''\
+import torch
+import torch.nn as nn
+from stitchcuda import jit
+
+SOURCE = r"""
+extern "C" __global__ void scale(const float* x, float* y, float s, long long n) {
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = x[i] * s;
+}
+extern "C" __global__ void shift(float* y, float b, long long n) {
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] += b;
+}
+"""
+
+MODULE = jit.compile_module(SOURCE)
+KERNELS = {name: MODULE.kernel(name) for name in ("scale", "shift")}
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        n = x.numel()
+        KERNELS["scale"]((n + 255) // 256, 256, x, y, 2.0, n)
+        getattr(MODULE, "kernel")("shift")((n + 255) // 256, 256, y, 1.0, n)
+        return y
+'''
+
+HONEST_KERNELS_IN_A_LOOP = '''\
+import torch
+import torch.nn as nn
+from stitchcuda import jit
+
+TEMPLATE = r"""
+#define BLOCK %d
+extern "C" __global__ void __launch_bounds__(BLOCK) relu_%d(const float* x, float* y, long long n) {
+  long long i = (long long)blockIdx.x * BLOCK + threadIdx.x;
+  float v = 0.f;
+  if (i < n) { asm("max.f32 %%0, %%1, 0f00000000;" : "=f"(v) : "f"(x[i])); y[i] = v; }
+}
+"""
+
+VARIANTS = [jit.compile(TEMPLATE % (b, b), f"relu_{b}") for b in (128, 256)]
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        n = x.numel()
+        kernel = VARIANTS[1] if n >= 1 << 20 else VARIANTS[0]
+        block = 256 if n >= 1 << 20 else 128
+        kernel((n + block - 1) // block, block, x, y, n)
+        return y
+'''
+
+HONEST_SIDE_STREAM_EVENT = candidate('''
+    class ModelNew(nn.Module):
+        def forward(self, x):
+            x = x.contiguous()
+            y = torch.empty_like(x)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                _kernel((x.numel() + 255) // 256, 256, x, y, 2.0, x.numel())
+            done = torch.cuda.Event()
+            done.record(side)
+            done.wait()
+            return y
+''')
+
+
+@pytest.mark.parametrize("src", [HONEST_ONE_MODULE, HONEST_KERNELS_IN_A_LOOP, HONEST_SIDE_STREAM_EVENT],
+                         ids=["one-module-kernels-by-name", "kernels-compiled-in-a-loop", "side-stream-joined-by-event"])
+def test_honest_engineering_gets_no_major_finding(src):
+    assert majors(analyze(src)) == [], analyze(src)
+
+
+def test_an_event_joined_side_stream_is_fine_but_an_unjoined_one_is_not():
+    unjoined = "\n".join(l for l in HONEST_SIDE_STREAM_EVENT.splitlines()
+                          if "done.wait()" not in l and "side.wait_stream" not in l) + "\n"
+    assert [f.rule for f in majors(analyze(unjoined))] == ["side-stream"]

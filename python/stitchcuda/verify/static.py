@@ -80,6 +80,24 @@ _VIEWS = {"contiguous", "view", "reshape", "flatten", "squeeze", "unsqueeze", "t
 _FILLS = {"zero_", "fill_", "fill_diagonal_"}
 _METADATA_IN_PLACE = {"requires_grad_", "share_memory_", "retain_grad_", "rename_"}
 _LOW_PRECISION = {"float16", "half", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
+# Code made at run time: nothing static can say what it does.
+_RUNTIME_CODE = {"exec", "eval", "compile", "__import__", "importlib.import_module", "importlib.__import__",
+                 "importlib.util.spec_from_file_location", "importlib.util.module_from_spec",
+                 "importlib.util.spec_from_loader", "runpy.run_path", "runpy.run_module",
+                 "types.FunctionType", "types.CodeType", "marshal.loads", "pickle.loads", "dill.loads"}
+# Reaching objects the candidate did not create.
+_INTROSPECTION = {"inspect.stack", "inspect.currentframe", "inspect.getouterframes", "inspect.getmembers",
+                  "inspect.getmodule", "inspect.trace", "sys._getframe", "traceback.extract_stack",
+                  "traceback.walk_stack"}
+_FRAME_ATTRS = {"f_back", "f_locals", "f_globals", "gi_frame", "tb_frame", "__globals__", "__closure__"}
+_DECODERS = {"base64.b64decode", "base64.b32decode", "base64.b85decode", "base64.a85decode",
+             "base64.decodebytes", "codecs.decode", "zlib.decompress", "bz2.decompress", "lzma.decompress",
+             "binascii.unhexlify", "binascii.a2b_base64"}
+# numpy names that only describe or hold data on the host (a dtype, an array made from Python values).
+_HOST_OK = {"float32", "float16", "float64", "int32", "int64", "dtype", "prod", "iinfo", "finfo", "ceil",
+            "sqrt", "log2", "array", "asarray", "integer", "floating"}
+# ATen from C++: at::matmul(, torch::softmax(, at::native::..., x.mm( inside the extension's sources.
+_ATEN_CALL = re.compile(r"(?:\b(?:at|torch)(?:::native)?::|\.)(?P<op>[a-z_][a-z0-9_]*)\s*\(")
 
 
 def analyze(source: str, reference_source: str | None = None) -> list[Finding]:
@@ -321,6 +339,7 @@ class _Analysis:
             for child in ast.iter_child_nodes(node):
                 self.parent[child] = node
         self.aliases = self._import_aliases()
+        self._value_aliases()
         self.functions = {s.name: s for s in tree.body if isinstance(s, ast.FunctionDef)}
         self.classes = {s.name: s for s in tree.body if isinstance(s, ast.ClassDef)}
         self.model = self.classes.get("ModelNew")
@@ -351,7 +370,40 @@ class _Analysis:
                     aliases[a.asname or a.name] = f"{node.module}.{a.name}"
         return aliases
 
+    def _value_aliases(self) -> None:
+        """Names bound to a module attribute (``mm = torch.matmul``, ``T = torch``, ``f = getattr(torch,
+        "mm")``) resolve like the attribute itself, so a renamed operator is still that operator."""
+        for _ in range(4):  # chains of aliases (a = torch; b = a.matmul)
+            changed = False
+            for node in ast.walk(self.tree):
+                if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+                    continue
+                full = self._attribute_path(node.value)
+                if full is None:
+                    continue
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for t in targets:
+                    if isinstance(t, ast.Name) and self.aliases.get(t.id) != full and t.id != full.split(".")[0]:
+                        self.aliases[t.id] = full
+                        changed = True
+            if not changed:
+                break
+
+    def _attribute_path(self, node: ast.AST) -> str | None:
+        """The module path an expression names when it is an imported module's attribute (also through
+        getattr with a literal name, and operator.attrgetter's literal); None otherwise."""
+        if isinstance(node, ast.Call) and _last_name(node.func) == "getattr" and len(node.args) >= 2 \
+                and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+            base = self._attribute_path(node.args[0])
+            return f"{base}.{node.args[1].value}" if base else None
+        dotted = _dotted(node)
+        if dotted is None or dotted.split(".")[0] not in self.aliases:
+            return None
+        return self.resolve(node)
+
     def resolve(self, node: ast.AST) -> str | None:
+        if isinstance(node, ast.Call) and _last_name(node.func) == "getattr":
+            return self._attribute_path(node)
         dotted = _dotted(node)
         if dotted is None:
             return None
@@ -414,6 +466,7 @@ class _Analysis:
     def find_compiles(self) -> None:
         self.compiles: list[ast.Call] = []
         self.cuda: list[_CudaSource] = []
+        self.extension_sources: list[_CudaSource] = []
         self.kernel_names: set[str] = set()  # names Python asks a module for
         for node in ast.walk(self.tree):
             if not isinstance(node, ast.Call):
@@ -431,7 +484,10 @@ class _Analysis:
                 if kw.arg in ("source", "code", "cuda_sources", "cpp_sources"):
                     sources.append(kw.value)
             for s in sources:
-                self.cuda.extend(self._cuda_from(s))
+                found = self._cuda_from(s)
+                self.cuda.extend(found)
+                if last == "load_inline":  # C++ that can include ATen (NVRTC's CUDA cannot)
+                    self.extension_sources.extend(found)
             name_args = list(node.args[1:2]) if last == "compile" or last == "RawKernel" else []
             name_args += [kw.value for kw in node.keywords if kw.arg in ("name", "name_expressions",
                                                                          "functions")]
@@ -484,9 +540,24 @@ class _Analysis:
         if isinstance(node, ast.Call):
             if isinstance(node.func, ast.Name) and node.func.id in self.producers:
                 return True
+            if _last_name(node.func) == "getattr" and node.args:  # getattr(module, name): a kernel by name
+                return self.is_handle(node.args[0])
             return self.is_handle(node.func)
         if isinstance(node, ast.Subscript):
             return self.is_handle(node.value)
+        # Kernels kept in a container: {n: mod.kernel(n) for n in NAMES}, [k1, k2], (k1, k2).
+        if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+            return any(self.is_handle(e) for e in node.elts)
+        if isinstance(node, ast.Dict):
+            return any(v is not None and self.is_handle(v) for v in node.values)
+        if isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp)):
+            return self.is_handle(node.elt)
+        if isinstance(node, ast.DictComp):
+            return self.is_handle(node.value)
+        if isinstance(node, ast.IfExp):  # k = FAST if big else SMALL
+            return self.is_handle(node.body) or self.is_handle(node.orelse)
+        if isinstance(node, ast.BoolOp):
+            return any(self.is_handle(v) for v in node.values)
         return False
 
     def is_launch(self, call: ast.Call) -> bool:
@@ -576,7 +647,101 @@ class _Analysis:
         self.rule_downcast()
         self.rule_persisting_l2()
         self.rule_cuda()
+        self.rule_opaque()
+        self.rule_host_compute()
+        self.rule_aten_in_extension()
         return self.findings
+
+    def rule_opaque(self) -> None:
+        """Code this analysis cannot read is not code it can vouch for: run-time code (exec, eval,
+        compile, dynamic imports), attributes picked by a computed name, and reaching objects the
+        candidate did not make (loaded modules, the caller's frames, globals)."""
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.Call):
+                full = self.resolve(node.func) or _dotted(node.func) or ""
+                last = full.rsplit(".", 1)[-1]
+                if full in _RUNTIME_CODE or (isinstance(node.func, ast.Name) and node.func.id in _RUNTIME_CODE
+                                             and node.func.id not in self.aliases):
+                    self.add("opaque-code", MAJOR, f"the candidate runs code made at run time ({last}), which "
+                             "static analysis cannot read: whatever it does is unchecked here.", node)
+                elif _last_name(node.func) == "getattr" and len(node.args) >= 2 \
+                        and not (isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)) \
+                        and not self.is_handle(node.args[0]):
+                    self.add("opaque-code", MAJOR, "getattr with a name computed at run time: the attribute "
+                             "it reaches (a torch operator, say) cannot be known statically.", node)
+                elif full in _INTROSPECTION or (isinstance(node.func, ast.Name)
+                                                and node.func.id in ("globals", "vars", "locals")
+                                                and node.func.id not in self.aliases):
+                    self.add("introspection", MAJOR, f"the candidate inspects its interpreter ({last}): "
+                             "loaded modules, the caller's frames and globals hold the reference and its "
+                             "outputs.", node)
+                elif full in _DECODERS:
+                    self.add("encoded-payload", MINOR, f"the candidate decodes data at run time ({full}); "
+                             "code hidden that way is not analyzed.", node)
+            elif isinstance(node, ast.Subscript) and isinstance(node.value, (ast.Name, ast.Attribute)) \
+                    and _last_name(node.value) in self._native_libraries() \
+                    and not (isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str)):
+                self.add("opaque-code", MAJOR, "a native library's function looked up by a name computed at "
+                         "run time: which function it calls cannot be known statically.", node)
+            elif isinstance(node, ast.Attribute):
+                full = self.resolve(node) or ""
+                if full in ("sys.modules", "sys._getframe", "builtins.__dict__") or node.attr in _FRAME_ATTRS:
+                    self.add("introspection", MAJOR, f"the candidate reads {node.attr}, which reaches objects "
+                             "it did not create (the reference, its outputs, the caller's variables).", node)
+            elif isinstance(node, ast.Name) and node.id in ("__builtins__", "__loader__", "__spec__"):
+                self.add("introspection", MAJOR, f"the candidate reads {node.id}, which reaches the "
+                         "interpreter's own objects.", node)
+
+    def _native_libraries(self) -> set[str]:
+        """Names bound to a ctypes library (ctypes.CDLL(...), ctypes.cdll.LoadLibrary(...))."""
+        if not hasattr(self, "_libs"):
+            self._libs = set()
+            for node in ast.walk(self.tree):
+                if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+                    full = self.resolve(node.value.func) or ""
+                    if full.startswith("ctypes.") and full.rsplit(".", 1)[-1] in ("CDLL", "WinDLL", "PyDLL",
+                                                                                    "LoadLibrary"):
+                        for t in node.targets:
+                            self._libs |= {n.split(".")[-1] for n in _target_names(t)}
+        return self._libs
+
+    def rule_host_compute(self) -> None:
+        """The work done on the host: numpy (or scipy) computing in forward, or a tensor copied out to
+        the host and its data brought back as a tensor (a round trip a kernel's result never needs)."""
+        for fn in self.reachable:
+            calls = [c for c in ast.walk(fn) if isinstance(c, ast.Call)]
+            full = {id(c): self.resolve(c.func) or "" for c in calls}
+            host_math = [c for c in calls if full[id(c)].split(".")[0] in ("numpy", "scipy")
+                         and full[id(c)].split(".")[-1] not in _HOST_OK]
+            back = [c for c in calls if full[id(c)] in ("torch.from_numpy", "torch.tensor", "torch.as_tensor")]
+            out = [c for c in calls if isinstance(c.func, ast.Attribute) and c.func.attr in ("numpy", "tolist")
+                   and full[id(c)].split(".")[0] not in ("numpy", "scipy")]
+            for c in host_math:
+                self.add("host-compute", MAJOR, f"forward computes with {full[id(c)]} on the host.", c)
+            if out and back and not host_math:
+                self.add("host-compute", MAJOR, f"forward copies a tensor to the host (.{out[0].func.attr}()) "
+                         "and makes a tensor of host data again: the work between is done without the GPU.",
+                         out[0])
+
+    def rule_aten_in_extension(self) -> None:
+        """C++ handed to load_inline that calls ATen's heavy operators: the extension is a wrapper
+        around torch, whatever its Python spells."""
+        # A kernel launched from the extension's own code (<<<...>>>) may be a real epilogue around a
+        # library GEMM, as in Python; its data flow through C++ is not followed, so that is minor.
+        launches_kernel = any("<<<" in src.clean for src in self.extension_sources)
+        for src in self.extension_sources:
+            for m in _ATEN_CALL.finditer(src.clean):
+                op = m.group("op")
+                if not (op in _HEAVY_OPS or (op in self.ref.ops and op not in _BOOKKEEPING)):
+                    continue
+                if launches_kernel:
+                    self.add("library-does-heavy-work", MINOR, f"the compiled C++ calls ATen's {op} beside "
+                             "a kernel of its own; legitimate if the kernel does real work.",
+                             src.line_at(m.start()), src.excerpt(m.start()))
+                else:
+                    self.add("aten-in-extension", MAJOR, f"the compiled C++ calls ATen's {op} "
+                             f"({m.group(0).strip()}) and launches no kernel of its own, so torch does the "
+                             "work inside the extension.", src.line_at(m.start()), src.excerpt(m.start()))
 
     def rule_reference(self) -> None:
         for base in self.model.bases:
@@ -611,8 +776,12 @@ class _Analysis:
             return None
         full = self.resolve(call.func) or ""
         parts = full.split(".")
+        if parts[0] == "operator" and parts[-1] in ("matmul", "imatmul"):
+            return "operator.matmul", True
         if parts[0] == "torch":
             op = parts[-1]
+            if op.startswith("__") and op.endswith("__"):  # torch.Tensor.__matmul__(x, w)
+                op = {"matmul": "matmul", "rmatmul": "matmul"}.get(op.strip("_"), op)
             if parts[1:3] == ["ops", "aten"] and len(parts) > 3:
                 op = parts[3]
             if op in _HEAVY_OPS or (op in self.ref.ops and op not in _BOOKKEEPING):
@@ -826,8 +995,9 @@ class _Analysis:
     def rule_streams_threads(self) -> None:
         creates_stream = [n for n in ast.walk(self.tree) if isinstance(n, ast.Call)
                           and (self.resolve(n.func) or "").endswith("cuda.Stream")]
+        # Event.wait() makes the current stream wait for the event: a join like wait_event.
         joins = any(isinstance(n, ast.Call) and _last_name(n.func) in ("synchronize", "wait_stream",
-                                                                      "wait_event", "record_stream")
+                                                                      "wait_event", "record_stream", "wait")
                     for n in self.reachable_nodes(ast.Call))
         if creates_stream and not joins:
             self.add("side-stream", MAJOR, "a side CUDA stream is created and forward never joins it back "
