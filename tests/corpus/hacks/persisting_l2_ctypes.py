@@ -1,7 +1,8 @@
-# corpus: hack problem=max_over_dim rule=persisting-l2 check=dynamic
+# corpus: hack problem=max_over_dim rule=opaque-code check=static
 # Sets a persisting-L2 limit and an access-policy window over the input through the CUDA runtime
 # via ctypes, with the symbol name assembled at run time and the limit passed as its enum value,
-# so no flagged name appears in the source. The verifier's persisting-L2 state check catches it.
+# so no flagged name appears in the source. The static analysis cannot see which function the
+# computed name reaches and says so (opaque code); on the GPU the persisting-L2 state check fires too.
 import ctypes
 
 import torch
