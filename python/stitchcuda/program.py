@@ -124,6 +124,10 @@ class Program:
 
     def __init__(self, native: Any) -> None:
         self._p = native
+        # Its kernels are this process's own generated code, as jit's are (the Verifier's attribution).
+        from . import jit
+
+        jit._COMPILED.update(str(k.get("name", "")) for k in native.kernels if k.get("name"))
 
     @staticmethod
     def load(path: str | os.PathLike) -> "Program":

@@ -91,7 +91,7 @@ def check(reference: Task | str | os.PathLike, candidate: str | os.PathLike, *,
 
     job = {"reference": task.to_spec(), "candidate": cand_source, "candidate_name": cand_name,
            "config": config.to_dict(),
-           "recycle_after": any(f.rule == "patches-timing" for f in report.findings)}
+           "recycle_after": any(f.rule == "patches-timing" for f in report.findings), "trusted": trusted}
     try:
         pool = pool or default_pool()
         result = pool.run(job, config.compile_time_limit_s, config.run_time_limit_s)

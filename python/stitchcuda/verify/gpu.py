@@ -289,6 +289,11 @@ class CuptiCheck:
         for k in work:
             by_name.setdefault(str(k.name), []).append(k.duration_ns / 1e6)
         all_ms = sum(sum(v) for v in by_name.values()) or 1.0
+        # Per kernel name, GPU milliseconds per call inside the windows: what the attribution classifies.
+        inside: dict[str, float] = {}
+        for k in work:
+            if any(s <= k.start_ns and k.end_ns <= e for s, e in windows):
+                inside[str(k.name)] = inside.get(str(k.name), 0.0) + k.duration_ns / 1e6 / calls
         top = sorted(({"name": n[:160], "calls": len(v), "total_ms": sum(v), "share": sum(v) / all_ms}
                       for n, v in by_name.items()), key=lambda d: -d["total_ms"])[:10]
         return {"available": True, "kernel_ms_per_call": statistics.median(busy) if busy else 0.0,
@@ -297,6 +302,7 @@ class CuptiCheck:
                 "outside_window": [{"name": str(k.name)[:160], "stream_id": int(k.stream_id),
                                     "duration_ms": k.duration_ns / 1e6} for k in outside[:5]],
                 "outside_count": len(outside), "kernels": top,
+                "by_name": [{"name": n, "ms": v} for n, v in sorted(inside.items(), key=lambda kv: -kv[1])][:64],
                 "summary": summary, "advice": advice[:5]}
 
 

@@ -662,6 +662,7 @@ class _Run:
         self.report.profile = {"kernels": result["kernels"], "summary": result.get("summary"),
                                "kernels_per_call": result["kernels_per_call"], "streams": result["streams"],
                                "advice": result.get("advice", [])}
+        self._attribute(result)
         kernel_ms = result["kernel_ms_per_call"]
         roofline = self._roofline_line(kernel_ms)
         if roofline:
@@ -691,6 +692,22 @@ class _Run:
             self.report.add("unjoined-work", MAJOR, "the event-timed duration is far below the kernel time "
                             "CUPTI measured: the timer misses part of the work.",
                             f"events {cand_ms:.4f} ms vs CUPTI kernels {kernel_ms:.4f} ms per call")
+
+    def _attribute(self, result: dict[str, Any]) -> None:
+        """Whose kernels did the GPU work of the verified calls (verify/attribution.py); StitchCUDA's own
+        programs (a trusted job: the template path of a graph-mode target) are not judged by it."""
+        if "by_name" not in result or self.job.get("trusted"):
+            return
+        from .. import jit
+        from . import attribution
+
+        own = attribution.own_kernel_names([self.job.get("candidate", "")], jit.compiled_kernel_names())
+        attr = attribution.attribute(result["by_name"], own)
+        self.report.profile["attribution"] = attr
+        advice = [attribution.summary_line(attr)]
+        for rule, severity, message, evidence in attribution.findings(attr):
+            self.report.add(rule, MAJOR if severity == "major" else MINOR, message, evidence)
+        self.report.profile["advice"] = [*self.report.profile.get("advice", []), *advice]
 
     def _to_device(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.to(self.device)

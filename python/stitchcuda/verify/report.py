@@ -133,6 +133,11 @@ def build_feedback(report: VerifyReport) -> str:
             top = report.profile["kernels"][0]
             lines.append(f"Most time: kernel {top['name']} ({top['share'] * 100:.0f}% of GPU time). "
                          "Optimize it next.")
+        attribution = (report.profile or {}).get("attribution")
+        if attribution and attribution.get("total_ms"):
+            from .attribution import summary_line
+
+            lines.append(summary_line(attribution))
         sol = report.timing.get("speed_of_light_ms")
         med = report.timing.get("candidate_ms")
         if sol and med:

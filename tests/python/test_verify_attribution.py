@@ -1,0 +1,124 @@
+"""Attribution of the verified calls' GPU time (stitchcuda.verify.attribution), on the CPU: kernel names
+as CUPTI reports them on Hopper classified as the candidate's own, a library's, ATen's or other; the
+findings a share of foreign work raises; and the harness wiring through a fake GPU backend."""
+
+from __future__ import annotations
+
+import pytest
+
+from stitchcuda import jit
+from stitchcuda.verify import attribution, harness
+from stitchcuda.verify.attribution import attribute, classify, findings, own_kernel_names
+
+from test_verify_harness import HONEST, fake_gpu, run  # noqa: F401  (the fake GPU backend, the job runner)
+
+CUBLAS = "sm90_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize128x128x32_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas"
+NVJET = "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT"
+CUDNN = "void cudnn::ops::nchwToNhwcKernel<float, float, float, false, true, (cudnnKernelDataType_t)2>(cudnn::ops::nchw2nhwc_params_t<float>, float const*, float*)"
+ATEN_ADD = ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctorOnSelf_add<float>, "
+            "std::array<char*, 2ul> >(int, at::native::CUDAFunctorOnSelf_add<float>, std::array<char*, 2ul>)")
+ATEN_SOFTMAX = "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::(anonymous namespace)::SoftMaxForwardEpilogue>(float*, float const*, int)"
+INDUCTOR = "triton_poi_fused_add_relu_0"
+
+
+def test_kernel_names_are_classified_as_cupti_gives_them():
+    own = own_kernel_names(['extern "C" __global__ void __launch_bounds__(256) bias_gelu(const float* x) {}\n'
+                            "template <int TILE> __global__ void tiled_mm(const float* a) {}"],
+                           compiled={"scale_add", "_Z3fooPf"})
+    assert {"bias_gelu", "tiled_mm", "scale_add", "_Z3fooPf"} <= own
+    assert classify("bias_gelu", own) == "own"
+    assert classify("void tiled_mm<32>(float const*)", own) == "own"  # demangled template instance
+    assert classify("_Z3fooPf", own) == "own"
+    for name in (CUBLAS, NVJET, CUDNN, "cutlass::Kernel2<cutlass_80_tensorop_s1688gemm_128x128_32x3_nn_align4>"):
+        assert classify(name, own) == "library", name
+    for name in (ATEN_ADD, ATEN_SOFTMAX, INDUCTOR):
+        assert classify(name, own) == "aten", name
+    assert classify("mystery_kernel", own) == "other"
+
+
+def test_a_candidate_kernel_named_like_atens_does_not_make_atens_its_own():
+    own = own_kernel_names(['__global__ void vectorized_elementwise_kernel(float* y) {}'])
+    assert classify("vectorized_elementwise_kernel", own) == "own"
+    assert classify(ATEN_ADD, own) == "aten"  # the qualified name is ATen's, not the candidate's
+
+
+def shares(**ms):
+    kernels = [{"name": name, "ms": t} for name, t in ms.items()]
+    return attribute(kernels, {"epilogue", "fused"})
+
+
+def test_library_gemm_with_an_own_epilogue_is_fine():
+    attr = attribute([{"name": CUBLAS, "ms": 0.34}, {"name": "epilogue", "ms": 0.06}], {"epilogue"})
+    assert attr["shares"]["library"] == pytest.approx(0.85) and attr["shares"]["own"] == pytest.approx(0.15)
+    assert findings(attr) == []
+    assert attribution.summary_line(attr) == ("GPU time per call: own kernels 15%, library 85%, ATen 0%, "
+                                              "other 0% (0.4000 ms)")
+    assert attr["kernels"][0]["name"] == CUBLAS and attr["kernels"][0]["class"] == "library"
+
+
+def test_no_own_kernel_among_the_work_is_major():
+    # A custom kernel launched only under a branch that never runs: the trace holds ATen's alone.
+    attr = attribute([{"name": ATEN_SOFTMAX, "ms": 0.2}], {"never_launched"})
+    [(rule, severity, message, evidence)] = findings(attr)
+    assert (rule, severity) == ("no-own-kernel-ran", "major")
+    assert "ATen 100%" in evidence and "cunn_SoftMaxForward" in evidence
+    # A library alone (torch.matmul returned) is no better.
+    assert findings(attribute([{"name": NVJET, "ms": 0.3}], set()))[0][0] == "no-own-kernel-ran"
+
+
+def test_foreign_kernels_doing_most_of_the_work_are_major_some_minor():
+    major = attribute([{"name": ATEN_SOFTMAX, "ms": 0.7}, {"name": "fused", "ms": 0.3}], {"fused"})
+    assert [f[:2] for f in findings(major)] == [("foreign-kernels", "major")]
+    minor = attribute([{"name": INDUCTOR, "ms": 0.3}, {"name": "fused", "ms": 0.7}], {"fused"})
+    assert [f[:2] for f in findings(minor)] == [("foreign-kernels", "minor")]
+    small = attribute([{"name": ATEN_ADD, "ms": 0.05}, {"name": "fused", "ms": 0.95}], {"fused"})
+    assert findings(small) == []  # a contiguous() copy beside the real kernel
+    assert findings(attribute([], {"fused"})) == []  # nothing ran on the GPU: other rules judge that
+
+
+def test_the_jit_layer_records_what_it_compiles():
+    source = 'extern "C" __global__ void attribution_probe(float* y) { y[0] = 1.0f; }'
+    jit.compile(source, "attribution_probe")
+    assert "attribution_probe" in jit.compiled_kernel_names()
+
+
+OWN_SOURCE = 'CUDA = "__global__ void clamp_axpy(const float* x, const float* y, float* out, long long n) {}"\n'
+
+
+def cupti(by_name):
+    return {"available": True, "kernel_ms_per_call": 0.4, "kernels_per_call": 1.0, "streams": [7],
+            "outside_window": [], "outside_count": 0, "kernels": [], "summary": None, "advice": [],
+            "by_name": by_name}
+
+
+def test_the_harness_reports_the_attribution_and_flags_foreign_work(fake_gpu):
+
+    fake_gpu(per_call_ms=0.5, cupti=cupti([{"name": ATEN_ADD, "ms": 0.4}]))
+    r, _ = run(HONEST)
+    assert "no-own-kernel-ran" in {f.rule for f in r.findings if f.severity == "major"} and r.hack
+    assert r.profile["attribution"]["shares"]["aten"] == 1.0
+    fake_gpu(per_call_ms=0.5, cupti=cupti([{"name": "clamp_axpy", "ms": 0.3}, {"name": CUBLAS, "ms": 0.1}]))
+    r, _ = run(OWN_SOURCE + HONEST)
+    assert not r.hack and r.profile["attribution"]["shares"]["own"] == pytest.approx(0.75)
+    assert "GPU time per call: own kernels 75%, library 25%" in r.feedback
+
+
+def test_a_trusted_job_is_not_attributed(fake_gpu, monkeypatch):
+
+    fake_gpu(per_call_ms=0.5, cupti=cupti([{"name": ATEN_ADD, "ms": 0.4}]))
+    original = harness.run_job
+
+    def trusted(job, progress):
+        return original({**job, "trusted": True}, progress)
+
+    monkeypatch.setattr(harness, "run_job", trusted)
+    r, _ = run(HONEST)
+    assert not r.hack and "attribution" not in (r.profile or {})
+
+
+def test_atens_copies_and_fills_are_reported_but_not_held_against_the_candidate():
+    copy = ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)"
+            "::{lambda()#3}::operator()() const::{lambda()#7}::operator()() const::{lambda(float)#1}>(int)")
+    assert classify(copy, set()) == "layout"
+    attr = attribute([{"name": copy, "ms": 0.6}, {"name": "fused", "ms": 0.4}], {"fused"})
+    assert findings(attr) == [] and "copies 60%" in attribution.summary_line(attr)
