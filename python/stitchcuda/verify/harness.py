@@ -701,8 +701,12 @@ class _Run:
         from .. import jit
         from . import attribution
 
-        own = attribution.own_kernel_names([self.job.get("candidate", "")], jit.compiled_kernel_names())
-        attr = attribution.attribute(result["by_name"], own)
+        try:
+            own = attribution.own_kernel_names([self.job.get("candidate", "")], jit.compiled_kernel_names())
+            attr = attribution.attribute(result["by_name"], own)
+        except Exception as exc:  # a trace the classifier cannot read is no verdict on the candidate
+            self.report.profile["attribution"] = {"available": False, "reason": f"{type(exc).__name__}: {exc}"[:300]}
+            return
         self.report.profile["attribution"] = attr
         advice = [attribution.summary_line(attr)]
         for rule, severity, message, evidence in attribution.findings(attr):
