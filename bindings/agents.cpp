@@ -203,6 +203,7 @@ class InterruptibleBackend final : public llm::Backend {
 // What `options` may set, beside the budget.
 struct LoopOptions {
   bool verifier_llm = true;
+  bool judge = false;  // the rubric's LLM judge (off by default)
   std::string prompts_dir, prompts_override, docs_dir;
   AgentOptions agent;
   rubric::RewardConfig reward;
@@ -210,12 +211,13 @@ struct LoopOptions {
 
 LoopOptions to_loop_options(const py::dict& d) {
   check_keys(d,
-             {"verifier_llm", "prompts_dir", "prompts_override", "docs_dir", "doc_snippets", "max_repairs",
+             {"verifier_llm", "judge", "prompts_dir", "prompts_override", "docs_dir", "doc_snippets", "max_repairs",
               "temperature", "top_p", "max_tokens", "seed", "timeout", "tau", "r_max", "lambda_plan",
               "lambda_feedback"},
              "optimize option");
   LoopOptions o;
   o.verifier_llm = get_or<bool>(d, "verifier_llm", true);
+  o.judge = get_or<bool>(d, "judge", false);
   o.prompts_dir = get_or<std::string>(d, "prompts_dir", "");
   o.prompts_override = get_or<std::string>(d, "prompts_override", "");
   o.docs_dir = get_or<std::string>(d, "docs_dir", "");
@@ -274,7 +276,8 @@ py::dict optimize(const py::dict& problem_dict, std::shared_ptr<llm::ReliableBac
   agents.verifier_agent =
       std::make_shared<const VerifierAgent>(options.verifier_llm ? model : nullptr, prompts, options.agent);
   agents.replanner = std::make_shared<const Replanner>(model, prompts, docs, options.agent);
-  agents.rubric = std::make_shared<const rubric::Rubric>();
+  if (options.judge) agents.judge = std::make_shared<RubricJudge>(model, prompts, options.agent);
+  agents.rubric = std::make_shared<const rubric::Rubric>(agents.judge);
   agents.reward = options.reward;
   agents.prompts = prompts;  // recorded in the run directory's prompts/
   auto verifier = std::make_shared<PythonVerifier>(std::move(verify_fn), pending);

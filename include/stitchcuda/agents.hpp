@@ -11,6 +11,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -227,7 +228,7 @@ struct Problem {
 
 /// A call to a model and its answer, for the run directory and trajectories.
 struct Exchange {
-  std::string agent;                   ///< "planner", "coder", "verifier", "replanner"
+  std::string agent;                   ///< "planner", "coder", "verifier", "replanner", "judge"
   std::string model;                   ///< the model that answered (as the server said, else the backend's name)
   std::vector<llm::Message> messages;  ///< what was sent
   std::string reply;                   ///< what came back ("" on failure)
@@ -377,6 +378,28 @@ class VerifierAgent {
   AgentOptions options_;
 };
 
+/// The rubric's optional LLM judge (rubric::Judge): renders `rubric_judge.md` with the candidate, the
+/// Verifier's findings and the detectors' items, and reads back the four items as JSON. The Rubric keeps
+/// the detectors' items when the judge fails or answers out of bounds, and never lets it raise
+/// anti-hacking; each call is kept for the attempt's record (take_exchanges).
+class RubricJudge : public rubric::Judge {
+ public:
+  RubricJudge(std::shared_ptr<llm::Backend> llm, std::shared_ptr<const PromptLibrary> prompts, AgentOptions options = {});
+  Result<rubric::Items> refine(const rubric::Input& input, const rubric::Items& items) override;
+  /// The calls made since the last take (agent "judge"), oldest first.
+  std::vector<Exchange> take_exchanges();
+  /// The reference the candidates implement (shown in the prompt; the Optimizer sets it per run).
+  void set_reference(std::string reference);
+
+ private:
+  std::shared_ptr<llm::Backend> llm_;
+  std::shared_ptr<const PromptLibrary> prompts_;
+  AgentOptions options_;
+  std::mutex mu_;
+  std::vector<Exchange> exchanges_;
+  std::string reference_;
+};
+
 /// One attempt as the Replanner sees it.
 struct AttemptSummary {
   int index = 0;             ///< 1-based
@@ -406,6 +429,7 @@ struct AttemptRecord {
   rubric::Scorecard scorecard;         ///< the rubric's items
   rubric::Reward reward;               ///< the reward
   std::vector<Exchange> exchanges;     ///< the Coder's calls for this attempt
+  std::vector<Exchange> judge_exchanges;  ///< the rubric judge's calls for it (none without a judge)
   double wall_s = 0.0;                 ///< the attempt's wall time
   double llm_s = 0.0;                  ///< of which waiting for models
   double verify_s = 0.0;               ///< of which verifying (compile and GPU)
@@ -509,6 +533,7 @@ struct Agents {
   std::shared_ptr<const VerifierAgent> verifier_agent;
   std::shared_ptr<const Replanner> replanner;
   std::shared_ptr<const rubric::Rubric> rubric;
+  std::shared_ptr<RubricJudge> judge;  ///< the rubric's judge, when it has one (its calls are recorded)
   rubric::RewardConfig reward;
   std::shared_ptr<const PromptLibrary> prompts;  ///< recorded in the run directory (prompts/) when set
 };

@@ -195,7 +195,7 @@ struct DeviceCeilings {
   double dram_bytes_per_s = 4.3e12;          ///< measured device-to-device copy
   double launch_overhead_ns = 2000.0;        ///< typical host cost of one kernel launch
   double tf32_tensor_flops_per_s = 495e12;   ///< dense TF32 tensor cores (datasheet)
-  /// The H200 numbers of DESIGN.md.
+  /// The H200's numbers (measured: docs/profile.md).
   static DeviceCeilings h200() { return {}; }
   /// The table's entry for a device name as the driver reports it ("NVIDIA H200"; matched by the model
   /// name inside it), or nullopt for a GPU the table does not know: peaks are measured or read from a

@@ -68,6 +68,7 @@ void add_usage(llm::Usage& total, const std::vector<Exchange>& exchanges) {
 std::vector<Exchange> calls_of(const AttemptRecord& a) {
   std::vector<Exchange> calls = a.exchanges;
   if (a.feedback.exchange) calls.push_back(*a.feedback.exchange);
+  calls.insert(calls.end(), a.judge_exchanges.begin(), a.judge_exchanges.end());
   return calls;
 }
 
@@ -241,6 +242,7 @@ Result<Outcome> Optimizer::drive(const Problem& problem, RunDirectory dir, RunDi
                                  const EventCallback& on_event) const {
   const auto started = Clock::now();
   if (auto ok = check(); !ok) return tl::unexpected(ok.error());
+  if (agents_.judge) agents_.judge->set_reference(problem.reference);
 
   Outcome out;
   out.run_dir = dir.path();
@@ -389,6 +391,11 @@ Result<Outcome> Optimizer::drive(const Problem& problem, RunDirectory dir, RunDi
       for (const ProblemPlanStep& s : plans.back().steps) input.task.asks.push_back(s.title);
     }
     rec.scorecard = agents_.rubric->score(input);
+    if (agents_.judge) {  // the judge's calls belong to this attempt's record
+      rec.judge_exchanges = agents_.judge->take_exchanges();
+      add_tokens(rec.judge_exchanges);
+      for (const Exchange& e : rec.judge_exchanges) rec.llm_s += e.latency_s;
+    }
     if (auto r = rubric::reward(input.outcome, rec.scorecard, rec.skill, agents_.reward)) rec.reward = *r;
     rec.wall_s = seconds_since(attempt_start);
     if (auto ok = dir.write_attempt(rec, problem.name); !ok) return tl::unexpected(ok.error());

@@ -370,6 +370,8 @@ rubric::Reward reward_from(const Json& j) {
 Json attempt_json(const AttemptRecord& a) {
   Json exchanges = Json::array();
   for (const auto& e : a.exchanges) exchanges.push_back(exchange_json(e));
+  Json judge = Json::array();
+  for (const auto& e : a.judge_exchanges) judge.push_back(exchange_json(e));
   return {{"index", a.index},
           {"plan", a.plan},
           {"skill", static_cast<int>(a.skill)},
@@ -380,6 +382,7 @@ Json attempt_json(const AttemptRecord& a) {
           {"scorecard", scorecard_json(a.scorecard)},
           {"reward", reward_json(a.reward)},
           {"exchanges", exchanges},
+          {"judge_exchanges", judge},
           {"wall_s", a.wall_s},
           {"llm_s", a.llm_s},
           {"verify_s", a.verify_s}};
@@ -404,6 +407,7 @@ Result<AttemptRecord> attempt_from(const Json& j) {
   }
   if (const Json* r = member(j, "reward")) a.reward = reward_from(*r);
   for (const auto& e : array(j, "exchanges")) a.exchanges.push_back(exchange_from(e));
+  for (const auto& e : array(j, "judge_exchanges")) a.judge_exchanges.push_back(exchange_from(e));
   a.wall_s = num(j, "wall_s");
   a.llm_s = num(j, "llm_s");
   a.verify_s = num(j, "verify_s");
@@ -521,6 +525,9 @@ std::vector<std::string> attempt_lines(const std::string& run_id, const AttemptR
     const RecordContext verifier{run_id, problem, attempt.plan, attempt.index, nullptr, attempt.feedback.kind, nullptr};
     lines.push_back(dump(trajectory_json(verifier, *attempt.feedback.exchange)));
   }
+  // The rubric judge's calls: marked as the judge's, with no skill and no reward of their own.
+  const RecordContext judge{run_id, problem, attempt.plan, attempt.index, nullptr, attempt.feedback.kind, nullptr};
+  for (const auto& e : attempt.judge_exchanges) lines.push_back(dump(trajectory_json(judge, e)));
   return lines;
 }
 

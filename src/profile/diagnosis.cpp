@@ -29,7 +29,7 @@ std::string label(const std::string& name) { return name.empty() ? std::string("
 }  // namespace
 
 std::optional<DeviceCeilings> DeviceCeilings::for_device(std::string_view device_name) {
-  // One row today: the GPU whose numbers were measured (DESIGN.md). Matched by model name, as the
+  // One row today: the GPU whose numbers were measured (docs/profile.md). Matched by model name, as the
   // driver spells it inside longer names ("NVIDIA H200", "H200 SXM 141GB").
   if (device_name.find("H200") != std::string_view::npos) {
     DeviceCeilings c = h200();

@@ -79,7 +79,7 @@ Scorecard Rubric::score(const Input& input) const {
   } catch (...) {
     refined = fail(ErrorCode::Internal, "the judge threw a non-standard exception");
   }
-  // A failed judge is neutral: the detectors' items stand (DESIGN.md, "The StitchCUDA method").
+  // A failed judge is neutral: the detectors' items stand.
   if (!refined) {
     card.judge_note = "judge failed, deterministic scores kept: " + refined.error().message;
     return card;

@@ -523,3 +523,46 @@ def test_a_script_without_a_main_guard_spawns_workers(tmp_path, subprocess_env):
     plain = subprocess.run([sys.executable, str(script), "plain"], env=subprocess_env, capture_output=True, text=True,
                            timeout=120)
     assert plain.stdout.count("script body ran") == 2 and "child exit 1" in plain.stdout  # what it prevents
+
+
+class JudgedModel(ScriptedModel):
+    """ScriptedModel that also answers the rubric judge: anti-hacking lowered to 3, with its reason."""
+
+    JUDGE = "You are the Rubric judge"
+
+    def __call__(self, messages):
+        if self.JUDGE in messages[0]["content"]:
+            self.calls[self.JUDGE] = self.calls.get(self.JUDGE, 0) + 1
+            return json.dumps({"items": [
+                {"dimension": "anti-hacking", "score": 3, "reason": "forward calls contiguous() on the inputs"},
+                {"dimension": "cuda-engineering", "score": 2, "reason": "scalar loads"},
+                {"dimension": "operator-coverage", "score": 5, "reason": "the kernel does all of it"},
+                {"dimension": "skill-compliance", "score": 4, "reason": "as asked"}]})
+        return super().__call__(messages)
+
+
+def test_the_rubric_judge_is_off_by_default_and_recorded_when_on(problem, tmp_path):
+    plain = ScriptedModel()
+    out = agents.optimize_problem(problem, plain, attempts=2, run_dir=tmp_path / "plain", static_only=True)
+    assert JudgedModel.JUDGE not in plain.calls
+    assert not any(i for a in out["attempts"] for i in a["judge_exchanges"])
+
+    model = JudgedModel()
+    run_dir = tmp_path / "judged"
+    out = agents.optimize_problem(problem, model, attempts=2, run_dir=run_dir, static_only=True, judge=True)
+    # The first attempt does not compile: scored 1 on every item, no judge asked; the second is reviewed.
+    assert model.calls[JudgedModel.JUDGE] == 1
+    assert out["attempts"][0]["judge_exchanges"] == []
+    second = out["attempts"][1]
+    card = json.loads((run_dir / "attempts/002/rubric.json").read_text())
+    assert card["judged"] is True
+    anti = next(i for i in card["items"] if i["dimension"] == "anti-hacking")
+    assert anti["score"] <= 3 and "contiguous()" in " ".join(anti["evidence"]), card
+    assert second["judge_exchanges"][0]["agent"] == "judge"
+    assert json.loads((run_dir / "config.json").read_text())["judge"] is True
+    records = agents.read_trajectories(run_dir)
+    judged = [r for r in records if r["agent"] == "judge"]
+    assert len(judged) == 1 and judged[0]["attempt"] == 2 and judged[0]["reward"] is None and judged[0]["skill"] is None
+    assert all(agents.validate_trajectory(r) == [] for r in records)
+    index = json.loads((run_dir / "prompts/index.json").read_text())
+    assert judged[0]["prompt_sha256"] == index["rubric_judge"]["sha256"]

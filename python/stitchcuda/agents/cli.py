@@ -72,7 +72,8 @@ def run_program(args: argparse.Namespace, config: dict[str, Any] | None = None) 
         out = optimize_problem(args.problem, llm, attempts=args.attempts, replans=args.replans,
                                target_speedup=args.target_speedup, wall_s=args.wall_s, tokens=args.tokens,
                                run_dir=args.run_dir, resume=args.resume, prompts_dir=args.prompts,
-                               on_event=progress, static_only=True if args.static_only else None)
+                               on_event=progress, static_only=True if args.static_only else None,
+                               judge=True if getattr(args, "judge", False) else None)
     except StitchError as exc:
         return _usage(f"stitchcuda optimize: {_one_line(exc.message)}")
     except (OSError, ImportError, AttributeError, TypeError, ValueError) as exc:  # a python: spec that does not import

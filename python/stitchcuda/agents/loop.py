@@ -222,7 +222,8 @@ def optimize_problem(problem_path: str | os.PathLike | None, llm: Any, *, attemp
                      run_dir: str | os.PathLike | None = None, resume: str | os.PathLike | None = None,
                      prompts_dir: str | os.PathLike | None = None,
                      on_event: Callable[[dict[str, Any]], Any] | None = None,
-                     verify_config: Any = None, static_only: bool | None = None) -> dict[str, Any]:
+                     verify_config: Any = None, static_only: bool | None = None,
+                     judge: bool | None = None) -> dict[str, Any]:
     """Runs the StitchCUDA loop on a KernelBench-format problem file and returns the outcome.
 
     ``llm``: a spec string (``openai:gpt-4.1``, ``scripted:rules.json``, ``python:module:fn``), a
@@ -235,7 +236,9 @@ def optimize_problem(problem_path: str | os.PathLike | None, llm: Any, *, attemp
     folder whose ``<name>.md`` files replace the shipped prompts. ``on_event`` receives {stage, attempt,
     plan, best_speedup, message} as the loop goes. ``verify_config``: a VerifyConfig (or dict) for GPU
     verification. ``static_only``: True compiles and checks candidates statically even where a GPU is
-    present (None: only where there is none).
+    present (None: only where there is none). ``judge``: True also asks the model to review each
+    attempt's rubric items (prompts/rubric_judge.md; it may lower anti-hacking with a reason, never raise
+    it; a failed judge leaves the deterministic items); off by default, a resumed run keeps its setting.
 
     With a GPU, each candidate is verified in a worker pool made for the run (correctness trials, timing,
     anti-hacking rules) and the reference is profiled for the Planner. Without one, candidates are
@@ -297,11 +300,14 @@ def optimize_problem(problem_path: str | os.PathLike | None, llm: Any, *, attemp
     saved_budget = _saved_config(Path(resume)).get("budget") if resume is not None else None
     budget = _budget({"attempts": attempts, "replans": replans, "target_speedup": target_speedup, "wall_s": wall_s,
                       "tokens": tokens}, saved_budget if isinstance(saved_budget, dict) else None)
+    if judge is None:
+        judge = bool(_saved_config(Path(resume)).get("judge", False)) if resume is not None else False
     options = {"prompts_dir": os.fspath(PROMPTS_DIR), "prompts_override": os.fspath(prompts_dir) if prompts_dir else "",
+               "judge": bool(judge),
                "docs_dir": os.environ.get("STITCHCUDA_DOCS_DIR") or os.fspath(Path(__file__).resolve().parent / "corpus"),
                **call_options}
     run_config = {"mode": "program", "problem": name, "problem_path": os.fspath(path.resolve()), "llm": llm_record,
-                  "llm_spec": llm if isinstance(llm, str) else None, "budget": budget,
+                  "llm_spec": llm if isinstance(llm, str) else None, "budget": budget, "judge": bool(judge),
                   "prompts_override": options["prompts_override"], "docs_dir": options["docs_dir"],
                   "call_options": call_options,
                   "hardware": machine, "verify": config.to_dict() if config else {"static_only": True},

@@ -20,7 +20,7 @@ __all__ = ["TRAJECTORY_SCHEMA", "TRAJECTORY_KEYS", "AGENTS", "RUBRIC_ITEMS", "va
            "read_trajectories", "trajectory_record"]
 
 #: The agents whose calls are recorded.
-AGENTS = ("planner", "coder", "verifier", "replanner")
+AGENTS = ("planner", "coder", "verifier", "replanner", "judge")
 #: The rubric's items, by the names reward.rubric uses (docs/rubric.md).
 RUBRIC_ITEMS = ("anti-hacking", "cuda-engineering", "operator-coverage", "skill-compliance")
 

@@ -7,6 +7,7 @@ target_sources(stitchcuda_cpp_tests PRIVATE
   ${CMAKE_CURRENT_SOURCE_DIR}/agents/test_kernel_step.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/agents/test_problem_plan.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/agents/test_verifier_agent.cpp
+  ${CMAKE_CURRENT_SOURCE_DIR}/agents/test_rubric_judge.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/agents/test_run_dir.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/agents/test_planner.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/agents/test_replanner.cpp
