@@ -39,7 +39,8 @@ jit::PchMode pch_mode(const std::string& s) {
 
 jit::CompileOptions to_options(const py::dict& d) {
   static const char* known[] = {"arch", "std", "include_paths", "defines", "headers", "fast_math", "line_info",
-                                "max_registers", "name_expressions", "pch", "extra_flags", "device_runtime"};
+                                "max_registers", "name_expressions", "pch", "extra_flags", "device_runtime",
+                                "confined"};
   jit::CompileOptions o;
   for (auto [k, v] : d) {
     std::string key = py::str(k);
@@ -64,6 +65,7 @@ jit::CompileOptions to_options(const py::dict& d) {
     else if (key == "pch") o.pch = pch_mode(v.cast<std::string>());
     else if (key == "extra_flags") o.extra_flags = v.cast<std::vector<std::string>>();
     else if (key == "device_runtime") o.device_runtime = v.cast<bool>();
+    else if (key == "confined") o.confined = v.cast<bool>();
   }
   return o;
 }
@@ -160,6 +162,11 @@ void bind_jit(py::module_& m) {
   m.def("default_arch", &jit::Compiler::default_arch);
   m.def("system_include_paths", &jit::Compiler::system_include_paths);
   m.def("declared_signature", &jit::declared_signature, py::arg("source"), py::arg("kernel_name"));
+  m.def("check_includes", [](const std::string& source, const py::dict& options) {
+    unwrap(jit::check_includes(source, to_options(options)));
+  }, py::arg("source"), py::arg("options"));
+  m.def("confine_includes", &jit::confine_includes);
+  m.def("includes_confined", &jit::includes_confined);
 
   m.def("driver_available", [] {
     auto ok = jit::Driver::available();

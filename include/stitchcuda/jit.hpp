@@ -38,7 +38,22 @@ struct CompileOptions {
   /// kernels may then launch CUDA graphs (device graph launch) or grids from the device. Needs an
   /// sm_XX architecture; the PTX of such a module cannot be loaded on its own.
   bool device_runtime = false;
+  /// Untrusted source (a candidate's): the include rule of `check_includes` applies to this compile.
+  /// The process-wide `confine_includes()` makes it apply to every compile.
+  bool confined = false;
 };
+
+/// The include rule for untrusted source: every `#include` of the source and of the in-memory headers
+/// names an in-memory header or a header inside the CUDA toolkit's include folders (CCCL among them),
+/// reached without absolute paths, `..`, computed (macro) includes or links out of those folders;
+/// `include_paths` must lie inside them; `extra_flags` are limited to code-generation flags and macro
+/// definitions (no -I, --pre-include, -include). InvalidArgument names the directive or flag and the rule.
+Result<void> check_includes(std::string_view source, const CompileOptions& options);
+/// From now on, for the rest of the process, every compile follows the include rule (as `confined`):
+/// the Verifier's worker calls it before it loads a candidate. It cannot be undone.
+void confine_includes() noexcept;
+/// Whether confine_includes() was called in this process.
+bool includes_confined() noexcept;
 
 /// Scalar or pointer type of one kernel parameter, as PTX declares it.
 enum class ParamKind { U8, S8, U16, S16, U32, S32, U64, S64, F16, F32, F64, Bytes };

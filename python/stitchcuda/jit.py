@@ -26,6 +26,9 @@ __all__ = [
     "clear_memory_cache",
     "synchronize",
     "compiled_kernel_names",
+    "check_includes",
+    "confine_includes",
+    "includes_confined",
 ]
 
 
@@ -259,6 +262,7 @@ def compile(
     signature: Sequence[str] | None = None,
     cache: bool = True,
     program_name: str = "kernel.cu",
+    confined: bool = False,
 ) -> Kernel:
     """Compiles ``source`` with NVRTC (through the kernel cache) and returns the kernel ``name``.
 
@@ -277,7 +281,7 @@ def compile(
         source, arch=arch, std=std, include_paths=include_paths, defines=defines, headers=headers,
         fast_math=fast_math, line_info=line_info, max_registers=max_registers,
         name_expressions=name_expressions, pch=pch, extra_flags=extra_flags, device_runtime=device_runtime,
-        cache=cache, program_name=program_name)
+        cache=cache, program_name=program_name, confined=confined)
     return module.kernel(name, signature)
 
 
@@ -298,12 +302,15 @@ def compile_module(
     device_runtime: bool = False,
     cache: bool = True,
     program_name: str = "kernel.cu",
+    confined: bool = False,
 ) -> Module:
-    """Compiles a program holding several kernels; take each with ``Module.kernel(name)``."""
+    """Compiles a program holding several kernels; take each with ``Module.kernel(name)``.
+    ``confined``: the source is untrusted, so the include rule applies (see ``check_includes``)."""
     options = _options(
         arch=arch, std=std, include_paths=include_paths, defines=defines, headers=headers,
         fast_math=fast_math, line_info=line_info, max_registers=max_registers,
         name_expressions=name_expressions, pch=pch, extra_flags=extra_flags, device_runtime=device_runtime)
+    options["confined"] = bool(confined)
     module = Module(_C.compile(source, program_name, options, cache), source)
     _COMPILED.update(module.kernel_names)
     return module
@@ -317,6 +324,28 @@ _COMPILED: set[str] = set()
 def compiled_kernel_names() -> frozenset[str]:
     """The kernels compiled through this module in this process: symbols and requested names."""
     return frozenset(_COMPILED)
+
+
+def check_includes(source: str, *, include_paths: Iterable[str | os.PathLike] = (),
+                   headers: Mapping[str, str] | None = None, extra_flags: Iterable[str] = ()) -> None:
+    """The include rule for untrusted CUDA, on its own: every ``#include`` names an in-memory header or a
+    header inside the CUDA toolkit's include folders (CCCL among them) — no absolute paths, ``..``,
+    macro-computed includes or links out of them; include paths inside those folders; extra flags limited
+    to code generation and macros. Raises InvalidArgumentError naming the directive or flag."""
+    _C.check_includes(source, {"include_paths": [os.fspath(p) for p in include_paths],
+                               "headers": {str(k): str(v) for k, v in (headers or {}).items()},
+                               "extra_flags": list(extra_flags)})
+
+
+def confine_includes() -> None:
+    """Every later compile in this process follows the include rule (``check_includes``); it cannot be
+    undone. The Verifier's worker calls it before it loads a candidate."""
+    _C.confine_includes()
+
+
+def includes_confined() -> bool:
+    """Whether ``confine_includes()`` was called in this process."""
+    return bool(_C.includes_confined())
 
 
 def declared_signature(source: str, kernel_name: str) -> list[str]:

@@ -64,6 +64,9 @@ def _worker_main(conn, device: str | None) -> None:
         import torch
 
         from . import harness
+        from .. import jit
+
+        jit.confine_includes()  # candidates' CUDA may include only the toolkit's headers, from now on
         info = {"pid": os.getpid(), "device": device}
         if device and device.startswith("cuda") and torch.cuda.is_available():
             index = int(device.split(":")[1]) if ":" in device else 0
