@@ -2,6 +2,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <stitchcuda/secrets.hpp>
+
 #include "errors.hpp"
 
 namespace py = pybind11;
@@ -30,6 +32,12 @@ void throw_error(const Error& e) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "StitchCUDA native core (see the stitchcuda package for the Python API)";
   m.def("version", [] { return std::string(stitchcuda::version()); });
+  py::module_ sm = m.def_submodule("secrets", "the process's secrets, scrubbed by value from what is written or sent");
+  sm.def("remember", [](const std::string& value) { stitchcuda::secrets::remember(value); }, py::arg("value"));
+  sm.def("remember_environment", &stitchcuda::secrets::remember_environment);
+  sm.def("redact", [](const std::string& text) { return stitchcuda::secrets::redact(text); }, py::arg("text"));
+  sm.def("looks_secret", [](const std::string& name) { return stitchcuda::secrets::looks_secret(name); });
+  sm.def("count", &stitchcuda::secrets::count);
   stitchcuda::bindings::bind_jit(m);
   stitchcuda::bindings::bind_llm(m);
   stitchcuda::bindings::bind_profile(m);

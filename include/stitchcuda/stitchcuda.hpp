@@ -8,3 +8,4 @@
 #include <stitchcuda/program.hpp>
 #include <stitchcuda/profile.hpp>
 #include <stitchcuda/rubric.hpp>
+#include <stitchcuda/secrets.hpp>

@@ -2,6 +2,7 @@
 // be resumed (attempt.json is written last, so its presence marks a finished attempt) and so that
 // trajectories.jsonl can be read as training data. Whole files are replaced atomically (temp + rename).
 #include <stitchcuda/agents.hpp>
+#include <stitchcuda/secrets.hpp>
 
 #include <algorithm>
 #include <atomic>
@@ -56,7 +57,10 @@ Result<void> write_all(int fd, std::string_view data, const fs::path& path) {
 
 // Writes a temporary file beside `path`, syncs it and renames it into place: a reader (or a resumed run)
 // sees the old file or the new one, never a part.
-Result<void> write_atomic(const fs::path& path, std::string_view data) {
+Result<void> write_atomic(const fs::path& path, std::string_view raw) {
+  // Nothing a run writes keeps a secret the process knows (a key a candidate read, a reply echoing one).
+  const std::string clean = secrets::redact(raw);
+  const std::string_view data = clean;
   static std::atomic<unsigned> counter{0};
   fs::path tmp = path;
   tmp += ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
@@ -82,7 +86,7 @@ Result<void> write_atomic(const fs::path& path, std::string_view data) {
 Result<void> append_line(const fs::path& path, const std::string& line) {
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
   if (fd < 0) return io_error("cannot open for appending", path, errno);
-  auto written = write_all(fd, line + "\n", path);
+  auto written = write_all(fd, secrets::redact(line) + "\n", path);
   if (::close(fd) != 0 && written) return io_error("cannot write", path, errno);
   return written;
 }

@@ -1,6 +1,7 @@
 // ReliableBackend: the policy every backend is used through — rate limits, retries with back-off,
 // one deadline and cancellation for the whole call, the length check, totals and the transcript.
 #include <stitchcuda/llm.hpp>
+#include <stitchcuda/secrets.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -115,9 +116,12 @@ Result<std::shared_ptr<ReliableBackend>> ReliableBackend::wrap(std::shared_ptr<B
   return std::shared_ptr<ReliableBackend>(new ReliableBackend(std::move(impl)));
 }
 
-Result<Completion> ReliableBackend::complete(const std::vector<Message>& messages, const Options& options,
+Result<Completion> ReliableBackend::complete(const std::vector<Message>& sent_messages, const Options& options,
                                              const TextCallback& on_text) {
   Impl& impl = *impl_;
+  // No secret the process knows leaves in a prompt, nor comes back in a reply (a model echoing a key).
+  std::vector<Message> messages = sent_messages;
+  for (Message& m : messages) m.content = secrets::redact(m.content);
   const auto start = Clock::now();
   const auto deadline = start + std::chrono::duration_cast<Clock::duration>(
                                     std::chrono::duration<double>(std::clamp(options.timeout_s, 0.0, 1e6)));
@@ -127,7 +131,7 @@ Result<Completion> ReliableBackend::complete(const std::vector<Message>& message
   bool delivered = false;  // once text reached the caller, a retry would repeat it
   const TextCallback forward = on_text ? TextCallback([&](std::string_view piece) {
     delivered = true;
-    on_text(piece);
+    on_text(secrets::redact(piece));  // a key split across two pieces keeps at most 7 characters in each
   })
                                        : TextCallback();
   Result<Completion> outcome = fail(ErrorCode::Internal, "no attempt was made");
@@ -173,6 +177,7 @@ Result<Completion> ReliableBackend::complete(const std::vector<Message>& message
   }
 
   if (outcome) {
+    outcome->text = secrets::redact(outcome->text);
     const Usage& u = outcome->usage;
     impl.limiter.correct(double(u.prompt_tokens + u.completion_tokens) - estimate);
     const Prices& p = impl.options.prices;

@@ -5,6 +5,7 @@ executes the candidate); everything that runs candidate code happens in a pool w
 from __future__ import annotations
 
 import ast
+import json
 import os
 import time
 from typing import Any
@@ -125,7 +126,26 @@ def _finish(report: VerifyReport, started: float, compile_log: str = "") -> Veri
         report.compile_log = compile_log
     report.feedback = build_feedback(report)
     report.wall_s = time.perf_counter() - started
-    return report
+    return _redacted(report)
+
+
+def _redacted(report: VerifyReport) -> VerifyReport:
+    """The report without any secret the process knows: a candidate that read a key (from a file, the
+    parent's environment) cannot send it back through its outputs, errors or logs."""
+    from .. import _C
+
+    text = report.to_json()
+    clean = _C.secrets.redact(text)
+    if clean == text:
+        return report
+    try:
+        again = VerifyReport.from_dict(json.loads(clean))
+    except ValueError:  # masking never breaks JSON (digits are kept); if it did, drop the text fields
+        again = report
+        again.feedback = again.compile_log = "[redacted]"
+        return again
+    again.static_only = report.static_only
+    return again
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,150 @@
+"""Redaction by value (stitchcuda._C.secrets, include/stitchcuda/secrets.hpp): a planted key, its
+fragments and its encodings never reach a file StitchCUDA writes or a message it sends — run
+directories (program and graph mode), trajectories, feedback, prompts, Verifier reports."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import secrets as pysecrets
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from stitchcuda import _C, agents
+from stitchcuda.verify import Task, check
+
+# Unique per run, so that no other test's text contains its windows by chance.
+KEY = "sk-plant-" + pysecrets.token_hex(12) + "Zq"
+_C.secrets.remember(KEY)
+
+
+def leaks(text: str, key: str = KEY) -> list[str]:
+    """Every 8-character window of the key, its hex or its base64 spellings found in `text`."""
+    spellings = [key, key.encode().hex(), key.encode().hex().upper()]
+    for skip in range(3):
+        enc = base64.b64encode(key[skip:].encode()).decode().rstrip("=")
+        spellings += [enc[:-4], enc[:-4].replace("+", "-").replace("/", "_")]
+    found = []
+    for s in spellings:
+        for i in range(len(s) - 7):
+            window = s[i:i + 8]
+            if not window.isdigit() and window in text:
+                found.append(window)
+    return found
+
+
+def test_fragments_and_encodings_are_masked_and_numbers_kept():
+    for planted in (f"key={KEY};", f"part {KEY[5:19]} of it", KEY.encode().hex(), KEY.encode().hex().upper(),
+                    base64.b64encode(("x" + KEY).encode()).decode(), base64.b64encode(("xy" + KEY).encode()).decode(),
+                    base64.urlsafe_b64encode(("xyz" + KEY).encode()).decode()):
+        clean = _C.secrets.redact(planted)
+        assert "[redacted]" in clean and not leaks(clean), (planted, clean)
+    ordinary = '{"wall_s": 12345678.25, "url": "http://127.0.0.1:8000/v1", "path": "/root/.cache/x"}'
+    assert _C.secrets.redact(ordinary) == ordinary
+    assert _C.secrets.looks_secret("OPENAI_API_KEY") and _C.secrets.looks_secret("GITHUB_TOKEN")
+    assert not _C.secrets.looks_secret("OPENAI_BASE_URL") and not _C.secrets.looks_secret("HF_HOME")
+
+
+def test_the_environments_secrets_are_known_without_being_told(tmp_path):
+    token = "ghp_" + pysecrets.token_hex(16)
+    code = f"from stitchcuda import _C; print(_C.secrets.redact('x {token[3:20]} y'), _C.secrets.redact('/opt/conf'))"
+    env = {**os.environ, "GITHUB_TOKEN": token, "HF_HOME": "/opt/conf", "PYTHONPATH": str(Path(agents.__file__).parents[2])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["x", "[redacted]", "y", "/opt/conf"]
+
+
+PROBLEM = textwrap.dedent('''
+    import torch
+    import torch.nn as nn
+
+    class Model(nn.Module):
+        def forward(self, x, y):
+            return torch.relu(x + y)
+
+    def get_inputs():
+        return [torch.randn(128, 64), torch.randn(128, 64)]
+
+    def get_init_inputs():
+        return []
+''')
+
+LEAKY = textwrap.dedent(f'''
+    import torch
+    import torch.nn as nn
+    from stitchcuda import jit
+
+    STOLEN = "{KEY}"  # what a candidate read from its parent's environment
+    SRC = r"""
+    #error {KEY}
+    extern "C" __global__ void add_relu(const float* x, const float* y, float* out, int n) {{
+      int i = blockIdx.x * blockDim.x + threadIdx.x;
+      if (i < n) out[i] = fmaxf(x[i] + y[i], 0.f);
+    }}
+    """
+    _kernel = jit.compile(SRC, "add_relu")
+
+    class ModelNew(nn.Module):
+        def forward(self, x, y):
+            out = torch.empty_like(x)
+            _kernel((x.numel() + 255) // 256, 256, x.contiguous(), y.contiguous(), out, x.numel())
+            return out
+''')
+
+PLAN = json.dumps({"summary": "Fuse add and ReLU.", "steps": [{"title": "One kernel", "detail": "fp32"}],
+                   "fusion_groups": [], "bottlenecks": [], "risks": [], "constraints": []})
+
+
+class EchoingModel:
+    """A model that echoes the key in every reply and records every prompt it is sent."""
+
+    def __init__(self) -> None:
+        self.prompts: list[str] = []
+
+    def __call__(self, messages):
+        self.prompts += [m["content"] for m in messages]
+        first = messages[0]["content"]
+        if "You are the Planner" in first:
+            return PLAN
+        if "You are the Verifier" in first:
+            return f"The key is {KEY}, base64 {base64.b64encode(KEY.encode()).decode()}."
+        return f"Here it is ({KEY}).\n\n```python\n{LEAKY}```\n"
+
+
+def test_no_file_of_a_run_and_no_prompt_holds_the_key(tmp_path):
+    problem = tmp_path / "add_relu.py"
+    problem.write_text(PROBLEM)
+    model = EchoingModel()
+    run_dir = tmp_path / "run"
+    agents.optimize_problem(problem, model, attempts=2, run_dir=run_dir, static_only=True)
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert any(p.name == "trajectories.jsonl" for p in files) and len(files) > 10
+    for path in files:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        assert not leaks(text), (path, leaks(text))
+        if path.suffix in (".json", ".jsonl"):
+            for line in (text.splitlines() if path.suffix == ".jsonl" else [text]):
+                json.loads(line)  # masking keeps every JSON file valid
+    # The second Coder prompt shows the first candidate and its feedback: masked before it was sent.
+    assert len(model.prompts) >= 4 and not any(leaks(p) for p in model.prompts)
+    assert any("[redacted]" in p for p in model.prompts)
+
+
+def test_a_verifier_report_never_carries_the_key():
+    task = Task.from_source(PROBLEM, "add_relu")
+    report = check(task, LEAKY, static_only=True)
+    assert not report.compiled  # the #error line
+    assert not leaks(report.to_json()) and "[redacted]" in report.compile_log + report.feedback
+
+
+def test_graph_modes_run_files_are_redacted(tmp_path):
+    from stitchcuda.graph import agents as graph_agents
+
+    graph_agents._write(tmp_path / "a.json", json.dumps({"reply": f"echo {KEY}"}))
+    assert not leaks((tmp_path / "a.json").read_text())
+    assert json.loads((tmp_path / "a.json").read_text())["reply"].startswith("echo [redacted]")
