@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import stat
 import time
 from typing import Any
 
@@ -20,20 +21,38 @@ from .task import Task, TaskError
 __all__ = ["check", "compile_static", "load_candidate_source"]
 
 
+# A problem or a candidate is a Python file of kilobytes; one of megabytes is no honest source, and
+# parsing and analysing it would take minutes.
+MAX_SOURCE_BYTES = 4 << 20
+
+
 def _read(obj: Any, what: str) -> tuple[str, str]:
-    """(source, name) from a path or source text; TaskError-like ValueError with a clear reason."""
+    """(source, name) from a path or source text; TaskError-like ValueError with a clear reason.
+    Only regular files are read (a FIFO or a device would block or never end), at most MAX_SOURCE_BYTES."""
     if isinstance(obj, os.PathLike) or (isinstance(obj, str) and "\n" not in obj
-                                        and (obj.strip().endswith(".py") or os.path.isfile(obj))):
+                                        and (obj.strip().endswith(".py") or os.path.exists(obj))):
         path = os.fspath(obj)
         try:
+            info = os.stat(path)
+        except OSError as exc:
+            raise ValueError(f"cannot read the {what} {path!r}: {exc.strerror}") from None
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"the {what} {path!r} is not a regular file (a FIFO, device or folder is never read): "
+                             "pass a .py file")
+        if info.st_size > MAX_SOURCE_BYTES:
+            raise ValueError(f"the {what} {path!r} is {info.st_size} bytes, more than the {MAX_SOURCE_BYTES} a "
+                             "source file may have")
+        try:
             with open(path, encoding="utf-8") as f:
-                return f.read(), path
+                return f.read(MAX_SOURCE_BYTES + 1), path
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"cannot read the {what} {path!r}: {exc.strerror if isinstance(exc, OSError) else exc}") \
                 from None
     if isinstance(obj, str):
         if not obj.strip():
             raise ValueError(f"the {what} is empty.")
+        if len(obj) > MAX_SOURCE_BYTES:
+            raise ValueError(f"the {what} is {len(obj)} characters, more than the {MAX_SOURCE_BYTES} a source may have")
         return obj, f"<{what}>"
     raise ValueError(f"the {what} must be a path or Python source, got {type(obj).__name__}.")
 
@@ -53,6 +72,13 @@ def check(reference: Task | str | os.PathLike, candidate: str | os.PathLike, *,
     ``trusted``: the candidate is StitchCUDA's own code (the template path of a graph-mode target): the
     source rules, written for untrusted code, are skipped; correctness, timing and the dynamic rules apply."""
     started = time.perf_counter()
+    if isinstance(config, dict):
+        config = VerifyConfig.from_dict(config, strict=True)
+    elif config is not None and not isinstance(config, VerifyConfig):
+        from ..errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"check: config must be a VerifyConfig, a dict of its fields or None, not "
+                                   f"{type(config).__name__} {config!r:.60}")
     config = config or VerifyConfig()
     report = VerifyReport(static_only=static_only)
 

@@ -38,6 +38,17 @@ class VerifyConfig:
     bandwidth_tb_s: float = field(default_factory=floor_bandwidth_tb_s)
 
     def __post_init__(self) -> None:
+        # Types first: "10" for timing_iters would compare badly later, far from the mistake.
+        kinds = {"trials": int, "timing_iters": int, "warmup": int, "input_sets": int,
+                 "compile_time_limit_s": (int, float), "run_time_limit_s": (int, float),
+                 "compile_baseline": bool, "profile": bool, "bandwidth_tb_s": (int, float)}
+        for name, kind in kinds.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+                raise InvalidArgumentError(f"VerifyConfig.{name} must be {getattr(kind, '__name__', 'a number')}, "
+                                           f"got {type(value).__name__} {value!r:.40}.")
+        if self.device is not None and not isinstance(self.device, str):
+            raise InvalidArgumentError(f"VerifyConfig.device must be 'cuda', 'cpu' or None, got {self.device!r}.")
         if self.trials < 5:
             raise InvalidArgumentError(f"VerifyConfig.trials must be at least 5, got {self.trials}.")
         if self.seeds is not None:
@@ -61,8 +72,14 @@ class VerifyConfig:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "VerifyConfig":
+    def from_dict(cls, data: dict[str, Any], strict: bool = False) -> "VerifyConfig":
+        """The config of `data` (to_dict's form). ``strict``: an unknown key is an error (a user's dict)
+        instead of being skipped (a report written by another version)."""
         known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if strict and unknown:
+            raise InvalidArgumentError(f"VerifyConfig has no field(s) {', '.join(unknown)}; known: "
+                                       f"{', '.join(sorted(known))}.")
         values = {k: v for k, v in data.items() if k in known}
         if values.get("tolerance") is not None:
             values["tolerance"] = Tolerance.from_dict(values["tolerance"])
