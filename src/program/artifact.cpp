@@ -2,6 +2,7 @@
 // a JSON manifest listing sections with their offsets, sizes and SHA-256, then the sections' bytes.
 // Reading trusts nothing: every length is bounded, every checksum verified, every field type-checked.
 #include <stitchcuda/program.hpp>
+#include <stitchcuda/jit.hpp>
 
 #include <unistd.h>
 
@@ -24,6 +25,8 @@ namespace fs = std::filesystem;
 
 constexpr char kMagic[8] = {'S', 'T', 'I', 'T', 'C', 'H', '\x00', '\x01'};
 constexpr std::size_t kHeaderBytes = 8 + 4 + 8 + 32;
+// A manifest is metadata (buffers, steps, section table); weights and CUBINs are sections.
+constexpr std::uint64_t kMaxManifestBytes = 64ull << 20;
 constexpr const char* kFormatName = "stitchcuda.program";
 
 // ---- writing ----
@@ -339,7 +342,7 @@ Result<Program> Program::deserialize(std::string_view bytes) {
     return corrupt("format version " + std::to_string(version) + " is not supported; this library reads version " +
                    std::to_string(kArtifactVersion) + " (re-export the artifact with a matching StitchCUDA)");
   std::uint64_t manifest_size = get_le(bytes, 12, 8);
-  if (manifest_size > bytes.size() - kHeaderBytes)
+  if (manifest_size > bytes.size() - kHeaderBytes || manifest_size > kMaxManifestBytes)
     return corrupt("the manifest claims " + std::to_string(manifest_size) + " bytes but only " +
                    std::to_string(bytes.size() - kHeaderBytes) + " follow the header (truncated?)");
   std::string_view manifest_text = bytes.substr(kHeaderBytes, manifest_size);
@@ -402,6 +405,12 @@ Result<Program> Program::deserialize(std::string_view bytes) {
       for (const Field& t : kf["signature"].items()) ks.signature.push_back(t.text());
       ks.source = std::string(section(kernel_section(k, "source")));
       ks.cubin = std::string(section(kernel_section(k, "cubin")));
+      // A file is data: its kernels may include only the toolkit's headers and carry only code-generation
+      // flags (a stored --pre-include=/etc/passwd would make NVRTC read that file).
+      jit::CompileOptions stored;
+      stored.extra_flags = ks.options;
+      if (auto ok = jit::check_includes(ks.source, stored); !ok)
+        throw Malformed{"kernel " + std::to_string(k) + " ('" + ks.name + "'): " + ok.error().message};
       p.kernels.push_back(std::move(ks));
     }
     json precision_json = parse_json(section("precision"), "section 'precision'");
@@ -479,10 +488,32 @@ Result<void> Program::save(const std::string& path) const {
 Result<Program> Program::load(const std::string& path) {
   std::error_code ec;
   if (!fs::is_regular_file(path, ec)) return fail(ErrorCode::NotFound, "no artifact at '" + path + "'");
+  const std::uintmax_t size = fs::file_size(path, ec);
+  if (ec) return fail(ErrorCode::IoError, "cannot read the size of '" + path + "': " + ec.message());
   std::ifstream in(path, std::ios::binary);
   if (!in) return fail(ErrorCode::IoError, "cannot open '" + path + "' for reading");
-  std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) return fail(ErrorCode::IoError, "reading '" + path + "' failed");
+  // The header first: its manifest length is checked against the file's size, and held to what a manifest
+  // can be, before anything the size of the file is allocated.
+  std::string data(std::min<std::uintmax_t>(size, kHeaderBytes), '\0');
+  in.read(data.data(), std::streamsize(data.size()));
+  if (std::uintmax_t(in.gcount()) != data.size()) return fail(ErrorCode::IoError, "reading '" + path + "' failed");
+  if (data.size() == kHeaderBytes) {
+    const std::uint64_t manifest_size = get_le(data, 12, 8);
+    if (manifest_size > size - kHeaderBytes || manifest_size > kMaxManifestBytes)
+      return fail(ErrorCode::InvalidArgument, "'" + path + "' is not a valid StitchCUDA artifact: the manifest claims " +
+                                                  std::to_string(manifest_size) + " bytes of a " + std::to_string(size) +
+                                                  "-byte file (at most " + std::to_string(kMaxManifestBytes) + ")");
+  }
+  try {
+    data.resize(size);
+  } catch (const std::bad_alloc&) {
+    return fail(ErrorCode::IoError, "'" + path + "' (" + std::to_string(size) + " bytes) does not fit in memory");
+  }
+  if (size > kHeaderBytes) {
+    in.read(data.data() + kHeaderBytes, std::streamsize(size - kHeaderBytes));
+    if (std::uintmax_t(in.gcount()) != size - kHeaderBytes)
+      return fail(ErrorCode::IoError, "reading '" + path + "' failed (the file changed while it was read?)");
+  }
   auto program = deserialize(data);
   if (!program) {
     Error e = program.error();

@@ -14,6 +14,7 @@ Result<void> compile_kernels(Program& program, const std::string& arch) {
     jit::CompileOptions options;
     options.arch = target;
     options.extra_flags = ks.options;
+    options.confined = true;  // kernels may come from an LLM or a file: the include rule applies
     bool plain = !ks.name.empty() && ks.name.find_first_of("<>:(), ") == std::string::npos;
     if (!plain) options.name_expressions.push_back(ks.name);
     auto module = jit::build(ks.source, options, ks.name + ".cu");

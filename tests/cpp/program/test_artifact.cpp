@@ -343,3 +343,49 @@ TEST_CASE("a re-checksummed but edited artifact is still checked field by field"
     CHECK(contains(rejection(edited), "program.steps[0].a = 1099511627776 is out of range"));
   }
 }
+
+TEST_CASE("an artifact is data: stored options and includes that would read files are refused", "[program]") {
+  const std::string bytes = sample_program().serialize();
+  SECTION("a stored --pre-include") {
+    auto edited = repack(bytes, [](nlohmann::json&, Sections& s) {
+      auto program = nlohmann::json::parse(s[0].second);
+      program["kernels"][0]["options"].push_back("--pre-include=/etc/passwd");
+      s[0].second = program.dump();
+    });
+    const std::string why = rejection(edited);
+    CHECK(contains(why, "kernel 0 ('scale')"));
+    CHECK(contains(why, "NVRTC flag '--pre-include=/etc/passwd' is not allowed"));
+  }
+  SECTION("a stored source including a file") {
+    auto edited = repack(bytes, [](nlohmann::json&, Sections& s) {
+      for (auto& sec : s)
+        if (sec.first == "kernel.0.source") sec.second = "#include \"/proc/self/environ\"\n" + sec.second;
+    });
+    CHECK(contains(rejection(edited), "absolute paths and '..' are not allowed"));
+  }
+}
+
+TEST_CASE("load checks the manifest's length against the file before allocating", "[program]") {
+  stitchcuda_test::TempDir tmp;
+  const std::string bytes = sample_program().serialize();
+  const auto path = (tmp.path() / "huge-claim.stitch").string();
+  {
+    std::string header = bytes.substr(0, 52);
+    put_le(header, 12, std::uint64_t(4) << 30, 8);  // a 4 GiB manifest in a 52-byte file
+    std::ofstream(path, std::ios::binary) << header;
+  }
+  auto loaded = Program::load(path);
+  REQUIRE_FALSE(loaded);
+  CHECK(contains(loaded.error().message, "the manifest claims 4294967296 bytes of a 52-byte file"));
+  // A sparse file of 4 GiB whose header claims a manifest of the whole file: refused from the header.
+  const auto sparse = (tmp.path() / "sparse.stitch").string();
+  {
+    std::string header = bytes.substr(0, 52);
+    put_le(header, 12, (std::uint64_t(4) << 30) - 52, 8);
+    std::ofstream(sparse, std::ios::binary) << header;
+  }
+  std::filesystem::resize_file(sparse, std::uint64_t(4) << 30);
+  auto big = Program::load(sparse);
+  REQUIRE_FALSE(big);
+  CHECK(contains(big.error().message, "at most 67108864"));
+}
