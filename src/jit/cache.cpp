@@ -23,6 +23,10 @@ namespace stitchcuda::jit {
 namespace fs = std::filesystem;
 namespace {
 
+// A cache entry holds one module's CUBIN, PTX and metadata: far below this.
+constexpr std::uintmax_t kMaxEntryBytes = 256ull << 20;
+
+
 constexpr char kMagic[8] = {'S', 'T', 'C', 'H', 'J', 'I', 'T', '\x01'};
 constexpr std::uint32_t kFormat = 1;
 
@@ -141,21 +145,31 @@ struct KernelCache::Impl {
     return (fs::path(dir) / "v1" / key.substr(0, 2) / (key + ".bin")).string();
   }
 
-  // Reads an entry; a damaged one is removed and counted.
+  // Reads an entry; a damaged one is removed and counted. Only a regular file (not a link to /dev/zero,
+  // a FIFO or a folder put in its place) of at most kMaxEntryBytes is read.
   std::shared_ptr<const Binary> read(const std::string& key) {
     std::string path = path_of(key);
     if (path.empty()) return nullptr;
-    std::ifstream in(path, std::ios::binary);
-    if (!in) return nullptr;
-    std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    auto b = std::make_shared<Binary>();
-    if (!deserialize(data, key, *b)) {
-      std::error_code ec;
-      fs::remove(path, ec);
+    std::error_code ec;
+    const auto status = fs::symlink_status(path, ec);
+    if (ec || status.type() == fs::file_type::not_found) return nullptr;
+    auto damaged = [&] {
+      std::error_code ignored;
+      fs::remove(path, ignored);  // a file or a link; a folder in its place stays (and is never read)
       std::lock_guard lock(mu);
       ++stats.corrupt_entries;
       return nullptr;
-    }
+    };
+    if (status.type() != fs::file_type::regular) return damaged();
+    const auto size = fs::file_size(path, ec);
+    if (ec || size > kMaxEntryBytes) return damaged();
+    std::ifstream in(path, std::ios::binary);
+    if (!in) return nullptr;
+    std::string data(size, '\0');
+    in.read(data.data(), std::streamsize(size));
+    data.resize(std::size_t(in.gcount()));
+    auto b = std::make_shared<Binary>();
+    if (!deserialize(data, key, *b)) return damaged();
     b->kernels = detail::parse_ptx_kernels(b->ptx);
     return b;
   }

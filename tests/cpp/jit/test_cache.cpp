@@ -1,5 +1,6 @@
 // KernelCache: memory and disk hits, keys, corruption recovery, atomic writes, concurrent misses,
 // unusable folders and the process-wide cache. NVRTC only; no GPU needed.
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include <stitchcuda/jit.hpp>
+#include <sys/stat.h>
 
 #include "catch_shim.hpp"
 #include "temp_dir.hpp"
@@ -178,6 +180,38 @@ TEST_CASE("a damaged disk entry is detected, counted and rebuilt", "[jit][cache]
   CHECK(again->binary().cubin == cubin);
   CHECK(cache->stats().corrupt_entries == 0);
   CHECK(cache->stats().disk_hits == 1);
+}
+
+TEST_CASE("an entry that is not a regular file is never read: a link to /dev/zero, a FIFO, a folder", "[jit][cache]") {
+  stitchcuda_test::TempDir dir;
+  const std::string src = source_with(4);
+  std::string entry, cubin;
+  {
+    auto cache = open_cache(dir.str());
+    auto m = get_ok(*cache, src);
+    entry = cache->entry_path(m->binary().key);
+    cubin = m->binary().cubin;
+  }
+  fs::remove(entry);
+  bool folder = false;
+  SECTION("a symbolic link to /dev/zero") { fs::create_symlink("/dev/zero", entry); }
+  SECTION("a FIFO") { REQUIRE(::mkfifo(entry.c_str(), 0600) == 0); }
+  SECTION("a folder") {
+    fs::create_directory(entry);
+    folder = true;
+  }
+  SECTION("a file larger than any entry") {
+    { std::ofstream(entry, std::ios::binary) << "x"; }
+    fs::resize_file(entry, std::uintmax_t(1) << 30);  // sparse: reading it whole would take a GiB
+  }
+  auto cache = open_cache(dir.str());
+  const auto start = std::chrono::steady_clock::now();
+  auto rebuilt = get_ok(*cache, src);  // compiled again, not hung or exhausted
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(30));
+  CHECK(rebuilt->origin() == "compiled");
+  CHECK(rebuilt->binary().cubin == cubin);
+  CHECK(cache->stats().corrupt_entries == 1);
+  if (!folder) CHECK(fs::is_regular_file(entry));  // replaced by a good entry
 }
 
 TEST_CASE("disk writes leave only entries behind (no temporary files)", "[jit][cache]") {
