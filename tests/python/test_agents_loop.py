@@ -566,3 +566,27 @@ def test_the_rubric_judge_is_off_by_default_and_recorded_when_on(problem, tmp_pa
     assert all(agents.validate_trajectory(r) == [] for r in records)
     index = json.loads((run_dir / "prompts/index.json").read_text())
     assert judged[0]["prompt_sha256"] == index["rubric_judge"]["sha256"]
+
+
+def test_a_wall_time_budget_bounds_an_in_flight_model_call(problem, tmp_path):
+    """A server that takes 30 s to answer: with wall_s=2 the call ends at the budget, not 30 s later, and
+    the run says why; timeout= alone bounds each call the same way."""
+    import time
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from llm_server import LocalLlmServer, Reply
+
+    server = LocalLlmServer()
+    try:
+        for kwargs in ({"wall_s": 2.0}, {"timeout": 2.0}):
+            server.queue(Reply(body={"choices": []}, delay=30.0))
+            started = time.monotonic()
+            with pytest.raises(stitchcuda.StitchError) as caught:
+                agents.optimize_problem(problem, f"openai:py-model@{server.url}/v1", attempts=1, static_only=True,
+                                        run_dir=tmp_path / f"run-{len(kwargs)}-{list(kwargs)[0]}", **kwargs)
+            assert time.monotonic() - started < 15, kwargs
+            assert "timeout" in caught.value.message.lower(), caught.value.message
+    finally:
+        server.close()
+    with pytest.raises(stitchcuda.InvalidArgumentError, match="timeout must be a positive number"):
+        agents.optimize_problem(problem, ScriptedModel(), timeout=-1, static_only=True, run_dir=tmp_path / "bad")

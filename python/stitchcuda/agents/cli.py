@@ -73,7 +73,8 @@ def run_program(args: argparse.Namespace, config: dict[str, Any] | None = None) 
                                target_speedup=args.target_speedup, wall_s=args.wall_s, tokens=args.tokens,
                                run_dir=args.run_dir, resume=args.resume, prompts_dir=args.prompts,
                                on_event=progress, static_only=True if args.static_only else None,
-                               judge=True if getattr(args, "judge", False) else None)
+                               judge=True if getattr(args, "judge", False) else None,
+                               timeout=getattr(args, "timeout", None) or None)
     except StitchError as exc:
         return _usage(f"stitchcuda optimize: {_one_line(exc.message)}")
     except (OSError, ImportError, AttributeError, TypeError, ValueError) as exc:  # a python: spec that does not import

@@ -223,7 +223,7 @@ def optimize_problem(problem_path: str | os.PathLike | None, llm: Any, *, attemp
                      prompts_dir: str | os.PathLike | None = None,
                      on_event: Callable[[dict[str, Any]], Any] | None = None,
                      verify_config: Any = None, static_only: bool | None = None,
-                     judge: bool | None = None) -> dict[str, Any]:
+                     judge: bool | None = None, timeout: float | None = None) -> dict[str, Any]:
     """Runs the StitchCUDA loop on a KernelBench-format problem file and returns the outcome.
 
     ``llm``: a spec string (``openai:gpt-4.1``, ``scripted:rules.json``, ``python:module:fn``), a
@@ -239,6 +239,8 @@ def optimize_problem(problem_path: str | os.PathLike | None, llm: Any, *, attemp
     present (None: only where there is none). ``judge``: True also asks the model to review each
     attempt's rubric items (prompts/rubric_judge.md; it may lower anti-hacking with a reason, never raise
     it; a failed judge leaves the deterministic items); off by default, a resumed run keeps its setting.
+    ``timeout``: seconds one model call may take, retries included (default: the backend's, 600); with a
+    ``wall_s`` budget no call may take longer than the whole budget either.
 
     With a GPU, each candidate is verified in a worker pool made for the run (correctness trials, timing,
     anti-hacking rules) and the reference is profiled for the Planner. Without one, candidates are
@@ -302,6 +304,13 @@ def optimize_problem(problem_path: str | os.PathLike | None, llm: Any, *, attemp
                       "tokens": tokens}, saved_budget if isinstance(saved_budget, dict) else None)
     if judge is None:
         judge = bool(_saved_config(Path(resume)).get("judge", False)) if resume is not None else False
+    if timeout is not None:
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+            raise InvalidArgumentError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        call_options = {**call_options, "timeout": float(timeout)}
+    if budget.get("wall_s"):  # an in-flight call must not outlive the run's wall-time budget
+        call_options = {**call_options, "timeout": min(float(call_options.get("timeout") or 600.0),
+                                                       float(budget["wall_s"]))}
     options = {"prompts_dir": os.fspath(PROMPTS_DIR), "prompts_override": os.fspath(prompts_dir) if prompts_dir else "",
                "judge": bool(judge),
                "docs_dir": os.environ.get("STITCHCUDA_DOCS_DIR") or os.fspath(Path(__file__).resolve().parent / "corpus"),

@@ -24,7 +24,7 @@ MODES = ("graph", "program")
 GRAPH_ONLY = {"precision": "--precision", "save": "--save", "json": "--json", "show_kernels": "--show-kernels",
               "no_compile_baseline": "--no-compile-baseline"}
 PROGRAM_ONLY = {"replans": "--replans", "target_speedup": "--target-speedup", "prompts": "--prompts",
-                "static_only": "--static-only", "judge": "--judge"}
+                "static_only": "--static-only", "judge": "--judge", "timeout": "--timeout"}
 # The agents' options graph mode passes to optimize(model, inputs, ...) when --llm or --resume is set.
 AGENT_OPTIONS = {"run_dir": "--run-dir", "attempts": "--attempts", "tokens": "--tokens", "wall_s": "--wall-s"}
 
@@ -202,6 +202,9 @@ def register(commands) -> None:
     program.add_argument("--prompts", metavar="DIR", help="prompt files (<name>.md) replacing the shipped ones")
     program.add_argument("--static-only", action="store_true",
                          help="compile and check candidates statically even where a GPU is present")
+    program.add_argument("--timeout", type=_non_negative_float, metavar="S",
+                         help="seconds one model call may take, retries included (default 600; never more than "
+                              "--wall-s)")
     program.add_argument("--judge", action="store_true",
                          help="the model also reviews each attempt's rubric items (may lower anti-hacking, "
                               "never raise it; off by default)")
