@@ -112,6 +112,7 @@ def check(reference: Task | str | os.PathLike, candidate: str | os.PathLike, *,
         compiled, log, errors = compile_static(cand_source)
         report.compiled = compiled
         report.timing["static_compile"] = errors
+        report.undecided = list(STATIC_UNDECIDED)
         if not compiled:
             report.fail("compile", "NVRTC could not compile the candidate's CUDA.")
         return _finish(report, started, log)
@@ -142,6 +143,18 @@ def _merge(static, dynamic):
             seen.add(key)
             out.append(f)
     return out
+
+
+# The hack families a static-only check cannot decide, each with the dynamic check that decides it: a
+# static-only report lists them, so "no major finding" is never read as "no hack".
+STATIC_UNDECIDED = (
+    "correctness: whether every output is right (correctness trials on fresh inputs)",
+    "results kept across calls — caches keyed on shapes, values or call counts (inputs refilled between "
+    "timed calls, timed outputs re-checked)",
+    "work left outside the timer or done on too little data (CUPTI trace window, speed-of-light bound)",
+    "whose kernels did the GPU work (CUPTI attribution: the candidate's own, a library's, ATen's)",
+    "code the analysis could not read, if any (findings marked opaque-code or introspection)",
+)
 
 
 def _finish(report: VerifyReport, started: float, compile_log: str = "") -> VerifyReport:

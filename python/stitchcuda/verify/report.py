@@ -48,6 +48,8 @@ class VerifyReport:
     trials: list[dict[str, Any]] = field(default_factory=list)  # seed, distribution, ok per trial
     static_only: bool = False
     wall_s: float = 0.0
+    # Static-only reports: what static analysis cannot decide, each with the check that would (empty otherwise).
+    undecided: list[str] = field(default_factory=list)
 
     def add(self, rule: str, severity: str, message: str, evidence: str = "", line: int | None = None) -> None:
         """Records a dynamic finding (once per rule and evidence)."""
@@ -145,4 +147,7 @@ def build_feedback(report: VerifyReport) -> str:
                          f"({sol / med * 100:.0f}% of DRAM bandwidth).")
     elif not lines:
         lines.append("Incorrect." if not report.correct else "")
+    if report.undecided:
+        lines.append("Not decided without running it (static checks only):")
+        lines += [f"  - {u}" for u in report.undecided]
     return "\n".join(line for line in lines if line)

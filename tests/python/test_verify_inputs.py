@@ -1,0 +1,90 @@
+"""What check() accepts as input: only regular files of a bounded size (a FIFO never blocks it), a
+config of the right kind and types, and a static-only report that says what it could not decide."""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+
+import pytest
+
+from stitchcuda.errors import InvalidArgumentError
+
+REFERENCE = textwrap.dedent('''
+    import torch
+    import torch.nn as nn
+
+    class Model(nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    def get_inputs():
+        return [torch.randn(64)]
+
+    def get_init_inputs():
+        return []
+''')
+
+CANDIDATE = textwrap.dedent('''
+    import torch
+    import torch.nn as nn
+    from stitchcuda import jit
+
+    SRC = r"""
+    #include <cuda_fp16.h>
+    extern "C" __global__ void twice(const float* x, float* y, int n) {
+      int i = blockIdx.x * blockDim.x + threadIdx.x;
+      if (i < n) y[i] = 2.0f * x[i];
+    }
+    """
+    _k = jit.compile(SRC, "twice")
+
+    class ModelNew(nn.Module):
+        def forward(self, x):
+            y = torch.empty_like(x)
+            _k((x.numel() + 255) // 256, 256, x, y, x.numel())
+            return y
+''')
+
+
+def test_files_that_are_not_regular_are_refused_not_read(tmp_path):
+    from stitchcuda.verify import check
+
+    fifo = tmp_path / "candidate.py"
+    os.mkfifo(fifo)  # opening it would block until a writer came
+    report = check(REFERENCE, fifo, static_only=True)
+    assert report.error["kind"] == "bad-candidate" and "not a regular file" in report.error["message"]
+    big = tmp_path / "big.py"
+    big.write_text("x = 1\n" * (1 << 20))  # 6 MiB
+    report = check(REFERENCE, big, static_only=True)
+    assert report.error["kind"] == "bad-candidate" and "bytes, more than" in report.error["message"]
+    report = check(tmp_path, CANDIDATE, static_only=True)
+    assert report.error["kind"] == "bad-reference" and "not a regular file" in report.error["message"]
+
+
+def test_a_config_of_the_wrong_kind_is_an_error_that_names_it():
+    from stitchcuda.verify import VerifyConfig, check
+
+    with pytest.raises(InvalidArgumentError, match="config must be a VerifyConfig"):
+        check(REFERENCE, CANDIDATE, config="bad")
+    with pytest.raises(InvalidArgumentError, match="no field.* timing_iter;"):
+        check(REFERENCE, CANDIDATE, config={"timing_iter": 3})
+    with pytest.raises(InvalidArgumentError, match="timing_iters must be int, got str"):
+        VerifyConfig(timing_iters="10")
+    with pytest.raises(InvalidArgumentError, match="compile_baseline must be bool"):
+        VerifyConfig(compile_baseline="no")
+    assert VerifyConfig.from_dict({"timing_iters": 3}, strict=True).timing_iters == 3
+
+
+def test_a_static_only_report_says_what_it_could_not_decide():
+    from stitchcuda.verify import VerifyReport, check
+    from stitchcuda.verify.check import STATIC_UNDECIDED
+
+    report = check(REFERENCE, CANDIDATE, static_only=True)
+    assert report.compiled and not report.hack and report.undecided == list(STATIC_UNDECIDED)
+    assert "Not decided without running it" in report.feedback and "CUPTI attribution" in report.feedback
+    again = VerifyReport.from_dict(json.loads(report.to_json()))
+    assert again.undecided == report.undecided
+    from stitchcuda import agents
+    assert agents.report_from_json(report.to_json())["compiled"]  # the C++ reader takes the new field
