@@ -5,47 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import textwrap
 
 import pytest
 
 from stitchcuda.errors import InvalidArgumentError
 
-REFERENCE = textwrap.dedent('''
-    import torch
-    import torch.nn as nn
+from test_jit_includes import REFERENCE, candidate  # the problem and candidate of the include tests
 
-    class Model(nn.Module):
-        def forward(self, x):
-            return x * 2
-
-    def get_inputs():
-        return [torch.randn(64)]
-
-    def get_init_inputs():
-        return []
-''')
-
-CANDIDATE = textwrap.dedent('''
-    import torch
-    import torch.nn as nn
-    from stitchcuda import jit
-
-    SRC = r"""
-    #include <cuda_fp16.h>
-    extern "C" __global__ void twice(const float* x, float* y, int n) {
-      int i = blockIdx.x * blockDim.x + threadIdx.x;
-      if (i < n) y[i] = 2.0f * x[i];
-    }
-    """
-    _k = jit.compile(SRC, "twice")
-
-    class ModelNew(nn.Module):
-        def forward(self, x):
-            y = torch.empty_like(x)
-            _k((x.numel() + 255) // 256, 256, x, y, x.numel())
-            return y
-''')
+CANDIDATE = candidate("cuda_fp16.h")
 
 
 def test_files_that_are_not_regular_are_refused_not_read(tmp_path):
