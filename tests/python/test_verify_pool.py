@@ -152,3 +152,31 @@ def test_a_candidate_that_patches_torch_does_not_poison_the_next_one(pool):
     assert pool.replacements == before + 1  # the worker that ran it is gone
     honest = cand(forward="return x.clamp(min=0) * 2")
     assert check(relu_ref, honest, config=CONFIG, pool=pool).correct
+
+
+def test_a_killed_worker_takes_the_candidates_children_along(pool, tmp_path):
+    """A candidate that starts a process and hangs: when the worker is killed at the limit, the child goes
+    with it (the worker leads its own process group), and no core file is left behind."""
+    marker = tmp_path / "child.pid"
+    start_child = (f"import subprocess\nchild = subprocess.Popen(['sleep', '300'])\n"
+                   f"open({str(marker)!r}, 'w').write(str(child.pid))\nwhile True:\n    pass")
+    config = VerifyConfig(device="cpu", timing_iters=3, warmup=1, compile_time_limit_s=3, run_time_limit_s=3)
+    r = check(REFERENCE, cand(init=start_child), config=config, pool=pool)
+    assert r.error["kind"] == "timeout"
+    child = int(marker.read_text())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        # A zombie still answers kill(0) until reaped; its state says it is dead.
+        try:
+            if open(f"/proc/{child}/stat").read().split(") ")[1][0] == "Z":
+                break
+        except (FileNotFoundError, IndexError):
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the candidate's child {child} outlived the killed worker")
+    assert check(REFERENCE, HONEST, config=CONFIG, pool=pool).correct

@@ -47,6 +47,30 @@ class scrubbed_environment:
         return False
 
 
+# What one worker may write to a single file (caches, a candidate's scratch files): a candidate filling
+# the disk is stopped by SIGXFSZ, which the pool reports as a crash.
+WORKER_FILE_BYTES = 4 << 30
+
+
+def _limit_worker() -> None:
+    """Its own process group (kill() takes its children along), no core dumps of a crashing candidate,
+    and a cap on the size of any file it writes. Address space is left alone: CUDA maps far more virtual
+    memory than it uses."""
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        pass
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        cap = WORKER_FILE_BYTES if hard == resource.RLIM_INFINITY else min(hard, WORKER_FILE_BYTES)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (cap, cap))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
 def _worker_main(conn, device: str | None) -> None:
     """Entry point of a worker process: import once, then verify jobs until told to stop."""
     # A candidate's prints (and a dying C library's messages) must not corrupt the parent's output:
@@ -60,6 +84,7 @@ def _worker_main(conn, device: str | None) -> None:
         pass
     for name in [k for k in os.environ if is_secret(k)]:  # belt and braces
         del os.environ[name]
+    _limit_worker()
     try:
         import torch
 
@@ -122,6 +147,14 @@ class _Worker:
 
     def kill(self) -> None:
         try:
+            # The worker leads its own process group: whatever the candidate started goes with it (a child
+            # that starts a session of its own escapes: docs/security.md).
+            pid = self.process.pid
+            if pid:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError, OSError):
+                    pass
             if self.process.is_alive():
                 self.process.kill()
             # A process stuck in the driver may take a moment to go; it is reaped later if need be.
