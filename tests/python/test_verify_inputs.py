@@ -55,3 +55,22 @@ def test_a_static_only_report_says_what_it_could_not_decide():
     assert again.undecided == report.undecided
     from stitchcuda import agents
     assert agents.report_from_json(report.to_json())["compiled"]  # the C++ reader takes the new field
+
+
+@pytest.mark.parametrize("module_line, cause", [
+    ("import ctypes; ctypes.string_at(0)", "crashed while importing (SIGSEGV)"),
+    ("import os; os._exit(0)", "ended the process while importing (exit status 0)"),
+    ("import time\nwhile True:\n    time.sleep(0.05)", "did not finish importing within 3 s"),
+])
+def test_a_reference_that_crashes_exits_or_hangs_at_import_is_an_error_naming_it(tmp_path, monkeypatch,
+                                                                                   module_line, cause):
+    from stitchcuda.verify import check, task
+
+    monkeypatch.setattr(task, "PREFLIGHT_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(task.preflight, "__defaults__", (3.0,))
+    bad = tmp_path / "bad_problem.py"
+    bad.write_text(module_line + "\n" + REFERENCE)
+    report = check(bad, CANDIDATE, static_only=True)  # this process survives to read the report
+    assert report.error["kind"] == "bad-reference", report.error
+    assert str(bad) in report.error["message"] and cause in report.error["message"], report.error
+    assert check(REFERENCE, CANDIDATE, static_only=True).compiled  # and goes on

@@ -270,7 +270,7 @@ def optimize_problem(problem_path: str | os.PathLike | None, llm: Any, *, attemp
     name = path.stem
     if resume is not None:
         name = _saved_config(Path(resume)).get("problem") or name
-    task = Task.from_source(source, name, filename=os.fspath(path))  # TaskError names what is wrong
+    task = Task.from_source(source, name, filename=os.fspath(path), isolated=True)  # TaskError names what is wrong
 
     notes: list[str] = []
     gpu = _gpu_present() and not static_only

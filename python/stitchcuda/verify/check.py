@@ -96,7 +96,8 @@ def check(reference: Task | str | os.PathLike, candidate: str | os.PathLike, *,
         try:
             ref_source, ref_name = _read(reference, "reference")
             name = os.path.splitext(os.path.basename(ref_name))[0] if not ref_name.startswith("<") else "problem"
-            task = Task.from_source(ref_source, name, filename=ref_name if not ref_name.startswith("<") else None)
+            task = Task.from_source(ref_source, name, filename=ref_name if not ref_name.startswith("<") else None,
+                                    isolated=True)
         except (ValueError, TaskError) as exc:
             ref_error = str(exc)
 

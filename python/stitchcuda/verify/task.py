@@ -78,9 +78,11 @@ class Task:
 
     @classmethod
     def from_source(cls, text: str, name: str = "problem", tolerance: Tolerance | None = None,
-                    filename: str | None = None) -> "Task":
-        """A problem given as source text. Runs the file once (the reference is trusted code) to
-        check it defines ``Model`` (an nn.Module), ``get_inputs()`` and optionally ``get_init_inputs()``."""
+                    filename: str | None = None, isolated: bool = False) -> "Task":
+        """A problem given as source text. Runs the file once to check it defines ``Model`` (an
+        nn.Module), ``get_inputs()`` and optionally ``get_init_inputs()``. ``isolated``: import it first
+        in a separate process (``preflight``), so that a file that crashes, exits or hangs at import is a
+        TaskError naming it, never the end of this process."""
         if not isinstance(text, str) or not text.strip():
             raise TaskError(f"the reference {name!r} is empty.")
         try:
@@ -99,6 +101,8 @@ class Task:
         if missing:
             raise TaskError(f"the reference {name!r} does not define {' or '.join(missing)}; a problem "
                             "file needs class Model(nn.Module), get_inputs() and get_init_inputs().")
+        if isolated:
+            preflight(text, filename or f"<reference {name}>")
         task = cls(name=name, source=text, tolerance=tolerance or Tolerance())
         task._module = task._load(filename or f"<reference {name}>")
         task.sizes = {k: v for k, v in vars(task._module).items()
@@ -222,3 +226,54 @@ class Task:
     def reference_state(self) -> dict[str, torch.Tensor] | None:
         """For a live module: its state_dict, given to a candidate with the same parameter layout."""
         return self._module[0].state_dict() if self.source is None else None
+
+
+# ---- importing a file nobody has run here yet -----------------------------------------------------
+
+_PREFLIGHT = r"""
+import sys
+source = sys.stdin.read()
+namespace = {"__name__": "stitchcuda_preflight", "__file__": sys.argv[1]}
+exec(compile(source, sys.argv[1], "exec"), namespace)
+sys.stdout.write("stitchcuda-preflight-ok\n")
+sys.stdout.flush()
+"""
+_PREFLIGHTED: set[str] = set()  # sources that imported cleanly in a separate process
+PREFLIGHT_TIMEOUT_S = 120.0
+
+
+def preflight(source: str, filename: str, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> None:
+    """Imports `source` once in a separate Python process (without the environment's secrets): a file
+    that crashes (a signal), exits (``os._exit``, ``sys.exit``) or hangs at import raises TaskError
+    naming `filename` and the cause instead of ending or blocking this process. A Python exception is
+    left for the caller's own load to report. Each source is checked once per process."""
+    import signal
+    import subprocess
+
+    digest = hashlib.sha256(source.encode("utf-8", "surrogatepass")).hexdigest()
+    if digest in _PREFLIGHTED:
+        return
+    from .pool import is_secret
+
+    env = {k: v for k, v in os.environ.items() if not is_secret(k)}
+    try:
+        done = subprocess.run([sys.executable, "-c", _PREFLIGHT, filename], input=source, capture_output=True,
+                              text=True, timeout=timeout_s, env=env, start_new_session=True)
+    except subprocess.TimeoutExpired:
+        raise TaskError(f"the file {filename!r} did not finish importing within {timeout_s:g} s (a loop or a "
+                        "wait at module level?); it was stopped") from None
+    except OSError:  # no interpreter to start: the caller's own load is all there is
+        return
+    if done.returncode < 0:
+        try:
+            sig = signal.Signals(-done.returncode).name
+        except ValueError:
+            sig = f"signal {-done.returncode}"
+        raise TaskError(f"the file {filename!r} crashed while importing ({sig}); it is not loaded here")
+    if "stitchcuda-preflight-ok" not in done.stdout:
+        if done.returncode != 0 and "Traceback" in done.stderr:
+            return  # a Python exception: the caller's load names it
+        raise TaskError(f"the file {filename!r} ended the process while importing (exit status "
+                        f"{done.returncode}); it is not loaded here")
+    _PREFLIGHTED.add(digest)
+
