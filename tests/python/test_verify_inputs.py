@@ -74,3 +74,12 @@ def test_a_reference_that_crashes_exits_or_hangs_at_import_is_an_error_naming_it
     assert report.error["kind"] == "bad-reference", report.error
     assert str(bad) in report.error["message"] and cause in report.error["message"], report.error
     assert check(REFERENCE, CANDIDATE, static_only=True).compiled  # and goes on
+
+
+def test_stitchcudas_own_programs_are_not_held_to_the_source_size_bound():
+    from stitchcuda.verify import check
+
+    big = CANDIDATE + "\nPROGRAM = " + repr("A" * (2 << 20)) + "\n"  # an embedded artifact of 2 MiB
+    assert "more than" in check(REFERENCE, big, static_only=True).error["message"]
+    trusted = check(REFERENCE, big, static_only=True, trusted=True)
+    assert trusted.error is None or "more than" not in trusted.error["message"]
