@@ -14,7 +14,7 @@
 #include <mutex>
 #include <string>
 
-#include "secrets.hpp"
+#include <stitchcuda/secrets.hpp>
 
 namespace stitchcuda::llm::detail {
 namespace {
@@ -131,7 +131,7 @@ std::string seconds_text(double s) {
 }
 
 Error transport_error(ErrorCode code, std::string message, bool transient) {
-  Error e{code, redact(std::move(message)), {}, {}};
+  Error e{code, secrets::redact(message), {}, {}};
   e.transient = transient;
   return e;
 }

@@ -5,7 +5,7 @@
 #include <cstdlib>
 
 #include "event_stream.hpp"
-#include "secrets.hpp"
+#include <stitchcuda/secrets.hpp>
 
 namespace stitchcuda::llm::detail {
 
@@ -63,7 +63,7 @@ Result<Completion> HttpBackend::streamed(HttpPost post, const TextCallback& on_t
       // Pieces already reached the caller: sending the request again would repeat them.
       e.message = "the stream from " + name() + " was cut after " + std::to_string(state.delivered) +
                   " characters of the reply (" + e.message + ")";
-      e.log = redact(state.completion.text);
+      e.log = secrets::redact(state.completion.text);
       e.transient = false;
     }
     return tl::unexpected(std::move(e));
@@ -163,7 +163,7 @@ std::string server_message(std::string_view body) {
 }
 
 Error llm_error(std::string message, std::string log, int http_status) {
-  Error e{ErrorCode::LlmError, redact(std::move(message)), redact(std::move(log)), {}};
+  Error e{ErrorCode::LlmError, secrets::redact(message), secrets::redact(log), {}};
   e.http_status = http_status;
   return e;
 }
@@ -205,12 +205,12 @@ Error status_error(const HttpReply& reply, const std::string& backend, const std
 
 Result<std::string> api_key(const ServerConfig& config, const std::string& variable, std::string_view provider) {
   if (!config.api_key.empty()) {
-    remember_secret(config.api_key);
+    secrets::remember(config.api_key);
     return config.api_key;
   }
   const char* value = std::getenv(variable.c_str());
   if (value && *value) {
-    remember_secret(value);
+    secrets::remember(value);
     return std::string(value);
   }
   // A local server usually needs no key; the hosted API always does, and so does a named variable.

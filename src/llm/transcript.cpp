@@ -13,7 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "../core/sha256.hpp"
-#include "secrets.hpp"
+#include <stitchcuda/secrets.hpp>
 
 namespace stitchcuda::llm {
 namespace {
@@ -205,7 +205,7 @@ void TranscriptWriter::write(const std::string& backend, const std::vector<Messa
   }
   // A secret in a message (or echoed in an error) is scrubbed; "[redacted]" keeps the JSON valid.
   // Invalid UTF-8 from a server is replaced rather than making the line unwritable.
-  const std::string text = redact(line.dump(-1, ' ', false, Json::error_handler_t::replace)) + "\n";
+  const std::string text = secrets::redact(line.dump(-1, ' ', false, Json::error_handler_t::replace)) + "\n";
   std::lock_guard lock(mu_);
   std::fwrite(text.data(), 1, text.size(), file_);
   std::fflush(file_);
