@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 import torch
 
+from .. import _C
 from .capture import Graph
 from .planner import Group, GraphPlan
 from .targets import (COMPUTING, KernelStep, KernelStepError, SubProblem, Target, TargetError, describe_graph,
@@ -105,17 +106,11 @@ def _C_backend_type() -> type:
 # ---- small file helpers -------------------------------------------------------------------------
 
 
-def _C_secrets():
-    from .. import _C
-
-    return _C.secrets
-
-
 def _write(path: Path, text: str) -> None:
     """Atomic replace: a killed run never leaves half a file; no secret the process knows is written."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(_C_secrets().redact(text), encoding="utf-8")
+    tmp.write_text(_C.secrets.redact(text), encoding="utf-8")
     os.replace(tmp, path)
 
 
@@ -284,7 +279,7 @@ class _Runner:
         record = {"stage": stage, "message": message, "time_s": round(time.perf_counter() - self.started, 3), **extra}
         with self.events:
             with open(self.root / "events.jsonl", "a", encoding="utf-8") as f:
-                f.write(_C_secrets().redact(json.dumps(record, default=str)) + "\n")
+                f.write(_C.secrets.redact(json.dumps(record, default=str)) + "\n")
         if self.on_event is not None:
             try:
                 self.on_event(record)

@@ -707,11 +707,9 @@ class _Run:
         except Exception as exc:  # a trace the classifier cannot read is no verdict on the candidate
             self.report.profile["attribution"] = {"available": False, "reason": f"{type(exc).__name__}: {exc}"[:300]}
             return
-        self.report.profile["attribution"] = attr
-        advice = [attribution.summary_line(attr)]
+        self.report.profile["attribution"] = attr  # the feedback prints its summary line (build_feedback)
         for rule, severity, message, evidence in attribution.findings(attr):
             self.report.add(rule, MAJOR if severity == "major" else MINOR, message, evidence)
-        self.report.profile["advice"] = [*self.report.profile.get("advice", []), *advice]
 
     def _to_device(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.to(self.device)
