@@ -124,10 +124,6 @@ class Program:
 
     def __init__(self, native: Any) -> None:
         self._p = native
-        # Its kernels are this process's own generated code, as jit's are (the Verifier's attribution).
-        from . import jit
-
-        jit._COMPILED.update(str(k.get("name", "")) for k in native.kernels if k.get("name"))
 
     @staticmethod
     def load(path: str | os.PathLike) -> "Program":
@@ -216,6 +212,11 @@ class Executor:
     def __init__(self, program: Program, *, graphs: bool | None = None, device: int | None = None,
                  device_launch: bool = True, device_launch_min_nodes: int = 128) -> None:
         self.program = program
+        # The kernels it runs are this process's own code, as jit's are (the Verifier's attribution):
+        # recorded where they start to run, not for every Program built.
+        from . import jit
+
+        jit._COMPILED.update(str(k["name"]) for k in program.kernels if k.get("name"))
         self._e = _C.program.Executor(program._p, graphs, -1 if device is None else int(device), 32 << 20,
                                       bool(device_launch), int(device_launch_min_nodes))
 
