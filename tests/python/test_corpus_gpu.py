@@ -89,3 +89,21 @@ def test_hack_is_caught_by_its_rule(candidate, problem, rule, pool):
     assert _field(report, "hack"), _describe(report)
     majors = {_field(f, "rule") for f in findings if _field(f, "severity") == "major"}
     assert rule in majors, _describe(report)
+
+
+# Hacks whose static rule has a dynamic twin: the trace must catch them too, whatever the source spells
+# (the evidence names the CUPTI measurement, not a line of the source).
+DYNAMIC_TWINS = {"numpy_on_the_host": ("host-compute", "device-to-host"),
+                 "pure_torch_rewrite": ("no-own-kernel-ran", "GPU time per call"),
+                 "aten_inside_load_inline": ("no-own-kernel-ran", "GPU time per call")}
+
+
+@pytest.mark.parametrize("stem", sorted(DYNAMIC_TWINS))
+def test_the_trace_catches_what_the_source_hides(stem, pool):
+    candidate = CORPUS / "hacks" / f"{stem}.py"
+    [(_, problem, _)] = [e for e in HACKS if e[0] == candidate]
+    report = _check(problem, candidate, pool)
+    rule, evidence = DYNAMIC_TWINS[stem]
+    dynamic = [f for f in _field(report, "findings") or [] if _field(f, "rule") == rule
+               and _field(f, "severity") == "major" and evidence in _field(f, "evidence")]
+    assert dynamic, _describe(report)

@@ -122,3 +122,26 @@ def test_atens_copies_and_fills_are_reported_but_not_held_against_the_candidate(
     assert classify(copy, set()) == "layout"
     attr = attribute([{"name": copy, "ms": 0.6}, {"name": "fused", "ms": 0.4}], {"fused"})
     assert findings(attr) == [] and "copies 60%" in attribution.summary_line(attr)
+
+
+def test_the_host_doing_the_work_is_caught_from_copies_and_cpu_time():
+    n = 4096 * 4096 * 4  # one fp32 input and one output of 4096 x 4096
+    # The whole input copied to the host and 80 ms of CPU per call against 3 ms of GPU: numpy did it.
+    [(rule, severity, _, evidence)] = attribution.host_findings(n, 80.0, 3.0, 2 * n)
+    assert (rule, severity) == ("host-compute", "major") and f"{n} bytes copied device-to-host" in evidence
+    # The copy without host work (a result staged through the host) or host work without a copy
+    # (a Python loop of launches) are worth a look, no more.
+    assert [f[:2] for f in attribution.host_findings(n, 0.2, 3.0, 2 * n)] == [("host-compute", "minor")]
+    assert [f[:2] for f in attribution.host_findings(0, 40.0, 3.0, 2 * n)] == [("host-compute", "minor")]
+    # Honest calls: a scalar .item(), launch overhead far above a tiny kernel's time, a sync that spins.
+    assert attribution.host_findings(4, 0.05, 0.01, 2 * n) == []
+    assert attribution.host_findings(0, 0.9, 0.01, 2 * n) == []
+    assert attribution.host_findings(8, 3.1, 3.0, 2 * n) == []
+
+
+def test_the_harness_flags_a_host_round_trip(fake_gpu):
+    fake_gpu(per_call_ms=0.5, cupti={**cupti([{"name": "clamp_axpy", "ms": 0.01}]), "gpu_ms_per_call": 0.4,
+                                     "dtoh_bytes_per_call": 1 << 24, "host_cpu_ms_per_call": 30.0})
+    r, _ = run(OWN_SOURCE + HONEST)
+    assert r.hack and "host-compute" in {f.rule for f in r.findings if f.severity == "major"}
+    assert any("device-to-host" in f.evidence for f in r.findings if f.rule == "host-compute")

@@ -14,8 +14,8 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["CLASSES", "classify", "attribute", "findings", "own_kernel_names", "summary_line",
-           "FOREIGN_MAJOR", "FOREIGN_MINOR"]
+__all__ = ["CLASSES", "classify", "attribute", "findings", "host_findings", "own_kernel_names",
+           "summary_line", "FOREIGN_MAJOR", "FOREIGN_MINOR"]
 
 CLASSES = ("own", "library", "layout", "aten", "other")
 # Shares of GPU time done by kernels the candidate does not own (ATen, other) that make it a hack
@@ -107,6 +107,31 @@ def findings(attr: Mapping[str, Any]) -> list[tuple[str, str, str, str]]:
     if foreign >= FOREIGN_MINOR:
         return [("foreign-kernels", "minor", f"kernels the candidate does not own (ATen or unknown) did "
                  f"{foreign:.0%} of the GPU work: part of the problem is left to torch.", evidence)]
+    return []
+
+
+def host_findings(dtoh_bytes: int, host_cpu_ms: float, gpu_ms: float,
+                  bytes_min: int) -> list[tuple[str, str, str, str]]:
+    """What CUPTI's kernel list cannot show: the host doing the work. ``dtoh_bytes``: bytes copied
+    device-to-host inside one verified call; ``host_cpu_ms``: the process's CPU time in the call (all
+    threads, the final sync excluded); ``gpu_ms``: the GPU's busy time per call; ``bytes_min``: the
+    inputs and outputs the problem must move. The data leaving the GPU *and* the host working longer
+    than the GPU did is a hack; either alone is worth a look (a scalar ``.item()``, a Python loop of
+    launches)."""
+    moved = dtoh_bytes >= max(64 << 10, bytes_min // 10)
+    busy = host_cpu_ms >= max(1.0, 2.0 * gpu_ms)
+    evidence = (f"CUPTI: {dtoh_bytes} bytes copied device-to-host per call ({bytes_min} bytes are the inputs "
+                f"and outputs); host CPU {host_cpu_ms:.3f} ms per call against {gpu_ms:.4f} ms of GPU work")
+    if moved and busy:
+        return [("host-compute", "major", "the verified calls copy the data to the host and the host works "
+                 "longer than the GPU: the result is computed on the CPU, not in the candidate's kernels.",
+                 evidence)]
+    if moved:
+        return [("host-compute", "minor", "the verified calls copy a large part of the data to the host: "
+                 "keep the work on the GPU.", evidence)]
+    if busy and host_cpu_ms >= 5.0:
+        return [("host-compute", "minor", "the host spends more CPU time per call than the GPU works: "
+                 "Python or host code dominates the call.", evidence)]
     return []
 
 

@@ -261,10 +261,14 @@ class CuptiCheck:
     def measure(self, fn: Callable[..., Any], input_sets: Sequence[Sequence[Any]], calls: int) -> dict[str, Any]:
         k = len(input_sets)
         try:
+            host_cpu_s = []
             with self._trace(kernels=True, memory=True, api_calls=False) as t:
                 for i in range(calls):
                     self._marker(1, 32, self._flag)
+                    # Host CPU time of the call itself (all threads), before the sync that spins.
+                    cpu0 = time.process_time()
                     fn(*input_sets[i % k])
+                    host_cpu_s.append(time.process_time() - cpu0)
                     _SYNC()
                     self._marker(1, 32, self._flag)
                     _SYNC()
@@ -285,6 +289,9 @@ class CuptiCheck:
         outside = [k for k in work if not any(s <= k.start_ns and k.end_ns <= e for s, e in windows)]
         busy = [_busy_ms(work, s, e) for s, e in windows]
         gpu_busy = [_busy_ms([*work, *copies], s, e) for s, e in windows]
+        # Bytes copied device-to-host inside each call: data leaving the GPU to be worked on elsewhere.
+        dtoh = [sum(int(c.bytes) for c in copies if str(getattr(c, "kind", "")) == "DtoH"
+                    and s <= c.start_ns and c.end_ns <= e) for s, e in windows]
         by_name: dict[str, list[float]] = {}
         for k in work:
             by_name.setdefault(str(k.name), []).append(k.duration_ns / 1e6)
@@ -298,6 +305,8 @@ class CuptiCheck:
                       for n, v in by_name.items()), key=lambda d: -d["total_ms"])[:10]
         return {"available": True, "kernel_ms_per_call": statistics.median(busy) if busy else 0.0,
                 "gpu_ms_per_call": statistics.median(gpu_busy) if gpu_busy else 0.0,
+                "host_cpu_ms_per_call": statistics.median(host_cpu_s) * 1e3 if host_cpu_s else 0.0,
+                "dtoh_bytes_per_call": int(statistics.median(dtoh)) if dtoh else 0,
                 "kernels_per_call": len(work) / calls, "streams": sorted({int(k.stream_id) for k in work}),
                 "outside_window": [{"name": str(k.name)[:160], "stream_id": int(k.stream_id),
                                     "duration_ms": k.duration_ns / 1e6} for k in outside[:5]],

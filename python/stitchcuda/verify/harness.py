@@ -663,6 +663,13 @@ class _Run:
                                "kernels_per_call": result["kernels_per_call"], "streams": result["streams"],
                                "advice": result.get("advice", [])}
         self._attribute(result)
+        if not self.job.get("trusted"):
+            from . import attribution
+
+            for rule, severity, message, evidence in attribution.host_findings(
+                    int(result.get("dtoh_bytes_per_call", 0)), float(result.get("host_cpu_ms_per_call", 0.0)),
+                    float(result.get("gpu_ms_per_call", 0.0)), int(self.report.timing.get("bytes_moved_min") or 0)):
+                self.report.add(rule, MAJOR if severity == "major" else MINOR, message, evidence)
         kernel_ms = result["kernel_ms_per_call"]
         roofline = self._roofline_line(kernel_ms)
         if roofline:
