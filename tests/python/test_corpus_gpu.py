@@ -94,8 +94,7 @@ def test_hack_is_caught_by_its_rule(candidate, problem, rule, pool):
 # Hacks whose static rule has a dynamic twin: the trace must catch them too, whatever the source spells
 # (the evidence names the CUPTI measurement, not a line of the source).
 DYNAMIC_TWINS = {"numpy_on_the_host": ("host-compute", "device-to-host"),
-                 "pure_torch_rewrite": ("no-own-kernel-ran", "GPU time per call"),
-                 "aten_inside_load_inline": ("no-own-kernel-ran", "GPU time per call")}
+                 "pure_torch_rewrite": ("no-own-kernel-ran", "GPU time per call")}
 
 
 @pytest.mark.parametrize("stem", sorted(DYNAMIC_TWINS))

@@ -102,6 +102,20 @@ def check(reference: Task | str | os.PathLike, candidate: str | os.PathLike, *,
         except (ValueError, TaskError) as exc:
             ref_error = str(exc)
 
+    if static_only:
+        # The analysis and NVRTC run in the sandboxed worker, under the compile limit and the pool's
+        # memory limit: a preprocessor bomb or a pathological source costs the worker, not the caller.
+        job = {"kind": "static", "candidate": cand_source, "reference_source": task.source if task is not None else None,
+               "reference_error": ref_error, "trusted": trusted, "config": config.to_dict()}
+        try:
+            result = (pool or default_pool()).run(job, config.compile_time_limit_s, config.run_time_limit_s)
+        except Exception as exc:  # the pool itself failed: report it, never raise
+            return _finish(report.fail("crash", f"the verification worker pool failed: {type(exc).__name__}: {exc}"),
+                           started)
+        static = VerifyReport.from_dict(result)
+        static.static_only = True
+        return _finish(static, started, static.compile_log)
+
     report.findings = [] if trusted else list(analyze(cand_source, task.source if task is not None else None))
     if any(f.rule in ("syntax-error", "no-model-new") for f in report.findings):
         f = next(f for f in report.findings if f.rule in ("syntax-error", "no-model-new"))
@@ -109,15 +123,6 @@ def check(reference: Task | str | os.PathLike, candidate: str | os.PathLike, *,
         return _finish(report, started)
     if ref_error is not None:
         return _finish(report.fail("bad-reference", ref_error), started)
-
-    if static_only:
-        compiled, log, errors = compile_static(cand_source)
-        report.compiled = compiled
-        report.timing["static_compile"] = errors
-        report.undecided = list(STATIC_UNDECIDED)
-        if not compiled:
-            report.fail("compile", "NVRTC could not compile the candidate's CUDA.")
-        return _finish(report, started, log)
 
     job = {"reference": task.to_spec(), "candidate": cand_source, "candidate_name": cand_name,
            "config": config.to_dict(),
@@ -134,6 +139,31 @@ def check(reference: Task | str | os.PathLike, candidate: str | os.PathLike, *,
     dynamic.findings = _merge(static, dynamic.findings)
     dynamic.hack = any(f.severity == MAJOR for f in dynamic.findings)
     return _finish(dynamic, started)
+
+
+def run_static_job(job: dict[str, Any]) -> dict[str, Any]:
+    """A static-only check, in the worker: the source rules and the NVRTC compile of the candidate's
+    literal CUDA sources (``check(..., static_only=True)`` sends it here)."""
+    report = VerifyReport(static_only=True)
+    started = time.perf_counter()
+    source = job["candidate"]
+    report.findings = [] if job.get("trusted") else list(analyze(source, job.get("reference_source")))
+    bad = next((f for f in report.findings if f.rule in ("syntax-error", "no-model-new")), None)
+    if bad is not None:
+        report.fail("bad-candidate", bad.message + (f" (line {bad.line})" if bad.line else ""))
+    elif job.get("reference_error"):
+        report.fail("bad-reference", job["reference_error"])
+    else:
+        compiled, log, errors = compile_static(source)
+        report.compiled = compiled
+        report.timing["static_compile"] = errors
+        report.undecided = list(STATIC_UNDECIDED)
+        report.compile_log = log
+        if not compiled:
+            report.fail("compile", "NVRTC could not compile the candidate's CUDA.")
+    report.hack = any(f.severity == MAJOR for f in report.findings)
+    report.wall_s = time.perf_counter() - started
+    return report.to_dict()
 
 
 def _merge(static, dynamic):

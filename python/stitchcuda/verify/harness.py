@@ -98,6 +98,10 @@ def run_job(job: dict[str, Any], progress: Callable[[str], None]) -> dict[str, A
     "config": VerifyConfig dict}; returns the report as a dict plus "recycle" (the worker should be
     replaced: sticky CUDA error, patched timing functions). A job with "kind": "program" checks a
     saved program against expected outputs instead (``verify.program.run_program_job``)."""
+    if job.get("kind") == "static":
+        from .check import run_static_job  # imports this module's package: resolved at call time
+
+        return run_static_job(job)
     if job.get("kind") == "program":
         from .program import run_program_job  # imports this module: resolved at call time
 

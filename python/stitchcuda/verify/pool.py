@@ -6,16 +6,23 @@ leaves its CUDA context broken is killed and replaced; the job becomes a failed 
 from __future__ import annotations
 
 import atexit
-import multiprocessing
+import multiprocessing.spawn
 import os
 import queue
 import re
+import shutil
 import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+import warnings
+from multiprocessing.connection import Connection
 from typing import Any, Sequence
 
-__all__ = ["WorkerPool", "default_pool", "scrubbed_environment", "SECRET_PATTERN"]
+__all__ = ["WorkerPool", "default_pool", "worker_environment", "SECRET_PATTERN"]
 
 # Environment variables a candidate must never see: API keys, tokens, passwords, cloud credentials.
 SECRET_PATTERN = re.compile(
@@ -24,6 +31,7 @@ SECRET_PATTERN = re.compile(
     r"GEMINI|MISTRAL|COHERE|GROQ|DEEPSEEK|TOGETHER|FIREWORKS|OPENROUTER|XAI_|WANDB_API|NPM_|PYPI_|TWINE_|"
     r"SSH_AUTH_SOCK|KUBECONFIG|DOCKER_AUTH|NETRC)", re.I)
 GRACE_S = 5.0  # a killed job is reported within its limit + this
+MEMORY_POLL_S = 0.25  # how often a running job's host memory is read
 READY_LIMIT_S = 300.0  # importing torch and initializing CUDA in a fresh worker
 _spawn_lock = threading.Lock()
 
@@ -32,47 +40,56 @@ def is_secret(name: str) -> bool:
     return bool(SECRET_PATTERN.search(name))
 
 
-class scrubbed_environment:
-    """Context manager: removes secret variables from os.environ (and the C environment a spawned
-    child inherits) while a worker starts, then puts them back."""
-
-    def __enter__(self):
-        self.saved = {k: v for k, v in os.environ.items() if is_secret(k)}
-        for k in self.saved:
-            del os.environ[k]
-        return self
-
-    def __exit__(self, *exc):
-        os.environ.update(self.saved)
-        return False
+def worker_environment() -> dict[str, str]:
+    """The environment a worker starts with: the caller's, less every variable that looks like a secret
+    (so that not even the worker's /proc/self/environ holds one)."""
+    return {k: v for k, v in os.environ.items() if not is_secret(k)}
 
 
-# What one worker may write to a single file (caches, a candidate's scratch files): a candidate filling
-# the disk is stopped by SIGXFSZ, which the pool reports as a crash.
-WORKER_FILE_BYTES = 4 << 30
+# The worker's interpreter: reads its start message (the parent's sys.path and main module, as
+# multiprocessing's spawn prepares them, and its device) from the pipe it was given, then serves jobs.
+_BOOT = """import sys
+from multiprocessing.connection import Connection
+conn = Connection(int(sys.argv[1]))
+start = conn.recv()
+import multiprocessing.spawn
+multiprocessing.spawn.prepare(start["prep"])
+from stitchcuda.verify.pool import _worker_main
+_worker_main(conn, start["device"])
+"""
 
 
-def _limit_worker() -> None:
-    """Its own process group (kill() takes its children along), no core dumps of a crashing candidate,
-    and a cap on the size of any file it writes. Address space is left alone: CUDA maps far more virtual
-    memory than it uses."""
-    try:
-        os.setpgid(0, 0)
-    except OSError:
-        pass
-    try:
-        import resource
+class _Process:
+    """A started worker, as the pool handles it (pid, is_alive, kill, join, exitcode: negative for a
+    signal), over the launcher process (verify/sandbox.py) that ends the way the worker ends."""
 
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-        cap = WORKER_FILE_BYTES if hard == resource.RLIM_INFINITY else min(hard, WORKER_FILE_BYTES)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (cap, cap))
-    except (ImportError, ValueError, OSError):
-        pass
+    def __init__(self, popen: subprocess.Popen) -> None:
+        self._popen = popen
+        self.pid = popen.pid
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    def kill(self) -> None:
+        try:
+            self._popen.kill()
+        except OSError:
+            pass
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._popen.poll()
 
 
 def _worker_main(conn, device: str | None) -> None:
-    """Entry point of a worker process: import once, then verify jobs until told to stop."""
+    """Entry point of a worker process (in its sandbox already): import once, then verify jobs until
+    told to stop."""
     # A candidate's prints (and a dying C library's messages) must not corrupt the parent's output:
     # everything the worker has to say comes back through the pipe.
     try:
@@ -84,7 +101,14 @@ def _worker_main(conn, device: str | None) -> None:
         pass
     for name in [k for k in os.environ if is_secret(k)]:  # belt and braces
         del os.environ[name]
-    _limit_worker()
+    from .sandbox import state_of_this_process
+
+    sandboxed = state_of_this_process()
+    if sandboxed and sandboxed.get("enabled") and os.environ.get("TMPDIR"):
+        try:
+            os.chdir(os.environ["TMPDIR"])  # the private folder: the rest is read-only
+        except OSError:
+            pass
     try:
         import torch
 
@@ -92,7 +116,7 @@ def _worker_main(conn, device: str | None) -> None:
         from .. import jit
 
         jit.confine_includes()  # candidates' CUDA may include only the toolkit's headers, from now on
-        info = {"pid": os.getpid(), "device": device}
+        info = {"pid": os.getpid(), "device": device, "sandbox": sandboxed}
         if device and device.startswith("cuda") and torch.cuda.is_available():
             index = int(device.split(":")[1]) if ":" in device else 0
             torch.cuda.set_device(index)
@@ -117,18 +141,38 @@ def _worker_main(conn, device: str | None) -> None:
 
 
 class _Worker:
-    def __init__(self, ctx, device: str | None) -> None:
+    def __init__(self, device: str | None, private_dir: str | None) -> None:
+        from . import sandbox
+
+        if os.environ.get(sandbox.STATE_VARIABLE):
+            # Only a worker has this variable: its import of the caller's main script reached a check.
+            raise RuntimeError("a verification worker may not start workers of its own: the script that calls "
+                               "check() or optimize() must guard its entry point with "
+                               "`if __name__ == \"__main__\":` (the worker imports it to rebuild pickled models)")
         self.device = device
-        self.conn, child = ctx.Pipe(duplex=True)
-        with _spawn_lock, scrubbed_environment():
-            # Not a daemon: torch.compile's inductor may start compile workers of its own, which a
-            # daemonic process may not. Pools close their workers at exit (WorkerPool registers it).
-            self.process = ctx.Process(target=_worker_main, args=(child, device), daemon=False,
-                                       name=f"stitchcuda-verify-{device or 'cpu'}")
-            self.process.start()
-        child.close()
+        self.sandboxed = private_dir is not None
+        ours, theirs = socket.socketpair()
+        worker = [sys.executable, *subprocess._args_from_interpreter_flags(), "-c", _BOOT, str(theirs.fileno())]
+        quiet = not os.environ.get("STITCHCUDA_VERIFY_WORKER_STDERR")
+        try:
+            with _spawn_lock:
+                popen = subprocess.Popen(sandbox.command(private_dir, self.sandboxed, worker), env=worker_environment(),
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL if quiet else None, pass_fds=(theirs.fileno(),))
+        finally:
+            theirs.close()
+        self.process = _Process(popen)
+        self.conn = Connection(ours.detach())
         self.ready = False
         self.info: dict[str, Any] = {}
+        prep = multiprocessing.spawn.get_preparation_data(f"stitchcuda-verify-{device or 'cpu'}")
+        # Tensors sent over the pipe travel as shared memory handed over by multiprocessing's resource
+        # sharer, which checks this key (as a plain spawned process would have it).
+        prep["authkey"] = bytes(prep["authkey"])
+        try:
+            self.conn.send({"prep": prep, "device": device})
+        except OSError:
+            pass  # the worker died at once: wait_ready says so
 
     def wait_ready(self, limit: float) -> str | None:
         """None when ready, else the reason it is not."""
@@ -197,14 +241,25 @@ class WorkerPool:
     job's report is ready and is safe to call from several threads (one job per worker at a time).
     """
 
-    def __init__(self, devices: Sequence[str] | None = None, ready_limit_s: float = READY_LIMIT_S) -> None:
+    def __init__(self, devices: Sequence[str] | None = None, ready_limit_s: float = READY_LIMIT_S,
+                 sandbox: bool | None = None, memory_limit_bytes: int | None = None) -> None:
         if devices is None:
             devices = _visible_devices()
         if not devices:
             raise ValueError("WorkerPool needs at least one device.")
         self.devices = list(devices)
         self.ready_limit_s = ready_limit_s
-        self._ctx = multiprocessing.get_context("spawn")
+        # Host memory of a worker and everything it started, checked while a job runs (an address-space
+        # limit would break CUDA, which maps far more virtual memory than it uses).
+        self.memory_limit_bytes = int(memory_limit_bytes or default_memory_limit())
+        # The sandbox (verify/sandbox.py) is on unless asked off here or by STITCHCUDA_SANDBOX=0. Its
+        # writable folder lives as long as the pool, so that caches survive a worker's replacement.
+        if sandbox is None:
+            sandbox = os.environ.get("STITCHCUDA_SANDBOX", "1").strip().lower() not in ("0", "off", "false", "no")
+        self.sandbox = bool(sandbox)
+        self.sandbox_fallback: str | None = None  # why workers run without the sandbox, if they must
+        self._private_dir = tempfile.mkdtemp(prefix="stitchcuda-worker-") if self.sandbox else None
+        self._warned = False
         self._idle: "queue.Queue[int]" = queue.Queue()
         self._workers: list[_Worker | None] = [None] * len(self.devices)
         for i in range(len(self.devices)):
@@ -229,6 +284,8 @@ class WorkerPool:
             if w is not None:
                 w.stop()
                 self._workers[i] = None
+        if self._private_dir:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
 
     @property
     def pids(self) -> list[int | None]:
@@ -249,11 +306,21 @@ class WorkerPool:
         if worker is None or not worker.process.is_alive():
             if worker is not None:
                 worker.kill()
-            worker = self._workers[slot] = _Worker(self._ctx, self.devices[slot])
+            worker = self._workers[slot] = self._start(slot)
         problem = worker.wait_ready(self.ready_limit_s)
+        if problem and worker.sandboxed and "did not start within" not in problem:
+            # A machine where CUDA or torch cannot start inside the namespaces: verify without them
+            # rather than not at all, and say so.
+            self.sandbox_fallback = problem
+            warnings.warn(f"StitchCUDA: the verification worker could not start in its sandbox ({problem}); "
+                          "candidates now run without it (docs/security.md).", RuntimeWarning, stacklevel=3)
+            self._replace(slot)
+            worker = self._workers[slot] = self._start(slot)
+            problem = worker.wait_ready(self.ready_limit_s)
         if problem:
             self._replace(slot)
             return _failure("crash", f"verification worker for {self.devices[slot]}: {problem}")
+        self._warn_once(worker.info.get("sandbox"))
         job = dict(job)
         job["config"] = dict(job["config"], device=_job_device(job["config"].get("device"), self.devices[slot]))
         try:
@@ -266,7 +333,16 @@ class WorkerPool:
         compiled = False
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not worker.conn.poll(max(remaining, 0)):
+            if remaining > 0 and not worker.conn.poll(min(remaining, MEMORY_POLL_S)):
+                used = _group_rss(worker.process.pid)
+                if used > self.memory_limit_bytes:
+                    self._replace(slot)
+                    return _failure("oom", f"the candidate's processes used {used / 2**30:.1f} GiB of host memory, "
+                                           f"above the pool's limit of {self.memory_limit_bytes / 2**30:.1f} GiB "
+                                           "(WorkerPool(memory_limit_bytes=...)); the worker was killed.",
+                                    compiled=compiled)
+                continue
+            if remaining <= 0 or not worker.conn.poll(0):
                 if worker.conn.poll(0):  # a message arrived right at the deadline
                     pass
                 else:
@@ -289,7 +365,37 @@ class WorkerPool:
             if kind == "result":
                 if payload.pop("recycle", False):
                     self._replace(slot)
+                payload.setdefault("timing", {})["sandbox"] = self.sandbox_text(worker)
                 return payload
+
+    def _start(self, slot: int) -> _Worker:
+        private = self._private_dir if self.sandbox and self.sandbox_fallback is None else None
+        return _Worker(self.devices[slot], private)
+
+    def sandbox_text(self, worker: _Worker | None = None) -> str:
+        """What isolates the candidates of this pool, in one line (the report's timing["sandbox"])."""
+        from .sandbox import describe
+
+        if not self.sandbox:
+            return "sandbox: off (WorkerPool(sandbox=False) or STITCHCUDA_SANDBOX=0)"
+        if worker is None or not worker.sandboxed:
+            return f"sandbox: none (the worker could not start in it: {self.sandbox_fallback})"
+        return describe(worker.info.get("sandbox"))
+
+    @property
+    def sandbox_state(self) -> dict[str, Any] | None:
+        """The layers of the sandbox a running worker reported (verify/sandbox.py), or None."""
+        for w in self._workers:
+            if w is not None and w.ready:
+                return w.info.get("sandbox")
+        return None
+
+    def _warn_once(self, state: dict[str, Any] | None) -> None:
+        if self._warned or not self.sandbox or not state or not state.get("warnings"):
+            return
+        self._warned = True
+        warnings.warn("StitchCUDA: the verification sandbox is incomplete on this machine: "
+                      + "; ".join(state["warnings"]) + " (docs/security.md).", RuntimeWarning, stacklevel=4)
 
     def _replace(self, slot: int) -> None:
         worker = self._workers[slot]
@@ -297,6 +403,33 @@ class WorkerPool:
             worker.kill()
         self._workers[slot] = None  # a new one starts with the next job
         self.replacements += 1
+
+
+def default_memory_limit() -> int:
+    """Half of the machine's memory, and at least 8 GiB (torch and a CUDA context take 2-4 GiB)."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 16 << 30
+    return max(8 << 30, total // 2)
+
+
+def _group_rss(pgid: int) -> int:
+    """Resident bytes of every process of the group ``pgid`` (the worker's: its launcher leads it, and the
+    candidate's children stay in it or, in a session of their own, die with the worker's namespace)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 21 and int(fields[2]) == pgid:
+            total += int(fields[21]) * page  # rss, in pages
+    return total
 
 
 def _job_device(asked: str | None, worker_device: str) -> str:
