@@ -254,9 +254,7 @@ class WorkerPool:
         self.memory_limit_bytes = int(memory_limit_bytes or default_memory_limit())
         # The sandbox (verify/sandbox.py) is on unless asked off here or by STITCHCUDA_SANDBOX=0. Its
         # writable folder lives as long as the pool, so that caches survive a worker's replacement.
-        if sandbox is None:
-            sandbox = os.environ.get("STITCHCUDA_SANDBOX", "1").strip().lower() not in ("0", "off", "false", "no")
-        self.sandbox = bool(sandbox)
+        self.sandbox = sandbox_wanted(sandbox)
         self.sandbox_fallback: str | None = None  # why workers run without the sandbox, if they must
         self._private_dir = tempfile.mkdtemp(prefix="stitchcuda-worker-") if self.sandbox else None
         self._warned = False
@@ -403,6 +401,13 @@ class WorkerPool:
             worker.kill()
         self._workers[slot] = None  # a new one starts with the next job
         self.replacements += 1
+
+
+def sandbox_wanted(asked: bool | None) -> bool:
+    """``asked``, or (None) on unless STITCHCUDA_SANDBOX is 0/off/false/no."""
+    if asked is not None:
+        return bool(asked)
+    return os.environ.get("STITCHCUDA_SANDBOX", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def default_memory_limit() -> int:

@@ -253,17 +253,25 @@ def preflight(source: str, filename: str, timeout_s: float = PREFLIGHT_TIMEOUT_S
     digest = hashlib.sha256(source.encode("utf-8", "surrogatepass")).hexdigest()
     if digest in _PREFLIGHTED:
         return
-    from .pool import is_secret
+    import shutil
+    import tempfile
 
-    env = {k: v for k, v in os.environ.items() if not is_secret(k)}
+    from . import sandbox
+    from .pool import sandbox_wanted, worker_environment
+
+    # The same sandbox as the Verifier's workers (verify/sandbox.py), with a private folder of its own.
+    private = tempfile.mkdtemp(prefix="stitchcuda-preflight-")
+    command = sandbox.command(private, sandbox_wanted(None), [sys.executable, "-c", _PREFLIGHT, filename])
     try:
-        done = subprocess.run([sys.executable, "-c", _PREFLIGHT, filename], input=source, capture_output=True,
-                              text=True, timeout=timeout_s, env=env, start_new_session=True)
+        done = subprocess.run(command, input=source, capture_output=True, text=True, timeout=timeout_s,
+                              env=worker_environment(), start_new_session=True)
     except subprocess.TimeoutExpired:
         raise TaskError(f"the file {filename!r} did not finish importing within {timeout_s:g} s (a loop or a "
                         "wait at module level?); it was stopped") from None
     except OSError:  # no interpreter to start: the caller's own load is all there is
         return
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
     if done.returncode < 0:
         try:
             sig = signal.Signals(-done.returncode).name
