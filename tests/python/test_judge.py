@@ -310,16 +310,27 @@ class Doubler(torch.nn.Module):
         return x * 2, (x > 0).sum()
 
 
-def test_verify_whole_judges_a_model_on_the_example_and_random_sets():
+def test_verify_whole_judges_a_model_on_the_example_and_random_sets(monkeypatch):
     model, x = Doubler(), torch.randn(16)
     result = vprogram.verify_whole(model, lambda t: (t + t, (t > 0).sum()), (x,), 3)
     assert result == {"passed": True, "input_sets": 3, "max_abs_error": 0.0, "max_rel_error_fp64": pytest.approx(0.0),
-                      "detail": ""}
+                      "detail": "", "failed_set": None, "fp64_note": ""}
     wrong = vprogram.verify_whole(model, lambda t: (t * 2 + 1e-3, (t > 0).sum()), (x,), 2)
     assert not wrong["passed"] and wrong["detail"].startswith("input set 0, output '0' differs from the model")
+    assert wrong["failed_set"] == 0
+    # Wrong on the fresh sets only: the failing set is named, and input_set() makes it again.
+    later = vprogram.verify_whole(model, lambda t: (t * 2 + (0 if t is x else 1e-3), (t > 0).sum()), (x,), 3)
+    assert not later["passed"] and later["failed_set"] == 1 and later["detail"].startswith("input set 1,")
+    assert torch.equal(vprogram.input_set((x,), 1)[0], vprogram.input_set((x,), 1)[0])
+    assert vprogram.input_set((x,), 0)[0] is x
     assert wrong["max_abs_error"] == pytest.approx(1e-3, rel=1e-3) and wrong["max_rel_error_fp64"] > 0
     # The same error passes under a reduced-precision policy: the table's 1e-2.
     assert vprogram.verify_whole(model, lambda t: (t * 2 + 1e-3, (t > 0).sum()), (x,), 2, "tf32")["passed"]
+    # Past the size limit no fp64 copy is made, and the result says why.
+    monkeypatch.setattr(vprogram, "EXACT_COPY_LIMIT_BYTES", 8)
+    big = vprogram.verify_whole(model, lambda t: (t + t, (t > 0).sum()), (x,), 2)
+    assert big["passed"] and big["max_rel_error_fp64"] is None and big["fp64_note"].startswith("not computed")
+    monkeypatch.undo()
     shape = vprogram.verify_whole(model, lambda t: (t[:8] * 2, (t > 0).sum()), (x,), 2)
     assert not shape["passed"] and shape["max_abs_error"] == math.inf and "output 0 is" in shape["detail"]
     optimize_module = importlib.import_module("stitchcuda.graph.optimize")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -17,7 +18,11 @@ import torch.utils._pytree as pytree
 from .compare import first_difference, fp64_error, max_abs_error
 from .tolerance import tolerance
 
-__all__ = ["check_program", "program_job", "run_program_job", "verify_whole", "random_like"]
+__all__ = ["check_program", "program_job", "run_program_job", "verify_whole", "random_like", "input_set"]
+
+# The fp64 copy of a model doubles every tensor it touches: past this size of the largest input or of the
+# weights, the error against exact arithmetic is not computed (it would cost more memory than the check).
+EXACT_COPY_LIMIT_BYTES = 1 << 30
 
 
 def _first_line(exc: BaseException) -> str:
@@ -26,14 +31,19 @@ def _first_line(exc: BaseException) -> str:
 
 
 def program_job(program: Any, feed: Sequence[torch.Tensor], expected: Sequence[torch.Tensor],
-                tolerances: Sequence[tuple[float, float]], names: Sequence[str]) -> dict[str, Any]:
+                tolerances: Sequence[tuple[float, float]], names: Sequence[str], on_device: bool = False) -> dict[str, Any]:
     """The worker job (``{"kind": "program"}``) that checks `program` on `feed`: the artifact with its
-    CUBINs (the worker compiles nothing), inputs and expected outputs on the CPU (they cross a pipe)."""
+    CUBINs (the worker compiles nothing), inputs and expected outputs on the CPU (they cross a pipe), or,
+    with `on_device`, where they are (CUDA tensors cross as CUDA IPC handles: no copy)."""
     from .config import VerifyConfig
 
     config = VerifyConfig(device="cuda" if any(t.is_cuda for t in feed) else None)
-    return {"kind": "program", "artifact": program.serialize(), "inputs": [t.detach().cpu() for t in feed],
-            "expected": [t.detach().cpu() for t in expected], "tolerances": [tuple(t) for t in tolerances],
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t.detach() if on_device else t.detach().cpu()
+
+    return {"kind": "program", "artifact": program.serialize(), "inputs": [move(t) for t in feed],
+            "expected": [move(t) for t in expected], "tolerances": [tuple(t) for t in tolerances],
             "names": list(names), "config": config.to_dict()}
 
 
@@ -50,9 +60,20 @@ def check_program(program: Any, feed: Sequence[torch.Tensor], expected: Sequence
     if pool is not None:
         from .config import VerifyConfig
 
-        job = program_job(program, feed, expected, tolerances, names)
+        on_device = bool(getattr(pool, "shares_cuda", False)) and any(t.is_cuda for t in feed)
+        job = program_job(program, feed, expected, tolerances, names, on_device=on_device)
         config = VerifyConfig.from_dict(job["config"])
         result = pool.run(job, config.compile_time_limit_s, config.run_time_limit_s)
+        if on_device and (result.get("error") or {}).get("kind") == "crash":
+            # The tensors' CUDA IPC handles did not arrive (a driver or container without CUDA IPC): from
+            # now on this pool gets copies, and this job again.
+            pool.shares_cuda = False
+            pool.cuda_ipc_problem = str((result.get("error") or {}).get("message", ""))[:300]
+            warnings.warn("StitchCUDA: CUDA tensors could not reach the verification worker by CUDA IPC "
+                          f"({pool.cuda_ipc_problem}); they are copied through host memory instead.",
+                          RuntimeWarning, stacklevel=2)
+            job = program_job(program, feed, expected, tolerances, names)
+            result = pool.run(job, config.compile_time_limit_s, config.run_time_limit_s)
         if result.get("correct"):
             return True, f"matches {reference} (checked in the Verifier's isolated worker)"
         error = result.get("error") or {}
@@ -119,27 +140,53 @@ def random_like(t: torch.Tensor, seed: int) -> torch.Tensor:
     its activations in range), `t` itself (copied) otherwise: integer inputs are indices or sizes."""
     g = torch.Generator(device=t.device).manual_seed(seed)
     if t.is_floating_point():
-        scale = t.float().abs().max().item() if t.numel() else 1.0
+        # aminmax, not abs().max(): no temporary as large as the input (inputs of several GB)
+        scale = max(abs(float(m)) for m in torch.aminmax(t.detach())) if t.numel() else 1.0
         return (torch.randn(t.shape, generator=g, device=t.device, dtype=torch.float32) * max(scale, 1e-3)).to(t.dtype)
     return t.clone()
 
 
+def input_set(example_inputs: Sequence[Any], k: int) -> Sequence[Any]:
+    """Input set `k` of a whole-program check: the example inputs (k = 0), else fresh random tensors
+    shaped like them (seed 1234 + k), so a failing set can be made again to trace the failure."""
+    if k == 0:
+        return example_inputs
+    return pytree.tree_map(lambda t: random_like(t, 1234 + k) if isinstance(t, torch.Tensor) else t, example_inputs)
+
+
+def _exact_copy(model: torch.nn.Module, example_inputs: Sequence[Any]) -> tuple[torch.nn.Module | None, str]:
+    """An fp64 copy of `model` (the caller's model is untouched), or None and why not."""
+    tensors = [t for t in pytree.tree_flatten(example_inputs)[0] if isinstance(t, torch.Tensor)]
+    largest = max((t.numel() * t.element_size() for t in tensors), default=0)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if max(largest, weights) > EXACT_COPY_LIMIT_BYTES:
+        return None, (f"not computed: an fp64 copy of a model with {max(largest, weights) / 2**30:.1f} GiB "
+                      "tensors would double the check's memory")
+    try:
+        return copy.deepcopy(model).double(), ""
+    except Exception as exc:
+        return None, f"not computed: the model cannot be copied to fp64 ({_first_line(exc)})"
+
+
 def verify_whole(model: torch.nn.Module, optimized: Callable[..., Any], example_inputs: Sequence[Any], sets: int,
                  precision: str = "fp32") -> dict[str, Any]:
-    """`optimized` against `model` on the example inputs, then on `sets - 1` fresh random sets, every
-    output under the tolerance table for its dtype and `precision`. Returns {passed, input_sets,
-    max_abs_error (the worst |optimized - model|), max_rel_error_fp64 (the worst norm-wise error against
-    an fp64 copy of the model; 0 when none can be made), detail (the first difference, "" when none)}."""
+    """`optimized` against `model` on the example inputs, then on `sets - 1` fresh random sets
+    (``input_set``), every output under the tolerance table for its dtype and `precision`. Returns {passed,
+    input_sets, max_abs_error (the worst |optimized - model|), max_rel_error_fp64 (the worst norm-wise error
+    against an fp64 copy of the model; None when none is made, with the reason in fp64_note), detail (the
+    first difference, "" when none), failed_set (the input set of that difference, or None)}."""
     worst_abs, worst_rel = 0.0, 0.0
     detail = ""
     passed = True
-    try:  # an fp64 copy of the model for the error against exact arithmetic (the caller's model is untouched)
-        exact_model = copy.deepcopy(model).double()
-    except Exception:
-        exact_model = None
+    failed_set = None
+    exact_model, exact_note = _exact_copy(model, example_inputs)
+
+    def failure(k: int, text: str) -> dict[str, Any]:
+        return {"passed": False, "input_sets": k + 1, "max_abs_error": float("inf"),
+                "max_rel_error_fp64": float("inf"), "detail": text, "failed_set": k, "fp64_note": exact_note}
+
     for k in range(sets):
-        inputs = example_inputs if k == 0 else pytree.tree_map(
-            lambda t: random_like(t, 1234 + k) if isinstance(t, torch.Tensor) else t, example_inputs)
+        inputs = input_set(example_inputs, k)
         with torch.no_grad():
             want = pytree.tree_flatten(model(*inputs))[0]
             got = pytree.tree_flatten(optimized(*inputs))[0]
@@ -152,17 +199,13 @@ def verify_whole(model: torch.nn.Module, optimized: Callable[..., Any], example_
                 except Exception:  # a model that cannot run in fp64 (an fp16-only kernel): no exact error
                     exact = None
         if len(got) != len(want):
-            return {"passed": False, "input_sets": k + 1, "max_abs_error": float("inf"),
-                    "max_rel_error_fp64": float("inf"),
-                    "detail": f"the program returns {len(got)} outputs, the model {len(want)}"}
+            return failure(k, f"the program returns {len(got)} outputs, the model {len(want)}")
         for i, (w, g) in enumerate(zip(want, got)):
             if not isinstance(w, torch.Tensor):
                 continue
             if not isinstance(g, torch.Tensor) or g.shape != w.shape or g.dtype != w.dtype:
                 what = f"{g.dtype}{list(g.shape)}" if isinstance(g, torch.Tensor) else type(g).__name__
-                return {"passed": False, "input_sets": k + 1, "max_abs_error": float("inf"),
-                        "max_rel_error_fp64": float("inf"),
-                        "detail": f"output {i} is {what}, the model's {w.dtype}{list(w.shape)}"}
+                return failure(k, f"output {i} is {what}, the model's {w.dtype}{list(w.shape)}")
             worst_abs = max(worst_abs, max_abs_error(g, w))
             if exact is not None and i < len(exact):
                 rel = fp64_error(g, exact[i])
@@ -172,7 +215,9 @@ def verify_whole(model: torch.nn.Module, optimized: Callable[..., Any], example_
                 atol, rtol = tolerance(w.dtype, precision)
                 problem = first_difference(str(i), g, w, atol, rtol, reference="the model")
                 if problem:
-                    passed = False
+                    passed, failed_set = False, k
                     detail = f"input set {k}, {problem}"
-    return {"passed": passed, "input_sets": sets, "max_abs_error": worst_abs, "max_rel_error_fp64": worst_rel,
-            "detail": detail}
+        del want, got, exact
+    return {"passed": passed, "input_sets": sets, "max_abs_error": worst_abs,
+            "max_rel_error_fp64": worst_rel if exact_model is not None else None, "fp64_note": exact_note,
+            "detail": detail, "failed_set": failed_set}
