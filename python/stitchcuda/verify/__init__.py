@@ -17,7 +17,7 @@ from .check import check, compile_static
 from .compare import compare_output, first_difference, fp64_error, max_abs_error
 from .config import VerifyConfig
 from .hardware import describe
-from .pool import WorkerPool, default_pool
+from .pool import WorkerPool, default_pool, trusted_pool
 from .program import check_program, verify_whole
 from .report import ERROR_KINDS, SCHEMA_VERSION, OutputError, VerifyReport, report_schema
 from .static import MAJOR, MINOR, Finding, analyze
@@ -27,5 +27,5 @@ from .tolerance import Tolerance, tolerance
 
 __all__ = ["analyze", "Finding", "MAJOR", "MINOR", "check", "compile_static", "VerifyConfig",
            "VerifyReport", "OutputError", "ERROR_KINDS", "SCHEMA_VERSION", "report_schema", "Task", "TaskError",
-           "Tolerance", "tolerance", "WorkerPool", "default_pool", "measure", "Timing", "describe",
+           "Tolerance", "tolerance", "WorkerPool", "default_pool", "trusted_pool", "measure", "Timing", "describe",
            "compare_output", "first_difference", "fp64_error", "max_abs_error", "check_program", "verify_whole"]

@@ -22,7 +22,7 @@ import warnings
 from multiprocessing.connection import Connection
 from typing import Any, Sequence
 
-__all__ = ["WorkerPool", "default_pool", "worker_environment", "SECRET_PATTERN"]
+__all__ = ["WorkerPool", "default_pool", "trusted_pool", "worker_environment", "SECRET_PATTERN"]
 
 # Environment variables a candidate must never see: API keys, tokens, passwords, cloud credentials.
 SECRET_PATTERN = re.compile(
@@ -131,6 +131,11 @@ def _worker_main(conn, device: str | None) -> None:
         try:
             job = conn.recv()
         except (EOFError, OSError):
+            return
+        except Exception as exc:  # noqa: BLE001 - a job that cannot be rebuilt here (CUDA IPC refused)
+            data = _failure("crash", f"the job could not be received ({type(exc).__name__}: {exc})")
+            data["recycle"] = True
+            conn.send(("result", data))
             return
         if job is None:
             return
@@ -264,6 +269,11 @@ class WorkerPool:
             self._idle.put(i)
         self._closed = False
         self.replacements = 0  # workers replaced after a failure (for tests and benchmarks)
+        # Whether CUDA tensors may cross to the workers as CUDA IPC handles (no copy through host memory):
+        # only outside the sandbox, whose private /dev/shm and PID namespace keep torch's IPC bookkeeping
+        # from working, and only until a job sent that way fails to arrive (then copies, and a warning).
+        self.shares_cuda = not self.sandbox
+        self.cuda_ipc_problem: str | None = None
         # Before multiprocessing's own exit handler joins the (non-daemon) workers: stop them first.
         atexit.register(self.close)
 
@@ -472,3 +482,18 @@ def default_pool() -> WorkerPool:
         if _default is None or _default._closed:
             _default = WorkerPool()
         return _default
+
+
+_trusted: WorkerPool | None = None
+
+
+def trusted_pool() -> WorkerPool:
+    """The process-wide pool for StitchCUDA's own generated programs (graph mode's group checks): isolated
+    processes without the sandbox, so recorded tensors reach them as CUDA IPC handles instead of copies
+    through host memory (several GB per group at the scale of large models). Code a model wrote never
+    runs here: candidates go to ``default_pool()``."""
+    global _trusted
+    with _default_lock:
+        if _trusted is None or _trusted._closed:
+            _trusted = WorkerPool(sandbox=False)
+        return _trusted
