@@ -8,6 +8,8 @@ arguments). What cannot be captured raises CaptureError with the reason and what
 
 from __future__ import annotations
 
+import contextlib
+
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -123,8 +125,58 @@ def _meta(val: Any, name: str) -> tuple:
 # that beats what its decomposition would become. scaled_dot_product_attention dispatches to the flash
 # or memory-efficient attention kernels (one kernel, scores never in memory); its decomposition is two
 # batched GEMMs around a softmax over a materialized [batch, heads, seq, seq] score tensor, plus the
-# any/where/full_like steps that guard fully masked rows.
-KEPT_WHOLE = ("scaled_dot_product_attention.default",)
+# any/where/full_like steps that guard fully masked rows. The recurrent layers (LSTM, GRU, RNN) run as
+# cuDNN's persistent recurrence kernels; decomposed, a 6-layer LSTM over 512 steps unrolls into ~3,000
+# matmuls and ~30,000 pointwise ops, thousands of groups to generate and check, slower when done.
+KEPT_WHOLE = ("scaled_dot_product_attention.default", "lstm.input", "gru.input", "rnn_tanh.input", "rnn_relu.input")
+
+
+def _recurrent_outputs(op):
+    """The outputs an LSTM/GRU/RNN call returns, made directly from the shapes of its arguments (values
+    are never read: only the capture's fake tensors reach it)."""
+    names = [a.name for a in op._schema.arguments]
+
+    def outputs(*args, **kwargs):
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        x, hx = bound["input"], bound["hx"]
+        states = list(hx) if isinstance(hx, (list, tuple)) else [hx]
+        directions = 2 if bound["bidirectional"] else 1
+        # (seq, batch) or (batch, seq) as the input has them; the features of h, per direction
+        out = x.new_empty((x.shape[0], x.shape[1], states[0].shape[2] * directions))
+        return (out, *(s.new_empty(s.shape) for s in states))
+
+    return outputs
+
+
+_RECURRENT = ("lstm.input", "gru.input", "rnn_tanh.input", "rnn_relu.input")
+
+
+@contextlib.contextmanager
+def _recurrent_shapes_only():
+    """While tracing, recurrent layers kept whole compute their outputs' shapes directly. Otherwise the
+    trace runs torch's Python decomposition of each (registered for autograd, meta and composite keys) on
+    fake tensors just to learn the shapes: a cell per step and layer, 20 s for a 6-layer LSTM over 200
+    steps, over a minute at 512. Restored afterwards: eager calls never see this."""
+    from torch._C import DispatchKey
+
+    keys = (DispatchKey.Autograd, DispatchKey.Meta, DispatchKey.CompositeImplicitAutograd)
+    saved = []
+    for name in _RECURRENT:
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(torch.ops.aten, packet), overload)
+        saved.append((op, {k: op.py_kernels[k] for k in keys if k in op.py_kernels}))
+        for k in keys:
+            op.py_kernels.pop(k, None)
+        op.py_kernels[DispatchKey.CompositeImplicitAutograd] = _recurrent_outputs(op)
+        op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, kernels in saved:
+            op.py_kernels.pop(DispatchKey.CompositeImplicitAutograd, None)
+            op.py_kernels.update(kernels)
+            op._dispatch_cache.clear()
 
 
 def _decompositions() -> dict:
@@ -138,7 +190,7 @@ def _decompositions() -> dict:
 def capture(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Graph:
     """Exports `model` on `example_inputs` and returns its core-ATen graph."""
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _recurrent_shapes_only():
             # torch's own pytree deprecation notices, raised inside export: not the user's concern.
             warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
             exported = torch.export.export(model, tuple(example_inputs), strict=False)
