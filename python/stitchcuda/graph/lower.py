@@ -35,8 +35,10 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def reference_values(graph: Graph, inputs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Runs the exported graph with ATen, recording every value by name (weights included)."""
+def reference_values(graph: Graph, inputs: list[torch.Tensor], keep: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """Runs the exported graph with ATen, recording every value by name (weights included), or only the
+    values named in `keep` (the interpreter frees the others after their last use: at the scale of
+    large models, recording every intermediate at once costs more memory than the model's forward)."""
     env: dict[str, torch.Tensor] = {}
     gm = graph.exported.graph_module
     weights = {w.name: w.data for w in graph.weights}
@@ -50,10 +52,11 @@ def reference_values(graph: Graph, inputs: list[torch.Tensor]) -> dict[str, torc
         def run_node(self, n):
             result = super().run_node(n)
             if isinstance(result, torch.Tensor):
-                env[n.name] = result
+                if keep is None or n.name in keep:
+                    env[n.name] = result
             elif isinstance(result, (list, tuple)):
                 for k, r in enumerate(result):
-                    if isinstance(r, torch.Tensor):
+                    if isinstance(r, torch.Tensor) and (keep is None or f"{n.name}.{k}" in keep):
                         env[f"{n.name}.{k}"] = r
             return result
 

@@ -16,7 +16,9 @@ import torch.utils._pytree as pytree
 
 from ..program import Program, ProgramModule
 from ..verify.hardware import describe
-from ..verify.program import verify_whole
+from ..verify.compare import first_difference
+from ..verify.program import input_set, verify_whole
+from ..verify.tolerance import tolerance
 from ..verify import timing as verify_timing  # a module name: optimize() has an argument called measure
 from .capture import CaptureError, Graph, capture
 from .lower import Lowering, LoweringError, check_group, reference_values
@@ -24,7 +26,12 @@ from .agents import AgentBudget, run_agents
 from .planner import GENERATED, Group, OfflinePlanner, GraphPlan
 from .targets import merged_group
 
-__all__ = ["optimize", "OptimizedModule", "Report"]
+__all__ = ["optimize", "OptimizedModule", "Report", "BUDGET_S", "trace_mismatch"]
+
+# Seconds of generating and checking groups after which the rest stay on ATen (optimize's budget_s).
+BUDGET_S = 60.0
+# Whole-program mismatches traced and fixed, each by sending one group to ATen, before giving up.
+TRACE_ROUNDS = 3
 
 
 class _Progress:
@@ -92,9 +99,10 @@ class Report:
                          + (f", {t['speedup_compile']:.2f}x vs torch.compile" if t.get("speedup_compile") else ""))
         if self.verification:
             v = self.verification
+            fp64 = v.get("max_rel_error_fp64")
             lines.append(f"  verification: {'passed' if v.get('passed') else 'FAILED'} on {v.get('input_sets', 0)} "
                          f"input set(s), max |error| {v.get('max_abs_error', 0):.3g}, max relative error vs fp64 "
-                         f"{v.get('max_rel_error_fp64', 0):.3g}")
+                         + (f"{fp64:.3g}" if fp64 is not None else v.get("fp64_note") or "not computed"))
         for d, why in self.decisions:
             lines.append(f"  decision: {d} ({why})")
         views = sum(g["kind"] == "view" for g in self.groups)
@@ -220,7 +228,8 @@ def optimize(model: torch.nn.Module, example_inputs: Sequence[Any], *, llm: Any 
              graphs: bool = True, verify_sets: int = 3, measure: bool = True, compare_compile: bool = True,
              progress: bool | None = None, isolated: bool = True, run_dir: str | os.PathLike | None = None,
              resume: str | os.PathLike | None = None, attempts: int = 3, tokens: int = 0, wall_s: float = 0.0,
-             max_targets: int = 4, concurrency: int = 4, on_event: Any = None) -> OptimizedModule:
+             max_targets: int = 4, concurrency: int = 4, on_event: Any = None, budget_s: float = BUDGET_S,
+             keep_slower: bool = False) -> OptimizedModule:
     """Optimizes `model` for inputs shaped like `example_inputs` (on a CUDA device).
 
     Returns an OptimizedModule whose `.report` says what was done and why; when a stage cannot proceed
@@ -236,6 +245,14 @@ def optimize(model: torch.nn.Module, example_inputs: Sequence[Any], *, llm: Any 
     template path alike, and the faster verified one enters the program. The run is recorded in
     `run_dir` (default runs/<UTC time>-<model>); `resume` continues a killed run. Without `llm` nothing
     of this runs.
+
+    Failing small and never slower: a group that cannot be built or checked runs on ATen alone; a whole
+    program that does not match the model is traced to the group that causes it (each group's output
+    against ATen's on the failing input set), that group runs on ATen and the rest stays generated. Groups
+    still unchecked when `budget_s` seconds of generating and checking have passed stay on ATen (0: no
+    limit). The program is kept only when the Verifier's timer finds it faster than the eager model on
+    the example inputs (`keep_slower=True` keeps it regardless); otherwise the model runs eagerly and the
+    report gives both times.
     """
     report = Report()
     steps = _Progress(progress)
@@ -272,13 +289,22 @@ def optimize(model: torch.nn.Module, example_inputs: Sequence[Any], *, llm: Any 
             t0 = time.perf_counter()
             pool = None
             if isolated:
-                from ..verify import default_pool
+                from ..verify import trusted_pool
 
-                pool = default_pool()
+                pool = trusted_pool()
                 report.decisions.append(("group checks in the Verifier's isolated worker",
-                                         "generated code runs apart from this process until it matches ATen"))
+                                         "generated code runs apart from this process until it matches ATen; "
+                                         "recorded tensors reach it as CUDA IPC handles, not copies"))
+            deadline = t0 + budget_s if budget_s and budget_s > 0 else float("inf")
+            unchecked = 0
             for g in plan.groups:
                 if g.kind not in GENERATED:
+                    continue
+                if time.perf_counter() > deadline:
+                    unchecked += 1
+                    fallback.add(id(g))
+                    report.fallbacks.append({"group": g.name, "kind": g.kind, "reason": f"not checked: the time "
+                                             f"budget of {budget_s:g} s (budget_s=) was spent on earlier groups"})
                     continue
                 ok, why, code = check_group(graph, plan, g, values, constants, sm_count, pool)
                 codes[id(g)] = code
@@ -286,6 +312,9 @@ def optimize(model: torch.nn.Module, example_inputs: Sequence[Any], *, llm: Any 
                     fallback.add(id(g))
                     report.fallbacks.append({"group": g.name, "kind": g.kind, "reason": why})
             report.stage_seconds["generate_and_check"] = time.perf_counter() - t0
+            if unchecked:
+                report.decisions.append((f"{unchecked} group(s) left on ATen unchecked",
+                                         f"optimize's time budget of {budget_s:g} s ran out (budget_s=)"))
         offline_groups = list(plan.groups)
         if llm is not None or resume is not None:
             with steps.step("the agents: profile, choose targets, write and verify kernel steps"):
@@ -295,19 +324,24 @@ def optimize(model: torch.nn.Module, example_inputs: Sequence[Any], *, llm: Any 
                               budget=AgentBudget(attempts, tokens, wall_s, max_targets, concurrency), on_event=on_event,
                               compare_compile=compare_compile)
                 report.stage_seconds["agents"] = time.perf_counter() - t0
-        with steps.step("building the program"):
+        values = None  # every recorded intermediate is freed here: the checks that read them are done
+        contiguous_inputs = [t.contiguous() for t in flat_inputs]
+
+        def build() -> OptimizedModule:
             lowering = Lowering(graph, plan, constants, sm_count)
             program = lowering.build(plan.groups, graph.inputs, graph.outputs, fallback, _hardware())
             program.compile_kernels()
-        report.groups = _group_entries(plan, lowering, fallback, codes)
-        runner = None
-        if graphs:
-            with steps.step("choosing CUDA graph replay or direct launches"):
-                runner, decision = _choose_replay(program, [t.contiguous() for t in flat_inputs])
-                report.decisions.append(decision)
-        else:
-            program.set_replay("direct", "graphs=False was requested")  # carried into the saved artifact
-        optimized = OptimizedModule(model, program, graph, report, graphs=graphs, runner=runner)
+            report.groups = _group_entries(plan, lowering, fallback, codes)
+            runner = None
+            if graphs:
+                runner, decision = _choose_replay(program, contiguous_inputs)
+                report.decisions[:] = [d for d in report.decisions if not _is_replay_decision(d)] + [decision]
+            else:
+                program.set_replay("direct", "graphs=False was requested")  # carried into the saved artifact
+            return OptimizedModule(model, program, graph, report, graphs=graphs, runner=runner)
+
+        with steps.step("building the program"):
+            optimized = build()
         with steps.step(f"verifying on {verify_sets} input set(s)"):
             report.verification = _verify(model, optimized, example_inputs, verify_sets, plan)
         if not report.verification["passed"] and plan.groups != offline_groups:
@@ -316,29 +350,46 @@ def optimize(model: torch.nn.Module, example_inputs: Sequence[Any], *, llm: Any 
             detail = report.verification["detail"]
             plan.groups = offline_groups
             with steps.step("rebuilding without the agents' kernel steps"):
-                lowering = Lowering(graph, plan, constants, sm_count)
-                program = lowering.build(plan.groups, graph.inputs, graph.outputs, fallback, _hardware())
-                program.compile_kernels()
-                runner = None
-                if graphs:
-                    runner, decision = _choose_replay(program, [t.contiguous() for t in flat_inputs])
-                optimized = OptimizedModule(model, program, graph, report, graphs=graphs, runner=runner)
+                optimized = build()
                 report.verification = _verify(model, optimized, example_inputs, verify_sets, plan)
-                report.groups = _group_entries(plan, lowering, fallback, codes)
             for t in report.targets:
                 if t["winner"] == "llm":
                     t["winner"], t["note"] = "template", f"dropped: the whole program with it did not match ({detail})"
             report.decisions.append(("the agents' kernel steps left out", f"the whole program with them did not match "
                                      f"the model: {detail}"))
+        for _ in range(TRACE_ROUNDS):
+            if report.verification["passed"]:
+                break
+            with steps.step("tracing the mismatch to a group"):
+                culprit, why = trace_mismatch(graph, plan, constants, sm_count, fallback,
+                                              _flat_tensors(input_set(example_inputs,
+                                                                      report.verification.get("failed_set") or 0)))
+            if culprit is None:
+                break
+            fallback.add(id(culprit))
+            report.fallbacks.append({"group": culprit.name, "kind": culprit.kind, "reason": "the whole program did "
+                                     f"not match the model ({report.verification['detail']}); traced to this group: "
+                                     f"{why}"})
+            with steps.step(f"rebuilding with {culprit.name} on ATen"):
+                optimized = build()
+                report.verification = _verify(model, optimized, example_inputs, verify_sets, plan)
         if not report.verification["passed"]:
             report.status = "eager"
             report.reason = "the stitched program does not match the model: " + report.verification["detail"]
             optimized._runner = None
             return optimized
         report.status = "optimized"
-        if measure:
+        if measure or not keep_slower:
             with steps.step("measuring"):
-                report.timing = _measure(model, optimized, example_inputs, compare_compile)
+                report.timing = _measure(model, optimized, example_inputs, compare_compile and measure)
+            t = report.timing
+            if not keep_slower and t["stitched_ms"] >= t["eager_ms"]:
+                report.status = "eager"
+                report.reason = (f"the stitched program is not faster than the model on the example inputs "
+                                 f"({t['stitched_ms']:.4f} ms against eager {t['eager_ms']:.4f} ms per call, by "
+                                 "the Verifier's timer): the original model runs (keep_slower=True keeps the "
+                                 "program)")
+                optimized._runner = None
         return optimized
     except (CaptureError, LoweringError) as exc:
         report.reason = str(exc)
@@ -348,6 +399,60 @@ def optimize(model: torch.nn.Module, example_inputs: Sequence[Any], *, llm: Any 
         return OptimizedModule(model, None, None, report)
     finally:
         model.train(was_training)
+
+
+def _flat_tensors(inputs) -> list[torch.Tensor]:
+    return [t.contiguous() for t in pytree.tree_flatten(tuple(inputs))[0] if isinstance(t, torch.Tensor)]
+
+
+def _is_replay_decision(decision: tuple[str, str]) -> bool:
+    return decision[0] in ("replay as one CUDA graph", "launch the steps directly (no CUDA graph)")
+
+
+def trace_mismatch(graph: Graph, plan: GraphPlan, constants: dict, sm_count: int, fallback: set[int],
+                   inputs: list[torch.Tensor]) -> tuple[Group | None, str]:
+    """The group that makes a whole program differ from the model: the program is built again with
+    every generated group's outputs as extra outputs and run on `inputs`; each is compared with ATen's
+    value on the same inputs, in program order. The first group outside its tolerance is the culprit
+    (its inputs, earlier groups' outputs, were within theirs); when none is outside, the one nearest to
+    its limit (errors that add up along the graph). Returns (group, why) or (None, why)."""
+    suspects = [g for g in plan.groups if (g.kind in GENERATED or g.kind == "kernel_step") and id(g) not in fallback]
+    if not suspects:
+        return None, "no generated group is left to suspect"
+    graph_outputs = {v.name for v in graph.outputs}
+    owner: dict[str, Group] = {}
+    watched = []
+    for g in suspects:
+        for v in g.outputs(graph_outputs):
+            if v.name not in owner:
+                owner[v.name] = g
+                if v.name not in graph_outputs:
+                    watched.append(v)
+    outputs = list(graph.outputs) + watched
+    try:
+        program = Lowering(graph, plan, constants, sm_count).build(plan.groups, graph.inputs, outputs, fallback)
+        program.compile_kernels()
+        got = program.executor(graphs=False).run(inputs)
+    except Exception as exc:  # the diagnosis cannot run: the caller keeps what it has
+        return None, f"the diagnostic program did not run ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+    names = [v.name for v in outputs]
+    want = reference_values(graph, inputs, keep=set(names))
+    worst: tuple[float, Group | None, str] = (0.0, None, "")
+    for g in suspects:
+        for name, value in zip(names, got):
+            if owner.get(name) is not g or name not in want:
+                continue
+            expected = want[name]
+            atol, rtol = tolerance(expected.dtype, plan.precision)
+            problem = first_difference(name, value, expected, atol, rtol, reference="ATen")
+            if problem:
+                return g, problem
+            if value.is_floating_point() and value.numel():
+                ratio = ((value.float() - expected.float()).abs() / (atol + rtol * expected.float().abs())).max().item()
+                if ratio > worst[0]:
+                    worst = (ratio, g, f"within its tolerance but nearest its limit ({ratio:.2f} of it at '{name}'): "
+                                       "errors add up along the graph")
+    return worst[1], worst[2] or "no group's output differs"
 
 
 def _plan_only(model, example_inputs, precision: str, graphs: bool, report: Report) -> None:

@@ -1,0 +1,139 @@
+"""Graph mode fails small, on any machine: a whole-program mismatch is traced to the group that causes it
+(trace_mismatch, with the program's run replaced by ATen's values and one group's output perturbed), and
+recurrent layers are captured whole (one cuDNN call each), so planning a deep LSTM takes a second, not
+minutes. The GPU side (the fallback of the traced group, the time budget, the faster-than-eager rule) is
+in test_gpu_graph.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import stitchcuda
+from stitchcuda.graph.capture import capture
+from stitchcuda.graph.lower import reference_values
+from stitchcuda.graph.planner import GENERATED, OfflinePlanner
+
+optimize_module = importlib.import_module("stitchcuda.graph.optimize")  # the package exports the function
+
+
+class _Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.fc = nn.Conv2d(4, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Linear(8, 16)
+
+    def forward(self, x):
+        y = F.relu(self.bn(self.conv(x))).mean(dim=(2, 3))
+        return torch.softmax(self.fc(y) * 0.5, -1)
+
+
+def _fake_lowering(graph, wrong: dict[str, float]):
+    """A Lowering whose program returns ATen's values for the outputs it was asked for, shifted by
+    `wrong[name]` for the named values: a program with a wrong kernel, without a GPU."""
+
+    class Program:
+        def __init__(self, outputs):
+            self.outputs = outputs
+
+        def compile_kernels(self):
+            pass
+
+        def executor(self, graphs=False):
+            return self
+
+        def run(self, inputs):
+            values = reference_values(graph, inputs)
+            return [values[v.name] + wrong.get(v.name, 0.0) for v in self.outputs]
+
+    class Lowering:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def build(self, groups, inputs, outputs, fallback=frozenset(), hardware=None):
+            return Program(list(outputs))
+
+    return Lowering
+
+
+def _setup():
+    torch.manual_seed(0)
+    model = _Head().eval()
+    x = torch.randn(2, 4, 6, 6)
+    graph = capture(model, (x,))
+    plan = OfflinePlanner().plan(graph)
+    generated = [g for g in plan.groups if g.kind in GENERATED]
+    return graph, plan, generated, x
+
+
+def test_the_first_group_outside_its_tolerance_is_the_culprit(monkeypatch):
+    graph, plan, generated, x = _setup()
+    kinds = [g.kind for g in generated]
+    assert kinds == ["reduction", "gemm", "reduction"], kinds
+    outputs = {v.name for v in graph.outputs}
+    bn_relu_mean = generated[0].outputs(outputs)[0].name
+    # The first reduction is wrong by 1e-2: everything after it is wrong too, but it is named.
+    monkeypatch.setattr(optimize_module, "Lowering", _fake_lowering(graph, {bn_relu_mean: 1e-2}))
+    culprit, why = optimize_module.trace_mismatch(graph, plan, {}, 132, set(), [x])
+    assert culprit is generated[0], (culprit, why)
+    assert f"'{bn_relu_mean}'" in why and "differs from ATen" in why
+    # Once that group is on ATen, nothing outside its tolerance remains: the nearest to its limit is named.
+    monkeypatch.setattr(optimize_module, "Lowering", _fake_lowering(graph, {bn_relu_mean: 5e-5}))
+    culprit, why = optimize_module.trace_mismatch(graph, plan, {}, 132, set(), [x])
+    assert culprit is generated[0] and "nearest its limit" in why, (culprit, why)
+
+
+def test_groups_already_on_aten_are_not_suspected(monkeypatch):
+    graph, plan, generated, x = _setup()
+    monkeypatch.setattr(optimize_module, "Lowering", _fake_lowering(graph, {}))
+    culprit, why = optimize_module.trace_mismatch(graph, plan, {}, 132, {id(g) for g in generated}, [x])
+    assert culprit is None and why == "no generated group is left to suspect"
+
+
+def test_a_diagnosis_that_cannot_run_names_why_and_blames_nobody(monkeypatch):
+    graph, plan, _, x = _setup()
+
+    class Broken:
+        def __init__(self, *a, **k):
+            pass
+
+        def build(self, *a, **k):
+            raise RuntimeError("invalid program: step 3 (view)")
+
+    monkeypatch.setattr(optimize_module, "Lowering", Broken)
+    culprit, why = optimize_module.trace_mismatch(graph, plan, {}, 132, set(), [x])
+    assert culprit is None and "did not run" in why and "step 3 (view)" in why
+
+
+class _DeepRecurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(32, 64, num_layers=6, batch_first=True)
+        self.gru = nn.GRU(64, 32)
+        self.rnn = nn.RNN(32, 16, nonlinearity="relu")
+
+    def forward(self, x):
+        y, _ = self.lstm(x)
+        z, _ = self.gru(y)
+        w, _ = self.rnn(z)
+        return w[:, -1]
+
+
+def test_recurrent_layers_are_captured_whole_and_planned_in_seconds():
+    model = _DeepRecurrent().eval()
+    x = torch.randn(2, 200, 32)
+    graph = capture(model, (x,))
+    counts = graph.op_counts()
+    assert counts.get("aten::lstm.input") == 1 and counts.get("aten::gru.input") == 1, counts
+    assert counts.get("aten::rnn_relu.input") == 1, counts
+    assert sum(counts.values()) < 40, counts  # unrolled, 200 steps x 6 layers would be thousands
+    t0 = time.perf_counter()
+    fast = stitchcuda.optimize(model, (x,))  # no GPU: capture, plan, lower and compile only
+    assert time.perf_counter() - t0 < 30
+    kinds = {g["nodes"]: g["kind"] for g in fast.report.groups}
+    assert kinds.get("lstm.input") == "aten" and kinds.get("gru.input") == "aten", kinds
+    assert "planned and compiled only" in fast.report.reason, fast.report.reason
