@@ -156,9 +156,22 @@ Result<BoundAtenOp> BoundAtenOp::bind(const AtenOp& step, const Program& program
                                                     "' but the step gives only " + std::to_string(n_inputs) + " input(s)");
       }
     } else if (is_tensor_list(type)) {
-      std::size_t later = 0;
-      for (std::size_t j = i + 1; j < args.size(); ++j) later += is_tensor(args[j].type()) ? 1 : 0;
-      std::size_t take = n_inputs - next >= later ? n_inputs - next - later : 0;
+      // The list takes what the later tensor arguments leave, or, where several lists share the inputs
+      // (lstm's hx and params), as many as the attribute "<name>:count" says.
+      std::size_t take = 0;
+      if (auto count = step.attributes.find(arg.name() + ":count"); count != step.attributes.end()) {
+        auto* k = std::get_if<std::int64_t>(&count->second);
+        if (!k || *k < 0 || std::size_t(*k) > n_inputs - next)
+          return fail(ErrorCode::InvalidArgument, "ATen op '" + step.op + "', attribute '" + count->first +
+                                                      "': must be a count of at most the " +
+                                                      std::to_string(n_inputs - next) + " input(s) left");
+        take = std::size_t(*k);
+        used.insert(count->first);
+      } else {
+        std::size_t later = 0;
+        for (std::size_t j = i + 1; j < args.size(); ++j) later += is_tensor(args[j].type()) ? 1 : 0;
+        take = n_inputs - next >= later ? n_inputs - next - later : 0;
+      }
       slot.kind = Slot::tensor_list, slot.first = next, slot.count = take;
       next += take;
     } else if (auto it = step.attributes.find(arg.name()); it != step.attributes.end()) {

@@ -137,3 +137,38 @@ def test_recurrent_layers_are_captured_whole_and_planned_in_seconds():
     kinds = {g["nodes"]: g["kind"] for g in fast.report.groups}
     assert kinds.get("lstm.input") == "aten" and kinds.get("gru.input") == "aten", kinds
     assert "planned and compiled only" in fast.report.reason, fast.report.reason
+
+
+class _ColumnSliceReshape(nn.Module):
+    """The selective-scan pattern: a column slice of a projection, its rows split into chunks by a
+    reshape (a view of a non-contiguous source), then a copying permute-reshape back."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 40, bias=False)
+
+    def forward(self, u):
+        x, gate = torch.split(self.proj(u), [32, 8], dim=-1)
+        chunks = x.reshape(2, 4, 8, 4, 8) * torch.sigmoid(gate).reshape(2, 4, 8, 8)[..., :4, None]
+        return chunks.permute(0, 3, 1, 2, 4).reshape(2, 32, 32).sum(-1)
+
+
+def test_a_reshape_of_a_column_slice_is_a_strided_view_not_an_invalid_program():
+    model = _ColumnSliceReshape().eval()
+    fast = stitchcuda.optimize(model, (torch.randn(2, 32, 16),))  # no GPU: capture, plan, lower, validate
+    assert "planned and compiled only" in fast.report.reason, fast.report.reason
+    assert "invalid program" not in fast.report.reason
+
+
+def test_recurrent_steps_say_how_many_inputs_each_tensor_list_takes():
+    x = torch.randn(2, 10, 32)
+    graph = capture(_DeepRecurrent().eval(), (x,))
+    plan = OfflinePlanner().plan(graph)
+    values = reference_values(graph, [x])  # the zero initial states are constants, as optimize() makes them
+    constants = {g.nodes[0].out.name: values[g.nodes[0].out.name] for g in plan.groups if g.kind == "constant"}
+    program = optimize_module.Lowering(graph, plan, constants).build(plan.groups, graph.inputs, graph.outputs)
+    steps = {s["op"]: s for s in program.steps if s["kind"] == "aten" and "lstm" in s.get("op", "")}
+    lstm = steps["aten::lstm.input"]
+    # hx holds h0 and c0; params the 6 layers' 4 tensors each (weights and biases)
+    assert lstm["attributes"]["hx:count"] == 2 and lstm["attributes"]["params:count"] == 24, lstm
+    assert len(lstm["inputs"]) == 1 + 2 + 24

@@ -361,8 +361,11 @@ class Lowering:
             shape, strides, offset = result
             kind = "permute" if n.op in ("aten::permute", "aten::transpose.int", "aten::t") else \
                 "slice" if n.op in ("aten::slice.Tensor", "aten::select.int") else "reshape"
-            if kind == "reshape" and tuple(strides) != _contiguous_strides(shape):
-                kind = "slice"  # a strided reshape (squeeze of a slice): the IR's general strided view
+            if kind == "reshape" and (tuple(strides) != _contiguous_strides(shape)
+                                      or tuple(sstrides) != _contiguous_strides(sshape)):
+                # A strided reshape (a squeeze of a slice, a split of a column slice's rows): the IR's
+                # general strided view; its reshape kind is for contiguous source and result only.
+                kind = "slice"
             bid = self.b.view(kind, sbid, list(shape), strides=list(strides), storage_offset=offset)
             self._record(out, bid, shape, strides, dtype)
             return
@@ -414,6 +417,8 @@ class Lowering:
                     inputs.append(self.need(value))
                 elif isinstance(value, (list, tuple)):
                     inputs.extend(self.need(v) for v in value)
+                    if sum(str(a.type) == "List[Tensor]" for a in arguments) > 1:
+                        attributes[f"{arg.name}:count"] = len(value)  # lstm: hx, then params
                 elif value is None and any(p > i for p in tensor_positions):
                     attributes[arg.name] = "none"
                 continue
