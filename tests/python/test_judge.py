@@ -511,3 +511,19 @@ def test_describe_on_the_gpu():
     assert d["gpu"] == props.name and d["sms"] == props.multi_processor_count and d["l2_bytes"] > 0
     if hardware.ceilings(props.name) is not None:
         assert agents.hardware()["dram_tb_s"] == d["dram_tb_s"] == verify.VerifyConfig().bandwidth_tb_s
+
+
+def test_comparisons_of_large_outputs_go_in_chunks_with_the_same_answers(monkeypatch):
+    from stitchcuda.verify import compare
+
+    want = torch.arange(10, dtype=torch.float32)
+    got = want.clone()
+    got[7] += 0.5
+    got[2] += 0.25
+    whole = (compare.largest_error(got, want), compare.first_difference("y", got, want, 1e-4, 1e-4))
+    monkeypatch.setattr(compare, "CHUNK_ELEMENTS", 3)  # 10 elements in slices of 3, 3, 3, 1
+    assert compare.largest_error(got, want) == whole[0] == (0.5, 7)
+    assert compare.first_difference("y", got, want, 1e-4, 1e-4) == whole[1]
+    assert "at flat index 7" in whole[1] and compare.max_abs_error(got, want) == 0.5
+    assert compare.first_difference("y", want.clone(), want, 1e-4, 1e-4) is None
+    assert compare.largest_error(torch.empty(0), torch.empty(0)) == (0.0, 0)

@@ -61,20 +61,33 @@ def _outside(diff: torch.Tensor, expected: torch.Tensor, atol: float, rtol: floa
     return diff > limit
 
 
+# Elements compared at once: float64 temporaries of 64 Mi elements (512 MiB each), whatever the tensor's
+# size. Comparing a 6 GB output whole would take ~50 GB of float64 temporaries.
+CHUNK_ELEMENTS = 1 << 26
+
+
+def _chunks(got: torch.Tensor, expected: torch.Tensor):
+    """(got, expected) as matching flat slices of at most CHUNK_ELEMENTS, with each slice's offset."""
+    g, e = got.reshape(-1), expected.reshape(-1)
+    for start in range(0, e.numel(), CHUNK_ELEMENTS):
+        yield start, g[start:start + CHUNK_ELEMENTS], e[start:start + CHUNK_ELEMENTS]
+
+
 def max_abs_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     """The largest |got - expected| (inf for a NaN the reference does not have; 0 for empty tensors)."""
-    if expected.numel() == 0:
-        return 0.0
-    return float(abs_error(got, expected).max())
+    return largest_error(got, expected)[0]
 
 
 def largest_error(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, int]:
     """(largest |got - expected|, its flat index): where to look first."""
-    diff = abs_error(got, expected).reshape(-1)
-    if diff.numel() == 0:
-        return 0.0, 0
-    idx = int(diff.argmax())
-    return float(diff[idx]), idx
+    worst, where = 0.0, 0
+    for start, g, e in _chunks(got, expected):
+        diff = abs_error(g, e)
+        idx = int(diff.argmax())
+        value = float(diff[idx])
+        if value > worst or (start == 0 and idx == 0 and value >= worst):
+            worst, where = value, start + idx
+    return worst, where
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -90,8 +103,7 @@ def first_difference(name: str, got: torch.Tensor, want: torch.Tensor, atol: flo
         return f"output '{name}' has shape {tuple(got.shape)}, {reference}'s {tuple(want.shape)}"
     if got.dtype != want.dtype:
         return f"output '{name}' is {_dtype_name(got.dtype)}, {reference}'s {_dtype_name(want.dtype)}"
-    diff = abs_error(got, want)
-    if not bool(_outside(diff, want, atol, rtol).any()):
+    if not any(bool(_outside(abs_error(g, e), e, atol, rtol).any()) for _, g, e in _chunks(got, want)):
         return None
     worst, idx = largest_error(got, want)
     return (f"output '{name}' differs from {reference}: max |error| {worst:.3g} at flat index {idx} "
