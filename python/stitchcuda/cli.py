@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Sequence
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -89,12 +90,44 @@ def _bench(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+MODEL_BENCHES = ("suite", "kernelbench")  # folders of KernelBench-format problems, run by bench/suite.py
+
+
 def _bench_suite(args: argparse.Namespace) -> int:
-    """Benchmarks that live beside their layer: stitchcuda.bench.<suite>.run(json_output)."""
+    """Benchmarks that live beside their layer: stitchcuda.bench.<suite>.run(json_output); the model folders
+    (suite, kernelbench) go through stitchcuda.bench.suite.run_suite with their options."""
     import importlib
 
+    if args.suite in MODEL_BENCHES:
+        from .bench import suite
+
+        return int(suite.run_suite(args.suite, folder=args.dir, only=args.only, chunk=args.chunk,
+                                   results=args.results, json_output=args.json))
     module = importlib.import_module(f"stitchcuda.bench.{args.suite}")
     return int(module.run(json_output=args.json))
+
+
+def _chunk(text: str) -> str:
+    """K/N with 1 <= K <= N (checked here, so a typo is a usage error before any GPU work)."""
+    from .bench.suite import parse_chunk
+
+    try:
+        parse_chunk(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _model_bench_options(sub: argparse.ArgumentParser, default_dir: str) -> None:
+    """The options of `bench suite` and `bench kernelbench` (docs: stitchcuda/bench/suite.py)."""
+    sub.add_argument("--dir", type=Path, default=None, help=f"folder of KernelBench-format problem files "
+                     f"(default: {default_dir})")
+    sub.add_argument("--only", metavar="A,B", default=None,
+                     help="comma-separated file stems to run (default: STITCHCUDA_SUITE_ONLY, else all)")
+    sub.add_argument("--chunk", metavar="K/N", type=_chunk, default=None,
+                     help="every N-th problem from the K-th (default: STITCHCUDA_SUITE_CHUNK, else all)")
+    sub.add_argument("--results", metavar="FILE.jsonl", type=Path, default=None,
+                     help="append each finished row here and skip problems already in it (resumable)")
 
 
 PING_PROMPT = "Reply with the single word: pong"
@@ -159,9 +192,14 @@ def build_parser() -> argparse.ArgumentParser:
                         ("verify", "verifier: candidates per minute, speed-up agreement (issue 4)"),
                         ("graph", "optimize(model) end to end: speed-up vs eager and torch.compile (issue 8)"),
                         ("suite", "the bench/suite models: eager vs torch.compile (default, reduce-overhead) vs "
-                                  "optimize, correctness (issue 8)")):
+                                  "optimize, correctness, memory (issue 8)"),
+                        ("kernelbench", "the same over bench/kernelbench: KernelBench-format problems at large "
+                                        "sizes, summarized per class")):
         sub = suites.add_parser(suite, help=text)
         sub.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+        if suite in MODEL_BENCHES:
+            _model_bench_options(sub, "STITCHCUDA_SUITE_DIR, else bench/suite" if suite == "suite"
+                                 else "bench/kernelbench")
         sub.set_defaults(run=_bench_suite)
 
     llm = commands.add_parser("llm", help="model backends (docs/llm.md)")

@@ -1,67 +1,143 @@
-"""`stitchcuda bench suite`: every model in `bench/suite/` (KernelBench format) through eager PyTorch,
-torch.compile (default and mode="reduce-overhead") and `stitchcuda.optimize`, timed in one run, with
-StitchCUDA's outputs checked against eager and geomean speed-ups over eager.
+"""`stitchcuda bench suite` and `stitchcuda bench kernelbench`: every problem in a folder of KernelBench-format
+files (Model, get_inputs, get_init_inputs) through eager PyTorch, torch.compile (default and
+mode="reduce-overhead") and `stitchcuda.optimize`, timed in one run, with StitchCUDA's outputs checked
+against eager, its memory against eager's, and geomean speed-ups over eager per class and overall.
+
+Options (flags win over the environment):
+  --dir DIR        the folder of problem files. `suite`: STITCHCUDA_SUITE_DIR, else `bench/suite` found by
+                   walking up from this file; `kernelbench`: `bench/kernelbench` found the same way
+                   (STITCHCUDA_SUITE_DIR does not apply to it, so a shell set up for the suite cannot
+                   redirect it silently).
+  --only a,b       file stems to run (STITCHCUDA_SUITE_ONLY); names that match no file are reported.
+  --chunk K/N      every N-th problem from the K-th, 1-based (STITCHCUDA_SUITE_CHUNK), for runs that must
+                   fit a time limit; N runs cover the folder once.
+  --results F      a JSON-lines file: each finished row is appended (and flushed) at once, and a problem
+                   already in the file is not run again, so a killed run continues where it stopped (delete
+                   a problem's line to measure it again; one file per folder). The table and summary cover
+                   every row in the file that matches the selected problems.
+  --json           one JSON object on stdout: {device, suite_dir, tolerance, repeats, resumed,
+                   summary: {overall, classes: {name: {...}}}, models: [row, ...]}; without a GPU (exit 3),
+                   with no folder, nothing selected or a bad STITCHCUDA_SUITE_CHUNK (exit 2) it is
+                   {"error": "..."} (a bad flag is argparse's usage error on stderr, exit 2).
+
+Each row: `class` from the file name's prefix before the first `_` (op: single op, conv: conv + epilogue,
+gemm: GEMM + epilogue, net and model: whole network, anything else: other); eager_ms, compile_ms
+(torch.compile default), reduce_overhead_ms, best_compile_mode / best_compile_ms (the faster of the two
+for this problem), stitch_ms and the speed-ups over eager of each (speedup_*), stitch_vs_best_compile
+(best compile ms / StitchCUDA ms); optimize_s (optimize's wall seconds) and, from the first call, the
+seconds of both torch.compile modes (*_first_call_s); correctness on three input sets (`input_sets`: the
+example inputs and get_inputs() again under torch.manual_seed(1) and (2), each against eager); memory:
+eager_peak_bytes (the peak allocated during one warm eager forward, the second, above what was allocated
+before it), optimize_peak_bytes (the same around the optimize call; this process's allocations only, not
+the isolated Verifier worker's), largest_tensor_bytes (the largest single input or eager output) and
+memory_ratio = optimize peak / (eager peak + 2 x largest tensor), whose target is <= 1.
 
 Timing: the Verifier's protocol (stitchcuda.verify.measure: CUDA events, warm-up calls first, L2 flushed
 and persisting L2 reset before every trial), median of 30. Outputs are compared by the Verifier's
 comparator under its tolerance table (fp32: atol = rtol = 1e-4). Matmuls and cuDNN
 convolutions run in true fp32 (TF32 off) for every column, so the comparison and the tolerance are fair.
-A model whose optimize falls back to eager counts as correct at its eager time (status "eager"); a wrong
-StitchCUDA result counts as 1x in the geomean; an exception in any column is recorded in that model's row
-and never stops the run.
+An optimized problem is correct only if all three input sets match; one whose optimize falls back to
+eager counts as correct at its eager time (status "eager"); a wrong StitchCUDA result counts as 1x in the
+geomeans.
 
-Each model compiles inside the timed pass (its first call, not timed): on the H200 the whole suite, 40
-models through all four columns, takes about two minutes that way. (A pool of processes compiling every
-model first was slower there: eight processes contending for the CPUs did not finish 20 models in nine
-minutes.) Each row records the first-call seconds of both torch.compile modes and optimize's seconds.
+At KernelBench sizes memory decides whether a run finishes: every column's models, outputs and compiled
+caches are dropped between columns and problems (torch._dynamo.reset, gc.collect, empty_cache), a CUDA
+out-of-memory error is recorded in its column's error like any other exception, and one problem's failure
+never stops the run (a sticky CUDA error, such as an illegal address, does poison the process: resume
+with --results in a fresh one).
 
-Environment: STITCHCUDA_SUITE_DIR (the folder of model files; default `bench/suite` found by walking up
-from this file), STITCHCUDA_SUITE_ONLY (comma-separated file stems to run, e.g. `gemm_bias_relu,softmax_rows`),
-STITCHCUDA_SUITE_CHUNK (`K/N`: every N-th model from the K-th, for runs that must fit a time limit).
+Each problem compiles inside the timed pass (its first call, not timed): on the H200 the 40-model suite
+through all four columns takes about two minutes that way. (A pool of processes compiling every model
+first was slower there: eight processes contending for the CPUs did not finish 20 models in nine
+minutes.) Rows are printed to stderr as `[suite-row] {json}` as they finish, so a run cut short still
+reports what it measured.
+
+Summary (per class and overall): models, correct, optimized, geomean speed-ups over eager of compile
+default, reduce-overhead, the best compile mode per problem and StitchCUDA, the geomean of StitchCUDA over
+the best compile mode, slower_than_eager (problems whose measured StitchCUDA speed-up is below 0.98),
+optimize_s_median / optimize_s_max, and memory_over_target (problems whose memory_ratio exceeds 1).
 """
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import math
 import os
+import statistics
 import sys
 import time
 import traceback
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.utils._pytree as pytree
 
 REPEATS = 30
+FRESH_SEEDS = (1, 2)  # the two input sets made again by get_inputs(), beside the example inputs
+SLOW = 0.98  # a StitchCUDA speed-up below this is a slowdown, not noise
+EXIT_USAGE, EXIT_NO_GPU = 2, 3
+
+# The file name's prefix names the problem's class; the summary is kept per class and overall.
+CLASSES = {"op": "single op", "conv": "conv + epilogue", "gemm": "GEMM + epilogue", "net": "whole network",
+           "model": "whole network"}
+CLASS_ORDER = ("single op", "conv + epilogue", "GEMM + epilogue", "whole network", "other")
+BENCHES = ("suite", "kernelbench")  # the folders under bench/ this runner knows by name
+
+
+def problem_class(stem: str) -> str:
+    """The class of a problem file's stem: its prefix before the first `_` (none: "other")."""
+    prefix, sep, _ = stem.partition("_")
+    return CLASSES.get(prefix, "other") if sep else "other"
+
+
+def _repository_folder(name: str) -> Path | None:
+    """The nearest `bench/<name>` above this file (the repository's)."""
+    for parent in Path(__file__).resolve().parents:
+        if (parent / "bench" / name).is_dir():
+            return parent / "bench" / name
+    return None
 
 
 def suite_dir() -> Path | None:
     """STITCHCUDA_SUITE_DIR, else the nearest `bench/suite` above this file (the repository's)."""
     override = os.environ.get("STITCHCUDA_SUITE_DIR")
-    if override:
-        return Path(override)
-    for parent in Path(__file__).resolve().parents:
-        if (parent / "bench" / "suite").is_dir():
-            return parent / "bench" / "suite"
-    return None
+    return Path(override) if override else _repository_folder("suite")
+
+
+def default_dir(bench: str) -> Path | None:
+    """The folder `stitchcuda bench <bench>` runs without --dir."""
+    return suite_dir() if bench == "suite" else _repository_folder(bench)
+
+
+def parse_chunk(chunk: str) -> tuple[int, int]:
+    """(K, N) of "K/N" with 1 <= K <= N; ValueError otherwise."""
+    k, _, n = chunk.partition("/")
+    if not (k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+        raise ValueError(f"--chunk / STITCHCUDA_SUITE_CHUNK must be K/N with 1 <= K <= N, got {chunk!r}")
+    return int(k), int(n)
+
+
+def _only_names(only: str | None) -> set[str]:
+    return {s.strip() for s in (only or "").split(",") if s.strip()}
 
 
 def model_files(folder: Path, only: str | None = None, chunk: str | None = None) -> list[Path]:
-    """The suite's model files, sorted; `only` is a comma-separated list of stems; `chunk` "K/N" keeps
-    every N-th file from the K-th (1-based), so N runs cover the suite once, each with a mix of kinds."""
+    """The folder's problem files, sorted; `only` is a comma-separated list of stems; `chunk` "K/N" keeps
+    every N-th file from the K-th (1-based), so N runs cover the folder once, each with a mix of kinds."""
     files = sorted(p for p in folder.glob("*.py") if not p.name.startswith("_"))
-    if only:
-        wanted = {s.strip() for s in only.split(",") if s.strip()}
+    wanted = _only_names(only)
+    if wanted:
         files = [p for p in files if p.stem in wanted]
     if chunk:
-        k, _, n = chunk.partition("/")
-        if not (k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
-            raise SystemExit(f"bench suite: STITCHCUDA_SUITE_CHUNK must be K/N with 1 <= K <= N, got {chunk!r}")
-        files = files[int(k) - 1::int(n)]
+        try:
+            k, n = parse_chunk(chunk)
+        except ValueError as exc:
+            raise SystemExit(f"bench suite: {exc}") from None
+        files = files[k - 1::n]
     return files
 
 
@@ -118,6 +194,76 @@ def _compare(got: Any, want: Any) -> tuple[bool, float, str]:
     return ok, worst, detail
 
 
+# ---- memory ----
+
+
+def _free_gpu() -> None:
+    """Drops what one column or problem left: compiled caches (they hold the model), cycles (an exception's
+    frames hold its tensors), and the allocator's cached blocks, so the next problem starts empty."""
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _peak_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """(fn's result, the most bytes allocated while it ran above what was allocated before it)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    return result, torch.cuda.max_memory_allocated() - before
+
+
+def largest_tensor_bytes(*structures: Any) -> int:
+    """The bytes of the largest single tensor in the given (nested) inputs and outputs."""
+    tensors = [t for s in structures for t in pytree.tree_flatten(s)[0] if isinstance(t, torch.Tensor)]
+    return max((t.numel() * t.element_size() for t in tensors), default=0)
+
+
+def memory_ratio(optimize_peak: int | None, eager_peak: int | None, largest: int | None) -> float | None:
+    """optimize peak / (eager peak + 2 x largest tensor): optimize may hold the model's working set plus an
+    input and an output copy (a reference and a candidate) before it costs more than the target of 1."""
+    if optimize_peak is None or eager_peak is None or largest is None:
+        return None
+    budget = eager_peak + 2 * largest
+    return optimize_peak / budget if budget > 0 else None
+
+
+# ---- one problem ----
+
+
+def _to_gpu(inputs: Iterable[Any]) -> tuple:
+    return tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in inputs)
+
+
+def _on_gpu(path: Path) -> tuple[ModuleType, torch.nn.Module, tuple]:
+    """The file's module, its model (seed 0, eval mode) and example inputs, on the GPU."""
+    module = load(path)
+    torch.manual_seed(0)
+    model = module.Model(*module.get_init_inputs()).cuda().eval()
+    return module, model, _to_gpu(module.get_inputs())
+
+
+def _clone(out: Any) -> Any:
+    return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
+
+
+def _eager(row: dict, model: torch.nn.Module, inputs: tuple) -> Any:
+    """Eager's reference outputs; records eager_ms, eager_peak_bytes and largest_tensor_bytes."""
+    with torch.no_grad():
+        want = _clone(model(*inputs))  # the first call also allocates the libraries' lazy workspaces
+
+        def forward() -> None:  # its output is counted in the peak, then dropped
+            model(*inputs)
+
+        # The peak of a second, warm forward: eager's steady working set, output included.
+        _, row["eager_peak_bytes"] = _peak_bytes(forward)
+        row["largest_tensor_bytes"] = largest_tensor_bytes(inputs, want)
+        row["eager_ms"] = _time_ms(lambda: model(*inputs))
+    return want
+
+
 def _compiled_ms(model, inputs, mode: str | None) -> tuple[float, float]:
     """(median milliseconds per call, seconds the first call took: compilation, from the caches if warm)."""
     torch._dynamo.reset()  # a fresh cache per model and mode: no recompilation limits, no cross-talk
@@ -129,68 +275,178 @@ def _compiled_ms(model, inputs, mode: str | None) -> tuple[float, float]:
         return _time_ms(lambda: compiled(*inputs), warmup=5), first_s
 
 
-def _on_gpu(path: Path) -> tuple[torch.nn.Module, tuple]:
-    """The file's model (seed 0, eval mode) and inputs, on the GPU."""
-    module = load(path)
-    torch.manual_seed(0)
-    model = module.Model(*module.get_init_inputs()).cuda().eval()
-    return model, tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in module.get_inputs())
-
-
-def run_model(path: Path) -> dict:
-    """One model's row: times, speed-ups, correctness, report status; errors recorded, never raised."""
-    from ..graph import optimize
-
-    row: dict[str, Any] = {"model": path.stem, "errors": {}}
-    try:
-        model, inputs = _on_gpu(path)
-        with torch.no_grad():
-            want = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, model(*inputs))
-            row["eager_ms"] = _time_ms(lambda: model(*inputs))
-    except Exception as exc:  # the model itself does not load or run: nothing else can be measured
-        row["errors"]["eager"] = _first_line(exc)
-        row["correct"] = False
-        return row
-
+def _compile_columns(row: dict, model: torch.nn.Module, inputs: tuple) -> None:
     for key, mode in (("compile_ms", None), ("reduce_overhead_ms", "reduce-overhead")):
         try:
             row[key], first_s = _compiled_ms(model, inputs, mode)
             row[key.removesuffix("_ms") + "_first_call_s"] = round(first_s, 2)
-        except Exception as exc:  # no compiler toolchain, a dynamo failure: the row says so
+        except Exception as exc:  # no compiler toolchain, a dynamo failure, out of memory: the row says so
             row["errors"][key.removesuffix("_ms")] = _first_line(exc)
-    torch._dynamo.reset()
+        _free_gpu()  # the compiled graphs (and reduce-overhead's CUDA-graph pool) go before the next column
+
+
+def _check_set(name: str, run: Callable[[], tuple[Any, Any]]) -> dict:
+    """One input set's verdict; `run` returns (StitchCUDA's outputs, eager's). Errors are the verdict."""
+    try:
+        with torch.no_grad():
+            got, want = run()
+            ok, worst, detail = _compare(got, want)
+    except Exception as exc:  # out of memory on a fresh set, a failing replay: this set is not correct
+        return {"inputs": name, "correct": False, "error": _first_line(exc)}
+    entry: dict[str, Any] = {"inputs": name, "correct": ok, "max_abs_error": worst}
+    if detail:
+        entry["mismatch"] = detail
+    return entry
+
+
+def _fresh_set(module: ModuleType, model: torch.nn.Module, fast: Any, seed: int) -> tuple[Any, Any]:
+    torch.manual_seed(seed)
+    inputs = _to_gpu(module.get_inputs())
+    want = _clone(model(*inputs))  # before StitchCUDA's call, in case either writes into its inputs
+    return fast(*inputs), want
+
+
+def _input_sets(module: ModuleType, model: torch.nn.Module, fast: Any, inputs: tuple, want: Any) -> list[dict]:
+    """StitchCUDA against eager on the example inputs and on get_inputs() under each of FRESH_SEEDS: a
+    program that is right for one set of values only (a stale buffer, a baked-in constant) fails here."""
+    sets = [_check_set("example", lambda: (fast(*inputs), want))]
+    for seed in FRESH_SEEDS:
+        sets.append(_check_set(f"seed={seed}", lambda seed=seed: _fresh_set(module, model, fast, seed)))
+        gc.collect()  # the fresh set's tensors and outputs go before the next one
+    return sets
+
+
+def _record_report(row: dict, fast: Any) -> None:
+    report = fast.report
+    kinds = sorted({g["kind"] for g in report.groups})
+    row.update(status=report.status, reason=report.reason, fallbacks=len(report.fallbacks),
+               groups={k: sum(g["kind"] == k for g in report.groups) for k in kinds})
+    if fast.program is not None:
+        row["replay"] = fast.program.replay["mode"]  # graph or direct, as measured by optimize
+
+
+def _stitch_column(row: dict, module: ModuleType, model: torch.nn.Module, inputs: tuple, want: Any) -> None:
+    from ..graph import optimize
 
     try:
         t0 = time.perf_counter()
-        fast = optimize(model, inputs, measure=False, progress=False)
+        fast, row["optimize_peak_bytes"] = _peak_bytes(lambda: optimize(model, inputs, measure=False, progress=False))
         row["optimize_s"] = time.perf_counter() - t0
-        report = fast.report
-        kinds = sorted({g["kind"] for g in report.groups})
-        row.update(status=report.status, reason=report.reason, fallbacks=len(report.fallbacks),
-                   groups={k: sum(g["kind"] == k for g in report.groups) for k in kinds})
-        if fast.program is not None:
-            row["replay"] = fast.program.replay["mode"]  # graph or direct, as measured by optimize
-        if report.status == "optimized":
+        row["memory_ratio"] = memory_ratio(row["optimize_peak_bytes"], row.get("eager_peak_bytes"),
+                                           row.get("largest_tensor_bytes"))
+        _record_report(row, fast)
+        if fast.report.status == "optimized":
+            sets = _input_sets(module, model, fast, inputs, want)
+            errors = [s["max_abs_error"] for s in sets if "max_abs_error" in s]
+            row.update(input_sets=sets, correct=all(s["correct"] for s in sets),
+                       max_abs_error=max(errors) if errors else None)
+            wrong = next((s for s in sets if not s["correct"]), None)
+            if wrong is not None:
+                row["mismatch"] = f"{wrong['inputs']}: {wrong.get('mismatch') or wrong.get('error')}"
             with torch.no_grad():
-                ok, worst, detail = _compare(fast(*inputs), want)
                 row["stitch_ms"] = _time_ms(lambda: fast(*inputs))
-            row.update(correct=ok, max_abs_error=worst)
-            if detail:
-                row["mismatch"] = detail
-        else:  # the original model runs: correct by construction, at eager speed
-            row.update(correct=True, stitch_ms=row["eager_ms"], max_abs_error=0.0)
-    except Exception as exc:
+        else:  # the original model runs: correct by construction on every set, at eager speed
+            row.update(correct=True, stitch_ms=row["eager_ms"], max_abs_error=0.0,
+                       input_sets=[{"inputs": n, "correct": True, "max_abs_error": 0.0, "eager_fallback": True}
+                                   for n in ("example", *(f"seed={s}" for s in FRESH_SEEDS))])
+    except Exception as exc:  # out of memory in optimize, a failing replay: the row says so
         row["errors"]["stitchcuda"] = _first_line(exc)
         row["traceback"] = traceback.format_exc(limit=6)
         row["correct"] = False
 
+
+def add_speedups(row: dict) -> dict:
+    """The row's best compile mode and its speed-ups over eager (and StitchCUDA's over the best mode)."""
+    modes = [(row[k], mode) for k, mode in (("compile_ms", "default"), ("reduce_overhead_ms", "reduce-overhead"))
+             if row.get(k)]
+    if modes:
+        row["best_compile_ms"], row["best_compile_mode"] = min(modes)
     for key, name in (("compile_ms", "speedup_compile"), ("reduce_overhead_ms", "speedup_reduce_overhead"),
-                      ("stitch_ms", "speedup_stitch")):
-        if row.get(key):
+                      ("best_compile_ms", "speedup_best_compile"), ("stitch_ms", "speedup_stitch")):
+        if row.get(key) and row.get("eager_ms"):
             row[name] = row["eager_ms"] / row[key]
-    del model, inputs, want
-    torch.cuda.empty_cache()
+    if row.get("stitch_ms") and row.get("best_compile_ms"):
+        row["stitch_vs_best_compile"] = row["best_compile_ms"] / row["stitch_ms"]
     return row
+
+
+def run_model(path: Path) -> dict:
+    """One problem's row: times, speed-ups, correctness, memory, report status; errors recorded, never
+    raised. The caller frees the GPU after it (its tensors die with this frame)."""
+    row: dict[str, Any] = {"model": path.stem, "class": problem_class(path.stem), "errors": {}}
+    try:
+        module, model, inputs = _on_gpu(path)
+        want = _eager(row, model, inputs)
+    except Exception as exc:  # the model itself does not load or run: nothing else can be measured
+        row["errors"]["eager"] = _first_line(exc)
+        row["correct"] = False
+        return row
+    _compile_columns(row, model, inputs)
+    _stitch_column(row, module, model, inputs, want)
+    return add_speedups(row)
+
+
+def _run_one(path: Path) -> dict:
+    """run_model, and whatever escapes it (a bug here, not in the problem) as the row's error."""
+    try:
+        row = run_model(path)
+    except Exception as exc:
+        row = {"model": path.stem, "class": problem_class(path.stem), "correct": False,
+               "errors": {"bench": _first_line(exc)}, "traceback": traceback.format_exc(limit=6)}
+    _free_gpu()
+    return row
+
+
+# ---- results file (resume) ----
+
+
+def jsonable(value: Any) -> Any:
+    """`value` with non-finite floats (an output of the wrong shape has an infinite error) as None, so
+    every line and object printed is strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(jsonable(value), default=str, allow_nan=False)
+
+
+def read_results(path: Path) -> dict[str, dict]:
+    """The rows already in a results file, by problem (a later line wins). A line that does not parse
+    (the last one, cut short by a killed run) is skipped, so that problem runs again."""
+    rows: dict[str, dict] = {}
+    if not path.is_file():
+        return rows
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("model"), str):
+            rows[row["model"]] = row
+    return rows
+
+
+def append_result(path: Path, row: dict) -> None:
+    """Appends one row as one line, on disk before the next problem starts (a kill loses at most that one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a+b") as f:  # writes always go to the end; reading may seek
+        size = f.seek(0, os.SEEK_END)
+        if size:
+            f.seek(size - 1)
+            if f.read(1) != b"\n":
+                f.write(b"\n")  # a killed run's cut-off line stays alone on its line, and is skipped
+        f.write((_dumps(row) + "\n").encode("utf-8"))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ---- summary ----
 
 
 def _geomean(values: list[float]) -> float | None:
@@ -198,92 +454,211 @@ def _geomean(values: list[float]) -> float | None:
     return math.exp(sum(map(math.log, values)) / len(values)) if values else None
 
 
+def _stitch_speedup(row: dict) -> float | None:
+    """StitchCUDA's speed-up as the geomeans count it: a wrong result earns nothing (1x, eager speed)."""
+    if "speedup_stitch" not in row:
+        return None
+    return row["speedup_stitch"] if row.get("correct") else 1.0
+
+
+def _best_compile_speedup(row: dict) -> float | None:
+    """The faster torch.compile mode for this problem (rows from older files have no best column)."""
+    present = [row[k] for k in ("speedup_compile", "speedup_reduce_overhead") if row.get(k)]
+    return max(present) if present else None
+
+
 def summarize(rows: list[dict]) -> dict:
-    """Geomean speed-ups over eager (over the models each column has a time for; StitchCUDA's wrong results
-    count as 1x) and the share correct."""
+    """Counts and geomean speed-ups over eager of one group of rows (each geomean over the problems that
+    column has a time for; StitchCUDA's wrong results count as 1x)."""
     out: dict[str, Any] = {"models": len(rows), "correct": sum(bool(r.get("correct")) for r in rows)}
     out["share_correct"] = out["correct"] / len(rows) if rows else 0.0
-    for name in ("speedup_compile", "speedup_reduce_overhead", "speedup_stitch"):
-        present = [r[name] for r in rows if name in r]
-        if name == "speedup_stitch":  # a wrong result earns nothing: such a model counts at eager speed (1x)
-            present = [r[name] if r.get("correct") else 1.0 for r in rows if name in r]
-        out[f"geomean_{name}"] = _geomean(present)
-        out[f"models_with_{name}"] = len(present)
     out["optimized"] = sum(r.get("status") == "optimized" for r in rows)
+    best = {id(r): _best_compile_speedup(r) for r in rows}
+    columns: dict[str, list[float]] = {
+        "speedup_compile": [r["speedup_compile"] for r in rows if "speedup_compile" in r],
+        "speedup_reduce_overhead": [r["speedup_reduce_overhead"] for r in rows if "speedup_reduce_overhead" in r],
+        "speedup_best_compile": [b for b in best.values() if b],
+        "speedup_stitch": [s for s in map(_stitch_speedup, rows) if s is not None],
+        "stitch_vs_best_compile": [_stitch_speedup(r) / best[id(r)] for r in rows
+                                   if _stitch_speedup(r) is not None and best[id(r)]],
+    }
+    for name, values in columns.items():
+        out[f"geomean_{name}"] = _geomean(values)
+        out[f"models_with_{name}"] = len(values)
+    out["slower_than_eager"] = sum(r["speedup_stitch"] < SLOW for r in rows if r.get("speedup_stitch"))
+    walls = [r["optimize_s"] for r in rows if isinstance(r.get("optimize_s"), (int, float))]
+    out["optimize_s_median"] = statistics.median(walls) if walls else None
+    out["optimize_s_max"] = max(walls) if walls else None
+    ratios = [r["memory_ratio"] for r in rows if isinstance(r.get("memory_ratio"), (int, float))]
+    out["memory_over_target"] = sum(x > 1 for x in ratios)
+    out["models_with_memory_ratio"] = len(ratios)
     return out
+
+
+def summarize_classes(rows: list[dict]) -> dict[str, dict]:
+    """summarize() per problem class, in CLASS_ORDER, for the classes present."""
+    by_class: dict[str, list[dict]] = {}
+    for r in rows:
+        by_class.setdefault(r.get("class") or problem_class(r.get("model", "")), []).append(r)
+    return {c: summarize(by_class[c]) for c in CLASS_ORDER if c in by_class}
+
+
+def full_summary(rows: list[dict]) -> dict:
+    return {"overall": summarize(rows), "classes": summarize_classes(rows)}
+
+
+# ---- text ----
 
 
 def _fmt(v: Any, spec: str) -> str:
     """`v` formatted with `spec`, or a dash as wide as the column when there is no number."""
-    if isinstance(v, (int, float)):
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
         return format(v, spec)
     width = spec.split(".")[0].rstrip("df")
     return format("-", f">{width}") if width else "-"
 
 
-def format_table(rows: list[dict], summary: dict, device: str) -> str:
-    head = (f"{'model':34} {'eager':>8} {'compile':>8} {'r-o':>8} {'stitch':>8} {'x comp':>7} {'x r-o':>7} "
-            f"{'x stitch':>8} {'ok':>3} {'status':>9} {'fb':>3} {'opt s':>6}")
-    title = f"StitchCUDA suite on {device} (ms per forward, fp32, TF32 off; speed-ups vs eager)"
-    lines = [title, head, "-" * len(head)]
+def _row_line(r: dict) -> str:
+    passed = [s["correct"] for s in r.get("input_sets", [])]
+    ok = ("yes" if r.get("correct") else "NO") + (f" {sum(passed)}/{len(passed)}" if passed else "")
+    return (f"{r['model'][:34]:34} {str(r.get('class', '-'))[:15]:15} {_fmt(r.get('eager_ms'), '8.4f')} "
+            f"{_fmt(r.get('compile_ms'), '8.4f')} {_fmt(r.get('reduce_overhead_ms'), '8.4f')} "
+            f"{_fmt(r.get('stitch_ms'), '8.4f')} {_fmt(r.get('speedup_compile'), '7.2f')} "
+            f"{_fmt(r.get('speedup_reduce_overhead'), '7.2f')} {_fmt(r.get('speedup_best_compile'), '7.2f')} "
+            f"{_fmt(r.get('speedup_stitch'), '8.2f')} {_fmt(r.get('stitch_vs_best_compile'), '7.2f')} {ok:>7} "
+            f"{str(r.get('status', '-')):>9} {_fmt(r.get('fallbacks'), '3d')} {_fmt(r.get('optimize_s'), '6.1f')} "
+            f"{_fmt(r.get('memory_ratio'), '5.2f')}")
+
+
+def _row_notes(r: dict) -> list[str]:
+    lines = [f"    {stage} error: {err}" for stage, err in r.get("errors", {}).items()]
+    lines += [f"    {s['inputs']} wrong: {s.get('mismatch') or s.get('error')}"
+              for s in r.get("input_sets", []) if not s.get("correct")]
+    if r.get("mismatch") and not r.get("input_sets"):
+        lines.append(f"    mismatch: {r['mismatch']}")
+    if r.get("status") == "eager" and r.get("reason"):
+        lines.append(f"    eager because: {r['reason'][:200]}")
+    return lines
+
+
+def _class_line(name: str, s: dict) -> str:
+    return (f"{name[:15]:15} {s['models']:4d} {s['correct']:4d} {_fmt(s['geomean_speedup_compile'], '7.2f')} "
+            f"{_fmt(s['geomean_speedup_reduce_overhead'], '7.2f')} {_fmt(s['geomean_speedup_best_compile'], '7.2f')} "
+            f"{_fmt(s['geomean_speedup_stitch'], '8.2f')} {_fmt(s['geomean_stitch_vs_best_compile'], '7.2f')} "
+            f"{s['slower_than_eager']:6d} {_fmt(s['optimize_s_median'], '7.1f')} {_fmt(s['optimize_s_max'], '7.1f')} "
+            f"{s['memory_over_target']:5d}")
+
+
+def format_table(rows: list[dict], summary: dict, device: str, title: str = "suite") -> str:
+    """Per-problem rows, a per-class table, then the overall lines. `summary` is full_summary()'s
+    {overall, classes}, or summarize()'s flat overall (the classes are then computed from `rows`)."""
+    overall = summary.get("overall", summary)
+    classes = summary.get("classes") or summarize_classes(rows)
+    head = (f"{'model':34} {'class':15} {'eager':>8} {'compile':>8} {'r-o':>8} {'stitch':>8} {'x comp':>7} "
+            f"{'x r-o':>7} {'x best':>7} {'x stitch':>8} {'st/best':>7} {'ok':>7} {'status':>9} {'fb':>3} "
+            f"{'opt s':>6} {'mem':>5}")
+    lines = [f"StitchCUDA {title} on {device} (ms per forward, fp32, TF32 off; speed-ups vs eager; st/best: "
+             f"StitchCUDA vs the faster compile mode; mem: optimize peak / (eager peak + 2 x largest tensor))",
+             head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['model'][:34]:34} {_fmt(r.get('eager_ms'), '8.4f')} {_fmt(r.get('compile_ms'), '8.4f')} "
-                     f"{_fmt(r.get('reduce_overhead_ms'), '8.4f')} {_fmt(r.get('stitch_ms'), '8.4f')} "
-                     f"{_fmt(r.get('speedup_compile'), '7.2f')} {_fmt(r.get('speedup_reduce_overhead'), '7.2f')} "
-                     f"{_fmt(r.get('speedup_stitch'), '8.2f')} {'yes' if r.get('correct') else 'NO':>3} "
-                     f"{str(r.get('status', '-')):>9} {_fmt(r.get('fallbacks'), '3d')} "
-                     f"{_fmt(r.get('optimize_s'), '6.1f')}")
-        for stage, err in r.get("errors", {}).items():
-            lines.append(f"    {stage} error: {err}")
-        if r.get("mismatch"):
-            lines.append(f"    mismatch: {r['mismatch']}")
-        if r.get("status") == "eager" and r.get("reason"):
-            lines.append(f"    eager because: {r['reason'][:200]}")
-    s = summary
-    lines.append("-" * len(head))
+        lines += [_row_line(r), *_row_notes(r)]
+    class_head = (f"{'class':15} {'n':>4} {'ok':>4} {'x comp':>7} {'x r-o':>7} {'x best':>7} {'x stitch':>8} "
+                  f"{'st/best':>7} {'<0.98':>6} {'opt med':>7} {'opt max':>7} {'mem>1':>5}")
+    lines += ["", class_head, "-" * len(class_head)]
+    lines += [_class_line(name, s) for name, s in classes.items()]
+    lines += ["-" * len(class_head), _class_line("overall", overall), ""]
+    s = overall
     lines.append(f"geomean speed-up vs eager: torch.compile {_fmt(s['geomean_speedup_compile'], '.3f')}x, "
                  f"reduce-overhead {_fmt(s['geomean_speedup_reduce_overhead'], '.3f')}x, "
-                 f"StitchCUDA {_fmt(s['geomean_speedup_stitch'], '.3f')}x")
+                 f"best compile mode {_fmt(s['geomean_speedup_best_compile'], '.3f')}x, "
+                 f"StitchCUDA {_fmt(s['geomean_speedup_stitch'], '.3f')}x; StitchCUDA vs best compile mode "
+                 f"{_fmt(s['geomean_stitch_vs_best_compile'], '.3f')}x")
     lines.append(f"correct: {s['correct']}/{s['models']} ({100 * s['share_correct']:.0f}%), "
-                 f"optimized (not eager): {s['optimized']}/{s['models']}")
+                 f"optimized (not eager): {s['optimized']}/{s['models']}, StitchCUDA < {SLOW}x eager: "
+                 f"{s['slower_than_eager']}, optimize s median {_fmt(s['optimize_s_median'], '.1f')} max "
+                 f"{_fmt(s['optimize_s_max'], '.1f')}, memory ratio > 1: {s['memory_over_target']}/"
+                 f"{s['models_with_memory_ratio']}")
     return "\n".join(lines)
 
 
-def run(json_output: bool = False) -> int:
-    if not torch.cuda.is_available():
-        print("bench suite: no GPU (torch.cuda.is_available() is False); nothing measured")
-        return 3
-    folder = suite_dir()
-    if folder is None or not folder.is_dir():
-        print(f"bench suite: no model folder ({folder or 'bench/suite not found above ' + __file__}); "
-              "set STITCHCUDA_SUITE_DIR")
-        return 2
-    only, chunk = os.environ.get("STITCHCUDA_SUITE_ONLY"), os.environ.get("STITCHCUDA_SUITE_CHUNK")
-    files = model_files(folder, only, chunk)
-    if not files:
-        print(f"bench suite: no model files in {folder} match STITCHCUDA_SUITE_ONLY={only!r} "
-              f"STITCHCUDA_SUITE_CHUNK={chunk!r}")
-        return 2
+# ---- entry points ----
 
+
+def _refuse(bench: str, message: str, code: int, json_output: bool) -> int:
+    """An early exit: the message as {"error": ...} under --json (stdout stays JSON), else as text."""
+    print(_dumps({"error": message}) if json_output else f"bench {bench}: {message}")
+    return code
+
+
+def _setting(flag: str | None, env: str) -> str | None:
+    """The flag's value, else the environment's (flags win)."""
+    return flag if flag is not None else (os.environ.get(env) or None)
+
+
+def _measure_all(files: list[Path], done: dict[str, dict], results: Path | None, json_output: bool) -> list[dict]:
+    """The selected problems' rows in order: from `done` (the results file) or measured now."""
+    rows = []
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # true fp32 everywhere
-    rows = []
     try:
         for path in files:
-            row = run_model(path)
+            if path.stem in done:
+                rows.append(done[path.stem])
+                continue
+            row = _run_one(path)
             rows.append(row)
-            # One line per model on stderr as it finishes, so a run cut short still reports what it measured.
-            print("[suite-row] " + json.dumps(row, default=str), file=sys.stderr, flush=True)
+            if results is not None:
+                append_result(results, row)
+            # One line per problem on stderr as it finishes, so a run cut short still reports what it measured.
+            print("[suite-row] " + _dumps(row), file=sys.stderr, flush=True)
             if not json_output:
                 print(f"[suite] {row['model']}: done", flush=True)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-    summary = summarize(rows)
-    device = torch.cuda.get_device_name()
+    return rows
+
+
+def run_suite(bench: str = "suite", *, folder: Path | str | None = None, only: str | None = None,
+              chunk: str | None = None, results: Path | str | None = None, json_output: bool = False) -> int:
+    """`stitchcuda bench <bench>` over `folder` (default: default_dir(bench)); `only`, `chunk` fall back to
+    STITCHCUDA_SUITE_ONLY / _CHUNK; `results` a JSON-lines file to append to and resume from.
+    Exit codes: 0 measured, 2 usage (no folder, nothing selected, a bad chunk), 3 no GPU."""
+    if not torch.cuda.is_available():
+        return _refuse(bench, "no GPU (torch.cuda.is_available() is False); nothing measured", EXIT_NO_GPU,
+                       json_output)
+    folder = Path(folder) if folder is not None else default_dir(bench)
+    if folder is None or not folder.is_dir():
+        return _refuse(bench, f"no problem folder ({folder or f'bench/{bench} not found above ' + __file__}); "
+                       "pass --dir" + (" or set STITCHCUDA_SUITE_DIR" if bench == "suite" else ""),
+                       EXIT_USAGE, json_output)
+    only, chunk = _setting(only, "STITCHCUDA_SUITE_ONLY"), _setting(chunk, "STITCHCUDA_SUITE_CHUNK")
+    try:
+        if chunk:  # one from the environment (argparse has checked the flag's)
+            parse_chunk(chunk)
+    except ValueError as exc:
+        return _refuse(bench, str(exc), EXIT_USAGE, json_output)
+    files = model_files(folder, only, chunk)
+    unknown = _only_names(only) - {p.stem for p in folder.glob("*.py")}
+    if unknown:  # at KernelBench scale a typo would otherwise just shrink the run
+        print(f"bench {bench}: --only names no file in {folder}: {', '.join(sorted(unknown))}", file=sys.stderr)
+    if not files:
+        return _refuse(bench, f"no problem files in {folder} match only={only!r} chunk={chunk!r}", EXIT_USAGE,
+                       json_output)
+
+    results = Path(results) if results is not None else None
+    done = read_results(results) if results is not None else {}
+    rows = _measure_all(files, done, results, json_output)
+    summary, device = full_summary(rows), torch.cuda.get_device_name()
     if json_output:
         atol, rtol = _fp32_tolerance()
-        print(json.dumps({"device": device, "suite_dir": str(folder), "tolerance": {"atol": atol, "rtol": rtol},
-                          "repeats": REPEATS, "summary": summary, "models": rows}, default=str))
+        print(_dumps({"device": device, "suite_dir": str(folder), "tolerance": {"atol": atol, "rtol": rtol},
+                      "repeats": REPEATS, "resumed": sum(p.stem in done for p in files),
+                      "summary": summary, "models": rows}))
     else:
-        print(format_table(rows, summary, device))
+        print(format_table(rows, summary, device, title=f"bench {bench} ({folder})"))
     return 0
+
+
+def run(json_output: bool = False) -> int:
+    """`stitchcuda bench suite [--json]` as scripts/gpu-check calls it: options from the environment."""
+    return run_suite("suite", json_output=json_output)
