@@ -172,3 +172,12 @@ def test_recurrent_steps_say_how_many_inputs_each_tensor_list_takes():
     # hx holds h0 and c0; params the 6 layers' 4 tensors each (weights and biases)
     assert lstm["attributes"]["hx:count"] == 2 and lstm["attributes"]["params:count"] == 24, lstm
     assert len(lstm["inputs"]) == 1 + 2 + 24
+
+
+def test_recurrent_results_have_the_shapes_eager_returns():
+    model = nn.LSTM(16, 24, num_layers=3, batch_first=True).eval()
+    x = torch.randn(4, 9, 16)
+    graph = capture(model, (x,))
+    (node,) = [n for n in graph.nodes if n.op == "aten::lstm.input"]
+    out, (h, c) = model(x)
+    assert [v.shape for v in node.outputs] == [tuple(out.shape), tuple(h.shape), tuple(c.shape)]

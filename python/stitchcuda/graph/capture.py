@@ -152,6 +152,19 @@ def _recurrent_outputs(op):
 _RECURRENT = ("lstm.input", "gru.input", "rnn_tanh.input", "rnn_relu.input")
 
 
+def _on_meta(a: Any) -> Any:
+    """fx arguments with every node replaced by a meta tensor of its recorded shape, strides and dtype."""
+    if isinstance(a, torch.fx.Node):
+        v = a.meta.get("val")
+        return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device="meta") \
+            if isinstance(v, torch.Tensor) else v
+    if isinstance(a, (list, tuple)):
+        return type(a)(_on_meta(x) for x in a)
+    if isinstance(a, dict):
+        return {k: _on_meta(v) for k, v in a.items()}
+    return a
+
+
 @contextlib.contextmanager
 def _recurrent_shapes_only():
     """While tracing, recurrent layers kept whole compute their outputs' shapes directly. Otherwise the
@@ -263,6 +276,10 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Graph:
                 continue
             node = Node(fx.name, op_name(fx.target), fx.target, convert(fx.args), {k: convert(v) for k, v in fx.kwargs.items()}, [])
             val = fx.meta.get("val")
+            if op_name(fx.target).removeprefix("aten::") in _RECURRENT:
+                # The re-trace of run_decompositions() records an LSTM's final states with one dimension
+                # too many: their shapes are taken from the rule, on meta tensors shaped like the inputs.
+                val = _recurrent_outputs(fx.target)(*_on_meta(fx.args), **_on_meta(fx.kwargs))
             if isinstance(val, (list, tuple)):
                 # Every result gets a value (an op step needs a buffer for each), named by getitem later.
                 multi[fx.name] = node
