@@ -527,3 +527,17 @@ def test_comparisons_of_large_outputs_go_in_chunks_with_the_same_answers(monkeyp
     assert "at flat index 7" in whole[1] and compare.max_abs_error(got, want) == 0.5
     assert compare.first_difference("y", want.clone(), want, 1e-4, 1e-4) is None
     assert compare.largest_error(torch.empty(0), torch.empty(0)) == (0.0, 0)
+
+
+def test_tolerance_used_is_the_share_of_the_bound_the_worst_element_takes(monkeypatch):
+    from stitchcuda.verify import compare
+
+    want = torch.tensor([1.0, 100.0, float("inf"), 0.0])
+    got = want.clone()
+    got[1] += 0.5 * (1e-4 + 1e-4 * 100.0)  # half of its bound
+    assert compare.tolerance_used(got, want, 1e-4, 1e-4) == pytest.approx(0.5, rel=1e-3)  # fp32 holds 100.01 to ~1e-6
+    monkeypatch.setattr(compare, "CHUNK_ELEMENTS", 1)
+    assert compare.tolerance_used(got, want, 1e-4, 1e-4) == pytest.approx(0.5, rel=1e-3)  # fp32 holds 100.01 to ~1e-6
+    got[2] = 1e30  # a non-finite expected value is matched exactly
+    assert compare.tolerance_used(got, want, 1e-4, 1e-4) == float("inf")
+    assert compare.tolerance_used(torch.tensor([1, 2]), torch.tensor([1, 2]), 0.0, 0.0) == 0.0

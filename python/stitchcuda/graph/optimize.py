@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 
 from ..program import Program, ProgramModule
 from ..verify.hardware import describe
-from ..verify.compare import first_difference
+from ..verify.compare import first_difference, tolerance_used
 from ..verify.program import input_set, verify_whole
 from ..verify.tolerance import tolerance
 from ..verify import timing as verify_timing  # a module name: optimize() has an argument called measure
@@ -447,11 +447,10 @@ def trace_mismatch(graph: Graph, plan: GraphPlan, constants: dict, sm_count: int
             problem = first_difference(name, value, expected, atol, rtol, reference="ATen")
             if problem:
                 return g, problem
-            if value.is_floating_point() and value.numel():
-                ratio = ((value.float() - expected.float()).abs() / (atol + rtol * expected.float().abs())).max().item()
-                if ratio > worst[0]:
-                    worst = (ratio, g, f"within its tolerance but nearest its limit ({ratio:.2f} of it at '{name}'): "
-                                       "errors add up along the graph")
+            ratio = tolerance_used(value, expected, atol, rtol)
+            if ratio > worst[0]:
+                worst = (ratio, g, f"within its tolerance but nearest its limit ({ratio:.2f} of it at '{name}'): "
+                                   "errors add up along the graph")
     return worst[1], worst[2] or "no group's output differs"
 
 

@@ -90,6 +90,23 @@ def largest_error(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, int
     return worst, where
 
 
+def tolerance_used(got: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> float:
+    """The largest |got - expected| as a share of its bound under the rule above (1.0: at the limit, inf:
+    a mismatch the rule takes exactly, such as a non-finite or integer value that differs)."""
+    worst = 0.0
+    for _, g, e in _chunks(got, expected):
+        diff = abs_error(g, e)
+        if not (e.is_floating_point() or e.is_complex()):
+            share = torch.where(diff == 0, 0.0, float("inf"))
+        else:
+            wide = _wide(e)
+            exact = torch.where(diff == 0, 0.0, float("inf"))
+            share = torch.where(torch.isfinite(wide), diff / (atol + rtol * wide.abs()), exact)
+        if share.numel():
+            worst = max(worst, float(share.max()))
+    return worst
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
