@@ -181,3 +181,56 @@ def test_recurrent_results_have_the_shapes_eager_returns():
     (node,) = [n for n in graph.nodes if n.op == "aten::lstm.input"]
     out, (h, c) = model(x)
     assert [v.shape for v in node.outputs] == [tuple(out.shape), tuple(h.shape), tuple(c.shape)]
+
+
+def _deep_chain():
+    class Chain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2, self.fc3 = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+
+        def forward(self, x):
+            y = torch.tanh(self.fc1(x)) * 1.5
+            y = torch.sigmoid(self.fc2(y)) + 0.25
+            return torch.relu(self.fc3(y)).sum(-1)
+
+    model = Chain().eval()
+    x = torch.randn(32, 64)
+    graph = capture(model, (x,))
+    return model, x, graph, OfflinePlanner().plan(graph)
+
+
+def test_group_checks_stream_the_graph_holding_only_what_pending_checks_read():
+    import gc
+    import weakref
+
+    from stitchcuda.graph.lower import stream_values
+
+    model, x, graph, plan = _deep_chain()
+    outputs = {v.name for v in graph.outputs}
+    generated = [g for g in plan.groups if g.kind in GENERATED]
+    assert len(generated) >= 3
+    wanted = {k: {v.name for v in g.inputs() if v.kind != "weight"} | {v.name for v in g.outputs(outputs)}
+              for k, g in enumerate(generated)}
+    recorded = reference_values(graph, [x])
+    seen: dict[int, dict] = {}
+    alive_at: dict[int, set[str]] = {}
+    refs: dict[str, weakref.ref] = {}
+
+    def on_ready(key, held):
+        gc.collect()
+        alive_at[key] = {name for name, ref in refs.items() if ref() is not None}
+        seen[key] = {name: t.clone() for name, t in held.items()}
+        refs.update({name: weakref.ref(t) for name, t in held.items()})
+
+    kept = stream_values(graph, [x], wanted, on_ready, keep={graph.outputs[0].name})
+    # Every group is handled once, with exactly its values, equal to what ATen records.
+    assert sorted(seen) == sorted(wanted)
+    for key, names in wanted.items():
+        assert set(seen[key]) == names
+        for name, value in seen[key].items():
+            torch.testing.assert_close(value, recorded[name])
+    # When the last group is checked, the values only the first group read are gone.
+    only_first = wanted[0] - set().union(*(wanted[k] for k in wanted if k != 0)) - {graph.inputs[0].name}
+    assert only_first and not (only_first & alive_at[max(wanted)])
+    torch.testing.assert_close(kept[graph.outputs[0].name], model(x).detach())

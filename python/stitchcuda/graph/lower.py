@@ -8,7 +8,7 @@ a matmul or a constant nobody reads costs nothing.
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -20,7 +20,7 @@ from .planner import Group, GraphPlan
 from .templates import (POINTWISE_OPS, KernelCode, PointwiseInput, RowPrologue, column_reduction_kernel,
                         depthwise_conv_kernel, pointwise_kernel, row_reduction_kernel)
 
-__all__ = ["LoweringError", "Lowering", "reference_values", "check_group", "tolerance"]
+__all__ = ["LoweringError", "Lowering", "reference_values", "stream_values", "check_group", "tolerance"]
 
 
 class LoweringError(Exception):
@@ -63,6 +63,74 @@ def reference_values(graph: Graph, inputs: list[torch.Tensor], keep: set[str] | 
     with torch.no_grad():
         Recorder(gm).run(*args)
     return env
+
+
+def stream_values(graph: Graph, inputs: list[torch.Tensor], wanted: dict[Any, set[str]],
+                  on_ready: Callable[[Any, dict[str, torch.Tensor]], None],
+                  keep: set[str] = frozenset(), kept: dict[str, torch.Tensor] | None = None
+                  ) -> dict[str, torch.Tensor]:
+    """Runs the exported graph with ATen once and calls `on_ready(key, values)` for each key of `wanted`
+    (a set of value names: a group's inputs and outputs) as soon as all of its values exist; a value is
+    dropped once every key that wants it has been handled (and the interpreter no longer needs it), so
+    the recorded values alive at once are the ones a pending check still reads — not every intermediate
+    of the graph. Keys whose values never all appear are handled at the end with what exists. Returns
+    the values named in `keep` (recorded, never dropped), written into `kept` as they arrive when given
+    (so that `on_ready` can read the earlier ones: a group's constants are computed before it)."""
+    gm = graph.exported.graph_module
+    weights = {w.name: w.data for w in graph.weights}
+    user = {v.name: t for v, t in zip(graph.inputs, inputs)}
+    args = [user[fx.name] if fx.name in user else weights[fx.name]
+            for fx in gm.graph.nodes if fx.op == "placeholder"]
+    pending = {key: set(names) for key, names in wanted.items()}
+    readers: dict[str, int] = {}
+    for names in pending.values():
+        for name in names:
+            readers[name] = readers.get(name, 0) + 1
+    held: dict[str, torch.Tensor] = {}
+    kept = {} if kept is None else kept
+
+    def handle(key) -> None:
+        names = wanted[key]
+        on_ready(key, {name: held[name] for name in names if name in held})
+        for name in names:
+            readers[name] -= 1
+            if readers[name] == 0:
+                held.pop(name, None)
+
+    def arrived(name: str, tensor: torch.Tensor) -> list:
+        if name in keep:
+            kept[name] = tensor
+        if readers.get(name):
+            held[name] = tensor
+        ready = []
+        for key, missing in pending.items():
+            if name in missing:
+                missing.discard(name)
+                if not missing:
+                    ready.append(key)
+        return ready
+
+    class Streamer(torch.fx.Interpreter):
+        def run_node(self, n):
+            result = super().run_node(n)
+            ready = []
+            if isinstance(result, torch.Tensor):
+                ready += arrived(n.name, result)
+            elif isinstance(result, (list, tuple)):
+                for k, r in enumerate(result):
+                    if isinstance(r, torch.Tensor):
+                        ready += arrived(f"{n.name}.{k}", r)
+            for key in ready:
+                del pending[key]
+                handle(key)
+            return result
+
+    with torch.no_grad():
+        Streamer(gm).run(*args)
+    for key in list(pending):
+        del pending[key]
+        handle(key)
+    return kept
 
 
 class Lowering:
