@@ -303,6 +303,75 @@ py::dict optimize(const py::dict& problem_dict, std::shared_ptr<llm::ReliableBac
   return out;
 }
 
+// The Coder's first prompt for one request, without a model: {text, prompt_name, prompt_sha256, snippets}.
+py::dict coder_prompt(const py::dict& problem_dict, int skill, const std::string& plan_text, const std::string& previous,
+                      const std::string& feedback, const py::dict& options_dict) {
+  check_keys(options_dict, {"prompts_dir", "prompts_override", "docs_dir", "doc_snippets"}, "coder_prompt option");
+  const Problem problem = to_problem(problem_dict);
+  const std::string dir = get_or<std::string>(options_dict, "prompts_dir", "");
+  if (dir.empty()) invalid("coder_prompt needs options['prompts_dir'] (stitchcuda.agents.PROMPTS_DIR)");
+  if (skill != 1 && skill != 2) invalid("skill must be 1 (from the plan) or 2 (from feedback), got " + std::to_string(skill));
+  auto prompts = std::make_shared<const PromptLibrary>(
+      unwrap(PromptLibrary::load(dir, get_or<std::string>(options_dict, "prompts_override", ""))));
+  std::shared_ptr<const Retriever> docs;
+  const std::string docs_dir = get_or<std::string>(options_dict, "docs_dir", "");
+  if (!docs_dir.empty()) docs = std::make_shared<const Retriever>(unwrap(Retriever::from_folder(docs_dir)));
+  AgentOptions agent;
+  agent.doc_snippets = get_or<std::size_t>(options_dict, "doc_snippets", agent.doc_snippets);
+  std::optional<ProblemPlan> plan;
+  if (!plan_text.empty()) plan = unwrap(ProblemPlan::parse(plan_text));
+  CoderRequest request;
+  request.skill = skill == 1 ? rubric::Skill::from_plan : rubric::Skill::from_feedback;
+  request.problem = &problem;
+  request.plan = plan ? &*plan : nullptr;
+  request.previous = previous;
+  request.feedback = feedback;
+  CoderPrompt p = unwrap(Coder(nullptr, prompts, docs, agent).prompt(request));
+  py::dict d;
+  d["text"] = p.text, d["prompt_name"] = p.prompt_name, d["prompt_sha256"] = p.prompt_sha256, d["snippets"] = p.snippets;
+  return d;
+}
+
+// A Verifier report from its JSON ("" = no report: the Coder gave no candidate).
+Report report_of(const std::string& json) { return json.empty() ? Report{} : unwrap(Report::from_json(json)); }
+
+// An attempt scored the way the loop scores it: {scorecard: {items, total, text}, reward: {value, ...}}.
+py::dict score_attempt_dict(const std::string& candidate, const std::string& report_json, int skill,
+                            std::vector<std::string> asks, std::optional<std::string> previous,
+                            std::optional<std::string> previous_report_json, const py::dict& config) {
+  check_keys(config, {"tau", "r_max", "lambda_plan", "lambda_feedback"}, "reward config key");
+  if (skill != 1 && skill != 2) invalid("skill must be 1 (from the plan) or 2 (from feedback), got " + std::to_string(skill));
+  rubric::RewardConfig c;
+  c.tau = get_or<double>(config, "tau", c.tau), c.r_max = get_or<double>(config, "r_max", c.r_max);
+  c.lambda_plan = get_or<double>(config, "lambda_plan", c.lambda_plan);
+  c.lambda_feedback = get_or<double>(config, "lambda_feedback", c.lambda_feedback);
+  const Report report = report_of(report_json);
+  std::optional<Report> previous_report;
+  if (previous_report_json) previous_report = report_of(*previous_report_json);
+  AttemptScore s = unwrap(score_attempt(rubric::Rubric(), candidate, report,
+                                        skill == 1 ? rubric::Skill::from_plan : rubric::Skill::from_feedback,
+                                        std::move(asks), previous ? &*previous : nullptr,
+                                        previous_report ? &*previous_report : nullptr, c));
+  py::list items;
+  for (const rubric::Item& item : s.scorecard.items) {
+    py::dict d;
+    d["dimension"] = rubric::to_string(item.dimension), d["score"] = item.score, d["reason"] = item.reason;
+    d["evidence"] = item.evidence;
+    items.append(d);
+  }
+  py::dict card;
+  card["items"] = items, card["total"] = s.scorecard.total(), card["text"] = s.scorecard.describe();
+  const rubric::Reward& r = s.reward;
+  py::dict reward;
+  reward["value"] = r.value, reward["correct"] = r.correct, reward["hack"] = r.hack, reward["speedup"] = r.speedup;
+  reward["total"] = r.total, reward["normalized"] = r.normalized, reward["lambda"] = r.lambda;
+  reward["shaped"] = r.shaped, reward["capped"] = r.capped, reward["zero_reason"] = r.zero_reason;
+  reward["text"] = r.describe();
+  py::dict out;
+  out["scorecard"] = card, out["reward"] = reward, out["verified"] = s.input.outcome.verified;
+  return out;
+}
+
 }  // namespace
 
 void bind_agents(py::module_& m) {
@@ -362,6 +431,10 @@ void bind_agents(py::module_& m) {
   am.def("report_from_json", [](const std::string& json) { return report_dict(unwrap(Report::from_json(json))); },
          py::arg("json"));
   am.def("fresh_run_path", &RunDirectory::fresh_path, py::arg("root"), py::arg("problem"));
+  am.def("coder_prompt", &coder_prompt, py::arg("problem"), py::arg("skill"), py::arg("plan"), py::arg("previous"),
+         py::arg("feedback"), py::arg("options"));
+  am.def("score_attempt", &score_attempt_dict, py::arg("candidate"), py::arg("report_json"), py::arg("skill"),
+         py::arg("asks"), py::arg("previous"), py::arg("previous_report_json"), py::arg("config"));
   am.def("optimize", &optimize, py::arg("problem"), py::arg("llm_backend"), py::arg("verify_fn"), py::arg("budget"),
          py::arg("run_dir"), py::arg("config_json"), py::arg("resume"), py::arg("on_event"), py::arg("options"));
 }

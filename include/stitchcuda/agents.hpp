@@ -329,6 +329,15 @@ struct CoderResult {
   std::vector<Exchange> exchanges;  ///< every call made (re-asks included)
 };
 
+/// The prompt the Coder sends first for a request: what write() asks the model, built without calling it
+/// (so that a training set holds exactly the text the agents send).
+struct CoderPrompt {
+  std::string text;                   ///< the rendered prompt, sent as one user message
+  std::string prompt_name;            ///< "coder_plan" (Skill 1) or "coder_feedback" (Skill 2)
+  std::string prompt_sha256;          ///< the template's hash
+  std::vector<std::string> snippets;  ///< ids of the documentation sections it includes
+};
+
 /// Writes CUDA from a plan (Skill 1) or revises a candidate from feedback (Skill 2). The answer it asks
 /// for is the problem's (Problem::answer): the contract in prompts/answer_<answer>.md fills the
 /// `{{answer}}` of coder_plan.md and coder_feedback.md, and the reply is read with extract_code
@@ -343,6 +352,9 @@ class Coder {
   /// are kept: they are trajectories too). InvalidArgument for a request missing its inputs or a problem
   /// whose answer is neither "model_new" nor "kernel_step"; backend errors pass through.
   Result<CoderResult> write(const CoderRequest& request) const;
+  /// The first prompt write() sends for `request` (no model is called; `llm` may be null). Same
+  /// InvalidArgument errors as write().
+  Result<CoderPrompt> prompt(const CoderRequest& request) const;
 
  private:
   std::shared_ptr<llm::Backend> llm_;
@@ -525,6 +537,22 @@ struct Event {
   std::string message;      ///< one line
 };
 using EventCallback = std::function<void(const Event&)>;
+
+/// How the loop scores one attempt, and how anyone else scoring a candidate (an RL reward) does it too.
+struct AttemptScore {
+  rubric::Input input;          ///< what the rubric read
+  rubric::Scorecard scorecard;  ///< its items
+  rubric::Reward reward;        ///< R and its parts
+};
+
+/// Scores `candidate` the way the Optimizer scores an attempt: the rubric reads the candidate's CUDA
+/// (written inline in its Python, or a kernel step's source) and the Verifier's `report` (a static-only
+/// report is unverified); `asks` are the plan's step titles (Skill 1) or the previous feedback's asks
+/// (Skill 2), and Skill 2 passes the revised candidate and its report (may be null). InvalidArgument for
+/// an invalid reward config.
+Result<AttemptScore> score_attempt(const rubric::Rubric& rubric, const std::string& candidate, const Report& report,
+                                   rubric::Skill skill, std::vector<std::string> asks, const std::string* previous,
+                                   const Report* previous_report, const rubric::RewardConfig& config);
 
 /// The agents a loop uses; any may be replaced by a user's subclass or configuration.
 struct Agents {

@@ -39,6 +39,15 @@ from .errors import (
 
 __version__: str = _C.version()
 
+
+def __getattr__(name: str):
+    # stitchcuda.rl (the RL environment) loads on first use: importing stitchcuda stays free of it.
+    if name == "rl":
+        import importlib
+
+        return importlib.import_module(".rl", __name__)
+    raise AttributeError(f"module 'stitchcuda' has no attribute {name!r}")
+
 __all__ = ["__version__", "agents", "jit", "llm", "profile", "errors", "doctor", "Program", "ProgramBuilder", "ProgramModule", "load",
            "optimize", "OptimizedModule", "rubric", "reward",
            *errors.__all__]

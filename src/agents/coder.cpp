@@ -49,8 +49,8 @@ Coder::Coder(std::shared_ptr<llm::Backend> llm, std::shared_ptr<const PromptLibr
              std::shared_ptr<const Retriever> docs, AgentOptions options)
     : llm_(std::move(llm)), prompts_(std::move(prompts)), docs_(std::move(docs)), options_(std::move(options)) {}
 
-Result<CoderResult> Coder::write(const CoderRequest& request) const {
-  if (!llm_ || !prompts_) return fail(ErrorCode::InvalidArgument, "the Coder needs a model backend and prompts");
+Result<CoderPrompt> Coder::prompt(const CoderRequest& request) const {
+  if (!prompts_) return fail(ErrorCode::InvalidArgument, "the Coder needs prompts");
   if (request.problem == nullptr) return fail(ErrorCode::InvalidArgument, "CoderRequest.problem is required");
   const bool from_plan = request.skill == rubric::Skill::from_plan;
   if (from_plan && request.plan == nullptr)
@@ -62,8 +62,8 @@ Result<CoderResult> Coder::write(const CoderRequest& request) const {
 
   const std::string plan_text = request.plan ? request.plan->describe() : "";
   const std::string prompt_name = from_plan ? "coder_plan" : "coder_feedback";
-  auto prompt = prompts_->get(prompt_name);
-  if (!prompt) return tl::unexpected(prompt.error());
+  auto chosen = prompts_->get(prompt_name);
+  if (!chosen) return tl::unexpected(chosen.error());
   auto [docs, ids] = detail::retrieve(docs_.get(), options_.doc_snippets, from_plan ? plan_text : request.feedback);
   std::map<std::string, std::string> values{{"reference", request.problem->reference},
                                             {"plan", plan_text},
@@ -77,11 +77,22 @@ Result<CoderResult> Coder::write(const CoderRequest& request) const {
   values["answer"] = std::move(*contract);
   auto text = prompts_->render(prompt_name, values);
   if (!text) return tl::unexpected(text.error());
+  return CoderPrompt{std::move(*text), prompt_name, (*chosen)->sha256, std::move(ids)};
+}
+
+Result<CoderResult> Coder::write(const CoderRequest& request) const {
+  if (!llm_ || !prompts_) return fail(ErrorCode::InvalidArgument, "the Coder needs a model backend and prompts");
+  auto first = prompt(request);
+  if (!first) return tl::unexpected(first.error());
+  auto format = answer_format(request.problem->answer);
+  if (!format) return tl::unexpected(format.error());
+  auto chosen = prompts_->get(first->prompt_name);
+  if (!chosen) return tl::unexpected(chosen.error());
 
   CoderResult result;
   std::string problem;
-  auto extraction = detail::converse(*llm_, options_, "coder", **prompt, ids, std::move(*text), format->extract,
-                                     format->again, result.exchanges, problem);
+  auto extraction = detail::converse(*llm_, options_, "coder", **chosen, first->snippets, std::move(first->text),
+                                     format->extract, format->again, result.exchanges, problem);
   if (!extraction) return tl::unexpected(extraction.error());
   if (*extraction)
     result.extraction = std::move(***extraction);

@@ -109,6 +109,24 @@ double speedup_of(const AttemptRecord& a) { return a.report.speedup_eager.value_
 
 }  // namespace
 
+Result<AttemptScore> score_attempt(const rubric::Rubric& rubric, const std::string& candidate, const Report& report,
+                                   rubric::Skill skill, std::vector<std::string> asks, const std::string* previous,
+                                   const Report* previous_report, const rubric::RewardConfig& config) {
+  if (auto ok = config.validate(); !ok) return tl::unexpected(ok.error());
+  AttemptScore out;
+  out.input.candidate = rubric_candidate(candidate);
+  out.input.outcome = rubric_outcome(report);
+  out.input.task.skill = skill;
+  out.input.task.asks = std::move(asks);
+  if (previous) out.input.task.previous = rubric_candidate(*previous);
+  if (previous_report) out.input.task.previous_outcome = rubric_outcome(*previous_report);
+  out.scorecard = rubric.score(out.input);
+  auto r = rubric::reward(out.input.outcome, out.scorecard, skill, config);
+  if (!r) return tl::unexpected(r.error());
+  out.reward = *r;
+  return out;
+}
+
 std::string Budget::to_json() const { return budget_json(*this).dump(); }
 
 Result<Budget> Budget::from_json(std::string_view text) { return from_json(text, Budget{}); }
@@ -379,24 +397,18 @@ Result<Outcome> Optimizer::drive(const Problem& problem, RunDirectory dir, RunDi
       rec.feedback.text = "The previous answer held no usable candidate: " + rec.coder_error;
     }
 
-    rubric::Input input;
-    input.candidate = rubric_candidate(rec.candidate);
-    input.outcome = rubric_outcome(rec.report);
-    input.task.skill = rec.skill;
-    if (previous) {
-      input.task.asks = previous->feedback.asks;
-      input.task.previous = rubric_candidate(previous->candidate);
-      input.task.previous_outcome = rubric_outcome(previous->report);
-    } else {
-      for (const ProblemPlanStep& s : plans.back().steps) input.task.asks.push_back(s.title);
-    }
-    rec.scorecard = agents_.rubric->score(input);
+    std::vector<std::string> asks;
+    if (previous) asks = previous->feedback.asks;
+    else for (const ProblemPlanStep& s : plans.back().steps) asks.push_back(s.title);
+    auto scored = score_attempt(*agents_.rubric, rec.candidate, rec.report, rec.skill, std::move(asks),
+                                previous ? &previous->candidate : nullptr, previous ? &previous->report : nullptr,
+                                agents_.reward);
     if (agents_.judge) {  // the judge's calls belong to this attempt's record
       rec.judge_exchanges = agents_.judge->take_exchanges();
       add_tokens(rec.judge_exchanges);
       for (const Exchange& e : rec.judge_exchanges) rec.llm_s += e.latency_s;
     }
-    if (auto r = rubric::reward(input.outcome, rec.scorecard, rec.skill, agents_.reward)) rec.reward = *r;
+    if (scored) rec.scorecard = scored->scorecard, rec.reward = scored->reward;
     rec.wall_s = seconds_since(attempt_start);
     if (auto ok = dir.write_attempt(rec, problem.name); !ok) return tl::unexpected(ok.error());
 

@@ -1,0 +1,602 @@
+"""The reward service: ``rl.score_completion`` over HTTP/JSON for RL trainers (``stitchcuda serve reward``),
+and ``RewardClient``, the Python side TRL, verl and OpenRLHF reward functions call. docs/reward-service.md.
+
+The server is the standard library's ThreadingHTTPServer in front of a ``RewardPool`` (rl/workers.py):
+a handler thread queues a batch, waits for its items up to their deadline and answers; the pool's workers
+score. Routes: POST /score, POST /openrlhf, GET /health, GET /metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Iterable, Mapping, Sequence
+
+from ..errors import InternalError, InvalidArgumentError, StitchError, UnavailableError
+from .workers import MODES, Rejected, RewardItem, RewardPool, _reward_config
+
+__all__ = ["RewardService", "RewardClient", "register", "DEFAULT_PORT"]
+
+DEFAULT_PORT = 8750
+MAX_BODY_BYTES = 64 << 20
+ROUTES = ("POST /score", "POST /openrlhf", "GET /health", "GET /metrics")
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128  # connections the kernel holds while every handler is busy
+
+
+class RewardService:
+    """HTTP front of a RewardPool. ``start()`` serves in a background thread; ``shutdown()`` drains:
+    new requests get 503, accepted items finish and are answered, then the server and the pool stop.
+
+    ``mode``: the mode of items that name none ("auto": the full check on GPU workers, static checks on
+    CPU ones). ``config``: the RewardConfig of items that name none (None: score_completion's default).
+    """
+
+    def __init__(self, pool: RewardPool, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, mode: str = "auto",
+                 config: Any = None, allow_rows: bool | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+                 log: bool = False) -> None:
+        if mode not in MODES:
+            raise InvalidArgumentError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.pool = pool
+        # A dataset row brings its own reference problem, which is run in this process (trusted code, as
+        # every reference is): accepted from this machine only, unless asked for. Rows that are a shipped
+        # task's own (same id, same source) are always fine.
+        self.allow_rows = _is_loopback(host) if allow_rows is None else bool(allow_rows)
+        self.mode = mode
+        self.config = _reward_config(config, "config") if config is not None else None
+        self.max_body_bytes = max_body_bytes
+        self.log = log
+        self._active = 0  # POST requests being answered
+        self._active_cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+        try:
+            self.server = _Server((host, port), _handler(self))
+        except OSError as exc:
+            raise UnavailableError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (pick another --port, or "
+                                   "--port 0 for any free one)") from None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self.server.server_address[:2]
+        return host, port
+
+    @property
+    def url(self) -> str:
+        host, port = self.address
+        return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+    def start(self) -> "RewardService":
+        self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="stitchcuda-reward-http", daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self, drain_timeout_s: float | None = None) -> bool:
+        """Drains (refuses new items, finishes and answers accepted ones) and stops. True when everything
+        accepted was answered within ``drain_timeout_s``."""
+        if self._stopped:
+            return True
+        drained = self.pool.drain(drain_timeout_s)
+        end = None if drain_timeout_s is None else time.monotonic() + 10.0
+        with self._active_cond:  # the handlers still writing their replies
+            while self._active:
+                remaining = None if end is None else end - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    drained = False
+                    break
+                self._active_cond.wait(remaining if remaining is not None else 1.0)
+        self._stopped = True
+        if self._thread is not None:
+            self.server.shutdown()
+        self.server.server_close()
+        self.pool.close()
+        return drained
+
+    def __enter__(self) -> "RewardService":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown(drain_timeout_s=30)
+
+    # -- requests ------------------------------------------------------------------------------------
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        ready = self.pool.ready_workers()
+        status = "draining" if self.pool.draining else ("ok" if ready else "starting")
+        m = self.pool.metrics()
+        return (503 if self.pool.draining else 200), {
+            "status": status, "workers": len(self.pool.slots), "ready_workers": ready, "device": self.pool.device,
+            "mode": self.mode, "queue_depth": m["queue_depth"], "queue_size": m["queue_size"],
+            "in_flight": m["in_flight"]}
+
+    def score(self, body: Any) -> tuple[int, dict[str, Any], dict[str, str]]:
+        """POST /score: {"items": [...], "deadline_s"?, "config"?, "mode"?} or a bare list of items."""
+        started = time.monotonic()
+        if isinstance(body, list):
+            body = {"items": body}
+        if not isinstance(body, Mapping):
+            return 400, _error("bad-request", "the body must be a JSON object {\"items\": [...]} or a list of items"), {}
+        unknown = sorted(set(body) - {"items", "deadline_s", "config", "mode"})
+        if unknown:
+            return 400, _error("bad-request", f"unknown field(s) {', '.join(unknown)}; known: items, deadline_s, "
+                                              "config, mode"), {}
+        raw_items = body.get("items")
+        if not isinstance(raw_items, list) or not raw_items:
+            return 400, _error("bad-request", "'items' must be a non-empty list of {task, completion, ...}"), {}
+        deadline = body.get("deadline_s")
+        if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
+                                     or not deadline > 0):
+            return 400, _error("bad-request", f"deadline_s must be a positive number of seconds, got {deadline!r:.40}"), {}
+        try:
+            config = _reward_config(body["config"], "config") if body.get("config") is not None else self.config
+            mode = body.get("mode", self.mode)
+            if mode not in MODES:
+                raise InvalidArgumentError(f"mode must be one of {', '.join(MODES)}, got {mode!r:.40}")
+            items = [RewardItem.from_json(it, f"items[{i}]", config=config, mode=mode) for i, it in enumerate(raw_items)]
+            self._vet_rows(items)
+            tickets = self.pool.submit(items, deadline)
+        except InvalidArgumentError as exc:
+            return 400, _error("bad-request", str(exc)), {}
+        except Rejected as exc:
+            return _rejected(exc)
+        results = [t.result() for t in tickets]
+        return 200, {"results": results, "elapsed_s": round(time.monotonic() - started, 4)}, {}
+
+    def openrlhf(self, body: Any) -> tuple[int, dict[str, Any], dict[str, str]]:
+        """POST /openrlhf: OpenRLHF's remote reward protocol, {"query", "prompts", "labels"} ->
+        {"rewards", "scores", "extra_logs"}, read and answered as rl.trainers.openrlhf_reply does, each
+        reply scored through this pool (queue, cache, deadlines). "reasons" holds each score's reason; an
+        item that could not be scored (its deadline passed) gets 0 and says why there."""
+        from . import trainers
+
+        try:
+            queries, prompts, labels = _openrlhf_batch(body)
+            rows = [trainers._label_row(label) for label in labels]
+            replies = [trainers._reply_of(q, p) for q, p in zip(queries, prompts)]
+            items = []
+            for row, completion in zip(rows, replies):
+                task, keywords = trainers._task_of(row)
+                items.append(RewardItem(task, completion, mode=self.mode, config=self.config, **keywords))
+            self._vet_rows(items)
+            tickets = self.pool.submit(items)
+        except InvalidArgumentError as exc:
+            return 400, _error("bad-request", str(exc)), {}
+        except Rejected as exc:
+            return _rejected(exc)
+        scored = [_as_scored(t.result()) for t in tickets]
+        reply = trainers._openrlhf_result(scored)
+        reply["reasons"] = [s.reason for s in scored]  # beside extra_logs, which OpenRLHF logs as numbers
+        return 200, reply, {}
+
+    def _vet_rows(self, items: Sequence[RewardItem]) -> None:
+        """Turns rows that are a shipped task's own into its id; refuses other rows unless allowed."""
+        if self.allow_rows:
+            return
+        from .problems import find_task
+
+        for i, item in enumerate(items):
+            if not isinstance(item.task, Mapping):
+                continue
+            task_id = item.task.get("task_id")
+            try:
+                shipped = find_task(task_id) if isinstance(task_id, str) else None
+            except (LookupError, InvalidArgumentError):
+                shipped = None
+            if shipped is not None and shipped["reference"] == item.task.get("reference"):
+                item.task = task_id
+                continue
+            raise InvalidArgumentError(f"items[{i}].task is a dataset row with its own reference problem, and this "
+                                       "service (listening beyond this machine) takes task ids of the shipped sets "
+                                       "only: a reference runs in the service's process. Send the task id, or start "
+                                       "the service with --allow-rows if every client is trusted")
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _openrlhf_batch(body: Any) -> tuple[list[str], list[str], list[Any]]:
+    if not isinstance(body, Mapping) or not isinstance(body.get("query"), list) \
+            or not all(isinstance(q, str) for q in body["query"]):
+        raise InvalidArgumentError("the body must be a JSON object with 'query' (a list of strings), 'prompts' and "
+                                   "'labels' (lists of the same length)")
+    queries = body["query"]
+    prompts = body.get("prompts") or [""] * len(queries)
+    labels = body.get("labels") or [None] * len(queries)
+    if not isinstance(prompts, list) or not isinstance(labels, list) or not len(queries) == len(prompts) == len(labels):
+        raise InvalidArgumentError(f"'query', 'prompts' and 'labels' must be lists of one length: got "
+                                   f"{len(queries)} queries, {len(prompts) if isinstance(prompts, list) else '?'} "
+                                   f"prompts, {len(labels) if isinstance(labels, list) else '?'} labels")
+    return queries, prompts, labels
+
+
+def _as_scored(reply: Mapping[str, Any]) -> Any:
+    """The Scored a service reply stands for; an item that was not scored is a zero with its reason."""
+    from dataclasses import fields
+
+    from .score import PART_NAMES, Scored
+
+    if "error" in reply:
+        error = reply["error"]
+        return Scored(score=0.0, parts={p: 0.0 for p in PART_NAMES}, reason=f"not scored: {error.get('kind')}: "
+                      f"{error.get('message')}", verified=False, task_id=str(reply.get("task_id", "")))
+    return Scored(**{f.name: reply[f.name] for f in fields(Scored) if f.name in reply})
+
+
+def _error(kind: str, message: str, **extra: Any) -> dict[str, Any]:
+    return {"error": {"kind": kind, "message": message, **extra}}
+
+
+def _rejected(exc: Rejected) -> tuple[int, dict[str, Any], dict[str, str]]:
+    status = {"queue-full": 429, "draining": 503, "too-large": 413}.get(exc.kind, 503)
+    headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))} if exc.kind == "queue-full" else {}
+    return status, _error(exc.kind, exc.message, retry_after_s=round(exc.retry_after_s, 1)), headers
+
+
+def _handler(service: RewardService) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = "stitchcuda-reward"
+        # The status line and headers go out in one write and the body in another: with Nagle's algorithm
+        # the body would wait for the client's delayed ACK (~40 ms a reply).
+        disable_nagle_algorithm = True
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+            if service.log:
+                sys.stderr.write(f"[reward] {self.address_string()} {format % args}\n")
+
+        def _send(self, status: int, body: Any, headers: Mapping[str, str] | None = None,
+                  content_type: str = "application/json") -> None:
+            data = body.encode() if isinstance(body, str) else json.dumps(body, default=str).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(data)))
+            for k, v in (headers or {}).items():
+                self.send_header(k, v)
+            self.end_headers()
+            try:
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client went away; the result stays in the cache
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            url = urllib.parse.urlsplit(self.path)
+            if url.path == "/health":
+                status, body = service.health()
+                self._send(status, body)
+            elif url.path == "/metrics":
+                metrics = service.pool.metrics()
+                if urllib.parse.parse_qs(url.query).get("format") == ["prometheus"]:
+                    self._send(200, prometheus_text(metrics), content_type="text/plain; version=0.0.4")
+                else:
+                    self._send(200, metrics)
+            else:
+                self._send(404, _error("not-found", f"no route GET {url.path}; routes: {', '.join(ROUTES)}"))
+
+        def do_POST(self) -> None:  # noqa: N802
+            path = urllib.parse.urlsplit(self.path).path
+            if path not in ("/score", "/openrlhf"):
+                self._drain_body()
+                self._send(404, _error("not-found", f"no route POST {path}; routes: {', '.join(ROUTES)}"))
+                return
+            with service._active_cond:
+                service._active += 1
+            try:
+                body, problem = self._read_json()
+                if problem is not None:
+                    self._send(*problem)
+                    return
+                try:
+                    status, reply, headers = (service.score if path == "/score" else service.openrlhf)(body)
+                except Exception as exc:  # noqa: BLE001 - a bug answers 500 with its text, the server lives on
+                    status, reply, headers = 500, _error("internal", f"{type(exc).__name__}: {exc}"), {}
+                self._send(status, reply, headers)
+            finally:
+                with service._active_cond:
+                    service._active -= 1
+                    service._active_cond.notify_all()
+
+        def _drain_body(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            if 0 < length <= service.max_body_bytes:
+                self.rfile.read(length)
+            elif length:
+                self.close_connection = True
+
+        def _read_json(self) -> tuple[Any, tuple | None]:
+            try:
+                length = int(self.headers.get("Content-Length") or -1)
+            except ValueError:
+                length = -1
+            if length < 0:
+                self.close_connection = True
+                return None, (411, _error("bad-request", "send the body with a Content-Length header"))
+            if length > service.max_body_bytes:
+                self.close_connection = True
+                return None, (413, _error("too-large", f"the body has {length} bytes, more than the "
+                                                       f"{service.max_body_bytes} allowed: send smaller batches"))
+            data = self.rfile.read(length)
+            try:
+                return json.loads(data), None
+            except (ValueError, UnicodeDecodeError) as exc:
+                return None, (400, _error("bad-request", f"the body is not valid JSON: {exc}"))
+
+    return Handler
+
+
+def prometheus_text(metrics: Mapping[str, Any]) -> str:
+    """The metrics in Prometheus's text format (GET /metrics?format=prometheus)."""
+    lines: list[str] = []
+
+    def put(name: str, kind: str, samples: Iterable[tuple[str, Any]]) -> None:
+        lines.append(f"# TYPE stitchcuda_reward_{name} {kind}")
+        lines.extend(f"stitchcuda_reward_{name}{labels} {float(value):g}" for labels, value in samples
+                     if value is not None)
+
+    for name in ("queue_depth", "queue_size", "in_flight"):
+        put(name, "gauge", [("", metrics[name])])
+    for name in ("items", "done", "failed", "deadline_exceeded", "retries"):
+        put(f"{name}_total", "counter", [("", metrics[name])])
+    put("rejected_total", "counter", [(f'{{reason="{r}"}}', n) for r, n in metrics["rejected_by_reason"].items()])
+    put("cache_hits_total", "counter", [("", metrics["cache"]["hits"])])
+    put("cache_misses_total", "counter", [("", metrics["cache"]["misses"])])
+    put("latency_seconds", "gauge", [(f'{{stage="{stage}",quantile="0.{p[1:]}"}}', q[p])
+                                     for stage, q in metrics["latency_s"].items() for p in ("p50", "p90", "p99")])
+    put("worker_busy", "gauge", [(f'{{worker="{w["name"]}"}}', int(w["state"] == "busy")) for w in metrics["workers"]])
+    put("worker_jobs_total", "counter", [(f'{{worker="{w["name"]}"}}', w["jobs"]) for w in metrics["workers"]])
+    return "\n".join(lines) + "\n"
+
+
+# ---- the client -------------------------------------------------------------------------------------
+
+
+class RewardClient:
+    """Calls a reward service: ``RewardClient("http://127.0.0.1:8750").score(items)``.
+
+    Items are ``RewardItem`` or mappings {task, completion, skill?, previous?, feedback?, mode?, config?,
+    asks?}; replies are Scored.to_dict() plus "service", or {"task_id", "error", "service"} for an item
+    that missed its deadline or could not be scored. A full queue (429) or a draining service (503) is
+    retried after the server's Retry-After, up to ``retries`` times; then UnavailableError. Safe to
+    share between threads (one connection per call).
+    """
+
+    def __init__(self, url: str, *, timeout_s: float | None = None, retries: int = 8,
+                 max_retry_wait_s: float = 30.0) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise InvalidArgumentError(f"RewardClient needs the service's URL such as http://127.0.0.1:{DEFAULT_PORT}, "
+                                       f"got {url!r}")
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.max_retry_wait_s = max_retry_wait_s
+
+    def score(self, items: Iterable[RewardItem | Mapping[str, Any]], *, deadline_s: float | None = None,
+              config: Any = None, mode: str | None = None) -> list[dict[str, Any]]:
+        """Scores a batch; one reply per item, in order."""
+        body: dict[str, Any] = {"items": [it.to_json() if isinstance(it, RewardItem) else dict(it) for it in items]}
+        if not body["items"]:
+            return []
+        if deadline_s is not None:
+            body["deadline_s"] = deadline_s
+        if config is not None:
+            body["config"] = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        if mode is not None:
+            body["mode"] = mode
+        timeout = self.timeout_s if self.timeout_s is not None else (deadline_s or 600.0) + 60.0
+        return self._call("POST", "/score", body, timeout)["results"]
+
+    def score_one(self, task: Any, completion: Any, **fields: Any) -> dict[str, Any]:
+        """Scores one completion (fields: skill, previous, feedback, mode, config, asks, deadline_s)."""
+        deadline = fields.pop("deadline_s", None)
+        return self.score([RewardItem(task, completion, **fields)], deadline_s=deadline)[0]
+
+    def rewards(self, items: Iterable[RewardItem | Mapping[str, Any]], *, deadline_s: float | None = None,
+                on_error: float | None = 0.0) -> list[float]:
+        """The scores alone; an item that errored gets ``on_error`` (None: raise UnavailableError)."""
+        out = []
+        for reply in self.score(items, deadline_s=deadline_s):
+            if "error" in reply:
+                if on_error is None:
+                    raise UnavailableError(f"the reward service could not score {reply.get('task_id')}: "
+                                           f"{reply['error'].get('kind')}: {reply['error'].get('message')}")
+                out.append(float(on_error))
+            else:
+                out.append(float(reply["score"]))
+        return out
+
+    def openrlhf(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """POST /openrlhf as OpenRLHF sends it."""
+        return self._call("POST", "/openrlhf", dict(body), self.timeout_s or 660.0)
+
+    def health(self) -> dict[str, Any]:
+        return self._call("GET", "/health", None, 10.0, accept=(200, 503))
+
+    def metrics(self) -> dict[str, Any]:
+        return self._call("GET", "/metrics", None, 10.0)
+
+    def _call(self, method: str, path: str, body: Any, timeout: float | None,
+              accept: tuple[int, ...] = (200,)) -> dict[str, Any]:
+        try:
+            data = json.dumps(body).encode() if body is not None else None
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"the request cannot be sent as JSON ({exc}): give tasks as ids or dataset "
+                                       "rows and completions as text or chat messages") from None
+        attempt = 0
+        while True:
+            request = urllib.request.Request(self.url + path, data=data, method=method,
+                                             headers={"Content-Type": "application/json"} if data else {})
+            try:
+                with urllib.request.urlopen(request, timeout=timeout) as reply:
+                    return json.loads(reply.read())
+            except urllib.error.HTTPError as exc:
+                status, payload = exc.code, _json_or_text(exc.read())
+                if status in accept:
+                    return payload
+                message = (payload.get("error") or {}).get("message") if isinstance(payload, dict) else None
+                message = f"reward service {method} {path}: HTTP {status}: {message or payload}"
+                if status in (429, 503) and attempt < self.retries:
+                    attempt += 1
+                    time.sleep(min(self.max_retry_wait_s, _retry_after(exc.headers.get("Retry-After"), attempt)))
+                    continue
+                if status in (400, 404, 411, 413):
+                    raise InvalidArgumentError(message, http_status=status) from None
+                if status in (429, 503):
+                    raise UnavailableError(message + f" (after {attempt} retries)", http_status=status,
+                                           transient=True) from None
+                raise InternalError(message, http_status=status) from None
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
+                reason = getattr(exc, "reason", exc)
+                raise UnavailableError(f"the reward service at {self.url} is not reachable ({reason}); start it with "
+                                       "`stitchcuda serve reward` or check the URL", transient=True) from None
+
+
+def _json_or_text(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError:
+        return data.decode(errors="replace")[:500]
+
+
+def _retry_after(header: str | None, attempt: int) -> float:
+    try:
+        return max(0.1, float(header)) if header else 0.5 * 2 ** attempt
+    except ValueError:
+        return 0.5 * 2 ** attempt
+
+
+# ---- the command ------------------------------------------------------------------------------------
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Adds `stitchcuda serve reward` to the CLI."""
+    serve = commands.add_parser("serve", help="run a StitchCUDA service (reward: docs/reward-service.md)")
+    serve.set_defaults(run=None, usage_of=serve)
+    services = serve.add_subparsers(dest="service", metavar="SERVICE")
+    p = services.add_parser("reward", help="the RL reward over HTTP: POST /score, /openrlhf; GET /health, /metrics",
+                            description="Scores Coder replies (rl.score_completion) for RL trainers over HTTP/JSON, "
+                                        "in isolated Verifier workers. SIGTERM drains: accepted items finish, new ones "
+                                        "get 503, then the process exits 0.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any free one, printed)")
+    p.add_argument("--devices", default=None, metavar="LIST",
+                   help="comma-separated devices, e.g. cuda:0,cuda:1 or cpu (default: every GPU, else the CPU)")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="isolated Verifier processes per device (default 1; on a GPU, 1 keeps timings clean)")
+    p.add_argument("--mode", choices=MODES, default="auto",
+                   help="for items that name none: gpu (verified), static (NVRTC + static rules, unverified), "
+                        "auto (gpu on GPU workers, else static; default)")
+    p.add_argument("--queue", type=int, default=None, metavar="N",
+                   help="items that may wait (default 64 per worker); beyond it a batch gets 429")
+    p.add_argument("--deadline", type=float, default=600.0, metavar="S",
+                   help="default seconds from submission to reply per item (default 600; a request's deadline_s "
+                        "overrides)")
+    p.add_argument("--cache", type=int, default=4096, metavar="N", help="results kept in memory (default 4096; 0: off)")
+    p.add_argument("--config", type=str, default=None, metavar="FILE.json",
+                   help="RewardConfig fields as JSON (tau, r_max, ..., verify: VerifyConfig fields) for items "
+                        "that name none")
+    p.add_argument("--ray", default=None, metavar="ADDRESS",
+                   help="score on a Ray cluster (one actor per GPU, CPU actors where none): 'auto' joins the running "
+                        "cluster, 'local' starts one here, or ray://HOST:PORT")
+    p.add_argument("--drain-timeout", type=float, default=None, metavar="S",
+                   help="on SIGTERM, longest wait for accepted items (default: --deadline)")
+    p.add_argument("--allow-rows", action="store_true",
+                   help="accept dataset rows with their own reference problem from every client (a reference runs "
+                        "in the service's process); without it only a loopback --host accepts them, and other hosts "
+                        "send task ids (or rows of the shipped sets)")
+    p.add_argument("--log", action="store_true", help="print one line per HTTP request on stderr")
+    p.set_defaults(run=serve_reward)
+
+
+def _load_config(path: str | None) -> Any:
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise InvalidArgumentError(f"--config {path}: cannot read it ({exc.strerror})") from None
+    except ValueError as exc:
+        raise InvalidArgumentError(f"--config {path}: not valid JSON ({exc})") from None
+    return _reward_config(data, f"--config {path}")
+
+
+def build_pool(args: argparse.Namespace) -> RewardPool:
+    """The pool `serve reward` scores with: local workers, or Ray actors with --ray."""
+    if args.workers < 1:
+        raise InvalidArgumentError(f"--workers must be at least 1, got {args.workers}")
+    options = {"queue_size": args.queue, "deadline_s": args.deadline, "cache_size": args.cache}
+    if args.ray:
+        from .ray_pool import RayRewardPool
+
+        return RayRewardPool(None if args.ray == "local" else args.ray, workers_per_gpu=args.workers,
+                             cpu_workers=args.workers if args.devices == "cpu" else None, **options)
+    devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else None
+    return RewardPool(devices, args.workers, **options)
+
+
+def serve_reward(args: argparse.Namespace) -> int:
+    """`stitchcuda serve reward`: serves until SIGTERM or Ctrl-C, then drains and exits 0."""
+    try:
+        config = _load_config(args.config)
+        pool = build_pool(args)
+    except StitchError as exc:
+        print(f"serve reward: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, InvalidArgumentError) else 1
+    try:
+        service = RewardService(pool, args.host, args.port, mode=args.mode, config=config,
+                                allow_rows=True if args.allow_rows else None, log=args.log)
+    except StitchError as exc:
+        pool.close()
+        print(f"serve reward: {exc}", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+    signals = []
+
+    def on_signal(number: int, _frame: Any) -> None:
+        signals.append(number)
+        if len(signals) > 1:  # a second signal: stop waiting
+            os._exit(1)
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    service.start()
+    kinds = {d.device for d in pool.slots}
+    print(f"stitchcuda reward service on {service.url} ({len(pool.slots)} worker(s) on {', '.join(sorted(kinds))}"
+          f"{' through Ray' if args.ray else ''}, mode {args.mode}, queue {pool.queue_size}, deadline "
+          f"{pool.deadline_s:g} s)", flush=True)
+    try:
+        while not stop.wait(0.5):
+            pass
+        m = pool.metrics()
+        print(f"stitchcuda reward service: {signal.Signals(signals[0]).name}, draining ({m['in_flight']} in flight, "
+              f"{m['queue_depth']} queued)", flush=True)
+        drained = service.shutdown(args.drain_timeout if args.drain_timeout is not None else args.deadline)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    m = pool.metrics()
+    print(f"stitchcuda reward service stopped: {m['done']} scored, {m['failed']} failed, {m['rejected']} rejected, "
+          f"{m['cache']['hits']} cache hits{'' if drained else ' (drain timed out)'}", flush=True)
+    return 0 if drained else 1
