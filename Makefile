@@ -29,8 +29,10 @@ build: $(BUILD)/build.ninja
 run: build
 	$(VENV)/bin/stitchcuda doctor
 	$(VENV)/bin/stitchcuda demo
+	gpu=$$($(PY) -c 'import torch; print(int(torch.cuda.is_available()))'); \
 	for model in examples/models/*.py; do \
-	  $(VENV)/bin/stitchcuda optimize $$model --save $(BUILD)/$$(basename $$model .py).stitch || exit 1; \
+	  save=; [ "$$gpu" = 1 ] && save="--save $(BUILD)/$$(basename $$model .py).stitch"; \
+	  $(VENV)/bin/stitchcuda optimize $$model $$save || exit 1; \
 	done
 
 test-cpp: build

@@ -13,7 +13,9 @@ import difflib
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, Callable
+
+from ..cli import EXIT_INTERRUPTED
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 UNVERIFIED = "UNVERIFIED (no GPU: compile and static checks only)"
@@ -22,34 +24,16 @@ UNVERIFIED = "UNVERIFIED (no GPU: compile and static checks only)"
 # ---- stitchcuda optimize --mode program ------------------------------------------------------------
 
 
-class Progress:
-    """One line per loop event; on a terminal the line is rewritten in place (\\r) and kept at the end."""
-
-    def __init__(self, stream: TextIO) -> None:
-        self.stream = stream
-        self.tty = stream.isatty()
-        self.width = 0
-
-    @staticmethod
-    def format(event: dict[str, Any]) -> str:
-        best = f"{event['best_speedup']:.2f}x" if event["best_speedup"] > 0 else "-"
-        return (f"[{event['stage']}] plan {event['plan']}, {event['attempt']} attempts done, best {best}: "
-                f"{event['message']}")
-
-    def __call__(self, event: dict[str, Any]) -> None:
-        line = self.format(event)
-        if self.tty:
-            line = line.splitlines()[0] if line else ""
-            self.stream.write("\r" + line.ljust(self.width))
-            self.width = len(line)
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.tty and self.width:
-            self.stream.write("\n")
-            self.stream.flush()
+def interrupted(run_dir: str | Path | None, what: str = "stitchcuda optimize") -> int:
+    """After Ctrl-C: says where the run is kept and how to continue it (or that nothing was recorded);
+    returns the shell's code for a SIGINT."""
+    if run_dir is not None and (Path(run_dir) / "config.json").is_file():
+        print(f"{what}: interrupted. The run is kept in {run_dir}; continue it with\n"
+              f"  stitchcuda optimize --resume {run_dir}", file=sys.stderr)
+    else:
+        print(f"{what}: interrupted before the run was recorded: nothing to resume, run the command again",
+              file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 def run_program(args: argparse.Namespace, config: dict[str, Any] | None = None) -> int:
@@ -66,12 +50,17 @@ def run_program(args: argparse.Namespace, config: dict[str, Any] | None = None) 
         llm = config.get("llm_spec") if isinstance(config.get("llm_spec"), str) else None
         if not llm:
             return _usage(f"stitchcuda optimize: {args.resume} does not name its model; give --llm SPEC")
-    progress = Progress(sys.stdout)
+    from .. import _C
+    from ..log import LoopProgress
+
+    # Named here, not left to the loop, so that a Ctrl-C can say which folder to resume.
+    run_dir = args.resume or args.run_dir or _C.agents.fresh_run_path("runs", Path(args.problem).stem)
+    progress = LoopProgress(run_dir, attempts=args.attempts)
     try:
         # None: not given, so a new run's default or a resumed run's saved value.
         out = optimize_problem(args.problem, llm, attempts=args.attempts, replans=args.replans,
                                target_speedup=args.target_speedup, wall_s=args.wall_s, tokens=args.tokens,
-                               run_dir=args.run_dir, resume=args.resume, prompts_dir=args.prompts,
+                               run_dir=run_dir, resume=args.resume, prompts_dir=args.prompts,
                                on_event=progress, static_only=True if args.static_only else None,
                                judge=True if getattr(args, "judge", False) else None,
                                timeout=getattr(args, "timeout", None) or None)
@@ -79,6 +68,9 @@ def run_program(args: argparse.Namespace, config: dict[str, Any] | None = None) 
         return _usage(f"stitchcuda optimize: {_one_line(exc.message)}")
     except (OSError, ImportError, AttributeError, TypeError, ValueError) as exc:  # a python: spec that does not import
         return _usage(f"stitchcuda optimize: {type(exc).__name__}: {_one_line(str(exc))}")
+    except KeyboardInterrupt:
+        progress.close()
+        return interrupted(run_dir)
     finally:
         progress.close()
     print(f"run dir      {out['run_dir']}")
@@ -130,11 +122,50 @@ def _run_info(run: Path) -> dict[str, Any]:
         for s in summary.get("attempts", []) if isinstance(summary.get("attempts"), list) else []:
             if isinstance(s, dict) and s.get("index") == a["index"]:
                 a["outcome"] = s.get("outcome", a["outcome"])
-    return {"path": run, "problem": summary.get("problem") or config.get("problem") or "?",
+    graph_model = config.get("model") if config.get("mode") == "graph" else None  # graph runs name the nn.Module
+    return {"path": run, "problem": summary.get("problem") or config.get("problem") or graph_model or "?",
+            "date": _run_date(run), "model": _llm_name(config), "mode": config.get("mode") or "",
             "attempts": attempts, "finished": bool(summary), "summary": summary,
             "best_speedup": summary.get("best_speedup", 0.0), "best_attempt": summary.get("best_attempt", 0),
             "verified": summary.get("verified"), "stop_reason": summary.get("stop_reason") or "(running or interrupted)",
             "plans": summary.get("plans", 0), "tokens": (summary.get("usage") or {}).get("total_tokens", 0)}
+
+
+def _run_date(run: Path) -> str:
+    """When the run started, in UTC ISO 8601: from its name when it was named by default
+    (runs/<yyyymmdd-hhmmss>-<problem>), else from when its config.json was written; "" if neither."""
+    import datetime
+    import re
+
+    m = re.match(r"(\d{4})(\d{2})(\d{2})-(\d{2})(\d{2})(\d{2})(?:-|$)", run.name)
+    if m:
+        y, mo, d, h, mi, sec = m.groups()
+        return f"{y}-{mo}-{d}T{h}:{mi}:{sec}Z"
+    for name in ("config.json", "problem.py"):
+        if (run / name).is_file():
+            when = datetime.datetime.fromtimestamp((run / name).stat().st_mtime, datetime.timezone.utc)
+            return when.strftime("%Y-%m-%dT%H:%M:%SZ")
+    return ""
+
+
+def _llm_name(config: dict[str, Any]) -> str:
+    """The model a run used, as it was asked for (the spec, e.g. openai:gpt-4.1), else the backend's name."""
+    spec = config.get("llm_spec")
+    if isinstance(spec, str) and spec:
+        return spec
+    return str(config.get("llm") or "?")
+
+
+def _run_json(info: dict[str, Any], attempts: bool = False) -> dict[str, Any]:
+    """A run as `runs list --json` / `runs show --json` print it."""
+    out = {"run": info["path"].name, "path": str(info["path"]), "date": info["date"], "model": info["model"],
+           "mode": info["mode"], "problem": info["problem"], "attempts": len(info["attempts"]),
+           "best_speedup": info["best_speedup"], "best_attempt": info["best_attempt"], "verified": info["verified"],
+           "finished": info["finished"], "stop_reason": info["stop_reason"], "plans": info["plans"],
+           "tokens": info["tokens"]}
+    if attempts:
+        out["attempt_records"] = info["attempts"]
+    return out
 
 
 def _is_run(path: Path) -> bool:
@@ -167,11 +198,15 @@ def _runs_list(args: argparse.Namespace) -> int:
     if not root.is_dir():
         return _usage(f"stitchcuda runs list: no folder '{root}'")
     runs = [_run_info(p) for p in sorted(root.iterdir()) if _is_run(p)]
+    if getattr(args, "json", False):
+        print(json.dumps([_run_json(i) for i in runs]))
+        return EXIT_OK
     if not runs:
         print(f"no runs under {root}")
         return EXIT_OK
-    rows = [["run", "problem", "attempts", "best", "stop reason"]]
-    rows += [[i["path"].name, i["problem"], str(len(i["attempts"])), _speed(i), i["stop_reason"]] for i in runs]
+    rows = [["run", "problem", "attempts", "best", "date (UTC)", "model", "stop reason"]]
+    rows += [[i["path"].name, i["problem"], str(len(i["attempts"])), _speed(i),
+              i["date"].replace("T", " ")[:16] or "-", i["model"], i["stop_reason"]] for i in runs]
     print(_table(rows))
     return EXIT_OK
 
@@ -181,8 +216,13 @@ SKILLS = {1: "from plan", 2: "from feedback"}
 
 def _runs_show(args: argparse.Namespace) -> int:
     info = _run_info(_find_run(args.run_name, args.root))
+    if getattr(args, "json", False):
+        print(json.dumps(_run_json(info, attempts=True)))
+        return EXIT_OK
     print(f"run          {info['path']}")
     print(f"problem      {info['problem']}")
+    print(f"model        {info['model']}")
+    print(f"date         {info['date'].replace('T', ' ').removesuffix('Z') + ' UTC' if info['date'] else '-'}")
     print(f"best         {_speed(info)}" + (f" (attempt {info['best_attempt']})" if info["best_attempt"] else ""))
     print(f"stop reason  {info['stop_reason']}")
     print(f"plans        {info['plans']}; tokens {info['tokens']}")
@@ -247,12 +287,15 @@ def register(commands: argparse._SubParsersAction) -> None:
     runs = commands.add_parser("runs", help="list, show and compare agent run directories")
     runs.set_defaults(run=None, usage_of=runs)
     sub = runs.add_subparsers(dest="runs_command", metavar="COMMAND")
-    listing = sub.add_parser("list", help="one line per run: problem, attempts, best speed-up, stop reason")
+    listing = sub.add_parser("list", help="one line per run: problem, attempts, best speed-up, date, model, "
+                                          "stop reason")
     listing.add_argument("--root", default="runs", help="folder holding the runs (default runs)")
+    listing.add_argument("--json", action="store_true", help="print a JSON array, one object per run")
     listing.set_defaults(run=_guard(_runs_list, "list"))
     show = sub.add_parser("show", help="a run's summary and one line per attempt")
     show.add_argument("run_name", metavar="RUN", help="a run directory, or its name under --root")
     show.add_argument("--root", default="runs", help="folder holding the runs (default runs)")
+    show.add_argument("--json", action="store_true", help="print one JSON object, the attempts included")
     show.set_defaults(run=_guard(_runs_show, "show"))
     diff = sub.add_parser("diff", help="unified diff of two runs' best.py, and how their summaries differ")
     diff.add_argument("a", metavar="A", help="a run directory, or its name under --root")

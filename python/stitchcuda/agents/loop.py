@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from .. import _C
+from ..log import get_logger
 
 __all__ = ["PROMPTS_DIR", "hardware", "extract_code", "ProblemPlan", "problem_plan_schema", "PromptLibrary",
            "report_from_json", "optimize_problem", "NO_GPU", "BUDGET_DEFAULTS"]
 
 _native = _C.agents
+_log = get_logger(__name__)
 
 #: The prompt templates shipped with the package (planner, coder_plan, coder_feedback, answer_model_new,
 #: answer_kernel_step, replanner, verifier).
@@ -34,6 +36,7 @@ def _gpu_present() -> bool:
 
         return _C.device_count() > 0 and torch.cuda.is_available()
     except Exception:  # a broken driver is no GPU for this purpose
+        _log.debug("no usable GPU: the device query failed", exc_info=True)
         return False
 
 

@@ -36,6 +36,7 @@ from typing import Any, Callable
 import torch
 
 from .. import _C
+from ..log import get_logger
 from .capture import Graph
 from .planner import Group, GraphPlan
 from .targets import (COMPUTING, KernelStep, KernelStepError, SubProblem, Target, TargetError, describe_graph,
@@ -43,6 +44,7 @@ from .targets import (COMPUTING, KernelStep, KernelStepError, SubProblem, Target
 
 __all__ = ["AgentBudget", "TargetResult", "GraphRun", "run_agents", "profile_groups", "program_wrapper_source"]
 
+_log = get_logger(__name__)
 _SECRET = re.compile(r"(api_?key|secret|password|authorization|^token$|_token$)", re.I)
 
 
@@ -284,7 +286,7 @@ class _Runner:
             try:
                 self.on_event(record)
             except Exception:  # a progress view must not stop the run
-                pass
+                _log.debug("the on_event callback raised on %s", stage, exc_info=True)
 
     def verify(self, task, source: str, trusted: bool = False) -> str:
         from ..verify import check
@@ -415,7 +417,7 @@ def _plan_targets(r: _Runner, graph_text: str, library, exchanges: list[dict]) -
         docs = "\n\n".join(h["text"] for h in hits)
         snippets = [h["id"] for h in hits]
     except Exception:  # retrieval is help, not a requirement
-        pass
+        _log.debug("retrieval for the graph Planner failed; it plans without documentation", exc_info=True)
     hardware = "\n".join(f"- {k}: {v}" for k, v in r.machine.items())
     prompt = library.render("graph_planner", graph=graph_text, hardware=hardware, docs=docs,
                             max_targets=str(r.budget.max_targets))

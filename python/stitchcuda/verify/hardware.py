@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from ..log import get_logger
+
 __all__ = ["describe", "ceilings", "default_ceilings", "floor_bandwidth_tb_s", "gpu_present"]
 
 
@@ -43,7 +45,8 @@ def gpu_present() -> bool:
         from .. import _C
 
         return _C.device_count() > 0 and torch.cuda.is_available()
-    except Exception:
+    except Exception:  # a broken driver is no GPU here
+        get_logger(__name__).debug("no usable GPU: the device query failed", exc_info=True)
         return False
 
 
