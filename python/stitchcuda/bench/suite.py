@@ -1,20 +1,31 @@
-"""`stitchcuda bench suite` and `stitchcuda bench kernelbench`: every problem in a folder of KernelBench-format
-files (Model, get_inputs, get_init_inputs) through eager PyTorch, torch.compile (default and
-mode="reduce-overhead") and `stitchcuda.optimize`, timed in one run, with StitchCUDA's outputs checked
-against eager, its memory against eager's, and geomean speed-ups over eager per class and overall.
+"""`stitchcuda bench suite`, `stitchcuda bench kernelbench` and `stitchcuda bench DIR`: every problem in a
+folder of KernelBench-format files (Model, get_inputs, get_init_inputs) through eager PyTorch,
+torch.compile (default and mode="reduce-overhead"), `stitchcuda.optimize` and, with --llm, optimize with
+the agents, timed in one run, with the outputs checked against eager, memory against eager's, geomean
+speed-ups over eager and fast_p per class, per KernelBench level and overall.
 
 Options (flags win over the environment):
-  --dir DIR        the folder of problem files. `suite`: STITCHCUDA_SUITE_DIR, else `bench/suite` found by
-                   walking up from this file; `kernelbench`: `bench/kernelbench` found the same way
-                   (STITCHCUDA_SUITE_DIR does not apply to it, so a shell set up for the suite cannot
-                   redirect it silently).
+  --dir DIR        the folder of problem files (`bench DIR` is the same as `bench kernelbench --dir DIR`).
+                   `suite`: STITCHCUDA_SUITE_DIR, else `bench/suite` found by walking up from this file;
+                   `kernelbench`: `bench/kernelbench` found the same way (STITCHCUDA_SUITE_DIR does not
+                   apply to it, so a shell set up for the suite cannot redirect it silently). The files
+                   of its `level<N>` subfolders are problems too (KernelBench's own layout), each row
+                   carrying its level.
   --only a,b       file stems to run (STITCHCUDA_SUITE_ONLY); names that match no file are reported.
   --chunk K/N      every N-th problem from the K-th, 1-based (STITCHCUDA_SUITE_CHUNK), for runs that must
                    fit a time limit; N runs cover the folder once.
   --results F      a JSON-lines file: each finished row is appended (and flushed) at once, and a problem
                    already in the file is not run again, so a killed run continues where it stopped (delete
                    a problem's line to measure it again; one file per folder). The table and summary cover
-                   every row in the file that matches the selected problems.
+                   every row in the file that matches the selected problems. Only rows made the same
+                   way are reused (ROW_SETTINGS: timed or compile-only, the same --llm).
+  --llm SPEC       a further column: optimize(model, inputs, llm=SPEC), the agents after the offline plan
+                   (agents_ms, agents_correct, speedup_agents, agents_s, agents_run_dir, and per target
+                   the winner and every attempt's speed-up over the target's ATen ops).
+  --csv FILE       the rows as CSV (CSV_COLUMNS), rewritten after every problem.
+  --html FILE      a self-contained HTML report (stitchcuda/bench/html.py; needs matplotlib).
+  --compile-only   no timing: each problem is loaded, its FLOPs and bytes counted on the meta device, and
+                   captured, planned, lowered and compiled on the CPU (plan_model); runs without a GPU.
   --json           one JSON object on stdout: {device, suite_dir, tolerance, repeats, resumed,
                    summary: {overall, classes: {name: {...}}}, models: [row, ...]}; without a GPU (exit 3),
                    with no folder, nothing selected or a bad STITCHCUDA_SUITE_CHUNK (exit 2) it is
@@ -52,10 +63,18 @@ first was slower there: eight processes contending for the CPUs did not finish 2
 minutes.) Rows are printed to stderr as `[suite-row] {json}` as they finish, so a run cut short still
 reports what it measured.
 
-Summary (per class and overall): models, correct, optimized, geomean speed-ups over eager of compile
-default, reduce-overhead, the best compile mode per problem and StitchCUDA, the geomean of StitchCUDA over
-the best compile mode, slower_than_eager (problems whose measured StitchCUDA speed-up is below 0.98),
-optimize_s_median / optimize_s_max, and memory_over_target (problems whose memory_ratio exceeds 1).
+Roofline: `flops` and `bytes` per row (problem_work, on the meta device): FLOPs by torch's formulas for
+matmuls, convolutions and attention and one per element of the largest tensor for every other op that
+computes; bytes are the parameters, buffers, inputs and outputs, each moved once. A column's achieved
+rate is flops / time, its bandwidth bytes / time.
+
+Summary (per class, per level and overall): models, correct, optimized, geomean speed-ups over eager of
+compile default, reduce-overhead, the best compile mode per problem, StitchCUDA and the agents, the
+geomeans of StitchCUDA and the agents over the best compile mode, slower_than_eager (problems whose
+measured StitchCUDA speed-up is below 0.98), optimize_s_median / optimize_s_max, memory_over_target
+(problems whose memory_ratio exceeds 1), and fast_p: KernelBench's metric, for p = 0, 0.5 and 1, the
+share of ALL the problems (those that failed included) whose result is correct and whose speed-up over
+the baseline is strictly greater than p — against eager and against the best compile mode.
 """
 
 from __future__ import annotations
@@ -65,6 +84,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -86,6 +106,8 @@ CLASSES = {"op": "single op", "conv": "conv + epilogue", "gemm": "GEMM + epilogu
            "model": "whole network"}
 CLASS_ORDER = ("single op", "conv + epilogue", "GEMM + epilogue", "whole network", "other")
 BENCHES = ("suite", "kernelbench")  # the folders under bench/ this runner knows by name
+LEVEL_FOLDER = re.compile(r"level\d+")
+FAST_P = (0.0, 0.5, 1.0)  # the thresholds of fast_p in the summary
 
 
 def problem_class(stem: str) -> str:
@@ -125,10 +147,26 @@ def _only_names(only: str | None) -> set[str]:
     return {s.strip() for s in (only or "").split(",") if s.strip()}
 
 
+def problem_level(path: Path) -> str | None:
+    """The KernelBench level a problem file belongs to: the name of its folder when that is `level<N>`
+    (KernelBench's own layout: level1/ single ops, level2/ fusions, level3/ whole networks), else None."""
+    return path.parent.name if LEVEL_FOLDER.fullmatch(path.parent.name) else None
+
+
+def _problem_paths(folder: Path) -> list[Path]:
+    """Every problem file of `folder`: its own *.py, then those of its `level<N>` subfolders in level
+    order, each folder sorted by name, so KernelBench's top folder runs whole (a leading underscore marks
+    a helper, not a problem)."""
+    levels = sorted((d for d in folder.iterdir() if d.is_dir() and LEVEL_FOLDER.fullmatch(d.name)),
+                    key=lambda d: _level_key(d.name))
+    return [p for d in [folder, *levels] for p in sorted(d.glob("*.py")) if not p.name.startswith("_")]
+
+
 def model_files(folder: Path, only: str | None = None, chunk: str | None = None) -> list[Path]:
-    """The folder's problem files, sorted; `only` is a comma-separated list of stems; `chunk` "K/N" keeps
-    every N-th file from the K-th (1-based), so N runs cover the folder once, each with a mix of kinds."""
-    files = sorted(p for p in folder.glob("*.py") if not p.name.startswith("_"))
+    """The folder's problem files (with those of its `level<N>` subfolders), sorted; `only` is a
+    comma-separated list of stems; `chunk` "K/N" keeps every N-th file from the K-th (1-based), so N
+    runs cover the folder once, each with a mix of kinds."""
+    files = _problem_paths(folder)
     wanted = _only_names(only)
     if wanted:
         files = [p for p in files if p.stem in wanted]
@@ -228,6 +266,60 @@ def memory_ratio(optimize_peak: int | None, eager_peak: int | None, largest: int
         return None
     budget = eager_peak + 2 * largest
     return optimize_peak / budget if budget > 0 else None
+
+
+# ---- work: FLOPs and bytes for the roofline ----
+
+
+def _work_meter() -> Any:
+    """A dispatch mode counting one forward's FLOPs: torch's formulas where it has one (matmuls,
+    convolutions, attention), else one per element of the op's largest tensor (elementwise ops,
+    reductions, norms: an estimate). Views and other aliasing ops count nothing."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
+
+    class WorkMeter(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.flops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            packet = func._overloadpacket
+            if packet in flop_registry:
+                self.flops += int(flop_registry[packet](*args, **kwargs, out_val=out))
+            elif not any(r.alias_info is not None for r in func._schema.returns):
+                sizes = [t.numel() for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+                self.flops += max(sizes, default=0)
+            return out
+
+    return WorkMeter()
+
+
+def problem_work(module: ModuleType) -> dict:
+    """{flops, bytes} of one forward, from the model and inputs built on the meta device (no memory, no
+    GPU): `bytes` is the traffic no implementation avoids — parameters, buffers, inputs and outputs, each
+    read or written once — so bytes / time is the bandwidth a problem achieved and FLOPs / time its
+    compute rate, the two axes of the roofline."""
+    with torch.device("meta"):
+        torch.manual_seed(0)
+        model = module.Model(*module.get_init_inputs()).eval()
+        inputs = [torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) and t.device.type != "meta"
+                  else t for t in module.get_inputs()]  # a tensor made outside the device context
+    meter = _work_meter()
+    with torch.no_grad(), meter:
+        out = model(*inputs)
+    unique = {id(t): t for t in [*model.parameters(), *model.buffers(), *pytree.tree_leaves((inputs, out))]
+              if isinstance(t, torch.Tensor)}
+    return {"flops": meter.flops, "bytes": sum(t.numel() * t.element_size() for t in unique.values())}
+
+
+def _record_work(row: dict, module: ModuleType) -> None:
+    try:
+        row.update(problem_work(module))
+    except Exception as exc:  # an op without a meta kernel: the roofline leaves this problem out
+        row["work_error"] = _first_line(exc)
 
 
 # ---- one problem ----
@@ -362,18 +454,81 @@ def add_speedups(row: dict) -> dict:
     if modes:
         row["best_compile_ms"], row["best_compile_mode"] = min(modes)
     for key, name in (("compile_ms", "speedup_compile"), ("reduce_overhead_ms", "speedup_reduce_overhead"),
-                      ("best_compile_ms", "speedup_best_compile"), ("stitch_ms", "speedup_stitch")):
+                      ("best_compile_ms", "speedup_best_compile"), ("stitch_ms", "speedup_stitch"),
+                      ("agents_ms", "speedup_agents")):
         if row.get(key) and row.get("eager_ms"):
             row[name] = row["eager_ms"] / row[key]
-    if row.get("stitch_ms") and row.get("best_compile_ms"):
-        row["stitch_vs_best_compile"] = row["best_compile_ms"] / row["stitch_ms"]
+    for key, name in (("stitch_ms", "stitch_vs_best_compile"), ("agents_ms", "agents_vs_best_compile")):
+        if row.get(key) and row.get("best_compile_ms"):
+            row[name] = row["best_compile_ms"] / row[key]
     return row
 
 
-def run_model(path: Path) -> dict:
-    """One problem's row: times, speed-ups, correctness, memory, report status; errors recorded, never
-    raised. The caller frees the GPU after it (its tensors die with this frame)."""
-    row: dict[str, Any] = {"model": path.stem, "class": problem_class(path.stem), "errors": {}}
+def _attempt_speedups(target_dir: str) -> list[float | None]:
+    """Each finished attempt's speed-up over the target's ATen ops, in order (None: not correct, or a
+    hack), from the target's run directory."""
+    from ..agents.cli import _attempt_records
+
+    out: list[float | None] = []
+    for record in _attempt_records(Path(target_dir)):
+        report = record.get("report") or {}
+        hack = any(f.get("severity") == "major" for f in report.get("findings") or [])
+        ok = report.get("correct") and not report.get("static_only") and not hack
+        out.append(float(report["speedup_eager"]) if ok and report.get("speedup_eager") else None)
+    return out
+
+
+def _target_entry(target: dict) -> dict:
+    """One agents' target as the row keeps it: the winner, each candidate's speed-up, and every attempt's."""
+    llm, template = target.get("llm") or {}, target.get("template") or {}
+    return {"target": target.get("target"), "ops": target.get("ops"), "winner": target.get("winner"),
+            "template_speedup": template.get("speedup") if template.get("correct") else None,
+            "llm_speedup": llm.get("speedup"), "llm_attempt": llm.get("attempt"),
+            "attempts": _attempt_speedups(target["run_dir"]) if target.get("run_dir") else []}
+
+
+def _agents_column(row: dict, module: ModuleType, model: torch.nn.Module, inputs: tuple, want: Any, llm: str) -> None:
+    """optimize(llm=...): the agents after the offline plan. The same three input sets and timer as the
+    StitchCUDA column; the targets with each attempt's speed-up (from the run directory)."""
+    from .. import _C
+    from ..graph import optimize
+
+    try:
+        t0 = time.perf_counter()
+        # Named after the problem file (every KernelBench model is a `Model`): runs/<UTC time>-<stem>.
+        run_dir = _C.agents.fresh_run_path("runs", row["model"])
+        fast = optimize(model, inputs, llm=llm, measure=False, progress=False, run_dir=run_dir)
+        row["agents_s"] = time.perf_counter() - t0
+        report = fast.report
+        row.update(agents_status=report.status, agents_run_dir=report.run_dir,
+                   agents_targets=[_target_entry(t) for t in report.targets])
+        if report.status == "optimized":
+            sets = _input_sets(module, model, fast, inputs, want)
+            row.update(agents_input_sets=sets, agents_correct=all(s["correct"] for s in sets))
+            with torch.no_grad():
+                row["agents_ms"] = _time_ms(lambda: fast(*inputs))
+        else:  # the original model runs
+            row.update(agents_correct=True, agents_ms=row.get("eager_ms"), agents_reason=report.reason)
+    except Exception as exc:  # a backend that cannot be reached, out of memory: the row says so
+        row["errors"]["agents"] = _first_line(exc)
+        row["agents_correct"] = False
+
+
+def _new_row(path: Path, mode: str) -> dict:
+    row: dict[str, Any] = {"model": path.stem, "class": problem_class(path.stem), "mode": mode, "errors": {}}
+    level = problem_level(path)
+    if level:
+        row["level"] = level
+    return row
+
+
+def run_model(path: Path, llm: str | None = None) -> dict:
+    """One problem's row: times, speed-ups, correctness, memory, report status, FLOPs and bytes; with
+    `llm`, the agents' column too. Errors recorded, never raised. The caller frees the GPU after it (its
+    tensors die with this frame)."""
+    row = _new_row(path, "timed")
+    if llm:
+        row["llm"] = llm
     try:
         module, model, inputs = _on_gpu(path)
         want = _eager(row, model, inputs)
@@ -381,18 +536,58 @@ def run_model(path: Path) -> dict:
         row["errors"]["eager"] = _first_line(exc)
         row["correct"] = False
         return row
+    _record_work(row, module)
     _compile_columns(row, model, inputs)
     _stitch_column(row, module, model, inputs, want)
+    if llm:
+        _free_gpu()
+        _agents_column(row, module, model, inputs, want, llm)
     return add_speedups(row)
 
 
-def _run_one(path: Path) -> dict:
-    """run_model, and whatever escapes it (a bug here, not in the problem) as the row's error."""
+def plan_model(path: Path) -> dict:
+    """One problem's row without timing (--compile-only, e.g. on a machine without a GPU): the file
+    loads, its FLOPs and bytes are counted on the meta device, and graph mode captures, plans, lowers
+    and compiles every kernel with NVRTC on the CPU, as optimize() does where there is no GPU. Nothing
+    runs on a GPU: no times, no speed-ups, `correct` None (unknown). The model and inputs are built on
+    the CPU, so this suits problems that fit in host memory."""
+    from ..graph.optimize import _plan_only
+    from ..graph.report import Report
+
+    row = _new_row(path, "compile-only")
     try:
-        row = run_model(path)
+        module = load(path)
+        _record_work(row, module)
+        torch.manual_seed(0)
+        model = module.Model(*module.get_init_inputs()).eval()
+        inputs = tuple(module.get_inputs())
+    except Exception as exc:  # the model itself does not load or build
+        row["errors"]["eager"] = _first_line(exc)
+        row["correct"] = False
+        return row
+    report = Report()
+    t0 = time.perf_counter()
+    _plan_only(model, inputs, "fp32", True, report)  # never raises: a failure is in the reason
+    row["optimize_s"] = time.perf_counter() - t0
+    kinds = sorted({g["kind"] for g in report.groups})
+    row.update(status="compiled" if report.groups else "not compiled", reason=report.reason.lstrip("; "),
+               groups={k: sum(g["kind"] == k for g in report.groups) for k in kinds},
+               kernels=len(report.kernels), correct=None)
+    if not report.groups:
+        row["errors"]["stitchcuda"] = row["reason"][:300]
+    return row
+
+
+def _run_one(path: Path, llm: str | None = None, compile_only: bool = False) -> dict:
+    """run_model (or plan_model), and whatever escapes it (a bug here, not in the problem) as the row's
+    error."""
+    try:
+        row = plan_model(path) if compile_only else run_model(path, llm) if llm else run_model(path)
     except Exception as exc:
-        row = {"model": path.stem, "class": problem_class(path.stem), "correct": False,
+        row = {**_new_row(path, "compile-only" if compile_only else "timed"), "correct": False,
                "errors": {"bench": _first_line(exc)}, "traceback": traceback.format_exc(limit=6)}
+        if llm and not compile_only:
+            row["llm"] = llm
     _free_gpu()
     return row
 
@@ -416,9 +611,20 @@ def _dumps(value: Any) -> str:
     return json.dumps(jsonable(value), default=str, allow_nan=False)
 
 
-def read_results(path: Path) -> dict[str, dict]:
-    """The rows already in a results file, by problem (a later line wins). A line that does not parse
-    (the last one, cut short by a killed run) is skipped, so that problem runs again."""
+# What a row was measured with: a resumed run reuses only rows made the same way (a compile-only row
+# is no timed measurement; a row without the agents is not one with them). Rows of older files have no
+# such keys and read as these defaults.
+ROW_SETTINGS = {"mode": "timed", "llm": None}
+
+
+def row_settings(row: dict) -> dict:
+    return {key: row.get(key, default) for key, default in ROW_SETTINGS.items()}
+
+
+def read_results(path: Path, settings: dict | None = None) -> dict[str, dict]:
+    """The rows already in a results file, by problem (a later line wins); with `settings`, only rows
+    made with them (row_settings). A line that does not parse (the last one, cut short by a killed run)
+    is skipped, so that problem runs again."""
     rows: dict[str, dict] = {}
     if not path.is_file():
         return rows
@@ -428,8 +634,47 @@ def read_results(path: Path) -> dict[str, dict]:
         except json.JSONDecodeError:
             continue
         if isinstance(row, dict) and isinstance(row.get("model"), str):
-            rows[row["model"]] = row
+            if settings is None or row_settings(row) == {**ROW_SETTINGS, **settings}:
+                rows[row["model"]] = row
     return rows
+
+
+# ---- CSV ----
+
+# The CSV's columns: one line per problem, the row's numbers and verdicts (the JSON-lines file keeps
+# everything, the input sets and agents' targets too).
+CSV_COLUMNS = ("model", "level", "class", "mode", "llm", "status", "correct", "eager_ms", "compile_ms",
+               "reduce_overhead_ms", "best_compile_mode", "best_compile_ms", "stitch_ms", "agents_ms",
+               "speedup_compile", "speedup_reduce_overhead", "speedup_best_compile", "speedup_stitch",
+               "speedup_agents", "stitch_vs_best_compile", "agents_vs_best_compile", "agents_correct",
+               "optimize_s", "agents_s", "fallbacks", "kernels", "max_abs_error", "flops", "bytes",
+               "eager_peak_bytes", "optimize_peak_bytes", "memory_ratio", "errors")
+
+
+def _csv_value(row: dict, key: str) -> Any:
+    value = row.get(key)
+    if key == "errors":
+        return "; ".join(f"{stage}: {text}" for stage, text in (value or {}).items())
+    if isinstance(value, float) and not math.isfinite(value):
+        return ""
+    return "" if value is None else value
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    """`rows` as CSV (CSV_COLUMNS, a header line first), replaced whole and atomically: rewritten after
+    every problem, so a killed run leaves a CSV of what it finished."""
+    import csv
+    import io
+
+    text = io.StringIO()
+    writer = csv.writer(text, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    for row in rows:
+        writer.writerow([_csv_value(row, key) for key in CSV_COLUMNS])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text.getvalue(), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def append_result(path: Path, row: dict) -> None:
@@ -461,10 +706,33 @@ def _stitch_speedup(row: dict) -> float | None:
     return row["speedup_stitch"] if row.get("correct") else 1.0
 
 
+def _agents_speedup(row: dict) -> float | None:
+    """The agents' column as the geomeans count it (a wrong result: 1x)."""
+    if "speedup_agents" not in row:
+        return None
+    return row["speedup_agents"] if row.get("agents_correct") else 1.0
+
+
+def fast_p(rows: list[dict], speedup: Callable[[dict], float | None]) -> dict[str, float] | None:
+    """KernelBench's fast_p for p in FAST_P: the share of ALL the rows (failed ones too) whose result is
+    correct and whose speed-up over the baseline is strictly greater than p. `speedup(row)` is the
+    row's speed-up when its result is correct, else None. fast_0 is the share correct; fast_1 the
+    share correct and faster than the baseline. None when no row has a speed-up (nothing was timed)."""
+    values = [speedup(r) for r in rows]
+    if not rows or all(v is None for v in values):
+        return None
+    return {format(p, "g"): sum(v is not None and v > p for v in values) / len(rows) for p in FAST_P}
+
+
+def _when_correct(key: str, correct: str = "correct") -> Callable[[dict], float | None]:
+    return lambda r: r.get(key) if r.get(correct) and r.get(key) else None
+
+
 def _best_compile_speedup(row: dict) -> float | None:
-    """The faster torch.compile mode for this problem (rows from older files have no best column)."""
+    """The faster torch.compile mode for this problem (rows from older files have no best column; rows
+    written by other tools may have the best column only)."""
     present = [row[k] for k in ("speedup_compile", "speedup_reduce_overhead") if row.get(k)]
-    return max(present) if present else None
+    return max(present) if present else row.get("speedup_best_compile")
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -473,6 +741,7 @@ def summarize(rows: list[dict]) -> dict:
     out: dict[str, Any] = {"models": len(rows), "correct": sum(bool(r.get("correct")) for r in rows)}
     out["share_correct"] = out["correct"] / len(rows) if rows else 0.0
     out["optimized"] = sum(r.get("status") == "optimized" for r in rows)
+    out["compiled"] = sum(r.get("status") == "compiled" for r in rows)  # --compile-only rows
     best = {id(r): _best_compile_speedup(r) for r in rows}
     columns: dict[str, list[float]] = {
         "speedup_compile": [r["speedup_compile"] for r in rows if "speedup_compile" in r],
@@ -481,10 +750,20 @@ def summarize(rows: list[dict]) -> dict:
         "speedup_stitch": [s for s in map(_stitch_speedup, rows) if s is not None],
         "stitch_vs_best_compile": [_stitch_speedup(r) / best[id(r)] for r in rows
                                    if _stitch_speedup(r) is not None and best[id(r)]],
+        "speedup_agents": [s for s in map(_agents_speedup, rows) if s is not None],
+        "agents_vs_best_compile": [_agents_speedup(r) / best[id(r)] for r in rows
+                                   if _agents_speedup(r) is not None and best[id(r)]],
     }
     for name, values in columns.items():
         out[f"geomean_{name}"] = _geomean(values)
         out[f"models_with_{name}"] = len(values)
+    # Baselines: eager (KernelBench's) and the faster torch.compile mode; the agents only when they ran.
+    out["fast_p"] = {"stitch": fast_p(rows, _when_correct("speedup_stitch")),
+                     "stitch_vs_best_compile": fast_p(rows, _when_correct("stitch_vs_best_compile"))}
+    if any("agents_ms" in r or "agents_correct" in r for r in rows):
+        out["fast_p"]["agents"] = fast_p(rows, _when_correct("speedup_agents", "agents_correct"))
+        out["fast_p"]["agents_vs_best_compile"] = fast_p(rows, _when_correct("agents_vs_best_compile",
+                                                                             "agents_correct"))
     out["slower_than_eager"] = sum(r["speedup_stitch"] < SLOW for r in rows if r.get("speedup_stitch"))
     walls = [r["optimize_s"] for r in rows if isinstance(r.get("optimize_s"), (int, float))]
     out["optimize_s_median"] = statistics.median(walls) if walls else None
@@ -503,8 +782,27 @@ def summarize_classes(rows: list[dict]) -> dict[str, dict]:
     return {c: summarize(by_class[c]) for c in CLASS_ORDER if c in by_class}
 
 
+def _level_key(level: str) -> tuple[int, str]:
+    digits = level.removeprefix("level")
+    return (int(digits) if digits.isdigit() else 1 << 30, level)
+
+
+def summarize_levels(rows: list[dict]) -> dict[str, dict]:
+    """summarize() per KernelBench level (level1, level2, ...), for the rows that have one."""
+    by_level: dict[str, list[dict]] = {}
+    for r in rows:
+        if r.get("level"):
+            by_level.setdefault(r["level"], []).append(r)
+    return {name: summarize(by_level[name]) for name in sorted(by_level, key=_level_key)}
+
+
 def full_summary(rows: list[dict]) -> dict:
-    return {"overall": summarize(rows), "classes": summarize_classes(rows)}
+    """{overall, classes} and, when any row comes from a `level<N>` folder, levels."""
+    summary = {"overall": summarize(rows), "classes": summarize_classes(rows)}
+    levels = summarize_levels(rows)
+    if levels:
+        summary["levels"] = levels
+    return summary
 
 
 # ---- text ----
@@ -520,7 +818,8 @@ def _fmt(v: Any, spec: str) -> str:
 
 def _row_line(r: dict) -> str:
     passed = [s["correct"] for s in r.get("input_sets", [])]
-    ok = ("yes" if r.get("correct") else "NO") + (f" {sum(passed)}/{len(passed)}" if passed else "")
+    ok = ("-" if r.get("correct", False) is None else "yes" if r.get("correct") else "NO") + \
+        (f" {sum(passed)}/{len(passed)}" if passed else "")  # None: not run (--compile-only)
     return (f"{r['model'][:34]:34} {str(r.get('class', '-'))[:15]:15} {_fmt(r.get('eager_ms'), '8.4f')} "
             f"{_fmt(r.get('compile_ms'), '8.4f')} {_fmt(r.get('reduce_overhead_ms'), '8.4f')} "
             f"{_fmt(r.get('stitch_ms'), '8.4f')} {_fmt(r.get('speedup_compile'), '7.2f')} "
@@ -566,6 +865,8 @@ def format_table(rows: list[dict], summary: dict, device: str, title: str = "sui
                   f"{'st/best':>7} {'<0.98':>6} {'opt med':>7} {'opt max':>7} {'mem>1':>5}")
     lines += ["", class_head, "-" * len(class_head)]
     lines += [_class_line(name, s) for name, s in classes.items()]
+    if summary.get("levels"):
+        lines += ["-" * len(class_head)] + [_class_line(name, s) for name, s in summary["levels"].items()]
     lines += ["-" * len(class_head), _class_line("overall", overall), ""]
     s = overall
     lines.append(f"geomean speed-up vs eager: torch.compile {_fmt(s['geomean_speedup_compile'], '.3f')}x, "
@@ -573,11 +874,25 @@ def format_table(rows: list[dict], summary: dict, device: str, title: str = "sui
                  f"best compile mode {_fmt(s['geomean_speedup_best_compile'], '.3f')}x, "
                  f"StitchCUDA {_fmt(s['geomean_speedup_stitch'], '.3f')}x; StitchCUDA vs best compile mode "
                  f"{_fmt(s['geomean_stitch_vs_best_compile'], '.3f')}x")
+    if s.get("compiled") and not s.get("models_with_speedup_stitch"):  # a --compile-only run: nothing ran
+        lines[-1] = (f"compile-only: {s['compiled']}/{s['models']} captured, planned and compiled; nothing timed "
+                     f"or checked; optimize s median {_fmt(s['optimize_s_median'], '.1f')} max "
+                     f"{_fmt(s['optimize_s_max'], '.1f')}")
+        return "\n".join(lines)
     lines.append(f"correct: {s['correct']}/{s['models']} ({100 * s['share_correct']:.0f}%), "
                  f"optimized (not eager): {s['optimized']}/{s['models']}, StitchCUDA < {SLOW}x eager: "
                  f"{s['slower_than_eager']}, optimize s median {_fmt(s['optimize_s_median'], '.1f')} max "
                  f"{_fmt(s['optimize_s_max'], '.1f')}, memory ratio > 1: {s['memory_over_target']}/"
                  f"{s['models_with_memory_ratio']}")
+    if s.get("geomean_speedup_agents") is not None:
+        lines.append(f"agents (--llm): geomean {_fmt(s['geomean_speedup_agents'], '.3f')}x vs eager, "
+                     f"{_fmt(s['geomean_agents_vs_best_compile'], '.3f')}x vs best compile mode")
+    names = {"stitch": "StitchCUDA vs eager", "stitch_vs_best_compile": "StitchCUDA vs best compile",
+             "agents": "agents vs eager", "agents_vs_best_compile": "agents vs best compile"}
+    shares = [f"{names[k]} " + " ".join(f"{p}:{v:.2f}" for p, v in f.items())
+              for k, f in (s.get("fast_p") or {}).items() if f]
+    if shares:
+        lines.append("fast_p (share of all problems correct and faster than p x the baseline): " + "; ".join(shares))
     return "\n".join(lines)
 
 
@@ -595,8 +910,10 @@ def _setting(flag: str | None, env: str) -> str | None:
     return flag if flag is not None else (os.environ.get(env) or None)
 
 
-def _measure_all(files: list[Path], done: dict[str, dict], results: Path | None, json_output: bool) -> list[dict]:
-    """The selected problems' rows in order: from `done` (the results file) or measured now."""
+def _measure_all(files: list[Path], done: dict[str, dict], results: Path | None, json_output: bool, *,
+                 llm: str | None = None, compile_only: bool = False, csv: Path | None = None) -> list[dict]:
+    """The selected problems' rows in order: from `done` (the results file) or measured now. The CSV,
+    when asked for, is rewritten after each problem."""
     rows = []
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # true fp32 everywhere
@@ -605,10 +922,12 @@ def _measure_all(files: list[Path], done: dict[str, dict], results: Path | None,
             if path.stem in done:
                 rows.append(done[path.stem])
                 continue
-            row = _run_one(path)
+            row = _run_one(path, llm, compile_only) if (llm or compile_only) else _run_one(path)
             rows.append(row)
             if results is not None:
                 append_result(results, row)
+            if csv is not None:
+                write_csv(csv, rows)
             # One line per problem on stderr as it finishes, so a run cut short still reports what it measured.
             print("[suite-row] " + _dumps(row), file=sys.stderr, flush=True)
             if not json_output:
@@ -618,14 +937,39 @@ def _measure_all(files: list[Path], done: dict[str, dict], results: Path | None,
     return rows
 
 
+def _hardware(compile_only: bool) -> dict:
+    """The GPU as the Verifier describes it (its peaks draw the roofline); {"gpu": None} without one."""
+    from ..verify import describe
+
+    try:
+        return describe()
+    except Exception:  # the native module is missing a table entry, a broken driver: no peaks, no ceiling
+        return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() and not compile_only else None}
+
+
 def run_suite(bench: str = "suite", *, folder: Path | str | None = None, only: str | None = None,
-              chunk: str | None = None, results: Path | str | None = None, json_output: bool = False) -> int:
+              chunk: str | None = None, results: Path | str | None = None, json_output: bool = False,
+              llm: str | None = None, csv: Path | str | None = None, html: Path | str | None = None,
+              compile_only: bool = False) -> int:
     """`stitchcuda bench <bench>` over `folder` (default: default_dir(bench)); `only`, `chunk` fall back to
-    STITCHCUDA_SUITE_ONLY / _CHUNK; `results` a JSON-lines file to append to and resume from.
-    Exit codes: 0 measured, 2 usage (no folder, nothing selected, a bad chunk), 3 no GPU."""
-    if not torch.cuda.is_available():
-        return _refuse(bench, "no GPU (torch.cuda.is_available() is False); nothing measured", EXIT_NO_GPU,
+    STITCHCUDA_SUITE_ONLY / _CHUNK; `results` a JSON-lines file to append to and resume from; `llm` adds
+    the agents' column (optimize(llm=...)); `csv` and `html` are written from every selected row at the
+    end (the CSV after each problem too); `compile_only` plans and compiles without timing (plan_model),
+    the one mode that runs without a GPU.
+    Exit codes: 0 measured, 2 usage (no folder, nothing selected, a bad chunk, --html without
+    matplotlib, --llm with --compile-only), 3 no GPU."""
+    if llm and compile_only:
+        return _refuse(bench, "--llm needs a GPU run; it cannot be combined with --compile-only", EXIT_USAGE,
                        json_output)
+    if not torch.cuda.is_available() and not compile_only:
+        return _refuse(bench, "no GPU (torch.cuda.is_available() is False); nothing measured "
+                       "(--compile-only plans and compiles each problem without one)", EXIT_NO_GPU, json_output)
+    if html is not None:
+        from .html import matplotlib_missing
+
+        missing = matplotlib_missing()
+        if missing:  # before hours of measuring, not after
+            return _refuse(bench, missing, EXIT_USAGE, json_output)
     folder = Path(folder) if folder is not None else default_dir(bench)
     if folder is None or not folder.is_dir():
         return _refuse(bench, f"no problem folder ({folder or f'bench/{bench} not found above ' + __file__}); "
@@ -638,7 +982,7 @@ def run_suite(bench: str = "suite", *, folder: Path | str | None = None, only: s
     except ValueError as exc:
         return _refuse(bench, str(exc), EXIT_USAGE, json_output)
     files = model_files(folder, only, chunk)
-    unknown = _only_names(only) - {p.stem for p in folder.glob("*.py")}
+    unknown = _only_names(only) - {p.stem for p in _problem_paths(folder)}
     if unknown:  # at KernelBench scale a typo would otherwise just shrink the run
         print(f"bench {bench}: --only names no file in {folder}: {', '.join(sorted(unknown))}", file=sys.stderr)
     if not files:
@@ -646,16 +990,28 @@ def run_suite(bench: str = "suite", *, folder: Path | str | None = None, only: s
                        json_output)
 
     results = Path(results) if results is not None else None
-    done = read_results(results) if results is not None else {}
-    rows = _measure_all(files, done, results, json_output)
-    summary, device = full_summary(rows), torch.cuda.get_device_name()
+    settings = {"mode": "compile-only" if compile_only else "timed", "llm": llm or None}
+    done = read_results(results, settings) if results is not None else {}
+    rows = _measure_all(files, done, results, json_output, llm=llm, compile_only=compile_only,
+                        csv=Path(csv) if csv is not None else None)
+    if csv is not None:
+        write_csv(Path(csv), rows)  # also when every row came from the results file
+    summary = full_summary(rows)
+    hardware = _hardware(compile_only)
+    device = hardware.get("gpu") or (torch.cuda.get_device_name() if torch.cuda.is_available() else
+                                     "no GPU (compile-only)")
+    title = f"bench {bench} ({folder})"
+    if html is not None:
+        from .html import write_report
+
+        write_report(Path(html), rows, summary, hardware=hardware, title=title, mode=settings["mode"])
     if json_output:
         atol, rtol = _fp32_tolerance()
         print(_dumps({"device": device, "suite_dir": str(folder), "tolerance": {"atol": atol, "rtol": rtol},
-                      "repeats": REPEATS, "resumed": sum(p.stem in done for p in files),
-                      "summary": summary, "models": rows}))
+                      "repeats": REPEATS, "resumed": sum(p.stem in done for p in files), **settings,
+                      "hardware": hardware, "summary": summary, "models": rows}))
     else:
-        print(format_table(rows, summary, device, title=f"bench {bench} ({folder})"))
+        print(format_table(rows, summary, device, title=title))
     return 0
 
 

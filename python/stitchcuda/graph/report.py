@@ -1,41 +1,19 @@
-"""What optimize() tells its caller: the Report (text, HTML, dict) and the progress lines of long steps."""
+"""What optimize() tells its caller: the Report (text, HTML, dict); its progress through long steps is
+stitchcuda.log.StepProgress."""
 
 from __future__ import annotations
 
 import html
-import os
-import sys
-import time
+import math
 from dataclasses import dataclass, field
 
-__all__ = ["Report"]
+from ..log import StepProgress as _Progress  # optimize()'s stage progress: live on a terminal, plain lines elsewhere
 
+__all__ = ["Report", "SCHEMA", "report_schema"]
 
-class _Progress:
-    """One line per long step on a terminal or in Jupyter; silent in logs and CI."""
-
-    def __init__(self, enabled: bool | None) -> None:
-        if enabled is None:
-            enabled = (sys.stderr.isatty() or "ipykernel" in sys.modules) and not os.environ.get("CI")
-        self.enabled = enabled
-
-    def step(self, text: str):
-        progress = self
-
-        class _Step:
-            def __enter__(self):
-                self.t0 = time.perf_counter()
-                if progress.enabled:
-                    print(f"[stitchcuda] {text}…", end="", file=sys.stderr, flush=True)
-                return self
-
-            def __exit__(self, *exc):
-                if progress.enabled:
-                    print(f" {'failed' if exc[0] else 'done'} ({time.perf_counter() - self.t0:.1f} s)",
-                          file=sys.stderr, flush=True)
-                return False
-
-        return _Step()
+# The version of the dict Report.to_dict() writes; from_dict() reads only this one. A change of meaning
+# of a key bumps the number here and in report_schema() together.
+SCHEMA = "stitchcuda.graph.report/1"
 
 
 @dataclass
@@ -51,6 +29,9 @@ class Report:
     timing: dict = field(default_factory=dict)
     op_counts: dict = field(default_factory=dict)
     stage_seconds: dict = field(default_factory=dict)
+    # The process's peak of GPU memory allocated by PyTorch at the end of each stage (a running maximum:
+    # the stage where it rises is the one that needed the memory).
+    stage_peak_bytes: dict = field(default_factory=dict)
     targets: list[dict] = field(default_factory=list)  # with llm=: per target, the candidates and the winner
     agents: dict = field(default_factory=dict)          # with llm=: usage, wall and overhead time
     run_dir: str = ""                                   # with llm=: where the agents' run is recorded
@@ -60,10 +41,44 @@ class Report:
         return [g for g in self.groups if g.get("source")]
 
     def to_dict(self) -> dict:
-        return {"status": self.status, "reason": self.reason, "decisions": self.decisions, "groups": self.groups,
-                "fallbacks": self.fallbacks, "verification": self.verification, "timing": self.timing,
-                "op_counts": self.op_counts, "stage_seconds": self.stage_seconds, "targets": self.targets,
-                "agents": self.agents, "run_dir": self.run_dir}
+        """The report as plain JSON values, versioned by its "schema" key (SCHEMA; report_schema() is its
+        JSON Schema): decisions as [decision, why] pairs, non-finite numbers (a failed check's infinite
+        error) as null, so json.dumps writes strict JSON."""
+        return _plain({"schema": SCHEMA, "status": self.status, "reason": self.reason,
+                       "decisions": [[d, why] for d, why in self.decisions], "groups": self.groups,
+                       "fallbacks": self.fallbacks, "verification": self.verification, "timing": self.timing,
+                       "op_counts": self.op_counts, "stage_seconds": self.stage_seconds,
+                       "stage_peak_bytes": self.stage_peak_bytes, "targets": self.targets, "agents": self.agents,
+                       "run_dir": self.run_dir})
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Report":
+        """A Report from to_dict()'s layout (e.g. read back from JSON). A dict of another schema, or whose
+        status or lists are not what the schema says, is refused (InvalidArgumentError); one without a
+        "schema" key is taken as this version."""
+        from ..errors import InvalidArgumentError
+
+        if not isinstance(data, dict):
+            raise InvalidArgumentError(f"a report must be a dict (Report.to_dict()'s layout), got "
+                                       f"{type(data).__name__}")
+        schema = data.get("schema", SCHEMA)
+        if schema != SCHEMA:
+            raise InvalidArgumentError(f"a report of schema {schema!r}; this version reads {SCHEMA!r}")
+        if data.get("status", "eager") not in STATUSES:
+            raise InvalidArgumentError(f"report status {data.get('status')!r} is not one of {', '.join(STATUSES)}")
+        for key in ("decisions", "groups", "fallbacks", "targets"):
+            if not isinstance(data.get(key, []), list):
+                raise InvalidArgumentError(f"report key {key!r} must be a list, got {type(data[key]).__name__}")
+        decisions = data.get("decisions", [])
+        if not all(isinstance(d, (list, tuple)) and len(d) == 2 for d in decisions):
+            raise InvalidArgumentError("report decisions must be [decision, why] pairs")
+        return cls(status=data.get("status", "eager"), reason=data.get("reason", ""),
+                   decisions=[(str(d), str(why)) for d, why in decisions], groups=list(data.get("groups", [])),
+                   fallbacks=list(data.get("fallbacks", [])), verification=dict(data.get("verification") or {}),
+                   timing=dict(data.get("timing") or {}), op_counts=dict(data.get("op_counts") or {}),
+                   stage_seconds=dict(data.get("stage_seconds") or {}),
+                   stage_peak_bytes=dict(data.get("stage_peak_bytes") or {}), targets=list(data.get("targets", [])),
+                   agents=dict(data.get("agents") or {}), run_dir=data.get("run_dir") or "")
 
     def __str__(self) -> str:
         lines = [f"StitchCUDA report: {self.status}" + (f" — {self.reason}" if self.reason else "")]
@@ -77,8 +92,10 @@ class Report:
         if self.verification:
             v = self.verification
             fp64 = v.get("max_rel_error_fp64")
+            worst = v.get("max_abs_error")
             lines.append(f"  verification: {'passed' if v.get('passed') else 'FAILED'} on {v.get('input_sets', 0)} "
-                         f"input set(s), max |error| {v.get('max_abs_error', 0):.3g}, max relative error vs fp64 "
+                         f"input set(s), max |error| {'-' if worst is None else format(worst, '.3g')}, max relative "
+                         "error vs fp64 "
                          + (f"{fp64:.3g}" if fp64 is not None else v.get("fp64_note") or "not computed"))
         for d, why in self.decisions:
             lines.append(f"  decision: {d} ({why})")
@@ -98,12 +115,252 @@ class Report:
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        rows = "".join(f"<tr><td>{html.escape(g['kind'])}</td><td><code>{html.escape(g['nodes'])}</code></td>"
-                       f"<td>{html.escape(g['reason'])}</td></tr>" for g in self.groups)
-        head = html.escape(str(self).splitlines()[0])
-        timing = "<br>".join(html.escape(l.strip()) for l in str(self).splitlines()[1:4])
-        return (f"<div><b>{head}</b><br>{timing}<table><tr><th>kind</th><th>ops</th><th>why</th></tr>{rows}"
-                "</table></div>")
+        """The report in Jupyter: the status and speed-ups first, the time plot, the verification, the
+        decisions and fallbacks, the agents' targets, then the groups — views in one line, each kernel's
+        source behind a fold."""
+        return _html(self)
+
+
+STATUSES = ("optimized", "eager")
+
+
+def _plain(value):
+    """`value` as JSON values: tuples as lists, non-finite floats as None, keys as strings."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def report_schema() -> dict:
+    """The JSON Schema (draft 2020-12) of Report.to_dict(): what a reader of saved reports can rely on.
+    Objects may carry more keys than listed (a newer optimize() records more); the listed ones have
+    these types."""
+    string, number, integer = {"type": "string"}, {"type": ["number", "null"]}, {"type": "integer"}
+    entry = {"type": "object", "required": ["kind", "nodes", "reason"],
+             "properties": {"kind": string, "nodes": string, "reason": string, "kernel": string, "source": string,
+                            "launch": string, "strategy": string,
+                            "aten_us": number, "us": number}}  # per-group times, when recorded
+    candidate = {"type": ["object", "null"], "properties": {"correct": {"type": "boolean"}, "speedup": number,
+                                                            "ms": number, "attempt": {"type": ["integer", "null"]}}}
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": SCHEMA,
+        "title": "StitchCUDA graph-mode report (optimize(model).report.to_dict())",
+        "type": "object",
+        "required": ["schema", "status", "reason", "decisions", "groups", "fallbacks", "verification", "timing",
+                     "op_counts", "stage_seconds", "targets", "agents", "run_dir"],
+        "properties": {
+            "schema": {"const": SCHEMA},
+            "status": {"enum": list(STATUSES), "description": "optimized: the stitched program runs; eager: the model"},
+            "reason": {"type": "string", "description": "why the model runs eagerly (or what was only planned)"},
+            "decisions": {"type": "array", "items": {"type": "array", "minItems": 2, "maxItems": 2,
+                                                     "prefixItems": [string, string]}},
+            "groups": {"type": "array", "items": entry},
+            "fallbacks": {"type": "array", "items": {
+                "type": "object", "required": ["group", "reason"],
+                "properties": {"group": string, "kind": string, "reason": string}}},
+            "verification": {"type": "object",
+                             "properties": {"passed": {"type": "boolean"}, "input_sets": integer,
+                                            "max_abs_error": number, "max_rel_error_fp64": number,
+                                            "detail": {"type": ["string", "null"]},
+                                            "fp64_note": {"type": ["string", "null"]}}},
+            "timing": {"type": "object",
+                       "properties": {"eager_ms": number, "stitched_ms": number, "speedup_eager": number,
+                                      "compile_ms": number, "speedup_compile": number, "compile_error": string}},
+            "op_counts": {"type": "object", "additionalProperties": integer},
+            "stage_seconds": {"type": "object", "additionalProperties": {"type": "number"}},
+            "stage_peak_bytes": {"type": "object", "additionalProperties": integer},  # absent in older reports
+            "targets": {"type": "array", "items": {
+                "type": "object", "required": ["target", "winner"],
+                "properties": {"target": string, "groups": {"type": "array", "items": string}, "ops": string,
+                               "eager_ms": number, "template": candidate, "llm": candidate,
+                               "winner": {"enum": ["llm", "template", "aten"]}, "note": string, "run_dir": string}}},
+            "agents": {"type": "object"},
+            "run_dir": string,
+        },
+    }
+
+
+# ---- HTML (Jupyter) ----
+
+_CSS = """<style>
+.stitchcuda-report { font: 13px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; max-width: 980px; }
+.stitchcuda-report .status { font-size: 15px; margin: 0.2em 0 0.5em; }
+.stitchcuda-report .ok { color: #1b6e2a; } .stitchcuda-report .eager { color: #9a5b00; }
+.stitchcuda-report .bad { color: #b3261e; }
+.stitchcuda-report h4 { margin: 1em 0 0.3em; font-size: 13px; }
+.stitchcuda-report table { border-collapse: collapse; }
+.stitchcuda-report td, .stitchcuda-report th { text-align: left; vertical-align: top; padding: 2px 8px;
+  border-bottom: 1px solid #e4e4e4; }
+.stitchcuda-report pre { max-height: 28em; max-width: 640px; overflow: auto; font-size: 11px; background: #f7f7f7;
+  padding: 6px; }
+.stitchcuda-report .note { color: #666; font-size: 12px; }
+</style>"""
+
+BEFORE, AFTER = "#999999", "#0072B2"  # the bars: ATen / eager, then StitchCUDA
+
+
+def _e(text) -> str:
+    return html.escape(str(text))
+
+
+def _ms(value) -> str:
+    return f"{value:.4f} ms" if isinstance(value, (int, float)) and math.isfinite(value) else "–"
+
+
+def time_bars(report: "Report") -> tuple[list[tuple[str, float, float]], str]:
+    """The bars of the report's time plot and what they show: (label, before ms, after ms) for the whole
+    model when it was timed (eager, then the stitched program), then per group when the groups carry
+    times (`aten_us` and `us`), else per agents' target (its ATen ops, then the winning candidate).
+    optimize() does not yet time each group on its own, so without the agents the plot is the whole
+    model's."""
+    bars, parts = [], []
+    t = report.timing
+    if isinstance(t.get("eager_ms"), (int, float)) and isinstance(t.get("stitched_ms"), (int, float)):
+        bars.append(("whole model", t["eager_ms"], t["stitched_ms"]))
+        parts.append("the whole model: eager PyTorch, then the stitched program")
+    per_group = [(f"{g['kind']}: {g['nodes']}", g["aten_us"] / 1e3, g["us"] / 1e3) for g in report.groups
+                 if isinstance(g.get("aten_us"), (int, float)) and isinstance(g.get("us"), (int, float))]
+    per_target = []
+    for target in report.targets:
+        before, winner = target.get("eager_ms"), target.get("winner")
+        after = before if winner == "aten" else ((target.get(winner) or {}).get("ms") if winner else None)
+        if isinstance(before, (int, float)) and isinstance(after, (int, float)):
+            per_target.append((f"{target.get('target')}: {target.get('ops', '')}", before, after))
+    if per_group:
+        bars += per_group
+        parts.append("each group: its ATen ops alone, then its generated step")
+    elif per_target:
+        bars += per_target
+        parts.append("each agents' target: its ATen ops, then the winning candidate")
+    return bars, ("time per call, before (grey) and after (blue): " + "; ".join(parts)) if bars else ""
+
+
+def bar_svg(bars: list[tuple[str, float, float]], width: int = 560) -> str:
+    """A small inline SVG: per label, a grey bar (before) over a blue one (after), both on one scale,
+    each with its time; a <title> on each bar shows the exact value on hover."""
+    label_w, row_h, bar_h, top = 190, 34, 12, 22
+    scale = (width - label_w - 90) / max(max(b, a) for _, b, a in bars)
+    height = top + row_h * len(bars) + 6
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
+             f'viewBox="0 0 {width} {height}" font-family="system-ui, sans-serif" font-size="11">',
+             "<title>time before and after, per part</title>",
+             f'<rect x="{label_w}" y="4" width="10" height="10" fill="{BEFORE}"/>'
+             f'<text x="{label_w + 14}" y="13">before</text>'
+             f'<rect x="{label_w + 70}" y="4" width="10" height="10" fill="{AFTER}"/>'
+             f'<text x="{label_w + 84}" y="13">after</text>']
+    for i, (label, before, after) in enumerate(bars):
+        y = top + i * row_h
+        short = label if len(label) <= 32 else label[:31] + "…"
+        parts.append(f'<text x="{label_w - 6}" y="{y + bar_h + 4}" text-anchor="end"><title>{_e(label)}</title>'
+                     f"{_e(short)}</text>")
+        for k, (value, colour) in enumerate(((before, BEFORE), (after, AFTER))):
+            w = max(value * scale, 1.0)
+            yy = y + k * (bar_h + 2)
+            parts.append(f'<rect class="{"before" if k == 0 else "after"}" x="{label_w}" y="{yy}" width="{w:.1f}" '
+                         f'height="{bar_h}" fill="{colour}"><title>{_e(label)}: {value:.4f} ms</title></rect>'
+                         f'<text x="{label_w + w + 4:.1f}" y="{yy + bar_h - 2}">{value:.3f} ms</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _status_html(r: "Report") -> str:
+    t = r.timing
+    if r.status == "optimized":
+        speeds = []
+        if isinstance(t.get("speedup_eager"), (int, float)):
+            speeds.append(f"<b>{t['speedup_eager']:.2f}x</b> vs eager")
+        if isinstance(t.get("speedup_compile"), (int, float)):
+            speeds.append(f"<b>{t['speedup_compile']:.2f}x</b> vs torch.compile")
+        head = '<span class="ok">optimized</span>' + (" — " + ", ".join(speeds) if speeds else "")
+    else:
+        head = '<span class="eager">runs eagerly</span>' + (f" — {_e(r.reason)}" if r.reason else "")
+    out = [f'<div class="status"><b>StitchCUDA</b>: {head}</div>']
+    if t.get("eager_ms") is not None or t.get("stitched_ms") is not None:
+        cells = [f"stitched {_ms(t.get('stitched_ms'))}", f"eager {_ms(t.get('eager_ms'))}"]
+        if t.get("compile_ms") is not None:
+            cells.append(f"torch.compile {_ms(t['compile_ms'])}")
+        elif t.get("compile_error"):
+            cells.append(f"torch.compile failed: {_e(t['compile_error'])}")
+        out.append(f'<div class="timing">time per forward: {", ".join(cells)}</div>')
+    return "".join(out)
+
+
+def _verification_html(v: dict) -> str:
+    if not v:
+        return ""
+    worst, fp64 = v.get("max_abs_error"), v.get("max_rel_error_fp64")
+    verdict = '<span class="ok">passed</span>' if v.get("passed") else '<span class="bad">FAILED</span>'
+    text = (f"verification: {verdict} on {v.get('input_sets', 0)} input set(s), max |error| "
+            f"{'–' if worst is None else format(worst, '.3g')}, max relative error vs fp64 "
+            + (format(fp64, ".3g") if fp64 is not None else _e(v.get("fp64_note") or "not computed")))
+    if not v.get("passed") and v.get("detail"):
+        text += f" — {_e(v['detail'])}"
+    return f'<div class="verification">{text}</div>'
+
+
+def _groups_html(groups: list[dict]) -> str:
+    views = sum(g.get("kind") == "view" for g in groups)
+    rows = []
+    for g in groups:
+        if g.get("kind") == "view":
+            continue
+        kernel = ""
+        if g.get("source"):
+            what = " · ".join(_e(x) for x in (g.get("kernel"), g.get("launch")) if x)
+            kernel = (f'<details class="kernel"><summary><code>{what or "kernel"}</code></summary>'
+                      f"<pre><code>{_e(g['source'])}</code></pre></details>")
+        rows.append(f"<tr><td>{_e(g.get('kind', ''))}</td><td><code>{_e(g.get('nodes', ''))}</code></td>"
+                    f"<td>{_e(g.get('reason', ''))}{kernel}</td></tr>")
+    if views:
+        rows.append(f'<tr class="views"><td>view</td><td colspan="2">{views} view(s) of buffers without a copy '
+                    "(reshapes, slices, transposes: no kernel, no step)</td></tr>")
+    return ("<table><tr><th>kind</th><th>ops</th><th>what it became and why</th></tr>" + "".join(rows)
+            + "</table>")
+
+
+def _targets_html(targets: list[dict]) -> str:
+    rows = "".join(f"<tr><td>{_e(t.get('target'))}</td><td><code>{_e(t.get('ops', ''))}</code></td>"
+                   f"<td><b>{_e(t.get('winner'))}</b></td><td>{_e(', '.join(_speeds(t)))}</td>"
+                   f"<td>{_e(t.get('note') or '')}</td></tr>" for t in targets)
+    return ("<table><tr><th>target</th><th>ops</th><th>winner</th><th>candidates</th><th>note</th></tr>"
+            + rows + "</table>")
+
+
+def _html(r: "Report") -> str:
+    parts = [_CSS, '<div class="stitchcuda-report">', _status_html(r)]
+    bars, caption = time_bars(r)
+    if bars:
+        parts.append(f'<figure class="time-plot" style="margin: 0.4em 0">{bar_svg(bars)}'
+                     f'<figcaption class="note">{_e(caption)}</figcaption></figure>')
+    parts.append(_verification_html(r.verification))
+    if r.decisions:
+        parts.append(f'<h4>Decisions ({len(r.decisions)})</h4><ul class="decisions">'
+                     + "".join(f"<li>{_e(d)} <span class=\"note\">({_e(why)})</span></li>" for d, why in r.decisions)
+                     + "</ul>")
+    if r.fallbacks:
+        parts.append(f'<h4 class="bad">Fallbacks to ATen ({len(r.fallbacks)})</h4><ul class="fallbacks">'
+                     + "".join(f"<li><code>{_e(f.get('group'))}</code> ({_e(f.get('kind', ''))}): {_e(f.get('reason'))}"
+                               "</li>" for f in r.fallbacks) + "</ul>")
+    if r.targets:
+        parts.append(f"<h4>Agents' targets ({len(r.targets)})</h4>" + _targets_html(r.targets))
+        if r.run_dir:
+            parts.append(f'<div class="note">run directory: <code>{_e(r.run_dir)}</code></div>')
+    if r.groups:
+        kernels = sum(bool(g.get("source")) for g in r.groups)
+        parts.append(f"<h4>Groups ({sum(g.get('kind') != 'view' for g in r.groups)}, {kernels} generated "
+                     "kernel(s))</h4>" + _groups_html(r.groups))
+    if r.stage_seconds:
+        peaks = r.stage_peak_bytes or {}
+        parts.append('<div class="note">stages: ' + ", ".join(
+            f"{_e(k)} {v:.1f} s" + (f" (GPU memory peak {peaks[k] / 2**30:.2f} GiB)" if peaks.get(k) else "")
+            for k, v in r.stage_seconds.items()) + "</div>")
+    parts.append("</div>")
+    return "".join(parts)
 
 
 def _speeds(t: dict) -> list[str]:
