@@ -68,9 +68,16 @@ class ProgramBuilder:
 
     def weight(self, shape: Sequence[int] | torch.Tensor, dtype: torch.dtype | str = "f32", *, data=None,
                strides=None, name: str = "") -> int:
-        """Constant data stored in the artifact: pass a tensor (any device), or a shape plus raw bytes."""
+        """Constant data stored in the artifact: pass a tensor (any device), or a shape plus raw bytes. A
+        tensor keeps its layout when it is a dense permutation (a channels-last filter stays NHWC in
+        memory); any other is stored contiguous."""
         if isinstance(shape, torch.Tensor):
-            t = shape.detach().to("cpu").contiguous()
+            t = shape.detach().to("cpu")
+            order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+            dense = t.permute(order)
+            if not t.is_contiguous() and dense.is_contiguous():  # storage order already dense: keep it
+                return self._b.weight(list(t.shape), dtype_name(t.dtype), _tensor_bytes(dense), list(t.stride()), name)
+            t = t.contiguous()
             return self._b.weight(list(t.shape), dtype_name(t.dtype), _tensor_bytes(t), None, name)
         return self._b.weight(list(shape), dtype_name(dtype), data, strides, name)
 

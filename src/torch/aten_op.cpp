@@ -44,6 +44,10 @@ std::optional<c10::IValue> convert(const Attribute& a, const c10::TypePtr& decla
     case c10::TypeKind::IntType:
     case c10::TypeKind::SymIntType:
       if (auto i = as_int()) return c10::IValue(*i);
+      // Some schemas declare a dtype as `int?` (aten::_to_copy's in the boxed registry): a dtype name
+      // is its ScalarType number there.
+      if (auto* s = std::get_if<std::string>(&a))
+        if (auto d = dtype_from_string(*s)) return c10::IValue(static_cast<std::int64_t>(scalar_type(*d)));
       break;
     case c10::TypeKind::FloatType:
       if (auto d = as_double()) return c10::IValue(*d);

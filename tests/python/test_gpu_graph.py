@@ -261,3 +261,49 @@ def test_recurrent_layers_are_kept_whole_and_optimize_is_quick():
     assert elapsed < 30, f"optimize took {elapsed:.1f} s on a 3-layer LSTM over 256 steps"
     with torch.no_grad():
         torch.testing.assert_close(fast(x), model(x), atol=1e-4, rtol=1e-4)
+
+
+class _ResidualConvStage(nn.Module):
+    """A ResNet-like stage: conv-bn-relu, conv-bn + residual, relu, max pool, global mean."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64)
+        self.c2, self.b2 = nn.Conv2d(64, 64, 3, padding=1), nn.BatchNorm2d(64)
+        self.pool = nn.MaxPool2d(2)
+
+    def forward(self, x):
+        y = F.relu(self.b1(self.c1(x)))
+        z = F.relu(self.b2(self.c2(y)) + y)
+        return self.pool(z).mean((2, 3))
+
+
+def test_a_convolution_chain_runs_channels_last_and_matches_eager():
+    torch.manual_seed(0)
+    model = _ResidualConvStage().cuda().eval()
+    for bn in (model.b1, model.b2):  # statistics away from the identity, so the folded affine matters
+        bn.running_mean.uniform_(-0.5, 0.5)
+        bn.running_var.uniform_(0.5, 2.0)
+    x = torch.randn(8, 32, 56, 56, device="cuda")
+    # The channels-last program itself (filters NHWC, one conversion at the edge) against eager.
+    from stitchcuda.graph.capture import capture
+    from stitchcuda.graph.lower import Lowering, reference_values
+    from stitchcuda.graph.planner import OfflinePlanner
+
+    graph = capture(model, (x,))
+    plan = OfflinePlanner().plan(graph)
+    assert plan.channels_last
+    values = reference_values(graph, [x])
+    constants = {g.nodes[0].out.name: values[g.nodes[0].out.name] for g in plan.groups if g.kind == "constant"}
+    program = Lowering(graph, plan, constants).build(plan.groups, graph.inputs, graph.outputs)
+    program.compile_kernels()
+    x2 = torch.randn(8, 32, 56, 56, device="cuda")
+    torch.testing.assert_close(program.executor(graphs=False).run([x2])[0], model(x2), atol=1e-4, rtol=1e-4)
+    # optimize() measures it against NCHW, keeps the faster, says both times, and matches eager.
+    fast = stitchcuda.optimize(model, (x,), keep_slower=True, measure=False)
+    report = fast.report
+    assert report.status == "optimized", report.reason
+    layout = [why for d, why in report.decisions if d.startswith("convolution chains") and d.endswith("(measured)")]
+    assert layout and "channels-last" in layout[0] and "NCHW" in layout[0]
+    assert report.verification["passed"] and report.verification["input_sets"] == 3
+    torch.testing.assert_close(fast(x2), model(x2), atol=1e-4, rtol=1e-4)

@@ -234,3 +234,49 @@ def test_group_checks_stream_the_graph_holding_only_what_pending_checks_read():
     only_first = wanted[0] - set().union(*(wanted[k] for k in wanted if k != 0)) - {graph.inputs[0].name}
     assert only_first and not (only_first & alive_at[max(wanted)])
     torch.testing.assert_close(kept[graph.outputs[0].name], model(x).detach())
+
+
+def _binds_before_any_gpu(program) -> None:
+    """The program's ATen steps bind to the dispatcher (checked before any GPU is needed): without a
+    GPU the executor then stops at the device, with a GPU it loads."""
+    if torch.cuda.is_available():
+        program.executor()
+        return
+    try:
+        program.executor()
+    except stitchcuda.UnavailableError:
+        pass
+
+
+def test_groups_sent_to_aten_bind_their_numbers_and_dtypes():
+    """A group on ATen (a fallback) keeps what its ops were given: a number where the schema takes a
+    tensor (x / 7 traced as div.Tensor) and a dtype where the schema says `int?` (_to_copy)."""
+    from stitchcuda.graph.lower import Lowering
+
+    class Losses(nn.Module):
+        def forward(self, x, y):
+            z = (x.to(torch.float64) * 2).to(torch.float32)
+            return (torch.log_softmax(z, -1) - torch.log_softmax(y, -1)).sum() / 7
+
+    x, y = torch.randn(16, 32), torch.randn(16, 32)
+    graph = capture(Losses().eval(), (x, y))
+    plan = OfflinePlanner().plan(graph)
+    everything = {id(g) for g in plan.groups}
+    program = Lowering(graph, plan, {}).build(plan.groups, graph.inputs, graph.outputs, everything)
+    ops = [s.get("op") for s in program.steps if s["kind"] == "aten"]
+    assert "aten::div.Tensor" in ops and "aten::_to_copy" in ops
+    _binds_before_any_gpu(program)
+
+
+def test_no_fp64_copy_of_a_model_whose_attention_would_materialize_its_scores():
+    class Attention(nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def plan_of(seq):
+        q = torch.randn(1, 2, seq, 16)
+        return OfflinePlanner().plan(capture(Attention().eval(), (q, q, q)))
+
+    assert optimize_module._fp64_too_large(plan_of(64)) == ""
+    why = optimize_module._fp64_too_large(plan_of(8192))  # 2 heads x 8192 x 8192 x 8 bytes = 1 GiB
+    assert "1.0 GiB of scores" in why and "MiB limit" in why

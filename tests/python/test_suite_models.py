@@ -134,7 +134,11 @@ def test_plan_lowers_to_a_valid_program_whose_kernels_compile(stem):
     program = lowering.build(plan.groups, graph.inputs, graph.outputs)
     program.validate()
     fused = sum(g.kind in ("pointwise", "reduction", "conv") for g in plan.groups)
-    assert len(lowering.kernels) == fused
+    # One kernel per fused group, plus one copy to NHWC at the edge of each channels-last convolution chain.
+    edges = [code for _, code in lowering.kernels if code.name.startswith("to_nhwc")]
+    assert len(lowering.kernels) == fused + len(edges)
+    assert len(edges) <= sum(n.op == "aten::convolution" for g in plan.groups for n in g.nodes)
+    assert bool(edges) <= bool(plan.channels_last)
     for _, code in lowering.kernels:
         jit.compile(code.source, code.name)  # NVRTC for sm_90a: no GPU needed
 

@@ -1,7 +1,7 @@
 """Graph mode: a live nn.Module -> core-ATen graph (capture) -> groups with strategies (the offline
 Planner) -> kernels (the template Coder) and program steps (lowering) -> a verified stitched Program.
 
-`stitchcuda.optimize(model, example_inputs)` runs the whole pipeline; the stages are usable alone.
+`stitchcuda.optimize(model, args, kwargs)` runs the whole pipeline; the stages are usable alone.
 """
 
 from .capture import CaptureError, Graph, Node, Value, capture

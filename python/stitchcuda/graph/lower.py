@@ -16,6 +16,7 @@ from ..program import Program, ProgramBuilder, dtype_name
 from ..verify.program import check_program
 from ..verify.tolerance import tolerance  # the Verifier's table; re-exported for graph-mode callers
 from .capture import Graph, Node, Value
+from .layout import channels_last_strides, is_channels_last
 from .planner import Group, GraphPlan
 from .templates import (POINTWISE_OPS, KernelCode, PointwiseInput, RowPrologue, column_reduction_kernel,
                         depthwise_conv_kernel, pointwise_kernel, row_reduction_kernel)
@@ -145,6 +146,8 @@ class Lowering:
         self.kernels: list[tuple[Group, KernelCode]] = []
         self.notes: list[str] = []
         self._names = itertools.count()
+        self.channels_last: frozenset[str] = getattr(plan, "channels_last", frozenset())
+        self.nhwc_copies: dict[str, int] = {}  # a convolution input's channels-last copy, made once
 
     # ---- buffers ----
 
@@ -160,8 +163,15 @@ class Lowering:
                 self._lower_view(self.pending.pop(v.name))
             elif v.kind == "weight" or v.name in self.constants:
                 data = (v.data if v.kind == "weight" else self.constants[v.name]).detach().contiguous()
-                bid = self.b.weight(data, name=v.name)
-                self._record(v, bid, data.shape, _contiguous_strides(data.shape), data.dtype)
+                if v.name in self.channels_last and data.dim() == 4 and data.is_floating_point():
+                    # A convolution's filter, stored as cuDNN's NHWC kernels read it (bytes in N, H, W, C order).
+                    data = data.contiguous(memory_format=torch.channels_last)
+                    bid = self.b.weight(data, name=v.name)
+                    strides = _contiguous_strides(data.shape) if data.is_contiguous() else tuple(data.stride())
+                    self._record(v, bid, data.shape, strides, data.dtype)
+                else:
+                    bid = self.b.weight(data, name=v.name)
+                    self._record(v, bid, data.shape, _contiguous_strides(data.shape), data.dtype)
             else:
                 raise LoweringError(f"value '{v.name}' is used before any step produces it")
         bid = self.buf[v.name]
@@ -174,19 +184,23 @@ class Lowering:
             return out
         return bid
 
-    def produce(self, v: Value, captured_layout: bool = False) -> int:
+    def produce(self, v: Value, captured_layout: bool = False, strides: tuple[int, ...] | None = None) -> int:
         """A fresh buffer for `v` (the output buffer when `v` is a graph output): contiguous, or, with
         `captured_layout`, laid out as the capture saw it when that is a dense permutation. (An ATen
         step's result keeps its own layout: scaled_dot_product_attention returns [B, H, S, D] stored as
-        [B, S, H, D], and the transpose-and-view traced after it is a view only in that layout.)"""
+        [B, S, H, D], and the transpose-and-view traced after it is a view only in that layout.) Explicit
+        `strides` (a dense layout the step writes: channels-last) win over both, except for a graph output."""
         if v.name in self.buf:
             raise LoweringError(f"value '{v.name}' is produced twice")
+        chosen = strides
         strides = _contiguous_strides(v.shape)
         if v.name in self.output_ids and v.name not in self.written:
             self.written.add(v.name)
             bid = self.output_ids[v.name]
         else:
-            if captured_layout and not v.is_contiguous() and _dense_permutation(v.shape, v.strides):
+            if chosen is not None and _dense_permutation(v.shape, chosen):
+                strides = tuple(chosen)
+            elif captured_layout and not v.is_contiguous() and _dense_permutation(v.shape, v.strides):
                 strides = tuple(v.strides)
             bid = self.b.intermediate(list(v.shape), dtype_name(v.dtype), strides=list(strides), name=v.name)
         return self._record(v, bid, v.shape, strides, v.dtype)
@@ -216,7 +230,7 @@ class Lowering:
                 continue  # values already in self.constants; weights are created at first use
             elif id(g) in fallback or g.kind == "aten":
                 for n in g.nodes:
-                    self._lower_aten(n)
+                    self._lower_aten(n, group=g)
             elif g.kind == "gemm":
                 self._lower_gemm(g)
             elif g.kind == "pointwise":
@@ -347,10 +361,35 @@ class Lowering:
         for v in outputs:
             key = f"out{len(results)}"
             results.append((key, var[v.name], v.dtype))
-        code = pointwise_kernel(self._name("fused", g), shape, inputs, body, results, self.sm_count)
+        # Every result stored channels-last: the kernel runs over (N, H, W, C), each operand's strides
+        # permuted alike, so its stores, and the loads of NHWC operands, are unit-stride.
+        nhwc = (len(shape) == 4 and bool(outputs) and all(
+            v.name in self.channels_last and v.name not in self.output_ids and tuple(v.shape) == shape for v in outputs))
+        order = (0, 2, 3, 1) if nhwc else tuple(range(len(shape)))
+        if nhwc:
+            inputs = [PointwiseInput(i.key, i.dtype, tuple(i.strides[d] for d in order), i.offset) for i in inputs]
+        code = pointwise_kernel(self._name("fused", g), tuple(shape[d] for d in order), inputs, body, results,
+                                self.sm_count)
         for (key, _, _), v in zip(results, outputs):
-            buffers[key] = self.produce(v)
+            buffers[key] = self.produce(v, strides=channels_last_strides(shape) if nhwc else None)
         self._launch(g, code, buffers)
+
+    def _channels_last_copy(self, v: Value, g: Group) -> int:
+        """`v`'s buffer converted to channels-last by one generated copy (the edge of a convolution chain:
+        a program input, or a result some step wrote contiguous)."""
+        bid = self.need(v)
+        shape, strides, dtype = self.spec[bid]
+        if is_channels_last(shape, strides) or tuple(strides) == channels_last_strides(shape):
+            return bid
+        order = (0, 2, 3, 1)
+        code = pointwise_kernel(self._name("to_nhwc", g), tuple(shape[d] for d in order),
+                                [PointwiseInput("in0", dtype, tuple(strides[d] for d in order))], [],
+                                [("out0", "in0", dtype)], self.sm_count)
+        out = self.b.intermediate(list(shape), dtype_name(dtype), strides=list(channels_last_strides(shape)),
+                                  name=f"{v.name}.nhwc")
+        self.spec[out] = (tuple(shape), channels_last_strides(shape), dtype)
+        self._launch(g, code, {"in0": bid, "out0": out})
+        return out
 
     def _elementwise(self, nodes: list[Node], shape: tuple[int, ...], known: dict[str, str] | None = None,
                      prefix: str = "in") -> tuple[list[PointwiseInput], dict[str, int], list[str], dict[str, str]]:
@@ -463,9 +502,19 @@ class Lowering:
             bid = self.b.view("slice", sbid, list(piece), strides=list(piece_strides), storage_offset=offset)
             self._record(v, bid, piece, piece_strides, dtype)
 
-    def _lower_aten(self, n: Node, captured_layout: bool = True) -> None:
+    def _lower_aten(self, n: Node, captured_layout: bool = True, group: Group | None = None) -> None:
         """`n` as an ATen step. Its results keep the layout the capture saw (see `produce`), except for a
-        view op that could not be a view step: its result is a copy, planned contiguous."""
+        view op that could not be a view step: its result is a copy, planned contiguous. A step reading a
+        channels-last buffer gets the layout ATen gives its result for those inputs (a convolution over
+        NHWC data returns NHWC), so the result is used where it lies instead of copied; a convolution of a
+        channels-last plan reads its input converted once (graph/layout.py)."""
+        nhwc_input = None
+        if (group is not None and n.op == "aten::convolution" and isinstance(n.args[0], Value)
+                and n.args[0].name in self.channels_last):
+            x = n.args[0]
+            if x.name not in self.nhwc_copies:
+                self.nhwc_copies[x.name] = self._channels_last_copy(x, group)
+            nhwc_input = (x.name, self.nhwc_copies[x.name])
         schema = n.target._schema
         inputs: list[int] = []
         attributes: dict[str, Any] = {}
@@ -482,7 +531,14 @@ class Lowering:
             t = str(arg.type)
             if "Tensor" in t:
                 if isinstance(value, Value):
-                    inputs.append(self.need(value))
+                    inputs.append(nhwc_input[1] if nhwc_input and value.name == nhwc_input[0] else self.need(value))
+                elif isinstance(value, (bool, int, float)):
+                    # A number where the schema takes a tensor (x / 2 traced as div.Tensor(x, 2.0)): a 0-dim
+                    # constant, which ATen's type promotion treats as it treats the number (a dimensioned
+                    # operand of the same kind keeps its dtype), so fp64/int64 lose nothing.
+                    dtype = torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, int) \
+                        else torch.float64
+                    inputs.append(self.b.weight(torch.tensor(value, dtype=dtype), name=f"{n.name}.{arg.name}"))
                 elif isinstance(value, (list, tuple)):
                     inputs.extend(self.need(v) for v in value)
                     if sum(str(a.type) == "List[Tensor]" for a in arguments) > 1:
@@ -499,12 +555,50 @@ class Lowering:
                     raise LoweringError(f"{n.op}: layout {value} is not supported (programs hold strided tensors)")
                 continue  # the default
             attributes[arg.name] = _attribute(value, n, arg.name)
+        layouts = self._aten_result_strides(n, nhwc_input) if captured_layout else None
         outs = []
-        for v in n.outputs:
+        for k, v in enumerate(n.outputs):
             if v is None:
                 raise LoweringError(f"{n.op} returns a non-tensor value: no buffer can hold it")
-            outs.append(self.produce(v, captured_layout=captured_layout))
+            outs.append(self.produce(v, captured_layout=captured_layout,
+                                     strides=layouts[k] if layouts and k < len(layouts) else None))
         self.b.aten(n.op, inputs, outs, **attributes)
+
+    def _aten_result_strides(self, n: Node, nhwc_input: tuple[str, int] | None) -> list[tuple[int, ...] | None] | None:
+        """The strides ATen gives `n`'s results for its inputs' buffer layouts (the op run on meta tensors),
+        when some input is channels-last; None otherwise, or when the op has no meta kernel."""
+        specs: dict[str, tuple] = {}
+
+        def spec(v: Value) -> tuple:
+            bid = nhwc_input[1] if nhwc_input and v.name == nhwc_input[0] else self.buf.get(v.name)
+            return self.spec[bid] if bid is not None else (tuple(v.shape), _contiguous_strides(v.shape), v.dtype)
+
+        for a in list(n.args) + list(n.kwargs.values()):
+            for v in (a if isinstance(a, (list, tuple)) else [a]):
+                if isinstance(v, Value):
+                    specs[v.name] = spec(v)
+        if not any(is_channels_last(shape, strides) for shape, strides, _ in specs.values()):
+            return None
+        if n.op == "aten::convolution" and len(n.out.shape) == 4:
+            # cuDNN's rule (ATen's meta kernel answers for the CPU's): NHWC results when the input or the
+            # filter is NHWC.
+            return [channels_last_strides(n.out.shape)]
+
+        def meta(a):
+            if isinstance(a, Value):
+                shape, strides, dtype = specs[a.name]
+                return torch.empty_strided(shape, strides, dtype=dtype, device="meta")
+            if isinstance(a, (list, tuple)):
+                return type(a)(meta(x) for x in a)
+            return a
+
+        try:
+            with torch.no_grad():
+                result = n.target(*[meta(a) for a in n.args], **{k: meta(a) for k, a in n.kwargs.items()})
+        except Exception:  # no meta kernel: the captured layout stands
+            return None
+        results = result if isinstance(result, (list, tuple)) else [result]
+        return [tuple(r.stride()) if isinstance(r, torch.Tensor) else None for r in results]
 
 
 def _scalar_literal(a) -> str | None:

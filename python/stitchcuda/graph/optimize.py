@@ -1,4 +1,4 @@
-"""`stitchcuda.optimize(model, example_inputs)`: capture, plan, generate, verify, and return a module that
+"""`stitchcuda.optimize(model, args, kwargs)`: capture, plan, generate, verify, and return a module that
 runs the stitched program — or the original model with the reason, whenever any stage cannot proceed.
 """
 
@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
 
+from ..errors import InvalidArgumentError
 from ..program import Program, ProgramModule
 from ..verify.hardware import describe
 from ..verify.compare import first_difference, tolerance_used
@@ -18,7 +19,7 @@ from ..verify.program import input_set, verify_whole
 from ..verify.tolerance import tolerance
 from ..verify import timing as verify_timing  # a module name: optimize() has an argument called measure
 from .capture import CaptureError, Graph, capture
-from .lower import Lowering, LoweringError, check_group, reference_values
+from .lower import Lowering, LoweringError, check_group, reference_values, stream_values
 from .agents import AgentBudget, run_agents
 from .planner import GENERATED, Group, OfflinePlanner, GraphPlan
 from .report import Report, _Progress
@@ -33,23 +34,39 @@ TRACE_ROUNDS = 3
 
 
 class OptimizedModule(torch.nn.Module):
-    """Runs the stitched program (or the original module when optimization did not apply)."""
+    """Runs the stitched program (or the original module when optimization did not apply).
+
+    Inference only: the program computes the eval-mode forward (dropout off, batch norm with its running
+    statistics) and records no autograd graph. It is called like the original — the same positional and
+    keyword inputs — and ``.train(True)`` raises InvalidArgumentError: train ``.original`` and call
+    optimize() again."""
 
     def __init__(self, original: torch.nn.Module, program: Program | None, graph: Graph | None, report: Report,
                  graphs: bool = True, runner: ProgramModule | None = None) -> None:
         super().__init__()
+        self.training = False
         self.original = original
         self.report = report
         self.program = program
         self._graph = graph
+        self._keywords: tuple[str, ...] = ()  # keyword inputs, in the order the program takes them after args
+        self._arity = 0  # positional inputs of the call optimize() saw
         if runner is None and program is not None:
             runner = ProgramModule(program, graphs=graphs)
         self._runner = runner
 
+    def train(self, mode: bool = True) -> "OptimizedModule":
+        if mode:
+            raise InvalidArgumentError(
+                "an OptimizedModule is inference-only: its program computes the eval-mode forward and has no "
+                "backward. Train the original model (this module's .original), then call stitchcuda.optimize() "
+                "on it again in eval mode.")
+        return super().train(False)
+
     def forward(self, *args, **kwargs):
         if self._runner is None:
             return self.original(*args, **kwargs)
-        flat, _ = pytree.tree_flatten((args, kwargs))
+        flat, _ = pytree.tree_flatten(_positional_call(args, kwargs, self._arity, self._keywords))
         tensors = [t.contiguous() for t in flat if isinstance(t, torch.Tensor)]
         outs = self._runner.executor.run(tensors)
         return pytree.tree_unflatten(outs, self._graph.out_spec)
@@ -59,6 +76,100 @@ class OptimizedModule(torch.nn.Module):
         if self.program is None:
             raise RuntimeError(f"nothing to save: the model runs eagerly ({self.report.reason})")
         self.program.save(path)
+
+
+class _Function(torch.nn.Module):
+    """A plain function as a module, so that it is captured like one. A bound method of a module keeps
+    that module as a child: its weights are the program's weights and its mode is checked."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.training = False  # a function has no mode of its own
+        owner = getattr(fn, "__self__", None)
+        if isinstance(owner, torch.nn.Module):
+            self.owner = owner
+        self.fn = fn
+        self._stitchcuda_name = getattr(fn, "__qualname__", None) or type(fn).__name__
+
+    def forward(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+class _KeywordCall(torch.nn.Module):
+    """`module(*args, **kwargs)` taking the keyword inputs' values after the positional ones, in `names`
+    order: capture, verification and timing pass positional inputs only."""
+
+    def __init__(self, module: torch.nn.Module, arity: int, names: tuple[str, ...]) -> None:
+        super().__init__()
+        self.training = False
+        self.module, self.arity, self.names = module, arity, names
+        self._stitchcuda_name = _model_name(module)
+
+    def forward(self, *inputs):
+        return self.module(*inputs[:self.arity], **dict(zip(self.names, inputs[self.arity:])))
+
+
+def _model_name(model: torch.nn.Module) -> str:
+    return getattr(model, "_stitchcuda_name", None) or type(model).__name__
+
+
+def _as_module(model: Any) -> torch.nn.Module:
+    if isinstance(model, torch.nn.Module):
+        return model
+    if callable(model):
+        return _Function(model)
+    raise InvalidArgumentError(f"optimize() takes an nn.Module or a function of tensors, not a {type(model).__name__}")
+
+
+def _refuse_training(model: torch.nn.Module) -> None:
+    """InvalidArgumentError when the module or any submodule is in training mode (optimize() no longer
+    switches it to eval mode behind the caller's back)."""
+    training = [name for name, m in model.named_modules() if m.training]
+    if training:
+        who = "the model is" if training[0] == "" else f"its submodule '{training[0]}' is"
+        raise InvalidArgumentError(
+            f"{who} in training mode: call model.eval() first. optimize() builds an inference program (dropout "
+            "off, batch norm with its running statistics, no backward), which a training-mode forward does not "
+            "compute.")
+
+
+def _as_args(args: Any) -> tuple:
+    """The positional inputs as a tuple: from a tuple, a list, one tensor, or None (no positional input)."""
+    if args is None:
+        return ()
+    if isinstance(args, torch.Tensor):
+        return (args,)
+    if isinstance(args, (tuple, list)):
+        return tuple(args)
+    hint = ": keyword inputs go in kwargs=" if isinstance(args, dict) else ""
+    raise InvalidArgumentError(f"args must be the model's positional inputs as a tuple or a list, or one tensor; "
+                               f"got a {type(args).__name__}{hint}")
+
+
+def _as_kwargs(kwargs: Any) -> dict[str, Any]:
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise InvalidArgumentError(f"kwargs must be a dict of the model's keyword inputs by name; got a "
+                                   f"{type(kwargs).__name__}")
+    return dict(kwargs)
+
+
+def _positional_call(args: tuple, kwargs: dict[str, Any], arity: int, keywords: tuple[str, ...]) -> tuple:
+    """A call's inputs in the order the program takes them: the positional ones, then the keyword inputs
+    optimize() saw, in its order (any of them may come positionally, as Python allows)."""
+    rest = keywords[max(len(args) - arity, 0):]
+    if not kwargs and not rest:
+        return args
+    missing = [k for k in rest if k not in kwargs]
+    unknown = sorted(set(kwargs) - set(rest))
+    if missing or unknown:
+        raise InvalidArgumentError(
+            f"this program takes {arity} positional input(s) and the keyword input(s) {list(keywords)} as optimize() "
+            f"saw them; this call " + (f"lacks {missing}" if missing else "") + (" and " if missing and unknown else "")
+            + (f"gives {unknown}, which optimize() did not see" if unknown else "")
+            + ": call optimize() again with the inputs this call uses")
+    return args + tuple(kwargs[k] for k in rest)
 
 
 def _device_facts() -> tuple[int, str]:
@@ -87,20 +198,26 @@ def _time_ms(fn, repeats: int = 30) -> float:
     return verify_timing.measure(fn, repeats=repeats, warmup=3).median_ms
 
 
-def _choose_replay(program: Program, inputs: list[torch.Tensor]) -> tuple[ProgramModule, tuple[str, str]]:
+def _choose_replay(program: Program, inputs: list[torch.Tensor]) -> tuple[ProgramModule, tuple[str, str], float]:
     """Times the program replayed as one CUDA graph and launched step by step on the example inputs and
     keeps the faster runner. A replay saves host time per launch but copies the inputs into, and the
-    outputs out of, the graph's own buffers: on a few large kernels the copies cost more than they save."""
+    outputs out of, the graph's own buffers: on a few large kernels the copies cost more than they save.
+    Returns the runner, the decision and its milliseconds per call (inf when neither mode ran)."""
     times: dict[bool, float] = {}
     errors: dict[bool, str] = {}
     runners: dict[bool, ProgramModule] = {}
+    # One runner alive at a time (each holds an arena of the program's intermediates, and the graph
+    # runner static copies of its inputs and outputs): the graph runner is timed and let go, the direct
+    # one timed and kept only if it wins; a winning graph runner is built again (its kernels are loaded).
     for graphs in (True, False):
         try:
             runner = ProgramModule(program, graphs=graphs)
             times[graphs] = _time_ms(lambda r=runner: r.executor.run(inputs))
-            runners[graphs] = runner
+            if not graphs:
+                runners[graphs] = runner
         except Exception as exc:  # the other mode may still run; verification judges the one kept
             errors[graphs] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        runner = None
     if len(times) == 2:
         graph_ms, direct_ms = times[True], times[False]
         use_graph = graph_ms <= direct_ms
@@ -110,22 +227,35 @@ def _choose_replay(program: Program, inputs: list[torch.Tensor]) -> tuple[Progra
         use_graph = next(iter(times))
         why = f"the other mode failed: {errors[not use_graph]}"
     else:  # neither ran: keep the graph runner and let verification report the failure
-        return ProgramModule(program, graphs=True), ("replay as one CUDA graph", f"neither mode ran: {errors[True]}")
+        return (ProgramModule(program, graphs=True), ("replay as one CUDA graph", f"neither mode ran: {errors[True]}"),
+                float("inf"))
     decision = "replay as one CUDA graph" if use_graph else "launch the steps directly (no CUDA graph)"
     program.set_replay("graph" if use_graph else "direct", why)  # a saved artifact runs the same way
-    return runners[use_graph], (decision, why)
+    kept = runners.pop(False, None) if not use_graph else None
+    runners.clear()
+    return kept or ProgramModule(program, graphs=use_graph), (decision, why), times[use_graph]
 
 
-def optimize(model: torch.nn.Module, example_inputs: Sequence[Any], *, llm: Any = None, precision: str = "fp32",
-             graphs: bool = True, verify_sets: int = 3, measure: bool = True, compare_compile: bool = True,
-             progress: bool | None = None, isolated: bool = True, run_dir: str | os.PathLike | None = None,
-             resume: str | os.PathLike | None = None, attempts: int = 3, tokens: int = 0, wall_s: float = 0.0,
-             max_targets: int = 4, concurrency: int = 4, on_event: Any = None, budget_s: float = BUDGET_S,
-             keep_slower: bool = False) -> OptimizedModule:
-    """Optimizes `model` for inputs shaped like `example_inputs` (on a CUDA device).
+def optimize(model: torch.nn.Module | Callable[..., Any], args: Any = None, kwargs: dict[str, Any] | None = None, *,
+             llm: Any = None, precision: str = "fp32", graphs: bool = True, verify_sets: int = 3, measure: bool = True,
+             compare_compile: bool = True, progress: bool | None = None, isolated: bool = True,
+             run_dir: str | os.PathLike | None = None, resume: str | os.PathLike | None = None, attempts: int = 3,
+             tokens: int = 0, wall_s: float = 0.0, max_targets: int = 4, concurrency: int = 4, on_event: Any = None,
+             budget_s: float = BUDGET_S, keep_slower: bool = False) -> OptimizedModule:
+    """Optimizes `model` for inference on inputs shaped like `args` and `kwargs` (on a CUDA device).
 
-    Returns an OptimizedModule whose `.report` says what was done and why; when a stage cannot proceed
-    (capture, lowering, verification, no GPU) the module runs the original model and the report says why.
+    `model`: an nn.Module in eval mode, or a plain function of tensors (a bound method of a module brings
+    the module's weights along). A module with any submodule in training mode is refused with
+    InvalidArgumentError: call model.eval() first (the program is the inference forward: dropout off,
+    batch norm with its running statistics). `args`: the positional inputs, as a tuple or a list, or one
+    tensor (a forward that takes one list argument: pass ``(xs,)``); `kwargs`: the keyword inputs, a dict.
+    The result is called the same way: ``fast(*args, **kwargs)``.
+
+    Returns an OptimizedModule (inference only) whose `.report` says what was done and why; when a stage
+    cannot proceed (capture, lowering, verification, no GPU) the module runs the original model and the
+    report says why. Without a GPU the model is still captured and planned (and compiled where every
+    value fits a program buffer), so the report shows what would run. An operator the program cannot
+    hold (a complex tensor from torch.fft) does not stop the plan: it is an ATen group with the reason.
     `isolated`: each generated group is checked against its ATen subgraph in the Verifier's isolated
     worker process (a fault or hang in generated code becomes a fallback reason); False checks them in
     this process, which saves the worker's start-up.
@@ -146,6 +276,30 @@ def optimize(model: torch.nn.Module, example_inputs: Sequence[Any], *, llm: Any 
     the example inputs (`keep_slower=True` keeps it regardless); otherwise the model runs eagerly and the
     report gives both times.
     """
+    original = _as_module(model)
+    _refuse_training(original)
+    positional = _as_args(args)
+    keywords = _as_kwargs(kwargs)
+    traced = original
+    if keywords:  # the pipeline sees positional inputs only: keyword inputs follow args, in this order
+        traced = _KeywordCall(original, len(positional), tuple(keywords))
+        positional = positional + tuple(keywords.values())
+    fast = _optimize(traced, positional, llm=llm, precision=precision, graphs=graphs, verify_sets=verify_sets,
+                     measure=measure, compare_compile=compare_compile, progress=progress, isolated=isolated,
+                     run_dir=run_dir, resume=resume, attempts=attempts, tokens=tokens, wall_s=wall_s,
+                     max_targets=max_targets, concurrency=concurrency, on_event=on_event, budget_s=budget_s,
+                     keep_slower=keep_slower)
+    fast.original = original
+    fast._arity, fast._keywords = len(_as_args(args)), tuple(keywords)
+    return fast
+
+
+def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precision: str, graphs: bool,
+              verify_sets: int, measure: bool, compare_compile: bool, progress: bool | None, isolated: bool,
+              run_dir: str | os.PathLike | None, resume: str | os.PathLike | None, attempts: int, tokens: int,
+              wall_s: float, max_targets: int, concurrency: int, on_event: Any, budget_s: float,
+              keep_slower: bool) -> OptimizedModule:
+    """optimize() on a module in eval mode and its positional inputs (keyword inputs already appended)."""
     report = Report()
     steps = _Progress(progress)
     example_inputs = tuple(example_inputs)
@@ -159,24 +313,26 @@ def optimize(model: torch.nn.Module, example_inputs: Sequence[Any], *, llm: Any 
         report.reason = (f"the model and inputs must be on a CUDA device (found {sorted(map(str, devices))}): "
                          "call model.cuda() and move the inputs")
         return OptimizedModule(model, None, None, report)
-    was_training = model.training
-    model.eval()
     try:
         with steps.step("capturing"):
             t0 = time.perf_counter()
             graph = capture(model, example_inputs)
             report.stage_seconds["capture"] = time.perf_counter() - t0
+        _peak(report, "capture")
         report.op_counts = graph.op_counts()
         planner = OfflinePlanner(precision=precision, graphs=graphs)
         plan = planner.plan(graph)
         report.decisions += plan.decisions
+        report.groups = _planned_entries(plan)  # what ran replaces it once the program is built
+        unheld = _unheld(plan, report)
+        if unheld:
+            report.reason = unheld + ": the model runs eagerly"
+            return OptimizedModule(model, None, None, report)
         flat_inputs = [t for t in pytree.tree_flatten(example_inputs)[0] if isinstance(t, torch.Tensor)]
-        values = reference_values(graph, flat_inputs)
-        constants = {g.nodes[0].out.name: values[g.nodes[0].out.name] for g in plan.groups
-                     if g.kind == "constant" and g.nodes[0].outputs and g.nodes[0].out.name in values}
         sm_count, device_name = _device_facts()
         fallback: set[int] = set()
         codes = {}
+        agents = llm is not None or resume is not None
         with steps.step(f"generating and checking {sum(g.kind in GENERATED for g in plan.groups)} group(s)"):
             t0 = time.perf_counter()
             pool = None
@@ -187,61 +343,79 @@ def optimize(model: torch.nn.Module, example_inputs: Sequence[Any], *, llm: Any 
                 report.decisions.append(("group checks in the Verifier's isolated worker",
                                          "generated code runs apart from this process until it matches ATen; "
                                          "recorded tensors reach it as CUDA IPC handles, not copies"))
-            deadline = t0 + budget_s if budget_s and budget_s > 0 else float("inf")
-            unchecked = 0
-            for g in plan.groups:
-                if g.kind not in GENERATED:
-                    continue
-                if time.perf_counter() > deadline:
-                    unchecked += 1
-                    fallback.add(id(g))
-                    report.fallbacks.append({"group": g.name, "kind": g.kind, "reason": f"not checked: the time "
-                                             f"budget of {budget_s:g} s (budget_s=) was spent on earlier groups"})
-                    continue
-                ok, why, code = check_group(graph, plan, g, values, constants, sm_count, pool)
-                codes[id(g)] = code
-                if not ok:
-                    fallback.add(id(g))
-                    report.fallbacks.append({"group": g.name, "kind": g.kind, "reason": why})
+            constants, values = _check_groups(graph, plan, flat_inputs, sm_count, pool, t0, budget_s, report,
+                                              fallback, codes, keep_all=agents)
             report.stage_seconds["generate_and_check"] = time.perf_counter() - t0
-            if unchecked:
-                report.decisions.append((f"{unchecked} group(s) left on ATen unchecked",
-                                         f"optimize's time budget of {budget_s:g} s ran out (budget_s=)"))
+        _peak(report, "generate_and_check")
         offline_groups = list(plan.groups)
-        if llm is not None or resume is not None:
+        if agents:
             with steps.step("the agents: profile, choose targets, write and verify kernel steps"):
                 t0 = time.perf_counter()
                 _drive_agents(graph, plan, values, constants, sm_count, llm, report, fallback,
-                              name=type(model).__name__, run_dir=run_dir, resume=resume,
+                              name=_model_name(model), run_dir=run_dir, resume=resume,
                               budget=AgentBudget(attempts, tokens, wall_s, max_targets, concurrency), on_event=on_event,
                               compare_compile=compare_compile)
                 report.stage_seconds["agents"] = time.perf_counter() - t0
         values = None  # every recorded intermediate is freed here: the checks that read them are done
         contiguous_inputs = [t.contiguous() for t in flat_inputs]
 
-        def build() -> OptimizedModule:
+        layouts = [plan.channels_last, frozenset()] if plan.channels_last else [frozenset()]
+
+        def build_one() -> tuple[OptimizedModule, float]:
             lowering = Lowering(graph, plan, constants, sm_count)
             program = lowering.build(plan.groups, graph.inputs, graph.outputs, fallback, _hardware())
             program.compile_kernels()
             report.groups = _group_entries(plan, lowering, fallback, codes)
-            runner = None
+            runner, ms = None, float("inf")
             if graphs:
-                runner, decision = _choose_replay(program, contiguous_inputs)
+                runner, decision, ms = _choose_replay(program, contiguous_inputs)
                 report.decisions[:] = [d for d in report.decisions if not _is_replay_decision(d)] + [decision]
             else:
                 program.set_replay("direct", "graphs=False was requested")  # carried into the saved artifact
-            return OptimizedModule(model, program, graph, report, graphs=graphs, runner=runner)
+                if len(layouts) > 1:
+                    runner = ProgramModule(program, graphs=False)
+                    ms = _time_ms(lambda: runner.executor.run(contiguous_inputs))
+            return OptimizedModule(model, program, graph, report, graphs=graphs, runner=runner), ms
+
+        def build() -> OptimizedModule:
+            """The program; with a channels-last plan, the first build measures it against the same plan in
+            NCHW and keeps the faster layout (the edges' conversions can cost more than cuDNN's own)."""
+            if len(layouts) == 1:
+                plan.channels_last = layouts[0]
+                return build_one()[0]
+            best, best_ms, kept, times = None, float("inf"), None, []
+            for layout in layouts:
+                plan.channels_last = layout
+                candidate, ms = build_one()
+                times.append(ms)
+                if best is None or ms < best_ms:
+                    best = None  # the slower program's memory goes before the next is kept
+                    best, best_ms = candidate, ms
+                    kept = (layout, list(report.groups), list(report.decisions))
+                candidate = None
+            chosen, report.groups, report.decisions[:] = kept  # the report describes the program kept
+            layouts[:] = [chosen]  # later rebuilds (a traced mismatch) keep it
+            plan.channels_last = chosen
+            report.decisions[:] = [d for d in report.decisions if not d[0].startswith("convolution chains")]
+            report.decisions.append((
+                f"convolution chains {'channels-last' if chosen else 'kept NCHW'} (measured)",
+                f"on the example inputs: channels-last {times[0]:.4f} ms, NCHW {times[1]:.4f} ms per call; cuDNN's "
+                "tensor-core convolutions run on NHWC data, at the price of a conversion at each chain's edges"))
+            return best
 
         with steps.step("building the program"):
             optimized = build()
+        _peak(report, "build")
         with steps.step(f"verifying on {verify_sets} input set(s)"):
             report.verification = _verify(model, optimized, example_inputs, verify_sets, plan)
+        _peak(report, "verify")
         if not report.verification["passed"] and plan.groups != offline_groups:
             # A kernel step passed its target's checks but the whole program does not match: keep the
             # verified offline program instead of losing every gain.
             detail = report.verification["detail"]
             plan.groups = offline_groups
             with steps.step("rebuilding without the agents' kernel steps"):
+                optimized = None  # its runner's memory goes before the next one is built
                 optimized = build()
                 report.verification = _verify(model, optimized, example_inputs, verify_sets, plan)
             for t in report.targets:
@@ -263,8 +437,10 @@ def optimize(model: torch.nn.Module, example_inputs: Sequence[Any], *, llm: Any 
                                      f"not match the model ({report.verification['detail']}); traced to this group: "
                                      f"{why}"})
             with steps.step(f"rebuilding with {culprit.name} on ATen"):
+                optimized = None
                 optimized = build()
                 report.verification = _verify(model, optimized, example_inputs, verify_sets, plan)
+            _peak(report, "trace_and_rebuild")
         if not report.verification["passed"]:
             report.status = "eager"
             report.reason = "the stitched program does not match the model: " + report.verification["detail"]
@@ -274,6 +450,7 @@ def optimize(model: torch.nn.Module, example_inputs: Sequence[Any], *, llm: Any 
         if measure or not keep_slower:
             with steps.step("measuring"):
                 report.timing = _measure(model, optimized, example_inputs, compare_compile and measure)
+            _peak(report, "measure")
             t = report.timing
             if not keep_slower and t["stitched_ms"] >= t["eager_ms"]:
                 report.status = "eager"
@@ -289,8 +466,70 @@ def optimize(model: torch.nn.Module, example_inputs: Sequence[Any], *, llm: Any 
     except Exception as exc:  # anything else: never break the caller, say what happened
         report.reason = f"{type(exc).__name__} while optimizing: {exc}"
         return OptimizedModule(model, None, None, report)
-    finally:
-        model.train(was_training)
+
+
+def _check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_count: int, pool: Any, t0: float,
+                  budget_s: float, report: Report, fallback: set[int], codes: dict, keep_all: bool
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+    """Checks every generated group against ATen on the example inputs while the graph runs once: a
+    group is checked as soon as its recorded inputs and outputs exist, and a recorded value is freed
+    once the groups that read it are checked (stream_values), so optimize() holds about the eager
+    forward's working set, not every intermediate at once. Groups still unchecked when `budget_s`
+    seconds have passed since `t0` stay on ATen. Returns the constant values (computed from weights
+    alone) and, with `keep_all` (the agents read every value), all recorded values."""
+    outputs_all = {v.name for v in graph.outputs}
+    constant_names = {g.nodes[0].out.name for g in plan.groups if g.kind == "constant" and g.nodes[0].outputs}
+    generated = [g for g in plan.groups if g.kind in GENERATED]
+    wanted = {id(g): {v.name for v in g.inputs() if v.kind != "weight" and v.name not in constant_names}
+              | {v.name for v in g.outputs(outputs_all)} for g in generated}
+    by_id = {id(g): g for g in generated}
+    constants: dict[str, torch.Tensor] = {}
+    deadline = t0 + budget_s if budget_s and budget_s > 0 else float("inf")
+    unchecked = 0
+    if keep_all:  # the agents profile and check groups later on the same recorded values
+        values = reference_values(graph, inputs)
+        constants.update({n: values[n] for n in constant_names if n in values})
+        ready = [(id(g), values) for g in generated]
+    else:
+        values, ready = None, []
+    results: dict[int, tuple[bool, str, Any]] = {}
+
+    def check(key, held: dict[str, torch.Tensor]) -> None:
+        nonlocal unchecked
+        g = by_id[key]
+        if time.perf_counter() > deadline:
+            unchecked += 1
+            results[key] = (False, f"not checked: the time budget of {budget_s:g} s (budget_s=) was spent on "
+                                   "earlier groups", None)
+            return
+        try:
+            results[key] = check_group(graph, plan, g, held, constants, sm_count, pool)
+        except Exception as exc:  # a value the stream never produced, or a bug: this group alone falls back
+            results[key] = (False, f"{type(exc).__name__} while checking: {str(exc).splitlines()[0][:200]}", None)
+
+    if keep_all:
+        for key, held in ready:
+            check(key, held)
+    else:
+        # Constants (values computed from weights alone) are kept as they arrive: a group reading one
+        # comes after it in the graph and takes it from `constants`, as the program will.
+        stream_values(graph, inputs, wanted, check, keep=constant_names, kept=constants)
+    for g in generated:  # in plan order, so the report reads as the plan does
+        ok, why, code = results[id(g)]
+        codes[id(g)] = code
+        if not ok:
+            fallback.add(id(g))
+            report.fallbacks.append({"group": g.name, "kind": g.kind, "reason": why})
+    if unchecked:
+        report.decisions.append((f"{unchecked} group(s) left on ATen unchecked",
+                                 f"optimize's time budget of {budget_s:g} s ran out (budget_s=)"))
+    return constants, values
+
+
+def _peak(report: Report, stage: str) -> None:
+    """Records the process's GPU memory peak so far at the end of `stage` (never resets the counter:
+    a caller measuring optimize()'s own peak keeps its measurement)."""
+    report.stage_peak_bytes[stage] = max(int(torch.cuda.max_memory_allocated()), report.stage_peak_bytes.get(stage, 0))
 
 
 def _flat_tensors(inputs) -> list[torch.Tensor]:
@@ -328,18 +567,26 @@ def trace_mismatch(graph: Graph, plan: GraphPlan, constants: dict, sm_count: int
     except Exception as exc:  # the diagnosis cannot run: the caller keeps what it has
         return None, f"the diagnostic program did not run ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
     names = [v.name for v in outputs]
-    want = reference_values(graph, inputs, keep=set(names))
+    got_by_name = {name: value for name, value in zip(names, got) if name in owner}
+    verdicts: dict[str, tuple[str, float]] = {}  # name -> (first difference or "", share of tolerance used)
+
+    def compare(name: str, held: dict[str, torch.Tensor]) -> None:  # ATen's value, streamed, then let go
+        if name in held:
+            expected = held[name]
+            atol, rtol = tolerance(expected.dtype, plan.precision)
+            value = got_by_name[name]
+            verdicts[name] = (first_difference(name, value, expected, atol, rtol, reference="ATen"),
+                              tolerance_used(value, expected, atol, rtol))
+
+    stream_values(graph, inputs, {name: {name} for name in got_by_name}, compare)
     worst: tuple[float, Group | None, str] = (0.0, None, "")
     for g in suspects:
-        for name, value in zip(names, got):
-            if owner.get(name) is not g or name not in want:
+        for name in names:
+            if owner.get(name) is not g or name not in verdicts:
                 continue
-            expected = want[name]
-            atol, rtol = tolerance(expected.dtype, plan.precision)
-            problem = first_difference(name, value, expected, atol, rtol, reference="ATen")
+            problem, ratio = verdicts[name]
             if problem:
                 return g, problem
-            ratio = tolerance_used(value, expected, atol, rtol)
             if ratio > worst[0]:
                 worst = (ratio, g, f"within its tolerance but nearest its limit ({ratio:.2f} of it at '{name}'): "
                                    "errors add up along the graph")
@@ -349,13 +596,16 @@ def trace_mismatch(graph: Graph, plan: GraphPlan, constants: dict, sm_count: int
 def _plan_only(model, example_inputs, precision: str, graphs: bool, report: Report) -> None:
     """Without a GPU: capture, plan, lower and compile (NVRTC needs no GPU), so the report shows what
     would run. Nothing is verified or timed; any failure only adds to the reason."""
-    was_training = model.training
-    model.eval()
     try:
         graph = capture(model, example_inputs)
         report.op_counts = graph.op_counts()
         plan = OfflinePlanner(precision=precision, graphs=graphs).plan(graph)
         report.decisions += plan.decisions
+        report.groups = _planned_entries(plan)
+        unheld = _unheld(plan, report)
+        if unheld:
+            report.reason += f"; planned only: {unheld}"
+            return
         flat = [t for t in pytree.tree_flatten(example_inputs)[0] if isinstance(t, torch.Tensor)]
         values = reference_values(graph, flat)
         constants = {g.nodes[0].out.name: values[g.nodes[0].out.name] for g in plan.groups
@@ -364,6 +614,7 @@ def _plan_only(model, example_inputs, precision: str, graphs: bool, report: Repo
         program = lowering.build(plan.groups, graph.inputs, graph.outputs)
         program.compile_kernels()
         codes = {id(g): code for g, code in lowering.kernels}
+        report.groups = []
         for g in plan.groups:
             if g.kind in ("view", "constant") and not _used(g, lowering):
                 continue
@@ -379,8 +630,29 @@ def _plan_only(model, example_inputs, precision: str, graphs: bool, report: Repo
                           "unverified until run on a GPU")
     except Exception as exc:  # planning is a courtesy here; the eager model is the answer
         report.reason += f"; planning without a GPU stopped: {type(exc).__name__}: {exc}"
-    finally:
-        model.train(was_training)
+
+
+def _planned_entries(plan: GraphPlan) -> list[dict]:
+    """The plan as report entries before anything is built (views and constants left out)."""
+    return [{"kind": "aten (fallback)" if "unheld" in g.params else g.kind,
+             "nodes": ", ".join(n.op.removeprefix("aten::") for n in g.nodes), "reason": g.reason}
+            for g in plan.groups if g.kind not in ("view", "constant")]
+
+
+def _unheld(plan: GraphPlan, report: Report) -> str:
+    """Records the ATen fallback groups whose values no program buffer holds (the planner's "unheld");
+    returns why the program cannot be built around them, or "" when there are none."""
+    groups = [g for g in plan.groups if "unheld" in g.params]
+    for g in groups:
+        report.fallbacks.append({"group": g.name, "kind": "aten", "reason": g.reason})
+    if not groups:
+        return ""
+    from ..program import DTYPES
+
+    first = groups[0]
+    return (f"the stitched program cannot be built: {len(groups)} node(s) work on values no program buffer holds "
+            f"(first: {first.nodes[0].op} '{first.name}' on {first.params['unheld']}; buffers hold "
+            f"{', '.join(sorted(DTYPES))}); the rest of the model is planned (the report's groups)")
 
 
 def _group_entries(plan: GraphPlan, lowering: Lowering, fallback: set[int], codes: dict) -> list[dict]:
@@ -447,7 +719,27 @@ def _verify(model, optimized: OptimizedModule, example_inputs, sets: int, plan: 
     example inputs, then fresh random sets, under the tolerance table for the plan's precision; the
     error against an fp64 copy of the model too. {passed, input_sets, max_abs_error, max_rel_error_fp64,
     detail}."""
-    return verify_whole(model, optimized, example_inputs, sets, plan.precision)
+    return verify_whole(model, optimized, example_inputs, sets, plan.precision, no_exact=_fp64_too_large(plan))
+
+
+def _fp64_too_large(plan: GraphPlan) -> str:
+    """Why an fp64 copy of the model would not fit, or "": attention in fp64 runs PyTorch's math path,
+    which materializes every score (batch x heads x queries x keys) — 14 GB for one 256 MiB attention."""
+    from ..verify.program import EXACT_COPY_LIMIT_BYTES
+
+    worst = 0
+    for g in plan.groups:
+        for n in g.nodes:
+            if "scaled_dot_product" in n.op and len(n.args) >= 2 and all(hasattr(a, "shape") for a in n.args[:2]):
+                q, k = n.args[0].shape, n.args[1].shape
+                scores = 8 * k[-2] if len(k) >= 2 else 0
+                for e in q[:-1]:
+                    scores *= e
+                worst = max(worst, scores)
+    if worst > EXACT_COPY_LIMIT_BYTES:
+        return (f"the fp64 attention would materialize {worst / 2**30:.1f} GiB of scores (no fused fp64 kernel), "
+                f"above the {EXACT_COPY_LIMIT_BYTES >> 20} MiB limit")
+    return ""
 
 
 def _measure(model, optimized: OptimizedModule, example_inputs, compare_compile: bool) -> dict:

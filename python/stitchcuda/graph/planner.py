@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..program import DTYPES as PROGRAM_DTYPES
 from .capture import Graph, Node, Value
 from .templates import CACHED_ROW_MAX, CACHED_ROW_MIN, DEPTHWISE_MAX_TAPS, FUSABLE_DTYPES, NORMALIZING, POINTWISE_OPS
 
-__all__ = ["Group", "GraphPlan", "OfflinePlanner", "GENERATED"]
+__all__ = ["Group", "GraphPlan", "OfflinePlanner", "GENERATED", "unheld_dtype"]
 
 # Group kinds whose code the template Coder writes (and optimize checks against ATen before use).
 GENERATED = ("gemm", "pointwise", "reduction", "conv")
@@ -93,12 +94,27 @@ class GraphPlan:
     groups: list[Group]
     decisions: list[tuple[str, str]]  # (decision, reason)
     precision: str
+    channels_last: frozenset[str] = frozenset()  # values stored NHWC (graph/layout.py)
 
     def summary(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for g in self.groups:
             counts[g.kind] = counts.get(g.kind, 0) + 1
         return counts
+
+
+def unheld_dtype(node: Node) -> torch.dtype | None:
+    """The first dtype among the node's inputs and results that no program buffer holds (complex
+    numbers, from torch.fft for instance), else None. Such a node is an ATen group whatever its op."""
+    held = PROGRAM_DTYPES.values()
+    for v in [*node.inputs, *node.outputs]:
+        if v is not None and v.dtype not in held:
+            return v.dtype
+
+    def scalar(a) -> bool:  # a Python complex argument (x * 1j) is a complex128 value
+        return isinstance(a, complex) or (isinstance(a, (list, tuple)) and any(scalar(x) for x in a))
+
+    return torch.complex128 if scalar(node.args) or scalar(tuple(node.kwargs.values())) else None
 
 
 def _dims(dims, rank: int) -> list[int]:
@@ -169,6 +185,12 @@ class OfflinePlanner:
             if id(node) in absorbed:
                 continue
             ins = node.inputs
+            unheld = unheld_dtype(node)
+            if unheld is not None:  # before folding: a constant of that dtype could not be stored either
+                groups.append(Group("aten", [node], f"ATen fallback: {node.op} works on {unheld} values, which no "
+                                                    "program buffer holds", {"unheld": unheld}))
+                close()
+                continue
             # Constant folding: nothing here depends on a user input.
             if (ins and all(v.name in constant for v in ins)) or (not ins and self._foldable_factory(node)):
                 for v in node.outputs:
@@ -233,7 +255,18 @@ class OfflinePlanner:
             if g.kind == "pointwise":
                 ops = ", ".join(n.op.removeprefix("aten::") for n in g.nodes)
                 g.reason = f"{len(g.nodes)} elementwise op(s) ({ops}) fused into one kernel"
-        return GraphPlan(self._online_sum_exp(self._row_epilogues(groups, outputs), outputs), decisions, matmul_precision)
+        plan = GraphPlan(self._online_sum_exp(self._row_epilogues(groups, outputs), outputs), decisions,
+                         matmul_precision)
+        from .layout import channels_last_values  # it reads groups: imported here, after this module
+
+        plan.channels_last = channels_last_values(graph, plan.groups)
+        if plan.channels_last:
+            convs = sum(n.op == "aten::convolution" for g in plan.groups if g.kind == "aten" for n in g.nodes)
+            decisions.append((f"convolution chains channels-last ({len(plan.channels_last)} values NHWC in memory)",
+                              f"cuDNN's tensor-core convolutions ({convs}) run on NHWC data: one conversion at each "
+                              "chain's edge instead of a transpose in and out of every convolution; the elementwise "
+                              "groups between them iterate in NHWC order"))
+        return plan
 
     @staticmethod
     def _row_epilogues(groups: list[Group], outputs: set[str]) -> list[Group]:

@@ -1,0 +1,129 @@
+"""Layout planning, on any machine: a convolution chain is planned channels-last — its convolutions'
+inputs, filters and results NHWC in memory, one conversion at the chain's edge, the elementwise groups
+between the convolutions iterating in NHWC order — and the rest of the graph keeps its layout. (The
+programs' results against eager PyTorch are checked on the GPU: tests/python/test_gpu_graph.py.)"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from stitchcuda.graph.capture import capture
+from stitchcuda.graph.layout import channels_last_strides, is_channels_last
+from stitchcuda.graph.lower import Lowering
+from stitchcuda.graph.planner import OfflinePlanner
+
+
+class _ResidualBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32)
+        self.c2, self.b2 = nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32)
+        self.pool = nn.MaxPool2d(2)
+
+    def forward(self, x):
+        y = F.relu(self.b1(self.c1(x)))
+        z = F.relu(self.b2(self.c2(y)) + y)
+        return self.pool(z).mean((2, 3))
+
+
+def _lowered(model, x):
+    graph = capture(model.eval(), (x,))
+    plan = OfflinePlanner().plan(graph)
+    lowering = Lowering(graph, plan, {}, 132)
+    lowering.build(plan.groups, graph.inputs, graph.outputs)
+    return graph, plan, lowering
+
+
+def _layout(lowering, name):
+    shape, strides, _ = lowering.spec[lowering.buf[name]]
+    return shape, strides
+
+
+def test_a_convolution_chain_is_planned_channels_last_with_the_reason():
+    graph, plan, lowering = _lowered(_ResidualBlock(), torch.randn(4, 16, 64, 64))
+    convs = [n for g in plan.groups for n in g.nodes if n.op == "aten::convolution"]
+    assert len(convs) == 2
+    for n in convs:  # input, filter and result of each convolution
+        for v in (n.args[0], n.args[1], n.out):
+            assert v.name in plan.channels_last
+    decision = [d for d in plan.decisions if d[0].startswith("convolution chains channels-last")]
+    assert decision and "cuDNN" in decision[0][1]
+    # Filters and results are NHWC in memory; the graph's input is converted once, by one generated copy.
+    for n in convs:
+        assert is_channels_last(*_layout(lowering, n.args[1].name))
+        assert is_channels_last(*_layout(lowering, n.out.name))
+    assert not is_channels_last(*_layout(lowering, graph.inputs[0].name))
+    copies = [code for _, code in lowering.kernels if code.name.startswith("to_nhwc")]
+    assert len(copies) == 1 and "over [4, 64, 64, 16]" in copies[0].source
+
+
+def test_elementwise_groups_between_convolutions_run_in_nhwc_order():
+    graph, plan, lowering = _lowered(_ResidualBlock(), torch.randn(4, 16, 64, 64))
+    pointwise = [g for g in plan.groups if g.kind == "pointwise"]
+    assert len(pointwise) == 2
+    for g in pointwise:
+        out = g.nodes[-1].out
+        shape, strides = _layout(lowering, out.name)
+        assert strides == channels_last_strides(shape)
+    sources = {code.name: code.source for _, code in lowering.kernels}
+    fused = [src for name, src in sources.items() if name.startswith("fused")]
+    # The loop runs over (N, H, W, C): the last extent is the channel count, 32.
+    assert fused and all("over [4, 64, 64, 32]" in src for src in fused)
+
+
+def test_the_chain_ends_where_a_step_needs_its_own_layout():
+    graph, plan, lowering = _lowered(_ResidualBlock(), torch.randn(4, 16, 64, 64))
+    pool = next(n for g in plan.groups for n in g.nodes if n.op == "aten::max_pool2d_with_indices")
+    pooled = [(shape, strides) for shape, strides, _ in lowering.spec.values() if shape == pool.outputs[0].shape]
+    # Pooling over NHWC data returns NHWC (ATen's rule, asked of its meta kernel: values and indices);
+    # the mean's row reduction reads rows, so the pooled values get one contiguous copy, its input.
+    assert sum(is_channels_last(*layout) for layout in pooled) == 2
+    assert _layout(lowering, pool.outputs[0].name)[1] == (32 * 32 * 32, 32 * 32, 32, 1)
+    out_shape, out_strides = _layout(lowering, graph.outputs[0].name)
+    assert out_strides == (out_shape[1], 1)
+
+
+def test_graphs_without_convolutions_keep_their_layouts():
+    class Mlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(32, 32)
+
+        def forward(self, x):
+            return torch.relu(self.fc(x)).reshape(2, 4, 4, 32) * 2.0
+
+    graph, plan, lowering = _lowered(Mlp(), torch.randn(32, 32))
+    assert plan.channels_last == frozenset()
+    assert not [d for d in plan.decisions if "channels-last" in d[0]]
+    assert not [code for _, code in lowering.kernels if code.name.startswith("to_nhwc")]
+
+
+def test_a_depthwise_template_convolution_is_not_made_channels_last():
+    class Depthwise(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dw = nn.Conv2d(32, 32, 3, padding=1, groups=32)
+
+        def forward(self, x):
+            return F.relu6(self.dw(x))
+
+    graph, plan, lowering = _lowered(Depthwise(), torch.randn(2, 32, 16, 16))
+    assert any(g.kind == "conv" for g in plan.groups)  # the generated depthwise kernel reads NCHW
+    assert plan.channels_last == frozenset()
+
+
+def test_small_convolutions_and_rgb_stems_stay_nchw():
+    class Stem(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = nn.Conv2d(3, 32, 3, padding=1)
+
+        def forward(self, x):
+            return F.relu(self.c(x))
+
+    _, plan, _ = _lowered(Stem(), torch.randn(4, 3, 64, 64))  # three input channels
+    assert plan.channels_last == frozenset()
+    _, plan, _ = _lowered(_ResidualBlock(), torch.randn(1, 16, 8, 8))  # a launch-bound input
+    assert plan.channels_last == frozenset()
