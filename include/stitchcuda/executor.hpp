@@ -31,8 +31,8 @@ struct ExecutorOptions {
   /// tail-launches the captured forward, so host time per run does not grow with the number of steps.
   /// Where the graph or the machine does not allow it, runs replay from the host (stats().host_replay_note).
   bool device_launch = true;
-  /// Smallest captured forward (graph nodes) replayed from the device. Measured on an H200: the device
-  /// launch adds ~10 us of GPU latency but runs each node ~0.2 us sooner, so it pays from ~100 nodes on.
+  /// Smallest captured forward (graph nodes) replayed from the device: the device launch adds GPU latency
+  /// once but starts each node sooner, so it pays only past a size (measured in docs/program.md).
   std::size_t device_launch_min_nodes = 128;
 };
 

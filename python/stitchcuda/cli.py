@@ -1,7 +1,11 @@
 """The `stitchcuda` command line (also `python -m stitchcuda`): doctor, demo, benchmarks, llm ping, and the
 commands layers keep beside their code (optimize, runs, profile, check).
 
-Exit codes: 0 success, 1 failure, 2 usage error.
+Exit codes (docs/cli.md has the table): 0 success; 1 the command ran and the answer is no (a check
+failed, no usable candidate, a backend error); 2 usage (a bad option, a file that cannot be used); 3 the
+machine lacks what the command needs (a CUDA GPU, the profiler), so nothing ran; 130 interrupted.
+With --json, stdout holds one JSON object whatever the outcome: {"error": MESSAGE} when the command could
+not do its work.
 """
 
 from __future__ import annotations
@@ -13,7 +17,28 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NO_GPU, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+
+def no_gpu_reason() -> str | None:
+    """None when torch sees a CUDA GPU, else why not, in words."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    from . import _C
+
+    ok, reason = _C.driver_available()
+    return "torch.cuda.is_available() is False: " + (reason if not ok else "the driver reports no GPU")
+
+
+def refuse(command: str, message: str, code: int, json_output: bool = False) -> int:
+    """An early end: `command: message` on stderr and, under --json, {"error": message} on stdout (which
+    stays one JSON object). Returns `code`."""
+    print(f"{command}: {message}", file=sys.stderr)
+    if json_output:
+        print(json.dumps({"error": message}))
+    return code
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -102,7 +127,8 @@ def _bench_suite(args: argparse.Namespace) -> int:
         from .bench import suite
 
         return int(suite.run_suite(args.suite, folder=args.dir, only=args.only, chunk=args.chunk,
-                                   results=args.results, json_output=args.json))
+                                   results=args.results, json_output=args.json, llm=args.llm, csv=args.csv,
+                                   html=args.html, compile_only=args.compile_only))
     module = importlib.import_module(f"stitchcuda.bench.{args.suite}")
     return int(module.run(json_output=args.json))
 
@@ -128,6 +154,22 @@ def _model_bench_options(sub: argparse.ArgumentParser, default_dir: str) -> None
                      help="every N-th problem from the K-th (default: STITCHCUDA_SUITE_CHUNK, else all)")
     sub.add_argument("--results", metavar="FILE.jsonl", type=Path, default=None,
                      help="append each finished row here and skip problems already in it (resumable)")
+    sub.add_argument("--llm", metavar="SPEC", default=None,
+                     help="add the agents' column: optimize(llm=SPEC), e.g. openai:gpt-4.1")
+    sub.add_argument("--csv", metavar="FILE.csv", type=Path, default=None, help="write the rows as CSV too")
+    sub.add_argument("--html", metavar="FILE.html", type=Path, default=None,
+                     help="write a self-contained HTML report with plots (needs matplotlib)")
+    sub.add_argument("--compile-only", action="store_true",
+                     help="no timing: capture, plan and compile each problem (runs without a GPU)")
+
+
+def _folder_as_suite(argv: list[str], bench_names: Sequence[str]) -> list[str]:
+    """`bench DIR ...` is `bench kernelbench --dir DIR ...`: a first argument after `bench` that names no
+    benchmark and is a folder (or a path) is the folder of problems."""
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] not in bench_names and not argv[1].startswith("-") \
+            and (Path(argv[1]).is_dir() or "/" in argv[1]):
+        return ["bench", "kernelbench", "--dir", argv[1], *argv[2:]]
+    return argv
 
 
 PING_PROMPT = "Reply with the single word: pong"
@@ -143,8 +185,7 @@ def _llm_ping(args: argparse.Namespace) -> int:
         reply = backend.complete([{"role": "user", "content": PING_PROMPT}], max_tokens=args.max_tokens,
                                  timeout=args.timeout, stream=args.stream, allow_truncated=True)
     except StitchError as exc:
-        print(f"llm ping {args.spec} failed: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
+        return refuse(f"llm ping {args.spec} failed", str(exc), EXIT_FAILURE, args.json)
     u = reply.usage
     if args.json:
         print(json.dumps({"backend": backend.name, "model": reply.model, "latency_ms": reply.latency_ms,
@@ -171,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stitchcuda",
                                      description="StitchCUDA: in-process CUDA JIT for PyTorch, and the model backends its agents use.")
     parser.set_defaults(run=None, usage_of=parser)
+    parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     doctor = commands.add_parser("doctor", help="check GPU, driver, CUDA, NVRTC, CUPTI, torch, cache")
@@ -180,19 +222,24 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="compile a kernel with NVRTC and run it where a GPU exists")
     demo.set_defaults(run=_demo)
 
-    bench = commands.add_parser("bench", help="run a benchmark")
+    bench = commands.add_parser("bench", help="run a benchmark, or `bench DIR`: a folder of KernelBench-format "
+                                              "problems",
+                                description="SUITE is a benchmark below, or the path of a folder of "
+                                            "KernelBench-format problems (`bench DIR [options]` is `bench "
+                                            "kernelbench --dir DIR [options]`).")
     bench.set_defaults(run=None, usage_of=bench)
     suites = bench.add_subparsers(dest="suite", metavar="SUITE")
-    jit = suites.add_parser("jit", help="compile, cache and launch costs (issue 2, section 7)")
+    jit = suites.add_parser("jit", help="compile, cache and launch costs against nvcc's load_inline (docs/jit.md)")
     jit.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     jit.add_argument("--repeats", type=_repeats, default=5, help="cold compiles per kernel (>= 5)")
     jit.set_defaults(run=_bench)
-    for suite, text in (("program", "program runtime: graph replay host time, cuBLASLt epilogues, planning (issue 7)"),
-                        ("profile", "profiler: Tracer vs events, tracing overhead, metrics vs ncu (issue 3)"),
-                        ("verify", "verifier: candidates per minute, speed-up agreement (issue 4)"),
-                        ("graph", "optimize(model) end to end: speed-up vs eager and torch.compile (issue 8)"),
+    for suite, text in (("program", "program runtime: graph replay host time, cuBLASLt epilogues, planning "
+                                    "(docs/program.md)"),
+                        ("profile", "profiler: Tracer vs events, tracing overhead, metrics vs ncu (docs/profile.md)"),
+                        ("verify", "verifier: candidates per minute, speed-up agreement (docs/verify.md)"),
+                        ("graph", "optimize(model) end to end: speed-up vs eager and torch.compile (docs/graph.md)"),
                         ("suite", "the bench/suite models: eager vs torch.compile (default, reduce-overhead) vs "
-                                  "optimize, correctness, memory (issue 8)"),
+                                  "optimize, correctness, memory (docs/graph.md)"),
                         ("kernelbench", "the same over bench/kernelbench: KernelBench-format problems at large "
                                         "sizes, summarized per class")):
         sub = suites.add_parser(suite, help=text)
@@ -201,6 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
             _model_bench_options(sub, "STITCHCUDA_SUITE_DIR, else bench/suite" if suite == "suite"
                                  else "bench/kernelbench")
         sub.set_defaults(run=_bench_suite)
+    from .bench import reward as bench_reward
+
+    bench_reward.register(suites)  # `bench reward`, with its own options
+    parser.bench_names = tuple(suites.choices)  # for `bench DIR` (main)
 
     llm = commands.add_parser("llm", help="model backends (docs/llm.md)")
     llm.set_defaults(run=None, usage_of=llm)
@@ -217,17 +268,32 @@ def build_parser() -> argparse.ArgumentParser:
     from .agents import cli as agents_cli
     from .graph import cli as graph_cli
     from .profile import cli as profile_cli
+    from .rl import service as rl_service
     from .verify import cli as verify_cli
 
     graph_cli.register(commands)  # `optimize`, both modes (--mode graph|program)
     agents_cli.register(commands)  # `runs`
     profile_cli.register(commands)
     verify_cli.register(commands)
+    rl_service.register(commands)  # `serve reward`
     return parser
 
 
+def _version() -> str:
+    import torch
+
+    from . import __version__
+
+    return f"stitchcuda {__version__} (torch {torch.__version__}, CUDA {torch.version.cuda or 'none'})"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    # As `python -m stitchcuda` does: modules in the current folder import (python:MODULE:FN model specs).
+    # Appended, not prepended: an installed package keeps its name.
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.append(str(Path.cwd()))
     parser = build_parser()
+    argv = _folder_as_suite(list(sys.argv[1:] if argv is None else argv), parser.bench_names)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse exits 2 on bad usage, 0 for --help
@@ -238,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

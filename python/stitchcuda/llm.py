@@ -225,9 +225,18 @@ def _load_python_spec(spec: str) -> Any:
     if not module_name or not attribute:
         raise InvalidArgumentError(f"malformed model spec '{spec}': expected python:MODULE:ATTRIBUTE, "
                                    "e.g. python:my_models:answer")
-    target: Any = importlib.import_module(module_name)
+    try:
+        target: Any = importlib.import_module(module_name)
+    except Exception as exc:  # not found, or the module raised while importing: the spec cannot be used
+        raise InvalidArgumentError(
+            f"model spec '{spec}': importing '{module_name}' failed ({type(exc).__name__}: {exc}); the module must "
+            "be importable from here: run from its folder (the stitchcuda command adds the current folder) or add "
+            "its folder to PYTHONPATH") from None
     for part in attribute.split("."):
-        target = getattr(target, part)
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise InvalidArgumentError(f"model spec '{spec}': '{module_name}' has no attribute '{attribute}'") from None
     return target
 
 

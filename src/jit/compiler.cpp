@@ -411,8 +411,8 @@ std::string Compiler::default_arch() {
       if ((*api)->CtxGetCurrent(&ctx) == CUDA_SUCCESS && ctx && (*api)->CtxGetDevice(&dev) == CUDA_SUCCESS)
         device = int(dev);
     }
-    // Every cache lookup resolves the architecture, and a full device query costs about a
-    // millisecond on an H200: remember the answer per device.
+    // Every cache lookup resolves the architecture, and a full device query costs far more than a
+    // memory hit (docs/jit.md, Performance): remember the answer per device.
     static std::mutex mu;
     static std::map<int, std::string> known;
     {

@@ -46,8 +46,8 @@ Recording& recording() {
 
 // CUPTI asks for an empty buffer (records 8-byte aligned) on the thread that is launching work. Fresh
 // anonymous pages are zero and page-aligned, and only the pages records reach get touched; start()
-// tells CUPTI the buffers come zeroed, or it clears all 8 MiB there, in the application's path. (On the
-// H200 this changed the measured tracing overhead by less than its run-to-run spread.)
+// tells CUPTI the buffers come zeroed, or it clears all 8 MiB there, in the application's path. (What it
+// did to the tracing overhead: docs/profile.md.)
 void CUPTIAPI buffer_requested(std::uint8_t** buffer, std::size_t* size, std::size_t* max_records) {
   std::size_t bytes;
   {
@@ -144,10 +144,11 @@ constexpr char kWarmUpPtx[] = R"(.version 8.0
 }
 )";
 
-// The H200 measured a fixed ~0.7-1 ms per trace scope inside the traced work (bench profile, two lengths
-// of the same workload); most likely CUPTI preparing its kernel timing for the context at the first launch
-// after the kinds are enabled (on Hopper it times kernels with semaphores written around each launch). One empty kernel on a private stream, launched and
-// waited for here, pays it in start(). Returns the CUPTI time after it (records before it belong to the
+// A fixed cost per trace scope showed inside the traced work (bench profile, two lengths of the same
+// workload; docs/profile.md has the numbers); most likely CUPTI preparing its kernel timing for the
+// context at the first launch after the kinds are enabled (on Hopper it times kernels with semaphores
+// written around each launch). One empty kernel on a private stream, launched and waited for here,
+// pays it in start(). Returns the CUPTI time after it (records before it belong to the
 // warm-up and are dropped), or 0 when there was nothing to warm: no current context (the first launch
 // will pay instead) or a driver call failed (tracing goes on without it).
 std::uint64_t warm_up(const CuptiApi& cupti_api) {

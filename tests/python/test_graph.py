@@ -207,7 +207,7 @@ def test_data_dependent_control_flow_is_a_capture_error():
 def test_optimize_without_a_gpu_returns_the_model_with_the_reason():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    model = nn.Linear(4, 4)
+    model = nn.Linear(4, 4).eval()
     fast = stitchcuda.optimize(model, (torch.randn(2, 4),))
     assert fast.report.status == "eager" and "no CUDA device" in fast.report.reason
     x = torch.randn(2, 4)

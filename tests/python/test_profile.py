@@ -298,7 +298,7 @@ def test_cli_without_gpu_fails_with_the_reason(capsys, tmp_path):
     problem = tmp_path / "cnn.py"
     problem.write_text(PROBLEM)
     rc, out, err = _cli([str(problem)], capsys)
-    assert rc == 1 and out == "" and err.count("\n") == 1 and "profiler unavailable" in err
+    assert rc == 3 and out == "" and err.count("\n") == 1 and "profiler unavailable" in err  # 3: no GPU
 
 
 def test_cli_rejects_bad_top_k(capsys, tmp_path):
@@ -474,9 +474,9 @@ def test_profile_of_a_small_cnn_agrees_with_torch_profiler(tmp_path):
 def test_bench_without_gpu_says_why_and_measures_nothing(capsys):
     from stitchcuda.bench import profile as bench
 
-    assert bench.run(json_output=True) == 0
+    assert bench.run(json_output=True) == 3  # 3: what the command needs is missing, nothing measured
     out = json.loads(capsys.readouterr().out)
-    assert list(out) == ["skipped"] and out["skipped"].startswith("profiler unavailable")
+    assert list(out) == ["error"] and out["error"].startswith("profiler unavailable")
 
 
 def test_cupti_absent_is_a_clear_error_not_a_crash(subprocess_env, tmp_path):

@@ -1,5 +1,5 @@
 """`stitchcuda bench profile`: how far the profiler can be trusted, against baselines in the same run
-(issue 3's targets): Tracer kernel time vs CUDA events on one kernel, tracing overhead on 1,000 small
+(targets in docs/profile.md): Tracer kernel time vs CUDA events on one kernel, tracing overhead on 1,000 small
 launches, DRAM % of a large copy from Metrics vs `ncu --clock-control none`, and profile() of a small
 CNN vs torch.profiler run after it.
 """
@@ -280,12 +280,15 @@ def measure() -> dict[str, Any]:
 
 def run(json_output: bool = False) -> int:
     """Prints the numbers (one JSON object with json_output); 0 when every part produced its numbers,
-    1 when a part failed. Without a GPU it prints why and returns 0: there is nothing to measure."""
+    1 when a part failed. Without a GPU (or CUPTI) it says why ({"error": ...} as JSON) and returns 3:
+    there is nothing to measure."""
     result = measure()
+    if "skipped" in result:
+        from ..cli import EXIT_NO_GPU, refuse
+
+        return refuse("bench profile", result["skipped"], EXIT_NO_GPU, json_output)
     if json_output:
         print(json.dumps(result))
-    elif "skipped" in result:
-        print(f"profile benchmark skipped: {result['skipped']}")
     else:
         for key, value in result.items():
             print(f"{key}:")

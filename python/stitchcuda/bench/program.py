@@ -5,9 +5,10 @@
    running the same number of ops. Each call is timed alone after a device sync, so the number is the
    host's cost, not queueing behind the GPU. Device-side replay (the default: one host launch of a
    single-kernel graph that tail-launches the forward) against host-side cudaGraphLaunch of the whole
-   forward, whose cost grows by 5-30 ns per kernel node; GPU time per forward for both (the device launch
-   adds latency once and runs the nodes sooner: the default uses it from 128 nodes on). Floor: one cudaGraphLaunch of a one-node graph
-   (~2-4 us on this driver) plus the Python binding call, whatever the number of steps.
+   forward, whose cost grows with every kernel node; GPU time per forward for both (the device launch
+   adds latency once and runs the nodes sooner: the default uses it from 128 nodes on). Floor: one cudaGraphLaunch
+   of a one-node graph plus the Python binding call, whatever the number of steps. The numbers, with their
+   runs: docs/program.md, "Measured".
 2. cuBLASLt matmul with a fused epilogue versus F.linear followed by the activation (separate kernels):
    the Verifier's timer (stitchcuda.verify.measure: L2 flushed before each call), median of 20. The epilogue saves one read and one write of the output.
 3. Liveness planning: arena bytes versus the widest point's live bytes and versus no reuse.
@@ -163,9 +164,11 @@ def artifact_identity() -> dict:
 
 
 def run(json_output: bool = False) -> int:
-    if not torch.cuda.is_available():
-        print("bench program: no GPU (torch.cuda.is_available() is False); nothing measured")
-        return 3
+    from ..cli import EXIT_NO_GPU, no_gpu_reason, refuse
+
+    why = no_gpu_reason()
+    if why is not None:
+        return refuse("bench program", f"no GPU ({why}); nothing measured", EXIT_NO_GPU, json_output)
     report = {"device": torch.cuda.get_device_name(), "host_overhead": host_overhead(), "epilogues": epilogues(),
               "planning": planning(), "artifact": artifact_identity()}
     if json_output:

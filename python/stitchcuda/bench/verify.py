@@ -103,7 +103,7 @@ THROUGHPUT_CANDIDATES = 12
 TARGET_PER_MINUTE = 60  # honest candidates a minute, with CUPTI and the attribution on
 AGREEMENT_VARIANTS = ((256, 1), (512, 1), (128, 0))
 KB_TRIALS = 100
-KB_REPEATS = 9  # measurements of each protocol per variant (medians compared; each repeat moves 3-10% on the H200)
+KB_REPEATS = 9  # measurements of each protocol per variant: medians compared, single repeats spread (docs/verify.md)
 
 
 def candidate_source(variant: str, block: int = 256, vec: int = 1) -> str:
@@ -128,15 +128,16 @@ def _load(source: str, name: str) -> types.ModuleType:
 
 
 def run(json_output: bool) -> int:
-    """Runs the benchmark and prints the result (one JSON object with ``json_output``); 0 when it ran."""
+    """Runs the benchmark and prints the result (one JSON object with ``json_output``); 0 when it ran,
+    3 without a GPU."""
     import torch
 
+    from ..cli import EXIT_NO_GPU, no_gpu_reason, refuse
     from ..verify import Task, VerifyConfig, WorkerPool, check
 
-    if not torch.cuda.is_available():
-        result = {"benchmark": "verify", "skipped": True, "reason": "needs a CUDA GPU"}
-        print(json.dumps(result) if json_output else "verify benchmark skipped: needs a CUDA GPU")
-        return 0
+    why = no_gpu_reason()
+    if why is not None:
+        return refuse("bench verify", f"no GPU ({why}); nothing measured", EXIT_NO_GPU, json_output)
     task = Task.from_source(PROBLEM, "gate_bias_8192")
     config = VerifyConfig()
     nonce = f"{os.getpid()}-{time.time_ns()}"

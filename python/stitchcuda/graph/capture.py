@@ -169,8 +169,9 @@ def _on_meta(a: Any) -> Any:
 def _recurrent_shapes_only():
     """While tracing, recurrent layers kept whole compute their outputs' shapes directly. Otherwise the
     trace runs torch's Python decomposition of each (registered for autograd, meta and composite keys) on
-    fake tensors just to learn the shapes: a cell per step and layer, 20 s for a 6-layer LSTM over 200
-    steps, over a minute at 512. Restored afterwards: eager calls never see this."""
+    fake tensors just to learn the shapes: a cell per step and layer, so the capture's time grows with
+    steps x layers (measured in docs/graph.md, "Recurrent layers whole"). Restored afterwards: eager calls
+    never see this."""
     from torch._C import DispatchKey
 
     keys = (DispatchKey.Autograd, DispatchKey.Meta, DispatchKey.CompositeImplicitAutograd)
@@ -237,7 +238,9 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Graph:
             raise CaptureError(f"'{a.name}' is used but produces no tensor StitchCUDA can hold")
         if isinstance(a, (list, tuple)):
             return type(a)(convert(x) for x in a)
-        if isinstance(a, (torch.dtype, torch.device, torch.layout, torch.memory_format, int, float, bool, str)) or a is None:
+        # A complex scalar (x * 1j) is kept: the planner makes its node an ATen group, the capture goes on.
+        if isinstance(a, (torch.dtype, torch.device, torch.layout, torch.memory_format, int, float, complex, bool,
+                          str)) or a is None:
             return a
         raise CaptureError(f"unsupported argument of type {type(a).__name__} in the exported graph")
 

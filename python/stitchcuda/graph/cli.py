@@ -29,8 +29,11 @@ PROGRAM_ONLY = {"replans": "--replans", "target_speedup": "--target-speedup", "p
 AGENT_OPTIONS = {"run_dir": "--run-dir", "attempts": "--attempts", "tokens": "--tokens", "wall_s": "--wall-s"}
 
 
-def _usage(message: str) -> int:
+def _usage(args: argparse.Namespace, message: str) -> int:
+    """A usage error: the message on stderr and, under --json, {"error": ...} on stdout."""
     print(message, file=sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps({"error": message.removeprefix("stitchcuda optimize: ")}))
     return EXIT_USAGE
 
 
@@ -64,17 +67,17 @@ def _run_graph(args: argparse.Namespace, config: dict[str, Any] | None) -> int:
 
     agents = args.llm is not None or args.resume is not None
     if not agents and _given(args, AGENT_OPTIONS):
-        return _usage(f"stitchcuda optimize: {', '.join(_given(args, AGENT_OPTIONS))} needs --llm SPEC (or --resume "
-                      "RUN_DIR) in graph mode")
+        return _usage(args, f"stitchcuda optimize: {', '.join(_given(args, AGENT_OPTIONS))} needs --llm SPEC (or "
+                      "--resume RUN_DIR) in graph mode")
     problem = args.problem or (config or {}).get("problem_path")
     if problem is None:
-        return _usage("stitchcuda optimize: give PROBLEM.py" +
+        return _usage(args, "stitchcuda optimize: give PROBLEM.py" +
                       (" (the model file the run optimized)" if args.resume else ""))
     kwargs: dict[str, Any] = {}
     if agents:
         llm = args.llm or (config or {}).get("llm_spec")
         if not isinstance(llm, str) or not llm:
-            return _usage(f"stitchcuda optimize: {args.resume} does not name its model; give --llm SPEC")
+            return _usage(args, f"stitchcuda optimize: {args.resume} does not name its model; give --llm SPEC")
         kwargs["llm"] = llm
         if args.resume is not None:
             kwargs["resume"] = args.resume
@@ -84,28 +87,47 @@ def _run_graph(args: argparse.Namespace, config: dict[str, Any] | None) -> int:
     try:
         task = Task.from_file(problem)
     except (TaskError, OSError) as exc:
-        print(f"stitchcuda optimize: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return _usage(args, f"stitchcuda optimize: {exc}")
     try:
-        model, inputs = task.build_reference(0), task.make_inputs(0)
+        # A problem file's Model is an inference reference: eval mode, as the Verifier runs it.
+        model, inputs = task.build_reference(0).eval(), task.make_inputs(0)
     except TaskError as exc:  # the user's file raised: one line, no traceback
-        print(f"stitchcuda optimize: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return _usage(args, f"stitchcuda optimize: {exc}")
     if torch.cuda.is_available():
         model, inputs = model.cuda(), [t.cuda() if isinstance(t, torch.Tensor) else t for t in inputs]
+    from .. import log
+    from ..agents.cli import EXIT_INTERRUPTED, interrupted
     from ..errors import StitchError
 
+    run_dir = None
+    if agents:  # named here, not left to optimize(), so that a Ctrl-C can say which folder to resume
+        from .. import _C
+
+        run_dir = args.resume or kwargs.setdefault("run_dir", _C.agents.fresh_run_path("runs", type(model).__name__))
+        kwargs["on_event"] = lambda e: log.note(f"{e.get('stage', '')}: {e.get('message', '')}")
     try:
         fast = optimize(model, inputs, precision=args.precision or "fp32", compare_compile=not args.no_compile_baseline,
                         progress=not args.json and None, **kwargs)
     except StitchError as exc:  # an unknown model spec, a run directory that is not one
-        return _usage(f"stitchcuda optimize: {exc.message.splitlines()[0] if exc.message else exc}")
-    if args.save:
-        if fast.report.status == "optimized":
-            fast.save(args.save)
-        else:
-            print(f"stitchcuda optimize: {args.save} not written: the model runs eagerly (see the report)",
+        return _usage(args, f"stitchcuda optimize: {exc.message.splitlines()[0] if exc.message else exc}")
+    except KeyboardInterrupt:
+        if run_dir is None:
+            print("stitchcuda optimize: interrupted (graph mode without --llm records no run: run the command again)",
                   file=sys.stderr)
+            return EXIT_INTERRUPTED
+        return interrupted(run_dir)
+    not_saved = ""
+    if args.save:
+        if fast.report.status != "optimized":
+            not_saved = (fast.report.reason or "the model runs eagerly").split(";")[0]
+            if not torch.cuda.is_available():  # optimize() planned and compiled only: nothing verified to save
+                not_saved += (": a .stitch holds a program verified and timed on a GPU; run this on a machine "
+                              "with one, or drop --save to see the plan")
+        else:
+            try:
+                fast.save(args.save)
+            except OSError as exc:
+                not_saved = f"{type(exc).__name__}: {exc}"
     if args.json:
         report = fast.report.to_dict()
         for g in report["groups"]:
@@ -116,6 +138,9 @@ def _run_graph(args: argparse.Namespace, config: dict[str, Any] | None) -> int:
         if args.show_kernels:
             for g in fast.report.kernels:
                 print(f"\n// ---- {g['kernel']} ({g['strategy']}) ----\n{g['source']}")
+    if not_saved:  # after the report, so it is the last thing said
+        print(f"stitchcuda optimize: {args.save} not written: {not_saved}", file=sys.stderr)
+        return EXIT_FAILURE
     return EXIT_OK
 
 
@@ -124,25 +149,25 @@ def _run(args: argparse.Namespace) -> int:
     mode = args.mode
     if args.resume is not None:
         if not Path(args.resume).is_dir():
-            return _usage(f"stitchcuda optimize: run directory '{args.resume}' does not exist")
+            return _usage(args, f"stitchcuda optimize: run directory '{args.resume}' does not exist")
         config = _saved_config(args.resume)
         saved = run_mode(config)
         if saved == "graph-target":
-            return _usage(f"stitchcuda optimize: {args.resume} is one target of a graph-mode run: resume the graph "
-                          "run (the folder above targets/)")
+            return _usage(args, f"stitchcuda optimize: {args.resume} is one target of a graph-mode run: resume the "
+                          "graph run (the folder above targets/)")
         if mode is not None and saved is not None and saved != mode:
-            return _usage(f"stitchcuda optimize: {args.resume} is a {saved}-mode run; drop --mode {mode}")
+            return _usage(args, f"stitchcuda optimize: {args.resume} is a {saved}-mode run; drop --mode {mode}")
         mode = mode or saved
     mode = mode or "graph"
     wrong = _given(args, PROGRAM_ONLY if mode == "graph" else GRAPH_ONLY)
     if wrong:
-        return _usage(f"stitchcuda optimize: {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} for "
+        return _usage(args, f"stitchcuda optimize: {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} for "
                       f"--mode {'program' if mode == 'graph' else 'graph'}, not {mode} mode")
     if mode == "program":
         from ..agents import cli as agents_cli
 
         if args.llm is None and args.resume is None:
-            return _usage("stitchcuda optimize --mode program: give --llm SPEC (or --resume RUN_DIR)")
+            return _usage(args, "stitchcuda optimize --mode program: give --llm SPEC (or --resume RUN_DIR)")
         return agents_cli.run_program(args, config)
     return _run_graph(args, config)
 

@@ -22,6 +22,9 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], **opti
     """A Dynamo backend: optimize the graph for its example inputs, else run it unchanged."""
     options.setdefault("measure", False)
     options.setdefault("progress", False)
+    # Dynamo's graph modules are in training mode whatever the user's model is in: that model's mode is
+    # already in the traced ops (a dropout traced in eval mode is gone), so the flag says nothing here.
+    gm.eval()
     fast: OptimizedModule = optimize(gm, example_inputs, **options)
     reports.append(fast.report)
     if fast.report.status != "optimized":

@@ -1,5 +1,6 @@
 """`stitchcuda profile PROBLEM.py`: profile a KernelBench-format reference (Model, get_inputs,
-get_init_inputs) on the GPU and print its report. Bad input gives one line on stderr and a non-zero exit.
+get_init_inputs) on the GPU and print its report. Bad input gives one line on stderr (and {"error": ...}
+under --json): exit 2 for a file that cannot be used, 3 without a GPU or CUPTI, 1 when the model fails.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _to_cuda(value):
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+    from ..cli import EXIT_FAILURE, EXIT_NO_GPU, EXIT_OK, EXIT_USAGE, refuse
     from ..errors import StitchError
     from . import available, profile
 
@@ -52,12 +53,10 @@ def _run(args: argparse.Namespace) -> int:
     try:
         problem = _load_problem(path)
     except _BadProblem as exc:
-        print(f"stitchcuda profile: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return refuse("stitchcuda profile", str(exc), EXIT_USAGE, args.json)
     ok, reason = available()
     if not ok:
-        print(f"stitchcuda profile: {reason}", file=sys.stderr)
-        return EXIT_FAILURE
+        return refuse("stitchcuda profile", reason, EXIT_NO_GPU, args.json)
     import torch
 
     try:
@@ -65,17 +64,16 @@ def _run(args: argparse.Namespace) -> int:
         model = problem.Model(*init_inputs).cuda().eval()
         inputs = _to_cuda(list(problem.get_inputs()))
     except Exception as exc:  # the user's code
-        print(f"stitchcuda profile: {path}: building the model failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
+        return refuse("stitchcuda profile", f"{path}: building the model failed: {type(exc).__name__}: {exc}",
+                      EXIT_FAILURE, args.json)
     try:
         with torch.inference_mode():
             report = profile(model, *inputs, top_k=args.top_k, metrics=not args.no_metrics, title=path.name)
     except StitchError as exc:
-        print(f"stitchcuda profile: {exc.message}", file=sys.stderr)
-        return EXIT_FAILURE
+        return refuse("stitchcuda profile", exc.message, EXIT_FAILURE, args.json)
     except Exception as exc:  # the model's forward failed
-        print(f"stitchcuda profile: {path}: running the model failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
+        return refuse("stitchcuda profile", f"{path}: running the model failed: {type(exc).__name__}: {exc}",
+                      EXIT_FAILURE, args.json)
     print(json.dumps(report.to_dict()) if args.json else str(report))
     return EXIT_OK
 

@@ -22,7 +22,8 @@ __all__ = ["check", "compile_static", "load_candidate_source"]
 
 
 # A problem or a candidate is a Python file of kilobytes; one of megabytes is no honest source, and the
-# static analysis, which runs in the caller, takes about 7 s per MiB on a small machine: 1 MiB bounds it.
+# static analysis, which runs in the caller, takes time in proportion to the size (docs/security.md gives
+# the measurement): 1 MiB bounds it.
 MAX_SOURCE_BYTES = 1 << 20
 
 

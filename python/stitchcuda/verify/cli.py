@@ -1,5 +1,6 @@
 """`stitchcuda check --reference ref.py --candidate cand.py [--json] [--static-only] [--trials N]`:
-verifies one candidate and prints the verdict (or one JSON object)."""
+verifies one candidate and prints the verdict (or one JSON object). Exit 0 for a usable candidate, 1 for
+one that is not, 2 for bad usage, 3 without a GPU unless --static-only or --device cpu."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def register(commands) -> None:
     check.add_argument("--candidate", required=True, metavar="CAND.py", help="file defining ModelNew")
     check.add_argument("--json", action="store_true", help="print the report as one JSON object")
     check.add_argument("--static-only", action="store_true",
-                       help="only NVRTC compile + static rules (no GPU needed)")
+                       help="only NVRTC compile + static rules (no GPU needed; the verdict is unverified)")
     check.add_argument("--trials", type=_trials, default=5, help="correctness trials (>= 5, default 5)")
     check.add_argument("--device", choices=("cuda", "cpu"), default=None,
                        help="where the candidate runs (default: cuda when a GPU is present)")
@@ -37,15 +38,23 @@ def register(commands) -> None:
 
 
 def _check(args: argparse.Namespace) -> int:
+    from ..cli import EXIT_NO_GPU, no_gpu_reason, refuse
     from .check import check
     from .config import VerifyConfig
 
+    if not args.static_only and args.device != "cpu":
+        # Without a GPU a CUDA candidate cannot run: its verdict would be a failure it did not earn.
+        why = no_gpu_reason()
+        if why is not None:
+            return refuse("stitchcuda check", f"this machine has no usable CUDA GPU ({why}), and checking a candidate "
+                          "runs it on one. Add --static-only to compile it and apply the static rules here (the "
+                          "verdict is then unverified), or --device cpu for a candidate that runs on the CPU",
+                          EXIT_NO_GPU, args.json)
     try:
         config = VerifyConfig(trials=args.trials, device=args.device, timing_iters=max(0, args.timing_iters))
         report = check(args.reference, args.candidate, config=config, static_only=args.static_only)
     except Exception as exc:  # check() reports bad input itself; this is the last line of defence
-        print(f"stitchcuda check: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
+        return refuse("stitchcuda check", f"{type(exc).__name__}: {exc}", EXIT_FAILURE, args.json)
     if args.json:
         print(json.dumps(report.to_dict(), default=str))
     else:

@@ -33,8 +33,8 @@ class VerifyConfig:
     tolerance: Tolerance | None = None  # None: the task's policy
     compile_baseline: bool = True  # also time the reference under torch.compile (GPU only)
     profile: bool = True  # CUPTI cross-check and kernel summary where stitchcuda.profile works
-    # DRAM bandwidth of the speed-of-light bound: the hardware table's (the H200's measured copy, 4.3),
-    # the number the Planner is told; set it when verifying on another GPU.
+    # DRAM bandwidth of the speed-of-light bound: the hardware table's (DeviceCeilings, measured on the
+    # GPU docs/profile.md names), the number the Planner is told; set it when verifying on another GPU.
     bandwidth_tb_s: float = field(default_factory=floor_bandwidth_tb_s)
 
     def __post_init__(self) -> None:

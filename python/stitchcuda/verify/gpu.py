@@ -159,8 +159,8 @@ def time_calls(fn: Callable[..., Any], input_sets: Sequence[Sequence[Any]], iter
     a device-wide sync, so work on any stream is inside. A call's time is its stream time, unless the
     end event came later after the stream's than any bare sync did (``sync.high_ms``): then work
     outlived the stream and the call is charged end time - the typical sync round trip. (Always taking
-    max(stream, end - typical) charged honest calls every sync slower than the median: on a busy host,
-    up to 10% of a 0.15 ms kernel.) Returns the times (ms) and, for the last round over the input sets,
+    max(stream, end - typical) charged honest calls every sync slower than the median, several percent
+    of a short kernel on a busy host: docs/verify.md.) Returns the times (ms) and, for the last round over the input sets,
     a snapshot of each call's outputs taken right after its end event (for re-checking; None without
     ``snapshot``: a caller that only wants the times keeps no copies). ``busy_cycles`` > 0 queues a
     busy-wait kernel of that many clock cycles after the flush: the GPU is still busy when the host has
@@ -183,7 +183,7 @@ def time_calls(fn: Callable[..., Any], input_sets: Sequence[Sequence[Any]], iter
         # the flush must still be running when the call is enqueued. No sync here: the start event
         # fires behind the flush as the call's work can begin, so the host's launch latency is not
         # charged (KernelBench's protocol does the same); the previous call's work on every stream was
-        # joined by its end sync. (Reset after the flush measured every call ~17 us long on an H200.)
+        # joined by its end sync. (Reset after the flush, it made every call measure long: docs/verify.md.)
         # The events exist before the flush: between the flush and the call the host does no more
         # than record the start event, so the flush hides as much of the launch latency as it can.
         start, stream_done, end = (_EVENT(enable_timing=True) for _ in range(3))

@@ -145,6 +145,8 @@ def build_feedback(report: VerifyReport) -> str:
         if sol and med:
             lines.append(f"Memory-bound floor {sol:.4f} ms; candidate {med:.4f} ms "
                          f"({sol / med * 100:.0f}% of DRAM bandwidth).")
+    elif not lines and report.static_only:
+        lines.append("No problem found statically; correctness is not known until it runs on a GPU.")
     elif not lines:
         lines.append("Incorrect." if not report.correct else "")
     if report.undecided:

@@ -98,12 +98,15 @@ class Task:
         defined |= {a.asname or a.name for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
                     for a in n.names}
         missing = [n for n in ("Model", "get_inputs") if n not in defined]
-        if missing:
-            raise TaskError(f"the reference {name!r} does not define {' or '.join(missing)}; a problem "
-                            "file needs class Model(nn.Module), get_inputs() and get_init_inputs().")
         if isolated:
             preflight(text, filename or f"<reference {name}>")
         task = cls(name=name, source=text, tolerance=tolerance or Tolerance())
+        if missing:
+            # Not at the top level. A file that raises says so first (the exception is what to fix); one
+            # that loads and still lacks them gets the file's layout.
+            task._load(filename or f"<reference {name}>", required=False)
+            raise TaskError(f"the reference {name!r} does not define {' or '.join(missing)}; a problem "
+                            "file needs class Model(nn.Module), get_inputs() and get_init_inputs().")
         task._module = task._load(filename or f"<reference {name}>")
         task.sizes = {k: v for k, v in vars(task._module).items()
                       if not k.startswith("_") and type(v) in (int, float)}
@@ -133,12 +136,16 @@ class Task:
         task._module = (model, make_inputs, init)
         return task
 
-    def _load(self, filename: str) -> types.ModuleType:
+    def _load(self, filename: str, required: bool = True) -> types.ModuleType:
+        """The problem file as a module; TaskError when it raises, or (`required`) when Model or
+        get_inputs is not what a problem file needs."""
         try:
             module = load_source_module(self.source, filename, "reference")
         except (Exception, SystemExit) as exc:
             raise TaskError(f"the reference {self.name!r} raised while loading: "
                             f"{type(exc).__name__}: {exc}") from None
+        if not required:
+            return module
         model = getattr(module, "Model", None)
         if not (isinstance(model, type) and issubclass(model, torch.nn.Module)):
             raise TaskError(f"the reference {self.name!r}: Model is not an nn.Module class.")

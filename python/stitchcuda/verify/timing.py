@@ -63,7 +63,8 @@ def measure(fn: Callable[..., Any], input_sets: Sequence[Sequence[Any]] | None =
     sets keep a result cached for one set of pointers from passing for speed. The caller's autograd mode
     applies (wrap in torch.no_grad() to time inference). ``busy_cycles`` ("stitchcuda" only): a busy-wait
     kernel queued after the flush so that the host's launch latency never shows, for comparing a kernel's
-    event time with a profiler's (2_000_000 cycles is about 1 ms on an H200). UnavailableError without a GPU."""
+    event time with a profiler's (2_000_000 cycles: about 1 ms at a 2 GHz clock). UnavailableError without a
+    GPU."""
     if protocol not in PROTOCOLS:
         raise InvalidArgumentError(f"measure: protocol must be one of {PROTOCOLS}, not {protocol!r}")
     if repeats < 1 or warmup < 0 or busy_cycles < 0:

@@ -1,4 +1,4 @@
-// What the llm client adds to a request over the server's own latency (issue 5's target: <= 2 ms),
+// What the llm client adds to a request over the server's own latency (the target: <= 2 ms),
 // against a bare keep-alive socket to the same local server in the same run; --json for one object.
 #include <arpa/inet.h>
 #include <netinet/in.h>
