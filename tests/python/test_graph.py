@@ -366,8 +366,9 @@ def test_the_faster_replay_mode_is_kept_and_recorded_in_the_program(monkeypatch,
     x, y = b.input([4]), b.output([4])
     b.aten("aten::relu", [x], [y])
     program = b.build()
-    runner, (decision, why) = opt._choose_replay(program, [torch.randn(4)])
+    runner, (decision, why), ms = opt._choose_replay(program, [torch.randn(4)])
     assert runner.graphs is (mode == "graph")
+    assert ms == (graph_ms if mode == "graph" else direct_ms)  # the kept mode's time, for the layout choice
     assert decision.startswith("replay as one CUDA graph" if mode == "graph" else "launch the steps directly")
     assert program.replay == {"mode": mode, "reason": why}
     if fails is None:

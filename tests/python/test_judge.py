@@ -335,7 +335,7 @@ def test_verify_whole_judges_a_model_on_the_example_and_random_sets(monkeypatch)
     assert not shape["passed"] and shape["max_abs_error"] == math.inf and "output 0 is" in shape["detail"]
     optimize_module = importlib.import_module("stitchcuda.graph.optimize")
     assert optimize_module._verify(model, lambda t: (t + t, (t > 0).sum()), (x,), 1,
-                                   SimpleNamespace(precision="fp32"))["passed"]
+                                   SimpleNamespace(precision="fp32", groups=[]))["passed"]
 
 
 def test_random_inputs_keep_the_examples_scale_and_integers():
