@@ -23,6 +23,16 @@ DATA = Path(__file__).resolve().parent / "data"
 SCAN = (DATA / "scan_kernel.cu").read_text()
 
 
+@pytest.fixture(autouse=True)
+def _cumsum_on_aten(monkeypatch):
+    """These tests give the agents ATen's cumsum as their target (the planner's scan template would take it
+    otherwise): the scan template is switched off here."""
+    from stitchcuda.graph.planner import Group, OfflinePlanner
+
+    monkeypatch.setattr(OfflinePlanner, "_scan", staticmethod(
+        lambda node: Group("aten", [node], "cumsum stays an ATen step (the scan template is off in this test)")))
+
+
 class ScanModel(torch.nn.Module):
     def __init__(self, cols: int = 256) -> None:
         super().__init__()

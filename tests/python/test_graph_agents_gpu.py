@@ -26,6 +26,16 @@ SCAN = (DATA / "scan_kernel.cu").read_text()
 ROWS, COLS = 16384, 4096
 
 
+@pytest.fixture(autouse=True)
+def _cumsum_on_aten(monkeypatch):
+    """These tests give the agents ATen's cumsum as their target (the planner's scan template would take it
+    otherwise): the scan template is switched off here."""
+    from stitchcuda.graph.planner import Group, OfflinePlanner
+
+    monkeypatch.setattr(OfflinePlanner, "_scan", staticmethod(
+        lambda node: Group("aten", [node], "cumsum stays an ATen step (the scan template is off in this test)")))
+
+
 class ScanModel(torch.nn.Module):
     """log1p(cumsum(sigmoid(x) * w)) over rows: sigmoid+mul, cumsum and log1p are three groups. The
     summands are positive, so fp32 prefix sums stay within 1e-4 of each other in any order."""

@@ -19,7 +19,7 @@ from .capture import Graph, Node, Value
 from .layout import channels_last_strides, is_channels_last
 from .planner import Group, GraphPlan
 from .templates import (POINTWISE_OPS, KernelCode, PointwiseInput, RowPrologue, column_reduction_kernel,
-                        depthwise_conv_kernel, pointwise_kernel, row_reduction_kernel)
+                        depthwise_conv_kernel, pointwise_kernel, pooling_kernel, row_reduction_kernel, scan_kernel)
 
 __all__ = ["LoweringError", "Lowering", "reference_values", "stream_values", "check_group", "tolerance"]
 
@@ -148,6 +148,7 @@ class Lowering:
         self._names = itertools.count()
         self.channels_last: frozenset[str] = getattr(plan, "channels_last", frozenset())
         self.nhwc_copies: dict[str, int] = {}  # a convolution input's channels-last copy, made once
+        self.on_aten: dict[int, str] = {}  # generated groups this layout runs as ATen steps: id -> why
 
     # ---- buffers ----
 
@@ -239,6 +240,10 @@ class Lowering:
                 self._lower_reduction(g)
             elif g.kind == "conv":
                 self._lower_conv(g)
+            elif g.kind == "pool":
+                self._lower_pool(g)
+            elif g.kind == "scan":
+                self._lower_scan(g)
             elif g.kind == "kernel_step":
                 self._lower_kernel_step(g)
             else:
@@ -333,6 +338,55 @@ class Lowering:
         buffers["weight"] = self.need(w, contiguous=True)
         if has_bias:
             buffers["bias"] = self.need(bias, contiguous=True)
+        buffers["y"] = self.produce(result)
+        self._launch(g, code, buffers)
+
+    def _lower_pool(self, g: Group) -> None:
+        """A pooling template kernel. The indices of max_pool2d_with_indices are not produced (the Planner
+        makes a group only when nothing reads them). An input stored channels-last (a convolution chain's
+        value, graph/layout.py) is pooled by ATen instead, in place and with an NHWC result the next
+        convolution takes as is: the template reads NCHW, and a conversion each way would cost more."""
+        p = g.params
+        node = p["node"]
+        x = node.args[0]
+        result = p.get("result") or node.out
+        xb = self.need(x)
+        if is_channels_last(*self.spec[xb][:2]):
+            self.on_aten[id(g)] = "its input is stored channels-last: ATen pools it in place (NHWC)"
+            for n in g.nodes:
+                self._lower_aten(n, group=g)
+            return
+        buffers = {}
+        output = None
+        if p.get("output"):  # elementwise ops on each pooled value before it is stored
+            inputs, buffers, body, var = self._elementwise(p["output"], tuple(node.out.shape), {node.out.name: "yv"}, "o")
+            output = RowPrologue(tuple(node.out.shape), inputs, body, var[result.name], ("yv",))
+        code = pooling_kernel(self._name(f"{p['pool']}pool", g), p["pool"], tuple(x.shape), p["kernel"], p["stride"],
+                              p["padding"], p["dilation"], p["ceil_mode"], p["count_include_pad"],
+                              p["divisor_override"], x.dtype, result.dtype, output, self.sm_count)
+        buffers["x"] = self.need(x, contiguous=True)
+        buffers["y"] = self.produce(result)
+        self._launch(g, code, buffers)
+
+    def _lower_scan(self, g: Group) -> None:
+        """A cumsum / cumprod template kernel, in ATen's combining order (templates/scan.py); its prologue's
+        ops compute the scanned input on load, its output function's ops each result before the store."""
+        p = g.params
+        node = p["node"]
+        x = node.args[0]
+        result = p.get("result") or node.out
+        shape = tuple(x.shape)
+        prologue, output, buffers = None, None, {}
+        if p.get("prologue"):  # the elementwise ops producing x, computed on load: x is never stored
+            inputs, buffers, body, var = self._elementwise(p["prologue"], shape)
+            prologue = RowPrologue(shape, inputs, body, var[x.name])
+        if p.get("output"):  # elementwise ops on each result before it is stored
+            inputs, more, body, var = self._elementwise(p["output"], shape, {node.out.name: "yv"}, "o")
+            output = RowPrologue(shape, inputs, body, var[result.name], ("yv",))
+            buffers.update(more)
+        code = scan_kernel(self._name(p["kind"], g), p["kind"], shape, p["dim"], prologue, output, result.dtype)
+        if prologue is None:
+            buffers["x"] = self.need(x, contiguous=True)
         buffers["y"] = self.produce(result)
         self._launch(g, code, buffers)
 

@@ -664,7 +664,9 @@ def _group_entries(plan: GraphPlan, lowering: Lowering, fallback: set[int], code
         entry = {"kind": "aten (fallback)" if id(g) in fallback else g.kind,
                  "nodes": ", ".join(n.op.removeprefix("aten::") for n in g.nodes), "reason": g.reason}
         code = g.params.get("code") if g.kind == "kernel_step" else codes.get(id(g))
-        if code is not None and id(g) not in fallback:
+        if id(g) in lowering.on_aten and id(g) not in fallback:  # a layout that this template does not read
+            entry["reason"] += f"; ran as ATen steps: {lowering.on_aten[id(g)]}"
+        elif code is not None and id(g) not in fallback:
             entry.update(kernel=code.name, source=code.source, launch=f"grid {code.grid}, block {code.block}",
                          strategy=code.description)
         entries.append(entry)

@@ -15,9 +15,16 @@ apply first.
 - Depthwise convolutions (one filter per channel, a MobileNet block's 3x3) become a template kernel, with
   the elementwise chain reading only its result (an inference batch norm and activation) applied before
   the store; other convolutions go to cuDNN.
+- 2-D average and max pooling (`avg_pool2d`, `max_pool2d`, and `max_pool2d_with_indices` whose indices
+  nothing reads) become a template kernel, with the elementwise chain reading only its result applied
+  before the store; 3-D pooling, used indices and other dtypes stay ATen steps.
+- fp32 `cumsum` and `cumprod` along one dimension become a scan template kernel that combines in ATen's
+  own order (eager's results bit for bit), with an elementwise chain computing only its input fused into
+  its loads and one reading only its result applied before the store; a tensor that is one row (ATen's
+  CUB scan) and other dtypes stay ATen steps.
 - Views become View steps (no copy) where the source's layout allows.
 - Values computed only from weights are folded into constants.
-- Everything else (other convolutions through cuDNN, pooling, indexing, ...) stays an ATen step.
+- Everything else (other convolutions through cuDNN, other pooling, indexing, ...) stays an ATen step.
 """
 
 from __future__ import annotations
@@ -28,12 +35,13 @@ import torch
 
 from ..program import DTYPES as PROGRAM_DTYPES
 from .capture import Graph, Node, Value
-from .templates import CACHED_ROW_MAX, CACHED_ROW_MIN, DEPTHWISE_MAX_TAPS, FUSABLE_DTYPES, NORMALIZING, POINTWISE_OPS
+from .templates import (CACHED_ROW_MAX, CACHED_ROW_MIN, DEPTHWISE_MAX_TAPS, FUSABLE_DTYPES, NORMALIZING, POINTWISE_OPS,
+                        SCAN_EXTENT_MAX, aten_tile, pooling_blocker)
 
 __all__ = ["Group", "GraphPlan", "OfflinePlanner", "GENERATED", "unheld_dtype"]
 
 # Group kinds whose code the template Coder writes (and optimize checks against ATen before use).
-GENERATED = ("gemm", "pointwise", "reduction", "conv")
+GENERATED = ("gemm", "pointwise", "reduction", "conv", "pool", "scan")
 
 _VIEW_OPS = {"aten::view", "aten::_unsafe_view", "aten::reshape", "aten::alias", "aten::permute",
              "aten::transpose.int", "aten::t", "aten::unsqueeze", "aten::squeeze.dim", "aten::squeeze.dims",
@@ -49,11 +57,13 @@ _REDUCTION_OPS = {"aten::_softmax": "softmax", "aten::_log_softmax": "log_softma
                   "aten::native_layer_norm": "layer_norm", "aten::native_group_norm": "group_norm",
                   "aten::sum.dim_IntList": "sum",
                   "aten::mean.dim": "mean", "aten::amax": "amax", "aten::amin": "amin"}
+_POOL_OPS = {"aten::avg_pool2d": "avg", "aten::max_pool2d_with_indices": "max", "aten::max_pool2d": "max"}
+_SCAN_OPS = {"aten::cumsum": "cumsum", "aten::cumprod": "cumprod"}
 
 
 @dataclass
 class Group:
-    """A unit of the plan: `kind` in gemm, pointwise, reduction, conv, view, constant, aten."""
+    """A unit of the plan: `kind` in gemm, pointwise, reduction, conv, pool, scan, view, constant, aten."""
 
     kind: str
     nodes: list[Node]
@@ -212,9 +222,13 @@ class OfflinePlanner:
                               else Group("aten", [node], f"convolution through cuDNN: {why_not}"))
                 close()
                 continue
-            if node.op in _REDUCTION_OPS:
-                g = self._reduction(node, outputs)
-                if g.kind == "reduction" and open_pointwise is not None and groups[-1] is open_pointwise and \
+            if node.op in _POOL_OPS:
+                groups.append(self._pool(node, outputs))
+                close()
+                continue
+            if node.op in _REDUCTION_OPS or node.op in _SCAN_OPS:
+                g = self._reduction(node, outputs) if node.op in _REDUCTION_OPS else self._scan(node)
+                if g.kind in ("reduction", "scan") and open_pointwise is not None and groups[-1] is open_pointwise and \
                         self._prologue_fits(open_pointwise, node, outputs):
                     # The chain computes only the reduction's input: fuse it into the loads.
                     groups.pop()  # identity, not list.remove: groups compare by value, down to tensors
@@ -307,7 +321,7 @@ class OfflinePlanner:
                 if fused is None and on_stat is not None:
                     fused = _output_function(g, on_stat, outputs)
                     i += 2 if fused is not None else 0
-            elif ((g.kind == "reduction" and g.params["kind"] in NORMALIZING) or g.kind == "conv") \
+            elif ((g.kind == "reduction" and g.params["kind"] in NORMALIZING) or g.kind in ("conv", "pool", "scan")) \
                     and i + 1 < len(groups):
                 fused = _output_function(g, groups[i + 1], outputs)
                 i += 2 if fused is not None else 0
@@ -492,6 +506,81 @@ class OfflinePlanner:
         if len(stride) != 2 or len(padding) != 2 or len(dilation) != 2 or x.numel == 0:
             return "unusual stride/padding/dilation"
         return None
+
+    @staticmethod
+    def _pool(node: Node, outputs: set[str]) -> Group:
+        """A 2-D average or max pooling as a template group, or an ATen group saying why not."""
+        kind = _POOL_OPS[node.op]
+        what = "average pooling" if kind == "avg" else "max pooling"
+        args = {a.name: a.default_value for a in node.target._schema.arguments}
+        args.update(zip([a.name for a in node.target._schema.arguments], node.args))
+        args.update(node.kwargs)
+        x = args["self"]
+        if not isinstance(x, Value) or node.outputs[0] is None:
+            return Group("aten", [node], f"{what} without a tensor input or result stays an ATen step")
+        if any(v is not None and (v.name in outputs or v.users) for v in node.outputs[1:]):
+            return Group("aten", [node], f"{what} whose indices are used stays an ATen step (the template computes "
+                                         "the values only)")
+
+        def pair(v) -> tuple[int, ...]:  # int[2] arguments: one size stands for both
+            v = [int(e) for e in (v if isinstance(v, (list, tuple)) else [v])]
+            return tuple(v * 2) if len(v) == 1 else tuple(v)
+
+        kernel = pair(args["kernel_size"])
+        stride = pair(args["stride"]) if args["stride"] else kernel
+        padding, dilation = pair(args["padding"]), pair(args.get("dilation", 1))
+        ceil_mode = bool(args["ceil_mode"])
+        why_not = pooling_blocker(kind, tuple(x.shape), kernel, stride, padding, dilation, ceil_mode, x.dtype)
+        if why_not is None and node.out.dtype != x.dtype:
+            why_not = f"a {node.out.dtype} result of a {x.dtype} input"
+        if why_not is not None:
+            return Group("aten", [node], f"{what} stays an ATen step: {why_not}")
+        params = {"node": node, "pool": kind, "kernel": kernel, "stride": stride, "padding": padding,
+                  "dilation": dilation, "ceil_mode": ceil_mode,
+                  "count_include_pad": bool(args.get("count_include_pad", True)),
+                  "divisor_override": args.get("divisor_override")}
+        return Group("pool", [node], f"{what} {kernel[0]}x{kernel[1]} (stride {stride[0]}x{stride[1]}) over "
+                                     f"{list(x.shape)}: template kernel, memory-bound: each input read once from "
+                                     "memory, several outputs per thread", params)
+
+    @staticmethod
+    def _scan(node: Node) -> Group:
+        """cumsum / cumprod as a scan template group, or an ATen group saying why not. The template combines
+        in ATen's order, which is defined per ATen's dispatch: the innermost dimension in tiles (`aten_tile`),
+        any other dimension sequentially; a tensor that is a single row goes to CUB's device-wide scan."""
+        kind = _SCAN_OPS[node.op]
+        x, out = node.args[0], node.out
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        if not isinstance(x, Value) or out is None or not isinstance(dim, int):
+            return Group("aten", [node], f"{kind} without a tensor input, result or dimension stays an ATen step")
+        if x.dtype in (torch.float16, torch.bfloat16):
+            return Group("aten", [node], f"{kind} of {x.dtype} stays an ATen step: ATen rounds each partial result of a "
+                                         "16-bit scan to 16 bits, which the fp32 scan template does not reproduce")
+        if x.dtype != torch.float32 or out.dtype != torch.float32:
+            return Group("aten", [node], f"{kind} of {x.dtype} into {out.dtype} stays an ATen step: the scan template "
+                                         "reads and writes fp32")
+        shape = tuple(x.shape)
+        if not shape or x.numel == 0:
+            return Group("aten", [node], f"{kind} of a 0-d or empty tensor stays an ATen step")
+        d = dim % len(shape)
+        length = shape[d]
+        if x.numel == length:
+            return Group("aten", [node], f"{kind} of a single row of {length} stays an ATen step: ATen scans it with "
+                                         "CUB's device-wide scan, every SM on the one row (at the memory floor), in an "
+                                         "order the template does not reproduce")
+        if max(x.numel // length, length) > SCAN_EXTENT_MAX:
+            return Group("aten", [node], f"{kind} past 32-bit extents stays an ATen step")
+        params = {"kind": kind, "node": node, "dim": d}
+        if d == len(shape) - 1:
+            rows = x.numel // length
+            reason = (f"{kind} over {rows} rows of {length}: scan template in ATen's order (tiles of "
+                      f"{aten_tile(rows, length)}, a Sklansky network, the running total carried: eager's results bit "
+                      "for bit), each tile in registers and warp shuffles, no shared memory or block barrier")
+        else:
+            columns = x.numel // length
+            reason = (f"{kind} along dim {d} of {list(shape)}: scan template, a thread per column ({columns}), "
+                      "adding down it in ATen's order, consecutive columns on consecutive lanes")
+        return Group("scan", [node], reason, params)
 
     @staticmethod
     def _conv_reason(node: Node) -> str:

@@ -29,7 +29,7 @@ __all__ = ["SubProblem", "KernelStep", "KernelStepError", "Target", "TargetError
            "COMPUTING"]
 
 #: Group kinds that do work (views and constants cost nothing on their own).
-COMPUTING = ("pointwise", "reduction", "gemm", "conv", "aten")
+COMPUTING = ("pointwise", "reduction", "gemm", "conv", "pool", "scan", "aten")
 
 
 class KernelStepError(ValueError):

@@ -12,6 +12,10 @@ kind of kernel.
   store) fuse the ops around a reduction into its kernel;
 - `columns`: sum / mean / amax / amin over a block of middle dimensions;
 - `depthwise`: one-filter-per-channel convolution with its output function;
+- `pooling`: 2-D average and max pooling (PyTorch's ceil mode, padding count and NaN rules) with its
+  output function, several outputs per thread and each input row loaded once for them;
+- `scan`: cumsum / cumprod along one dimension in ATen's own combining order (eager's results bit for
+  bit), rows in registers and warp shuffles, elementwise ops fused on load and on store;
 - `common`: the prelude every kernel includes, KernelCode, and the inputs and elementwise functions the
   others share.
 
@@ -23,9 +27,13 @@ from .columns import column_reduction_kernel
 from .common import FUSABLE_DTYPES, KernelCode, PointwiseInput, RowPrologue
 from .depthwise import DEPTHWISE_MAX_TAPS, depthwise_conv_kernel
 from .ops import POINTWISE_OPS, is_pointwise
+from .pooling import POOL_MAX_TAPS, pool_output_size, pooling_blocker, pooling_kernel
 from .pointwise import pointwise_kernel
 from .rows import CACHED_ROW_MAX, CACHED_ROW_MIN, NORMALIZING, REDUCTIONS, STATISTICS, row_reduction_kernel
+from .scan import SCAN_EXTENT_MAX, SCANS, aten_tile, scan_kernel
 
 __all__ = ["KernelCode", "PointwiseInput", "RowPrologue", "pointwise_kernel", "row_reduction_kernel",
            "column_reduction_kernel", "depthwise_conv_kernel", "POINTWISE_OPS", "REDUCTIONS", "NORMALIZING",
-           "STATISTICS", "FUSABLE_DTYPES", "CACHED_ROW_MAX", "CACHED_ROW_MIN", "DEPTHWISE_MAX_TAPS", "is_pointwise"]
+           "STATISTICS", "FUSABLE_DTYPES", "CACHED_ROW_MAX", "CACHED_ROW_MIN", "DEPTHWISE_MAX_TAPS", "is_pointwise",
+           "pooling_kernel", "pooling_blocker", "pool_output_size", "POOL_MAX_TAPS",
+           "scan_kernel", "aten_tile", "SCANS", "SCAN_EXTENT_MAX"]
