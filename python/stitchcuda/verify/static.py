@@ -118,7 +118,9 @@ def analyze(source: str, reference_source: str | None = None) -> list[Finding]:
         # Nesting deep enough to exhaust the stack is itself a reason not to trust the file.
         return [Finding("analysis-incomplete", MAJOR, "the candidate is nested too deeply to analyze.",
                         None, "")]
-    unique = sorted(set(findings), key=lambda f: (f.line or 0, f.rule, f.evidence))
+    # Every field in the key: a set iterates in hash order, which differs between processes (two findings of
+    # one rule on one line would otherwise change places, and the feedback text with them).
+    unique = sorted(set(findings), key=lambda f: (f.line or 0, f.rule, f.evidence, f.severity, f.message))
     return unique
 
 
