@@ -1320,4 +1320,3 @@ def test_the_honest_engineering_examples_compile_with_nvrtc():
     for block in (128, 256):
         template = source(HONEST_KERNELS_IN_A_LOOP, "TEMPLATE")
         assert jit.compile(template % (block, block), f"relu_{block}", arch="sm_90a").name == f"relu_{block}"
-
