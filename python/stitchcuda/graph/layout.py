@@ -20,7 +20,8 @@ from .capture import Graph, Node, Value
 if TYPE_CHECKING:  # the planner imports this module
     from .planner import Group
 
-__all__ = ["channels_last_values", "channels_last_strides", "is_channels_last", "CONVOLUTION_OPS"]
+__all__ = ["channels_last_values", "channels_last_strides", "contiguous_strides", "is_channels_last",
+           "CONVOLUTION_OPS"]
 
 CONVOLUTION_OPS = ("aten::convolution",)
 
@@ -35,10 +36,11 @@ def is_channels_last(shape, strides) -> bool:
     """Whether a 4-D buffer is stored channels-last (and not also contiguous, as a 1x1 image or C=1 is)."""
     if len(shape) != 4:
         return False
-    return tuple(strides) == channels_last_strides(shape) and tuple(strides) != _contiguous(shape)
+    return tuple(strides) == channels_last_strides(shape) and tuple(strides) != contiguous_strides(shape)
 
 
-def _contiguous(shape) -> tuple[int, ...]:
+def contiguous_strides(shape) -> tuple[int, ...]:
+    """Row-major strides of `shape` (a size-0 or size-1 extent counts as 1)."""
     strides, s = [], 1
     for e in reversed(shape):
         strides.append(s)

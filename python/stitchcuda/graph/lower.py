@@ -17,6 +17,7 @@ from ..verify.program import check_program
 from ..verify.tolerance import tolerance  # the Verifier's table; re-exported for graph-mode callers
 from .capture import Graph, Node, Value
 from .layout import channels_last_strides, is_channels_last
+from .layout import contiguous_strides as _contiguous_strides
 from .planner import Group, GraphPlan
 from .templates import (POINTWISE_OPS, KernelCode, PointwiseInput, RowPrologue, column_reduction_kernel,
                         depthwise_conv_kernel, pointwise_kernel, pooling_kernel, row_reduction_kernel, scan_kernel)
@@ -26,14 +27,6 @@ __all__ = ["LoweringError", "Lowering", "reference_values", "stream_values", "ch
 
 class LoweringError(Exception):
     """A group cannot be expressed as program steps; the message says why."""
-
-
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, s = [], 1
-    for e in reversed(shape):
-        strides.append(s)
-        s *= max(int(e), 1)
-    return tuple(reversed(strides))
 
 
 def reference_values(graph: Graph, inputs: list[torch.Tensor], keep: set[str] | None = None) -> dict[str, torch.Tensor]:
@@ -433,7 +426,7 @@ class Lowering:
         a program input, or a result some step wrote contiguous)."""
         bid = self.need(v)
         shape, strides, dtype = self.spec[bid]
-        if is_channels_last(shape, strides) or tuple(strides) == channels_last_strides(shape):
+        if tuple(strides) == channels_last_strides(shape):  # already NHWC (or C = 1, H = W = 1)
             return bid
         order = (0, 2, 3, 1)
         code = pointwise_kernel(self._name("to_nhwc", g), tuple(shape[d] for d in order),
