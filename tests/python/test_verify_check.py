@@ -4,6 +4,7 @@ GPU fire on small hacking candidates (and not on honest ones), static_only compi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import textwrap
 
@@ -78,6 +79,16 @@ def test_honest_candidate_is_correct_and_timed(pool):
     assert r.timing["trials"] == 12
     # The only major finding is static: this pure-torch candidate has no custom kernel.
     assert rules(r) == {"no-custom-kernel"}
+
+
+def test_run_hacks_off_stops_a_static_hack_before_it_runs(pool):
+    # The same pure-torch candidate as above: run by default, not run (no trials, no timing) when the
+    # source rules' major finding already decides the verdict.
+    r = check(REFERENCE, HONEST, config=dataclasses.replace(CONFIG, run_hacks=False), pool=pool)
+    assert r.hack and rules(r) == {"no-custom-kernel"}
+    assert not r.compiled and not r.correct and r.trials == [] and "trials" not in r.timing
+    assert "run_hacks" in r.timing["not_run"]
+    assert r.error is None  # a verdict, not a failure
 
 
 def test_task_object_and_path_references(pool, tmp_path):

@@ -44,7 +44,10 @@ class RewardConfig:
     tau, r_max, lambda_plan, lambda_feedback: R = I_correct·(1 − I_hack)·min((s + τ)(1 + λ·r̂), R_max).
     static_credit: an unverified candidate (no GPU) that compiles and passes the static rules earns
     τ·(1 + λ·r̂) (True) or 0 (False). verify: a VerifyConfig or a dict of its fields for GPU checks
-    (None: the Verifier's defaults: 5 trials, 100 timed calls)."""
+    (None: the Verifier's defaults, 5 trials and 100 timed calls, but for ``run_hacks``, which is off here
+    unless a dict or a VerifyConfig turns it on: a candidate the source rules judge a hack scores 0 whatever
+    it does when run, so it is not run — on a GPU a third of a typical mix of samples, and the ones that
+    cost their worker a restart)."""
 
     tau: float = 0.3
     r_max: float = 5.0
@@ -71,7 +74,7 @@ class RewardConfig:
             from ..verify import VerifyConfig
 
             if isinstance(self.verify, Mapping):
-                self.verify = VerifyConfig.from_dict(dict(self.verify), strict=True)
+                self.verify = VerifyConfig.from_dict({"run_hacks": False, **self.verify}, strict=True)
             elif not isinstance(self.verify, VerifyConfig):
                 raise InvalidArgumentError(f"RewardConfig.verify must be a VerifyConfig, a dict of its fields or None, "
                                            f"not {type(self.verify).__name__}")
@@ -409,7 +412,7 @@ def _score(info: _TaskInfo, reply: str, *, skill: int, prev_code: str, prev_repo
 
 def _verify(info: _TaskInfo, code: str, mode: str, config: RewardConfig, pool: Any):
     """The Verifier's report (a VerifyReport); a broken reference or a failing pool is a report, never raised."""
-    from ..verify import VerifyReport, check
+    from ..verify import VerifyConfig, VerifyReport, check
 
     source = code if code.endswith("\n") else code + "\n"
     try:
@@ -417,7 +420,8 @@ def _verify(info: _TaskInfo, code: str, mode: str, config: RewardConfig, pool: A
     except StitchError as exc:  # the task's reference is broken: the caller's data, said in the reason
         return VerifyReport(static_only=mode == "static").fail("bad-reference", exc.message)
     with _main_hidden:
-        return check(task, source, static_only=mode == "static", config=config.verify, pool=pool)
+        return check(task, source, static_only=mode == "static", config=config.verify or VerifyConfig(run_hacks=False),
+                     pool=pool)
 
 
 class _MainHidden:

@@ -124,6 +124,11 @@ def check(reference: Task | str | os.PathLike, candidate: str | os.PathLike, *,
         return _finish(report, started)
     if ref_error is not None:
         return _finish(report.fail("bad-reference", ref_error), started)
+    if not config.run_hacks and any(f.severity == MAJOR for f in report.findings):
+        report.hack = True
+        report.timing["not_run"] = ("the source rules found a hack and VerifyConfig.run_hacks is off: the "
+                                    "candidate was neither compiled nor run")
+        return _finish(report, started)
 
     job = {"reference": task.to_spec(), "candidate": cand_source, "candidate_name": cand_name,
            "config": config.to_dict(),

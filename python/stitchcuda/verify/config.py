@@ -33,6 +33,10 @@ class VerifyConfig:
     tolerance: Tolerance | None = None  # None: the task's policy
     compile_baseline: bool = True  # also time the reference under torch.compile (GPU only)
     profile: bool = True  # CUPTI cross-check and kernel summary where stitchcuda.profile works
+    # Run a candidate that the source rules already judge a hack (a major finding)? True: the report is
+    # complete (correctness, timing, the dynamic rules too). False: it stops at the source rules, not run —
+    # what a reward wants, since a hack scores 0 whatever it does when run.
+    run_hacks: bool = True
     # DRAM bandwidth of the speed-of-light bound: the hardware table's (DeviceCeilings, measured on the
     # GPU docs/profile.md names), the number the Planner is told; set it when verifying on another GPU.
     bandwidth_tb_s: float = field(default_factory=floor_bandwidth_tb_s)
@@ -41,7 +45,7 @@ class VerifyConfig:
         # Types first: "10" for timing_iters would compare badly later, far from the mistake.
         kinds = {"trials": int, "timing_iters": int, "warmup": int, "input_sets": int,
                  "compile_time_limit_s": (int, float), "run_time_limit_s": (int, float),
-                 "compile_baseline": bool, "profile": bool, "bandwidth_tb_s": (int, float)}
+                 "compile_baseline": bool, "profile": bool, "run_hacks": bool, "bandwidth_tb_s": (int, float)}
         for name, kind in kinds.items():
             value = getattr(self, name)
             if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
