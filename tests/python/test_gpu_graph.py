@@ -105,7 +105,8 @@ class DepthwiseBlock(nn.Module):
 def test_depthwise_convolution_runs_as_one_template_kernel(stride):
     fresh = lambda: (torch.randn(4, 32, 28, 28, device="cuda"),)  # noqa: E731
     fast = _check(DepthwiseBlock(stride=stride), fresh(), fresh)
-    assert not fast.report.fallbacks, fast.report.fallbacks
+    # None of its groups was wrong (a slower one may still give way to ATen: that is the measurement's call).
+    assert not any("differs from ATen" in f["reason"] for f in fast.report.fallbacks), fast.report.fallbacks
     (conv,) = [g for g in fast.report.groups if g["kind"] == "conv"]
     assert conv["kernel"].startswith("depthwise") and "batch_norm" in conv["nodes"] and "sigmoid" in conv["nodes"]
 
@@ -307,3 +308,23 @@ def test_a_convolution_chain_runs_channels_last_and_matches_eager():
     assert layout and "channels-last" in layout[0] and "NCHW" in layout[0]
     assert report.verification["passed"] and report.verification["input_sets"] == 3
     torch.testing.assert_close(fast(x2), model(x2), atol=1e-4, rtol=1e-4)
+
+
+class _LogitsLosses(nn.Module):
+    """Two losses over whole tensors (ATen reduces them over dim=[]: every element in one row)."""
+
+    def forward(self, s, t, target):
+        kl = F.kl_div(F.log_softmax(s, dim=-1), F.log_softmax(t, dim=-1), reduction="batchmean", log_target=True)
+        return kl + F.cross_entropy(s, target, label_smoothing=0.1)
+
+
+def test_whole_tensor_losses_run_as_split_reductions_and_match_eager():
+    torch.manual_seed(0)
+    s, t = torch.randn(256, 8192, device="cuda"), torch.randn(256, 8192, device="cuda")
+    target = torch.randint(0, 8192, (256,), device="cuda")
+    fast = _check(_LogitsLosses(), (s, t, target),
+                  lambda: (torch.randn_like(s), torch.randn_like(t), torch.randint_like(target, 8192)))
+    split = [d for d in fast.report.groups if "chunks of" in d["reason"]]
+    assert split, [d["reason"] for d in fast.report.groups]
+    # None of its groups was wrong (a slower one may still give way to ATen: that is the measurement's call).
+    assert not any("differs from ATen" in f["reason"] for f in fast.report.fallbacks), fast.report.fallbacks

@@ -195,6 +195,31 @@ def test_a_hand_written_log_sum_exp_reads_its_rows_once():
     assert sorted(g.params["kind"] for g in plan.groups if g.kind == "reduction") == ["amax", "sum"]
 
 
+class LogitsKL(nn.Module):
+    def forward(self, s, t):
+        return F.kl_div(F.log_softmax(s, dim=-1), F.log_softmax(t, dim=-1), reduction="batchmean", log_target=True)
+
+
+def test_a_loss_over_the_whole_tensor_is_split_over_many_blocks():
+    # kl_div's sum is over dim=[] (every dim, as ATen reads it): one row of all the elements, which a
+    # block per row would reduce on one SM. It is split into equal chunks and reduced in two passes.
+    graph, plan = planned(LogitsKL(), (torch.randn(8, 1 << 15), torch.randn(8, 1 << 15)))
+    loss = [g for g in plan.groups if g.kind == "reduction" and g.params["kind"] == "sum"]
+    assert len(loss) == 1 and (loss[0].params["rows"], loss[0].params["cols"]) == (1, 1 << 18)
+    assert loss[0].params["split"] == 16 and "16 chunks of 16384" in loss[0].reason
+    lowering = Lowering(graph, plan, {})
+    program = lowering.build(plan.groups, graph.inputs, graph.outputs)
+    chunks, final = [code for g, code in lowering.kernels if g is loss[0]]
+    assert chunks.grid == 16 and "3 elementwise op(s) fused into the loads" in chunks.description
+    assert final.grid == 1 and "applied before the store" in final.description  # the batchmean division
+    for code in (chunks, final):
+        jit.compile(code.source, code.name)
+    program.validate()
+    # Many rows already fill the GPU; short rows gain nothing: a block (or a warp) per row as before.
+    graph, plan = planned(LogitsKL(), (torch.randn(4, 64), torch.randn(4, 64)))
+    assert not any("split" in g.params for g in plan.groups)
+
+
 def test_data_dependent_control_flow_is_a_capture_error():
     class Branchy(nn.Module):
         def forward(self, x):

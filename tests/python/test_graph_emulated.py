@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "corpus"))
 from cpu_emulator.emulator import EmulatedJit, EmulatedModule, unavailable  # noqa: E402
 
 from stitchcuda.graph.templates import (PointwiseInput, RowPrologue, column_reduction_kernel,  # noqa: E402
-                                        depthwise_conv_kernel, pointwise_kernel, row_reduction_kernel)
+                                        depthwise_conv_kernel, pointwise_kernel, row_reduction_kernel,
+                                        split_rows)
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"CUDA emulator: {unavailable()}")
 
@@ -397,3 +398,19 @@ def test_sum_exp_is_a_log_sum_exp_in_one_pass(emu, rows, cols):
     with pytest.raises(ValueError, match=r"reads \('yv', 'mx'\)"):
         row_reduction_kernel("lse_bad", "sum_exp", rows, cols, torch.float32,
                              output=RowPrologue((rows, 1), [], ["const float t0 = logf(yv);"], "t0", ("yv",)))
+
+
+@pytest.mark.parametrize("kind", ["sum", "mean", "amax"])
+def test_a_split_row_reduces_in_two_passes_like_torch(emu, kind):
+    # The lowering's two passes for a few very long rows: chunks of the row as rows of a (rows * split,
+    # cols / split) view into an fp32 scratch row, then the chunks' results.
+    rows, cols = 2, 1 << 18
+    split = split_rows(rows, cols)
+    assert split == 16
+    torch.manual_seed(7)
+    x = torch.randn(rows, cols) + 0.5
+    partial, y = torch.full((rows, split), float("nan")), torch.full((rows,), float("nan"))
+    _run(emu, row_reduction_kernel("chunks", kind, rows * split, cols // split, torch.float32), {"x": x, "y": partial})
+    _run(emu, row_reduction_kernel("final", kind, rows, split, torch.float32), {"x": partial, "y": y})
+    expected = {"sum": x.double().sum(-1), "mean": x.double().mean(-1), "amax": x.double().amax(-1)}[kind]
+    torch.testing.assert_close(y.double(), expected, atol=1e-5 * (cols if kind == "sum" else 1) ** 0.5, rtol=1e-5)

@@ -300,6 +300,23 @@ class Lowering:
             inputs, more, body, var = self._elementwise(p["output"], tuple(node.out.shape), known, "o")
             output = RowPrologue(tuple(node.out.shape), inputs, body, var[result.name], tuple(known.values()))
             buffers.update(more)
+        if p.get("split") and epilogue is None and not has_w and not has_b:
+            # Two passes: each row's `split` chunks reduced by their own blocks into an fp32 scratch row
+            # (the chunk is the row of a (rows * split, cols / split) view: same linear index, so the
+            # prologue reads the same elements), then the chunks' results reduced and stored. Equal chunks
+            # make a mean of means the mean; sum, amax and amin combine as themselves.
+            split = p["split"]
+            partial = self.b.intermediate([p["rows"], split], torch.float32)
+            first = row_reduction_kernel(self._name(f"{p['kind']}_chunks", g), p["kind"], p["rows"] * split,
+                                         p["cols"] // split, x.dtype, torch.float32, sm_count=self.sm_count,
+                                         prologue=prologue)
+            if prologue is None:
+                buffers["x"] = self.need(x, contiguous=True)
+            self._launch(g, first, {**buffers, "y": partial})
+            code = row_reduction_kernel(self._name(p["kind"], g), p["kind"], p["rows"], split, torch.float32,
+                                        result.dtype, sm_count=self.sm_count, output=output)
+            self._launch(g, code, {**buffers, "x": partial, "y": self.produce(result)})
+            return
         code = row_reduction_kernel(self._name(p["kind"], g), p["kind"], p["rows"], p["cols"], x.dtype,
                                     result.dtype, eps=p.get("eps", 1e-5), has_weight=has_w, has_bias=has_b,
                                     sm_count=self.sm_count, prologue=prologue, epilogue=epilogue, output=output,

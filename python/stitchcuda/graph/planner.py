@@ -36,7 +36,7 @@ import torch
 from ..program import DTYPES as PROGRAM_DTYPES
 from .capture import Graph, Node, Value
 from .templates import (CACHED_ROW_MAX, CACHED_ROW_MIN, DEPTHWISE_MAX_TAPS, FUSABLE_DTYPES, NORMALIZING, POINTWISE_OPS,
-                        SCAN_EXTENT_MAX, aten_tile, pooling_blocker)
+                        SCAN_EXTENT_MAX, STATISTICS, aten_tile, pooling_blocker, split_rows)
 
 __all__ = ["Group", "GraphPlan", "OfflinePlanner", "GENERATED", "unheld_dtype"]
 
@@ -128,7 +128,8 @@ def unheld_dtype(node: Node) -> torch.dtype | None:
 
 
 def _dims(dims, rank: int) -> list[int]:
-    if dims is None:
+    # No dims and an empty list both mean every dim: ATen's sum/mean/amax/amin over dim=[] reduce it all.
+    if dims is None or (isinstance(dims, (list, tuple)) and not dims):
         return list(range(rank))
     if isinstance(dims, int):
         dims = [dims]
@@ -300,7 +301,9 @@ class OfflinePlanner:
                 on_stat = nxt[0] if nxt and nxt[0].kind == "pointwise" and nxt[0].params["shape"] == stat.shape \
                     and nxt[0].params["shape"] != row_shape else None
                 over_row = nxt[1 if on_stat else 0] if len(nxt) > (1 if on_stat else 0) else None
-                if over_row is not None and over_row.kind == "pointwise" and over_row.params["shape"] == row_shape:
+                # A split row (few rows, very long) keeps its two passes: a block per row would idle the GPU.
+                if over_row is not None and over_row.kind == "pointwise" and over_row.params["shape"] == row_shape \
+                        and "split" not in g.params:
                     epilogue = [*(on_stat.nodes if on_stat else []), *over_row.nodes]
                     inside = {id(n) for n in epilogue}
                     leaving = over_row.outputs(outputs)
@@ -365,6 +368,7 @@ class OfflinePlanner:
             p = g.params
             if g.kind == "reduction" and p.get("kind") == "sum" and prev is not None and prev.kind == "reduction" \
                     and prev.params.get("kind") == "amax" and not prev.params.get("epilogue") \
+                    and "split" not in p and "split" not in prev.params \
                     and not prev.params.get("output") and "layout" not in p and "layout" not in prev.params \
                     and not p.get("epilogue") and len(p.get("prologue") or []) == 2 \
                     and (prev.params["rows"], prev.params["cols"]) == (p["rows"], p["cols"]):
@@ -483,6 +487,11 @@ class OfflinePlanner:
         if kind in NORMALIZING and x.dtype == node.out.dtype == torch.float32 \
                 and cols % 4 == 0 and CACHED_ROW_MIN <= cols <= CACHED_ROW_MAX:
             strategy = f"a {'warp' if cols <= 1024 else 'block'} per row, the row held in registers"
+        elif kind in STATISTICS and kind != "sum_exp" and (split := split_rows(rows, cols)):
+            # A block per row would leave most of the GPU idle (a loss summed over a whole tensor: one row).
+            params["split"] = split
+            strategy = (f"each row split in {split} chunks of {cols // split} reduced by their own blocks, then "
+                        "the chunks' results by a second kernel (two passes, a fixed order)")
         elif cols <= 1024:
             strategy = "a warp per row"
         else:

@@ -233,6 +233,26 @@ def _reduction_args(has_weight: bool, has_bias: bool, rows: int, cols: int, prol
     return args + [("out", "y"), ("i64", rows), ("i64", cols)]
 
 
+# ---- few long rows: split ----
+
+SPLIT_MAX_ROWS = 256       # fewer rows than this leave most of a GPU's blocks idle at a block per row
+SPLIT_MIN_COLS = 1 << 18   # below, one block per row finishes in a few microseconds anyway
+SPLIT_CHUNK = 16384        # preferred chunk: a 1,024-thread block holding it in registers, 16 values each
+
+
+def split_rows(rows: int, cols: int) -> int:
+    """Into how many equal chunks each of `rows` rows of `cols` is split for a two-pass reduction (chunks
+    reduced by their own blocks, then the chunks' results by a second kernel), or 0 to keep a block per
+    row: enough rows already, short rows, or no divisor of `cols` giving a chunk of 4,096 to 32,768 that
+    is a multiple of 4 (the float4 path)."""
+    if rows >= SPLIT_MAX_ROWS or cols < SPLIT_MIN_COLS:
+        return 0
+    for chunk in (*range(SPLIT_CHUNK, 4095, -4), *range(SPLIT_CHUNK + 4, CACHED_ROW_MAX + 1, 4)):
+        if cols % chunk == 0:
+            return cols // chunk
+    return 0
+
+
 # ---- long fp32 rows held in registers ----
 
 CACHED_ROW_MAX = 32768  # 8 float4 per thread at 1,024 threads
