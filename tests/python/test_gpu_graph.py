@@ -328,3 +328,15 @@ def test_whole_tensor_losses_run_as_split_reductions_and_match_eager():
     assert split, [d["reason"] for d in fast.report.groups]
     # None of its groups was wrong (a slower one may still give way to ATen: that is the measurement's call).
     assert not any("differs from ATen" in f["reason"] for f in fast.report.fallbacks), fast.report.fallbacks
+
+
+class _VocabLogSoftmax(nn.Module):
+    def forward(self, x):
+        return torch.log_softmax(x / 0.7, dim=-1)
+
+
+def test_a_vocabulary_row_is_held_in_shared_memory_and_matches_eager():
+    x = torch.randn(64, 50304, device="cuda")
+    fast = _check(_VocabLogSoftmax(), (x,), lambda: (torch.randn_like(x) * 3,))
+    assert any("held in shared memory" in g["reason"] for g in fast.report.groups), fast.report.groups
+    assert not any("differs from ATen" in f["reason"] for f in fast.report.fallbacks), fast.report.fallbacks

@@ -38,7 +38,7 @@ def _run(emu, code, tensors: dict):
     """Builds the kernel for the emulator and launches it with the geometry the template chose."""
     kernel = EmulatedModule(emu, _fp32_only(code.source)).kernel(code.name)
     args = [tensors[key] if kind in ("in", "out") else key for kind, key in code.args]
-    kernel(code.grid, code.block, *args)
+    kernel(code.grid, code.block, *args, shared_mem=code.shared_mem)
 
 
 @pytest.mark.parametrize("rows, cols", [(6, 16), (3, 100), (2, 3001), (2, 5002), (2, 3000), (3, 5000), (11, 1024),
@@ -414,3 +414,17 @@ def test_a_split_row_reduces_in_two_passes_like_torch(emu, kind):
     _run(emu, row_reduction_kernel("final", kind, rows, split, torch.float32), {"x": partial, "y": y})
     expected = {"sum": x.double().sum(-1), "mean": x.double().mean(-1), "amax": x.double().amax(-1)}[kind]
     torch.testing.assert_close(y.double(), expected, atol=1e-5 * (cols if kind == "sum" else 1) ** 0.5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["log_softmax", "softmax", "layer_norm", "sum"])
+def test_rows_beyond_the_registers_are_held_in_shared_memory(emu, kind):
+    rows, cols = 2, 40000  # 10,000 float4: ten per thread of a 1,024-thread block
+    torch.manual_seed(3)
+    x = torch.randn(rows, cols) * 2
+    code = row_reduction_kernel(f"s_{kind}", kind, rows, cols, torch.float32)
+    assert "shared memory" in code.description and code.shared_mem == 16 * (cols // 4)
+    expected = {"softmax": lambda: torch.softmax(x, -1), "log_softmax": lambda: torch.log_softmax(x, -1),
+                "layer_norm": lambda: torch.nn.functional.layer_norm(x, (cols,)), "sum": lambda: x.sum(-1)}[kind]()
+    y = torch.full_like(expected, float("nan"))
+    _run(emu, code, {"x": x, "y": y})
+    torch.testing.assert_close(y, expected, atol=1e-4 * (cols ** 0.5 if kind == "sum" else 1), rtol=1e-4)

@@ -36,7 +36,7 @@ import torch
 from ..program import DTYPES as PROGRAM_DTYPES
 from .capture import Graph, Node, Value
 from .templates import (CACHED_ROW_MAX, CACHED_ROW_MIN, DEPTHWISE_MAX_TAPS, FUSABLE_DTYPES, NORMALIZING, POINTWISE_OPS,
-                        SCAN_EXTENT_MAX, STATISTICS, aten_tile, pooling_blocker, split_rows)
+                        SCAN_EXTENT_MAX, SHARED_ROW_MAX, STATISTICS, aten_tile, pooling_blocker, split_rows)
 
 __all__ = ["Group", "GraphPlan", "OfflinePlanner", "GENERATED", "unheld_dtype"]
 
@@ -485,8 +485,9 @@ class OfflinePlanner:
         if any(isinstance(params.get(k), Value) and params[k].dtype != x.dtype for k in ("weight", "bias")):
             return Group("aten", [node], f"{kind} with weights of another dtype stays an ATen step")
         if kind in NORMALIZING and x.dtype == node.out.dtype == torch.float32 \
-                and cols % 4 == 0 and CACHED_ROW_MIN <= cols <= CACHED_ROW_MAX:
-            strategy = f"a {'warp' if cols <= 1024 else 'block'} per row, the row held in registers"
+                and cols % 4 == 0 and CACHED_ROW_MIN <= cols <= SHARED_ROW_MAX:
+            held = "registers" if cols <= CACHED_ROW_MAX else "shared memory"
+            strategy = f"a {'warp' if cols <= 1024 else 'block'} per row, the row held in {held}"
         elif kind in STATISTICS and kind != "sum_exp" and (split := split_rows(rows, cols)):
             # A block per row would leave most of the GPU idle (a loss summed over a whole tensor: one row).
             params["split"] = split

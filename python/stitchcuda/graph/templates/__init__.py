@@ -6,7 +6,8 @@ kind of kernel.
   fp32 of the output's shape, four outputs per step when broadcast operands allow;
 - `rows`: reductions over the trailing contiguous dimensions — online softmax / log-softmax, layer and
   group norm, sum / mean / amax / amin and sum_exp (a log-sum-exp in one pass); fp32 rows of 128 to
-  32,768 elements held in registers (a warp per row up to 1,024, a block above), so memory sees one read
+  32,768 elements held in registers (a warp per row up to 1,024, a block above), up to 57,344 in shared
+  memory (a vocabulary's logits), so memory sees one read
   (and one write) per element with 16-byte accesses; elementwise prologues (computing the input on
   load), epilogues (applying a statistic to its row) and output functions (on each result before the
   store) fuse the ops around a reduction into its kernel; a few very long rows (a loss summed over a
@@ -30,11 +31,12 @@ from .depthwise import DEPTHWISE_MAX_TAPS, depthwise_conv_kernel
 from .ops import POINTWISE_OPS, is_pointwise
 from .pooling import POOL_MAX_TAPS, pool_output_size, pooling_blocker, pooling_kernel
 from .pointwise import pointwise_kernel
-from .rows import CACHED_ROW_MAX, CACHED_ROW_MIN, NORMALIZING, REDUCTIONS, STATISTICS, row_reduction_kernel, split_rows
+from .rows import (CACHED_ROW_MAX, CACHED_ROW_MIN, NORMALIZING, REDUCTIONS, SHARED_ROW_MAX, STATISTICS,
+                   row_reduction_kernel, split_rows)
 from .scan import SCAN_EXTENT_MAX, SCANS, aten_tile, scan_kernel
 
 __all__ = ["KernelCode", "PointwiseInput", "RowPrologue", "pointwise_kernel", "row_reduction_kernel",
            "column_reduction_kernel", "depthwise_conv_kernel", "POINTWISE_OPS", "REDUCTIONS", "NORMALIZING",
-           "STATISTICS", "FUSABLE_DTYPES", "CACHED_ROW_MAX", "CACHED_ROW_MIN", "DEPTHWISE_MAX_TAPS", "is_pointwise",
+           "STATISTICS", "FUSABLE_DTYPES", "CACHED_ROW_MAX", "CACHED_ROW_MIN", "SHARED_ROW_MAX", "DEPTHWISE_MAX_TAPS", "is_pointwise",
            "pooling_kernel", "pooling_blocker", "pool_output_size", "POOL_MAX_TAPS",
            "scan_kernel", "aten_tile", "SCANS", "SCAN_EXTENT_MAX", "split_rows"]

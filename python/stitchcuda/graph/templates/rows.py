@@ -90,7 +90,7 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
     if kind == "group_norm" and (groups <= 0 or group_hw <= 0 or cols % group_hw):
         raise ValueError(f"group_norm needs groups > 0 and a group_hw dividing cols, got {groups}, {group_hw}, {cols}")
     out_dtype = out_dtype or dtype
-    if (dtype == torch.float32 and cols % 4 == 0 and CACHED_ROW_MIN <= cols <= CACHED_ROW_MAX
+    if (dtype == torch.float32 and cols % 4 == 0 and CACHED_ROW_MIN <= cols <= SHARED_ROW_MAX
             and ((kind in NORMALIZING and out_dtype == torch.float32) or (kind in STATISTICS and epilogue is None))):
         return _cached_row_kernel(name, kind, rows, cols, eps, has_weight, has_bias, prologue, output, groups,
                                   group_hw, out_dtype)
@@ -257,6 +257,10 @@ def split_rows(rows: int, cols: int) -> int:
 
 CACHED_ROW_MAX = 32768  # 8 float4 per thread at 1,024 threads
 CACHED_ROW_MIN = 128    # a warp's float4 loads cover the row at least once
+# Longer rows, up to a 224 KiB row, are held in the block's shared memory instead (more registers would
+# halve the block): a vocabulary of 50,257 logits is still read once. Hopper's 227 KiB per block; a GPU
+# with less cannot launch the kernel, and its group's check sends it back to ATen.
+SHARED_ROW_MAX = 57344
 
 _BLOCK_PRELUDE = r"""
 // Reductions over the whole block (one row per block); every thread gets the result.
@@ -307,6 +311,7 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
     (sum, mean, amax, amin, sum_exp) read the same way and store one value per row."""
     stat = kind in STATISTICS
     c4 = cols // 4
+    shared = cols > CACHED_ROW_MAX  # the row in shared memory, each thread's float4s where its registers were
     if c4 <= 256:  # up to 1,024 columns: a warp per row, eight rows per block, no barrier or shared memory
         tpr, rpb = 32, 8
     else:
@@ -432,6 +437,14 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
         body.append(store("c", "o"))
         each(body)
     L.append("}")
+    held = "registers"
+    if shared:  # every thread reads back only the float4s it stored: no barrier beyond the reductions'
+        held = "shared memory"
+        source = "\n".join(L).replace("  float4 v[VPT];", "  extern __shared__ float4 v4[];")
+        source = source.replace("    v[k] = c < C4 ?", "    if (c < C4) v[k] =").replace(
+            " : make_float4(0.0f, 0.0f, 0.0f, 0.0f);\n  }", ";\n  }", 1).replace("v[k]", "v4[t + k * TPR]")
+        source = source.replace("the row held in registers", "the row held in shared memory")
+        L = [source]
     args = _reduction_args(has_weight, has_bias, rows, cols, prologue, None, output)
     if prologue:
         what_in = "16-byte" if kinds else "scalar"
@@ -444,8 +457,9 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
     if output:
         fused += f", {len(output.body)} elementwise op(s) applied before the store"
     return KernelCode("\n".join(L) + "\n", name, -(-rows // rpb), tpr * rpb, args,
-                      f"{kind} over {rows} rows of {cols}, {'warp' if tpr == 32 else 'block'} per row, row held in registers "
-                      f"({vpt} float4 per thread), {io}, {what}{fused}", vectorized=True)
+                      f"{kind} over {rows} rows of {cols}, {'warp' if tpr == 32 else 'block'} per row, row held in {held} "
+                      f"({vpt} float4 per thread), {io}, {what}{fused}", vectorized=True,
+                      shared_mem=16 * c4 if shared else 0)
 
 
 def _cached_output(name: str, output: RowPrologue) -> list[str]:
