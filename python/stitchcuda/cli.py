@@ -128,7 +128,8 @@ def _bench_suite(args: argparse.Namespace) -> int:
 
         return int(suite.run_suite(args.suite, folder=args.dir, only=args.only, chunk=args.chunk,
                                    results=args.results, json_output=args.json, llm=args.llm, csv=args.csv,
-                                   html=args.html, compile_only=args.compile_only))
+                                   html=args.html, compile_only=args.compile_only, gpus=args.gpus,
+                                   scaling=args.scaling, queue=args.queue))
     module = importlib.import_module(f"stitchcuda.bench.{args.suite}")
     return int(module.run(json_output=args.json))
 
@@ -142,6 +143,13 @@ def _chunk(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def _gpu_count(text: str) -> int:
+    """A whole number of GPUs, at least 1 (checked here, so a typo is a usage error before any work)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--gpus takes a whole number of GPUs, at least 1, got {text!r}")
+    return int(text)
 
 
 def _model_bench_options(sub: argparse.ArgumentParser, default_dir: str) -> None:
@@ -161,6 +169,14 @@ def _model_bench_options(sub: argparse.ArgumentParser, default_dir: str) -> None
                      help="write a self-contained HTML report with plots (needs matplotlib)")
     sub.add_argument("--compile-only", action="store_true",
                      help="no timing: capture, plan and compile each problem (runs without a GPU)")
+    sub.add_argument("--gpus", metavar="N", type=_gpu_count, default=1,
+                     help="spread the problems over N GPUs of this machine, one bench process each (default 1: "
+                          "this process); with --compile-only, N processes on the CPU")
+    sub.add_argument("--scaling", action="store_true",
+                     help="run the problems on 1 GPU, then on --gpus N, and report the wall times, the "
+                          "efficiency and whether each problem's results agree")
+    sub.add_argument("--queue", metavar="DIR", type=Path, default=None,
+                     help=argparse.SUPPRESS)  # a --gpus run's shared queue, given to its bench processes
 
 
 def _folder_as_suite(argv: list[str], bench_names: Sequence[str]) -> list[str]:
