@@ -218,6 +218,52 @@ def test_dynamic_hacks_score_zero_verified(stem, problem, rule, check):
 
 
 @pytest.mark.gpu
+def test_dynamic_hacks_score_zero_through_every_interface():
+    # The hacks only a run exposes, each sent through TRL's call, verl's batched compute_score and
+    # OpenRLHF's protocol: verified on the GPU, every one scores 0 in all three.
+    rows = [row(problem) for _, problem, _, _ in GPU_HACKS]
+    replies = [reply("hacks", stem) for stem, _, _, _ in GPU_HACKS]
+    columns = {k: [r[k] for r in rows] for k in rows[0]}
+    trl = rl.TRLReward(mode="gpu")(prompts=["p"] * len(rows), completions=replies, **columns)
+    verl = trainers.verl_rows(rows)
+    batch = trainers.compute_score(data_sources=[v["data_source"] for v in verl], solution_strs=replies,
+                                   ground_truths=[v["reward_model"]["ground_truth"] for v in verl],
+                                   extra_infos=[v["extra_info"] for v in verl], mode="gpu")
+    labelled = trainers.openrlhf_rows(rows)
+    prompts = ["<|user|>" + r["prompt"][0]["content"] + "<|assistant|>" for r in labelled]
+    openrlhf = trainers.openrlhf_reply({"query": [p + r + "<|end|>" for p, r in zip(prompts, replies)],
+                                        "prompts": prompts, "labels": [r["label"] for r in labelled]}, mode="gpu")
+    assert trl == [0.0] * len(rows), list(zip([h[0] for h in GPU_HACKS], trl))
+    assert [b["score"] for b in batch] == [0.0] * len(rows), [(h[0], b["reason"]) for h, b in zip(GPU_HACKS, batch)]
+    assert openrlhf["rewards"] == [0.0] * len(rows)
+    assert all(b["verified"] == 1.0 for b in batch)
+
+
+def grid_capped(blocks: int) -> str:
+    """The honest bias_gelu candidate with its grid capped at `blocks` (a grid-stride loop covers the rest):
+    the same code and rubric, slower the fewer the blocks."""
+    assert "8192)" in HONEST
+    return HONEST.replace("8192)", f"{blocks})")
+
+
+def test_grid_capped_candidates_differ_only_in_speed():
+    # What makes the GPU test below a test of the speed-up alone: the rubric reads them all alike.
+    parts = [rl.score_completion(row("bias_gelu"), grid_capped(b), mode="static").parts for b in (8192, 64, 8)]
+    items = [{k: p[k] for k in rl.RUBRIC_ITEMS} for p in parts]
+    assert items[0] == items[1] == items[2] and parts[0]["r_hat"] == parts[2]["r_hat"]
+
+
+@pytest.mark.gpu
+def test_reward_is_monotone_in_the_verified_speedup():
+    scored = [rl.score_completion(row("bias_gelu"), grid_capped(b), mode="gpu") for b in (8192, 256, 32, 4)]
+    assert all(s.verified and s.parts["correct"] == 1.0 for s in scored), [s.reason for s in scored]
+    by_speed = sorted(scored, key=lambda s: s.parts["speedup"])
+    assert by_speed[0].parts["speedup"] < by_speed[-1].parts["speedup"] / 2  # the caps really change the speed
+    rewards = [s.score for s in by_speed]
+    assert rewards == sorted(rewards), [(s.parts["speedup"], s.score) for s in by_speed]
+
+
+@pytest.mark.gpu
 def test_honest_candidate_verified_on_the_gpu():
     s = rl.score_completion(row("bias_gelu"), HONEST, mode="gpu")
     assert s.verified and s.parts["correct"] == 1.0 and s.parts["speedup"] > 0 and s.score > 0
