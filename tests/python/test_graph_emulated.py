@@ -16,9 +16,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "corpus"))
 from cpu_emulator.emulator import EmulatedJit, EmulatedModule, unavailable  # noqa: E402
 
+from stitchcuda import jit  # noqa: E402
 from stitchcuda.graph.templates import (PointwiseInput, RowPrologue, column_reduction_kernel,  # noqa: E402
-                                        depthwise_conv_kernel, pointwise_kernel, row_reduction_kernel,
-                                        split_rows)
+                                        depthwise_conv_kernel, nchw_to_nhwc_kernel, pointwise_kernel,
+                                        row_reduction_kernel, split_rows)
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"CUDA emulator: {unavailable()}")
 
@@ -428,3 +429,18 @@ def test_rows_beyond_the_registers_are_held_in_shared_memory(emu, kind):
     y = torch.full_like(expected, float("nan"))
     _run(emu, code, {"x": x, "y": y})
     torch.testing.assert_close(y, expected, atol=1e-4 * (cols ** 0.5 if kind == "sum" else 1), rtol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(2, 16, 8, 8), (3, 45, 7, 9), (1, 64, 32, 32), (2, 3, 5, 70)],
+                         ids=["one-tile", "ragged", "square", "rgb"])
+def test_the_nhwc_conversion_is_a_transpose_of_each_image(emu, shape):
+    x = torch.randn(shape)
+    y = torch.full((x.numel(),), float("nan"))
+    _run(emu, nchw_to_nhwc_kernel("to_nhwc", shape, torch.float32), {"in0": x, "out0": y})
+    assert torch.equal(y, x.permute(0, 2, 3, 1).contiguous().flatten())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.bool])
+def test_the_nhwc_conversion_compiles_for_every_fusable_dtype(dtype):
+    code = nchw_to_nhwc_kernel("to_nhwc", (2, 40, 9, 9), dtype)
+    jit.compile(code.source, code.name)

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from stitchcuda import jit
 from stitchcuda.graph.capture import capture
 from stitchcuda.graph.layout import channels_last_strides, is_channels_last
 from stitchcuda.graph.lower import Lowering
@@ -56,7 +57,10 @@ def test_a_convolution_chain_is_planned_channels_last_with_the_reason():
         assert is_channels_last(*_layout(lowering, n.out.name))
     assert not is_channels_last(*_layout(lowering, graph.inputs[0].name))
     copies = [code for _, code in lowering.kernels if code.name.startswith("to_nhwc")]
-    assert len(copies) == 1 and "over [4, 64, 64, 16]" in copies[0].source
+    # The input is contiguous NCHW: a tiled transpose over (channels, pixels) of each image.
+    assert len(copies) == 1 and "[4, 16, 64, 64] NCHW to NHWC" in copies[0].source
+    assert copies[0].grid == (64 * 64 // 32, 1, 4) and copies[0].block == (32, 8)
+    jit.compile(copies[0].source, copies[0].name)
 
 
 def test_elementwise_groups_between_convolutions_run_in_nhwc_order():

@@ -19,8 +19,9 @@ from .capture import Graph, Node, Value
 from .layout import channels_last_strides, is_channels_last
 from .layout import contiguous_strides as _contiguous_strides
 from .planner import Group, GraphPlan
-from .templates import (POINTWISE_OPS, KernelCode, PointwiseInput, RowPrologue, column_reduction_kernel,
-                        depthwise_conv_kernel, pointwise_kernel, pooling_kernel, row_reduction_kernel, scan_kernel)
+from .templates import (FUSABLE_DTYPES, POINTWISE_OPS, KernelCode, PointwiseInput, RowPrologue,
+                        column_reduction_kernel, depthwise_conv_kernel, nchw_to_nhwc_kernel, pointwise_kernel,
+                        pooling_kernel, row_reduction_kernel, scan_kernel)
 
 __all__ = ["LoweringError", "Lowering", "reference_values", "stream_values", "check_group", "tolerance"]
 
@@ -446,9 +447,13 @@ class Lowering:
         if tuple(strides) == channels_last_strides(shape):  # already NHWC (or C = 1, H = W = 1)
             return bid
         order = (0, 2, 3, 1)
-        code = pointwise_kernel(self._name("to_nhwc", g), tuple(shape[d] for d in order),
-                                [PointwiseInput("in0", dtype, tuple(strides[d] for d in order))], [],
-                                [("out0", "in0", dtype)], self.sm_count)
+        if tuple(strides) == _contiguous_strides(shape) and dtype in FUSABLE_DTYPES and shape[0] <= 65535:
+            # The usual edge, a contiguous NCHW value: a tiled transpose, coalesced on both sides.
+            code = nchw_to_nhwc_kernel(self._name("to_nhwc", g), tuple(shape), dtype)
+        else:  # any other strides: an elementwise copy in NHWC order, its reads gathered
+            code = pointwise_kernel(self._name("to_nhwc", g), tuple(shape[d] for d in order),
+                                    [PointwiseInput("in0", dtype, tuple(strides[d] for d in order))], [],
+                                    [("out0", "in0", dtype)], self.sm_count)
         out = self.b.intermediate(list(shape), dtype_name(dtype), strides=list(channels_last_strides(shape)),
                                   name=f"{v.name}.nhwc")
         self.spec[out] = (tuple(shape), channels_last_strides(shape), dtype)

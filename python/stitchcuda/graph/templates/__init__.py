@@ -18,6 +18,7 @@ kind of kernel.
   output function, several outputs per thread and each input row loaded once for them;
 - `scan`: cumsum / cumprod along one dimension in ATen's own combining order (eager's results bit for
   bit), rows in registers and warp shuffles, elementwise ops fused on load and on store;
+- `transpose`: NCHW to NHWC at a channels-last chain's edge, 32 x 32 tiles through shared memory;
 - `common`: the prelude every kernel includes, KernelCode, and the inputs and elementwise functions the
   others share.
 
@@ -34,9 +35,11 @@ from .pointwise import pointwise_kernel
 from .rows import (CACHED_ROW_MAX, CACHED_ROW_MIN, NORMALIZING, REDUCTIONS, SHARED_ROW_MAX, STATISTICS,
                    row_reduction_kernel, split_rows)
 from .scan import SCAN_EXTENT_MAX, SCANS, aten_tile, scan_kernel
+from .transpose import nchw_to_nhwc_kernel
 
 __all__ = ["KernelCode", "PointwiseInput", "RowPrologue", "pointwise_kernel", "row_reduction_kernel",
            "column_reduction_kernel", "depthwise_conv_kernel", "POINTWISE_OPS", "REDUCTIONS", "NORMALIZING",
            "STATISTICS", "FUSABLE_DTYPES", "CACHED_ROW_MAX", "CACHED_ROW_MIN", "SHARED_ROW_MAX", "DEPTHWISE_MAX_TAPS", "is_pointwise",
            "pooling_kernel", "pooling_blocker", "pool_output_size", "POOL_MAX_TAPS",
-           "scan_kernel", "aten_tile", "SCANS", "SCAN_EXTENT_MAX", "split_rows"]
+           "scan_kernel", "aten_tile", "SCANS", "SCAN_EXTENT_MAX", "split_rows",
+           "nchw_to_nhwc_kernel"]
