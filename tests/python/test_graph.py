@@ -200,24 +200,60 @@ class LogitsKL(nn.Module):
         return F.kl_div(F.log_softmax(s, dim=-1), F.log_softmax(t, dim=-1), reduction="batchmean", log_target=True)
 
 
+class SumOfSquares(nn.Module):
+    def forward(self, x):
+        return (x * x).sum() / x.numel()
+
+
 def test_a_loss_over_the_whole_tensor_is_split_over_many_blocks():
-    # kl_div's sum is over dim=[] (every dim, as ATen reads it): one row of all the elements, which a
+    # A sum over every element (dim=[] as ATen writes it, or no dim): one row of all the elements, which a
     # block per row would reduce on one SM. It is split into equal chunks and reduced in two passes.
-    graph, plan = planned(LogitsKL(), (torch.randn(8, 1 << 15), torch.randn(8, 1 << 15)))
+    graph, plan = planned(SumOfSquares(), (torch.randn(8, 1 << 15),))
     loss = [g for g in plan.groups if g.kind == "reduction" and g.params["kind"] == "sum"]
     assert len(loss) == 1 and (loss[0].params["rows"], loss[0].params["cols"]) == (1, 1 << 18)
     assert loss[0].params["split"] == 16 and "16 chunks of 16384" in loss[0].reason
     lowering = Lowering(graph, plan, {})
     program = lowering.build(plan.groups, graph.inputs, graph.outputs)
     chunks, final = [code for g, code in lowering.kernels if g is loss[0]]
-    assert chunks.grid == 16 and "3 elementwise op(s) fused into the loads" in chunks.description
-    assert final.grid == 1 and "applied before the store" in final.description  # the batchmean division
+    assert chunks.grid == 16 and "1 elementwise op(s) fused into the loads" in chunks.description
+    assert final.grid == 1 and "applied before the store" in final.description  # the division
     for code in (chunks, final):
         jit.compile(code.source, code.name)
     program.validate()
     # Many rows already fill the GPU; short rows gain nothing: a block (or a warp) per row as before.
-    graph, plan = planned(LogitsKL(), (torch.randn(4, 64), torch.randn(4, 64)))
+    graph, plan = planned(SumOfSquares(), (torch.randn(4, 64),))
     assert not any("split" in g.params for g in plan.groups)
+
+
+def test_a_kl_divergence_of_log_softmaxes_reads_its_logits_once():
+    # kl_div's sum is over dim=[] (every element); its loads read two log-softmaxes nothing else reads:
+    # one kernel normalizes each row of both logits in registers and sums the loss terms, a second sums
+    # the rows' results and divides by the batch. The log-softmaxes are never stored.
+    graph, plan = planned(LogitsKL(), (torch.randn(8, 4096), torch.randn(8, 4096)))
+    (g,) = [g for g in plan.groups if g.kind == "reduction"]
+    assert [n.op.removeprefix("aten::") for n in g.nodes] == ["_log_softmax", "_log_softmax", "sub.Tensor", "exp",
+                                                               "mul.Tensor", "sum.dim_IntList", "div.Tensor"]
+    assert "reads each logits row once" in g.reason and "summed by a second kernel" in g.reason
+    lowering = Lowering(graph, plan, {})
+    program = lowering.build(plan.groups, graph.inputs, graph.outputs)
+    rows, final = [code for _, code in lowering.kernels]
+    assert rows.grid == 8 and [a for a in rows.args if a[0] == "in"] == [("in", "x0"), ("in", "x1")]
+    assert final.grid == 1 and "applied before the store" in final.description
+    for code in (rows, final):
+        jit.compile(code.source, code.name)
+    program.validate()
+    # The one intermediate is the rows' results (8 floats), not a log-softmax of the logits' size.
+    assert [b["shape"] for b in program.buffers if b["role"] == "intermediate"] == [[8]]
+    # A log-softmax that is also returned must be stored: it stays its own group.
+    class AlsoReturned(nn.Module):
+        def forward(self, s, t):
+            ls = F.log_softmax(s, dim=-1)
+            return F.kl_div(ls, F.log_softmax(t, dim=-1), reduction="sum", log_target=True), ls
+
+    graph, plan = planned(AlsoReturned(), (torch.randn(8, 4096), torch.randn(8, 4096)))
+    kinds = sorted(g.params["kind"] for g in plan.groups if g.kind == "reduction")
+    assert kinds == ["log_softmax", "sum"] and "normalized" in [g for g in plan.groups if g.kind == "reduction"
+                                                                 and g.params["kind"] == "sum"][0].params
 
 
 def test_data_dependent_control_flow_is_a_capture_error():

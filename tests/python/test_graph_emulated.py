@@ -18,8 +18,8 @@ from cpu_emulator.emulator import EmulatedJit, EmulatedModule, unavailable  # no
 
 from stitchcuda import jit  # noqa: E402
 from stitchcuda.graph.templates import (PointwiseInput, RowPrologue, column_reduction_kernel,  # noqa: E402
-                                        depthwise_conv_kernel, nchw_to_nhwc_kernel, pointwise_kernel,
-                                        row_reduction_kernel, split_rows)
+                                        depthwise_conv_kernel, nchw_to_nhwc_kernel, normalized_rows_kernel,
+                                        pointwise_kernel, row_reduction_kernel, split_rows)
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"CUDA emulator: {unavailable()}")
 
@@ -444,3 +444,31 @@ def test_the_nhwc_conversion_is_a_transpose_of_each_image(emu, shape):
 def test_the_nhwc_conversion_compiles_for_every_fusable_dtype(dtype):
     code = nchw_to_nhwc_kernel("to_nhwc", (2, 40, 9, 9), dtype)
     jit.compile(code.source, code.name)
+
+
+@pytest.mark.parametrize("rows, cols", [(3, 4096), (5, 512), (2, 16384)], ids=["block", "warp", "two-inputs-full"])
+def test_a_statistic_of_log_softmax_rows_normalizes_them_in_registers(emu, rows, cols):
+    # KL(t || s) per row from the logits: exp(lt) * (lt - ls) summed, ls and lt never stored.
+    torch.manual_seed(cols)
+    s, t = torch.randn(rows, cols) * 2, torch.randn(rows, cols) * 2
+    body = ["const float t0 = nrm1 - nrm0;", "const float t1 = expf(nrm1);", "const float t2 = t1 * t0;"]
+    code = normalized_rows_kernel("kl", "sum", rows, cols, ["log_softmax", "log_softmax"],
+                                  RowPrologue((rows, cols), [], body, "t2", ("nrm0", "nrm1")))
+    y = torch.full((rows,), float("nan"))
+    _run(emu, code, {"x0": s, "x1": t, "y": y})
+    ls, lt = torch.log_softmax(s.double(), -1), torch.log_softmax(t.double(), -1)
+    torch.testing.assert_close(y.double(), (lt.exp() * (lt - ls)).sum(-1), atol=1e-4, rtol=1e-4)
+
+
+def test_softmax_rows_with_an_operand_and_an_output_function(emu):
+    # max over the row of softmax(x) * w (w a per-column weight), then the output function 2 * value.
+    rows, cols = 4, 1024
+    torch.manual_seed(1)
+    x, w = torch.randn(rows, cols), torch.rand(cols)
+    prologue = RowPrologue((rows, cols), [PointwiseInput("in0", torch.float32, (0, 1))], ["const float t0 = nrm0 * in0;"],
+                           "t0", ("nrm0",))
+    output = RowPrologue((rows,), [], ["const float t1 = yv * 2.0f;"], "t1", ("yv",))
+    code = normalized_rows_kernel("sm", "amax", rows, cols, ["softmax"], prologue, output)
+    y = torch.full((rows,), float("nan"))
+    _run(emu, code, {"x0": x, "in0": w, "y": y})
+    torch.testing.assert_close(y, (torch.softmax(x, -1) * w).amax(-1) * 2, atol=1e-6, rtol=1e-5)

@@ -20,8 +20,8 @@ from .layout import channels_last_strides, is_channels_last
 from .layout import contiguous_strides as _contiguous_strides
 from .planner import Group, GraphPlan
 from .templates import (FUSABLE_DTYPES, POINTWISE_OPS, KernelCode, PointwiseInput, RowPrologue,
-                        column_reduction_kernel, depthwise_conv_kernel, nchw_to_nhwc_kernel, pointwise_kernel,
-                        pooling_kernel, row_reduction_kernel, scan_kernel)
+                        column_reduction_kernel, depthwise_conv_kernel, nchw_to_nhwc_kernel, normalized_rows_kernel,
+                        pointwise_kernel, pooling_kernel, row_reduction_kernel, scan_kernel)
 
 __all__ = ["LoweringError", "Lowering", "reference_values", "stream_values", "check_group", "tolerance"]
 
@@ -279,6 +279,9 @@ class Lowering:
         result = p.get("result") or node.out
         has_w = p.get("weight") is not None
         has_b = p.get("bias") is not None
+        if p.get("normalized"):
+            self._lower_normalized(g, x, result)
+            return
         prologue, epilogue, buffers = None, None, {}
         if p.get("prologue"):  # the elementwise ops producing x, computed on load: x is never stored
             inputs, buffers, body, var = self._elementwise(p["prologue"], tuple(x.shape))
@@ -330,6 +333,37 @@ class Lowering:
             buffers["bias"] = self.need(p["bias"], contiguous=True)
         buffers["y"] = self.produce(result)
         self._launch(g, code, buffers)
+
+    def _lower_normalized(self, g: Group, x: Value, result: Value) -> None:
+        """A statistic over elementwise ops of softmax / log-softmax rows (OfflinePlanner._normalized_inputs):
+        one kernel per normalized row reads the logits, normalizes them in registers and reduces the ops'
+        values; over the whole tensor, the rows' results are reduced by a second kernel (a mean of the
+        rows' means, equal rows; a sum of sums; a max of maxima)."""
+        p = g.params
+        names = {v.name: f"nrm{j}" for j, (v, _) in enumerate(p["normalized"])}
+        inputs, buffers, body, var = self._elementwise(p["prologue"], tuple(x.shape), names)
+        prologue = RowPrologue(tuple(x.shape), inputs, body, var[x.name], tuple(names.values()))
+        output = None
+        if p.get("output"):
+            known = {p["node"].out.name: "yv"}
+            o_inputs, more, o_body, o_var = self._elementwise(p["output"], tuple(p["node"].out.shape), known, "o")
+            output = RowPrologue(tuple(p["node"].out.shape), o_inputs, o_body, o_var[result.name], ("yv",))
+            buffers.update(more)
+        for j, (_, node) in enumerate(p["normalized"]):
+            buffers[f"x{j}"] = self.need(node.args[0], contiguous=True)
+        rows, cols = p["norm_rows"], p["norm_cols"]
+        whole = p["rows"] == 1 and p["rows"] != rows
+        norms = [node.op.removeprefix("aten::_") for _, node in p["normalized"]]
+        code = normalized_rows_kernel(self._name(f"{p['kind']}_norm", g), p["kind"], rows, cols, norms, prologue,
+                                      None if whole else output, torch.float32 if whole else result.dtype)
+        if not whole:
+            self._launch(g, code, {**buffers, "y": self.produce(result)})
+            return
+        partial = self.b.intermediate([rows], torch.float32)
+        self._launch(g, code, {**buffers, "y": partial})
+        final = row_reduction_kernel(self._name(p["kind"], g), p["kind"], 1, rows, torch.float32, result.dtype,
+                                     sm_count=self.sm_count, output=output)
+        self._launch(g, final, {**buffers, "x": partial, "y": self.produce(result)})
 
     def _lower_conv(self, g: Group) -> None:
         p = g.params

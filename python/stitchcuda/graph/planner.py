@@ -55,8 +55,8 @@ _FACTORY_OPS = {"aten::arange", "aten::arange.start", "aten::arange.start_step",
 _FACTORY_FOLD_BYTES = 64 << 20
 _REDUCTION_OPS = {"aten::_softmax": "softmax", "aten::_log_softmax": "log_softmax",
                   "aten::native_layer_norm": "layer_norm", "aten::native_group_norm": "group_norm",
-                  "aten::sum.dim_IntList": "sum",
-                  "aten::mean.dim": "mean", "aten::amax": "amax", "aten::amin": "amin"}
+                  "aten::sum.dim_IntList": "sum", "aten::sum": "sum",  # the second: over every element
+                  "aten::mean.dim": "mean", "aten::mean": "mean", "aten::amax": "amax", "aten::amin": "amin"}
 _POOL_OPS = {"aten::avg_pool2d": "avg", "aten::max_pool2d_with_indices": "max", "aten::max_pool2d": "max"}
 _SCAN_OPS = {"aten::cumsum": "cumsum", "aten::cumprod": "cumprod"}
 
@@ -270,8 +270,8 @@ class OfflinePlanner:
             if g.kind == "pointwise":
                 ops = ", ".join(n.op.removeprefix("aten::") for n in g.nodes)
                 g.reason = f"{len(g.nodes)} elementwise op(s) ({ops}) fused into one kernel"
-        plan = GraphPlan(self._online_sum_exp(self._row_epilogues(groups, outputs), outputs), decisions,
-                         matmul_precision)
+        plan = GraphPlan(self._normalized_inputs(self._online_sum_exp(self._row_epilogues(groups, outputs), outputs),
+                                                 outputs), decisions, matmul_precision)
         from .layout import channels_last_values  # it reads groups: imported here, after this module
 
         plan.channels_last = channels_last_values(graph, plan.groups)
@@ -354,6 +354,61 @@ class OfflinePlanner:
                 return None
             return i
         return None
+
+    @staticmethod
+    def _normalized_inputs(groups: list[Group], outputs: set[str]) -> list[Group]:
+        """A statistic whose fused elementwise loads read softmax / log-softmax rows that nothing else
+        reads (a KL divergence between two log-softmaxes, summed): the normalizations move into the
+        statistic's kernel, which reads each logits row once into registers, normalizes it there and
+        evaluates the elementwise ops on the normalized values; they are never stored and read back.
+        Over each normalized row (the rows of the normalization), or over the whole tensor (each row's
+        result then summed by a second kernel, as a split row is)."""
+        out: list[Group] = []
+        moved: set[int] = set()
+        for g in groups:
+            p = g.params
+            norms = []
+            if g.kind == "reduction" and p.get("kind") in ("sum", "mean", "amax", "amin") and p.get("prologue") \
+                    and not p.get("epilogue") and p.get("layout") != "column":
+                inside = {id(n) for n in p["prologue"]}
+                made = {v.name for n in p["prologue"] for v in n.outputs if v is not None}
+                read = {v.name: v for n in p["prologue"] for v in n.inputs if v.name not in made}
+                shape = tuple(p["node"].args[0].shape)
+                for v in read.values():
+                    src = next((c for c in out if c.kind == "reduction" and c.params.get("node") is not None
+                                and c.params["node"].out is v), None)
+                    if src is None or id(src) in moved:
+                        continue
+                    q = src.params
+                    x = q["node"].args[0]
+                    if q.get("kind") in ("softmax", "log_softmax") and not q.get("prologue") and not q.get("output") \
+                            and v.name not in outputs and all(id(u) in inside for u in v.users) \
+                            and tuple(v.shape) == shape and v.dtype == x.dtype == torch.float32 \
+                            and x.is_contiguous() and q["cols"] == x.shape[-1]:
+                        norms.append((v, src))
+            if norms:
+                cols = norms[0][1].params["cols"]
+                rows = norms[0][1].params["rows"]
+                whole = p["rows"] == 1 and p["cols"] == rows * cols
+                fits = all(src.params["cols"] == cols for _, src in norms) and cols % 4 == 0 \
+                    and CACHED_ROW_MIN <= cols and cols * len(norms) <= CACHED_ROW_MAX \
+                    and (whole or (p["rows"], p["cols"]) == (rows, cols))
+                if fits:
+                    for _, src in norms:
+                        moved.add(id(src))
+                    kinds = ", ".join(src.params["kind"] for _, src in norms)
+                    params = {k: v for k, v in p.items() if k != "split"}
+                    params["normalized"] = [(v, src.params["node"]) for v, src in norms]
+                    params["norm_rows"], params["norm_cols"] = rows, cols
+                    reason = (f"{p['kind']} over {p['rows']} rows of {p['cols']} of {len(p['prologue'])} elementwise "
+                              f"op(s) reading {kinds} rows of {cols}: one kernel reads each logits row once into "
+                              "registers, normalizes it there and never stores the normalized values"
+                              + ("; each row's result summed by a second kernel" if whole else "")
+                              + (f"; then {len(p['output'])} elementwise op(s) applied before the store"
+                                 if p.get("output") else ""))
+                    g = Group("reduction", [n for _, src in norms for n in src.nodes] + g.nodes, reason, params)
+            out.append(g)
+        return [g for g in out if id(g) not in moved]
 
     @staticmethod
     def _online_sum_exp(groups: list[Group], outputs: set[str]) -> list[Group]:

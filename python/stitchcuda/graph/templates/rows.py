@@ -522,3 +522,107 @@ def _cached_prologue(name: str, prologue: RowPrologue, kinds: list[str] | None) 
         L.append("  }")
     L += ["  return out;", "}"]
     return L
+
+
+# ---- normalized rows feeding a row statistic ----
+
+NORMALIZED_ROW_VALUES = CACHED_ROW_MAX  # row elements held in registers, summed over the normalized inputs
+
+
+def normalized_rows_kernel(name: str, kind: str, rows: int, cols: int, norms: list[str], prologue: RowPrologue,
+                           output: RowPrologue | None = None, out_dtype: torch.dtype = torch.float32) -> KernelCode:
+    """sum / mean / amax / amin over each of `rows` rows of `cols` of an elementwise `prologue` that reads
+    softmax or log-softmax rows (`norms[j]`: the kind of normalized input j) of fp32 inputs x0, x1, ..,
+    besides its own inputs: each x_j row is read once into registers (float4 loads), normalized there
+    (its max, then its sum of exponentials), and the prologue evaluated on the normalized values without
+    ever storing them — a KL divergence between two log-softmaxes in one read of its logits. The prologue
+    names the normalized values `nrm0`, `nrm1`.. (its `extra`). One value per row is stored, through
+    `output` when given. Arguments: x0.., the prologue's inputs, [output's inputs], y, rows, cols."""
+    if kind not in ("sum", "mean", "amax", "amin"):
+        raise ValueError(f"a statistic of normalized rows is sum, mean, amax or amin, not '{kind}'")
+    if not norms or any(n not in ("softmax", "log_softmax") for n in norms):
+        raise ValueError(f"normalized inputs are softmax or log_softmax rows, got {norms}")
+    if prologue.extra != tuple(f"nrm{j}" for j in range(len(norms))):
+        raise ValueError(f"the prologue must read nrm0..nrm{len(norms) - 1} as its extra values, got {prologue.extra}")
+    if cols % 4 or cols < CACHED_ROW_MIN or cols * len(norms) > NORMALIZED_ROW_VALUES:
+        raise ValueError(f"{len(norms)} normalized row(s) of {cols} do not fit the registers (a multiple of 4, "
+                         f"{CACHED_ROW_MIN} to {NORMALIZED_ROW_VALUES} values in all)")
+    c4 = cols // 4
+    if c4 <= 256:
+        tpr, rpb = 32, 8
+    else:
+        tpr, rpb = 128, 1
+        while tpr < 1024 and tpr * 4 < c4:
+            tpr *= 2
+    vpt = -(-c4 // tpr)
+    inf = "__int_as_float(0x7f800000)"
+    params = [f"const float* __restrict__ x{j}" for j in range(len(norms))] + prologue.params()
+    if output:
+        params += output.params()
+    params += [f"{_CTYPE[out_dtype]}* __restrict__ y", "long long rows", "long long cols"]
+    aligned = " | ".join(f"reinterpret_cast<unsigned long long>(x{j} + row * cols)" for j in range(len(norms)))
+    L = [_PRELUDE, _ROW_PRELUDE,
+         f"// {name}: {kind} over rows of {cols} of {len(prologue.body)} elementwise op(s) reading "
+         + ", ".join(f"{n}(x{j})" for j, n in enumerate(norms)) + ", each row read once into registers",
+         f"#define TPR {tpr}", f"#define RPB {rpb}", f"#define WARPS {tpr // 32}", f"#define VPT {vpt}",
+         f"#define C4 {c4}", f"#define COLS {cols}LL",
+         _BLOCK_PRELUDE if tpr > 32 else _WARP_ROW_PRELUDE,
+         "__device__ __forceinline__ float4 load4(const float* p, int c4, bool vec) {",
+         "  return vec ? reinterpret_cast<const float4*>(p)[c4] : make_float4(p[4 * c4], p[4 * c4 + 1], p[4 * c4 + 2], p[4 * c4 + 3]);",
+         "}",
+         *prologue.value_function(name),
+         *(output.value_function(name, "o") if output else []),
+         f'extern "C" __global__ void __launch_bounds__(TPR * RPB) {name}({", ".join(params)}) {{',
+         "  const long long row = (long long)blockIdx.x * RPB + threadIdx.x / TPR;",
+         "  const int t = threadIdx.x % TPR;",
+         "  if (row >= rows) return;",
+         "  __shared__ float sh[WARPS];",
+         f"  const bool vec = (({aligned}) & 15ULL) == 0;"]
+    for j, norm in enumerate(norms):
+        v = f"v{j}"
+        L += [f"  float4 {v}[VPT];",
+              "#pragma unroll",
+              "  for (int k = 0; k < VPT; ++k) {",
+              "    const int c = t + k * TPR;",
+              f"    {v}[k] = c < C4 ? load4(x{j} + row * cols, c, vec) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);",
+              "  }",
+              f"  float m{j} = -{inf};",
+              "#pragma unroll",
+              "  for (int k = 0; k < VPT; ++k) {",
+              "    if (t + k * TPR >= C4) break;",
+              f"    m{j} = nanmax(m{j}, nanmax(nanmax({v}[k].x, {v}[k].y), nanmax({v}[k].z, {v}[k].w)));",
+              "  }",
+              f"  m{j} = block_max(m{j}, sh);",
+              f"  float s{j} = 0.0f;",
+              "#pragma unroll",
+              "  for (int k = 0; k < VPT; ++k) {",
+              "    if (t + k * TPR >= C4) break;",
+              f"    s{j} += (expf({v}[k].x - m{j}) + expf({v}[k].y - m{j})) + (expf({v}[k].z - m{j}) + expf({v}[k].w - m{j}));",
+              "  }",
+              f"  s{j} = block_sum(s{j}, sh);",
+              # the same arithmetic as the softmax / log-softmax kernels: one subtraction, or exp times 1/sum
+              f"  const float f{j} = {'m' + str(j) + ' + logf(s' + str(j) + ')' if norm == 'log_softmax' else '1.0f / s' + str(j)};"]
+    init = {"sum": "0.0f", "mean": "0.0f", "amax": f"-{inf}", "amin": inf}[kind]
+    step = {"sum": "a += {}", "mean": "a += {}", "amax": "a = nanmax(a, {})", "amin": "a = nanmin(a, {})"}[kind]
+    L += [f"  float a = {init};",
+          "#pragma unroll",
+          "  for (int k = 0; k < VPT; ++k) {",
+          "    if (t + k * TPR >= C4) break;",
+          "    const long long i = row * COLS + 4LL * (t + k * TPR);"]
+    for n, lane in enumerate("xyzw"):
+        values = ", ".join(f"v{j}[k].{lane} - f{j}" if norm == "log_softmax" else f"expf(v{j}[k].{lane} - m{j}) * f{j}"
+                           for j, norm in enumerate(norms))
+        L.append("    " + step.format(f"{name}_x(i + {n}, {values}{prologue.pointers()})") + ";")
+    L.append("  }")
+    L.append("  a = " + {"sum": "block_sum", "mean": "block_sum", "amax": "block_max", "amin": "block_min"}[kind]
+             + "(a, sh);" + (" a /= (float)cols;" if kind == "mean" else ""))
+    value = "a" if output is None else f"{name}_o(row, a{output.pointers()})"
+    L += [f"  if (t == 0) st(y, row, {value});", "}"]
+    args = [("in", f"x{j}") for j in range(len(norms))] + [("in", i.key) for i in prologue.inputs]
+    if output:
+        args += [("in", i.key) for i in output.inputs]
+    args += [("out", "y"), ("i64", rows), ("i64", cols)]
+    return KernelCode("\n".join(L) + "\n", name, -(-rows // rpb), tpr * rpb, args,
+                      f"{kind} over {rows} rows of {cols} of {len(prologue.body)} elementwise op(s) over "
+                      + " and ".join(f"{n} rows" for n in norms) + f" held in registers ({vpt} float4 per "
+                      "thread per input): each input read once, the normalized values never stored", vectorized=True)
