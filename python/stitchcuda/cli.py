@@ -129,7 +129,7 @@ def _bench_suite(args: argparse.Namespace) -> int:
         return int(suite.run_suite(args.suite, folder=args.dir, only=args.only, chunk=args.chunk,
                                    results=args.results, json_output=args.json, llm=args.llm, csv=args.csv,
                                    html=args.html, compile_only=args.compile_only, gpus=args.gpus,
-                                   scaling=args.scaling, queue=args.queue))
+                                   scaling=args.scaling, queue=args.queue, precision=args.precision))
     module = importlib.import_module(f"stitchcuda.bench.{args.suite}")
     return int(module.run(json_output=args.json))
 
@@ -175,6 +175,9 @@ def _model_bench_options(sub: argparse.ArgumentParser, default_dir: str) -> None
     sub.add_argument("--scaling", action="store_true",
                      help="run the problems on 1 GPU, then on --gpus N, and report the wall times, the "
                           "efficiency and whether each problem's results agree")
+    sub.add_argument("--precision", choices=("fp32", "tf32", "bf16"), default="fp32",
+                     help="torch's matmul/cuDNN flags for every column and optimize(precision=...): fp32 (TF32 "
+                          "off, default), tf32, bf16; the tolerance follows (docs/graph.md)")
     sub.add_argument("--queue", metavar="DIR", type=Path, default=None,
                      help=argparse.SUPPRESS)  # a --gpus run's shared queue, given to its bench processes
 

@@ -18,7 +18,13 @@ Options (flags win over the environment):
                    already in the file is not run again, so a killed run continues where it stopped (delete
                    a problem's line to measure it again; one file per folder). The table and summary cover
                    every row in the file that matches the selected problems. Only rows made the same
-                   way are reused (ROW_SETTINGS: timed or compile-only, the same --llm).
+                   way are reused (ROW_SETTINGS: timed or compile-only, the same --llm). A file holding
+                   rows of another --precision is refused (exit 2): precisions never share a file (a row
+                   without a precision is fp32).
+  --precision P    fp32 (default), tf32 or bf16: torch's flags for every column of each problem, set around
+                   its columns and restored after (precision_flags, TORCH_FLAGS), and optimize(precision=P);
+                   outputs are judged under the tolerance for P (verify.tolerance). --compile-only plans with
+                   OfflinePlanner(precision=P).
   --llm SPEC       a further column: optimize(model, inputs, llm=SPEC), the agents after the offline plan
                    (agents_ms, agents_correct, speedup_agents, agents_s, agents_run_dir, and per target
                    the winner and every attempt's speed-up over the target's ATen ops).
@@ -43,7 +49,7 @@ Options (flags win over the environment):
                    stages and correctness the same, AGREEMENT_COLUMNS within SPEEDUP_TOLERANCE). Not with
                    --results (exit 2): a resumed run's wall time means nothing.
   --queue DIR      (internal) makes this process one of a --gpus run's: it takes its problems from DIR.
-  --json           one JSON object on stdout: {device, suite_dir, tolerance, repeats, resumed,
+  --json           one JSON object on stdout: {device, suite_dir, precision, torch_flags, tolerance, repeats, resumed,
                    summary: {overall, classes: {name: {...}}}, models: [row, ...]}; without a GPU (exit 3),
                    with no folder, nothing selected or a bad STITCHCUDA_SUITE_CHUNK (exit 2) it is
                    {"error": "..."} (a bad flag is argparse's usage error on stderr, exit 2).
@@ -58,12 +64,24 @@ example inputs and get_inputs() again under torch.manual_seed(1) and (2), each a
 eager_peak_bytes (the peak allocated during one warm eager forward, the second, above what was allocated
 before it), optimize_peak_bytes (the same around the optimize call; this process's allocations only, not
 the isolated Verifier worker's), largest_tensor_bytes (the largest single input or eager output) and
-memory_ratio = optimize peak / (eager peak + 2 x largest tensor), whose target is <= 1.
+memory_ratio = optimize peak / (eager peak + 2 x largest tensor), whose target is <= 1; `precision`, and
+`matmuls` (the planner's decision: "matmuls in true fp32", "matmuls may use tf32", ...).
+
+Error against exact arithmetic (err_fp64): one fp64 reference per problem, a deep copy of the model and
+the example inputs cast to float64 on the GPU (fp64_reference; skipped, with the reason in fp64_note,
+when the float64 weights, inputs and outputs would exceed FP64_BUDGET_BYTES, or when the model does not
+run in float64), and for each column on the example inputs (eager, compile, reduce_overhead, stitch,
+agents) {max_abs, max_rel, tolerance_used}: max |got - ref|, that over max |ref| (norm-wise: elementwise
+ratios explode near zero), and the largest share of the precision's tolerance (atol + rtol * |ref|) an
+element uses (<= 1: within it), the worst output of each. A StitchCUDA that falls back to eager has
+eager's error. The summary gives the median max_rel per column and the median ratio StitchCUDA / eager.
 
 Timing: the Verifier's protocol (stitchcuda.verify.measure: CUDA events, warm-up calls first, L2 flushed
 and persisting L2 reset before every trial), median of 30. Outputs are compared by the Verifier's
-comparator under its tolerance table (fp32: atol = rtol = 1e-4). Matmuls and cuDNN
-convolutions run in true fp32 (TF32 off) for every column, so the comparison and the tolerance are fair.
+comparator under its tolerance table for the precision (fp32: atol = rtol = 1e-4; tf32 and bf16: 1e-2
+for every float output). At fp32 matmuls and cuDNN convolutions run in true fp32 (TF32 off) for every
+column, so the comparison and the tolerance are fair; at tf32 and bf16 every column runs with the same
+flags (TORCH_FLAGS).
 An optimized problem is correct only if all three input sets match; one whose optimize falls back to
 eager counts as correct at its eager time (status "eager"); a wrong StitchCUDA result counts as 1x in the
 geomeans.
@@ -96,6 +114,9 @@ the baseline is strictly greater than p — against eager and against the best c
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import copy
 import gc
 import glob
 import importlib.util
@@ -133,6 +154,22 @@ BENCHES = ("suite", "kernelbench")  # the folders under bench/ this runner knows
 LEVEL_FOLDER = re.compile(r"level\d+")
 FAST_P = (0.0, 0.5, 1.0)  # the thresholds of fast_p in the summary
 ROW_PREFIX = "[suite-row] "  # a finished row on stderr, as one JSON line after this prefix
+
+# --precision: torch's flags for every column of a problem (eager, both torch.compile modes, StitchCUDA),
+# and optimize(precision=...) for StitchCUDA. float32_matmul_precision "highest" is allow_tf32 off, "high"
+# TF32 matmuls; "medium" lets fp32 matmuls use bf16 where torch has such a path (in torch 2.11 oneDNN's
+# CPU matmuls; its CUDA matmuls then use TF32).
+TORCH_FLAGS = {"fp32": {"float32_matmul_precision": "highest", "cudnn_allow_tf32": False},
+               "tf32": {"float32_matmul_precision": "high", "cudnn_allow_tf32": True},
+               "bf16": {"float32_matmul_precision": "medium", "cudnn_allow_tf32": True}}
+PRECISION_WORDS = {  # the table's header
+    "fp32": "fp32: TF32 off for matmuls and convolutions in every column",
+    "tf32": "tf32: TF32 matmuls and cuDNN convolutions in every column, StitchCUDA's matmuls in TF32",
+    "bf16": "bf16: torch at float32_matmul_precision 'medium' with cuDNN TF32 in every column, StitchCUDA's "
+            "matmuls in bf16"}
+# The fp64 reference is skipped when its float64 weights, inputs and outputs would exceed this.
+FP64_BUDGET_BYTES = 8 << 30
+ERROR_COLUMNS = ("eager", "compile", "reduce_overhead", "stitch", "agents")  # the keys of a row's err_fp64
 
 
 def problem_class(stem: str) -> str:
@@ -221,10 +258,62 @@ def _time_ms(fn: Callable[[], Any], warmup: int = 3, repeats: int = REPEATS) -> 
     return measure(fn, repeats=repeats, warmup=warmup).median_ms
 
 
-def _fp32_tolerance() -> tuple[float, float]:
+def _tolerance(precision: str = "fp32") -> tuple[float, float]:
+    """(atol, rtol) for an fp32 output at `precision` (the Verifier's table)."""
     from ..verify.tolerance import tolerance
 
-    return tolerance(torch.float32)
+    return tolerance(torch.float32, precision)
+
+
+# torch's per-backend fp32_precision settings, the API beside the legacy flags (where this torch has them).
+_PRECISION_KNOBS = ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn", "mkldnn.matmul", "mkldnn.conv",
+                    "mkldnn.rnn")
+
+
+def _precision_knobs() -> list[Any]:
+    knobs = []
+    for path in _PRECISION_KNOBS:
+        knob: Any = torch.backends
+        for part in filter(None, path.split(".")):
+            knob = getattr(knob, part, None)
+        if knob is not None and hasattr(knob, "fp32_precision"):
+            knobs.append(knob)
+    return knobs
+
+
+def _readable(get: Callable[[], Any]) -> Any:
+    """A legacy flag's value, or None where torch refuses to read it (it was set through both APIs)."""
+    try:
+        return get()
+    except RuntimeError:
+        return None
+
+
+@contextlib.contextmanager
+def precision_flags(precision: str):
+    """torch's flags at `precision` (TORCH_FLAGS) for the block, restored on the way out, also when the
+    block raises. Both of torch's APIs are saved: the legacy flags (float32_matmul_precision,
+    cudnn.allow_tf32) and the per-backend fp32_precision settings they shadow, so the caller's settings
+    come back as they were (a state that already mixed the two APIs, which torch refuses to read, reads
+    consistently afterwards, with the same per-backend settings). Yields the flags."""
+    if precision not in TORCH_FLAGS:
+        raise ValueError(f"precision must be one of {', '.join(TORCH_FLAGS)}, not {precision!r}")
+    flags = TORCH_FLAGS[precision]
+    knobs = _precision_knobs()
+    saved = [knob.fp32_precision for knob in knobs]
+    matmul = _readable(torch.get_float32_matmul_precision)
+    cudnn = _readable(lambda: torch.backends.cudnn.allow_tf32)
+    try:
+        torch.set_float32_matmul_precision(flags["float32_matmul_precision"])
+        torch.backends.cudnn.allow_tf32 = flags["cudnn_allow_tf32"]
+        yield flags
+    finally:
+        if matmul is not None:
+            torch.set_float32_matmul_precision(matmul)
+        if cudnn is not None:
+            torch.backends.cudnn.allow_tf32 = cudnn
+        for knob, value in zip(knobs, saved):
+            knob.fp32_precision = value
 
 
 def _first_line(exc: BaseException) -> str:
@@ -232,9 +321,9 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:300]
 
 
-def _compare(got: Any, want: Any) -> tuple[bool, float, str]:
+def _compare(got: Any, want: Any, precision: str = "fp32") -> tuple[bool, float, str]:
     """(all close, max |error|, what differs first) for two output structures, by the Verifier's
-    comparator and tolerance table (the suite runs in true fp32)."""
+    comparator and its tolerance table at `precision`."""
     from ..verify.compare import first_difference, largest_error, max_abs_error
     from ..verify.tolerance import tolerance
 
@@ -249,7 +338,7 @@ def _compare(got: Any, want: Any) -> tuple[bool, float, str]:
             return False, math.inf, f"output {i}: {getattr(g, 'dtype', type(g))} {list(getattr(g, 'shape', []))}, " \
                                     f"eager {w.dtype} {list(w.shape)}"
         worst = max(worst, max_abs_error(g, w))
-        if ok and first_difference(str(i), g, w, *tolerance(w.dtype)) is not None:
+        if ok and first_difference(str(i), g, w, *tolerance(w.dtype, precision)) is not None:
             ok = False
             err, idx = largest_error(g, w)
             detail = (f"output {i}: max |error| {err:.3g} at flat index {idx} (eager "
@@ -291,6 +380,127 @@ def memory_ratio(optimize_peak: int | None, eager_peak: int | None, largest: int
         return None
     budget = eager_peak + 2 * largest
     return optimize_peak / budget if budget > 0 else None
+
+
+# ---- error against exact arithmetic ----
+
+
+def _float64(value: Any) -> Any:
+    return pytree.tree_map(lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, value)
+
+
+def _fp64_bytes(*structures: Any) -> int:
+    """The bytes of the tensors in `structures` once every floating one is float64."""
+    tensors = [t for s in structures for t in pytree.tree_flatten(s)[0] if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * (8 if t.is_floating_point() else t.element_size()) for t in tensors)
+
+
+def fp64_reference(model: torch.nn.Module, inputs: tuple, outputs: Any,
+                   budget: int = FP64_BUDGET_BYTES) -> tuple[Any, str]:
+    """(the model's outputs on `inputs` in float64, in host memory; a note, "" or what the reference is
+    not) from a deep copy of the model and the inputs cast to float64 on their device; or (None, why
+    there is none): the float64 weights, inputs and `outputs` (eager's) would take more than `budget`
+    bytes, or the model cannot be copied to or run in float64. The copy is dropped before returning."""
+    need = _fp64_bytes([*model.parameters(), *model.buffers()], inputs, outputs)
+    if need > budget:
+        return None, (f"skipped: the float64 weights, inputs and outputs would take {need / 2**30:.1f} GiB, above the "
+                      f"{budget / 2**30:g} GiB budget")
+    try:
+        wide = copy.deepcopy(model).double()
+    except Exception as exc:
+        return None, f"skipped: the model cannot be copied to float64 ({_first_line(exc)})"
+    try:
+        with torch.no_grad():
+            ref = wide(*_float64(inputs))
+    except Exception as exc:  # an op without a float64 kernel, a tensor the model makes in fp32, out of memory
+        return None, f"skipped: the model does not run in float64 ({_first_line(exc)})"
+    finally:
+        del wide
+    flat = pytree.tree_flatten(ref)[0]
+    narrow = [i for i, t in enumerate(flat)
+              if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64]
+    note = (f"output(s) {narrow} are {flat[narrow[0]].dtype} in the float64 run (the model casts): their error is "
+            "against that" if narrow else "")
+    return pytree.tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, ref), note
+
+
+def fp64_errors(got: Any, ref: Any, precision: str = "fp32") -> dict | None:
+    """{max_abs, max_rel, tolerance_used} of `got` (a column's outputs) against `ref` (fp64_reference's),
+    the worst floating output of each: max |got - ref|; that over max |ref| (norm-wise: elementwise ratios
+    explode near zero); the largest share of atol + rtol * |ref| an element uses, under the tolerance
+    for the output's dtype at `precision` (<= 1: within it). Computed on got's device, in slices.
+    None when the reference has no floating output; infinite when the outputs differ in number or shape."""
+    from ..verify.compare import CHUNK_ELEMENTS, abs_error, tolerance_used
+    from ..verify.tolerance import tolerance
+
+    got_flat, ref_flat = pytree.tree_flatten(got)[0], pytree.tree_flatten(ref)[0]
+    floats = [i for i, r in enumerate(ref_flat) if isinstance(r, torch.Tensor) and r.is_floating_point()]
+    if not floats:
+        return None
+    out = {"max_abs": 0.0, "max_rel": 0.0, "tolerance_used": 0.0}
+    if len(got_flat) != len(ref_flat):
+        return dict.fromkeys(out, math.inf)
+    for i in floats:
+        g, r = got_flat[i], ref_flat[i]
+        if not isinstance(g, torch.Tensor) or g.shape != r.shape:
+            return dict.fromkeys(out, math.inf)
+        atol, rtol = tolerance(g.dtype if g.is_floating_point() else torch.float32, precision)
+        g_flat, r_flat = g.detach().reshape(-1), r.reshape(-1)
+        worst = scale = used = 0.0
+        for start in range(0, r_flat.numel(), CHUNK_ELEMENTS):
+            rc, gc = r_flat[start:start + CHUNK_ELEMENTS].to(g.device), g_flat[start:start + CHUNK_ELEMENTS]
+            worst = max(worst, float(abs_error(gc, rc).max()))
+            finite = rc[torch.isfinite(rc)]
+            if finite.numel():
+                scale = max(scale, float(finite.abs().max()))
+            used = max(used, tolerance_used(gc, rc, atol, rtol))
+        out["max_abs"] = max(out["max_abs"], worst)
+        out["max_rel"] = max(out["max_rel"], worst / scale if scale > 0 else worst)
+        out["tolerance_used"] = max(out["tolerance_used"], used)
+    return out
+
+
+def _record_error(row: dict, column: str, got: Any, reference: Any) -> None:
+    """The column's error against the fp64 reference into row["err_fp64"] (nothing without a reference)."""
+    if reference is None:
+        return
+    try:
+        errors = fp64_errors(got, reference, row.get("precision", "fp32"))
+    except Exception as exc:  # out of memory for a slice: the column has no error, the row says why
+        row.setdefault("fp64_errors", {})[column] = _first_line(exc)
+        return
+    if errors is not None:
+        row["err_fp64"][column] = errors
+
+
+def _fp64_column(row: dict, model: torch.nn.Module, inputs: tuple, want: Any) -> Any:
+    """The problem's fp64 reference (fp64_reference) and eager's error against it; records err_fp64
+    (None when there is no reference) and fp64_note. Returns the reference or None."""
+    try:
+        reference, note = fp64_reference(model, inputs, want)
+    except Exception as exc:  # a bug here is the row's note, never the run's end
+        reference, note = None, f"skipped: {_first_line(exc)}"
+    _free_gpu()  # the float64 copy of the model
+    row["err_fp64"] = {} if reference is not None else None
+    if note:
+        row["fp64_note"] = note
+    _record_error(row, "eager", want, reference)
+    return reference
+
+
+# Where _compiled_ms hands the first call's output: reduce-overhead's output lives in its CUDA graph's pool
+# and the next replay overwrites it, so its error is taken there, before the timing.
+_FIRST_OUTPUT: contextvars.ContextVar[Callable[[Any], None] | None] = contextvars.ContextVar("first_output",
+                                                                                           default=None)
+
+
+@contextlib.contextmanager
+def _first_output_to(receive: Callable[[Any], None] | None):
+    token = _FIRST_OUTPUT.set(receive)
+    try:
+        yield
+    finally:
+        _FIRST_OUTPUT.reset(token)
 
 
 # ---- work: FLOPs and bytes for the roofline ----
@@ -387,27 +597,35 @@ def _compiled_ms(model, inputs, mode: str | None) -> tuple[float, float]:
     compiled = torch.compile(model, mode=mode) if mode else torch.compile(model)
     with torch.no_grad():
         t0 = time.perf_counter()
-        compiled(*inputs)  # compiles (and, for reduce-overhead, starts recording CUDA graphs)
+        out = compiled(*inputs)  # compiles (and, for reduce-overhead, starts recording CUDA graphs)
         first_s = time.perf_counter() - t0
+        receive = _FIRST_OUTPUT.get()
+        if receive is not None:
+            receive(out)
+        del out
         return _time_ms(lambda: compiled(*inputs), warmup=5), first_s
 
 
-def _compile_columns(row: dict, model: torch.nn.Module, inputs: tuple) -> None:
+def _compile_columns(row: dict, model: torch.nn.Module, inputs: tuple, reference: Any = None) -> None:
     for key, mode in (("compile_ms", None), ("reduce_overhead_ms", "reduce-overhead")):
+        column = key.removesuffix("_ms")
+        receive = (lambda out, column=column: _record_error(row, column, out, reference)) if reference is not None \
+            else None
         try:
-            row[key], first_s = _compiled_ms(model, inputs, mode)
+            with _first_output_to(receive):
+                row[key], first_s = _compiled_ms(model, inputs, mode)
             row[key.removesuffix("_ms") + "_first_call_s"] = round(first_s, 2)
         except Exception as exc:  # no compiler toolchain, a dynamo failure, out of memory: the row says so
             row["errors"][key.removesuffix("_ms")] = _first_line(exc)
         _free_gpu()  # the compiled graphs (and reduce-overhead's CUDA-graph pool) go before the next column
 
 
-def _check_set(name: str, run: Callable[[], tuple[Any, Any]]) -> dict:
+def _check_set(name: str, run: Callable[[], tuple[Any, Any]], precision: str = "fp32") -> dict:
     """One input set's verdict; `run` returns (StitchCUDA's outputs, eager's). Errors are the verdict."""
     try:
         with torch.no_grad():
             got, want = run()
-            ok, worst, detail = _compare(got, want)
+            ok, worst, detail = _compare(got, want, precision)
     except Exception as exc:  # out of memory on a fresh set, a failing replay: this set is not correct
         return {"inputs": name, "correct": False, "error": _first_line(exc)}
     entry: dict[str, Any] = {"inputs": name, "correct": ok, "max_abs_error": worst}
@@ -423,14 +641,21 @@ def _fresh_set(module: ModuleType, model: torch.nn.Module, fast: Any, seed: int)
     return fast(*inputs), want
 
 
-def _input_sets(module: ModuleType, model: torch.nn.Module, fast: Any, inputs: tuple, want: Any) -> list[dict]:
+def _input_sets(module: ModuleType, model: torch.nn.Module, fast: Any, inputs: tuple, want: Any,
+                precision: str = "fp32") -> list[dict]:
     """StitchCUDA against eager on the example inputs and on get_inputs() under each of FRESH_SEEDS: a
-    program that is right for one set of values only (a stale buffer, a baked-in constant) fails here."""
-    sets = [_check_set("example", lambda: (fast(*inputs), want))]
+    program that is right for one set of values only (a stale buffer, a baked-in constant) fails here.
+    Judged under the tolerance for `precision`."""
+    sets = [_check_set("example", lambda: (fast(*inputs), want), precision)]
     for seed in FRESH_SEEDS:
-        sets.append(_check_set(f"seed={seed}", lambda seed=seed: _fresh_set(module, model, fast, seed)))
+        sets.append(_check_set(f"seed={seed}", lambda seed=seed: _fresh_set(module, model, fast, seed), precision))
         gc.collect()  # the fresh set's tensors and outputs go before the next one
     return sets
+
+
+def _matmul_decision(report: Any) -> str | None:
+    """The planner's decision on matmul precision ("matmuls in true fp32", "matmuls may use tf32", ...)."""
+    return next((d for d, _ in getattr(report, "decisions", None) or [] if str(d).startswith("matmuls")), None)
 
 
 def _record_report(row: dict, fast: Any) -> None:
@@ -438,22 +663,28 @@ def _record_report(row: dict, fast: Any) -> None:
     kinds = sorted({g["kind"] for g in report.groups})
     row.update(status=report.status, reason=report.reason, fallbacks=len(report.fallbacks),
                groups={k: sum(g["kind"] == k for g in report.groups) for k in kinds})
+    matmuls = _matmul_decision(report)
+    if matmuls:
+        row["matmuls"] = matmuls
     if fast.program is not None:
         row["replay"] = fast.program.replay["mode"]  # graph or direct, as measured by optimize
 
 
-def _stitch_column(row: dict, module: ModuleType, model: torch.nn.Module, inputs: tuple, want: Any) -> None:
+def _stitch_column(row: dict, module: ModuleType, model: torch.nn.Module, inputs: tuple, want: Any,
+                   reference: Any = None) -> None:
     from ..graph import optimize
 
+    precision = row.get("precision", "fp32")
     try:
         t0 = time.perf_counter()
-        fast, row["optimize_peak_bytes"] = _peak_bytes(lambda: optimize(model, inputs, measure=False, progress=False))
+        fast, row["optimize_peak_bytes"] = _peak_bytes(lambda: optimize(model, inputs, measure=False, progress=False,
+                                                                        precision=precision))
         row["optimize_s"] = time.perf_counter() - t0
         row["memory_ratio"] = memory_ratio(row["optimize_peak_bytes"], row.get("eager_peak_bytes"),
                                            row.get("largest_tensor_bytes"))
         _record_report(row, fast)
         if fast.report.status == "optimized":
-            sets = _input_sets(module, model, fast, inputs, want)
+            sets = _input_sets(module, model, fast, inputs, want, precision)
             errors = [s["max_abs_error"] for s in sets if "max_abs_error" in s]
             row.update(input_sets=sets, correct=all(s["correct"] for s in sets),
                        max_abs_error=max(errors) if errors else None)
@@ -461,11 +692,15 @@ def _stitch_column(row: dict, module: ModuleType, model: torch.nn.Module, inputs
             if wrong is not None:
                 row["mismatch"] = f"{wrong['inputs']}: {wrong.get('mismatch') or wrong.get('error')}"
             with torch.no_grad():
+                if reference is not None:
+                    _record_error(row, "stitch", fast(*inputs), reference)
                 row["stitch_ms"] = _time_ms(lambda: fast(*inputs))
         else:  # the original model runs: correct by construction on every set, at eager speed
             row.update(correct=True, stitch_ms=row["eager_ms"], max_abs_error=0.0,
                        input_sets=[{"inputs": n, "correct": True, "max_abs_error": 0.0, "eager_fallback": True}
                                    for n in ("example", *(f"seed={s}" for s in FRESH_SEEDS))])
+            if (row.get("err_fp64") or {}).get("eager") is not None:
+                row["err_fp64"]["stitch"] = dict(row["err_fp64"]["eager"])  # eager's outputs, eager's error
     except Exception as exc:  # out of memory in optimize, a failing replay: the row says so
         row["errors"]["stitchcuda"] = _first_line(exc)
         row["traceback"] = traceback.format_exc(limit=6)
@@ -512,7 +747,8 @@ def _target_entry(target: dict) -> dict:
             "attempts": _attempt_speedups(target["run_dir"]) if target.get("run_dir") else []}
 
 
-def _agents_column(row: dict, module: ModuleType, model: torch.nn.Module, inputs: tuple, want: Any, llm: str) -> None:
+def _agents_column(row: dict, module: ModuleType, model: torch.nn.Module, inputs: tuple, want: Any, llm: str,
+                   reference: Any = None) -> None:
     """optimize(llm=...): the agents after the offline plan. The same three input sets and timer as the
     StitchCUDA column; the targets with each attempt's speed-up (from the run directory)."""
     from .. import _C
@@ -522,36 +758,44 @@ def _agents_column(row: dict, module: ModuleType, model: torch.nn.Module, inputs
         t0 = time.perf_counter()
         # Named after the problem file (every KernelBench model is a `Model`): runs/<UTC time>-<stem>.
         run_dir = _C.agents.fresh_run_path("runs", row["model"])
-        fast = optimize(model, inputs, llm=llm, measure=False, progress=False, run_dir=run_dir)
+        precision = row.get("precision", "fp32")
+        fast = optimize(model, inputs, llm=llm, measure=False, progress=False, run_dir=run_dir, precision=precision)
         row["agents_s"] = time.perf_counter() - t0
         report = fast.report
         row.update(agents_status=report.status, agents_run_dir=report.run_dir,
                    agents_targets=[_target_entry(t) for t in report.targets])
         if report.status == "optimized":
-            sets = _input_sets(module, model, fast, inputs, want)
+            sets = _input_sets(module, model, fast, inputs, want, precision)
             row.update(agents_input_sets=sets, agents_correct=all(s["correct"] for s in sets))
             with torch.no_grad():
+                if reference is not None:
+                    _record_error(row, "agents", fast(*inputs), reference)
                 row["agents_ms"] = _time_ms(lambda: fast(*inputs))
         else:  # the original model runs
             row.update(agents_correct=True, agents_ms=row.get("eager_ms"), agents_reason=report.reason)
+            if (row.get("err_fp64") or {}).get("eager") is not None:
+                row["err_fp64"]["agents"] = dict(row["err_fp64"]["eager"])
     except Exception as exc:  # a backend that cannot be reached, out of memory: the row says so
         row["errors"]["agents"] = _first_line(exc)
         row["agents_correct"] = False
 
 
-def _new_row(path: Path, mode: str) -> dict:
-    row: dict[str, Any] = {"model": path.stem, "class": problem_class(path.stem), "mode": mode, "errors": {}}
+def _new_row(path: Path, mode: str, precision: str = "fp32") -> dict:
+    row: dict[str, Any] = {"model": path.stem, "class": problem_class(path.stem), "mode": mode,
+                           "precision": precision, "errors": {}}
     level = problem_level(path)
     if level:
         row["level"] = level
     return row
 
 
-def run_model(path: Path, llm: str | None = None) -> dict:
-    """One problem's row: times, speed-ups, correctness, memory, report status, FLOPs and bytes; with
-    `llm`, the agents' column too. Errors recorded, never raised. The caller frees the GPU after it (its
-    tensors die with this frame)."""
-    row = _new_row(path, "timed")
+def run_model(path: Path, llm: str | None = None, precision: str = "fp32") -> dict:
+    """One problem's row: times, speed-ups, correctness, memory, report status, FLOPs and bytes, every
+    column's error against an fp64 reference; with `llm`, the agents' column too. `precision`: what
+    optimize() gets and which tolerance judges the outputs; torch's flags are the caller's
+    (precision_flags). Errors recorded, never raised. The caller frees the GPU after it (its tensors die
+    with this frame)."""
+    row = _new_row(path, "timed", precision)
     if llm:
         row["llm"] = llm
     try:
@@ -562,24 +806,26 @@ def run_model(path: Path, llm: str | None = None) -> dict:
         row["correct"] = False
         return row
     _record_work(row, module)
-    _compile_columns(row, model, inputs)
-    _stitch_column(row, module, model, inputs, want)
+    reference = _fp64_column(row, model, inputs, want)
+    _compile_columns(row, model, inputs, reference)
+    _stitch_column(row, module, model, inputs, want, reference)
     if llm:
         _free_gpu()
-        _agents_column(row, module, model, inputs, want, llm)
+        _agents_column(row, module, model, inputs, want, llm, reference)
     return add_speedups(row)
 
 
-def plan_model(path: Path) -> dict:
+def plan_model(path: Path, precision: str = "fp32") -> dict:
     """One problem's row without timing (--compile-only, e.g. on a machine without a GPU): the file
-    loads, its FLOPs and bytes are counted on the meta device, and graph mode captures, plans, lowers
-    and compiles every kernel with NVRTC on the CPU, as optimize() does where there is no GPU. Nothing
-    runs on a GPU: no times, no speed-ups, `correct` None (unknown). The model and inputs are built on
-    the CPU, so this suits problems that fit in host memory."""
+    loads, its FLOPs and bytes are counted on the meta device, and graph mode captures, plans (with
+    OfflinePlanner(precision=precision)), lowers and compiles every kernel with NVRTC on the CPU, as
+    optimize() does where there is no GPU. Nothing runs on a GPU: no times, no speed-ups, `correct`
+    None (unknown). The model and inputs are built on the CPU, so this suits problems that fit in host
+    memory."""
     from ..graph.optimize import _plan_only
     from ..graph.report import Report
 
-    row = _new_row(path, "compile-only")
+    row = _new_row(path, "compile-only", precision)
     try:
         module = load(path)
         _record_work(row, module)
@@ -592,24 +838,29 @@ def plan_model(path: Path) -> dict:
         return row
     report = Report()
     t0 = time.perf_counter()
-    _plan_only(model, inputs, "fp32", True, report)  # never raises: a failure is in the reason
+    _plan_only(model, inputs, precision, True, report)  # never raises: a failure is in the reason
     row["optimize_s"] = time.perf_counter() - t0
     kinds = sorted({g["kind"] for g in report.groups})
     row.update(status="compiled" if report.groups else "not compiled", reason=report.reason.lstrip("; "),
                groups={k: sum(g["kind"] == k for g in report.groups) for k in kinds},
                kernels=len(report.kernels), correct=None)
+    matmuls = _matmul_decision(report)
+    if matmuls:
+        row["matmuls"] = matmuls
     if not report.groups:
         row["errors"]["stitchcuda"] = row["reason"][:300]
     return row
 
 
-def _run_one(path: Path, llm: str | None = None, compile_only: bool = False) -> dict:
+def _run_one(path: Path, llm: str | None = None, compile_only: bool = False, precision: str = "fp32") -> dict:
     """run_model (or plan_model), and whatever escapes it (a bug here, not in the problem) as the row's
     error."""
+    extra = {"precision": precision} if precision != "fp32" else {}
     try:
-        row = plan_model(path) if compile_only else run_model(path, llm) if llm else run_model(path)
+        row = plan_model(path, **extra) if compile_only else run_model(path, llm, **extra) if llm else \
+            run_model(path, **extra)
     except Exception as exc:
-        row = {**_new_row(path, "compile-only" if compile_only else "timed"), "correct": False,
+        row = {**_new_row(path, "compile-only" if compile_only else "timed", precision), "correct": False,
                "errors": {"bench": _first_line(exc)}, "traceback": traceback.format_exc(limit=6)}
         if llm and not compile_only:
             row["llm"] = llm
@@ -638,8 +889,8 @@ def _dumps(value: Any) -> str:
 
 # What a row was measured with: a resumed run reuses only rows made the same way (a compile-only row
 # is no timed measurement; a row without the agents is not one with them). Rows of older files have no
-# such keys and read as these defaults.
-ROW_SETTINGS = {"mode": "timed", "llm": None}
+# such keys and read as these defaults. A file never mixes precisions (precision_conflict).
+ROW_SETTINGS = {"mode": "timed", "llm": None, "precision": "fp32"}
 
 
 def row_settings(row: dict) -> dict:
@@ -664,20 +915,52 @@ def read_results(path: Path, settings: dict | None = None) -> dict[str, dict]:
     return rows
 
 
+def _part_files(results: Path) -> list[Path]:
+    """The files a --gpus run's processes write beside `results` (F.gpu0, F.gpu1, ...), sorted."""
+    if not results.parent.is_dir():
+        return []
+    return sorted(p for p in results.parent.glob(glob.escape(results.name) + ".gpu*")
+                  if PART.fullmatch(p.name[len(results.name):]))
+
+
+def precision_conflict(results: Path, precision: str) -> str | None:
+    """Why `results` cannot take rows of `precision`: it (or a file a killed --gpus run left beside it)
+    holds rows of another precision (a row without one is fp32). None when it can."""
+    others: dict[str, int] = {}
+    for path in [results, *_part_files(results)]:
+        for row in read_results(path).values():
+            other = row.get("precision") or "fp32"
+            if other != precision:
+                others[other] = others.get(other, 0) + 1
+    if not others:
+        return None
+    held = ", ".join(f"{n} at {p}" for p, n in sorted(others.items()))
+    first = sorted(others)[0]
+    return (f"--results {results} holds rows of another precision ({held}) and this run is --precision {precision}: "
+            f"rows of different precisions never share a results file; pass another --results file, or "
+            f"--precision {first} to continue that run")
+
+
 # ---- CSV ----
 
 # The CSV's columns: one line per problem, the row's numbers and verdicts (the JSON-lines file keeps
 # everything, the input sets and agents' targets too).
-CSV_COLUMNS = ("model", "level", "class", "mode", "llm", "status", "correct", "eager_ms", "compile_ms",
+# err_fp64_<column>_<max_abs|max_rel>: a column's error against the fp64 reference (row["err_fp64"]).
+_ERROR_CSV = {f"err_fp64_{c}_{stat}": (c, stat) for c in ERROR_COLUMNS[:4] for stat in ("max_abs", "max_rel")}
+CSV_COLUMNS = ("model", "level", "class", "mode", "precision", "llm", "status", "correct", "eager_ms", "compile_ms",
                "reduce_overhead_ms", "best_compile_mode", "best_compile_ms", "stitch_ms", "agents_ms",
                "speedup_compile", "speedup_reduce_overhead", "speedup_best_compile", "speedup_stitch",
                "speedup_agents", "stitch_vs_best_compile", "agents_vs_best_compile", "agents_correct",
-               "optimize_s", "agents_s", "fallbacks", "kernels", "max_abs_error", "flops", "bytes",
-               "eager_peak_bytes", "optimize_peak_bytes", "memory_ratio", "errors")
+               "optimize_s", "agents_s", "fallbacks", "kernels", "max_abs_error", *_ERROR_CSV, "fp64_note", "flops",
+               "bytes", "eager_peak_bytes", "optimize_peak_bytes", "memory_ratio", "errors")
 
 
 def _csv_value(row: dict, key: str) -> Any:
-    value = row.get(key)
+    if key in _ERROR_CSV:
+        column, stat = _ERROR_CSV[key]
+        value = ((row.get("err_fp64") or {}).get(column) or {}).get(stat)
+    else:
+        value = row.get(key, "fp32" if key == "precision" else None)
     if key == "errors":
         return "; ".join(f"{stage}: {text}" for stage, text in (value or {}).items())
     if isinstance(value, float) and not math.isfinite(value):
@@ -796,6 +1079,39 @@ def summarize(rows: list[dict]) -> dict:
     ratios = [r["memory_ratio"] for r in rows if isinstance(r.get("memory_ratio"), (int, float))]
     out["memory_over_target"] = sum(x > 1 for x in ratios)
     out["models_with_memory_ratio"] = len(ratios)
+    out.update(_error_summary(rows))
+    return out
+
+
+def _max_rel(row: dict, column: str) -> float | None:
+    value = ((row.get("err_fp64") or {}).get(column) or {}).get("max_rel")
+    return value if isinstance(value, (int, float)) else None
+
+
+def error_ratio(row: dict, column: str = "stitch") -> float | None:
+    """The column's max_rel against the fp64 reference over eager's (1.0 when both are exact, inf when only
+    eager is); None without both."""
+    got, eager = _max_rel(row, column), _max_rel(row, "eager")
+    if got is None or eager is None:
+        return None
+    if eager == 0:
+        return 1.0 if got == 0 else math.inf
+    return got / eager
+
+
+def _error_summary(rows: list[dict]) -> dict:
+    """err_fp64_median: each column's median max_rel against the fp64 reference; the median ratios
+    StitchCUDA / eager and torch.compile (default) / eager (error_ratio), each over the rows that have both."""
+    medians = {}
+    for column in ERROR_COLUMNS:
+        values = [v for v in (_max_rel(r, column) for r in rows) if v is not None]
+        if values:
+            medians[column] = statistics.median(values)
+    out: dict[str, Any] = {"err_fp64_median": medians}
+    for column, key in (("stitch", "stitch_eager"), ("compile", "compile_eager")):
+        values = [v for v in (error_ratio(r, column) for r in rows) if v is not None]
+        out[f"err_ratio_{key}_median"] = statistics.median(values) if values else None
+        out[f"models_with_err_ratio_{key}"] = len(values)
     return out
 
 
@@ -862,7 +1178,19 @@ def _row_notes(r: dict) -> list[str]:
         lines.append(f"    mismatch: {r['mismatch']}")
     if r.get("status") == "eager" and r.get("reason"):
         lines.append(f"    eager because: {r['reason'][:200]}")
+    errors = r.get("err_fp64")
+    if errors:
+        names = {"eager": "eager", "compile": "compile", "reduce_overhead": "r-o", "stitch": "stitch",
+                 "agents": "agents"}
+        lines.append("    vs fp64 (max rel): " + ", ".join(f"{names[c]} {_fmt(errors[c].get('max_rel'), '.2e')}"
+                                                         for c in ERROR_COLUMNS if c in errors))
+    elif r.get("fp64_note") and r.get("mode") != "compile-only":
+        lines.append(f"    vs fp64: {r['fp64_note'][:200]}")
     return lines
+
+
+def _rows_precision(rows: list[dict]) -> str:
+    return next((r["precision"] for r in rows if r.get("precision")), "fp32")
 
 
 def _class_line(name: str, s: dict) -> str:
@@ -873,16 +1201,21 @@ def _class_line(name: str, s: dict) -> str:
             f"{s['memory_over_target']:5d}")
 
 
-def format_table(rows: list[dict], summary: dict, device: str, title: str = "suite") -> str:
+def format_table(rows: list[dict], summary: dict, device: str, title: str = "suite",
+                 precision: str | None = None) -> str:
     """Per-problem rows, a per-class table, then the overall lines. `summary` is full_summary()'s
-    {overall, classes}, or summarize()'s flat overall (the classes are then computed from `rows`)."""
+    {overall, classes}, or summarize()'s flat overall (the classes are then computed from `rows`).
+    `precision` (default: the rows') names the flags and the tolerance in the header."""
     overall = summary.get("overall", summary)
     classes = summary.get("classes") or summarize_classes(rows)
+    precision = precision or _rows_precision(rows)
+    atol, rtol = _tolerance(precision)
     head = (f"{'model':34} {'class':15} {'eager':>8} {'compile':>8} {'r-o':>8} {'stitch':>8} {'x comp':>7} "
             f"{'x r-o':>7} {'x best':>7} {'x stitch':>8} {'st/best':>7} {'ok':>7} {'status':>9} {'fb':>3} "
             f"{'opt s':>6} {'mem':>5}")
-    lines = [f"StitchCUDA {title} on {device} (ms per forward, fp32, TF32 off; speed-ups vs eager; st/best: "
-             f"StitchCUDA vs the faster compile mode; mem: optimize peak / (eager peak + 2 x largest tensor))",
+    lines = [f"StitchCUDA {title} on {device} (ms per forward; precision {PRECISION_WORDS[precision]}; outputs "
+             f"within atol {atol:g}, rtol {rtol:g} of eager; speed-ups vs eager; st/best: StitchCUDA vs the faster "
+             f"compile mode; mem: optimize peak / (eager peak + 2 x largest tensor))",
              head, "-" * len(head)]
     for r in rows:
         lines += [_row_line(r), *_row_notes(r)]
@@ -900,8 +1233,10 @@ def format_table(rows: list[dict], summary: dict, device: str, title: str = "sui
                  f"StitchCUDA {_fmt(s['geomean_speedup_stitch'], '.3f')}x; StitchCUDA vs best compile mode "
                  f"{_fmt(s['geomean_stitch_vs_best_compile'], '.3f')}x")
     if s.get("compiled") and not s.get("models_with_speedup_stitch"):  # a --compile-only run: nothing ran
-        lines[-1] = (f"compile-only: {s['compiled']}/{s['models']} captured, planned and compiled; nothing timed "
-                     f"or checked; optimize s median {_fmt(s['optimize_s_median'], '.1f')} max "
+        planned = "" if precision == "fp32" else \
+            f" with precision={precision} (OfflinePlanner(precision={precision!r}): matmuls may use {precision})"
+        lines[-1] = (f"compile-only: {s['compiled']}/{s['models']} captured, planned{planned} and compiled; nothing "
+                     f"timed or checked; optimize s median {_fmt(s['optimize_s_median'], '.1f')} max "
                      f"{_fmt(s['optimize_s_max'], '.1f')}")
         return "\n".join(lines)
     lines.append(f"correct: {s['correct']}/{s['models']} ({100 * s['share_correct']:.0f}%), "
@@ -909,6 +1244,13 @@ def format_table(rows: list[dict], summary: dict, device: str, title: str = "sui
                  f"{s['slower_than_eager']}, optimize s median {_fmt(s['optimize_s_median'], '.1f')} max "
                  f"{_fmt(s['optimize_s_max'], '.1f')}, memory ratio > 1: {s['memory_over_target']}/"
                  f"{s['models_with_memory_ratio']}")
+    medians = s.get("err_fp64_median") or {}
+    if medians:
+        names = {"eager": "eager", "compile": "compile", "reduce_overhead": "reduce-overhead", "stitch": "StitchCUDA",
+                 "agents": "agents"}
+        lines.append("error vs fp64 (median max rel): " + ", ".join(f"{names[c]} {v:.2e}" for c, v in medians.items())
+                     + f"; StitchCUDA / eager median {_fmt(s.get('err_ratio_stitch_eager_median'), '.2f')}x over "
+                       f"{s.get('models_with_err_ratio_stitch_eager', 0)} problem(s)")
     if s.get("geomean_speedup_agents") is not None:
         lines.append(f"agents (--llm): geomean {_fmt(s['geomean_speedup_agents'], '.3f')}x vs eager, "
                      f"{_fmt(s['geomean_agents_vs_best_compile'], '.3f')}x vs best compile mode")
@@ -1086,10 +1428,12 @@ class Spread:
 
     def __init__(self, bench: str, folder: Path, files: list[Path], devices: list[str], work: Path,
                  parts: list[Path], *, llm: str | None, compile_only: bool, json_output: bool,
-                 env: dict[str, str] | None = None, on_row: Callable[[dict], None] | None = None) -> None:
+                 env: dict[str, str] | None = None, on_row: Callable[[dict], None] | None = None,
+                 precision: str = "fp32") -> None:
         self.bench, self.folder, self.devices, self.parts = bench, folder, devices, parts
         self.names = _device_names(devices)
         self.llm, self.compile_only, self.json_output = llm, compile_only, json_output
+        self.precision = precision
         self.env, self.on_row = env or {}, on_row
         self.files = queue_order(files)
         self.queue = work / "queue"
@@ -1110,6 +1454,8 @@ class Spread:
             command.append("--compile-only")
         if self.llm:
             command += ["--llm", self.llm]
+        if self.precision != "fp32":
+            command += ["--precision", self.precision]
         return command
 
     def _start(self, gpu: int) -> None:
@@ -1209,7 +1555,8 @@ class Spread:
         by_pid = {c.proc.pid: c for c in self.children}
         for index, path in enumerate(self.files):
             if path.stem not in measured:
-                measured[path.stem] = self._lost_row(_new_row(path, mode), by_pid.get(claims.get(index, -1)))
+                measured[path.stem] = self._lost_row(_new_row(path, mode, self.precision),
+                                                     by_pid.get(claims.get(index, -1)))
         return measured
 
     def _lost_row(self, row: dict, child: _Child | None) -> dict:
@@ -1265,9 +1612,7 @@ def fold_parts(results: Path) -> int:
     """The rows a --gpus run's processes left in their own files beside `results` (F.gpu0, F.gpu1, ...:
     the run was killed before it merged them) appended to `results`, the files removed; how many rows."""
     count = 0
-    parts = [p for p in results.parent.glob(glob.escape(results.name) + ".gpu*")
-             if PART.fullmatch(p.name[len(results.name):])] if results.parent.is_dir() else []
-    for part in sorted(parts):
+    for part in _part_files(results):
         for row in read_results(part).values():
             append_result(results, row)
             count += 1
@@ -1371,32 +1716,31 @@ def _setting(flag: str | None, env: str) -> str | None:
 
 def _measure_all(files: list[Path], done: dict[str, dict], results: Path | None, json_output: bool, *,
                  llm: str | None = None, compile_only: bool = False, csv: Path | None = None,
-                 claim: Callable[[int], bool] | None = None) -> list[dict]:
-    """The selected problems' rows in order: from `done` (the results file) or measured now. The CSV,
-    when asked for, is rewritten after each problem. With `claim` (a process of a --gpus run), a problem
-    is measured only when claim(its index) takes it from the shared queue; the others are left out."""
+                 claim: Callable[[int], bool] | None = None, precision: str = "fp32") -> list[dict]:
+    """The selected problems' rows in order: from `done` (the results file) or measured now, each problem's
+    columns under torch's flags for `precision` (precision_flags: at fp32, TF32 off everywhere), restored
+    after it. The CSV, when asked for, is rewritten after each problem. With `claim` (a process of a
+    --gpus run), a problem is measured only when claim(its index) takes it from the shared queue; the
+    others are left out."""
     rows = []
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # true fp32 everywhere
-    try:
-        for index, path in enumerate(files):
-            if path.stem in done:
-                rows.append(done[path.stem])
-                continue
-            if claim is not None and not claim(index):
-                continue
-            row = _run_one(path, llm, compile_only) if (llm or compile_only) else _run_one(path)
-            rows.append(row)
-            if results is not None:
-                append_result(results, row)
-            if csv is not None:
-                write_csv(csv, rows)
-            # One line per problem on stderr as it finishes, so a run cut short still reports what it measured.
-            print(ROW_PREFIX + _dumps(row), file=sys.stderr, flush=True)
-            if not json_output:
-                print(f"[suite] {row['model']}: done", flush=True)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    for index, path in enumerate(files):
+        if path.stem in done:
+            rows.append(done[path.stem])
+            continue
+        if claim is not None and not claim(index):
+            continue
+        with precision_flags(precision):
+            row = _run_one(path, llm, compile_only, precision) if (llm or compile_only or precision != "fp32") \
+                else _run_one(path)
+        rows.append(row)
+        if results is not None:
+            append_result(results, row)
+        if csv is not None:
+            write_csv(csv, rows)
+        # One line per problem on stderr as it finishes, so a run cut short still reports what it measured.
+        print(ROW_PREFIX + _dumps(row), file=sys.stderr, flush=True)
+        if not json_output:
+            print(f"[suite] {row['model']}: done", flush=True)
     return rows
 
 
@@ -1414,17 +1758,22 @@ def run_suite(bench: str = "suite", *, folder: Path | str | None = None, only: s
               chunk: str | None = None, results: Path | str | None = None, json_output: bool = False,
               llm: str | None = None, csv: Path | str | None = None, html: Path | str | None = None,
               compile_only: bool = False, gpus: int = 1, scaling: bool = False,
-              queue: Path | str | None = None) -> int:
+              queue: Path | str | None = None, precision: str = "fp32") -> int:
     """`stitchcuda bench <bench>` over `folder` (default: default_dir(bench)); `only`, `chunk` fall back to
     STITCHCUDA_SUITE_ONLY / _CHUNK; `results` a JSON-lines file to append to and resume from; `llm` adds
     the agents' column (optimize(llm=...)); `csv` and `html` are written from every selected row at the
     end (the CSV after each problem too); `compile_only` plans and compiles without timing (plan_model),
     the one mode that runs without a GPU. `gpus` > 1 runs the problems in that many bench processes, one
     per GPU (Spread); `scaling` runs them on one GPU, then on `gpus`, and compares the two runs; `queue`
-    makes this process one of a Spread's: it takes its problems from that shared queue.
+    makes this process one of a Spread's: it takes its problems from that shared queue. `precision`
+    (fp32, tf32, bf16): torch's flags for every column (TORCH_FLAGS), optimize(precision=...) and the
+    tolerance outputs are judged by; recorded in every row and in the JSON.
     Exit codes: 0 measured, 2 usage (no folder, nothing selected, a bad chunk, --html without
     matplotlib, --llm with --compile-only, --gpus with a chunk, more GPUs than visible, --scaling with
-    --results), 3 no GPU."""
+    --results, an unknown precision, a results file holding rows of another precision), 3 no GPU."""
+    if precision not in TORCH_FLAGS:
+        return _refuse(bench, f"--precision must be one of {', '.join(TORCH_FLAGS)}, not {precision!r}", EXIT_USAGE,
+                       json_output)
     if llm and compile_only:
         return _refuse(bench, "--llm needs a GPU run; it cannot be combined with --compile-only", EXIT_USAGE,
                        json_output)
@@ -1469,7 +1818,10 @@ def run_suite(bench: str = "suite", *, folder: Path | str | None = None, only: s
 
     results = Path(results) if results is not None else None
     csv = Path(csv) if csv is not None else None
-    settings = {"mode": "compile-only" if compile_only else "timed", "llm": llm or None}
+    settings = {"mode": "compile-only" if compile_only else "timed", "llm": llm or None, "precision": precision}
+    conflict = precision_conflict(results, precision) if results is not None and queue is None else None
+    if conflict:  # before fold_parts: a killed run's rows of another precision stay where they are
+        return _refuse(bench, conflict, EXIT_USAGE, json_output)
     if spread and results is not None:
         fold_parts(results)  # rows of a killed --gpus run, before they count as done
     done = read_results(results, settings) if results is not None else {}
@@ -1478,7 +1830,8 @@ def run_suite(bench: str = "suite", *, folder: Path | str | None = None, only: s
         return _run_spread(bench, folder, files, done, results, devices, settings, title=title, scaling_run=scaling,
                            json_output=json_output, csv=csv, html=html)
     rows = _measure_all(files, done, results, json_output, llm=llm, compile_only=compile_only, csv=csv,
-                        claim=(lambda index: claim(Path(queue), index)) if queue is not None else None)
+                        claim=(lambda index: claim(Path(queue), index)) if queue is not None else None,
+                        precision=precision)
     hardware = _hardware(compile_only)
     device = hardware.get("gpu") or (torch.cuda.get_device_name() if torch.cuda.is_available() else
                                      "no GPU (compile-only)")
@@ -1498,13 +1851,14 @@ def _report(rows: list[dict], hardware: dict, device: str, title: str, *, folder
         from .html import write_report
 
         write_report(Path(html), rows, summary, hardware=hardware, title=title, mode=settings["mode"])
+    precision = settings.get("precision", "fp32")
     if json_output:
-        atol, rtol = _fp32_tolerance()
+        atol, rtol = _tolerance(precision)
         print(_dumps({"device": device, "suite_dir": str(folder), "tolerance": {"atol": atol, "rtol": rtol},
-                      "repeats": REPEATS, "resumed": resumed, **settings, "hardware": hardware, "summary": summary,
-                      **(sections or {}), "models": rows}))
+                      "torch_flags": TORCH_FLAGS[precision], "repeats": REPEATS, "resumed": resumed, **settings,
+                      "hardware": hardware, "summary": summary, **(sections or {}), "models": rows}))
     else:
-        print("\n".join([format_table(rows, summary, device, title=title), *text]))
+        print("\n".join([format_table(rows, summary, device, title=title, precision=precision), *text]))
     return 0
 
 
@@ -1515,7 +1869,7 @@ def _run_spread(bench: str, folder: Path, files: list[Path], done: dict[str, dic
     --scaling; the rows merged in the problems' order and reported once, as a single process reports
     them, with the "gpus" (and "scaling") sections. With --results F the processes write F.gpu0,
     F.gpu1, ... beside it, folded into F when they are done (or by the next run, after a kill)."""
-    llm, compile_only = settings["llm"], settings["mode"] == "compile-only"
+    llm, compile_only, precision = settings["llm"], settings["mode"] == "compile-only", settings["precision"]
     todo = [p for p in files if p.stem not in done]
     seen: dict[str, dict] = {}
 
@@ -1526,7 +1880,7 @@ def _run_spread(bench: str, folder: Path, files: list[Path], done: dict[str, dic
 
     def spread(devices: list[str], work: Path, parts: list[Path], env: dict[str, str], on_row=None) -> Spread:
         return Spread(bench, folder, todo, devices, work, parts, llm=llm, compile_only=compile_only,
-                      json_output=json_output, env=env, on_row=on_row).run()
+                      json_output=json_output, env=env, on_row=on_row, precision=precision).run()
 
     def caches(side: Path) -> dict[str, str]:  # with --scaling, neither run profits from the other's compiles
         return {"STITCHCUDA_CACHE_DIR": str(side / "cache"), "TORCHINDUCTOR_CACHE_DIR": str(side / "inductor"),
