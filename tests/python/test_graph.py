@@ -233,18 +233,19 @@ def test_a_kl_divergence_of_log_softmaxes_reads_its_logits_once():
     (g,) = [g for g in plan.groups if g.kind == "reduction"]
     assert [n.op.removeprefix("aten::") for n in g.nodes] == ["_log_softmax", "_log_softmax", "sub.Tensor", "exp",
                                                                "mul.Tensor", "sum.dim_IntList", "div.Tensor"]
-    assert "reads each logits row once" in g.reason and "summed by a second kernel" in g.reason
+    assert "reads each logits row once" in g.reason and "a sum over the whole tensor" in g.reason
     lowering = Lowering(graph, plan, {})
     program = lowering.build(plan.groups, graph.inputs, graph.outputs)
     rows, final = [code for _, code in lowering.kernels]
     assert rows.grid == 8 and [a for a in rows.args if a[0] == "in"] == [("in", "x0"), ("in", "x1")]
-    assert final.grid == 1 and "applied before the store" in final.description
+    assert final.grid == 1 and "applied before the store" in final.description  # the batchmean division
     for code in (rows, final):
         jit.compile(code.source, code.name)
     program.validate()
     # The one intermediate is the rows' results (8 floats), not a log-softmax of the logits' size.
     assert [b["shape"] for b in program.buffers if b["role"] == "intermediate"] == [[8]]
-    # A log-softmax that is also returned must be stored: it stays its own group.
+    # A log-softmax that is also returned must be stored: it stays its own group, which the fused kernel
+    # reads like any other operand; the other one is still normalized in registers.
     class AlsoReturned(nn.Module):
         def forward(self, s, t):
             ls = F.log_softmax(s, dim=-1)
@@ -252,8 +253,41 @@ def test_a_kl_divergence_of_log_softmaxes_reads_its_logits_once():
 
     graph, plan = planned(AlsoReturned(), (torch.randn(8, 4096), torch.randn(8, 4096)))
     kinds = sorted(g.params["kind"] for g in plan.groups if g.kind == "reduction")
-    assert kinds == ["log_softmax", "sum"] and "normalized" in [g for g in plan.groups if g.kind == "reduction"
-                                                                 and g.params["kind"] == "sum"][0].params
+    assert kinds == ["log_softmax", "normalized"]
+    (fused,) = [g for g in plan.groups if g.params["kind"] == "normalized"]
+    assert [n.op.removeprefix("aten::") for n in fused.nodes][:2] == ["_log_softmax", "sub.Tensor"]
+
+
+class SmoothedCrossEntropy(nn.Module):
+    def forward(self, x, target):
+        return F.cross_entropy(x, target, label_smoothing=0.1)
+
+
+def test_a_cross_entropy_reads_its_logits_once():
+    # Its log-softmax is read by a gather (the target's log-probability) and a row sum (label smoothing):
+    # both are computed in the kernel that normalizes the rows, which are never stored.
+    x, target = torch.randn(16, 2048), torch.randint(0, 2048, (16,))
+    graph, plan = planned(SmoothedCrossEntropy(), (x, target))
+    (g,) = [g for g in plan.groups if g.params.get("kind") == "normalized"]
+    assert [n.op.removeprefix("aten::") for n in g.nodes] == ["_log_softmax", "gather", "sum.dim_IntList"]
+    assert "a gather of one column per row; a sum per row" in g.reason
+    assert not any(n.op == "aten::_log_softmax" for h in plan.groups if h is not g for n in h.nodes)
+    values = reference_values(graph, [x, target])
+    constants = {h.nodes[0].out.name: values[h.nodes[0].out.name] for h in plan.groups if h.kind == "constant"}
+    lowering = Lowering(graph, plan, constants)
+    program = lowering.build(plan.groups, graph.inputs, graph.outputs)
+    (code,) = [c for h, c in lowering.kernels if h is g]
+    assert code.grid == 16 and ("in", "g0") in code.args and ("out", "y1") in code.args
+    jit.compile(code.source, code.name)
+    program.validate()
+    # The log-softmax is stored where something else reads it too (here: it is returned).
+    class AlsoLogProbs(nn.Module):
+        def forward(self, x, target):
+            ls = F.log_softmax(x, dim=-1)
+            return F.nll_loss(ls, target), ls
+
+    graph, plan = planned(AlsoLogProbs(), (x, target))
+    assert not any(g.params.get("kind") == "normalized" for g in plan.groups)
 
 
 def test_data_dependent_control_flow_is_a_capture_error():

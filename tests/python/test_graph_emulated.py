@@ -18,8 +18,8 @@ from cpu_emulator.emulator import EmulatedJit, EmulatedModule, unavailable  # no
 
 from stitchcuda import jit  # noqa: E402
 from stitchcuda.graph.templates import (PointwiseInput, RowPrologue, column_reduction_kernel,  # noqa: E402
-                                        depthwise_conv_kernel, nchw_to_nhwc_kernel, normalized_rows_kernel,
-                                        pointwise_kernel, row_reduction_kernel, split_rows)
+                                        RowProduct, depthwise_conv_kernel, nchw_to_nhwc_kernel,
+                                        normalized_rows_kernel, pointwise_kernel, row_reduction_kernel, split_rows)
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"CUDA emulator: {unavailable()}")
 
@@ -452,12 +452,30 @@ def test_a_statistic_of_log_softmax_rows_normalizes_them_in_registers(emu, rows,
     torch.manual_seed(cols)
     s, t = torch.randn(rows, cols) * 2, torch.randn(rows, cols) * 2
     body = ["const float t0 = nrm1 - nrm0;", "const float t1 = expf(nrm1);", "const float t2 = t1 * t0;"]
-    code = normalized_rows_kernel("kl", "sum", rows, cols, ["log_softmax", "log_softmax"],
-                                  RowPrologue((rows, cols), [], body, "t2", ("nrm0", "nrm1")))
+    kl = RowProduct("sum", RowPrologue((rows, cols), [], body, "t2", ("nrm0", "nrm1")))
+    code = normalized_rows_kernel("kl", rows, cols, ["log_softmax", "log_softmax"], [kl])
     y = torch.full((rows,), float("nan"))
-    _run(emu, code, {"x0": s, "x1": t, "y": y})
+    _run(emu, code, {"x0": s, "x1": t, "y0": y})
     ls, lt = torch.log_softmax(s.double(), -1), torch.log_softmax(t.double(), -1)
     torch.testing.assert_close(y.double(), (lt.exp() * (lt - ls)).sum(-1), atol=1e-4, rtol=1e-4)
+
+
+def test_a_cross_entropy_picks_and_sums_log_probabilities_from_registers(emu):
+    # The picked log-probability (a gather, NaN for an index out of range) and the row's sum of
+    # log-probabilities (label smoothing's term), both from one read of the logits.
+    rows, cols = 6, 2048
+    torch.manual_seed(2)
+    x = torch.randn(rows, cols) * 3
+    index = torch.tensor([0, 5, cols - 1, 17, cols, -1])
+    products = [RowProduct("gather", source=0, index="g0"),
+                RowProduct("sum", RowPrologue((rows, cols), [], [], "nrm0", ("nrm0",)))]
+    code = normalized_rows_kernel("ce", rows, cols, ["log_softmax"], products)
+    picked, total = torch.full((rows, 1), 7.0), torch.full((rows,), float("nan"))
+    _run(emu, code, {"x0": x, "g0": index, "y0": picked, "y1": total})
+    ls = torch.log_softmax(x, -1)
+    torch.testing.assert_close(picked[:4, 0], ls[torch.arange(4), index[:4]], atol=1e-5, rtol=1e-6)
+    assert picked[4:].isnan().all()
+    torch.testing.assert_close(total, ls.sum(-1), atol=1e-3, rtol=1e-5)
 
 
 def test_softmax_rows_with_an_operand_and_an_output_function(emu):
@@ -468,7 +486,7 @@ def test_softmax_rows_with_an_operand_and_an_output_function(emu):
     prologue = RowPrologue((rows, cols), [PointwiseInput("in0", torch.float32, (0, 1))], ["const float t0 = nrm0 * in0;"],
                            "t0", ("nrm0",))
     output = RowPrologue((rows,), [], ["const float t1 = yv * 2.0f;"], "t1", ("yv",))
-    code = normalized_rows_kernel("sm", "amax", rows, cols, ["softmax"], prologue, output)
+    code = normalized_rows_kernel("sm", rows, cols, ["softmax"], [RowProduct("amax", prologue, output)])
     y = torch.full((rows,), float("nan"))
-    _run(emu, code, {"x0": x, "in0": w, "y": y})
+    _run(emu, code, {"x0": x, "in0": w, "y0": y})
     torch.testing.assert_close(y, (torch.softmax(x, -1) * w).amax(-1) * 2, atol=1e-6, rtol=1e-5)

@@ -19,7 +19,7 @@ from .capture import Graph, Node, Value
 from .layout import channels_last_strides, is_channels_last
 from .layout import contiguous_strides as _contiguous_strides
 from .planner import Group, GraphPlan
-from .templates import (FUSABLE_DTYPES, POINTWISE_OPS, KernelCode, PointwiseInput, RowPrologue,
+from .templates import (FUSABLE_DTYPES, POINTWISE_OPS, KernelCode, PointwiseInput, RowProduct, RowPrologue,
                         column_reduction_kernel, depthwise_conv_kernel, nchw_to_nhwc_kernel, normalized_rows_kernel,
                         pointwise_kernel, pooling_kernel, row_reduction_kernel, scan_kernel)
 
@@ -274,14 +274,14 @@ class Lowering:
 
     def _lower_reduction(self, g: Group) -> None:
         p = g.params
+        if p.get("normalized"):
+            self._lower_normalized(g)
+            return
         node = p.get("node") or g.nodes[-1]
         x = p.get("x") or node.args[0]  # sum_exp: the sum's input is exp(x - max), computed in the kernel
         result = p.get("result") or node.out
         has_w = p.get("weight") is not None
         has_b = p.get("bias") is not None
-        if p.get("normalized"):
-            self._lower_normalized(g, x, result)
-            return
         prologue, epilogue, buffers = None, None, {}
         if p.get("prologue"):  # the elementwise ops producing x, computed on load: x is never stored
             inputs, buffers, body, var = self._elementwise(p["prologue"], tuple(x.shape))
@@ -334,36 +334,53 @@ class Lowering:
         buffers["y"] = self.produce(result)
         self._launch(g, code, buffers)
 
-    def _lower_normalized(self, g: Group, x: Value, result: Value) -> None:
-        """A statistic over elementwise ops of softmax / log-softmax rows (OfflinePlanner._normalized_inputs):
-        one kernel per normalized row reads the logits, normalizes them in registers and reduces the ops'
-        values; over the whole tensor, the rows' results are reduced by a second kernel (a mean of the
-        rows' means, equal rows; a sum of sums; a max of maxima)."""
+    def _lower_normalized(self, g: Group) -> None:
+        """Softmax / log-softmax rows and their per-row readers (OfflinePlanner._normalized_inputs): one
+        kernel reads the logits rows, normalizes them in registers and computes each reader's result; a
+        statistic over the whole tensor stores one value per row and a second kernel reduces those (a mean
+        of the rows' means, equal rows; a sum of sums; a max of maxima)."""
         p = g.params
+        rows, cols = p["rows"], p["cols"]
         names = {v.name: f"nrm{j}" for j, (v, _) in enumerate(p["normalized"])}
-        inputs, buffers, body, var = self._elementwise(p["prologue"], tuple(x.shape), names)
-        prologue = RowPrologue(tuple(x.shape), inputs, body, var[x.name], tuple(names.values()))
-        output = None
-        if p.get("output"):
-            known = {p["node"].out.name: "yv"}
-            o_inputs, more, o_body, o_var = self._elementwise(p["output"], tuple(p["node"].out.shape), known, "o")
-            output = RowPrologue(tuple(p["node"].out.shape), o_inputs, o_body, o_var[result.name], ("yv",))
-            buffers.update(more)
-        for j, (_, node) in enumerate(p["normalized"]):
-            buffers[f"x{j}"] = self.need(node.args[0], contiguous=True)
-        rows, cols = p["norm_rows"], p["norm_cols"]
-        whole = p["rows"] == 1 and p["rows"] != rows
+        extra = tuple(names.values())
+        buffers = {f"x{j}": self.need(node.args[0], contiguous=True) for j, (_, node) in enumerate(p["normalized"])}
+        products, finals = [], []
+        for k, (kind, reader) in enumerate(p["readers"]):
+            if kind == "gather":
+                node = reader.nodes[0]
+                buffers[f"g{k}"] = self.need(node.args[2], contiguous=True)
+                buffers[f"y{k}"] = self.produce(node.out)
+                products.append(RowProduct("gather", source=list(names).index(node.args[0].name), index=f"g{k}",
+                                           out_dtype=node.out.dtype))
+                continue
+            q = reader.params
+            node = q["node"]
+            x, result = node.args[0], q.get("result") or node.out
+            if q.get("prologue"):
+                inputs, more, body, var = self._elementwise(q["prologue"], tuple(x.shape), names, f"a{k}i")
+                prologue = RowPrologue(tuple(x.shape), inputs, body, var[x.name], extra)
+                buffers.update(more)
+            else:  # the normalized values themselves
+                prologue = RowPrologue(tuple(x.shape), [], [], names[x.name], extra)
+            output = None
+            if q.get("output"):
+                o_inputs, more, o_body, o_var = self._elementwise(q["output"], tuple(node.out.shape),
+                                                                  {node.out.name: "yv"}, f"a{k}o")
+                output = RowPrologue(tuple(node.out.shape), o_inputs, o_body, o_var[result.name], ("yv",))
+                buffers.update(more)
+            if q["rows"] == 1 and rows != 1:  # over the whole tensor: one value per row, then a second kernel
+                buffers[f"y{k}"] = self.b.intermediate([rows], torch.float32)
+                products.append(RowProduct(q["kind"], prologue))
+                finals.append((q["kind"], buffers[f"y{k}"], output, result))
+            else:
+                buffers[f"y{k}"] = self.produce(result)
+                products.append(RowProduct(q["kind"], prologue, output, out_dtype=result.dtype))
         norms = [node.op.removeprefix("aten::_") for _, node in p["normalized"]]
-        code = normalized_rows_kernel(self._name(f"{p['kind']}_norm", g), p["kind"], rows, cols, norms, prologue,
-                                      None if whole else output, torch.float32 if whole else result.dtype)
-        if not whole:
-            self._launch(g, code, {**buffers, "y": self.produce(result)})
-            return
-        partial = self.b.intermediate([rows], torch.float32)
-        self._launch(g, code, {**buffers, "y": partial})
-        final = row_reduction_kernel(self._name(p["kind"], g), p["kind"], 1, rows, torch.float32, result.dtype,
-                                     sm_count=self.sm_count, output=output)
-        self._launch(g, final, {**buffers, "x": partial, "y": self.produce(result)})
+        self._launch(g, normalized_rows_kernel(self._name("normalized", g), rows, cols, norms, products), buffers)
+        for kind, partial, output, result in finals:
+            final = row_reduction_kernel(self._name(kind, g), kind, 1, rows, torch.float32, result.dtype,
+                                         sm_count=self.sm_count, output=output)
+            self._launch(g, final, {**buffers, "x": partial, "y": self.produce(result)})
 
     def _lower_conv(self, g: Group) -> None:
         p = g.params

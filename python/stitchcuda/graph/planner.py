@@ -357,58 +357,105 @@ class OfflinePlanner:
 
     @staticmethod
     def _normalized_inputs(groups: list[Group], outputs: set[str]) -> list[Group]:
-        """A statistic whose fused elementwise loads read softmax / log-softmax rows that nothing else
-        reads (a KL divergence between two log-softmaxes, summed): the normalizations move into the
-        statistic's kernel, which reads each logits row once into registers, normalizes it there and
-        evaluates the elementwise ops on the normalized values; they are never stored and read back.
-        Over each normalized row (the rows of the normalization), or over the whole tensor (each row's
-        result then summed by a second kernel, as a split row is)."""
-        out: list[Group] = []
-        moved: set[int] = set()
+        """Softmax / log-softmax rows whose every reader computes one value per row from them — a sum, mean,
+        amax or amin over each row or over the whole tensor, whose fused elementwise loads read them (a KL
+        divergence of two log-softmaxes), or a gather of one column per row (a cross entropy's picked
+        log-probability) — join their readers in one group: its kernel reads each logits row once into
+        registers, normalizes it there and computes every reader's result; the normalized rows are never
+        stored and read back. The group takes the place of the first reader, so every other input of
+        the readers must exist by then."""
+        owner = {id(n): g for g in groups for n in g.nodes}
+        place = {id(g): i for i, g in enumerate(groups)}
+        made_at = {v.name: i for i, g in enumerate(groups) for n in g.nodes for v in n.outputs if v is not None}
+
+        def normalizer(g: Group) -> bool:
+            q = g.params
+            if g.kind != "reduction" or q.get("kind") not in ("softmax", "log_softmax") or q.get("prologue") \
+                    or q.get("output") or q.get("epilogue"):
+                return False
+            x, y = q["node"].args[0], q["node"].out
+            return x.dtype == y.dtype == torch.float32 and x.is_contiguous() and q["cols"] == x.shape[-1] \
+                and q["cols"] % 4 == 0 and CACHED_ROW_MIN <= q["cols"] <= CACHED_ROW_MAX and y.name not in outputs
+
+        def external(g: Group) -> list[Value]:
+            made = {v.name for n in g.nodes for v in n.outputs if v is not None}
+            return [v for n in g.nodes for v in n.inputs if v.name not in made]
+
+        def reader(c: Group, y: Value, rows: int, cols: int) -> str | None:
+            """How `c` reads the normalized rows `y`: "stat", "gather" or None (not a per-row reader)."""
+            q = c.params
+            if c.kind == "reduction" and q.get("kind") in ("sum", "mean", "amax", "amin") and not q.get("epilogue") \
+                    and q.get("layout") != "column" \
+                    and ((q["rows"], q["cols"]) == (rows, cols) or (q["rows"], q["cols"]) == (1, rows * cols)):
+                x = q["node"].args[0]
+                if q.get("prologue"):
+                    return "stat" if tuple(x.shape) == tuple(y.shape) and any(
+                        v is y for n in q["prologue"] for v in n.inputs) else None
+                return "stat" if x is y else None
+            if c.kind == "aten" and len(c.nodes) == 1 and c.nodes[0].op == "aten::gather":
+                node = c.nodes[0]
+                index = node.args[2] if len(node.args) > 2 else None
+                dim = node.args[1]
+                if node.args[0] is y and isinstance(dim, int) and dim % len(y.shape) == len(y.shape) - 1 \
+                        and isinstance(index, Value) and index.dtype == torch.int64 \
+                        and tuple(index.shape) == (*y.shape[:-1], 1) and not node.kwargs.get("sparse_grad"):
+                    return "gather"
+            return None
+
+        fused: dict[int, Group] = {}  # the first reader's place -> the group replacing it
+        gone: set[int] = set()
         for g in groups:
-            p = g.params
-            norms = []
-            if g.kind == "reduction" and p.get("kind") in ("sum", "mean", "amax", "amin") and p.get("prologue") \
-                    and not p.get("epilogue") and p.get("layout") != "column":
-                inside = {id(n) for n in p["prologue"]}
-                made = {v.name for n in p["prologue"] for v in n.outputs if v is not None}
-                read = {v.name: v for n in p["prologue"] for v in n.inputs if v.name not in made}
-                shape = tuple(p["node"].args[0].shape)
-                for v in read.values():
-                    src = next((c for c in out if c.kind == "reduction" and c.params.get("node") is not None
-                                and c.params["node"].out is v), None)
-                    if src is None or id(src) in moved:
+            if id(g) in gone or not normalizer(g):
+                continue
+            rows, cols = g.params["rows"], g.params["cols"]
+            norms, readers, kinds, todo, ok = [g], [], [], [g], True
+            while todo and ok:
+                n = todo.pop()
+                for u in n.params["node"].out.users:
+                    c = owner.get(id(u))
+                    if c is None or any(c is r for r in readers):
                         continue
-                    q = src.params
-                    x = q["node"].args[0]
-                    if q.get("kind") in ("softmax", "log_softmax") and not q.get("prologue") and not q.get("output") \
-                            and v.name not in outputs and all(id(u) in inside for u in v.users) \
-                            and tuple(v.shape) == shape and v.dtype == x.dtype == torch.float32 \
-                            and x.is_contiguous() and q["cols"] == x.shape[-1]:
-                        norms.append((v, src))
-            if norms:
-                cols = norms[0][1].params["cols"]
-                rows = norms[0][1].params["rows"]
-                whole = p["rows"] == 1 and p["cols"] == rows * cols
-                fits = all(src.params["cols"] == cols for _, src in norms) and cols % 4 == 0 \
-                    and CACHED_ROW_MIN <= cols and cols * len(norms) <= CACHED_ROW_MAX \
-                    and (whole or (p["rows"], p["cols"]) == (rows, cols))
-                if fits:
-                    for _, src in norms:
-                        moved.add(id(src))
-                    kinds = ", ".join(src.params["kind"] for _, src in norms)
-                    params = {k: v for k, v in p.items() if k != "split"}
-                    params["normalized"] = [(v, src.params["node"]) for v, src in norms]
-                    params["norm_rows"], params["norm_cols"] = rows, cols
-                    reason = (f"{p['kind']} over {p['rows']} rows of {p['cols']} of {len(p['prologue'])} elementwise "
-                              f"op(s) reading {kinds} rows of {cols}: one kernel reads each logits row once into "
-                              "registers, normalizes it there and never stores the normalized values"
-                              + ("; each row's result summed by a second kernel" if whole else "")
-                              + (f"; then {len(p['output'])} elementwise op(s) applied before the store"
-                                 if p.get("output") else ""))
-                    g = Group("reduction", [n for _, src in norms for n in src.nodes] + g.nodes, reason, params)
-            out.append(g)
-        return [g for g in out if id(g) not in moved]
+                    kind = reader(c, n.params["node"].out, rows, cols)
+                    if kind is None or id(c) in gone:
+                        ok = False
+                        break
+                    readers.append(c)
+                    kinds.append(kind)
+                    for v in external(c):  # the reader's other normalized inputs join (a KL's second log-softmax)
+                        src = owner.get(id(v.producer)) if v.producer is not None else None
+                        if src is not None and normalizer(src) and not any(src is m for m in norms) \
+                                and src.params["node"].out is v:
+                            if (src.params["rows"], src.params["cols"]) != (rows, cols):
+                                ok = False
+                                break
+                            norms.append(src)
+                            todo.append(src)
+            if not ok or not readers or cols * len(norms) > CACHED_ROW_MAX:
+                continue
+            ys = {m.params["node"].out.name for m in norms}
+            first = min(place[id(c)] for c in readers)
+            if any(v.name not in ys and made_at.get(v.name, -1) >= first for c in readers for v in external(c)):
+                continue  # a reader needs a value made after the first reader: the readers cannot move there
+            for m in [*norms, *readers]:
+                gone.add(id(m))
+            described = []
+            for c, kind in zip(readers, kinds):
+                if kind == "gather":
+                    described.append("a gather of one column per row")
+                else:
+                    q = c.params
+                    whole = q["rows"] == 1 and rows != 1
+                    described.append(f"a {q['kind']}" + (" over the whole tensor" if whole else " per row")
+                                     + (f" of {len(q['prologue'])} elementwise op(s)" if q.get("prologue") else ""))
+            kinds_text = ", ".join(m.params["kind"] for m in norms)
+            reason = (f"{kinds_text} over {rows} rows of {cols} and what reads them ({'; '.join(described)}): one kernel "
+                      "reads each logits row once into registers, normalizes it there and computes every per-row "
+                      "result; the normalized rows are never stored")
+            fused[first] = Group("reduction", [n for m in norms for n in m.nodes] + [n for c in readers for n in c.nodes],
+                                 reason, {"kind": "normalized", "rows": rows, "cols": cols,
+                                          "normalized": [(m.params["node"].out, m.params["node"]) for m in norms],
+                                          "readers": list(zip(kinds, readers))})
+        return [fused.get(i, g) for i, g in enumerate(groups) if i in fused or id(g) not in gone]
 
     @staticmethod
     def _online_sum_exp(groups: list[Group], outputs: set[str]) -> list[Group]:

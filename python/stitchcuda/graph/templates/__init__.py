@@ -12,8 +12,9 @@ kind of kernel.
   load), epilogues (applying a statistic to its row) and output functions (on each result before the
   store) fuse the ops around a reduction into its kernel; a few very long rows (a loss summed over a
   whole tensor) split into chunks reduced by their own blocks, then a second pass over the chunks; a
-  statistic of elementwise ops over softmax / log-softmax rows normalizes each row in registers
-  (a KL divergence of two log-softmaxes reads its logits once);
+  softmax / log-softmax rows that only per-row readers read (statistics of elementwise ops over them,
+  gathers of one column) are normalized in registers inside the readers' kernel (a KL divergence of two
+  log-softmaxes, a cross entropy's picked log-probability and smoothing sum: the logits read once);
 - `columns`: sum / mean / amax / amin over a block of middle dimensions;
 - `depthwise`: one-filter-per-channel convolution with its output function;
 - `pooling`: 2-D average and max pooling (PyTorch's ceil mode, padding count and NaN rules) with its
@@ -35,7 +36,7 @@ from .ops import POINTWISE_OPS, is_pointwise
 from .pooling import POOL_MAX_TAPS, pool_output_size, pooling_blocker, pooling_kernel
 from .pointwise import pointwise_kernel
 from .rows import (CACHED_ROW_MAX, CACHED_ROW_MIN, NORMALIZING, REDUCTIONS, SHARED_ROW_MAX, STATISTICS,
-                   normalized_rows_kernel, row_reduction_kernel, split_rows)
+                   RowProduct, normalized_rows_kernel, row_reduction_kernel, split_rows)
 from .scan import SCAN_EXTENT_MAX, SCANS, aten_tile, scan_kernel
 from .transpose import nchw_to_nhwc_kernel
 
@@ -44,4 +45,4 @@ __all__ = ["KernelCode", "PointwiseInput", "RowPrologue", "pointwise_kernel", "r
            "STATISTICS", "FUSABLE_DTYPES", "CACHED_ROW_MAX", "CACHED_ROW_MIN", "SHARED_ROW_MAX", "DEPTHWISE_MAX_TAPS", "is_pointwise",
            "pooling_kernel", "pooling_blocker", "pool_output_size", "POOL_MAX_TAPS",
            "scan_kernel", "aten_tile", "SCANS", "SCAN_EXTENT_MAX", "split_rows",
-           "nchw_to_nhwc_kernel", "normalized_rows_kernel"]
+           "nchw_to_nhwc_kernel", "normalized_rows_kernel", "RowProduct"]

@@ -3,6 +3,8 @@ where they fit, with prologues, epilogues and output functions fused around the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .common import _CTYPE, _PRELUDE, KernelCode, RowPrologue, _index, _split
@@ -524,26 +526,47 @@ def _cached_prologue(name: str, prologue: RowPrologue, kinds: list[str] | None) 
     return L
 
 
-# ---- normalized rows feeding a row statistic ----
+# ---- normalized rows feeding per-row results ----
 
 NORMALIZED_ROW_VALUES = CACHED_ROW_MAX  # row elements held in registers, summed over the normalized inputs
 
 
-def normalized_rows_kernel(name: str, kind: str, rows: int, cols: int, norms: list[str], prologue: RowPrologue,
-                           output: RowPrologue | None = None, out_dtype: torch.dtype = torch.float32) -> KernelCode:
-    """sum / mean / amax / amin over each of `rows` rows of `cols` of an elementwise `prologue` that reads
-    softmax or log-softmax rows (`norms[j]`: the kind of normalized input j) of fp32 inputs x0, x1, ..,
-    besides its own inputs: each x_j row is read once into registers (float4 loads), normalized there
-    (its max, then its sum of exponentials), and the prologue evaluated on the normalized values without
-    ever storing them — a KL divergence between two log-softmaxes in one read of its logits. The prologue
-    names the normalized values `nrm0`, `nrm1`.. (its `extra`). One value per row is stored, through
-    `output` when given. Arguments: x0.., the prologue's inputs, [output's inputs], y, rows, cols."""
-    if kind not in ("sum", "mean", "amax", "amin"):
-        raise ValueError(f"a statistic of normalized rows is sum, mean, amax or amin, not '{kind}'")
+@dataclass
+class RowProduct:
+    """One per-row result of normalized_rows_kernel. A statistic (`kind` sum, mean, amax or amin) of
+    `prologue` — C over the normalized values nrm0.. (its `extra`) and its own inputs; None: the values of
+    normalized input 0 themselves — stored through `output` when given; or `kind` "gather": the
+    normalized value of input `source` at the column that the int64 tensor `index` (one per row) names,
+    NaN where the index is out of range."""
+
+    kind: str
+    prologue: RowPrologue | None = None
+    output: RowPrologue | None = None
+    source: int = 0
+    index: str = ""
+    out_dtype: torch.dtype = torch.float32
+
+
+def normalized_rows_kernel(name: str, rows: int, cols: int, norms: list[str], products: list[RowProduct]) -> KernelCode:
+    """Per-row results of softmax or log-softmax rows (`norms[j]`: the kind of normalized input j) of fp32
+    inputs x0, x1, .., never storing the normalized rows: each x_j row is read once into registers (float4
+    loads), normalized there with the softmax kernels' own arithmetic (its max, then its sum of
+    exponentials), and every product is computed from the registers in one more pass over them — a KL
+    divergence between two log-softmaxes in one read of its logits, or a cross entropy's picked
+    log-probability and its label-smoothing row sum. Arguments: x0.., then per product its prologue's and
+    output's inputs, [its index], y<k>; rows, cols."""
     if not norms or any(n not in ("softmax", "log_softmax") for n in norms):
         raise ValueError(f"normalized inputs are softmax or log_softmax rows, got {norms}")
-    if prologue.extra != tuple(f"nrm{j}" for j in range(len(norms))):
-        raise ValueError(f"the prologue must read nrm0..nrm{len(norms) - 1} as its extra values, got {prologue.extra}")
+    if not products:
+        raise ValueError("normalized_rows_kernel needs at least one product")
+    nrm = tuple(f"nrm{j}" for j in range(len(norms)))
+    for k, pr in enumerate(products):
+        if pr.kind not in ("sum", "mean", "amax", "amin", "gather"):
+            raise ValueError(f"product {k}: a statistic (sum, mean, amax, amin) or a gather, not '{pr.kind}'")
+        if pr.prologue is not None and pr.prologue.extra != nrm:
+            raise ValueError(f"product {k}: its prologue must read {nrm} as its extra values, got {pr.prologue.extra}")
+        if pr.kind == "gather" and (not pr.index or pr.prologue or pr.output or not 0 <= pr.source < len(norms)):
+            raise ValueError(f"product {k}: a gather names its index and a normalized input, with no prologue or output")
     if cols % 4 or cols < CACHED_ROW_MIN or cols * len(norms) > NORMALIZED_ROW_VALUES:
         raise ValueError(f"{len(norms)} normalized row(s) of {cols} do not fit the registers (a multiple of 4, "
                          f"{CACHED_ROW_MIN} to {NORMALIZED_ROW_VALUES} values in all)")
@@ -556,22 +579,36 @@ def normalized_rows_kernel(name: str, kind: str, rows: int, cols: int, norms: li
             tpr *= 2
     vpt = -(-c4 // tpr)
     inf = "__int_as_float(0x7f800000)"
-    params = [f"const float* __restrict__ x{j}" for j in range(len(norms))] + prologue.params()
-    if output:
-        params += output.params()
-    params += [f"{_CTYPE[out_dtype]}* __restrict__ y", "long long rows", "long long cols"]
+
+    def normalized(j: int, v: str) -> str:
+        return f"{v} - f{j}" if norms[j] == "log_softmax" else f"expf({v} - m{j}) * f{j}"
+
+    params = [f"const float* __restrict__ x{j}" for j in range(len(norms))]
+    args: list[tuple[str, object]] = [("in", f"x{j}") for j in range(len(norms))]
+    functions: list[str] = []
+    for k, pr in enumerate(products):
+        for fn, suffix in ((pr.prologue, f"x{k}"), (pr.output, f"o{k}")):
+            if fn is not None:
+                params += fn.params()
+                args += [("in", i.key) for i in fn.inputs]
+                functions += fn.value_function(name, suffix)
+        if pr.kind == "gather":
+            params.append(f"const long long* __restrict__ {pr.index}")
+            args.append(("in", pr.index))
+        params.append(f"{_CTYPE[pr.out_dtype]}* __restrict__ y{k}")
+        args.append(("out", f"y{k}"))
+    params += ["long long rows", "long long cols"]
+    args += [("i64", rows), ("i64", cols)]
     aligned = " | ".join(f"reinterpret_cast<unsigned long long>(x{j} + row * cols)" for j in range(len(norms)))
     L = [_PRELUDE, _ROW_PRELUDE,
-         f"// {name}: {kind} over rows of {cols} of {len(prologue.body)} elementwise op(s) reading "
-         + ", ".join(f"{n}(x{j})" for j, n in enumerate(norms)) + ", each row read once into registers",
+         f"// {name}: {len(products)} per-row result(s) of " + ", ".join(f"{n}(x{j})" for j, n in enumerate(norms))
+         + f" over rows of {cols}, each row read once into registers",
          f"#define TPR {tpr}", f"#define RPB {rpb}", f"#define WARPS {tpr // 32}", f"#define VPT {vpt}",
          f"#define C4 {c4}", f"#define COLS {cols}LL",
          _BLOCK_PRELUDE if tpr > 32 else _WARP_ROW_PRELUDE,
          "__device__ __forceinline__ float4 load4(const float* p, int c4, bool vec) {",
          "  return vec ? reinterpret_cast<const float4*>(p)[c4] : make_float4(p[4 * c4], p[4 * c4 + 1], p[4 * c4 + 2], p[4 * c4 + 3]);",
-         "}",
-         *prologue.value_function(name),
-         *(output.value_function(name, "o") if output else []),
+         "}", *functions,
          f'extern "C" __global__ void __launch_bounds__(TPR * RPB) {name}({", ".join(params)}) {{',
          "  const long long row = (long long)blockIdx.x * RPB + threadIdx.x / TPR;",
          "  const int t = threadIdx.x % TPR;",
@@ -600,29 +637,40 @@ def normalized_rows_kernel(name: str, kind: str, rows: int, cols: int, norms: li
               f"    s{j} += (expf({v}[k].x - m{j}) + expf({v}[k].y - m{j})) + (expf({v}[k].z - m{j}) + expf({v}[k].w - m{j}));",
               "  }",
               f"  s{j} = block_sum(s{j}, sh);",
-              # the same arithmetic as the softmax / log-softmax kernels: one subtraction, or exp times 1/sum
-              f"  const float f{j} = {'m' + str(j) + ' + logf(s' + str(j) + ')' if norm == 'log_softmax' else '1.0f / s' + str(j)};"]
-    init = {"sum": "0.0f", "mean": "0.0f", "amax": f"-{inf}", "amin": inf}[kind]
-    step = {"sum": "a += {}", "mean": "a += {}", "amax": "a = nanmax(a, {})", "amin": "a = nanmin(a, {})"}[kind]
-    L += [f"  float a = {init};",
-          "#pragma unroll",
-          "  for (int k = 0; k < VPT; ++k) {",
-          "    if (t + k * TPR >= C4) break;",
-          "    const long long i = row * COLS + 4LL * (t + k * TPR);"]
-    for n, lane in enumerate("xyzw"):
-        values = ", ".join(f"v{j}[k].{lane} - f{j}" if norm == "log_softmax" else f"expf(v{j}[k].{lane} - m{j}) * f{j}"
-                           for j, norm in enumerate(norms))
-        L.append("    " + step.format(f"{name}_x(i + {n}, {values}{prologue.pointers()})") + ";")
-    L.append("  }")
-    L.append("  a = " + {"sum": "block_sum", "mean": "block_sum", "amax": "block_max", "amin": "block_min"}[kind]
-             + "(a, sh);" + (" a /= (float)cols;" if kind == "mean" else ""))
-    value = "a" if output is None else f"{name}_o(row, a{output.pointers()})"
-    L += [f"  if (t == 0) st(y, row, {value});", "}"]
-    args = [("in", f"x{j}") for j in range(len(norms))] + [("in", i.key) for i in prologue.inputs]
-    if output:
-        args += [("in", i.key) for i in output.inputs]
-    args += [("out", "y"), ("i64", rows), ("i64", cols)]
+              # the softmax / log-softmax kernels' arithmetic: one subtraction, or exp times 1 / sum
+              f"  const float f{j} = " + (f"m{j} + logf(s{j});" if norm == "log_softmax" else f"1.0f / s{j};")]
+    stats = [(k, pr) for k, pr in enumerate(products) if pr.kind != "gather"]
+    init = {"sum": "0.0f", "mean": "0.0f", "amax": f"-{inf}", "amin": inf}
+    step = {"sum": "a{k} += {v}", "mean": "a{k} += {v}", "amax": "a{k} = nanmax(a{k}, {v})",
+            "amin": "a{k} = nanmin(a{k}, {v})"}
+    if stats:
+        L += [f"  float a{k} = {init[pr.kind]};" for k, pr in stats]
+        L += ["#pragma unroll", "  for (int k = 0; k < VPT; ++k) {", "    if (t + k * TPR >= C4) break;",
+              "    const long long i = row * COLS + 4LL * (t + k * TPR);"]
+        for n, lane in enumerate("xyzw"):
+            values = ", ".join(normalized(j, f"v{j}[k].{lane}") for j in range(len(norms)))
+            for k, pr in stats:
+                value = (f"{name}_x{k}(i + {n}, {values}{pr.prologue.pointers()})" if pr.prologue is not None
+                         else normalized(0, f"v0[k].{lane}"))
+                L.append("    " + step[pr.kind].format(k=k, v=value) + ";")
+        L.append("  }")
+        for k, pr in stats:
+            reduce = {"sum": "block_sum", "mean": "block_sum", "amax": "block_max", "amin": "block_min"}[pr.kind]
+            L.append(f"  a{k} = {reduce}(a{k}, sh);" + (f" a{k} /= (float)cols;" if pr.kind == "mean" else ""))
+            value = f"a{k}" if pr.output is None else f"{name}_o{k}(row, a{k}{pr.output.pointers()})"
+            L.append(f"  if (t == 0) st(y{k}, row, {value});")
+    for k, pr in enumerate(products):
+        if pr.kind == "gather":
+            j = pr.source
+            L += [f"  if (t == 0) {{",
+                  f"    const long long c = {pr.index}[row];",
+                  f"    st(y{k}, row, c >= 0 && c < COLS ? {normalized(j, f'x{j}[row * COLS + c]')} : "
+                  "__int_as_float(0x7fc00000));",
+                  "  }"]
+    L.append("}")
+    what = ", ".join(pr.kind if pr.kind == "gather" else f"{pr.kind} of {len(pr.prologue.body) if pr.prologue else 0} "
+                     "elementwise op(s)" for pr in products)
     return KernelCode("\n".join(L) + "\n", name, -(-rows // rpb), tpr * rpb, args,
-                      f"{kind} over {rows} rows of {cols} of {len(prologue.body)} elementwise op(s) over "
-                      + " and ".join(f"{n} rows" for n in norms) + f" held in registers ({vpt} float4 per "
-                      "thread per input): each input read once, the normalized values never stored", vectorized=True)
+                      f"{what} per row over " + " and ".join(f"{n} rows" for n in norms) + f" of {cols} held in "
+                      f"registers ({vpt} float4 per thread per input): each input read once, the normalized values "
+                      "never stored", vectorized=True)
