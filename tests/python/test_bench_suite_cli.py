@@ -228,7 +228,8 @@ class _Fast:
     def __init__(self, program):
         self.program, self._fn = None, program
         self.report = SimpleNamespace(status="optimized", reason="", fallbacks=[],
-                                      groups=[{"kind": "pointwise"}, {"kind": "gemm"}, {"kind": "pointwise"}])
+                                      groups=[{"kind": "pointwise"}, {"kind": "gemm"}, {"kind": "pointwise"}],
+                                      stage_peak_bytes={"capture": 100, "verify": 900})
 
     def __call__(self, *args):
         return self._fn(*args)
@@ -262,6 +263,7 @@ def test_run_model_checks_three_input_sets_and_records_memory(folder, cpu_column
     assert (row["eager_peak_bytes"], row["optimize_peak_bytes"]) == (1000, 1000)
     assert row["largest_tensor_bytes"] == 8 * 16 * 4  # the input and the output: fp32 [8, 16]
     assert row["memory_ratio"] == pytest.approx(1000 / (1000 + 2 * 512))
+    assert row["stage_peak_bytes"] == {"capture": 100, "verify": 900}  # where optimize's peak was reached
     assert (row["best_compile_mode"], row["speedup_compile"], row["speedup_stitch"]) == ("default", 2.0, 1.0)
     assert row["groups"] == {"gemm": 1, "pointwise": 2} and row["errors"] == {}
 

@@ -64,7 +64,9 @@ example inputs and get_inputs() again under torch.manual_seed(1) and (2), each a
 eager_peak_bytes (the peak allocated during one warm eager forward, the second, above what was allocated
 before it), optimize_peak_bytes (the same around the optimize call; this process's allocations only, not
 the isolated Verifier worker's), largest_tensor_bytes (the largest single input or eager output) and
-memory_ratio = optimize peak / (eager peak + 2 x largest tensor), whose target is <= 1; `precision`, and
+memory_ratio = optimize peak / (eager peak + 2 x largest tensor), whose target is <= 1, stage_peak_bytes
+(the peak so far at the end of each of optimize's stages, on the same basis: where the peak was reached);
+`precision`, and
 `matmuls` (the planner's decision: "matmuls in true fp32", "matmuls may use tf32", ...).
 
 Error against exact arithmetic (err_fp64): one fp64 reference per problem, a deep copy of the model and
@@ -677,11 +679,16 @@ def _stitch_column(row: dict, module: ModuleType, model: torch.nn.Module, inputs
     precision = row.get("precision", "fp32")
     try:
         t0 = time.perf_counter()
+        base = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
         fast, row["optimize_peak_bytes"] = _peak_bytes(lambda: optimize(model, inputs, measure=False, progress=False,
                                                                         precision=precision))
         row["optimize_s"] = time.perf_counter() - t0
         row["memory_ratio"] = memory_ratio(row["optimize_peak_bytes"], row.get("eager_peak_bytes"),
                                            row.get("largest_tensor_bytes"))
+        # Where optimize's peak was reached: the peak so far at the end of each of its stages, above what
+        # was allocated before it (the first stage that reaches optimize_peak_bytes holds the peak).
+        row["stage_peak_bytes"] = {stage: peak - base
+                                   for stage, peak in (getattr(fast.report, "stage_peak_bytes", None) or {}).items()}
         _record_report(row, fast)
         if fast.report.status == "optimized":
             sets = _input_sets(module, model, fast, inputs, want, precision)
