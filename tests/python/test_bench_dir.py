@@ -418,6 +418,9 @@ def test_html_report_has_its_plots_titles_and_rows(tmp_path):
     assert "gemm_bias/t1" in attempts and "gemm_bias/t2 (no correct attempt)" in attempts
     assert "4.30 TB/s, 67.0 TFLOP/s" in page.svg_text["roofline"]
     assert s["problems"]["tr"] == 1 + len(rows)
+    assert "fp32, TF32 off" in text  # the run's precision in the header
+    tf32 = bench_html.render(rows, suite.full_summary(rows), hardware=hardware, precision="tf32")
+    assert "tf32: TF32 matmuls and convolutions" in tf32 and "TF32 off" not in tf32
     assert s["summary"]["tr"] == 1 + 1 + 3 + 3  # header, overall, three levels, three classes
     assert "net_wrong: 1 note(s)" in text and "ran eagerly: not faster" in text
 

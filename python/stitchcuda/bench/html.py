@@ -17,6 +17,9 @@ __all__ = ["INSTALL_HINT", "matplotlib_missing", "render", "write_report", "spee
            "attempts_svg"]
 
 INSTALL_HINT = "pip install 'stitchcuda[bench]' (or: pip install matplotlib)"
+# The header's words for a run's --precision (every column ran under the same torch flags).
+PRECISION_LABELS = {"fp32": "fp32, TF32 off", "tf32": "tf32: TF32 matmuls and convolutions",
+                    "bf16": "bf16 matmuls for StitchCUDA, torch at 'medium'"}
 
 # Colours a reader can tell apart in print and with the common colour-vision deficiencies (Okabe-Ito).
 BLUE, ORANGE, GREEN, RED, GREY = "#0072B2", "#E69F00", "#009E73", "#D55E00", "#999999"
@@ -294,7 +297,7 @@ def _section(anchor: str, title: str, svg: str | None, note: str, empty: str) ->
 
 
 def render(rows: list[dict], summary: dict, *, hardware: dict | None = None, title: str = "bench",
-           mode: str = "timed") -> str:
+           mode: str = "timed", precision: str = "fp32") -> str:
     """The report as one HTML document (a string)."""
     from .. import __version__
 
@@ -306,7 +309,7 @@ def render(rows: list[dict], summary: dict, *, hardware: dict | None = None, tit
     timed = mode != "compile-only"
     parts = [f"<h1>StitchCUDA {_e(title)}</h1>",
              f"<p class=meta>{_e(gpu)} · {len(rows)} problem(s) · {'timed' if timed else 'compile-only (no timing)'}"
-             f" · fp32, TF32 off · stitchcuda {_e(__version__)} · {stamp}</p>",
+             f" · {_e(PRECISION_LABELS.get(precision, precision))} · stitchcuda {_e(__version__)} · {stamp}</p>",
              "<section id=summary><h2>Summary</h2>", _summary_table(summary),
              "<p class=note>Speed-ups are geomeans over eager PyTorch (a wrong StitchCUDA result counts as 1x). "
              "fast_p, KernelBench's metric: the share of all the problems, failed ones included, whose result is "
@@ -337,14 +340,15 @@ def render(rows: list[dict], summary: dict, *, hardware: dict | None = None, tit
 
 
 def write_report(path: Path | str, rows: list[dict], summary: dict, *, hardware: dict | None = None,
-                 title: str = "bench", mode: str = "timed") -> Path:
+                 title: str = "bench", mode: str = "timed", precision: str = "fp32") -> Path:
     """Writes render()'s document to `path` (atomically) and returns the path."""
     import os
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(render(rows, summary, hardware=hardware, title=title, mode=mode), encoding="utf-8")
+    tmp.write_text(render(rows, summary, hardware=hardware, title=title, mode=mode, precision=precision),
+                   encoding="utf-8")
     os.replace(tmp, path)
     return path
 

@@ -1857,7 +1857,8 @@ def _report(rows: list[dict], hardware: dict, device: str, title: str, *, folder
     if html is not None:
         from .html import write_report
 
-        write_report(Path(html), rows, summary, hardware=hardware, title=title, mode=settings["mode"])
+        write_report(Path(html), rows, summary, hardware=hardware, title=title, mode=settings["mode"],
+                     precision=settings.get("precision", "fp32"))
     precision = settings.get("precision", "fp32")
     if json_output:
         atol, rtol = _tolerance(precision)
