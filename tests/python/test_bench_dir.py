@@ -99,13 +99,18 @@ def _strict_json(text: str):
     return json.loads(text, parse_constant=refuse)
 
 
-@pytest.fixture
-def folder(tmp_path: Path) -> Path:
+def write_problems(tmp_path: Path, problems: dict[str, str]) -> Path:
+    """A folder of KernelBench-format problem files, {stem: source} (the bench test files share it)."""
     d = tmp_path / "problems"
     d.mkdir()
-    for stem, source in PROBLEMS.items():
+    for stem, source in problems.items():
         (d / f"{stem}.py").write_text(source)
     return d
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    return write_problems(tmp_path, PROBLEMS)
 
 
 @pytest.fixture(autouse=True)

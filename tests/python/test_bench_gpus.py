@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # The same small problems as the single-process bench tests (op_scale holds its process while
 # STITCHCUDA_TEST_SLOW_INIT is set).
-from test_bench_dir import LINEAR_GELU, SCALE, _strict_json  # noqa: E402
+from test_bench_dir import LINEAR_GELU, SCALE, _strict_json, write_problems  # noqa: E402
 
 SOFTMAX = '''import torch
 
@@ -70,11 +70,7 @@ PROBLEMS = {"gemm_linear_gelu": LINEAR_GELU, "net_dies": DIES, "op_scale": SCALE
 
 @pytest.fixture
 def folder(tmp_path: Path) -> Path:
-    d = tmp_path / "problems"
-    d.mkdir()
-    for stem, source in PROBLEMS.items():
-        (d / f"{stem}.py").write_text(source)
-    return d
+    return write_problems(tmp_path, PROBLEMS)
 
 
 @pytest.fixture(autouse=True)

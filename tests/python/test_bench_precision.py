@@ -17,25 +17,7 @@ import torch
 from stitchcuda.bench import suite
 from stitchcuda.cli import main
 
-LINEAR_GELU = '''import torch
-
-
-class Model(torch.nn.Module):
-    def __init__(self, k, n):
-        super().__init__()
-        self.fc = torch.nn.Linear(k, n)
-
-    def forward(self, x):
-        return torch.nn.functional.gelu(self.fc(x))
-
-
-def get_inputs():
-    return [torch.randn(32, 64)]
-
-
-def get_init_inputs():
-    return [64, 96]
-'''
+from test_bench_dir import LINEAR_GELU, write_problems  # noqa: E402  (the single-process bench tests' problems)
 
 SOFTMAX = '''import torch
 
@@ -107,11 +89,7 @@ def _put_back(flags: tuple) -> None:
 
 @pytest.fixture
 def folder(tmp_path: Path) -> Path:
-    d = tmp_path / "problems"
-    d.mkdir()
-    for stem, source in PROBLEMS.items():
-        (d / f"{stem}.py").write_text(source)
-    return d
+    return write_problems(tmp_path, PROBLEMS)
 
 
 @pytest.fixture(autouse=True)
@@ -362,25 +340,8 @@ def test_run_model_at_tf32_measures_every_column_against_fp64_on_the_cpu(folder,
 
 # ---- on a GPU ----
 
-GEMM = '''import torch
-
-
-class Model(torch.nn.Module):
-    def __init__(self, k, n):
-        super().__init__()
-        self.fc = torch.nn.Linear(k, n)
-
-    def forward(self, x):
-        return torch.nn.functional.gelu(self.fc(x))
-
-
-def get_inputs():
-    return [torch.randn(512, 1024)]
-
-
-def get_init_inputs():
-    return [1024, 1024]
-'''
+GEMM = LINEAR_GELU.replace("torch.randn(32, 64)", "torch.randn(512, 1024)").replace("[64, 96]", "[1024, 1024]")
+assert "randn(512, 1024)" in GEMM and "[1024, 1024]" in GEMM  # a GEMM big enough for TF32 to show
 
 
 @pytest.mark.gpu
