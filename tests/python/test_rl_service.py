@@ -221,6 +221,36 @@ def test_openrlhf_route_answers_as_the_trainers_function(service):
     assert status == 400 and "one length" in bad["error"]["message"]
 
 
+def test_the_trainers_functions_score_on_the_service(service):
+    # TRL's, verl's and OpenRLHF's functions with service=URL: one request per batch, the same scores
+    # the in-process reward gives; an item the service cannot score is None for TRL (no signal), never 0.
+    from stitchcuda.rl import TRLReward, find_task, skill1_rows, trainers
+
+    rows = skill1_rows([find_task(TASK)], docs=False) * 3
+    replies = [variant(901), "no code here", variant(901)]  # the duplicate goes once
+    columns = {k: [r[k] for r in rows] for k in rows[0]}
+    before = service.pool.metrics()["batches"]
+    remote = TRLReward(mode="static", service=service.url)(prompts=["p"] * 3, completions=replies, **columns)
+    assert service.pool.metrics()["batches"] == before + 1
+    local = TRLReward(mode="static")(prompts=["p"] * 3, completions=replies, **columns)
+    assert remote == local and remote[0] > 0 and remote[1] == 0.0
+    verl = trainers.verl_rows(rows)
+    batch = trainers.compute_score(data_sources=[v["data_source"] for v in verl], solution_strs=replies,
+                                   ground_truths=[v["reward_model"]["ground_truth"] for v in verl],
+                                   extra_infos=[v["extra_info"] for v in verl], mode="static", service=service.url)
+    assert [b["score"] for b in batch] == local and batch[1]["reason"].startswith("no code")
+    labels = [r["label"] for r in trainers.openrlhf_rows(rows)]
+    prompt = "<|user|>Write ModelNew.<|assistant|>"
+    out = trainers.reward_func([prompt + r for r in replies], [prompt] * 3, labels, mode="static", service=service.url)
+    assert out["rewards"] == local
+    # A deadline the service cannot meet: not a score of 0 (which would train the model), None.
+    late = TRLReward(mode="static", service=service.url, deadline_s=0.001)
+    assert late(prompts=["p"], completions=[slow(2, "trainer deadline")], **{k: v[:1] for k, v in columns.items()}) \
+        == [None]
+    with pytest.raises(InvalidArgumentError, match="not both"):
+        TRLReward(service=service.url, pool=object())
+
+
 def test_rows_with_their_own_reference_need_consent_beyond_loopback(service):
     from stitchcuda.rl import find_task
 

@@ -59,24 +59,65 @@ class StitchReward:
     Verifier's worker pool decides how many really run together), identical ones once.
 
     mode: "auto" | "gpu" | "static"; config: a RewardConfig or a dict of its fields; pool: a
-    stitchcuda.verify.WorkerPool; max_workers: threads scoring one batch (default 8)."""
+    stitchcuda.verify.WorkerPool; max_workers: threads scoring one batch (default 8). service: the URL of
+    a reward service (``stitchcuda serve reward``) to score on instead of in this process — a batch is one
+    request, its distinct replies scored by the service's GPU pool; deadline_s: the service's deadline
+    per item. An item the service could not score (its deadline passed, its worker failed twice) comes
+    back as 0 with the reason "not scored: ..." (TRL's functions give None for it: no training signal)."""
 
     def __init__(self, *, mode: str = "auto", config: RewardConfig | Mapping[str, Any] | None = None, pool: Any = None,
-                 max_workers: int = 8) -> None:
+                 max_workers: int = 8, service: str | None = None, deadline_s: float | None = None) -> None:
         if mode not in ("auto", "gpu", "static"):
             raise InvalidArgumentError(f"mode must be 'auto', 'gpu' or 'static', got {mode!r}")
         if not isinstance(max_workers, int) or max_workers < 1:
             raise InvalidArgumentError(f"max_workers must be a positive integer, got {max_workers!r}")
+        if service is not None and pool is not None:
+            raise InvalidArgumentError("pass a pool (score in this process) or a service URL (score there), not both")
         self.mode = mode
         self.config = config if isinstance(config, RewardConfig) else RewardConfig.from_dict(config)
         self.pool = pool
         self.max_workers = max_workers
+        self.deadline_s = deadline_s
+        self._client = None
+        if service is not None:
+            from stitchcuda.rl.service import RewardClient
+
+            self._client = RewardClient(service)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
     def score_one(self, row: Mapping[str, Any], completion: Any) -> Scored:
+        if self._client is not None:
+            return self._remote([row], [completion])[0]
         task, keywords = _task_of(row)
         return score_completion(task, completion, mode=self.mode, config=self.config, pool=self.pool, **keywords)
+
+    def _remote(self, rows: Sequence[Mapping[str, Any]], completions: Sequence[Any]) -> list[Scored]:
+        """The (row, completion) pairs scored by the service, in one request."""
+        items = []
+        for row, completion in zip(rows, completions):
+            task, keywords = _task_of(row)
+            item = {"task": task, "completion": completion, "skill": keywords["skill"]}
+            for key in ("previous", "feedback", "asks"):
+                if keywords.get(key):
+                    item[key] = keywords[key]
+            items.append(item)
+        replies = self._client.score(items, deadline_s=self.deadline_s, config=self.config, mode=self.mode)
+        out = []
+        for row, reply in zip(rows, replies):
+            if "error" in reply:
+                error = reply["error"]
+                out.append(Scored(score=0.0, parts={name: 0.0 for name in PART_NAMES},
+                                  reason=f"not scored: {error.get('kind', 'error')}: {error.get('message', '')}",
+                                  verified=False, task_id=str(row.get("task_id"))))
+                continue
+            out.append(Scored(score=float(reply["score"]), parts={k: float(v) for k, v in reply["parts"].items()},
+                              reason=reply.get("reason") or "", verified=bool(reply.get("verified")),
+                              task_id=reply.get("task_id") or str(row.get("task_id")), mode=reply.get("mode") or "",
+                              code=reply.get("code") or "", findings=list(reply.get("findings") or []),
+                              feedback=reply.get("feedback") or "", asks=list(reply.get("asks") or []),
+                              wall_s=float(reply.get("wall_s") or 0.0)))
+        return out
 
     def _key(self, row: Mapping[str, Any], completion: Any) -> str:
         fields = [str(row.get(k)) for k in _TASK_KEYS] + [completion_text(completion)]
@@ -96,6 +137,10 @@ class StitchReward:
             _task_of(row)  # a dataset without the task columns fails here, once, before any work
         keys = [self._key(r, c) for r, c in zip(rows, completions)]
         first = {k: i for i, k in reversed(list(enumerate(keys)))}
+        if self._client is not None:  # one request; the service scores the distinct replies on its pool
+            done = dict(zip(first, self._remote([rows[i] for i in first.values()],
+                                                [completions[i] for i in first.values()])))
+            return [done[k] for k in keys]
         futures = {k: self._pool().submit(self.score_one, rows[i], completions[i]) for k, i in first.items()}
         return [futures[k].result() for k in keys]
 
@@ -108,6 +153,8 @@ class StitchReward:
         keys = [self._key(r, c) for r, c in zip(rows, completions)]
         first = {k: i for i, k in reversed(list(enumerate(keys)))}
         loop = asyncio.get_running_loop()
+        if self._client is not None:  # the request waits on a thread, not on the trainer's event loop
+            return await loop.run_in_executor(self._pool(), self.score_batch, rows, completions)
         done = await asyncio.gather(*(loop.run_in_executor(self._pool(), self.score_one, rows[i], completions[i])
                                       for i in first.values()))
         by_key = dict(zip(first, done))
@@ -156,7 +203,7 @@ class TRLReward(StitchReward):
     def _finish(self, n: int, wanted: list[int], scored: list[Scored], kwargs: Mapping[str, Any]) -> list[float | None]:
         out: list[float | None] = [None] * n
         for i, s in zip(wanted, scored):
-            out[i] = s.score
+            out[i] = None if s.reason.startswith("not scored:") else s.score  # a service failure is no signal
         log_metric: Callable[[str, float], Any] | None = kwargs.get("log_metric")
         if log_metric is not None and scored:
             for part in PART_NAMES:
@@ -203,12 +250,12 @@ _shared: dict[tuple, StitchReward] = {}
 _shared_lock = threading.Lock()
 
 
-def _shared_reward(mode: str, config: Any) -> StitchReward:
-    """One StitchReward per (mode, config) in this process: verl and OpenRLHF call plain functions."""
-    key = (mode, json.dumps(config, sort_keys=True, default=str) if config is not None else "")
+def _shared_reward(mode: str, config: Any, service: str | None = None) -> StitchReward:
+    """One StitchReward per (mode, config, service) in this process: verl and OpenRLHF call plain functions."""
+    key = (mode, json.dumps(config, sort_keys=True, default=str) if config is not None else "", service or "")
     with _shared_lock:
         if key not in _shared:
-            _shared[key] = StitchReward(mode=mode, config=config)
+            _shared[key] = StitchReward(mode=mode, config=config, service=service)
         return _shared[key]
 
 
@@ -244,12 +291,13 @@ def compute_score(data_source: str | None = None, solution_str: str | None = Non
                   extra_info: Mapping[str, Any] | None = None, *, data_sources: Sequence[str] | None = None,
                   solution_strs: Sequence[str] | None = None, ground_truths: Sequence[Any] | None = None,
                   extra_infos: Sequence[Mapping[str, Any] | None] | None = None, mode: str = "auto",
-                  config: Mapping[str, Any] | None = None, **_: Any) -> dict[str, Any] | list[dict[str, Any]]:
+                  config: Mapping[str, Any] | None = None, service: str | None = None,
+                  **_: Any) -> dict[str, Any] | list[dict[str, Any]]:
     """verl's reward: ``{"score": R, <part>: value..., "reason": str}`` for one reply, or a list of them
     for the batched keywords (verl's batch reward manager). ground_truth is task_label()'s JSON or a
-    task id; extra_info may carry the task columns instead. mode and config come from verl's
-    ``custom_reward_function.reward_kwargs``."""
-    reward = _shared_reward(mode, config)
+    task id; extra_info may carry the task columns instead. mode, config and service (a reward service's
+    URL to score on) come from verl's ``custom_reward_function.reward_kwargs``."""
+    reward = _shared_reward(mode, config, service)
     if solution_strs is not None:
         n = len(solution_strs)
         infos = list(extra_infos) if extra_infos is not None else [None] * n
@@ -296,7 +344,7 @@ def reward_func(queries: Sequence[str], prompts: Sequence[str], labels: Sequence
     """OpenRLHF's local reward function (``--remote_rm_url`` naming this file): {"rewards", "scores",
     "extra_logs": {part: [...]}} for the batch. labels: task_label() JSON (``--label_key label`` over
     openrlhf_rows()) or task ids."""
-    reward = _shared_reward(kwargs.get("mode", "auto"), kwargs.get("config"))
+    reward = _shared_reward(kwargs.get("mode", "auto"), kwargs.get("config"), kwargs.get("service"))
     queries, prompts, labels = list(queries), list(prompts or [""] * len(queries)), list(labels or [None] * len(queries))
     if not len(queries) == len(prompts) == len(labels):
         raise InvalidArgumentError(f"{len(queries)} queries, {len(prompts)} prompts and {len(labels)} labels: one each")
