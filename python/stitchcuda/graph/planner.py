@@ -425,7 +425,7 @@ class OfflinePlanner:
                         src = owner.get(id(v.producer)) if v.producer is not None else None
                         if src is not None and normalizer(src) and not any(src is m for m in norms) \
                                 and src.params["node"].out is v:
-                            if (src.params["rows"], src.params["cols"]) != (rows, cols):
+                            if (src.params["rows"], src.params["cols"]) != (rows, cols) or id(src) in gone:
                                 ok = False
                                 break
                             norms.append(src)
