@@ -1,7 +1,9 @@
 """The template Coder's kernels give PyTorch's answers: each generated kernel is run on the CPU through
 the corpus's CUDA emulator (tests/corpus/cpu_emulator: warp shuffles, __syncthreads, shared memory) and
 compared with torch — warp-per-row and block-per-row reductions, broadcast and vectorized pointwise code.
-The GPU tests run the same kernels for real; these catch indexing and combine bugs on any machine.
+Whole lowered programs run too (run_program: kernel steps emulated, ATen steps by torch, views as
+aliases), so the planner's groups and the lowering's buffers and launches are checked together. The GPU
+tests run the same kernels for real; these catch indexing, combine and wiring bugs on any machine.
 """
 
 from __future__ import annotations
@@ -490,3 +492,123 @@ def test_softmax_rows_with_an_operand_and_an_output_function(emu):
     y = torch.full((rows,), float("nan"))
     _run(emu, code, {"x0": x, "in0": w, "y0": y})
     torch.testing.assert_close(y, (torch.softmax(x, -1) * w).amax(-1) * 2, atol=1e-6, rtol=1e-5)
+
+
+# ---- whole programs: the lowering's steps run in order, kernels in the emulator, ATen steps by torch ----
+
+_PROGRAM_DTYPES = {"f32": torch.float32, "i64": torch.int64, "bool": torch.bool, "i32": torch.int32}
+
+
+def run_program(emu, program, inputs: list[torch.Tensor], constants: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The program's outputs on the CPU: buffers allocated as it declares them (NaN-filled where floating,
+    so a value no step writes shows), views as strided aliases, kernel steps through the emulator, ATen
+    steps through torch.ops with the step's attributes."""
+    buffers: dict[int, torch.Tensor] = {}
+    named_inputs = iter(inputs)
+    for b in program.buffers:
+        dtype = _PROGRAM_DTYPES[b["dtype"]]
+        if b["role"] == "input":
+            buffers[b["id"]] = next(named_inputs)
+        elif b["role"] == "weight":  # laid out as the program stores it (a channels-last filter: NHWC)
+            buffers[b["id"]] = torch.empty_strided(b["shape"], b["strides"], dtype=dtype).copy_(constants[b["name"]])
+        else:
+            t = torch.empty_strided(b["shape"], b["strides"], dtype=dtype)
+            buffers[b["id"]] = t.fill_(float("nan")) if dtype.is_floating_point else t.zero_()
+    kernels = program.kernels
+    for step in program.steps:
+        if step["kind"] == "view":
+            src, spec = buffers[step["source"]], program.buffers[step["result"]]
+            buffers[step["result"]] = src.as_strided(spec["shape"], spec["strides"],
+                                                     src.storage_offset() + step["storage_offset"])
+        elif step["kind"] == "kernel":
+            k = kernels[step["kernel"]]
+            kernel = EmulatedModule(emu, _fp32_only(k["source"])).kernel(k["name"])
+            args = [_memory_order(buffers[v]) if kind in ("in", "out") else v for kind, v in step["args"]]
+            kernel(step["grid"], step["block"], *args, shared_mem=step["shared_mem"])
+        elif step["kind"] == "aten":
+            name, _, overload = step["op"].removeprefix("aten::").partition(".")
+            op = getattr(getattr(torch.ops.aten, name), overload or "default")
+            attributes = {k: _PROGRAM_DTYPES.get(v, v) if k == "dtype" else v
+                          for k, v in step["attributes"].items()}
+            result = op(*[buffers[i] for i in step["inputs"]], **attributes)
+            for i, r in zip(step["outputs"], result if isinstance(result, (tuple, list)) else [result]):
+                buffers[i].copy_(r)
+        else:
+            raise NotImplementedError(f"step kind {step['kind']}")
+    return [buffers[b["id"]] for b in program.buffers if b["role"] == "output"]
+
+
+def _memory_order(t: torch.Tensor) -> torch.Tensor:
+    """A dense tensor seen in its memory order (NHWC data as a contiguous [N, H, W, C]): the same pointer,
+    which is all a kernel receives."""
+    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+    view = t.permute(order)
+    return view if view.is_contiguous() else t
+
+
+def _lowered(model, inputs):
+    from stitchcuda.graph import Lowering, OfflinePlanner, capture, reference_values
+
+    graph = capture(model, inputs)
+    plan = OfflinePlanner().plan(graph)
+    values = reference_values(graph, list(inputs))  # every value by name, the weights among them
+    constants = {g.nodes[0].out.name: values[g.nodes[0].out.name] for g in plan.groups if g.kind == "constant"}
+    program = Lowering(graph, plan, constants).build(plan.groups, graph.inputs, graph.outputs)
+    return plan, program, values
+
+
+class _KL(torch.nn.Module):
+    def forward(self, s, t):
+        return torch.nn.functional.kl_div(torch.log_softmax(s, -1), torch.log_softmax(t, -1), reduction="batchmean",
+                                          log_target=True)
+
+
+class _CrossEntropy(torch.nn.Module):
+    def forward(self, x, target):
+        return torch.nn.functional.cross_entropy(x, target, label_smoothing=0.1)
+
+
+class _MeanSquare(torch.nn.Module):
+    def forward(self, x):
+        return (x * x).mean() + x.sum()
+
+
+@pytest.mark.parametrize("model, inputs", [
+    (_KL(), (torch.randn(6, 2048) * 2, torch.randn(6, 2048) * 2)),
+    (_CrossEntropy(), (torch.randn(12, 1024) * 3, torch.tensor([0, 5, 1023, 17, 3, 900, 8, 8, 511, 2, 1, 100]))),
+    (_MeanSquare(), (torch.randn(4, 1 << 16),)),
+], ids=["kl-normalized-in-registers", "cross-entropy-gather-and-sum", "split-whole-tensor"])
+def test_lowered_loss_programs_give_eager_results(emu, model, inputs):
+    # The planner's groups, the lowering's buffers and launches and the kernels together: the program, run
+    # step by step, returns eager's loss.
+    plan, program, constants = _lowered(model, inputs)
+    assert any(g.params.get("kind") == "normalized" or "split" in g.params for g in plan.groups)
+    (got,) = run_program(emu, program, list(inputs), constants)
+    with torch.no_grad():
+        want = model(*inputs)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+class _ConvChain(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.BatchNorm2d(16)
+        self.c2 = torch.nn.Conv2d(16, 16, 3, padding=1)
+
+    def forward(self, x):
+        y = torch.relu(self.b1(self.c1(x)))
+        return torch.relu(self.c2(y) + y)
+
+
+def test_a_channels_last_chain_program_gives_eager_results(emu):
+    # The input converted by the tiled transpose, cuDNN's NHWC convolutions (ATen here), the fused batch
+    # norm, residual and ReLUs iterating in NHWC order, the result returned in the model's layout.
+    torch.manual_seed(0)
+    model = _ConvChain().eval()
+    x = torch.randn(2, 16, 64, 64)
+    plan, program, constants = _lowered(model, (x,))
+    assert plan.channels_last
+    assert any(k["name"].startswith("to_nhwc") and "32x32 tiles" in k["source"] for k in program.kernels)
+    (got,) = run_program(emu, program, [x], constants)
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(x), atol=1e-4, rtol=1e-4)
