@@ -106,16 +106,19 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        for i, event in enumerate(reply.events):
-            if reply.cut_after is not None and i >= reply.cut_after:
-                self.close_connection = True
+        try:
+            for i, event in enumerate(reply.events):
+                if reply.cut_after is not None and i >= reply.cut_after:
+                    self.close_connection = True
+                    self.wfile.flush()
+                    self.connection.shutdown(2)  # mid-stream, no final chunk
+                    return
+                data = event.encode()
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
                 self.wfile.flush()
-                self.connection.shutdown(2)  # mid-stream, no final chunk
-                return
-            data = event.encode()
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-            self.wfile.flush()
-        self.wfile.write(b"0\r\n\r\n")
+            self.wfile.write(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):  # the client stopped reading (a cancelled stream)
+            self.close_connection = True
 
 
 class LocalLlmServer:
