@@ -413,10 +413,10 @@ class OfflinePlanner:
                 n = todo.pop()
                 for u in n.params["node"].out.users:
                     c = owner.get(id(u))
-                    if c is None or any(c is r for r in readers):
+                    if c is not None and any(c is r for r in readers):
                         continue
-                    kind = reader(c, n.params["node"].out, rows, cols)
-                    if kind is None or id(c) in gone:
+                    kind = reader(c, n.params["node"].out, rows, cols) if c is not None else None
+                    if kind is None or id(c) in gone:  # a reader outside every group is no per-row reader
                         ok = False
                         break
                     readers.append(c)
@@ -430,6 +430,8 @@ class OfflinePlanner:
                                 break
                             norms.append(src)
                             todo.append(src)
+                    if not ok:
+                        break
             if not ok or not readers or cols * len(norms) > CACHED_ROW_MAX:
                 continue
             ys = {m.params["node"].out.name for m in norms}

@@ -24,6 +24,19 @@ __device__ __forceinline__ float nanmax(float a, float b) { const float m = fmax
 __device__ __forceinline__ float nanmin(float a, float b) { const float m = fminf(a, b); return (a != a || b != b) ? a + b : m; }
 """
 
+# 16-byte loads and stores of four consecutive floats, scalar ones where the address is not 16-byte
+# aligned (`vec`): the register-row kernels' and the scans' access to a row.
+VECTOR_IO = r"""
+__device__ __forceinline__ float4 load4(const float* p, int c4, bool vec) {
+  return vec ? reinterpret_cast<const float4*>(p)[c4]
+             : make_float4(p[4 * c4], p[4 * c4 + 1], p[4 * c4 + 2], p[4 * c4 + 3]);
+}
+__device__ __forceinline__ void store4(float* p, int c4, float4 v, bool vec) {
+  if (vec) { reinterpret_cast<float4*>(p)[c4] = v; return; }
+  p[4 * c4] = v.x; p[4 * c4 + 1] = v.y; p[4 * c4 + 2] = v.z; p[4 * c4 + 3] = v.w;
+}
+"""
+
 _CTYPE = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.bool: "bool"}
 FUSABLE_DTYPES = set(_CTYPE)
 

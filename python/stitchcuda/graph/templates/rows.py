@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import _CTYPE, _PRELUDE, KernelCode, RowPrologue, _index, _split
+from .common import _CTYPE, _PRELUDE, VECTOR_IO, KernelCode, RowPrologue, _index, _split
 from .ops import _lit
 
 # ---- row reductions ----
@@ -303,6 +303,18 @@ __device__ __forceinline__ float block_min(float v, float*) { return warp_min(v)
 """
 
 
+def _row_geometry(c4: int) -> tuple[int, int, int]:
+    """(threads per row, rows per block, float4 per thread) of a row of `c4` float4 held by its threads:
+    up to 1,024 columns a warp per row, eight rows per block, no barrier or shared memory; above, a block
+    per row, grown to about four float4 per thread."""
+    if c4 <= 256:
+        return 32, 8, -(-c4 // 32)
+    tpr = 128
+    while tpr < 1024 and tpr * 4 < c4:
+        tpr *= 2
+    return tpr, 1, -(-c4 // tpr)
+
+
 def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, has_weight: bool,
                        has_bias: bool, prologue: RowPrologue | None = None, output: RowPrologue | None = None,
                        groups: int = 0, group_hw: int = 0, out_dtype: torch.dtype = torch.float32) -> KernelCode:
@@ -314,13 +326,7 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
     stat = kind in STATISTICS
     c4 = cols // 4
     shared = cols > CACHED_ROW_MAX  # the row in shared memory, each thread's float4s where its registers were
-    if c4 <= 256:  # up to 1,024 columns: a warp per row, eight rows per block, no barrier or shared memory
-        tpr, rpb = 32, 8
-    else:
-        tpr, rpb = 128, 1
-        while tpr < 1024 and tpr * 4 < c4:  # about four float4 per thread
-            tpr *= 2
-    vpt = -(-c4 // tpr)
+    tpr, rpb, vpt = _row_geometry(c4)
     params = ["const float* __restrict__ x"] if prologue is None else prologue.params()
     ptrs = ["x + row * cols", "y + row * cols"]
     kinds = prologue.vector_kinds(cols) if prologue else None
@@ -347,13 +353,7 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
          f"#define TPR {tpr}", f"#define RPB {rpb}", f"#define WARPS {tpr // 32}", f"#define VPT {vpt}",
          f"#define C4 {c4}", f"#define COLS {cols}LL",
          _BLOCK_PRELUDE if tpr > 32 else _WARP_ROW_PRELUDE,
-         "__device__ __forceinline__ float4 load4(const float* p, int c4, bool vec) {",
-         "  return vec ? reinterpret_cast<const float4*>(p)[c4] : make_float4(p[4 * c4], p[4 * c4 + 1], p[4 * c4 + 2], p[4 * c4 + 3]);",
-         "}",
-         "__device__ __forceinline__ void store4(float* p, int c4, float4 v, bool vec) {",
-         "  if (vec) { reinterpret_cast<float4*>(p)[c4] = v; return; }",
-         "  p[4 * c4] = v.x; p[4 * c4 + 1] = v.y; p[4 * c4 + 2] = v.z; p[4 * c4 + 3] = v.w;",
-         "}",
+         VECTOR_IO,
          *(_cached_prologue(name, prologue, kinds) if prologue else []),
          *((output.value_function(name, "o") if stat else _cached_output(name, output)) if output else []),
          f'extern "C" __global__ void __launch_bounds__(TPR * RPB) {name}({", ".join(params)}) {{',
@@ -571,13 +571,7 @@ def normalized_rows_kernel(name: str, rows: int, cols: int, norms: list[str], pr
         raise ValueError(f"{len(norms)} normalized row(s) of {cols} do not fit the registers (a multiple of 4, "
                          f"{CACHED_ROW_MIN} to {NORMALIZED_ROW_VALUES} values in all)")
     c4 = cols // 4
-    if c4 <= 256:
-        tpr, rpb = 32, 8
-    else:
-        tpr, rpb = 128, 1
-        while tpr < 1024 and tpr * 4 < c4:
-            tpr *= 2
-    vpt = -(-c4 // tpr)
+    tpr, rpb, vpt = _row_geometry(c4)
     inf = "__int_as_float(0x7f800000)"
 
     def normalized(j: int, v: str) -> str:
@@ -606,9 +600,7 @@ def normalized_rows_kernel(name: str, rows: int, cols: int, norms: list[str], pr
          f"#define TPR {tpr}", f"#define RPB {rpb}", f"#define WARPS {tpr // 32}", f"#define VPT {vpt}",
          f"#define C4 {c4}", f"#define COLS {cols}LL",
          _BLOCK_PRELUDE if tpr > 32 else _WARP_ROW_PRELUDE,
-         "__device__ __forceinline__ float4 load4(const float* p, int c4, bool vec) {",
-         "  return vec ? reinterpret_cast<const float4*>(p)[c4] : make_float4(p[4 * c4], p[4 * c4 + 1], p[4 * c4 + 2], p[4 * c4 + 3]);",
-         "}", *functions,
+         VECTOR_IO, *functions,
          f'extern "C" __global__ void __launch_bounds__(TPR * RPB) {name}({", ".join(params)}) {{',
          "  const long long row = (long long)blockIdx.x * RPB + threadIdx.x / TPR;",
          "  const int t = threadIdx.x % TPR;",

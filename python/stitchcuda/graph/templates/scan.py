@@ -36,7 +36,7 @@ import math
 
 import torch
 
-from .common import _CTYPE, _PRELUDE, KernelCode, RowPrologue
+from .common import _CTYPE, _PRELUDE, VECTOR_IO, KernelCode, RowPrologue
 from .rows import _cached_output, _cached_prologue
 
 SCANS = ("cumsum", "cumprod")
@@ -122,16 +122,6 @@ def row_scan_layout(rows: int, cols: int) -> dict[str, int]:
     return {"tile": tile, "lanes": lanes, "run": run, "tiles": tiles, "stages": -(-cols // (tiles * tile))}
 
 
-_ROW_HELPERS = r"""
-__device__ __forceinline__ float4 load4(const float* p, int c4, bool vec) {
-  return vec ? reinterpret_cast<const float4*>(p)[c4]
-             : make_float4(p[4 * c4], p[4 * c4 + 1], p[4 * c4 + 2], p[4 * c4 + 3]);
-}
-__device__ __forceinline__ void store4(float* p, int c4, float4 v, bool vec) {
-  if (vec) { reinterpret_cast<float4*>(p)[c4] = v; return; }
-  p[4 * c4] = v.x; p[4 * c4 + 1] = v.y; p[4 * c4 + 2] = v.z; p[4 * c4 + 3] = v.w;
-}
-"""
 
 
 def _row_scan(name: str, kind: str, rows: int, cols: int, prologue: RowPrologue | None, output: RowPrologue | None,
@@ -239,7 +229,7 @@ def _row_scan(name: str, kind: str, rows: int, cols: int, prologue: RowPrologue 
     L = [_PRELUDE, _combine_macro(kind),
          f"#define ROWS {rows}LL", f"#define COLS {cols}LL", f"#define LANES {lanes}", f"#define RUN {run}",
          "__device__ __forceinline__ int upto(int c, int last) { return c < last ? c : last; }",
-         *([_ROW_HELPERS] if vec else []), *helpers,
+         *([VECTOR_IO] if vec else []), *helpers,
          f"// {name}: {what}",
          "template <bool VEC>",
          f"__device__ __forceinline__ void {name}_rows({', '.join(params)}) {{",
