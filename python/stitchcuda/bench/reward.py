@@ -129,6 +129,16 @@ def _through_service(slots: list, items: list[dict[str, Any]], samples: list | N
     return seconds, [r for batch in replies for r in batch], metrics
 
 
+def _warm(slots: list, cands: list[tuple[str, str, str]], mode: str) -> None:
+    """Not counted: each worker starts and meets every problem once, through an honest candidate (on a
+    GPU: its torch.compile baseline, compiled once per worker and problem)."""
+    from ..rl.workers import RewardItem
+
+    warm = {task: source for task, kind, source in reversed(cands) if kind == "honest"}
+    items = [RewardItem(task, reply(fresh(source, "bench warm")), mode=mode) for task, source in warm.items()]
+    _parallel(len(slots), list(range(len(slots))), lambda _w, s: [slots[s].run(it) for it in items])
+
+
 def _measure(slots: list, cands: list[tuple[str, str, str]], count: int, label: str, mode: str) -> dict[str, Any]:
     """``count`` candidates of ``cands`` through the Verifier alone (score_completion on the slots' worker
     processes) and through the service, ROUNDS interleaved rounds, the best of each path kept: whatever the
@@ -181,7 +191,7 @@ def run(workers: int | None = None, candidates: int | None = None, json_output: 
     """Runs the benchmark and prints the result (one JSON object with ``json_output``); 0 when every candidate
     was scored both ways. Two populations: the honest candidates (what the throughput target is about:
     RL samples that compile and are judged in full) and the corpus's mix of honest and hacked ones."""
-    from ..rl.workers import LocalSlot, RewardItem, local_devices
+    from ..rl.workers import LocalSlot, local_devices
 
     if not (CORPUS / "honest").is_dir():
         print(f"bench reward: the Verifier corpus is not at {CORPUS}: run it from a source checkout", file=sys.stderr)
@@ -195,11 +205,7 @@ def run(workers: int | None = None, candidates: int | None = None, json_output: 
     mixed = corpus_candidates()
     honest = [c for c in mixed if c[1] == "honest"]
     try:
-        # Warm-up, not counted: each worker starts and meets every problem once (on a GPU: its torch.compile
-        # baseline, compiled once per worker and problem).
-        warm = {task: source for task, kind, source in reversed(mixed) if kind == "honest"}
-        warm_items = [RewardItem(task, reply(fresh(source, "bench warm")), mode=mode) for task, source in warm.items()]
-        _parallel(len(slots), list(range(len(slots))), lambda _w, s: [slots[s].run(it) for it in warm_items])
+        _warm(slots, mixed, mode)
         phases = {"honest": _measure(slots, honest, count, "honest", mode),
                   "mixed": _measure(slots, mixed, count, "mixed", mode)}
         scaling = None
@@ -292,7 +298,7 @@ def run_gpus(gpus: int, workers: int | None = None, candidates: int | None = Non
     (``candidates`` per GPU): verified candidates a minute, scaling efficiency, the queue over time at the
     largest count, the same verdicts as on one GPU, and whether one GPU's timing moves while the others work.
     Without a GPU, CPU workers in static mode stand in for the GPUs (the machinery, not the figures)."""
-    from ..rl.workers import LocalSlot, RewardItem, local_devices
+    from ..rl.workers import LocalSlot, local_devices
 
     if not (CORPUS / "honest").is_dir():
         print(f"bench reward: the Verifier corpus is not at {CORPUS}: run it from a source checkout", file=sys.stderr)
@@ -313,10 +319,7 @@ def run_gpus(gpus: int, workers: int | None = None, candidates: int | None = Non
     runs: list[dict[str, Any]] = []
     samples: list[dict[str, Any]] = []
     try:
-        warm = {task: source for task, _, source in reversed(honest)}
-        warm_items = [RewardItem(task, reply(fresh(source, "bench warm")), mode=mode) for task, source in warm.items()]
-        every = [w for g in groups for w in g]
-        _parallel(len(every), list(range(len(every))), lambda _w, s: [every[s].run(it) for it in warm_items])
+        _warm([w for g in groups for w in g], honest, mode)
         base: list[tuple | None] = []
         for k in gpu_counts(gpus):
             slots = [w for g in groups[:k] for w in g]
