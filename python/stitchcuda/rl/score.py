@@ -128,6 +128,16 @@ class Scored:
 
         return clean(asdict(self))
 
+    @classmethod
+    def from_reply(cls, reply: Mapping[str, Any]) -> "Scored":
+        """The Scored a reward service's reply stands for (to_dict() plus its "service" fields); an item
+        the service could not score (its "error") is a zero whose reason starts "not scored:"."""
+        if "error" in reply:
+            error = reply["error"]
+            return cls(score=0.0, parts={p: 0.0 for p in PART_NAMES}, reason=f"not scored: {error.get('kind')}: "
+                       f"{error.get('message')}", verified=False, task_id=str(reply.get("task_id", "")))
+        return cls(**{f.name: reply[f.name] for f in fields(cls) if f.name in reply})
+
 
 # ---- inputs -----------------------------------------------------------------------------------------
 

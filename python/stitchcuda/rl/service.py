@@ -162,6 +162,7 @@ class RewardService:
         reply scored through this pool (queue, cache, deadlines). "reasons" holds each score's reason; an
         item that could not be scored (its deadline passed) gets 0 and says why there."""
         from . import trainers
+        from .score import Scored
 
         try:
             queries, prompts, labels = _openrlhf_batch(body)
@@ -177,7 +178,7 @@ class RewardService:
             return 400, _error("bad-request", str(exc)), {}
         except Rejected as exc:
             return _rejected(exc)
-        scored = [_as_scored(t.result()) for t in tickets]
+        scored = [Scored.from_reply(t.result()) for t in tickets]
         reply = trainers._openrlhf_result(scored)
         reply["reasons"] = [s.reason for s in scored]  # beside extra_logs, which OpenRLHF logs as numbers
         return 200, reply, {}
@@ -229,19 +230,6 @@ def _openrlhf_batch(body: Any) -> tuple[list[str], list[str], list[Any]]:
                                    f"{len(queries)} queries, {len(prompts) if isinstance(prompts, list) else '?'} "
                                    f"prompts, {len(labels) if isinstance(labels, list) else '?'} labels")
     return queries, prompts, labels
-
-
-def _as_scored(reply: Mapping[str, Any]) -> Any:
-    """The Scored a service reply stands for; an item that was not scored is a zero with its reason."""
-    from dataclasses import fields
-
-    from .score import PART_NAMES, Scored
-
-    if "error" in reply:
-        error = reply["error"]
-        return Scored(score=0.0, parts={p: 0.0 for p in PART_NAMES}, reason=f"not scored: {error.get('kind')}: "
-                      f"{error.get('message')}", verified=False, task_id=str(reply.get("task_id", "")))
-    return Scored(**{f.name: reply[f.name] for f in fields(Scored) if f.name in reply})
 
 
 def _error(kind: str, message: str, **extra: Any) -> dict[str, Any]:

@@ -103,21 +103,9 @@ class StitchReward:
                     item[key] = keywords[key]
             items.append(item)
         replies = self._client.score(items, deadline_s=self.deadline_s, config=self.config, mode=self.mode)
-        out = []
-        for row, reply in zip(rows, replies):
-            if "error" in reply:
-                error = reply["error"]
-                out.append(Scored(score=0.0, parts={name: 0.0 for name in PART_NAMES},
-                                  reason=f"not scored: {error.get('kind', 'error')}: {error.get('message', '')}",
-                                  verified=False, task_id=str(row.get("task_id"))))
-                continue
-            out.append(Scored(score=float(reply["score"]), parts={k: float(v) for k, v in reply["parts"].items()},
-                              reason=reply.get("reason") or "", verified=bool(reply.get("verified")),
-                              task_id=reply.get("task_id") or str(row.get("task_id")), mode=reply.get("mode") or "",
-                              code=reply.get("code") or "", findings=list(reply.get("findings") or []),
-                              feedback=reply.get("feedback") or "", asks=list(reply.get("asks") or []),
-                              wall_s=float(reply.get("wall_s") or 0.0)))
-        return out
+        # An unscored item's task id is the row's (the service's error reply may not carry it).
+        return [Scored.from_reply(reply if "error" not in reply else {"task_id": row.get("task_id"), **reply})
+                for row, reply in zip(rows, replies)]
 
     def _key(self, row: Mapping[str, Any], completion: Any) -> str:
         fields = [str(row.get(k)) for k in _TASK_KEYS] + [completion_text(completion)]
