@@ -272,7 +272,8 @@ void bind_program(py::module_& m) {
         mm.batch = batch, mm.alpha = alpha, mm.beta = beta;
         mm.epilogue = enum_of(epilogue, {Epilogue::none, Epilogue::relu, Epilogue::gelu, Epilogue::bias,
                                          Epilogue::bias_relu, Epilogue::bias_gelu}, "epilogue");
-        mm.precision = enum_of(precision, {ComputePrecision::fp32, ComputePrecision::tf32, ComputePrecision::bf16}, "precision");
+        mm.precision = enum_of(precision, {ComputePrecision::fp32, ComputePrecision::tf32x3, ComputePrecision::tf32,
+                                                  ComputePrecision::bf16}, "precision");
         b.matmul(std::move(mm));
       }, py::arg("a"), py::arg("b"), py::arg("c"), py::arg("bias") = py::none(), py::arg("transpose_a") = false,
          py::arg("transpose_b") = false, py::arg("batch") = 1, py::arg("alpha") = 1.0, py::arg("beta") = 0.0,
@@ -295,7 +296,8 @@ void bind_program(py::module_& m) {
       }, py::arg("kind"), py::arg("source"), py::arg("shape"), py::arg("strides") = py::none(),
          py::arg("storage_offset") = 0)
       .def("precision", [](ProgramBuilder& b, const std::string& matmul, bool cudnn_tf32) {
-        b.precision({enum_of(matmul, {ComputePrecision::fp32, ComputePrecision::tf32, ComputePrecision::bf16}, "precision"),
+        b.precision({enum_of(matmul, {ComputePrecision::fp32, ComputePrecision::tf32x3, ComputePrecision::tf32,
+                                      ComputePrecision::bf16}, "precision"),
                      cudnn_tf32});
       }, py::arg("matmul") = "fp32", py::arg("cudnn_tf32") = true)
       .def("verified_on", [](ProgramBuilder& b, std::string device, std::string arch, std::string driver, std::string cuda,

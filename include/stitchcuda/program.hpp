@@ -124,8 +124,11 @@ struct Buffer {
 };
 
 /// Matmul precision, from exact to fastest; a program's policy caps what its steps may use.
-enum class ComputePrecision : std::uint8_t { fp32, tf32, bf16 };
-/// "fp32", "tf32", "bf16".
+/// tf32x3: fp32 operands split into a TF32 part and its remainder, multiplied as three TF32 tensor-core
+/// products (hi*hi + hi*lo + lo*hi, the hi*hi product summed in chunks of at most 512 along K with
+/// round-to-nearest fp32 additions): about fp32's accuracy at tensor-core speed, fp32 operands only.
+enum class ComputePrecision : std::uint8_t { fp32, tf32x3, tf32, bf16 };
+/// "fp32", "tf32x3", "tf32", "bf16".
 const char* to_string(ComputePrecision precision) noexcept;
 
 /// cuBLASLt epilogue fused into a matmul.

@@ -199,7 +199,8 @@ class Field {
 constexpr BufferRole kRoles[] = {BufferRole::input, BufferRole::output, BufferRole::weight, BufferRole::intermediate};
 constexpr DType kDTypes[] = {DType::f32, DType::f16, DType::bf16, DType::f64, DType::i32, DType::i64, DType::u8, DType::boolean};
 constexpr Epilogue kEpilogues[] = {Epilogue::none, Epilogue::relu, Epilogue::gelu, Epilogue::bias, Epilogue::bias_relu, Epilogue::bias_gelu};
-constexpr ComputePrecision kPrecisions[] = {ComputePrecision::fp32, ComputePrecision::tf32, ComputePrecision::bf16};
+constexpr ComputePrecision kPrecisions[] = {ComputePrecision::fp32, ComputePrecision::tf32x3, ComputePrecision::tf32,
+                                            ComputePrecision::bf16};
 constexpr ViewKind kViews[] = {ViewKind::reshape, ViewKind::permute, ViewKind::slice};
 constexpr Replay kReplays[] = {Replay::graph, Replay::direct};  // "unmeasured" is never written
 

@@ -54,6 +54,7 @@ const char* to_string(BufferRole role) noexcept {
 const char* to_string(ComputePrecision precision) noexcept {
   switch (precision) {
     case ComputePrecision::fp32: return "fp32";
+    case ComputePrecision::tf32x3: return "tf32x3";
     case ComputePrecision::tf32: return "tf32";
     case ComputePrecision::bf16: return "bf16";
   }

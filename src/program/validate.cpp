@@ -285,6 +285,9 @@ class Checker {
         report("bias is " + bias.describe() + " but must hold n = " + std::to_string(n_cols) + " elements of " +
                to_string(c.dtype));
     }
+    if (m.precision == ComputePrecision::tf32x3 && (a.dtype != DType::f32 || c.dtype != DType::f32))
+      report("tf32x3 splits fp32 operands into TF32 parts: a, b and c must be f32 (a is " + a.describe() +
+             ", c is " + c.describe() + "); use fp32, or tf32/bf16 for other dtypes");
     if (m.precision > p_.precision.matmul)
       report("computes in " + std::string(to_string(m.precision)) + " but the program's precision policy allows at most " +
              to_string(p_.precision.matmul));

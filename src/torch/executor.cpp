@@ -128,6 +128,7 @@ Result<jit::Kernel> load_kernel(const KernelSource& ks, const std::string& arch)
 struct Instance {
   std::mutex mu;
   at::Tensor arena, workspace;
+  at::Tensor split_scratch;  // the split operands of tf32x3 matmuls (one at a time: steps run in order)
   std::vector<at::Tensor> tensors;  // by buffer slot; intermediates bound to the arena
   std::vector<at::Tensor> static_in, static_out;
   std::vector<std::unique_ptr<program::detail::PreparedMatmul>> matmuls;  // by step (null for others)
@@ -327,6 +328,12 @@ Result<Instance*> Executor::Impl::instance(void* stream) {
         if (!prepared) return tl::unexpected(at_step(program, i, prepared.error()));
         in->matmuls[i] = std::move(*prepared);
       }
+    std::size_t scratch = 0;
+    for (const auto& m : in->matmuls)
+      if (m) scratch = std::max(scratch, m->scratch_bytes());
+    if (scratch)
+      in->split_scratch = at::empty({std::int64_t(scratch)},
+                                    at::TensorOptions().dtype(at::kByte).device(at::kCUDA, c10::DeviceIndex(device)));
   } catch (const c10::Error& e) {
     return fail(ErrorCode::CudaError, std::string("allocating the program's buffers failed: ") + e.what_without_backtrace());
   }
@@ -394,7 +401,8 @@ Result<void> Executor::Impl::execute(Instance& in, void* stream) {
       } else if (auto* m = std::get_if<Matmul>(&step)) {
         const at::Tensor* bias = m->bias ? &in.tensors[slot.at(*m->bias)] : nullptr;
         ok = in.matmuls[i]->run(in.tensors[slot.at(m->a)], in.tensors[slot.at(m->b)], in.tensors[slot.at(m->c)], bias,
-                                in.workspace.defined() ? in.workspace.data_ptr() : nullptr, options.workspace_bytes, stream);
+                                in.workspace.defined() ? in.workspace.data_ptr() : nullptr, options.workspace_bytes, stream,
+                                in.split_scratch.defined() ? in.split_scratch.data_ptr() : nullptr);
       } else if (auto* op = std::get_if<AtenOp>(&step)) {
         std::vector<at::Tensor> args;
         args.reserve(op->inputs.size());

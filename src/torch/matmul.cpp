@@ -1,12 +1,24 @@
 // Matmul steps through cuBLASLt: row-major operands mapped onto cuBLASLt's column-major view, fused
 // bias/ReLU/GELU epilogues, strided batches with broadcast operands. The library is the
 // libcublasLt.so.13 PyTorch already loaded (one CUDA major per process), found with dlopen.
+//
+// tf32x3 (fp32 accuracy on TF32 tensor cores): each fp32 operand x is split by one kernel into
+// hi = x with its 13 low mantissa bits cleared (exactly a TF32 value) and lo = x - hi (exact in fp32), and
+// c = a_lo b_hi + a_hi b_lo + a_hi b_hi as TF32 products accumulated in c (the lo*lo term, 2^-22 of the
+// product, is dropped). The hi*hi product carries nearly all of the magnitude, and tensor cores add each
+// k-step into their fp32 accumulator with truncation, an error that grows with the number of steps: it
+// is summed in chunks of at most kSplitChunk along K, each chunk added to c by cuBLASLt's epilogue in
+// round-to-nearest fp32. The bias and activation epilogue runs on the last chunk only.
 #include "steps.hpp"
 
 #include <cublasLt.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <mutex>
+#include <optional>
+
+#include <stitchcuda/jit.hpp>
 
 namespace stitchcuda::program::detail {
 namespace {
@@ -100,6 +112,51 @@ std::int64_t matrices(const TensorSpec& s) { return s.numel() / std::max<std::in
 
 std::string status_text(cublasStatus_t s) { return "cuBLASLt status " + std::to_string(int(s)); }
 
+// Elements of K per hi*hi product in tf32x3.
+constexpr std::int64_t kSplitChunk = 512;
+// Each split part starts on a 256-byte boundary (cuBLASLt's tensor-core kernels want 16-byte alignment).
+constexpr std::int64_t kSplitAlign = 64;  // floats
+std::int64_t aligned(std::int64_t n) { return (n + kSplitAlign - 1) / kSplitAlign * kSplitAlign; }
+
+constexpr const char* kSplitName = "stitchcuda_tf32x3_split";
+constexpr const char* kSplitSource = R"CUDA(
+__device__ __forceinline__ void split_one(float v, float& h, float& l) {
+  // h: a TF32 value (the tensor cores read it exactly); l = v - h is exact. An infinity or a NaN (whatever
+  // its payload) stays whole in h, with l = 0.
+  h = isnan(v) ? v : __uint_as_float(__float_as_uint(v) & 0xffffe000u);
+  l = isfinite(v) ? v - h : 0.0f;
+}
+extern "C" __global__ void stitchcuda_tf32x3_split(const float* __restrict__ x, float* __restrict__ hi,
+                                                   float* __restrict__ lo, long long n) {
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  long long done = 0;
+  if (((reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(hi) |
+        reinterpret_cast<unsigned long long>(lo)) & 15ull) == 0) {
+    const long long n4 = n / 4;
+    for (long long i = first; i < n4; i += stride) {
+      const float4 v = reinterpret_cast<const float4*>(x)[i];
+      float4 h, l;
+      split_one(v.x, h.x, l.x);
+      split_one(v.y, h.y, l.y);
+      split_one(v.z, h.z, l.z);
+      split_one(v.w, h.w, l.w);
+      reinterpret_cast<float4*>(hi)[i] = h;
+      reinterpret_cast<float4*>(lo)[i] = l;
+    }
+    done = n4 * 4;
+  }
+  for (long long i = done + first; i < n; i += stride) split_one(x[i], hi[i], lo[i]);
+}
+)CUDA";
+
+// The split kernel, compiled once per architecture through the kernel cache.
+Result<jit::Kernel> split_kernel() {
+  auto module = jit::build(kSplitSource, jit::CompileOptions{}, "tf32x3_split.cu");
+  if (!module) return tl::unexpected(module.error());
+  return (*module)->kernel(kSplitName);
+}
+
 }  // namespace
 
 struct PreparedMatmul::Descriptors {
@@ -114,14 +171,50 @@ struct PreparedMatmul::Descriptors {
   double alpha64 = 1.0, beta64 = 0.0;
   bool f64 = false;
   std::size_t workspace_needed = 0;
+
+  // tf32x3: the calls in order, each a cuBLASLt matmul over parts of the split operands.
+  enum Part : std::uint8_t { b_hi, b_lo, a_hi, a_lo };
+  struct Call {
+    cublasLtMatmulDesc_t op = nullptr;  // `plain` or `op` (the last call: the epilogue)
+    cublasLtMatrixLayout_t first = nullptr, second = nullptr;  // owned
+    Part first_part = b_hi, second_part = a_hi;
+    std::int64_t first_offset = 0, second_offset = 0;  // elements into the part (a chunk along K)
+    cublasLtMatmulAlgo_t algo{};
+  };
+  bool split = false;
+  cublasLtMatmulDesc_t plain = nullptr;  // op without the epilogue and bias
+  std::vector<Call> calls;
+  std::int64_t a_elems = 0, b_elems = 0;
+  std::optional<jit::Kernel> splitter;
+
+  // Where each part starts in the scratch (floats).
+  std::int64_t part_offset(Part p) const {
+    switch (p) {
+      case b_hi: return 0;
+      case b_lo: return aligned(b_elems);
+      case a_hi: return 2 * aligned(b_elems);
+      case a_lo: return 2 * aligned(b_elems) + aligned(a_elems);
+    }
+    return 0;
+  }
 };
 
 PreparedMatmul::~PreparedMatmul() {
   if (!d_ || !d_->api) return;
+  for (auto& call : d_->calls) {
+    if (call.first) d_->api->LayoutDestroy(call.first);
+    if (call.second) d_->api->LayoutDestroy(call.second);
+  }
   if (d_->first) d_->api->LayoutDestroy(d_->first);
   if (d_->second) d_->api->LayoutDestroy(d_->second);
   if (d_->out) d_->api->LayoutDestroy(d_->out);
+  if (d_->plain) d_->api->DescDestroy(d_->plain);
   if (d_->op) d_->api->DescDestroy(d_->op);
+}
+
+std::size_t PreparedMatmul::scratch_bytes() const {
+  if (!d_ || !d_->split) return 0;
+  return std::size_t(2 * aligned(d_->a_elems) + 2 * aligned(d_->b_elems)) * sizeof(float);
 }
 
 Result<std::unique_ptr<PreparedMatmul>> PreparedMatmul::create(const Matmul& m, const Program& program,
@@ -151,32 +244,46 @@ Result<std::unique_ptr<PreparedMatmul>> PreparedMatmul::create(const Matmul& m, 
   const std::int64_t M = rows(C), N = cols(C);
   const std::int64_t K = m.transpose_a ? rows(A) : cols(A);
   cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+  d.split = m.precision == ComputePrecision::tf32x3;
+  if (d.split && (A.dtype != DType::f32 || B.dtype != DType::f32 || C.dtype != DType::f32))
+    return fail(ErrorCode::InvalidArgument, "tf32x3 matmuls take f32 operands (got " + A.describe() + " @ " +
+                                                B.describe() + " -> " + C.describe() + ")");
   if (d.f64) compute = CUBLAS_COMPUTE_64F;
-  else if (C.dtype == DType::f32 && m.precision == ComputePrecision::tf32) compute = CUBLAS_COMPUTE_32F_FAST_TF32;
+  else if (C.dtype == DType::f32 && (m.precision == ComputePrecision::tf32 || d.split))
+    compute = CUBLAS_COMPUTE_32F_FAST_TF32;
   else if (C.dtype == DType::f32 && m.precision == ComputePrecision::bf16) compute = CUBLAS_COMPUTE_32F_FAST_16BF;
   cudaDataType_t scale = d.f64 ? CUDA_R_64F : CUDA_R_32F;
   auto check = [](cublasStatus_t s, const char* what) -> Result<void> {
     if (s != CUBLAS_STATUS_SUCCESS) return fail(ErrorCode::CudaError, std::string(what) + " failed: " + status_text(s));
     return {};
   };
-  if (auto r = check(d.api->DescCreate(&d.op, compute, scale), "cublasLtMatmulDescCreate"); !r)
-    return tl::unexpected(r.error());
   cublasOperation_t op_first = m.transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   cublasOperation_t op_second = m.transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-  d.api->DescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first));
-  d.api->DescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second));
-  cublasLtEpilogue_t epi = epilogue_of(m.epilogue);
-  if (auto r = check(d.api->DescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)), "setting the epilogue"); !r)
-    return tl::unexpected(r.error());
-  if (d.uses_bias) {
-    cudaDataType_t bias_type = data_type(program.buffer(*m.bias)->spec.dtype);
-    d.api->DescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type));
-  }
+  auto describe_op = [&](cublasLtMatmulDesc_t& desc, bool with_epilogue) -> Result<void> {
+    if (auto r = check(d.api->DescCreate(&desc, compute, scale), "cublasLtMatmulDescCreate"); !r) return r;
+    d.api->DescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first));
+    d.api->DescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second));
+    if (!with_epilogue) return {};
+    cublasLtEpilogue_t epi = epilogue_of(m.epilogue);
+    if (auto r = check(d.api->DescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)), "setting the epilogue"); !r)
+      return r;
+    if (d.uses_bias) {
+      cudaDataType_t bias_type = data_type(program.buffer(*m.bias)->spec.dtype);
+      d.api->DescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type));
+    }
+    return {};
+  };
+  if (auto r = describe_op(d.op, true); !r) return tl::unexpected(r.error());
+  if (d.split)
+    if (auto r = describe_op(d.plain, false); !r) return tl::unexpected(r.error());
 
-  // Stored (column-major) shapes: b's memory is [cols(B) x rows(B)], a's is [cols(A) x rows(A)].
-  auto layout = [&](cublasLtMatrixLayout_t& out, const TensorSpec& s, std::int64_t batch) -> Result<void> {
+  // Stored (column-major) shapes: b's memory is [cols(B) x rows(B)], a's is [cols(A) x rows(A)]. A
+  // layout of `r_used x c_used` inside that storage (ld = cols(s)) is a chunk along K for tf32x3.
+  auto layout = [&](cublasLtMatrixLayout_t& out, const TensorSpec& s, std::int64_t batch, std::int64_t r_used = -1,
+                    std::int64_t c_used = -1) -> Result<void> {
     const std::uint64_t r = std::uint64_t(cols(s)), c = std::uint64_t(rows(s));
-    if (auto st = check(d.api->LayoutCreate(&out, data_type(s.dtype), r, c, std::int64_t(r)), "cublasLtMatrixLayoutCreate"); !st)
+    const std::uint64_t ru = r_used < 0 ? r : std::uint64_t(r_used), cu = c_used < 0 ? c : std::uint64_t(c_used);
+    if (auto st = check(d.api->LayoutCreate(&out, data_type(s.dtype), ru, cu, std::int64_t(r)), "cublasLtMatrixLayoutCreate"); !st)
       return st;
     if (batch > 1) {
       int count = int(batch);
@@ -190,26 +297,73 @@ Result<std::unique_ptr<PreparedMatmul>> PreparedMatmul::create(const Matmul& m, 
   if (auto r = layout(d.second, A, m.batch); !r) return tl::unexpected(r.error());
   if (auto r = layout(d.out, C, m.batch); !r) return tl::unexpected(r.error());
 
-  cublasLtMatmulPreference_t pref = nullptr;
-  if (auto r = check(d.api->PreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate"); !r) return tl::unexpected(r.error());
-  std::uint64_t ws = workspace_bytes;
-  d.api->PreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
-  cublasLtMatmulHeuristicResult_t result{};
-  int found = 0;
-  cublasStatus_t s = d.api->AlgoGetHeuristic(d.api->handle, d.op, d.first, d.second, d.out, d.out, pref, 1, &result, &found);
-  d.api->PreferenceDestroy(pref);
-  if (s != CUBLAS_STATUS_SUCCESS || found == 0)
+  auto no_algorithm = [&](cublasStatus_t s, const std::string& what) {
     return fail(ErrorCode::Unavailable,
-                "cuBLASLt has no algorithm for this matmul (M=" + std::to_string(M) + ", N=" + std::to_string(N) +
-                    ", K=" + std::to_string(K) + ", " + to_string(C.dtype) + ", epilogue " + to_string(m.epilogue) +
-                    ", " + status_text(s) + "): use an ATen step (aten::mm/addmm) or another epilogue");
-  d.algo = result.algo;
-  d.workspace_needed = result.workspaceSize;
+                "cuBLASLt has no algorithm for this matmul" + what + " (M=" + std::to_string(M) + ", N=" +
+                    std::to_string(N) + ", K=" + std::to_string(K) + ", " + to_string(C.dtype) + ", epilogue " +
+                    to_string(m.epilogue) + ", " + status_text(s) + "): use an ATen step (aten::mm/addmm) or another epilogue");
+  };
+  auto pick = [&](cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t first, cublasLtMatrixLayout_t second,
+                  cublasLtMatmulAlgo_t& algo, const std::string& what) -> Result<void> {
+    cublasLtMatmulPreference_t pref = nullptr;
+    if (auto r = check(d.api->PreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate"); !r) return r;
+    std::uint64_t ws = workspace_bytes;
+    d.api->PreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    cublasStatus_t s = d.api->AlgoGetHeuristic(d.api->handle, desc, first, second, d.out, d.out, pref, 1, &result, &found);
+    d.api->PreferenceDestroy(pref);
+    if (s != CUBLAS_STATUS_SUCCESS || found == 0) return no_algorithm(s, what);
+    algo = result.algo;
+    d.workspace_needed = std::max(d.workspace_needed, result.workspaceSize);
+    return {};
+  };
+  if (!d.split) {
+    if (auto r = pick(d.op, d.first, d.second, d.algo, ""); !r) return tl::unexpected(r.error());
+    return p;
+  }
+
+  // tf32x3: a_lo b_hi and a_hi b_lo over the whole K (plain descriptor, full layouts), then a_hi b_hi in
+  // chunks along K, the last one with the epilogue.
+  using Part = Descriptors::Part;
+  d.a_elems = A.numel(), d.b_elems = B.numel();
+  auto splitter = split_kernel();
+  if (!splitter) return tl::unexpected(splitter.error());
+  d.splitter = std::move(*splitter);
+  // Where K lies in each operand's column-major storage: b's rows (r) when transposed, its columns (c)
+  // otherwise; a's the other way round.
+  const bool b_k_in_rows = m.transpose_b, a_k_in_rows = !m.transpose_a;
+  auto chunk_layout = [&](cublasLtMatrixLayout_t& out, const TensorSpec& s, bool k_in_rows, std::int64_t kc) {
+    return k_in_rows ? layout(out, s, m.batch, kc, -1) : layout(out, s, m.batch, -1, kc);
+  };
+  auto chunk_offset = [](const TensorSpec& s, bool k_in_rows, std::int64_t k0) {
+    return k_in_rows ? k0 : k0 * cols(s);
+  };
+  auto add_call = [&](cublasLtMatmulDesc_t desc, Part fp, Part sp, std::int64_t k0, std::int64_t kc,
+                      const char* what) -> Result<void> {
+    Descriptors::Call call;
+    call.op = desc, call.first_part = fp, call.second_part = sp;
+    d.calls.push_back(call);  // owned from here: the destructor frees its layouts whatever fails next
+    Descriptors::Call& c = d.calls.back();
+    if (auto r = chunk_layout(c.first, B, b_k_in_rows, kc); !r) return r;
+    if (auto r = chunk_layout(c.second, A, a_k_in_rows, kc); !r) return r;
+    c.first_offset = chunk_offset(B, b_k_in_rows, k0);
+    c.second_offset = chunk_offset(A, a_k_in_rows, k0);
+    return pick(desc, c.first, c.second, c.algo, what);
+  };
+  if (auto r = add_call(d.plain, Part::b_hi, Part::a_lo, 0, K, " (tf32x3, a_lo b_hi)"); !r) return tl::unexpected(r.error());
+  if (auto r = add_call(d.plain, Part::b_lo, Part::a_hi, 0, K, " (tf32x3, a_hi b_lo)"); !r) return tl::unexpected(r.error());
+  for (std::int64_t k0 = 0; k0 < K; k0 += kSplitChunk) {
+    const std::int64_t kc = std::min(kSplitChunk, K - k0);
+    const bool last = k0 + kc >= K;
+    if (auto r = add_call(last ? d.op : d.plain, Part::b_hi, Part::a_hi, k0, kc, " (tf32x3, a_hi b_hi chunk)"); !r)
+      return tl::unexpected(r.error());
+  }
   return p;
 }
 
 Result<void> PreparedMatmul::run(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, const at::Tensor* bias,
-                                 void* workspace, std::size_t workspace_bytes, void* stream) const {
+                                 void* workspace, std::size_t workspace_bytes, void* stream, void* scratch) const {
   const Descriptors& d = *d_;
   if (d.uses_bias) {
     const void* ptr = bias->data_ptr();
@@ -217,10 +371,40 @@ Result<void> PreparedMatmul::run(const at::Tensor& a, const at::Tensor& b, const
   }
   const void* alpha = d.f64 ? static_cast<const void*>(&d.alpha64) : static_cast<const void*>(&d.alpha);
   const void* beta = d.f64 ? static_cast<const void*>(&d.beta64) : static_cast<const void*>(&d.beta);
-  cublasStatus_t s = d.api->Matmul(d.api->handle, d.op, alpha, b.data_ptr(), d.first, a.data_ptr(), d.second, beta,
-                                   c.data_ptr(), d.out, c.data_ptr(), d.out, &d.algo, workspace, workspace_bytes,
-                                   static_cast<cudaStream_t>(stream));
-  if (s != CUBLAS_STATUS_SUCCESS) return fail(ErrorCode::CudaError, "cublasLtMatmul failed: " + status_text(s));
+  if (!d.split) {
+    cublasStatus_t s = d.api->Matmul(d.api->handle, d.op, alpha, b.data_ptr(), d.first, a.data_ptr(), d.second, beta,
+                                     c.data_ptr(), d.out, c.data_ptr(), d.out, &d.algo, workspace, workspace_bytes,
+                                     static_cast<cudaStream_t>(stream));
+    if (s != CUBLAS_STATUS_SUCCESS) return fail(ErrorCode::CudaError, "cublasLtMatmul failed: " + status_text(s));
+    return {};
+  }
+  if (!scratch) return fail(ErrorCode::Internal, "a tf32x3 matmul ran without its split scratch");
+  float* parts = static_cast<float*>(scratch);
+  auto split = [&](const at::Tensor& x, std::int64_t n, Descriptors::Part hi, Descriptors::Part lo) -> Result<void> {
+    jit::KernelArgs args;
+    args.pointer(x.data_ptr()).pointer(parts + d.part_offset(hi)).pointer(parts + d.part_offset(lo)).i64(n);
+    jit::LaunchConfig cfg;
+    cfg.block = {256, 1, 1};
+    cfg.grid = {unsigned(std::clamp<std::int64_t>((n / 4 + 255) / 256, 1, 8192)), 1, 1};
+    cfg.stream = stream;
+    cfg.device = c.get_device();
+    return d.splitter->launch(cfg, args);
+  };
+  using Part = Descriptors::Part;
+  if (auto r = split(b, d.b_elems, Part::b_hi, Part::b_lo); !r) return r;
+  if (auto r = split(a, d.a_elems, Part::a_hi, Part::a_lo); !r) return r;
+  const float one = 1.0f;
+  for (std::size_t i = 0; i < d.calls.size(); ++i) {
+    const Descriptors::Call& call = d.calls[i];
+    const float* first = parts + d.part_offset(call.first_part) + call.first_offset;
+    const float* second = parts + d.part_offset(call.second_part) + call.second_offset;
+    cublasStatus_t s = d.api->Matmul(d.api->handle, call.op, alpha, first, call.first, second, call.second,
+                                     i == 0 ? beta : &one, c.data_ptr(), d.out, c.data_ptr(), d.out, &call.algo,
+                                     workspace, workspace_bytes, static_cast<cudaStream_t>(stream));
+    if (s != CUBLAS_STATUS_SUCCESS)
+      return fail(ErrorCode::CudaError, "cublasLtMatmul failed (tf32x3 product " + std::to_string(i + 1) + " of " +
+                                            std::to_string(d.calls.size()) + "): " + status_text(s));
+  }
   return {};
 }
 

@@ -35,9 +35,12 @@ class PreparedMatmul {
   /// Builds the descriptors for `m` on `device` and picks an algorithm with `workspace_bytes`.
   static Result<std::unique_ptr<PreparedMatmul>> create(const Matmul& m, const Program& program,
                                                         std::size_t workspace_bytes);
-  /// Enqueues c = epilogue(alpha * op(a) @ op(b) + beta * c [+ bias]) on `stream`.
+  /// Enqueues c = epilogue(alpha * op(a) @ op(b) + beta * c [+ bias]) on `stream`; a tf32x3 matmul
+  /// splits its operands into `scratch` (scratch_bytes() of device memory, unused otherwise).
   Result<void> run(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, const at::Tensor* bias,
-                   void* workspace, std::size_t workspace_bytes, void* stream) const;
+                   void* workspace, std::size_t workspace_bytes, void* stream, void* scratch = nullptr) const;
+  /// Device memory a run needs beside the workspace: the split operands of a tf32x3 matmul (0 otherwise).
+  std::size_t scratch_bytes() const;
   ~PreparedMatmul();
   PreparedMatmul(const PreparedMatmul&) = delete;
   PreparedMatmul& operator=(const PreparedMatmul&) = delete;

@@ -158,7 +158,10 @@ def test_optimize_defaults_to_graph_mode_without_agent_arguments(graph_calls, pr
     assert main(["optimize", str(problem_file), "--precision", "tf32"]) == 0
     assert "fake" in capsys.readouterr().out
     # Exactly what graph mode passed before --mode existed: no agent keyword at all.
-    assert graph_calls == [{"precision": "tf32", "compare_compile": True, "progress": None}]
+    assert graph_calls == [{"precision": "tf32", "compare_compile": True, "progress": None, "split_tf32": True}]
+    # --sgemm keeps every fp32 matmul on cuBLAS's SGEMM.
+    assert main(["optimize", str(problem_file), "--sgemm"]) == 0
+    assert graph_calls[1]["split_tf32"] is False and graph_calls[1]["precision"] == "fp32"
 
 
 def test_graph_mode_passes_only_the_given_agent_options(graph_calls, problem_file, tmp_path):

@@ -342,3 +342,26 @@ def test_a_vocabulary_row_is_held_in_shared_memory_and_matches_eager():
     fast = _check(_VocabLogSoftmax(), (x,), lambda: (torch.randn_like(x) * 3,))
     assert any("held in shared memory" in g["reason"] for g in fast.report.groups), fast.report.groups
     assert not any("differs from ATen" in f["reason"] for f in fast.report.fallbacks), fast.report.fallbacks
+
+
+class _WideProjection(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4096, 4096)
+
+    def forward(self, x):
+        return torch.relu(self.proj(x))
+
+
+def test_a_large_fp32_projection_runs_as_tf32x3_and_matches_eager_at_fp32_tolerance():
+    x = torch.randn(4096, 4096, device="cuda")
+    fast = _check(_WideProjection(), (x,), lambda: (torch.randn_like(x),))
+    decision = next(d for d, _ in fast.report.decisions if d.startswith("matmuls"))
+    assert decision.startswith("matmuls at fp32 accuracy: 1 of 1 as 3xTF32"), fast.report.decisions
+    assert fast.program.precision["matmul"] == "tf32x3"
+    assert [s["precision"] for s in fast.program.steps if s["kind"] == "matmul"] == ["tf32x3"]
+    assert not fast.report.fallbacks, fast.report.fallbacks  # the group check passed at fp32's tolerance
+    # The caller can keep SGEMM.
+    sgemm = stitchcuda.optimize(_WideProjection().cuda().eval(), (x,), compare_compile=False, keep_slower=True,
+                                split_tf32=False)
+    assert [s["precision"] for s in sgemm.program.steps if s["kind"] == "matmul"] == ["fp32"]

@@ -270,3 +270,43 @@ def test_a_random_op_keeps_replay_on_the_host():
     stats = ex.stats()
     assert stats["device_launches"] == 0 and stats["replays"] == 2
     assert "random numbers" in stats["host_replay_note"] and "bernoulli" in stats["host_replay_note"]
+
+
+@pytest.mark.parametrize("m, n, k, batch, transpose_b, epilogue", [
+    (1024, 768, 4096 + 100, 1, True, "bias_relu"),   # a linear layer: eight full K-chunks and a ragged one
+    (512, 1024, 300, 1, False, "none"),              # K below one chunk: one hi*hi product
+    (256, 256, 1536, 8, False, "gelu"),              # batched, the second operand broadcast over the batch
+])
+def test_tf32x3_matmul_has_fp32_accuracy(m, n, k, batch, transpose_b, epilogue):
+    """tf32x3 (three TF32 tensor-core products on split operands, the big one summed in chunks of K) is
+    as close to exact arithmetic as cuBLAS's SGEMM, and within fp32's tolerance of it; plain TF32 is not."""
+    from stitchcuda.verify.compare import first_difference, fp64_error
+
+    torch.manual_seed(m + k)
+    a = torch.randn(batch, m, k, device="cuda") if batch > 1 else torch.randn(m, k, device="cuda")
+    w = torch.randn(n, k, device="cuda") if transpose_b else torch.randn(k, n, device="cuda")
+    bias = torch.randn(n, device="cuda") if "bias" in epilogue else None
+
+    def run(precision: str) -> torch.Tensor:
+        b = ProgramBuilder()
+        x = b.input(list(a.shape), name="a")
+        W = b.weight(w, name="w")
+        B = b.weight(bias, name="bias") if bias is not None else None
+        y = b.output(list(a.shape[:-1]) + [n], name="y")
+        b.matmul(x, W, y, bias=B, transpose_b=transpose_b, batch=batch, epilogue=epilogue, precision=precision)
+        b.precision(precision)
+        return stitchcuda.ProgramModule(b.build(), graphs=False)(a)
+
+    def exact() -> torch.Tensor:
+        wt = (w.t() if transpose_b else w).double()
+        y = a.double() @ wt + (bias.double() if bias is not None else 0)
+        return {"bias_relu": torch.relu, "gelu": lambda t: F.gelu(t, approximate="tanh")}.get(epilogue, lambda t: t)(y)
+
+    ref = exact()
+    sgemm, split, tf32 = run("fp32"), run("tf32x3"), run("tf32")
+    assert first_difference("y", split, sgemm, 1e-4, 1e-4, reference="SGEMM") is None
+    err_sgemm, err_split, err_tf32 = fp64_error(sgemm, ref), fp64_error(split, ref), fp64_error(tf32, ref)
+    print(f"[tf32x3] {m}x{n}x{k} batch {batch}: error vs fp64 SGEMM {err_sgemm:.2e} tf32x3 {err_split:.2e} "
+          f"tf32 {err_tf32:.2e}")
+    assert err_split <= max(4 * err_sgemm, 1e-6), (err_split, err_sgemm)
+    assert err_tf32 > 10 * err_split  # the split is what buys the accuracy back

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import stitchcuda
-from stitchcuda import jit
+from stitchcuda import Program, jit
 from stitchcuda.graph import CaptureError, Lowering, OfflinePlanner, capture, reference_values
 from stitchcuda.graph.templates import PointwiseInput, depthwise_conv_kernel, pointwise_kernel, row_reduction_kernel
 
@@ -495,3 +495,81 @@ def test_reduction_loops_keep_several_loads_in_flight(kind, cols):
     assert len(unrolled) >= passes, f"{kind}: {len(unrolled)} pass(es) with several loads in one block, want {passes}"
     for block in unrolled:
         assert "div.rn" not in block and "call" not in block, block
+
+
+# ---- fp32 matmuls as 3xTF32 (tf32x3) ----
+
+H200_PEAKS = {"fp32_tflops": 67.0, "tf32_tflops": 495.0, "dram_tb_s": 4.8}
+
+
+class _Projection(nn.Module):
+    """A large fp32 projection (bound by fp32 arithmetic) and a small one (bound by launches)."""
+
+    def __init__(self):
+        super().__init__()
+        self.big, self.small = nn.Linear(4096, 4096), nn.Linear(64, 32)
+
+    def forward(self, x, y):
+        return torch.relu(self.big(x)), self.small(y)
+
+
+def _projection_plan(**planner):
+    model = _Projection().eval()
+    inputs = (torch.randn(4096, 4096), torch.randn(8, 64))
+    graph = capture(model, inputs)
+    return graph, OfflinePlanner(**planner).plan(graph)
+
+
+def test_a_large_fp32_gemm_runs_as_tf32x3_where_the_gpu_peaks_say_it_pays():
+    graph, plan = _projection_plan(peaks=H200_PEAKS)
+    gemms = [g for g in plan.groups if g.kind == "gemm"]
+    assert [g.params["precision"] for g in gemms] == ["tf32x3", "fp32"]
+    big = gemms[0]
+    assert big.params["epilogue"] == "bias_relu"  # the epilogue still fuses (on the last product)
+    assert "3xTF32 on split operands, estimated" in big.reason
+    decision = next(d for d in plan.decisions if d[0].startswith("matmuls"))
+    assert decision[0] == "matmuls at fp32 accuracy: 1 of 2 as 3xTF32 (tf32x3), the rest SGEMM"
+    assert "held to fp32's tolerance" in decision[1] and "split_tf32=False keeps SGEMM" in decision[1]
+    assert plan.precision == "fp32"  # the tolerance every check applies stays fp32's
+    # The program's policy allows tf32x3 and nothing lossier; its big matmul step asks for it.
+    program = Lowering(graph, plan, {}).build(plan.groups, graph.inputs, graph.outputs)
+    assert program.precision["matmul"] == "tf32x3"
+    assert sorted(s["precision"] for s in program.steps if s["kind"] == "matmul") == ["fp32", "tf32x3"]
+    # The artifact keeps it.
+    again = Program.deserialize(program.serialize())
+    assert again.precision["matmul"] == "tf32x3"
+    assert sorted(s["precision"] for s in again.steps if s["kind"] == "matmul") == ["fp32", "tf32x3"]
+
+
+@pytest.mark.parametrize("planner, why", [
+    ({}, "no peaks: the planner cannot tell, so SGEMM"),
+    ({"peaks": H200_PEAKS, "split_tf32": False}, "the caller asked for SGEMM"),
+    ({"peaks": {"fp32_tflops": 82.6, "tf32_tflops": 82.6, "dram_tb_s": 1.0}}, "TF32 no faster than fp32 SIMT"),
+])
+def test_fp32_gemms_stay_sgemm_when_tf32x3_would_not_pay_or_is_refused(planner, why):
+    graph, plan = _projection_plan(**planner)
+    assert [g.params["precision"] for g in plan.groups if g.kind == "gemm"] == ["fp32", "fp32"], why
+    assert any(d[0] == "matmuls in true fp32" for d in plan.decisions)
+    program = Lowering(graph, plan, {}).build(plan.groups, graph.inputs, graph.outputs)
+    assert program.precision["matmul"] == "fp32"
+
+
+def test_tf32x3_cost_model_counts_the_split_and_the_chunked_accumulation():
+    from stitchcuda.graph.planner import split_tf32_choice
+
+    # Square and compute-bound: worth it on an H200.
+    ok, why = split_tf32_choice(8192, 8192, 4096, 1, 8192 * 4096, 4096 * 8192, H200_PEAKS)
+    assert ok and why.startswith("estimated") and "as 3xTF32 against" in why
+    # A small product, and a batch of thin ones (K = 64), cost more split and accumulate than they save.
+    assert not split_tf32_choice(256, 768, 768, 1, 256 * 768, 768 * 768, H200_PEAKS)[0]
+    assert not split_tf32_choice(1024, 1024, 64, 32, 32 * 1024 * 64, 32 * 64 * 1024, H200_PEAKS)[0]
+    # Tall and skinny: the split copies of a 1 GiB operand would dwarf its 16 MiB result.
+    ok, why = split_tf32_choice(65536, 64, 4096, 1, 65536 * 4096, 4096 * 64, H200_PEAKS)
+    assert not ok and "would exceed twice the result's 16 MiB" in why
+    # With TF32 tensor cores allowed outright (precision='tf32'), the planner does not split at all.
+    torch.backends.cuda.matmul.allow_tf32, before = True, torch.backends.cuda.matmul.allow_tf32
+    try:
+        _, plan = _projection_plan(peaks=H200_PEAKS)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    assert {g.params["precision"] for g in plan.groups if g.kind == "gemm"} == {"tf32"}

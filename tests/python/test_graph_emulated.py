@@ -612,3 +612,29 @@ def test_a_channels_last_chain_program_gives_eager_results(emu):
     (got,) = run_program(emu, program, [x], constants)
     with torch.no_grad():
         torch.testing.assert_close(got, model(x), atol=1e-4, rtol=1e-4)
+
+
+def _split_kernel_source() -> str:
+    """The tf32x3 split kernel exactly as the program runtime compiles it (src/torch/matmul.cpp)."""
+    text = (Path(__file__).resolve().parents[2] / "src" / "torch" / "matmul.cpp").read_text()
+    return text[text.index('R"CUDA(') + len('R"CUDA('):text.index(')CUDA"')]
+
+
+@pytest.mark.parametrize("offset", [0, 1], ids=["float4", "misaligned"])
+def test_tf32x3_split_gives_an_exact_tf32_part_and_remainder(emu, offset):
+    kernel = EmulatedModule(emu, _split_kernel_source()).kernel("stitchcuda_tf32x3_split")
+    torch.manual_seed(7)
+    x = (torch.randn(1 + 4099) * torch.logspace(-30, 30, 4100))[offset:]  # every magnitude, a ragged tail
+    x[5], x[6], x[7], x[8] = float("inf"), float("-inf"), float("nan"), 1e-40  # and a subnormal
+    x[9] = torch.tensor(0x7F800001, dtype=torch.int32).view(torch.float32)  # a NaN whose payload is in its low bits
+    hi, lo = torch.full_like(x, 3.0), torch.full_like(x, 3.0)
+    kernel((3, 1, 1), (256, 1, 1), x, hi, lo, x.numel())
+    finite = torch.isfinite(x)
+    assert int((hi.view(torch.int32)[finite] & 0x1FFF).abs().max()) == 0  # TF32: 10 mantissa bits, nothing below
+    assert torch.equal(hi[finite] + lo[finite], x[finite])  # the remainder is exact
+    # The remainder of a normal number is below one TF32 unit of it: the dropped lo * lo products are 2^-20
+    # of x * y at most (a subnormal has fewer bits than that to begin with).
+    normal = finite & (x.abs() >= torch.finfo(torch.float32).tiny)
+    assert bool((lo[normal].abs() <= x[normal].abs() * 2.0 ** -10).all())
+    assert hi[5] == float("inf") and hi[6] == float("-inf") and torch.isnan(hi[7]) and torch.isnan(hi[9])
+    assert torch.equal(lo[5:8], torch.zeros(3)) and lo[9] == 0

@@ -21,8 +21,8 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 MODES = ("graph", "program")
 
 # Options of one mode only (dest: flag), refused in the other so that nothing is silently ignored.
-GRAPH_ONLY = {"precision": "--precision", "save": "--save", "json": "--json", "show_kernels": "--show-kernels",
-              "no_compile_baseline": "--no-compile-baseline"}
+GRAPH_ONLY = {"precision": "--precision", "sgemm": "--sgemm", "save": "--save", "json": "--json",
+              "show_kernels": "--show-kernels", "no_compile_baseline": "--no-compile-baseline"}
 PROGRAM_ONLY = {"replans": "--replans", "target_speedup": "--target-speedup", "prompts": "--prompts",
                 "static_only": "--static-only", "judge": "--judge", "timeout": "--timeout"}
 # The agents' options graph mode passes to optimize(model, inputs, ...) when --llm or --resume is set.
@@ -107,7 +107,7 @@ def _run_graph(args: argparse.Namespace, config: dict[str, Any] | None) -> int:
         kwargs["on_event"] = lambda e: log.note(f"{e.get('stage', '')}: {e.get('message', '')}")
     try:
         fast = optimize(model, inputs, precision=args.precision or "fp32", compare_compile=not args.no_compile_baseline,
-                        progress=not args.json and None, **kwargs)
+                        progress=not args.json and None, split_tf32=not args.sgemm, **kwargs)
     except StitchError as exc:  # an unknown model spec, a run directory that is not one
         return _usage(args, f"stitchcuda optimize: {exc.message.splitlines()[0] if exc.message else exc}")
     except KeyboardInterrupt:
@@ -206,6 +206,9 @@ def register(commands) -> None:
     graph = p.add_argument_group("graph mode")
     graph.add_argument("--precision", choices=("fp32", "tf32", "bf16"),
                        help="what matmuls may trade for speed (default fp32: PyTorch's own flags)")
+    graph.add_argument("--sgemm", action="store_true",
+                       help="at fp32, keep every matmul on cuBLAS's SGEMM (by default a large one may run as three "
+                            "TF32 tensor-core products on split operands, at fp32's accuracy: tf32x3)")
     graph.add_argument("--save", metavar="PATH", help="write the stitched program as a .stitch artifact")
     graph.add_argument("--json", action="store_true", help="print the report as one JSON object")
     graph.add_argument("--show-kernels", action="store_true", help="print the generated CUDA")

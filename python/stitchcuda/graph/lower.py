@@ -251,7 +251,11 @@ class Lowering:
                     self.written.add(v.name)
         for v, bid in extra_outputs:
             self.b.aten("aten::clone", [self.need(v)], [bid])
-        self.b.precision(self.plan.precision)
+        # The policy caps the steps: an fp32 plan whose GEMMs run as tf32x3 (fp32's accuracy on TF32 tensor
+        # cores) allows exactly that and nothing lossier.
+        split = self.plan.precision == "fp32" and any(
+            g.kind == "gemm" and id(g) not in fallback and g.params.get("precision") == "tf32x3" for g in groups)
+        self.b.precision("tf32x3" if split else self.plan.precision)
         if hardware:
             self.b.verified_on(**hardware)
         return self.b.build()

@@ -241,7 +241,7 @@ def optimize(model: torch.nn.Module | Callable[..., Any], args: Any = None, kwar
              compare_compile: bool = True, progress: bool | None = None, isolated: bool = True,
              run_dir: str | os.PathLike | None = None, resume: str | os.PathLike | None = None, attempts: int = 3,
              tokens: int = 0, wall_s: float = 0.0, max_targets: int = 4, concurrency: int = 4, on_event: Any = None,
-             budget_s: float = BUDGET_S, keep_slower: bool = False) -> OptimizedModule:
+             budget_s: float = BUDGET_S, keep_slower: bool = False, split_tf32: bool = True) -> OptimizedModule:
     """Optimizes `model` for inference on inputs shaped like `args` and `kwargs` (on a CUDA device).
 
     `model`: an nn.Module in eval mode, or a plain function of tensors (a bound method of a module brings
@@ -275,6 +275,10 @@ def optimize(model: torch.nn.Module | Callable[..., Any], args: Any = None, kwar
     limit). The program is kept only when the Verifier's timer finds it faster than the eager model on
     the example inputs (`keep_slower=True` keeps it regardless); otherwise the model runs eagerly and the
     report gives both times.
+
+    `split_tf32`: at precision="fp32", a GEMM bound by fp32 arithmetic may run as three TF32 tensor-core
+    products on operands split into a TF32 part and its remainder (tf32x3: fp32's accuracy, held to fp32's
+    tolerance by every check) where the GPU's peaks say it is faster; False keeps cuBLAS's SGEMM for all.
     """
     original = _as_module(model)
     _refuse_training(original)
@@ -288,7 +292,7 @@ def optimize(model: torch.nn.Module | Callable[..., Any], args: Any = None, kwar
                      measure=measure, compare_compile=compare_compile, progress=progress, isolated=isolated,
                      run_dir=run_dir, resume=resume, attempts=attempts, tokens=tokens, wall_s=wall_s,
                      max_targets=max_targets, concurrency=concurrency, on_event=on_event, budget_s=budget_s,
-                     keep_slower=keep_slower)
+                     keep_slower=keep_slower, split_tf32=split_tf32)
     fast.original = original
     fast._arity, fast._keywords = len(_as_args(args)), tuple(keywords)
     return fast
@@ -298,7 +302,7 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
               verify_sets: int, measure: bool, compare_compile: bool, progress: bool | None, isolated: bool,
               run_dir: str | os.PathLike | None, resume: str | os.PathLike | None, attempts: int, tokens: int,
               wall_s: float, max_targets: int, concurrency: int, on_event: Any, budget_s: float,
-              keep_slower: bool) -> OptimizedModule:
+              keep_slower: bool, split_tf32: bool = True) -> OptimizedModule:
     """optimize() on a module in eval mode and its positional inputs (keyword inputs already appended)."""
     report = Report()
     steps = _Progress(progress)
@@ -320,7 +324,7 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
             report.stage_seconds["capture"] = time.perf_counter() - t0
         _peak(report, "capture")
         report.op_counts = graph.op_counts()
-        planner = OfflinePlanner(precision=precision, graphs=graphs)
+        planner = OfflinePlanner(precision=precision, graphs=graphs, peaks=describe(), split_tf32=split_tf32)
         plan = planner.plan(graph)
         report.decisions += plan.decisions
         report.groups = _planned_entries(plan)  # what ran replaces it once the program is built

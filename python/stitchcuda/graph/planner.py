@@ -5,6 +5,9 @@ apply first.
 - GEMMs (`mm`, `addmm`, `bmm`; `linear` arrives as `permute` + `addmm`) become cuBLASLt steps; a weight's
   transpose is folded into the step, a bias into the bias epilogue, and a following ReLU or tanh-GELU
   into the epilogue too. Whatever else follows (an exact GELU, a residual add) is a pointwise group.
+  An fp32 GEMM large enough to be bound by fp32 arithmetic runs as three TF32 tensor-core products on
+  split operands (tf32x3: fp32's accuracy, checked at fp32's tolerance) where the GPU's peaks say that
+  is faster (`split_tf32_choice`).
 - Pointwise chains of the same shape (with broadcasting, dtype casts, inference batch norm) become one
   fused kernel; values used only inside the chain never touch memory.
 - Row reductions over the trailing contiguous dimensions (softmax, log-softmax, layer norm, sum, mean,
@@ -38,7 +41,7 @@ from .capture import Graph, Node, Value
 from .templates import (CACHED_ROW_MAX, CACHED_ROW_MIN, DEPTHWISE_MAX_TAPS, FUSABLE_DTYPES, NORMALIZING, POINTWISE_OPS,
                         SCAN_EXTENT_MAX, SHARED_ROW_MAX, STATISTICS, aten_tile, pooling_blocker, split_rows)
 
-__all__ = ["Group", "GraphPlan", "OfflinePlanner", "GENERATED", "unheld_dtype"]
+__all__ = ["Group", "GraphPlan", "OfflinePlanner", "GENERATED", "unheld_dtype", "split_tf32_choice"]
 
 # Group kinds whose code the template Coder writes (and optimize checks against ATen before use).
 GENERATED = ("gemm", "pointwise", "reduction", "conv", "pool", "scan")
@@ -57,6 +60,40 @@ _REDUCTION_OPS = {"aten::_softmax": "softmax", "aten::_log_softmax": "log_softma
                   "aten::native_layer_norm": "layer_norm", "aten::native_group_norm": "group_norm",
                   "aten::sum.dim_IntList": "sum", "aten::sum": "sum",  # the second: over every element
                   "aten::mean.dim": "mean", "aten::mean": "mean", "aten::amax": "amax", "aten::amin": "amin"}
+# tf32x3's cost model: the shares of the peaks cuBLAS reaches (fp32 SIMT, TF32 tensor cores, DRAM), the
+# K-chunk of its hi*hi product (as the executor runs it), the speed-up it must promise, and the most
+# split scratch it may hold (besides 2x the result: the memory a user expects a matmul to cost).
+_SGEMM_SHARE, _TF32_SHARE, _DRAM_SHARE = 0.75, 0.55, 0.8
+_SPLIT_CHUNK = 512
+_SPLIT_GAIN = 1.25
+_SPLIT_SCRATCH_FLOOR = 256 << 20
+
+
+def split_tf32_choice(m: int, n: int, k: int, batch: int, a_elems: int, b_elems: int,
+                      peaks: dict | None) -> tuple[bool, str]:
+    """Whether an fp32 matmul (batch x [m, k] @ [k, n]; a_elems and b_elems elements in its operands)
+    should run as tf32x3, with the estimate behind the answer. The three TF32 products cost 3x the
+    FLOPs at tensor-core rate, plus the split (read 4 bytes, write 8 per operand element) and a
+    read-modify-write of the result for every product after the first (two, plus one per extra
+    K-chunk); SGEMM costs the FLOPs at the fp32 SIMT rate. `peaks`: the Verifier's description of the
+    GPU (fp32_tflops, tf32_tflops, dram_tb_s); unknown peaks keep SGEMM."""
+    fp32, tf32, dram = ((peaks or {}).get(key) or 0.0 for key in ("fp32_tflops", "tf32_tflops", "dram_tb_s"))
+    if not (fp32 > 0 and tf32 > 0 and dram > 0):
+        return False, "the GPU's fp32/TF32 peaks are unknown"
+    flops = 2.0 * batch * m * n * k
+    c_bytes = 4.0 * batch * m * n
+    scratch = 8.0 * (a_elems + b_elems)
+    if scratch > max(2 * c_bytes, _SPLIT_SCRATCH_FLOOR):
+        return False, (f"its split operands ({scratch / 2**20:.0f} MiB) would exceed twice the result's "
+                       f"{c_bytes / 2**20:.0f} MiB")
+    chunks = -(-k // _SPLIT_CHUNK)
+    sgemm_s = flops / (fp32 * 1e12 * _SGEMM_SHARE)
+    split_s = (3 * flops / (tf32 * 1e12 * _TF32_SHARE)
+               + (12.0 * (a_elems + b_elems) + 2.0 * c_bytes * (1 + chunks)) / (dram * 1e12 * _DRAM_SHARE))
+    why = f"estimated {split_s * 1e3:.3f} ms as 3xTF32 against {sgemm_s * 1e3:.3f} ms as SGEMM"
+    return split_s * _SPLIT_GAIN <= sgemm_s, why
+
+
 _POOL_OPS = {"aten::avg_pool2d": "avg", "aten::max_pool2d_with_indices": "max", "aten::max_pool2d": "max"}
 _SCAN_OPS = {"aten::cumsum": "cumsum", "aten::cumprod": "cumprod"}
 
@@ -157,11 +194,15 @@ class OfflinePlanner:
     """Rules-based partitioning (no LLM). `precision`: "fp32" follows PyTorch's flags at call time;
     "tf32" or "bf16" allow faster matmuls."""
 
-    def __init__(self, precision: str = "fp32", graphs: bool = True) -> None:
+    def __init__(self, precision: str = "fp32", graphs: bool = True, peaks: dict | None = None,
+                 split_tf32: bool = True) -> None:
         if precision not in ("fp32", "tf32", "bf16"):
             raise ValueError(f"precision must be 'fp32', 'tf32' or 'bf16', not {precision!r}")
         self.precision = precision
         self.graphs = graphs
+        # The GPU's peaks (verify.hardware.describe()) for tf32x3's cost model; None: every fp32 GEMM is SGEMM.
+        self.peaks = peaks
+        self.split_tf32 = split_tf32
 
     def plan(self, graph: Graph) -> GraphPlan:
         decisions: list[tuple[str, str]] = []
@@ -172,6 +213,8 @@ class OfflinePlanner:
         elif self.precision == "fp32":
             decisions.append(("matmuls in true fp32", "PyTorch's default (allow_tf32 off); pass precision='tf32' or "
                                                       "'bf16' to allow faster tensor-core math"))
+            if self.split_tf32:
+                matmul_precision = "fp32_or_split"  # _gemm decides per GEMM; the plan's precision stays fp32
         else:
             decisions.append((f"matmuls may use {self.precision}", "requested by the caller"))
         decisions.append(("convolutions through cuDNN with TF32" if torch.backends.cudnn.allow_tf32 else
@@ -270,6 +313,17 @@ class OfflinePlanner:
             if g.kind == "pointwise":
                 ops = ", ".join(n.op.removeprefix("aten::") for n in g.nodes)
                 g.reason = f"{len(g.nodes)} elementwise op(s) ({ops}) fused into one kernel"
+        split = [g for g in groups if g.kind == "gemm" and g.params.get("precision") == "tf32x3"]
+        if split:  # the decision says which fp32 matmuls are not SGEMM, and why
+            gemms = sum(g.kind == "gemm" for g in groups)
+            at = next(i for i, d in enumerate(decisions) if d[0] == "matmuls in true fp32")
+            decisions[at] = (f"matmuls at fp32 accuracy: {len(split)} of {gemms} as 3xTF32 (tf32x3), the rest SGEMM",
+                             "operands split into a TF32 part and its remainder, three tensor-core products (fp32's "
+                             "accuracy, held to fp32's tolerance by every check) where the GPU's peaks say it is faster "
+                             "than SGEMM (" + "; ".join(f"{g.name}: {g.params['split_why']}" for g in split[:3]) +
+                             ("; ..." if len(split) > 3 else "") + "); split_tf32=False keeps SGEMM for all")
+        if matmul_precision == "fp32_or_split":
+            matmul_precision = "fp32"
         plan = GraphPlan(self._normalized_inputs(self._online_sum_exp(self._row_epilogues(groups, outputs), outputs),
                                                  outputs), decisions, matmul_precision)
         from .layout import channels_last_values  # it reads groups: imported here, after this module
@@ -537,6 +591,17 @@ class OfflinePlanner:
                 notes.append(f"{u.op.removeprefix('aten::')} fused into the cuBLASLt epilogue")
         params["epilogue"] = epilogue
         params["result"] = nodes[-1].out
+        if precision == "fp32_or_split":
+            params["precision"] = "fp32"
+            if out.dtype == torch.float32:
+                a_, b_ = params["a"], params["b"]
+                k = a_.shape[-2] if params["transpose_a"] else a_.shape[-1]
+                m, n = out.shape[-2], out.shape[-1]
+                batch = out.shape[0] if node.op == "aten::bmm" else 1
+                split, why = split_tf32_choice(m, n, k, batch, a_.numel, b_.numel, self.peaks)
+                if split:
+                    params["precision"], params["split_why"] = "tf32x3", why
+                    notes.append(f"3xTF32 on split operands, {why}")
         reason = "cuBLASLt matmul" + (f" with the {epilogue} epilogue" if epilogue != "none" else "")
         if notes:
             reason += " (" + "; ".join(notes) + ")"

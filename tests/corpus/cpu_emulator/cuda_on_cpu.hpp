@@ -39,6 +39,12 @@ inline float __int_as_float(unsigned u) {
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
+inline float __uint_as_float(unsigned u) { return __int_as_float(u); }
+inline unsigned __float_as_uint(float f) {
+  unsigned u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
 
 // Every lane of the warp must take part, as the corpus's kernels do (full masks, whole warps exit).
 template <class T>

@@ -199,6 +199,30 @@ TEST_CASE("validation names the step and the problem", "[program]") {
     CHECK(contains(b.peek().validate().error().log, "needs a bias buffer"));
     CHECK_FALSE(contains(b.peek().validate().error().log, "precision policy"));
   }
+  SECTION("tf32x3 sits between fp32 and tf32 in the policy, and takes f32 operands only") {
+    Matmul m{x, w, h};
+    m.precision = ComputePrecision::tf32x3;
+    b.matmul(m);
+    b.aten("aten::relu", {h}, {y});
+    CHECK(contains(rejection(b.peek()), "computes in tf32x3 but the program's precision policy allows at most fp32"));
+    b.precision(PrecisionPolicy{ComputePrecision::tf32x3, true});
+    CHECK(b.peek().validate().has_value());
+    b.precision(PrecisionPolicy{ComputePrecision::tf32, true});
+    CHECK(b.peek().validate().has_value());  // a lossier policy allows it too
+  }
+  SECTION("tf32x3 on half-precision operands names the fix") {
+    ProgramBuilder hb;
+    BufferId hx = hb.input(TensorSpec::contiguous({4, 8}, DType::f16), "x");
+    BufferId hw = hb.weight(TensorSpec::contiguous({8, 16}, DType::f16), {}, "w");
+    BufferId hy = hb.output(TensorSpec::contiguous({4, 16}, DType::f16), "y");
+    Matmul m{hx, hw, hy};
+    m.precision = ComputePrecision::tf32x3;
+    hb.matmul(m);
+    hb.precision(PrecisionPolicy{ComputePrecision::tf32x3, true});
+    auto msg = rejection(hb.peek());
+    CHECK(contains(msg, "tf32x3 splits fp32 operands into TF32 parts: a, b and c must be f32"));
+    CHECK(contains(msg, "use fp32, or tf32/bf16 for other dtypes"));
+  }
   SECTION("a reshape that changes the element count") {
     b.matmul(Matmul{x, w, h});
     b.view(ViewKind::reshape, h, f32({65}));
