@@ -208,6 +208,7 @@ struct Executor::Impl {
     return stream ? stream : static_cast<void*>(c10::cuda::getCurrentCUDAStream(c10::DeviceIndex(device)).stream());
   }
   Result<Instance*> instance(void* stream);
+  Result<void> ensure_static(Instance& in);
   Result<void> execute(Instance& in, void* stream);
   Result<void> check_io(const std::vector<at::Tensor>& given, const std::vector<BufferId>& ids, const char* what) const;
   Result<void> copy(const at::Tensor& dst, const at::Tensor& src, void* stream);
@@ -313,14 +314,6 @@ Result<Instance*> Executor::Impl::instance(void* stream) {
       in->tensors[slot.at(p.buffer)] = at::from_blob(base + p.offset, s.shape, s.strides, options_for(s));
     }
     for (const auto& [id, t] : weights) in->tensors[slot.at(id)] = t;
-    for (BufferId id : input_ids) {
-      const TensorSpec& s = spec(id);
-      in->static_in.push_back(at::empty_strided(s.shape, s.strides, options_for(s)));
-    }
-    for (BufferId id : output_ids) {
-      const TensorSpec& s = spec(id);
-      in->static_out.push_back(at::empty_strided(s.shape, s.strides, options_for(s)));
-    }
     in->matmuls.resize(program.steps.size());
     for (std::size_t i = 0; i < program.steps.size(); ++i)
       if (auto* m = std::get_if<Matmul>(&program.steps[i])) {
@@ -340,6 +333,31 @@ Result<Instance*> Executor::Impl::instance(void* stream) {
   Instance* raw = in.get();
   instances.emplace(stream, std::move(in));
   return raw;
+}
+
+// The static inputs and outputs a captured graph reads and writes: allocated at the first capture (or
+// when asked for), never for an instance that only launches directly — at KernelBench's sizes they are
+// a copy of every input and output.
+Result<void> Executor::Impl::ensure_static(Instance& in) {
+  if (in.static_in.size() == input_ids.size() && in.static_out.size() == output_ids.size()) return {};
+  try {
+    c10::cuda::CUDAGuard guard(c10::DeviceIndex(this->device));
+    std::vector<at::Tensor> ins, outs;
+    for (BufferId id : input_ids) {
+      const TensorSpec& s = spec(id);
+      ins.push_back(at::empty_strided(s.shape, s.strides, options_for(s)));
+    }
+    for (BufferId id : output_ids) {
+      const TensorSpec& s = spec(id);
+      outs.push_back(at::empty_strided(s.shape, s.strides, options_for(s)));
+    }
+    in.static_in = std::move(ins);
+    in.static_out = std::move(outs);
+  } catch (const c10::Error& e) {
+    return fail(ErrorCode::CudaError, std::string("allocating the graph's static inputs and outputs failed: ") +
+                                          e.what_without_backtrace());
+  }
+  return {};
 }
 
 Result<void> Executor::Impl::copy(const at::Tensor& dst, const at::Tensor& src, void* stream) {
@@ -577,6 +595,7 @@ Result<void> Executor::run(const std::vector<at::Tensor>& inputs, const std::vec
       // and thread-local, so other threads keep launching and replaying meanwhile.
       static std::mutex capture_mu;
       std::lock_guard<std::mutex> capture_lock(capture_mu);
+      if (auto r = x.ensure_static(in); !r) return r;
       for (std::size_t i = 0; i < x.input_ids.size(); ++i) in.tensors[x.slot.at(x.input_ids[i])] = in.static_in[i];
       for (std::size_t i = 0; i < x.output_ids.size(); ++i) in.tensors[x.slot.at(x.output_ids[i])] = in.static_out[i];
       auto side = c10::cuda::getStreamFromPool(false, c10::DeviceIndex(x.device));
@@ -668,12 +687,16 @@ Result<void> Executor::run(const std::vector<const void*>& inputs, const std::ve
 Result<std::vector<at::Tensor>> Executor::static_inputs(void* stream) {
   auto in = impl_->instance(impl_->resolve(stream));
   if (!in) return tl::unexpected(in.error());
+  std::lock_guard<std::mutex> lock((*in)->mu);
+  if (auto r = impl_->ensure_static(**in); !r) return tl::unexpected(r.error());
   return (*in)->static_in;
 }
 
 Result<std::vector<at::Tensor>> Executor::static_outputs(void* stream) {
   auto in = impl_->instance(impl_->resolve(stream));
   if (!in) return tl::unexpected(in.error());
+  std::lock_guard<std::mutex> lock((*in)->mu);
+  if (auto r = impl_->ensure_static(**in); !r) return tl::unexpected(r.error());
   return (*in)->static_out;
 }
 

@@ -310,3 +310,28 @@ def test_tf32x3_matmul_has_fp32_accuracy(m, n, k, batch, transpose_b, epilogue):
           f"tf32 {err_tf32:.2e}")
     assert err_split <= max(4 * err_sgemm, 1e-6), (err_split, err_sgemm)
     assert err_tf32 > 10 * err_split  # the split is what buys the accuracy back
+
+
+def test_only_a_replaying_instance_holds_static_copies_of_its_inputs_and_outputs():
+    """At KernelBench's sizes a copy of every input and output is the largest cost of an instance: one
+    that launches its steps directly never allocates them; a replaying one does at its capture."""
+    n = 16 << 20  # 64 MiB of fp32
+    b = ProgramBuilder()
+    x, y = b.input([n], name="x"), b.output([n], name="y")
+    k = b.kernel(SCALE_SHIFT, "scale_shift")
+    b.launch(k, (n + 255) // 256, 256, [("in", x), ("out", y), ("f32", 2.0), ("f32", 1.0), ("i32", n)])
+    program = b.build()
+    xs = torch.randn(n, device="cuda")
+    tensor_bytes = 4 * n
+    for graphs, copies in ((False, 0), (True, 2)):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        executor = program.executor(graphs=graphs)
+        out = torch.empty_like(xs)
+        for _ in range(3):  # eager warm-up, then (with graphs) capture and replays
+            executor.run([xs], [out])
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - before - tensor_bytes  # beside the caller's output
+        torch.testing.assert_close(out, xs * 2 + 1)
+        assert copies * tensor_bytes <= held < copies * tensor_bytes + (4 << 20), (graphs, held)
+        del executor

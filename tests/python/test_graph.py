@@ -473,6 +473,36 @@ def test_the_faster_replay_mode_is_kept_and_recorded_in_the_program(monkeypatch,
         assert why.startswith("the other mode failed: RuntimeError: capture failed")
 
 
+def test_a_replay_whose_copies_dwarf_its_launches_is_not_even_built(monkeypatch):
+    """A one-step program on a 1 GiB tensor: a replay would copy 4 GiB to save one launch, and its static
+    copies would add 2 GiB to optimize's memory; the direct runner is the only one built."""
+    import importlib
+
+    opt = importlib.import_module("stitchcuda.graph.optimize")
+    built = []
+
+    class FakeRunner:
+        def __init__(self, program, graphs):
+            built.append(graphs)
+            self.graphs = graphs
+            self.executor = SimpleNamespace(run=lambda inputs: 0.5)
+
+    monkeypatch.setattr(opt, "ProgramModule", FakeRunner)
+    monkeypatch.setattr(opt, "_time_ms", lambda fn: fn())
+    monkeypatch.setattr(opt, "describe", lambda: {"gpu": "H200", "dram_tb_s": 4.8})
+    b = stitchcuda.ProgramBuilder()
+    x, y = b.input([1 << 28]), b.output([1 << 28])
+    b.aten("aten::relu", [x], [y])
+    program = b.build()
+    copies_ms, saved_ms = opt._replay_estimate(program)
+    assert copies_ms == pytest.approx(4 * 2**30 / 4.8e12 * 1e3) and saved_ms == pytest.approx(opt.LAUNCH_US / 1e3)
+    runner, (decision, why), ms = opt._choose_replay(program, [torch.empty(0)])
+    assert built == [False] and runner.graphs is False and ms == 0.5
+    assert decision == "launch the steps directly (no CUDA graph)"
+    assert why.startswith("estimated, not measured: a replay copies the inputs and outputs (0.895 ms")
+    assert program.replay == {"mode": "direct", "reason": why}
+
+
 def _basic_blocks(ptx: str) -> list[str]:
     """The PTX split at labels and branches: a load in one block cannot be issued before the branch ahead of it."""
     return re.split(r"\n\$L__\w+:|\n\s*@?%?\w*\s*bra(?:\.uni)?\s+\$L__\w+;", ptx)
@@ -573,3 +603,45 @@ def test_tf32x3_cost_model_counts_the_split_and_the_chunked_accumulation():
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
     assert {g.params["precision"] for g in plan.groups if g.kind == "gemm"} == {"tf32"}
+
+
+# ---- planning optimize()'s memory ----
+
+class _Chain(nn.Module):
+    def forward(self, x):
+        a = torch.relu(x)               # a alive
+        b = (a * 2).reshape(-1)         # a and b alive while b is made; the reshape is a view of b
+        c = b + 1                       # b and c
+        return c.view(x.shape), x.sum()
+
+
+def test_the_working_set_estimate_follows_lifetimes_and_views():
+    x = torch.randn(64, 1024)
+    graph = capture(_Chain(), (x,))
+    n = x.numel() * 4
+    assert graph.working_set_bytes() == 2 * n  # never three of the chain's tensors at once
+    assert graph.largest_tensor_bytes() == n
+
+
+class _ManyLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(256, 256) for _ in range(16)])
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def test_the_fp64_check_is_left_out_when_it_would_exceed_optimizes_memory_allowance(monkeypatch):
+    import importlib
+
+    opt = importlib.import_module("stitchcuda.graph.optimize")
+    program_module = importlib.import_module("stitchcuda.verify.program")
+    graph = capture(_ManyLayers().eval(), (torch.randn(8, 256),))
+    plan = OfflinePlanner().plan(graph)
+    assert opt._fp64_too_large(plan, graph) == ""  # 4 MiB of weights: far below the 256 MiB floor
+    monkeypatch.setattr(program_module, "EXACT_COPY_LIMIT_BYTES", 1 << 20)
+    why = opt._fp64_too_large(plan, graph)
+    # 16 layers of 256 KiB weights against a largest tensor of 256 KiB: the fp64 copy would need 8 MiB+.
+    assert why.startswith("an fp64 copy of the model and its forward would take about 8 MiB, above optimize's "
+                          "memory allowance of 1 MiB (twice the largest tensor)"), why

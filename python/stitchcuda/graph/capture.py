@@ -105,6 +105,60 @@ class Graph:
             counts[n.op] = counts.get(n.op, 0) + 1
         return counts
 
+    def working_set_bytes(self) -> int:
+        """The eager forward's peak of live intermediate memory, estimated from the graph alone: nodes run
+        in order, each value allocated when produced and freed after its last reader (outputs live to the
+        end); a view allocates nothing and keeps its source alive while it is read. Inputs and weights are
+        not counted (they exist before the forward). What optimize() plans its own memory against."""
+        base: dict[str, str] = {}  # a view's value -> the value that owns its memory
+        size: dict[str, int] = {}
+        for n in self.nodes:
+            for v in n.outputs:
+                if v is None:
+                    continue
+                src = n.inputs[0] if n.inputs and n.op in VIEW_OPS else None
+                if src is not None and src.kind == "node":
+                    base[v.name] = base.get(src.name, src.name)
+                elif src is None:
+                    size[v.name] = v.numel * v.dtype.itemsize
+        last: dict[str, int] = {}
+        for i, n in enumerate(self.nodes):
+            for v in n.inputs:
+                owner = base.get(v.name, v.name)
+                if owner in size:
+                    last[owner] = i
+        end = len(self.nodes)
+        for v in self.outputs:
+            owner = base.get(v.name, v.name)
+            if owner in size:
+                last[owner] = end
+        live = peak = 0
+        for i, n in enumerate(self.nodes):
+            for v in n.outputs:
+                if v is not None and v.name in size:
+                    live += size[v.name]
+            peak = max(peak, live)
+            for v in n.outputs:  # produced and never read: freed at once
+                if v is not None and v.name in size and v.name not in last:
+                    live -= size[v.name]
+            for name in {base.get(v.name, v.name) for v in n.inputs}:
+                if last.get(name) == i:
+                    live -= size[name]
+        return peak
+
+    def largest_tensor_bytes(self) -> int:
+        """The largest input, weight or value of the forward, in bytes."""
+        values = [*self.inputs, *self.weights, *(v for n in self.nodes for v in n.outputs if v is not None)]
+        return max((v.numel * v.dtype.itemsize for v in values), default=0)
+
+
+# Ops whose result is a view of their first argument (the planner's view groups; the working-set
+# estimate allocates nothing for them).
+VIEW_OPS = frozenset({"aten::view", "aten::_unsafe_view", "aten::reshape", "aten::alias", "aten::permute",
+                      "aten::transpose.int", "aten::t", "aten::unsqueeze", "aten::squeeze.dim", "aten::squeeze.dims",
+                      "aten::squeeze", "aten::expand", "aten::slice.Tensor", "aten::select.int",
+                      "aten::split_with_sizes", "aten::split.Tensor", "aten::unbind.int"})
+
 
 def op_name(target: Any) -> str:
     """"aten::addmm" for aten.addmm.default, "aten::add.Tensor" for aten.add.Tensor."""

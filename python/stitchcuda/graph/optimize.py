@@ -12,7 +12,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..errors import InvalidArgumentError
-from ..program import Program, ProgramModule
+from ..program import DTYPES, Program, ProgramModule
 from ..verify.hardware import describe
 from ..verify.compare import first_difference, tolerance_used
 from ..verify.program import input_set, verify_whole
@@ -203,6 +203,19 @@ def _choose_replay(program: Program, inputs: list[torch.Tensor]) -> tuple[Progra
     keeps the faster runner. A replay saves host time per launch but copies the inputs into, and the
     outputs out of, the graph's own buffers: on a few large kernels the copies cost more than they save.
     Returns the runner, the decision and its milliseconds per call (inf when neither mode ran)."""
+    copies_ms, saved_ms = _replay_estimate(program)
+    if copies_ms > REPLAY_COPY_MARGIN * saved_ms:
+        # Not worth building: the graph runner's static copies would add every input and output to the
+        # process's memory to save less than the copies cost.
+        why = (f"estimated, not measured: a replay copies the inputs and outputs ({copies_ms:.3f} ms at the GPU's "
+               f"memory bandwidth) to save about {saved_ms:.3f} ms of launches ({len(program.steps)} steps)")
+        program.set_replay("direct", why)
+        runner = ProgramModule(program, graphs=False)
+        try:
+            ms = _time_ms(lambda: runner.executor.run(inputs))
+        except Exception:  # verification reports the failure
+            ms = float("inf")
+        return runner, ("launch the steps directly (no CUDA graph)", why), ms
     times: dict[bool, float] = {}
     errors: dict[bool, str] = {}
     runners: dict[bool, ProgramModule] = {}
@@ -234,6 +247,27 @@ def _choose_replay(program: Program, inputs: list[torch.Tensor]) -> tuple[Progra
     kept = runners.pop(False, None) if not use_graph else None
     runners.clear()
     return kept or ProgramModule(program, graphs=use_graph), (decision, why), times[use_graph]
+
+
+# A CUDA graph replay saves about this much host time per launched step, and a replay is measured only
+# when its copies of the inputs and outputs cost less than REPLAY_COPY_MARGIN times what it saves.
+LAUNCH_US = 5.0
+REPLAY_COPY_MARGIN = 4.0
+
+
+def _replay_estimate(program: Program) -> tuple[float, float]:
+    """(ms a replay spends copying the inputs in and the outputs out, ms of launches it saves), from the
+    buffers' sizes, the GPU's memory bandwidth (the Verifier's table; 2 TB/s when unknown) and
+    LAUNCH_US per step."""
+    moved = 0
+    for b in program.buffers:
+        if b["role"] in ("input", "output"):
+            n = 1
+            for e in b["shape"]:
+                n *= e
+            moved += 2 * n * DTYPES[b["dtype"]].itemsize  # read and write
+    tb_s = describe().get("dram_tb_s") or 2.0
+    return moved / (tb_s * 1e12) * 1e3, len(program.steps) * LAUNCH_US / 1e3
 
 
 def optimize(model: torch.nn.Module | Callable[..., Any], args: Any = None, kwargs: dict[str, Any] | None = None, *,
@@ -733,14 +767,24 @@ def _verify(model, optimized: OptimizedModule, example_inputs, sets: int, plan: 
     example inputs, then fresh random sets, under the tolerance table for the plan's precision; the
     error against an fp64 copy of the model too. {passed, input_sets, max_abs_error, max_rel_error_fp64,
     detail}."""
-    return verify_whole(model, optimized, example_inputs, sets, plan.precision, no_exact=_fp64_too_large(plan))
+    return verify_whole(model, optimized, example_inputs, sets, plan.precision,
+                        no_exact=_fp64_too_large(plan, optimized._graph))
 
 
-def _fp64_too_large(plan: GraphPlan) -> str:
+def _fp64_too_large(plan: GraphPlan, graph: Graph | None = None) -> str:
     """Why an fp64 copy of the model would not fit, or "": attention in fp64 runs PyTorch's math path,
-    which materializes every score (batch x heads x queries x keys) — 14 GB for one 256 MiB attention."""
+    which materializes every score (batch x heads x queries x keys) — 14 GB for one 256 MiB attention;
+    and any fp64 forward doubles the weights, the inputs and the working set, which optimize() may not
+    hold beyond twice the model's largest tensor (its memory allowance over the eager forward)."""
     from ..verify.program import EXACT_COPY_LIMIT_BYTES
 
+    if graph is not None:
+        floating = [v for v in (*graph.inputs, *graph.weights) if v.dtype.is_floating_point]
+        need = 2 * (sum(v.numel * v.dtype.itemsize for v in floating) + graph.working_set_bytes())
+        allowance = max(EXACT_COPY_LIMIT_BYTES, 2 * graph.largest_tensor_bytes())
+        if need > allowance:
+            return (f"an fp64 copy of the model and its forward would take about {need / 2**20:,.0f} MiB, above "
+                    f"optimize's memory allowance of {allowance / 2**20:,.0f} MiB (twice the largest tensor)")
     worst = 0
     for g in plan.groups:
         for n in g.nodes:

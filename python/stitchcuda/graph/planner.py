@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..program import DTYPES as PROGRAM_DTYPES
-from .capture import Graph, Node, Value
+from .capture import VIEW_OPS, Graph, Node, Value
 from .templates import (CACHED_ROW_MAX, CACHED_ROW_MIN, DEPTHWISE_MAX_TAPS, FUSABLE_DTYPES, NORMALIZING, POINTWISE_OPS,
                         SCAN_EXTENT_MAX, SHARED_ROW_MAX, STATISTICS, aten_tile, pooling_blocker, split_rows)
 
@@ -46,10 +46,7 @@ __all__ = ["Group", "GraphPlan", "OfflinePlanner", "GENERATED", "unheld_dtype", 
 # Group kinds whose code the template Coder writes (and optimize checks against ATen before use).
 GENERATED = ("gemm", "pointwise", "reduction", "conv", "pool", "scan")
 
-_VIEW_OPS = {"aten::view", "aten::_unsafe_view", "aten::reshape", "aten::alias", "aten::permute",
-             "aten::transpose.int", "aten::t", "aten::unsqueeze", "aten::squeeze.dim", "aten::squeeze.dims",
-             "aten::squeeze", "aten::expand", "aten::slice.Tensor", "aten::select.int",
-             "aten::split_with_sizes", "aten::split.Tensor", "aten::unbind.int"}
+_VIEW_OPS = VIEW_OPS
 _GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm"}
 # Ops whose result depends on their arguments' values alone (no tensor input): a causal mask's arange and
 # full, a scalar_tensor(-inf). Folded into constants up to this many bytes.
