@@ -280,3 +280,41 @@ def test_no_fp64_copy_of_a_model_whose_attention_would_materialize_its_scores():
     assert optimize_module._fp64_too_large(plan_of(64)) == ""
     why = optimize_module._fp64_too_large(plan_of(8192))  # 2 heads x 8192 x 8192 x 8 bytes = 1 GiB
     assert "1.0 GiB of scores" in why and "MiB limit" in why
+
+
+class _Projection(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(2048, 2048)
+
+    def forward(self, x):
+        return torch.relu(self.proj(x))
+
+
+def test_a_tf32x3_gemm_that_misses_its_check_is_checked_again_as_sgemm(monkeypatch):
+    """The split product failed (fp32's tolerance missed, or the library found no algorithm): the GEMM
+    keeps its cuBLASLt step and fused epilogue on SGEMM instead of going to ATen, and the report says so."""
+    from stitchcuda.graph.report import Report
+
+    x = torch.randn(2048, 2048)
+    graph = capture(_Projection().eval(), (x,))
+    plan = OfflinePlanner(peaks={"fp32_tflops": 67.0, "tf32_tflops": 495.0, "dram_tb_s": 4.8}).plan(graph)
+    gemm = next(g for g in plan.groups if g.kind == "gemm")
+    assert gemm.params["precision"] == "tf32x3"
+    tried = []
+
+    def check_group(graph, plan, g, held, constants, sm_count, pool):
+        tried.append(g.params["precision"])
+        assert set(held) >= {v.name for v in g.outputs({v.name for v in graph.outputs})}  # ATen's values
+        if g.params["precision"] == "tf32x3":
+            return False, "output 'relu' differs from ATen: max |error| 0.0021", None
+        return True, "matches ATen", None
+
+    monkeypatch.setattr(optimize_module, "check_group", check_group)
+    report, fallback, codes = Report(), set(), {}
+    optimize_module._check_groups(graph, plan, [x], 132, None, time.perf_counter(), 60.0, report, fallback, codes,
+                                  keep_all=False)
+    assert tried == ["tf32x3", "fp32"] and gemm.params["precision"] == "fp32"
+    assert not fallback and not report.fallbacks
+    assert any(d == f"{gemm.name}: SGEMM instead of tf32x3" and "failed its check: output 'relu' differs" in why
+               for d, why in report.decisions), report.decisions

@@ -478,11 +478,16 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
                                                                       report.verification.get("failed_set") or 0)))
             if culprit is None:
                 break
-            fallback.add(id(culprit))
-            report.fallbacks.append({"group": culprit.name, "kind": culprit.kind, "reason": "the whole program did "
-                                     f"not match the model ({report.verification['detail']}); traced to this group: "
-                                     f"{why}"})
-            with steps.step(f"rebuilding with {culprit.name} on ATen"):
+            mismatch = (f"the whole program did not match the model ({report.verification['detail']}); traced to "
+                        f"this group: {why}")
+            where = "on ATen"
+            if culprit.kind == "gemm" and culprit.params.get("precision") == "tf32x3":
+                culprit.params["precision"], where = "fp32", "as SGEMM"  # the step and its epilogue stay
+                report.decisions.append((f"{culprit.name}: SGEMM instead of tf32x3", mismatch))
+            else:
+                fallback.add(id(culprit))
+                report.fallbacks.append({"group": culprit.name, "kind": culprit.kind, "reason": mismatch})
+            with steps.step(f"rebuilding with {culprit.name} {where}"):
                 optimized = None
                 optimized = build()
                 report.verification = _verify(model, optimized, example_inputs, verify_sets, plan)
@@ -550,6 +555,14 @@ def _check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_
             return
         try:
             results[key] = check_group(graph, plan, g, held, constants, sm_count, pool)
+            if not results[key][0] and g.kind == "gemm" and g.params.get("precision") == "tf32x3":
+                # The split product missed fp32's tolerance (or did not run): SGEMM keeps the step and its
+                # fused epilogue before ATen is the answer.
+                why = results[key][1]
+                g.params["precision"] = "fp32"
+                results[key] = check_group(graph, plan, g, held, constants, sm_count, pool)
+                report.decisions.append((f"{g.name}: SGEMM instead of tf32x3", f"the 3xTF32 product failed its check: "
+                                         f"{why}"))
         except Exception as exc:  # a value the stream never produced, or a bug: this group alone falls back
             results[key] = (False, f"{type(exc).__name__} while checking: {str(exc).splitlines()[0][:200]}", None)
 
