@@ -303,9 +303,10 @@ def test_a_tf32x3_gemm_that_misses_its_check_is_checked_again_as_sgemm(monkeypat
     assert gemm.params["precision"] == "tf32x3"
     tried = []
 
-    def check_group(graph, plan, g, held, constants, sm_count, pool):
+    def check_group(graph, plan, g, held, constants, sm_count, pool, stats=None):
         tried.append(g.params["precision"])
         assert set(held) >= {v.name for v in g.outputs({v.name for v in graph.outputs})}  # ATen's values
+        stats["worker_peak_bytes"] = 1000 if g.params["precision"] == "tf32x3" else 3000  # the worker's own
         if g.params["precision"] == "tf32x3":
             return False, "output 'relu' differs from ATen: max |error| 0.0021", None
         return True, "matches ATen", None
@@ -316,5 +317,7 @@ def test_a_tf32x3_gemm_that_misses_its_check_is_checked_again_as_sgemm(monkeypat
                                   keep_all=False)
     assert tried == ["tf32x3", "fp32"] and gemm.params["precision"] == "fp32"
     assert not fallback and not report.fallbacks
+    # The GPU memory of a check counts the worker's allocations beside this process's (none on a CPU).
+    assert report.stage_peak_bytes["check_with_worker"] == 3000
     assert any(d == f"{gemm.name}: SGEMM instead of tf32x3" and "failed its check: output 'relu' differs" in why
                for d, why in report.decisions), report.decisions

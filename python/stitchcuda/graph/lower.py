@@ -838,7 +838,7 @@ def _view_layout(n: Node, shape, strides):
 
 def check_group(graph: Graph, plan: GraphPlan, group: Group, values: dict[str, torch.Tensor],
                 constants: dict[str, torch.Tensor], sm_count: int,
-                pool: Any = None) -> tuple[bool, str, KernelCode | None]:
+                pool: Any = None, stats: dict | None = None) -> tuple[bool, str, KernelCode | None]:
     """Runs `group` alone as a program on recorded inputs and compares with ATen's recorded outputs:
     returns (ok, why, the group's generated kernel or None).
 
@@ -846,7 +846,8 @@ def check_group(graph: Graph, plan: GraphPlan, group: Group, values: dict[str, t
     the tolerance table for the plan's precision. With `pool` (a stitchcuda.verify.WorkerPool) the
     program runs in the Verifier's isolated worker, saved as an artifact with its CUBINs: a fault, a
     hang or a crash of generated code is a fallback reason, never the caller's process. Without it, in
-    this process (generated templates only)."""
+    this process (generated templates only). `stats` receives the worker's GPU memory for the check
+    (verify.program.check_program)."""
     outputs_all = {v.name for v in graph.outputs}
     inputs = [v for v in group.inputs() if v.kind != "weight" and v.name not in constants]
     outputs = group.outputs(outputs_all)
@@ -861,5 +862,6 @@ def check_group(graph: Graph, plan: GraphPlan, group: Group, values: dict[str, t
     feed = [values[v.name].contiguous() for v in inputs]
     wants = [values[v.name] for v in outputs]
     tolerances = [tolerance(v.dtype, plan.precision) for v in outputs]
-    ok, why = check_program(program, feed, wants, tolerances, [v.name for v in outputs], pool=pool, reference="ATen")
+    ok, why = check_program(program, feed, wants, tolerances, [v.name for v in outputs], pool=pool, reference="ATen",
+                            stats=stats)
     return ok, why, code

@@ -554,13 +554,13 @@ def _check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_
                                    "earlier groups", None)
             return
         try:
-            results[key] = check_group(graph, plan, g, held, constants, sm_count, pool)
+            results[key] = _checked(graph, plan, g, held, constants, sm_count, pool, report)
             if not results[key][0] and g.kind == "gemm" and g.params.get("precision") == "tf32x3":
                 # The split product missed fp32's tolerance (or did not run): SGEMM keeps the step and its
                 # fused epilogue before ATen is the answer.
                 why = results[key][1]
                 g.params["precision"] = "fp32"
-                results[key] = check_group(graph, plan, g, held, constants, sm_count, pool)
+                results[key] = _checked(graph, plan, g, held, constants, sm_count, pool, report)
                 report.decisions.append((f"{g.name}: SGEMM instead of tf32x3", f"the 3xTF32 product failed its check: "
                                          f"{why}"))
         except Exception as exc:  # a value the stream never produced, or a bug: this group alone falls back
@@ -583,6 +583,19 @@ def _check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_
         report.decisions.append((f"{unchecked} group(s) left on ATen unchecked",
                                  f"optimize's time budget of {budget_s:g} s ran out (budget_s=)"))
     return constants, values
+
+
+def _checked(graph: Graph, plan: GraphPlan, g: Group, held: dict, constants: dict, sm_count: int, pool: Any,
+             report: Report) -> tuple[bool, str, Any]:
+    """check_group, recording the GPU memory in use across both processes while it ran: this process's
+    allocations at the check plus what the isolated worker allocated for it (stage "check_with_worker";
+    the recorded tensors it reads through CUDA IPC are counted once, here)."""
+    here = int(torch.cuda.memory_allocated()) if torch.cuda.is_available() else 0
+    stats: dict = {}
+    result = check_group(graph, plan, g, held, constants, sm_count, pool, stats=stats)
+    both = here + int(stats.get("worker_peak_bytes") or 0)
+    report.stage_peak_bytes["check_with_worker"] = max(both, report.stage_peak_bytes.get("check_with_worker", 0))
+    return result
 
 
 def _peak(report: Report, stage: str) -> None:

@@ -50,14 +50,18 @@ def program_job(program: Any, feed: Sequence[torch.Tensor], expected: Sequence[t
 
 def check_program(program: Any, feed: Sequence[torch.Tensor], expected: Sequence[torch.Tensor],
                   tolerances: Sequence[tuple[float, float]], names: Sequence[str], pool: Any = None,
-                  reference: str = "the reference") -> tuple[bool, str]:
+                  reference: str = "the reference", stats: dict | None = None) -> tuple[bool, str]:
     """Runs `program` (a stitchcuda Program) on `feed` and compares output k with `expected[k]` under
     `tolerances[k]` (atol, rtol); `names` name the outputs in messages, `reference` what `expected`
     came from ("ATen"). Returns (ok, why): "matches <reference>", or the first difference or failure.
 
     With `pool` (a WorkerPool) the program runs in the Verifier's isolated worker: a fault, a hang or a
     crash of generated code becomes the reason, never this process's. Without it, in this process
-    (generated templates only: code StitchCUDA wrote itself)."""
+    (generated templates only: code StitchCUDA wrote itself). `stats`, when given, receives
+    "worker_peak_bytes": the GPU memory the worker allocated for the check (its outputs, arena and
+    comparison; tensors it reads through CUDA IPC are this process's), 0 in this process."""
+    if stats is not None:
+        stats["worker_peak_bytes"] = 0
     if pool is not None:
         from .config import VerifyConfig
 
@@ -75,6 +79,8 @@ def check_program(program: Any, feed: Sequence[torch.Tensor], expected: Sequence
                           RuntimeWarning, stacklevel=2)
             job = program_job(program, feed, expected, tolerances, names)
             result = pool.run(job, config.compile_time_limit_s, config.run_time_limit_s)
+        if stats is not None:
+            stats["worker_peak_bytes"] = int(result.get("peak_bytes") or 0)
         if result.get("correct"):
             return True, f"matches {reference} (checked in the Verifier's isolated worker)"
         error = result.get("error") or {}
@@ -110,12 +116,16 @@ def run_program_job(job: dict[str, Any], progress: Callable[[str], None]) -> dic
 
     started = time.perf_counter()
     report, recycle = VerifyReport(), False
+    device = torch.device(VerifyConfig.from_dict(job["config"]).device or "cpu")
+    base = None
+    if device.type == "cuda":  # what this job allocates, beside what the worker held before it
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
     try:
         from ..program import Program
 
         program = Program.deserialize(job["artifact"])
         # "cuda" is the worker's own GPU (the pool set it current when the worker started).
-        device = torch.device(VerifyConfig.from_dict(job["config"]).device or "cpu")
         executor = program.executor(graphs=False)  # CUBINs from the artifact: nothing recompiles
         report.compiled = True
         progress("run")
@@ -133,6 +143,8 @@ def run_program_job(job: dict[str, Any], progress: Callable[[str], None]) -> dic
     report.wall_s = time.perf_counter() - started
     data = report.to_dict()
     data["recycle"] = recycle
+    if base is not None and not recycle:
+        data["peak_bytes"] = max(int(torch.cuda.max_memory_allocated()) - base, 0)
     return data
 
 
