@@ -244,7 +244,7 @@ Result<std::unique_ptr<PreparedMatmul>> PreparedMatmul::create(const Matmul& m, 
   const std::int64_t M = rows(C), N = cols(C);
   const std::int64_t K = m.transpose_a ? rows(A) : cols(A);
   cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
-  d.split = m.precision == ComputePrecision::tf32x3;
+  d.split = m.precision == ComputePrecision::tf32x3 && K > 0;  // an empty product is the epilogue alone
   if (d.split && (A.dtype != DType::f32 || B.dtype != DType::f32 || C.dtype != DType::f32))
     return fail(ErrorCode::InvalidArgument, "tf32x3 matmuls take f32 operands (got " + A.describe() + " @ " +
                                                 B.describe() + " -> " + C.describe() + ")");
