@@ -365,3 +365,29 @@ def test_a_large_fp32_projection_runs_as_tf32x3_and_matches_eager_at_fp32_tolera
     sgemm = stitchcuda.optimize(_WideProjection().cuda().eval(), (x,), compare_compile=False, keep_slower=True,
                                 split_tf32=False)
     assert [s["precision"] for s in sgemm.program.steps if s["kind"] == "matmul"] == ["fp32"]
+
+
+class _WideRows(nn.Module):
+    def __init__(self, cols):
+        super().__init__()
+        self.norm = nn.LayerNorm(cols)
+
+    def forward(self, logits, scores, h):
+        return torch.log_softmax(logits / 0.7, dim=-1), torch.softmax(scores, dim=-1), self.norm(h)
+
+
+def test_rows_longer_than_shared_memory_run_on_a_cluster_per_row_and_match_eager():
+    """A 128K vocabulary's log-softmax (its scale fused into the loads), a softmax over 196,608 columns
+    and a layer norm over 131,072: each row split over a thread-block cluster, read once."""
+    torch.manual_seed(0)
+    logits, scores, h = (torch.randn(16, 128256, device="cuda"), torch.randn(8, 196608, device="cuda"),
+                         torch.randn(8, 131072, device="cuda") * 2 + 1)
+    model = _WideRows(131072).cuda().eval()
+    with torch.no_grad():
+        model.norm.weight.normal_()
+        model.norm.bias.normal_()
+    fast = _check(model, (logits, scores, h),
+                  lambda: (torch.randn_like(logits) * 3, torch.randn_like(scores), torch.randn_like(h)))
+    cluster = [g for g in fast.report.groups if "a cluster of 8 blocks per row" in g["reason"]]
+    assert len(cluster) == 3, fast.report.groups
+    assert not fast.report.fallbacks, fast.report.fallbacks

@@ -645,3 +645,46 @@ def test_the_fp64_check_is_left_out_when_it_would_exceed_optimizes_memory_allowa
     # 16 layers of 256 KiB weights against a largest tensor of 256 KiB: the fp64 copy would need 8 MiB+.
     assert why.startswith("an fp64 copy of the model and its forward would take about 8 MiB, above optimize's "
                           "memory allowance of 1 MiB (twice the largest tensor)"), why
+
+
+# ---- rows longer than a block's shared memory: a thread-block cluster per row ----
+
+def test_cluster_size_splits_long_rows_into_aligned_parts_that_fit_shared_memory():
+    from stitchcuda.graph.templates import CLUSTER_ROW_MAX, cluster_size
+
+    assert cluster_size(65536) == 4      # 64 KiB parts: two blocks per SM
+    assert cluster_size(128256) == 8     # a 128K vocabulary: 8 parts of 16,032
+    assert cluster_size(196608) == 8
+    assert cluster_size(256000) == 8     # parts of 125 KiB: one block per SM, still one read
+    assert cluster_size(CLUSTER_ROW_MAX) == 8 and cluster_size(CLUSTER_ROW_MAX + 32) == 0  # parts would exceed 200 KiB
+    assert cluster_size(196610) == 0     # no split into 16-byte parts
+
+
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax", "layer_norm"])
+@pytest.mark.parametrize("cols", [128256, 196608])
+def test_rows_longer_than_shared_memory_compile_as_a_cluster_kernel(kind, cols):
+    from stitchcuda.graph.templates import cluster_size
+
+    norm = kind == "layer_norm"
+    code = row_reduction_kernel(f"c_{kind}", kind, 6, cols, torch.float32, has_weight=norm, has_bias=norm)
+    n = cluster_size(cols)
+    assert f"__cluster_dims__(CLUSTER, 1, 1)" in code.source and f"#define CLUSTER {n}" in code.source
+    assert code.grid == 6 * n and code.block == 512 and code.shared_mem == 4 * cols // n <= 200 * 1024
+    assert "one read and one write" in code.description
+    kernel = jit.compile(code.source, code.name)  # NVRTC, for sm_90a: clusters and distributed shared memory
+    assert len(kernel.params) == len(code.args)
+
+
+def test_a_scaled_log_softmax_over_a_vocabulary_fuses_its_scale_into_the_cluster_kernel():
+    class Scaled(nn.Module):
+        def forward(self, x):
+            return torch.log_softmax(x / 0.7, dim=-1)
+
+    graph = capture(Scaled(), (torch.randn(2, 128256),))
+    plan = OfflinePlanner().plan(graph)
+    (group,) = [g for g in plan.groups if g.kind == "reduction"]
+    assert "a cluster of 8 blocks per row" in group.reason and "fused into its loads" in group.reason
+    program = Lowering(graph, plan, {}).build(plan.groups, graph.inputs, graph.outputs)
+    (kernel,) = program.kernels
+    assert "__cluster_dims__" in kernel["source"] and "_x(base + 4LL * c" in kernel["source"]
+    program.compile_kernels()  # the scalar prologue path compiles too

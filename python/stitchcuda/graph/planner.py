@@ -38,8 +38,9 @@ import torch
 
 from ..program import DTYPES as PROGRAM_DTYPES
 from .capture import VIEW_OPS, Graph, Node, Value
-from .templates import (CACHED_ROW_MAX, CACHED_ROW_MIN, DEPTHWISE_MAX_TAPS, FUSABLE_DTYPES, NORMALIZING, POINTWISE_OPS,
-                        SCAN_EXTENT_MAX, SHARED_ROW_MAX, STATISTICS, aten_tile, pooling_blocker, split_rows)
+from .templates import (CACHED_ROW_MAX, CACHED_ROW_MIN, CLUSTER_ROW_MAX, DEPTHWISE_MAX_TAPS, FUSABLE_DTYPES, NORMALIZING,
+                        POINTWISE_OPS, SCAN_EXTENT_MAX, SHARED_ROW_MAX, STATISTICS, aten_tile, cluster_size,
+                        pooling_blocker, split_rows)
 
 __all__ = ["Group", "GraphPlan", "OfflinePlanner", "GENERATED", "unheld_dtype", "split_tf32_choice"]
 
@@ -654,6 +655,10 @@ class OfflinePlanner:
                 and cols % 4 == 0 and CACHED_ROW_MIN <= cols <= SHARED_ROW_MAX:
             held = "registers" if cols <= CACHED_ROW_MAX else "shared memory"
             strategy = f"a {'warp' if cols <= 1024 else 'block'} per row, the row held in {held}"
+        elif kind in ("softmax", "log_softmax", "layer_norm") and x.dtype == node.out.dtype == torch.float32 \
+                and SHARED_ROW_MAX < cols <= CLUSTER_ROW_MAX and cluster_size(cols):
+            strategy = (f"a cluster of {cluster_size(cols)} blocks per row, each holding its part of the row in "
+                        "shared memory, the statistics combined through distributed shared memory")
         elif kind in STATISTICS and kind != "sum_exp" and (split := split_rows(rows, cols)):
             # A block per row would leave most of the GPU idle (a loss summed over a whole tensor: one row).
             params["split"] = split

@@ -7,7 +7,9 @@ kind of kernel.
 - `rows`: reductions over the trailing contiguous dimensions — online softmax / log-softmax, layer and
   group norm, sum / mean / amax / amin and sum_exp (a log-sum-exp in one pass); fp32 rows of 128 to
   32,768 elements held in registers (a warp per row up to 1,024, a block above), up to 57,344 in shared
-  memory (a vocabulary's logits), so memory sees one read
+  memory (a vocabulary's logits), and softmax / log-softmax / layer norm rows up to 409,600 split over a
+  Hopper thread-block cluster, each block holding its part in shared memory and the statistics combined
+  through distributed shared memory (a 128K-entry vocabulary), so memory sees one read
   (and one write) per element with 16-byte accesses; elementwise prologues (computing the input on
   load), epilogues (applying a statistic to its row) and output functions (on each result before the
   store) fuse the ops around a reduction into its kernel; a few very long rows (a loss summed over a
@@ -35,8 +37,8 @@ from .depthwise import DEPTHWISE_MAX_TAPS, depthwise_conv_kernel
 from .ops import POINTWISE_OPS, is_pointwise
 from .pooling import POOL_MAX_TAPS, pool_output_size, pooling_blocker, pooling_kernel
 from .pointwise import pointwise_kernel
-from .rows import (CACHED_ROW_MAX, CACHED_ROW_MIN, NORMALIZING, REDUCTIONS, SHARED_ROW_MAX, STATISTICS,
-                   RowProduct, normalized_rows_kernel, row_reduction_kernel, split_rows)
+from .rows import (CACHED_ROW_MAX, CACHED_ROW_MIN, CLUSTER_ROW_MAX, NORMALIZING, REDUCTIONS, SHARED_ROW_MAX,
+                   STATISTICS, RowProduct, cluster_size, normalized_rows_kernel, row_reduction_kernel, split_rows)
 from .scan import SCAN_EXTENT_MAX, SCANS, aten_tile, scan_kernel
 from .transpose import nchw_to_nhwc_kernel
 

@@ -96,6 +96,9 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
             and ((kind in NORMALIZING and out_dtype == torch.float32) or (kind in STATISTICS and epilogue is None))):
         return _cached_row_kernel(name, kind, rows, cols, eps, has_weight, has_bias, prologue, output, groups,
                                   group_hw, out_dtype)
+    if (dtype == out_dtype == torch.float32 and kind in ("softmax", "log_softmax", "layer_norm")
+            and SHARED_ROW_MAX < cols <= CLUSTER_ROW_MAX and cluster_size(cols) and epilogue is None and output is None):
+        return _cluster_row_kernel(name, kind, rows, cols, eps, has_weight, has_bias, prologue)
     ch = _channel(groups, group_hw, cols)
     X = (lambda idx: f"ld(x, {idx})") if prologue is None else \
         (lambda idx: f"{name}_x({idx}{prologue.pointers()})")
@@ -462,6 +465,144 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
                       f"{kind} over {rows} rows of {cols}, {'warp' if tpr == 32 else 'block'} per row, row held in {held} "
                       f"({vpt} float4 per thread), {io}, {what}{fused}", vectorized=True,
                       shared_mem=16 * c4 if shared else 0)
+
+
+# Rows longer than one block's shared memory (a 128K- or 256K-entry vocabulary, 196,608 columns) are split
+# over a thread-block cluster (Hopper): each block holds its part of the row in its own shared memory, and
+# the row's statistics are combined through distributed shared memory, so the row is still read once and
+# written once (a block per row reads it twice: an online pass for the statistics, another for the results). A part is at most CLUSTER_PART_MAX floats (200 KiB);
+# up to CLUSTER_PART_PREFERRED (112 KiB) two blocks fit an SM and one's exchange overlaps the other's loads.
+CLUSTER_SIZES = (2, 4, 8)  # portable cluster sizes
+CLUSTER_PART_PREFERRED = 28672
+CLUSTER_PART_MAX = 51200
+CLUSTER_ROW_MAX = CLUSTER_SIZES[-1] * CLUSTER_PART_MAX
+CLUSTER_THREADS = 512
+
+
+def cluster_size(cols: int) -> int:
+    """Blocks per row for a row of `cols` fp32 values split over a cluster (0: it does not split evenly
+    into 16-byte parts of at most CLUSTER_PART_MAX floats)."""
+    fits = [n for n in CLUSTER_SIZES if cols % (4 * n) == 0 and cols // n <= CLUSTER_PART_MAX]
+    preferred = [n for n in fits if cols // n <= CLUSTER_PART_PREFERRED]
+    return (preferred or fits or [0])[0]
+
+
+def _cluster_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, has_weight: bool,
+                        has_bias: bool, prologue: RowPrologue | None = None) -> KernelCode:
+    """Softmax, log-softmax or layer norm over fp32 rows too long for one block's shared memory: a cluster
+    of `cluster_size(cols)` blocks per row, each loading its part of the row into its shared memory
+    (16-byte loads; through the prologue's function, element by element, when one is fused), reducing it,
+    and combining the blocks' results through distributed shared memory (every block adds them in the same
+    order, so all agree); the row is then written from shared memory. One read and one write."""
+    n = cluster_size(cols)
+    if n == 0 or kind not in ("softmax", "log_softmax", "layer_norm"):
+        raise ValueError(f"a cluster row kernel takes softmax, log_softmax or layer_norm over rows that split "
+                         f"into 16-byte parts of at most {CLUSTER_PART_MAX} floats, not {kind} over {cols}")
+    part = cols // n
+    p4 = part // 4
+    vpt = -(-p4 // CLUSTER_THREADS)
+    inf = "__int_as_float(0x7f800000)"
+    params = ["const float* __restrict__ x"] if prologue is None else prologue.params()
+    if has_weight:
+        params.append("const float* __restrict__ w")
+    if has_bias:
+        params.append("const float* __restrict__ b")
+    params += ["float* __restrict__ y", "long long rows", "long long cols"]
+    if prologue is None:
+        load = "load4(x + base, c, vec)"
+    else:
+        load = "make_float4(" + ", ".join(f"{name}_x(base + 4LL * c + {j}{prologue.pointers()})" for j in range(4)) + ")"
+    L = [_PRELUDE, _ROW_PRELUDE, "#include <cooperative_groups.h>",
+         f"// {name}: {kind} over rows of {cols}, a cluster of {n} blocks per row, each holding {part} of its "
+         "values in shared memory",
+         f"#define WARPS {CLUSTER_THREADS // 32}", f"#define CLUSTER {n}", f"#define PART {part}LL",
+         f"#define P4 {p4}", f"#define VPT {vpt}",
+         _BLOCK_PRELUDE, VECTOR_IO,
+         r"""// The cluster's total of each block's `v` (one per block, every thread has it), in slot `k` of the
+// blocks' `slots` (a slot per combine: a block still reading slot k never sees it overwritten).
+__device__ __forceinline__ float cluster_sum(float v, float* slots, int k) {
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  if (threadIdx.x == 0) slots[k] = v;
+  cluster.sync();
+  float total = 0.0f;
+  for (int r = 0; r < CLUSTER; ++r) total += *cluster.map_shared_rank(&slots[k], r);
+  return total;
+}
+__device__ __forceinline__ float cluster_max(float v, float* slots, int k) {
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  if (threadIdx.x == 0) slots[k] = v;
+  cluster.sync();
+  float m = -__int_as_float(0x7f800000);
+  for (int r = 0; r < CLUSTER; ++r) m = nanmax(m, *cluster.map_shared_rank(&slots[k], r));
+  return m;
+}""",
+         *(prologue.value_function(name) if prologue else []),
+         f'extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__({CLUSTER_THREADS}) '
+         f'{name}({", ".join(params)}) {{',
+         "  extern __shared__ float4 v4[];",
+         "  __shared__ float sh[WARPS];",
+         "  __shared__ float slots[3];",
+         "  const long long row = blockIdx.x / CLUSTER;",
+         "  const int part = blockIdx.x % CLUSTER;  // the block's rank in its cluster",
+         "  const long long base = row * cols + part * PART;",
+         "  const int t = threadIdx.x;",
+         # Parts start 16-byte aligned in every row-shaped operand whose start is: 16-byte loads and stores
+         # then, scalar ones for a view at an odd offset.
+         "  const bool vec = ((reinterpret_cast<unsigned long long>(y)"
+         + ("" if prologue is not None else " | reinterpret_cast<unsigned long long>(x)")
+         + (" | reinterpret_cast<unsigned long long>(w)" if has_weight else "")
+         + (" | reinterpret_cast<unsigned long long>(b)" if has_bias else "") + ") & 15ULL) == 0;"]
+
+    def each(body: list[str]) -> None:
+        L.extend(["#pragma unroll", "  for (int k = 0; k < VPT; ++k) {", "    const int c = t + k * " +
+                  f"{CLUSTER_THREADS};", "    if (c >= P4) break;", *[f"    {b}" for b in body], "  }"])
+
+    def out(value: str) -> str:
+        return f"store4(y + base, c, {value}, vec);"
+
+    if kind in ("softmax", "log_softmax"):
+        L.append(f"  float m = -{inf};")
+        each([f"const float4 v = {load};", "v4[c] = v;",
+              "m = nanmax(m, nanmax(nanmax(v.x, v.y), nanmax(v.z, v.w)));"])
+        L += ["  m = cluster_max(block_max(m, sh), slots, 0);", "  float s = 0.0f;"]
+        each(["const float4 v = v4[c];",
+              "s += (expf(v.x - m) + expf(v.y - m)) + (expf(v.z - m) + expf(v.w - m));"])
+        L.append("  const float total = cluster_sum(block_sum(s, sh), slots, 1);")
+        L.append("  cooperative_groups::this_cluster().sync();  // every block has read every slot: none is left")
+        if kind == "softmax":
+            L.append("  const float inv = 1.0f / total;")
+            each(["const float4 v = v4[c];",
+                  out("make_float4(expf(v.x - m) * inv, expf(v.y - m) * inv, expf(v.z - m) * inv, expf(v.w - m) * inv)")])
+        else:
+            L.append("  const float shift = m + logf(total);")
+            each(["const float4 v = v4[c];", out("make_float4(v.x - shift, v.y - shift, v.z - shift, v.w - shift)")])
+    else:  # layer norm: the exact mean, then the mean of squared deviations, both from shared memory
+        L.append("  float s = 0.0f;")
+        each([f"const float4 v = {load};", "v4[c] = v;", "s += (v.x + v.y) + (v.z + v.w);"])
+        L += ["  const float mean = cluster_sum(block_sum(s, sh), slots, 0) / (float)cols;", "  float q = 0.0f;"]
+        each(["const float4 v = v4[c];",
+              "const float4 d = make_float4(v.x - mean, v.y - mean, v.z - mean, v.w - mean);",
+              "q += (d.x * d.x + d.y * d.y) + (d.z * d.z + d.w * d.w);"])
+        L.append(f"  const float rstd = rsqrtf(cluster_sum(block_sum(q, sh), slots, 1) / (float)cols + {_lit(eps)});")
+        L.append("  cooperative_groups::this_cluster().sync();  // every block has read every slot: none is left")
+        body = ["const float4 v = v4[c];",
+                "float4 o = make_float4((v.x - mean) * rstd, (v.y - mean) * rstd, (v.z - mean) * rstd, "
+                "(v.w - mean) * rstd);"]
+        for flag, ptr, op, var in ((has_weight, "w", "*=", "g"), (has_bias, "b", "+=", "h")):
+            if flag:
+                body += [f"const float4 {var} = load4({ptr} + part * PART, c, vec);",
+                         f"o.x {op} {var}.x; o.y {op} {var}.y; o.z {op} {var}.z; o.w {op} {var}.w;"]
+        body.append(out("o"))
+        each(body)
+    L.append("}")
+    args = _reduction_args(has_weight, has_bias, rows, cols, prologue, None, None)
+    fused = f", {len(prologue.body)} elementwise op(s) fused into the loads (scalar)" if prologue else ""
+    return KernelCode("\n".join(L) + "\n", name, rows * n, CLUSTER_THREADS, args,
+                      f"{kind} over {rows} rows of {cols}, a cluster of {n} blocks per row, each holding {part} values "
+                      "in shared memory, statistics combined through distributed shared memory, one read and one "
+                      f"write{fused}", vectorized=prologue is None, shared_mem=4 * part)
 
 
 def _cached_output(name: str, output: RowPrologue) -> list[str]:
