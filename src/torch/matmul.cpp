@@ -15,6 +15,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <mutex>
 #include <optional>
 
@@ -112,8 +113,18 @@ std::int64_t matrices(const TensorSpec& s) { return s.numel() / std::max<std::in
 
 std::string status_text(cublasStatus_t s) { return "cuBLASLt status " + std::to_string(int(s)); }
 
-// Elements of K per hi*hi product in tf32x3.
+// Elements of K per hi*hi product in tf32x3; STITCHCUDA_TF32X3_CHUNK overrides it (0: the whole K), for
+// measuring the trade between accuracy and the result's extra read-modify-writes (bench program).
 constexpr std::int64_t kSplitChunk = 512;
+
+std::int64_t split_chunk(std::int64_t k) {
+  const char* text = std::getenv("STITCHCUDA_TF32X3_CHUNK");
+  if (!text || !*text) return kSplitChunk;
+  char* end = nullptr;
+  const long long v = std::strtoll(text, &end, 10);
+  if (*end != '\0' || v < 0) return kSplitChunk;  // not a count: the default
+  return v == 0 ? std::max<std::int64_t>(k, 1) : v;
+}
 // Each split part starts on a 256-byte boundary (cuBLASLt's tensor-core kernels want 16-byte alignment).
 constexpr std::int64_t kSplitAlign = 64;  // floats
 std::int64_t aligned(std::int64_t n) { return (n + kSplitAlign - 1) / kSplitAlign * kSplitAlign; }
@@ -353,8 +364,9 @@ Result<std::unique_ptr<PreparedMatmul>> PreparedMatmul::create(const Matmul& m, 
   };
   if (auto r = add_call(d.plain, Part::b_hi, Part::a_lo, 0, K, " (tf32x3, a_lo b_hi)"); !r) return tl::unexpected(r.error());
   if (auto r = add_call(d.plain, Part::b_lo, Part::a_hi, 0, K, " (tf32x3, a_hi b_lo)"); !r) return tl::unexpected(r.error());
-  for (std::int64_t k0 = 0; k0 < K; k0 += kSplitChunk) {
-    const std::int64_t kc = std::min(kSplitChunk, K - k0);
+  const std::int64_t chunk = split_chunk(K);
+  for (std::int64_t k0 = 0; k0 < K; k0 += chunk) {
+    const std::int64_t kc = std::min(chunk, K - k0);
     const bool last = k0 + kc >= K;
     if (auto r = add_call(last ? d.op : d.plain, Part::b_hi, Part::a_hi, k0, kc, " (tf32x3, a_hi b_hi chunk)"); !r)
       return tl::unexpected(r.error());

@@ -638,3 +638,25 @@ def test_tf32x3_split_gives_an_exact_tf32_part_and_remainder(emu, offset):
     assert bool((lo[normal].abs() <= x[normal].abs() * 2.0 ** -10).all())
     assert hi[5] == float("inf") and hi[6] == float("-inf") and torch.isnan(hi[7]) and torch.isnan(hi[9])
     assert torch.equal(lo[5:8], torch.zeros(3)) and lo[9] == 0
+
+
+class _ClassMaps(torch.nn.Module):
+    def forward(self, logits):
+        return torch.argmax(logits, dim=1), torch.argmin(logits * 2, dim=1, keepdim=True)
+
+
+def test_argmax_and_argmin_over_channels_follow_torchs_first_index_and_nan_rules(emu):
+    # A segmentation map's class per pixel, across 37 channels split over 8 warps: ties between warps (the
+    # first index wins), a NaN (it wins, its first index), a column of -inf (index 0).
+    torch.manual_seed(3)
+    x = torch.randint(-3, 4, (2, 37, 5, 9)).float()  # small integers: many ties
+    x[0, 20, 1, 1] = x[0, 29, 1, 1] = float("nan")
+    x[1, :, 2, 3] = float("-inf")
+    x[1, 5, 4, 4], x[1, 13, 4, 4] = 100.0, 100.0
+    model = _ClassMaps()
+    plan, program, constants = _lowered(model, (x,))
+    assert [g.params.get("kind") for g in plan.groups if g.kind == "reduction"] == ["argmax", "argmin"]
+    got = run_program(emu, program, [x], constants)
+    want = model(x)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.int64 and torch.equal(g, w)

@@ -13,6 +13,11 @@
    the Verifier's timer (stitchcuda.verify.measure: L2 flushed before each call), median of 20. The epilogue saves one read and one write of the output.
 3. Liveness planning: arena bytes versus the widest point's live bytes and versus no reuse.
 4. An artifact's output against the program's before saving (bitwise).
+5. tf32x3 (fp32 matmuls as three TF32 tensor-core products on split operands) against SGEMM and against
+   plain TF32, in the same run: milliseconds (the Verifier's timer), the speed-up over SGEMM, the FLOP
+   rate, and each one's error against an fp64 product (||got - exact||_inf / ||exact||_inf, and the
+   largest share of fp32's tolerance, atol = rtol = 1e-4, used against SGEMM), for the default K-chunk of
+   the hi*hi product and for no chunking (STITCHCUDA_TF32X3_CHUNK=0): what the chunking costs and buys.
 """
 
 from __future__ import annotations
@@ -141,6 +146,59 @@ def epilogues() -> dict:
     return results
 
 
+def _matmul_program(m: int, n: int, k: int, w: torch.Tensor, precision: str) -> Program:
+    b = ProgramBuilder()
+    X, W, Y = b.input([m, k]), b.weight(w), b.output([m, n])
+    b.matmul(X, W, Y, transpose_b=True, precision=precision)
+    b.precision(precision)
+    return b.build()
+
+
+def tf32x3(shapes=((8192, 8192, 4096), (4096, 4096, 4096), (8192, 2048, 8192), (2048, 3072, 768))) -> dict:
+    import os
+
+    from ..verify.compare import fp64_error, tolerance_used
+
+    saved = torch.backends.cuda.matmul.allow_tf32, os.environ.get("STITCHCUDA_TF32X3_CHUNK")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    results = {}
+    try:
+        for (m, n, k) in shapes:
+            torch.manual_seed(m + n + k)
+            x, w = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
+            exact = x.double() @ w.double().t()
+            row: dict = {"gflop": round(2 * m * n * k / 1e9, 1)}
+            outs = {}
+            for label, precision, chunk in (("sgemm", "fp32", None), ("tf32x3", "tf32x3", None),
+                                            ("tf32x3_unchunked", "tf32x3", "0"), ("tf32", "tf32", None)):
+                if chunk is None:
+                    os.environ.pop("STITCHCUDA_TF32X3_CHUNK", None)
+                else:
+                    os.environ["STITCHCUDA_TF32X3_CHUNK"] = chunk
+                ex = _matmul_program(m, n, k, w, precision).executor(graphs=False)  # reads the chunk now
+                y = torch.empty(m, n, device="cuda")
+                ms = _gpu_ms(lambda: ex.run([x], [y]))
+                ex.run([x], [y])
+                outs[label] = y.clone()
+                row[f"{label}_ms"] = round(ms, 4)
+                row[f"{label}_tflops"] = round(2 * m * n * k / ms / 1e9, 1)
+                row[f"{label}_err_fp64"] = fp64_error(y, exact)
+                del ex, y
+            for label in ("tf32x3", "tf32x3_unchunked", "tf32"):
+                row[f"{label}_speedup_over_sgemm"] = round(row["sgemm_ms"] / row[f"{label}_ms"], 3)
+                row[f"{label}_tolerance_used_vs_sgemm"] = round(tolerance_used(outs[label], outs["sgemm"], 1e-4, 1e-4), 3)
+            results[f"{m}x{n}x{k}"] = row
+            del x, w, exact, outs
+            torch.cuda.empty_cache()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved[0]
+        if saved[1] is None:
+            os.environ.pop("STITCHCUDA_TF32X3_CHUNK", None)
+        else:
+            os.environ["STITCHCUDA_TF32X3_CHUNK"] = saved[1]
+    return results
+
+
 def planning() -> dict:
     out = {}
     for steps in (50, 500):
@@ -170,7 +228,7 @@ def run(json_output: bool = False) -> int:
     if why is not None:
         return refuse("bench program", f"no GPU ({why}); nothing measured", EXIT_NO_GPU, json_output)
     report = {"device": torch.cuda.get_device_name(), "host_overhead": host_overhead(), "epilogues": epilogues(),
-              "planning": planning(), "artifact": artifact_identity()}
+              "tf32x3": tf32x3(), "planning": planning(), "artifact": artifact_identity()}
     if json_output:
         print(json.dumps(report))
     else:

@@ -11,7 +11,8 @@ apply first.
 - Pointwise chains of the same shape (with broadcasting, dtype casts, inference batch norm) become one
   fused kernel; values used only inside the chain never touch memory.
 - Row reductions over the trailing contiguous dimensions (softmax, log-softmax, layer norm, sum, mean,
-  amax, amin) become template kernels; an elementwise chain that only computes a reduction's input
+  amax, amin) become template kernels, and so do sum/mean/amax/amin over a block of middle dimensions and
+  argmax/argmin over one (a class map); an elementwise chain that only computes a reduction's input
   (a residual add before a layer norm, a scale before a softmax) is fused into its loads,
   elementwise ops that apply a sum/mean/amax/amin back to its row (an RMS norm) into the same kernel,
   and an elementwise chain reading only a normalized result (GroupNorm -> SiLU) into its store.
@@ -57,7 +58,8 @@ _FACTORY_FOLD_BYTES = 64 << 20
 _REDUCTION_OPS = {"aten::_softmax": "softmax", "aten::_log_softmax": "log_softmax",
                   "aten::native_layer_norm": "layer_norm", "aten::native_group_norm": "group_norm",
                   "aten::sum.dim_IntList": "sum", "aten::sum": "sum",  # the second: over every element
-                  "aten::mean.dim": "mean", "aten::mean": "mean", "aten::amax": "amax", "aten::amin": "amin"}
+                  "aten::mean.dim": "mean", "aten::mean": "mean", "aten::amax": "amax", "aten::amin": "amin",
+                  "aten::argmax": "argmax", "aten::argmin": "argmin"}
 # tf32x3's cost model: the shares of the peaks cuBLAS reaches (fp32 SIMT, TF32 tensor cores, DRAM), the
 # K-chunk of its hi*hi product (as the executor runs it), the speed-up it must promise, and the most
 # split scratch it may hold (besides 2x the result: the memory a user expects a matmul to cost).
@@ -612,6 +614,12 @@ class OfflinePlanner:
         if not isinstance(x, Value) or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return Group("aten", [node], f"{kind} of {getattr(x, 'dtype', '?')} stays an ATen step")
         rank = len(x.shape)
+        if kind in ("argmax", "argmin"):  # the first index of the extreme: over a middle dim (a class map)
+            dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+            if dim is None or dim % rank == rank - 1:
+                where = "every element" if dim is None else "the last dim"
+                return Group("aten", [node], f"{kind} over {where} stays an ATen step")
+            return OfflinePlanner._column(node, kind, x, [dim % rank])
         if kind in ("softmax", "log_softmax"):
             if node.args[2]:
                 return Group("aten", [node], f"{kind} with half_to_float stays an ATen step")

@@ -17,7 +17,7 @@ kind of kernel.
   softmax / log-softmax rows that only per-row readers read (statistics of elementwise ops over them,
   gathers of one column) are normalized in registers inside the readers' kernel (a KL divergence of two
   log-softmaxes, a cross entropy's picked log-probability and smoothing sum: the logits read once);
-- `columns`: sum / mean / amax / amin over a block of middle dimensions;
+- `columns`: sum / mean / amax / amin over a block of middle dimensions, argmax / argmin over one;
 - `depthwise`: one-filter-per-channel convolution with its output function;
 - `pooling`: 2-D average and max pooling (PyTorch's ceil mode, padding count and NaN rules) with its
   output function, several outputs per thread and each input row loaded once for them;

@@ -14,8 +14,10 @@ def column_reduction_kernel(name: str, kind: str, outer: int, reduce: int, inner
     one outer index; its 32 lanes read consecutive columns (coalesced), its 8 warps split the reduced
     extent, and a shared-memory combine of the 8 partials finishes. Arguments: x (or the prologue's
     inputs), y."""
+    if kind in ("argmax", "argmin"):
+        return _column_arg_kernel(name, kind, outer, reduce, inner, dtype, prologue)
     if kind not in ("sum", "mean", "amax", "amin"):
-        raise ValueError(f"a column reduction is sum, mean, amax or amin, not '{kind}'")
+        raise ValueError(f"a column reduction is sum, mean, amax, amin, argmax or argmin, not '{kind}'")
     out_dtype = out_dtype or dtype
     init = {"sum": "0.0f", "mean": "0.0f", "amax": "-__int_as_float(0x7f800000)",
             "amin": "__int_as_float(0x7f800000)"}[kind]
@@ -56,4 +58,60 @@ def column_reduction_kernel(name: str, kind: str, outer: int, reduce: int, inner
     return KernelCode("\n".join(L) + "\n", name, grid, (32, 8, 1), args,
                       f"{kind} over the middle extent {reduce} of [{outer}, {reduce}, {inner}]: 32 coalesced columns "
                       "per block, 8 warps splitting the extent, shared-memory combine"
+                      + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else ""))
+
+
+def _column_arg_kernel(name: str, kind: str, outer: int, reduce: int, inner: int, dtype: torch.dtype,
+                       prologue: RowPrologue | None = None) -> KernelCode:
+    """argmax/argmin over the middle extent of a contiguous [outer, reduce, inner] tensor (a segmentation
+    map's class per pixel), with torch's answer: the first index of the extreme value, a NaN counting as
+    the extreme (its first index). The column reduction's geometry; each thread keeps (value, index) over
+    increasing indices, and the 8 warps' pairs are combined in shared memory. y: int64 [outer, inner]."""
+    better = ">" if kind == "argmax" else "<"
+    X = (lambda idx: f"ld(x, {idx})") if prologue is None else (lambda idx: f"{name}_x({idx}{prologue.pointers()})")
+    params = [f"const {_CTYPE[dtype]}* __restrict__ x"] if prologue is None else prologue.params()
+    params.append("long long* __restrict__ y")
+    L = [_PRELUDE, *(prologue.value_function(name) if prologue else []),
+         f"// {name}: {kind} over the middle extent {reduce} of [{outer}, {reduce}, {inner}]"
+         + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else ""),
+         "// Whether (v, i) comes before (a, ai) in torch's order: a NaN first, then the extreme value, then the",
+         "// smaller index; ai < 0 is no value yet.",
+         "__device__ __forceinline__ bool first(float v, long long i, float a, long long ai) {",
+         "  if (ai < 0) return true;",
+         "  if (v != v) return a == a || i < ai;",
+         "  if (a != a) return false;",
+         f"  return v {better} a || (v == a && i < ai);",
+         "}",
+         f'extern "C" __global__ void __launch_bounds__(256) {name}({", ".join(params)}) {{',
+         "  __shared__ float shv[8][33];",
+         "  __shared__ long long shi[8][33];",
+         "  const long long col = (long long)blockIdx.x * 32 + threadIdx.x;",
+         "  const long long o = blockIdx.y;",
+         "  float a = 0.0f;",
+         "  long long ai = -1;",
+         f"  if (col < {inner}LL) {{",
+         "#pragma unroll 4",
+         f"    for (long long r = threadIdx.y; r < {reduce}LL; r += 8) {{",
+         f"      const float v = {X(f'(o * {reduce}LL + r) * {inner}LL + col')};",
+         "      if (first(v, r, a, ai)) { a = v; ai = r; }",
+         "    }",
+         "  }",
+         "  shv[threadIdx.y][threadIdx.x] = a;",
+         "  shi[threadIdx.y][threadIdx.x] = ai;",
+         "  __syncthreads();",
+         f"  if (threadIdx.y == 0 && col < {inner}LL) {{",
+         "    for (int k = 1; k < 8; ++k)",
+         "      if (shi[k][threadIdx.x] >= 0 && first(shv[k][threadIdx.x], shi[k][threadIdx.x], a, ai)) {",
+         "        a = shv[k][threadIdx.x];",
+         "        ai = shi[k][threadIdx.x];",
+         "      }",
+         f"    y[o * {inner}LL + col] = ai;",
+         "  }",
+         "}"]
+    args: list[tuple[str, object]] = [("in", "x")] if prologue is None else [("in", i.key) for i in prologue.inputs]
+    args.append(("out", "y"))
+    return KernelCode("\n".join(L) + "\n", name, (-(-inner // 32), outer, 1), (32, 8, 1), args,
+                      f"{kind} over the middle extent {reduce} of [{outer}, {reduce}, {inner}]: 32 coalesced columns "
+                      "per block, 8 warps splitting the extent, (value, index) pairs combined in shared memory, "
+                      "torch's first-index and NaN rules"
                       + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else ""))
