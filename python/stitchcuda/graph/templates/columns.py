@@ -7,6 +7,21 @@ import torch
 from .common import _CTYPE, _PRELUDE, KernelCode, RowPrologue
 
 
+def _column_inputs(name: str, dtype: torch.dtype, prologue: RowPrologue | None):
+    """(the element load X(idx), the kernel's input parameters, its input arguments): x itself, or the
+    prologue's inputs with its value function computing x on load."""
+    if prologue is None:
+        return (lambda idx: f"ld(x, {idx})"), [f"const {_CTYPE[dtype]}* __restrict__ x"], [("in", "x")]
+    return ((lambda idx: f"{name}_x({idx}{prologue.pointers()})"), prologue.params(),
+            [("in", i.key) for i in prologue.inputs])
+
+
+def _column_code(name: str, lines: list[str], outer: int, inner: int, args: list, description: str) -> KernelCode:
+    """The kernel of a column reduction: a block per 32 columns of one outer index, 8 warps."""
+    return KernelCode("\n".join(lines) + "\n", name, (-(-inner // 32), outer, 1), (32, 8, 1), [*args, ("out", "y")],
+                      description)
+
+
 def column_reduction_kernel(name: str, kind: str, outer: int, reduce: int, inner: int, dtype: torch.dtype,
                             out_dtype: torch.dtype | None = None, prologue: RowPrologue | None = None) -> KernelCode:
     """sum/mean/amax/amin over the middle extent of a contiguous [outer, reduce, inner] tensor (a sum over
@@ -23,8 +38,7 @@ def column_reduction_kernel(name: str, kind: str, outer: int, reduce: int, inner
             "amin": "__int_as_float(0x7f800000)"}[kind]
     step = {"sum": "a += v", "mean": "a += v", "amax": "a = nanmax(a, v)", "amin": "a = nanmin(a, v)"}[kind]
     combine = {"sum": "a += p", "mean": "a += p", "amax": "a = nanmax(a, p)", "amin": "a = nanmin(a, p)"}[kind]
-    X = (lambda idx: f"ld(x, {idx})") if prologue is None else (lambda idx: f"{name}_x({idx}{prologue.pointers()})")
-    params = [f"const {_CTYPE[dtype]}* __restrict__ x"] if prologue is None else prologue.params()
+    X, params, args = _column_inputs(name, dtype, prologue)
     params.append(f"{_CTYPE[out_dtype]}* __restrict__ y")
     final = f"a / {reduce}.0f" if kind == "mean" else "a"
     L = [_PRELUDE, *(prologue.value_function(name) if prologue else []),
@@ -52,13 +66,10 @@ def column_reduction_kernel(name: str, kind: str, outer: int, reduce: int, inner
          f"    st(y, o * {inner}LL + col, {final});",
          "  }",
          "}"]
-    args: list[tuple[str, object]] = [("in", "x")] if prologue is None else [("in", i.key) for i in prologue.inputs]
-    args.append(("out", "y"))
-    grid = (-(-inner // 32), outer, 1)
-    return KernelCode("\n".join(L) + "\n", name, grid, (32, 8, 1), args,
-                      f"{kind} over the middle extent {reduce} of [{outer}, {reduce}, {inner}]: 32 coalesced columns "
-                      "per block, 8 warps splitting the extent, shared-memory combine"
-                      + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else ""))
+    return _column_code(name, L, outer, inner, args,
+                        f"{kind} over the middle extent {reduce} of [{outer}, {reduce}, {inner}]: 32 coalesced columns "
+                        "per block, 8 warps splitting the extent, shared-memory combine"
+                        + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else ""))
 
 
 def _column_arg_kernel(name: str, kind: str, outer: int, reduce: int, inner: int, dtype: torch.dtype,
@@ -68,8 +79,7 @@ def _column_arg_kernel(name: str, kind: str, outer: int, reduce: int, inner: int
     the extreme (its first index). The column reduction's geometry; each thread keeps (value, index) over
     increasing indices, and the 8 warps' pairs are combined in shared memory. y: int64 [outer, inner]."""
     better = ">" if kind == "argmax" else "<"
-    X = (lambda idx: f"ld(x, {idx})") if prologue is None else (lambda idx: f"{name}_x({idx}{prologue.pointers()})")
-    params = [f"const {_CTYPE[dtype]}* __restrict__ x"] if prologue is None else prologue.params()
+    X, params, args = _column_inputs(name, dtype, prologue)
     params.append("long long* __restrict__ y")
     L = [_PRELUDE, *(prologue.value_function(name) if prologue else []),
          f"// {name}: {kind} over the middle extent {reduce} of [{outer}, {reduce}, {inner}]"
@@ -108,10 +118,8 @@ def _column_arg_kernel(name: str, kind: str, outer: int, reduce: int, inner: int
          f"    y[o * {inner}LL + col] = ai;",
          "  }",
          "}"]
-    args: list[tuple[str, object]] = [("in", "x")] if prologue is None else [("in", i.key) for i in prologue.inputs]
-    args.append(("out", "y"))
-    return KernelCode("\n".join(L) + "\n", name, (-(-inner // 32), outer, 1), (32, 8, 1), args,
-                      f"{kind} over the middle extent {reduce} of [{outer}, {reduce}, {inner}]: 32 coalesced columns "
-                      "per block, 8 warps splitting the extent, (value, index) pairs combined in shared memory, "
-                      "torch's first-index and NaN rules"
-                      + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else ""))
+    return _column_code(name, L, outer, inner, args,
+                        f"{kind} over the middle extent {reduce} of [{outer}, {reduce}, {inner}]: 32 coalesced columns "
+                        "per block, 8 warps splitting the extent, (value, index) pairs combined in shared memory, "
+                        "torch's first-index and NaN rules"
+                        + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else ""))
