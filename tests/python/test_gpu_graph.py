@@ -391,3 +391,15 @@ def test_rows_longer_than_shared_memory_run_on_a_cluster_per_row_and_match_eager
     cluster = [g for g in fast.report.groups if "a cluster of 8 blocks per row" in g["reason"]]
     assert len(cluster) == 3, fast.report.groups
     assert not fast.report.fallbacks, fast.report.fallbacks
+
+
+class _ClassMap(nn.Module):
+    def forward(self, logits):
+        return torch.argmax(logits, dim=1)
+
+
+def test_a_class_map_argmax_runs_as_a_column_kernel_and_matches_eager():
+    x = torch.randn(4, 150, 64, 64, device="cuda")
+    fast = _check(_ClassMap(), (x,), lambda: (torch.randn_like(x),))
+    assert any(g.get("kernel", "").startswith("argmax") for g in fast.report.groups), fast.report.groups
+    assert not fast.report.fallbacks, fast.report.fallbacks

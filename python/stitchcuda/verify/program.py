@@ -155,7 +155,8 @@ def random_like(t: torch.Tensor, seed: int) -> torch.Tensor:
     if t.is_floating_point():
         # aminmax, not abs().max(): no temporary as large as the input (inputs of several GB)
         scale = max(abs(float(m)) for m in torch.aminmax(t.detach())) if t.numel() else 1.0
-        return (torch.randn(t.shape, generator=g, device=t.device, dtype=torch.float32) * max(scale, 1e-3)).to(t.dtype)
+        # Scaled in place: one tensor of t's size at a time (verification draws these at KernelBench sizes).
+        return torch.randn(t.shape, generator=g, device=t.device, dtype=torch.float32).mul_(max(scale, 1e-3)).to(t.dtype)
     return t.clone()
 
 
