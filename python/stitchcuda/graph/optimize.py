@@ -794,7 +794,7 @@ def _verify(model, optimized: OptimizedModule, example_inputs, sets: int, plan: 
     error against an fp64 copy of the model too. {passed, input_sets, max_abs_error, max_rel_error_fp64,
     detail}."""
     return verify_whole(model, optimized, example_inputs, sets, plan.precision,
-                        no_exact=_fp64_too_large(plan, optimized._graph))
+                        no_exact=_fp64_too_large(plan, getattr(optimized, "_graph", None)))
 
 
 def _fp64_too_large(plan: GraphPlan, graph: Graph | None = None) -> str:
