@@ -69,7 +69,8 @@ largest single input or eager output) and memory_ratio = optimize device peak / 
 tensor), whose target is <= 1, stage_peak_bytes (the peak so far at the end of each of optimize's stages,
 on the same basis, and "check_with_worker": where the peak was reached);
 `precision`, and
-`matmuls` (the planner's decision: "matmuls in true fp32", "matmuls may use tf32", ...).
+`matmuls` (the planner's decision: "matmuls in true fp32", "matmuls may use tf32", ...) and
+`tf32x3_steps` (the program's matmuls that ran as 3xTF32 after the checks).
 
 Error against exact arithmetic (err_fp64): one fp64 reference per problem, a deep copy of the model and
 the example inputs cast to float64 on the GPU (fp64_reference; skipped, with the reason in fp64_note,
@@ -672,6 +673,8 @@ def _record_report(row: dict, fast: Any) -> None:
         row["matmuls"] = matmuls
     if fast.program is not None:
         row["replay"] = fast.program.replay["mode"]  # graph or direct, as measured by optimize
+        # What ran, not what was planned: a tf32x3 GEMM that missed its check runs as SGEMM.
+        row["tf32x3_steps"] = sum(s["kind"] == "matmul" and s.get("precision") == "tf32x3" for s in fast.program.steps)
 
 
 def _stitch_column(row: dict, module: ModuleType, model: torch.nn.Module, inputs: tuple, want: Any,
