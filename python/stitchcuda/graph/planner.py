@@ -33,6 +33,7 @@ apply first.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -86,7 +87,11 @@ def split_tf32_choice(m: int, n: int, k: int, batch: int, a_elems: int, b_elems:
     if scratch > max(2 * c_bytes, _SPLIT_SCRATCH_FLOOR):
         return False, (f"its split operands ({scratch / 2**20:.0f} MiB) would exceed twice the result's "
                        f"{c_bytes / 2**20:.0f} MiB")
-    chunks = -(-k // _SPLIT_CHUNK)
+    chunk = _SPLIT_CHUNK
+    override = os.environ.get("STITCHCUDA_TF32X3_CHUNK", "")  # the executor's knob: the same chunk here
+    if override.isdigit():
+        chunk = int(override) or max(k, 1)
+    chunks = -(-k // chunk)
     sgemm_s = flops / (fp32 * 1e12 * _SGEMM_SHARE)
     split_s = (3 * flops / (tf32 * 1e12 * _TF32_SHARE)
                + (12.0 * (a_elems + b_elems) + 2.0 * c_bytes * (1 + chunks)) / (dram * 1e12 * _DRAM_SHARE))
