@@ -403,3 +403,25 @@ def test_a_class_map_argmax_runs_as_a_column_kernel_and_matches_eager():
     fast = _check(_ClassMap(), (x,), lambda: (torch.randn_like(x),))
     assert any(g.get("kernel", "").startswith("argmax") for g in fast.report.groups), fast.report.groups
     assert not fast.report.fallbacks, fast.report.fallbacks
+
+
+class _MobileBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pw1, self.b1 = nn.Conv2d(64, 256, 1), nn.BatchNorm2d(256)
+        self.dw, self.b2 = nn.Conv2d(256, 256, 3, padding=1, groups=256), nn.BatchNorm2d(256)
+        self.pw2 = nn.Conv2d(256, 64, 1)
+
+    def forward(self, x):
+        h = F.relu(self.b1(self.pw1(x)))
+        return self.pw2(torch.clamp(self.b2(self.dw(h)), 0, 6)) + x
+
+
+def test_a_mobilenet_block_matches_eager_in_the_layout_optimize_measures_faster():
+    """Channels-last now keeps the depthwise convolution in NHWC (no conversion around it); optimize
+    times both layouts and keeps the faster, which must match eager either way."""
+    x = torch.randn(32, 64, 56, 56, device="cuda")
+    fast = _check(_MobileBlock(), (x,), lambda: (torch.randn_like(x),))
+    layout = next(d for d, _ in fast.report.decisions if d.startswith("convolution chains"))
+    nhwc = any(g.get("kernel", "").startswith("depthwise_nhwc") for g in fast.report.groups)
+    assert nhwc == ("channels-last" in layout), (layout, fast.report.groups)

@@ -660,3 +660,39 @@ def test_argmax_and_argmin_over_channels_follow_torchs_first_index_and_nan_rules
     want = model(x)
     for g, w in zip(got, want):
         assert g.dtype == torch.int64 and torch.equal(g, w)
+
+
+class _InvertedResidual(torch.nn.Module):
+    """A MobileNet block: 1x1 expansion, depthwise 3x3 (stride 1 and 2), 1x1 projection, residual."""
+
+    def __init__(self, stride: int):
+        super().__init__()
+        self.pw1, self.b1 = torch.nn.Conv2d(16, 32, 1), torch.nn.BatchNorm2d(32)
+        self.dw, self.b2 = torch.nn.Conv2d(32, 32, 3, stride=stride, padding=1, groups=32), torch.nn.BatchNorm2d(32)
+        self.pw2 = torch.nn.Conv2d(32, 16, 1)
+        self.stride = stride
+
+    def forward(self, x):
+        h = torch.relu(self.b1(self.pw1(x)))
+        h = torch.clamp(self.b2(self.dw(h)), 0, 6)
+        y = self.pw2(h)
+        return y + x if self.stride == 1 else y
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_a_depthwise_convolution_inside_a_channels_last_chain_runs_nhwc(emu, stride):
+    # The depthwise convolution reads the expansion's NHWC output and writes NHWC for the projection: no
+    # conversion around it, its batch norm and ReLU6 applied before its 16-byte stores.
+    torch.manual_seed(stride)
+    model = _InvertedResidual(stride).eval()
+    with torch.no_grad():
+        for bn in (model.b1, model.b2):
+            bn.running_mean.normal_()
+            bn.running_var.uniform_(0.5, 2.0)
+    x = torch.randn(2, 16, 64, 64)  # 64 Ki elements: large enough for the chain to go channels-last
+    plan, program, constants = _lowered(model, (x,))
+    names = [k["name"] for k in program.kernels]
+    assert any(n.startswith("depthwise_nhwc") for n in names) and sum(n.startswith("to_nhwc") for n in names) == 1
+    (got,) = run_program(emu, program, [x], constants)
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(x), atol=1e-4, rtol=1e-4)

@@ -118,6 +118,27 @@ def test_a_depthwise_template_convolution_is_not_made_channels_last():
     assert plan.channels_last == frozenset()
 
 
+def test_a_depthwise_convolution_inside_the_chain_joins_it_and_one_whose_result_is_returned_stays_nchw():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.expand, self.dw = nn.Conv2d(16, 32, 1), nn.Conv2d(32, 32, 3, padding=1, groups=32)
+            self.project, self.side = nn.Conv2d(32, 16, 1), nn.Conv2d(16, 16, 3, padding=1, groups=16)
+
+        def forward(self, x):
+            inside = F.relu6(self.dw(F.relu(self.expand(x))))  # between two 1x1 convolutions
+            return self.project(inside), F.relu(self.side(x * 2))  # returned: graph outputs keep their layout
+
+    graph, plan, lowering = _lowered(Block(), torch.randn(2, 16, 64, 64))
+    dw_inside, dw_side = [g for g in plan.groups if g.kind == "conv"]
+    (inside,) = dw_inside.outputs(set())
+    assert inside.name in plan.channels_last  # the fused ReLU6's result, NHWC for the projection
+    assert not {v.name for v in dw_side.outputs(set())} & plan.channels_last
+    names = [code.name for _, code in lowering.kernels]
+    assert sum(n.startswith("depthwise_nhwc") for n in names) == 1 and sum(n.startswith("depthwise_") for n in names) == 2
+    assert sum(n.startswith("to_nhwc") for n in names) == 1  # the chain's one edge: x into the expansion
+
+
 def test_small_convolutions_and_rgb_stems_stay_nchw():
     class Stem(nn.Module):
         def __init__(self):

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from .capture import Graph, Node, Value
 
 if TYPE_CHECKING:  # the planner imports this module
     from .planner import Group
 
 __all__ = ["channels_last_values", "channels_last_strides", "contiguous_strides", "is_channels_last",
-           "CONVOLUTION_OPS"]
+           "depthwise_nhwc", "CONVOLUTION_OPS"]
 
 CONVOLUTION_OPS = ("aten::convolution",)
 
@@ -67,10 +69,18 @@ def _cudnn_convolution(node: Node) -> bool:
     return c_in >= MIN_CHANNELS and c_in % 4 == 0 and c_out % 4 == 0 and x.numel >= MIN_ELEMENTS
 
 
+def depthwise_nhwc(node: Node) -> bool:
+    """Whether the channels-last depthwise template takes this (template) depthwise convolution: fp32
+    input, filter and result, channels a multiple of 4."""
+    x, w = node.args[0], node.args[1]
+    return (isinstance(x, Value) and isinstance(w, Value) and len(x.shape) == 4 and x.shape[1] % 4 == 0
+            and x.dtype == w.dtype == node.out.dtype == torch.float32)
+
+
 def channels_last_values(graph: Graph, groups: list[Group]) -> frozenset[str]:
     """The values to store channels-last: every cuDNN convolution's input, weight and result, and the
-    results of the elementwise groups that read one of those at their full shape (propagated in
-    program order). Empty when the graph has no such convolution. Graph outputs keep their layout, and
+    results of the elementwise groups that read one of those at their full shape and of the template
+    depthwise convolutions whose input is one (propagated in program order). Empty when the graph has no such convolution. Graph outputs keep their layout, and
     a graph input named here is converted once (the program's inputs are contiguous)."""
     aten_nodes = [n for g in groups if g.kind == "aten" for n in g.nodes]
     convolutions = [n for n in aten_nodes if _cudnn_convolution(n)]
@@ -82,6 +92,11 @@ def channels_last_values(graph: Graph, groups: list[Group]) -> frozenset[str]:
         chosen.update(v.name for v in n.args[:2])
         chosen.add(n.out.name)
     for g in groups:
+        if g.kind == "conv" and depthwise_nhwc(g.params["node"]) and g.params["node"].args[0].name in chosen:
+            # A depthwise convolution inside the chain (a MobileNet block's, between two 1x1 convolutions)
+            # reads and writes NHWC too (templates.depthwise_conv_nhwc_kernel): no conversion around it.
+            chosen.update(v.name for v in g.outputs(outputs) if len(v.shape) == 4 and v.name not in outputs)
+            continue
         if g.kind != "pointwise":
             continue
         shape = tuple(g.params.get("shape", ()))

@@ -16,12 +16,12 @@ from ..program import Program, ProgramBuilder, dtype_name
 from ..verify.program import check_program
 from ..verify.tolerance import tolerance  # the Verifier's table; re-exported for graph-mode callers
 from .capture import Graph, Node, Value
-from .layout import channels_last_strides, is_channels_last
+from .layout import channels_last_strides, depthwise_nhwc, is_channels_last
 from .layout import contiguous_strides as _contiguous_strides
 from .planner import Group, GraphPlan
 from .templates import (FUSABLE_DTYPES, POINTWISE_OPS, KernelCode, PointwiseInput, RowProduct, RowPrologue,
-                        column_reduction_kernel, depthwise_conv_kernel, nchw_to_nhwc_kernel, normalized_rows_kernel,
-                        pointwise_kernel, pooling_kernel, row_reduction_kernel, scan_kernel)
+                        column_reduction_kernel, depthwise_conv_kernel, depthwise_conv_nhwc_kernel, nchw_to_nhwc_kernel,
+                        normalized_rows_kernel, pointwise_kernel, pooling_kernel, row_reduction_kernel, scan_kernel)
 
 __all__ = ["LoweringError", "Lowering", "reference_values", "stream_values", "check_group", "tolerance"]
 
@@ -397,14 +397,23 @@ class Lowering:
             inputs, buffers, body, var = self._elementwise(p["output"], tuple(node.out.shape), {node.out.name: "yv"}, "o")
             output = RowPrologue(tuple(node.out.shape), inputs, body, var[result.name], ("yv",))
         has_bias = isinstance(bias, Value)
-        code = depthwise_conv_kernel(self._name("depthwise", g), tuple(x.shape), tuple(w.shape[2:]), tuple(stride),
-                                     tuple(padding), tuple(dilation), x.dtype, result.dtype, has_bias, output,
-                                     self.sm_count)
-        buffers["x"] = self.need(x, contiguous=True)
+        if x.name in self.channels_last and result.name in self.channels_last and depthwise_nhwc(node):
+            # Inside a channels-last chain: NHWC in, NHWC out, no conversion around the convolution.
+            code = depthwise_conv_nhwc_kernel(self._name("depthwise_nhwc", g), tuple(x.shape), tuple(w.shape[2:]),
+                                              tuple(stride), tuple(padding), tuple(dilation), has_bias, output,
+                                              self.sm_count)
+            buffers["x"] = self._channels_last_copy(x, g)
+            y = self.produce(result, strides=channels_last_strides(tuple(result.shape)))
+        else:
+            code = depthwise_conv_kernel(self._name("depthwise", g), tuple(x.shape), tuple(w.shape[2:]), tuple(stride),
+                                         tuple(padding), tuple(dilation), x.dtype, result.dtype, has_bias, output,
+                                         self.sm_count)
+            buffers["x"] = self.need(x, contiguous=True)
+            y = self.produce(result)
         buffers["weight"] = self.need(w, contiguous=True)
         if has_bias:
             buffers["bias"] = self.need(bias, contiguous=True)
-        buffers["y"] = self.produce(result)
+        buffers["y"] = y
         self._launch(g, code, buffers)
 
     def _lower_pool(self, g: Group) -> None:

@@ -18,7 +18,8 @@ kind of kernel.
   gathers of one column) are normalized in registers inside the readers' kernel (a KL divergence of two
   log-softmaxes, a cross entropy's picked log-probability and smoothing sum: the logits read once);
 - `columns`: sum / mean / amax / amin over a block of middle dimensions, argmax / argmin over one;
-- `depthwise`: one-filter-per-channel convolution with its output function;
+- `depthwise`: one-filter-per-channel convolution with its output function, over NCHW or, inside a
+  channels-last convolution chain, NHWC data (four channels per thread, 16-byte accesses);
 - `pooling`: 2-D average and max pooling (PyTorch's ceil mode, padding count and NaN rules) with its
   output function, several outputs per thread and each input row loaded once for them;
 - `scan`: cumsum / cumprod along one dimension in ATen's own combining order (eager's results bit for
@@ -33,7 +34,7 @@ sizes as arguments where they vary; shapes that select the code path are baked i
 
 from .columns import column_reduction_kernel
 from .common import FUSABLE_DTYPES, KernelCode, PointwiseInput, RowPrologue
-from .depthwise import DEPTHWISE_MAX_TAPS, depthwise_conv_kernel
+from .depthwise import DEPTHWISE_MAX_TAPS, depthwise_conv_kernel, depthwise_conv_nhwc_kernel
 from .ops import POINTWISE_OPS, is_pointwise
 from .pooling import POOL_MAX_TAPS, pool_output_size, pooling_blocker, pooling_kernel
 from .pointwise import pointwise_kernel
@@ -43,8 +44,9 @@ from .scan import SCAN_EXTENT_MAX, SCANS, aten_tile, scan_kernel
 from .transpose import nchw_to_nhwc_kernel
 
 __all__ = ["KernelCode", "PointwiseInput", "RowPrologue", "pointwise_kernel", "row_reduction_kernel",
-           "column_reduction_kernel", "depthwise_conv_kernel", "POINTWISE_OPS", "REDUCTIONS", "NORMALIZING",
-           "STATISTICS", "FUSABLE_DTYPES", "CACHED_ROW_MAX", "CACHED_ROW_MIN", "SHARED_ROW_MAX", "DEPTHWISE_MAX_TAPS", "is_pointwise",
+           "column_reduction_kernel", "depthwise_conv_kernel", "depthwise_conv_nhwc_kernel", "POINTWISE_OPS",
+           "REDUCTIONS", "NORMALIZING", "STATISTICS", "FUSABLE_DTYPES", "CACHED_ROW_MAX", "CACHED_ROW_MIN",
+           "SHARED_ROW_MAX", "CLUSTER_ROW_MAX", "cluster_size", "DEPTHWISE_MAX_TAPS", "is_pointwise",
            "pooling_kernel", "pooling_blocker", "pool_output_size", "POOL_MAX_TAPS",
            "scan_kernel", "aten_tile", "SCANS", "SCAN_EXTENT_MAX", "split_rows",
            "nchw_to_nhwc_kernel", "normalized_rows_kernel", "RowProduct"]

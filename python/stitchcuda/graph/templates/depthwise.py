@@ -10,6 +10,23 @@ from .common import _CTYPE, _PRELUDE, KernelCode, RowPrologue
 DEPTHWISE_MAX_TAPS = 49  # up to 7x7: the taps are unrolled
 
 
+def _output_size(h: int, w: int, kernel, stride, padding, dilation, output: RowPrologue | None) -> tuple[int, int]:
+    """The output's height and width; ValueError for a geometry no template takes (more than
+    DEPTHWISE_MAX_TAPS taps, a non-positive size, an empty output) or an output function that does not
+    read `yv`."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = kernel, stride, padding, dilation
+    if kh * kw > DEPTHWISE_MAX_TAPS or min(kh, kw, sh, sw, dh, dw) < 1 or min(ph, pw) < 0:
+        raise ValueError(f"depthwise convolution of kernel {kernel}, stride {stride}, padding {padding}, "
+                         f"dilation {dilation} has no template (up to {DEPTHWISE_MAX_TAPS} taps, positive sizes)")
+    oh = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    ow = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    if oh <= 0 or ow <= 0:
+        raise ValueError(f"depthwise convolution of a {h}x{w} input with kernel {kernel} has an empty output")
+    if output is not None and output.extra != ("yv",):
+        raise ValueError(f"an output function reads 'yv', got {output.extra}")
+    return oh, ow
+
+
 def depthwise_conv_kernel(name: str, x_shape: tuple[int, int, int, int], kernel: tuple[int, int],
                           stride: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int],
                           dtype: torch.dtype, out_dtype: torch.dtype | None = None, has_bias: bool = False,
@@ -25,15 +42,7 @@ def depthwise_conv_kernel(name: str, x_shape: tuple[int, int, int, int], kernel:
     sh, sw = stride
     ph, pw = padding
     dh, dw = dilation
-    if kh * kw > DEPTHWISE_MAX_TAPS or min(kh, kw, sh, sw, dh, dw) < 1 or min(ph, pw) < 0:
-        raise ValueError(f"depthwise convolution of kernel {kernel}, stride {stride}, padding {padding}, "
-                         f"dilation {dilation} has no template (up to {DEPTHWISE_MAX_TAPS} taps, positive sizes)")
-    oh = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
-    ow = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
-    if oh <= 0 or ow <= 0:
-        raise ValueError(f"depthwise convolution of a {h}x{w} input with kernel {kernel} has an empty output")
-    if output is not None and output.extra != ("yv",):
-        raise ValueError(f"an output function reads 'yv', got {output.extra}")
+    oh, ow = _output_size(h, w, kernel, stride, padding, dilation, output)
     out_dtype = out_dtype or dtype
     vec = 4 if ow % 4 == 0 else (2 if ow % 2 == 0 else 1)
     seg = (vec - 1) * sw + (kw - 1) * dw + 1  # input values a thread's VEC outputs read per filter row
@@ -154,4 +163,73 @@ def depthwise_conv_kernel(name: str, x_shape: tuple[int, int, int, int], kernel:
     return KernelCode("\n".join(L) + "\n", name, grid, threads, args,
                       f"depthwise {kh}x{kw} convolution over [{n_}, {c_}, {h}, {w}], {vec} outputs per thread, "
                       f"{how}"
+                      + (f", {len(output.body)} elementwise op(s) applied before the store" if output else ""))
+
+
+def depthwise_conv_nhwc_kernel(name: str, x_shape: tuple[int, int, int, int], kernel: tuple[int, int],
+                               stride: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int],
+                               has_bias: bool = False, output: RowPrologue | None = None,
+                               sm_count: int = 132) -> KernelCode:
+    """The depthwise convolution of a channels-last chain: fp32 input and output stored NHWC (a MobileNet
+    block between two 1x1 convolutions that cuDNN runs on NHWC data), channels a multiple of 4. Each thread
+    computes four consecutive channels of one output pixel: every tap is one 16-byte load of the four
+    channels' inputs (adjacent threads read adjacent channels: coalesced), the weights' four taps come from
+    the [C, 1, kh, kw] filter, and the `output` function (batch norm, activation) applies before one 16-byte
+    store. Arguments as depthwise_conv_kernel's."""
+    n_, c_, h, w = x_shape
+    kh, kw = kernel
+    sh, sw = stride
+    ph, pw = padding
+    dh, dw = dilation
+    if c_ % 4:
+        raise ValueError(f"the channels-last depthwise template takes channels in multiples of 4, not {c_}")
+    oh, ow = _output_size(h, w, kernel, stride, padding, dilation, output)
+    c4 = c_ // 4
+    total = n_ * oh * ow * c4
+    params = ["const float* __restrict__ x", "const float* __restrict__ wt"]
+    if has_bias:
+        params.append("const float* __restrict__ bias")
+    if output:
+        params += output.params()
+    params += ["float* __restrict__ y", "long long n"]
+    value = (lambda j, v: v) if output is None else \
+        (lambda j, v: f"{name}_oc(n, c + {j}, oy, ox, {v}{output.pointers()})")
+    init = (lambda j: f"bias[c + {j}]") if has_bias else (lambda j: "0.0f")
+    comp = "xyzw"
+    L = [_PRELUDE, *(output.coordinate_function(name) if output else []),
+         f"// {name}: depthwise {kh}x{kw} convolution (stride {sh}x{sw}, padding {ph}x{pw}, dilation {dh}x{dw}) "
+         f"over NHWC [{n_}, {c_}, {h}, {w}] -> NHWC [{n_}, {c_}, {oh}, {ow}], four channels per thread",
+         f'extern "C" __global__ void __launch_bounds__(256) {name}({", ".join(params)}) {{',
+         f"  for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < {total}LL; "
+         "g += (long long)gridDim.x * blockDim.x) {",
+         f"    const int c = (int)(g % {c4}LL) * 4;",
+         f"    long long rest = g / {c4}LL;",
+         f"    const int ox = (int)(rest % {ow}LL);",
+         f"    rest /= {ow}LL;",
+         f"    const int oy = (int)(rest % {oh}LL);",
+         f"    const long long n = rest / {oh}LL;",
+         "    float acc[4] = {" + ", ".join(init(j) for j in range(4)) + "};",
+         "#pragma unroll",
+         f"    for (int r = 0; r < {kh}; ++r) {{",
+         f"      const int iy = oy * {sh} - {ph} + r * {dh};",
+         "#pragma unroll",
+         f"      for (int q = 0; q < {kw}; ++q) {{",
+         f"        const int ix = ox * {sw} - {pw} + q * {dw};",
+         f"        const bool in = iy >= 0 && iy < {h} && ix >= 0 && ix < {w};",
+         f"        const float4 v = in ? *reinterpret_cast<const float4*>(x + ((n * {h} + iy) * {w}LL + ix) * {c_}LL + c)"
+         " : make_float4(0.0f, 0.0f, 0.0f, 0.0f);",
+         *[f"        acc[{j}] += wt[(c + {j}) * {kh * kw} + r * {kw} + q] * v.{comp[j]};" for j in range(4)],
+         "      }",
+         "    }",
+         f"    *reinterpret_cast<float4*>(y + ((n * {oh} + oy) * {ow}LL + ox) * {c_}LL + c) = make_float4("
+         + ", ".join(value(str(j), f"acc[{j}]") for j in range(4)) + ");",
+         "  }",
+         "}"]
+    grid = max(1, min(-(-total // 256), sm_count * 16))
+    args = [("in", "x"), ("in", "weight")] + ([("in", "bias")] if has_bias else [])
+    args += [("in", i.key) for i in output.inputs] if output else []
+    args += [("out", "y"), ("i64", n_ * c_ * oh * ow)]
+    return KernelCode("\n".join(L) + "\n", name, grid, 256, args,
+                      f"depthwise {kh}x{kw} convolution over NHWC [{n_}, {c_}, {h}, {w}], four channels per thread, "
+                      "16-byte loads and stores along the channels"
                       + (f", {len(output.body)} elementwise op(s) applied before the store" if output else ""))
