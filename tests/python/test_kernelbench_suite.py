@@ -280,3 +280,18 @@ def test_selective_scan_matches_a_step_by_step_recurrence():
             ys.append(torch.einsum("bhpn,bn->bhp", state, cm[:, i]) + model.d_skip[None, :, None] * x[:, i])
         want = model.out_proj(model.norm(torch.stack(ys, 1).reshape(b, l, inner) * F.silu(z)))
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+def test_a_row_over_its_memory_target_says_where_the_peak_was_reached():
+    from stitchcuda.bench.suite import _row_notes
+
+    gib = 2 ** 30
+    row = {"model": "op", "memory_ratio": 2.5, "optimize_device_peak_bytes": 10 * gib, "eager_peak_bytes": 2 * gib,
+           "largest_tensor_bytes": gib, "stage_peak_bytes": {"capture": 0, "generate_and_check": 4 * gib,
+                                                             "build": 6 * gib, "verify": 10 * gib,
+                                                             "check_with_worker": 5 * gib}}
+    (note,) = [line for line in _row_notes(row) if "memory:" in line]
+    assert note == ("    memory: 10.00 GiB peak, reached by verify; eager peak 2.00 GiB, largest tensor 1.00 GiB; "
+                    "stages: capture 0.00, generate_and_check 4.00, build 6.00, verify 10.00, check_with_worker 5.00")
+    row["memory_ratio"] = 0.9
+    assert not [line for line in _row_notes(row) if "memory:" in line]  # within target: nothing to explain

@@ -1186,6 +1186,21 @@ def _row_line(r: dict) -> str:
             f"{_fmt(r.get('memory_ratio'), '5.2f')}")
 
 
+def _memory_note(r: dict) -> str:
+    """Where optimize's memory went, for a row over its target: the device peak, the stage that first
+    reached it (the stage peaks are cumulative) and the budget's parts."""
+    ratio, peak = r.get("memory_ratio"), r.get("optimize_device_peak_bytes") or r.get("optimize_peak_bytes")
+    if not isinstance(ratio, (int, float)) or ratio <= 1 or not peak:
+        return ""
+    stages = r.get("stage_peak_bytes") or {}
+    at = next((stage for stage, b in stages.items() if b >= 0.99 * peak), None)
+    gib = 2 ** 30
+    return (f"    memory: {peak / gib:.2f} GiB peak" + (f", reached by {at}" if at else "") +
+            f"; eager peak {(r.get('eager_peak_bytes') or 0) / gib:.2f} GiB, largest tensor "
+            f"{(r.get('largest_tensor_bytes') or 0) / gib:.2f} GiB; stages: " +
+            ", ".join(f"{stage} {b / gib:.2f}" for stage, b in stages.items()))
+
+
 def _row_notes(r: dict) -> list[str]:
     lines = [f"    {stage} error: {err}" for stage, err in r.get("errors", {}).items()]
     lines += [f"    {s['inputs']} wrong: {s.get('mismatch') or s.get('error')}"
@@ -1194,6 +1209,9 @@ def _row_notes(r: dict) -> list[str]:
         lines.append(f"    mismatch: {r['mismatch']}")
     if r.get("status") == "eager" and r.get("reason"):
         lines.append(f"    eager because: {r['reason'][:200]}")
+    memory = _memory_note(r)
+    if memory:
+        lines.append(memory)
     errors = r.get("err_fp64")
     if errors:
         names = {"eager": "eager", "compile": "compile", "reduce_overhead": "r-o", "stitch": "stitch",
