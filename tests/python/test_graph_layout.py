@@ -77,6 +77,28 @@ def test_elementwise_groups_between_convolutions_run_in_nhwc_order():
     assert fused and all("over [4, 64, 64, 32]" in src for src in fused)
 
 
+def test_the_chains_output_edge_stages_its_nhwc_operands_through_tiles():
+    class Returned(nn.Module):  # the residual sum is returned: NCHW, as the model's caller expects
+        def __init__(self):
+            super().__init__()
+            self.c1, self.c2 = nn.Conv2d(16, 32, 3, padding=1), nn.Conv2d(32, 32, 3, padding=1)
+
+        def forward(self, x):
+            y = F.relu(self.c1(x))
+            return F.relu(self.c2(y) + y)
+
+    graph, plan, lowering = _lowered(Returned(), torch.randn(2, 16, 64, 64))
+    (edge,) = [code for _, code in lowering.kernels if code.name.startswith("fused_edge")]
+    # Both operands of the add are NHWC chain values: both staged; the result is stored NCHW.
+    assert "2 NHWC operand(s) staged through 32x32 tiles" in edge.source
+    assert edge.grid == (64 * 64 // 32, 1, 2) and edge.block == (32, 8)
+    assert not is_channels_last(*_layout(lowering, graph.outputs[0].name))
+    jit.compile(edge.source, edge.name)
+    # Inside the chain the elementwise groups still iterate in NHWC order.
+    inside = [code for _, code in lowering.kernels if code.name.startswith("fused") and "edge" not in code.name]
+    assert len(inside) == 1 and "over [2, 64, 64, 32]" in inside[0].source
+
+
 def test_the_chain_ends_where_a_step_needs_its_own_layout():
     graph, plan, lowering = _lowered(_ResidualBlock(), torch.randn(4, 16, 64, 64))
     pool = next(n for g in plan.groups for n in g.nodes if n.op == "aten::max_pool2d_with_indices")

@@ -21,7 +21,8 @@ from .layout import contiguous_strides as _contiguous_strides
 from .planner import Group, GraphPlan
 from .templates import (FUSABLE_DTYPES, POINTWISE_OPS, KernelCode, PointwiseInput, RowProduct, RowPrologue,
                         column_reduction_kernel, depthwise_conv_kernel, depthwise_conv_nhwc_kernel, nchw_to_nhwc_kernel,
-                        normalized_rows_kernel, pointwise_kernel, pooling_kernel, row_reduction_kernel, scan_kernel)
+                        normalized_rows_kernel, pointwise_from_nhwc_kernel, pointwise_kernel, pooling_kernel,
+                        row_reduction_kernel, scan_kernel)
 
 __all__ = ["LoweringError", "Lowering", "reference_values", "stream_values", "check_group", "tolerance"]
 
@@ -58,6 +59,22 @@ def reference_values(graph: Graph, inputs: list[torch.Tensor], keep: set[str] | 
     with torch.no_grad():
         Recorder(gm).run(*args)
     return env
+
+
+# An NHWC operand is staged through tiles at a chain's output edge from this many channels on (fewer: the
+# gather's stride is short enough for its sectors to be shared by neighbouring pixels' loads).
+EDGE_MIN_CHANNELS = 8
+
+
+def _output_edge(shape: tuple[int, ...], inputs: list[PointwiseInput], outputs: list[Value]) -> bool:
+    """Whether a pointwise group iterated in NCHW order reads a full-size operand stored channels-last (a
+    convolution chain's value) and writes only results of its own shape (contiguous NCHW)."""
+    if len(shape) != 4 or shape[1] < EDGE_MIN_CHANNELS or shape[0] > 65535 or not outputs:
+        return False
+    if any(tuple(v.shape) != shape for v in outputs):
+        return False
+    nhwc = channels_last_strides(shape)
+    return any(tuple(i.strides) == nhwc and not i.offset for i in inputs)
 
 
 def stream_values(graph: Graph, inputs: list[torch.Tensor], wanted: dict[Any, set[str]],
@@ -497,8 +514,13 @@ class Lowering:
         order = (0, 2, 3, 1) if nhwc else tuple(range(len(shape)))
         if nhwc:
             inputs = [PointwiseInput(i.key, i.dtype, tuple(i.strides[d] for d in order), i.offset) for i in inputs]
-        code = pointwise_kernel(self._name("fused", g), tuple(shape[d] for d in order), inputs, body, results,
-                                self.sm_count)
+        if not nhwc and _output_edge(shape, inputs, outputs):
+            # A chain's output edge: NCHW results from NHWC operands, staged through shared-memory tiles
+            # instead of gathered with a stride of C.
+            code = pointwise_from_nhwc_kernel(self._name("fused_edge", g), shape, inputs, body, results)
+        else:
+            code = pointwise_kernel(self._name("fused", g), tuple(shape[d] for d in order), inputs, body, results,
+                                    self.sm_count)
         for (key, _, _), v in zip(results, outputs):
             buffers[key] = self.produce(v, strides=channels_last_strides(shape) if nhwc else None)
         self._launch(g, code, buffers)

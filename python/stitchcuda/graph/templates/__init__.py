@@ -24,7 +24,9 @@ kind of kernel.
   output function, several outputs per thread and each input row loaded once for them;
 - `scan`: cumsum / cumprod along one dimension in ATen's own combining order (eager's results bit for
   bit), rows in registers and warp shuffles, elementwise ops fused on load and on store;
-- `transpose`: NCHW to NHWC at a channels-last chain's edge, 32 x 32 tiles through shared memory;
+- `transpose`: a channels-last chain's edges: NCHW to NHWC at its input, 32 x 32 tiles through shared
+  memory, and at its output the elementwise ops writing an NCHW result from NHWC operands staged through
+  the same tiles;
 - `common`: the prelude every kernel includes, KernelCode, and the inputs and elementwise functions the
   others share.
 
@@ -41,7 +43,7 @@ from .pointwise import pointwise_kernel
 from .rows import (CACHED_ROW_MAX, CACHED_ROW_MIN, CLUSTER_ROW_MAX, NORMALIZING, REDUCTIONS, SHARED_ROW_MAX,
                    STATISTICS, RowProduct, cluster_size, normalized_rows_kernel, row_reduction_kernel, split_rows)
 from .scan import SCAN_EXTENT_MAX, SCANS, aten_tile, scan_kernel
-from .transpose import nchw_to_nhwc_kernel
+from .transpose import nchw_to_nhwc_kernel, pointwise_from_nhwc_kernel
 
 __all__ = ["KernelCode", "PointwiseInput", "RowPrologue", "pointwise_kernel", "row_reduction_kernel",
            "column_reduction_kernel", "depthwise_conv_kernel", "depthwise_conv_nhwc_kernel", "POINTWISE_OPS",
@@ -49,4 +51,4 @@ __all__ = ["KernelCode", "PointwiseInput", "RowPrologue", "pointwise_kernel", "r
            "SHARED_ROW_MAX", "CLUSTER_ROW_MAX", "cluster_size", "DEPTHWISE_MAX_TAPS", "is_pointwise",
            "pooling_kernel", "pooling_blocker", "pool_output_size", "POOL_MAX_TAPS",
            "scan_kernel", "aten_tile", "SCANS", "SCAN_EXTENT_MAX", "split_rows",
-           "nchw_to_nhwc_kernel", "normalized_rows_kernel", "RowProduct"]
+           "nchw_to_nhwc_kernel", "pointwise_from_nhwc_kernel", "normalized_rows_kernel", "RowProduct"]

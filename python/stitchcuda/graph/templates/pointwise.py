@@ -8,6 +8,13 @@ import torch
 from .common import _CTYPE, _PRELUDE, KernelCode, PointwiseInput, _element_indices, _index, _split
 
 
+def body_function(name: str, inputs: int, body: list[str], results: list[tuple[str, str, torch.dtype]]) -> list[str]:
+    """`{name}_body(in0.., r0..)`: the fused ops of one element, from its inputs' values to its results."""
+    fn_params = [f"float in{k}" for k in range(inputs)] + [f"float& r{k}" for k in range(len(results))]
+    return ([f"__device__ __forceinline__ void {name}_body({', '.join(fn_params)}) {{"] + [f"  {s}" for s in body]
+            + [f"  r{k} = {var};" for k, (_, var, _) in enumerate(results)] + ["}"])
+
+
 def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseInput],
                      body: list[str], results: list[tuple[str, str, torch.dtype]], sm_count: int = 132) -> KernelCode:
     """A fused elementwise kernel. `body` are C statements over the float variables `in0..inK`
@@ -18,12 +25,8 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
     params = [f"const {_CTYPE[i.dtype]}* __restrict__ p{k}" for k, i in enumerate(inputs)]
     params += [f"{_CTYPE[dt]}* __restrict__ q{k}" for k, (_, _, dt) in enumerate(results)]
     params.append("long long n")
-    fn_params = [f"float in{k}" for k in range(len(inputs))] + [f"float& r{k}" for k in range(len(results))]
     lines = [_PRELUDE, f"// {name}: {len(body)} fused elementwise op(s) over {list(shape)}",
-             f"__device__ __forceinline__ void {name}_body({', '.join(fn_params)}) {{"]
-    lines += [f"  {s}" for s in body]
-    lines += [f"  r{k} = {var};" for k, (_, var, _) in enumerate(results)]
-    lines.append("}")
+             *body_function(name, len(inputs), body, results)]
     all_linear = all(i.linear(shape) for i in inputs)
     vectorized = (all_linear and n % 4 == 0 and all(i.dtype == torch.float32 for i in inputs)
                   and all(dt == torch.float32 for _, _, dt in results))

@@ -1,10 +1,13 @@
-"""Layout conversion at a channels-last chain's edge: NCHW to NHWC as a tiled transpose."""
+"""Layout conversion at a channels-last chain's edges: NCHW to NHWC as a tiled transpose at the input
+edge, and at the output edge the elementwise ops that read NHWC values and write an NCHW result, with the
+NHWC operands staged through the same tiles."""
 
 from __future__ import annotations
 
 import torch
 
-from .common import _CTYPE, KernelCode
+from .common import _CTYPE, _PRELUDE, KernelCode, PointwiseInput, _index
+from .pointwise import body_function
 
 TILE = 32  # a 32 x 32 tile of (channels, pixels) per block: each warp's loads and stores are 32 consecutive values
 ROWS = 8   # the block's rows of threads; each thread moves TILE / ROWS values of its tile
@@ -56,3 +59,65 @@ def nchw_to_nhwc_kernel(name: str, shape: tuple[int, ...], dtype: torch.dtype) -
     return KernelCode(source, name, grid, (TILE, ROWS), [("in", "in0"), ("out", "out0")],
                       f"NCHW to NHWC of [{n}, {c}, {h}, {w}]: {TILE}x{TILE} tiles through shared memory, "
                       "coalesced reads and writes")
+
+
+def pointwise_from_nhwc_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseInput], body: list[str],
+                               results: list[tuple[str, str, torch.dtype]]) -> KernelCode:
+    """A fused elementwise kernel at a channels-last chain's output edge: contiguous [N, C, H, W] results
+    from operands some of which are stored NHWC (a convolution's output, a residual). Iterating NCHW, an
+    NHWC operand is a gather with a stride of C elements (a 32-byte sector fetched per 4-byte value);
+    here each block takes a 32 x 32 tile of (channels, pixels) of one image, stages every NHWC operand's
+    tile through shared memory with lanes along the channels, then computes with lanes along the pixels,
+    reading the other operands at their own strides and storing coalesced. Arguments as pointwise_kernel's."""
+    if len(shape) != 4:
+        raise ValueError(f"an NHWC edge kernel takes a 4-d shape, got {shape}")
+    n, c, h, w = shape
+    hw = h * w
+    if min(n, c, hw) <= 0 or n > 65535 or -(-c // TILE) > 65535:
+        raise ValueError(f"no NHWC edge kernel for {shape} (empty, or more images or channel tiles than a grid "
+                         "dimension holds)")
+    staged = [k for k, i in enumerate(inputs) if i.strides[1] == 1 and c > 1 and i.strides[3] != 0]
+    if not staged:
+        raise ValueError("an NHWC edge kernel needs an operand stored channels-last")
+    params = [f"const {_CTYPE[i.dtype]}* __restrict__ p{k}" for k, i in enumerate(inputs)]
+    params += [f"{_CTYPE[dt]}* __restrict__ q{k}" for k, (_, _, dt) in enumerate(results)]
+    params.append("long long n")
+    coords = ["        const long long c0 = blockIdx.z, c1 = ch;",
+              f"        const long long c2 = p / {w}, c3 = p % {w};"]
+    L = [_PRELUDE, f"// {name}: {len(body)} fused elementwise op(s) over [{n}, {c}, {h}, {w}], NCHW results, "
+         f"{len(staged)} NHWC operand(s) staged through {TILE}x{TILE} tiles",
+         f"#define TILE {TILE}", f"#define ROWS {ROWS}",
+         *body_function(name, len(inputs), body, results),
+         f'extern "C" __global__ void __launch_bounds__(TILE * ROWS) {name}({", ".join(params)}) {{',
+         *[f"  __shared__ float t{k}[TILE][TILE + 1];" for k in staged],
+         "  const int px0 = blockIdx.x * TILE, ch0 = blockIdx.y * TILE;",
+         "  // Stage: lanes along the channels of one pixel (the NHWC operands' unit stride).",
+         "#pragma unroll",
+         "  for (int r = threadIdx.y; r < TILE; r += ROWS) {",
+         "    const int p = px0 + r, ch = ch0 + threadIdx.x;",
+         f"    if (ch < {c} && p < {hw}) {{",
+         *coords,
+         *[f"        t{k}[r][threadIdx.x] = ld(p{k}, {_index(inputs[k], shape)});" for k in staged],
+         "    }",
+         "  }",
+         "  __syncthreads();",
+         "  // Compute: lanes along the pixels of one channel (the results' unit stride).",
+         "#pragma unroll",
+         "  for (int r = threadIdx.y; r < TILE; r += ROWS) {",
+         "    const int ch = ch0 + r, p = px0 + threadIdx.x;",
+         f"    if (ch < {c} && p < {hw}) {{",
+         *coords,
+         *[f"        const float v{k} = " + (f"t{k}[threadIdx.x][r];" if k in staged else
+                                             f"ld(p{k}, {_index(i, shape)});") for k, i in enumerate(inputs)],
+         *[f"        float o{k};" for k in range(len(results))],
+         f"        {name}_body(" + ", ".join([f"v{k}" for k in range(len(inputs))] +
+                                            [f"o{k}" for k in range(len(results))]) + ");",
+         *[f"        st(q{k}, (c0 * {c} + c1) * {hw}LL + p, o{k});" for k in range(len(results))],
+         "    }",
+         "  }",
+         "}"]
+    grid = (-(-hw // TILE), -(-c // TILE), n)
+    args = [("in", i.key) for i in inputs] + [("out", key) for key, _, _ in results] + [("i64", n * c * hw)]
+    return KernelCode("\n".join(L) + "\n", name, grid, (TILE, ROWS), args,
+                      f"{len(body)} elementwise op(s) at a channels-last chain's output edge: {len(staged)} NHWC "
+                      f"operand(s) staged through {TILE}x{TILE} tiles in shared memory, NCHW results stored coalesced")
