@@ -425,3 +425,25 @@ def test_a_mobilenet_block_matches_eager_in_the_layout_optimize_measures_faster(
     layout = next(d for d, _ in fast.report.decisions if d.startswith("convolution chains"))
     nhwc = any(g.get("kernel", "").startswith("depthwise_nhwc") for g in fast.report.groups)
     assert nhwc == ("channels-last" in layout), (layout, fast.report.groups)
+
+
+class _VggStage(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(64, 128, 3, padding=1), nn.BatchNorm2d(128)
+        self.c2, self.b2 = nn.Conv2d(128, 128, 3, padding=1), nn.BatchNorm2d(128)
+        self.head = nn.Conv2d(128, 64, 1)
+
+    def forward(self, x):
+        y = F.relu(self.b2(self.c2(F.relu(self.b1(self.c1(x))))))
+        return self.head(F.max_pool2d(y, 2))
+
+
+def test_a_vgg_stage_matches_eager_in_the_layout_optimize_measures_faster():
+    """Channels-last now pools NHWC with the template (no indices) between the stage's convolutions, and the
+    returned result leaves through the tiled output edge; whichever layout is kept must match eager."""
+    x = torch.randn(16, 64, 112, 112, device="cuda")
+    fast = _check(_VggStage(), (x,), lambda: (torch.randn_like(x),))
+    layout = next(d for d, _ in fast.report.decisions if d.startswith("convolution chains"))
+    nhwc_pool = any("pool_nhwc" in g.get("kernel", "") for g in fast.report.groups)
+    assert nhwc_pool == ("channels-last" in layout), (layout, fast.report.groups)

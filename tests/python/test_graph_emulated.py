@@ -696,3 +696,50 @@ def test_a_depthwise_convolution_inside_a_channels_last_chain_runs_nhwc(emu, str
     (got,) = run_program(emu, program, [x], constants)
     with torch.no_grad():
         torch.testing.assert_close(got, model(x), atol=1e-4, rtol=1e-4)
+
+
+class _ConvPoolStage(torch.nn.Module):
+    """A VGG-like stage: two 3x3 convolutions with batch norm and ReLU, then pooling, then a 1x1 convolution."""
+
+    def __init__(self, pool: torch.nn.Module):
+        super().__init__()
+        self.c1, self.b1 = torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.BatchNorm2d(32)
+        self.c2, self.b2 = torch.nn.Conv2d(32, 32, 3, padding=1), torch.nn.BatchNorm2d(32)
+        self.pool, self.head = pool, torch.nn.Conv2d(32, 16, 1)
+
+    def forward(self, x):
+        y = torch.relu(self.b2(self.c2(torch.relu(self.b1(self.c1(x))))))
+        return self.head(torch.relu(self.pool(y)) * 2)
+
+
+@pytest.mark.parametrize("pool", [torch.nn.MaxPool2d(2), torch.nn.MaxPool2d(3, 2, padding=1, ceil_mode=True),
+                                  torch.nn.AvgPool2d(3, 2, padding=1, ceil_mode=True, count_include_pad=False)],
+                         ids=["max2x2", "max3x3-ceil", "avg3x3-ceil-no-pad-count"])
+def test_pooling_inside_a_channels_last_chain_runs_nhwc(emu, pool):
+    # The pooling reads the second convolution's NHWC output and writes NHWC for the 1x1 convolution, its
+    # ReLU and scale applied before the store, with PyTorch's window, divisor and NaN rules.
+    torch.manual_seed(5)
+    model = _ConvPoolStage(pool).eval()
+    x = torch.randn(2, 16, 64, 64)
+    plan, program, constants = _lowered(model, (x,))
+    names = [k["name"] for k in program.kernels]
+    assert any("pool_nhwc" in n for n in names), names
+    assert sum(n.startswith("to_nhwc") for n in names) == 1
+    (got,) = run_program(emu, program, [x], constants)
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(x), atol=1e-4, rtol=1e-4)
+
+
+def test_channels_last_max_pooling_returns_nan_for_a_window_holding_one(emu):
+    from stitchcuda.graph.templates import pooling_nhwc_kernel
+
+    torch.manual_seed(9)
+    x = torch.randn(2, 8, 9, 9)
+    x[1, 3, 4, 4] = float("nan")
+    nhwc = x.contiguous(memory_format=torch.channels_last)
+    code = pooling_nhwc_kernel("mp_nhwc", "max", (2, 8, 9, 9), (3, 3), (2, 2), (1, 1))
+    want = torch.nn.functional.max_pool2d(x, 3, 2, 1)
+    y = torch.full_like(want, 7.0).contiguous(memory_format=torch.channels_last)
+    _run(emu, code, {"x": _memory_order(nhwc), "y": _memory_order(y)})  # the kernel sees the NHWC bytes
+    assert torch.isnan(y[1, 3, 2, 2]) and torch.isnan(y).sum() == torch.isnan(want).sum() == 1
+    torch.testing.assert_close(y, want, equal_nan=True)

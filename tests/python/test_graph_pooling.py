@@ -24,6 +24,7 @@ from cpu_emulator.emulator import EmulatedJit, EmulatedModule, unavailable  # no
 
 from stitchcuda import jit  # noqa: E402
 from stitchcuda.graph import Lowering, OfflinePlanner, capture, reference_values  # noqa: E402
+from stitchcuda.graph.layout import is_channels_last  # noqa: E402
 from stitchcuda.graph.templates import (PointwiseInput, RowPrologue, pool_output_size, pooling_blocker,  # noqa: E402
                                         pooling_kernel)
 from stitchcuda.graph.templates.common import _PRELUDE  # noqa: E402
@@ -357,16 +358,18 @@ class ConvPoolConv(nn.Module):
         return self.b(F.max_pool2d(torch.relu(self.a(x)), 2))
 
 
-def test_a_channels_last_input_is_pooled_by_aten_in_place():
-    # Between two convolutions of a channels-last plan the pool reads NHWC: ATen pools it where it lies
-    # (the template reads NCHW); kept NCHW, the template runs.
+def test_a_channels_last_input_is_pooled_where_it_lies():
+    # Between two convolutions of a channels-last plan the pool reads NHWC and writes NHWC (the
+    # channels-last template: four channels per thread); kept NCHW, the NCHW template runs.
     graph, plan = planned(ConvPoolConv(), torch.randn(2, 16, 64, 64))
     (pool,) = [g for g in plan.groups if g.kind == "pool"]
     assert plan.channels_last
     nhwc = Lowering(graph, plan, {})
-    nhwc.build(plan.groups, graph.inputs, graph.outputs)
-    assert "channels-last" in nhwc.on_aten[id(pool)]
-    assert not [g for g, _ in nhwc.kernels if g is pool]
+    nhwc.build(plan.groups, graph.inputs, graph.outputs).validate()
+    assert not nhwc.on_aten
+    (code,) = [code for g, code in nhwc.kernels if g is pool]
+    assert "pool_nhwc" in code.name and "four channels per thread" in code.description
+    assert is_channels_last(*nhwc.spec[nhwc.buf[pool.nodes[-1].out.name]][:2])
     plan.channels_last = frozenset()
     nchw = Lowering(graph, plan, {})
     nchw.build(plan.groups, graph.inputs, graph.outputs).validate()

@@ -80,7 +80,7 @@ def depthwise_nhwc(node: Node) -> bool:
 def channels_last_values(graph: Graph, groups: list[Group]) -> frozenset[str]:
     """The values to store channels-last: every cuDNN convolution's input, weight and result, and the
     results of the elementwise groups that read one of those at their full shape and of the template
-    depthwise convolutions whose input is one (propagated in program order). Empty when the graph has no such convolution. Graph outputs keep their layout, and
+    depthwise convolutions and pooling steps whose input is one (propagated in program order). Empty when the graph has no such convolution. Graph outputs keep their layout, and
     a graph input named here is converted once (the program's inputs are contiguous)."""
     aten_nodes = [n for g in groups if g.kind == "aten" for n in g.nodes]
     convolutions = [n for n in aten_nodes if _cudnn_convolution(n)]
@@ -92,9 +92,11 @@ def channels_last_values(graph: Graph, groups: list[Group]) -> frozenset[str]:
         chosen.update(v.name for v in n.args[:2])
         chosen.add(n.out.name)
     for g in groups:
-        if g.kind == "conv" and depthwise_nhwc(g.params["node"]) and g.params["node"].args[0].name in chosen:
+        if (g.kind == "conv" and depthwise_nhwc(g.params["node"]) or g.kind == "pool") \
+                and g.params["node"].args[0].name in chosen:
             # A depthwise convolution inside the chain (a MobileNet block's, between two 1x1 convolutions)
-            # reads and writes NHWC too (templates.depthwise_conv_nhwc_kernel): no conversion around it.
+            # or a pooling step (a VGG stage's) reads and writes NHWC too (the channels-last depthwise and
+            # pooling templates, or ATen's NHWC pooling): no conversion around it.
             chosen.update(v.name for v in g.outputs(outputs) if len(v.shape) == 4 and v.name not in outputs)
             continue
         if g.kind != "pointwise":

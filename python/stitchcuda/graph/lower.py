@@ -22,7 +22,7 @@ from .planner import Group, GraphPlan
 from .templates import (FUSABLE_DTYPES, POINTWISE_OPS, KernelCode, PointwiseInput, RowProduct, RowPrologue,
                         column_reduction_kernel, depthwise_conv_kernel, depthwise_conv_nhwc_kernel, nchw_to_nhwc_kernel,
                         normalized_rows_kernel, pointwise_from_nhwc_kernel, pointwise_kernel, pooling_kernel,
-                        row_reduction_kernel, scan_kernel)
+                        pooling_nhwc_kernel, row_reduction_kernel, scan_kernel)
 
 __all__ = ["LoweringError", "Lowering", "reference_values", "stream_values", "check_group", "tolerance"]
 
@@ -436,14 +436,18 @@ class Lowering:
     def _lower_pool(self, g: Group) -> None:
         """A pooling template kernel. The indices of max_pool2d_with_indices are not produced (the Planner
         makes a group only when nothing reads them). An input stored channels-last (a convolution chain's
-        value, graph/layout.py) is pooled by ATen instead, in place and with an NHWC result the next
-        convolution takes as is: the template reads NCHW, and a conversion each way would cost more."""
+        value, graph/layout.py) is pooled in NHWC, the result NHWC too for the next convolution: by the
+        channels-last template (fp32, channels in multiples of 4, a result the program keeps), else by
+        ATen in place; a conversion each way would cost more."""
         p = g.params
         node = p["node"]
         x = node.args[0]
         result = p.get("result") or node.out
         xb = self.need(x)
-        if is_channels_last(*self.spec[xb][:2]):
+        nhwc = is_channels_last(*self.spec[xb][:2])
+        template_nhwc = (nhwc and len(x.shape) == 4 and x.shape[1] % 4 == 0 and result.name not in self.output_ids
+                         and x.dtype == result.dtype == torch.float32)
+        if nhwc and not template_nhwc:
             self.on_aten[id(g)] = "its input is stored channels-last: ATen pools it in place (NHWC)"
             for n in g.nodes:
                 self._lower_aten(n, group=g)
@@ -453,11 +457,18 @@ class Lowering:
         if p.get("output"):  # elementwise ops on each pooled value before it is stored
             inputs, buffers, body, var = self._elementwise(p["output"], tuple(node.out.shape), {node.out.name: "yv"}, "o")
             output = RowPrologue(tuple(node.out.shape), inputs, body, var[result.name], ("yv",))
-        code = pooling_kernel(self._name(f"{p['pool']}pool", g), p["pool"], tuple(x.shape), p["kernel"], p["stride"],
-                              p["padding"], p["dilation"], p["ceil_mode"], p["count_include_pad"],
-                              p["divisor_override"], x.dtype, result.dtype, output, self.sm_count)
-        buffers["x"] = self.need(x, contiguous=True)
-        buffers["y"] = self.produce(result)
+        settings = (p["kernel"], p["stride"], p["padding"], p["dilation"], p["ceil_mode"], p["count_include_pad"],
+                    p["divisor_override"])
+        if template_nhwc:
+            code = pooling_nhwc_kernel(self._name(f"{p['pool']}pool_nhwc", g), p["pool"], tuple(x.shape), *settings,
+                                       output, self.sm_count)
+            buffers["x"] = xb
+            buffers["y"] = self.produce(result, strides=channels_last_strides(tuple(result.shape)))
+        else:
+            code = pooling_kernel(self._name(f"{p['pool']}pool", g), p["pool"], tuple(x.shape), *settings, x.dtype,
+                                  result.dtype, output, self.sm_count)
+            buffers["x"] = self.need(x, contiguous=True)
+            buffers["y"] = self.produce(result)
         self._launch(g, code, buffers)
 
     def _lower_scan(self, g: Group) -> None:

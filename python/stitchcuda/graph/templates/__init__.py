@@ -21,7 +21,8 @@ kind of kernel.
 - `depthwise`: one-filter-per-channel convolution with its output function, over NCHW or, inside a
   channels-last convolution chain, NHWC data (four channels per thread, 16-byte accesses);
 - `pooling`: 2-D average and max pooling (PyTorch's ceil mode, padding count and NaN rules) with its
-  output function, several outputs per thread and each input row loaded once for them;
+  output function, several outputs per thread and each input row loaded once for them; inside a
+  channels-last chain over NHWC data, four channels per thread;
 - `scan`: cumsum / cumprod along one dimension in ATen's own combining order (eager's results bit for
   bit), rows in registers and warp shuffles, elementwise ops fused on load and on store;
 - `transpose`: a channels-last chain's edges: NCHW to NHWC at its input, 32 x 32 tiles through shared
@@ -38,7 +39,7 @@ from .columns import column_reduction_kernel
 from .common import FUSABLE_DTYPES, KernelCode, PointwiseInput, RowPrologue
 from .depthwise import DEPTHWISE_MAX_TAPS, depthwise_conv_kernel, depthwise_conv_nhwc_kernel
 from .ops import POINTWISE_OPS, is_pointwise
-from .pooling import POOL_MAX_TAPS, pool_output_size, pooling_blocker, pooling_kernel
+from .pooling import POOL_MAX_TAPS, pool_output_size, pooling_blocker, pooling_kernel, pooling_nhwc_kernel
 from .pointwise import pointwise_kernel
 from .rows import (CACHED_ROW_MAX, CACHED_ROW_MIN, CLUSTER_ROW_MAX, NORMALIZING, REDUCTIONS, SHARED_ROW_MAX,
                    STATISTICS, RowProduct, cluster_size, normalized_rows_kernel, row_reduction_kernel, split_rows)
@@ -49,6 +50,6 @@ __all__ = ["KernelCode", "PointwiseInput", "RowPrologue", "pointwise_kernel", "r
            "column_reduction_kernel", "depthwise_conv_kernel", "depthwise_conv_nhwc_kernel", "POINTWISE_OPS",
            "REDUCTIONS", "NORMALIZING", "STATISTICS", "FUSABLE_DTYPES", "CACHED_ROW_MAX", "CACHED_ROW_MIN",
            "SHARED_ROW_MAX", "CLUSTER_ROW_MAX", "cluster_size", "DEPTHWISE_MAX_TAPS", "is_pointwise",
-           "pooling_kernel", "pooling_blocker", "pool_output_size", "POOL_MAX_TAPS",
+           "pooling_kernel", "pooling_nhwc_kernel", "pooling_blocker", "pool_output_size", "POOL_MAX_TAPS",
            "scan_kernel", "aten_tile", "SCANS", "SCAN_EXTENT_MAX", "split_rows",
            "nchw_to_nhwc_kernel", "pointwise_from_nhwc_kernel", "normalized_rows_kernel", "RowProduct"]

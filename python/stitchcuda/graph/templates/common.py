@@ -204,3 +204,17 @@ class RowPrologue:
                 ok = False
             expected *= full[d]
         return ok and all(inp.strides[d] == 0 or full[d] == 1 for d in range(len(full)) if d not in tail)
+
+
+def nhwc_pixel_loop(total: int, c4: int, oh: int, ow: int) -> list[str]:
+    """The grid-stride loop of a channels-last kernel over `total` = N x OH x OW x C/4 items, each four
+    consecutive channels (c) of one output pixel (n, oy, ox): adjacent threads take adjacent channels, so
+    their 16-byte loads and stores are coalesced. Opens the loop body; the caller closes it."""
+    return [f"  for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < {total}LL; "
+            "g += (long long)gridDim.x * blockDim.x) {",
+            f"    const int c = (int)(g % {c4}LL) * 4;",
+            f"    long long rest = g / {c4}LL;",
+            f"    const int ox = (int)(rest % {ow}LL);",
+            f"    rest /= {ow}LL;",
+            f"    const int oy = (int)(rest % {oh}LL);",
+            f"    const long long n = rest / {oh}LL;"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import _CTYPE, _PRELUDE, KernelCode, RowPrologue
+from .common import _CTYPE, _PRELUDE, KernelCode, RowPrologue, nhwc_pixel_loop
 
 
 DEPTHWISE_MAX_TAPS = 49  # up to 7x7: the taps are unrolled
@@ -200,14 +200,7 @@ def depthwise_conv_nhwc_kernel(name: str, x_shape: tuple[int, int, int, int], ke
          f"// {name}: depthwise {kh}x{kw} convolution (stride {sh}x{sw}, padding {ph}x{pw}, dilation {dh}x{dw}) "
          f"over NHWC [{n_}, {c_}, {h}, {w}] -> NHWC [{n_}, {c_}, {oh}, {ow}], four channels per thread",
          f'extern "C" __global__ void __launch_bounds__(256) {name}({", ".join(params)}) {{',
-         f"  for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < {total}LL; "
-         "g += (long long)gridDim.x * blockDim.x) {",
-         f"    const int c = (int)(g % {c4}LL) * 4;",
-         f"    long long rest = g / {c4}LL;",
-         f"    const int ox = (int)(rest % {ow}LL);",
-         f"    rest /= {ow}LL;",
-         f"    const int oy = (int)(rest % {oh}LL);",
-         f"    const long long n = rest / {oh}LL;",
+         *nhwc_pixel_loop(total, c4, oh, ow),
          "    float acc[4] = {" + ", ".join(init(j) for j in range(4)) + "};",
          "#pragma unroll",
          f"    for (int r = 0; r < {kh}; ++r) {{",

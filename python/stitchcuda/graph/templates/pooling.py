@@ -1,4 +1,4 @@
-"""2-D average and max pooling over NCHW input, PyTorch's semantics exactly (ceil mode, count_include_pad,
+"""2-D average and max pooling over NCHW input (and NHWC inside a channels-last chain), PyTorch's semantics exactly (ceil mode, count_include_pad,
 divisor_override, NaN-propagating max), with the elementwise ops after it applied before the store.
 
 Pooling moves bytes, nothing else: its floor is one read of the input and one write of the output at
@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from .common import _CTYPE, _PRELUDE, KernelCode, RowPrologue
+from .common import _CTYPE, _PRELUDE, KernelCode, RowPrologue, nhwc_pixel_loop
 
-__all__ = ["POOL_MAX_TAPS", "POOL_DTYPES", "pool_output_size", "pooling_blocker", "pooling_kernel"]
+__all__ = ["POOL_MAX_TAPS", "POOL_DTYPES", "pool_output_size", "pooling_blocker", "pooling_kernel",
+           "pooling_nhwc_kernel"]
 
 POOL_MAX_TAPS = 64  # up to 8x8: every tap is unrolled
 POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -324,4 +325,83 @@ def pooling_kernel(name: str, kind: str, x_shape: tuple[int, ...], kernel: tuple
     args = [("in", "x")] + ([("in", i.key) for i in output.inputs] if output else []) + [("out", "y")]
     return KernelCode("\n".join(L) + "\n", name, grid, threads, args,
                       f"{kind} pooling {kh}x{kw} over {list(x_shape)}, {rh}x{vec} outputs per thread, {how}"
+                      + (f", {len(output.body)} elementwise op(s) applied before the store" if output else ""))
+
+
+def pooling_nhwc_kernel(name: str, kind: str, x_shape: tuple[int, ...], kernel: tuple[int, int],
+                        stride: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int] = (1, 1),
+                        ceil_mode: bool = False, count_include_pad: bool = True, divisor_override: int | None = None,
+                        output: RowPrologue | None = None, sm_count: int = 132) -> KernelCode:
+    """Pooling inside a channels-last convolution chain: an fp32 [N, C, H, W] input stored NHWC, channels a
+    multiple of 4, the result stored NHWC. Each thread pools four consecutive channels of one output pixel:
+    every tap of its window is one 16-byte load (adjacent threads read adjacent channels), with PyTorch's
+    semantics as pooling_kernel's (the neutral value for padding, the divisor PyTorch counts, a NaN in a
+    max window returned), and the `output` function applied before one 16-byte store; max_pool2d's indices
+    are never written. Arguments: x, [output inputs], y."""
+    why_not = pooling_blocker(kind, x_shape, kernel, stride, padding, dilation, ceil_mode, torch.float32)
+    if why_not is None and (len(x_shape) != 4 or x_shape[1] % 4):
+        why_not = "the channels-last template pools [N, C, H, W] with channels in multiples of 4"
+    if why_not is None and kind == "avg" and tuple(dilation) != (1, 1):
+        why_not = "average pooling has no dilation"
+    if why_not is not None:
+        raise ValueError(f"{kind} pooling has no channels-last template here: {why_not}")
+    if output is not None and output.extra != ("yv",):
+        raise ValueError(f"an output function reads 'yv', got {output.extra}")
+    n_, c_, h, w = x_shape
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = kernel, stride, padding, dilation
+    oh = pool_output_size(h, kh, sh, ph, dh, ceil_mode)
+    ow = pool_output_size(w, kw, sw, pw, dw, ceil_mode)
+    is_max = kind == "max"
+    c4 = c_ // 4
+    total = n_ * oh * ow * c4
+    comp = "xyzw"
+    if is_max:
+        divide = None
+    elif divisor_override is not None:
+        divide = f"{float(int(divisor_override))!r}f"
+    elif (count_include_pad or ph == pw == 0) and not ceil_mode:
+        divide = f"{float(kh * kw)!r}f"
+    else:  # the window clipped to the padded input (or to the input), as PyTorch counts it
+        lim_h, lim_w = (h + ph, w + pw) if count_include_pad else (h, w)
+        lo = (lambda v: v) if count_include_pad else (lambda v: f"({v} > 0 ? {v} : 0)")
+        divide = (f"(float)(((hs + {kh} < {lim_h} ? hs + {kh} : {lim_h}) - {lo('hs')}) * "
+                  f"((ws + {kw} < {lim_w} ? ws + {kw} : {lim_w}) - {lo('ws')}))")
+
+    def value(j: int) -> str:
+        v = f"(bad{j} ? __int_as_float(0x7fc00000) : acc.{comp[j]})" if is_max else f"(acc.{comp[j]} / {divide})"
+        return v if output is None else f"{name}_oc(n, c + {j}, oy, ox, {v}{output.pointers()})"
+
+    fill = _NEG_INF if is_max else "0.0f"
+    combine = (lambda j: f"acc.{comp[j]} = fmaxf(acc.{comp[j]}, v.{comp[j]}); bad{j} |= v.{comp[j]} != v.{comp[j]};") \
+        if is_max else (lambda j: f"acc.{comp[j]} += v.{comp[j]};")
+    params = ["const float* __restrict__ x"] + (output.params() if output else []) + ["float* __restrict__ y"]
+    L = [_PRELUDE, *(output.coordinate_function(name) if output else []),
+         f"// {name}: {kind} pooling {kh}x{kw} (stride {sh}x{sw}, padding {ph}x{pw}, dilation {dh}x{dw}"
+         + (", ceil mode" if ceil_mode else "") + f") over NHWC [{n_}, {c_}, {h}, {w}] -> NHWC [{n_}, {c_}, {oh}, {ow}], "
+         "four channels per thread",
+         f'extern "C" __global__ void __launch_bounds__(256) {name}({", ".join(params)}) {{',
+         *nhwc_pixel_loop(total, c4, oh, ow),
+         f"    const int hs = oy * {sh} - {ph}, ws = ox * {sw} - {pw};  // the window's first row and column",
+         f"    float4 acc = make_float4({fill}, {fill}, {fill}, {fill});",
+         *(["    bool bad0 = false, bad1 = false, bad2 = false, bad3 = false;"] if is_max else []),
+         "#pragma unroll",
+         f"    for (int r = 0; r < {kh}; ++r) {{",
+         f"      const int iy = hs + r * {dh};",
+         "#pragma unroll",
+         f"      for (int q = 0; q < {kw}; ++q) {{",
+         f"        const int ix = ws + q * {dw};",
+         f"        if (iy < 0 || iy >= {h} || ix < 0 || ix >= {w}) continue;  // padding: the neutral value",
+         f"        const float4 v = *reinterpret_cast<const float4*>(x + ((n * {h} + iy) * {w}LL + ix) * {c_}LL + c);",
+         *[f"        {combine(j)}" for j in range(4)],
+         "      }",
+         "    }",
+         f"    *reinterpret_cast<float4*>(y + ((n * {oh} + oy) * {ow}LL + ox) * {c_}LL + c) = make_float4("
+         + ", ".join(value(j) for j in range(4)) + ");",
+         "  }",
+         "}"]
+    grid = max(1, min(-(-total // 256), sm_count * 16))
+    args = [("in", "x")] + ([("in", i.key) for i in output.inputs] if output else []) + [("out", "y")]
+    return KernelCode("\n".join(L) + "\n", name, grid, 256, args,
+                      f"{kind} pooling {kh}x{kw} over NHWC [{n_}, {c_}, {h}, {w}], four channels per thread, 16-byte "
+                      "loads and stores along the channels"
                       + (f", {len(output.body)} elementwise op(s) applied before the store" if output else ""))
