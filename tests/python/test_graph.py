@@ -593,9 +593,12 @@ def test_tf32x3_cost_model_counts_the_split_and_the_chunked_accumulation():
     # A small product, and a batch of thin ones (K = 64), cost more split and accumulate than they save.
     assert not split_tf32_choice(256, 768, 768, 1, 256 * 768, 768 * 768, H200_PEAKS)[0]
     assert not split_tf32_choice(1024, 1024, 64, 32, 32 * 1024 * 64, 32 * 64 * 1024, H200_PEAKS)[0]
-    # Tall and skinny: the split copies of a 1 GiB operand would dwarf its 16 MiB result.
+    # Tall and skinny: moving the split copies of its 1 GiB input costs more than the tensor cores save.
     ok, why = split_tf32_choice(65536, 64, 4096, 1, 65536 * 4096, 4096 * 64, H200_PEAKS)
-    assert not ok and "would exceed twice the result's 16 MiB" in why
+    assert not ok and why.startswith("estimated")
+    # A batch whose split operands would exceed three times its largest tensor is refused for memory.
+    ok, why = split_tf32_choice(64, 64, 1 << 20, 1, 64 << 20, 64 << 20, H200_PEAKS)
+    assert not ok and "would exceed 3 times its largest tensor (256 MiB)" in why
     # With TF32 tensor cores allowed outright (precision='tf32'), the planner does not split at all.
     torch.backends.cuda.matmul.allow_tf32, before = True, torch.backends.cuda.matmul.allow_tf32
     try:
