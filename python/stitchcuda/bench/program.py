@@ -154,6 +154,18 @@ def _matmul_program(m: int, n: int, k: int, w: torch.Tensor, precision: str) -> 
     return b.build()
 
 
+def tf32_input_conversion() -> str:
+    """How cuBLASLt's TF32 matmul turns an fp32 input into TF32 on this GPU: "truncate" or "round" (to
+    nearest), read from 1 x 1 products of 1 + 0.75 * 2^-10 (between two TF32 values): what decides whether
+    tf32x3 could pass the fp32 operand itself as its TF32 part and store the remainder alone."""
+    x = torch.full((8, 8), 1.0 + 0.75 * 2.0 ** -10, device="cuda")
+    eye = torch.zeros(8, 8, device="cuda")
+    eye[0, 0] = 1.0
+    y = _matmul_program(8, 8, 8, eye, "tf32").executor(graphs=False).run([x])[0]
+    got = float(y[0, 0])
+    return "truncate" if got == 1.0 else "round" if got == 1.0 + 2.0 ** -10 else f"other ({got!r})"
+
+
 def tf32x3(shapes=((8192, 8192, 4096), (4096, 4096, 4096), (8192, 2048, 8192), (2048, 3072, 768))) -> dict:
     import os
 
@@ -161,7 +173,7 @@ def tf32x3(shapes=((8192, 8192, 4096), (4096, 4096, 4096), (8192, 2048, 8192), (
 
     saved = torch.backends.cuda.matmul.allow_tf32, os.environ.get("STITCHCUDA_TF32X3_CHUNK")
     torch.backends.cuda.matmul.allow_tf32 = False
-    results = {}
+    results = {"tf32_input_conversion": tf32_input_conversion()}
     try:
         for (m, n, k) in shapes:
             torch.manual_seed(m + n + k)
