@@ -481,9 +481,8 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
             mismatch = (f"the whole program did not match the model ({report.verification['detail']}); traced to "
                         f"this group: {why}")
             where = "on ATen"
-            if culprit.kind == "gemm" and culprit.params.get("precision") == "tf32x3":
-                culprit.params["precision"], where = "fp32", "as SGEMM"  # the step and its epilogue stay
-                report.decisions.append((f"{culprit.name}: SGEMM instead of tf32x3", mismatch))
+            if _as_sgemm(culprit, report, mismatch):
+                where = "as SGEMM"
             else:
                 fallback.add(id(culprit))
                 report.fallbacks.append({"group": culprit.name, "kind": culprit.kind, "reason": mismatch})
@@ -555,14 +554,8 @@ def _check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_
             return
         try:
             results[key] = _checked(graph, plan, g, held, constants, sm_count, pool, report)
-            if not results[key][0] and g.kind == "gemm" and g.params.get("precision") == "tf32x3":
-                # The split product missed fp32's tolerance (or did not run): SGEMM keeps the step and its
-                # fused epilogue before ATen is the answer.
-                why = results[key][1]
-                g.params["precision"] = "fp32"
+            if not results[key][0] and _as_sgemm(g, report, f"the 3xTF32 product failed its check: {results[key][1]}"):
                 results[key] = _checked(graph, plan, g, held, constants, sm_count, pool, report)
-                report.decisions.append((f"{g.name}: SGEMM instead of tf32x3", f"the 3xTF32 product failed its check: "
-                                         f"{why}"))
         except Exception as exc:  # a value the stream never produced, or a bug: this group alone falls back
             results[key] = (False, f"{type(exc).__name__} while checking: {str(exc).splitlines()[0][:200]}", None)
 
@@ -583,6 +576,17 @@ def _check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_
         report.decisions.append((f"{unchecked} group(s) left on ATen unchecked",
                                  f"optimize's time budget of {budget_s:g} s ran out (budget_s=)"))
     return constants, values
+
+
+def _as_sgemm(g: Group, report: Report, why: str) -> bool:
+    """A tf32x3 GEMM group that failed (its check, or a whole-program mismatch traced to it) becomes SGEMM,
+    which keeps its cuBLASLt step and fused epilogue, before ATen is the answer; the report says why.
+    False for any other group."""
+    if g.kind != "gemm" or g.params.get("precision") != "tf32x3":
+        return False
+    g.params["precision"] = "fp32"
+    report.decisions.append((f"{g.name}: SGEMM instead of tf32x3", why))
+    return True
 
 
 def _checked(graph: Graph, plan: GraphPlan, g: Group, held: dict, constants: dict, sm_count: int, pool: Any,
