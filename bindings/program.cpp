@@ -343,6 +343,14 @@ void bind_program(py::module_& m) {
         if (!THPVariable_Check(value.ptr())) invalid("set_weight takes a torch.Tensor");
         unwrap(e.set_weight(id, THPVariable_Unpack(value.ptr())));
       })
+      .def("release", [](Executor& e) {
+        Result<void> r;
+        {
+          py::gil_scoped_release release;
+          r = e.release();
+        }
+        unwrap(std::move(r));
+      })
       .def_property_readonly("inputs", &Executor::inputs)
       .def_property_readonly("outputs", &Executor::outputs)
       .def_property_readonly("device", &Executor::device)

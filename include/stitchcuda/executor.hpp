@@ -80,6 +80,12 @@ class Executor {
 
   /// Replaces a weight's contents (same shape and dtype); captured graphs see the new values.
   Result<void> set_weight(BufferId weight, const at::Tensor& value);
+  /// Frees what runs allocated: every stream's arena, cuBLASLt workspace, split scratch, static inputs
+  /// and outputs, and captured graph. The weights and loaded kernels stay; the next run allocates again
+  /// (and, replaying, captures again). For a caller that needs the memory back between calls — a
+  /// verifier running the reference model, a server idling this program. Waits for the device first;
+  /// never call it while a run is in flight on another thread.
+  Result<void> release();
 
   const Program& program() const;            ///< what it runs
   const BufferPlan& plan() const;            ///< arena layout of the intermediates

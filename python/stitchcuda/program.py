@@ -245,6 +245,12 @@ class Executor:
         """Replaces a weight's values in place (captured graphs see them)."""
         self._e.set_weight(buffer, value)
 
+    def release(self) -> None:
+        """Frees what runs allocated (each stream's arena, workspace, static inputs and outputs, captured
+        graph), keeping the weights and kernels: the next run allocates, and captures, again. Waits for
+        the GPU; not while another thread runs the program."""
+        self._e.release()
+
     @property
     def device(self) -> int:
         return self._e.device
@@ -285,6 +291,10 @@ class ProgramModule(torch.nn.Module):
 
     def stats(self) -> dict:
         return self.executor.stats()
+
+    def release(self) -> None:
+        """Executor.release: the program's working memory goes back until the next call."""
+        self.executor.release()
 
     def extra_repr(self) -> str:
         return repr(self.program)

@@ -718,6 +718,20 @@ Result<void> Executor::set_weight(BufferId weight, const at::Tensor& value) {
   return {};
 }
 
+Result<void> Executor::release() {
+  std::lock_guard<std::mutex> lock(impl_->instances_mu);
+  try {
+    c10::cuda::CUDAGuard guard(c10::DeviceIndex(impl_->device));
+    // The arena may have been allocated on another stream than the one its kernels ran on: nothing may
+    // still read it when the caching allocator hands it out again.
+    c10::cuda::device_synchronize();
+    impl_->instances.clear();
+  } catch (const c10::Error& e) {
+    return fail(ErrorCode::CudaError, std::string("releasing the program's buffers failed: ") + e.what_without_backtrace());
+  }
+  return {};
+}
+
 const Program& Executor::program() const { return impl_->program; }
 const BufferPlan& Executor::plan() const { return impl_->plan; }
 std::vector<BufferId> Executor::inputs() const { return impl_->input_ids; }

@@ -447,3 +447,37 @@ def test_a_vgg_stage_matches_eager_in_the_layout_optimize_measures_faster():
     layout = next(d for d, _ in fast.report.decisions if d.startswith("convolution chains"))
     nhwc_pool = any("pool_nhwc" in g.get("kernel", "") for g in fast.report.groups)
     assert nhwc_pool == ("channels-last" in layout), (layout, fast.report.groups)
+
+
+class _GatedScale(nn.Module):
+    def forward(self, x):
+        return torch.sigmoid(x * 1.5 + 0.5) * x - x.mean(dim=-1, keepdim=True)
+
+
+def test_optimize_stays_within_the_eager_forward_plus_two_of_its_largest_tensors():
+    """optimize()'s memory, the isolated worker's group checks included, stays within the eager forward's
+    peak plus twice the largest tensor: the comparisons go in small chunks and the program gives its
+    working memory back while the model runs beside it."""
+    x = torch.randn(8192, 8192, device="cuda")  # 256 MiB
+    model = _GatedScale().cuda().eval()
+    with torch.no_grad():
+        model(x)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        model(x)
+        torch.cuda.synchronize()
+        eager_peak = torch.cuda.max_memory_allocated() - base
+    largest = x.numel() * x.element_size()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fast = stitchcuda.optimize(model, (x,), compare_compile=False, keep_slower=True)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert fast.report.status == "optimized", str(fast.report)
+    stages = {stage: bytes_ - base for stage, bytes_ in fast.report.stage_peak_bytes.items()}
+    device_peak = max(peak, stages.get("check_with_worker", 0))
+    allowance = eager_peak + 2 * largest
+    assert device_peak <= allowance, (device_peak / 2**20, allowance / 2**20, {k: v / 2**20 for k, v in stages.items()})
+    torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-4)

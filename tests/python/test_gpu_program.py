@@ -337,3 +337,35 @@ def test_only_a_replaying_instance_holds_static_copies_of_its_inputs_and_outputs
         torch.testing.assert_close(out, xs * 2 + 1)
         assert copies * tensor_bytes <= held < copies * tensor_bytes + (4 << 20), (graphs, held)
         del executor, out  # the next round's baseline holds neither
+
+
+def test_release_gives_the_working_memory_back_and_the_next_run_allocates_it_again():
+    """release() frees a replaying instance's arena, static copies and captured graph; the weights stay,
+    and the next run allocates and captures again with the same results."""
+    n = 16 << 20  # 64 MiB of fp32 per tensor
+    b = ProgramBuilder()
+    x, y = b.input([n], name="x"), b.output([n], name="y")
+    t = b.intermediate([n], name="t")
+    k = b.kernel(SCALE_SHIFT, "scale_shift")
+    b.launch(k, (n + 255) // 256, 256, [("in", x), ("out", t), ("f32", 2.0), ("f32", 1.0), ("i32", n)])
+    b.launch(k, (n + 255) // 256, 256, [("in", t), ("out", y), ("f32", 3.0), ("f32", 0.0), ("i32", n)])
+    program = b.build()
+    xs = torch.randn(n, device="cuda")
+    out = torch.empty_like(xs)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    executor = program.executor(graphs=True)
+    for _ in range(3):
+        executor.run([xs], [out])
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    assert held >= 3 * 4 * n, held  # the arena's intermediate and the static input and output
+    first = out.clone()
+    executor.release()
+    assert torch.cuda.memory_allocated() - before < (1 << 20), torch.cuda.memory_allocated() - before
+    captures = executor.stats()["captures"]
+    for _ in range(2):
+        executor.run([xs], [out])
+    assert executor.stats()["captures"] == captures + 1  # captured again
+    torch.testing.assert_close(out, first, rtol=0, atol=0)
+    torch.testing.assert_close(out, (xs * 2 + 1) * 3)

@@ -45,9 +45,10 @@ def abs_error(got: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
     """|got - expected| elementwise in float64, on expected's device: 0 where both are NaN or both the
     same infinity, +inf where only one is NaN or the infinities differ (inf - inf would read as NaN)."""
     e, g = _wide(expected), _wide(got.to(expected.device))
-    diff = (g - e).abs()
+    diff = torch.sub(g, e)  # a new tensor: the in-place steps below never touch the caller's
+    diff = diff.abs() if diff.is_complex() else diff.abs_()
     agree = (torch.isnan(e) & torch.isnan(g)) | (torch.isinf(e) & (g == e))
-    return torch.nan_to_num(diff.masked_fill(agree, 0.0), nan=float("inf"), posinf=float("inf"))
+    return diff.masked_fill_(agree, 0.0).nan_to_num_(nan=float("inf"), posinf=float("inf"))
 
 
 def _outside(diff: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> torch.Tensor:
@@ -56,14 +57,15 @@ def _outside(diff: torch.Tensor, expected: torch.Tensor, atol: float, rtol: floa
     if not (expected.is_floating_point() or expected.is_complex()):
         return diff != 0  # integers and booleans: exact
     e = _wide(expected)
-    limit = torch.where(torch.isfinite(e), atol + rtol * e.abs(), torch.zeros((), dtype=torch.float64,
-                                                                                device=e.device))
+    limit = e.abs().mul_(rtol).add_(atol).masked_fill_(~torch.isfinite(e), 0.0)
     return diff > limit
 
 
-# Elements compared at once: float64 temporaries of 64 Mi elements (512 MiB each), whatever the tensor's
-# size. Comparing a 6 GB output whole would take ~50 GB of float64 temporaries.
-CHUNK_ELEMENTS = 1 << 26
+# Elements compared at once: float64 temporaries of 2 Mi elements (16 MiB each), whatever the tensor's
+# size, so a comparison adds well under 100 MiB to the GPU's memory. Comparing a 6 GB output whole would
+# take ~50 GB of float64 temporaries. Each chunk's answer stays on the device until the last chunk: one
+# synchronization per comparison, not one per chunk.
+CHUNK_ELEMENTS = 1 << 21
 
 
 def _chunks(got: torch.Tensor, expected: torch.Tensor):
@@ -73,27 +75,36 @@ def _chunks(got: torch.Tensor, expected: torch.Tensor):
         yield start, g[start:start + CHUNK_ELEMENTS], e[start:start + CHUNK_ELEMENTS]
 
 
+def _any_outside(got: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> bool:
+    """Whether any element of `got` lies outside the tolerance around `expected` (chunk by chunk)."""
+    flags = [_outside(abs_error(g, e), e, atol, rtol).any() for _, g, e in _chunks(got, expected)]
+    return bool(torch.stack(flags).any()) if flags else False
+
+
 def max_abs_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     """The largest |got - expected| (inf for a NaN the reference does not have; 0 for empty tensors)."""
     return largest_error(got, expected)[0]
 
 
 def largest_error(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, int]:
-    """(largest |got - expected|, its flat index): where to look first."""
-    worst, where = 0.0, 0
+    """(largest |got - expected|, its flat index): where to look first (the first such index on ties)."""
+    maxima, places = [], []
     for start, g, e in _chunks(got, expected):
         diff = abs_error(g, e)
-        idx = int(diff.argmax())
-        value = float(diff[idx])
-        if value > worst or (start == 0 and idx == 0 and value >= worst):
-            worst, where = value, start + idx
-    return worst, where
+        idx = diff.argmax()
+        maxima.append(diff[idx])
+        places.append(idx + start)
+    if not maxima:
+        return 0.0, 0
+    values = torch.stack(maxima)
+    k = int(values.argmax())  # the first chunk holding the largest error
+    return float(values[k]), int(places[k])
 
 
 def tolerance_used(got: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> float:
     """The largest |got - expected| as a share of its bound under the rule above (1.0: at the limit, inf:
     a mismatch the rule takes exactly, such as a non-finite or integer value that differs)."""
-    worst = 0.0
+    shares = []
     for _, g, e in _chunks(got, expected):
         diff = abs_error(g, e)
         if not (e.is_floating_point() or e.is_complex()):
@@ -101,10 +112,10 @@ def tolerance_used(got: torch.Tensor, expected: torch.Tensor, atol: float, rtol:
         else:
             wide = _wide(e)
             exact = torch.where(diff == 0, 0.0, float("inf"))
-            share = torch.where(torch.isfinite(wide), diff / (atol + rtol * wide.abs()), exact)
+            share = torch.where(torch.isfinite(wide), diff.div_(wide.abs().mul_(rtol).add_(atol)), exact)
         if share.numel():
-            worst = max(worst, float(share.max()))
-    return worst
+            shares.append(share.max())
+    return float(torch.stack(shares).max()) if shares else 0.0
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -120,7 +131,7 @@ def first_difference(name: str, got: torch.Tensor, want: torch.Tensor, atol: flo
         return f"output '{name}' has shape {tuple(got.shape)}, {reference}'s {tuple(want.shape)}"
     if got.dtype != want.dtype:
         return f"output '{name}' is {_dtype_name(got.dtype)}, {reference}'s {_dtype_name(want.dtype)}"
-    if not any(bool(_outside(abs_error(g, e), e, atol, rtol).any()) for _, g, e in _chunks(got, want)):
+    if not _any_outside(got, want, atol, rtol):
         return None
     worst, idx = largest_error(got, want)
     return (f"output '{name}' differs from {reference}: max |error| {worst:.3g} at flat index {idx} "

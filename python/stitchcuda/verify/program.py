@@ -183,14 +183,17 @@ def _exact_copy(model: torch.nn.Module, example_inputs: Sequence[Any]) -> tuple[
 
 
 def verify_whole(model: torch.nn.Module, optimized: Callable[..., Any], example_inputs: Sequence[Any], sets: int,
-                 precision: str = "fp32", no_exact: str = "") -> dict[str, Any]:
+                 precision: str = "fp32", no_exact: str = "",
+                 release: Callable[[], None] | None = None) -> dict[str, Any]:
     """`optimized` against `model` on the example inputs, then on `sets - 1` fresh random sets
     (``input_set``), every output under the tolerance table for its dtype and `precision`. Returns {passed,
     input_sets, max_abs_error (the worst |optimized - model|), max_rel_error_fp64 (the worst norm-wise error
     against an fp64 copy of the model; None when none is made, with the reason in fp64_note), detail (the
     first difference, "" when none), failed_set (the input set of that difference, or None)}. `no_exact`:
     why the fp64 copy is not made, when the caller knows it would not fit (the fp64 attention has no
-    fused kernel and materializes its score matrix)."""
+    fused kernel and materializes its score matrix). `release`, when given, is called before the model's
+    forwards of each set: `optimized` gives its working memory back then, so the check never holds both
+    forwards' working sets at once (the model's outputs, then the optimized ones, are compared)."""
     worst_abs, worst_rel = 0.0, 0.0
     detail = ""
     passed = True
@@ -204,16 +207,19 @@ def verify_whole(model: torch.nn.Module, optimized: Callable[..., Any], example_
     for k in range(sets):
         inputs = input_set(example_inputs, k)
         with torch.no_grad():
+            if release is not None:
+                release()
             want = pytree.tree_flatten(model(*inputs))[0]
-            got = pytree.tree_flatten(optimized(*inputs))[0]
             exact = None
             if exact_model is not None:
                 try:
                     wide = pytree.tree_map(
                         lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, inputs)
                     exact = pytree.tree_flatten(exact_model(*wide))[0]
+                    del wide
                 except Exception:  # a model that cannot run in fp64 (an fp16-only kernel): no exact error
                     exact = None
+            got = pytree.tree_flatten(optimized(*inputs))[0]
         if len(got) != len(want):
             return failure(k, f"the program returns {len(got)} outputs, the model {len(want)}")
         for i, (w, g) in enumerate(zip(want, got)):
