@@ -91,9 +91,10 @@ def largest_error(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, int
     maxima, places = [], []
     for start, g, e in _chunks(got, expected):
         diff = abs_error(g, e)
-        idx = diff.argmax()
-        maxima.append(diff[idx])
-        places.append(idx + start)
+        # Reductions, not diff[idx]: an index into diff is a view that would keep every chunk's float64
+        # differences alive until the end (twice the output's size for fp32).
+        maxima.append(diff.max())
+        places.append(diff.argmax() + start)
     if not maxima:
         return 0.0, 0
     values = torch.stack(maxima)
