@@ -231,15 +231,21 @@ struct Placement {
   std::size_t bytes = 0;   ///< storage the buffer spans
   int first_step = 0;      ///< first step that writes its storage
   int last_step = 0;       ///< last step that touches its storage
+  /// false: an ATen step writes the storage first, and the tensor that op returns becomes it (the
+  /// executor adopts it, and frees it after last_step), so it takes no arena bytes; offset is 0.
+  bool in_arena = true;
 };
 
-/// Arena layout of a program's intermediate buffers.
+/// Arena layout of a program's intermediate buffers. Storages an ATen step writes first are not in
+/// the arena (Placement::in_arena): the op allocates its result through PyTorch's caching allocator, as
+/// in eager mode, and the executor lets it go after its last use. The byte counts below cover the arena's
+/// storages only.
 struct BufferPlan {
   static constexpr std::size_t alignment = 256;  ///< every storage starts at a multiple of this
   std::vector<Placement> placements;  ///< every intermediate buffer, views included
   std::size_t arena_bytes = 0;        ///< peak: size of the one arena
-  std::size_t live_bound_bytes = 0;   ///< sum of live storages (aligned) at the widest step
-  int widest_step = -1;               ///< the step where that sum peaks (-1: no intermediates)
+  std::size_t live_bound_bytes = 0;   ///< sum of live arena storages (aligned) at the widest step
+  int widest_step = -1;               ///< the step where that sum peaks (-1: no arena storages)
   std::size_t unshared_bytes = 0;     ///< what the arena would need without any reuse
 
   /// The placement of `buffer`, or null when it is not in the arena.

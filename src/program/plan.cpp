@@ -1,6 +1,7 @@
 // Liveness planning: each intermediate storage lives from the step that first writes it to the
 // step that last touches it (through any view); storages whose lifetimes overlap get disjoint
-// ranges of one arena, the others may share bytes.
+// ranges of one arena, the others may share bytes. A storage an ATen step writes first stays out of
+// the arena: the op returns a tensor of its own, which the executor keeps until the last use.
 #include <stitchcuda/program.hpp>
 
 #include <algorithm>
@@ -20,6 +21,7 @@ struct Storage {
   std::size_t bytes = 0;  // aligned
   int first = 0, last = 0;
   std::size_t offset = 0;
+  bool arena = true;  // false: an ATen step's own result (it writes the storage first)
 };
 
 bool lifetimes_overlap(const Storage& a, const Storage& b) { return a.first <= b.last && b.first <= a.last; }
@@ -72,11 +74,12 @@ Result<BufferPlan> Program::plan() const {
         if (b->role != BufferRole::intermediate) continue;
         auto [it, fresh] = storages.try_emplace(owner, Storage{owner, align_up(b->spec.storage_bytes()), int(i), int(i), 0});
         if (!fresh) it->second.last = int(i);  // validation guarantees a write came first
+        else if (std::holds_alternative<AtenOp>(steps[i]) && owner == id) it->second.arena = false;
       }
   }
 
-  std::vector<Storage> items;
-  for (auto& [id, s] : storages) items.push_back(s);
+  std::vector<Storage> items, outside;
+  for (auto& [id, s] : storages) (s.arena ? items : outside).push_back(s);
   // Big storages first packs tightly; earliest first is optimal when sizes are equal. Keep the better.
   auto by_size = items, by_start = items;
   auto tie = [](const Storage& a, const Storage& b) { return a.id < b.id; };
@@ -97,6 +100,7 @@ Result<BufferPlan> Program::plan() const {
     placed[s.id] = &s;
     plan.unshared_bytes += s.bytes;
   }
+  for (const Storage& s : outside) placed[s.id] = &s;
   for (std::size_t t = 0; t < steps.size(); ++t) {
     std::size_t live = 0;
     for (const Storage& s : chosen)
@@ -110,8 +114,9 @@ Result<BufferPlan> Program::plan() const {
     auto [owner, offset] = root(b.id);
     auto it = placed.find(owner);
     if (it == placed.end()) continue;  // caller-bound, weight, or never touched
-    plan.placements.push_back(Placement{b.id, owner, it->second->offset + offset, b.spec.storage_bytes(),
-                                        it->second->first, it->second->last});
+    const Storage& s = *it->second;
+    plan.placements.push_back(Placement{b.id, owner, s.arena ? s.offset + offset : 0, b.spec.storage_bytes(), s.first,
+                                        s.last, s.arena});
   }
   return plan;
 }

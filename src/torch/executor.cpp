@@ -19,6 +19,7 @@
 #include <unordered_map>
 
 #include "../jit/driver.hpp"
+#include "../program/steps.hpp"
 #include "steps.hpp"
 
 namespace stitchcuda::program {
@@ -173,9 +174,12 @@ struct Executor::Impl {
   std::string arch;
   std::unordered_map<BufferId, std::size_t> slot;  // buffer id -> index in Program::buffers
   std::vector<BufferId> input_ids, output_ids;
-  // By slot: an intermediate that owns its storage, so an ATen step may hand over its result tensor
-  // instead of copying it into the arena (its views are taken from whatever the slot holds at run time).
+  // By slot: an intermediate outside the arena (an ATen step writes it first), whose slot takes the
+  // tensor the op returns instead of a copy; its views are taken from whatever the slot holds at run time.
   std::vector<char> adoptable;
+  // By step: the slots of storages outside the arena (and their views) whose last use is that step; the
+  // run lets go of them there, so PyTorch's allocator (or a capture's private pool) reuses the memory.
+  std::vector<std::vector<std::size_t>> free_after;
   std::vector<jit::Kernel> kernels;                // by kernel table index
   std::vector<std::string> warnings;
   std::vector<std::optional<program::detail::BoundAtenOp>> aten;  // by step
@@ -196,8 +200,9 @@ struct Executor::Impl {
   const TensorSpec& spec(BufferId id) const { return program.buffers[slot.at(id)].spec; }
   // Whether `result` can stand in for `buffer`: same layout and device, and no storage shared with the
   // step's inputs (a view of an input would outlive the input's arena span, which later steps reuse).
-  static bool adopt(const at::Tensor& result, const at::Tensor& buffer, const std::vector<at::Tensor>& inputs) {
-    if (result.strides() != buffer.strides() || result.device() != buffer.device() || !result.has_storage())
+  bool adopt(const at::Tensor& result, const TensorSpec& s, const std::vector<at::Tensor>& inputs) const {
+    if (result.strides() != c10::IntArrayRef(s.strides) || !result.is_cuda() || result.get_device() != device ||
+        !result.has_storage())
       return false;
     for (const at::Tensor& a : inputs)
       if (a.defined() && a.has_storage() && result.storage().is_alias_of(a.storage())) return false;
@@ -309,7 +314,8 @@ Result<Instance*> Executor::Impl::instance(void* stream) {
     in->tensors.resize(program.buffers.size());
     auto* base = static_cast<std::uint8_t*>(in->arena.data_ptr());
     for (const Placement& p : plan.placements) {
-      if (p.buffer != p.storage) continue;  // views are taken by their View step
+      // Views are taken by their View step; an ATen step's own result arrives when it runs.
+      if (p.buffer != p.storage || !p.in_arena) continue;
       const TensorSpec& s = spec(p.buffer);
       in->tensors[slot.at(p.buffer)] = at::from_blob(base + p.offset, s.shape, s.strides, options_for(s));
     }
@@ -431,14 +437,18 @@ Result<void> Executor::Impl::execute(Instance& in, void* stream) {
                                                     std::to_string(op->outputs.size()) + " output buffer(s)");
         for (std::size_t r = 0; ok && r < results.size(); ++r) {
           const std::size_t k = slot.at(op->outputs[r]);
+          const TensorSpec& s = spec(op->outputs[r]);
           at::Tensor& out = in.tensors[k];
-          if (!in.warmed && (results[r].sizes() != out.sizes() || results[r].scalar_type() != out.scalar_type()))
+          if (!in.warmed &&
+              (results[r].sizes() != c10::IntArrayRef(s.shape) || results[r].scalar_type() != scalar_type(s.dtype)))
             ok = fail(ErrorCode::InvalidArgument, "result " + std::to_string(r) + " is " + describe(results[r]) +
-                                                      " but its buffer is " + spec(op->outputs[r]).describe());
-          else if (adoptable[k] && adopt(results[r], out, args))
+                                                      " but its buffer is " + s.describe());
+          else if (adoptable[k] && adopt(results[r], s, args))
             out = results[r];  // no copy: a convolution's output is often the largest tensor of the step
-          else
+          else {
+            if (!out.defined()) out = at::empty_strided(s.shape, s.strides, options_for(s));  // a view of an input
             out.copy_(results[r]);
+          }
         }
       } else if (auto* v = std::get_if<View>(&step)) {
         const at::Tensor& src = in.tensors[slot.at(v->source)];
@@ -449,6 +459,7 @@ Result<void> Executor::Impl::execute(Instance& in, void* stream) {
       ok = fail(ErrorCode::CudaError, e.what_without_backtrace());
     }
     if (!ok) return tl::unexpected(at_step(program, i, ok.error()));
+    for (std::size_t k : free_after[i]) in.tensors[k] = at::Tensor();
   }
   return {};
 }
@@ -475,9 +486,31 @@ Result<std::shared_ptr<Executor>> Executor::create(Program program, ExecutorOpti
   std::sort(x.input_ids.begin(), x.input_ids.end());
   std::sort(x.output_ids.begin(), x.output_ids.end());
   x.adoptable.assign(x.program.buffers.size(), 0);
-  for (const Placement& p : x.plan.placements)
-    if (p.buffer == p.storage && x.program.buffers[x.slot.at(p.buffer)].role == BufferRole::intermediate)
-      x.adoptable[x.slot.at(p.buffer)] = 1;
+  x.free_after.assign(x.program.steps.size(), {});
+  for (const Placement& p : x.plan.placements) {
+    if (p.in_arena) continue;
+    if (p.buffer == p.storage) x.adoptable[x.slot.at(p.buffer)] = 1;
+    x.free_after[std::size_t(p.last_step)].push_back(x.slot.at(p.buffer));
+  }
+  // Views of the caller's inputs and outputs go after their last use too: a run keeps no reference to
+  // the caller's tensors (a view would hold an input of several GB alive until the next run).
+  {
+    std::unordered_map<BufferId, BufferId> root_of;
+    std::unordered_map<BufferId, std::size_t> last_use;
+    for (std::size_t i = 0; i < x.program.steps.size(); ++i) {
+      if (auto* v = std::get_if<View>(&x.program.steps[i])) {
+        auto it = root_of.find(v->source);
+        root_of[v->result] = it == root_of.end() ? v->source : it->second;
+      }
+      program::detail::StepAccess acc = program::detail::access_of(x.program.steps[i]);
+      for (auto* list : {&acc.reads, &acc.writes})
+        for (BufferId id : *list) last_use[id] = i;
+    }
+    for (const auto& [view, root] : root_of) {
+      BufferRole role = x.program.buffers[x.slot.at(root)].role;
+      if (role == BufferRole::input || role == BufferRole::output) x.free_after[last_use.at(view)].push_back(x.slot.at(view));
+    }
+  }
   x.aten.resize(x.program.steps.size());
   for (std::size_t i = 0; i < x.program.steps.size(); ++i)
     if (auto* op = std::get_if<AtenOp>(&x.program.steps[i])) {

@@ -16,6 +16,17 @@ namespace {
 
 TensorSpec f32(std::vector<std::int64_t> shape) { return TensorSpec::contiguous(std::move(shape), DType::f32); }
 
+// A kernel step reading `ins` and writing `out`: the arena holds what kernels and matmuls write (an ATen
+// step's result is its own tensor, outside the arena).
+void kernel_step(ProgramBuilder& b, std::vector<BufferId> ins, BufferId out) {
+  static const KernelSource source{"extern \"C\" __global__ void k() {}", "k"};
+  std::uint32_t k = b.peek().kernels.empty() ? b.kernel(source) : 0;
+  KernelLaunch launch{k, {1, 1, 1}, {128, 1, 1}, 0, {}};
+  for (BufferId id : ins) launch.args.push_back(BufferArg{id, Access::read});
+  launch.args.push_back(BufferArg{out, Access::write});
+  b.launch(std::move(launch));
+}
+
 BufferPlan plan_ok(const Program& p) {
   auto plan = p.plan();
   if (!plan) FAIL(plan.error().describe() << "\n" << plan.error().log);
@@ -61,6 +72,8 @@ void check_no_live_overlap(const Program& p, const BufferPlan& plan) {
   auto life = lifetimes(p);
   std::vector<const Placement*> owners;
   for (const Placement& pl : plan.placements) {
+    CHECK(pl.first_step == life.at(pl.storage).first);
+    if (!pl.in_arena) continue;  // an ATen step's own tensor
     CHECK(pl.offset + pl.bytes <= plan.arena_bytes);
     if (pl.buffer != pl.storage) continue;
     CHECK(pl.offset % BufferPlan::alignment == 0);
@@ -87,7 +100,10 @@ TEST_CASE("a chain reuses storage two steps back and reaches the bound", "[progr
   BufferId t2 = b.intermediate(f32({256}));
   BufferId t3 = b.intermediate(f32({256}));
   BufferId y = b.output(f32({256}));
-  b.aten("aten::relu", {x}, {t1}).aten("aten::relu", {t1}, {t2}).aten("aten::relu", {t2}, {t3}).aten("aten::relu", {t3}, {y});
+  kernel_step(b, {x}, t1);
+  kernel_step(b, {t1}, t2);
+  kernel_step(b, {t2}, t3);
+  kernel_step(b, {t3}, y);
   auto p = b.build();
   REQUIRE(p.has_value());
   BufferPlan plan = plan_ok(*p);
@@ -110,8 +126,10 @@ TEST_CASE("a diamond of different sizes reaches the bound", "[program]") {
   BufferId l = b.intermediate(f32({512}));   // 2 KiB, live over steps 1-3
   BufferId r = b.intermediate(f32({128}));   // 512 B, live over steps 2-3
   BufferId y = b.output(f32({512}));
-  b.aten("aten::relu", {x}, {a}).aten("aten::repeat", {a}, {l}).aten("aten::slice", {a}, {r});
-  b.aten("aten::add.Tensor", {l, r}, {y});
+  kernel_step(b, {x}, a);
+  kernel_step(b, {a}, l);
+  kernel_step(b, {a}, r);
+  kernel_step(b, {l, r}, y);
   auto p = b.build();
   REQUIRE(p.has_value());
   BufferPlan plan = plan_ok(*p);
@@ -130,11 +148,11 @@ TEST_CASE("a residual block keeps the skip connection alive and reaches the boun
   BufferId h3 = b.intermediate(f32({64, 64}));
   BufferId sum = b.intermediate(f32({64, 64}));
   BufferId y = b.output(f32({64, 64}));
-  b.aten("aten::relu", {x}, {h1});
+  kernel_step(b, {x}, h1);
   b.matmul(Matmul{h1, w, h2});
-  b.aten("aten::relu", {h2}, {h3});
-  b.aten("aten::add.Tensor", {h3, h1}, {sum});
-  b.aten("aten::relu", {sum}, {y});
+  kernel_step(b, {h2}, h3);
+  kernel_step(b, {h3, h1}, sum);
+  kernel_step(b, {sum}, y);
   auto p = b.build();
   REQUIRE(p.has_value());
   BufferPlan plan = plan_ok(*p);
@@ -152,12 +170,12 @@ TEST_CASE("views share their base's storage and extend its lifetime", "[program]
   BufferId u = b.intermediate(f32({256}), "u");
   BufferId other = b.intermediate(f32({256}), "other");
   BufferId y = b.output(f32({64}));
-  b.aten("aten::relu", {x}, {t});                                   // 0
+  kernel_step(b, {x}, t);                                           // 0
   BufferId flat = b.view(ViewKind::reshape, t, f32({256}));         // 1
-  b.aten("aten::relu", {x}, {other});                               // 2
-  b.aten("aten::add.Tensor", {flat, other}, {u});                   // 3: t lives until here, through the view
+  kernel_step(b, {x}, other);                                       // 2
+  kernel_step(b, {flat, other}, u);                                 // 3: t lives until here, through the view
   BufferId tail = b.view(ViewKind::slice, u, f32({64}), 192);       // 4
-  b.aten("aten::relu", {tail}, {y});                                // 5
+  kernel_step(b, {tail}, y);                                        // 5
   BufferId xv = b.view(ViewKind::reshape, x, f32({256}));           // 6: a view of an input is not placed
   (void)xv;
   auto p = b.build();
@@ -182,7 +200,8 @@ TEST_CASE("sizes are aligned to 256 bytes and a program without intermediates ne
   BufferId x = b.input(f32({3}));
   BufferId t = b.intermediate(f32({3}));  // 12 bytes, takes 256
   BufferId y = b.output(f32({3}));
-  b.aten("aten::relu", {x}, {t}).aten("aten::relu", {t}, {y});
+  kernel_step(b, {x}, t);
+  kernel_step(b, {t}, y);
   BufferPlan plan = plan_ok(*b.build());
   CHECK(plan.arena_bytes == 256);
   CHECK(plan.find(t)->bytes == 12);
@@ -195,6 +214,36 @@ TEST_CASE("sizes are aligned to 256 bytes and a program without intermediates ne
   CHECK(empty.arena_bytes == 0);
   CHECK(empty.widest_step == -1);
   CHECK(empty.placements.empty());
+}
+
+TEST_CASE("an ATen step's result is its own tensor, outside the arena, with its views", "[program]") {
+  ProgramBuilder b;
+  BufferId x = b.input(f32({64, 64}));
+  BufferId conv = b.intermediate(f32({64, 64}), "conv");   // an ATen step writes it first
+  BufferId act = b.intermediate(f32({64, 64}), "act");     // a kernel writes it
+  BufferId y = b.output(f32({4096}));
+  b.aten("aten::relu", {x}, {conv});                       // 0
+  BufferId flat = b.view(ViewKind::reshape, conv, f32({4096}));  // 1
+  kernel_step(b, {flat}, act);                              // 2: conv's last use, through its view
+  b.aten("aten::relu_", {act}, {act});                      // 3: in place on an arena storage
+  kernel_step(b, {act}, y);                                 // 4
+  auto p = b.build();
+  if (!p) FAIL(p.error().describe());
+  BufferPlan plan = plan_ok(*p);
+  const Placement* own = plan.find(conv);
+  const Placement* view = plan.find(flat);
+  REQUIRE(own);
+  REQUIRE(view);
+  CHECK_FALSE(own->in_arena);
+  CHECK_FALSE(view->in_arena);  // the view follows its storage
+  CHECK(view->storage == conv);
+  CHECK(own->first_step == 0);
+  CHECK(own->last_step == 2);   // the executor lets go of it after step 2
+  CHECK(plan.find(act)->in_arena);  // written first by a kernel; the in-place ATen step keeps it there
+  CHECK(plan.find(act)->last_step == 4);
+  CHECK(plan.arena_bytes == 64 * 64 * 4);  // act alone
+  CHECK(plan.unshared_bytes == 64 * 64 * 4);
+  check_no_live_overlap(*p, plan);
 }
 
 TEST_CASE("an invalid program is not planned", "[program]") {
