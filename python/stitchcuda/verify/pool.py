@@ -87,6 +87,10 @@ class _Process:
         return self._popen.poll()
 
 
+# A worker that holds more than this in cached GPU blocks after a job gives them back to the driver.
+IDLE_CACHE_BYTES = 1 << 30
+
+
 def _worker_main(conn, device: str | None) -> None:
     """Entry point of a worker process (in its sandbox already): import once, then verify jobs until
     told to stop."""
@@ -140,6 +144,15 @@ def _worker_main(conn, device: str | None) -> None:
         if job is None:
             return
         result = harness.run_job(job, lambda phase: conn.send(("phase", phase)))
+        # Let go of the job's tensors before waiting for the next one: tensors that came as CUDA IPC
+        # handles stay allocated in the parent until this process drops them, and cached blocks of
+        # several GB would stay reserved on the GPU while the worker idles.
+        job = None
+        if not result.get("recycle") and torch.cuda.is_initialized() and torch.cuda.memory_reserved() > IDLE_CACHE_BYTES:
+            try:
+                torch.cuda.empty_cache()
+            except Exception:  # noqa: BLE001 - a context the job broke: the parent replaces the worker anyway
+                pass
         conn.send(("result", result))
         if result.get("recycle"):
             return  # the parent replaces this worker

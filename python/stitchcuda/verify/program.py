@@ -79,6 +79,9 @@ def check_program(program: Any, feed: Sequence[torch.Tensor], expected: Sequence
                           RuntimeWarning, stacklevel=2)
             job = program_job(program, feed, expected, tolerances, names)
             result = pool.run(job, config.compile_time_limit_s, config.run_time_limit_s)
+        if on_device:
+            del job  # the handles' tensors: freed once the worker has let go of them too
+            torch.cuda.ipc_collect()
         if stats is not None:
             stats["worker_peak_bytes"] = int(result.get("peak_bytes") or 0)
         if result.get("correct"):
