@@ -34,6 +34,25 @@ def test_build_describes_buffers_steps_and_weights():
     assert "2 steps" not in repr(p) and "1 matmul, 1 aten" in repr(p)
 
 
+def test_an_aten_steps_result_is_its_own_tensor_outside_the_arena():
+    """The plan says which intermediates the arena holds: what a matmul writes first is placed; what an
+    ATen step writes first is the op's own result (the executor adopts it and frees it after last_step)."""
+    b = ProgramBuilder()
+    x = b.input([4, 8], name="x")
+    w = b.weight(torch.ones(16, 8), name="w")
+    conv = b.intermediate([4, 8], name="conv")
+    h = b.intermediate([4, 16], name="h")
+    y = b.output([4, 16], name="y")
+    b.aten("aten::relu", [x], [conv])
+    b.matmul(conv, w, h, transpose_b=True)
+    b.aten("aten::gelu", [h], [y], approximate="none")
+    plan = b.build().buffer_plan()
+    by_id = {p["buffer"]: p for p in plan["placements"]}
+    assert by_id[conv]["in_arena"] is False and by_id[conv]["last_step"] == 1
+    assert by_id[h]["in_arena"] is True
+    assert plan["arena_bytes"] == 256  # h alone ([4, 16] f32, aligned)
+
+
 def test_round_trip_is_byte_identical_and_keeps_weights(tmp_path):
     p = mlp()
     path = tmp_path / "mlp.stitch"
