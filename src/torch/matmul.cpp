@@ -8,7 +8,10 @@
 // product, is dropped). The hi*hi product carries nearly all of the magnitude, and tensor cores add each
 // k-step into their fp32 accumulator with truncation, an error that grows with the number of steps: it
 // is summed in chunks of at most kSplitChunk along K, each chunk added to c by cuBLASLt's epilogue in
-// round-to-nearest fp32. The bias and activation epilogue runs on the last chunk only.
+// round-to-nearest fp32. The bias and activation epilogue runs on the last chunk only. A large a is split
+// a block of rows at a time (kSplitBlockBytes of split parts, never fewer rows than keep about two waves of
+// output tiles busy), each block's products writing its own rows of c, so the scratch holds b's parts and
+// one block of a's rather than all of a's, and c is read and written no more often than unblocked.
 #include "steps.hpp"
 
 #include <cublasLt.h>
@@ -125,6 +128,24 @@ std::int64_t split_chunk(std::int64_t k) {
   if (*end != '\0' || v < 0) return kSplitChunk;  // not a count: the default
   return v == 0 ? std::max<std::int64_t>(k, 1) : v;
 }
+// Rows of a split at a time in tf32x3: as many as fit a's two parts in kSplitBlockBytes, but at least
+// enough for kSplitBlockOutputs outputs per block (smaller products leave SMs idle), a multiple of 128;
+// STITCHCUDA_TF32X3_ROWS overrides it (0: all rows at once), for tests and measurements.
+constexpr std::int64_t kSplitBlockBytes = 64ll << 20;
+constexpr std::int64_t kSplitBlockOutputs = 8ll << 20;
+
+std::int64_t split_rows(std::int64_t m, std::int64_t n, std::int64_t k) {
+  if (const char* text = std::getenv("STITCHCUDA_TF32X3_ROWS"); text && *text) {
+    char* end = nullptr;
+    const long long v = std::strtoll(text, &end, 10);
+    if (*end == '\0' && v >= 0) return v == 0 ? m : std::clamp<std::int64_t>(v, 1, std::max<std::int64_t>(m, 1));
+  }
+  const std::int64_t by_bytes = kSplitBlockBytes / (8 * std::max<std::int64_t>(k, 1));
+  const std::int64_t by_outputs = (kSplitBlockOutputs + std::max<std::int64_t>(n, 1) - 1) / std::max<std::int64_t>(n, 1);
+  const std::int64_t rows = (std::max(by_bytes, by_outputs) + 127) / 128 * 128;
+  return std::clamp<std::int64_t>(rows, 1, std::max<std::int64_t>(m, 1));
+}
+
 // Each split part starts on a 256-byte boundary (cuBLASLt's tensor-core kernels want 16-byte alignment).
 constexpr std::int64_t kSplitAlign = 64;  // floats
 std::int64_t aligned(std::int64_t n) { return (n + kSplitAlign - 1) / kSplitAlign * kSplitAlign; }
@@ -194,8 +215,12 @@ struct PreparedMatmul::Descriptors {
   };
   bool split = false;
   cublasLtMatmulDesc_t plain = nullptr;  // op without the epilogue and bias
-  std::vector<Call> calls;
-  std::int64_t a_elems = 0, b_elems = 0;
+  // The calls for a block of `block_rows` rows of a, and for the last, shorter block (if M is not a
+  // multiple), each with the layout of its rows of c.
+  std::vector<Call> calls, tail_calls;
+  cublasLtMatrixLayout_t block_out = nullptr, tail_out = nullptr;  // owned; null: unblocked (d.out)
+  std::int64_t rows_total = 0, block_rows = 0, k_total = 0, n_total = 0;
+  std::int64_t a_elems = 0, b_elems = 0;  // elements of one block of a's split parts, of b's
   std::optional<jit::Kernel> splitter;
 
   // Where each part starts in the scratch (floats).
@@ -212,10 +237,13 @@ struct PreparedMatmul::Descriptors {
 
 PreparedMatmul::~PreparedMatmul() {
   if (!d_ || !d_->api) return;
-  for (auto& call : d_->calls) {
-    if (call.first) d_->api->LayoutDestroy(call.first);
-    if (call.second) d_->api->LayoutDestroy(call.second);
-  }
+  for (auto* list : {&d_->calls, &d_->tail_calls})
+    for (auto& call : *list) {
+      if (call.first) d_->api->LayoutDestroy(call.first);
+      if (call.second) d_->api->LayoutDestroy(call.second);
+    }
+  if (d_->block_out) d_->api->LayoutDestroy(d_->block_out);
+  if (d_->tail_out) d_->api->LayoutDestroy(d_->tail_out);
   if (d_->first) d_->api->LayoutDestroy(d_->first);
   if (d_->second) d_->api->LayoutDestroy(d_->second);
   if (d_->out) d_->api->LayoutDestroy(d_->out);
@@ -315,14 +343,15 @@ Result<std::unique_ptr<PreparedMatmul>> PreparedMatmul::create(const Matmul& m, 
                     to_string(m.epilogue) + ", " + status_text(s) + "): use an ATen step (aten::mm/addmm) or another epilogue");
   };
   auto pick = [&](cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t first, cublasLtMatrixLayout_t second,
-                  cublasLtMatmulAlgo_t& algo, const std::string& what) -> Result<void> {
+                  cublasLtMatmulAlgo_t& algo, const std::string& what, cublasLtMatrixLayout_t out = nullptr) -> Result<void> {
+    if (!out) out = d.out;
     cublasLtMatmulPreference_t pref = nullptr;
     if (auto r = check(d.api->PreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate"); !r) return r;
     std::uint64_t ws = workspace_bytes;
     d.api->PreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
-    cublasStatus_t s = d.api->AlgoGetHeuristic(d.api->handle, desc, first, second, d.out, d.out, pref, 1, &result, &found);
+    cublasStatus_t s = d.api->AlgoGetHeuristic(d.api->handle, desc, first, second, out, out, pref, 1, &result, &found);
     d.api->PreferenceDestroy(pref);
     if (s != CUBLAS_STATUS_SUCCESS || found == 0) return no_algorithm(s, what);
     algo = result.algo;
@@ -334,42 +363,62 @@ Result<std::unique_ptr<PreparedMatmul>> PreparedMatmul::create(const Matmul& m, 
     return p;
   }
 
-  // tf32x3: a_lo b_hi and a_hi b_lo over the whole K (plain descriptor, full layouts), then a_hi b_hi in
-  // chunks along K, the last one with the epilogue.
+  // tf32x3: a_lo b_hi and a_hi b_lo over the whole K (plain descriptor), then a_hi b_hi in chunks along K,
+  // the last one with the epilogue; for a block of a's rows at a time when a is large (batch 1, a not
+  // transposed: a block of rows is contiguous), with the calls' layouts made once per block size.
   using Part = Descriptors::Part;
-  d.a_elems = A.numel(), d.b_elems = B.numel();
+  d.rows_total = M, d.k_total = K, d.n_total = N;
+  d.block_rows = m.batch == 1 && !m.transpose_a ? split_rows(M, N, K) : M;
+  d.a_elems = d.block_rows < M ? d.block_rows * K : A.numel();
+  d.b_elems = B.numel();
   auto splitter = split_kernel();
   if (!splitter) return tl::unexpected(splitter.error());
   d.splitter = std::move(*splitter);
   // Where K lies in each operand's column-major storage: b's rows (r) when transposed, its columns (c)
   // otherwise; a's the other way round.
   const bool b_k_in_rows = m.transpose_b, a_k_in_rows = !m.transpose_a;
-  auto chunk_layout = [&](cublasLtMatrixLayout_t& out, const TensorSpec& s, bool k_in_rows, std::int64_t kc) {
-    return k_in_rows ? layout(out, s, m.batch, kc, -1) : layout(out, s, m.batch, -1, kc);
+  // A chunk of `kc` along K of an operand (of `rows_used` of a's rows: -1, all).
+  auto chunk_layout = [&](cublasLtMatrixLayout_t& out, const TensorSpec& s, bool k_in_rows, std::int64_t kc,
+                          std::int64_t rows_used = -1) {
+    return k_in_rows ? layout(out, s, m.batch, kc, rows_used) : layout(out, s, m.batch, rows_used, kc);
   };
   auto chunk_offset = [](const TensorSpec& s, bool k_in_rows, std::int64_t k0) {
     return k_in_rows ? k0 : k0 * cols(s);
   };
-  auto add_call = [&](cublasLtMatmulDesc_t desc, Part fp, Part sp, std::int64_t k0, std::int64_t kc,
-                      const char* what) -> Result<void> {
-    Descriptors::Call call;
-    call.op = desc, call.first_part = fp, call.second_part = sp;
-    d.calls.push_back(call);  // owned from here: the destructor frees its layouts whatever fails next
-    Descriptors::Call& c = d.calls.back();
-    if (auto r = chunk_layout(c.first, B, b_k_in_rows, kc); !r) return r;
-    if (auto r = chunk_layout(c.second, A, a_k_in_rows, kc); !r) return r;
-    c.first_offset = chunk_offset(B, b_k_in_rows, k0);
-    c.second_offset = chunk_offset(A, a_k_in_rows, k0);
-    return pick(desc, c.first, c.second, c.algo, what);
+  auto add_calls = [&](std::vector<Descriptors::Call>& calls, std::int64_t rows_used,
+                       cublasLtMatrixLayout_t out) -> Result<void> {
+    auto add_call = [&](cublasLtMatmulDesc_t desc, Part fp, Part sp, std::int64_t k0, std::int64_t kc,
+                        const char* what) -> Result<void> {
+      Descriptors::Call call;
+      call.op = desc, call.first_part = fp, call.second_part = sp;
+      calls.push_back(call);  // owned from here: the destructor frees its layouts whatever fails next
+      Descriptors::Call& c = calls.back();
+      if (auto r = chunk_layout(c.first, B, b_k_in_rows, kc); !r) return r;
+      if (auto r = chunk_layout(c.second, A, a_k_in_rows, kc, rows_used); !r) return r;
+      c.first_offset = chunk_offset(B, b_k_in_rows, k0);
+      c.second_offset = chunk_offset(A, a_k_in_rows, k0);
+      return pick(desc, c.first, c.second, c.algo, what, out);
+    };
+    if (auto r = add_call(d.plain, Part::b_hi, Part::a_lo, 0, K, " (tf32x3, a_lo b_hi)"); !r) return r;
+    if (auto r = add_call(d.plain, Part::b_lo, Part::a_hi, 0, K, " (tf32x3, a_hi b_lo)"); !r) return r;
+    const std::int64_t chunk = split_chunk(K);
+    for (std::int64_t k0 = 0; k0 < K; k0 += chunk) {
+      const std::int64_t kc = std::min(chunk, K - k0);
+      const bool last = k0 + kc >= K;
+      if (auto r = add_call(last ? d.op : d.plain, Part::b_hi, Part::a_hi, k0, kc, " (tf32x3, a_hi b_hi chunk)"); !r)
+        return r;
+    }
+    return {};
   };
-  if (auto r = add_call(d.plain, Part::b_hi, Part::a_lo, 0, K, " (tf32x3, a_lo b_hi)"); !r) return tl::unexpected(r.error());
-  if (auto r = add_call(d.plain, Part::b_lo, Part::a_hi, 0, K, " (tf32x3, a_hi b_lo)"); !r) return tl::unexpected(r.error());
-  const std::int64_t chunk = split_chunk(K);
-  for (std::int64_t k0 = 0; k0 < K; k0 += chunk) {
-    const std::int64_t kc = std::min(chunk, K - k0);
-    const bool last = k0 + kc >= K;
-    if (auto r = add_call(last ? d.op : d.plain, Part::b_hi, Part::a_hi, k0, kc, " (tf32x3, a_hi b_hi chunk)"); !r)
-      return tl::unexpected(r.error());
+  if (d.block_rows >= M) {
+    if (auto r = add_calls(d.calls, -1, nullptr); !r) return tl::unexpected(r.error());
+    return p;
+  }
+  if (auto r = layout(d.block_out, C, m.batch, -1, d.block_rows); !r) return tl::unexpected(r.error());
+  if (auto r = add_calls(d.calls, d.block_rows, d.block_out); !r) return tl::unexpected(r.error());
+  if (const std::int64_t tail = M % d.block_rows; tail) {
+    if (auto r = layout(d.tail_out, C, m.batch, -1, tail); !r) return tl::unexpected(r.error());
+    if (auto r = add_calls(d.tail_calls, tail, d.tail_out); !r) return tl::unexpected(r.error());
   }
   return p;
 }
@@ -392,9 +441,9 @@ Result<void> PreparedMatmul::run(const at::Tensor& a, const at::Tensor& b, const
   }
   if (!scratch) return fail(ErrorCode::Internal, "a tf32x3 matmul ran without its split scratch");
   float* parts = static_cast<float*>(scratch);
-  auto split = [&](const at::Tensor& x, std::int64_t n, Descriptors::Part hi, Descriptors::Part lo) -> Result<void> {
+  auto split = [&](const float* x, std::int64_t n, Descriptors::Part hi, Descriptors::Part lo) -> Result<void> {
     jit::KernelArgs args;
-    args.pointer(x.data_ptr()).pointer(parts + d.part_offset(hi)).pointer(parts + d.part_offset(lo)).i64(n);
+    args.pointer(x).pointer(parts + d.part_offset(hi)).pointer(parts + d.part_offset(lo)).i64(n);
     jit::LaunchConfig cfg;
     cfg.block = {256, 1, 1};
     cfg.grid = {unsigned(std::clamp<std::int64_t>((n / 4 + 255) / 256, 1, 8192)), 1, 1};
@@ -403,19 +452,31 @@ Result<void> PreparedMatmul::run(const at::Tensor& a, const at::Tensor& b, const
     return d.splitter->launch(cfg, args);
   };
   using Part = Descriptors::Part;
-  if (auto r = split(b, d.b_elems, Part::b_hi, Part::b_lo); !r) return r;
-  if (auto r = split(a, d.a_elems, Part::a_hi, Part::a_lo); !r) return r;
+  if (auto r = split(static_cast<const float*>(b.data_ptr()), d.b_elems, Part::b_hi, Part::b_lo); !r) return r;
   const float one = 1.0f;
-  for (std::size_t i = 0; i < d.calls.size(); ++i) {
-    const Descriptors::Call& call = d.calls[i];
-    const float* first = parts + d.part_offset(call.first_part) + call.first_offset;
-    const float* second = parts + d.part_offset(call.second_part) + call.second_offset;
-    cublasStatus_t s = d.api->Matmul(d.api->handle, call.op, alpha, first, call.first, second, call.second,
-                                     i == 0 ? beta : &one, c.data_ptr(), d.out, c.data_ptr(), d.out, &call.algo,
-                                     workspace, workspace_bytes, static_cast<cudaStream_t>(stream));
-    if (s != CUBLAS_STATUS_SUCCESS)
-      return fail(ErrorCode::CudaError, "cublasLtMatmul failed (tf32x3 product " + std::to_string(i + 1) + " of " +
-                                            std::to_string(d.calls.size()) + "): " + status_text(s));
+  const bool blocked = d.block_rows < d.rows_total;
+  const std::int64_t step = blocked ? d.block_rows : d.rows_total;
+  for (std::int64_t r0 = 0;; r0 += step) {  // one pass over every row unblocked, else a block at a time
+    const std::int64_t rows_here = std::min(step, d.rows_total - r0);
+    const bool tail = blocked && rows_here < d.block_rows;
+    const auto& calls = tail ? d.tail_calls : d.calls;
+    const cublasLtMatrixLayout_t out = !blocked ? d.out : tail ? d.tail_out : d.block_out;
+    const float* a_rows = static_cast<const float*>(a.data_ptr()) + r0 * d.k_total;
+    if (auto r = split(a_rows, blocked ? rows_here * d.k_total : d.a_elems, Part::a_hi, Part::a_lo); !r) return r;
+    float* c_rows = static_cast<float*>(c.data_ptr()) + r0 * d.n_total;
+    for (std::size_t i = 0; i < calls.size(); ++i) {
+      const Descriptors::Call& call = calls[i];
+      const float* first = parts + d.part_offset(call.first_part) + call.first_offset;
+      const float* second = parts + d.part_offset(call.second_part) + call.second_offset;
+      cublasStatus_t s = d.api->Matmul(d.api->handle, call.op, alpha, first, call.first, second, call.second,
+                                       i == 0 ? beta : &one, c_rows, out, c_rows, out, &call.algo, workspace,
+                                       workspace_bytes, static_cast<cudaStream_t>(stream));
+      if (s != CUBLAS_STATUS_SUCCESS)
+        return fail(ErrorCode::CudaError, "cublasLtMatmul failed (tf32x3 product " + std::to_string(i + 1) + " of " +
+                                              std::to_string(calls.size()) + (blocked ? ", rows from " + std::to_string(r0) : "") +
+                                              "): " + status_text(s));
+    }
+    if (!blocked || r0 + step >= d.rows_total) break;
   }
   return {};
 }

@@ -272,15 +272,19 @@ def test_a_random_op_keeps_replay_on_the_host():
     assert "random numbers" in stats["host_replay_note"] and "bernoulli" in stats["host_replay_note"]
 
 
-@pytest.mark.parametrize("m, n, k, batch, transpose_b, epilogue", [
-    (1024, 768, 4096 + 100, 1, True, "bias_relu"),   # a linear layer: eight full K-chunks and a ragged one
-    (512, 1024, 300, 1, False, "none"),              # K below one chunk: one hi*hi product
-    (256, 256, 1536, 8, False, "gelu"),              # batched, the second operand broadcast over the batch
+@pytest.mark.parametrize("m, n, k, batch, transpose_b, epilogue, block_rows", [
+    (1024, 768, 4096 + 100, 1, True, "bias_relu", 0),   # a linear layer: eight full K-chunks and a ragged one
+    (512, 1024, 300, 1, False, "none", 0),              # K below one chunk: one hi*hi product
+    (256, 256, 1536, 8, False, "gelu", 0),              # batched, the second operand broadcast over the batch
+    (1000, 768, 2048, 1, True, "bias_gelu", 384),       # a split a block of rows at a time, a shorter last block
 ])
-def test_tf32x3_matmul_has_fp32_accuracy(m, n, k, batch, transpose_b, epilogue):
-    """tf32x3 (three TF32 tensor-core products on split operands, the big one summed in chunks of K) is
-    as close to exact arithmetic as cuBLAS's SGEMM, and within fp32's tolerance of it; plain TF32 is not."""
+def test_tf32x3_matmul_has_fp32_accuracy(m, n, k, batch, transpose_b, epilogue, block_rows, monkeypatch):
+    """tf32x3 (three TF32 tensor-core products on split operands, the big one summed in chunks of K; a
+    large a split a block of rows at a time) is as close to exact arithmetic as cuBLAS's SGEMM, and within
+    fp32's tolerance of it; plain TF32 is not."""
     from stitchcuda.verify.compare import first_difference, fp64_error
+
+    monkeypatch.setenv("STITCHCUDA_TF32X3_ROWS", str(block_rows))  # 0: every row at once
 
     torch.manual_seed(m + k)
     a = torch.randn(batch, m, k, device="cuda") if batch > 1 else torch.randn(m, k, device="cuda")
@@ -370,3 +374,29 @@ def test_release_gives_the_working_memory_back_and_the_next_run_allocates_it_aga
     assert executor.stats()["captures"] == captures + 1  # captured again
     torch.testing.assert_close(out, first, rtol=0, atol=0)
     torch.testing.assert_close(out, (xs * 2 + 1) * 3)
+
+
+def test_a_large_tf32x3_operand_is_split_a_block_of_rows_at_a_time(monkeypatch):
+    """The split scratch holds b's parts and one block of a's rows, not all of a's: a 128 MiB a beside a
+    16 MiB weight holds 144 MiB of parts blocked (8192 of 16384 rows) against 272 MiB whole, same result."""
+    m, n, k = 16384, 1024, 2048
+    a = torch.randn(m, k, device="cuda")
+    w = torch.randn(n, k, device="cuda") / k ** 0.5
+    b = ProgramBuilder()
+    x, W, y = b.input([m, k], name="a"), b.weight(w, name="w"), b.output([m, n], name="y")
+    b.matmul(x, W, y, transpose_b=True, precision="tf32x3")
+    b.precision("tf32x3")
+    program = b.build()
+    held, results = {}, {}
+    for rows in ("", "0"):  # the executor's choice, then every row at once
+        monkeypatch.setenv("STITCHCUDA_TF32X3_ROWS", rows)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        executor = program.executor(graphs=False)
+        out = executor.run([a])[0]
+        torch.cuda.synchronize()
+        held[rows] = torch.cuda.memory_allocated() - before - out.numel() * 4
+        results[rows] = out
+        del executor
+    assert held["0"] - held[""] >= 120 << 20, held  # 128 MiB of a's parts fewer
+    torch.testing.assert_close(results[""], results["0"])  # the same products (algorithms may differ by M)

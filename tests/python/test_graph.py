@@ -599,6 +599,15 @@ def test_tf32x3_cost_model_counts_the_split_and_the_chunked_accumulation():
     # A batch whose split operands would exceed three times its largest tensor is refused for memory.
     ok, why = split_tf32_choice(64, 64, 1 << 20, 1, 64 << 20, 64 << 20, H200_PEAKS)
     assert not ok and "would exceed 3 times its largest tensor (256 MiB)" in why
+    # The executor splits a large a a block of rows at a time: the scratch counted is b's parts and one
+    # block's, so two 4 GiB operands (16 GiB split whole) fit beside their 4 GiB tensors.
+    from stitchcuda.graph.planner import split_block_rows
+
+    assert split_block_rows(32768, 32768, 32768) == 256  # 64 MiB of a's parts, 8 Mi outputs per block
+    assert split_block_rows(8192, 768, 3072) == 8192  # 8 Mi outputs need every row: one block
+    assert split_block_rows(32768, 32768, 32768, batch=4) == 32768 and split_block_rows(4096, 64, 64, transpose_a=True) == 4096
+    ok, why = split_tf32_choice(32768, 32768, 32768, 1, 1 << 30, 1 << 30, H200_PEAKS)
+    assert ok and "would exceed" not in why, why
     # With TF32 tensor cores allowed outright (precision='tf32'), the planner does not split at all.
     torch.backends.cuda.matmul.allow_tf32, before = True, torch.backends.cuda.matmul.allow_tf32
     try:

@@ -71,22 +71,40 @@ _SPLIT_CHUNK = 512
 _SPLIT_GAIN = 1.25
 _SPLIT_SCRATCH_FLOOR = 256 << 20
 _SPLIT_SCRATCH_TENSORS = 3
+# The executor splits a large a (batch 1, not transposed) a block of rows at a time: rows that fit a's two
+# parts in 64 MiB, but at least 8 Mi outputs per block, a multiple of 128 (src/torch/matmul.cpp).
+_SPLIT_BLOCK_BYTES = 64 << 20
+_SPLIT_BLOCK_OUTPUTS = 8 << 20
+
+
+def split_block_rows(m: int, n: int, k: int, batch: int = 1, transpose_a: bool = False) -> int:
+    """Rows of a whose split parts a tf32x3 matmul holds at once, as the executor chooses them (its
+    STITCHCUDA_TF32X3_ROWS knob included): m when it splits a whole."""
+    if batch != 1 or transpose_a:
+        return m
+    override = os.environ.get("STITCHCUDA_TF32X3_ROWS", "")
+    if override.isdigit():
+        return m if int(override) == 0 else min(max(int(override), 1), max(m, 1))
+    rows = max(_SPLIT_BLOCK_BYTES // (8 * max(k, 1)), -(-_SPLIT_BLOCK_OUTPUTS // max(n, 1)))
+    return min(max(-(-rows // 128) * 128, 1), max(m, 1))
 
 
 def split_tf32_choice(m: int, n: int, k: int, batch: int, a_elems: int, b_elems: int,
-                      peaks: dict | None) -> tuple[bool, str]:
+                      peaks: dict | None, transpose_a: bool = False) -> tuple[bool, str]:
     """Whether an fp32 matmul (batch x [m, k] @ [k, n]; a_elems and b_elems elements in its operands)
     should run as tf32x3, with the estimate behind the answer. The three TF32 products cost 3x the
     FLOPs at tensor-core rate, plus the split (read 4 bytes, write 8 per operand element) and a
     read-modify-write of the result for every product after the first (two, plus one per extra
     K-chunk); SGEMM costs the FLOPs at the fp32 SIMT rate. `peaks`: the Verifier's description of the
-    GPU (fp32_tflops, tf32_tflops, dram_tb_s); unknown peaks keep SGEMM."""
+    GPU (fp32_tflops, tf32_tflops, dram_tb_s); unknown peaks keep SGEMM. The scratch counted is what the
+    executor holds: b's parts and one block of a's rows (split_block_rows)."""
     fp32, tf32, dram = ((peaks or {}).get(key) or 0.0 for key in ("fp32_tflops", "tf32_tflops", "dram_tb_s"))
     if not (fp32 > 0 and tf32 > 0 and dram > 0):
         return False, "the GPU's fp32/TF32 peaks are unknown"
     flops = 2.0 * batch * m * n * k
     c_bytes = 4.0 * batch * m * n
-    scratch = 8.0 * (a_elems + b_elems)
+    rows = split_block_rows(m, n, k, batch, transpose_a)
+    scratch = 8.0 * ((rows * k if rows < m else a_elems) + b_elems)
     largest = 4.0 * max(a_elems, b_elems, batch * m * n)
     if scratch > max(_SPLIT_SCRATCH_TENSORS * largest, _SPLIT_SCRATCH_FLOOR):
         return False, (f"its split operands ({scratch / 2**20:.0f} MiB) would exceed {_SPLIT_SCRATCH_TENSORS} times "
@@ -607,7 +625,8 @@ class OfflinePlanner:
                 k = a_.shape[-2] if params["transpose_a"] else a_.shape[-1]
                 m, n = out.shape[-2], out.shape[-1]
                 batch = out.shape[0] if node.op == "aten::bmm" else 1
-                split, why = split_tf32_choice(m, n, k, batch, a_.numel, b_.numel, self.peaks)
+                split, why = split_tf32_choice(m, n, k, batch, a_.numel, b_.numel, self.peaks,
+                                               transpose_a=bool(params["transpose_a"]))
                 if split:
                     params["precision"], params["split_why"] = "tf32x3", why
                     notes.append(f"3xTF32 on split operands, {why}")
