@@ -306,7 +306,8 @@ def test_tf32x3_matmul_has_fp32_accuracy(m, n, k, batch, transpose_b, epilogue, 
     def exact() -> torch.Tensor:
         wt = (w.t() if transpose_b else w).double()
         y = a.double() @ wt + (bias.double() if bias is not None else 0)
-        return {"bias_relu": torch.relu, "gelu": lambda t: F.gelu(t, approximate="tanh")}.get(epilogue, lambda t: t)(y)
+        gelu = lambda t: F.gelu(t, approximate="tanh")  # noqa: E731 - cuBLASLt's GELU
+        return {"bias_relu": torch.relu, "gelu": gelu, "bias_gelu": gelu}.get(epilogue, lambda t: t)(y)
 
     ref = exact()
     sgemm, split, tf32 = run("fp32"), run("tf32x3"), run("tf32")
