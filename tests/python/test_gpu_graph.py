@@ -116,19 +116,18 @@ class _BigPointwise(nn.Module):
         return torch.sigmoid(x) * x + 1.0
 
 
-def test_replay_mode_is_measured_and_the_kept_runner_is_the_one_named(tmp_path):
+def test_replay_mode_is_chosen_and_the_kept_runner_is_the_one_named(tmp_path):
     # One kernel over 64 MiB: a graph replay would add a copy of the input and of the output (256 MiB of
-    # traffic against the kernel's 128 MiB), so the direct launch must be measured faster and kept.
+    # traffic against the kernel's 128 MiB) to save one launch, so the direct launch is kept without
+    # building a graph runner to time (the estimate from the buffers' sizes and the GPU's bandwidth).
     x = torch.randn(4096, 4096, device="cuda")
     fast = stitchcuda.optimize(_BigPointwise().cuda().eval(), (x,), measure=False, keep_slower=True)
     assert fast.report.status == "optimized", str(fast.report)
-    chosen = [(d, why) for d, why in fast.report.decisions if why.startswith("measured on the example inputs")]
+    chosen = [(d, why) for d, why in fast.report.decisions if d.startswith(("launch the steps", "replay as one"))]
     assert len(chosen) == 1, fast.report.decisions
     decision, why = chosen[0]
     assert decision.startswith("launch the steps directly"), chosen
-    graph_ms = float(why.split("CUDA graph replay ")[1].split(" ms")[0])
-    direct_ms = float(why.split("direct launches ")[1].split(" ms")[0])
-    assert direct_ms < graph_ms, why
+    assert why.startswith("estimated, not measured: a replay copies the inputs and outputs"), why
     before = fast._runner.stats()
     with torch.no_grad():
         torch.testing.assert_close(fast(x), torch.sigmoid(x) * x + 1.0)
