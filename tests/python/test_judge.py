@@ -338,6 +338,36 @@ def test_verify_whole_judges_a_model_on_the_example_and_random_sets(monkeypatch)
                                    SimpleNamespace(precision="fp32", groups=[]))["passed"]
 
 
+def test_verify_whole_releases_the_program_before_each_model_forward_and_judges_its_second_call():
+    """With `release`, the program gives its memory back before the model runs on each set (the two
+    working sets are never held at once), then runs twice: the second call, a replaying program's
+    replay, is the one judged."""
+    events: list[str] = []
+
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            events.append("model")
+            return x * 2
+
+    calls = {"n": 0}
+
+    def optimized(t):
+        calls["n"] += 1
+        events.append("program")
+        return t * 2 if calls["n"] % 2 == 0 else t * 3  # the first call of each pair is wrong
+
+    x = torch.randn(64)
+    result = vprogram.verify_whole(Model(), optimized, (x,), 2, release=lambda: events.append("release"))
+    assert result["passed"], result  # judged on the second call of each set
+    # Per set: release, the model (fp64 copy included), then the program twice.
+    assert events == ["release", "model", "model", "program", "program"] * 2, events
+    # Without `release` the program runs once per set, and that call is judged.
+    calls["n"] = 1
+    assert vprogram.verify_whole(Model(), optimized, (x,), 1)["passed"]
+    calls["n"] = 0
+    assert not vprogram.verify_whole(Model(), optimized, (x,), 1)["passed"]
+
+
 def test_random_inputs_keep_the_examples_scale_and_integers():
     x = torch.randn(1000) * 50
     y = vprogram.random_like(x, 7)
