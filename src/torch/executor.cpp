@@ -198,8 +198,8 @@ struct Executor::Impl {
     return at::TensorOptions().dtype(scalar_type(s.dtype)).device(at::kCUDA, c10::DeviceIndex(device));
   }
   const TensorSpec& spec(BufferId id) const { return program.buffers[slot.at(id)].spec; }
-  // Whether `result` can stand in for `buffer`: same layout and device, and no storage shared with the
-  // step's inputs (a view of an input would outlive the input's arena span, which later steps reuse).
+  // Whether `result` can become the buffer of spec `s`: same layout and device, and no storage shared
+  // with the step's inputs (a view of an input would alias a value the program overwrites or frees).
   bool adopt(const at::Tensor& result, const TensorSpec& s, const std::vector<at::Tensor>& inputs) const {
     if (result.strides() != c10::IntArrayRef(s.strides) || !result.is_cuda() || result.get_device() != device ||
         !result.has_storage())
