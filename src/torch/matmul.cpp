@@ -120,13 +120,20 @@ std::string status_text(cublasStatus_t s) { return "cuBLASLt status " + std::to_
 // measuring the trade between accuracy and the result's extra read-modify-writes (bench program).
 constexpr std::int64_t kSplitChunk = 512;
 
-std::int64_t split_chunk(std::int64_t k) {
-  const char* text = std::getenv("STITCHCUDA_TF32X3_CHUNK");
-  if (!text || !*text) return kSplitChunk;
+// A count from the environment variable `name`, or nothing when it is unset or not a count.
+std::optional<std::int64_t> env_count(const char* name) {
+  const char* text = std::getenv(name);
+  if (!text || !*text) return std::nullopt;
   char* end = nullptr;
   const long long v = std::strtoll(text, &end, 10);
-  if (*end != '\0' || v < 0) return kSplitChunk;  // not a count: the default
-  return v == 0 ? std::max<std::int64_t>(k, 1) : v;
+  if (*end != '\0' || v < 0) return std::nullopt;
+  return v;
+}
+
+std::int64_t split_chunk(std::int64_t k) {
+  const auto v = env_count("STITCHCUDA_TF32X3_CHUNK");
+  if (!v) return kSplitChunk;
+  return *v == 0 ? std::max<std::int64_t>(k, 1) : *v;
 }
 // Rows of a split at a time in tf32x3: as many as fit a's two parts in kSplitBlockBytes, but at least
 // enough for kSplitBlockOutputs outputs per block (smaller products leave SMs idle), a multiple of 128;
@@ -135,11 +142,8 @@ constexpr std::int64_t kSplitBlockBytes = 64ll << 20;
 constexpr std::int64_t kSplitBlockOutputs = 8ll << 20;
 
 std::int64_t split_rows(std::int64_t m, std::int64_t n, std::int64_t k) {
-  if (const char* text = std::getenv("STITCHCUDA_TF32X3_ROWS"); text && *text) {
-    char* end = nullptr;
-    const long long v = std::strtoll(text, &end, 10);
-    if (*end == '\0' && v >= 0) return v == 0 ? m : std::clamp<std::int64_t>(v, 1, std::max<std::int64_t>(m, 1));
-  }
+  if (const auto v = env_count("STITCHCUDA_TF32X3_ROWS"))
+    return *v == 0 ? m : std::clamp<std::int64_t>(*v, 1, std::max<std::int64_t>(m, 1));
   const std::int64_t by_bytes = kSplitBlockBytes / (8 * std::max<std::int64_t>(k, 1));
   const std::int64_t by_outputs = (kSplitBlockOutputs + std::max<std::int64_t>(n, 1) - 1) / std::max<std::int64_t>(n, 1);
   const std::int64_t rows = (std::max(by_bytes, by_outputs) + 127) / 128 * 128;
