@@ -559,6 +559,41 @@ def test_comparisons_of_large_outputs_go_in_chunks_with_the_same_answers(monkeyp
     assert compare.largest_error(torch.empty(0), torch.empty(0)) == (0.0, 0)
 
 
+def test_error_and_outside_answers_both_questions_in_one_pass(monkeypatch):
+    from stitchcuda.verify import compare
+
+    want = torch.linspace(-3.0, 3.0, 11)
+    got = want.clone()
+    got[4] += 5e-5  # inside atol + rtol * |want| = 1e-4 + 1e-4 * 0.6
+    assert compare.error_and_outside(got, want, 1e-4, 1e-4) == (pytest.approx(5e-5, rel=1e-2), False)
+    got[9] += 0.01
+    monkeypatch.setattr(compare, "CHUNK_ELEMENTS", 4)  # the worst element and the flag in different chunks
+    err, outside = compare.error_and_outside(got, want, 1e-4, 1e-4)
+    assert outside and err == pytest.approx(0.01, rel=1e-4) and err == compare.max_abs_error(got, want)
+    got[1] = float("nan")  # NaN where the reference has none: infinitely wrong
+    assert compare.error_and_outside(got, want, 1e-4, 1e-4) == (float("inf"), True)
+    assert compare.error_and_outside(torch.tensor([1, 2]), torch.tensor([1, 3]), 0.0, 0.0) == (1.0, True)
+    assert compare.error_and_outside(torch.empty(0), torch.empty(0), 1e-4, 1e-4) == (0.0, False)
+
+
+@pytest.mark.gpu
+def test_a_reference_in_host_memory_is_compared_on_the_gpu_a_slice_at_a_time(monkeypatch):
+    from stitchcuda.verify import compare
+
+    want = torch.randn(20_000_000)  # 80 MB; 160 MB in float64
+    got = want.cuda()
+    got[14_321_000] += 1.0
+    monkeypatch.setattr(compare, "CHUNK_ELEMENTS", 1 << 20)
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    err, outside = compare.error_and_outside(got, want, 1e-4, 1e-4)
+    # float64 slices of 1 Mi elements: a few slices' worth on the GPU, never the whole reference
+    assert torch.cuda.max_memory_allocated() - base < 64 << 20
+    assert outside and err == pytest.approx(1.0, rel=1e-5)
+    assert compare.largest_error(got, want) == (pytest.approx(1.0, rel=1e-5), 14_321_000)
+    assert "at flat index 14321000" in compare.first_difference("y", got, want, 1e-4, 1e-4)
+
+
 def test_tolerance_used_is_the_share_of_the_bound_the_worst_element_takes(monkeypatch):
     from stitchcuda.verify import compare
 

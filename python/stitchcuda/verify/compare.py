@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 __all__ = ["OutputError", "compare_output", "first_difference", "abs_error", "max_abs_error", "largest_error",
-           "fp64_error", "FIRST_MISMATCHES"]
+           "error_and_outside", "fp64_error", "FIRST_MISMATCHES"]
 
 FIRST_MISMATCHES = 5
 
@@ -69,16 +69,34 @@ CHUNK_ELEMENTS = 1 << 21
 
 
 def _chunks(got: torch.Tensor, expected: torch.Tensor):
-    """(got, expected) as matching flat slices of at most CHUNK_ELEMENTS, with each slice's offset."""
+    """(got, expected) as matching flat slices of at most CHUNK_ELEMENTS, with each slice's offset. A
+    reference kept in host memory while `got` is on a GPU (a whole-program check holds a large model
+    output there, not beside the program's) comes to the GPU a slice at a time and is compared there."""
     g, e = got.reshape(-1), expected.reshape(-1)
+    move = got.device.type == "cuda" and expected.device != got.device
     for start in range(0, e.numel(), CHUNK_ELEMENTS):
-        yield start, g[start:start + CHUNK_ELEMENTS], e[start:start + CHUNK_ELEMENTS]
+        part = e[start:start + CHUNK_ELEMENTS]
+        yield start, g[start:start + CHUNK_ELEMENTS], part.to(got.device) if move else part
 
 
 def _any_outside(got: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> bool:
     """Whether any element of `got` lies outside the tolerance around `expected` (chunk by chunk)."""
     flags = [_outside(abs_error(g, e), e, atol, rtol).any() for _, g, e in _chunks(got, expected)]
     return bool(torch.stack(flags).any()) if flags else False
+
+
+def error_and_outside(got: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> tuple[float, bool]:
+    """(largest |got - expected|, whether any element lies outside the tolerance) in one pass over the
+    two tensors: what a whole-program check needs of every output, with one read of each."""
+    maxima, flags = [], []
+    for _, g, e in _chunks(got, expected):
+        diff = abs_error(g, e)
+        maxima.append(diff.max())
+        flags.append(_outside(diff, e, atol, rtol).any())
+    if not maxima:
+        return 0.0, False
+    both = torch.stack([torch.stack(maxima).max(), torch.stack(flags).any().double()]).tolist()  # one sync
+    return float(both[0]), bool(both[1])
 
 
 def max_abs_error(got: torch.Tensor, expected: torch.Tensor) -> float:
