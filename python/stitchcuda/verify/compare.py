@@ -76,7 +76,7 @@ def _chunks(got: torch.Tensor, expected: torch.Tensor):
     move = got.device.type == "cuda" and expected.device != got.device
     for start in range(0, e.numel(), CHUNK_ELEMENTS):
         part = e[start:start + CHUNK_ELEMENTS]
-        yield start, g[start:start + CHUNK_ELEMENTS], part.to(got.device) if move else part
+        yield start, g[start:start + CHUNK_ELEMENTS], part.to(got.device, non_blocking=True) if move else part
 
 
 def _any_outside(got: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> bool:
