@@ -698,6 +698,31 @@ def test_a_depthwise_convolution_inside_a_channels_last_chain_runs_nhwc(emu, str
         torch.testing.assert_close(got, model(x), atol=1e-4, rtol=1e-4)
 
 
+def test_an_in_chain_depthwise_convolution_checked_alone_returns_the_models_layout(emu):
+    # A group check builds the group as a program of its own, whose result is a returned buffer in the
+    # model's (NCHW) layout: the NHWC template still runs, as in the chain, and one copy returns its result.
+    # (Written straight into the returned buffer, its NHWC values read as NCHW: every MobileNet and
+    # EfficientNet depthwise group failed its check and ran on ATen.)
+    from stitchcuda.graph import Lowering, OfflinePlanner, capture, reference_values
+
+    torch.manual_seed(5)
+    model = _InvertedResidual(1).eval()
+    x = torch.randn(2, 16, 64, 64)
+    graph = capture(model, (x,))
+    plan = OfflinePlanner().plan(graph)
+    values = reference_values(graph, [x])
+    constants = {g.nodes[0].out.name: values[g.nodes[0].out.name] for g in plan.groups if g.kind == "constant"}
+    (group,) = [g for g in plan.groups if g.kind == "conv"]
+    inputs = [v for v in group.inputs() if v.kind != "weight" and v.name not in constants]
+    outputs = group.outputs({v.name for v in graph.outputs})
+    program = Lowering(graph, plan, constants).build([group], inputs, outputs)
+    assert [k["name"].split("_")[0] for k in program.kernels] == ["to", "depthwise"]
+    assert any(k["name"].startswith("depthwise_nhwc") for k in program.kernels)
+    (got,) = run_program(emu, program, [values[v.name].contiguous() for v in inputs], values)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, values[outputs[0].name], atol=1e-4, rtol=1e-4)
+
+
 class _ConvPoolStage(torch.nn.Module):
     """A VGG-like stage: two 3x3 convolutions with batch norm and ReLU, then pooling, then a 1x1 convolution."""
 

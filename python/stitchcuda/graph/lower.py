@@ -420,7 +420,17 @@ class Lowering:
                                               tuple(stride), tuple(padding), tuple(dilation), has_bias, output,
                                               self.sm_count)
             buffers["x"] = self._channels_last_copy(x, g)
-            y = self.produce(result, strides=channels_last_strides(tuple(result.shape)))
+            nhwc = channels_last_strides(tuple(result.shape))
+            if result.name in self.output_ids:
+                # A result the program returns in the model's layout (the group checked alone, or the model's
+                # own output): written NHWC as inside the chain, then one copy into the returned buffer, so
+                # a group check runs the kernel the program will.
+                y = self.b.intermediate(list(result.shape), dtype_name(result.dtype), strides=list(nhwc),
+                                        name=f"{result.name}.nhwc")
+                self.spec[y] = (tuple(result.shape), nhwc, result.dtype)
+                self.produce(result)
+            else:
+                y = self.produce(result, strides=nhwc)
         else:
             code = depthwise_conv_kernel(self._name("depthwise", g), tuple(x.shape), tuple(w.shape[2:]), tuple(stride),
                                          tuple(padding), tuple(dilation), x.dtype, result.dtype, has_bias, output,
@@ -432,6 +442,8 @@ class Lowering:
             buffers["bias"] = self.need(bias, contiguous=True)
         buffers["y"] = y
         self._launch(g, code, buffers)
+        if buffers["y"] != self.buf[result.name]:
+            self.b.aten("aten::contiguous", [buffers["y"]], [self.buf[result.name]])
 
     def _lower_pool(self, g: Group) -> None:
         """A pooling template kernel. The indices of max_pool2d_with_indices are not produced (the Planner
