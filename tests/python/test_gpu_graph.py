@@ -425,6 +425,10 @@ def test_a_mobilenet_block_matches_eager_in_the_layout_optimize_measures_faster(
     layout = next(d for d, _ in fast.report.decisions if d.startswith("convolution chains"))
     nhwc = any(g.get("kernel", "").startswith("depthwise_nhwc") for g in fast.report.groups)
     assert nhwc == ("channels-last" in layout), (layout, fast.report.groups)
+    # The depthwise group passed its check alone (in the chain's layout) and runs as a template in the
+    # layout kept: a failed check would leave it on ATen in both.
+    assert not fast.report.fallbacks, fast.report.fallbacks
+    assert any(g.get("kernel", "").startswith("depthwise") for g in fast.report.groups), fast.report.groups
 
 
 class _VggStage(nn.Module):
