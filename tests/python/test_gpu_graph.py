@@ -485,3 +485,33 @@ def test_optimize_stays_within_the_eager_forward_plus_two_of_its_largest_tensors
     allowance = eager_peak + 2 * largest
     assert device_peak <= allowance, (device_peak / 2**20, allowance / 2**20, {k: v / 2**20 for k, v in stages.items()})
     torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+class _WideLinears(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4096, 4096) for _ in range(4))  # 256 MiB of weights
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_the_constants_computed_from_weights_leave_the_gpu_once_the_checks_are_done():
+    """The transposed weights the group checks computed are as large as the weights: once the checks are
+    done they go to host memory (the programs store them as host bytes), so building holds the program's
+    copy of the weights, not a second one beside it."""
+    model = _WideLinears().cuda().eval()
+    x = torch.randn(8, 4096, device="cuda")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fast = stitchcuda.optimize(model, (x,), compare_compile=False, keep_slower=True, split_tf32=False)
+    assert fast.report.status == "optimized", str(fast.report)
+    stages = {stage: peak - base for stage, peak in fast.report.stage_peak_bytes.items()}
+    # The checks held the constants (one weight's transpose at a time is enough, but all are kept for the
+    # build); the build adds the program's own copy: well under two copies of the weights above the model's.
+    assert stages["build"] < 1.5 * weights, {k: v / 2**20 for k, v in stages.items()}
+    torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-4)

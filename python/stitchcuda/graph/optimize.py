@@ -403,6 +403,11 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
                               compare_compile=compare_compile)
                 report.stage_seconds["agents"] = time.perf_counter() - t0
         values = None  # every recorded intermediate is freed here: the checks that read them are done
+        # From here on the constants (weights transposed or folded) only go into programs, which store them
+        # as host bytes anyway: host copies give their GPU memory back to the build, verification and timing
+        # (a transformer's transposed projection weights are as large as its weights).
+        for name in list(constants):
+            constants[name] = constants[name].to("cpu")
         contiguous_inputs = [t.contiguous() for t in flat_inputs]
 
         layouts = [plan.channels_last, frozenset()] if plan.channels_last else [frozenset()]
