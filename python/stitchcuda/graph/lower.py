@@ -903,7 +903,11 @@ def check_group(graph: Graph, plan: GraphPlan, group: Group, values: dict[str, t
     this process (generated templates only). `stats` receives the worker's GPU memory for the check
     (verify.program.check_program)."""
     outputs_all = {v.name for v in graph.outputs}
-    inputs = [v for v in group.inputs() if v.kind != "weight" and v.name not in constants]
+    # The group's weights and constants are inputs of its program too, fed like the recorded values
+    # (through CUDA IPC with a pool), not bytes in its artifact: the worker would upload a copy of each,
+    # and a projection's weight is as large as its activations. Its kernels are the same either way:
+    # lowering inlines no weight's values.
+    inputs = list(group.inputs())
     outputs = group.outputs(outputs_all)
     lowering = Lowering(graph, plan, constants, sm_count)
     try:
@@ -913,7 +917,8 @@ def check_group(graph: Graph, plan: GraphPlan, group: Group, values: dict[str, t
     except Exception as exc:  # a compile error is a fallback reason, not a crash
         return False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", None
     code = lowering.kernels[0][1] if lowering.kernels else None
-    feed = [values[v.name].contiguous() for v in inputs]
+    feed = [(v.data.detach() if v.kind == "weight" else constants[v.name] if v.name in constants else values[v.name])
+            .contiguous() for v in inputs]
     wants = [values[v.name] for v in outputs]
     tolerances = [tolerance(v.dtype, plan.precision) for v in outputs]
     ok, why = check_program(program, feed, wants, tolerances, [v.name for v in outputs], pool=pool, reference="ATen",
