@@ -662,6 +662,25 @@ def test_argmax_and_argmin_over_channels_follow_torchs_first_index_and_nan_rules
         assert g.dtype == torch.int64 and torch.equal(g, w)
 
 
+@pytest.mark.parametrize("offset", [0, 1], ids=["float4", "misaligned"])
+@pytest.mark.parametrize("kind", ["argmax", "argmin"])
+def test_a_class_map_of_four_columns_per_thread_follows_torchs_rules(emu, kind, offset):
+    # 256 columns (two blocks of 128, four per thread), 37 classes over 8 warps: ties between warps and
+    # within a thread's four columns (the first index wins), NaNs (the first NaN wins), a column of -inf.
+    torch.manual_seed(11)
+    outer, reduce, inner = 2, 37, 256
+    storage = torch.randint(-3, 4, (outer * reduce * inner + 1,)).float()
+    x = storage[offset:offset + outer * reduce * inner].view(outer, reduce, inner)  # offset 1: not 16-byte aligned
+    x[0, 20, 5] = x[0, 29, 5] = float("nan")
+    x[1, :, 130] = float("-inf")
+    x[1, 5, 7] = x[1, 13, 7] = 100.0
+    code = column_reduction_kernel(f"c_{kind}", kind, outer, reduce, inner, torch.float32)
+    assert "4 columns per thread" in code.description and code.grid[0] == 2
+    y = torch.full((outer, inner), -7, dtype=torch.int64)
+    _run(emu, code, {"x": x, "y": y})
+    assert torch.equal(y, getattr(torch, kind)(x, dim=1))
+
+
 class _InvertedResidual(torch.nn.Module):
     """A MobileNet block: 1x1 expansion, depthwise 3x3 (stride 1 and 2), 1x1 projection, residual."""
 

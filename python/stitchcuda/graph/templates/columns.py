@@ -79,19 +79,14 @@ def _column_arg_kernel(name: str, kind: str, outer: int, reduce: int, inner: int
     the extreme (its first index). The column reduction's geometry; each thread keeps (value, index) over
     increasing indices, and the 8 warps' pairs are combined in shared memory. y: int64 [outer, inner]."""
     better = ">" if kind == "argmax" else "<"
+    if prologue is None and dtype == torch.float32 and inner % 4 == 0 and inner >= 128:
+        return _column_arg_kernel_4(name, kind, better, outer, reduce, inner)
     X, params, args = _column_inputs(name, dtype, prologue)
     params.append("long long* __restrict__ y")
     L = [_PRELUDE, *(prologue.value_function(name) if prologue else []),
          f"// {name}: {kind} over the middle extent {reduce} of [{outer}, {reduce}, {inner}]"
          + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else ""),
-         "// Whether (v, i) comes before (a, ai) in torch's order: a NaN first, then the extreme value, then the",
-         "// smaller index; ai < 0 is no value yet.",
-         "__device__ __forceinline__ bool first(float v, long long i, float a, long long ai) {",
-         "  if (ai < 0) return true;",
-         "  if (v != v) return a == a || i < ai;",
-         "  if (a != a) return false;",
-         f"  return v {better} a || (v == a && i < ai);",
-         "}",
+         *_first_function(better),
          f'extern "C" __global__ void __launch_bounds__(256) {name}({", ".join(params)}) {{',
          "  __shared__ float shv[8][33];",
          "  __shared__ long long shi[8][33];",
@@ -123,3 +118,77 @@ def _column_arg_kernel(name: str, kind: str, outer: int, reduce: int, inner: int
                         "per block, 8 warps splitting the extent, (value, index) pairs combined in shared memory, "
                         "torch's first-index and NaN rules"
                         + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else ""))
+
+
+def _first_function(better: str) -> list[str]:
+    """torch's order for argmax/argmin: whether (v, i) comes before (a, ai)."""
+    return ["// Whether (v, i) comes before (a, ai) in torch's order: a NaN first, then the extreme value, then the",
+            "// smaller index; ai < 0 is no value yet.",
+            "__device__ __forceinline__ bool first(float v, long long i, float a, long long ai) {",
+            "  if (ai < 0) return true;",
+            "  if (v != v) return a == a || i < ai;",
+            "  if (a != a) return false;",
+            f"  return v {better} a || (v == a && i < ai);",
+            "}"]
+
+
+def _column_arg_kernel_4(name: str, kind: str, better: str, outer: int, reduce: int, inner: int) -> KernelCode:
+    """The fp32 argmax/argmin over the middle extent with four columns per thread: 16-byte loads (512 bytes
+    per warp instruction instead of 128, four times the bytes in flight for the same loop), a block per 128
+    columns, 8 warps splitting the extent, then 128 threads combining the 8 warps' pairs of a column each.
+    A misaligned x (a view at an odd offset) takes four scalar loads instead (inner % 4 == 0, so every
+    row start shares x's alignment)."""
+    L = [_PRELUDE, f"// {name}: {kind} over the middle extent {reduce} of [{outer}, {reduce}, {inner}], 4 columns per thread",
+         *_first_function(better),
+         f'extern "C" __global__ void __launch_bounds__(256) {name}(const float* __restrict__ x, '
+         "long long* __restrict__ y) {",
+         "  __shared__ float shv[8][132];",
+         "  __shared__ long long shi[8][132];",
+         "  const long long col0 = (long long)blockIdx.x * 128 + threadIdx.x * 4;",
+         "  const long long o = blockIdx.y;",
+         "  float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};",
+         "  long long ai[4] = {-1, -1, -1, -1};",
+         f"  if (col0 < {inner}LL) {{  // inner % 4 == 0: all four columns exist",
+         f"    const float* p = x + (o * {reduce}LL + threadIdx.y) * {inner}LL + col0;",
+         "    if ((reinterpret_cast<unsigned long long>(x) & 15) == 0) {",
+         "#pragma unroll 4",
+         f"      for (long long r = threadIdx.y; r < {reduce}LL; r += 8, p += 8 * {inner}LL) {{",
+         "        const float4 v = *reinterpret_cast<const float4*>(p);",
+         "        if (first(v.x, r, a[0], ai[0])) { a[0] = v.x; ai[0] = r; }",
+         "        if (first(v.y, r, a[1], ai[1])) { a[1] = v.y; ai[1] = r; }",
+         "        if (first(v.z, r, a[2], ai[2])) { a[2] = v.z; ai[2] = r; }",
+         "        if (first(v.w, r, a[3], ai[3])) { a[3] = v.w; ai[3] = r; }",
+         "      }",
+         "    } else {",
+         f"      for (long long r = threadIdx.y; r < {reduce}LL; r += 8, p += 8 * {inner}LL) {{",
+         "#pragma unroll",
+         "        for (int j = 0; j < 4; ++j) {",
+         "          const float v = p[j];",
+         "          if (first(v, r, a[j], ai[j])) { a[j] = v; ai[j] = r; }",
+         "        }",
+         "      }",
+         "    }",
+         "  }",
+         "#pragma unroll",
+         "  for (int j = 0; j < 4; ++j) {",
+         "    shv[threadIdx.y][threadIdx.x * 4 + j] = a[j];",
+         "    shi[threadIdx.y][threadIdx.x * 4 + j] = ai[j];",
+         "  }",
+         "  __syncthreads();",
+         "  const int t = threadIdx.y * 32 + threadIdx.x;  // one column per thread of the first 128",
+         "  const long long col = (long long)blockIdx.x * 128 + t;",
+         f"  if (t < 128 && col < {inner}LL) {{",
+         "    float b = shv[0][t];",
+         "    long long bi = shi[0][t];",
+         "    for (int k = 1; k < 8; ++k)",
+         "      if (shi[k][t] >= 0 && first(shv[k][t], shi[k][t], b, bi)) {",
+         "        b = shv[k][t];",
+         "        bi = shi[k][t];",
+         "      }",
+         f"    y[o * {inner}LL + col] = bi;",
+         "  }",
+         "}"]
+    return KernelCode("\n".join(L) + "\n", name, (-(-inner // 128), outer, 1), (32, 8, 1), [("in", "x"), ("out", "y")],
+                      f"{kind} over the middle extent {reduce} of [{outer}, {reduce}, {inner}]: 4 columns per thread "
+                      "(16-byte loads; scalar when x is misaligned), 128 columns per block, 8 warps splitting the "
+                      "extent, (value, index) pairs combined in shared memory, torch's first-index and NaN rules")
