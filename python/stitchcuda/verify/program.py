@@ -197,8 +197,12 @@ def _held_on_host(t: Any) -> Any:
     can be had, `t` stays on the GPU."""
     if not (isinstance(t, torch.Tensor) and t.is_cuda and t.numel() * t.element_size() >= HOST_REFERENCE_BYTES):
         return t
+    # The same strides on the host: a copy between layouts would first make a contiguous copy on the GPU.
+    dense = t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
+    if not dense:
+        return t
     try:
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=True)
     except RuntimeError:
         return t
     return host.copy_(t)
