@@ -514,4 +514,9 @@ def test_the_constants_computed_from_weights_leave_the_gpu_once_the_checks_are_d
     # The checks held the constants (one weight's transpose at a time is enough, but all are kept for the
     # build); the build adds the program's own copy: well under two copies of the weights above the model's.
     assert stages["build"] < 1.5 * weights, {k: v / 2**20 for k, v in stages.items()}
+    # The report says what the kept program holds: its own copy of the weights (transposed or not), and
+    # a runner holding at least that.
+    memory = fast.report.memory
+    assert memory["weights_bytes"] == pytest.approx(weights, rel=0.01), memory
+    assert memory["runner_bytes"] >= memory["weights_bytes"] + memory["arena_bytes"] - (1 << 20), memory
     torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-4)

@@ -67,7 +67,8 @@ optimize_device_peak_bytes (the GPU's: the larger of that and, over the group ch
 allocations at a check plus what the isolated Verifier worker allocated for it), largest_tensor_bytes (the
 largest single input or eager output) and memory_ratio = optimize device peak / (eager peak + 2 x largest
 tensor), whose target is <= 1, stage_peak_bytes (the peak so far at the end of each of optimize's stages,
-on the same basis, and "check_with_worker": where the peak was reached);
+on the same basis, and "check_with_worker": where the peak was reached), program_memory (the report's memory:
+the kept program's weights_bytes, arena_bytes and runner_bytes, all its runner held after its timed calls);
 `precision`, and
 `matmuls` (the planner's decision: "matmuls in true fp32", "matmuls may use tf32", ...) and
 `tf32x3_steps` (the program's matmuls that ran as 3xTF32 after the checks).
@@ -671,6 +672,8 @@ def _record_report(row: dict, fast: Any) -> None:
     matmuls = _matmul_decision(report)
     if matmuls:
         row["matmuls"] = matmuls
+    if getattr(report, "memory", None):
+        row["program_memory"] = dict(report.memory)  # what the kept program holds: weights, arena, runner
     if fast.program is not None:
         row["replay"] = fast.program.replay["mode"]  # graph or direct, as measured by optimize
         # What ran, not what was planned: a tf32x3 GEMM that missed its check runs as SGEMM.
@@ -1188,7 +1191,9 @@ def _row_line(r: dict) -> str:
 
 def _memory_note(r: dict) -> str:
     """Where optimize's memory went, for a row over its target: the device peak, the stage that first
-    reached it (the stage peaks are cumulative) and the budget's parts."""
+    reached it (the stage peaks are cumulative), the budget's parts and what the kept program holds."""
+    from ..graph.report import program_memory_text
+
     ratio, peak = r.get("memory_ratio"), r.get("optimize_device_peak_bytes") or r.get("optimize_peak_bytes")
     if not isinstance(ratio, (int, float)) or ratio <= 1 or not peak:
         return ""
@@ -1198,7 +1203,8 @@ def _memory_note(r: dict) -> str:
     return (f"    memory: {peak / gib:.2f} GiB peak" + (f", reached by {at}" if at else "") +
             f"; eager peak {(r.get('eager_peak_bytes') or 0) / gib:.2f} GiB, largest tensor "
             f"{(r.get('largest_tensor_bytes') or 0) / gib:.2f} GiB; stages: " +
-            ", ".join(f"{stage} {b / gib:.2f}" for stage, b in stages.items()))
+            ", ".join(f"{stage} {b / gib:.2f}" for stage, b in stages.items()) +
+            (f"; program: {program_memory_text(r['program_memory'])}" if r.get("program_memory") else ""))
 
 
 def _row_notes(r: dict) -> list[str]:

@@ -4,6 +4,7 @@ runs the stitched program — or the original model with the reason, whenever an
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Any, Callable
@@ -206,11 +207,21 @@ def _time_ms(fn, repeats: int = 30) -> float:
     return verify_timing.measure(fn, repeats=repeats, warmup=3).median_ms
 
 
-def _choose_replay(program: Program, inputs: list[torch.Tensor]) -> tuple[ProgramModule, tuple[str, str], float]:
+def _choose_replay(program: Program, inputs: list[torch.Tensor],
+                   held: dict[bool, int] | None = None) -> tuple[ProgramModule, tuple[str, str], float]:
     """Times the program replayed as one CUDA graph and launched step by step on the example inputs and
     keeps the faster runner. A replay saves host time per launch but copies the inputs into, and the
     outputs out of, the graph's own buffers: on a few large kernels the copies cost more than they save.
-    Returns the runner, the decision and its milliseconds per call (inf when neither mode ran)."""
+    Returns the runner, the decision and its milliseconds per call (inf when neither mode ran); `held`
+    receives, per mode timed (True: graph), the GPU memory its runner held after its timed calls."""
+    held = {} if held is None else held
+
+    def timed(runner: ProgramModule, graphs: bool) -> float:
+        before = torch.cuda.memory_allocated()
+        ms = _time_ms(lambda: runner.executor.run(inputs))
+        held[graphs] = held.get(graphs, 0) + torch.cuda.memory_allocated() - before
+        return ms
+
     copies_ms, saved_ms = _replay_estimate(program)
     if copies_ms > REPLAY_COPY_MARGIN * saved_ms:
         # Not worth building: the graph runner's static copies would add every input and output to the
@@ -218,9 +229,11 @@ def _choose_replay(program: Program, inputs: list[torch.Tensor]) -> tuple[Progra
         why = (f"estimated, not measured: a replay copies the inputs and outputs ({copies_ms:.3f} ms at the GPU's "
                f"memory bandwidth) to save about {saved_ms:.3f} ms of launches ({len(program.steps)} steps)")
         program.set_replay("direct", why)
+        before = torch.cuda.memory_allocated()
         runner = ProgramModule(program, graphs=False)
+        held[False] = torch.cuda.memory_allocated() - before  # its weights
         try:
-            ms = _time_ms(lambda: runner.executor.run(inputs))
+            ms = timed(runner, False)
         except Exception:  # verification reports the failure
             ms = float("inf")
         return runner, ("launch the steps directly (no CUDA graph)", why), ms
@@ -232,8 +245,10 @@ def _choose_replay(program: Program, inputs: list[torch.Tensor]) -> tuple[Progra
     # one timed and kept only if it wins; a winning graph runner is built again (its kernels are loaded).
     for graphs in (True, False):
         try:
+            before = torch.cuda.memory_allocated()
             runner = ProgramModule(program, graphs=graphs)
-            times[graphs] = _time_ms(lambda r=runner: r.executor.run(inputs))
+            held[graphs] = torch.cuda.memory_allocated() - before  # its weights
+            times[graphs] = timed(runner, graphs)
             if not graphs:
                 runners[graphs] = runner
         except Exception as exc:  # the other mode may still run; verification judges the one kept
@@ -418,9 +433,16 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
             program.compile_kernels()
             report.groups = _group_entries(plan, lowering, fallback, codes)
             runner, ms = None, float("inf")
+            held: dict[bool, int] = {}
+            weights = sum(math.prod(b["shape"]) * DTYPES[b["dtype"]].itemsize for b in program.buffers
+                          if b["role"] == "weight")
+            report.memory = {"weights_bytes": weights, "arena_bytes": program.buffer_plan()["arena_bytes"]}
             if graphs:
-                runner, decision, ms = _choose_replay(program, contiguous_inputs)
+                runner, decision, ms = _choose_replay(program, contiguous_inputs, held)
                 report.decisions[:] = [d for d in report.decisions if not _is_replay_decision(d)] + [decision]
+                kept = program.replay["mode"] == "graph"
+                if kept in held:
+                    report.memory["runner_bytes"] = held[kept]
             else:
                 program.set_replay("direct", "graphs=False was requested")  # carried into the saved artifact
                 if len(layouts) > 1:

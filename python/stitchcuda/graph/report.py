@@ -32,6 +32,10 @@ class Report:
     # The process's peak of GPU memory allocated by PyTorch at the end of each stage (a running maximum:
     # the stage where it rises is the one that needed the memory).
     stage_peak_bytes: dict = field(default_factory=dict)
+    # What the kept program holds on the GPU, in bytes: weights_bytes (its own copy of the weights and
+    # constants), arena_bytes (the planned arena of intermediates) and runner_bytes (all the runner held
+    # after its timed calls: weights, arena, split scratch, static copies, the CUDA graph's pool).
+    memory: dict = field(default_factory=dict)
     targets: list[dict] = field(default_factory=list)  # with llm=: per target, the candidates and the winner
     agents: dict = field(default_factory=dict)          # with llm=: usage, wall and overhead time
     run_dir: str = ""                                   # with llm=: where the agents' run is recorded
@@ -48,7 +52,8 @@ class Report:
                        "decisions": [[d, why] for d, why in self.decisions], "groups": self.groups,
                        "fallbacks": self.fallbacks, "verification": self.verification, "timing": self.timing,
                        "op_counts": self.op_counts, "stage_seconds": self.stage_seconds,
-                       "stage_peak_bytes": self.stage_peak_bytes, "targets": self.targets, "agents": self.agents,
+                       "stage_peak_bytes": self.stage_peak_bytes, "memory": self.memory, "targets": self.targets,
+                       "agents": self.agents,
                        "run_dir": self.run_dir})
 
     @classmethod
@@ -77,7 +82,8 @@ class Report:
                    fallbacks=list(data.get("fallbacks", [])), verification=dict(data.get("verification") or {}),
                    timing=dict(data.get("timing") or {}), op_counts=dict(data.get("op_counts") or {}),
                    stage_seconds=dict(data.get("stage_seconds") or {}),
-                   stage_peak_bytes=dict(data.get("stage_peak_bytes") or {}), targets=list(data.get("targets", [])),
+                   stage_peak_bytes=dict(data.get("stage_peak_bytes") or {}), memory=dict(data.get("memory") or {}),
+                   targets=list(data.get("targets", [])),
                    agents=dict(data.get("agents") or {}), run_dir=data.get("run_dir") or "")
 
     def __str__(self) -> str:
@@ -97,6 +103,8 @@ class Report:
                          f"input set(s), max |error| {'-' if worst is None else format(worst, '.3g')}, max relative "
                          "error vs fp64 "
                          + (f"{fp64:.3g}" if fp64 is not None else v.get("fp64_note") or "not computed"))
+        if self.memory:
+            lines.append(f"  program on the GPU: {program_memory_text(self.memory)}")
         for d, why in self.decisions:
             lines.append(f"  decision: {d} ({why})")
         views = sum(g["kind"] == "view" for g in self.groups)
@@ -174,6 +182,7 @@ def report_schema() -> dict:
             "op_counts": {"type": "object", "additionalProperties": integer},
             "stage_seconds": {"type": "object", "additionalProperties": {"type": "number"}},
             "stage_peak_bytes": {"type": "object", "additionalProperties": integer},  # absent in older reports
+            "memory": {"type": "object", "additionalProperties": integer},  # absent in older reports
             "targets": {"type": "array", "items": {
                 "type": "object", "required": ["target", "winner"],
                 "properties": {"target": string, "groups": {"type": "array", "items": string}, "ops": string,
@@ -359,8 +368,17 @@ def _html(r: "Report") -> str:
         parts.append('<div class="note">stages: ' + ", ".join(
             f"{_e(k)} {v:.1f} s" + (f" (GPU memory peak {peaks[k] / 2**30:.2f} GiB)" if peaks.get(k) else "")
             for k, v in r.stage_seconds.items()) + "</div>")
+    if r.memory:
+        parts.append(f'<div class="note">program on the GPU: {_e(program_memory_text(r.memory))}</div>')
     parts.append("</div>")
     return "".join(parts)
+
+
+def program_memory_text(memory: dict) -> str:
+    """Report.memory in words: "weights 0.12 GiB, arena 0.25 GiB, runner 0.50 GiB in all"."""
+    names = (("weights_bytes", "weights"), ("arena_bytes", "arena"), ("runner_bytes", "runner"))
+    parts = [f"{label} {memory[key] / 2**30:.2f} GiB" for key, label in names if memory.get(key) is not None]
+    return ", ".join(parts) + (" in all" if memory.get("runner_bytes") is not None else "")
 
 
 def _speeds(t: dict) -> list[str]:
