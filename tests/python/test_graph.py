@@ -503,6 +503,20 @@ def test_a_replay_whose_copies_dwarf_its_launches_is_not_even_built(monkeypatch)
     assert program.replay == {"mode": "direct", "reason": why}
 
 
+def test_the_report_counts_what_a_program_holds_before_it_runs():
+    import importlib
+
+    opt = importlib.import_module("stitchcuda.graph.optimize")
+    b = stitchcuda.ProgramBuilder()
+    x, w = b.input([4, 16]), b.weight([16, 32], data=bytes(16 * 32 * 4))
+    bias = b.weight([32], data=bytes(32 * 4))
+    t, y = b.intermediate([4, 32]), b.output([4, 32])
+    b.matmul(x, w, t, bias=bias, epilogue="bias")
+    b.aten("aten::relu", [t], [y])
+    # 2176 bytes of weights; the [4, 32] f32 intermediate is 512 bytes, the arena's 256-byte alignment keeps it
+    assert opt._program_memory(b.build()) == {"weights_bytes": (16 * 32 + 32) * 4, "arena_bytes": 512}
+
+
 def _basic_blocks(ptx: str) -> list[str]:
     """The PTX split at labels and branches: a load in one block cannot be issued before the branch ahead of it."""
     return re.split(r"\n\$L__\w+:|\n\s*@?%?\w*\s*bra(?:\.uni)?\s+\$L__\w+;", ptx)

@@ -207,6 +207,19 @@ def _time_ms(fn, repeats: int = 30) -> float:
     return verify_timing.measure(fn, repeats=repeats, warmup=3).median_ms
 
 
+def _allocated() -> int:
+    """The GPU memory PyTorch's allocator has handed out (0 without a GPU)."""
+    return int(torch.cuda.memory_allocated()) if torch.cuda.is_available() else 0
+
+
+def _program_memory(program: Program) -> dict[str, int]:
+    """Report.memory's static part: the bytes of the program's weights (its own copy, constants included)
+    and of its planned arena."""
+    weights = sum(math.prod(b["shape"]) * DTYPES[b["dtype"]].itemsize for b in program.buffers
+                  if b["role"] == "weight")
+    return {"weights_bytes": int(weights), "arena_bytes": int(program.buffer_plan()["arena_bytes"])}
+
+
 def _choose_replay(program: Program, inputs: list[torch.Tensor],
                    held: dict[bool, int] | None = None) -> tuple[ProgramModule, tuple[str, str], float]:
     """Times the program replayed as one CUDA graph and launched step by step on the example inputs and
@@ -217,9 +230,9 @@ def _choose_replay(program: Program, inputs: list[torch.Tensor],
     held = {} if held is None else held
 
     def timed(runner: ProgramModule, graphs: bool) -> float:
-        before = torch.cuda.memory_allocated()
+        before = _allocated()
         ms = _time_ms(lambda: runner.executor.run(inputs))
-        held[graphs] = held.get(graphs, 0) + torch.cuda.memory_allocated() - before
+        held[graphs] = held.get(graphs, 0) + _allocated() - before
         return ms
 
     copies_ms, saved_ms = _replay_estimate(program)
@@ -229,9 +242,9 @@ def _choose_replay(program: Program, inputs: list[torch.Tensor],
         why = (f"estimated, not measured: a replay copies the inputs and outputs ({copies_ms:.3f} ms at the GPU's "
                f"memory bandwidth) to save about {saved_ms:.3f} ms of launches ({len(program.steps)} steps)")
         program.set_replay("direct", why)
-        before = torch.cuda.memory_allocated()
+        before = _allocated()
         runner = ProgramModule(program, graphs=False)
-        held[False] = torch.cuda.memory_allocated() - before  # its weights
+        held[False] = _allocated() - before  # its weights
         try:
             ms = timed(runner, False)
         except Exception:  # verification reports the failure
@@ -245,9 +258,9 @@ def _choose_replay(program: Program, inputs: list[torch.Tensor],
     # one timed and kept only if it wins; a winning graph runner is built again (its kernels are loaded).
     for graphs in (True, False):
         try:
-            before = torch.cuda.memory_allocated()
+            before = _allocated()
             runner = ProgramModule(program, graphs=graphs)
-            held[graphs] = torch.cuda.memory_allocated() - before  # its weights
+            held[graphs] = _allocated() - before  # its weights
             times[graphs] = timed(runner, graphs)
             if not graphs:
                 runners[graphs] = runner
@@ -434,9 +447,7 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
             report.groups = _group_entries(plan, lowering, fallback, codes)
             runner, ms = None, float("inf")
             held: dict[bool, int] = {}
-            weights = sum(math.prod(b["shape"]) * DTYPES[b["dtype"]].itemsize for b in program.buffers
-                          if b["role"] == "weight")
-            report.memory = {"weights_bytes": weights, "arena_bytes": program.buffer_plan()["arena_bytes"]}
+            report.memory = _program_memory(program)
             if graphs:
                 runner, decision, ms = _choose_replay(program, contiguous_inputs, held)
                 report.decisions[:] = [d for d in report.decisions if not _is_replay_decision(d)] + [decision]
