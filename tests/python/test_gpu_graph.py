@@ -498,10 +498,10 @@ class _WideLinears(nn.Module):
         return x
 
 
-def test_the_constants_computed_from_weights_leave_the_gpu_once_the_checks_are_done():
-    """The transposed weights the group checks computed are as large as the weights: once the checks are
-    done they go to host memory (the programs store them as host bytes), so building holds the program's
-    copy of the weights, not a second one beside it."""
+def test_building_holds_one_copy_of_the_weights_beside_the_models():
+    """Building holds the program's own copy of the weights (transposed, as its GEMMs read them) beside the
+    model's, not a second one: the constants the group checks computed go to host memory once the checks
+    are done (a transposed weight is only a view), and the report says what the program holds."""
     model = _WideLinears().cuda().eval()
     x = torch.randn(8, 4096, device="cuda")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -511,8 +511,7 @@ def test_the_constants_computed_from_weights_leave_the_gpu_once_the_checks_are_d
     fast = stitchcuda.optimize(model, (x,), compare_compile=False, keep_slower=True, split_tf32=False)
     assert fast.report.status == "optimized", str(fast.report)
     stages = {stage: peak - base for stage, peak in fast.report.stage_peak_bytes.items()}
-    # The checks held the constants (one weight's transpose at a time is enough, but all are kept for the
-    # build); the build adds the program's own copy: well under two copies of the weights above the model's.
+    # The build adds the program's own copy of the weights: well under two copies above the model's.
     assert stages["build"] < 1.5 * weights, {k: v / 2**20 for k, v in stages.items()}
     # The report says what the kept program holds: its own copy of the weights (transposed or not), and
     # a runner holding at least that.

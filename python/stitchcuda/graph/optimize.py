@@ -431,9 +431,10 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
                               compare_compile=compare_compile)
                 report.stage_seconds["agents"] = time.perf_counter() - t0
         values = None  # every recorded intermediate is freed here: the checks that read them are done
-        # From here on the constants (weights transposed or folded) only go into programs, which store them
-        # as host bytes anyway: host copies give their GPU memory back to the build, verification and timing
-        # (a transformer's transposed projection weights are as large as its weights).
+        # From here on the constants only go into programs, which store them as host bytes anyway: host
+        # copies give the GPU memory of those computed into tensors of their own (a folded mask, a value
+        # computed from weights) back to the build, verification and timing. (A transposed weight is a view
+        # of the weight and holds nothing of its own.)
         for name in list(constants):
             constants[name] = constants[name].to("cpu")
         contiguous_inputs = [t.contiguous() for t in flat_inputs]
