@@ -517,6 +517,32 @@ def test_the_report_counts_what_a_program_holds_before_it_runs():
     assert opt._program_memory(b.build()) == {"weights_bytes": (16 * 32 + 32) * 4, "arena_bytes": 512}
 
 
+def test_only_constants_with_memory_of_their_own_leave_the_gpu_after_the_checks():
+    # A linear layer's transposed weight is a view of the weight: a host copy would free nothing and add host
+    # memory. A mask computed from factories is a tensor of its own.
+    import importlib
+
+    opt = importlib.import_module("stitchcuda.graph.optimize")
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            mask = torch.arange(8).unsqueeze(0) <= torch.arange(8).unsqueeze(1)
+            return torch.where(mask, self.fc(x), torch.full((8, 8), -1.0))
+
+    model = Masked().eval()
+    x = torch.randn(8, 8)
+    graph, plan = planned(model, (x,))
+    values = reference_values(graph, [x])
+    constants = {g.nodes[0].out.name: values[g.nodes[0].out.name] for g in plan.groups if g.kind == "constant"}
+    owning = set(opt._owning_constants(constants, model))
+    views = {n for n, t in constants.items() if t.untyped_storage().data_ptr() == model.fc.weight.untyped_storage().data_ptr()}
+    assert views and owning and not views & owning and owning | views == set(constants), (owning, views)
+
+
 def _basic_blocks(ptx: str) -> list[str]:
     """The PTX split at labels and branches: a load in one block cannot be issued before the branch ahead of it."""
     return re.split(r"\n\$L__\w+:|\n\s*@?%?\w*\s*bra(?:\.uni)?\s+\$L__\w+;", ptx)

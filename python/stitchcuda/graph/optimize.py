@@ -207,6 +207,12 @@ def _time_ms(fn, repeats: int = 30) -> float:
     return verify_timing.measure(fn, repeats=repeats, warmup=3).median_ms
 
 
+def _owning_constants(constants: dict[str, torch.Tensor], model: torch.nn.Module) -> list[str]:
+    """The constants whose memory is their own: not views of the model's parameters or buffers."""
+    shared = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    return [name for name, t in constants.items() if t.untyped_storage().data_ptr() not in shared]
+
+
 def _allocated() -> int:
     """The GPU memory PyTorch's allocator has handed out (0 without a GPU)."""
     return int(torch.cuda.memory_allocated()) if torch.cuda.is_available() else 0
@@ -433,9 +439,9 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
         values = None  # every recorded intermediate is freed here: the checks that read them are done
         # From here on the constants only go into programs, which store them as host bytes anyway: host
         # copies give the GPU memory of those computed into tensors of their own (a folded mask, a value
-        # computed from weights) back to the build, verification and timing. (A transposed weight is a view
-        # of the weight and holds nothing of its own.)
-        for name in list(constants):
+        # computed from weights) back to the build, verification and timing. A view of a weight (a
+        # transposed projection) holds nothing of its own and stays: a host copy would only add host memory.
+        for name in _owning_constants(constants, model):
             constants[name] = constants[name].to("cpu")
         contiguous_inputs = [t.contiguous() for t in flat_inputs]
 
