@@ -657,7 +657,7 @@ def _checked(graph: Graph, plan: GraphPlan, g: Group, held: dict, constants: dic
     """check_group, recording the GPU memory in use across both processes while it ran: this process's
     allocations at the check plus what the isolated worker allocated for it (stage "check_with_worker";
     the recorded tensors it reads through CUDA IPC are counted once, here)."""
-    here = int(torch.cuda.memory_allocated()) if torch.cuda.is_available() else 0
+    here = _allocated()
     stats: dict = {}
     result = check_group(graph, plan, g, held, constants, sm_count, pool, stats=stats)
     both = here + int(stats.get("worker_peak_bytes") or 0)
