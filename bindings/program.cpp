@@ -308,13 +308,18 @@ void bind_program(py::module_& m) {
 
   py::class_<Executor, std::shared_ptr<Executor>>(pm, "Executor")
       .def(py::init([](const Program& p, std::optional<bool> graphs, int device, std::size_t workspace, bool device_launch,
-                       std::size_t min_nodes) {
+                       std::size_t min_nodes, const py::dict& shared) {
         ExecutorOptions o;
         o.graphs = graphs, o.device = device, o.workspace_bytes = workspace, o.device_launch = device_launch;
         o.device_launch_min_nodes = min_nodes;
-        return unwrap(Executor::create(p, o));
+        std::map<BufferId, at::Tensor> tensors;
+        for (const auto& [key, value] : shared) {
+          if (!THPVariable_Check(value.ptr())) invalid("shared weights map buffer ids to torch.Tensor values");
+          tensors.emplace(key.cast<BufferId>(), THPVariable_Unpack(value.ptr()));
+        }
+        return unwrap(Executor::create(p, o, tensors));
       }), py::arg("program"), py::arg("graphs") = py::none(), py::arg("device") = -1, py::arg("workspace_bytes") = 32u << 20,
-          py::arg("device_launch") = true, py::arg("device_launch_min_nodes") = 128)
+          py::arg("device_launch") = true, py::arg("device_launch_min_nodes") = 128, py::arg("shared") = py::dict())
       .def("run", [](Executor& e, const py::sequence& inputs, std::optional<py::sequence> outputs, std::uintptr_t stream) {
         auto in = tensors_of(inputs, "input");
         std::vector<at::Tensor> out;
@@ -362,6 +367,7 @@ void bind_program(py::module_& m) {
         d["runs"] = s.runs, d["eager_runs"] = s.eager_runs, d["replays"] = s.replays, d["captures"] = s.captures;
         d["copies_skipped"] = s.copies_skipped, d["instances"] = s.instances, d["arena_bytes"] = s.arena_bytes;
         d["device_launches"] = s.device_launches, d["host_replay_note"] = s.host_replay_note;
+        d["weight_bytes"] = s.weight_bytes, d["shared_weight_bytes"] = s.shared_weight_bytes;
         return d;
       });
 }

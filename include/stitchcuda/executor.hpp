@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -46,6 +47,8 @@ struct ExecutorStats {
   std::uint64_t copies_skipped = 0;///< inputs/outputs that were already the graph's static buffers
   std::size_t instances = 0;       ///< per-stream instances (each: arena, workspace, static I/O, graph)
   std::size_t arena_bytes = 0;     ///< planned arena of one instance
+  std::size_t weight_bytes = 0;    ///< weights uploaded into the executor's own memory
+  std::size_t shared_weight_bytes = 0;  ///< weights read in place from tensors given at creation
   /// Why replays run from the host although ExecutorOptions::device_launch asked otherwise ("" if not).
   std::string host_replay_note;
 };
@@ -58,6 +61,14 @@ class Executor {
   /// architecture, else recompiled from source through the kernel cache), resolves every ATen op in the
   /// dispatcher and checks its arguments, and uploads the weights. Errors name the step at fault.
   static Result<std::shared_ptr<Executor>> create(Program program, ExecutorOptions options = {});
+  /// As above, reading the weights named in `shared` from the given tensors instead of uploading the
+  /// program's bytes: a program running beside the model it was built from uses the model's parameters
+  /// in place and holds no second copy of them. Each tensor must have its weight's dtype, shape and
+  /// strides, live on the executor's device and start 256-byte aligned; the executor keeps a reference
+  /// (the tensor stays alive) and reads whatever the tensor holds at run time. set_weight refuses a shared
+  /// weight: write to the tensor instead.
+  static Result<std::shared_ptr<Executor>> create(Program program, ExecutorOptions options,
+                                                  const std::map<BufferId, at::Tensor>& shared);
   /// Program::load + create.
   static Result<std::shared_ptr<Executor>> load(const std::string& path, ExecutorOptions options = {});
 
@@ -78,7 +89,8 @@ class Executor {
   /// See static_inputs.
   Result<std::vector<at::Tensor>> static_outputs(void* stream = nullptr);
 
-  /// Replaces a weight's contents (same shape and dtype); captured graphs see the new values.
+  /// Replaces a weight's contents (same shape and dtype); captured graphs see the new values. A weight
+  /// shared at creation is the caller's tensor and is refused here.
   Result<void> set_weight(BufferId weight, const at::Tensor& value);
   /// Frees what runs allocated: every stream's arena, cuBLASLt workspace, split scratch, static inputs
   /// and outputs, and captured graph. The weights and loaded kernels stay; the next run allocates again

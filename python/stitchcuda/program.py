@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from . import _C
+from .errors import InvalidArgumentError
 
 __all__ = ["Program", "ProgramBuilder", "Executor", "ProgramModule", "load", "DTYPES"]
 
@@ -131,6 +132,32 @@ class Program:
 
     def __init__(self, native: Any) -> None:
         self._p = native
+        self._shared: dict[int, torch.Tensor] = {}
+
+    def share_weight(self, buffer: int, tensor: torch.Tensor) -> None:
+        """Executors made from this Program object read weight `buffer` from `tensor` in place instead of
+        uploading a copy of the stored bytes (a program running beside the model it was built from holds
+        no second copy of the model's parameters). `tensor` must have the weight's dtype, shape and strides;
+        executors check its device and alignment and keep a reference to it. The artifact still stores the
+        weight's bytes: a saved and loaded program uploads its own copy."""
+        spec = next((b for b in self.buffers if b["id"] == buffer), None)
+        if spec is None or spec["role"] != "weight":
+            raise InvalidArgumentError(f"buffer {buffer} is not a weight of this program: only weights can be shared")
+        def layout(shape, strides, dtype):  # strides matter along extents above 1 only, as for run()'s inputs
+            return list(shape), [st if e > 1 else 0 for st, e in zip(strides, shape)], dtype
+
+        dtype = _NAMES.get(tensor.dtype, str(tensor.dtype))
+        if layout(spec["shape"], spec["strides"], spec["dtype"]) != layout(tensor.shape, tensor.stride(), dtype):
+            raise InvalidArgumentError(
+                f"weight {buffer} ('{spec['name']}') is {spec['dtype']}{list(spec['shape'])} strides "
+                f"{list(spec['strides'])} but the tensor shared for it is {dtype}{list(tensor.shape)} strides {list(tensor.stride())}: share "
+                "the tensor the weight was built from")
+        self._shared[buffer] = tensor
+
+    @property
+    def shared_weights(self) -> dict[int, torch.Tensor]:
+        """Weight buffer id -> the tensor executors read it from (see share_weight)."""
+        return dict(self._shared)
 
     @staticmethod
     def load(path: str | os.PathLike) -> "Program":
@@ -225,7 +252,7 @@ class Executor:
 
         jit._COMPILED.update(str(k["name"]) for k in program.kernels if k.get("name"))
         self._e = _C.program.Executor(program._p, graphs, -1 if device is None else int(device), 32 << 20,
-                                      bool(device_launch), int(device_launch_min_nodes))
+                                      bool(device_launch), int(device_launch_min_nodes), program.shared_weights)
 
     def run(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor] | None = None, *,
             stream: torch.cuda.Stream | None = None) -> list[torch.Tensor]:
@@ -262,7 +289,8 @@ class Executor:
 
     def stats(self) -> dict:
         """runs, eager_runs, replays, device_launches, captures, copies_skipped, instances, arena_bytes,
-        host_replay_note."""
+        weight_bytes (uploaded into its own memory), shared_weight_bytes (read in place from the tensors
+        shared with Program.share_weight), host_replay_note."""
         return self._e.stats()
 
 

@@ -16,6 +16,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <unordered_map>
 
 #include "../jit/driver.hpp"
@@ -183,7 +184,9 @@ struct Executor::Impl {
   std::vector<jit::Kernel> kernels;                // by kernel table index
   std::vector<std::string> warnings;
   std::vector<std::optional<program::detail::BoundAtenOp>> aten;  // by step
-  std::map<BufferId, at::Tensor> weights;          // device copies
+  std::map<BufferId, at::Tensor> weights;          // device copies, or the caller's tensors where shared
+  std::set<BufferId> shared;                       // weights read in place from the caller's tensors
+  std::size_t weight_bytes = 0, shared_weight_bytes = 0;
   const jit::detail::DriverApi* driver = nullptr;
 
   std::mutex instances_mu;
@@ -468,6 +471,11 @@ Executor::Executor(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Executor::~Executor() = default;
 
 Result<std::shared_ptr<Executor>> Executor::create(Program program, ExecutorOptions options) {
+  return create(std::move(program), options, {});
+}
+
+Result<std::shared_ptr<Executor>> Executor::create(Program program, ExecutorOptions options,
+                                                   const std::map<BufferId, at::Tensor>& shared) {
   auto plan = program.plan();  // validates first
   if (!plan) return tl::unexpected(plan.error());
   // Everything that needs no GPU is checked first, so a bad program fails the same way everywhere.
@@ -570,10 +578,37 @@ Result<std::shared_ptr<Executor>> Executor::create(Program program, ExecutorOpti
     if (auto* a = std::get_if<AtenOp>(&x.program.steps[i]); a && draws_random_numbers(a->op))
       x.no_device_launch = step_label(x.program, i) + " (" + a->op + ") draws random numbers, and only PyTorch's "
                            "host-side replay advances the generator between runs";
+  for (const auto& [id, t] : shared) {
+    auto found = x.slot.find(id);
+    if (found == x.slot.end() || x.program.buffers[found->second].role != BufferRole::weight)
+      return fail(ErrorCode::InvalidArgument, "buffer " + std::to_string(id) + " is not a weight of this program: only "
+                                              "weights can be shared");
+    const Buffer& b = x.program.buffers[found->second];
+    std::string name = "shared weight " + std::to_string(id) + (b.name.empty() ? "" : " ('" + b.name + "')");
+    if (!t.defined()) return fail(ErrorCode::InvalidArgument, name + " is an undefined tensor");
+    if (!t.is_cuda() || t.get_device() != x.device)
+      return fail(ErrorCode::InvalidArgument, name + " is on " + t.device().str() + " but the program runs on cuda:" +
+                                                  std::to_string(x.device) + ": share a tensor on that device, or leave it "
+                                                  "out to upload the program's own copy");
+    if (!matches(t, b.spec))
+      return fail(ErrorCode::InvalidArgument, name + " must be " + b.spec.describe() + " but is " + describe(t) +
+                                                  ": share the tensor the weight was built from, or leave it out to upload "
+                                                  "the program's own copy");
+    if (reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 256 != 0)
+      return fail(ErrorCode::InvalidArgument, name + " does not start 256-byte aligned (kernels load weights in vectors): "
+                                                  "leave it out to upload the program's own copy");
+  }
   try {
     c10::cuda::CUDAGuard guard(c10::DeviceIndex(x.device));
     for (const Buffer& b : x.program.buffers) {
       if (b.role != BufferRole::weight) continue;
+      if (auto it = shared.find(b.id); it != shared.end()) {
+        x.weights[b.id] = it->second;  // a reference: the caller's tensor is read in place
+        x.shared.insert(b.id);
+        x.shared_weight_bytes += b.spec.storage_bytes();
+        continue;
+      }
+      x.weight_bytes += b.spec.storage_bytes();
       auto dev = at::empty_strided(b.spec.shape, b.spec.strides, x.options_for(b.spec));
       auto it = x.program.weights.find(b.id);
       if (it != x.program.weights.end() && !it->second.empty()) {
@@ -737,6 +772,9 @@ Result<void> Executor::set_weight(BufferId weight, const at::Tensor& value) {
   auto it = impl_->weights.find(weight);
   if (it == impl_->weights.end())
     return fail(ErrorCode::InvalidArgument, "buffer " + std::to_string(weight) + " is not a weight of this program");
+  if (impl_->shared.count(weight))
+    return fail(ErrorCode::InvalidArgument, "weight " + std::to_string(weight) + " is read in place from the tensor shared "
+                                            "at creation: write to that tensor instead (every run reads it)");
   const TensorSpec& s = impl_->spec(weight);
   if (value.sizes().vec() != s.shape || value.scalar_type() != scalar_type(s.dtype))
     return fail(ErrorCode::InvalidArgument, "weight " + std::to_string(weight) + " must be " + s.describe() + " but the value is " +
@@ -785,6 +823,7 @@ ExecutorStats Executor::stats() const {
     s.instances = impl_->instances.size();
   }
   s.arena_bytes = impl_->plan.arena_bytes;
+  s.weight_bytes = impl_->weight_bytes, s.shared_weight_bytes = impl_->shared_weight_bytes;
   return s;
 }
 

@@ -201,6 +201,52 @@ def test_wrong_inputs_are_clear_errors():
         ex.run([])
 
 
+def test_shared_weights_are_read_in_place_without_a_copy():
+    torch.manual_seed(0)
+    w1, b1 = torch.randn(256, 128, device="cuda"), torch.randn(256, device="cuda")
+    w2, b2 = torch.randn(64, 256, device="cuda"), torch.randn(64, device="cuda")
+    x = torch.randn(32, 128, device="cuda")
+    program = mlp_program(w1, b1, w2, b2, 32)
+    ids = {b["name"]: b["id"] for b in program.buffers}
+    for name, t in (("w1", w1), ("b1", b1), ("w2", w2)):
+        program.share_weight(ids[name], t)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    ex = program.executor(graphs=False)
+    stats = ex.stats()
+    shared = (w1.numel() + b1.numel() + w2.numel()) * 4
+    assert stats["shared_weight_bytes"] == shared and stats["weight_bytes"] == b2.numel() * 4
+    # Only b2 was uploaded (the allocator rounds it up to its 512-byte block).
+    assert torch.cuda.memory_allocated() - before == 512
+    expect = F.linear(F.relu(F.linear(x, w1, b1)), w2, b2)
+    torch.testing.assert_close(ex.run([x])[0], expect, rtol=1e-5, atol=1e-5)
+    # In place: the next run reads what the shared tensor holds then; a shared weight is not set through
+    # the executor (that would write into the caller's tensor).
+    w1.mul_(2)
+    torch.testing.assert_close(ex.run([x])[0], F.linear(F.relu(F.linear(x, w1, b1)), w2, b2), rtol=1e-5, atol=1e-5)
+    with pytest.raises(stitchcuda.InvalidArgumentError, match="is read in place from the tensor shared at creation"):
+        ex.set_weight(ids["w1"], w1)
+    ex.set_weight(ids["b2"], b2 * 0)  # its own copy: set as before
+    torch.testing.assert_close(ex.run([x])[0], F.linear(F.relu(F.linear(x, w1, b1)), w2), rtol=1e-5, atol=1e-5)
+
+
+def test_a_shared_weight_off_the_device_or_misaligned_is_refused_by_name():
+    w1, b1 = torch.randn(256, 128, device="cuda"), torch.randn(256, device="cuda")
+    w2, b2 = torch.randn(64, 256, device="cuda"), torch.randn(64, device="cuda")
+    program = mlp_program(w1, b1, w2, b2, 32)
+    ids = {b["name"]: b["id"] for b in program.buffers}
+    program.share_weight(ids["w1"], w1.cpu())
+    with pytest.raises(stitchcuda.InvalidArgumentError, match=r"shared weight \d+ \('w1'\) is on cpu but the program "
+                                                              r"runs on cuda:0"):
+        program.executor()
+    program = mlp_program(w1, b1, w2, b2, 32)
+    misaligned = torch.empty(64 + 1, device="cuda")[1:]  # 4 bytes past a 512-byte block's start
+    misaligned.copy_(b2)
+    program.share_weight(ids["b2"], misaligned)
+    with pytest.raises(stitchcuda.InvalidArgumentError, match=r"\('b2'\) does not start 256-byte aligned"):
+        program.executor()
+
+
 def test_kernel_argument_mismatch_names_the_step():
     b = ProgramBuilder()
     x, y = b.input([256]), b.output([256])

@@ -513,8 +513,36 @@ def test_the_report_counts_what_a_program_holds_before_it_runs():
     t, y = b.intermediate([4, 32]), b.output([4, 32])
     b.matmul(x, w, t, bias=bias, epilogue="bias")
     b.aten("aten::relu", [t], [y])
+    program = b.build()
     # 2176 bytes of weights; the [4, 32] f32 intermediate is 512 bytes, the arena's 256-byte alignment keeps it
-    assert opt._program_memory(b.build()) == {"weights_bytes": (16 * 32 + 32) * 4, "arena_bytes": 512}
+    assert opt._program_memory(program) == {"weights_bytes": (16 * 32 + 32) * 4, "shared_weights_bytes": 0,
+                                            "arena_bytes": 512}
+    # A weight shared with the model's tensor is read in place: counted apart, not as the program's own.
+    program.share_weight(w, torch.zeros(16, 32))
+    assert opt._program_memory(program) == {"weights_bytes": 32 * 4, "shared_weights_bytes": 16 * 32 * 4,
+                                            "arena_bytes": 512}
+
+
+def test_a_weight_is_shared_only_with_a_tensor_of_its_dtype_shape_and_layout():
+    b = stitchcuda.ProgramBuilder()
+    x, w = b.input([4, 16]), b.weight([16, 32], data=bytes(16 * 32 * 4), name="proj")
+    y = b.output([4, 32])
+    b.matmul(x, w, y)
+    program = b.build()
+    assert program.shared_weights == {}
+    with pytest.raises(stitchcuda.InvalidArgumentError, match="buffer 0 is not a weight of this program"):
+        program.share_weight(x, torch.zeros(4, 16))
+    with pytest.raises(stitchcuda.InvalidArgumentError,
+                       match=r"weight 1 \('proj'\) is f32\[16, 32\] strides \[32, 1\] but the tensor shared for it is "
+                             r"f32\[16, 32\] strides \[1, 16\]: share the tensor the weight was built from"):
+        program.share_weight(w, torch.zeros(32, 16).t())  # the right shape, transposed in memory
+    with pytest.raises(stitchcuda.InvalidArgumentError, match="is f32.* but the tensor shared for it is f64"):
+        program.share_weight(w, torch.zeros(16, 32, dtype=torch.float64))
+    kept = torch.zeros(16, 32)
+    program.share_weight(w, kept)
+    assert program.shared_weights.keys() == {w} and program.shared_weights[w] is kept
+    # Sharing is this object's: the artifact keeps the bytes, and a program read back uploads them.
+    assert stitchcuda.Program.deserialize(program.serialize()).shared_weights == {}
 
 
 def test_only_constants_with_memory_of_their_own_leave_the_gpu_after_the_checks():

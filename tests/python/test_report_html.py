@@ -52,7 +52,7 @@ def _as_optimized(report: Report) -> Report:
     r.verification = {"passed": True, "input_sets": 3, "max_abs_error": 2e-6, "max_rel_error_fp64": 4e-7,
                       "detail": "", "fp64_note": ""}
     r.fallbacks = [{"group": "g3", "kind": "pointwise", "reason": "NVRTC could not compile it"}]
-    r.memory = {"weights_bytes": 3 << 28, "arena_bytes": 1 << 29, "runner_bytes": 1 << 30}
+    r.memory = {"weights_bytes": 3 << 28, "shared_weights_bytes": 1 << 28, "arena_bytes": 1 << 29, "runner_bytes": 1 << 30}
     r.targets = [
         {"target": "t1", "groups": ["g0", "g1"], "ops": "native_layer_norm, addmm", "eager_ms": 0.08,
          "template": {"correct": True, "speedup": 1.3, "ms": 0.06}, "llm": {"attempts": 3, "speedup": 2.0,
@@ -202,8 +202,9 @@ def test_to_dict_is_strict_json_with_its_schema_and_reads_back(planned):
     assert "max |error| -" in str(Report.from_dict(data))
     # What the kept program holds, in words wherever the report is read, and typed by the schema.
     optimized = _as_optimized(planned)
-    assert "program on the GPU: weights 0.75 GiB, arena 0.50 GiB, runner 1.00 GiB in all" in str(optimized)
-    assert "program on the GPU: weights 0.75 GiB" in optimized._repr_html_()
+    assert ("program on the GPU: own weights 0.75 GiB, weights read in place from the model 0.25 GiB, arena 0.50 GiB, "
+            "runner 1.00 GiB in all") in str(optimized)
+    assert "program on the GPU: own weights 0.75 GiB" in optimized._repr_html_()
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({**optimized.to_dict(), "memory": {"arena_bytes": "a lot"}}, schema,
                             cls=jsonschema.Draft202012Validator)

@@ -68,8 +68,8 @@ allocations at a check plus what the isolated Verifier worker allocated for it),
 largest single input or eager output) and memory_ratio = optimize device peak / (eager peak + 2 x largest
 tensor), whose target is <= 1, stage_peak_bytes (the peak so far at the end of each of optimize's stages,
 on the same basis, and "check_with_worker": where the peak was reached), program_memory (the report's memory:
-the kept program's weights_bytes, arena_bytes and runner_bytes, all its runner held after its timed calls);
-`precision`, and
+the kept program's weights_bytes, shared_weights_bytes, arena_bytes and runner_bytes, all its runner held
+after its timed calls); `precision`, and
 `matmuls` (the planner's decision: "matmuls in true fp32", "matmuls may use tf32", ...) and
 `tf32x3_steps` (the program's matmuls that ran as 3xTF32 after the checks).
 

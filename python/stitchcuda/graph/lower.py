@@ -160,6 +160,7 @@ class Lowering:
         self.channels_last: frozenset[str] = getattr(plan, "channels_last", frozenset())
         self.nhwc_copies: dict[str, int] = {}  # a convolution input's channels-last copy, made once
         self.on_aten: dict[int, str] = {}  # generated groups this layout runs as ATen steps: id -> why
+        self.shared: dict[int, torch.Tensor] = {}  # weight buffer -> the GPU tensor executors read in place
 
     # ---- buffers ----
 
@@ -174,16 +175,7 @@ class Lowering:
             if v.name in self.pending:
                 self._lower_view(self.pending.pop(v.name))
             elif v.kind == "weight" or v.name in self.constants:
-                data = (v.data if v.kind == "weight" else self.constants[v.name]).detach().contiguous()
-                if v.name in self.channels_last and data.dim() == 4 and data.is_floating_point():
-                    # A convolution's filter, stored as cuDNN's NHWC kernels read it (bytes in N, H, W, C order).
-                    data = data.contiguous(memory_format=torch.channels_last)
-                    bid = self.b.weight(data, name=v.name)
-                    strides = _contiguous_strides(data.shape) if data.is_contiguous() else tuple(data.stride())
-                    self._record(v, bid, data.shape, strides, data.dtype)
-                else:
-                    bid = self.b.weight(data, name=v.name)
-                    self._record(v, bid, data.shape, _contiguous_strides(data.shape), data.dtype)
+                self._record(v, *self._store_weight(self._data(v), v.name, v.name in self.channels_last))
             else:
                 raise LoweringError(f"value '{v.name}' is used before any step produces it")
         bid = self.buf[v.name]
@@ -195,6 +187,26 @@ class Lowering:
             self.buf[v.name] = out
             return out
         return bid
+
+    def _data(self, v: Value) -> torch.Tensor:
+        """A weight's or a constant's tensor."""
+        return (v.data if v.kind == "weight" else self.constants[v.name]).detach()
+
+    def _store_weight(self, source: torch.Tensor, name: str,
+                      nhwc: bool = False) -> tuple[int, tuple, tuple, torch.dtype]:
+        """A weight buffer holding `source` (contiguous; with `nhwc`, a 4-D float filter stored as cuDNN's
+        NHWC kernels read it: bytes in N, H, W, C order): (buffer, shape, strides, dtype)."""
+        data = source.contiguous()
+        strides = _contiguous_strides(data.shape)
+        if nhwc and data.dim() == 4 and data.is_floating_point():
+            data = data.contiguous(memory_format=torch.channels_last)
+            strides = strides if data.is_contiguous() else tuple(data.stride())
+        bid = self.b.weight(data, name=name)
+        if data.is_cuda and data.data_ptr() == source.data_ptr() and data.data_ptr() % 256 == 0:
+            # Already in the program's layout on the GPU (a model's parameter, used as it is): the
+            # program's executors read it in place instead of uploading a second copy.
+            self.shared[bid] = source
+        return bid, tuple(data.shape), strides, data.dtype
 
     def produce(self, v: Value, captured_layout: bool = False, strides: tuple[int, ...] | None = None) -> int:
         """A fresh buffer for `v` (the output buffer when `v` is a graph output): contiguous, or, with
@@ -275,7 +287,10 @@ class Lowering:
         self.b.precision("tf32x3" if split else self.plan.precision)
         if hardware:
             self.b.verified_on(**hardware)
-        return self.b.build()
+        program = self.b.build()
+        for bid, tensor in self.shared.items():
+            program.share_weight(bid, tensor)
+        return program
 
     # ---- groups ----
 

@@ -219,11 +219,19 @@ def _allocated() -> int:
 
 
 def _program_memory(program: Program) -> dict[str, int]:
-    """Report.memory's static part: the bytes of the program's weights (its own copy, constants included)
-    and of its planned arena."""
-    weights = sum(math.prod(b["shape"]) * DTYPES[b["dtype"]].itemsize for b in program.buffers
-                  if b["role"] == "weight")
-    return {"weights_bytes": int(weights), "arena_bytes": int(program.buffer_plan()["arena_bytes"])}
+    """Report.memory's static part: the bytes of the program's own weights (constants and weights in a
+    layout of their own, uploaded by each runner), of the weights its runners read in place from the
+    model's parameters (Program.share_weight: no copy), and of its planned arena."""
+    own = shared = 0
+    for b in program.buffers:
+        if b["role"] == "weight":
+            n = math.prod(b["shape"]) * DTYPES[b["dtype"]].itemsize
+            if b["id"] in program.shared_weights:
+                shared += n
+            else:
+                own += n
+    return {"weights_bytes": int(own), "shared_weights_bytes": int(shared),
+            "arena_bytes": int(program.buffer_plan()["arena_bytes"])}
 
 
 def _choose_replay(program: Program, inputs: list[torch.Tensor],
@@ -326,6 +334,9 @@ def optimize(model: torch.nn.Module | Callable[..., Any], args: Any = None, kwar
     batch norm with its running statistics). `args`: the positional inputs, as a tuple or a list, or one
     tensor (a forward that takes one list argument: pass ``(xs,)``); `kwargs`: the keyword inputs, a dict.
     The result is called the same way: ``fast(*args, **kwargs)``.
+
+    The program reads the model's parameters in place where it uses them as they are (no second copy of
+    the weights); constants computed from weights are its own. Optimize again after changing the weights.
 
     Returns an OptimizedModule (inference only) whose `.report` says what was done and why; when a stage
     cannot proceed (capture, lowering, verification, no GPU) the module runs the original model and the

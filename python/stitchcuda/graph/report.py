@@ -32,9 +32,11 @@ class Report:
     # The process's peak of GPU memory allocated by PyTorch at the end of each stage (a running maximum:
     # the stage where it rises is the one that needed the memory).
     stage_peak_bytes: dict = field(default_factory=dict)
-    # What the kept program holds on the GPU, in bytes: weights_bytes (its own copy of the weights and
-    # constants), arena_bytes (the planned arena of intermediates) and runner_bytes (all the runner held
-    # after its timed calls: weights, arena, split scratch, static copies, the CUDA graph's pool).
+    # What the kept program holds on the GPU, in bytes: weights_bytes (its own copy of constants and of
+    # weights stored in a layout of their own), shared_weights_bytes (the model's parameters its runner
+    # reads in place: no copy), arena_bytes (the planned arena of intermediates) and runner_bytes (all the
+    # runner held after its timed calls: own weights, arena, split scratch, static copies, the CUDA graph's
+    # pool).
     memory: dict = field(default_factory=dict)
     targets: list[dict] = field(default_factory=list)  # with llm=: per target, the candidates and the winner
     agents: dict = field(default_factory=dict)          # with llm=: usage, wall and overhead time
@@ -375,8 +377,10 @@ def _html(r: "Report") -> str:
 
 
 def program_memory_text(memory: dict) -> str:
-    """Report.memory in words: "weights 0.12 GiB, arena 0.25 GiB, runner 0.50 GiB in all"."""
-    names = (("weights_bytes", "weights"), ("arena_bytes", "arena"), ("runner_bytes", "runner"))
+    """Report.memory in words: "own weights 0.00 GiB, weights read in place from the model 0.12 GiB, arena
+    0.25 GiB, runner 0.50 GiB in all"."""
+    names = (("weights_bytes", "own weights"), ("shared_weights_bytes", "weights read in place from the model"),
+             ("arena_bytes", "arena"), ("runner_bytes", "runner"))
     parts = [f"{label} {memory[key] / 2**30:.2f} GiB" for key, label in names if memory.get(key) is not None]
     return ", ".join(parts) + (" in all" if memory.get("runner_bytes") is not None else "")
 
