@@ -171,6 +171,12 @@ void bind_program(py::module_& m) {
         d["placements"] = places;
         return d;
       })
+      .def("has_weight_data", [](const Program& p, BufferId id) {
+        auto it = p.weights.find(id);
+        return it != p.weights.end() && !it->second.empty();
+      })
+      .def("set_weight_data", [](Program& p, BufferId id, const py::bytes& data) { p.weights[id] = std::string(data); })
+      .def("drop_weight_data", [](Program& p, BufferId id) { p.weights.erase(id); })
       .def("serialize", [](const Program& p) { return py::bytes(p.serialize()); })
       .def_static("deserialize", [](const py::bytes& b) { return unwrap(Program::deserialize(std::string(b))); })
       .def("save", [](const Program& p, const std::string& path) { unwrap(p.save(path)); })

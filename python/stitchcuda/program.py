@@ -15,6 +15,7 @@ See docs/program.md for the step kinds, the artifact layout and the executor.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from typing import Any, Sequence
@@ -74,10 +75,8 @@ class ProgramBuilder:
         memory); any other is stored contiguous."""
         if isinstance(shape, torch.Tensor):
             t = shape.detach().to("cpu")
-            order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
-            dense = t.permute(order)
-            if not t.is_contiguous() and dense.is_contiguous():  # storage order already dense: keep it
-                return self._b.weight(list(t.shape), dtype_name(t.dtype), _tensor_bytes(dense), list(t.stride()), name)
+            if not t.is_contiguous() and _dense(t):  # storage order already dense: keep it
+                return self._b.weight(list(t.shape), dtype_name(t.dtype), _storage_bytes(t), list(t.stride()), name)
             t = t.contiguous()
             return self._b.weight(list(t.shape), dtype_name(t.dtype), _tensor_bytes(t), None, name)
         return self._b.weight(list(shape), dtype_name(dtype), data, strides, name)
@@ -138,8 +137,9 @@ class Program:
         """Executors made from this Program object read weight `buffer` from `tensor` in place instead of
         uploading a copy of the stored bytes (a program running beside the model it was built from holds
         no second copy of the model's parameters). `tensor` must have the weight's dtype, shape and strides;
-        executors check its device and alignment and keep a reference to it. The artifact still stores the
-        weight's bytes: a saved and loaded program uploads its own copy."""
+        executors check its device and alignment and keep a reference to it. A weight built without bytes
+        (data=None) takes them from `tensor` when the program is saved or serialized: the artifact always
+        holds every weight, and a loaded program uploads its own copy."""
         spec = next((b for b in self.buffers if b["id"] == buffer), None)
         if spec is None or spec["role"] != "weight":
             raise InvalidArgumentError(f"buffer {buffer} is not a weight of this program: only weights can be shared")
@@ -170,12 +170,28 @@ class Program:
         return Program(_C.program.Program.deserialize(data))
 
     def save(self, path: str | os.PathLike) -> None:
-        """Writes the artifact atomically."""
-        self._p.save(os.fspath(path))
+        """Writes the artifact atomically (shared weights with the values their tensors hold now)."""
+        with self._shared_bytes():
+            self._p.save(os.fspath(path))
 
     def serialize(self) -> bytes:
-        """The `.stitch` bytes."""
-        return self._p.serialize()
+        """The `.stitch` bytes (shared weights with the values their tensors hold now)."""
+        with self._shared_bytes():
+            return self._p.serialize()
+
+    @contextlib.contextmanager
+    def _shared_bytes(self):
+        """The bytes of shared weights built without them (graph mode stores none for a parameter it reads
+        in place), copied from their tensors for the length of a save, then let go of again: an artifact
+        always holds every weight, and the host holds no copy of the model's weights in between."""
+        filled = [bid for bid in self._shared if not self._p.has_weight_data(bid)]
+        try:
+            for bid in filled:
+                self._p.set_weight_data(bid, _storage_bytes(self._shared[bid]))
+            yield
+        finally:
+            for bid in filled:
+                self._p.drop_weight_data(bid)
 
     def validate(self) -> None:
         """Raises InvalidArgumentError naming the first problem."""
@@ -343,6 +359,17 @@ def _contiguous_spec(spec: dict) -> bool:
         expected.append(stride)
         stride *= max(extent, 1)
     return list(reversed(expected)) == list(spec["strides"])
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements fill its span of storage in some order of its dimensions (a contiguous
+    tensor, or a permutation of one: channels-last)."""
+    return t.permute(sorted(range(t.dim()), key=lambda d: -t.stride(d))).is_contiguous()
+
+
+def _storage_bytes(t: torch.Tensor) -> bytes:
+    """A dense tensor's bytes in storage order (what a weight buffer with its strides holds)."""
+    return _tensor_bytes(t.detach().to("cpu").permute(sorted(range(t.dim()), key=lambda d: -t.stride(d))))
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:

@@ -545,6 +545,42 @@ def test_a_weight_is_shared_only_with_a_tensor_of_its_dtype_shape_and_layout():
     assert stitchcuda.Program.deserialize(program.serialize()).shared_weights == {}
 
 
+def test_a_shared_weight_built_without_bytes_is_saved_with_its_tensors_values(tmp_path):
+    # Graph mode stores no bytes of a parameter it reads in place; saving takes them from the tensor (in
+    # the buffer's storage order: a channels-last filter as NHWC bytes) and lets go of them afterwards.
+    b = stitchcuda.ProgramBuilder()
+    x = b.input([2, 4, 5, 5])
+    filt = torch.randn(8, 4, 3, 3).contiguous(memory_format=torch.channels_last)
+    w = b.weight([8, 4, 3, 3], strides=list(filt.stride()), name="filter")
+    bias = torch.randn(8)
+    bb = b.weight([8], name="bias")
+    y = b.output([2, 8, 3, 3])
+    b.aten("aten::convolution", [x, w, bb], [y], stride=[1, 1], padding=[0, 0], dilation=[1, 1], transposed=False,
+           output_padding=[0, 0], groups=1)
+    program = b.build()
+    program.share_weight(w, filt)
+    program.share_weight(bb, bias)
+    assert not program._p.has_weight_data(w) and not program._p.has_weight_data(bb)
+    path = tmp_path / "conv.stitch"
+    program.save(path)
+    for back in (stitchcuda.Program.load(path), stitchcuda.Program.deserialize(program.serialize())):
+        assert back._p.has_weight_data(w) and back._p.has_weight_data(bb)
+    # The bytes were taken from the tensors as they are at the save, then dropped from this program: the
+    # artifact is the one a program built with the bytes makes.
+    assert not program._p.has_weight_data(w)
+
+    def built_with_bytes():
+        b = stitchcuda.ProgramBuilder()
+        x = b.input([2, 4, 5, 5])
+        w, bb, y = b.weight(filt, name="filter"), b.weight(bias, name="bias"), b.output([2, 8, 3, 3])
+        b.aten("aten::convolution", [x, w, bb], [y], stride=[1, 1], padding=[0, 0], dilation=[1, 1],
+               transposed=False, output_padding=[0, 0], groups=1)
+        return b.build()
+
+    assert program.serialize() == built_with_bytes().serialize()
+    assert path.read_bytes() == built_with_bytes().serialize()
+
+
 def test_only_constants_with_memory_of_their_own_leave_the_gpu_after_the_checks():
     # A linear layer's transposed weight is a view of the weight: a host copy would free nothing and add host
     # memory. A mask computed from factories is a tensor of its own.
