@@ -300,12 +300,24 @@ def test_a_convolution_chain_runs_channels_last_and_matches_eager():
     program.compile_kernels()
     x2 = torch.randn(8, 32, 56, 56, device="cuda")
     torch.testing.assert_close(program.executor(graphs=False).run([x2])[0], model(x2), atol=1e-4, rtol=1e-4)
-    # optimize() measures it against NCHW, keeps the faster, says both times, and matches eager.
+    # The same with the convolutions' epilogues in cuDNN's fused calls (batch norm folded into the filters).
+    assert plan.conv_epilogues
+    plan.fuse_conv_epilogues = True
+    fused = Lowering(graph, plan, constants).build(plan.groups, graph.inputs, graph.outputs)
+    fused.compile_kernels()
+    assert any(s["kind"] == "aten" and s["op"].startswith("aten::cudnn_convolution") for s in fused.steps)
+    torch.testing.assert_close(fused.executor(graphs=False).run([x2])[0], model(x2), atol=1e-4, rtol=1e-4)
+    plan.fuse_conv_epilogues = False
+    # optimize() measures it against NCHW and against fused epilogues, keeps the fastest, says the times,
+    # and matches eager.
     fast = stitchcuda.optimize(model, (x,), keep_slower=True, measure=False)
     report = fast.report
     assert report.status == "optimized", report.reason
     layout = [why for d, why in report.decisions if d.startswith("convolution chains") and d.endswith("(measured)")]
     assert layout and "channels-last" in layout[0] and "NCHW" in layout[0]
+    epilogues = [why for d, why in report.decisions
+                 if d.startswith("convolution epilogues") and d.endswith("(measured)")]
+    assert epilogues and "cudnn_convolution_relu" in epilogues[0], report.decisions
     assert report.verification["passed"] and report.verification["input_sets"] == 3
     torch.testing.assert_close(fast(x2), model(x2), atol=1e-4, rtol=1e-4)
 
@@ -498,7 +510,7 @@ class _WideLinears(nn.Module):
         return x
 
 
-def test_the_program_reads_the_models_weights_in_place():
+def test_the_program_reads_the_models_weights_in_place(tmp_path):
     """The program's runners read the model's parameters in place: building adds the program's arena and
     the timer's L2 flush buffer, not a second copy of the weights (the constants the group checks computed
     go to host memory once the checks are done; a transposed weight is only a view), and the report says
@@ -521,4 +533,9 @@ def test_the_program_reads_the_models_weights_in_place():
     stats = fast._runner.executor.stats()
     assert stats["weight_bytes"] == 0 and stats["shared_weight_bytes"] == memory["shared_weights_bytes"], stats
     assert memory["runner_bytes"] < weights / 4, memory
+    # The program stored no bytes of them; saving copies them from the parameters, and the artifact runs
+    # alone (its own upload) as the optimized module does.
+    path = tmp_path / "wide.stitch"
+    fast.save(path)
+    torch.testing.assert_close(stitchcuda.load(path)(x), fast(x), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-4)

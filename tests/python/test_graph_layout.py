@@ -5,14 +5,16 @@ programs' results against eager PyTorch are checked on the GPU: tests/python/tes
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import stitchcuda
 from stitchcuda import jit
 from stitchcuda.graph.capture import capture
 from stitchcuda.graph.layout import channels_last_strides, is_channels_last
-from stitchcuda.graph.lower import Lowering
+from stitchcuda.graph.lower import Lowering, fold_batch_norm
 from stitchcuda.graph.planner import OfflinePlanner
 
 
@@ -174,3 +176,129 @@ def test_small_convolutions_and_rgb_stems_stay_nchw():
     assert plan.channels_last == frozenset()
     _, plan, _ = _lowered(_ResidualBlock(), torch.randn(1, 16, 8, 8))  # a launch-bound input
     assert plan.channels_last == frozenset()
+
+
+# ---- convolution epilogues cuDNN fuses (planner.conv_epilogues) ----
+
+class _Epilogues(nn.Module):
+    """Every epilogue shape: conv -> BN -> ReLU, conv -> BN -> + z -> ReLU, conv with bias -> ReLU, and
+    three that are not cuDNN's: conv -> BN -> SiLU, a BN alone, a convolution whose result two ops read."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(16, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32)
+        self.c2, self.b2 = nn.Conv2d(32, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32)
+        self.c3 = nn.Conv2d(32, 32, 1)
+        self.c4, self.b4 = nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32, affine=False)
+        self.c5, self.b5 = nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32)
+        self.c6 = nn.Conv2d(32, 32, 1)
+        for bn in (self.b1, self.b2, self.b4, self.b5):
+            with torch.no_grad():
+                bn.running_mean.uniform_(-0.5, 0.5)
+                bn.running_var.uniform_(0.5, 2.0)
+                if bn.affine:
+                    bn.weight.uniform_(0.5, 1.5)
+                    bn.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        y = F.relu(self.b1(self.c1(x)))             # fused: relu
+        y = F.relu(self.b2(self.c2(y)) + y)         # fused: add_relu, z = y
+        y = F.relu(self.c3(y))                      # fused: relu with the convolution's own bias
+        y = F.silu(self.b4(self.c4(y)))             # SiLU: no cuDNN epilogue
+        y = self.b5(self.c5(y))                     # no ReLU
+        h = self.c6(y)
+        return F.relu(h) + h                        # h read twice
+
+
+def test_the_planner_finds_the_epilogues_cudnn_fuses_and_only_those():
+    graph = capture(_Epilogues().eval(), (torch.randn(2, 16, 32, 32),))
+    plan = OfflinePlanner().plan(graph)
+    found = sorted(((m["conv"].name, m["bn"] is not None, m["z"] is not None) for m in plan.conv_epilogues.values()))
+    assert found == [("convolution", True, False), ("convolution_1", True, True), ("convolution_2", False, False)]
+    assert not plan.fuse_conv_epilogues  # optimize() times the fused program against the other and chooses
+    # The residual's z is the block's input (the first ReLU's result).
+    add_relu = next(m for m in plan.conv_epilogues.values() if m["z"] is not None)
+    assert add_relu["z"] is next(m for m in plan.conv_epilogues.values() if m["conv"].name == "convolution")["out"]
+
+
+def test_fused_epilogues_lower_to_cudnns_fused_convolutions_with_the_batch_norm_folded():
+    graph = capture(_Epilogues().eval(), (torch.randn(4, 16, 64, 64),))
+    plan = OfflinePlanner().plan(graph)
+    plan.fuse_conv_epilogues = True
+    lowering = Lowering(graph, plan, {}, 132)
+    program = lowering.build(plan.groups, graph.inputs, graph.outputs)
+    aten = [s for s in program.steps if s["kind"] == "aten"]
+    fused = [s for s in aten if s["op"].startswith("aten::cudnn_convolution")]
+    assert [s["op"] for s in fused] == ["aten::cudnn_convolution_relu", "aten::cudnn_convolution_add_relu",
+                                        "aten::cudnn_convolution_relu"]
+    assert sum(s["op"] == "aten::convolution" for s in aten) == 3  # the three that are not cuDNN's
+    buffers = {b["id"]: b for b in program.buffers}
+    first = fused[0]
+    assert first["attributes"] == {"stride": [1, 1], "padding": [1, 1], "dilation": [1, 1], "groups": 1}
+    assert fused[1]["attributes"]["alpha"] == 1.0
+    # The chain is channels-last: input, folded filter and result NHWC in memory.
+    x_in, w_in, b_in = (buffers[i] for i in first["inputs"])
+    assert is_channels_last(w_in["shape"], w_in["strides"]) and w_in["name"].endswith(".folded")
+    assert is_channels_last(x_in["shape"], x_in["strides"]) and b_in["shape"] == [32]
+    out = buffers[first["outputs"][0]]
+    assert out["strides"] == list(channels_last_strides(out["shape"]))
+    # Three epilogue kernels fewer than the program without fusion.
+    plan.fuse_conv_epilogues = False
+    unfused = Lowering(graph, plan, {}, 132)
+    unfused.build(plan.groups, graph.inputs, graph.outputs)
+    assert len(unfused.kernels) - len(lowering.kernels) == 3
+
+
+def test_every_fused_step_binds_to_its_aten_schema():
+    # Creation resolves every ATen step in the dispatcher and checks its arguments before it needs a GPU:
+    # without one, the error is the missing device, not the step.
+    graph = capture(_Epilogues().eval(), (torch.randn(2, 16, 32, 32),))
+    plan = OfflinePlanner().plan(graph)
+    plan.fuse_conv_epilogues = True
+    program = Lowering(graph, plan, {}, 132).build(plan.groups, graph.inputs, graph.outputs)
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU machine creation goes on to run; tests/python/test_gpu_graph.py runs it")
+    with pytest.raises(stitchcuda.StitchError, match=r"no CUDA device|CUDA driver \(libcuda"):
+        program.executor()
+    # The same check fails a step whose arguments do not fit the schema, before it looks for a GPU.
+    b = stitchcuda.ProgramBuilder()
+    x, w, bias = b.input([1, 4, 8, 8]), b.weight(torch.zeros(4, 4, 3, 3)), b.weight(torch.zeros(4))
+    b.aten("aten::cudnn_convolution_relu", [x, w, bias], [b.output([1, 4, 6, 6])], stride=[1, 1], padding=[0, 0],
+           dilation=[1, 1], group=1)
+    with pytest.raises(stitchcuda.InvalidArgumentError, match=r"step 0 \(aten aten::cudnn_convolution_relu\)"):
+        b.build().executor()
+
+
+def test_folding_a_batch_norm_into_the_filter_and_bias_matches_the_two_ops():
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 12, 12, dtype=torch.float64)
+    w, b = torch.randn(16, 8, 3, 3, dtype=torch.float64), torch.randn(16, dtype=torch.float64)
+    gamma, beta = torch.rand(16, dtype=torch.float64) + 0.5, torch.randn(16, dtype=torch.float64)
+    mean, var = torch.randn(16, dtype=torch.float64), torch.rand(16, dtype=torch.float64) + 0.5
+    for bias, g, bt in ((b, gamma, beta), (None, gamma, beta), (b, None, None)):
+        want = F.batch_norm(F.conv2d(x, w, bias, padding=1), mean, var, g, bt, training=False, eps=1e-3)
+        w2, b2 = fold_batch_norm(w, bias, g, bt, mean, var, 1e-3)
+        torch.testing.assert_close(F.conv2d(x, w2, b2, padding=1), want, rtol=1e-12, atol=1e-12)
+    # In the filter's dtype, computed in float64: the fp32 fold is the fp64 fold rounded once.
+    w2, b2 = fold_batch_norm(w.float(), b.float(), gamma.float(), beta.float(), mean.float(), var.float(), 1e-5)
+    exact = fold_batch_norm(w.float().double(), b.float().double(), gamma.float().double(), beta.float().double(),
+                            mean.float().double(), var.float().double(), 1e-5)
+    assert w2.dtype == b2.dtype == torch.float32
+    assert torch.equal(w2, exact[0].float()) and torch.equal(b2, exact[1].float())
+
+
+def test_the_report_says_which_program_variant_was_timed_faster():
+    import importlib
+
+    opt = importlib.import_module("stitchcuda.graph.optimize")
+    nhwc = frozenset({"x"})
+    times = {(nhwc, False): 2.0, (frozenset(), False): 2.5, (nhwc, True): 1.8}
+    decisions = dict(opt._variant_decisions(times, (nhwc, True), 3))
+    assert decisions.keys() == {"convolution chains channels-last (measured)",
+                                "convolution epilogues fused in cuDNN (measured)"}
+    assert "channels-last 2.0000 ms, NCHW 2.5000 ms" in decisions["convolution chains channels-last (measured)"]
+    why = decisions["convolution epilogues fused in cuDNN (measured)"]
+    assert "3 convolution(s)" in why and "1.8000 ms, a convolution and a generated epilogue kernel 2.0000 ms" in why
+    # NCHW only (no chain worth converting), the generated epilogues faster.
+    decisions = opt._variant_decisions({(frozenset(), False): 1.0, (frozenset(), True): 1.2}, (frozenset(), False), 1)
+    assert [d[0] for d in decisions] == ["convolution epilogues as generated kernels (measured)"]

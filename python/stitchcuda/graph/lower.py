@@ -201,11 +201,14 @@ class Lowering:
         if nhwc and data.dim() == 4 and data.is_floating_point():
             data = data.contiguous(memory_format=torch.channels_last)
             strides = strides if data.is_contiguous() else tuple(data.stride())
-        bid = self.b.weight(data, name=name)
         if data.is_cuda and data.data_ptr() == source.data_ptr() and data.data_ptr() % 256 == 0:
             # Already in the program's layout on the GPU (a model's parameter, used as it is): the
-            # program's executors read it in place instead of uploading a second copy.
+            # program's executors read it in place instead of uploading a second copy, and the program
+            # stores no bytes of it until it is saved (Program.share_weight).
+            bid = self.b.weight(list(data.shape), data.dtype, strides=list(strides), name=name)
             self.shared[bid] = source
+        else:
+            bid = self.b.weight(data, name=name)
         return bid, tuple(data.shape), strides, data.dtype
 
     def produce(self, v: Value, captured_layout: bool = False, strides: tuple[int, ...] | None = None) -> int:
@@ -245,6 +248,13 @@ class Lowering:
                 extra_outputs.append((v, bid))
             else:
                 self.output_ids[v.name] = bid
+        # Convolutions whose epilogue runs fused in cuDNN (when the plan asks; an epilogue that fell back
+        # keeps its convolution apart).
+        present = {id(g) for g in groups}
+        fused = {key: match for key, match in self.plan.conv_epilogues.items()
+                 if self.plan.fuse_conv_epilogues and key not in fallback and key in present
+                 and id(match["conv_group"]) in present}
+        fused_convs = {id(match["conv_group"]) for match in fused.values()}
         for g in groups:
             if g.kind in ("view",):
                 for v in g.nodes[0].outputs:  # a split has several: the first use lowers them all
@@ -252,6 +262,10 @@ class Lowering:
                         self.pending[v.name] = g
             elif g.kind == "constant":
                 continue  # values already in self.constants; weights are created at first use
+            elif id(g) in fused_convs:
+                continue  # computed by its epilogue's fused cuDNN step
+            elif id(g) in fused:
+                self._lower_conv_epilogue(g, fused[id(g)])
             elif id(g) in fallback or g.kind == "aten":
                 for n in g.nodes:
                     self._lower_aten(n, group=g)
@@ -563,6 +577,43 @@ class Lowering:
             buffers[key] = self.produce(v, strides=channels_last_strides(shape) if nhwc else None)
         self._launch(g, code, buffers)
 
+    def _lower_conv_epilogue(self, g: Group, match: dict) -> None:
+        """A convolution and its epilogue (planner.conv_epilogues) as one cuDNN call:
+        relu(conv(x, w') + b' [+ z]) through aten::cudnn_convolution_relu or _add_relu, the inference batch
+        norm folded into w' and b' (in float64, then the filter's dtype), stored as constants of the
+        program's own. The filter is stored NHWC in a channels-last plan; the result takes the layout cuDNN
+        gives it (NHWC when the input or the filter is)."""
+        conv, bn, z = match["conv"], match["bn"], match["z"]
+        x, weight, bias = conv.args[0], conv.args[1], conv.args[2]
+        w = self._data(weight)
+        b = self._data(bias) if bias is not None else None
+        if bn is not None:
+            gamma, beta, mean, var = (self._data(a) if a is not None else None for a in bn.args[1:5])
+            eps = float(bn.args[6]) if len(bn.args) > 6 else float(bn.kwargs.get("eps", 1e-5))
+            w, b = fold_batch_norm(w, b, gamma, beta, mean, var, eps)
+        elif b is None:
+            b = torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)  # the op takes a bias
+        nhwc = weight.name in self.channels_last
+        wid, *_ = self._store_weight(w, f"{weight.name}.folded" if bn is not None else weight.name, nhwc)
+        bid, *_ = self._store_weight(b, f"{conv.out.name}.bias")
+        if x.name in self.channels_last:
+            if x.name not in self.nhwc_copies:
+                self.nhwc_copies[x.name] = self._channels_last_copy(x, g)
+            xid = self.nhwc_copies[x.name]
+        else:
+            xid = self.need(x)
+        out = match["out"]
+        x_nhwc = is_channels_last(*self.spec[xid][:2])
+        strides = channels_last_strides(out.shape) if (x_nhwc or nhwc) and len(out.shape) == 4 else None
+        geometry = {"stride": list(conv.args[3]), "padding": list(conv.args[4]), "dilation": list(conv.args[5]),
+                    "groups": int(conv.args[8])}
+        if z is None:
+            self.b.aten("aten::cudnn_convolution_relu", [xid, wid, bid], [self.produce(out, strides=strides)],
+                        **geometry)
+        else:
+            self.b.aten("aten::cudnn_convolution_add_relu", [xid, wid, self.need(z), bid],
+                        [self.produce(out, strides=strides)], alpha=1.0, **geometry)
+
     def _channels_last_copy(self, v: Value, g: Group) -> int:
         """`v`'s buffer converted to channels-last by one generated copy (the edge of a convolution chain:
         a program input, or a result some step wrote contiguous)."""
@@ -798,6 +849,17 @@ def _scalar_literal(a) -> str | None:
     from .templates.ops import _scalar
 
     return _scalar(a)
+
+
+def fold_batch_norm(w: torch.Tensor, b: torch.Tensor | None, gamma: torch.Tensor | None, beta: torch.Tensor | None,
+                    mean: torch.Tensor, var: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """An inference batch norm after a convolution, folded into its filter and bias: with
+    s = gamma / sqrt(var + eps), conv(x, w * s) + (b - mean) * s + beta equals the batch norm of
+    conv(x, w) + b. Computed in float64, returned in the filter's dtype."""
+    scale = (var.double() + eps).rsqrt() * (gamma.double() if gamma is not None else 1.0)
+    shift = (beta.double() if beta is not None else 0.0) - mean.double() * scale
+    bias = (b.double() * scale if b is not None else 0.0) + shift
+    return (w.double() * scale.view(-1, *([1] * (w.dim() - 1)))).to(w.dtype), bias.to(w.dtype)
 
 
 def _attribute(value: Any, node: Node, name: str) -> Any:

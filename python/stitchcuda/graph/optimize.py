@@ -234,6 +234,28 @@ def _program_memory(program: Program) -> dict[str, int]:
             "arena_bytes": int(program.buffer_plan()["arena_bytes"])}
 
 
+def _variant_decisions(times: dict[tuple[frozenset, bool], float], chosen: tuple[frozenset, bool],
+                       epilogues: int) -> list[tuple[str, str]]:
+    """The report's decisions on the program variants optimize() timed (ms per call on the example inputs,
+    by (channels-last values, fused convolution epilogues)) and the one kept."""
+    out = []
+    layouts = {layout for layout, _ in times}
+    if len(layouts) > 1:
+        nhwc = next(layout for layout in layouts if layout)
+        out.append((f"convolution chains {'channels-last' if chosen[0] else 'kept NCHW'} (measured)",
+                    f"on the example inputs: channels-last {times[(nhwc, False)]:.4f} ms, NCHW "
+                    f"{times[(frozenset(), False)]:.4f} ms per call; cuDNN's tensor-core convolutions run on NHWC "
+                    "data, at the price of a conversion at each chain's edges"))
+    fused = next((v for v in times if v[1]), None)
+    if fused is not None:
+        out.append((f"convolution epilogues {'fused in cuDNN' if chosen[1] else 'as generated kernels'} (measured)",
+                    f"on the example inputs: {epilogues} convolution(s) with their batch norm folded into the filter "
+                    f"and the residual add and ReLU in cuDNN's fused call (cudnn_convolution_relu / _add_relu) "
+                    f"{times[fused]:.4f} ms, a convolution and a generated epilogue kernel "
+                    f"{times[(fused[0], False)]:.4f} ms per call"))
+    return out
+
+
 def _choose_replay(program: Program, inputs: list[torch.Tensor],
                    held: dict[bool, int] | None = None) -> tuple[ProgramModule, tuple[str, str], float]:
     """Times the program replayed as one CUDA graph and launched step by step on the example inputs and
@@ -456,7 +478,13 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
             constants[name] = constants[name].to("cpu")
         contiguous_inputs = [t.contiguous() for t in flat_inputs]
 
-        layouts = [plan.channels_last, frozenset()] if plan.channels_last else [frozenset()]
+        # The program's variants, timed against each other when there are several: the convolution chains'
+        # layout (channels-last, NCHW) and, in the first layout, the convolution epilogues cuDNN can fuse
+        # (planner.conv_epilogues) as one cuDNN call each instead of a convolution and a generated kernel.
+        variants = [(layout, False) for layout in ([plan.channels_last, frozenset()] if plan.channels_last
+                                                   else [frozenset()])]
+        if plan.conv_epilogues:
+            variants.append((variants[0][0], True))
 
         def build_one() -> tuple[OptimizedModule, float]:
             lowering = Lowering(graph, plan, constants, sm_count)
@@ -474,43 +502,41 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
                     report.memory["runner_bytes"] = held[kept]
             else:
                 program.set_replay("direct", "graphs=False was requested")  # carried into the saved artifact
-                if len(layouts) > 1:
+                if len(variants) > 1:
                     runner = ProgramModule(program, graphs=False)
                     ms = _time_ms(lambda: runner.executor.run(contiguous_inputs))
             return OptimizedModule(model, program, graph, report, graphs=graphs, runner=runner), ms
 
         def build() -> OptimizedModule:
-            """The program; with a channels-last plan, the first build measures it against the same plan in
-            NCHW and keeps the faster layout (the edges' conversions can cost more than cuDNN's own)."""
-            if len(layouts) == 1:
-                plan.channels_last = layouts[0]
+            """The program; with several variants (a channels-last plan against the same plan in NCHW: the
+            edges' conversions can cost more than cuDNN's own; fused convolution epilogues against generated
+            ones), each is built and timed and the fastest kept."""
+            if len(variants) == 1:
+                plan.channels_last, plan.fuse_conv_epilogues = variants[0]
                 return build_one()[0]
             # One program alive at a time: each is timed, then freed before the next is built (two arenas
             # and two replay runners at once would add a whole forward's activations to optimize's peak);
-            # the faster is rebuilt at the end unless it was the last one built (its kernels come from the
+            # the fastest is rebuilt at the end unless it was the last one built (its kernels come from the
             # cache then).
-            best, best_ms, kept, times = None, float("inf"), None, []
-            for layout in layouts:
-                plan.channels_last = layout
+            best, best_ms, kept, times = None, float("inf"), None, {}
+            for variant in variants:
+                plan.channels_last, plan.fuse_conv_epilogues = variant
                 best = None
                 candidate, ms = build_one()
-                times.append(ms)
+                times[variant] = ms
                 if kept is None or ms < best_ms:
                     best, best_ms = candidate, ms
-                    kept = (layout, list(report.groups), list(report.decisions))
+                    kept = (variant, list(report.groups), list(report.decisions))
                 candidate = None
             chosen = kept[0]
-            layouts[:] = [chosen]  # later rebuilds (a traced mismatch) keep it
-            plan.channels_last = chosen
+            variants[:] = [chosen]  # later rebuilds (a traced mismatch) keep it
+            plan.channels_last, plan.fuse_conv_epilogues = chosen
             if best is None:
                 best = build_one()[0]
             else:
                 report.groups, report.decisions[:] = kept[1], kept[2]  # the report describes the program kept
-            report.decisions[:] = [d for d in report.decisions if not d[0].startswith("convolution chains")]
-            report.decisions.append((
-                f"convolution chains {'channels-last' if chosen else 'kept NCHW'} (measured)",
-                f"on the example inputs: channels-last {times[0]:.4f} ms, NCHW {times[1]:.4f} ms per call; cuDNN's "
-                "tensor-core convolutions run on NHWC data, at the price of a conversion at each chain's edges"))
+            report.decisions[:] = [d for d in report.decisions if not d[0].startswith("convolution ")]
+            report.decisions += _variant_decisions(times, chosen, len(plan.conv_epilogues))
             return best
 
         with steps.step("building the program"):

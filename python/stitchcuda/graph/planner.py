@@ -44,7 +44,7 @@ from .templates import (CACHED_ROW_MAX, CACHED_ROW_MIN, CLUSTER_ROW_MAX, DEPTHWI
                         POINTWISE_OPS, SCAN_EXTENT_MAX, SHARED_ROW_MAX, STATISTICS, aten_tile, cluster_size,
                         pooling_blocker, split_rows)
 
-__all__ = ["Group", "GraphPlan", "OfflinePlanner", "GENERATED", "unheld_dtype", "split_tf32_choice"]
+__all__ = ["Group", "GraphPlan", "OfflinePlanner", "GENERATED", "unheld_dtype", "split_tf32_choice", "conv_epilogues"]
 
 # Group kinds whose code the template Coder writes (and optimize checks against ATen before use).
 GENERATED = ("gemm", "pointwise", "reduction", "conv", "pool", "scan")
@@ -169,6 +169,11 @@ class GraphPlan:
     decisions: list[tuple[str, str]]  # (decision, reason)
     precision: str
     channels_last: frozenset[str] = frozenset()  # values stored NHWC (graph/layout.py)
+    # Convolutions whose epilogue cuDNN can run fused (conv_epilogues): id of the epilogue's pointwise
+    # group -> the match; lowered as one fused ATen step only while fuse_conv_epilogues is on (optimize
+    # times the program both ways and keeps the faster).
+    conv_epilogues: dict = field(default_factory=dict)
+    fuse_conv_epilogues: bool = False
 
     def summary(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -189,6 +194,74 @@ def unheld_dtype(node: Node) -> torch.dtype | None:
         return isinstance(a, complex) or (isinstance(a, (list, tuple)) and any(scalar(x) for x in a))
 
     return torch.complex128 if scalar(node.args) or scalar(tuple(node.kwargs.values())) else None
+
+
+_BATCH_NORM = "aten::_native_batch_norm_legit_no_training"
+_CUDNN_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def conv_epilogues(groups: list[Group], outputs: set[str]) -> dict[int, dict]:
+    """The convolutions whose elementwise epilogue cuDNN's fused convolutions compute: a 2-D cuDNN
+    convolution whose result only a pointwise group reads, that group being [batch norm] [+ z] relu
+    (conv -> BN -> ReLU, a residual block's conv -> BN -> add -> ReLU, conv with bias -> ReLU). The
+    inference batch norm folds into the filter and bias (w * s, (b - mean) * s + beta with
+    s = gamma / sqrt(var + eps)); `aten::cudnn_convolution_relu` or `aten::cudnn_convolution_add_relu`
+    then computes relu(conv(x, w') + b' [+ z]) in one cuDNN call. Returns, by id of the pointwise group:
+    {"conv_group", "conv", "bn" (or None), "z" (or None), "out"}."""
+    found: dict[int, dict] = {}
+    conv_of: dict[str, Group] = {}
+    for g in groups:
+        if g.kind == "aten" and len(g.nodes) == 1 and g.nodes[0].op == "aten::convolution":
+            conv_of[g.nodes[0].out.name] = g
+    for g in groups:
+        first = g.nodes[0].args[0] if g.kind == "pointwise" and g.nodes and g.nodes[0].args else None
+        conv_group = conv_of.get(first.name) if isinstance(first, Value) else None
+        if conv_group is None:
+            continue
+        match = _conv_epilogue(conv_group.nodes[0], g, outputs)
+        if match is not None:
+            found[id(g)] = {"conv_group": conv_group, **match}
+    return found
+
+
+def _conv_epilogue(conv: Node, g: Group, outputs: set[str]) -> dict | None:
+    """conv_epilogues' match of one convolution and the pointwise group reading its result, else None."""
+    weight, bias = conv.args[1], conv.args[2]
+    if conv.args[6] or not isinstance(weight, Value) or len(weight.shape) != 4 or weight.kind != "weight" \
+            or (bias is not None and getattr(bias, "kind", None) != "weight"):
+        return None  # transposed, not 2-D, or a filter computed in the forward
+    y = conv.out
+    if y.dtype not in _CUDNN_FUSED_DTYPES or y.name in outputs or len(y.users) != 1 or y.users[0] is not g.nodes[0]:
+        return None
+    nodes = list(g.nodes)
+    bn = nodes.pop(0) if nodes[0].op == _BATCH_NORM else None
+    if bn is not None:
+        gamma, beta, mean, var = bn.args[1:5]
+        if mean is None or var is None or any(p is not None and (not isinstance(p, Value) or p.kind != "weight")
+                                              for p in (gamma, beta, mean, var)):
+            return None
+    add = nodes.pop(0) if nodes and nodes[0].op == "aten::add.Tensor" else None
+    if len(nodes) != 1 or nodes[0].op != "aten::relu":
+        return None
+    relu = nodes[0]
+    value, z = y, None
+    for n in (bn, add, relu):  # each link reads the one before it, which nothing else reads
+        if n is None:
+            continue
+        if value is not y and (value.name in outputs or len(value.users) != 1 or value.users[0] is not n):
+            return None
+        if n is add:
+            if add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2 or value not in add.args:
+                return None
+            z = add.args[1] if add.args[0] is value else add.args[0]
+            if not isinstance(z, Value) or z is value or tuple(z.shape) != tuple(y.shape) or z.dtype != y.dtype:
+                return None  # x + x, a broadcast or a scalar: not cuDNN's z
+        elif n.args[0] is not value:
+            return None
+        value = n.out
+    if g.outputs(outputs) != [relu.out]:
+        return None
+    return {"conv": conv, "bn": bn, "z": z, "out": relu.out}
 
 
 def _dims(dims, rank: int) -> list[int]:
@@ -356,6 +429,7 @@ class OfflinePlanner:
         from .layout import channels_last_values  # it reads groups: imported here, after this module
 
         plan.channels_last = channels_last_values(graph, plan.groups)
+        plan.conv_epilogues = conv_epilogues(plan.groups, outputs)
         if plan.channels_last:
             convs = sum(n.op == "aten::convolution" for g in plan.groups if g.kind == "aten" for n in g.nodes)
             decisions.append((f"convolution chains channels-last ({len(plan.channels_last)} values NHWC in memory)",
