@@ -203,7 +203,7 @@ body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin:
 h1 { font-size: 1.5em; margin-bottom: 0.2em; } h2 { font-size: 1.15em; margin-top: 2em; }
 table { border-collapse: collapse; font-size: 12px; margin: 0.5em 0; }
 th, td { border-bottom: 1px solid #ddd; padding: 3px 8px; text-align: right; white-space: nowrap; }
-th { background: #f4f4f4; } td.l, th.l { text-align: left; }
+th { background: #f4f4f4; white-space: normal; vertical-align: bottom; } td.l, th.l { text-align: left; }
 .meta { color: #555; } .bad { color: #b3261e; font-weight: 600; } .good { color: #1b6e2a; }
 .note { color: #555; font-size: 12px; max-width: 60em; } figure { margin: 0.5em 0; }
 figure svg { max-width: 100%; height: auto; } details { margin: 0.3em 0; } code { font-size: 12px; }
