@@ -97,6 +97,45 @@ def test_a_call_maps_keywords_to_the_program_order_and_refuses_unseen_ones():
 
 
 @pytest.mark.skipif(HAS_GPU, reason="the plan-only path runs where there is no GPU")
+def test_inputs_without_a_tensor_are_fixed_at_their_values():
+    model = Masked().eval()
+    x, mask = _inputs()
+    fast = stitchcuda.optimize(model, (x,), {"mask": mask, "scale": 3.0}, progress=False)
+    assert PLANNED in fast.report.reason, fast.report.reason
+    fixed = [why for d, why in fast.report.decisions if d == "1 input(s) without a tensor fixed at the values optimize() saw"]
+    assert fixed and fixed[0].startswith("scale=3.0: the program is specialized to them")
+    # The traced call takes the tensors alone; its graph, run by ATen, is the model's call with scale=3.0.
+    traced = optimize_module._KeywordCall(model, 1, ("mask", "scale"), {2: 3.0})
+    graph = capture(traced, (x, mask))
+    assert [tuple(v.shape) for v in graph.inputs] == [(8, 16), (8, 32)]
+    got = reference_values(graph, [x, mask])[graph.outputs[0].name]
+    torch.testing.assert_close(got, model(x, mask=mask, scale=3.0))
+    # A positional one too: a None mask passed by position is a fixed input.
+    traced = optimize_module._KeywordCall(model, 2, (), {1: None})
+    graph = capture(traced, (x,))
+    torch.testing.assert_close(reference_values(graph, [x])[graph.outputs[0].name], model(x, None))
+
+
+def test_a_call_may_leave_out_a_fixed_keyword_input_and_may_not_change_it():
+    x, m = object(), object()
+    settings = {2: 3.0}  # optimize(model, (x,), {"mask": m, "scale": 3.0})
+    call = optimize_module._positional_call
+    assert call((x,), {"mask": m}, 1, ("mask", "scale"), settings) == (x, m, 3.0)
+    assert call((x,), {"mask": m, "scale": 3.0}, 1, ("mask", "scale"), settings) == (x, m, 3.0)
+    assert call((x, m, 3.0), {}, 1, ("mask", "scale"), settings) == (x, m, 3.0)
+    with pytest.raises(InvalidArgumentError, match=r"scale=2\.0 differs from the 3\.0 optimize\(\) saw: the program "
+                                                   r"is specialized to the inputs without a tensor"):
+        call((x,), {"mask": m, "scale": 2.0}, 1, ("mask", "scale"), settings)
+    with pytest.raises(InvalidArgumentError, match=r"scale=3 differs from the 3\.0"):  # an int is another value
+        call((x,), {"mask": m, "scale": 3}, 1, ("mask", "scale"), settings)
+    # A positional one must be given (Python's own rule) and be the same.
+    with pytest.raises(InvalidArgumentError, match=r"positional input 1: True differs from the False"):
+        call((x, True), {}, 2, (), {1: False})
+    with pytest.raises(InvalidArgumentError, match=r"lacks \['mask'\]"):  # a tensor input may not be left out
+        call((x,), {}, 1, ("mask", "scale"), settings)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="the plan-only path runs where there is no GPU")
 def test_a_plain_function_and_a_bound_method_are_optimized_like_modules():
     x, mask = _inputs()
 
@@ -234,6 +273,20 @@ def test_gpu_keyword_inputs_run_through_the_program():
     torch.testing.assert_close(fast(x2, mask=mask2), model(x2, mask=mask2))
     with pytest.raises(InvalidArgumentError, match="lacks"):
         fast(x)
+
+
+@pytest.mark.gpu
+def test_gpu_an_input_without_a_tensor_is_fixed_in_the_program():
+    model = Masked().cuda().eval()
+    x, mask = _inputs("cuda")
+    fast = stitchcuda.optimize(model, (x,), {"mask": mask, "scale": 3.0}, measure=False, keep_slower=True,
+                               progress=False)
+    assert fast.report.status == "optimized", fast.report.reason
+    want = model(x, mask=mask, scale=3.0)
+    torch.testing.assert_close(fast(x, mask=mask, scale=3.0), want)
+    torch.testing.assert_close(fast(x, mask=mask), want)  # left out: the value optimize() saw
+    with pytest.raises(InvalidArgumentError, match=r"scale=2\.0 differs from the 3\.0 optimize\(\) saw"):
+        fast(x, mask=mask, scale=2.0)
 
 
 @pytest.mark.gpu

@@ -9,12 +9,15 @@ arguments). What cannot be captured raises CaptureError with the reason and what
 from __future__ import annotations
 
 import contextlib
+import re
+import sys
 
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
 __all__ = ["CaptureError", "Value", "Node", "Graph", "capture"]
 
@@ -98,6 +101,7 @@ class Graph:
     out_spec: Any  # pytree spec to rebuild the module's output structure
     in_spec: Any
     exported: Any  # the ExportedProgram (for the reference interpreter)
+    notes: list[tuple[str, str]] = field(default_factory=list)  # what capture decided, for the report
 
     def op_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -255,20 +259,104 @@ def _decompositions() -> dict:
     return table
 
 
-def capture(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Graph:
-    """Exports `model` on `example_inputs` and returns its core-ATen graph."""
+def _export(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Any:
+    with warnings.catch_warnings(), _recurrent_shapes_only():
+        # torch's own pytree deprecation notices, raised inside export: not the user's concern.
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
+        exported = torch.export.export(model, tuple(example_inputs), strict=False)
+        return exported.run_decompositions(_decompositions())
+
+
+def _capture_error(exc: Exception, transformers: bool = False) -> CaptureError:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    hint = (" For a transformers model, a cache type without pytree support: pass use_cache=False in kwargs="
+            if transformers else "")
+    return CaptureError(
+        f"torch.export could not capture the model ({type(exc).__name__}: {first}). Common causes: "
+        "control flow that depends on tensor values, non-tensor inputs that change, unsupported Python "
+        f"in forward.{hint} The model runs eagerly instead.")
+
+
+_UNKNOWN_OUTPUT = re.compile(r"Found <class '([\w.]+)'> in output, which is not a known type")
+
+
+def _transformers_model(model: torch.nn.Module, exc: Exception | None = None) -> bool:
+    """Whether `model` is (or holds) a transformers model, or failed to export (`exc`) by returning an
+    object of that library pytree did not know (a causal LM's DynamicCache). Such a model is exported
+    returning its output's tensors, after transformers' own pytree support for its caches (its utility
+    for torch.export, idempotent) is registered, so that the output flattens into tensors and rebuilds."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return False
+    found = _UNKNOWN_OUTPUT.search(str(exc)) if exc is not None else None
+    pretrained = getattr(transformers, "PreTrainedModel", None)
+    if not (found and found.group(1).startswith("transformers.")) and not (
+            pretrained is not None and any(isinstance(m, pretrained) for m in model.modules())):
+        return False
     try:
-        with warnings.catch_warnings(), _recurrent_shapes_only():
-            # torch's own pytree deprecation notices, raised inside export: not the user's concern.
-            warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
-            exported = torch.export.export(model, tuple(example_inputs), strict=False)
-            exported = exported.run_decompositions(_decompositions())
-    except Exception as exc:  # torch raises many types here; the message is what the user needs
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CaptureError(
-            f"torch.export could not capture the model ({type(exc).__name__}: {first}). Common causes: "
-            "control flow that depends on tensor values, non-tensor inputs that change, unsupported Python "
-            "in forward. The model runs eagerly instead.") from exc
+        from transformers.integrations.executorch import register_dynamic_cache_export_support
+    except ImportError:
+        return False
+    register_dynamic_cache_export_support()
+    return True
+
+
+def _library_types(spec: Any) -> list[str]:
+    """The names of the types in an output's pytree spec that no builtin container is (DynamicCache)."""
+    names: list[str] = []
+    stack = [spec]
+    while stack:
+        s = stack.pop()
+        t = getattr(s, "type", None)
+        if t is not None and t.__module__.startswith("transformers.cache_utils") and t.__name__ not in names:
+            names.append(t.__name__)
+        stack.extend(getattr(s, "children_specs", []) or [])
+    return names
+
+
+class _FlatOutputs(torch.nn.Module):
+    """`model` returning the leaves of its output's pytree (its tensors), recording the structure to
+    rebuild it with. Exported instead of `model` when the structure holds an object torch.export does not
+    trace through even with pytree support registered (its module call graph loses the inputs)."""
+
+    def __init__(self, model: torch.nn.Module, record: Any) -> None:
+        super().__init__()
+        self.inner = model
+        self._record = record  # a function: export traces a copy of the module's plain attributes
+
+    def forward(self, *args):
+        leaves, spec = pytree.tree_flatten(self.inner(*args))
+        self._record(spec)
+        return tuple(leaves)
+
+
+def capture(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Graph:
+    """Exports `model` on `example_inputs` and returns its core-ATen graph. A transformers model (or one
+    returning an object of that library pytree did not know: a causal LM's DynamicCache) is exported
+    returning its output's tensors, and the graph's out_spec rebuilds the output, cache included."""
+    out_spec, notes = None, []
+    flat = _transformers_model(model)
+    if not flat:
+        try:
+            exported = _export(model, example_inputs)
+        except Exception as exc:  # torch raises many types here; the message is what the user needs
+            flat = _transformers_model(model, exc)
+            if not flat:
+                raise _capture_error(exc) from exc
+    if flat:
+        specs: list[Any] = []
+        try:
+            exported = _export(_FlatOutputs(model, specs.append), example_inputs)
+        except Exception as exc:
+            raise _capture_error(exc, transformers=True) from exc
+        out_spec = specs[-1]
+        caches = _library_types(out_spec)
+        notes.append(("the transformers model is exported returning its output's tensors" +
+                      (f" (its {', '.join(caches)} included)" if caches else ""),
+                      "torch.export does not trace through transformers' output objects as they are (a "
+                      "DynamicCache loses the call's inputs from its module call graph); the program returns the "
+                      "tensors and the output is rebuilt around them, so calls return what the model returns"
+                      + (" (transformers' pytree support for its caches registered)" if caches else "")))
 
     sig = exported.graph_signature
     state = dict(exported.state_dict)
@@ -364,4 +452,5 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Graph:
             raise CaptureError(f"unsupported node kind '{fx.op}' ({fx.name}) in the exported graph")
     if not inputs:
         raise CaptureError("the model has no tensor inputs")
-    return Graph(inputs, weights, nodes, outputs, exported.call_spec.out_spec, exported.call_spec.in_spec, exported)
+    return Graph(inputs, weights, nodes, outputs, out_spec or exported.call_spec.out_spec, exported.call_spec.in_spec,
+                 exported, notes)

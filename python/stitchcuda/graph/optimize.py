@@ -52,6 +52,7 @@ class OptimizedModule(torch.nn.Module):
         self._graph = graph
         self._keywords: tuple[str, ...] = ()  # keyword inputs, in the order the program takes them after args
         self._arity = 0  # positional inputs of the call optimize() saw
+        self._settings: dict[int, Any] = {}  # inputs without a tensor, fixed (_KeywordCall)
         if runner is None and program is not None:
             runner = ProgramModule(program, graphs=graphs)
         self._runner = runner
@@ -67,7 +68,7 @@ class OptimizedModule(torch.nn.Module):
     def forward(self, *args, **kwargs):
         if self._runner is None:
             return self.original(*args, **kwargs)
-        flat, _ = pytree.tree_flatten(_positional_call(args, kwargs, self._arity, self._keywords))
+        flat, _ = pytree.tree_flatten(_positional_call(args, kwargs, self._arity, self._keywords, self._settings))
         tensors = [t.contiguous() for t in flat if isinstance(t, torch.Tensor)]
         outs = self._runner.executor.run(tensors)
         return pytree.tree_unflatten(outs, self._graph.out_spec)
@@ -106,16 +107,35 @@ class _Function(torch.nn.Module):
 
 class _KeywordCall(torch.nn.Module):
     """`module(*args, **kwargs)` taking the keyword inputs' values after the positional ones, in `names`
-    order: capture, verification and timing pass positional inputs only."""
+    order: capture, verification and timing pass positional inputs only. `settings` (position in that
+    order -> value) are the inputs without a tensor (a flag such as use_cache=False, None, a number),
+    fixed at the values optimize() saw: the call's inputs leave them out."""
 
-    def __init__(self, module: torch.nn.Module, arity: int, names: tuple[str, ...]) -> None:
+    def __init__(self, module: torch.nn.Module, arity: int, names: tuple[str, ...],
+                 settings: dict[int, Any] | None = None) -> None:
         super().__init__()
         self.training = False
         self.module, self.arity, self.names = module, arity, names
+        self.settings = dict(settings or {})
         self._stitchcuda_name = _model_name(module)
 
     def forward(self, *inputs):
-        return self.module(*inputs[:self.arity], **dict(zip(self.names, inputs[self.arity:])))
+        given = iter(inputs)
+        full = [self.settings[i] if i in self.settings else next(given)
+                for i in range(len(inputs) + len(self.settings))]
+        return self.module(*full[:self.arity], **dict(zip(self.names, full[self.arity:])))
+
+
+def _is_setting(value: Any) -> bool:
+    """An input that holds no tensor (a flag, a number, a string, None): the program is specialized to it."""
+    return not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(value))
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # a value whose == is not a truth value
+        return a is b
 
 
 def _model_name(model: torch.nn.Module) -> str:
@@ -164,13 +184,23 @@ def _as_kwargs(kwargs: Any) -> dict[str, Any]:
     return dict(kwargs)
 
 
-def _positional_call(args: tuple, kwargs: dict[str, Any], arity: int, keywords: tuple[str, ...]) -> tuple:
+def _input_label(i: int, arity: int, keywords: tuple[str, ...]) -> str:
+    """How an input at position `i` of the program's order is named: "mask=" or "positional input 2: "."""
+    return f"{keywords[i - arity]}=" if i >= arity else f"positional input {i}: "
+
+
+def _positional_call(args: tuple, kwargs: dict[str, Any], arity: int, keywords: tuple[str, ...],
+                     settings: dict[int, Any] | None = None) -> tuple:
     """A call's inputs in the order the program takes them: the positional ones, then the keyword inputs
-    optimize() saw, in its order (any of them may come positionally, as Python allows)."""
+    optimize() saw, in its order (any of them may come positionally, as Python allows). `settings`: the
+    inputs without a tensor optimize() saw, by position in that order; a call may leave a keyword one out
+    (its value then is the one optimize() saw) and must not give another value."""
+    settings = settings or {}
+    optional = {keywords[i - arity] for i in settings if i >= arity}
     rest = keywords[max(len(args) - arity, 0):]
-    if not kwargs and not rest:
+    if not kwargs and not rest and not settings:
         return args
-    missing = [k for k in rest if k not in kwargs]
+    missing = [k for k in rest if k not in kwargs and k not in optional]
     unknown = sorted(set(kwargs) - set(rest))
     if missing or unknown:
         raise InvalidArgumentError(
@@ -178,7 +208,13 @@ def _positional_call(args: tuple, kwargs: dict[str, Any], arity: int, keywords: 
             f"saw them; this call " + (f"lacks {missing}" if missing else "") + (" and " if missing and unknown else "")
             + (f"gives {unknown}, which optimize() did not see" if unknown else "")
             + ": call optimize() again with the inputs this call uses")
-    return args + tuple(kwargs[k] for k in rest)
+    ordered = args + tuple(kwargs[k] if k in kwargs else settings[arity + keywords.index(k)] for k in rest)
+    for i, value in settings.items():
+        if i < len(ordered) and not _same(ordered[i], value):
+            raise InvalidArgumentError(
+                f"{_input_label(i, arity, keywords)}{ordered[i]!r} differs from the {value!r} optimize() saw: the program is specialized to "
+                "the inputs without a tensor it was optimized with; call optimize() again with this value")
+    return ordered
 
 
 def _device_facts() -> tuple[int, str]:
@@ -355,7 +391,9 @@ def optimize(model: torch.nn.Module | Callable[..., Any], args: Any = None, kwar
     InvalidArgumentError: call model.eval() first (the program is the inference forward: dropout off,
     batch norm with its running statistics). `args`: the positional inputs, as a tuple or a list, or one
     tensor (a forward that takes one list argument: pass ``(xs,)``); `kwargs`: the keyword inputs, a dict.
-    The result is called the same way: ``fast(*args, **kwargs)``.
+    The result is called the same way: ``fast(*args, **kwargs)``. Inputs that hold no tensor (a flag such
+    as ``use_cache=False``, None, a number) are fixed at the values given: the program is specialized to
+    them, a call may leave such a keyword input out, and another value raises InvalidArgumentError.
 
     The program reads the model's parameters in place where it uses them as they are (no second copy of
     the weights); constants computed from weights are its own. Optimize again after changing the weights.
@@ -393,17 +431,27 @@ def optimize(model: torch.nn.Module | Callable[..., Any], args: Any = None, kwar
     _refuse_training(original)
     positional = _as_args(args)
     keywords = _as_kwargs(kwargs)
+    every = positional + tuple(keywords.values())
+    settings = {i: v for i, v in enumerate(every) if _is_setting(v)}
     traced = original
-    if keywords:  # the pipeline sees positional inputs only: keyword inputs follow args, in this order
-        traced = _KeywordCall(original, len(positional), tuple(keywords))
-        positional = positional + tuple(keywords.values())
-    fast = _optimize(traced, positional, llm=llm, precision=precision, graphs=graphs, verify_sets=verify_sets,
+    if keywords or settings:
+        # The pipeline sees positional tensor inputs only: keyword inputs follow args, in this order, and
+        # inputs without a tensor are fixed in the traced call.
+        traced = _KeywordCall(original, len(positional), tuple(keywords), settings)
+    tensors = tuple(v for i, v in enumerate(every) if i not in settings)
+    fast = _optimize(traced, tensors, llm=llm, precision=precision, graphs=graphs, verify_sets=verify_sets,
                      measure=measure, compare_compile=compare_compile, progress=progress, isolated=isolated,
                      run_dir=run_dir, resume=resume, attempts=attempts, tokens=tokens, wall_s=wall_s,
                      max_targets=max_targets, concurrency=concurrency, on_event=on_event, budget_s=budget_s,
                      keep_slower=keep_slower, split_tf32=split_tf32)
     fast.original = original
-    fast._arity, fast._keywords = len(_as_args(args)), tuple(keywords)
+    fast._arity, fast._keywords, fast._settings = len(positional), tuple(keywords), settings
+    if settings:
+        fast.report.decisions.append((
+            f"{len(settings)} input(s) without a tensor fixed at the values optimize() saw",
+            ", ".join(f"{_input_label(i, len(positional), tuple(keywords))}{every[i]!r}" for i in settings)
+            + ": the program is specialized to "
+            "them; a call may leave a keyword one out, and another value raises InvalidArgumentError"))
     return fast
 
 
@@ -433,6 +481,7 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
             report.stage_seconds["capture"] = time.perf_counter() - t0
         _peak(report, "capture")
         report.op_counts = graph.op_counts()
+        report.decisions += graph.notes
         planner = OfflinePlanner(precision=precision, graphs=graphs, peaks=describe(), split_tf32=split_tf32)
         plan = planner.plan(graph)
         report.decisions += plan.decisions
@@ -775,6 +824,7 @@ def _plan_only(model, example_inputs, precision: str, graphs: bool, report: Repo
     try:
         graph = capture(model, example_inputs)
         report.op_counts = graph.op_counts()
+        report.decisions += graph.notes
         plan = OfflinePlanner(precision=precision, graphs=graphs).plan(graph)
         report.decisions += plan.decisions
         report.groups = _planned_entries(plan)

@@ -1,0 +1,86 @@
+"""transformers models as users have them, on any machine: a causal LM returns a DynamicCache beside its
+logits, which torch.export cannot trace through as it is; optimize() exports it returning the output's
+tensors and rebuilds the output around them (cache included), and a flag such as use_cache=False is an
+input without a tensor, fixed at its value. The graphs are checked here by running them with ATen on
+the CPU against the model; the GPU tests run the programs."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+import stitchcuda
+from stitchcuda.graph import capture, reference_values
+
+transformers = pytest.importorskip("transformers")
+
+PLANNED = "planned and compiled only"
+
+
+def _llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=256)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _rebuilt(graph, inputs):
+    values = reference_values(graph, list(inputs))
+    return pytree.tree_unflatten([values[v.name] for v in graph.outputs], graph.out_spec)
+
+
+def test_a_causal_lm_with_its_cache_is_captured_and_its_output_rebuilt():
+    model, ids = _llama(), torch.randint(0, 256, (2, 24))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = capture(model, (ids,))
+        want = model(ids)
+    assert any("DynamicCache" in note[0] for note in graph.notes), graph.notes
+    got = _rebuilt(graph, (ids,))
+    # The same structure: logits and a DynamicCache holding each layer's keys and values.
+    assert type(got) is type(want) and type(got.past_key_values) is type(want.past_key_values)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+    assert len(got.past_key_values.layers) == len(want.past_key_values.layers) == 2
+    for a, b in zip(got.past_key_values.layers, want.past_key_values.layers):
+        torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the plan-only path runs where there is no GPU")
+def test_optimize_plans_a_causal_lm_with_or_without_its_cache():
+    model, ids = _llama(), torch.randint(0, 256, (2, 24))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with_cache = stitchcuda.optimize(model, (ids,), progress=False)
+        without = stitchcuda.optimize(model, (ids,), {"use_cache": False}, progress=False)
+    for fast in (with_cache, without):
+        assert PLANNED in fast.report.reason, fast.report.reason
+        assert fast.report.op_counts.get("aten::mm", 0) + fast.report.op_counts.get("aten::addmm", 0) >= 14
+    assert any("DynamicCache" in d for d, _ in with_cache.report.decisions)
+    fixed = [why for d, why in without.report.decisions if d.startswith("1 input(s) without a tensor fixed")]
+    assert fixed and fixed[0].startswith("use_cache=False")
+    assert not any("DynamicCache" in d for d, _ in without.report.decisions)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_gpu_a_causal_lm_runs_as_a_program_and_returns_what_the_model_returns(use_cache):
+    model = _llama().cuda()
+    ids = torch.randint(0, 256, (2, 24), device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast = stitchcuda.optimize(model, (ids,), {"use_cache": use_cache}, keep_slower=True, measure=False,
+                                   progress=False)
+        assert fast.report.status == "optimized", fast.report.reason
+        other = torch.randint(0, 256, (2, 24), device="cuda")
+        got, want = fast(other, use_cache=use_cache), model(other, use_cache=use_cache)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+    if use_cache:
+        for a, b in zip(got.past_key_values.layers, want.past_key_values.layers, strict=True):
+            torch.testing.assert_close(a.keys, b.keys, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(a.values, b.values, rtol=1e-4, atol=1e-4)
+    else:
+        assert got.past_key_values is None
