@@ -6,6 +6,7 @@ the CPU against the model; the GPU tests run the programs."""
 
 from __future__ import annotations
 
+import importlib
 import warnings
 
 import pytest
@@ -14,6 +15,8 @@ import torch.utils._pytree as pytree
 
 import stitchcuda
 from stitchcuda.graph import capture, reference_values
+
+optimize_module = importlib.import_module("stitchcuda.graph.optimize")
 
 transformers = pytest.importorskip("transformers")
 
@@ -63,6 +66,57 @@ def test_optimize_plans_a_causal_lm_with_or_without_its_cache():
     fixed = [why for d, why in without.report.decisions if d.startswith("1 input(s) without a tensor fixed")]
     assert fixed and fixed[0].startswith("use_cache=False")
     assert not any("DynamicCache" in d for d, _ in without.report.decisions)
+
+
+def _architecture(name: str):
+    """A small model of each family users bring, with the inputs a user passes."""
+    torch.manual_seed(0)
+    ids, mask, image = torch.randint(0, 256, (2, 16)), torch.ones(2, 16, dtype=torch.long), torch.randn(2, 3, 64, 64)
+    small = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=256)
+    if name == "mistral":  # a causal LM with a padding mask (the mask's creation runs as ATen steps)
+        return (transformers.MistralForCausalLM(transformers.MistralConfig(**small, num_key_value_heads=2)), (ids,),
+                {"attention_mask": mask})
+    if name == "bert":  # an encoder classifier with token types
+        return (transformers.BertForSequenceClassification(transformers.BertConfig(**small)), (ids,),
+                {"attention_mask": mask, "token_type_ids": torch.zeros_like(ids)})
+    if name == "vit":
+        return (transformers.ViTModel(transformers.ViTConfig(**{k: v for k, v in small.items() if k != "vocab_size"},
+                                                             image_size=64, patch_size=8)), (image,), None)
+    if name == "convnext":  # depthwise 7x7 convolutions, channels-last layer norms
+        return transformers.ConvNextModel(transformers.ConvNextConfig(hidden_sizes=[32, 64], depths=[1, 1],
+                                                                       num_stages=2)), (image,), None
+    if name == "whisper-encoder":  # audio: convolutions over mel frames, then attention
+        config = transformers.WhisperConfig(encoder_layers=2, decoder_layers=1, d_model=64, encoder_attention_heads=4,
+                                            decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                                            num_mel_bins=80, max_source_positions=100)
+        return transformers.WhisperModel(config).encoder, (torch.randn(2, 80, 200),), None
+    if name == "t5":  # encoder-decoder: its EncoderDecoderCache has no pytree support, use_cache=False
+        config = transformers.T5Config(num_layers=2, d_model=64, d_ff=128, num_heads=4, vocab_size=256, d_kv=16)
+        return (transformers.T5ForConditionalGeneration(config), (ids,),
+                {"decoder_input_ids": ids[:, :8], "use_cache": False})
+    raise ValueError(name)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the plan-only path runs where there is no GPU")
+@pytest.mark.parametrize("name", ["mistral", "bert", "vit", "convnext", "whisper-encoder", "t5"])
+def test_each_model_family_is_captured_planned_and_compiled(name):
+    model, args, kwargs = _architecture(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast = stitchcuda.optimize(model.eval(), args, kwargs, progress=False)
+    assert PLANNED in fast.report.reason, fast.report.reason
+    kinds = {g["kind"] for g in fast.report.groups}
+    assert kinds & {"gemm", "conv"} and kinds & {"pointwise", "reduction"}, kinds
+
+
+def test_an_encoder_decoder_cache_without_pytree_support_names_the_fix():
+    config = transformers.T5Config(num_layers=1, d_model=32, d_ff=64, num_heads=2, vocab_size=64, d_kv=16)
+    model, ids = transformers.T5ForConditionalGeneration(config).eval(), torch.randint(0, 64, (1, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = optimize_module._KeywordCall(model, 1, ("decoder_input_ids",))
+        with pytest.raises(stitchcuda.graph.CaptureError, match=r"EncoderDecoderCache.*pass use_cache=False in kwargs="):
+            capture(traced, (ids, ids))
 
 
 @pytest.mark.gpu

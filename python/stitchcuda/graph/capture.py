@@ -269,7 +269,7 @@ def _export(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Any:
 
 def _capture_error(exc: Exception, transformers: bool = False) -> CaptureError:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    hint = (" For a transformers model, a cache type without pytree support: pass use_cache=False in kwargs="
+    hint = (" For a transformers model, a cache type without pytree support: pass use_cache=False in kwargs=."
             if transformers else "")
     return CaptureError(
         f"torch.export could not capture the model ({type(exc).__name__}: {first}). Common causes: "
