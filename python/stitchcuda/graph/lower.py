@@ -7,6 +7,8 @@ a matmul or a constant nobody reads costs nothing.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import itertools
 from typing import Any, Callable
 
@@ -161,6 +163,8 @@ class Lowering:
         self.nhwc_copies: dict[str, int] = {}  # a convolution input's channels-last copy, made once
         self.on_aten: dict[int, str] = {}  # generated groups this layout runs as ATen steps: id -> why
         self.shared: dict[int, torch.Tensor] = {}  # weight buffer -> the GPU tensor executors read in place
+        self.kernel_ids: dict[str, int] = {}  # a kernel's source -> its index in the kernel table
+        self.prefixes: dict[str, str] = {}  # provisional kernel name (_name) -> its prefix
 
     # ---- buffers ----
 
@@ -309,8 +313,11 @@ class Lowering:
     # ---- groups ----
 
     def _name(self, prefix: str, group: Group) -> str:
-        safe = "".join(c if c.isalnum() else "_" for c in group.name)
-        return f"{prefix}_{safe}_{next(self._names)}"
+        """A provisional entry point name for a kernel of `group`; _launch names the kernel after its
+        prefix and its source (the same code has the same name in every program)."""
+        name = f"{prefix}_g{next(self._names)}"
+        self.prefixes[name] = prefix
+        return name
 
     def _lower_gemm(self, g: Group) -> None:
         p = g.params
@@ -535,7 +542,16 @@ class Lowering:
         self._launch(g, code, buffers)
 
     def _launch(self, g: Group, code: KernelCode, buffers: dict[str, int]) -> None:
-        k = self.b.kernel(code.source, code.name)
+        # Kernels are named after their code: the same template over the same shapes (every layer's norm and
+        # activation of a transformer, a group and its check) is the same source in every program, compiled
+        # once (the kernel cache) and one kernel table entry per program.
+        key = code.source.replace(code.name, "\0")
+        if code.name in self.prefixes:
+            name = f"{self.prefixes[code.name]}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+            code = dataclasses.replace(code, name=name, source=key.replace("\0", name))
+        k = self.kernel_ids.get(code.source)
+        if k is None:
+            k = self.kernel_ids[code.source] = self.b.kernel(code.source, code.name)
         args = []
         for kind, key in code.args:
             args.append((kind, buffers[key]) if kind in ("in", "out") else (kind, key))
