@@ -303,7 +303,7 @@ def test_a_tf32x3_gemm_that_misses_its_check_is_checked_again_as_sgemm(monkeypat
     assert gemm.params["precision"] == "tf32x3"
     tried = []
 
-    def check_group(graph, plan, g, held, constants, sm_count, pool, stats=None):
+    def check_group(graph, plan, g, held, constants, sm_count, pool, stats=None, memo=None):
         tried.append(g.params["precision"])
         assert set(held) >= {v.name for v in g.outputs({v.name for v in graph.outputs})}  # ATen's values
         stats["worker_peak_bytes"] = 1000 if g.params["precision"] == "tf32x3" else 3000  # the worker's own
@@ -321,3 +321,43 @@ def test_a_tf32x3_gemm_that_misses_its_check_is_checked_again_as_sgemm(monkeypat
     assert report.stage_peak_bytes["check_with_worker"] == 3000
     assert any(d == f"{gemm.name}: SGEMM instead of tf32x3" and "failed its check: output 'relu' differs" in why
                for d, why in report.decisions), report.decisions
+
+
+def test_identical_groups_share_one_check():
+    # Two blocks of the same shapes: each block's norm, activation and residual groups lower to the same
+    # program, checked once; the second block's take its verdict (the whole program is still verified).
+    from stitchcuda.graph.lower import Lowering, _check_key, check_group
+
+    class Blocks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(64) for _ in range(2))
+            self.fcs = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(2))
+
+        def forward(self, x):
+            for norm, fc in zip(self.norms, self.fcs):
+                x = x + torch.nn.functional.gelu(fc(norm(x)))
+            return x
+
+    graph = capture(Blocks().eval(), (torch.randn(4, 16, 64),))
+    plan = OfflinePlanner().plan(graph)
+    outputs = {v.name for v in graph.outputs}
+    generated = [g for g in plan.groups if g.kind in ("reduction", "pointwise", "gemm")]
+
+    def key(g):
+        return _check_key(Lowering(graph, plan, {}).build([g], list(g.inputs()), g.outputs(outputs)))
+
+    keys = [key(g) for g in generated]
+    half = len(generated) // 2
+    assert half >= 2 and keys[:half] == keys[half:]  # block 2's groups are block 1's, in the same order
+    assert len(set(keys[:half])) == half  # and within a block, no two groups are the same check
+    # A verdict in the memo is taken without running anything (this machine has no GPU to run it on).
+    memo, stats = {keys[0]: (True, "matches ATen")}, {}
+    ok, why, code = check_group(graph, plan, generated[half], {}, {}, 132, stats=stats, memo=memo)
+    assert (ok, why, stats) == (True, "matches ATen", {"shared": True})
+    # Other shapes are another check.
+    other = capture(Blocks().eval(), (torch.randn(4, 32, 64),))
+    other_plan = OfflinePlanner().plan(other)
+    first = next(g for g in other_plan.groups if g.kind == generated[0].kind)
+    assert _check_key(Lowering(other, other_plan, {}).build([first], list(first.inputs()),
+                                                           first.outputs({v.name for v in other.outputs}))) != keys[0]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import json
 from typing import Any, Callable
 
 import torch
@@ -985,7 +986,8 @@ def _view_layout(n: Node, shape, strides):
 
 def check_group(graph: Graph, plan: GraphPlan, group: Group, values: dict[str, torch.Tensor],
                 constants: dict[str, torch.Tensor], sm_count: int,
-                pool: Any = None, stats: dict | None = None) -> tuple[bool, str, KernelCode | None]:
+                pool: Any = None, stats: dict | None = None,
+                memo: dict | None = None) -> tuple[bool, str, KernelCode | None]:
     """Runs `group` alone as a program on recorded inputs and compares with ATen's recorded outputs:
     returns (ok, why, the group's generated kernel or None).
 
@@ -994,7 +996,10 @@ def check_group(graph: Graph, plan: GraphPlan, group: Group, values: dict[str, t
     program runs in the Verifier's isolated worker, saved as an artifact with its CUBINs: a fault, a
     hang or a crash of generated code is a fallback reason, never the caller's process. Without it, in
     this process (generated templates only). `stats` receives the worker's GPU memory for the check
-    (verify.program.check_program)."""
+    (verify.program.check_program). With `memo`, a group whose program is the same as one checked
+    before (the same kernels over the same shapes: every layer's copy of a block's norm) takes that
+    check's verdict instead of running again, and `stats["shared"]` says so; the whole program is still
+    verified against the model."""
     outputs_all = {v.name for v in graph.outputs}
     # The group's weights and constants are inputs of its program too, fed like the recorded values
     # (through CUDA IPC with a pool), not bytes in its artifact: the worker would upload a copy of each,
@@ -1003,17 +1008,39 @@ def check_group(graph: Graph, plan: GraphPlan, group: Group, values: dict[str, t
     inputs = list(group.inputs())
     outputs = group.outputs(outputs_all)
     lowering = Lowering(graph, plan, constants, sm_count)
+    key = None
     try:
         program = lowering.build([group], inputs, outputs)
+        code = lowering.kernels[0][1] if lowering.kernels else None
+        key = _check_key(program) if memo is not None else None
+        if key is not None and key in memo:
+            if stats is not None:
+                stats["shared"] = True
+            return (*memo[key], code)
         if pool is not None:
             program.compile_kernels()  # the worker loads CUBINs, compiles nothing
     except Exception as exc:  # a compile error is a fallback reason, not a crash
-        return False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", None
-    code = lowering.kernels[0][1] if lowering.kernels else None
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if key is not None:
+            memo[key] = (False, why)
+        return False, why, None
     feed = [(v.data.detach() if v.kind == "weight" else constants[v.name] if v.name in constants else values[v.name])
             .contiguous() for v in inputs]
     wants = [values[v.name] for v in outputs]
     tolerances = [tolerance(v.dtype, plan.precision) for v in outputs]
     ok, why = check_program(program, feed, wants, tolerances, [v.name for v in outputs], pool=pool, reference="ATen",
                             stats=stats)
+    if key is not None:
+        memo[key] = (ok, why if ok else f"{why} (checked on an identical group's values)")
     return ok, why, code
+
+
+def _check_key(program: Program) -> str | None:
+    """What makes two group checks the same check: the group program's buffers (role, shape, strides,
+    dtype), steps and kernel sources, value names aside. None when it stores a weight (values of its own,
+    which may differ)."""
+    buffers = program.buffers
+    if any(b["role"] == "weight" for b in buffers):
+        return None
+    layout = [(b["role"], list(b["shape"]), list(b["strides"]), b["dtype"]) for b in buffers]
+    return json.dumps([layout, program.steps, [k["source"] for k in program.kernels]], sort_keys=True, default=str)

@@ -692,6 +692,8 @@ def _check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_
     else:
         values, ready = None, []
     results: dict[int, tuple[bool, str, Any]] = {}
+    memo: dict = {}  # group program -> verdict: identical groups (every layer's copy) are checked once
+    shared = 0
 
     def check(key, held: dict[str, torch.Tensor]) -> None:
         nonlocal unchecked
@@ -701,10 +703,14 @@ def _check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_
             results[key] = (False, f"not checked: the time budget of {budget_s:g} s (budget_s=) was spent on "
                                    "earlier groups", None)
             return
+        nonlocal shared
         try:
-            results[key] = _checked(graph, plan, g, held, constants, sm_count, pool, report)
+            stats: dict = {}
+            results[key] = _checked(graph, plan, g, held, constants, sm_count, pool, report, memo, stats)
             if not results[key][0] and _as_sgemm(g, report, f"the 3xTF32 product failed its check: {results[key][1]}"):
-                results[key] = _checked(graph, plan, g, held, constants, sm_count, pool, report)
+                stats = {}
+                results[key] = _checked(graph, plan, g, held, constants, sm_count, pool, report, memo, stats)
+            shared += bool(stats.get("shared"))
         except Exception as exc:  # a value the stream never produced, or a bug: this group alone falls back
             results[key] = (False, f"{type(exc).__name__} while checking: {str(exc).splitlines()[0][:200]}", None)
 
@@ -721,6 +727,11 @@ def _check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_
         if not ok:
             fallback.add(id(g))
             report.fallbacks.append({"group": g.name, "kind": g.kind, "reason": why})
+    if shared:
+        report.decisions.append((f"{shared} group check(s) shared with an identical group",
+                                 "the same kernels over the same shapes (a block's groups, repeated in every layer) are "
+                                 "checked once on recorded values; the whole program is verified against the model on "
+                                 "every input set"))
     if unchecked:
         report.decisions.append((f"{unchecked} group(s) left on ATen unchecked",
                                  f"optimize's time budget of {budget_s:g} s ran out (budget_s=)"))
@@ -739,13 +750,14 @@ def _as_sgemm(g: Group, report: Report, why: str) -> bool:
 
 
 def _checked(graph: Graph, plan: GraphPlan, g: Group, held: dict, constants: dict, sm_count: int, pool: Any,
-             report: Report) -> tuple[bool, str, Any]:
+             report: Report, memo: dict | None = None, stats: dict | None = None) -> tuple[bool, str, Any]:
     """check_group, recording the GPU memory in use across both processes while it ran: this process's
     allocations at the check plus what the isolated worker allocated for it (stage "check_with_worker";
-    the recorded tensors it reads through CUDA IPC are counted once, here)."""
+    the recorded tensors it reads through CUDA IPC are counted once, here). `memo` and `stats`: as
+    check_group's."""
     here = _allocated()
-    stats: dict = {}
-    result = check_group(graph, plan, g, held, constants, sm_count, pool, stats=stats)
+    stats = {} if stats is None else stats
+    result = check_group(graph, plan, g, held, constants, sm_count, pool, stats=stats, memo=memo)
     both = here + int(stats.get("worker_peak_bytes") or 0)
     report.stage_peak_bytes["check_with_worker"] = max(both, report.stage_peak_bytes.get("check_with_worker", 0))
     return result
