@@ -539,3 +539,31 @@ def test_the_program_reads_the_models_weights_in_place(tmp_path):
     fast.save(path)
     torch.testing.assert_close(stitchcuda.load(path)(x), fast(x), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+class _TorchMultiheadAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(768)
+        self.attn = nn.MultiheadAttention(768, 12, batch_first=True)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.attn(h, h, h, need_weights=False)[0]
+
+
+def test_a_weight_expanded_over_the_batch_runs_broadcast_and_matches():
+    # A ViT-B layer's attention (torchvision's): the packed projection traced as a bmm against the weight
+    # expanded to 197 x 768 x 2304 runs as one broadcast matrix, not a 1.4 GB materialized expansion.
+    torch.manual_seed(0)
+    model = _TorchMultiheadAttention().cuda().eval()
+    x = torch.randn(8, 197, 768, device="cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fast = stitchcuda.optimize(model, (x,), keep_slower=True, measure=False, compare_compile=False)
+    assert fast.report.status == "optimized", fast.report.reason
+    assert any("broadcast over the batch" in g.get("reason", "") for g in fast.report.groups), fast.report.groups
+    assert torch.cuda.max_memory_allocated() - base < 1 << 30  # no expansion of the weight was ever made
+    x2 = torch.randn_like(x)
+    torch.testing.assert_close(fast(x2), model(x2), rtol=1e-4, atol=1e-4)

@@ -5,6 +5,7 @@ back to the eager model with a reason where it cannot proceed.
 
 from __future__ import annotations
 
+import math
 import re
 from types import SimpleNamespace
 
@@ -804,3 +805,70 @@ def test_a_scaled_log_softmax_over_a_vocabulary_fuses_its_scale_into_the_cluster
     (kernel,) = program.kernels
     assert "__cluster_dims__" in kernel["source"] and "_x(base + 4LL * c" in kernel["source"]
     program.compile_kernels()  # the scalar prologue path compiles too
+
+
+def test_a_half_precision_models_matmuls_are_reported_in_its_dtype():
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)).to(torch.bfloat16).eval()
+    plan = OfflinePlanner().plan(capture(model, (torch.randn(4, 32, dtype=torch.bfloat16),)))
+    assert ("matmuls in bf16, the model's dtype" in [d for d, _ in plan.decisions]), plan.decisions
+    plan = OfflinePlanner().plan(capture(model.float(), (torch.randn(4, 32),)))
+    assert "matmuls in true fp32" in [d for d, _ in plan.decisions]
+
+
+def test_constants_are_computed_from_the_weights_alone():
+    # The plan-only path computes the constants by running only the nodes they depend on: no user input
+    # is read (the forward is a model's full cost on a CPU) and the values are reference_values' own.
+    from stitchcuda.graph.lower import constant_values
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(16, 16)
+
+        def forward(self, x):
+            mask = torch.full((8, 8), float("-inf")).triu(1)
+            return torch.softmax(x @ self.proj.weight.t() * 0.5 + mask[: x.shape[0], : x.shape[0]].sum(), dim=-1)
+
+    x = torch.randn(8, 16)
+    graph = capture(Masked().eval(), (x,))
+    plan = OfflinePlanner().plan(graph)
+    names = {g.nodes[0].out.name for g in plan.groups if g.kind == "constant"}
+    assert names
+    values = constant_values(graph, names)
+    full = reference_values(graph, [x])
+    assert values.keys() == names
+    for name in names:
+        assert torch.equal(values[name], full[name])
+
+
+class _TorchAttention(nn.Module):
+    """nn.MultiheadAttention on batch-first input: its packed input projection traces as a bmm of the
+    input against the weight expanded over the batch (197 x 768 x 2304 floats in a ViT-B layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(64, 4, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+def test_a_weight_expanded_over_a_batch_is_read_as_one_broadcast_matrix():
+    from stitchcuda.graph.lower import _group_inputs
+
+    model = _TorchAttention().eval()
+    graph = capture(model, (torch.randn(3, 50, 64),))
+    plan = OfflinePlanner().plan(graph)
+    bmm = [g for g in plan.groups if g.kind == "gemm" and "broadcast over the batch" in g.reason]
+    assert bmm, [g.reason for g in plan.groups if g.kind == "gemm"]
+    for g in bmm:
+        b = g.params["b"]
+        assert len(b.shape) == 2 and b.kind == "weight" and g.params["transpose_b"], (b.name, b.shape)
+        # Its check reads the weight itself, not the expansion it was traced on.
+        assert b in _group_inputs(g) and all(len(v.shape) < 3 or v.kind != "weight" for v in _group_inputs(g))
+    # The program stores the weights once: no buffer holds an expansion of one.
+    program = Lowering(graph, plan, {}).build(plan.groups, graph.inputs, graph.outputs)
+    stored = sum(math.prod(b["shape"]) for b in program.buffers if b["role"] == "weight")
+    assert stored <= sum(p.numel() for p in model.parameters()), stored
+    steps = [s for s in program.steps if s["kind"] == "matmul" and s["batch"] > 1]
+    assert steps and all(len(next(b for b in program.buffers if b["id"] == s["b"])["shape"]) == 2 for s in steps)

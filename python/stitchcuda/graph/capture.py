@@ -353,10 +353,11 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Graph:
         caches = _library_types(out_spec)
         notes.append(("the transformers model is exported returning its output's tensors" +
                       (f" (its {', '.join(caches)} included)" if caches else ""),
-                      "torch.export does not trace through transformers' output objects as they are (a "
-                      "DynamicCache loses the call's inputs from its module call graph); the program returns the "
-                      "tensors and the output is rebuilt around them, so calls return what the model returns"
-                      + (" (transformers' pytree support for its caches registered)" if caches else "")))
+                      "torch.export does not trace through transformers' output objects as they are" +
+                      (" (a DynamicCache loses the call's inputs from its module call graph)" if caches else "") +
+                      "; the program returns the tensors and the output is rebuilt around them, so calls return "
+                      "what the model returns" +
+                      (" (transformers' pytree support for its caches registered)" if caches else "")))
 
     sig = exported.graph_signature
     state = dict(exported.state_dict)

@@ -64,6 +64,49 @@ def reference_values(graph: Graph, inputs: list[torch.Tensor], keep: set[str] | 
     return env
 
 
+def constant_values(graph: Graph, names: set[str]) -> dict[str, torch.Tensor]:
+    """The values named in `names` — constants, computed from weights and factories alone — by running
+    only the nodes they depend on (no user input is read: reference_values would run the whole forward,
+    which is a model's full cost on a CPU)."""
+    gm = graph.exported.graph_module
+    by_name = {fx.name: fx for fx in gm.graph.nodes}
+
+    def node_of(name: str) -> str:  # "op.1", a multi-output op's second result, is op's
+        return name if name in by_name else name.rpartition(".")[0]
+
+    needed: set[str] = set()
+    stack = [node_of(n) for n in names if node_of(n) in by_name]
+    while stack:
+        name = stack.pop()
+        if name in needed:
+            continue
+        needed.add(name)
+        stack.extend(a.name for a in by_name[name].all_input_nodes)
+    weights = {w.name: w.data for w in graph.weights}
+    env: dict[str, Any] = {}
+    with torch.no_grad():
+        for fx in gm.graph.nodes:
+            if fx.name not in needed:
+                continue
+            if fx.op == "placeholder":
+                if fx.name not in weights:
+                    raise LoweringError(f"constant depends on the user input '{fx.name}'")
+                env[fx.name] = weights[fx.name]
+            elif fx.op == "call_function":
+                args, kwargs = torch.fx.node.map_arg((fx.args, fx.kwargs), lambda a: env[a.name])
+                env[fx.name] = fx.target(*args, **kwargs)
+            else:
+                raise LoweringError(f"constant depends on the {fx.op} node '{fx.name}'")
+    out: dict[str, torch.Tensor] = {}
+    for n in names:
+        value = env.get(node_of(n))
+        if n not in by_name and isinstance(value, (list, tuple)):
+            value = value[int(n.rpartition(".")[2])]
+        if isinstance(value, torch.Tensor):
+            out[n] = value
+    return out
+
+
 # An NHWC operand is staged through tiles at a chain's output edge from this many channels on (fewer: the
 # gather's stride is short enough for its sectors to be shared by neighbouring pixels' loads).
 EDGE_MIN_CHANNELS = 8
@@ -1005,7 +1048,7 @@ def check_group(graph: Graph, plan: GraphPlan, group: Group, values: dict[str, t
     # (through CUDA IPC with a pool), not bytes in its artifact: the worker would upload a copy of each,
     # and a projection's weight is as large as its activations. Its kernels are the same either way:
     # lowering inlines no weight's values.
-    inputs = list(group.inputs())
+    inputs = _group_inputs(group)
     outputs = group.outputs(outputs_all)
     lowering = Lowering(graph, plan, constants, sm_count)
     key = None
@@ -1033,6 +1076,23 @@ def check_group(graph: Graph, plan: GraphPlan, group: Group, values: dict[str, t
     if key is not None:
         memo[key] = (ok, why if ok else f"{why} (checked on an identical group's values)")
     return ok, why, code
+
+
+def _group_inputs(group: Group) -> list[Value]:
+    """The values `group`'s program reads: its nodes' inputs, except that a GEMM reads the operands its
+    plan chose (a weight for its transposed view, one matrix for its expansion over a batch), not the
+    views it was traced on (an expanded weight made contiguous to feed a check can be gigabytes)."""
+    if group.kind != "gemm":
+        return list(group.inputs())
+    p = group.params
+    produced = {v.name for n in group.nodes for v in n.outputs if v is not None}
+    chosen = [p["a"], p["b"]] + ([p["bias"]] if isinstance(p.get("bias"), Value) else [])
+    traced = {v.name for v in group.nodes[0].inputs}
+    rest = [v for v in group.inputs() if v.name not in traced and v.name not in produced]
+    seen: dict[str, Value] = {}
+    for v in chosen + rest:
+        seen.setdefault(v.name, v)
+    return list(seen.values())
 
 
 def _check_key(program: Program) -> str | None:

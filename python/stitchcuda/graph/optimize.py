@@ -20,7 +20,7 @@ from ..verify.program import input_set, verify_whole
 from ..verify.tolerance import tolerance
 from ..verify import timing as verify_timing  # a module name: optimize() has an argument called measure
 from .capture import CaptureError, Graph, capture
-from .lower import Lowering, LoweringError, check_group, reference_values, stream_values
+from .lower import Lowering, LoweringError, check_group, constant_values, reference_values, stream_values
 from .agents import AgentBudget, run_agents
 from .planner import GENERATED, Group, OfflinePlanner, GraphPlan
 from .report import Report, _Progress
@@ -844,10 +844,8 @@ def _plan_only(model, example_inputs, precision: str, graphs: bool, report: Repo
         if unheld:
             report.reason += f"; planned only: {unheld}"
             return
-        flat = [t for t in pytree.tree_flatten(example_inputs)[0] if isinstance(t, torch.Tensor)]
-        values = reference_values(graph, flat)
-        constants = {g.nodes[0].out.name: values[g.nodes[0].out.name] for g in plan.groups
-                     if g.kind == "constant" and g.nodes[0].out.name in values}
+        constants = constant_values(graph, {g.nodes[0].out.name for g in plan.groups
+                                            if g.kind == "constant" and g.nodes[0].outputs})
         lowering = Lowering(graph, plan, constants)
         program = lowering.build(plan.groups, graph.inputs, graph.outputs)
         program.compile_kernels()

@@ -264,6 +264,28 @@ def _conv_epilogue(conv: Node, g: Group, outputs: set[str]) -> dict | None:
     return {"conv": conv, "bn": bn, "z": z, "out": relu.out}
 
 
+def _low_precision_matmuls(graph: Graph) -> str:
+    """"bf16" or "fp16" when the graph has matmuls and all of them work on that dtype, else ""."""
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+    dtypes = {n.out.dtype for n in graph.nodes if n.op in _GEMM_OPS and n.outputs and n.outputs[0] is not None}
+    return names.get(next(iter(dtypes)), "") if len(dtypes) == 1 else ""
+
+
+def _broadcast_matrix(v: Value) -> Value | None:
+    """The single matrix behind a bmm operand that is its expansion over the batch (expand of a [K, N]
+    or [1, K, N] value to [B, K, N], possibly viewed again at that shape), else None."""
+    while v.producer is not None and v.producer.op in ("aten::view", "aten::_unsafe_view") \
+            and tuple(v.producer.args[0].shape) == tuple(v.shape):
+        v = v.producer.args[0]
+    p = v.producer
+    if p is None or p.op != "aten::expand" or len(v.shape) != 3:
+        return None
+    source = p.args[0]
+    if not isinstance(source, Value) or tuple(source.shape) not in (tuple(v.shape[1:]), (1, *v.shape[1:])):
+        return None
+    return source
+
+
 def _dims(dims, rank: int) -> list[int]:
     # No dims and an empty list both mean every dim: ATen's sum/mean/amax/amin over dim=[] reduce it all.
     if dims is None or (isinstance(dims, (list, tuple)) and not dims):
@@ -310,6 +332,10 @@ class OfflinePlanner:
         if self.precision == "fp32" and torch.backends.cuda.matmul.allow_tf32:
             matmul_precision = "tf32"
             decisions.append(("matmuls may use TF32", "torch.backends.cuda.matmul.allow_tf32 is on at call time"))
+        elif self.precision == "fp32" and _low_precision_matmuls(graph):
+            decisions.append((f"matmuls in {_low_precision_matmuls(graph)}, the model's dtype",
+                              "every matmul's operands are half-precision tensors: tensor-core products accumulated "
+                              "in fp32, as eager PyTorch computes them"))
         elif self.precision == "fp32":
             decisions.append(("matmuls in true fp32", "PyTorch's default (allow_tf32 off); pass precision='tf32' or "
                                                       "'bf16' to allow faster tensor-core math"))
@@ -665,6 +691,14 @@ class OfflinePlanner:
             return Group("aten", [node], f"{out.dtype} matmul stays an ATen step")
         params = {"a": a, "b": b, "bias": bias, "transpose_a": False, "transpose_b": False, "precision": precision}
         notes = []
+        if node.op == "aten::bmm":
+            # One matrix expanded over the batch (a linear layer on a 3-D input that matmul turned into a bmm:
+            # the weight expanded to [B, K, N]) is read once per product, broadcast, never materialized.
+            for key in ("b", "a"):
+                source = _broadcast_matrix(params[key])
+                if source is not None:
+                    params[key] = source
+                    notes.append(f"{key} one matrix broadcast over the batch")
         # A transposed operand (x @ w.t()) is read in place with a transpose flag instead of copied.
         for key, flag in (("b", "transpose_b"), ("a", "transpose_a")):
             v = params[key]
