@@ -90,6 +90,43 @@ def _architecture(name: str):
                                             decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
                                             num_mel_bins=80, max_source_positions=100)
         return transformers.WhisperModel(config).encoder, (torch.randn(2, 80, 200),), None
+    decoders = {"gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4,
+                                                                                      vocab_size=256)),
+                "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**small, num_key_value_heads=2)),
+                "phi3": lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(**small, num_key_value_heads=2,
+                                                                                     pad_token_id=0)),
+                "gemma": lambda: transformers.GemmaForCausalLM(transformers.GemmaConfig(**small, num_key_value_heads=2,
+                                                                                        head_dim=16)),
+                "opt": lambda: transformers.OPTForCausalLM(transformers.OPTConfig(
+                    num_hidden_layers=2, hidden_size=64, ffn_dim=128, num_attention_heads=4, vocab_size=256,
+                    word_embed_proj_dim=64)),
+                "falcon": lambda: transformers.FalconForCausalLM(transformers.FalconConfig(
+                    num_hidden_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256)),
+                "bloom": lambda: transformers.BloomForCausalLM(transformers.BloomConfig(n_layer=2, hidden_size=64, n_head=4,
+                                                                                        vocab_size=256))}
+    if name in decoders:  # causal LMs: logits and a DynamicCache
+        return decoders[name](), (ids,), None
+    if name == "roberta":  # position ids from a cumsum over the padding mask
+        return transformers.RobertaModel(transformers.RobertaConfig(**small)), (ids,), {"attention_mask": mask}
+    if name == "clip-vision":
+        config = transformers.CLIPVisionConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                               num_attention_heads=4, image_size=64, patch_size=8)
+        return transformers.CLIPVisionModel(config), (image,), None
+    if name == "swin":  # windows: pads, rolls and index gathers
+        config = transformers.SwinConfig(image_size=64, patch_size=4, embed_dim=32, depths=[1, 1], num_heads=[2, 4],
+                                         window_size=4)
+        return transformers.SwinModel(config), (image,), None
+    if name == "segformer":
+        config = transformers.SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[32, 64],
+                                              num_attention_heads=[1, 2], patch_sizes=[7, 3], strides=[4, 2],
+                                              mlp_ratios=[2, 2])
+        return transformers.SegformerModel(config), (image,), None
+    if name == "wav2vec2":  # raw audio through a convolution stack
+        config = transformers.Wav2Vec2Config(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                             num_attention_heads=4, conv_dim=(32, 32), conv_stride=(5, 2),
+                                             conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                                             num_conv_pos_embedding_groups=4)
+        return transformers.Wav2Vec2Model(config), (torch.randn(2, 4000),), None
     if name == "t5":  # encoder-decoder: its EncoderDecoderCache has no pytree support, use_cache=False
         config = transformers.T5Config(num_layers=2, d_model=64, d_ff=128, num_heads=4, vocab_size=256, d_kv=16)
         return (transformers.T5ForConditionalGeneration(config), (ids,),
@@ -98,7 +135,9 @@ def _architecture(name: str):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the plan-only path runs where there is no GPU")
-@pytest.mark.parametrize("name", ["mistral", "bert", "vit", "convnext", "whisper-encoder", "t5"])
+@pytest.mark.parametrize("name", ["mistral", "gpt2", "qwen2", "phi3", "gemma", "opt", "falcon", "bloom", "bert", "roberta",
+                                  "vit", "clip-vision", "swin", "convnext", "segformer", "whisper-encoder", "wav2vec2",
+                                  "t5"])
 def test_each_model_family_is_captured_planned_and_compiled(name):
     model, args, kwargs = _architecture(name)
     with warnings.catch_warnings():
