@@ -116,6 +116,20 @@ def test_inputs_without_a_tensor_are_fixed_at_their_values():
     torch.testing.assert_close(reference_values(graph, [x])[graph.outputs[0].name], model(x, None))
 
 
+@pytest.mark.skipif(HAS_GPU, reason="the plan-only path runs where there is no GPU")
+def test_tensors_made_under_inference_mode_are_captured():
+    # An inference server makes its inputs, and may load its model, under torch.inference_mode(): such
+    # tensors cannot be recorded by autograd, so the capture traces without it.
+    with torch.inference_mode():
+        model = Masked().eval()
+        x, mask = _inputs()
+    assert x.is_inference() and model.proj.weight.is_inference()
+    fast = stitchcuda.optimize(model, (x,), {"mask": mask}, progress=False)
+    assert PLANNED in fast.report.reason, fast.report.reason
+    graph = capture(optimize_module._KeywordCall(model, 1, ("mask",)), (x, mask))
+    torch.testing.assert_close(reference_values(graph, [x, mask])[graph.outputs[0].name], model(x, mask=mask))
+
+
 def test_a_call_may_leave_out_a_fixed_keyword_input_and_may_not_change_it():
     x, m = object(), object()
     settings = {2: 3.0}  # optimize(model, (x,), {"mask": m, "scale": 3.0})

@@ -260,7 +260,12 @@ def _decompositions() -> dict:
 
 
 def _export(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Any:
-    with warnings.catch_warnings(), _recurrent_shapes_only():
+    # Without autograd: the program is an inference forward, and tensors made under torch.inference_mode()
+    # (an inference server's inputs) cannot be traced with autograd recording; a model loaded there (its
+    # parameters inference tensors) is traced in inference mode itself.
+    loaded_for_inference = any(t.is_inference() for t in [*model.parameters(), *model.buffers()])
+    mode = torch.inference_mode() if loaded_for_inference else torch.no_grad()
+    with warnings.catch_warnings(), _recurrent_shapes_only(), mode:
         # torch's own pytree deprecation notices, raised inside export: not the user's concern.
         warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
         exported = torch.export.export(model, tuple(example_inputs), strict=False)
