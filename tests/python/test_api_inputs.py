@@ -130,6 +130,43 @@ def test_tensors_made_under_inference_mode_are_captured():
     torch.testing.assert_close(reference_values(graph, [x, mask])[graph.outputs[0].name], model(x, mask=mask))
 
 
+class _Report(nn.Module):
+    """A forward returning a dict whose leaves are not all tensors: a count and a None beside them."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 8)
+
+    def forward(self, x):
+        y = self.proj(x)
+        return {"y": y, "parts": (torch.relu(y), None), "count": 3, "kind": "logits"}
+
+
+def test_numbers_strings_and_none_in_the_output_come_back_around_the_programs_tensors():
+    model, (x, _) = _Report().eval(), _inputs()
+    graph = capture(model, (x,))
+    assert len(graph.outputs) == 2 and sorted(graph.output_constants.values(), key=str) == [3, None, "logits"]
+    values = reference_values(graph, [x])
+    import torch.utils._pytree as pytree
+
+    got = pytree.tree_unflatten(graph.output_leaves([values[v.name] for v in graph.outputs]), graph.out_spec)
+    want = model(x)
+    assert got.keys() == want.keys() and got["count"] == 3 and got["kind"] == "logits" and got["parts"][1] is None
+    torch.testing.assert_close(got["y"], want["y"])
+    torch.testing.assert_close(got["parts"][0], want["parts"][0])
+
+
+@pytest.mark.gpu
+def test_gpu_numbers_and_none_in_the_output_come_back():
+    model = _Report().cuda().eval()
+    x, _ = _inputs("cuda")
+    fast = stitchcuda.optimize(model, (x,), measure=False, keep_slower=True, progress=False)
+    assert fast.report.status == "optimized", fast.report.reason
+    got, want = fast(x), model(x)
+    assert (got["count"], got["kind"], got["parts"][1]) == (3, "logits", None)
+    torch.testing.assert_close(got["y"], want["y"])
+
+
 def test_a_call_may_leave_out_a_fixed_keyword_input_and_may_not_change_it():
     x, m = object(), object()
     settings = {2: 3.0}  # optimize(model, (x,), {"mask": m, "scale": 3.0})

@@ -102,6 +102,14 @@ class Graph:
     in_spec: Any
     exported: Any  # the ExportedProgram (for the reference interpreter)
     notes: list[tuple[str, str]] = field(default_factory=list)  # what capture decided, for the report
+    # The output's leaves that are not tensors (a number, a string, None), by position among all leaves.
+    output_constants: dict[int, Any] = field(default_factory=dict)
+
+    def output_leaves(self, tensors: Sequence[Any]) -> list[Any]:
+        """All the output's leaves in order: `tensors` (the outputs' values) with the constants put back."""
+        given = iter(tensors)
+        total = len(self.outputs) + len(self.output_constants)
+        return [self.output_constants[k] if k in self.output_constants else next(given) for k in range(total)]
 
     def op_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -378,6 +386,7 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Graph:
     weights: list[Value] = []
     nodes: list[Node] = []
     multi: dict[str, Node] = {}
+    output_constants: dict[int, Any] = {}
 
     def convert(a):
         if isinstance(a, torch.fx.Node):
@@ -450,13 +459,19 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Graph:
             nodes.append(node)
         elif fx.op == "output":
             outs = fx.args[0]
-            outputs = [convert(o) for o in (outs if isinstance(outs, (list, tuple)) else [outs])]
-            for o in outputs:
+            leaves = [convert(o) for o in (outs if isinstance(outs, (list, tuple)) else [outs])]
+            # A number, string or None beside the tensors (a count, a flag) is the same on every call: the
+            # output is rebuilt with it; the program computes the tensors.
+            for k, o in enumerate(leaves):
                 if not isinstance(o, Value):
-                    raise CaptureError("the model returns a non-tensor value; return tensors only")
+                    if not isinstance(o, (bool, int, float, str, type(None))):
+                        raise CaptureError(f"the model returns a {type(o).__name__} beside its tensors; return "
+                                           "tensors (numbers, strings and None may come along)")
+                    output_constants[k] = o
+            outputs = [o for o in leaves if isinstance(o, Value)]
         else:
             raise CaptureError(f"unsupported node kind '{fx.op}' ({fx.name}) in the exported graph")
     if not inputs:
         raise CaptureError("the model has no tensor inputs")
     return Graph(inputs, weights, nodes, outputs, out_spec or exported.call_spec.out_spec, exported.call_spec.in_spec,
-                 exported, notes)
+                 exported, notes, output_constants)

@@ -71,7 +71,7 @@ class OptimizedModule(torch.nn.Module):
         flat, _ = pytree.tree_flatten(_positional_call(args, kwargs, self._arity, self._keywords, self._settings))
         tensors = [t.contiguous() for t in flat if isinstance(t, torch.Tensor)]
         outs = self._runner.executor.run(tensors)
-        return pytree.tree_unflatten(outs, self._graph.out_spec)
+        return pytree.tree_unflatten(self._graph.output_leaves(outs), self._graph.out_spec)
 
     def release(self) -> None:
         """Gives the program's working memory (its arena, static inputs and outputs, captured graph) back
