@@ -10,6 +10,7 @@ only"), which is what the CPU tests here check; the GPU tests run the stitched p
 from __future__ import annotations
 
 import importlib
+import warnings
 
 import pytest
 import torch
@@ -154,6 +155,24 @@ def test_numbers_strings_and_none_in_the_output_come_back_around_the_programs_te
     assert got.keys() == want.keys() and got["count"] == 3 and got["kind"] == "logits" and got["parts"][1] is None
     torch.testing.assert_close(got["y"], want["y"])
     torch.testing.assert_close(got["parts"][0], want["parts"][0])
+
+
+@pytest.mark.gpu
+def test_gpu_inputs_of_other_shapes_run_the_original_model_with_one_warning():
+    model = Masked().cuda().eval()
+    x, mask = _inputs("cuda")
+    fast = stitchcuda.optimize(model, (x,), {"mask": mask}, measure=False, keep_slower=True, progress=False)
+    assert fast.report.status == "optimized", fast.report.reason
+    small, small_mask = x[:3].clone(), mask[:3].clone()
+    with pytest.warns(RuntimeWarning, match=r"inputs \[f32\[3, 16\], f32\[3, 32\]\] differ from the "
+                                            r"\[f32\[8, 16\], f32\[8, 32\]\] this program was stitched for"):
+        got = fast(small, mask=small_mask)
+    torch.testing.assert_close(got, model(small, mask=small_mask))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same shapes again: no second warning
+        fast(small, mask=small_mask)
+    torch.testing.assert_close(fast(x, mask=mask), model(x, mask=mask))  # the program again
+    assert fast.other_shape_calls == 2 and fast._runner.executor.stats()["runs"] >= 1
 
 
 @pytest.mark.gpu

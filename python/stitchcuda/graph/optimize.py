@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -40,7 +41,8 @@ class OptimizedModule(torch.nn.Module):
     Inference only: the program computes the eval-mode forward (dropout off, batch norm with its running
     statistics) and records no autograd graph. It is called like the original — the same positional and
     keyword inputs — and ``.train(True)`` raises InvalidArgumentError: train ``.original`` and call
-    optimize() again."""
+    optimize() again. The program is stitched for the input shapes and dtypes optimize() saw; a call with
+    others runs ``.original`` (a RuntimeWarning once per shape set; ``other_shape_calls`` counts them)."""
 
     def __init__(self, original: torch.nn.Module, program: Program | None, graph: Graph | None, report: Report,
                  graphs: bool = True, runner: ProgramModule | None = None) -> None:
@@ -53,6 +55,8 @@ class OptimizedModule(torch.nn.Module):
         self._keywords: tuple[str, ...] = ()  # keyword inputs, in the order the program takes them after args
         self._arity = 0  # positional inputs of the call optimize() saw
         self._settings: dict[int, Any] = {}  # inputs without a tensor, fixed (_KeywordCall)
+        self.other_shape_calls = 0  # calls whose inputs had other shapes or dtypes: the original model ran
+        self._warned: set = set()
         if runner is None and program is not None:
             runner = ProgramModule(program, graphs=graphs)
         self._runner = runner
@@ -69,8 +73,22 @@ class OptimizedModule(torch.nn.Module):
         if self._runner is None:
             return self.original(*args, **kwargs)
         flat, _ = pytree.tree_flatten(_positional_call(args, kwargs, self._arity, self._keywords, self._settings))
-        tensors = [t.contiguous() for t in flat if isinstance(t, torch.Tensor)]
-        outs = self._runner.executor.run(tensors)
+        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        wanted = [(tuple(v.shape), v.dtype) for v in self._graph.inputs]
+        given = [(tuple(t.shape), t.dtype) for t in tensors]
+        if given != wanted:
+            # The program is stitched for the shapes optimize() saw: other shapes (a serving loop's last,
+            # smaller batch) run on the original model, correct and eager, with one warning per shape set.
+            self.other_shape_calls += 1
+            key = tuple(given)
+            if key not in self._warned:
+                self._warned.add(key)
+                warnings.warn(
+                    f"stitchcuda: inputs {_shapes(given)} differ from the {_shapes(wanted)} this program was "
+                    "stitched for: the original model runs for them (call stitchcuda.optimize() with such inputs "
+                    "for a program of their own)", RuntimeWarning, stacklevel=2)
+            return self.original(*args, **kwargs)
+        outs = self._runner.executor.run([t.contiguous() for t in tensors])
         return pytree.tree_unflatten(self._graph.output_leaves(outs), self._graph.out_spec)
 
     def release(self) -> None:
@@ -136,6 +154,13 @@ def _same(a: Any, b: Any) -> bool:
         return type(a) is type(b) and bool(a == b)
     except Exception:  # a value whose == is not a truth value
         return a is b
+
+
+def _shapes(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> str:
+    """[f32[8, 16], i64[8]]: input shapes and dtypes as the program's messages write them."""
+    from ..program import dtype_name
+
+    return "[" + ", ".join(f"{dtype_name(d) if d in DTYPES.values() else d}{list(s)}" for s, d in specs) + "]"
 
 
 def _model_name(model: torch.nn.Module) -> str:
