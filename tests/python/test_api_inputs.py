@@ -157,35 +157,6 @@ def test_numbers_strings_and_none_in_the_output_come_back_around_the_programs_te
     torch.testing.assert_close(got["parts"][0], want["parts"][0])
 
 
-@pytest.mark.gpu
-def test_gpu_inputs_of_other_shapes_run_the_original_model_with_one_warning():
-    model = Masked().cuda().eval()
-    x, mask = _inputs("cuda")
-    fast = stitchcuda.optimize(model, (x,), {"mask": mask}, measure=False, keep_slower=True, progress=False)
-    assert fast.report.status == "optimized", fast.report.reason
-    small, small_mask = x[:3].clone(), mask[:3].clone()
-    with pytest.warns(RuntimeWarning, match=r"inputs \[f32\[3, 16\], f32\[3, 32\]\] differ from the "
-                                            r"\[f32\[8, 16\], f32\[8, 32\]\] this program was stitched for"):
-        got = fast(small, mask=small_mask)
-    torch.testing.assert_close(got, model(small, mask=small_mask))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the same shapes again: no second warning
-        fast(small, mask=small_mask)
-    torch.testing.assert_close(fast(x, mask=mask), model(x, mask=mask))  # the program again
-    assert fast.other_shape_calls == 2 and fast._runner.executor.stats()["runs"] >= 1
-
-
-@pytest.mark.gpu
-def test_gpu_numbers_and_none_in_the_output_come_back():
-    model = _Report().cuda().eval()
-    x, _ = _inputs("cuda")
-    fast = stitchcuda.optimize(model, (x,), measure=False, keep_slower=True, progress=False)
-    assert fast.report.status == "optimized", fast.report.reason
-    got, want = fast(x), model(x)
-    assert (got["count"], got["kind"], got["parts"][1]) == (3, "logits", None)
-    torch.testing.assert_close(got["y"], want["y"])
-
-
 def test_a_call_may_leave_out_a_fixed_keyword_input_and_may_not_change_it():
     x, m = object(), object()
     settings = {2: 3.0}  # optimize(model, (x,), {"mask": m, "scale": 3.0})
@@ -331,12 +302,18 @@ def test_dynamo_graphs_are_not_refused_as_training_mode():
 # ---- on a GPU: the stitched program runs with each input form ------------------------------------------
 
 
-@pytest.mark.gpu
-def test_gpu_keyword_inputs_run_through_the_program():
+def _optimized_masked(**kwargs):
+    """The Masked model on the GPU, optimized with a mask (and `kwargs`' other keyword inputs), verified."""
     model = Masked().cuda().eval()
     x, mask = _inputs("cuda")
-    fast = stitchcuda.optimize(model, (x,), {"mask": mask}, measure=False, keep_slower=True, progress=False)
+    fast = stitchcuda.optimize(model, (x,), {"mask": mask, **kwargs}, measure=False, keep_slower=True, progress=False)
     assert fast.report.status == "optimized", fast.report.reason
+    return model, x, mask, fast
+
+
+@pytest.mark.gpu
+def test_gpu_keyword_inputs_run_through_the_program():
+    model, x, mask, fast = _optimized_masked()
     torch.testing.assert_close(fast(x, mask=mask), model(x, mask=mask))
     torch.testing.assert_close(fast(x, mask), model(x, mask))  # the keyword given positionally
     x2, mask2 = torch.randn_like(x), torch.ones_like(mask)
@@ -347,16 +324,38 @@ def test_gpu_keyword_inputs_run_through_the_program():
 
 @pytest.mark.gpu
 def test_gpu_an_input_without_a_tensor_is_fixed_in_the_program():
-    model = Masked().cuda().eval()
-    x, mask = _inputs("cuda")
-    fast = stitchcuda.optimize(model, (x,), {"mask": mask, "scale": 3.0}, measure=False, keep_slower=True,
-                               progress=False)
-    assert fast.report.status == "optimized", fast.report.reason
+    model, x, mask, fast = _optimized_masked(scale=3.0)
     want = model(x, mask=mask, scale=3.0)
     torch.testing.assert_close(fast(x, mask=mask, scale=3.0), want)
     torch.testing.assert_close(fast(x, mask=mask), want)  # left out: the value optimize() saw
     with pytest.raises(InvalidArgumentError, match=r"scale=2\.0 differs from the 3\.0 optimize\(\) saw"):
         fast(x, mask=mask, scale=2.0)
+
+
+@pytest.mark.gpu
+def test_gpu_inputs_of_other_shapes_run_the_original_model_with_one_warning():
+    model, x, mask, fast = _optimized_masked()
+    small, small_mask = x[:3].clone(), mask[:3].clone()
+    with pytest.warns(RuntimeWarning, match=r"inputs \[f32\[3, 16\], f32\[3, 32\]\] differ from the "
+                                            r"\[f32\[8, 16\], f32\[8, 32\]\] this program was stitched for"):
+        got = fast(small, mask=small_mask)
+    torch.testing.assert_close(got, model(small, mask=small_mask))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same shapes again: no second warning
+        fast(small, mask=small_mask)
+    torch.testing.assert_close(fast(x, mask=mask), model(x, mask=mask))  # the program again
+    assert fast.other_shape_calls == 2 and fast._runner.executor.stats()["runs"] >= 1
+
+
+@pytest.mark.gpu
+def test_gpu_numbers_and_none_in_the_output_come_back():
+    model = _Report().cuda().eval()
+    x, _ = _inputs("cuda")
+    fast = stitchcuda.optimize(model, (x,), measure=False, keep_slower=True, progress=False)
+    assert fast.report.status == "optimized", fast.report.reason
+    got, want = fast(x), model(x)
+    assert (got["count"], got["kind"], got["parts"][1]) == (3, "logits", None)
+    torch.testing.assert_close(got["y"], want["y"])
 
 
 @pytest.mark.gpu
