@@ -872,3 +872,35 @@ def test_a_weight_expanded_over_a_batch_is_read_as_one_broadcast_matrix():
     assert stored <= sum(p.numel() for p in model.parameters()), stored
     steps = [s for s in program.steps if s["kind"] == "matmul" and s["batch"] > 1]
     assert steps and all(len(next(b for b in program.buffers if b["id"] == s["b"])["shape"]) == 2 for s in steps)
+
+
+class _Swap(nn.Module):
+    def forward(self, a):
+        return torch.cat((a[..., 16:], a[..., :16]), dim=-1) * 2  # halves swapped, none negated
+
+
+class _Rope(nn.Module):
+    """RoPE as Llama writes it: q * cos + rotate_half(q) * sin, rotate_half(x) = cat(-x[..., h:], x[..., :h])."""
+
+    def forward(self, q, cos, sin):
+        half = q.shape[-1] // 2
+        rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
+        return q * cos + rotated * sin
+
+
+def test_ropes_rotate_half_fuses_into_one_kernel_with_its_products():
+    q = torch.randn(2, 4, 16, 32).transpose(1, 2).contiguous().transpose(1, 2)  # heads split from tokens
+    cos, sin = torch.randn(16, 32), torch.randn(16, 32)
+    graph = capture(_Rope().eval(), (q, cos, sin))
+    plan = OfflinePlanner().plan(graph)
+    kinds = [(g.kind, sorted(n.op.removeprefix("aten::") for n in g.nodes)) for g in plan.groups if g.kind != "view"]
+    # One elementwise group: the products, the sum and the rotation; no negation kernel, no ATen cat.
+    assert kinds == [("pointwise", ["add.Tensor", "cat", "mul.Tensor", "mul.Tensor"])], kinds
+    lowering = Lowering(graph, plan, {})
+    program = lowering.build(plan.groups, graph.inputs, graph.outputs)
+    (code,) = [c for _, c in lowering.kernels]
+    assert "rotated halves" in code.description
+    assert [s["kind"] for s in program.steps] == ["kernel"]
+    # A cat that is not a rotation of halves stays what it was.
+    other = capture(_Swap().eval(), (q,))
+    assert any(g.kind == "aten" and g.nodes[0].op == "aten::cat" for g in OfflinePlanner().plan(other).groups)

@@ -787,3 +787,27 @@ def test_channels_last_max_pooling_returns_nan_for_a_window_holding_one(emu):
     _run(emu, code, {"x": _memory_order(nhwc), "y": _memory_order(y)})  # the kernel sees the NHWC bytes
     assert torch.isnan(y[1, 3, 2, 2]) and torch.isnan(y).sum() == torch.isnan(want).sum() == 1
     torch.testing.assert_close(y, want, equal_nan=True)
+
+
+def test_a_rotated_half_input_computes_ropes_rotation(emu):
+    # RoPE: q * cos + rotate_half(q) * sin, rotate_half(q) = cat(-q[..., 8:], q[..., :8]); q a permuted view
+    # ([B, S, H, D] stored, [B, H, S, D] read), cos and sin broadcast over the batch and heads.
+    torch.manual_seed(5)
+    b, h, s, d = 2, 3, 5, 16
+    stored = torch.randn(b, s, h, d)
+    q = stored.permute(0, 2, 1, 3)
+    cos, sin = torch.randn(s, d), torch.randn(s, d)
+    shape = (b, h, s, d)
+    inputs = [PointwiseInput("in0", torch.float32, tuple(q.stride())),
+              PointwiseInput("in1", torch.float32, (0, 0, d, 1)), PointwiseInput("in2", torch.float32, (0, 0, d, 1)),
+              PointwiseInput("in3", torch.float32, tuple(q.stride()), rotate=d // 2)]
+    body = ["const float t0 = in0 * in1;", "const float t1 = in3 * in2;", "const float t2 = t0 + t1;"]
+    code = pointwise_kernel("fused_rope", shape, inputs, body, [("out0", "t2", torch.float32)])
+    assert "rotated halves" in code.description and not code.vectorized
+    out = torch.empty(shape)
+    _run(emu, code, {"in0": stored, "in1": cos, "in2": sin, "in3": stored, "out0": out})
+    rotated = torch.cat((-q[..., d // 2:], q[..., : d // 2]), dim=-1)
+    torch.testing.assert_close(out, q * cos + rotated * sin)
+    with pytest.raises(ValueError, match="must rotate half of the last extent"):
+        pointwise_kernel("bad", shape, [PointwiseInput("in0", torch.float32, tuple(q.stride()), rotate=4)], [],
+                         [("out0", "in0", torch.float32)])

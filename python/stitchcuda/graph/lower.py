@@ -21,7 +21,7 @@ from ..verify.tolerance import tolerance  # the Verifier's table; re-exported fo
 from .capture import Graph, Node, Value
 from .layout import channels_last_strides, depthwise_nhwc, is_channels_last
 from .layout import contiguous_strides as _contiguous_strides
-from .planner import Group, GraphPlan
+from .planner import Group, GraphPlan, rotate_half_source
 from .templates import (FUSABLE_DTYPES, POINTWISE_OPS, KernelCode, PointwiseInput, RowProduct, RowPrologue,
                         column_reduction_kernel, depthwise_conv_kernel, depthwise_conv_nhwc_kernel, nchw_to_nhwc_kernel,
                         normalized_rows_kernel, pointwise_from_nhwc_kernel, pointwise_kernel, pooling_kernel,
@@ -614,19 +614,20 @@ class Lowering:
     def _lower_pointwise(self, g: Group) -> None:
         shape = tuple(g.params["shape"])
         outputs = g.outputs(set(self.output_ids))
-        inputs, buffers, body, var = self._elementwise(g.nodes, shape)
+        inputs, buffers, body, var = self._elementwise(g.nodes, shape, rotations=True)
+        rotated = any(i.rotate for i in inputs)
         results = []
         for v in outputs:
             key = f"out{len(results)}"
             results.append((key, var[v.name], v.dtype))
         # Every result stored channels-last: the kernel runs over (N, H, W, C), each operand's strides
         # permuted alike, so its stores, and the loads of NHWC operands, are unit-stride.
-        nhwc = (len(shape) == 4 and bool(outputs) and all(
+        nhwc = (len(shape) == 4 and bool(outputs) and not rotated and all(
             v.name in self.channels_last and v.name not in self.output_ids and tuple(v.shape) == shape for v in outputs))
         order = (0, 2, 3, 1) if nhwc else tuple(range(len(shape)))
         if nhwc:
             inputs = [PointwiseInput(i.key, i.dtype, tuple(i.strides[d] for d in order), i.offset) for i in inputs]
-        if not nhwc and _output_edge(shape, inputs, outputs):
+        if not nhwc and not rotated and _output_edge(shape, inputs, outputs):
             # A chain's output edge: NCHW results from NHWC operands, staged through shared-memory tiles
             # instead of gathered with a stride of C.
             code = pointwise_from_nhwc_kernel(self._name("fused_edge", g), shape, inputs, body, results)
@@ -696,7 +697,8 @@ class Lowering:
         return out
 
     def _elementwise(self, nodes: list[Node], shape: tuple[int, ...], known: dict[str, str] | None = None,
-                     prefix: str = "in") -> tuple[list[PointwiseInput], dict[str, int], list[str], dict[str, str]]:
+                     prefix: str = "in", rotations: bool = False
+                     ) -> tuple[list[PointwiseInput], dict[str, int], list[str], dict[str, str]]:
         """C statements computing `nodes` (elementwise, over `shape`) as float variables t0..: the inputs
         they read (keys {prefix}0.., strides over `shape`), their buffers, the statements, and each value's
         variable. `known` maps values the kernel already holds (a reduction's statistic) to C variables."""
@@ -722,13 +724,20 @@ class Lowering:
                     if di >= 0 and not (vshape[di] == 1 and shape[d] != 1):
                         strides[d] = vstrides[di]
             key = f"{prefix}{len(inputs)}"
-            inputs.append(PointwiseInput(key, vdtype, tuple(strides)))
+            inputs.append(PointwiseInput(key, vdtype, tuple(strides), rotate=vshape[-1] // 2 if mode == "rotate" else 0))
             buffers[key] = bid
             keyed[(v.name, mode)] = key
             return key
 
         body: list[str] = []
         for j, n in enumerate(nodes):
+            rotation = rotate_half_source(n)
+            if rotation is not None:  # RoPE's rotate_half(x): x read with its halves swapped, the first negated
+                if not rotations or rotation[0].name in var:
+                    raise LoweringError("rotate_half reads its input from memory, in elementwise kernels only")
+                body.append(f"const float t{j} = {operand(rotation[0], 'rotate')};")
+                var[n.out.name] = f"t{j}"
+                continue
             batch_norm = n.op == "aten::_native_batch_norm_legit_no_training"
             args = []
             for k, a in enumerate(n.args):

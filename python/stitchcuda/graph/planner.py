@@ -271,6 +271,36 @@ def _low_precision_matmuls(graph: Graph) -> str:
     return names.get(next(iter(dtypes)), "") if len(dtypes) == 1 else ""
 
 
+def rotate_half_source(node: Node) -> tuple[Value, int] | None:
+    """(x, h) when `node` is cat((-x[..., h:], x[..., :h]), dim=-1) over x's last dimension of 2h — RoPE's
+    rotate_half, which a fused kernel reads as x with its halves swapped — else None."""
+    if node.op != "aten::cat" or not node.args or not isinstance(node.args[0], (list, tuple)) \
+            or len(node.args[0]) != 2 or not node.outputs or node.outputs[0] is None:
+        return None
+    out = node.out
+    rank = len(out.shape)
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    first, second = node.args[0]
+    if rank == 0 or dim % rank != rank - 1 or not isinstance(first, Value) or not isinstance(second, Value):
+        return None
+    neg, low = first.producer, second.producer
+    high = neg.args[0].producer if neg is not None and neg.op == "aten::neg" else None
+    if high is None or low is None or high.op != "aten::slice.Tensor" or low.op != "aten::slice.Tensor":
+        return None
+    x = low.args[0]
+    d = x.shape[-1] if isinstance(x, Value) and x.shape else 0
+    if high.args[0] is not x or d % 2 or tuple(x.shape) != tuple(out.shape):
+        return None
+
+    def bounds(s: Node) -> tuple[int, int, int, int]:
+        a = list(s.args) + [None] * (5 - len(s.args))
+        return (a[1] % rank if a[1] is not None else 0, a[2] or 0, min(a[3] if a[3] is not None else d, d), a[4] or 1)
+
+    if bounds(low) != (rank - 1, 0, d // 2, 1) or bounds(high) != (rank - 1, d // 2, d, 1):
+        return None
+    return x, d // 2
+
+
 def _broadcast_matrix(v: Value) -> Value | None:
     """The single matrix behind a bmm operand that is its expansion over the batch (expand of a [K, N]
     or [1, K, N] value to [B, K, N], possibly viewed again at that shape), else None."""
@@ -419,7 +449,16 @@ class OfflinePlanner:
                 # The open group is the last unit emitted, so every input already exists: any elementwise
                 # node of the same shape may join it, a consumer of the chain or an independent branch.
                 sunk = None if open_pointwise is not None else self._sinkable(groups, node)
+                rotation = rotate_half_source(node)
+                if rotation is not None and open_pointwise is not None and \
+                        any(rotation[0] in n.outputs for n in open_pointwise.nodes):
+                    close()  # rotate_half reads x at other elements: x must be in memory, not in the kernel
                 if open_pointwise is not None and open_pointwise.params["shape"] == out.shape:
+                    earlier = self._sinkable(groups[:-1], node, also_unread_by=open_pointwise)
+                    if earlier is not None:
+                        # An earlier chain of this shape that only this node reads (RoPE's q * cos, split from
+                        # `+ rotate_half(q) * sin` by q's slices): it joins the open chain, computed first.
+                        open_pointwise.nodes[:0] = groups.pop(earlier).nodes
                     open_pointwise.nodes.append(node)
                 elif sunk is not None:
                     # An earlier chain of this shape that only this node reads (SwiGLU's silu(gate), split
@@ -435,6 +474,15 @@ class OfflinePlanner:
                 continue
             groups.append(Group("aten", [node], why_not))
             close()
+        # The negated half a fused rotate_half reads from x itself is computed by nobody else: its group goes.
+        rotated = {id(n) for g in groups if g.kind == "pointwise" for n in g.nodes if rotate_half_source(n)}
+
+        def unread(g: Group) -> bool:
+            neg = g.nodes[0]
+            return (g.kind == "pointwise" and len(g.nodes) == 1 and neg.op == "aten::neg" and neg.out.name not in outputs
+                    and bool(neg.out.users) and all(id(u) in rotated for u in neg.out.users))
+
+        groups = [g for g in groups if not unread(g)]
         for g in groups:
             if g.kind == "pointwise":
                 ops = ", ".join(n.op.removeprefix("aten::") for n in g.nodes)
@@ -519,11 +567,12 @@ class OfflinePlanner:
     SINK_WINDOW = 16  # groups looked back over: a SwiGLU's chain is 2-3 back; bounds the planner at O(n)
 
     @classmethod
-    def _sinkable(cls, groups: list[Group], node: Node) -> int | None:
+    def _sinkable(cls, groups: list[Group], node: Node, also_unread_by: Group | None = None) -> int | None:
         """The index of an earlier pointwise group of `node`'s shape, among the last SINK_WINDOW, that
-        produces one of its inputs and whose results no group after it reads — delaying it to `node`
-        changes no value anyone reads."""
+        produces one of its inputs and whose results no group after it reads (nor `also_unread_by`) —
+        delaying it to `node` changes no value anyone reads."""
         wanted = {v.name for v in node.inputs}
+        later = [also_unread_by] if also_unread_by is not None else []
         for i in range(len(groups) - 1, max(-1, len(groups) - 1 - cls.SINK_WINDOW), -1):
             g = groups[i]
             if g.kind != "pointwise" or g.params["shape"] != node.out.shape:
@@ -531,7 +580,7 @@ class OfflinePlanner:
             made = {v.name for n in g.nodes for v in n.outputs if v is not None}
             if not made & wanted:
                 continue
-            if any(v.name in made for h in groups[i + 1:] for v in h.inputs()):
+            if any(v.name in made for h in [*groups[i + 1:], *later] for v in h.inputs()):
                 return None
             return i
         return None
@@ -953,6 +1002,8 @@ class OfflinePlanner:
     @staticmethod
     def _pointwise_blocker(node: Node) -> str | None:
         """None when the node can join a fused elementwise kernel, else why not."""
+        if rotate_half_source(node) is not None:  # RoPE's rotate_half: the kernel reads x's halves swapped
+            return None if node.out.dtype in FUSABLE_DTYPES else f"rotate_half on {node.out.dtype} stays an ATen step"
         if node.op not in POINTWISE_OPS:
             return f"{node.op} has no template: ATen step"
         if any(v is None for v in node.outputs[:1]) or not node.outputs:

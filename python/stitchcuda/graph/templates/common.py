@@ -64,8 +64,14 @@ class PointwiseInput:
     dtype: torch.dtype
     strides: tuple[int, ...]  # 0 where broadcast
     offset: int = 0
+    # Read rotated by half along the last dimension, as RoPE's rotate_half(x) = cat(-x[..., h:], x[..., :h])
+    # reads x: h (half the last extent) for such an input, 0 otherwise. Element c of the last dimension is
+    # x's element (c + h) mod 2h, negated for c < h.
+    rotate: int = 0
 
     def linear(self, shape: tuple[int, ...]) -> bool:
+        if self.rotate:
+            return False
         expected = 1
         for extent, stride in zip(reversed(shape), reversed(self.strides)):
             if extent != 1 and stride != expected:
@@ -91,7 +97,9 @@ def _index(inp: PointwiseInput, shape: tuple[int, ...], dims: int | None = None)
     """C expression of `inp`'s element index from the coordinates c0.. of its first `dims` dimensions (all by
     default), broadcast dimensions left out."""
     dims = len(shape) if dims is None else dims
-    terms = [f"c{d} * {inp.strides[d]}LL" for d in range(dims) if inp.strides[d] != 0 and shape[d] != 1]
+    last = len(shape) - 1
+    terms = [(f"((c{d} + {inp.rotate}) % {2 * inp.rotate})" if inp.rotate and d == last else f"c{d}")
+             + f" * {inp.strides[d]}LL" for d in range(dims) if inp.strides[d] != 0 and shape[d] != 1]
     return " + ".join(terms + ([f"{inp.offset}LL"] if inp.offset else [])) or "0"
 
 

@@ -32,7 +32,10 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
                   and all(dt == torch.float32 for _, _, dt in results))
     # Broadcast or strided operands over a last dimension of a multiple of 4: four consecutive outputs share
     # every coordinate but the last, so each operand is one 16-byte load, one value repeated, or four loads.
-    grouped = not vectorized and not all_linear and len(shape) > 0 and shape[-1] % 4 == 0
+    rotated = any(i.rotate for i in inputs)  # RoPE's rotate_half: one element at a time, its own index and sign
+    if rotated and (not shape or any(i.rotate and 2 * i.rotate != shape[-1] for i in inputs)):
+        raise ValueError(f"a rotated input must rotate half of the last extent of {list(shape)}")
+    grouped = not vectorized and not all_linear and not rotated and len(shape) > 0 and shape[-1] % 4 == 0
     lines.append(f'extern "C" __global__ void {name}({", ".join(params)}) {{')
     if grouped:
         lines += _grouped_pointwise_loop(name, shape, inputs, results)
@@ -58,7 +61,10 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
                      "i += (long long)gridDim.x * blockDim.x) {")
         coords, indices = _element_indices(shape, inputs)
         lines += [f"    {c}" for c in coords]
-        lines += [f"    const float v{k} = ld(p{k}, {index});" for k, index in enumerate(indices)]
+        last = len(shape) - 1
+        lines += [f"    const float v{k} = " + (f"c{last} < {inp.rotate} ? -ld(p{k}, {index}) : ld(p{k}, {index});"
+                                                if inp.rotate else f"ld(p{k}, {index});")
+                  for k, (inp, index) in enumerate(zip(inputs, indices))]
         for k in range(len(results)):
             lines.append(f"    float o{k};")
         call = [f"v{k}" for k in range(len(inputs))] + [f"o{k}" for k in range(len(results))]
@@ -70,7 +76,8 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
     lines.append("}")
     grid = max(1, min((work + threads - 1) // threads, sm_count * 16))
     args = [("in", i.key) for i in inputs] + [("out", key) for key, _, _ in results] + [("i64", n)]
-    kind = ("vectorized float4" if vectorized else "strided/broadcast, four outputs per thread and step" if grouped
+    kind = ("vectorized float4" if vectorized else "rotated halves (RoPE)" if rotated
+            else "strided/broadcast, four outputs per thread and step" if grouped
             else "linear" if all_linear else "strided/broadcast")
     return KernelCode("\n".join(lines) + "\n", name, grid, threads, args,
                       f"{len(body)} elementwise op(s), {kind}, {len(inputs)} input(s), {len(results)} output(s)",
