@@ -201,6 +201,7 @@ class Lowering:
         self.spec: dict[int, tuple[tuple[int, ...], tuple[int, ...], torch.dtype]] = {}
         self.pending: dict[str, Group] = {}
         self.kernels: list[tuple[Group, KernelCode]] = []
+        self.main_kernels: dict[int, KernelCode] = {}  # id(group) -> its last kernel other than a layout conversion
         self.notes: list[str] = []
         self._names = itertools.count()
         self.channels_last: frozenset[str] = getattr(plan, "channels_last", frozenset())
@@ -585,7 +586,7 @@ class Lowering:
         buffers["y"] = self.produce(result)
         self._launch(g, code, buffers)
 
-    def _launch(self, g: Group, code: KernelCode, buffers: dict[str, int]) -> None:
+    def _launch(self, g: Group, code: KernelCode, buffers: dict[str, int], main: bool = True) -> None:
         # Kernels are named after their code: the same template over the same shapes (every layer's norm and
         # activation of a transformer, a group and its check) is the same source in every program, compiled
         # once (the kernel cache) and one kernel table entry per program.
@@ -601,6 +602,8 @@ class Lowering:
             args.append((kind, buffers[key]) if kind in ("in", "out") else (kind, key))
         self.b.launch(k, code.grid, code.block, args, shared_mem=code.shared_mem)
         self.kernels.append((g, code))
+        if main:  # a layout conversion at the group's edge is not the kernel the group became
+            self.main_kernels[id(g)] = code
 
     def _lower_kernel_step(self, g: Group) -> None:
         """A target's kernel step (an LLM's or a template's, verified as its sub-problem): in0.. are the
@@ -693,7 +696,7 @@ class Lowering:
         out = self.b.intermediate(list(shape), dtype_name(dtype), strides=list(channels_last_strides(shape)),
                                   name=f"{v.name}.nhwc")
         self.spec[out] = (tuple(shape), channels_last_strides(shape), dtype)
-        self._launch(g, code, {"in0": bid, "out0": out})
+        self._launch(g, code, {"in0": bid, "out0": out}, main=False)
         return out
 
     def _elementwise(self, nodes: list[Node], shape: tuple[int, ...], known: dict[str, str] | None = None,
@@ -1063,7 +1066,7 @@ def check_group(graph: Graph, plan: GraphPlan, group: Group, values: dict[str, t
     key = None
     try:
         program = lowering.build([group], inputs, outputs)
-        code = lowering.kernels[0][1] if lowering.kernels else None
+        code = lowering.main_kernels.get(id(group))
         key = _check_key(program) if memo is not None else None
         if key is not None and key in memo:
             if stats is not None:

@@ -874,7 +874,7 @@ def _plan_only(model, example_inputs, precision: str, graphs: bool, report: Repo
         lowering = Lowering(graph, plan, constants)
         program = lowering.build(plan.groups, graph.inputs, graph.outputs)
         program.compile_kernels()
-        codes = {id(g): code for g, code in lowering.kernels}
+        codes = dict(lowering.main_kernels)
         report.groups = []
         for g in plan.groups:
             if g.kind in ("view", "constant") and not _used(g, lowering):
