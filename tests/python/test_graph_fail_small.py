@@ -282,6 +282,37 @@ def test_no_fp64_copy_of_a_model_whose_attention_would_materialize_its_scores():
     assert "1.0 GiB of scores" in why and "MiB limit" in why
 
 
+def test_a_model_whose_one_computing_step_stays_on_aten_is_not_built():
+    """Attention alone plans as one ATen step, the model's own call: optimize() keeps the model without
+    building, verifying (a fresh input set as large as q, k and v) or timing a program that cannot win.
+    One generated group, a constant or a second step is a program worth building."""
+    class Attention(nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    q = torch.randn(1, 2, 64, 16)
+    plan = OfflinePlanner().plan(capture(Attention().eval(), (q, q, q)))
+    why = optimize_module._nothing_to_gain(plan, set())
+    assert why.startswith("nothing to gain") and "scaled_dot_product" in why, why
+
+    class Scaled(nn.Module):  # attention and a generated scale after it
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v) * 2.0
+
+    plan = OfflinePlanner().plan(capture(Scaled().eval(), (q, q, q)))
+    assert optimize_module._nothing_to_gain(plan, set()) == ""
+    # ...unless that group fell back: then the attention and the scale are two ATen steps, and a replay
+    # of two steps is still worth measuring
+    everything = {id(g) for g in plan.groups if g.kind in GENERATED}
+    assert everything and optimize_module._nothing_to_gain(plan, everything) == ""
+
+    x = torch.randn(2, 4, 8, 8)
+    plan = OfflinePlanner().plan(capture(nn.Sequential(nn.Conv2d(4, 8, 3), nn.ReLU()).eval(), (x,)))
+    assert optimize_module._nothing_to_gain(plan, set()) == ""  # a fused epilogue
+    single = OfflinePlanner().plan(capture(nn.Conv2d(4, 8, 3).eval(), (x,)))
+    assert optimize_module._nothing_to_gain(single, set()).startswith("nothing to gain")
+
+
 class _Projection(nn.Module):
     def __init__(self):
         super().__init__()

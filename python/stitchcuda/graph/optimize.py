@@ -544,6 +544,13 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
                               compare_compile=compare_compile)
                 report.stage_seconds["agents"] = time.perf_counter() - t0
         values = None  # every recorded intermediate is freed here: the checks that read them are done
+        idle = "" if keep_slower else _nothing_to_gain(plan, fallback)
+        if idle:
+            # Building, verifying and timing such a program would only spend optimize()'s time and memory
+            # (a fresh input set as large as the model's inputs) on the model's own calls.
+            report.status = "eager"
+            report.reason = f"{idle}: the original model runs (nothing was built; keep_slower=True builds the program)"
+            return OptimizedModule(model, None, None, report)
         # From here on the constants only go into programs, which store them as host bytes anyway: host
         # copies give the GPU memory of those computed into tensors of their own (a folded mask, a value
         # computed from weights) back to the build, verification and timing. A view of a weight (a
@@ -786,6 +793,20 @@ def _checked(graph: Graph, plan: GraphPlan, g: Group, held: dict, constants: dic
     both = here + int(stats.get("worker_peak_bytes") or 0)
     report.stage_peak_bytes["check_with_worker"] = max(both, report.stage_peak_bytes.get("check_with_worker", 0))
     return result
+
+
+def _nothing_to_gain(plan: GraphPlan, fallback: set[int]) -> str:
+    """Why no program of `plan` can beat the model, or "" when one may: every group that computes runs on
+    ATen, as the model does, and there is one such group at most (a CUDA graph replay of one step saves one
+    launch, less than its copies of the inputs and outputs cost); no value is precomputed from the weights
+    (a constant group the model recomputes every call) and no convolution epilogue can be fused by cuDNN."""
+    computing = [g for g in plan.groups if g.kind != "view"]
+    if plan.conv_epilogues or any(g.kind == "constant" for g in computing) or len(computing) > 1:
+        return ""
+    if any((g.kind in GENERATED or g.kind == "kernel_step") and id(g) not in fallback for g in computing):
+        return ""
+    what = ", ".join(n.op.removeprefix("aten::") for g in computing for n in g.nodes) or "nothing"
+    return f"nothing to gain: the one step that computes ({what}) runs on ATen, as the model does"
 
 
 def _peak(report: Report, stage: str) -> None:
