@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -352,6 +353,37 @@ def test_a_tf32x3_gemm_that_misses_its_check_is_checked_again_as_sgemm(monkeypat
     assert report.stage_peak_bytes["check_with_worker"] == 3000
     assert any(d == f"{gemm.name}: SGEMM instead of tf32x3" and "failed its check: output 'relu' differs" in why
                for d, why in report.decisions), report.decisions
+
+
+def test_after_a_mismatch_only_the_late_tf32x3_gemms_that_keep_it_matching_go_back_to_tf32x3():
+    """A whole-program mismatch sent three tf32x3 GEMMs to SGEMM and the program matched. The latest goes
+    back to tf32x3 first (nothing downstream amplifies its error): kept while the program still matches;
+    the next one makes it differ (its error feeds an exponential) and stays SGEMM, and the program that
+    passed is built again and kept with its verification; the earliest is not tried."""
+    from stitchcuda.graph.planner import Group
+    from stitchcuda.graph.report import Report, _Progress
+
+    splits = [Group("gemm", [SimpleNamespace(name=f"gemm{k}")], "", params={"precision": "fp32"}) for k in range(3)]
+    report = Report()
+    report.decisions += [(f"{g.name}: SGEMM instead of tf32x3", "the whole program did not match") for g in splits]
+    report.verification = {"passed": True, "detail": "", "set": "all SGEMM"}
+    built = []
+
+    def build():
+        built.append(tuple(g.params["precision"] for g in splits))
+        return built[-1]
+
+    def verify(program):  # gemm1 as tf32x3 moves the output outside fp32's tolerance
+        bad = program[1] == "tf32x3"
+        return {"passed": not bad, "detail": "output 0 differs" if bad else "", "set": program}
+
+    kept = optimize_module._restore_late_splits(splits, report, _Progress(False), build, verify, "passing")
+    assert built == [("fp32", "fp32", "tf32x3"), ("fp32", "tf32x3", "tf32x3"), ("fp32", "fp32", "tf32x3")]
+    assert kept == ("fp32", "fp32", "tf32x3") and [g.params["precision"] for g in splits] == ["fp32", "fp32", "tf32x3"]
+    assert report.verification["passed"] and report.verification["set"] == kept  # the kept program's own check
+    names = [d for d, _ in report.decisions]
+    assert "gemm2: tf32x3 again" in names and "gemm2: SGEMM instead of tf32x3" not in names
+    assert "gemm1: SGEMM kept" in names and "gemm0: SGEMM instead of tf32x3" in names
 
 
 def test_identical_groups_share_one_check():
