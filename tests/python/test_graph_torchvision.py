@@ -1,5 +1,6 @@
 """torchvision's models as users have them (random weights, the library's own definitions), on any
-machine: captured, planned and compiled. ResNet's conv -> batch norm -> [+ residual] -> ReLU epilogues
+machine: captured, planned and compiled (classifiers, ShuffleNet's channel shuffle, DenseNet's concatenations, a
+segmentation model's dict output). ResNet's conv -> batch norm -> [+ residual] -> ReLU epilogues
 are found for cuDNN's fused convolutions; ViT's attention (nn.MultiheadAttention, whose packed
 projection traces as a bmm against its weight expanded over the tokens) stores each weight once. The
 GPU tests run the programs (tests/python/test_gpu_graph.py)."""
@@ -24,11 +25,14 @@ PLANNED = "planned and compiled only"
 
 def _model(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
+    if name.startswith("segmentation."):  # a dict output ({"out": ...}), bilinear upsampling to the input's size
+        return getattr(models.segmentation, name.split(".")[1])(weights=None, weights_backbone=None).eval()
     return getattr(models, name)(weights=None).eval()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the plan-only path runs where there is no GPU")
-@pytest.mark.parametrize("name", ["resnet50", "mobilenet_v3_small", "vit_b_16", "swin_t"])
+@pytest.mark.parametrize("name", ["resnet50", "mobilenet_v3_small", "vit_b_16", "swin_t", "shufflenet_v2_x1_0",
+                                  "densenet121", "segmentation.lraspp_mobilenet_v3_large"])
 def test_each_model_is_captured_planned_and_compiled(name):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
