@@ -752,7 +752,7 @@ def _check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_
     if keep_all:
         for key, held in ready:
             check(key, held)
-    else:
+    elif wanted or constant_names:  # else nothing to check or keep: the graph need not run at all
         # Constants (values computed from weights alone) are kept as they arrive: a group reading one
         # comes after it in the graph and takes it from `constants`, as the program will.
         stream_values(graph, inputs, wanted, check, keep=constant_names, kept=constants)
