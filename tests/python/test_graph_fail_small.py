@@ -312,6 +312,8 @@ def test_a_model_whose_one_computing_step_stays_on_aten_is_not_built():
     assert optimize_module._nothing_to_gain(plan, set()) == ""  # a fused epilogue
     single = OfflinePlanner().plan(capture(nn.Conv2d(4, 8, 3).eval(), (x,)))
     assert optimize_module._nothing_to_gain(single, set()).startswith("nothing to gain")
+    views = OfflinePlanner().plan(capture(nn.Flatten().eval(), (x,)))
+    assert optimize_module._nothing_to_gain(views, set()) == "nothing to gain: the model only views its inputs"
 
 
 class _Projection(nn.Module):

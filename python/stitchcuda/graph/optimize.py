@@ -842,7 +842,9 @@ def _nothing_to_gain(plan: GraphPlan, fallback: set[int]) -> str:
         return ""
     if any((g.kind in GENERATED or g.kind == "kernel_step") and id(g) not in fallback for g in computing):
         return ""
-    what = ", ".join(n.op.removeprefix("aten::") for g in computing for n in g.nodes) or "nothing"
+    if not computing:
+        return "nothing to gain: the model only views its inputs"
+    what = ", ".join(n.op.removeprefix("aten::") for g in computing for n in g.nodes)
     return f"nothing to gain: the one step that computes ({what}) runs on ATen, as the model does"
 
 
