@@ -127,17 +127,21 @@ def _architecture(name: str):
                                              conv_kernel=(10, 3), num_conv_pos_embeddings=16,
                                              num_conv_pos_embedding_groups=4)
         return transformers.Wav2Vec2Model(config), (torch.randn(2, 4000),), None
-    if name == "t5":  # encoder-decoder: its EncoderDecoderCache has no pytree support, use_cache=False
+    if name == "t5":  # encoder-decoder: logits and an EncoderDecoderCache
         config = transformers.T5Config(num_layers=2, d_model=64, d_ff=128, num_heads=4, vocab_size=256, d_kv=16)
-        return (transformers.T5ForConditionalGeneration(config), (ids,),
-                {"decoder_input_ids": ids[:, :8], "use_cache": False})
+        return transformers.T5ForConditionalGeneration(config), (ids,), {"decoder_input_ids": ids[:, :8]}
+    if name == "bart":  # decoder inputs shifted from the input ids inside the model
+        config = transformers.BartConfig(d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                                         decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                                         vocab_size=256)
+        return transformers.BartModel(config), (ids,), None
     raise ValueError(name)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the plan-only path runs where there is no GPU")
 @pytest.mark.parametrize("name", ["mistral", "gpt2", "qwen2", "phi3", "gemma", "opt", "falcon", "bloom", "bert", "roberta",
                                   "vit", "clip-vision", "swin", "convnext", "segformer", "whisper-encoder", "wav2vec2",
-                                  "t5"])
+                                  "t5", "bart"])
 def test_each_model_family_is_captured_planned_and_compiled(name):
     model, args, kwargs = _architecture(name)
     with warnings.catch_warnings():
@@ -148,14 +152,28 @@ def test_each_model_family_is_captured_planned_and_compiled(name):
     assert kinds & {"gemm", "conv"} and kinds & {"pointwise", "reduction"}, kinds
 
 
-def test_an_encoder_decoder_cache_without_pytree_support_names_the_fix():
+def test_an_encoder_decoder_with_its_cache_is_captured_and_its_output_rebuilt():
+    # T5 and BART return an EncoderDecoderCache (a self-attention and a cross-attention DynamicCache), which
+    # pytree does not know: optimize() registers it, so the graph's outputs rebuild it around the tensors.
     config = transformers.T5Config(num_layers=1, d_model=32, d_ff=64, num_heads=2, vocab_size=64, d_kv=16)
     model, ids = transformers.T5ForConditionalGeneration(config).eval(), torch.randint(0, 64, (1, 8))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         traced = optimize_module._KeywordCall(model, 1, ("decoder_input_ids",))
-        with pytest.raises(stitchcuda.graph.CaptureError, match=r"EncoderDecoderCache.*pass use_cache=False in kwargs="):
-            capture(traced, (ids, ids))
+        graph = capture(traced, (ids, ids[:, :5]))
+        want = model(ids, decoder_input_ids=ids[:, :5])
+    assert any("EncoderDecoderCache" in note[0] for note in graph.notes), graph.notes
+    got = _rebuilt(graph, (ids, ids[:, :5]))
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.encoder_last_hidden_state, want.encoder_last_hidden_state, rtol=1e-5, atol=1e-5)
+    cache, expected = got.past_key_values, want.past_key_values
+    assert type(cache) is type(expected)
+    for part in ("self_attention_cache", "cross_attention_cache"):  # 5 decoder positions, 8 encoder positions
+        for a, b in zip(getattr(cache, part).layers, getattr(expected, part).layers):
+            torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
+    assert cache.self_attention_cache.layers[0].keys.shape[-2] == 5
+    assert cache.cross_attention_cache.layers[0].keys.shape[-2] == 8
 
 
 @pytest.mark.gpu

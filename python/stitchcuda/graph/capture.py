@@ -311,7 +311,24 @@ def _transformers_model(model: torch.nn.Module, exc: Exception | None = None) ->
     except ImportError:
         return False
     register_dynamic_cache_export_support()
+    _register_encoder_decoder_cache()
     return True
+
+
+def _register_encoder_decoder_cache() -> None:
+    """pytree support for transformers' EncoderDecoderCache (an encoder-decoder's output: BART, T5 with its
+    cache, Whisper): its two DynamicCaches are its children, and it is rebuilt from them."""
+    try:
+        from transformers.cache_utils import EncoderDecoderCache
+    except ImportError:
+        return
+    if EncoderDecoderCache in pytree.SUPPORTED_NODES:
+        return
+    pytree.register_pytree_node(
+        EncoderDecoderCache,
+        lambda cache: ([cache.self_attention_cache, cache.cross_attention_cache], None),
+        lambda children, _: EncoderDecoderCache(*children),
+        serialized_type_name=f"{EncoderDecoderCache.__module__}.{EncoderDecoderCache.__name__}")
 
 
 def _library_types(spec: Any) -> list[str]:
