@@ -176,6 +176,16 @@ def test_an_encoder_decoder_with_its_cache_is_captured_and_its_output_rebuilt():
     assert cache.cross_attention_cache.layers[0].keys.shape[-2] == 8
 
 
+def test_a_cache_type_without_pytree_support_names_the_fix_and_other_errors_do_not():
+    from stitchcuda.graph.capture import _capture_error
+
+    unknown = RuntimeError("Found <class 'transformers.cache_utils.StaticCache'> in output, which is not a known type.")
+    assert "pass use_cache=False in kwargs=" in str(_capture_error(unknown, transformers=True))
+    own = RuntimeError("running_mean should contain 320 elements not 2560")  # the model's own error
+    message = str(_capture_error(own, transformers=True))
+    assert "running_mean should contain 320" in message and "use_cache" not in message
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_gpu_a_causal_lm_runs_as_a_program_and_returns_what_the_model_returns(use_cache):

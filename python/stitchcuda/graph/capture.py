@@ -282,8 +282,10 @@ def _export(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Any:
 
 def _capture_error(exc: Exception, transformers: bool = False) -> CaptureError:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    # The cache hint only where the export met an output type it does not know (another of transformers'
+    # caches); any other error of a transformers model is the model's own or the export's.
     hint = (" For a transformers model, a cache type without pytree support: pass use_cache=False in kwargs=."
-            if transformers else "")
+            if transformers and _UNKNOWN_OUTPUT.search(str(exc)) else "")
     return CaptureError(
         f"torch.export could not capture the model ({type(exc).__name__}: {first}). Common causes: "
         "control flow that depends on tensor values, non-tensor inputs that change, unsupported Python "
