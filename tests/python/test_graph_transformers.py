@@ -90,6 +90,12 @@ def _architecture(name: str):
                                             decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
                                             num_mel_bins=80, max_source_positions=100)
         return transformers.WhisperModel(config).encoder, (torch.randn(2, 80, 200),), None
+    if name == "whisper":  # the whole encoder-decoder: an EncoderDecoderCache beside the decoder's states
+        config = transformers.WhisperConfig(encoder_layers=1, decoder_layers=1, d_model=64, encoder_attention_heads=4,
+                                            decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                                            num_mel_bins=80, max_source_positions=100, vocab_size=256, pad_token_id=0,
+                                            bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+        return transformers.WhisperModel(config), (torch.randn(2, 80, 200),), {"decoder_input_ids": ids[:, :6]}
     decoders = {"gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4,
                                                                                       vocab_size=256)),
                 "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**small, num_key_value_heads=2)),
@@ -141,7 +147,7 @@ def _architecture(name: str):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the plan-only path runs where there is no GPU")
 @pytest.mark.parametrize("name", ["mistral", "gpt2", "qwen2", "phi3", "gemma", "opt", "falcon", "bloom", "bert", "roberta",
                                   "vit", "clip-vision", "swin", "convnext", "segformer", "whisper-encoder", "wav2vec2",
-                                  "t5", "bart"])
+                                  "t5", "bart", "whisper"])
 def test_each_model_family_is_captured_planned_and_compiled(name):
     model, args, kwargs = _architecture(name)
     with warnings.catch_warnings():
