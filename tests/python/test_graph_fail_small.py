@@ -387,6 +387,17 @@ def test_after_a_mismatch_only_the_late_tf32x3_gemms_that_keep_it_matching_go_ba
     assert "gemm2: tf32x3 again" in names and "gemm2: SGEMM instead of tf32x3" not in names
     assert "gemm1: SGEMM kept" in names and "gemm0: SGEMM instead of tf32x3" in names
 
+    def failing_build():  # a build that raises is a failed try, not optimize()'s end
+        if splits[2].params["precision"] == "tf32x3" and len(built) < 4:
+            built.append("raised")
+            raise RuntimeError("no cuBLASLt algorithm")
+        return build()
+
+    splits[2].params["precision"] = "fp32"
+    kept = optimize_module._restore_late_splits(splits[2:], report, _Progress(False), failing_build, verify, "passing")
+    assert kept == ("fp32", "fp32", "fp32") and splits[2].params["precision"] == "fp32"
+    assert "no cuBLASLt algorithm" in dict(report.decisions)["gemm2: SGEMM kept"]
+
 
 def test_identical_groups_share_one_check():
     # Two blocks of the same shapes: each block's norm, activation and residual groups lower to the same
