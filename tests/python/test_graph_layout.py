@@ -15,6 +15,7 @@ from stitchcuda import jit
 from stitchcuda.graph.capture import capture
 from stitchcuda.graph.layout import channels_last_strides, is_channels_last
 from stitchcuda.graph.lower import Lowering, fold_batch_norm
+from stitchcuda.graph.optimize import _group_entries
 from stitchcuda.graph.planner import OfflinePlanner
 
 
@@ -247,6 +248,17 @@ def test_fused_epilogues_lower_to_cudnns_fused_convolutions_with_the_batch_norm_
     unfused = Lowering(graph, plan, {}, 132)
     unfused.build(plan.groups, graph.inputs, graph.outputs)
     assert len(unfused.kernels) - len(lowering.kernels) == 3
+    # The report says which ran: cuDNN's fused call for the three epilogues, a generated kernel otherwise.
+    entries = _group_entries(plan, lowering, set(), lowering.main_kernels)
+    in_cudnn = [e for e in entries if "fused with its convolution in cuDNN's cudnn_convolution" in e["reason"]]
+    assert len(in_cudnn) == 3 and not any("kernel" in e for e in in_cudnn), in_cudnn
+    unfused_entries = _group_entries(plan, unfused, set(), unfused.main_kernels)
+    assert not any("cuDNN's cudnn_convolution" in e["reason"] for e in unfused_entries)
+
+    def generated(rows):
+        return sum("kernel" in e for e in rows)
+
+    assert generated(unfused_entries) - generated(entries) == 3
 
 
 def test_every_fused_step_binds_to_its_aten_schema():

@@ -672,11 +672,12 @@ class Lowering:
         geometry = {"stride": list(conv.args[3]), "padding": list(conv.args[4]), "dilation": list(conv.args[5]),
                     "groups": int(conv.args[8])}
         if z is None:
-            self.b.aten("aten::cudnn_convolution_relu", [xid, wid, bid], [self.produce(out, strides=strides)],
-                        **geometry)
+            op = "aten::cudnn_convolution_relu"
+            self.b.aten(op, [xid, wid, bid], [self.produce(out, strides=strides)], **geometry)
         else:
-            self.b.aten("aten::cudnn_convolution_add_relu", [xid, wid, self.need(z), bid],
-                        [self.produce(out, strides=strides)], alpha=1.0, **geometry)
+            op = "aten::cudnn_convolution_add_relu"
+            self.b.aten(op, [xid, wid, self.need(z), bid], [self.produce(out, strides=strides)], alpha=1.0, **geometry)
+        self.on_aten[id(g)] = f"fused with its convolution in cuDNN's {op.removeprefix('aten::')}"
 
     def _channels_last_copy(self, v: Value, g: Group) -> int:
         """`v`'s buffer converted to channels-last by one generated copy (the edge of a convolution chain:

@@ -571,7 +571,8 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
             lowering = Lowering(graph, plan, constants, sm_count)
             program = lowering.build(plan.groups, graph.inputs, graph.outputs, fallback, _hardware())
             program.compile_kernels()
-            report.groups = _group_entries(plan, lowering, fallback, codes)
+            # The kernels of this program (its layout, its fused epilogues), not the group checks' programs.
+            report.groups = _group_entries(plan, lowering, fallback, lowering.main_kernels)
             runner, ms = None, float("inf")
             held: dict[bool, int] = {}
             report.memory = _program_memory(program)
