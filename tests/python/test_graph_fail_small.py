@@ -284,36 +284,45 @@ def test_no_fp64_copy_of_a_model_whose_attention_would_materialize_its_scores():
 
 
 def test_a_model_whose_one_computing_step_stays_on_aten_is_not_built():
-    """Attention alone plans as one ATen step, the model's own call: optimize() keeps the model without
-    building, verifying (a fresh input set as large as q, k and v) or timing a program that cannot win.
-    One generated group, a constant or a second step is a program worth building."""
+    """Attention alone plans as one ATen step, the model's own call: at a size where a CUDA graph replay
+    cannot pay for copying q, k, v and the output, optimize() keeps the model without building, verifying
+    (a fresh input set as large as q, k and v) or timing a program that cannot win. At a small size the
+    program's one launch may still beat the module's Python call, and it is timed. One generated group, a
+    constant or a second step is a program worth building at any size."""
     class Attention(nn.Module):
         def forward(self, q, k, v):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    q = torch.randn(1, 2, 64, 16)
-    plan = OfflinePlanner().plan(capture(Attention().eval(), (q, q, q)))
-    why = optimize_module._nothing_to_gain(plan, set())
-    assert why.startswith("nothing to gain") and "scaled_dot_product" in why, why
+    def plan_of(model, *inputs):
+        graph = capture(model.eval(), inputs)
+        return OfflinePlanner().plan(graph), graph
+
+    big = torch.randn(1, 2, 4096, 256)  # 8 MiB each: 64 MiB read and written by a replay's copies
+    plan, graph = plan_of(Attention(), big, big, big)
+    why = optimize_module._nothing_to_gain(plan, set(), graph)
+    assert why.startswith("nothing to gain") and "scaled_dot_product" in why and "32 MiB" in why, why
+    small = torch.randn(1, 2, 64, 16)
+    plan, graph = plan_of(Attention(), small, small, small)
+    assert optimize_module._nothing_to_gain(plan, set(), graph) == ""
 
     class Scaled(nn.Module):  # attention and a generated scale after it
         def forward(self, q, k, v):
             return F.scaled_dot_product_attention(q, k, v) * 2.0
 
-    plan = OfflinePlanner().plan(capture(Scaled().eval(), (q, q, q)))
-    assert optimize_module._nothing_to_gain(plan, set()) == ""
+    plan, graph = plan_of(Scaled(), big, big, big)
+    assert optimize_module._nothing_to_gain(plan, set(), graph) == ""
     # ...unless that group fell back: then the attention and the scale are two ATen steps, and a replay
     # of two steps is still worth measuring
     everything = {id(g) for g in plan.groups if g.kind in GENERATED}
-    assert everything and optimize_module._nothing_to_gain(plan, everything) == ""
+    assert everything and optimize_module._nothing_to_gain(plan, everything, graph) == ""
 
-    x = torch.randn(2, 4, 8, 8)
-    plan = OfflinePlanner().plan(capture(nn.Sequential(nn.Conv2d(4, 8, 3), nn.ReLU()).eval(), (x,)))
-    assert optimize_module._nothing_to_gain(plan, set()) == ""  # a fused epilogue
-    single = OfflinePlanner().plan(capture(nn.Conv2d(4, 8, 3).eval(), (x,)))
-    assert optimize_module._nothing_to_gain(single, set()).startswith("nothing to gain")
-    views = OfflinePlanner().plan(capture(nn.Flatten().eval(), (x,)))
-    assert optimize_module._nothing_to_gain(views, set()) == "nothing to gain: the model only views its inputs"
+    x = torch.randn(8, 32, 128, 128)  # 16 MiB
+    plan, graph = plan_of(nn.Sequential(nn.Conv2d(32, 32, 3), nn.ReLU()), x)
+    assert optimize_module._nothing_to_gain(plan, set(), graph) == ""  # a fused epilogue
+    plan, graph = plan_of(nn.Conv2d(32, 32, 3), x)
+    assert optimize_module._nothing_to_gain(plan, set(), graph).startswith("nothing to gain")
+    plan, graph = plan_of(nn.Flatten(), torch.randn(2, 3, 4))  # views only: nothing to gain at any size
+    assert optimize_module._nothing_to_gain(plan, set(), graph) == "nothing to gain: the model only views its inputs"
 
 
 class _Projection(nn.Module):

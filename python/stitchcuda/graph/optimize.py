@@ -544,7 +544,7 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
                               compare_compile=compare_compile)
                 report.stage_seconds["agents"] = time.perf_counter() - t0
         values = None  # every recorded intermediate is freed here: the checks that read them are done
-        idle = "" if keep_slower else _nothing_to_gain(plan, fallback)
+        idle = "" if keep_slower else _nothing_to_gain(plan, fallback, graph)
         if idle:
             # Building, verifying and timing such a program would only spend optimize()'s time and memory
             # (a fresh input set as large as the model's inputs) on the model's own calls.
@@ -836,20 +836,29 @@ def _checked(graph: Graph, plan: GraphPlan, g: Group, held: dict, constants: dic
     return result
 
 
-def _nothing_to_gain(plan: GraphPlan, fallback: set[int]) -> str:
+def _nothing_to_gain(plan: GraphPlan, fallback: set[int], graph: Graph | None = None) -> str:
     """Why no program of `plan` can beat the model, or "" when one may: every group that computes runs on
-    ATen, as the model does, and there is one such group at most (a CUDA graph replay of one step saves one
-    launch, less than its copies of the inputs and outputs cost); no value is precomputed from the weights
-    (a constant group the model recomputes every call) and no convolution epilogue can be fused by cuDNN."""
+    ATen, as the model does, and there is one such group at most, whose inputs and outputs are too large for
+    a CUDA graph replay to pay (its copies of them would cost more than REPLAY_COPY_MARGIN times the launch
+    it saves; small ones are worth timing: the program's one launch skips the module's Python call); no value
+    is precomputed from the weights (a constant group the model recomputes every call) and no convolution
+    epilogue can be fused by cuDNN. A model that only views its inputs has nothing to gain at any size."""
     computing = [g for g in plan.groups if g.kind != "view"]
+    if not computing:
+        return "nothing to gain: the model only views its inputs"
     if plan.conv_epilogues or any(g.kind == "constant" for g in computing) or len(computing) > 1:
         return ""
     if any((g.kind in GENERATED or g.kind == "kernel_step") and id(g) not in fallback for g in computing):
         return ""
-    if not computing:
-        return "nothing to gain: the model only views its inputs"
+    moved = 0
+    if graph is not None:
+        moved = 2 * sum(v.numel * v.dtype.itemsize for v in (*graph.inputs, *graph.outputs))  # read and write
+    copies_ms = moved / ((describe().get("dram_tb_s") or 2.0) * 1e12) * 1e3
+    if copies_ms <= REPLAY_COPY_MARGIN * LAUNCH_US / 1e3:
+        return ""
     what = ", ".join(n.op.removeprefix("aten::") for g in computing for n in g.nodes)
-    return f"nothing to gain: the one step that computes ({what}) runs on ATen, as the model does"
+    return (f"nothing to gain: the one step that computes ({what}) runs on ATen, as the model does, and a CUDA "
+            f"graph replay would copy {moved / 2 / 2**20:,.0f} MiB of inputs and outputs to save one launch")
 
 
 def _peak(report: Report, stage: str) -> None:
