@@ -399,8 +399,13 @@ def _replay_estimate(program: Program) -> tuple[float, float]:
             for e in b["shape"]:
                 n *= e
             moved += 2 * n * DTYPES[b["dtype"]].itemsize  # read and write
-    tb_s = describe().get("dram_tb_s") or 2.0
-    return moved / (tb_s * 1e12) * 1e3, len(program.steps) * LAUNCH_US / 1e3
+    return _copy_ms(moved), len(program.steps) * LAUNCH_US / 1e3
+
+
+def _copy_ms(moved: int) -> float:
+    """Milliseconds to read and write `moved` bytes at the GPU's memory bandwidth (the Verifier's table;
+    2 TB/s when unknown)."""
+    return moved / ((describe().get("dram_tb_s") or 2.0) * 1e12) * 1e3
 
 
 def optimize(model: torch.nn.Module | Callable[..., Any], args: Any = None, kwargs: dict[str, Any] | None = None, *,
@@ -853,8 +858,7 @@ def _nothing_to_gain(plan: GraphPlan, fallback: set[int], graph: Graph | None = 
     moved = 0
     if graph is not None:
         moved = 2 * sum(v.numel * v.dtype.itemsize for v in (*graph.inputs, *graph.outputs))  # read and write
-    copies_ms = moved / ((describe().get("dram_tb_s") or 2.0) * 1e12) * 1e3
-    if copies_ms <= REPLAY_COPY_MARGIN * LAUNCH_US / 1e3:
+    if _copy_ms(moved) <= REPLAY_COPY_MARGIN * LAUNCH_US / 1e3:
         return ""
     what = ", ".join(n.op.removeprefix("aten::") for g in computing for n in g.nodes)
     return (f"nothing to gain: the one step that computes ({what}) runs on ATen, as the model does, and a CUDA "
