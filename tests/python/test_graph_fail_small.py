@@ -355,8 +355,8 @@ def test_a_tf32x3_gemm_that_misses_its_check_is_checked_again_as_sgemm(monkeypat
         return True, "matches ATen", None
 
     monkeypatch.setattr(optimize_module, "check_group", check_group)
-    report, fallback, codes = Report(), set(), {}
-    optimize_module._check_groups(graph, plan, [x], 132, None, time.perf_counter(), 60.0, report, fallback, codes,
+    report, fallback = Report(), set()
+    optimize_module._check_groups(graph, plan, [x], 132, None, time.perf_counter(), 60.0, report, fallback,
                                   keep_all=False)
     assert tried == ["tf32x3", "fp32"] and gemm.params["precision"] == "fp32"
     assert not fallback and not report.fallbacks

@@ -523,7 +523,6 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
         flat_inputs = [t for t in pytree.tree_flatten(example_inputs)[0] if isinstance(t, torch.Tensor)]
         sm_count, device_name = _device_facts()
         fallback: set[int] = set()
-        codes = {}
         agents = llm is not None or resume is not None
         with steps.step(f"generating and checking {sum(g.kind in GENERATED for g in plan.groups)} group(s)"):
             t0 = time.perf_counter()
@@ -536,7 +535,7 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
                                          "generated code runs apart from this process until it matches ATen; "
                                          "recorded tensors reach it as CUDA IPC handles, not copies"))
             constants, values = _check_groups(graph, plan, flat_inputs, sm_count, pool, t0, budget_s, report,
-                                              fallback, codes, keep_all=agents)
+                                              fallback, keep_all=agents)
             report.stage_seconds["generate_and_check"] = time.perf_counter() - t0
         _peak(report, "generate_and_check")
         offline_groups = list(plan.groups)
@@ -709,7 +708,7 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
 
 
 def _check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_count: int, pool: Any, t0: float,
-                  budget_s: float, report: Report, fallback: set[int], codes: dict, keep_all: bool
+                  budget_s: float, report: Report, fallback: set[int], keep_all: bool
                   ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
     """Checks every generated group against ATen on the example inputs while the graph runs once: a
     group is checked as soon as its recorded inputs and outputs exist, and a recorded value is freed
@@ -763,8 +762,7 @@ def _check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_
         # comes after it in the graph and takes it from `constants`, as the program will.
         stream_values(graph, inputs, wanted, check, keep=constant_names, kept=constants)
     for g in generated:  # in plan order, so the report reads as the plan does
-        ok, why, code = results[id(g)]
-        codes[id(g)] = code
+        ok, why, _ = results[id(g)]
         if not ok:
             fallback.add(id(g))
             report.fallbacks.append({"group": g.name, "kind": g.kind, "reason": why})
