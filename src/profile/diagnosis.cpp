@@ -29,11 +29,36 @@ std::string label(const std::string& name) { return name.empty() ? std::string("
 }  // namespace
 
 std::optional<DeviceCeilings> DeviceCeilings::for_device(std::string_view device_name) {
-  // One row today: the GPU whose numbers were measured (docs/profile.md). Matched by model name, as the
-  // driver spells it inside longer names ("NVIDIA H200", "H200 SXM 141GB").
-  if (device_name.find("H200") != std::string_view::npos) {
+  // Matched by model name inside the driver's longer names ("NVIDIA H200", "NVIDIA H100 80GB HBM3",
+  // "NVIDIA A100-SXM4-80GB"), the most specific first. The H200's row is measured (docs/profile.md);
+  // the others are datasheet peaks: dense tensor-core rates, the memory's rated bandwidth.
+  struct Row {
+    std::string_view model, also;  // both must appear in the name ("" matches any)
+    double fp32, tf32, bf16, dram;  // TFLOP/s, TB/s
+  };
+  static constexpr Row kRows[] = {
+      {"H100", "PCIe", 51.2, 378.0, 756.0, 2.0},
+      {"H100", "NVL", 60.0, 417.5, 835.0, 3.9},
+      {"H100", "", 67.0, 494.7, 989.4, 3.35},  // SXM5 (80GB HBM3)
+      {"A100", "SXM4-80GB", 19.5, 156.0, 312.0, 2.039},
+      {"A100", "80GB", 19.5, 156.0, 312.0, 1.935},  // 80GB PCIe
+      {"A100", "", 19.5, 156.0, 312.0, 1.555},      // 40GB, SXM4 and PCIe
+      {"L40S", "", 91.6, 183.0, 362.1, 0.864},
+  };
+  if (device_name.find("H200") != std::string_view::npos) {  // and GH200, the same memory and SMs
     DeviceCeilings c = h200();
     c.name = std::string(device_name);
+    return c;
+  }
+  for (const Row& row : kRows) {
+    if (device_name.find(row.model) == std::string_view::npos || device_name.find(row.also) == std::string_view::npos)
+      continue;
+    DeviceCeilings c;
+    c.name = std::string(device_name);
+    c.fp32_flops_per_s = row.fp32 * 1e12;
+    c.tf32_tensor_flops_per_s = row.tf32 * 1e12;
+    c.bf16_tensor_flops_per_s = row.bf16 * 1e12;
+    c.dram_bytes_per_s = row.dram * 1e12;
     return c;
   }
   return std::nullopt;

@@ -37,6 +37,25 @@ TEST_CASE("the default ceilings are the H200's", "[profile]") {
   CHECK(c.launch_overhead_ns > 0);
 }
 
+TEST_CASE("the hardware table knows the data-centre GPUs by the names their drivers report", "[profile]") {
+  const auto h200 = DeviceCeilings::for_device("NVIDIA H200");
+  REQUIRE(h200);
+  CHECK(h200->dram_bytes_per_s == Approx(4.3e12));
+  CHECK(h200->name == "NVIDIA H200");
+  const auto sxm = DeviceCeilings::for_device("NVIDIA H100 80GB HBM3");
+  const auto pcie = DeviceCeilings::for_device("NVIDIA H100 PCIe");
+  REQUIRE(sxm);
+  REQUIRE(pcie);
+  CHECK(sxm->tf32_tensor_flops_per_s > 4 * sxm->fp32_flops_per_s);  // what makes tf32x3 worth planning
+  CHECK(pcie->dram_bytes_per_s < sxm->dram_bytes_per_s);             // the more specific row wins
+  const auto a100 = DeviceCeilings::for_device("NVIDIA A100-SXM4-80GB");
+  const auto a100_40 = DeviceCeilings::for_device("NVIDIA A100-SXM4-40GB");
+  REQUIRE(a100);
+  REQUIRE(a100_40);
+  CHECK(a100->dram_bytes_per_s > a100_40->dram_bytes_per_s);
+  CHECK_FALSE(DeviceCeilings::for_device("NVIDIA GeForce GTX 1080"));  // unknown: no guess
+}
+
 TEST_CASE("a copy near DRAM peak is memory-bound at the roof", "[profile]") {
   KernelMeasurement m;
   m.name = "copy";
