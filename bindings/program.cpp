@@ -166,6 +166,7 @@ void bind_program(py::module_& m) {
           py::dict e;
           e["buffer"] = pl.buffer, e["storage"] = pl.storage, e["offset"] = pl.offset, e["bytes"] = pl.bytes;
           e["first_step"] = pl.first_step, e["last_step"] = pl.last_step, e["in_arena"] = pl.in_arena;
+          e["allocated"] = pl.allocated;
           places.append(e);
         }
         d["placements"] = places;

@@ -231,17 +231,24 @@ struct Placement {
   std::size_t bytes = 0;   ///< storage the buffer spans
   int first_step = 0;      ///< first step that writes its storage
   int last_step = 0;       ///< last step that touches its storage
-  /// false: an ATen step writes the storage first, and the tensor that op returns becomes it (the
-  /// executor adopts it, and frees it after last_step), so it takes no arena bytes; offset is 0.
+  /// false: the storage takes no arena bytes (offset is 0) and lives only from first_step to last_step
+  /// in PyTorch's caching allocator, as in eager mode: an ATen step writes it first and the tensor that op
+  /// returns becomes it (the executor adopts it), or it is large (BufferPlan::large_storage_bytes) and
+  /// the executor allocates it before first_step (`allocated`). Either way it is let go after last_step.
   bool in_arena = true;
+  bool allocated = false;  ///< outside the arena and allocated by the executor (not an ATen step's result)
 };
 
 /// Arena layout of a program's intermediate buffers. Storages an ATen step writes first are not in
 /// the arena (Placement::in_arena): the op allocates its result through PyTorch's caching allocator, as
-/// in eager mode, and the executor lets it go after its last use. The byte counts below cover the arena's
-/// storages only.
+/// in eager mode, and the executor lets it go after its last use. Nor are storages of large_storage_bytes
+/// or more: one arena is as large as the widest step's arena storages for the whole run, while the ATen
+/// results come and go beside it, so a convolution stack's peak would be its arena plus its widest ATen
+/// step rather than its widest step (the executor allocates those before their first step, one
+/// allocator call for megabytes of traffic). The byte counts below cover the arena's storages only.
 struct BufferPlan {
   static constexpr std::size_t alignment = 256;  ///< every storage starts at a multiple of this
+  static constexpr std::size_t large_storage_bytes = std::size_t(32) << 20;  ///< and larger: outside the arena
   std::vector<Placement> placements;  ///< every intermediate buffer, views included
   std::size_t arena_bytes = 0;        ///< peak: size of the one arena
   std::size_t live_bound_bytes = 0;   ///< sum of live arena storages (aligned) at the widest step

@@ -65,7 +65,8 @@ class ProgramBuilder:
 
     def intermediate(self, shape: Sequence[int], dtype: torch.dtype | str = "f32", *, strides=None,
                      name: str = "") -> int:
-        """A temporary placed in the arena by liveness planning."""
+        """A temporary: placed in the arena by liveness planning, or, from 32 MiB
+        (BufferPlan::large_storage_bytes), allocated by the executor for the steps that use it."""
         return self._b.intermediate(list(shape), dtype_name(dtype), strides, name)
 
     def weight(self, shape: Sequence[int] | torch.Tensor, dtype: torch.dtype | str = "f32", *, data=None,

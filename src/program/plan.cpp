@@ -1,7 +1,9 @@
 // Liveness planning: each intermediate storage lives from the step that first writes it to the
 // step that last touches it (through any view); storages whose lifetimes overlap get disjoint
 // ranges of one arena, the others may share bytes. A storage an ATen step writes first stays out of
-// the arena: the op returns a tensor of its own, which the executor keeps until the last use.
+// the arena: the op returns a tensor of its own, which the executor keeps until the last use. So does a
+// large one (BufferPlan::large_storage_bytes), which the executor allocates for its lifetime: the
+// program's memory then follows its live set step by step, ATen results included.
 #include <stitchcuda/program.hpp>
 
 #include <algorithm>
@@ -21,7 +23,8 @@ struct Storage {
   std::size_t bytes = 0;  // aligned
   int first = 0, last = 0;
   std::size_t offset = 0;
-  bool arena = true;  // false: an ATen step's own result (it writes the storage first)
+  bool arena = true;       // false: an ATen step's own result (it writes the storage first), or large
+  bool allocated = false;  // outside the arena because it is large: the executor allocates it
 };
 
 bool lifetimes_overlap(const Storage& a, const Storage& b) { return a.first <= b.last && b.first <= a.last; }
@@ -79,7 +82,13 @@ Result<BufferPlan> Program::plan() const {
   }
 
   std::vector<Storage> items, outside;
-  for (auto& [id, s] : storages) (s.arena ? items : outside).push_back(s);
+  for (auto& [id, s] : storages) {
+    if (s.arena && s.bytes >= BufferPlan::large_storage_bytes) {
+      s.arena = false;
+      s.allocated = true;
+    }
+    (s.arena ? items : outside).push_back(s);
+  }
   // Big storages first packs tightly; earliest first is optimal when sizes are equal. Keep the better.
   auto by_size = items, by_start = items;
   auto tie = [](const Storage& a, const Storage& b) { return a.id < b.id; };
@@ -116,7 +125,7 @@ Result<BufferPlan> Program::plan() const {
     if (it == placed.end()) continue;  // caller-bound, weight, or never touched
     const Storage& s = *it->second;
     plan.placements.push_back(Placement{b.id, owner, s.arena ? s.offset + offset : 0, b.spec.storage_bytes(), s.first,
-                                        s.last, s.arena});
+                                        s.last, s.arena, s.allocated});
   }
   return plan;
 }

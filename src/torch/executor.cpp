@@ -181,6 +181,9 @@ struct Executor::Impl {
   // By step: the slots of storages outside the arena (and their views) whose last use is that step; the
   // run lets go of them there, so PyTorch's allocator (or a capture's private pool) reuses the memory.
   std::vector<std::vector<std::size_t>> free_after;
+  // By step: the slots of large storages outside the arena (Placement::allocated) whose first step it is;
+  // the run allocates them just before it.
+  std::vector<std::vector<std::size_t>> allocate_before;
   std::vector<jit::Kernel> kernels;                // by kernel table index
   std::vector<std::string> warnings;
   std::vector<std::optional<program::detail::BoundAtenOp>> aten;  // by step
@@ -409,6 +412,10 @@ Result<void> Executor::Impl::execute(Instance& in, void* stream) {
     const Step& step = steps[i];
     Result<void> ok{};
     try {
+      for (std::size_t k : allocate_before[i]) {
+        const TensorSpec& s = program.buffers[k].spec;
+        in.tensors[k] = at::empty_strided(s.shape, s.strides, options_for(s));
+      }
       if (auto* k = std::get_if<KernelLaunch>(&step)) {
         jit::KernelArgs args;
         for (const KernelArg& a : k->args) {
@@ -495,9 +502,11 @@ Result<std::shared_ptr<Executor>> Executor::create(Program program, ExecutorOpti
   std::sort(x.output_ids.begin(), x.output_ids.end());
   x.adoptable.assign(x.program.buffers.size(), 0);
   x.free_after.assign(x.program.steps.size(), {});
+  x.allocate_before.assign(x.program.steps.size(), {});
   for (const Placement& p : x.plan.placements) {
     if (p.in_arena) continue;
-    if (p.buffer == p.storage) x.adoptable[x.slot.at(p.buffer)] = 1;
+    if (p.buffer == p.storage && p.allocated) x.allocate_before[std::size_t(p.first_step)].push_back(x.slot.at(p.buffer));
+    else if (p.buffer == p.storage) x.adoptable[x.slot.at(p.buffer)] = 1;
     x.free_after[std::size_t(p.last_step)].push_back(x.slot.at(p.buffer));
   }
   // Views of the caller's inputs and outputs go after their last use too: a run keeps no reference to

@@ -411,7 +411,8 @@ def test_release_gives_the_working_memory_back_and_the_next_run_allocates_it_aga
         executor.run([xs], [out])
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated() - before
-    assert held >= 3 * 4 * n, held  # the arena's intermediate and the static input and output
+    # The static input and output (the 64 MiB intermediate is allocated for its steps, in the capture's pool).
+    assert held >= 2 * 4 * n, held
     first = out.clone()
     executor.release()
     left = torch.cuda.memory_allocated() - before - 4 * n  # beside `first`
@@ -422,6 +423,44 @@ def test_release_gives_the_working_memory_back_and_the_next_run_allocates_it_aga
     assert executor.stats()["captures"] == captures + 1  # captured again
     torch.testing.assert_close(out, first, rtol=0, atol=0)
     torch.testing.assert_close(out, (xs * 2 + 1) * 3)
+
+
+def test_a_large_intermediate_is_allocated_for_its_steps_so_the_peak_follows_the_live_set():
+    """x -> t -> u (kernels, 64 MiB each; t dies at step 1) -> relu(u) as an ATen step -> y. With one arena
+    for t and u, the ATen result would come on top of the whole arena (three tensors at once); allocated for
+    their steps, no more than two intermediates are alive at any step. Direct launches and a replay alike
+    give the exact result, and a direct run holds nothing after it returns."""
+    n = 16 << 20
+    b = ProgramBuilder()
+    k = b.kernel(SCALE_SHIFT, "scale_shift")
+    x, y = b.input([n], name="x"), b.output([n], name="y")
+    t, u, a = b.intermediate([n], name="t"), b.intermediate([n], name="u"), b.intermediate([n], name="a")
+    b.launch(k, (n + 255) // 256, 256, [("in", x), ("out", t), ("f32", 2.0), ("f32", 0.0), ("i32", n)])
+    b.launch(k, (n + 255) // 256, 256, [("in", t), ("out", u), ("f32", 1.0), ("f32", -0.5), ("i32", n)])
+    b.aten("aten::relu", [u], [a])
+    b.launch(k, (n + 255) // 256, 256, [("in", a), ("out", y), ("f32", 3.0), ("f32", 0.0), ("i32", n)])
+    program = b.build()
+    plan = program.buffer_plan()
+    assert plan["arena_bytes"] == 0 and all(not p["in_arena"] for p in plan["placements"])
+    xs = torch.randn(n, device="cuda")
+    want = torch.relu(xs * 2 - 0.5) * 3
+    for graphs in (False, True):
+        out = torch.empty_like(xs)
+        executor = program.executor(graphs=graphs)
+        executor.run([xs], [out])  # the first run (with graphs=True: launched directly, then captured)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(2):
+            executor.run([xs], [out])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        if not graphs:
+            assert torch.cuda.memory_allocated() == before  # every intermediate let go after its last step
+            assert peak <= 2 * 4 * n + (1 << 20), peak  # two of t, u, a at a time, never three
+        executor.release()
+        del executor
 
 
 def test_a_large_tf32x3_operand_is_split_a_block_of_rows_at_a_time(monkeypatch):

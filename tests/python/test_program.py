@@ -53,6 +53,31 @@ def test_an_aten_steps_result_is_its_own_tensor_outside_the_arena():
     assert plan["arena_bytes"] == 256  # h alone ([4, 16] f32, aligned)
 
 
+def test_a_large_intermediate_is_allocated_for_its_steps_not_held_in_the_arena():
+    """From 32 MiB an intermediate a kernel writes first is outside the arena too: the executor allocates it
+    before its first step and lets it go after its last, so it never sits in the arena beside an ATen
+    result produced after it died."""
+    n = 8 << 20  # 32 MiB of fp32
+    b = ProgramBuilder()
+    k = b.kernel("extern \"C\" __global__ void k(const float* x, float* y) {}", "k")
+    x = b.input([n], name="x")
+    t = b.intermediate([n], name="t")
+    small = b.intermediate([64], name="small")
+    u = b.intermediate([n], name="u")
+    y = b.output([n], name="y")
+    b.launch(k, 1, 32, [("in", x), ("out", t)])      # 0
+    b.launch(k, 1, 32, [("in", t), ("out", small)])  # 1: t's last use
+    b.aten("aten::relu", [x], [u])                    # 2: an ATen result, after t died
+    b.launch(k, 1, 32, [("in", u), ("out", y)])      # 3
+    plan = b.build().buffer_plan()
+    by_id = {p["buffer"]: p for p in plan["placements"]}
+    assert by_id[t]["in_arena"] is False and by_id[t]["allocated"] is True
+    assert (by_id[t]["first_step"], by_id[t]["last_step"]) == (0, 1)
+    assert by_id[u]["in_arena"] is False and by_id[u]["allocated"] is False  # adopted from relu
+    assert by_id[small]["in_arena"] is True and by_id[small]["allocated"] is False
+    assert plan["arena_bytes"] == 256  # `small` alone
+
+
 def test_round_trip_is_byte_identical_and_keeps_weights(tmp_path):
     p = mlp()
     path = tmp_path / "mlp.stitch"

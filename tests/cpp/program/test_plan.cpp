@@ -246,6 +246,38 @@ TEST_CASE("an ATen step's result is its own tensor, outside the arena, with its 
   check_no_live_overlap(*p, plan);
 }
 
+TEST_CASE("large storages live outside the arena for their lifetime, allocated by the executor", "[program]") {
+  // conv (ATen) -> big (a kernel, 32 MiB) -> ATen again: with one arena holding big for the whole run the
+  // peak would be big + the widest ATen step; outside it, big lives from its first step to its last.
+  const std::int64_t rows = std::int64_t(BufferPlan::large_storage_bytes / (4 * 1024));
+  ProgramBuilder b;
+  BufferId x = b.input(f32({rows, 1024}));
+  BufferId small = b.intermediate(f32({64, 64}), "small");
+  BufferId big = b.intermediate(f32({rows, 1024}), "big");
+  BufferId conv = b.intermediate(f32({rows, 1024}), "conv");
+  BufferId y = b.output(f32({rows, 1024}));
+  kernel_step(b, {x}, small);                                       // 0
+  kernel_step(b, {x, small}, big);                                  // 1
+  BufferId flat = b.view(ViewKind::reshape, big, f32({rows * 1024}));  // 2
+  b.aten("aten::relu", {x}, {conv});                                // 3
+  kernel_step(b, {flat, conv}, y);                                  // 4
+  auto p = b.build();
+  if (!p) FAIL(p.error().describe());
+  BufferPlan plan = plan_ok(*p);
+  const Placement* own = plan.find(big);
+  REQUIRE(own);
+  CHECK_FALSE(own->in_arena);
+  CHECK(own->allocated);                      // the executor allocates it before step 1
+  CHECK(own->first_step == 1);
+  CHECK(own->last_step == 4);
+  CHECK_FALSE(plan.find(flat)->in_arena);     // its view follows it
+  CHECK_FALSE(plan.find(conv)->allocated);    // an ATen result: adopted, not allocated
+  CHECK_FALSE(plan.find(conv)->in_arena);
+  CHECK(plan.find(small)->in_arena);          // small storages share the arena as before
+  CHECK(plan.arena_bytes == 64 * 64 * 4);
+  check_no_live_overlap(*p, plan);
+}
+
 TEST_CASE("an invalid program is not planned", "[program]") {
   ProgramBuilder b;
   BufferId t = b.intermediate(f32({3}));
