@@ -346,8 +346,11 @@ def test_a_tf32x3_gemm_that_misses_its_check_is_checked_again_as_sgemm(monkeypat
     assert gemm.params["precision"] == "tf32x3"
     tried = []
 
-    def check_group(graph, plan, g, held, constants, sm_count, pool, stats=None, memo=None):
+    in_place = []
+
+    def check_group(graph, plan, g, held, constants, sm_count, pool, stats=None, memo=None, in_place_from=0):
         tried.append(g.params["precision"])
+        in_place.append(in_place_from)
         assert set(held) >= {v.name for v in g.outputs({v.name for v in graph.outputs})}  # ATen's values
         stats["worker_peak_bytes"] = 1000 if g.params["precision"] == "tf32x3" else 3000  # the worker's own
         if g.params["precision"] == "tf32x3":
@@ -359,11 +362,18 @@ def test_a_tf32x3_gemm_that_misses_its_check_is_checked_again_as_sgemm(monkeypat
     optimize_module._check_groups(graph, plan, [x], 132, None, time.perf_counter(), 60.0, report, fallback,
                                   keep_all=False)
     assert tried == ["tf32x3", "fp32"] and gemm.params["precision"] == "fp32"
+    assert in_place == [0, 0]  # no memory target given: every output gets a candidate of its own
     assert not fallback and not report.fallbacks
     # The GPU memory of a check counts the worker's allocations beside this process's (none on a CPU).
     assert report.stage_peak_bytes["check_with_worker"] == 3000
     assert any(d == f"{gemm.name}: SGEMM instead of tf32x3" and "failed its check: output 'relu' differs" in why
                for d, why in report.decisions), report.decisions
+    # Past the memory optimize() plans for (here: none at all), the large output is checked in place.
+    tried.clear(), in_place.clear()
+    optimize_module._check_groups(graph, plan, [x], 132, None, time.perf_counter(), 60.0, Report(), set(),
+                                  keep_all=False, room=0)
+    assert in_place == [optimize_module.HOST_REFERENCE_BYTES]
+    assert optimize_module._memory_target(graph) == graph.working_set_bytes() + 2 * 2048 * 2048 * 4
 
 
 def test_after_a_mismatch_only_the_late_tf32x3_gemms_that_keep_it_matching_go_back_to_tf32x3():

@@ -305,6 +305,27 @@ def test_the_worker_side_of_a_program_job(monkeypatch):
     assert data["error"]["message"].startswith("output 'y' differs from the reference")
 
 
+def test_a_program_job_with_the_callers_outputs_writes_them_and_compares_nothing(monkeypatch):
+    """check_program's in-place outputs: the worker writes the program's outputs into the tensors it was
+    given (the caller's, through CUDA IPC on a GPU) and leaves the comparison to the caller."""
+    from stitchcuda import program as program_module
+
+    class Writer:
+        def executor(self, graphs=True):
+            def run(feed, outputs=None):
+                outputs[0].copy_(feed[0] + 1)
+                return outputs
+            return SimpleNamespace(run=run)
+
+    monkeypatch.setattr(program_module.Program, "deserialize", staticmethod(lambda data: Writer()))
+    x, out = torch.arange(4.0), torch.zeros(4)
+    job = vprogram.program_job(FakeProgram(None), [x], None, [(1e-4, 1e-4)], ["y"], outputs=[out])
+    assert job["expected"] is None and job["outputs"][0] is not None
+    data = harness.run_job(job, lambda phase: None)
+    assert data["correct"] and data.get("error") in (None, {})
+    assert torch.equal(out, x + 1)  # written into the caller's tensor
+
+
 class Doubler(torch.nn.Module):
     def forward(self, x):
         return x * 2, (x > 0).sum()
@@ -389,7 +410,9 @@ def test_the_hardware_table_is_the_cpp_profile_layers():
     c = hardware.ceilings("NVIDIA H200")
     assert c.dram_bytes_per_s == 4.3e12 and c.fp32_flops_per_s == 67e12
     assert c.tf32_tensor_flops_per_s == 495e12 and c.bf16_tensor_flops_per_s == 790e12
-    assert hardware.ceilings("NVIDIA A100-SXM4-80GB") is None  # unknown GPUs get no guessed peaks
+    assert hardware.ceilings("Tesla T4") is None  # unknown GPUs get no guessed peaks
+    h100 = hardware.ceilings("NVIDIA H100 80GB HBM3")  # a datasheet row: tf32x3 can be planned there
+    assert h100.tf32_tensor_flops_per_s > 4 * h100.fp32_flops_per_s and h100.dram_bytes_per_s == 3.35e12
     assert stitchcuda.profile.DeviceCeilings().tf32_tensor_flops_per_s == c.tf32_tensor_flops_per_s
     d = hardware._describe(H200, "13.0")
     assert d == {"gpu": "NVIDIA H200", "arch": "sm_90", "sms": 132, "memory_gib": 139.7, "dram_tb_s": 4.3,
@@ -532,6 +555,50 @@ def test_measure_on_the_gpu():
     assert 0.01 < t.median_ms < 5.0, t
     kb = timing.measure(lambda: x.mul(2.0), repeats=10, protocol="kernelbench")
     assert 0.01 < kb.mean_ms < 5.0 and kb.sync_latency_ms is None
+
+
+SCALE_SHIFT = r"""
+extern "C" __global__ void scale_shift(const float* x, float* y, float scale, float shift, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = x[i] * scale + shift;
+}
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("isolated", [False, True])
+def test_a_large_output_is_checked_in_place_and_keeps_its_recorded_values(isolated):
+    """With in_place_from, the program writes its output into the expected tensor itself while the
+    expected values wait in host memory: no second output-sized tensor, the same verdicts, and the
+    expected tensor holds its values again afterwards (a wrong reference stays wrong, untouched)."""
+    from stitchcuda import ProgramBuilder
+
+    n = 16 << 20  # 64 MiB
+    b = ProgramBuilder()
+    k = b.kernel(SCALE_SHIFT, "scale_shift")
+    x, y = b.input([n], name="x"), b.output([n], name="y")
+    b.launch(k, (n + 255) // 256, 256, [("in", x), ("out", y), ("f32", 2.0), ("f32", 1.0), ("i32", n)])
+    program = b.build()
+    program.compile_kernels()
+    xs = torch.randn(n, device="cuda")
+    want = xs * 2 + 1
+    kept = want.clone()
+    pool = verify.trusted_pool() if isolated else None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    ok, why = vprogram.check_program(program, [xs], [want], [(1e-5, 1e-5)], ["y"], pool=pool, reference="ATen",
+                                     in_place_from=1 << 20)
+    torch.cuda.synchronize()
+    assert ok, why
+    assert torch.equal(want, kept)  # the recorded values are back
+    assert torch.cuda.max_memory_allocated() - before < 16 << 20  # no output-sized tensor allocated here
+    wrong = kept.clone()
+    wrong[12345] += 1.0
+    ok, why = vprogram.check_program(program, [xs], [wrong], [(1e-5, 1e-5)], ["y"], pool=pool, reference="ATen",
+                                     in_place_from=1 << 20)
+    assert not ok and "at flat index 12345" in why, why
+    assert wrong[12345] == kept[12345] + 1.0 and torch.equal(wrong[:12345], kept[:12345])
 
 
 @pytest.mark.gpu

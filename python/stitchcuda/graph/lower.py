@@ -1043,7 +1043,7 @@ def _view_layout(n: Node, shape, strides):
 def check_group(graph: Graph, plan: GraphPlan, group: Group, values: dict[str, torch.Tensor],
                 constants: dict[str, torch.Tensor], sm_count: int,
                 pool: Any = None, stats: dict | None = None,
-                memo: dict | None = None) -> tuple[bool, str, KernelCode | None]:
+                memo: dict | None = None, in_place_from: int = 0) -> tuple[bool, str, KernelCode | None]:
     """Runs `group` alone as a program on recorded inputs and compares with ATen's recorded outputs:
     returns (ok, why, the group's generated kernel or None).
 
@@ -1055,7 +1055,9 @@ def check_group(graph: Graph, plan: GraphPlan, group: Group, values: dict[str, t
     (verify.program.check_program). With `memo`, a group whose program is the same as one checked
     before (the same kernels over the same shapes: every layer's copy of a block's norm) takes that
     check's verdict instead of running again, and `stats["shared"]` says so; the whole program is still
-    verified against the model."""
+    verified against the model. `in_place_from`: recorded outputs of at least that many bytes take the
+    program's output in their own memory while their values wait in host memory
+    (verify.program.check_program), so the check holds one tensor of that size, not two."""
     outputs_all = {v.name for v in graph.outputs}
     # The group's weights and constants are inputs of its program too, fed like the recorded values
     # (through CUDA IPC with a pool), not bytes in its artifact: the worker would upload a copy of each,
@@ -1085,7 +1087,7 @@ def check_group(graph: Graph, plan: GraphPlan, group: Group, values: dict[str, t
     wants = [values[v.name] for v in outputs]
     tolerances = [tolerance(v.dtype, plan.precision) for v in outputs]
     ok, why = check_program(program, feed, wants, tolerances, [v.name for v in outputs], pool=pool, reference="ATen",
-                            stats=stats)
+                            stats=stats, in_place_from=in_place_from)
     if key is not None:
         memo[key] = (ok, why if ok else f"{why} (checked on an identical group's values)")
     return ok, why, code

@@ -17,7 +17,7 @@ from ..errors import InvalidArgumentError
 from ..program import DTYPES, Program, ProgramModule
 from ..verify.hardware import describe
 from ..verify.compare import first_difference, tolerance_used
-from ..verify.program import input_set, verify_whole
+from ..verify.program import HOST_REFERENCE_BYTES, input_set, verify_whole
 from ..verify.tolerance import tolerance
 from ..verify import timing as verify_timing  # a module name: optimize() has an argument called measure
 from .capture import CaptureError, Graph, capture
@@ -504,6 +504,7 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
         report.reason = (f"the model and inputs must be on a CUDA device (found {sorted(map(str, devices))}): "
                          "call model.cuda() and move the inputs")
         return OptimizedModule(model, None, None, report)
+    start = _allocated()  # what optimize() found allocated: its own memory is measured above this
     try:
         with steps.step("capturing"):
             t0 = time.perf_counter()
@@ -535,7 +536,7 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
                                          "generated code runs apart from this process until it matches ATen; "
                                          "recorded tensors reach it as CUDA IPC handles, not copies"))
             constants, values = _check_groups(graph, plan, flat_inputs, sm_count, pool, t0, budget_s, report,
-                                              fallback, keep_all=agents)
+                                              fallback, keep_all=agents, room=start + _memory_target(graph))
             report.stage_seconds["generate_and_check"] = time.perf_counter() - t0
         _peak(report, "generate_and_check")
         offline_groups = list(plan.groups)
@@ -707,15 +708,25 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
         return OptimizedModule(model, None, None, report)
 
 
+def _memory_target(graph: Graph) -> int:
+    """The GPU memory optimize() plans to stay within, above what was allocated when it began: the eager
+    forward's working set (estimated from the graph) plus twice its largest input or output (room for a
+    reference and a candidate of it)."""
+    largest = max((v.numel * v.dtype.itemsize for v in (*graph.inputs, *graph.outputs)), default=0)
+    return graph.working_set_bytes() + 2 * largest
+
+
 def _check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_count: int, pool: Any, t0: float,
-                  budget_s: float, report: Report, fallback: set[int], keep_all: bool
+                  budget_s: float, report: Report, fallback: set[int], keep_all: bool, room: int | None = None
                   ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
     """Checks every generated group against ATen on the example inputs while the graph runs once: a
     group is checked as soon as its recorded inputs and outputs exist, and a recorded value is freed
     once the groups that read it are checked (stream_values), so optimize() holds about the eager
     forward's working set, not every intermediate at once. Groups still unchecked when `budget_s`
-    seconds have passed since `t0` stay on ATen. Returns the constant values (computed from weights
-    alone) and, with `keep_all` (the agents read every value), all recorded values."""
+    seconds have passed since `t0` stay on ATen. `room`: the allocated bytes a check should stay within
+    (_memory_target above optimize's start); a check whose candidate outputs would pass it writes its
+    large outputs into the recorded ones (check_group's in_place_from). Returns the constant values
+    (computed from weights alone) and, with `keep_all` (the agents read every value), all recorded values."""
     outputs_all = {v.name for v in graph.outputs}
     constant_names = {g.nodes[0].out.name for g in plan.groups if g.kind == "constant" and g.nodes[0].outputs}
     generated = [g for g in plan.groups if g.kind in GENERATED]
@@ -746,10 +757,10 @@ def _check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_
         nonlocal shared
         try:
             stats: dict = {}
-            results[key] = _checked(graph, plan, g, held, constants, sm_count, pool, report, memo, stats)
+            results[key] = _checked(graph, plan, g, held, constants, sm_count, pool, report, memo, stats, room)
             if not results[key][0] and _as_sgemm(g, report, f"the 3xTF32 product failed its check: {results[key][1]}"):
                 stats = {}
-                results[key] = _checked(graph, plan, g, held, constants, sm_count, pool, report, memo, stats)
+                results[key] = _checked(graph, plan, g, held, constants, sm_count, pool, report, memo, stats, room)
             shared += bool(stats.get("shared"))
         except Exception as exc:  # a value the stream never produced, or a bug: this group alone falls back
             results[key] = (False, f"{type(exc).__name__} while checking: {str(exc).splitlines()[0][:200]}", None)
@@ -826,14 +837,21 @@ def _restore_late_splits(split: list[Group], report: Report, steps: Any, build: 
 
 
 def _checked(graph: Graph, plan: GraphPlan, g: Group, held: dict, constants: dict, sm_count: int, pool: Any,
-             report: Report, memo: dict | None = None, stats: dict | None = None) -> tuple[bool, str, Any]:
+             report: Report, memo: dict | None = None, stats: dict | None = None,
+             room: int | None = None) -> tuple[bool, str, Any]:
     """check_group, recording the GPU memory in use across both processes while it ran: this process's
     allocations at the check plus what the isolated worker allocated for it (stage "check_with_worker";
     the recorded tensors it reads through CUDA IPC are counted once, here). `memo` and `stats`: as
-    check_group's."""
+    check_group's. Where this process's allocations plus the group's outputs would pass `room`, outputs
+    of HOST_REFERENCE_BYTES or more are checked in place (the candidate written into the recorded tensor
+    while its values wait in host memory)."""
     here = _allocated()
     stats = {} if stats is None else stats
-    result = check_group(graph, plan, g, held, constants, sm_count, pool, stats=stats, memo=memo)
+    outputs_all = {v.name for v in graph.outputs}
+    candidate = sum(v.numel * v.dtype.itemsize for v in g.outputs(outputs_all))
+    in_place_from = HOST_REFERENCE_BYTES if room is not None and here + candidate > room else 0
+    result = check_group(graph, plan, g, held, constants, sm_count, pool, stats=stats, memo=memo,
+                         in_place_from=in_place_from)
     both = here + int(stats.get("worker_peak_bytes") or 0)
     report.stage_peak_bytes["check_with_worker"] = max(both, report.stage_peak_bytes.get("check_with_worker", 0))
     return result

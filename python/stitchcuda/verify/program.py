@@ -31,11 +31,14 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-def program_job(program: Any, feed: Sequence[torch.Tensor], expected: Sequence[torch.Tensor],
-                tolerances: Sequence[tuple[float, float]], names: Sequence[str], on_device: bool = False) -> dict[str, Any]:
+def program_job(program: Any, feed: Sequence[torch.Tensor], expected: Sequence[torch.Tensor] | None,
+                tolerances: Sequence[tuple[float, float]], names: Sequence[str], on_device: bool = False,
+                outputs: Sequence[torch.Tensor] | None = None) -> dict[str, Any]:
     """The worker job (``{"kind": "program"}``) that checks `program` on `feed`: the artifact with its
     CUBINs (the worker compiles nothing), inputs and expected outputs on the CPU (they cross a pipe), or,
-    with `on_device`, where they are (CUDA tensors cross as CUDA IPC handles: no copy)."""
+    with `on_device`, where they are (CUDA tensors cross as CUDA IPC handles: no copy). With `outputs`
+    (CUDA tensors of this process, crossing as IPC handles) and no `expected`, the worker writes the
+    program's outputs into them and compares nothing: the caller does (check_program's in-place outputs)."""
     from .config import VerifyConfig
 
     config = VerifyConfig(device="cuda" if any(t.is_cuda for t in feed) else None)
@@ -43,14 +46,18 @@ def program_job(program: Any, feed: Sequence[torch.Tensor], expected: Sequence[t
     def move(t: torch.Tensor) -> torch.Tensor:
         return t.detach() if on_device else t.detach().cpu()
 
-    return {"kind": "program", "artifact": program.serialize(), "inputs": [move(t) for t in feed],
-            "expected": [move(t) for t in expected], "tolerances": [tuple(t) for t in tolerances],
-            "names": list(names), "config": config.to_dict()}
+    job = {"kind": "program", "artifact": program.serialize(), "inputs": [move(t) for t in feed],
+           "expected": None if expected is None else [move(t) for t in expected],
+           "tolerances": [tuple(t) for t in tolerances], "names": list(names), "config": config.to_dict()}
+    if outputs is not None:
+        job["outputs"] = [t.detach() for t in outputs]
+    return job
 
 
 def check_program(program: Any, feed: Sequence[torch.Tensor], expected: Sequence[torch.Tensor],
                   tolerances: Sequence[tuple[float, float]], names: Sequence[str], pool: Any = None,
-                  reference: str = "the reference", stats: dict | None = None) -> tuple[bool, str]:
+                  reference: str = "the reference", stats: dict | None = None,
+                  in_place_from: int = 0) -> tuple[bool, str]:
     """Runs `program` (a stitchcuda Program) on `feed` and compares output k with `expected[k]` under
     `tolerances[k]` (atol, rtol); `names` name the outputs in messages, `reference` what `expected`
     came from ("ATen"). Returns (ok, why): "matches <reference>", or the first difference or failure.
@@ -59,9 +66,19 @@ def check_program(program: Any, feed: Sequence[torch.Tensor], expected: Sequence
     crash of generated code becomes the reason, never this process's. Without it, in this process
     (generated templates only: code StitchCUDA wrote itself). `stats`, when given, receives
     "worker_peak_bytes": the GPU memory the worker allocated for the check (its outputs, arena and
-    comparison; tensors it reads through CUDA IPC are this process's), 0 in this process."""
+    comparison; tensors it reads through CUDA IPC are this process's), 0 in this process.
+
+    `in_place_from` (bytes; 0: never): an expected CUDA output at least this large, laid out as the
+    program's output, is copied to page-locked host memory and the program writes its output into that
+    tensor's own memory; the comparison runs here against the host copy, and the tensor gets its values
+    back before this returns. A check then allocates no second tensor of that size beside the recorded one
+    (see ``_in_place``)."""
     if stats is not None:
         stats["worker_peak_bytes"] = 0
+    if in_place_from > 0 and (pool is None or getattr(pool, "shares_cuda", False)):
+        saved = _in_place(program, feed, expected, in_place_from)
+        if saved:
+            return _check_in_place(program, feed, expected, saved, tolerances, names, pool, reference, stats)
     if pool is not None:
         from .config import VerifyConfig
 
@@ -109,6 +126,74 @@ def _first_problem(got: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]
     return None
 
 
+def _in_place(program: Any, feed: Sequence[torch.Tensor], expected: Sequence[torch.Tensor],
+              from_bytes: int) -> dict[int, torch.Tensor]:
+    """Page-locked host copies of the expected outputs a check may write in place (index -> copy): CUDA
+    tensors of `from_bytes` or more that cover their storage exactly, with the shape, strides and dtype of
+    the program's output buffer, sharing no storage with an input. Empty when there are none (or no
+    page-locked memory could be had)."""
+    specs = sorted((b for b in program.buffers if b["role"] == "output"), key=lambda b: b["id"])
+    if len(specs) != len(expected):
+        return {}
+    inputs = {t.untyped_storage().data_ptr() for t in feed if isinstance(t, torch.Tensor) and t.is_cuda}
+    saved: dict[int, torch.Tensor] = {}
+    for k, (e, b) in enumerate(zip(expected, specs)):
+        size = e.numel() * e.element_size()
+        if not (e.is_cuda and size >= from_bytes and size == e.untyped_storage().nbytes() and e.storage_offset() == 0
+                and list(e.shape) == list(b["shape"]) and list(e.stride()) == list(b["strides"])
+                and e.untyped_storage().data_ptr() not in inputs):
+            continue
+        try:
+            host = torch.empty_strided(e.shape, e.stride(), dtype=e.dtype, device="cpu", pin_memory=True)
+        except RuntimeError:  # no page-locked memory: this output is checked the usual way
+            continue
+        host.copy_(e)
+        saved[k] = host
+    return saved
+
+
+def _check_in_place(program: Any, feed: Sequence[torch.Tensor], expected: Sequence[torch.Tensor],
+                    saved: dict[int, torch.Tensor], tolerances: Sequence[tuple[float, float]],
+                    names: Sequence[str], pool: Any, reference: str, stats: dict | None) -> tuple[bool, str]:
+    """check_program with the outputs in `saved` written into the expected tensors themselves (their
+    values wait in `saved`, host memory, and come back before this returns); the others get tensors of
+    their own. The program runs in `pool`'s worker (which writes through CUDA IPC and compares nothing)
+    or in this process; the comparison runs here."""
+    outputs = [e if k in saved else torch.empty_strided(e.shape, e.stride(), dtype=e.dtype, device=e.device)
+               for k, e in enumerate(expected)]
+    want = [saved.get(k, e) for k, e in enumerate(expected)]
+    try:
+        if pool is not None:
+            from .config import VerifyConfig
+
+            job = program_job(program, feed, None, tolerances, names, on_device=True, outputs=outputs)
+            config = VerifyConfig.from_dict(job["config"])
+            result = pool.run(job, config.compile_time_limit_s, config.run_time_limit_s)
+            del job
+            torch.cuda.ipc_collect()
+            if stats is not None:
+                stats["worker_peak_bytes"] = int(result.get("peak_bytes") or 0)
+            if not result.get("correct"):
+                error = result.get("error") or {}
+                message = str(error.get("message") or "the worker reported no result")
+                kind = error.get("kind", "")
+                return False, message if kind in ("incorrect", "") else f"{kind}: {message}"
+            where = " (run in the Verifier's isolated worker)"
+        else:
+            try:
+                program.executor(graphs=False).run(list(feed), outputs)
+            except Exception as exc:  # a launch error is a reason, not a crash of the caller
+                return False, _first_line(exc)
+            where = ""
+        torch.cuda.synchronize()
+        problem = _first_problem(outputs, want, tolerances, names, reference)
+        return (False, problem) if problem else (True, f"matches {reference}{where}")
+    finally:
+        for k, host in saved.items():
+            expected[k].copy_(host)  # the recorded values, back for the checks and steps that read them
+        outputs = want = None
+
+
 def run_program_job(job: dict[str, Any], progress: Callable[[str], None]) -> dict[str, Any]:
     """The worker side of ``program_job``: runs the saved program (job["artifact"]: .stitch bytes) on
     job["inputs"] and compares each output with job["expected"] under job["tolerances"], isolated like a
@@ -132,13 +217,18 @@ def run_program_job(job: dict[str, Any], progress: Callable[[str], None]) -> dic
         executor = program.executor(graphs=False)  # CUBINs from the artifact: nothing recompiles
         report.compiled = True
         progress("run")
-        got = executor.run([t.to(device) for t in job["inputs"]])
+        given = job.get("outputs")  # the caller's tensors: written here, compared by the caller
+        inputs = [t.to(device) for t in job["inputs"]]
+        got = executor.run(inputs) if given is None else executor.run(inputs, given)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        problem = _first_problem(got, job["expected"], job["tolerances"], job["names"], "the reference")
-        report.correct = problem is None
-        if problem:
-            report.fail("incorrect", problem)
+        if job.get("expected") is None:
+            report.correct = True  # ran to the end; the caller compares
+        else:
+            problem = _first_problem(got, job["expected"], job["tolerances"], job["names"], "the reference")
+            report.correct = problem is None
+            if problem:
+                report.fail("incorrect", problem)
     except Exception as exc:  # noqa: BLE001 - whatever the program did becomes the report
         recycle = context_poisoned(exc)
         report.fail(classify_exception(exc), _first_line(exc))
