@@ -237,6 +237,43 @@ def test_group_checks_stream_the_graph_holding_only_what_pending_checks_read():
     torch.testing.assert_close(kept[graph.outputs[0].name], model(x).detach())
 
 
+def test_a_group_is_checked_after_the_interpreter_drops_what_its_last_node_read(monkeypatch):
+    """The check of a group runs before the next node, not inside the node that completed it: by then a
+    value only that node read (a SiLU's sigmoid, which no check wants) is gone, so a check sits beside the
+    forward's live set between nodes, not its transient peak inside one."""
+    import gc
+    import weakref
+
+    from stitchcuda.graph.lower import stream_values
+
+    class Gate(nn.Module):
+        def forward(self, x):
+            return torch.tanh(x * torch.sigmoid(x)) + 1.0
+
+    x = torch.randn(64, 64)
+    graph = capture(Gate().eval(), (x,))
+    nodes = {n.op: n.out.name for n in graph.nodes if n.outputs}
+    sig, mul = nodes["aten::sigmoid"], nodes["aten::mul.Tensor"]
+    results: dict[str, weakref.ref] = {}
+    run_node = torch.fx.Interpreter.run_node
+
+    def recording(self, n):
+        out = run_node(self, n)
+        if isinstance(out, torch.Tensor):
+            results[n.name] = weakref.ref(out)
+        return out
+
+    monkeypatch.setattr(torch.fx.Interpreter, "run_node", recording)
+    alive = {}
+
+    def on_ready(key, held):
+        gc.collect()
+        alive[key] = {name for name, ref in results.items() if ref() is not None}
+
+    stream_values(graph, [x], {"gate": {graph.inputs[0].name, mul}}, on_ready)
+    assert mul in alive["gate"] and sig not in alive["gate"], alive
+
+
 def _binds_before_any_gpu(program) -> None:
     """The program's ATen steps bind to the dispatcher (checked before any GPU is needed): without a
     GPU the executor then stops at the device, with a GPU it loads."""
@@ -348,9 +385,9 @@ def test_a_tf32x3_gemm_that_misses_its_check_is_checked_again_as_sgemm(monkeypat
 
     in_place = []
 
-    def check_group(graph, plan, g, held, constants, sm_count, pool, stats=None, memo=None, in_place_from=0):
+    def check_group(graph, plan, g, held, constants, sm_count, pool, stats=None, memo=None, room=None):
         tried.append(g.params["precision"])
-        in_place.append(in_place_from)
+        in_place.append(room)
         assert set(held) >= {v.name for v in g.outputs({v.name for v in graph.outputs})}  # ATen's values
         stats["worker_peak_bytes"] = 1000 if g.params["precision"] == "tf32x3" else 3000  # the worker's own
         if g.params["precision"] == "tf32x3":
@@ -362,18 +399,43 @@ def test_a_tf32x3_gemm_that_misses_its_check_is_checked_again_as_sgemm(monkeypat
     optimize_module._check_groups(graph, plan, [x], 132, None, time.perf_counter(), 60.0, report, fallback,
                                   keep_all=False)
     assert tried == ["tf32x3", "fp32"] and gemm.params["precision"] == "fp32"
-    assert in_place == [0, 0]  # no memory target given: every output gets a candidate of its own
+    assert in_place == [None, None]  # no memory target given: no limit on a check
     assert not fallback and not report.fallbacks
     # The GPU memory of a check counts the worker's allocations beside this process's (none on a CPU).
     assert report.stage_peak_bytes["check_with_worker"] == 3000
     assert any(d == f"{gemm.name}: SGEMM instead of tf32x3" and "failed its check: output 'relu' differs" in why
                for d, why in report.decisions), report.decisions
-    # Past the memory optimize() plans for (here: none at all), the large output is checked in place.
+    # A memory target: each check gets what is left of it beside this process's allocations (none on a CPU).
     tried.clear(), in_place.clear()
     optimize_module._check_groups(graph, plan, [x], 132, None, time.perf_counter(), 60.0, Report(), set(),
-                                  keep_all=False, room=0)
-    assert in_place == [optimize_module.HOST_REFERENCE_BYTES]
+                                  keep_all=False, room=12345)
+    assert in_place == [12345]
     assert optimize_module._memory_target(graph) == graph.working_set_bytes() + 2 * 2048 * 2048 * 4
+
+
+def test_a_check_without_room_for_a_second_copy_of_its_outputs_checks_them_in_place(monkeypatch):
+    """check_group weighs the group's outputs and its program's planned working memory against the room
+    it is given: beyond it, large outputs are checked in place (the Verifier writes the candidate into the
+    recorded tensor while its values wait in host memory); within it, or without a limit, they are not."""
+    from stitchcuda.graph import lower
+
+    x = torch.randn(256, 2048)
+    graph = capture(_Projection().eval(), (x,))
+    plan = OfflinePlanner().plan(graph)
+    gemm = next(g for g in plan.groups if g.kind == "gemm")
+    values = lower.reference_values(graph, [x])
+    seen = []
+
+    def check_program(program, feed, wants, tolerances, names, pool=None, reference="", stats=None,
+                      in_place_from=0):
+        seen.append(in_place_from)
+        return True, "matches ATen"
+
+    monkeypatch.setattr(lower, "check_program", check_program)
+    out_bytes = sum(values[v.name].numel() * 4 for v in gemm.outputs({v.name for v in graph.outputs}))
+    for room in (None, 10 * out_bytes, out_bytes // 2):
+        assert lower.check_group(graph, plan, gemm, values, {}, 132, room=room)[0]
+    assert seen == [0, 0, lower.HOST_REFERENCE_BYTES]
 
 
 def test_after_a_mismatch_only_the_late_tf32x3_gemms_that_keep_it_matching_go_back_to_tf32x3():

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from ..program import Program, ProgramBuilder, dtype_name
-from ..verify.program import check_program
+from ..verify.program import HOST_REFERENCE_BYTES, check_program
 from ..verify.tolerance import tolerance  # the Verifier's table; re-exported for graph-mode callers
 from .capture import Graph, Node, Value
 from .layout import channels_last_strides, depthwise_nhwc, is_channels_last
@@ -128,7 +128,8 @@ def stream_values(graph: Graph, inputs: list[torch.Tensor], wanted: dict[Any, se
                   keep: set[str] = frozenset(), kept: dict[str, torch.Tensor] | None = None
                   ) -> dict[str, torch.Tensor]:
     """Runs the exported graph with ATen once and calls `on_ready(key, values)` for each key of `wanted`
-    (a set of value names: a group's inputs and outputs) as soon as all of its values exist; a value is
+    (a set of value names: a group's inputs and outputs) once all of its values exist, before the next
+    node runs (when the interpreter has dropped what the last node read for the last time); a value is
     dropped once every key that wants it has been handled (and the interpreter no longer needs it), so
     the recorded values alive at once are the ones a pending check still reads — not every intermediate
     of the graph. Keys whose values never all appear are handled at the end with what exists. Returns
@@ -168,23 +169,33 @@ def stream_values(graph: Graph, inputs: list[torch.Tensor], wanted: dict[Any, se
                     ready.append(key)
         return ready
 
+    deferred: list = []  # keys whose values all exist, handled before the next node runs
+
+    def handle_deferred() -> None:
+        while deferred:
+            key = deferred.pop(0)
+            del pending[key]
+            handle(key)
+
     class Streamer(torch.fx.Interpreter):
         def run_node(self, n):
+            # The keys a node completed are handled when the next node is about to run: by then the
+            # interpreter has let go of the values that node read last (a SiLU's sigmoid, a batch norm's
+            # output), so a check runs beside the forward's live set between two nodes, not beside the
+            # transient peak inside one.
+            handle_deferred()
             result = super().run_node(n)
-            ready = []
             if isinstance(result, torch.Tensor):
-                ready += arrived(n.name, result)
+                deferred.extend(arrived(n.name, result))
             elif isinstance(result, (list, tuple)):
                 for k, r in enumerate(result):
                     if isinstance(r, torch.Tensor):
-                        ready += arrived(f"{n.name}.{k}", r)
-            for key in ready:
-                del pending[key]
-                handle(key)
+                        deferred.extend(arrived(f"{n.name}.{k}", r))
             return result
 
     with torch.no_grad():
         Streamer(gm).run(*args)
+    handle_deferred()
     for key in list(pending):
         del pending[key]
         handle(key)
@@ -1043,7 +1054,7 @@ def _view_layout(n: Node, shape, strides):
 def check_group(graph: Graph, plan: GraphPlan, group: Group, values: dict[str, torch.Tensor],
                 constants: dict[str, torch.Tensor], sm_count: int,
                 pool: Any = None, stats: dict | None = None,
-                memo: dict | None = None, in_place_from: int = 0) -> tuple[bool, str, KernelCode | None]:
+                memo: dict | None = None, room: int | None = None) -> tuple[bool, str, KernelCode | None]:
     """Runs `group` alone as a program on recorded inputs and compares with ATen's recorded outputs:
     returns (ok, why, the group's generated kernel or None).
 
@@ -1055,9 +1066,12 @@ def check_group(graph: Graph, plan: GraphPlan, group: Group, values: dict[str, t
     (verify.program.check_program). With `memo`, a group whose program is the same as one checked
     before (the same kernels over the same shapes: every layer's copy of a block's norm) takes that
     check's verdict instead of running again, and `stats["shared"]` says so; the whole program is still
-    verified against the model. `in_place_from`: recorded outputs of at least that many bytes take the
-    program's output in their own memory while their values wait in host memory
-    (verify.program.check_program), so the check holds one tensor of that size, not two."""
+    verified against the model. `room`: the bytes this check may allocate beside what is allocated
+    already (None: no limit); when the program's outputs and its planned working memory (its buffer plan:
+    arena and the largest set of other intermediates alive at one step) would pass it, recorded outputs of
+    HOST_REFERENCE_BYTES or more take the program's output in their own memory while their values wait in
+    host memory (verify.program.check_program's in_place_from), so the check holds one tensor of that
+    size, not two."""
     outputs_all = {v.name for v in graph.outputs}
     # The group's weights and constants are inputs of its program too, fed like the recorded values
     # (through CUDA IPC with a pool), not bytes in its artifact: the worker would upload a copy of each,
@@ -1086,11 +1100,26 @@ def check_group(graph: Graph, plan: GraphPlan, group: Group, values: dict[str, t
             .contiguous() for v in inputs]
     wants = [values[v.name] for v in outputs]
     tolerances = [tolerance(v.dtype, plan.precision) for v in outputs]
+    in_place_from = 0
+    if room is not None and sum(t.numel() * t.element_size() for t in wants) + _working_bytes(program) > room:
+        in_place_from = HOST_REFERENCE_BYTES
+    if stats is not None:
+        stats["in_place_from"] = in_place_from
     ok, why = check_program(program, feed, wants, tolerances, [v.name for v in outputs], pool=pool, reference="ATen",
                             stats=stats, in_place_from=in_place_from)
     if key is not None:
         memo[key] = (ok, why if ok else f"{why} (checked on an identical group's values)")
     return ok, why, code
+
+
+def _working_bytes(program: Program) -> int:
+    """The GPU memory a run of `program` plans for beside its inputs and outputs: its arena plus the most
+    bytes of storages outside it (ATen results, large intermediates) alive at one step."""
+    plan = program.buffer_plan()
+    outside = [p for p in plan["placements"] if not p["in_arena"] and p["buffer"] == p["storage"]]
+    widest = max((sum(p["bytes"] for p in outside if p["first_step"] <= step <= p["last_step"])
+                  for step in range(len(program.steps))), default=0)
+    return int(plan["arena_bytes"]) + widest
 
 
 def _group_inputs(group: Group) -> list[Value]:

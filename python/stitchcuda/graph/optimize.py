@@ -17,7 +17,7 @@ from ..errors import InvalidArgumentError
 from ..program import DTYPES, Program, ProgramModule
 from ..verify.hardware import describe
 from ..verify.compare import first_difference, tolerance_used
-from ..verify.program import HOST_REFERENCE_BYTES, input_set, verify_whole
+from ..verify.program import input_set, verify_whole
 from ..verify.tolerance import tolerance
 from ..verify import timing as verify_timing  # a module name: optimize() has an argument called measure
 from .capture import CaptureError, Graph, capture
@@ -725,7 +725,7 @@ def _check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_
     forward's working set, not every intermediate at once. Groups still unchecked when `budget_s`
     seconds have passed since `t0` stay on ATen. `room`: the allocated bytes a check should stay within
     (_memory_target above optimize's start); a check whose candidate outputs would pass it writes its
-    large outputs into the recorded ones (check_group's in_place_from). Returns the constant values
+    large outputs into the recorded ones (check_group's room). Returns the constant values
     (computed from weights alone) and, with `keep_all` (the agents read every value), all recorded values."""
     outputs_all = {v.name for v in graph.outputs}
     constant_names = {g.nodes[0].out.name for g in plan.groups if g.kind == "constant" and g.nodes[0].outputs}
@@ -842,16 +842,13 @@ def _checked(graph: Graph, plan: GraphPlan, g: Group, held: dict, constants: dic
     """check_group, recording the GPU memory in use across both processes while it ran: this process's
     allocations at the check plus what the isolated worker allocated for it (stage "check_with_worker";
     the recorded tensors it reads through CUDA IPC are counted once, here). `memo` and `stats`: as
-    check_group's. Where this process's allocations plus the group's outputs would pass `room`, outputs
-    of HOST_REFERENCE_BYTES or more are checked in place (the candidate written into the recorded tensor
-    while its values wait in host memory)."""
+    check_group's. `room`: the allocated bytes the check should stay within; what is left of it beside this
+    process's allocations goes to check_group, which checks large outputs in place when the candidate
+    would not fit."""
     here = _allocated()
     stats = {} if stats is None else stats
-    outputs_all = {v.name for v in graph.outputs}
-    candidate = sum(v.numel * v.dtype.itemsize for v in g.outputs(outputs_all))
-    in_place_from = HOST_REFERENCE_BYTES if room is not None and here + candidate > room else 0
     result = check_group(graph, plan, g, held, constants, sm_count, pool, stats=stats, memo=memo,
-                         in_place_from=in_place_from)
+                         room=None if room is None else room - here)
     both = here + int(stats.get("worker_peak_bytes") or 0)
     report.stage_peak_bytes["check_with_worker"] = max(both, report.stage_peak_bytes.get("check_with_worker", 0))
     return result
