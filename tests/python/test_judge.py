@@ -326,6 +326,44 @@ def test_a_program_job_with_the_callers_outputs_writes_them_and_compares_nothing
     assert torch.equal(out, x + 1)  # written into the caller's tensor
 
 
+def test_an_in_place_check_compares_here_and_gives_the_recorded_values_back():
+    """_check_in_place (the tensor side of check_program's in_place_from, on CPU tensors here): the program
+    writes into the expected tensor itself, the verdict comes from the saved copy, and the expected tensor
+    holds its values again afterwards, whatever the verdict; a worker that crashed on the job answers
+    None (the caller checks the usual way)."""
+
+    class Program:
+        buffers = [{"id": 0, "role": "input", "shape": [4], "strides": [1]},
+                   {"id": 1, "role": "output", "shape": [4], "strides": [1]}]
+
+        def __init__(self, fn):
+            self.fn = fn
+
+        def executor(self, graphs=True):
+            return SimpleNamespace(run=lambda feed, outputs: [o.copy_(self.fn(feed[0])) for o in outputs])
+
+        def serialize(self):
+            return b"artifact"
+
+    x = torch.arange(4.0)
+    for fn, ok in ((lambda t: t * 2, True), (lambda t: t * 2 + 1, False)):
+        want = x * 2
+        saved = {0: want.clone()}
+        verdict = vprogram._check_in_place(Program(fn), [x], [want], saved, [(1e-4, 1e-4)], ["y"], None, "ATen", None)
+        assert verdict[0] is ok and (ok or "differs from ATen" in verdict[1]), verdict
+        assert torch.equal(want, x * 2)  # the recorded values are back
+
+    class Crashed:
+        def run(self, job, compile_limit_s, run_limit_s):
+            job["outputs"][0].fill_(7.0)  # whatever the worker did before it died
+            return {"correct": False, "error": {"kind": "crash", "message": "the worker died"}}
+
+    want = x * 2
+    assert vprogram._check_in_place(Program(None), [x], [want], {0: want.clone()}, [(0, 0)], ["y"], Crashed(), "ATen",
+                                    {}) is None
+    assert torch.equal(want, x * 2)
+
+
 class Doubler(torch.nn.Module):
     def forward(self, x):
         return x * 2, (x > 0).sum()

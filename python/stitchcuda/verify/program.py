@@ -77,8 +77,10 @@ def check_program(program: Any, feed: Sequence[torch.Tensor], expected: Sequence
         stats["worker_peak_bytes"] = 0
     if in_place_from > 0 and (pool is None or getattr(pool, "shares_cuda", False)):
         saved = _in_place(program, feed, expected, in_place_from)
-        if saved:
-            return _check_in_place(program, feed, expected, saved, tolerances, names, pool, reference, stats)
+        verdict = _check_in_place(program, feed, expected, saved, tolerances, names, pool, reference, stats) \
+            if saved else None
+        if verdict is not None:
+            return verdict  # else the worker crashed on the job (CUDA IPC): checked the usual way below
     if pool is not None:
         from .config import VerifyConfig
 
@@ -154,14 +156,17 @@ def _in_place(program: Any, feed: Sequence[torch.Tensor], expected: Sequence[tor
 
 def _check_in_place(program: Any, feed: Sequence[torch.Tensor], expected: Sequence[torch.Tensor],
                     saved: dict[int, torch.Tensor], tolerances: Sequence[tuple[float, float]],
-                    names: Sequence[str], pool: Any, reference: str, stats: dict | None) -> tuple[bool, str]:
+                    names: Sequence[str], pool: Any, reference: str, stats: dict | None) -> tuple[bool, str] | None:
     """check_program with the outputs in `saved` written into the expected tensors themselves (their
     values wait in `saved`, host memory, and come back before this returns); the others get tensors of
     their own. The program runs in `pool`'s worker (which writes through CUDA IPC and compares nothing)
-    or in this process; the comparison runs here."""
-    outputs = [e if k in saved else torch.empty_strided(e.shape, e.stride(), dtype=e.dtype, device=e.device)
-               for k, e in enumerate(expected)]
+    or in this process; the comparison runs here. None when the worker crashed on the job (the handles
+    may not have arrived): the caller checks the usual way, which finds out."""
+    specs = sorted((b for b in program.buffers if b["role"] == "output"), key=lambda b: b["id"])
+    outputs = [e if k in saved else torch.empty_strided(b["shape"], b["strides"], dtype=e.dtype, device=e.device)
+               for k, (e, b) in enumerate(zip(expected, specs))]
     want = [saved.get(k, e) for k, e in enumerate(expected)]
+    on_gpu = any(t.is_cuda for t in outputs)
     try:
         if pool is not None:
             from .config import VerifyConfig
@@ -170,13 +175,17 @@ def _check_in_place(program: Any, feed: Sequence[torch.Tensor], expected: Sequen
             config = VerifyConfig.from_dict(job["config"])
             result = pool.run(job, config.compile_time_limit_s, config.run_time_limit_s)
             del job
-            torch.cuda.ipc_collect()
+            if on_gpu:
+                torch.cuda.ipc_collect()
             if stats is not None:
                 stats["worker_peak_bytes"] = int(result.get("peak_bytes") or 0)
             if not result.get("correct"):
                 error = result.get("error") or {}
-                message = str(error.get("message") or "the worker reported no result")
                 kind = error.get("kind", "")
+                if kind == "crash":
+                    return None
+                message = str(error.get("message") or "the worker reported no result").replace("the reference",
+                                                                                              reference)
                 return False, message if kind in ("incorrect", "") else f"{kind}: {message}"
             where = " (run in the Verifier's isolated worker)"
         else:
@@ -185,7 +194,8 @@ def _check_in_place(program: Any, feed: Sequence[torch.Tensor], expected: Sequen
             except Exception as exc:  # a launch error is a reason, not a crash of the caller
                 return False, _first_line(exc)
             where = ""
-        torch.cuda.synchronize()
+        if on_gpu:
+            torch.cuda.synchronize()
         problem = _first_problem(outputs, want, tolerances, names, reference)
         return (False, problem) if problem else (True, f"matches {reference}{where}")
     finally:
