@@ -222,6 +222,31 @@ def test_the_planner_finds_the_epilogues_cudnn_fuses_and_only_those():
     assert add_relu["z"] is next(m for m in plan.conv_epilogues.values() if m["conv"].name == "convolution")["out"]
 
 
+class _InputResidual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(32, 32, 3, padding=1)
+
+    def forward(self, x):
+        return F.relu(self.conv(x) + x)
+
+
+def test_a_fused_residual_reads_the_inputs_channels_last_copy():
+    """relu(conv(x) + x) fused in cuDNN over a channels-last chain: the residual z is the program's NCHW
+    input, which the chain already copied to NHWC for the convolution; the fused call reads that copy
+    (given NCHW, cuDNN's call would make a channels-last copy of its own, one more input-sized tensor)."""
+    graph = capture(_InputResidual().eval(), (torch.randn(8, 32, 64, 64),))
+    plan = OfflinePlanner().plan(graph)
+    assert plan.channels_last and plan.conv_epilogues
+    plan.fuse_conv_epilogues = True
+    program = Lowering(graph, plan, {}, 132).build(plan.groups, graph.inputs, graph.outputs)
+    fused = next(s for s in program.steps if s["kind"] == "aten" and s["op"] == "aten::cudnn_convolution_add_relu")
+    buffers = {b["id"]: b for b in program.buffers}
+    x_in, z_in = buffers[fused["inputs"][0]], buffers[fused["inputs"][2]]
+    assert x_in["id"] == z_in["id"] and x_in["role"] == "intermediate"
+    assert is_channels_last(z_in["shape"], z_in["strides"])
+
+
 def test_fused_epilogues_lower_to_cudnns_fused_convolutions_with_the_batch_norm_folded():
     graph = capture(_Epilogues().eval(), (torch.randn(4, 16, 64, 64),))
     plan = OfflinePlanner().plan(graph)

@@ -687,7 +687,10 @@ class Lowering:
             self.b.aten(op, [xid, wid, bid], [self.produce(out, strides=strides)], **geometry)
         else:
             op = "aten::cudnn_convolution_add_relu"
-            self.b.aten(op, [xid, wid, self.need(z), bid], [self.produce(out, strides=strides)], alpha=1.0, **geometry)
+            # The residual in the input's layout where the program holds it so (a block's input is often
+            # both x and z): given NCHW beside an NHWC x, the op would make its own channels-last copy.
+            zid = self.nhwc_copies[z.name] if x_nhwc and z.name in self.nhwc_copies else self.need(z)
+            self.b.aten(op, [xid, wid, zid, bid], [self.produce(out, strides=strides)], alpha=1.0, **geometry)
         self.on_aten[id(g)] = f"fused with its convolution in cuDNN's {op.removeprefix('aten::')}"
 
     def _channels_last_copy(self, v: Value, g: Group) -> int:
