@@ -518,3 +518,34 @@ def test_identical_groups_share_one_check():
     first = next(g for g in other_plan.groups if g.kind == generated[0].kind)
     assert _check_key(Lowering(other, other_plan, {}).build([first], list(first.inputs()),
                                                            first.outputs({v.name for v in other.outputs}))) != keys[0]
+
+
+def test_the_keep_decision_times_eager_and_the_program_in_alternating_rounds(monkeypatch):
+    """_measure alternates which side is timed first, round by round. A program exactly as fast as eager
+    on a machine that speeds up while it is measured (clocks ramping up: every measurement 10% faster than
+    the one before) looked 10% faster when eager was always timed first; alternated, it wins only the rounds
+    where it goes second, and its median is no better than eager's, so optimize() does not keep it."""
+    calls, clock = [], {"ms": 1.0}
+
+    def model(*inputs):
+        calls.append("eager")
+
+    class Program:
+        def __call__(self, *inputs):
+            calls.append("program")
+
+        def release(self):
+            pass
+
+    optimized = Program()
+
+    def timed(fn, repeats=30):
+        fn()
+        clock["ms"] *= 0.9
+        return clock["ms"]
+
+    monkeypatch.setattr(optimize_module, "_time_ms", timed)
+    t = optimize_module._measure(model, optimized, (torch.ones(2),), False)
+    assert calls == ["eager", "program", "program", "eager", "eager", "program"]
+    assert t["rounds"] == 3 and t["rounds_faster"] == 2  # faster in the two rounds where it went second
+    assert t["stitched_ms"] >= t["eager_ms"]  # the medians: not faster, so the model keeps running

@@ -180,7 +180,8 @@ def report_schema() -> dict:
                                             "fp64_note": {"type": ["string", "null"]}}},
             "timing": {"type": "object",
                        "properties": {"eager_ms": number, "stitched_ms": number, "speedup_eager": number,
-                                      "compile_ms": number, "speedup_compile": number, "compile_error": string}},
+                                      "compile_ms": number, "speedup_compile": number, "compile_error": string,
+                                      "rounds": integer, "rounds_faster": integer}},  # the rounds: since 2026-12
             "op_counts": {"type": "object", "additionalProperties": integer},
             "stage_seconds": {"type": "object", "additionalProperties": {"type": "number"}},
             "stage_peak_bytes": {"type": "object", "additionalProperties": integer},  # absent in older reports
