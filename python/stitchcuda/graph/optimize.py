@@ -18,7 +18,7 @@ from ..errors import InvalidArgumentError
 from ..program import DTYPES, Program, ProgramModule
 from ..verify.hardware import describe
 from ..verify.compare import first_difference, tolerance_used
-from ..verify.program import input_set, verify_whole
+from ..verify.program import input_set, release_host_memory, verify_whole
 from ..verify.tolerance import tolerance
 from ..verify import timing as verify_timing  # a module name: optimize() has an argument called measure
 from .capture import CaptureError, Graph, capture
@@ -775,6 +775,7 @@ def _check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_
         # Constants (values computed from weights alone) are kept as they arrive: a group reading one
         # comes after it in the graph and takes it from `constants`, as the program will.
         stream_values(graph, inputs, wanted, check, keep=constant_names, kept=constants)
+        release_host_memory()  # the page-locked copies of outputs checked in place
     for g in generated:  # in plan order, so the report reads as the plan does
         ok, why, _ = results[id(g)]
         if not ok:

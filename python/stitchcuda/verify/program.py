@@ -18,7 +18,8 @@ import torch.utils._pytree as pytree
 from .compare import error_and_outside, first_difference, fp64_error
 from .tolerance import tolerance
 
-__all__ = ["check_program", "program_job", "run_program_job", "verify_whole", "random_like", "input_set"]
+__all__ = ["check_program", "program_job", "run_program_job", "verify_whole", "random_like", "input_set",
+           "release_host_memory"]
 
 # The fp64 copy of a model doubles every tensor it touches, and its forward holds fp64 intermediates:
 # past this size of the largest input or of the weights, the error against exact arithmetic is not
@@ -308,8 +309,9 @@ def _held_on_host(t: Any) -> Any:
     return host.copy_(t)
 
 
-def _release_host_memory() -> None:
-    """Returns the page-locked blocks torch's host allocator cached for the held references."""
+def release_host_memory() -> None:
+    """Returns the page-locked blocks torch's host allocator cached for references held in host memory
+    (a whole-program check's, a group check's outputs checked in place)."""
     empty = getattr(torch._C, "_host_emptyCache", None)
     if empty is not None and torch.cuda.is_available():
         empty()
@@ -332,7 +334,7 @@ def verify_whole(model: torch.nn.Module, optimized: Callable[..., Any], example_
     try:
         return _verify_whole(model, optimized, example_inputs, sets, precision, no_exact, release)
     finally:
-        _release_host_memory()
+        release_host_memory()
 
 
 def _verify_whole(model: torch.nn.Module, optimized: Callable[..., Any], example_inputs: Sequence[Any], sets: int,
