@@ -388,6 +388,7 @@ def test_a_tf32x3_gemm_that_misses_its_check_is_checked_again_as_sgemm(monkeypat
     def check_group(graph, plan, g, held, constants, sm_count, pool, stats=None, memo=None, room=None):
         tried.append(g.params["precision"])
         in_place.append(room)
+        stats["in_place"] = int(room is not None)  # as check_program says when it wrote in place
         assert set(held) >= {v.name for v in g.outputs({v.name for v in graph.outputs})}  # ATen's values
         stats["worker_peak_bytes"] = 1000 if g.params["precision"] == "tf32x3" else 3000  # the worker's own
         if g.params["precision"] == "tf32x3":
@@ -407,9 +408,11 @@ def test_a_tf32x3_gemm_that_misses_its_check_is_checked_again_as_sgemm(monkeypat
                for d, why in report.decisions), report.decisions
     # A memory target: each check gets what is left of it beside this process's allocations (none on a CPU).
     tried.clear(), in_place.clear()
-    optimize_module._check_groups(graph, plan, [x], 132, None, time.perf_counter(), 60.0, Report(), set(),
+    report = Report()
+    optimize_module._check_groups(graph, plan, [x], 132, None, time.perf_counter(), 60.0, report, set(),
                                   keep_all=False, room=12345)
     assert in_place == [12345]
+    assert any(d == "1 group check(s) wrote their outputs in place" for d, _ in report.decisions), report.decisions
     assert optimize_module._memory_target(graph) == graph.working_set_bytes() + 2 * 2048 * 2048 * 4
 
 

@@ -625,10 +625,12 @@ def test_a_large_output_is_checked_in_place_and_keeps_its_recorded_values(isolat
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
+    stats = {}
     ok, why = vprogram.check_program(program, [xs], [want], [(1e-5, 1e-5)], ["y"], pool=pool, reference="ATen",
-                                     in_place_from=1 << 20)
+                                     stats=stats, in_place_from=1 << 20)
     torch.cuda.synchronize()
     assert ok, why
+    assert stats["in_place"] == 1
     assert torch.equal(want, kept)  # the recorded values are back
     assert torch.cuda.max_memory_allocated() - before < 16 << 20  # no output-sized tensor allocated here
     wrong = kept.clone()

@@ -723,7 +723,7 @@ def _check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_
                   budget_s: float, report: Report, fallback: set[int], keep_all: bool, room: int | None = None
                   ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
     """Checks every generated group against ATen on the example inputs while the graph runs once: a
-    group is checked as soon as its recorded inputs and outputs exist, and a recorded value is freed
+    group is checked once its recorded inputs and outputs exist, and a recorded value is freed
     once the groups that read it are checked (stream_values), so optimize() holds about the eager
     forward's working set, not every intermediate at once. Groups still unchecked when `budget_s`
     seconds have passed since `t0` stay on ATen. `room`: the allocated bytes a check should stay within
@@ -747,7 +747,7 @@ def _check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_
         values, ready = None, []
     results: dict[int, tuple[bool, str, Any]] = {}
     memo: dict = {}  # group program -> verdict: identical groups (every layer's copy) are checked once
-    shared = 0
+    shared = in_place = 0
 
     def check(key, held: dict[str, torch.Tensor]) -> None:
         nonlocal unchecked
@@ -757,7 +757,7 @@ def _check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_
             results[key] = (False, f"not checked: the time budget of {budget_s:g} s (budget_s=) was spent on "
                                    "earlier groups", None)
             return
-        nonlocal shared
+        nonlocal shared, in_place
         try:
             stats: dict = {}
             results[key] = _checked(graph, plan, g, held, constants, sm_count, pool, report, memo, stats, room)
@@ -765,6 +765,7 @@ def _check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_
                 stats = {}
                 results[key] = _checked(graph, plan, g, held, constants, sm_count, pool, report, memo, stats, room)
             shared += bool(stats.get("shared"))
+            in_place += bool(stats.get("in_place"))
         except Exception as exc:  # a value the stream never produced, or a bug: this group alone falls back
             results[key] = (False, f"{type(exc).__name__} while checking: {str(exc).splitlines()[0][:200]}", None)
 
@@ -786,6 +787,12 @@ def _check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_
                                  "the same kernels over the same shapes (a block's groups, repeated in every layer) are "
                                  "checked once on recorded values; the whole program is verified against the model on "
                                  "every input set"))
+    if in_place:
+        report.decisions.append((f"{in_place} group check(s) wrote their outputs in place",
+                                 "a second copy of the outputs beside the recorded values would have passed the memory "
+                                 "optimize() plans for (the eager forward's working set plus twice its largest input or "
+                                 "output): the program wrote into the recorded tensors while their values waited in "
+                                 "host memory, and got them back after the comparison"))
     if unchecked:
         report.decisions.append((f"{unchecked} group(s) left on ATen unchecked",
                                  f"optimize's time budget of {budget_s:g} s ran out (budget_s=)"))

@@ -67,7 +67,8 @@ def check_program(program: Any, feed: Sequence[torch.Tensor], expected: Sequence
     crash of generated code becomes the reason, never this process's. Without it, in this process
     (generated templates only: code StitchCUDA wrote itself). `stats`, when given, receives
     "worker_peak_bytes": the GPU memory the worker allocated for the check (its outputs, arena and
-    comparison; tensors it reads through CUDA IPC are this process's), 0 in this process.
+    comparison; tensors it reads through CUDA IPC are this process's), 0 in this process, and "in_place":
+    how many outputs were checked in place (below).
 
     `in_place_from` (bytes; 0: never): an expected CUDA output at least this large, laid out as the
     program's output, is copied to page-locked host memory and the program writes its output into that
@@ -81,6 +82,8 @@ def check_program(program: Any, feed: Sequence[torch.Tensor], expected: Sequence
         verdict = _check_in_place(program, feed, expected, saved, tolerances, names, pool, reference, stats) \
             if saved else None
         if verdict is not None:
+            if stats is not None:
+                stats["in_place"] = len(saved)
             return verdict  # else the worker crashed on the job (CUDA IPC): checked the usual way below
     if pool is not None:
         from .config import VerifyConfig
