@@ -339,3 +339,22 @@ def test_the_report_says_which_program_variant_was_timed_faster():
     # NCHW only (no chain worth converting), the generated epilogues faster.
     decisions = opt._variant_decisions({(frozenset(), False): 1.0, (frozenset(), True): 1.2}, (frozenset(), False), 1)
     assert [d[0] for d in decisions] == ["convolution epilogues as generated kernels (measured)"]
+
+
+def test_variants_within_the_timers_spread_are_decided_by_their_planned_memory():
+    """The fastest variant is kept unless another is within VARIANT_TIE of it and plans less working
+    memory (a channels-last chain whose edge copy of a large input buys nothing measurable): then that one,
+    and the report says why with both times and both plans."""
+    import importlib
+
+    opt = importlib.import_module("stitchcuda.graph.optimize")
+    nhwc, nchw = (frozenset({"x"}), False), (frozenset(), False)
+    mib = 1 << 20
+    assert opt._choose_variant({nhwc: 1.00, nchw: 1.01}, {nhwc: 1568 * mib, nchw: 784 * mib}) == nchw
+    assert opt._choose_variant({nhwc: 1.00, nchw: 1.05}, {nhwc: 1568 * mib, nchw: 784 * mib}) == nhwc  # a real gain
+    assert opt._choose_variant({nhwc: 1.00, nchw: 1.01}, {nhwc: 784 * mib, nchw: 784 * mib}) == nhwc  # the faster
+    assert opt._choose_variant({nhwc: float("inf"), nchw: 1.0}, {nhwc: 0, nchw: 784 * mib}) == nchw  # one failed
+    decisions = dict(opt._variant_decisions({nhwc: 1.00, nchw: 1.01}, nchw, 0, {nhwc: 1568 * mib, nchw: 784 * mib}))
+    why = decisions["program variants within 2%: the one planning less memory kept (measured)"]
+    assert "1.0100 ms planning 784 MiB against the fastest's 1.0000 ms planning 1,568 MiB" in why
+    assert "convolution chains kept NCHW (measured)" in decisions

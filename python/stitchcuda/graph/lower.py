@@ -27,7 +27,7 @@ from .templates import (FUSABLE_DTYPES, POINTWISE_OPS, KernelCode, PointwiseInpu
                         normalized_rows_kernel, pointwise_from_nhwc_kernel, pointwise_kernel, pooling_kernel,
                         pooling_nhwc_kernel, row_reduction_kernel, scan_kernel)
 
-__all__ = ["LoweringError", "Lowering", "reference_values", "stream_values", "check_group", "tolerance"]
+__all__ = ["LoweringError", "Lowering", "reference_values", "stream_values", "check_group", "working_bytes", "tolerance"]
 
 
 class LoweringError(Exception):
@@ -1104,7 +1104,7 @@ def check_group(graph: Graph, plan: GraphPlan, group: Group, values: dict[str, t
     wants = [values[v.name] for v in outputs]
     tolerances = [tolerance(v.dtype, plan.precision) for v in outputs]
     in_place_from = 0
-    if room is not None and sum(t.numel() * t.element_size() for t in wants) + _working_bytes(program) > room:
+    if room is not None and sum(t.numel() * t.element_size() for t in wants) + working_bytes(program) > room:
         in_place_from = HOST_REFERENCE_BYTES
     if stats is not None:
         stats["in_place_from"] = in_place_from
@@ -1115,7 +1115,7 @@ def check_group(graph: Graph, plan: GraphPlan, group: Group, values: dict[str, t
     return ok, why, code
 
 
-def _working_bytes(program: Program) -> int:
+def working_bytes(program: Program) -> int:
     """The GPU memory a run of `program` plans for beside its inputs and outputs: its arena plus the most
     bytes of storages outside it (ATen results, large intermediates) alive at one step."""
     plan = program.buffer_plan()
