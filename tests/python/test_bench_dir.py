@@ -570,3 +570,20 @@ def test_bench_dir_with_the_agents_on_a_gpu(tmp_path, monkeypatch, capsys):
     page = _Page()
     page.feed(page_path.read_text())
     assert page.sections["attempts"]["svg"] == 1 and "op_scan/t1" in page.svg_text["attempts"]
+
+
+def test_a_row_keeps_the_titles_of_optimizes_decisions():
+    """A benchmark row names what optimize() decided (the variant kept, checks written in place, SGEMM
+    fallbacks) a line each, so a run's results can be read without the reports."""
+    from types import SimpleNamespace
+
+    from stitchcuda.bench import suite
+
+    report = SimpleNamespace(status="optimized", reason="", fallbacks=[], groups=[{"kind": "gemm"}],
+                             decisions=[("matmuls in true fp32", "PyTorch's default"),
+                                        ("1 group check(s) wrote their outputs in place", "a second copy ...")],
+                             memory={})
+    row = {}
+    suite._record_report(row, SimpleNamespace(report=report, program=None))
+    assert row["decisions"] == ["matmuls in true fp32", "1 group check(s) wrote their outputs in place"]
+    assert row["matmuls"] == "matmuls in true fp32" and row["groups"] == {"gemm": 1}
