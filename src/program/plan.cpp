@@ -7,6 +7,8 @@
 #include <stitchcuda/program.hpp>
 
 #include <algorithm>
+#include <cstdlib>
+#include <limits>
 #include <unordered_map>
 
 #include "steps.hpp"
@@ -28,6 +30,17 @@ struct Storage {
 };
 
 bool lifetimes_overlap(const Storage& a, const Storage& b) { return a.first <= b.last && b.first <= a.last; }
+
+// BufferPlan::large_storage_bytes, or STITCHCUDA_LARGE_STORAGE_BYTES when it is a count (0: every storage a
+// kernel writes first stays in the arena), for measuring what the rule saves and ruling it out.
+std::size_t large_storage_bytes() {
+  const char* text = std::getenv("STITCHCUDA_LARGE_STORAGE_BYTES");
+  if (!text || !*text) return BufferPlan::large_storage_bytes;
+  char* end = nullptr;
+  const long long v = std::strtoll(text, &end, 10);
+  if (*end != '\0' || v < 0) return BufferPlan::large_storage_bytes;
+  return v == 0 ? std::numeric_limits<std::size_t>::max() : std::size_t(v);
+}
 
 // First fit in the given order: each storage goes to the lowest offset clear of every storage
 // already placed whose lifetime overlaps its own. Returns the arena size.
@@ -82,8 +95,9 @@ Result<BufferPlan> Program::plan() const {
   }
 
   std::vector<Storage> items, outside;
+  const std::size_t large = large_storage_bytes();
   for (auto& [id, s] : storages) {
-    if (s.arena && s.bytes >= BufferPlan::large_storage_bytes) {
+    if (s.arena && s.bytes >= large) {
       s.arena = false;
       s.allocated = true;
     }

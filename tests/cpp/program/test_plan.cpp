@@ -1,6 +1,7 @@
 // Liveness planning: hand-built programs (chain, diamond, residual, views) reach the lower bound
 // "sum of live tensors at the widest step", and random programs never overlap live storages.
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <random>
 #include <set>
@@ -276,6 +277,14 @@ TEST_CASE("large storages live outside the arena for their lifetime, allocated b
   CHECK(plan.find(small)->in_arena);          // small storages share the arena as before
   CHECK(plan.arena_bytes == 64 * 64 * 4);
   check_no_live_overlap(*p, plan);
+  // STITCHCUDA_LARGE_STORAGE_BYTES=0 keeps every storage a kernel writes first in the arena (a measurement knob).
+  setenv("STITCHCUDA_LARGE_STORAGE_BYTES", "0", 1);
+  BufferPlan all_in = plan_ok(*p);
+  unsetenv("STITCHCUDA_LARGE_STORAGE_BYTES");
+  CHECK(all_in.find(big)->in_arena);
+  CHECK_FALSE(all_in.find(big)->allocated);
+  CHECK_FALSE(all_in.find(conv)->in_arena);  // an ATen result stays its own tensor
+  check_no_live_overlap(*p, all_in);
 }
 
 TEST_CASE("an invalid program is not planned", "[program]") {
