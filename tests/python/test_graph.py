@@ -516,12 +516,13 @@ def test_the_report_counts_what_a_program_holds_before_it_runs():
     b.aten("aten::relu", [t], [y])
     program = b.build()
     # 2176 bytes of weights; the [4, 32] f32 intermediate is 512 bytes, the arena's 256-byte alignment keeps it
+    # A call plans the arena and its [4, 32] output: 512 + 512 bytes.
     assert opt._program_memory(program) == {"weights_bytes": (16 * 32 + 32) * 4, "shared_weights_bytes": 0,
-                                            "arena_bytes": 512}
+                                            "arena_bytes": 512, "planned_bytes": 1024}
     # A weight shared with the model's tensor is read in place: counted apart, not as the program's own.
     program.share_weight(w, torch.zeros(16, 32))
     assert opt._program_memory(program) == {"weights_bytes": 32 * 4, "shared_weights_bytes": 16 * 32 * 4,
-                                            "arena_bytes": 512}
+                                            "arena_bytes": 512, "planned_bytes": 1024}
 
 
 def test_a_weight_is_shared_only_with_a_tensor_of_its_dtype_shape_and_layout():

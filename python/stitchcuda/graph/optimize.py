@@ -284,7 +284,9 @@ def _allocated() -> int:
 def _program_memory(program: Program) -> dict[str, int]:
     """Report.memory's static part: the bytes of the program's own weights (constants and weights in a
     layout of their own, uploaded by each runner), of the weights its runners read in place from the
-    model's parameters (Program.share_weight: no copy), and of its planned arena."""
+    model's parameters (Program.share_weight: no copy), of its planned arena, and what a call plans in all
+    beside its inputs (planned_bytes: the arena, the most storages outside it alive at one step — ATen
+    results, large intermediates — and the outputs; library workspaces are not in it)."""
     own = shared = 0
     for b in program.buffers:
         if b["role"] == "weight":
@@ -294,7 +296,7 @@ def _program_memory(program: Program) -> dict[str, int]:
             else:
                 own += n
     return {"weights_bytes": int(own), "shared_weights_bytes": int(shared),
-            "arena_bytes": int(program.buffer_plan()["arena_bytes"])}
+            "arena_bytes": int(program.buffer_plan()["arena_bytes"]), "planned_bytes": _planned_bytes(program)}
 
 
 # Program variants whose times are within this share of the fastest's are a tie (the timer's spread on

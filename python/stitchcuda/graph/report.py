@@ -379,9 +379,9 @@ def _html(r: "Report") -> str:
 
 def program_memory_text(memory: dict) -> str:
     """Report.memory in words: "own weights 0.00 GiB, weights read in place from the model 0.12 GiB, arena
-    0.25 GiB, runner 0.50 GiB in all"."""
+    0.25 GiB, planned per call 0.75 GiB, runner 0.50 GiB in all"."""
     names = (("weights_bytes", "own weights"), ("shared_weights_bytes", "weights read in place from the model"),
-             ("arena_bytes", "arena"), ("runner_bytes", "runner"))
+             ("arena_bytes", "arena"), ("planned_bytes", "planned per call"), ("runner_bytes", "runner"))
     parts = [f"{label} {memory[key] / 2**30:.2f} GiB" for key, label in names if memory.get(key) is not None]
     return ", ".join(parts) + (" in all" if memory.get("runner_bytes") is not None else "")
 
