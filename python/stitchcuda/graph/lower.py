@@ -1106,8 +1106,6 @@ def check_group(graph: Graph, plan: GraphPlan, group: Group, values: dict[str, t
     in_place_from = 0
     if room is not None and sum(t.numel() * t.element_size() for t in wants) + working_bytes(program) > room:
         in_place_from = HOST_REFERENCE_BYTES
-    if stats is not None:
-        stats["in_place_from"] = in_place_from
     ok, why = check_program(program, feed, wants, tolerances, [v.name for v in outputs], pool=pool, reference="ATen",
                             stats=stats, in_place_from=in_place_from)
     if key is not None:

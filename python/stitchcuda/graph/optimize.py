@@ -290,7 +290,7 @@ def _program_memory(program: Program) -> dict[str, int]:
     own = shared = 0
     for b in program.buffers:
         if b["role"] == "weight":
-            n = math.prod(b["shape"]) * DTYPES[b["dtype"]].itemsize
+            n = _buffer_bytes(b)
             if b["id"] in program.shared_weights:
                 shared += n
             else:
@@ -318,8 +318,12 @@ def _choose_variant(times: dict[tuple[frozenset, bool], float], planned: dict[tu
 def _planned_bytes(program: Program) -> int:
     """The GPU memory a run of `program` plans beside its inputs: its arena, the most bytes of storages
     outside it alive at one step, and its outputs."""
-    outputs = sum(math.prod(b["shape"]) * DTYPES[b["dtype"]].itemsize for b in program.buffers if b["role"] == "output")
-    return working_bytes(program) + outputs
+    return working_bytes(program) + sum(_buffer_bytes(b) for b in program.buffers if b["role"] == "output")
+
+
+def _buffer_bytes(b: dict) -> int:
+    """The bytes of a program buffer's elements (one of Program.buffers)."""
+    return math.prod(b["shape"]) * DTYPES[b["dtype"]].itemsize
 
 
 def _variant_decisions(times: dict[tuple[frozenset, bool], float], chosen: tuple[frozenset, bool],
@@ -427,13 +431,7 @@ def _replay_estimate(program: Program) -> tuple[float, float]:
     """(ms a replay spends copying the inputs in and the outputs out, ms of launches it saves), from the
     buffers' sizes, the GPU's memory bandwidth (the Verifier's table; 2 TB/s when unknown) and
     LAUNCH_US per step."""
-    moved = 0
-    for b in program.buffers:
-        if b["role"] in ("input", "output"):
-            n = 1
-            for e in b["shape"]:
-                n *= e
-            moved += 2 * n * DTYPES[b["dtype"]].itemsize  # read and write
+    moved = 2 * sum(_buffer_bytes(b) for b in program.buffers if b["role"] in ("input", "output"))  # read, write
     return _copy_ms(moved), len(program.steps) * LAUNCH_US / 1e3
 
 

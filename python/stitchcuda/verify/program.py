@@ -132,13 +132,18 @@ def _first_problem(got: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]
     return None
 
 
+def _output_specs(program: Any) -> list[dict]:
+    """The program's output buffers in the order its runs return them (by buffer id)."""
+    return sorted((b for b in program.buffers if b["role"] == "output"), key=lambda b: b["id"])
+
+
 def _in_place(program: Any, feed: Sequence[torch.Tensor], expected: Sequence[torch.Tensor],
               from_bytes: int) -> dict[int, torch.Tensor]:
     """Page-locked host copies of the expected outputs a check may write in place (index -> copy): CUDA
     tensors of `from_bytes` or more that cover their storage exactly, with the shape, strides and dtype of
     the program's output buffer, sharing no storage with an input. Empty when there are none (or no
     page-locked memory could be had)."""
-    specs = sorted((b for b in program.buffers if b["role"] == "output"), key=lambda b: b["id"])
+    specs = _output_specs(program)
     if len(specs) != len(expected):
         return {}
     inputs = {t.untyped_storage().data_ptr() for t in feed if isinstance(t, torch.Tensor) and t.is_cuda}
@@ -166,7 +171,7 @@ def _check_in_place(program: Any, feed: Sequence[torch.Tensor], expected: Sequen
     their own. The program runs in `pool`'s worker (which writes through CUDA IPC and compares nothing)
     or in this process; the comparison runs here. None when the worker crashed on the job (the handles
     may not have arrived): the caller checks the usual way, which finds out."""
-    specs = sorted((b for b in program.buffers if b["role"] == "output"), key=lambda b: b["id"])
+    specs = _output_specs(program)
     outputs = [e if k in saved else torch.empty_strided(b["shape"], b["strides"], dtype=e.dtype, device=e.device)
                for k, (e, b) in enumerate(zip(expected, specs))]
     want = [saved.get(k, e) for k, e in enumerate(expected)]
