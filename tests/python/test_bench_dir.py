@@ -559,6 +559,9 @@ def test_bench_dir_with_the_agents_on_a_gpu(tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent))
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.chdir(tmp_path)  # the agents' run directory: runs/<time>-op_scan here
+    from test_graph_agents_gpu import scan_template_off
+
+    scan_template_off(monkeypatch)  # the cumsum stays the agents' target, as in that test
     page_path = tmp_path / "agents.html"
     assert main(["bench", "problems", "--llm", "python:bench_agents_script:reply", "--html", str(page_path),
                  "--json"]) == 0

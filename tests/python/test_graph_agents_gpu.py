@@ -26,14 +26,18 @@ SCAN = (DATA / "scan_kernel.cu").read_text()
 ROWS, COLS = 16384, 4096
 
 
-@pytest.fixture(autouse=True)
-def _cumsum_on_aten(monkeypatch):
-    """These tests give the agents ATen's cumsum as their target (the planner's scan template would take it
-    otherwise): the scan template is switched off here."""
+def scan_template_off(monkeypatch) -> None:
+    """Gives the agents ATen's cumsum as their target: the planner's scan template, which would take it
+    otherwise (one "scan" group the scripted Planner does not pick), is switched off."""
     from stitchcuda.graph.planner import Group, OfflinePlanner
 
     monkeypatch.setattr(OfflinePlanner, "_scan", staticmethod(
         lambda node: Group("aten", [node], "cumsum stays an ATen step (the scan template is off in this test)")))
+
+
+@pytest.fixture(autouse=True)
+def _cumsum_on_aten(monkeypatch):
+    scan_template_off(monkeypatch)
 
 
 class ScanModel(torch.nn.Module):

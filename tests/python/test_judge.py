@@ -611,7 +611,9 @@ def test_a_large_output_is_checked_in_place_and_keeps_its_recorded_values(isolat
     expected tensor holds its values again afterwards (a wrong reference stays wrong, untouched)."""
     from stitchcuda import ProgramBuilder
 
-    n = 16 << 20  # 64 MiB
+    # 256 MiB: the comparison's own temporaries (float64 slices of 2 Mi elements, about 80 MiB whatever
+    # the output's size) stay well below one output-sized tensor.
+    n = 64 << 20
     b = ProgramBuilder()
     k = b.kernel(SCALE_SHIFT, "scale_shift")
     x, y = b.input([n], name="x"), b.output([n], name="y")
@@ -632,7 +634,7 @@ def test_a_large_output_is_checked_in_place_and_keeps_its_recorded_values(isolat
     assert ok, why
     assert stats["in_place"] == 1
     assert torch.equal(want, kept)  # the recorded values are back
-    assert torch.cuda.max_memory_allocated() - before < 16 << 20  # no output-sized tensor allocated here
+    assert torch.cuda.max_memory_allocated() - before < n * 4 // 2  # no output-sized tensor allocated here
     wrong = kept.clone()
     wrong[12345] += 1.0
     ok, why = vprogram.check_program(program, [xs], [wrong], [(1e-5, 1e-5)], ["y"], pool=pool, reference="ATen",

@@ -34,8 +34,12 @@ def default_ceilings() -> Any:
 
 
 def floor_bandwidth_tb_s() -> float:
-    """DRAM bandwidth (TB/s) of the Verifier's memory speed-of-light bound: the default ceilings' measured
-    copy (VerifyConfig.bandwidth_tb_s's default)."""
+    """DRAM bandwidth (TB/s) of the Verifier's memory speed-of-light bound (VerifyConfig.bandwidth_tb_s's
+    default): the current GPU's from the table, the number describe() gives the Planner; without a GPU,
+    or on one the table does not know, the default ceilings' (the H200's)."""
+    gpu = describe()
+    if gpu.get("gpu") and gpu.get("dram_tb_s"):
+        return float(gpu["dram_tb_s"])
     return _tb(default_ceilings().dram_bytes_per_s)
 
 
