@@ -168,8 +168,11 @@ def test_a_masked_scaled_softmax_reads_its_broadcast_operands_per_row(emu, cols)
     torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows, cols", [(6, 48), (2, 3000)], ids=["warp", "block"])
-def test_rms_norm_epilogue_applies_the_statistic_to_the_row(emu, rows, cols):
+@pytest.mark.parametrize("rows, cols, path", [(6, 48, "warp per row"), (2, 3002, "warp shuffles"),
+                                              (3, 4096, "held in registers"), (5, 520, "held in registers"),
+                                              (2, 40000, "held in shared memory")],
+                         ids=["warp", "block", "registers", "registers-warp-partial", "shared"])
+def test_rms_norm_epilogue_applies_the_statistic_to_the_row(emu, rows, cols, path):
     # mean(x * x) with the square as a prologue; then x * rsqrt(stat + eps) * w over the row.
     x, w = torch.randn(rows, cols) * 2, torch.randn(cols)
     row = (cols, 1)
@@ -179,6 +182,7 @@ def test_rms_norm_epilogue_applies_the_statistic_to_the_row(emu, rows, cols):
                             "const float t2 = (e0 * t1);", "const float t3 = (t2 * e1);"], "t3", ("stat",))
     code = row_reduction_kernel("rms", "mean", rows, cols, torch.float32, prologue=prologue, epilogue=epilogue)
     assert [k for _, k in code.args] == ["in0", "e0", "e1", "y", rows, cols]
+    assert path in code.description, code.description
     y = torch.full((rows, cols), float("nan"))
     _run(emu, code, {"in0": x, "e0": x, "e1": w, "y": y})
     expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w

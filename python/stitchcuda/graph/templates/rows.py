@@ -93,9 +93,10 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
         raise ValueError(f"group_norm needs groups > 0 and a group_hw dividing cols, got {groups}, {group_hw}, {cols}")
     out_dtype = out_dtype or dtype
     if (dtype == torch.float32 and cols % 4 == 0 and CACHED_ROW_MIN <= cols <= SHARED_ROW_MAX
-            and ((kind in NORMALIZING and out_dtype == torch.float32) or (kind in STATISTICS and epilogue is None))):
+            and ((kind in NORMALIZING and out_dtype == torch.float32) or (kind in STATISTICS and epilogue is None)
+                 or (epilogue is not None and out_dtype == torch.float32))):
         return _cached_row_kernel(name, kind, rows, cols, eps, has_weight, has_bias, prologue, output, groups,
-                                  group_hw, out_dtype)
+                                  group_hw, out_dtype, epilogue)
     if (dtype == out_dtype == torch.float32 and kind in ("softmax", "log_softmax", "layer_norm")
             and SHARED_ROW_MAX < cols <= CLUSTER_ROW_MAX and cluster_size(cols) and epilogue is None and output is None):
         return _cluster_row_kernel(name, kind, rows, cols, eps, has_weight, has_bias, prologue)
@@ -320,13 +321,17 @@ def _row_geometry(c4: int) -> tuple[int, int, int]:
 
 def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, has_weight: bool,
                        has_bias: bool, prologue: RowPrologue | None = None, output: RowPrologue | None = None,
-                       groups: int = 0, group_hw: int = 0, out_dtype: torch.dtype = torch.float32) -> KernelCode:
+                       groups: int = 0, group_hw: int = 0, out_dtype: torch.dtype = torch.float32,
+                       epilogue: RowPrologue | None = None) -> KernelCode:
     """Softmax, log-softmax, layer or group norm over fp32 rows, a warp or a block per row: the row is read
     once from memory with 16-byte loads into registers (VPT float4 per thread), reduced there (exact
     two-pass statistics, one exp per element) and written once with 16-byte stores. Rows that are not
     16-byte aligned (a view at an odd offset) take scalar loads into the same registers. The statistics
-    (sum, mean, amax, amin, sum_exp) read the same way and store one value per row."""
-    stat = kind in STATISTICS
+    (sum, mean, amax, amin, sum_exp) read the same way and store one value per row — or, with an
+    `epilogue` (sum, mean, amax, amin), apply it to the row: an RMS norm's x * rsqrt(stat + eps) * w,
+    whose operands are read with 16-byte loads (the row just read, again, mostly from L2) and whose
+    results are written with 16-byte stores."""
+    stat = kind in STATISTICS and epilogue is None
     c4 = cols // 4
     shared = cols > CACHED_ROW_MAX  # the row in shared memory, each thread's float4s where its registers were
     tpr, rpb, vpt = _row_geometry(c4)
@@ -335,13 +340,17 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
     kinds = prologue.vector_kinds(cols) if prologue else None
     # What must be 16-byte aligned for the vector path: the row's start in every row-shaped operand.
     checked = (["xr"] if prologue is None else []) + ([] if stat else ["yr"])
-    if kinds:
-        checked += [f"{i.key} + row * cols" if k == "row" else i.key
-                    for i, k in zip(prologue.inputs, kinds) if k in ("row", "col", "based4")]
+    ekinds = epilogue.vector_kinds(cols) if epilogue else None
+    for fused, fkinds in ((prologue, kinds), (epilogue, ekinds)):
+        if fused is not None and fkinds:
+            checked += [f"{i.key} + row * cols" if k == "row" else i.key
+                        for i, k in zip(fused.inputs, fkinds) if k in ("row", "col", "based4")]
     if has_weight:
         params.append("const float* __restrict__ w")
     if has_bias:
         params.append("const float* __restrict__ b")
+    if epilogue:
+        params += epilogue.params()
     if output:
         params += output.params()
     params += [f"{_CTYPE[out_dtype]}* __restrict__ y", "long long rows", "long long cols"]
@@ -358,6 +367,7 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
          _BLOCK_PRELUDE if tpr > 32 else _WARP_ROW_PRELUDE,
          VECTOR_IO,
          *(_cached_prologue(name, prologue, kinds) if prologue else []),
+         *(_cached_prologue(name, epilogue, ekinds, "e") if epilogue else []),
          *((output.value_function(name, "o") if stat else _cached_output(name, output)) if output else []),
          f'extern "C" __global__ void __launch_bounds__(TPR * RPB) {name}({", ".join(params)}) {{',
          "  const long long row = (long long)blockIdx.x * RPB + threadIdx.x / TPR;",
@@ -385,7 +395,7 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
             value = f"{name}_o4(row, {c}, {value}{output.pointers()})"
         return f"store4(yr, {c}, {value}, vec);"
 
-    if stat:
+    if kind in STATISTICS:
         inf = "__int_as_float(0x7f800000)"
         if kind in ("sum", "mean"):
             L.append("  float a = 0.0f;")
@@ -402,9 +412,14 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
             L += ["  m = block_max(m, sh);", f"  const float shift = m == -{inf} ? 0.0f : m;", "  float a = 0.0f;"]
             each(["a += (expf(v[k].x - shift) + expf(v[k].y - shift)) + (expf(v[k].z - shift) + expf(v[k].w - shift));"])
             L.append("  a = block_sum(a, sh);")
-        more = ", m" if kind == "sum_exp" else ""
-        value = "a" if output is None else f"{name}_o(row, a{more}{output.pointers()})"
-        L.append(f"  if (t == 0) st(y, row, {value});")
+        if epilogue is not None:  # every thread holds the statistic after the block's reduction
+            L.append("  const float stat = a;")
+            each(["const int c = t + k * TPR;",
+                  f"store4(yr, c, {name}_e4(row, c, vec, stat{epilogue.pointers()}), vec);"])
+        else:
+            more = ", m" if kind == "sum_exp" else ""
+            value = "a" if output is None else f"{name}_o(row, a{more}{output.pointers()})"
+            L.append(f"  if (t == 0) st(y, row, {value});")
     elif kind in ("softmax", "log_softmax"):
         L.append("  float m = -__int_as_float(0x7f800000);")
         each(["m = nanmax(m, nanmax(nanmax(v[k].x, v[k].y), nanmax(v[k].z, v[k].w)));"])
@@ -450,12 +465,15 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
             " : make_float4(0.0f, 0.0f, 0.0f, 0.0f);\n  }", ";\n  }", 1).replace("v[k]", "v4[t + k * TPR]")
         source = source.replace("the row held in registers", "the row held in shared memory")
         L = [source]
-    args = _reduction_args(has_weight, has_bias, rows, cols, prologue, None, output)
+    args = _reduction_args(has_weight, has_bias, rows, cols, prologue, epilogue, output)
     if prologue:
         what_in = "16-byte" if kinds else "scalar"
         fused = f", {len(prologue.body)} elementwise op(s) fused into the loads ({what_in})"
     else:
         fused = ""
+    if epilogue:
+        fused += (f", {len(epilogue.body)} elementwise op(s) applying the {kind} to its row "
+                  f"({'16-byte' if ekinds else 'scalar'})")
     what = ("exact two-pass mean and variance" if kind in ("layer_norm", "group_norm") else
             "max, then one exp per element" if kind in ("softmax", "log_softmax", "sum_exp") else "16-byte loads")
     io = "one read, one value per row" if stat else "one read and one write"
@@ -619,18 +637,19 @@ def _cached_output(name: str, output: RowPrologue) -> list[str]:
     return L
 
 
-def _cached_prologue(name: str, prologue: RowPrologue, kinds: list[str] | None) -> list[str]:
-    """`{name}_x4(row, c4, vec, in0, ..)`: four consecutive values of the reduction input (one float4 of
-    the row), 16-byte loads of each operand when `kinds` allows, else the scalar value function."""
-    L = prologue.value_function(name)
-    params = ", ".join(["long long row", "int c4", "bool vec",
+def _cached_prologue(name: str, prologue: RowPrologue, kinds: list[str] | None, suffix: str = "x") -> list[str]:
+    """`{name}_{suffix}4(row, c4, vec, [extra..], in0, ..)`: four consecutive values of the fused ops (one
+    float4 of the row: the reduction input for a prologue, the result for an epilogue, whose extra is the
+    row's statistic), 16-byte loads of each operand when `kinds` allows, else the scalar value function."""
+    L = prologue.value_function(name, suffix)
+    params = ", ".join(["long long row", "int c4", "bool vec", *[f"float {e}" for e in prologue.extra],
                         *[f"const {_CTYPE[i.dtype]}* __restrict__ p_{i.key}" for i in prologue.inputs]])
-    L.append(f"__device__ __forceinline__ float4 {name}_x4({params}) {{")
+    L.append(f"__device__ __forceinline__ float4 {name}_{suffix}4({params}) {{")
     if kinds is None:
-        args = "".join(f", p_{i.key}" for i in prologue.inputs)
+        args = "".join(f", {e}" for e in prologue.extra) + "".join(f", p_{i.key}" for i in prologue.inputs)
+        f = f"{name}_{suffix}"
         L.append("  const long long i = row * COLS + 4LL * c4;")
-        L.append(f"  return make_float4({name}_x(i{args}), {name}_x(i + 1{args}), {name}_x(i + 2{args}), "
-                 f"{name}_x(i + 3{args}));")
+        L.append(f"  return make_float4({f}(i{args}), {f}(i + 1{args}), {f}(i + 2{args}), {f}(i + 3{args}));")
         L.append("}")
         return L
     shape = prologue.shape
