@@ -32,6 +32,13 @@ class _ResidualBlock(nn.Module):
         return self.pool(z).mean((2, 3))
 
 
+@pytest.fixture(autouse=True)
+def _tf32_convolutions(monkeypatch):
+    """Channels-last is planned for tensor-core convolutions: fp32 ones while cuDNN may use TF32 (PyTorch's
+    default, set here so that no other test's flags decide)."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+
+
 def _lowered(model, x):
     graph = capture(model.eval(), (x,))
     plan = OfflinePlanner().plan(graph)
@@ -43,6 +50,18 @@ def _lowered(model, x):
 def _layout(lowering, name):
     shape, strides, _ = lowering.spec[lowering.buf[name]]
     return shape, strides
+
+
+def test_true_fp32_convolutions_keep_their_layout(monkeypatch):
+    """With TF32 off for cuDNN, an fp32 chain's convolutions run on CUDA cores, where NHWC gains nothing
+    and costs cuDNN workspace: no value is planned channels-last, and no layout variant is timed."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    graph, plan, lowering = _lowered(_ResidualBlock(), torch.randn(4, 16, 64, 64))
+    assert plan.channels_last == frozenset()
+    assert not [d for d in plan.decisions if d[0].startswith("convolution chains channels-last")]
+    assert ("convolutions through cuDNN in fp32", "torch.backends.cudnn.allow_tf32 at call time") in plan.decisions
+    convs = [n for g in plan.groups for n in g.nodes if n.op == "aten::convolution"]
+    assert convs and not any(is_channels_last(*_layout(lowering, n.out.name)) for n in convs)
 
 
 def test_a_convolution_chain_is_planned_channels_last_with_the_reason():

@@ -57,13 +57,22 @@ MIN_CHANNELS = 16
 MIN_ELEMENTS = 1 << 16
 
 
+def tensor_core_convolutions(dtype: torch.dtype) -> bool:
+    """Whether cuDNN may run convolutions of `dtype` on tensor cores: half precision always, fp32 only
+    while torch.backends.cudnn.allow_tf32 is on (PyTorch's default) — read at planning time, as the
+    convolutions will run under it."""
+    return dtype in (torch.float16, torch.bfloat16) or (dtype == torch.float32 and torch.backends.cudnn.allow_tf32)
+
+
 def _cudnn_convolution(node: Node) -> bool:
-    """A 2-D convolution ATen runs through cuDNN that is worth running on NHWC data."""
+    """A 2-D convolution ATen runs through cuDNN that is worth running on NHWC data: one on tensor cores.
+    A true-fp32 convolution (TF32 off) stays NCHW: cuDNN's fp32 NHWC kernels are no faster than its NCHW
+    ones and hold a workspace of about twice the activation while they run."""
     if node.op not in CONVOLUTION_OPS or len(node.args) < 2:
         return False
     x, w = node.args[0], node.args[1]
     if not (isinstance(x, Value) and isinstance(w, Value) and len(x.shape) == 4 and len(w.shape) == 4
-            and x.dtype.is_floating_point):
+            and x.dtype.is_floating_point and tensor_core_convolutions(x.dtype)):
         return False
     c_in, c_out = x.shape[1], node.out.shape[1]
     return c_in >= MIN_CHANNELS and c_in % 4 == 0 and c_out % 4 == 0 and x.numel >= MIN_ELEMENTS
