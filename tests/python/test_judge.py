@@ -92,9 +92,14 @@ def test_the_flush_writes_twice_l2_and_at_least_64_mib(monkeypatch):
     for l2, expected in ((50 << 20, 100 << 20), (4 << 20, 64 << 20)):
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d, l2=l2: SimpleNamespace(L2_cache_size=l2))
         flush = gpu.L2Flush(torch.device("cpu"))
-        assert flush.buffer.numel() * flush.buffer.element_size() == expected
-        flush()
-        assert int(flush.buffer.count_nonzero()) == 0
+        assert flush.elements * 4 == expected
+        written = []
+        real_empty = torch.empty
+        monkeypatch.setattr(torch, "empty", lambda *a, **k: written.append(real_empty(*a, **k)) or written[-1])
+        flush()  # a buffer of that size, taken for this flush and zeroed
+        monkeypatch.setattr(torch, "empty", real_empty)
+        [buffer] = written
+        assert buffer.numel() * buffer.element_size() == expected and int(buffer.count_nonzero()) == 0
 
 
 class FakeGPU:
@@ -641,6 +646,21 @@ def test_a_large_output_is_checked_in_place_and_keeps_its_recorded_values(isolat
                                      in_place_from=1 << 20)
     assert not ok and "at flat index 12345" in why, why
     assert wrong[12345] == kept[12345] + 1.0 and torch.equal(wrong[:12345], kept[:12345])
+
+
+@pytest.mark.gpu
+def test_the_flush_shares_its_memory_with_the_timed_call():
+    """The timer's L2 flush takes its buffer for each flush and gives it back before the call: a call that
+    allocates as much as the flush raises the peak by about its own size, not by the flush's on top."""
+    flush = gpu.L2Flush(torch.device("cuda", torch.cuda.current_device()))
+    size = flush.elements * 4
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    t = verify.measure(lambda: torch.empty(flush.elements, device="cuda").fill_(1.0), repeats=5, warmup=1)
+    assert t.ms > 0
+    peak = torch.cuda.max_memory_allocated() - base
+    assert size <= peak < 1.5 * size, (peak / 2**20, size / 2**20)  # held beside each other: twice the size
 
 
 @pytest.mark.gpu
