@@ -65,8 +65,13 @@ _REDUCTION_OPS = {"aten::_softmax": "softmax", "aten::_log_softmax": "log_softma
 # K-chunk of its hi*hi product (as the executor runs it), the speed-up it must promise, and the most
 # split scratch it may hold: the split copies of both operands (8 bytes per element) up to three times
 # the matmul's largest tensor (a projection whose input is twice its weight and its result), or 256 MiB.
-# A trade of memory for speed that split_tf32=False declines.
-_SGEMM_SHARE, _TF32_SHARE, _DRAM_SHARE = 0.75, 0.55, 0.8
+# A trade of memory for speed that split_tf32=False declines. The shares are fitted to measured runs
+# (docs/graph.md): an 8192 x 8192 x 4096 SGEMM at 10.8-11.0 ms on the H200 and the H100 (the model says
+# 10.9); the same product as tf32x3 at 5.4 ms (H200) and about 6.3 ms (H100), which with the memory
+# terms below leaves the TF32 products 0.8-0.9 of the tensor cores' peak — 0.75 keeps a margin (at 0.55
+# the model put it at 7.7 and 8.2 ms, and on the H100 it turned down every projection of a transformer
+# encoder block whose tf32x3 projections had run it at 1.49x eager on the H200).
+_SGEMM_SHARE, _TF32_SHARE, _DRAM_SHARE = 0.75, 0.75, 0.8
 _SPLIT_CHUNK = 512
 _SPLIT_GAIN = 1.25
 _SPLIT_SCRATCH_FLOOR = 256 << 20
@@ -848,7 +853,7 @@ class OfflinePlanner:
                 and cols % 4 == 0 and CACHED_ROW_MIN <= cols <= SHARED_ROW_MAX:
             held = "registers" if cols <= CACHED_ROW_MAX else "shared memory"
             strategy = f"a {'warp' if cols <= 1024 else 'block'} per row, the row held in {held}"
-        elif kind in ("softmax", "log_softmax", "layer_norm") and x.dtype == node.out.dtype == torch.float32 \
+        elif kind in ("softmax", "log_softmax", "layer_norm", "group_norm") and x.dtype == node.out.dtype == torch.float32 \
                 and SHARED_ROW_MAX < cols <= CLUSTER_ROW_MAX and cluster_size(cols):
             strategy = (f"a cluster of {cluster_size(cols)} blocks per row, each holding its part of the row in "
                         "shared memory, the statistics combined through distributed shared memory")
