@@ -405,6 +405,20 @@ def test_rows_longer_than_shared_memory_run_on_a_cluster_per_row_and_match_eager
     assert not fast.report.fallbacks, fast.report.fallbacks
 
 
+def test_a_group_norm_over_large_images_runs_on_a_cluster_per_row_and_matches_eager():
+    """Rows of 131,072 (a group of 8 channels of 128 x 128) held by a cluster of 8 blocks, the affine
+    weight and bias read by channel."""
+    torch.manual_seed(0)
+    model = nn.GroupNorm(32, 256).cuda().eval()
+    with torch.no_grad():
+        model.weight.uniform_(0.5, 1.5)
+        model.bias.uniform_(-0.2, 0.2)
+    x = torch.randn(4, 256, 128, 128, device="cuda") * 2 + 1
+    fast = _check(model, (x,), lambda: (torch.randn_like(x),))
+    assert [g for g in fast.report.groups if "a cluster of 8 blocks per row" in g["reason"]], fast.report.groups
+    assert not fast.report.fallbacks, fast.report.fallbacks
+
+
 class _ClassMap(nn.Module):
     def forward(self, logits):
         return torch.argmax(logits, dim=1)

@@ -793,6 +793,23 @@ def test_rows_longer_than_shared_memory_compile_as_a_cluster_kernel(kind, cols):
     assert len(kernel.params) == len(code.args)
 
 
+def test_a_group_norm_over_large_images_runs_as_a_cluster_kernel_reading_weights_by_channel():
+    """32 groups of 256 channels of 128 x 128: rows of 131,072 (512 KiB) that a block per row reads twice
+    from memory; a cluster of 8 blocks holds each row in shared memory and reads it once."""
+    graph = capture(nn.GroupNorm(32, 256).eval(), (torch.randn(2, 256, 128, 128),))
+    plan = OfflinePlanner().plan(graph)
+    program = Lowering(graph, plan, {}).build(plan.groups, graph.inputs, graph.outputs)
+    (kernel,) = program.kernels
+    source = kernel["source"]
+    assert "__cluster_dims__(CLUSTER, 1, 1)" in source and "#define CLUSTER 8" in source
+    # Weight and bias by channel: the row's group times 8 channels per group, plus the column's channel.
+    assert "w[((row % 32LL) * 8LL + (part * PART + 4LL * c + 0) / 16384LL)]" in source
+    assert "load4(w" not in source  # not indexed as a layer norm's per-column weight
+    program.compile_kernels()
+    with pytest.raises(ValueError, match="group_hw dividing cols"):
+        row_reduction_kernel("bad", "group_norm", 2, 131072, torch.float32, groups=32, group_hw=3)
+
+
 def test_a_scaled_log_softmax_over_a_vocabulary_fuses_its_scale_into_the_cluster_kernel():
     class Scaled(nn.Module):
         def forward(self, x):

@@ -97,9 +97,9 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
                  or (epilogue is not None and out_dtype == torch.float32))):
         return _cached_row_kernel(name, kind, rows, cols, eps, has_weight, has_bias, prologue, output, groups,
                                   group_hw, out_dtype, epilogue)
-    if (dtype == out_dtype == torch.float32 and kind in ("softmax", "log_softmax", "layer_norm")
+    if (dtype == out_dtype == torch.float32 and kind in ("softmax", "log_softmax", "layer_norm", "group_norm")
             and SHARED_ROW_MAX < cols <= CLUSTER_ROW_MAX and cluster_size(cols) and epilogue is None and output is None):
-        return _cluster_row_kernel(name, kind, rows, cols, eps, has_weight, has_bias, prologue)
+        return _cluster_row_kernel(name, kind, rows, cols, eps, has_weight, has_bias, prologue, groups, group_hw)
     ch = _channel(groups, group_hw, cols)
     X = (lambda idx: f"ld(x, {idx})") if prologue is None else \
         (lambda idx: f"{name}_x({idx}{prologue.pointers()})")
@@ -506,16 +506,22 @@ def cluster_size(cols: int) -> int:
 
 
 def _cluster_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, has_weight: bool,
-                        has_bias: bool, prologue: RowPrologue | None = None) -> KernelCode:
-    """Softmax, log-softmax or layer norm over fp32 rows too long for one block's shared memory: a cluster
-    of `cluster_size(cols)` blocks per row, each loading its part of the row into its shared memory
+                        has_bias: bool, prologue: RowPrologue | None = None, groups: int = 0,
+                        group_hw: int = 0) -> KernelCode:
+    """Softmax, log-softmax, layer or group norm over fp32 rows too long for one block's shared memory: a
+    cluster of `cluster_size(cols)` blocks per row, each loading its part of the row into its shared memory
     (16-byte loads; through the prologue's function, element by element, when one is fused), reducing it,
     and combining the blocks' results through distributed shared memory (every block adds them in the same
-    order, so all agree); the row is then written from shared memory. One read and one write."""
+    order, so all agree); the row is then written from shared memory. One read and one write, where a
+    block per row reads it twice (its second pass over a row of hundreds of KiB misses L2: a group norm of
+    32 channels of 128 x 128 is a 512 KiB row). A group norm's rows are (sample, group) pairs, its weight
+    and bias read by channel."""
     n = cluster_size(cols)
-    if n == 0 or kind not in ("softmax", "log_softmax", "layer_norm"):
-        raise ValueError(f"a cluster row kernel takes softmax, log_softmax or layer_norm over rows that split "
-                         f"into 16-byte parts of at most {CLUSTER_PART_MAX} floats, not {kind} over {cols}")
+    if n == 0 or kind not in ("softmax", "log_softmax", "layer_norm", "group_norm"):
+        raise ValueError(f"a cluster row kernel takes softmax, log_softmax, layer_norm or group_norm over rows that "
+                         f"split into 16-byte parts of at most {CLUSTER_PART_MAX} floats, not {kind} over {cols}")
+    if kind == "group_norm" and (groups <= 0 or group_hw <= 0 or cols % group_hw):
+        raise ValueError(f"group_norm needs groups > 0 and a group_hw dividing cols, got {groups}, {group_hw}, {cols}")
     part = cols // n
     p4 = part // 4
     vpt = -(-p4 // CLUSTER_THREADS)
@@ -570,8 +576,8 @@ __device__ __forceinline__ float cluster_max(float v, float* slots, int k) {
          # then, scalar ones for a view at an odd offset.
          "  const bool vec = ((reinterpret_cast<unsigned long long>(y)"
          + ("" if prologue is not None else " | reinterpret_cast<unsigned long long>(x)")
-         + (" | reinterpret_cast<unsigned long long>(w)" if has_weight else "")
-         + (" | reinterpret_cast<unsigned long long>(b)" if has_bias else "") + ") & 15ULL) == 0;"]
+         + (" | reinterpret_cast<unsigned long long>(w)" if has_weight and not groups else "")
+         + (" | reinterpret_cast<unsigned long long>(b)" if has_bias and not groups else "") + ") & 15ULL) == 0;"]
 
     def each(body: list[str]) -> None:
         L.extend(["#pragma unroll", "  for (int k = 0; k < VPT; ++k) {", "    const int c = t + k * " +
@@ -596,7 +602,7 @@ __device__ __forceinline__ float cluster_max(float v, float* slots, int k) {
         else:
             L.append("  const float shift = m + logf(total);")
             each(["const float4 v = v4[c];", out("make_float4(v.x - shift, v.y - shift, v.z - shift, v.w - shift)")])
-    else:  # layer norm: the exact mean, then the mean of squared deviations, both from shared memory
+    else:  # layer or group norm: the exact mean, then the mean of squared deviations, both from shared memory
         L.append("  float s = 0.0f;")
         each([f"const float4 v = {load};", "v4[c] = v;", "s += (v.x + v.y) + (v.z + v.w);"])
         L += ["  const float mean = cluster_sum(block_sum(s, sh), slots, 0) / (float)cols;", "  float q = 0.0f;"]
@@ -608,10 +614,17 @@ __device__ __forceinline__ float cluster_max(float v, float* slots, int k) {
         body = ["const float4 v = v4[c];",
                 "float4 o = make_float4((v.x - mean) * rstd, (v.y - mean) * rstd, (v.z - mean) * rstd, "
                 "(v.w - mean) * rstd);"]
+        ch = _channel(groups, group_hw, cols)
         for flag, ptr, op, var in ((has_weight, "w", "*=", "g"), (has_bias, "b", "+=", "h")):
-            if flag:
-                body += [f"const float4 {var} = load4({ptr} + part * PART, c, vec);",
-                         f"o.x {op} {var}.x; o.y {op} {var}.y; o.z {op} {var}.z; o.w {op} {var}.w;"]
+            if not flag:
+                continue
+            if groups:  # by channel, one value at a time (a channel's run of group_hw columns)
+                col = "part * PART + 4LL * c"
+                body.append(f"const float4 {var} = make_float4(" + ", ".join(
+                    f"{ptr}[{ch(f'{col} + {j}')}]" for j in range(4)) + ");")
+            else:
+                body.append(f"const float4 {var} = load4({ptr} + part * PART, c, vec);")
+            body.append(f"o.x {op} {var}.x; o.y {op} {var}.y; o.z {op} {var}.z; o.w {op} {var}.w;")
         body.append(out("o"))
         each(body)
     L.append("}")
