@@ -537,6 +537,14 @@ def run_program(emu, program, inputs: list[torch.Tensor], constants: dict[str, t
             result = op(*[buffers[i] for i in step["inputs"]], **attributes)
             for i, r in zip(step["outputs"], result if isinstance(result, (tuple, list)) else [result]):
                 buffers[i].copy_(r)
+        elif step["kind"] == "matmul" and step["epilogue"] == "none" and step["beta"] == 0.0:
+            # cuBLASLt's product as the step declares it: the last two dimensions of each operand, transposed
+            # when flagged, an operand of one matrix broadcast over the batch.
+            a, b = buffers[step["a"]], buffers[step["b"]]
+            a = a.transpose(-1, -2) if step["transpose_a"] else a
+            b = b.transpose(-1, -2) if step["transpose_b"] else b
+            c = buffers[step["c"]]
+            c.copy_((step["alpha"] * torch.matmul(a.double(), b.double())).to(c.dtype).reshape(c.shape))
         else:
             raise NotImplementedError(f"step kind {step['kind']}")
     return [buffers[b["id"]] for b in program.buffers if b["role"] == "output"]
@@ -591,6 +599,24 @@ def test_lowered_loss_programs_give_eager_results(emu, model, inputs):
     with torch.no_grad():
         want = model(*inputs)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+class _ScaledScores(torch.nn.Module):
+    def forward(self, q, k):
+        return torch.softmax(torch.bmm(q, k.transpose(1, 2)) * 0.125, dim=-1)
+
+
+def test_a_batched_product_with_a_transposed_operand_reads_it_in_place(emu):
+    # q @ k^T over a batch: k is handed to the product with a transpose flag, not copied contiguous first.
+    q, k = torch.randn(3, 40, 16), torch.randn(3, 24, 16)
+    plan, program, constants = _lowered(_ScaledScores(), (q, k))
+    (gemm,) = [g for g in plan.groups if g.kind == "gemm"]
+    assert "b transposed in place" in gemm.reason, gemm.reason
+    assert [s["kind"] for s in program.steps if s["kind"] != "view"] == ["matmul", "kernel"]
+    (step,) = [s for s in program.steps if s["kind"] == "matmul"]
+    assert step["transpose_b"] and step["batch"] == 3
+    (got,) = run_program(emu, program, [q, k], constants)
+    torch.testing.assert_close(got, _ScaledScores()(q, k), atol=1e-5, rtol=1e-5)
 
 
 class _ConvChain(torch.nn.Module):

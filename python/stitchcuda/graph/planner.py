@@ -753,12 +753,15 @@ class OfflinePlanner:
                 if source is not None:
                     params[key] = source
                     notes.append(f"{key} one matrix broadcast over the batch")
-        # A transposed operand (x @ w.t()) is read in place with a transpose flag instead of copied.
+        # A transposed operand (x @ w.t(); q @ k.transpose(1, 2) in a bmm) is read in place with a transpose
+        # flag instead of copied: the last two dimensions of a contiguous source swapped, the batch kept.
         for key, flag in (("b", "transpose_b"), ("a", "transpose_a")):
             v = params[key]
             p = v.producer
-            if p is not None and p.op == "aten::permute" and list(p.args[1]) == [1, 0] and p.args[0].is_contiguous() \
-                    and len(v.shape) == 2:
+            rank = len(v.shape)
+            swap = list(range(rank - 2)) + [rank - 1, rank - 2]
+            if p is not None and p.op == "aten::permute" and rank in (2, 3) and p.args[0].is_contiguous() \
+                    and [d % rank for d in p.args[1]] == swap and (rank == 2 or node.op == "aten::bmm"):
                 params[key] = p.args[0]
                 params[flag] = True
                 notes.append(f"{key} transposed in place")
