@@ -552,3 +552,16 @@ def test_the_keep_decision_times_eager_and_the_program_in_alternating_rounds(mon
     assert calls == ["eager", "program", "program", "eager", "eager", "program"]
     assert t["rounds"] == 3 and t["rounds_faster"] == 2  # faster in the two rounds where it went second
     assert t["stitched_ms"] >= t["eager_ms"]  # the medians: not faster, so the model keeps running
+
+
+def test_the_program_is_kept_only_when_faster_than_the_margin_in_most_rounds():
+    """A gain within the timer's spread on one model (KEEP_MARGIN, 2%) keeps the model running; so does a
+    median win carried by one round of three."""
+    keep = optimize_module._not_faster
+    assert optimize_module.KEEP_MARGIN == optimize_module.VARIANT_TIE == 0.02
+    assert keep({"eager_ms": 1.0, "stitched_ms": 0.9, "rounds": 3, "rounds_faster": 3}) == ""
+    within = keep({"eager_ms": 1.0, "stitched_ms": 0.99, "rounds": 3, "rounds_faster": 3})
+    assert "0.9900 ms against eager 1.0000 ms" in within and "2% faster" in within
+    assert keep({"eager_ms": 1.0, "stitched_ms": 0.9, "rounds": 3, "rounds_faster": 1})  # one round of three
+    assert keep({"eager_ms": 1.0, "stitched_ms": 1.1, "rounds": 3, "rounds_faster": 3})
+    assert keep({"eager_ms": 1.0, "stitched_ms": 0.5}) == ""  # a timing without rounds: the medians decide

@@ -71,8 +71,10 @@ on the same basis, and "check_with_worker": where the peak was reached), program
 the kept program's weights_bytes, shared_weights_bytes, arena_bytes and runner_bytes, all its runner held
 after its timed calls); `precision`, and
 `matmuls` (the planner's decision: "matmuls in true fp32", "matmuls may use tf32", ...),
-`tf32x3_steps` (the program's matmuls that ran as 3xTF32 after the checks) and `decisions` (the titles of
-optimize()'s decisions: the program variant kept, group checks written in place, GEMMs sent to SGEMM).
+`tf32x3_steps` (the program's matmuls that ran as 3xTF32 after the checks), `decisions` (the titles of
+optimize()'s decisions: the program variant kept, group checks written in place, GEMMs sent to SGEMM) and
+`keep_timing` (optimize()'s own measurement behind keeping the program or the model: eager_ms,
+stitched_ms, rounds_faster, rounds).
 
 Error against exact arithmetic (err_fp64): one fp64 reference per problem, a deep copy of the model and
 the example inputs cast to float64 on the GPU (fp64_reference; skipped, with the reason in fp64_note,
@@ -678,6 +680,12 @@ def _record_report(row: dict, fast: Any) -> None:
     # What optimize() decided, by title (the variant kept, checks written in place, GEMMs sent to SGEMM):
     # the reasons stay in the report; the row keeps a line each to read a run's results by.
     row["decisions"] = [str(d[0]) for d in getattr(report, "decisions", None) or []]
+    timing = getattr(report, "timing", None) or {}
+    if "stitched_ms" in timing:
+        # optimize()'s own keep-or-eager measurement, beside the column's: where the two disagree (a program
+        # kept as faster that the column times slower), the row shows by how much.
+        row["keep_timing"] = {k: timing[k] for k in ("eager_ms", "stitched_ms", "rounds_faster", "rounds")
+                              if k in timing}
     if fast.program is not None:
         row["replay"] = fast.program.replay["mode"]  # graph or direct, as measured by optimize
         # What ran, not what was planned: a tf32x3 GEMM that missed its check runs as SGEMM.
