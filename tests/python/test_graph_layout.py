@@ -37,6 +37,7 @@ def _tf32_convolutions(monkeypatch):
     """Channels-last is planned for tensor-core convolutions: fp32 ones while cuDNN may use TF32 (PyTorch's
     default, set here so that no other test's flags decide)."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    monkeypatch.delenv("STITCHCUDA_CHANNELS_LAST", raising=False)
 
 
 def _lowered(model, x):
@@ -62,6 +63,22 @@ def test_true_fp32_convolutions_keep_their_layout(monkeypatch):
     assert ("convolutions through cuDNN in fp32", "torch.backends.cudnn.allow_tf32 at call time") in plan.decisions
     convs = [n for g in plan.groups for n in g.nodes if n.op == "aten::convolution"]
     assert convs and not any(is_channels_last(*_layout(lowering, n.out.name)) for n in convs)
+
+
+def test_the_channels_last_knob_overrides_the_precision_rule(monkeypatch):
+    """STITCHCUDA_CHANNELS_LAST=on plans the chain channels-last in true fp32 too (the NHWC path tested or
+    timed at fp32's tolerance), off never plans it, and a value it does not know is an error naming it."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setenv("STITCHCUDA_CHANNELS_LAST", "on")
+    _, plan, _ = _lowered(_ResidualBlock(), torch.randn(4, 16, 64, 64))
+    assert plan.channels_last
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    monkeypatch.setenv("STITCHCUDA_CHANNELS_LAST", "off")
+    _, plan, _ = _lowered(_ResidualBlock(), torch.randn(4, 16, 64, 64))
+    assert plan.channels_last == frozenset()
+    monkeypatch.setenv("STITCHCUDA_CHANNELS_LAST", "always")
+    with pytest.raises(ValueError, match="STITCHCUDA_CHANNELS_LAST='always' is not one of auto, on, off"):
+        _lowered(_ResidualBlock(), torch.randn(4, 16, 64, 64))
 
 
 def test_a_convolution_chain_is_planned_channels_last_with_the_reason():

@@ -13,6 +13,7 @@ groups' iteration order, the layout ATen gives a step's result).
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -57,6 +58,21 @@ MIN_CHANNELS = 16
 MIN_ELEMENTS = 1 << 16
 
 
+CHANNELS_LAST_ENV = "STITCHCUDA_CHANNELS_LAST"
+CHANNELS_LAST_MODES = ("auto", "on", "off")
+
+
+def channels_last_mode() -> str:
+    """STITCHCUDA_CHANNELS_LAST, read at planning time: "auto" (default) plans channels-last chains of
+    tensor-core convolutions (tensor_core_convolutions); "on" plans them for every eligible convolution
+    whatever its precision (to test or time the NHWC path in true fp32); "off" never."""
+    mode = os.environ.get(CHANNELS_LAST_ENV, "auto").strip().lower() or "auto"
+    if mode not in CHANNELS_LAST_MODES:
+        raise ValueError(f"{CHANNELS_LAST_ENV}={os.environ.get(CHANNELS_LAST_ENV)!r} is not one of "
+                         f"{', '.join(CHANNELS_LAST_MODES)}: unset it (auto) or set one of those")
+    return mode
+
+
 def tensor_core_convolutions(dtype: torch.dtype) -> bool:
     """Whether cuDNN may run convolutions of `dtype` on tensor cores: half precision always, fp32 only
     while torch.backends.cudnn.allow_tf32 is on (PyTorch's default) — read at planning time, as the
@@ -71,8 +87,10 @@ def _cudnn_convolution(node: Node) -> bool:
     if node.op not in CONVOLUTION_OPS or len(node.args) < 2:
         return False
     x, w = node.args[0], node.args[1]
-    if not (isinstance(x, Value) and isinstance(w, Value) and len(x.shape) == 4 and len(w.shape) == 4
-            and x.dtype.is_floating_point and tensor_core_convolutions(x.dtype)):
+    mode = channels_last_mode()
+    if mode == "off" or not (isinstance(x, Value) and isinstance(w, Value) and len(x.shape) == 4
+                             and len(w.shape) == 4 and x.dtype.is_floating_point
+                             and (mode == "on" or tensor_core_convolutions(x.dtype))):
         return False
     c_in, c_out = x.shape[1], node.out.shape[1]
     return c_in >= MIN_CHANNELS and c_in % 4 == 0 and c_out % 4 == 0 and x.numel >= MIN_ELEMENTS
