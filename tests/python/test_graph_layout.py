@@ -65,6 +65,27 @@ def test_true_fp32_convolutions_keep_their_layout(monkeypatch):
     assert convs and not any(is_channels_last(*_layout(lowering, n.out.name)) for n in convs)
 
 
+def test_a_model_with_tf32_convolutions_is_judged_at_tf32s_tolerance(monkeypatch):
+    """With cuDNN's TF32 on (PyTorch's default) the model's own convolutions round to TF32, and an NHWC or
+    folded-batch-norm algorithm rounds differently by more than 1e-4: the program's outputs are judged at
+    TF32's tolerance, its matmuls still computed in fp32; with the flag off, at fp32's."""
+    from stitchcuda.verify import tolerance
+
+    _, plan, _ = _lowered(_ResidualBlock(), torch.randn(4, 16, 64, 64))  # the fixture: allow_tf32 on
+    assert plan.precision == "fp32" and plan.tolerance_precision == "tf32"
+    (why,) = [why for d, why in plan.decisions if d == "outputs judged at TF32's tolerance"]
+    assert "2 fp32 convolution(s)" in why and "allow_tf32" in why
+    assert tolerance(torch.float32, plan.tolerance_precision) == (1e-2, 1e-2)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    _, plan, _ = _lowered(_ResidualBlock(), torch.randn(4, 16, 64, 64))
+    assert plan.tolerance_precision == "fp32"
+    assert not [d for d, _ in plan.decisions if d.startswith("outputs judged")]
+    # No convolution: nothing to judge differently, whatever the flag.
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    _, plan, _ = _lowered(nn.Sequential(nn.Linear(16, 16), nn.ReLU()), torch.randn(4, 16))
+    assert plan.tolerance_precision == "fp32"
+
+
 def test_the_channels_last_knob_overrides_the_precision_rule(monkeypatch):
     """STITCHCUDA_CHANNELS_LAST=on plans the chain channels-last in true fp32 too (the NHWC path tested or
     timed at fp32's tolerance), off never plans it, and a value it does not know is an error naming it."""

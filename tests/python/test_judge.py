@@ -399,7 +399,7 @@ def test_verify_whole_judges_a_model_on_the_example_and_random_sets(monkeypatch)
     assert not shape["passed"] and shape["max_abs_error"] == math.inf and "output 0 is" in shape["detail"]
     optimize_module = importlib.import_module("stitchcuda.graph.optimize")
     assert optimize_module._verify(model, lambda t: (t + t, (t > 0).sum()), (x,), 1,
-                                   SimpleNamespace(precision="fp32", groups=[]))["passed"]
+                                   SimpleNamespace(precision="fp32", tolerance_precision="fp32", groups=[]))["passed"]
 
 
 def test_verify_whole_releases_the_program_before_each_model_forward_and_judges_its_second_call():

@@ -966,7 +966,7 @@ def trace_mismatch(graph: Graph, plan: GraphPlan, constants: dict, sm_count: int
     def compare(name: str, held: dict[str, torch.Tensor]) -> None:  # ATen's value, streamed, then let go
         if name in held:
             expected = held[name]
-            atol, rtol = tolerance(expected.dtype, plan.precision)
+            atol, rtol = tolerance(expected.dtype, plan.tolerance_precision)
             value = got_by_name[name]
             verdicts[name] = (first_difference(name, value, expected, atol, rtol, reference="ATen"),
                               tolerance_used(value, expected, atol, rtol))
@@ -1113,7 +1113,7 @@ def _verify(model, optimized: OptimizedModule, example_inputs, sets: int, plan: 
     example inputs, then fresh random sets, under the tolerance table for the plan's precision; the
     error against an fp64 copy of the model too. {passed, input_sets, max_abs_error, max_rel_error_fp64,
     detail}."""
-    return verify_whole(model, optimized, example_inputs, sets, plan.precision,
+    return verify_whole(model, optimized, example_inputs, sets, plan.tolerance_precision,
                         no_exact=_fp64_too_large(plan, getattr(optimized, "_graph", None)),
                         release=getattr(optimized, "release", None))
 

@@ -179,6 +179,15 @@ class GraphPlan:
     # times the program both ways and keeps the faster).
     conv_epilogues: dict = field(default_factory=dict)
     fuse_conv_epilogues: bool = False
+    # The precision whose tolerance judges the program's outputs against the model's ("": `precision`'s):
+    # "tf32" for an fp32 plan whose model runs its fp32 convolutions with TF32 (cuDNN's flag, on by
+    # PyTorch's default), where the model's own result carries TF32's rounding and another cuDNN
+    # algorithm (NHWC, a folded batch norm) rounds differently, beyond fp32's 1e-4.
+    judged_at: str = ""
+
+    @property
+    def tolerance_precision(self) -> str:
+        return self.judged_at or self.precision
 
     def summary(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -505,6 +514,16 @@ class OfflinePlanner:
             matmul_precision = "fp32"
         plan = GraphPlan(self._normalized_inputs(self._online_sum_exp(self._row_epilogues(groups, outputs), outputs),
                                                  outputs), decisions, matmul_precision)
+        tf32_convs = sum(n.op == "aten::convolution" and isinstance(n.args[0], Value)
+                         and n.args[0].dtype == torch.float32 for n in graph.nodes)
+        if matmul_precision == "fp32" and tf32_convs and torch.backends.cudnn.allow_tf32:
+            plan.judged_at = "tf32"
+            decisions.append(("outputs judged at TF32's tolerance",
+                              f"the model runs its {tf32_convs} fp32 convolution(s) with TF32 "
+                              "(torch.backends.cudnn.allow_tf32, PyTorch's default): its own result carries TF32's "
+                              "rounding, and another cuDNN algorithm (NHWC data, a batch norm folded into the filter) "
+                              "rounds differently by more than fp32's 1e-4 — set the flag off for true fp32 "
+                              "convolutions judged at 1e-4"))
         from .layout import channels_last_values  # it reads groups: imported here, after this module
 
         plan.channels_last = channels_last_values(graph, plan.groups)
