@@ -66,7 +66,10 @@ def _setup():
     model = _Head().eval()
     x = torch.randn(2, 4, 6, 6)
     graph = capture(model, (x,))
-    plan = OfflinePlanner().plan(graph)
+    # True fp32 convolutions, so the plan is judged at fp32's tolerance (with cuDNN's TF32 on, TF32's).
+    with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, allow_tf32=False):
+        plan = OfflinePlanner().plan(graph)
+    assert plan.tolerance_precision == "fp32"
     generated = [g for g in plan.groups if g.kind in GENERATED]
     return graph, plan, generated, x
 
