@@ -312,15 +312,30 @@ def test_grouped_broadcast_pointwise_matches_torch(emu, misaligned):
     torch.testing.assert_close(out, (x + w_row) * chan + t * odd)
 
 
-def test_vectorized_pointwise_matches_torch(emu):
-    x = torch.randn(64, 32)
-    code = pointwise_kernel("fused_vec", (64, 32), [PointwiseInput("in0", torch.float32, (32, 1))],
+@pytest.mark.parametrize("rows, sm_count", [(64, 132), (1029, 1), (1024, 1)],
+                         ids=["one-step", "two-deep-and-odd-tail", "two-deep-even"])
+def test_vectorized_pointwise_matches_torch(emu, rows, sm_count):
+    # One SM's grid (16 blocks of 256 threads: 4,096 float4 per pass) over 1,029 rows of 32 runs the
+    # two-deep loop and an odd last float4; 1,024 rows end on whole pairs; 64 rows take the single step.
+    x = torch.randn(rows, 32)
+    code = pointwise_kernel("fused_vec", (rows, 32), [PointwiseInput("in0", torch.float32, (32, 1))],
                             ["const float t0 = (in0 * 0.5f * (1.0f + erff(in0 * 0.7071067811865476f)));"],
-                            [("out0", "t0", torch.float32)])
-    assert code.vectorized
-    y = torch.empty(64, 32)
+                            [("out0", "t0", torch.float32)], sm_count=sm_count)
+    assert code.vectorized and "v + stride < n4" in code.source and "two per thread" in code.description
+    y = torch.full((rows, 32), float("nan"))
     _run(emu, code, {"in0": x, "out0": y})
     torch.testing.assert_close(y, torch.nn.functional.gelu(x))
+
+
+def test_a_vectorized_pointwise_kernel_of_many_operands_keeps_one_float4_per_step(emu):
+    xs = [torch.randn(1029, 32) for _ in range(4)]
+    inputs = [PointwiseInput(f"in{k}", torch.float32, (32, 1)) for k in range(4)]
+    code = pointwise_kernel("fused_sum4", (1029, 32), inputs, ["const float t0 = (in0 + in1) * in2 - in3;"],
+                            [("out0", "t0", torch.float32)], sm_count=1)
+    assert code.vectorized and "v + stride < n4" not in code.source and "two per thread" not in code.description
+    y = torch.full((1029, 32), float("nan"))
+    _run(emu, code, {**{f"in{k}": x for k, x in enumerate(xs)}, "out0": y})
+    torch.testing.assert_close(y, (xs[0] + xs[1]) * xs[2] - xs[3])
 
 
 @pytest.mark.parametrize("kind", ["amax", "amin"])

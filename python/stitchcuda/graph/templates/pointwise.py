@@ -41,19 +41,38 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
         lines += _grouped_pointwise_loop(name, shape, inputs, results)
         threads, work = 256, n // 4
     elif vectorized:
-        # 16-byte loads and stores: four elements per thread and iteration.
-        lines.append("  const long long n4 = n / 4;")
-        lines.append("  for (long long v = blockIdx.x * (long long)blockDim.x + threadIdx.x; v < n4; "
-                     "v += (long long)gridDim.x * blockDim.x) {")
-        for k in range(len(inputs)):
-            lines.append(f"    const float4 a{k} = reinterpret_cast<const float4*>(p{k})[v];")
-        for k in range(len(results)):
-            lines.append(f"    float4 b{k};")
-        for lane in "xyzw":
-            call = [f"a{k}.{lane}" for k in range(len(inputs))] + [f"b{k}.{lane}" for k in range(len(results))]
-            lines.append(f"    {name}_body({', '.join(call)});")
-        for k in range(len(results)):
-            lines.append(f"    reinterpret_cast<float4*>(q{k})[v] = b{k};")
+        # 16-byte loads and stores, four elements per load. Two float4 of each operand per thread and
+        # iteration, both loads issued before either is used: twice the bytes in flight of one (a
+        # streaming op on a grid of 16 blocks per SM otherwise waits on one load per thread at a time);
+        # the last float4 of a thread, if odd, alone. Kernels of more than four operands keep one float4
+        # per iteration: their registers, doubled, would cost the occupancy the extra loads buy.
+        deep = len(inputs) + len(results) <= 4
+        lines.append("  const long long n4 = n / 4, stride = (long long)gridDim.x * blockDim.x;")
+        lines.append("  long long v = blockIdx.x * (long long)blockDim.x + threadIdx.x;")
+
+        def step(offsets: list[str]) -> None:
+            for k in range(len(inputs)):
+                for j, off in enumerate(offsets):
+                    lines.append(f"    const float4 a{k}_{j} = reinterpret_cast<const float4*>(p{k})[v{off}];")
+            for j, off in enumerate(offsets):
+                for k in range(len(results)):
+                    lines.append(f"    float4 b{k}_{j};")
+                for lane in "xyzw":
+                    call = [f"a{k}_{j}.{lane}" for k in range(len(inputs))] + \
+                           [f"b{k}_{j}.{lane}" for k in range(len(results))]
+                    lines.append(f"    {name}_body({', '.join(call)});")
+            for j, off in enumerate(offsets):
+                for k in range(len(results)):
+                    lines.append(f"    reinterpret_cast<float4*>(q{k})[v{off}] = b{k}_{j};")
+
+        if deep:
+            lines.append("  for (; v + stride < n4; v += 2 * stride) {")
+            step(["", " + stride"])
+            lines.append("  }")
+            lines.append("  if (v < n4) {")
+        else:
+            lines.append("  for (; v < n4; v += stride) {")
+        step([""])
         lines.append("  }")
         threads, work = 256, n // 4
     else:
@@ -76,7 +95,8 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
     lines.append("}")
     grid = max(1, min((work + threads - 1) // threads, sm_count * 16))
     args = [("in", i.key) for i in inputs] + [("out", key) for key, _, _ in results] + [("i64", n)]
-    kind = ("vectorized float4" if vectorized else "rotated halves (RoPE)" if rotated
+    kind = (("vectorized float4, two per thread and step" if len(inputs) + len(results) <= 4 else "vectorized float4")
+            if vectorized else "rotated halves (RoPE)" if rotated
             else "strided/broadcast, four outputs per thread and step" if grouped
             else "linear" if all_linear else "strided/broadcast")
     return KernelCode("\n".join(lines) + "\n", name, grid, threads, args,
