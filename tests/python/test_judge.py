@@ -479,6 +479,20 @@ def test_the_planners_dram_number_is_the_verifiers_floor_bandwidth(monkeypatch):
     assert agents.hardware() == {"gpu": agents.NO_GPU, "cuda": "13.0"}
 
 
+def test_the_floor_bandwidth_is_the_current_gpus_where_cuda_is_in_use(monkeypatch):
+    """In a process that uses CUDA the Verifier's bound takes the GPU's own bandwidth from the table (an
+    H100's 3.35 TB/s, not the H200's 4.3); a process that has not touched CUDA is not made to (describe()
+    would create a context there) and keeps the default ceilings'."""
+    asked = []
+    h100 = {"gpu": "NVIDIA H100 80GB HBM3", "dram_tb_s": 3.35}
+    monkeypatch.setattr(hardware, "describe", lambda device=None: asked.append(1) or h100)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert hardware.floor_bandwidth_tb_s() == verify.VerifyConfig().bandwidth_tb_s == 3.35 and asked
+    asked.clear()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert hardware.floor_bandwidth_tb_s() == 4.3 and not asked
+
+
 def test_the_prompt_quotes_the_verifiers_bandwidth(monkeypatch, tmp_path):
     """End to end: the Planner's prompt, rendered by the C++ agents from agents.hardware(), names the DRAM
     bandwidth the Verifier's speed-of-light bound uses."""

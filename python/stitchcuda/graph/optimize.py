@@ -1152,6 +1152,7 @@ def _fp64_too_large(plan: GraphPlan, graph: Graph | None = None) -> str:
 # measurement (clocks ramping up, a busy neighbour) reaches both sides instead of favouring the one timed
 # second.
 MEASURE_ROUNDS = 3
+MEASURE_REPEATS = 10
 # The program is kept only when faster than eager by more than this share of eager's time (the median of
 # the rounds) and in most rounds: a gain within the timer's spread on one model (VARIANT_TIE) is not one,
 # and the model itself is the call that cannot be slower than the model.
@@ -1168,7 +1169,6 @@ def _not_faster(timing: dict) -> str:
         return ""
     return (f"{stitched:.4f} ms against eager {eager:.4f} ms per call, faster in {faster} of {rounds} alternating "
             f"rounds; kept only {KEEP_MARGIN:.0%} faster and in most rounds")
-MEASURE_REPEATS = 10
 
 
 def _measure(model, optimized: OptimizedModule, example_inputs, compare_compile: bool) -> dict:

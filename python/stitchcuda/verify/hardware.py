@@ -35,11 +35,14 @@ def default_ceilings() -> Any:
 
 def floor_bandwidth_tb_s() -> float:
     """DRAM bandwidth (TB/s) of the Verifier's memory speed-of-light bound (VerifyConfig.bandwidth_tb_s's
-    default): the current GPU's from the table, the number describe() gives the Planner; without a GPU,
-    or on one the table does not know, the default ceilings' (the H200's)."""
-    gpu = describe()
-    if gpu.get("gpu") and gpu.get("dram_tb_s"):
-        return float(gpu["dram_tb_s"])
+    default): the current GPU's from the table, the number describe() gives the Planner, in a process
+    that already uses CUDA; otherwise (no GPU, one the table does not know, or a process that has not
+    touched CUDA, such as a service front end that only hands checks to GPU workers: asking would create
+    a CUDA context there) the default ceilings' (the H200's)."""
+    if torch.cuda.is_initialized():
+        gpu = describe()
+        if gpu.get("gpu") and gpu.get("dram_tb_s"):
+            return float(gpu["dram_tb_s"])
     return _tb(default_ceilings().dram_bytes_per_s)
 
 
