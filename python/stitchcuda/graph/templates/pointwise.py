@@ -36,6 +36,9 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
     if rotated and (not shape or any(i.rotate and 2 * i.rotate != shape[-1] for i in inputs)):
         raise ValueError(f"a rotated input must rotate half of the last extent of {list(shape)}")
     grouped = not vectorized and not all_linear and not rotated and len(shape) > 0 and shape[-1] % 4 == 0
+    # A vectorized kernel of at most four operands takes two float4 of each per step (below); more
+    # operands' registers, doubled, would cost the occupancy the extra loads buy.
+    deep = vectorized and len(inputs) + len(results) <= 4
     lines.append(f'extern "C" __global__ void {name}({", ".join(params)}) {{')
     if grouped:
         lines += _grouped_pointwise_loop(name, shape, inputs, results)
@@ -44,9 +47,7 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
         # 16-byte loads and stores, four elements per load. Two float4 of each operand per thread and
         # iteration, both loads issued before either is used: twice the bytes in flight of one (a
         # streaming op on a grid of 16 blocks per SM otherwise waits on one load per thread at a time);
-        # the last float4 of a thread, if odd, alone. Kernels of more than four operands keep one float4
-        # per iteration: their registers, doubled, would cost the occupancy the extra loads buy.
-        deep = len(inputs) + len(results) <= 4
+        # the last float4 of a thread, if odd, alone (`deep`; otherwise one float4 per step).
         lines.append("  const long long n4 = n / 4, stride = (long long)gridDim.x * blockDim.x;")
         lines.append("  long long v = blockIdx.x * (long long)blockDim.x + threadIdx.x;")
 
@@ -95,8 +96,8 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
     lines.append("}")
     grid = max(1, min((work + threads - 1) // threads, sm_count * 16))
     args = [("in", i.key) for i in inputs] + [("out", key) for key, _, _ in results] + [("i64", n)]
-    kind = (("vectorized float4, two per thread and step" if len(inputs) + len(results) <= 4 else "vectorized float4")
-            if vectorized else "rotated halves (RoPE)" if rotated
+    kind = ("vectorized float4, two per thread and step" if deep else "vectorized float4" if vectorized
+            else "rotated halves (RoPE)" if rotated
             else "strided/broadcast, four outputs per thread and step" if grouped
             else "linear" if all_linear else "strided/broadcast")
     return KernelCode("\n".join(lines) + "\n", name, grid, threads, args,
