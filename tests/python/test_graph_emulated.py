@@ -168,25 +168,47 @@ def test_a_masked_scaled_softmax_reads_its_broadcast_operands_per_row(emu, cols)
     torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows, cols, path", [(6, 48, "warp per row"), (2, 3002, "warp shuffles"),
-                                              (3, 4096, "held in registers"), (5, 520, "held in registers"),
-                                              (2, 40000, "held in shared memory")],
-                         ids=["warp", "block", "registers", "registers-warp-partial", "shared"])
-def test_rms_norm_epilogue_applies_the_statistic_to_the_row(emu, rows, cols, path):
-    # mean(x * x) with the square as a prologue; then x * rsqrt(stat + eps) * w over the row.
+@pytest.mark.parametrize("rows, cols, path, reused", [(6, 48, "warp per row", 0), (2, 3002, "warp shuffles", 0),
+                                                      (3, 4096, "held in registers", 1), (5, 520, "held in registers", 1),
+                                                      (2, 20000, "held in registers", 0),
+                                                      (2, 40000, "held in shared memory", 0)],
+                         ids=["warp", "block", "registers", "registers-warp-partial", "registers-too-many-to-keep",
+                              "shared"])
+@pytest.mark.parametrize("misaligned", [False, True], ids=["aligned", "misaligned"])
+def test_rms_norm_epilogue_applies_the_statistic_to_the_row(emu, rows, cols, path, reused, misaligned):
+    # mean(x * x) with the square as a prologue; then x * rsqrt(stat + eps) * w over the row, whose x comes
+    # from the registers where the row is held there in at most four float4 per thread (`reused`).
     x, w = torch.randn(rows, cols) * 2, torch.randn(cols)
+    if misaligned:  # rows at an odd float offset: scalar loads into the same registers
+        x = torch.randn(rows * cols + 1)[1:].view(rows, cols)
     row = (cols, 1)
     prologue = RowPrologue((rows, cols), [PointwiseInput("in0", torch.float32, row)], ["const float t0 = (in0 * in0);"], "t0")
     epilogue = RowPrologue((rows, cols), [PointwiseInput("e0", torch.float32, row), PointwiseInput("e1", torch.float32, (0, 1))],
                            ["const float t0 = (stat + 1e-06f);", "const float t1 = rsqrtf(t0);",
                             "const float t2 = (e0 * t1);", "const float t3 = (t2 * e1);"], "t3", ("stat",))
-    code = row_reduction_kernel("rms", "mean", rows, cols, torch.float32, prologue=prologue, epilogue=epilogue)
+    code = row_reduction_kernel("rms", "mean", rows, cols, torch.float32, prologue=prologue, epilogue=epilogue,
+                                same_row={"e0": "in0"})
     assert [k for _, k in code.args] == ["in0", "e0", "e1", "y", rows, cols]
     assert path in code.description, code.description
+    assert ("1 operand(s) from the registers" in code.description) == bool(reused), code.description
     y = torch.full((rows, cols), float("nan"))
-    _run(emu, code, {"in0": x, "e0": x, "e1": w, "y": y})
+    # The epilogue's own pointer to x is garbage where the registers serve it: a read of it would show.
+    _run(emu, code, {"in0": x, "e0": torch.full_like(x, float("nan")) if reused else x, "e1": w, "y": y})
     expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
     torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_an_epilogue_reads_the_reduction_input_from_its_registers(emu):
+    # x - mean(x) (centering) with no prologue: the epilogue's x is the row the reduction holds.
+    rows, cols = 4, 1024
+    x = torch.randn(rows, cols) + 3
+    epilogue = RowPrologue((rows, cols), [PointwiseInput("e0", torch.float32, (cols, 1))], ["const float t0 = (e0 - stat);"],
+                           "t0", ("stat",))
+    code = row_reduction_kernel("center", "mean", rows, cols, torch.float32, epilogue=epilogue, same_row={"e0": "x"})
+    assert "1 operand(s) from the registers" in code.description, code.description
+    y = torch.full((rows, cols), float("nan"))
+    _run(emu, code, {"x": x, "e0": torch.full_like(x, float("nan")), "y": y})
+    torch.testing.assert_close(y, x - x.mean(-1, keepdim=True), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("n, c, hw, groups, path", [(2, 6, 9, 3, "warp per row"), (2, 8, 1027, 8, "shared-memory combine"),
@@ -614,6 +636,27 @@ def test_lowered_loss_programs_give_eager_results(emu, model, inputs):
     with torch.no_grad():
         want = model(*inputs)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+class _RMSNorm(torch.nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(dim) + 0.5)
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.weight
+
+
+def test_a_lowered_rms_norm_reads_its_row_once(emu):
+    # The lowering tells the kernel that the scaling's x is the square's x: one read of the row.
+    model, x = _RMSNorm(2048).eval(), torch.randn(3, 5, 2048)
+    plan, program, constants = _lowered(model, (x,))
+    (step,) = [s for s in program.steps if s["kind"] == "kernel"]
+    kernel = program.kernels[step["kernel"]]
+    assert "float4 h_e0" in kernel["source"], kernel["source"]
+    (got,) = run_program(emu, program, [x], constants)
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-5)
 
 
 class _ScaledScores(torch.nn.Module):

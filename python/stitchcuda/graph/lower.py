@@ -399,9 +399,18 @@ class Lowering:
         if p.get("prologue"):  # the elementwise ops producing x, computed on load: x is never stored
             inputs, buffers, body, var = self._elementwise(p["prologue"], tuple(x.shape))
             prologue = RowPrologue(tuple(x.shape), inputs, body, var[x.name])
+        same_row: dict[str, str] = {}
         if p.get("epilogue"):  # elementwise ops over the row reading its statistic: the statistic is never stored
             inputs, more, body, var = self._elementwise(p["epilogue"], tuple(x.shape), {node.out.name: "stat"}, "e")
             epilogue = RowPrologue(tuple(x.shape), inputs, body, var[result.name], ("stat",))
+            # The epilogue's reads of the row the reduction reads (an RMS norm's x): from the kernel's registers.
+            read = ({i.key: (buffers[i.key], i) for i in prologue.inputs} if prologue else
+                    {"x": (self.need(x, contiguous=True), None)})
+            for e in inputs:
+                for key, (bid, inp) in read.items():
+                    if more[e.key] == bid and (inp is None or (inp.strides, inp.offset, inp.rotate, inp.dtype)
+                                               == (e.strides, e.offset, e.rotate, e.dtype)):
+                        same_row[e.key] = key
             buffers.update(more)
         if p.get("layout") == "column":
             code = column_reduction_kernel(self._name(p["kind"], g), p["kind"], p["outer"], p["reduce"], p["inner"],
@@ -437,7 +446,7 @@ class Lowering:
         code = row_reduction_kernel(self._name(p["kind"], g), p["kind"], p["rows"], p["cols"], x.dtype,
                                     result.dtype, eps=p.get("eps", 1e-5), has_weight=has_w, has_bias=has_b,
                                     sm_count=self.sm_count, prologue=prologue, epilogue=epilogue, output=output,
-                                    groups=p.get("groups", 0), group_hw=p.get("group_hw", 0))
+                                    groups=p.get("groups", 0), group_hw=p.get("group_hw", 0), same_row=same_row)
         if prologue is None:
             buffers["x"] = self.need(x, contiguous=True)
         if has_w:

@@ -68,7 +68,8 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
                          out_dtype: torch.dtype | None = None, eps: float = 1e-5, has_weight: bool = False,
                          has_bias: bool = False, sm_count: int = 132,
                          prologue: RowPrologue | None = None, epilogue: RowPrologue | None = None,
-                         output: RowPrologue | None = None, groups: int = 0, group_hw: int = 0) -> KernelCode:
+                         output: RowPrologue | None = None, groups: int = 0, group_hw: int = 0,
+                         same_row: dict[str, str] | None = None) -> KernelCode:
     """A kernel reducing each of `rows` contiguous rows of `cols` elements.
 
     softmax/log_softmax/layer_norm write a row of the same size; sum/mean/amax/amin write one value, and
@@ -81,6 +82,9 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
     each result (`yv`) and its own inputs to the value stored: a SiLU after a group norm, the log of a
     sum (its inputs then indexed like the statistic). group_norm rows are (sample, group) pairs of
     cols = channels per group x `group_hw` elements, its weight and bias indexed by channel (`groups`).
+    `same_row` names the epilogue inputs that read the elements the reduction read — epilogue key to "x"
+    (the reduction input) or to a prologue input's key (an RMS norm's x, read by the square and by the
+    scaling): where the row is held in registers they come from there instead of a second read.
     """
     if kind not in REDUCTIONS:
         raise ValueError(f"unknown reduction '{kind}'")
@@ -96,7 +100,7 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
             and ((kind in NORMALIZING and out_dtype == torch.float32) or (kind in STATISTICS and epilogue is None)
                  or (epilogue is not None and out_dtype == torch.float32))):
         return _cached_row_kernel(name, kind, rows, cols, eps, has_weight, has_bias, prologue, output, groups,
-                                  group_hw, out_dtype, epilogue)
+                                  group_hw, out_dtype, epilogue, same_row)
     if (dtype == out_dtype == torch.float32 and kind in ("softmax", "log_softmax", "layer_norm", "group_norm")
             and SHARED_ROW_MAX < cols <= CLUSTER_ROW_MAX and cluster_size(cols) and epilogue is None and output is None):
         return _cluster_row_kernel(name, kind, rows, cols, eps, has_weight, has_bias, prologue, groups, group_hw)
@@ -307,6 +311,11 @@ __device__ __forceinline__ float block_min(float v, float*) { return warp_min(v)
 """
 
 
+# A prologue input's row kept in registers beside the reduction input's, per block: 4,096 float4 are 64 KiB,
+# a quarter of an SM's register file (four float4 per thread at 1,024 threads, sixteen at 256).
+KEPT_ROW_FLOAT4 = 4096
+
+
 def _row_geometry(c4: int) -> tuple[int, int, int]:
     """(threads per row, rows per block, float4 per thread) of a row of `c4` float4 held by its threads:
     up to 1,024 columns a warp per row, eight rows per block, no barrier or shared memory; above, a block
@@ -322,15 +331,18 @@ def _row_geometry(c4: int) -> tuple[int, int, int]:
 def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, has_weight: bool,
                        has_bias: bool, prologue: RowPrologue | None = None, output: RowPrologue | None = None,
                        groups: int = 0, group_hw: int = 0, out_dtype: torch.dtype = torch.float32,
-                       epilogue: RowPrologue | None = None) -> KernelCode:
+                       epilogue: RowPrologue | None = None, same_row: dict[str, str] | None = None) -> KernelCode:
     """Softmax, log-softmax, layer or group norm over fp32 rows, a warp or a block per row: the row is read
     once from memory with 16-byte loads into registers (VPT float4 per thread), reduced there (exact
     two-pass statistics, one exp per element) and written once with 16-byte stores. Rows that are not
     16-byte aligned (a view at an odd offset) take scalar loads into the same registers. The statistics
     (sum, mean, amax, amin, sum_exp) read the same way and store one value per row — or, with an
     `epilogue` (sum, mean, amax, amin), apply it to the row: an RMS norm's x * rsqrt(stat + eps) * w,
-    whose operands are read with 16-byte loads (the row just read, again, mostly from L2) and whose
-    results are written with 16-byte stores."""
+    whose operands are read with 16-byte loads and whose results are written with 16-byte stores. An
+    epilogue operand that is the row the reduction read (`same_row`) comes from the registers: the
+    reduction input's own, or a copy of the prologue input's float4 kept beside them (KEPT_ROW_FLOAT4 per
+    block at most: more would spill or cost blocks per SM) — a second read of the row would go to DRAM once the rows in flight
+    outgrow L2 (an RMS norm moved 3 bytes for each 2 of its floor)."""
     stat = kind in STATISTICS and epilogue is None
     c4 = cols // 4
     shared = cols > CACHED_ROW_MAX  # the row in shared memory, each thread's float4s where its registers were
@@ -341,6 +353,19 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
     # What must be 16-byte aligned for the vector path: the row's start in every row-shaped operand.
     checked = (["xr"] if prologue is None else []) + ([] if stat else ["yr"])
     ekinds = epilogue.vector_kinds(cols) if epilogue else None
+    # Epilogue operands read from registers: epilogue key -> the float4 expression holding it at step k.
+    pkinds = dict(zip((i.key for i in prologue.inputs), kinds)) if prologue and kinds else {}
+    reuse = {}
+    if epilogue is not None and ekinds and not shared:
+        for inp, k in zip(epilogue.inputs, ekinds):
+            src = (same_row or {}).get(inp.key)
+            if k != "row" or src is None:
+                continue
+            if src == "x" and prologue is None:
+                reuse[inp.key] = "v[k]"
+            elif pkinds.get(src) == "row" and vpt * tpr * rpb <= KEPT_ROW_FLOAT4:
+                reuse[inp.key] = f"r_{src}[k]"
+    kept = sorted({r[2:-3] for r in reuse.values() if r.startswith("r_")})  # prologue inputs kept in registers
     for fused, fkinds in ((prologue, kinds), (epilogue, ekinds)):
         if fused is not None and fkinds:
             checked += [f"{i.key} + row * cols" if k == "row" else i.key
@@ -366,8 +391,8 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
          f"#define C4 {c4}", f"#define COLS {cols}LL",
          _BLOCK_PRELUDE if tpr > 32 else _WARP_ROW_PRELUDE,
          VECTOR_IO,
-         *(_cached_prologue(name, prologue, kinds) if prologue else []),
-         *(_cached_prologue(name, epilogue, ekinds, "e") if epilogue else []),
+         *(_cached_prologue(name, prologue, kinds, held=kept) if prologue else []),
+         *(_cached_prologue(name, epilogue, ekinds, "e", held=list(reuse)) if epilogue else []),
          *((output.value_function(name, "o") if stat else _cached_output(name, output)) if output else []),
          f'extern "C" __global__ void __launch_bounds__(TPR * RPB) {name}({", ".join(params)}) {{',
          "  const long long row = (long long)blockIdx.x * RPB + threadIdx.x / TPR;",
@@ -378,11 +403,13 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
          *([] if stat else [f"  float* yr = {ptrs[1]};"]),
          f"  const bool vec = (({aligned}) & 15ULL) == 0;",
          "  float4 v[VPT];",
+         *[f"  float4 r_{key}[VPT];" for key in kept],
          "#pragma unroll",
          "  for (int k = 0; k < VPT; ++k) {",
          "    const int c = t + k * TPR;",
+         *[f"    r_{key}[k] = c < C4 ? load4({key} + row * cols, c, vec) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);" for key in kept],
          "    v[k] = c < C4 ? " + ("load4(xr, c, vec)" if prologue is None else
-                                    f"{name}_x4(row, c, vec{prologue.pointers()})")
+                                    f"{name}_x4(row, c, vec{_operands(prologue, {k: f'r_{k}[k]' for k in kept})})")
          + " : make_float4(0.0f, 0.0f, 0.0f, 0.0f);",
          "  }"]
 
@@ -415,7 +442,7 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
         if epilogue is not None:  # every thread holds the statistic after the block's reduction
             L.append("  const float stat = a;")
             each(["const int c = t + k * TPR;",
-                  f"store4(yr, c, {name}_e4(row, c, vec, stat{epilogue.pointers()}), vec);"])
+                  f"store4(yr, c, {name}_e4(row, c, vec, stat{_operands(epilogue, reuse)}), vec);"])
         else:
             more = ", m" if kind == "sum_exp" else ""
             value = "a" if output is None else f"{name}_o(row, a{more}{output.pointers()})"
@@ -473,7 +500,8 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
         fused = ""
     if epilogue:
         fused += (f", {len(epilogue.body)} elementwise op(s) applying the {kind} to its row "
-                  f"({'16-byte' if ekinds else 'scalar'})")
+                  f"({'16-byte' if ekinds else 'scalar'}"
+                  f"{f', {len(reuse)} operand(s) from the registers' if reuse else ''})")
     what = ("exact two-pass mean and variance" if kind in ("layer_norm", "group_norm") else
             "max, then one exp per element" if kind in ("softmax", "log_softmax", "sum_exp") else "16-byte loads")
     io = "one read, one value per row" if stat else "one read and one write"
@@ -650,13 +678,16 @@ def _cached_output(name: str, output: RowPrologue) -> list[str]:
     return L
 
 
-def _cached_prologue(name: str, prologue: RowPrologue, kinds: list[str] | None, suffix: str = "x") -> list[str]:
+def _cached_prologue(name: str, prologue: RowPrologue, kinds: list[str] | None, suffix: str = "x",
+                     held: list[str] = ()) -> list[str]:
     """`{name}_{suffix}4(row, c4, vec, [extra..], in0, ..)`: four consecutive values of the fused ops (one
     float4 of the row: the reduction input for a prologue, the result for an epilogue, whose extra is the
-    row's statistic), 16-byte loads of each operand when `kinds` allows, else the scalar value function."""
+    row's statistic), 16-byte loads of each operand when `kinds` allows, else the scalar value function.
+    The inputs in `held` ("row" kind) are passed as the float4 the caller holds instead of a pointer."""
     L = prologue.value_function(name, suffix)
     params = ", ".join(["long long row", "int c4", "bool vec", *[f"float {e}" for e in prologue.extra],
-                        *[f"const {_CTYPE[i.dtype]}* __restrict__ p_{i.key}" for i in prologue.inputs]])
+                        *[f"float4 h_{i.key}" if i.key in held else f"const {_CTYPE[i.dtype]}* __restrict__ p_{i.key}"
+                          for i in prologue.inputs]])
     L.append(f"__device__ __forceinline__ float4 {name}_{suffix}4({params}) {{")
     if kinds is None:
         args = "".join(f", {e}" for e in prologue.extra) + "".join(f", p_{i.key}" for i in prologue.inputs)
@@ -670,7 +701,9 @@ def _cached_prologue(name: str, prologue: RowPrologue, kinds: list[str] | None, 
         L += [f"  {c}" for c in _split("row", shape, list(range(len(shape) - 1)))]
     for inp, k in zip(prologue.inputs, kinds):
         a, p = f"a_{inp.key}", f"p_{inp.key}"
-        if k == "row":
+        if inp.key in held:
+            L.append(f"  const float4 {a} = h_{inp.key};")
+        elif k == "row":
             L.append(f"  const float4 {a} = load4({p} + row * COLS, c4, vec);")
         elif k == "col":
             L.append(f"  const float4 {a} = load4({p}, c4, vec);")
@@ -697,6 +730,12 @@ def _cached_prologue(name: str, prologue: RowPrologue, kinds: list[str] | None, 
         L.append("  }")
     L += ["  return out;", "}"]
     return L
+
+
+def _operands(fused: RowPrologue, held: dict[str, str]) -> str:
+    """The trailing call arguments of `fused`'s float4 function: each input's pointer, or the float4
+    expression `held` gives for it."""
+    return "".join(f", {held.get(i.key, i.key)}" for i in fused.inputs)
 
 
 # ---- normalized rows feeding per-row results ----
