@@ -69,7 +69,8 @@ largest single input or eager output) and memory_ratio = optimize device peak / 
 tensor), whose target is <= 1, stage_peak_bytes (the peak so far at the end of each of optimize's stages,
 on the same basis, and "check_with_worker": where the peak was reached), program_memory (the report's memory:
 the kept program's weights_bytes, shared_weights_bytes, arena_bytes and runner_bytes, all its runner held
-after its timed calls); `precision`, and
+after its timed calls), peak_sites (only with STITCHCUDA_MEMORY_SITES=N: the N largest groups of the
+blocks alive at optimize()'s peak, by the code that allocated them; bench.memory); `precision`, and
 `matmuls` (the planner's decision: "matmuls in true fp32", "matmuls may use tf32", ...),
 `tf32x3_steps` (the program's matmuls that ran as 3xTF32 after the checks), `decisions` (the titles of
 optimize()'s decisions: the program variant kept, group checks written in place, GEMMs sent to SGEMM) and
@@ -149,6 +150,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 import torch.utils._pytree as pytree
+
+from . import memory
 
 REPEATS = 30
 FRESH_SEEDS = (1, 2)  # the two input sets made again by get_inputs(), beside the example inputs
@@ -692,6 +695,17 @@ def _record_report(row: dict, fast: Any) -> None:
         row["tf32x3_steps"] = sum(s["kind"] == "matmul" and s.get("precision") == "tf32x3" for s in fast.program.steps)
 
 
+def _memory_sites() -> int:
+    """STITCHCUDA_MEMORY_SITES: how many allocation sites of optimize()'s memory peak each row keeps
+    (`peak_sites`, bench.memory); 0 (unset) records nothing."""
+    text = os.environ.get("STITCHCUDA_MEMORY_SITES", "").strip()
+    if not text:
+        return 0
+    if not text.isdigit():
+        raise ValueError(f"STITCHCUDA_MEMORY_SITES must be a whole number of sites (e.g. 8), got {text!r}")
+    return int(text)
+
+
 def _stitch_column(row: dict, module: ModuleType, model: torch.nn.Module, inputs: tuple, want: Any,
                    reference: Any = None) -> None:
     from ..graph import optimize
@@ -700,8 +714,12 @@ def _stitch_column(row: dict, module: ModuleType, model: torch.nn.Module, inputs
     try:
         t0 = time.perf_counter()
         base = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
-        fast, row["optimize_peak_bytes"] = _peak_bytes(lambda: optimize(model, inputs, measure=False, progress=False,
-                                                                        precision=precision))
+        sites = _memory_sites()
+        with memory.recording() if sites else contextlib.nullcontext():
+            fast, row["optimize_peak_bytes"] = _peak_bytes(lambda: optimize(model, inputs, measure=False,
+                                                                            progress=False, precision=precision))
+            if sites:  # where optimize's peak came from (recording stacks slows it: optimize_s is not comparable)
+                row["peak_sites"] = memory.peak_sites(torch.cuda.memory._snapshot(), top=sites)
         row["optimize_s"] = time.perf_counter() - t0
         # Where optimize's peak was reached: the peak so far at the end of each of its stages, above what
         # was allocated before it (the first stage that reaches optimize_peak_bytes holds the peak).
