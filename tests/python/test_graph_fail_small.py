@@ -568,3 +568,21 @@ def test_the_program_is_kept_only_when_faster_than_the_margin_in_most_rounds():
     assert keep({"eager_ms": 1.0, "stitched_ms": 0.9, "rounds": 3, "rounds_faster": 1})  # one round of three
     assert keep({"eager_ms": 1.0, "stitched_ms": 1.1, "rounds": 3, "rounds_faster": 3})
     assert keep({"eager_ms": 1.0, "stitched_ms": 0.5}) == ""  # a timing without rounds: the medians decide
+
+
+def test_a_stage_that_runs_again_adds_to_its_seconds(monkeypatch):
+    """report.stage_seconds: each timed stage's wall seconds; a stage run twice (a rebuild after a traced
+    mismatch) adds up, and a stage that raises still counts the time it took."""
+    clock = iter([10.0, 12.5, 20.0, 21.0, 30.0, 30.25])
+    monkeypatch.setattr(optimize_module.time, "perf_counter", lambda: next(clock))
+    report = SimpleNamespace(stage_seconds={"capture": 1.0})
+    with optimize_module._timed(report, "trace_and_rebuild"):
+        pass
+    with optimize_module._timed(report, "trace_and_rebuild"):
+        pass
+    try:
+        with optimize_module._timed(report, "verify"):
+            raise RuntimeError("a failed check")
+    except RuntimeError:
+        pass
+    assert report.stage_seconds == {"capture": 1.0, "trace_and_rebuild": 3.5, "verify": 0.25}

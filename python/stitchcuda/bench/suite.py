@@ -70,7 +70,8 @@ tensor), whose target is <= 1, stage_peak_bytes (the peak so far at the end of e
 on the same basis, and "check_with_worker": where the peak was reached), program_memory (the report's memory:
 the kept program's weights_bytes, shared_weights_bytes, arena_bytes and runner_bytes, all its runner held
 after its timed calls), peak_sites (only with STITCHCUDA_MEMORY_SITES=N: the N largest groups of the
-blocks alive at optimize()'s peak, by the code that allocated them; bench.memory); `precision`, and
+blocks alive at optimize()'s peak, by the code that allocated them; bench.memory), stage_seconds
+(optimize's wall seconds per stage, from its report); `precision`, and
 `matmuls` (the planner's decision: "matmuls in true fp32", "matmuls may use tf32", ...),
 `tf32x3_steps` (the program's matmuls that ran as 3xTF32 after the checks), `decisions` (the titles of
 optimize()'s decisions: the program variant kept, group checks written in place, GEMMs sent to SGEMM) and
@@ -683,6 +684,9 @@ def _record_report(row: dict, fast: Any) -> None:
     # What optimize() decided, by title (the variant kept, checks written in place, GEMMs sent to SGEMM):
     # the reasons stay in the report; the row keeps a line each to read a run's results by.
     row["decisions"] = [str(d[0]) for d in getattr(report, "decisions", None) or []]
+    if getattr(report, "stage_seconds", None):
+        # Where optimize_s went (capture, planning, generating and checking, building, verifying, ...).
+        row["stage_seconds"] = {stage: round(float(s), 3) for stage, s in report.stage_seconds.items()}
     timing = getattr(report, "timing", None) or {}
     if "stitched_ms" in timing:
         # optimize()'s own keep-or-eager measurement, beside the column's: where the two disagree (a program

@@ -4,11 +4,13 @@ runs the stitched program — or the original model with the reason, whenever an
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import statistics
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -547,7 +549,8 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
         report.op_counts = graph.op_counts()
         report.decisions += graph.notes
         planner = OfflinePlanner(precision=precision, graphs=graphs, peaks=describe(), split_tf32=split_tf32)
-        plan = planner.plan(graph)
+        with _timed(report, "plan"):
+            plan = planner.plan(graph)
         report.decisions += plan.decisions
         report.groups = _planned_entries(plan)  # what ran replaces it once the program is built
         unheld = _unheld(plan, report)
@@ -660,10 +663,10 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
             report.decisions += _variant_decisions(times, chosen, len(plan.conv_epilogues), planned)
             return best
 
-        with steps.step("building the program"):
+        with steps.step("building the program"), _timed(report, "build"):
             optimized = build()
         _peak(report, "build")
-        with steps.step(f"verifying on {verify_sets} input set(s)"):
+        with steps.step(f"verifying on {verify_sets} input set(s)"), _timed(report, "verify"):
             report.verification = _verify(model, optimized, example_inputs, verify_sets, plan)
         _peak(report, "verify")
         if not report.verification["passed"] and plan.groups != offline_groups:
@@ -671,7 +674,7 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
             # verified offline program instead of losing every gain.
             detail = report.verification["detail"]
             plan.groups = offline_groups
-            with steps.step("rebuilding without the agents' kernel steps"):
+            with steps.step("rebuilding without the agents' kernel steps"), _timed(report, "trace_and_rebuild"):
                 optimized = None  # its runner's memory goes before the next one is built
                 optimized = build()
                 report.verification = _verify(model, optimized, example_inputs, verify_sets, plan)
@@ -689,7 +692,7 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
             why = f"the whole program did not match the model ({report.verification['detail']})"
             for g in split:
                 _as_sgemm(g, report, why)
-            with steps.step(f"rebuilding with {len(split)} tf32x3 GEMM(s) as SGEMM"):
+            with steps.step(f"rebuilding with {len(split)} tf32x3 GEMM(s) as SGEMM"), _timed(report, "trace_and_rebuild"):
                 optimized = None
                 optimized = build()
                 report.verification = _verify(model, optimized, example_inputs, verify_sets, plan)
@@ -700,7 +703,7 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
         for _ in range(TRACE_ROUNDS):
             if report.verification["passed"]:
                 break
-            with steps.step("tracing the mismatch to a group"):
+            with steps.step("tracing the mismatch to a group"), _timed(report, "trace_and_rebuild"):
                 culprit, why = trace_mismatch(graph, plan, constants, sm_count, fallback,
                                               _flat_tensors(input_set(example_inputs,
                                                                       report.verification.get("failed_set") or 0)))
@@ -710,7 +713,7 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
                         f"this group: {why}")
             fallback.add(id(culprit))
             report.fallbacks.append({"group": culprit.name, "kind": culprit.kind, "reason": mismatch})
-            with steps.step(f"rebuilding with {culprit.name} on ATen"):
+            with steps.step(f"rebuilding with {culprit.name} on ATen"), _timed(report, "trace_and_rebuild"):
                 optimized = None
                 optimized = build()
                 report.verification = _verify(model, optimized, example_inputs, verify_sets, plan)
@@ -722,7 +725,7 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
             return optimized
         report.status = "optimized"
         if measure or not keep_slower:
-            with steps.step("measuring"):
+            with steps.step("measuring"), _timed(report, "measure"):
                 report.timing = _measure(model, optimized, example_inputs, compare_compile and measure)
             _peak(report, "measure")
             why = _not_faster(report.timing)
@@ -854,7 +857,7 @@ def _restore_late_splits(split: list[Group], report: Report, steps: Any, build: 
     kept = passing
     for g in list(reversed(split))[:RESTORE_SPLITS]:
         g.params["precision"] = "tf32x3"
-        with steps.step(f"rebuilding with {g.name} as tf32x3 again"):
+        with steps.step(f"rebuilding with {g.name} as tf32x3 again"), _timed(report, "trace_and_rebuild"):
             kept = None  # one program alive at a time
             try:
                 candidate = build()
@@ -917,6 +920,17 @@ def _nothing_to_gain(plan: GraphPlan, fallback: set[int], graph: Graph | None = 
     what = ", ".join(n.op.removeprefix("aten::") for g in computing for n in g.nodes)
     return (f"nothing to gain: the one step that computes ({what}) runs on ATen, as the model does, and a CUDA "
             f"graph replay would copy {moved / 2 / 2**20:,.0f} MiB of inputs and outputs to save one launch")
+
+
+@contextlib.contextmanager
+def _timed(report: Report, stage: str) -> Iterator[None]:
+    """Adds the block's wall seconds to report.stage_seconds[stage] (a stage that runs again, a rebuild
+    after a traced mismatch, adds up)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        report.stage_seconds[stage] = report.stage_seconds.get(stage, 0.0) + time.perf_counter() - t0
 
 
 def _peak(report: Report, stage: str) -> None:
