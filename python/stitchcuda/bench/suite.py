@@ -71,7 +71,8 @@ on the same basis, and "check_with_worker": where the peak was reached), program
 the kept program's weights_bytes, shared_weights_bytes, arena_bytes and runner_bytes, all its runner held
 after its timed calls), peak_sites (only with STITCHCUDA_MEMORY_SITES=N: the N largest groups of the
 blocks alive at optimize()'s peak, by the code that allocated them; bench.memory), stage_seconds
-(optimize's wall seconds per stage, from its report); `precision`, and
+(optimize's wall seconds per stage, from its report), precision_decisions (why a tf32x3 GEMM went to
+SGEMM, stayed there or came back: title -> reason); `precision`, and
 `matmuls` (the planner's decision: "matmuls in true fp32", "matmuls may use tf32", ...),
 `tf32x3_steps` (the program's matmuls that ran as 3xTF32 after the checks), `decisions` (the titles of
 optimize()'s decisions: the program variant kept, group checks written in place, GEMMs sent to SGEMM) and
@@ -684,6 +685,12 @@ def _record_report(row: dict, fast: Any) -> None:
     # What optimize() decided, by title (the variant kept, checks written in place, GEMMs sent to SGEMM):
     # the reasons stay in the report; the row keeps a line each to read a run's results by.
     row["decisions"] = [str(d[0]) for d in getattr(report, "decisions", None) or []]
+    # A GEMM's precision changed by a check (tf32x3 sent to SGEMM, kept there, or restored): the reason too,
+    # the detail of the mismatch that decided it (a row's speed depends on it, and the report is not kept).
+    precision = {str(d[0]): str(d[1]) for d in getattr(report, "decisions", None) or []
+                 if str(d[0]).endswith(("SGEMM instead of tf32x3", "SGEMM kept", "tf32x3 again"))}
+    if precision:
+        row["precision_decisions"] = precision
     if getattr(report, "stage_seconds", None):
         # Where optimize_s went (capture, planning, generating and checking, building, verifying, ...).
         row["stage_seconds"] = {stage: round(float(s), 3) for stage, s in report.stage_seconds.items()}
