@@ -349,6 +349,33 @@ def test_vectorized_pointwise_matches_torch(emu, rows, sm_count):
     torch.testing.assert_close(y, torch.nn.functional.gelu(x))
 
 
+@pytest.mark.parametrize("operands, per", [(1, 4), (3, 2), (5, 1)], ids=["four-per-thread", "two", "one"])
+def test_a_one_pass_vectorized_pointwise_kernel_matches_torch(emu, monkeypatch, operands, per):
+    # STITCHCUDA_POINTWISE_LOOP=once: a grid over the whole tensor, `per` float4 of each operand per thread
+    # and no loop; 1,029 rows of 32 leave the last block partly idle (its loads and stores guarded).
+    monkeypatch.setenv("STITCHCUDA_POINTWISE_LOOP", "once")
+    rows = 1029
+    xs = [torch.randn(rows, 32) for _ in range(operands)]
+    inputs = [PointwiseInput(f"in{k}", torch.float32, (32, 1)) for k in range(operands)]
+    body = ["float t0 = in0 * 0.5f;", *[f"t0 = t0 * 0.9f + in{k};" for k in range(1, operands)]]
+    code = pointwise_kernel("fused_once", (rows, 32), inputs, body, [("out0", "t0", torch.float32)])
+    assert code.vectorized and f"{per} per operand and thread in one pass" in code.description, code.description
+    assert "stride" not in code.source and code.grid == -(-(rows * 8) // (256 * per))
+    y = torch.full((rows, 32), float("nan"))
+    _run(emu, code, {**{f"in{k}": x for k, x in enumerate(xs)}, "out0": y})
+    want = xs[0] * 0.5
+    for x in xs[1:]:
+        want = want * 0.9 + x
+    torch.testing.assert_close(y, want)
+
+
+def test_the_pointwise_loop_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("STITCHCUDA_POINTWISE_LOOP", "unrolled")
+    with pytest.raises(ValueError, match="STITCHCUDA_POINTWISE_LOOP must be one of stride, once, got 'unrolled'"):
+        pointwise_kernel("f", (8, 4), [PointwiseInput("in0", torch.float32, (4, 1))], ["const float t0 = in0;"],
+                         [("out0", "t0", torch.float32)])
+
+
 def test_a_vectorized_pointwise_kernel_of_many_operands_keeps_one_float4_per_step(emu):
     xs = [torch.randn(1029, 32) for _ in range(4)]
     inputs = [PointwiseInput(f"in{k}", torch.float32, (32, 1)) for k in range(4)]

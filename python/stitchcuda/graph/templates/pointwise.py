@@ -3,9 +3,27 @@ per step for broadcast ones."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .common import _CTYPE, _PRELUDE, KernelCode, PointwiseInput, _element_indices, _index, _split
+
+
+# How a streaming (vectorized) kernel covers its tensor: "stride" — a grid of 16 blocks per SM, each thread
+# looping over the tensor a grid apart (the default); "once" — as many blocks as the tensor needs, each
+# thread loading ONCE_FLOAT4 float4 of each operand (all loads issued before any is used) and leaving, as
+# ATen's vectorized elementwise kernels do. STITCHCUDA_POINTWISE_LOOP picks one, to measure the two.
+POINTWISE_LOOPS = ("stride", "once")
+ONCE_FLOAT4 = {2: 4, 4: 2}  # float4 per operand and thread by operand count (inputs + outputs), else 1
+
+
+def pointwise_loop() -> str:
+    """STITCHCUDA_POINTWISE_LOOP, "stride" when unset."""
+    loop = os.environ.get("STITCHCUDA_POINTWISE_LOOP", "").strip() or "stride"
+    if loop not in POINTWISE_LOOPS:
+        raise ValueError(f"STITCHCUDA_POINTWISE_LOOP must be one of {', '.join(POINTWISE_LOOPS)}, got {loop!r}")
+    return loop
 
 
 def body_function(name: str, inputs: int, body: list[str], results: list[tuple[str, str, torch.dtype]]) -> list[str]:
@@ -39,7 +57,36 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
     # A vectorized kernel of at most four operands takes two float4 of each per step (below); more
     # operands' registers, doubled, would cost the occupancy the extra loads buy.
     deep = vectorized and len(inputs) + len(results) <= 4
+    once = vectorized and pointwise_loop() == "once"
+    per = next((v for k, v in sorted(ONCE_FLOAT4.items()) if len(inputs) + len(results) <= k), 1)
     lines.append(f'extern "C" __global__ void {name}({", ".join(params)}) {{')
+    if once:
+        # `per` float4 of each operand per thread, a block's threads adjacent in each (coalesced); every
+        # load before any use, then the stores; the grid covers the tensor once.
+        lines.append("  const long long n4 = n / 4;")
+        lines.append(f"  const long long v = blockIdx.x * ({per}LL * blockDim.x) + threadIdx.x;")
+        for j in range(per):
+            lines.append(f"  const bool ok{j} = v + {j}LL * blockDim.x < n4;")
+        for k in range(len(inputs)):
+            for j in range(per):
+                lines.append(f"  const float4 a{k}_{j} = ok{j} ? reinterpret_cast<const float4*>(p{k})[v + {j}LL * blockDim.x]"
+                             " : make_float4(0.0f, 0.0f, 0.0f, 0.0f);")
+        for j in range(per):
+            for k in range(len(results)):
+                lines.append(f"  float4 b{k}_{j};")
+            for lane in "xyzw":
+                call = [f"a{k}_{j}.{lane}" for k in range(len(inputs))] + [f"b{k}_{j}.{lane}" for k in range(len(results))]
+                lines.append(f"  {name}_body({', '.join(call)});")
+        for j in range(per):
+            for k in range(len(results)):
+                lines.append(f"  if (ok{j}) reinterpret_cast<float4*>(q{k})[v + {j}LL * blockDim.x] = b{k}_{j};")
+        threads = 256
+        lines.append("}")
+        grid = max(1, -(-(n // 4) // (threads * per)))
+        args = [("in", i.key) for i in inputs] + [("out", key) for key, _, _ in results] + [("i64", n)]
+        return KernelCode("\n".join(lines) + "\n", name, grid, threads, args,
+                          f"{len(body)} elementwise op(s), vectorized float4, {per} per operand and thread in one "
+                          f"pass (no grid-stride loop), {len(inputs)} input(s), {len(results)} output(s)", vectorized)
     if grouped:
         lines += _grouped_pointwise_loop(name, shape, inputs, results)
         threads, work = 256, n // 4
