@@ -341,8 +341,9 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
     whose operands are read with 16-byte loads and whose results are written with 16-byte stores. An
     epilogue operand that is the row the reduction read (`same_row`) comes from the registers: the
     reduction input's own, or a copy of the prologue input's float4 kept beside them (KEPT_ROW_FLOAT4 per
-    block at most: more would spill or cost blocks per SM) — a second read of the row would go to DRAM once the rows in flight
-    outgrow L2 (an RMS norm moved 3 bytes for each 2 of its floor)."""
+    block at most: more would spill or cost blocks per SM). A second read of the row goes to DRAM once
+    the rows in flight outgrow L2: an RMS norm that read it twice took the time of three passes over
+    memory where its floor is two."""
     stat = kind in STATISTICS and epilogue is None
     c4 = cols // 4
     shared = cols > CACHED_ROW_MAX  # the row in shared memory, each thread's float4s where its registers were
