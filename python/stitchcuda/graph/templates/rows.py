@@ -408,7 +408,8 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
          "#pragma unroll",
          "  for (int k = 0; k < VPT; ++k) {",
          "    const int c = t + k * TPR;",
-         *[f"    r_{key}[k] = c < C4 ? load4({key} + row * cols, c, vec) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);" for key in kept],
+         *[f"    r_{key}[k] = c < C4 ? load4({key} + row * cols, c, vec) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);"
+           for key in kept],
          "    v[k] = c < C4 ? " + ("load4(xr, c, vec)" if prologue is None else
                                     f"{name}_x4(row, c, vec{_operands(prologue, {k: f'r_{k}[k]' for k in kept})})")
          + " : make_float4(0.0f, 0.0f, 0.0f, 0.0f);",
