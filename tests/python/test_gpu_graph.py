@@ -6,6 +6,7 @@ artifact reproduces the module bitwise; torch.compile(backend=...) runs the same
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 
 import stitchcuda
 from stitchcuda.bench import graph as bench_graph
+from stitchcuda.bench import suite as bench_suite
 from stitchcuda.graph import templates
 
 pytestmark = pytest.mark.gpu
@@ -380,24 +382,14 @@ def test_a_large_fp32_projection_runs_as_tf32x3_and_matches_eager_at_fp32_tolera
     assert [s["precision"] for s in sgemm.program.steps if s["kind"] == "matmul"] == ["fp32"]
 
 
-class _ChunkedProjection(nn.Module):
-    """A fused gate/up projection read through column slices (SwiGLU's `chunk`), without bias."""
-
-    def __init__(self, dim=4096, hidden=5120):
-        super().__init__()
-        self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)
-
-    def forward(self, x):
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-
 def test_a_tf32x3_projection_read_through_column_slices_matches_eager():
     # KernelBench-scale runs on the H100 sent such a product (gemm_fused_swiglu, the state-space scan's
     # input projection) back to SGEMM after the whole program with it did not match, while its group check
     # passed; tf32x3's own error is about 1e-6 of the result here. The program keeps it, and matches.
+    # The suite's problem (a fused gate/up projection without bias, its result chunked) at half its width.
+    swiglu = bench_suite.load(Path(__file__).resolve().parents[2] / "bench" / "kernelbench" / "gemm_fused_swiglu.py")
     x = torch.randn(4096, 4096, device="cuda")
-    fast = _check(_ChunkedProjection(), (x,), lambda: (torch.randn_like(x),))
+    fast = _check(swiglu.Model(4096, 5120), (x,), lambda: (torch.randn_like(x),))
     back = [(d, why) for d, why in fast.report.decisions if "SGEMM" in d and "tf32x3" in d]
     assert not back, back
     assert [s["precision"] for s in fast.program.steps if s["kind"] == "matmul"] == ["tf32x3"], fast.report.decisions

@@ -60,34 +60,40 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
     once = vectorized and pointwise_loop() == "once"
     per = next((v for k, v in sorted(ONCE_FLOAT4.items()) if len(inputs) + len(results) <= k), 1)
     lines.append(f'extern "C" __global__ void {name}({", ".join(params)}) {{')
+
+    def step(offsets: list[str], indent: str = "    ", guarded: bool = False) -> None:
+        """float4 of every operand at v + each offset, all loaded before any is used, then computed and
+        stored; `guarded`: the j-th only where ok{j} (loads of the others read zeros)."""
+        zero = "make_float4(0.0f, 0.0f, 0.0f, 0.0f)"
+        for k in range(len(inputs)):
+            for j, off in enumerate(offsets):
+                load = f"reinterpret_cast<const float4*>(p{k})[v{off}]"
+                value = f"ok{j} ? {load} : {zero}" if guarded else load
+                lines.append(f"{indent}const float4 a{k}_{j} = {value};")
+        for j, off in enumerate(offsets):
+            for k in range(len(results)):
+                lines.append(f"{indent}float4 b{k}_{j};")
+            for lane in "xyzw":
+                call = [f"a{k}_{j}.{lane}" for k in range(len(inputs))] + \
+                       [f"b{k}_{j}.{lane}" for k in range(len(results))]
+                lines.append(f"{indent}{name}_body({', '.join(call)});")
+        for j, off in enumerate(offsets):
+            for k in range(len(results)):
+                store = f"reinterpret_cast<float4*>(q{k})[v{off}] = b{k}_{j};"
+                lines.append(f"{indent}" + (f"if (ok{j}) {store}" if guarded else store))
+
+    grid = None  # the capped grid below, unless a form sets its own
     if once:
         # `per` float4 of each operand per thread, a block's threads adjacent in each (coalesced); every
         # load before any use, then the stores; the grid covers the tensor once.
+        offsets = [f" + {j}LL * blockDim.x" for j in range(per)]
         lines.append("  const long long n4 = n / 4;")
         lines.append(f"  const long long v = blockIdx.x * ({per}LL * blockDim.x) + threadIdx.x;")
-        for j in range(per):
-            lines.append(f"  const bool ok{j} = v + {j}LL * blockDim.x < n4;")
-        for k in range(len(inputs)):
-            for j in range(per):
-                lines.append(f"  const float4 a{k}_{j} = ok{j} ? reinterpret_cast<const float4*>(p{k})[v + {j}LL * blockDim.x]"
-                             " : make_float4(0.0f, 0.0f, 0.0f, 0.0f);")
-        for j in range(per):
-            for k in range(len(results)):
-                lines.append(f"  float4 b{k}_{j};")
-            for lane in "xyzw":
-                call = [f"a{k}_{j}.{lane}" for k in range(len(inputs))] + [f"b{k}_{j}.{lane}" for k in range(len(results))]
-                lines.append(f"  {name}_body({', '.join(call)});")
-        for j in range(per):
-            for k in range(len(results)):
-                lines.append(f"  if (ok{j}) reinterpret_cast<float4*>(q{k})[v + {j}LL * blockDim.x] = b{k}_{j};")
+        lines += [f"  const bool ok{j} = v{off} < n4;" for j, off in enumerate(offsets)]
+        step(offsets, "  ", guarded=True)
         threads = 256
-        lines.append("}")
         grid = max(1, -(-(n // 4) // (threads * per)))
-        args = [("in", i.key) for i in inputs] + [("out", key) for key, _, _ in results] + [("i64", n)]
-        return KernelCode("\n".join(lines) + "\n", name, grid, threads, args,
-                          f"{len(body)} elementwise op(s), vectorized float4, {per} per operand and thread in one "
-                          f"pass (no grid-stride loop), {len(inputs)} input(s), {len(results)} output(s)", vectorized)
-    if grouped:
+    elif grouped:
         lines += _grouped_pointwise_loop(name, shape, inputs, results)
         threads, work = 256, n // 4
     elif vectorized:
@@ -97,22 +103,6 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
         # the last float4 of a thread, if odd, alone (`deep`; otherwise one float4 per step).
         lines.append("  const long long n4 = n / 4, stride = (long long)gridDim.x * blockDim.x;")
         lines.append("  long long v = blockIdx.x * (long long)blockDim.x + threadIdx.x;")
-
-        def step(offsets: list[str]) -> None:
-            for k in range(len(inputs)):
-                for j, off in enumerate(offsets):
-                    lines.append(f"    const float4 a{k}_{j} = reinterpret_cast<const float4*>(p{k})[v{off}];")
-            for j, off in enumerate(offsets):
-                for k in range(len(results)):
-                    lines.append(f"    float4 b{k}_{j};")
-                for lane in "xyzw":
-                    call = [f"a{k}_{j}.{lane}" for k in range(len(inputs))] + \
-                           [f"b{k}_{j}.{lane}" for k in range(len(results))]
-                    lines.append(f"    {name}_body({', '.join(call)});")
-            for j, off in enumerate(offsets):
-                for k in range(len(results)):
-                    lines.append(f"    reinterpret_cast<float4*>(q{k})[v{off}] = b{k}_{j};")
-
         if deep:
             lines.append("  for (; v + stride < n4; v += 2 * stride) {")
             step(["", " + stride"])
@@ -141,9 +131,11 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
         lines.append("  }")
         threads, work = 256, n
     lines.append("}")
-    grid = max(1, min((work + threads - 1) // threads, sm_count * 16))
+    if grid is None:
+        grid = max(1, min((work + threads - 1) // threads, sm_count * 16))
     args = [("in", i.key) for i in inputs] + [("out", key) for key, _, _ in results] + [("i64", n)]
-    kind = ("vectorized float4, two per thread and step" if deep else "vectorized float4" if vectorized
+    kind = (f"vectorized float4, {per} per operand and thread in one pass (no grid-stride loop)" if once
+            else "vectorized float4, two per thread and step" if deep else "vectorized float4" if vectorized
             else "rotated halves (RoPE)" if rotated
             else "strided/broadcast, four outputs per thread and step" if grouped
             else "linear" if all_linear else "strided/broadcast")
