@@ -8,6 +8,7 @@ this module only judges them, with the comparator and tolerance table every othe
 from __future__ import annotations
 
 import copy
+import math
 import time
 import warnings
 from typing import Any, Callable, Sequence
@@ -261,14 +262,25 @@ def run_program_job(job: dict[str, Any], progress: Callable[[str], None]) -> dic
 
 
 def random_like(t: torch.Tensor, seed: int) -> torch.Tensor:
-    """A fresh input like `t`: normal values at `t`'s magnitude for floats (a model's own scale keeps
-    its activations in range), `t` itself (copied) otherwise: integer inputs are indices or sizes."""
+    """A fresh input like `t`: for floats, normal values with `t`'s mean and standard deviation (the
+    example's own distribution, so activations stay in the range the model sees and an absolute
+    tolerance means what it means on the example); `t` itself (copied) otherwise: integer inputs are
+    indices or sizes. A constant `t` spreads by its magnitude (at least 1e-3), so the set still differs."""
     g = torch.Generator(device=t.device).manual_seed(seed)
     if t.is_floating_point():
-        # aminmax, not abs().max(): no temporary as large as the input (inputs of several GB)
-        scale = max(abs(float(m)) for m in torch.aminmax(t.detach())) if t.numel() else 1.0
+        mean, spread = 0.0, 1.0
+        if t.numel():
+            x = t.detach()
+            # One reduction, no temporary as large as the input (inputs of several GB); halves in fp32.
+            std, avg = torch.std_mean(x if x.dtype in (torch.float32, torch.float64) else x.float(), correction=0)
+            mean, spread = float(avg), float(std)
+            if not math.isfinite(mean) or not math.isfinite(spread):  # an input holding inf or NaN
+                mean, spread = 0.0, 1.0
+            if spread == 0.0:
+                spread = max(abs(mean), 1e-3)
         # Scaled in place: one tensor of t's size at a time (verification draws these at KernelBench sizes).
-        return torch.randn(t.shape, generator=g, device=t.device, dtype=torch.float32).mul_(max(scale, 1e-3)).to(t.dtype)
+        out = torch.randn(t.shape, generator=g, device=t.device, dtype=torch.float32).mul_(spread)
+        return (out.add_(mean) if mean else out).to(t.dtype)
     return t.clone()
 
 
