@@ -10,8 +10,12 @@
 // is summed in chunks of at most kSplitChunk along K, each chunk added to c by cuBLASLt's epilogue in
 // round-to-nearest fp32. The bias and activation epilogue runs on the last chunk only. A large a is split
 // a block of rows at a time (kSplitBlockBytes of split parts, never fewer rows than keep about two waves of
-// output tiles busy), each block's products writing its own rows of c, so the scratch holds b's parts and
-// one block of a's rather than all of a's, and c is read and written no more often than unblocked.
+// output tiles busy), each block's products writing its own rows of c, so the scratch holds one block of
+// a's parts rather than all of them, and c is read and written no more often than unblocked. A large b
+// stored as [N, K] (a linear layer's weight: a block of c's columns is a block of b's rows, contiguous) is
+// split a block at a time the same way, each block's products writing its columns of c; a is then split
+// whole when its parts fit kSplitWideBytes, else a block of rows at a time inside each of b's blocks (a
+// split again per block of b: b's blocks are made as large as a's then, so that happens rarely).
 #include "steps.hpp"
 
 #include <cublasLt.h>
@@ -135,19 +139,43 @@ std::int64_t split_chunk(std::int64_t k) {
   if (!v) return kSplitChunk;
   return *v == 0 ? std::max<std::int64_t>(k, 1) : *v;
 }
-// Rows of a split at a time in tf32x3: as many as fit a's two parts in kSplitBlockBytes, but at least
-// enough for kSplitBlockOutputs outputs per block (smaller products leave SMs idle), a multiple of 128;
-// STITCHCUDA_TF32X3_ROWS overrides it (0: all rows at once), for tests and measurements.
+// How tf32x3 blocks its operands: rows of a split at a time (a_rows; m: all at once) and rows of a
+// transposed b, i.e. columns of c (b_rows; n: all). a alone is blocked as long as b's parts fit
+// kSplitWholeBBytes: rows whose two parts fit kSplitBlockBytes, but at least kSplitBlockOutputs outputs per
+// block (smaller products leave SMs idle), a multiple of 128. A larger b that can be blocked is: a stays
+// whole up to kSplitWideBytes of parts (else blocks of that size), and b's blocks take kSplitBlockBytes
+// (kSplitWideBytes when a is blocked too: a is split again for every block of b). STITCHCUDA_TF32X3_ROWS
+// and STITCHCUDA_TF32X3_COLS override the two (0: whole), for tests and measurements.
 constexpr std::int64_t kSplitBlockBytes = 64ll << 20;
+constexpr std::int64_t kSplitWholeBBytes = 128ll << 20;
+constexpr std::int64_t kSplitWideBytes = 256ll << 20;
 constexpr std::int64_t kSplitBlockOutputs = 8ll << 20;
 
-std::int64_t split_rows(std::int64_t m, std::int64_t n, std::int64_t k) {
-  if (const auto v = env_count("STITCHCUDA_TF32X3_ROWS"))
-    return *v == 0 ? m : std::clamp<std::int64_t>(*v, 1, std::max<std::int64_t>(m, 1));
-  const std::int64_t by_bytes = kSplitBlockBytes / (8 * std::max<std::int64_t>(k, 1));
-  const std::int64_t by_outputs = (kSplitBlockOutputs + std::max<std::int64_t>(n, 1) - 1) / std::max<std::int64_t>(n, 1);
-  const std::int64_t rows = (std::max(by_bytes, by_outputs) + 127) / 128 * 128;
-  return std::clamp<std::int64_t>(rows, 1, std::max<std::int64_t>(m, 1));
+struct SplitBlocks {
+  std::int64_t a_rows, b_rows;
+};
+
+SplitBlocks split_blocks(std::int64_t m, std::int64_t n, std::int64_t k, bool block_a, bool block_b) {
+  const std::int64_t k1 = std::max<std::int64_t>(k, 1), m1 = std::max<std::int64_t>(m, 1), n1 = std::max<std::int64_t>(n, 1);
+  // Rows of an operand whose two parts fit `bytes`, but at least `at_least`, a multiple of 128, at most `all`.
+  auto rows = [&](std::int64_t bytes, std::int64_t at_least, std::int64_t all) {
+    const std::int64_t r = (std::max(bytes / (8 * k1), at_least) + 127) / 128 * 128;
+    return std::clamp<std::int64_t>(r, 1, all);
+  };
+  auto outputs_per = [](std::int64_t other) { return (kSplitBlockOutputs + other - 1) / other; };
+  SplitBlocks s{m1, n1};
+  if (!block_b || 8 * n1 * k1 <= kSplitWholeBBytes) {
+    s.b_rows = n1;
+    if (block_a) s.a_rows = rows(kSplitBlockBytes, outputs_per(n1), m1);
+  } else {
+    if (block_a && 8 * m1 * k1 > kSplitWideBytes) s.a_rows = rows(kSplitWideBytes, outputs_per(n1), m1);
+    s.b_rows = rows(s.a_rows < m1 ? kSplitWideBytes : kSplitBlockBytes, outputs_per(s.a_rows), n1);
+  }
+  if (const auto v = env_count("STITCHCUDA_TF32X3_ROWS"); v && block_a)
+    s.a_rows = *v == 0 ? m1 : std::clamp<std::int64_t>(*v, 1, m1);
+  if (const auto v = env_count("STITCHCUDA_TF32X3_COLS"); v && block_b)
+    s.b_rows = *v == 0 ? n1 : std::clamp<std::int64_t>(*v, 1, n1);
+  return s;
 }
 
 // Each split part starts on a 256-byte boundary (cuBLASLt's tensor-core kernels want 16-byte alignment).
@@ -219,11 +247,14 @@ struct PreparedMatmul::Descriptors {
   };
   bool split = false;
   cublasLtMatmulDesc_t plain = nullptr;  // op without the epilogue and bias
-  // The calls for a block of `block_rows` rows of a, and for the last, shorter block (if M is not a
-  // multiple), each with the layout of its rows of c.
-  std::vector<Call> calls, tail_calls;
-  cublasLtMatrixLayout_t block_out = nullptr, tail_out = nullptr;  // owned; null: unblocked (d.out)
-  std::int64_t rows_total = 0, block_rows = 0, k_total = 0, n_total = 0;
+  // The calls for one tile of c: a block of `block_rows` rows of a (or the last, shorter one) by a block
+  // of `block_cols` rows of b (or the last one), each tile with the layout of its part of c.
+  struct Tile {
+    std::vector<Call> calls;
+    cublasLtMatrixLayout_t out = nullptr;  // owned; null: the whole of c (d.out)
+  };
+  Tile tiles[2][2];  // [a's last block][b's last block]
+  std::int64_t rows_total = 0, block_rows = 0, cols_total = 0, block_cols = 0, k_total = 0;
   std::int64_t a_elems = 0, b_elems = 0;  // elements of one block of a's split parts, of b's
   std::optional<jit::Kernel> splitter;
 
@@ -241,13 +272,14 @@ struct PreparedMatmul::Descriptors {
 
 PreparedMatmul::~PreparedMatmul() {
   if (!d_ || !d_->api) return;
-  for (auto* list : {&d_->calls, &d_->tail_calls})
-    for (auto& call : *list) {
-      if (call.first) d_->api->LayoutDestroy(call.first);
-      if (call.second) d_->api->LayoutDestroy(call.second);
+  for (auto& row : d_->tiles)
+    for (auto& tile : row) {
+      for (auto& call : tile.calls) {
+        if (call.first) d_->api->LayoutDestroy(call.first);
+        if (call.second) d_->api->LayoutDestroy(call.second);
+      }
+      if (tile.out) d_->api->LayoutDestroy(tile.out);
     }
-  if (d_->block_out) d_->api->LayoutDestroy(d_->block_out);
-  if (d_->tail_out) d_->api->LayoutDestroy(d_->tail_out);
   if (d_->first) d_->api->LayoutDestroy(d_->first);
   if (d_->second) d_->api->LayoutDestroy(d_->second);
   if (d_->out) d_->api->LayoutDestroy(d_->out);
@@ -368,36 +400,41 @@ Result<std::unique_ptr<PreparedMatmul>> PreparedMatmul::create(const Matmul& m, 
   }
 
   // tf32x3: a_lo b_hi and a_hi b_lo over the whole K (plain descriptor), then a_hi b_hi in chunks along K,
-  // the last one with the epilogue; for a block of a's rows at a time when a is large (batch 1, a not
-  // transposed: a block of rows is contiguous), with the calls' layouts made once per block size.
+  // the last one with the epilogue; per tile of c when an operand is blocked (batch 1, a not transposed: a
+  // block of a's rows is contiguous; b transposed: a block of b's rows is), the calls' layouts made once
+  // per tile shape (full or last block of each operand).
   using Part = Descriptors::Part;
-  d.rows_total = M, d.k_total = K, d.n_total = N;
-  d.block_rows = m.batch == 1 && !m.transpose_a ? split_rows(M, N, K) : M;
+  const SplitBlocks blocks = split_blocks(M, N, K, m.batch == 1 && !m.transpose_a, m.batch == 1 && m.transpose_b);
+  d.rows_total = M, d.cols_total = N, d.k_total = K;
+  d.block_rows = std::min(blocks.a_rows, M), d.block_cols = std::min(blocks.b_rows, N);
   d.a_elems = d.block_rows < M ? d.block_rows * K : A.numel();
-  d.b_elems = B.numel();
+  d.b_elems = d.block_cols < N ? d.block_cols * K : B.numel();
   auto splitter = split_kernel();
   if (!splitter) return tl::unexpected(splitter.error());
   d.splitter = std::move(*splitter);
   // Where K lies in each operand's column-major storage: b's rows (r) when transposed, its columns (c)
   // otherwise; a's the other way round.
   const bool b_k_in_rows = m.transpose_b, a_k_in_rows = !m.transpose_a;
-  // A chunk of `kc` along K of an operand (of `rows_used` of a's rows: -1, all).
+  // A chunk of `kc` along K of an operand (of `used` of its M or N rows when blocked: -1, all). A block's
+  // parts are stored like the operand's first rows: the same leading dimension.
   auto chunk_layout = [&](cublasLtMatrixLayout_t& out, const TensorSpec& s, bool k_in_rows, std::int64_t kc,
-                          std::int64_t rows_used = -1) {
-    return k_in_rows ? layout(out, s, m.batch, kc, rows_used) : layout(out, s, m.batch, rows_used, kc);
+                          std::int64_t used = -1) {
+    return k_in_rows ? layout(out, s, m.batch, kc, used) : layout(out, s, m.batch, used, kc);
   };
   auto chunk_offset = [](const TensorSpec& s, bool k_in_rows, std::int64_t k0) {
     return k_in_rows ? k0 : k0 * cols(s);
   };
-  auto add_calls = [&](std::vector<Descriptors::Call>& calls, std::int64_t rows_used,
-                       cublasLtMatrixLayout_t out) -> Result<void> {
+  auto add_calls = [&](Descriptors::Tile& tile, std::int64_t rows_used, std::int64_t cols_used) -> Result<void> {
+    if (rows_used >= 0 || cols_used >= 0)  // a tile of c: cols_used of its N (cuBLASLt's rows) by rows_used
+      if (auto r = layout(tile.out, C, m.batch, cols_used, rows_used); !r) return r;
+    cublasLtMatrixLayout_t out = tile.out ? tile.out : d.out;
     auto add_call = [&](cublasLtMatmulDesc_t desc, Part fp, Part sp, std::int64_t k0, std::int64_t kc,
                         const char* what) -> Result<void> {
       Descriptors::Call call;
       call.op = desc, call.first_part = fp, call.second_part = sp;
-      calls.push_back(call);  // owned from here: the destructor frees its layouts whatever fails next
-      Descriptors::Call& c = calls.back();
-      if (auto r = chunk_layout(c.first, B, b_k_in_rows, kc); !r) return r;
+      tile.calls.push_back(call);  // owned from here: the destructor frees its layouts whatever fails next
+      Descriptors::Call& c = tile.calls.back();
+      if (auto r = chunk_layout(c.first, B, b_k_in_rows, kc, cols_used); !r) return r;
       if (auto r = chunk_layout(c.second, A, a_k_in_rows, kc, rows_used); !r) return r;
       c.first_offset = chunk_offset(B, b_k_in_rows, k0);
       c.second_offset = chunk_offset(A, a_k_in_rows, k0);
@@ -414,16 +451,15 @@ Result<std::unique_ptr<PreparedMatmul>> PreparedMatmul::create(const Matmul& m, 
     }
     return {};
   };
-  if (d.block_rows >= M) {
-    if (auto r = add_calls(d.calls, -1, nullptr); !r) return tl::unexpected(r.error());
-    return p;
-  }
-  if (auto r = layout(d.block_out, C, m.batch, -1, d.block_rows); !r) return tl::unexpected(r.error());
-  if (auto r = add_calls(d.calls, d.block_rows, d.block_out); !r) return tl::unexpected(r.error());
-  if (const std::int64_t tail = M % d.block_rows; tail) {
-    if (auto r = layout(d.tail_out, C, m.batch, -1, tail); !r) return tl::unexpected(r.error());
-    if (auto r = add_calls(d.tail_calls, tail, d.tail_out); !r) return tl::unexpected(r.error());
-  }
+  const bool rows_blocked = d.block_rows < M, cols_blocked = d.block_cols < N;
+  const std::int64_t row_tail = rows_blocked ? M % d.block_rows : 0, col_tail = cols_blocked ? N % d.block_cols : 0;
+  for (int last_rows = 0; last_rows < 2; ++last_rows)
+    for (int last_cols = 0; last_cols < 2; ++last_cols) {
+      if ((last_rows && !row_tail) || (last_cols && !col_tail)) continue;
+      const std::int64_t rows_used = !rows_blocked ? -1 : last_rows ? row_tail : d.block_rows;
+      const std::int64_t cols_used = !cols_blocked ? -1 : last_cols ? col_tail : d.block_cols;
+      if (auto r = add_calls(d.tiles[last_rows][last_cols], rows_used, cols_used); !r) return tl::unexpected(r.error());
+    }
   return p;
 }
 
@@ -456,31 +492,49 @@ Result<void> PreparedMatmul::run(const at::Tensor& a, const at::Tensor& b, const
     return d.splitter->launch(cfg, args);
   };
   using Part = Descriptors::Part;
-  if (auto r = split(static_cast<const float*>(b.data_ptr()), d.b_elems, Part::b_hi, Part::b_lo); !r) return r;
   const float one = 1.0f;
-  const bool blocked = d.block_rows < d.rows_total;
-  const std::int64_t step = blocked ? d.block_rows : d.rows_total;
-  for (std::int64_t r0 = 0;; r0 += step) {  // one pass over every row unblocked, else a block at a time
-    const std::int64_t rows_here = std::min(step, d.rows_total - r0);
-    const bool tail = blocked && rows_here < d.block_rows;
-    const auto& calls = tail ? d.tail_calls : d.calls;
-    const cublasLtMatrixLayout_t out = !blocked ? d.out : tail ? d.tail_out : d.block_out;
-    const float* a_rows = static_cast<const float*>(a.data_ptr()) + r0 * d.k_total;
-    if (auto r = split(a_rows, blocked ? rows_here * d.k_total : d.a_elems, Part::a_hi, Part::a_lo); !r) return r;
-    float* c_rows = static_cast<float*>(c.data_ptr()) + r0 * d.n_total;
-    for (std::size_t i = 0; i < calls.size(); ++i) {
-      const Descriptors::Call& call = calls[i];
-      const float* first = parts + d.part_offset(call.first_part) + call.first_offset;
-      const float* second = parts + d.part_offset(call.second_part) + call.second_offset;
-      cublasStatus_t s = d.api->Matmul(d.api->handle, call.op, alpha, first, call.first, second, call.second,
-                                       i == 0 ? beta : &one, c_rows, out, c_rows, out, &call.algo, workspace,
-                                       workspace_bytes, static_cast<cudaStream_t>(stream));
-      if (s != CUBLAS_STATUS_SUCCESS)
-        return fail(ErrorCode::CudaError, "cublasLtMatmul failed (tf32x3 product " + std::to_string(i + 1) + " of " +
-                                              std::to_string(calls.size()) + (blocked ? ", rows from " + std::to_string(r0) : "") +
-                                              "): " + status_text(s));
+  const bool rows_blocked = d.block_rows < d.rows_total, cols_blocked = d.block_cols < d.cols_total;
+  const float* a_data = static_cast<const float*>(a.data_ptr());
+  const float* b_data = static_cast<const float*>(b.data_ptr());
+  if (!cols_blocked)
+    if (auto r = split(b_data, d.b_elems, Part::b_hi, Part::b_lo); !r) return r;
+  if (!rows_blocked)
+    if (auto r = split(a_data, d.a_elems, Part::a_hi, Part::a_lo); !r) return r;
+  // b's blocks outside, a's inside: a blocked alone is split once per block, as unblocked; both blocked,
+  // a is split again for each block of b.
+  for (std::int64_t n0 = 0; n0 < d.cols_total; n0 += d.block_cols) {
+    const std::int64_t cols_here = std::min(d.block_cols, d.cols_total - n0);
+    if (cols_blocked) {
+      if (auto r = split(b_data + n0 * d.k_total, cols_here * d.k_total, Part::b_hi, Part::b_lo); !r) return r;
+      if (d.uses_bias) {  // the bias of these columns
+        const void* ptr = static_cast<const char*>(bias->data_ptr()) + n0 * bias->element_size();
+        d.api->DescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr, sizeof(ptr));
+      }
     }
-    if (!blocked || r0 + step >= d.rows_total) break;
+    for (std::int64_t r0 = 0; r0 < d.rows_total; r0 += d.block_rows) {
+      const std::int64_t rows_here = std::min(d.block_rows, d.rows_total - r0);
+      if (rows_blocked)
+        if (auto r = split(a_data + r0 * d.k_total, rows_here * d.k_total, Part::a_hi, Part::a_lo); !r) return r;
+      const Descriptors::Tile& tile = d.tiles[rows_here < d.block_rows][cols_here < d.block_cols];
+      const cublasLtMatrixLayout_t out = tile.out ? tile.out : d.out;
+      float* c_tile = static_cast<float*>(c.data_ptr()) + r0 * d.cols_total + n0;
+      for (std::size_t i = 0; i < tile.calls.size(); ++i) {
+        const Descriptors::Call& call = tile.calls[i];
+        const float* first = parts + d.part_offset(call.first_part) + call.first_offset;
+        const float* second = parts + d.part_offset(call.second_part) + call.second_offset;
+        cublasStatus_t s = d.api->Matmul(d.api->handle, call.op, alpha, first, call.first, second, call.second,
+                                         i == 0 ? beta : &one, c_tile, out, c_tile, out, &call.algo, workspace,
+                                         workspace_bytes, static_cast<cudaStream_t>(stream));
+        if (s != CUBLAS_STATUS_SUCCESS)
+          return fail(ErrorCode::CudaError,
+                      "cublasLtMatmul failed (tf32x3 product " + std::to_string(i + 1) + " of " +
+                          std::to_string(tile.calls.size()) +
+                          (rows_blocked || cols_blocked ? ", tile at row " + std::to_string(r0) + ", column " +
+                                                              std::to_string(n0)
+                                                        : std::string()) +
+                          "): " + status_text(s));
+      }
+    }
   }
   return {};
 }

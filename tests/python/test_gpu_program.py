@@ -319,19 +319,22 @@ def test_a_random_op_keeps_replay_on_the_host():
     assert "random numbers" in stats["host_replay_note"] and "bernoulli" in stats["host_replay_note"]
 
 
-@pytest.mark.parametrize("m, n, k, batch, transpose_b, epilogue, block_rows", [
-    (1024, 768, 4096 + 100, 1, True, "bias_relu", 0),   # a linear layer: eight full K-chunks and a ragged one
-    (512, 1024, 300, 1, False, "none", 0),              # K below one chunk: one hi*hi product
-    (256, 256, 1536, 8, False, "gelu", 0),              # batched, the second operand broadcast over the batch
-    (1000, 768, 2048, 1, True, "bias_gelu", 384),       # a split a block of rows at a time, a shorter last block
+@pytest.mark.parametrize("m, n, k, batch, transpose_b, epilogue, block_rows, block_cols", [
+    (1024, 768, 4096 + 100, 1, True, "bias_relu", 0, 0),  # a linear layer: eight full K-chunks and a ragged one
+    (512, 1024, 300, 1, False, "none", 0, 0),             # K below one chunk: one hi*hi product
+    (256, 256, 1536, 8, False, "gelu", 0, 0),             # batched, the second operand broadcast over the batch
+    (1000, 768, 2048, 1, True, "bias_gelu", 384, 0),      # a split a block of rows at a time, a shorter last block
+    (640, 1000, 1100, 1, True, "bias_gelu", 0, 384),      # b (a weight) a block of its rows at a time: c's columns
+    (1000, 1000, 1100, 1, True, "bias_relu", 384, 256),   # both: tiles of c, shorter last blocks of each
 ])
-def test_tf32x3_matmul_has_fp32_accuracy(m, n, k, batch, transpose_b, epilogue, block_rows, monkeypatch):
+def test_tf32x3_matmul_has_fp32_accuracy(m, n, k, batch, transpose_b, epilogue, block_rows, block_cols, monkeypatch):
     """tf32x3 (three TF32 tensor-core products on split operands, the big one summed in chunks of K; a
-    large a split a block of rows at a time) is as close to exact arithmetic as cuBLAS's SGEMM, and within
-    fp32's tolerance of it; plain TF32 is not."""
+    large a split a block of rows at a time, a large weight a block of its rows) is as close to exact
+    arithmetic as cuBLAS's SGEMM, and within fp32's tolerance of it; plain TF32 is not."""
     from stitchcuda.verify.compare import first_difference, fp64_error
 
     monkeypatch.setenv("STITCHCUDA_TF32X3_ROWS", str(block_rows))  # 0: every row at once
+    monkeypatch.setenv("STITCHCUDA_TF32X3_COLS", str(block_cols))  # 0: every column at once
 
     torch.manual_seed(m + k)
     a = torch.randn(batch, m, k, device="cuda") if batch > 1 else torch.randn(m, k, device="cuda")
@@ -463,10 +466,14 @@ def test_a_large_intermediate_is_allocated_for_its_steps_so_the_peak_follows_the
         del executor
 
 
-def test_a_large_tf32x3_operand_is_split_a_block_of_rows_at_a_time(monkeypatch):
-    """The split scratch holds b's parts and one block of a's rows, not all of a's: a 128 MiB a beside a
-    16 MiB weight holds 144 MiB of parts blocked (8192 of 16384 rows) against 272 MiB whole, same result."""
-    m, n, k = 16384, 1024, 2048
+@pytest.mark.parametrize("m, n, k, knob, fewer", [
+    # a 128 MiB a beside a 16 MiB weight: 144 MiB of parts blocked (8192 of 16384 rows), 272 MiB whole
+    (16384, 1024, 2048, "STITCHCUDA_TF32X3_ROWS", 128 << 20),
+    # a 128 MiB weight ([N, K]) beside a 16 MiB a: 96 MiB of parts blocked (4096 of its 16384 rows), 288 whole
+    (2048, 16384, 2048, "STITCHCUDA_TF32X3_COLS", 192 << 20),
+])
+def test_a_large_tf32x3_operand_is_split_a_block_at_a_time(m, n, k, knob, fewer, monkeypatch):
+    """The split scratch holds one block of a large operand's parts, not all of them, with the same result."""
     a = torch.randn(m, k, device="cuda")
     w = torch.randn(n, k, device="cuda") / k ** 0.5
     b = ProgramBuilder()
@@ -475,15 +482,15 @@ def test_a_large_tf32x3_operand_is_split_a_block_of_rows_at_a_time(monkeypatch):
     b.precision("tf32x3")
     program = b.build()
     held, results = {}, {}
-    for rows in ("", "0"):  # the executor's choice, then every row at once
-        monkeypatch.setenv("STITCHCUDA_TF32X3_ROWS", rows)
+    for value in ("", "0"):  # the executor's choice, then the operand whole
+        monkeypatch.setenv(knob, value)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         executor = program.executor(graphs=False)
         out = executor.run([a])[0]
         torch.cuda.synchronize()
-        held[rows] = torch.cuda.memory_allocated() - before - out.numel() * 4
-        results[rows] = out
+        held[value] = torch.cuda.memory_allocated() - before - out.numel() * 4
+        results[value] = out
         del executor
-    assert held["0"] - held[""] >= 120 << 20, held  # 128 MiB of a's parts fewer
+    assert held["0"] - held[""] >= fewer - (8 << 20), held
     torch.testing.assert_close(results[""], results["0"])  # the same products (algorithms may differ by M)

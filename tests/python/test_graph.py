@@ -707,11 +707,21 @@ def test_tf32x3_cost_model_counts_the_split_and_the_chunked_accumulation():
     assert not ok and "would exceed 3 times its largest tensor (256 MiB)" in why
     # The executor splits a large a a block of rows at a time: the scratch counted is b's parts and one
     # block's, so two 4 GiB operands (16 GiB split whole) fit beside their 4 GiB tensors.
-    from stitchcuda.graph.planner import split_block_rows
+    from stitchcuda.graph.planner import split_blocks
 
-    assert split_block_rows(32768, 32768, 32768) == 256  # 64 MiB of a's parts, 8 Mi outputs per block
-    assert split_block_rows(8192, 768, 3072) == 8192  # 8 Mi outputs need every row: one block
-    assert split_block_rows(32768, 32768, 32768, batch=4) == 32768 and split_block_rows(4096, 64, 64, transpose_a=True) == 4096
+    assert split_blocks(32768, 32768, 32768) == (256, 32768)  # 64 MiB of a's parts, 8 Mi outputs per block
+    assert split_blocks(8192, 768, 3072) == (8192, 768)  # 8 Mi outputs need every row: one block
+    assert split_blocks(32768, 32768, 32768, batch=4) == (32768, 32768)
+    assert split_blocks(4096, 64, 64, transpose_a=True) == (4096, 64)
+    # A linear layer's weight ([N, K], b transposed) larger than 128 MiB of parts is split a block of its
+    # rows (columns of the result) at a time, a whole: SwiGLU's fused 4096 -> 20480 projection holds
+    # 128 + 64 MiB of parts instead of 64 + 640.
+    assert split_blocks(4096, 20480, 4096, transpose_b=True) == (4096, 2048)
+    assert split_blocks(4096, 4096, 4096, transpose_b=True) == (2048, 4096)  # 128 MiB of b's parts: whole
+    # Both large: a in 256 MiB blocks, b's blocks as large (a is split again for each).
+    assert split_blocks(16384, 16384, 8192, transpose_b=True) == (4096, 4096)
+    ok, why = split_tf32_choice(4096, 20480, 4096, 1, 4096 * 4096, 20480 * 4096, H200_PEAKS, transpose_b=True)
+    assert ok, why
     ok, why = split_tf32_choice(32768, 32768, 32768, 1, 1 << 30, 1 << 30, H200_PEAKS)
     assert ok and "would exceed" not in why, why
     # With TF32 tensor cores allowed outright (precision='tf32'), the planner does not split at all.

@@ -76,40 +76,62 @@ _SPLIT_CHUNK = 512
 _SPLIT_GAIN = 1.25
 _SPLIT_SCRATCH_FLOOR = 256 << 20
 _SPLIT_SCRATCH_TENSORS = 3
-# The executor splits a large a (batch 1, not transposed) a block of rows at a time: rows that fit a's two
-# parts in 64 MiB, but at least 8 Mi outputs per block, a multiple of 128 (src/torch/matmul.cpp).
+# The executor splits a large operand a block at a time (src/torch/matmul.cpp, split_blocks): a (batch 1,
+# not transposed) in rows whose two parts fit 64 MiB, at least 8 Mi outputs per block, a multiple of 128,
+# while b's parts fit 128 MiB; a larger b stored as [N, K] (transposed: a linear layer's weight) in blocks
+# of its rows, a then whole up to 256 MiB of parts (else blocks of that size, and b's blocks as large).
 _SPLIT_BLOCK_BYTES = 64 << 20
+_SPLIT_WHOLE_B_BYTES = 128 << 20
+_SPLIT_WIDE_BYTES = 256 << 20
 _SPLIT_BLOCK_OUTPUTS = 8 << 20
 
 
-def split_block_rows(m: int, n: int, k: int, batch: int = 1, transpose_a: bool = False) -> int:
-    """Rows of a whose split parts a tf32x3 matmul holds at once, as the executor chooses them (its
-    STITCHCUDA_TF32X3_ROWS knob included): m when it splits a whole."""
-    if batch != 1 or transpose_a:
-        return m
-    override = os.environ.get("STITCHCUDA_TF32X3_ROWS", "")
-    if override.isdigit():
-        return m if int(override) == 0 else min(max(int(override), 1), max(m, 1))
-    rows = max(_SPLIT_BLOCK_BYTES // (8 * max(k, 1)), -(-_SPLIT_BLOCK_OUTPUTS // max(n, 1)))
-    return min(max(-(-rows // 128) * 128, 1), max(m, 1))
+def split_blocks(m: int, n: int, k: int, batch: int = 1, transpose_a: bool = False,
+                 transpose_b: bool = False) -> tuple[int, int]:
+    """(rows of a, rows of b = columns of the result) whose split parts a tf32x3 matmul holds at once, as
+    the executor chooses them (its STITCHCUDA_TF32X3_ROWS and STITCHCUDA_TF32X3_COLS knobs included): m and
+    n when it splits both whole."""
+    k1, m1, n1 = max(k, 1), max(m, 1), max(n, 1)
+    block_a, block_b = batch == 1 and not transpose_a, batch == 1 and transpose_b
+
+    def rows(budget: int, at_least: int, whole: int) -> int:
+        return min(max(-(-max(budget // (8 * k1), at_least) // 128) * 128, 1), whole)
+
+    a_rows, b_rows = m1, n1
+    if not block_b or 8 * n1 * k1 <= _SPLIT_WHOLE_B_BYTES:
+        if block_a:
+            a_rows = rows(_SPLIT_BLOCK_BYTES, -(-_SPLIT_BLOCK_OUTPUTS // n1), m1)
+    else:
+        if block_a and 8 * m1 * k1 > _SPLIT_WIDE_BYTES:
+            a_rows = rows(_SPLIT_WIDE_BYTES, -(-_SPLIT_BLOCK_OUTPUTS // n1), m1)
+        b_rows = rows(_SPLIT_WIDE_BYTES if a_rows < m1 else _SPLIT_BLOCK_BYTES, -(-_SPLIT_BLOCK_OUTPUTS // a_rows), n1)
+    for name, ok, whole in (("STITCHCUDA_TF32X3_ROWS", block_a, m1), ("STITCHCUDA_TF32X3_COLS", block_b, n1)):
+        override = os.environ.get(name, "")
+        if ok and override.isdigit():
+            value = whole if int(override) == 0 else min(max(int(override), 1), whole)
+            a_rows, b_rows = (value, b_rows) if name.endswith("ROWS") else (a_rows, value)
+    return a_rows, b_rows
 
 
 def split_tf32_choice(m: int, n: int, k: int, batch: int, a_elems: int, b_elems: int,
-                      peaks: dict | None, transpose_a: bool = False) -> tuple[bool, str]:
+                      peaks: dict | None, transpose_a: bool = False, transpose_b: bool = False) -> tuple[bool, str]:
     """Whether an fp32 matmul (batch x [m, k] @ [k, n]; a_elems and b_elems elements in its operands)
     should run as tf32x3, with the estimate behind the answer. The three TF32 products cost 3x the
     FLOPs at tensor-core rate, plus the split (read 4 bytes, write 8 per operand element) and a
     read-modify-write of the result for every product after the first (two, plus one per extra
-    K-chunk); SGEMM costs the FLOPs at the fp32 SIMT rate. `peaks`: the Verifier's description of the
-    GPU (fp32_tflops, tf32_tflops, dram_tb_s); unknown peaks keep SGEMM. The scratch counted is what the
-    executor holds: b's parts and one block of a's rows (split_block_rows)."""
+    K-chunk); SGEMM costs the FLOPs at the fp32 SIMT rate, and a split again for each block of b when
+    both operands are blocked. `peaks`: the Verifier's description of the GPU (fp32_tflops, tf32_tflops,
+    dram_tb_s); unknown peaks keep SGEMM. The scratch counted is what the executor holds: one block of
+    each operand's parts (split_blocks)."""
     fp32, tf32, dram = ((peaks or {}).get(key) or 0.0 for key in ("fp32_tflops", "tf32_tflops", "dram_tb_s"))
     if not (fp32 > 0 and tf32 > 0 and dram > 0):
         return False, "the GPU's fp32/TF32 peaks are unknown"
     flops = 2.0 * batch * m * n * k
     c_bytes = 4.0 * batch * m * n
-    rows = split_block_rows(m, n, k, batch, transpose_a)
-    scratch = 8.0 * ((rows * k if rows < m else a_elems) + b_elems)
+    a_rows, b_rows = split_blocks(m, n, k, batch, transpose_a, transpose_b)
+    scratch = 8.0 * ((a_rows * k if a_rows < m else a_elems) + (b_rows * k if b_rows < n else b_elems))
+    # a split once, or again for each of b's blocks when both are blocked
+    a_splits = -(-n // max(b_rows, 1)) if a_rows < m and b_rows < n else 1
     largest = 4.0 * max(a_elems, b_elems, batch * m * n)
     if scratch > max(_SPLIT_SCRATCH_TENSORS * largest, _SPLIT_SCRATCH_FLOOR):
         return False, (f"its split operands ({scratch / 2**20:.0f} MiB) would exceed {_SPLIT_SCRATCH_TENSORS} times "
@@ -121,7 +143,7 @@ def split_tf32_choice(m: int, n: int, k: int, batch: int, a_elems: int, b_elems:
     chunks = -(-k // chunk)
     sgemm_s = flops / (fp32 * 1e12 * _SGEMM_SHARE)
     split_s = (3 * flops / (tf32 * 1e12 * _TF32_SHARE)
-               + (12.0 * (a_elems + b_elems) + 2.0 * c_bytes * (1 + chunks)) / (dram * 1e12 * _DRAM_SHARE))
+               + (12.0 * (a_splits * a_elems + b_elems) + 2.0 * c_bytes * (1 + chunks)) / (dram * 1e12 * _DRAM_SHARE))
     why = f"estimated {split_s * 1e3:.3f} ms as 3xTF32 against {sgemm_s * 1e3:.3f} ms as SGEMM"
     return split_s * _SPLIT_GAIN <= sgemm_s, why
 
@@ -810,7 +832,8 @@ class OfflinePlanner:
                 m, n = out.shape[-2], out.shape[-1]
                 batch = out.shape[0] if node.op == "aten::bmm" else 1
                 split, why = split_tf32_choice(m, n, k, batch, a_.numel, b_.numel, self.peaks,
-                                               transpose_a=bool(params["transpose_a"]))
+                                               transpose_a=bool(params["transpose_a"]),
+                                               transpose_b=bool(params["transpose_b"]))
                 if split:
                     params["precision"], params["split_why"] = "tf32x3", why
                     notes.append(f"3xTF32 on split operands, {why}")
