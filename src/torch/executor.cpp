@@ -130,7 +130,9 @@ Result<jit::Kernel> load_kernel(const KernelSource& ks, const std::string& arch)
 struct Instance {
   std::mutex mu;
   at::Tensor arena, workspace;
-  at::Tensor split_scratch;  // the split operands of tf32x3 matmuls (one at a time: steps run in order)
+  // The split operands of tf32x3 matmuls whose parts are small (one at a time: steps run in order); a
+  // matmul whose parts take large_storage_bytes or more allocates its own at its step instead.
+  at::Tensor split_scratch;
   std::vector<at::Tensor> tensors;  // by buffer slot; intermediates bound to the arena
   std::vector<at::Tensor> static_in, static_out;
   std::vector<std::unique_ptr<program::detail::PreparedMatmul>> matmuls;  // by step (null for others)
@@ -335,7 +337,7 @@ Result<Instance*> Executor::Impl::instance(void* stream) {
       }
     std::size_t scratch = 0;
     for (const auto& m : in->matmuls)
-      if (m) scratch = std::max(scratch, m->scratch_bytes());
+      if (m && m->scratch_bytes() < BufferPlan::large_storage_bytes) scratch = std::max(scratch, m->scratch_bytes());
     if (scratch)
       in->split_scratch = at::empty({std::int64_t(scratch)},
                                     at::TensorOptions().dtype(at::kByte).device(at::kCUDA, c10::DeviceIndex(device)));
@@ -434,9 +436,19 @@ Result<void> Executor::Impl::execute(Instance& in, void* stream) {
         ok = kernels[k->kernel].launch(cfg, args);
       } else if (auto* m = std::get_if<Matmul>(&step)) {
         const at::Tensor* bias = m->bias ? &in.tensors[slot.at(*m->bias)] : nullptr;
-        ok = in.matmuls[i]->run(in.tensors[slot.at(m->a)], in.tensors[slot.at(m->b)], in.tensors[slot.at(m->c)], bias,
-                                in.workspace.defined() ? in.workspace.data_ptr() : nullptr, options.workspace_bytes, stream,
-                                in.split_scratch.defined() ? in.split_scratch.data_ptr() : nullptr);
+        const auto& prepared = *in.matmuls[i];
+        // Large split parts live for their step only, like a large storage: PyTorch's allocator (or the
+        // capture's private pool) gives them the memory of storages already let go, and takes it back after
+        // (stream-ordered: the current stream is `stream`), so the program's peak is its widest step's live
+        // set plus this step's parts, not its widest step plus the largest parts of any step.
+        at::Tensor own_scratch;
+        if (prepared.scratch_bytes() >= BufferPlan::large_storage_bytes)
+          own_scratch = at::empty({std::int64_t(prepared.scratch_bytes())},
+                                  at::TensorOptions().dtype(at::kByte).device(at::kCUDA, c10::DeviceIndex(device)));
+        const at::Tensor& scratch = own_scratch.defined() ? own_scratch : in.split_scratch;
+        ok = prepared.run(in.tensors[slot.at(m->a)], in.tensors[slot.at(m->b)], in.tensors[slot.at(m->c)], bias,
+                          in.workspace.defined() ? in.workspace.data_ptr() : nullptr, options.workspace_bytes, stream,
+                          scratch.defined() ? scratch.data_ptr() : nullptr);
       } else if (auto* op = std::get_if<AtenOp>(&step)) {
         std::vector<at::Tensor> args;
         args.reserve(op->inputs.size());
