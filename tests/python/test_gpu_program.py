@@ -496,6 +496,7 @@ def test_a_large_tf32x3_operand_is_split_a_block_at_a_time(m, n, k, knob, fewer,
         results[value] = out
         del executor
     assert held["0"] - held[""] >= fewer - (8 << 20), held
-    # Parts of 32 MiB or more live for their step: after the run the instance holds its 32 MiB workspace.
-    assert max(left.values()) <= 40 << 20, left
+    # Parts of 32 MiB or more live for their step: after the run the instance holds its 32 MiB cuBLASLt
+    # workspace and its copy of the weight, not the parts.
+    assert max(left.values()) - w.numel() * 4 <= 33 << 20, left
     torch.testing.assert_close(results[""], results["0"])  # the same products (algorithms may differ by M)
