@@ -582,7 +582,9 @@ def test_a_row_keeps_the_titles_of_optimizes_decisions():
 
     from stitchcuda.bench import suite
 
-    report = SimpleNamespace(status="optimized", reason="", fallbacks=[], groups=[{"kind": "gemm"}],
+    report = SimpleNamespace(status="optimized", reason="", groups=[{"kind": "gemm"}],
+                             fallbacks=[{"group": "gelu", "kind": "pointwise",
+                                         "reason": "oom: the candidate's processes used 13.1 GiB\nof host memory"}],
                              decisions=[("matmuls in true fp32", "PyTorch's default"),
                                         ("1 group check(s) wrote their outputs in place", "a second copy ..."),
                                         ("mm: SGEMM instead of tf32x3", "the whole program did not match (output 0 ...)")],
@@ -598,3 +600,5 @@ def test_a_row_keeps_the_titles_of_optimizes_decisions():
     assert row["precision_decisions"] == {"mm: SGEMM instead of tf32x3": "the whole program did not match (output 0 ...)"}
     assert row["keep_timing"] == {"eager_ms": 1.0, "stitched_ms": 0.8, "rounds_faster": 3, "rounds": 3}
     assert row["matmuls"] == "matmuls in true fp32" and row["groups"] == {"gemm": 1}
+    # A group left on ATen keeps the first line of why (a failed check decides a row's speed).
+    assert row["fallbacks"] == 1 and row["fallback_reasons"] == {"gelu": "oom: the candidate's processes used 13.1 GiB"}

@@ -72,7 +72,8 @@ the kept program's weights_bytes, shared_weights_bytes, arena_bytes and runner_b
 after its timed calls), peak_sites (only with STITCHCUDA_MEMORY_SITES=N: the N largest groups of the
 blocks alive at optimize()'s peak, by the code that allocated them; bench.memory), stage_seconds
 (optimize's wall seconds per stage, from its report), precision_decisions (why a tf32x3 GEMM went to
-SGEMM, stayed there or came back: title -> reason); `precision`, and
+SGEMM, stayed there or came back: title -> reason), fallback_reasons (each group left on ATen: group ->
+the first line of why); `precision`, and
 `matmuls` (the planner's decision: "matmuls in true fp32", "matmuls may use tf32", ...),
 `tf32x3_steps` (the program's matmuls that ran as 3xTF32 after the checks), `decisions` (the titles of
 optimize()'s decisions: the program variant kept, group checks written in place, GEMMs sent to SGEMM) and
@@ -677,6 +678,11 @@ def _record_report(row: dict, fast: Any) -> None:
     kinds = sorted({g["kind"] for g in report.groups})
     row.update(status=report.status, reason=report.reason, fallbacks=len(report.fallbacks),
                groups={k: sum(g["kind"] == k for g in report.groups) for k in kinds})
+    if report.fallbacks:
+        # Which groups stayed on ATen and why, a line each: a group whose check failed decides a row's speed
+        # (one elementwise group on ATen is the whole op), and the report is not kept.
+        row["fallback_reasons"] = {str(f.get("group")): str(f.get("reason", "")).splitlines()[0][:300]
+                                   for f in report.fallbacks}
     matmuls = _matmul_decision(report)
     if matmuls:
         row["matmuls"] = matmuls
