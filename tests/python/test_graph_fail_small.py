@@ -586,3 +586,49 @@ def test_a_stage_that_runs_again_adds_to_its_seconds(monkeypatch):
     except RuntimeError:
         pass
     assert report.stage_seconds == {"capture": 1.0, "trace_and_rebuild": 3.5, "verify": 0.25}
+
+
+def test_checks_that_read_only_the_models_inputs_and_outputs_take_them_from_one_call_of_the_model(monkeypatch):
+    """A group that is the whole model (a Huber loss: eight ATen ops in the export, one fused op eager)
+    is checked on values from one call of the model, at eager's own peak, not from the decomposed graph
+    whose pieces are alive at once; values an intermediate check wants still come from the graph."""
+    from stitchcuda.graph.lower import stream_values
+
+    class Huber(nn.Module):
+        def forward(self, pred, target):
+            return F.huber_loss(pred, target, reduction="none", delta=0.5).mean(dim=1)
+
+    model = Huber().eval()
+    pred, target = torch.randn(64, 256), torch.randn(64, 256)
+    graph = capture(model, (pred, target))
+    ends = {v.name for v in (*graph.inputs, *graph.outputs)}
+    calls = {"model": 0, "nodes": 0}
+    run_node = torch.fx.Interpreter.run_node
+
+    def counting(self, n):
+        calls["nodes"] += 1
+        return run_node(self, n)
+
+    monkeypatch.setattr(torch.fx.Interpreter, "run_node", counting)
+
+    def forward():
+        calls["model"] += 1
+        return model(pred, target)
+
+    seen = {}
+    kept = stream_values(graph, [pred, target], {"loss": set(ends)}, lambda key, held: seen.update(held),
+                         keep={graph.outputs[0].name}, forward=forward)
+    assert calls == {"model": 1, "nodes": 0}, calls
+    assert set(seen) == ends and seen[graph.inputs[0].name] is pred
+    torch.testing.assert_close(seen[graph.outputs[0].name], model(pred, target))
+    assert kept[graph.outputs[0].name] is seen[graph.outputs[0].name]
+    # An intermediate wanted: the graph runs, the model is not called.
+    inner = next(n.out.name for n in graph.nodes if n.outputs and n.out.name not in ends)
+    seen.clear()
+    stream_values(graph, [pred, target], {"part": {inner}}, lambda key, held: seen.update(held), forward=forward)
+    assert calls["model"] == 1 and calls["nodes"] > 0 and inner in seen
+    # Outputs that do not line up with the graph's (another shape): the graph runs instead.
+    seen.clear()
+    stream_values(graph, [pred, target], {"loss": set(ends)}, lambda key, held: seen.update(held),
+                  forward=lambda: model(pred, target)[:-1])
+    torch.testing.assert_close(seen[graph.outputs[0].name], model(pred, target))

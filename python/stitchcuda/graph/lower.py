@@ -14,6 +14,7 @@ import json
 from typing import Any, Callable
 
 import torch
+import torch.utils._pytree as pytree
 
 from ..program import Program, ProgramBuilder, dtype_name
 from ..verify.program import HOST_REFERENCE_BYTES, check_program
@@ -125,8 +126,8 @@ def _output_edge(shape: tuple[int, ...], inputs: list[PointwiseInput], outputs: 
 
 def stream_values(graph: Graph, inputs: list[torch.Tensor], wanted: dict[Any, set[str]],
                   on_ready: Callable[[Any, dict[str, torch.Tensor]], None],
-                  keep: set[str] = frozenset(), kept: dict[str, torch.Tensor] | None = None
-                  ) -> dict[str, torch.Tensor]:
+                  keep: set[str] = frozenset(), kept: dict[str, torch.Tensor] | None = None,
+                  forward: Callable[[], Any] | None = None) -> dict[str, torch.Tensor]:
     """Runs the exported graph with ATen once and calls `on_ready(key, values)` for each key of `wanted`
     (a set of value names: a group's inputs and outputs) once all of its values exist, before the next
     node runs (when the interpreter has dropped what the last node read for the last time); a value is
@@ -134,10 +135,19 @@ def stream_values(graph: Graph, inputs: list[torch.Tensor], wanted: dict[Any, se
     the recorded values alive at once are the ones a pending check still reads — not every intermediate
     of the graph. Keys whose values never all appear are handled at the end with what exists. Returns
     the values named in `keep` (recorded, never dropped), written into `kept` as they arrive when given
-    (so that `on_ready` can read the earlier ones: a group's constants are computed before it)."""
+    (so that `on_ready` can read the earlier ones: a group's constants are computed before it).
+
+    `forward`, when given, calls the model itself on the inputs: where every value wanted or kept is an
+    input or an output of the graph (one group that is the whole model: a loss, an activation chain), one
+    call of it gives them at the eager forward's own peak, where the exported graph's ATen decomposition
+    holds its pieces at once (a Huber loss's difference, square, linear branch and mask: 3 GB for a 1 GB
+    eager peak). Outputs that do not line up with the graph's (count, shape, dtype) fall back to the graph."""
+    user = {v.name: t for v, t in zip(graph.inputs, inputs)}
+    kept = {} if kept is None else kept
+    if forward is not None and _stream_from_forward(graph, user, wanted, on_ready, keep, kept, forward):
+        return kept
     gm = graph.exported.graph_module
     weights = {w.name: w.data for w in graph.weights}
-    user = {v.name: t for v, t in zip(graph.inputs, inputs)}
     args = [user[fx.name] if fx.name in user else weights[fx.name]
             for fx in gm.graph.nodes if fx.op == "placeholder"]
     pending = {key: set(names) for key, names in wanted.items()}
@@ -146,7 +156,6 @@ def stream_values(graph: Graph, inputs: list[torch.Tensor], wanted: dict[Any, se
         for name in names:
             readers[name] = readers.get(name, 0) + 1
     held: dict[str, torch.Tensor] = {}
-    kept = {} if kept is None else kept
 
     def handle(key) -> None:
         names = wanted[key]
@@ -200,6 +209,27 @@ def stream_values(graph: Graph, inputs: list[torch.Tensor], wanted: dict[Any, se
         del pending[key]
         handle(key)
     return kept
+
+
+def _stream_from_forward(graph: Graph, user: dict[str, torch.Tensor], wanted: dict[Any, set[str]],
+                         on_ready: Callable[[Any, dict[str, torch.Tensor]], None], keep: set[str],
+                         kept: dict[str, torch.Tensor], forward: Callable[[], Any]) -> bool:
+    """stream_values from one call of the model, when every value named is a graph input or output and the
+    model's tensor outputs line up with the graph's; False (nothing called back) otherwise."""
+    names = set(keep).union(*wanted.values()) if wanted else set(keep)
+    outputs = [v.name for v in graph.outputs]
+    if not names <= set(user) | set(outputs):
+        return False
+    with torch.no_grad():
+        got = [t for t in pytree.tree_flatten(forward())[0] if isinstance(t, torch.Tensor)]
+    if len(got) != len(graph.outputs) or any(tuple(t.shape) != tuple(v.shape) or t.dtype != v.dtype
+                                             for t, v in zip(got, graph.outputs)):
+        return False
+    values = {**user, **dict(zip(outputs, got))}
+    kept.update({name: values[name] for name in keep if name in values})
+    for key, wants in wanted.items():
+        on_ready(key, {name: values[name] for name in wants if name in values})
+    return True
 
 
 class Lowering:

@@ -572,7 +572,8 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
                                          "generated code runs apart from this process until it matches ATen; "
                                          "recorded tensors reach it as CUDA IPC handles, not copies"))
             constants, values = _check_groups(graph, plan, flat_inputs, sm_count, pool, t0, budget_s, report,
-                                              fallback, keep_all=agents, room=start + _memory_target(graph))
+                                              fallback, keep_all=agents, room=start + _memory_target(graph),
+                                              forward=lambda: model(*example_inputs))
             report.stage_seconds["generate_and_check"] = time.perf_counter() - t0
         _peak(report, "generate_and_check")
         offline_groups = list(plan.groups)
@@ -753,7 +754,8 @@ def _memory_target(graph: Graph) -> int:
 
 
 def _check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_count: int, pool: Any, t0: float,
-                  budget_s: float, report: Report, fallback: set[int], keep_all: bool, room: int | None = None
+                  budget_s: float, report: Report, fallback: set[int], keep_all: bool, room: int | None = None,
+                  forward: Callable[[], Any] | None = None
                   ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
     """Checks every generated group against ATen on the example inputs while the graph runs once: a
     group is checked once its recorded inputs and outputs exist, and a recorded value is freed
@@ -761,8 +763,10 @@ def _check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_
     forward's working set, not every intermediate at once. Groups still unchecked when `budget_s`
     seconds have passed since `t0` stay on ATen. `room`: the allocated bytes a check should stay within
     (_memory_target above optimize's start); a check whose candidate outputs would pass it writes its
-    large outputs into the recorded ones (check_group's room). Returns the constant values
-    (computed from weights alone) and, with `keep_all` (the agents read every value), all recorded values."""
+    large outputs into the recorded ones (check_group's room). `forward`: the model's own call on the
+    example inputs, which gives the values when the checks want only the graph's inputs and outputs
+    (stream_values). Returns the constant values (computed from weights alone) and, with `keep_all` (the
+    agents read every value), all recorded values."""
     outputs_all = {v.name for v in graph.outputs}
     constant_names = {g.nodes[0].out.name for g in plan.groups if g.kind == "constant" and g.nodes[0].outputs}
     generated = [g for g in plan.groups if g.kind in GENERATED]
@@ -808,7 +812,7 @@ def _check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_
     elif wanted or constant_names:  # else nothing to check or keep: the graph need not run at all
         # Constants (values computed from weights alone) are kept as they arrive: a group reading one
         # comes after it in the graph and takes it from `constants`, as the program will.
-        stream_values(graph, inputs, wanted, check, keep=constant_names, kept=constants)
+        stream_values(graph, inputs, wanted, check, keep=constant_names, kept=constants, forward=forward)
         release_host_memory()  # the page-locked copies of outputs checked in place
     for g in generated:  # in plan order, so the report reads as the plan does
         ok, why, _ = results[id(g)]
