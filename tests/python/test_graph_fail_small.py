@@ -632,3 +632,59 @@ def test_checks_that_read_only_the_models_inputs_and_outputs_take_them_from_one_
     stream_values(graph, [pred, target], {"loss": set(ends)}, lambda key, held: seen.update(held),
                   forward=lambda: model(pred, target)[:-1])
     torch.testing.assert_close(seen[graph.outputs[0].name], model(pred, target))
+
+
+def test_recording_runs_an_activation_in_place_where_the_model_did_and_nothing_else_sees_its_input():
+    """nn.ReLU(inplace=True) is a functional relu in the export; the recording runs it in place again when
+    its input is an earlier op's result read by it alone and wanted by no check, so it holds the eager
+    forward's live set. An input a check wants, or a graph input, is never written."""
+    from stitchcuda.graph.lower import stream_values
+
+    class Stage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(4, 4, 3, padding=1)
+            self.act = nn.ReLU(inplace=True)
+            self.act2 = nn.ReLU(inplace=True)
+
+        def forward(self, x):
+            return self.act2(self.act(self.conv(x)) * 2.0 - 1.0) + x.relu()
+
+    model = Stage().eval()
+    x = torch.randn(2, 4, 8, 8)
+    graph = capture(model, (x,))
+    conv = next(n.out.name for n in graph.nodes if n.op.startswith("aten::conv"))
+    relus = [n.out.name for n in graph.nodes if n.op == "aten::relu"]
+    assert len(relus) == 3
+    storage: dict[str, int] = {}
+    run_node = torch.fx.Interpreter.run_node
+
+    def recording(self, n):
+        out = run_node(self, n)
+        if isinstance(out, torch.Tensor):
+            storage[n.name] = out.untyped_storage().data_ptr()
+        return out
+
+    x_before = x.clone()
+    seen = {}
+    import pytest
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.fx.Interpreter, "run_node", recording)
+        kept = stream_values(graph, [x], {"out": {graph.outputs[0].name}}, lambda key, held: seen.update(held),
+                             keep={graph.outputs[0].name})
+    torch.testing.assert_close(seen[graph.outputs[0].name], model(x_before.clone()))
+    assert torch.equal(x, x_before)  # the graph input's relu is not run in place
+    first = relus[0]
+    assert storage[first] == storage[conv]  # the conv's output, read by the relu alone: in place
+    # A check that wants the conv's output runs before the relu (and sees the conv's values); a kept conv
+    # output (a constant is kept for later groups) is never overwritten: the relu allocates its own.
+    storage.clear()
+    seen.clear()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.fx.Interpreter, "run_node", recording)
+        kept = stream_values(graph, [x], {"conv": {conv}},
+                             lambda key, held: seen.update({k: v.clone() for k, v in held.items()}), keep={conv})
+    torch.testing.assert_close(seen[conv], model.conv(x))
+    assert storage[first] != storage[conv]
+    torch.testing.assert_close(kept[conv], model.conv(x))

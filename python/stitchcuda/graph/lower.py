@@ -187,7 +187,18 @@ def stream_values(graph: Graph, inputs: list[torch.Tensor], wanted: dict[Any, se
             handle(key)
 
     class Streamer(torch.fx.Interpreter):
+        def call_function(self, target, args, kwargs):
+            # An activation the model ran in place (nn.ReLU(inplace=True)) is functional in the export: run
+            # it in place again where nothing else can see its input, so the recording holds the eager
+            # forward's live set, not an extra activation-sized tensor per block (a VGG stage's).
+            node = self._node
+            own = _in_place_ok(node, args, readers, keep, self.env)
+            if own is not None:
+                return own(*args, **kwargs)
+            return super().call_function(target, args, kwargs)
+
         def run_node(self, n):
+            self._node = n
             # The keys a node completed are handled when the next node is about to run: by then the
             # interpreter has let go of the values that node read last (a SiLU's sigmoid, a batch norm's
             # output), so a check runs beside the forward's live set between two nodes, not beside the
@@ -209,6 +220,36 @@ def stream_values(graph: Graph, inputs: list[torch.Tensor], wanted: dict[Any, se
         del pending[key]
         handle(key)
     return kept
+
+
+# Functional activations and their in-place forms: what an inplace=True module ran.
+_IN_PLACE = {getattr(torch.ops.aten, name).default: getattr(torch.ops.aten, name + "_").default
+             for name in ("relu", "hardtanh", "silu", "hardswish", "hardsigmoid", "leaky_relu", "elu", "mish",
+                          "threshold")
+             if hasattr(torch.ops.aten, name) and hasattr(torch.ops.aten, name + "_")}
+
+
+def _in_place_ok(node: Any, args: tuple, readers: dict[str, int], keep: set[str], env: dict) -> Any:
+    """The in-place form of `node`'s activation when running it in place changes nothing anyone can see:
+    its input is the result of an earlier op (not an input, weight or constant), used by this node alone,
+    wanted by no pending check nor kept, not a view, and sharing its memory with no other live value.
+    None otherwise."""
+    op = _IN_PLACE.get(getattr(node, "target", None))
+    if op is None or not args or not isinstance(args[0], torch.Tensor):
+        return None
+    source, x = node.args[0], args[0]
+    if not isinstance(source, torch.fx.Node) or source.op != "call_function" or len(source.users) != 1:
+        return None
+    if readers.get(source.name) or source.name in keep or x._base is not None:
+        return None
+    where = x.untyped_storage().data_ptr()
+    for other, value in env.items():
+        if other is source:
+            continue
+        for t in value if isinstance(value, (list, tuple)) else (value,):  # a multi-output op's results too
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == where:
+                return None
+    return op
 
 
 def _stream_from_forward(graph: Graph, user: dict[str, torch.Tensor], wanted: dict[Any, set[str]],
