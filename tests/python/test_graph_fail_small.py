@@ -688,3 +688,20 @@ def test_recording_runs_an_activation_in_place_where_the_model_did_and_nothing_e
     torch.testing.assert_close(seen[conv], model.conv(x))
     assert storage[first] != storage[conv]
     torch.testing.assert_close(kept[conv], model.conv(x))
+
+
+def test_recording_never_writes_a_model_input_an_op_hands_on_unchanged():
+    """x.contiguous() of a contiguous input is the input itself: a relu after it stays out of place."""
+    from stitchcuda.graph.lower import stream_values
+
+    class PassThrough(nn.Module):
+        def forward(self, x):
+            return F.relu(x.contiguous(), inplace=True)
+
+    x = torch.randn(8, 16)
+    before = x.clone()
+    graph = capture(PassThrough().eval(), (x,))
+    seen = {}
+    stream_values(graph, [x], {"out": {graph.outputs[0].name}}, lambda key, held: seen.update(held))
+    assert torch.equal(x, before)
+    torch.testing.assert_close(seen[graph.outputs[0].name], before.relu())

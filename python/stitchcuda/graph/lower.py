@@ -151,6 +151,9 @@ def stream_values(graph: Graph, inputs: list[torch.Tensor], wanted: dict[Any, se
     args = [user[fx.name] if fx.name in user else weights[fx.name]
             for fx in gm.graph.nodes if fx.op == "placeholder"]
     pending = {key: set(names) for key, names in wanted.items()}
+    # The caller's inputs and the weights: never written, whatever op hands them on unchanged (a
+    # contiguous() of a contiguous tensor returns the tensor itself).
+    protected = {t.untyped_storage().data_ptr() for t in args if isinstance(t, torch.Tensor)}
     readers: dict[str, int] = {}
     for names in pending.values():
         for name in names:
@@ -192,7 +195,7 @@ def stream_values(graph: Graph, inputs: list[torch.Tensor], wanted: dict[Any, se
             # it in place again where nothing else can see its input, so the recording holds the eager
             # forward's live set, not an extra activation-sized tensor per block (a VGG stage's).
             node = self._node
-            own = _in_place_ok(node, args, readers, keep, self.env)
+            own = _in_place_ok(node, args, readers, keep, self.env, protected)
             if own is not None:
                 return own(*args, **kwargs)
             return super().call_function(target, args, kwargs)
@@ -229,11 +232,12 @@ _IN_PLACE = {getattr(torch.ops.aten, name).default: getattr(torch.ops.aten, name
              if hasattr(torch.ops.aten, name) and hasattr(torch.ops.aten, name + "_")}
 
 
-def _in_place_ok(node: Any, args: tuple, readers: dict[str, int], keep: set[str], env: dict) -> Any:
+def _in_place_ok(node: Any, args: tuple, readers: dict[str, int], keep: set[str], env: dict,
+                 protected: set[int]) -> Any:
     """The in-place form of `node`'s activation when running it in place changes nothing anyone can see:
-    its input is the result of an earlier op (not an input, weight or constant), used by this node alone,
-    wanted by no pending check nor kept, not a view, and sharing its memory with no other live value.
-    None otherwise."""
+    its input is the result of an earlier op (not an input, weight or constant, nor in their memory:
+    `protected`), used by this node alone, wanted by no pending check nor kept, not a view, and sharing
+    its memory with no other live value. None otherwise."""
     op = _IN_PLACE.get(getattr(node, "target", None))
     if op is None or not args or not isinstance(args[0], torch.Tensor):
         return None
@@ -243,6 +247,8 @@ def _in_place_ok(node: Any, args: tuple, readers: dict[str, int], keep: set[str]
     if readers.get(source.name) or source.name in keep or x._base is not None:
         return None
     where = x.untyped_storage().data_ptr()
+    if where in protected:
+        return None
     for other, value in env.items():
         if other is source:
             continue
