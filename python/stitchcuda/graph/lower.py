@@ -195,7 +195,9 @@ def stream_values(graph: Graph, inputs: list[torch.Tensor], wanted: dict[Any, se
             # it in place again where nothing else can see its input, so the recording holds the eager
             # forward's live set, not an extra activation-sized tensor per block (a VGG stage's).
             node = self._node
-            own = _in_place_ok(node, args, readers, keep, self.env, protected)
+            # Nor on memory a pending check or the kept values still hold (an op may hand one on unchanged).
+            guarded = protected | {t.untyped_storage().data_ptr() for t in (*held.values(), *kept.values())}
+            own = _in_place_ok(node, args, readers, keep, self.env, guarded)
             if own is not None:
                 return own(*args, **kwargs)
             return super().call_function(target, args, kwargs)
