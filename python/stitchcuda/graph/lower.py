@@ -194,10 +194,7 @@ def stream_values(graph: Graph, inputs: list[torch.Tensor], wanted: dict[Any, se
             # An activation the model ran in place (nn.ReLU(inplace=True)) is functional in the export: run
             # it in place again where nothing else can see its input, so the recording holds the eager
             # forward's live set, not an extra activation-sized tensor per block (a VGG stage's).
-            node = self._node
-            # Nor on memory a pending check or the kept values still hold (an op may hand one on unchanged).
-            guarded = protected | {t.untyped_storage().data_ptr() for t in (*held.values(), *kept.values())}
-            own = _in_place_ok(node, args, readers, keep, self.env, guarded)
+            own = _in_place_ok(self._node, args, readers, keep, self.env, protected, (held, kept))
             if own is not None:
                 return own(*args, **kwargs)
             return super().call_function(target, args, kwargs)
@@ -235,11 +232,12 @@ _IN_PLACE = {getattr(torch.ops.aten, name).default: getattr(torch.ops.aten, name
 
 
 def _in_place_ok(node: Any, args: tuple, readers: dict[str, int], keep: set[str], env: dict,
-                 protected: set[int]) -> Any:
+                 protected: set[int], recorded: tuple[dict, ...]) -> Any:
     """The in-place form of `node`'s activation when running it in place changes nothing anyone can see:
     its input is the result of an earlier op (not an input, weight or constant, nor in their memory:
     `protected`), used by this node alone, wanted by no pending check nor kept, not a view, and sharing
-    its memory with no other live value. None otherwise."""
+    its memory with no other live value: the interpreter's, or the `recorded` ones (values held for
+    pending checks, kept values; an op may hand one on unchanged). None otherwise."""
     op = _IN_PLACE.get(getattr(node, "target", None))
     if op is None or not args or not isinstance(args[0], torch.Tensor):
         return None
@@ -251,9 +249,8 @@ def _in_place_ok(node: Any, args: tuple, readers: dict[str, int], keep: set[str]
     where = x.untyped_storage().data_ptr()
     if where in protected:
         return None
-    for other, value in env.items():
-        if other is source:
-            continue
+    live = [v for other, v in env.items() if other is not source] + [v for d in recorded for v in d.values()]
+    for value in live:
         for t in value if isinstance(value, (list, tuple)) else (value,):  # a multi-output op's results too
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == where:
                 return None

@@ -105,11 +105,14 @@ def split_blocks(m: int, n: int, k: int, batch: int = 1, transpose_a: bool = Fal
         if block_a and 8 * m1 * k1 > _SPLIT_WIDE_BYTES:
             a_rows = rows(_SPLIT_WIDE_BYTES, -(-_SPLIT_BLOCK_OUTPUTS // n1), m1)
         b_rows = rows(_SPLIT_WIDE_BYTES if a_rows < m1 else _SPLIT_BLOCK_BYTES, -(-_SPLIT_BLOCK_OUTPUTS // a_rows), n1)
-    for name, ok, whole in (("STITCHCUDA_TF32X3_ROWS", block_a, m1), ("STITCHCUDA_TF32X3_COLS", block_b, n1)):
-        override = os.environ.get(name, "")
-        if ok and override.isdigit():
-            value = whole if int(override) == 0 else min(max(int(override), 1), whole)
-            a_rows, b_rows = (value, b_rows) if name.endswith("ROWS") else (a_rows, value)
+    def knob(name: str, chosen: int, whole: int) -> int:  # the executor's override (0: whole)
+        text = os.environ.get(name, "")
+        return chosen if not text.isdigit() else whole if int(text) == 0 else min(max(int(text), 1), whole)
+
+    if block_a:
+        a_rows = knob("STITCHCUDA_TF32X3_ROWS", a_rows, m1)
+    if block_b:
+        b_rows = knob("STITCHCUDA_TF32X3_COLS", b_rows, n1)
     return a_rows, b_rows
 
 
