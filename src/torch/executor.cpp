@@ -186,6 +186,12 @@ struct Executor::Impl {
   // By step: the slots of large storages outside the arena (Placement::allocated) whose first step it is;
   // the run allocates them just before it.
   std::vector<std::vector<std::size_t>> allocate_before;
+  // By step: the output slots first touched there (directly or through a view). run(inputs), which
+  // allocates the outputs, allocates each one just before that step, not before the first, so the
+  // program's early steps run without its outputs' memory; an ATen step that writes an output first
+  // hands over its own result when its layout matches (no copy, no second tensor of that size).
+  std::vector<std::vector<std::size_t>> outputs_before;
+  std::vector<char> adopt_output;  // by slot: an output an ATen step writes first, directly
   std::vector<jit::Kernel> kernels;                // by kernel table index
   std::vector<std::string> warnings;
   std::vector<std::optional<program::detail::BoundAtenOp>> aten;  // by step
@@ -222,7 +228,8 @@ struct Executor::Impl {
   }
   Result<Instance*> instance(void* stream);
   Result<void> ensure_static(Instance& in);
-  Result<void> execute(Instance& in, void* stream);
+  Result<void> execute(Instance& in, void* stream, bool own_outputs = false);
+  Result<void> run(const std::vector<at::Tensor>& inputs, std::vector<at::Tensor>& outputs, bool allocate, void* stream);
   Result<void> check_io(const std::vector<at::Tensor>& given, const std::vector<BufferId>& ids, const char* what) const;
   Result<void> copy(const at::Tensor& dst, const at::Tensor& src, void* stream);
   Result<jit::Kernel> graph_launcher();
@@ -408,7 +415,9 @@ Result<void> Executor::Impl::check_io(const std::vector<at::Tensor>& given, cons
   return {};
 }
 
-Result<void> Executor::Impl::execute(Instance& in, void* stream) {
+// `own_outputs`: the output slots are empty and the run allocates each before the step that first
+// touches it (outputs_before), or adopts an ATen step's result as it (adopt_output).
+Result<void> Executor::Impl::execute(Instance& in, void* stream, bool own_outputs) {
   const auto& steps = program.steps;
   for (std::size_t i = 0; i < steps.size(); ++i) {
     const Step& step = steps[i];
@@ -418,6 +427,12 @@ Result<void> Executor::Impl::execute(Instance& in, void* stream) {
         const TensorSpec& s = program.buffers[k].spec;
         in.tensors[k] = at::empty_strided(s.shape, s.strides, options_for(s));
       }
+      if (own_outputs)
+        for (std::size_t k : outputs_before[i])
+          if (!adopt_output[k] || !std::holds_alternative<AtenOp>(step)) {
+            const TensorSpec& s = program.buffers[k].spec;
+            in.tensors[k] = at::empty_strided(s.shape, s.strides, options_for(s));
+          }
       if (auto* k = std::get_if<KernelLaunch>(&step)) {
         jit::KernelArgs args;
         for (const KernelArg& a : k->args) {
@@ -465,7 +480,7 @@ Result<void> Executor::Impl::execute(Instance& in, void* stream) {
               (results[r].sizes() != c10::IntArrayRef(s.shape) || results[r].scalar_type() != scalar_type(s.dtype)))
             ok = fail(ErrorCode::InvalidArgument, "result " + std::to_string(r) + " is " + describe(results[r]) +
                                                       " but its buffer is " + s.describe());
-          else if (adoptable[k] && adopt(results[r], s, args))
+          else if ((adoptable[k] || (own_outputs && adopt_output[k] && !out.defined())) && adopt(results[r], s, args))
             out = results[r];  // no copy: a convolution's output is often the largest tensor of the step
           else {
             if (!out.defined()) out = at::empty_strided(s.shape, s.strides, options_for(s));  // a view of an input
@@ -538,6 +553,24 @@ Result<std::shared_ptr<Executor>> Executor::create(Program program, ExecutorOpti
     for (const auto& [view, root] : root_of) {
       BufferRole role = x.program.buffers[x.slot.at(root)].role;
       if (role == BufferRole::input || role == BufferRole::output) x.free_after[last_use.at(view)].push_back(x.slot.at(view));
+    }
+    // Each output's first step (through its views too), and whether that step is an ATen op writing it.
+    x.outputs_before.assign(x.program.steps.size(), {});
+    x.adopt_output.assign(x.program.buffers.size(), 0);
+    std::set<BufferId> placed;
+    for (std::size_t i = 0; i < x.program.steps.size(); ++i) {
+      program::detail::StepAccess acc = program::detail::access_of(x.program.steps[i]);
+      for (auto* list : {&acc.reads, &acc.writes})
+        for (BufferId id : *list) {
+          auto it = root_of.find(id);
+          const BufferId root = it == root_of.end() ? id : it->second;
+          if (x.program.buffers[x.slot.at(root)].role != BufferRole::output || !placed.insert(root).second) continue;
+          x.outputs_before[i].push_back(x.slot.at(root));
+          if (auto* op = std::get_if<AtenOp>(&x.program.steps[i]))
+            x.adopt_output[x.slot.at(root)] =
+                std::find(op->outputs.begin(), op->outputs.end(), root) != op->outputs.end() &&
+                std::find(op->inputs.begin(), op->inputs.end(), root) == op->inputs.end();
+        }
     }
   }
   x.aten.resize(x.program.steps.size());
@@ -654,9 +687,17 @@ Result<std::shared_ptr<Executor>> Executor::load(const std::string& path, Execut
 }
 
 Result<void> Executor::run(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs, void* stream) {
-  Impl& x = *impl_;
+  if (auto r = impl_->check_io(outputs, impl_->output_ids, "output"); !r) return r;
+  std::vector<at::Tensor> given = outputs;
+  return impl_->run(inputs, given, /*allocate=*/false, stream);
+}
+
+// `allocate`: `outputs` is filled with tensors of the run's own (see outputs_before), else it holds the
+// caller's, which the run writes in place.
+Result<void> Executor::Impl::run(const std::vector<at::Tensor>& inputs, std::vector<at::Tensor>& outputs, bool allocate,
+                                 void* stream) {
+  Impl& x = *this;
   if (auto r = x.check_io(inputs, x.input_ids, "input"); !r) return r;
-  if (auto r = x.check_io(outputs, x.output_ids, "output"); !r) return r;
   stream = x.resolve(stream);
   auto got = x.instance(stream);
   if (!got) return tl::unexpected(got.error());
@@ -669,8 +710,20 @@ Result<void> Executor::run(const std::vector<at::Tensor>& inputs, const std::vec
     if (!in.warmed || !*x.options.graphs) {
       // Eager: the caller's tensors are the program's inputs and outputs.
       for (std::size_t i = 0; i < inputs.size(); ++i) in.tensors[x.slot.at(x.input_ids[i])] = inputs[i];
-      for (std::size_t i = 0; i < outputs.size(); ++i) in.tensors[x.slot.at(x.output_ids[i])] = outputs[i];
-      auto ok = x.execute(in, stream);
+      for (std::size_t i = 0; i < x.output_ids.size(); ++i)
+        in.tensors[x.slot.at(x.output_ids[i])] = allocate ? at::Tensor() : outputs[i];
+      auto ok = x.execute(in, stream, allocate);
+      if (allocate && ok) {
+        outputs.clear();
+        for (BufferId id : x.output_ids) {
+          at::Tensor& t = in.tensors[x.slot.at(id)];
+          if (!t.defined()) {  // touched by no step (the validator requires a write; kept for safety)
+            const TensorSpec& s = x.spec(id);
+            t = at::empty_strided(s.shape, s.strides, x.options_for(s));
+          }
+          outputs.push_back(t);
+        }
+      }
       for (BufferId id : x.input_ids) in.tensors[x.slot.at(id)] = at::Tensor();
       for (BufferId id : x.output_ids) in.tensors[x.slot.at(id)] = at::Tensor();
       if (!ok) return ok;
@@ -723,6 +776,13 @@ Result<void> Executor::run(const std::vector<at::Tensor>& inputs, const std::vec
     }
     if (from_device) x.device_launches++;
     else in.graph->replay();
+    if (allocate) {  // after the replay: the forward's peak does not hold them beside the static outputs
+      outputs.clear();
+      for (BufferId id : x.output_ids) {
+        const TensorSpec& s = x.spec(id);
+        outputs.push_back(at::empty_strided(s.shape, s.strides, x.options_for(s)));
+      }
+    }
     for (std::size_t i = 0; i < outputs.size(); ++i)
       if (auto r = x.copy(outputs[i], in.static_out[i], stream); !r) return r;
     x.replays++;
@@ -735,15 +795,7 @@ Result<void> Executor::run(const std::vector<at::Tensor>& inputs, const std::vec
 
 Result<std::vector<at::Tensor>> Executor::run(const std::vector<at::Tensor>& inputs, void* stream) {
   std::vector<at::Tensor> outputs;
-  try {
-    for (BufferId id : impl_->output_ids) {
-      const TensorSpec& s = impl_->spec(id);
-      outputs.push_back(at::empty_strided(s.shape, s.strides, impl_->options_for(s)));
-    }
-  } catch (const c10::Error& e) {
-    return fail(ErrorCode::CudaError, std::string("allocating the outputs failed: ") + e.what_without_backtrace());
-  }
-  if (auto r = run(inputs, outputs, stream); !r) return tl::unexpected(r.error());
+  if (auto r = impl_->run(inputs, outputs, /*allocate=*/true, stream); !r) return tl::unexpected(r.error());
   return outputs;
 }
 

@@ -466,6 +466,47 @@ def test_a_large_intermediate_is_allocated_for_its_steps_so_the_peak_follows_the
         del executor
 
 
+def test_run_that_allocates_its_outputs_gives_each_one_memory_at_its_first_step():
+    """run(inputs) allocates an output just before the step that first writes it, and takes an ATen step's
+    result as the output itself: x -> t -> u (kernels, 64 MiB each) -> y (a kernel), and x -> t -> relu(t)
+    as the output (an ATen step). Neither run holds more than two of the tensors at once (with the outputs
+    allocated up front, three); replays give the same values."""
+    n = 16 << 20
+
+    def build(last_aten: bool) -> Program:
+        b = ProgramBuilder()
+        k = b.kernel(SCALE_SHIFT, "scale_shift")
+        x, y = b.input([n], name="x"), b.output([n], name="y")
+        t = b.intermediate([n], name="t")
+        b.launch(k, (n + 255) // 256, 256, [("in", x), ("out", t), ("f32", 2.0), ("f32", -0.5), ("i32", n)])
+        if last_aten:
+            b.aten("aten::relu", [t], [y])
+        else:
+            u = b.intermediate([n], name="u")
+            b.launch(k, (n + 255) // 256, 256, [("in", t), ("out", u), ("f32", 1.0), ("f32", 1.0), ("i32", n)])
+            b.launch(k, (n + 255) // 256, 256, [("in", u), ("out", y), ("f32", 3.0), ("f32", 0.0), ("i32", n)])
+        return b.build()
+
+    xs = torch.randn(n, device="cuda")
+    for last_aten, want in ((False, (xs * 2 - 0.5 + 1) * 3), (True, torch.relu(xs * 2 - 0.5))):
+        program = build(last_aten)
+        for graphs in (False, True):
+            executor = program.executor(graphs=graphs)
+            executor.run([xs])  # the first run (with graphs=True: launched directly, then captured)
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            outs = [executor.run([xs])[0] for _ in range(2)]
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - before
+            for out in outs:
+                torch.testing.assert_close(out, want, rtol=0, atol=0)
+            if not graphs:  # two of t, u, y (or t and relu's result, adopted as y) at a time, never three
+                assert peak <= 2 * 4 * n + 4 * n + (1 << 20), (last_aten, peak)  # the first run's output beside
+            executor.release()
+            del executor, outs
+
+
 @pytest.mark.parametrize("m, n, k, knob, fewer", [
     # a 128 MiB a beside a 16 MiB weight: 144 MiB of parts blocked (8192 of 16384 rows), 272 MiB whole
     (16384, 1024, 2048, "STITCHCUDA_TF32X3_ROWS", 128 << 20),
