@@ -932,3 +932,29 @@ def test_ropes_rotate_half_fuses_into_one_kernel_with_its_products():
     # A cat that is not a rotation of halves stays what it was.
     other = capture(_Swap().eval(), (q,))
     assert any(g.kind == "aten" and g.nodes[0].op == "aten::cat" for g in OfflinePlanner().plan(other).groups)
+
+
+class _TransposedScores(nn.Module):
+    def forward(self, q, k):
+        return torch.softmax(torch.bmm(q, k.transpose(1, 2)) * 0.125, dim=-1)
+
+
+def test_group_checks_record_the_operand_a_gemm_reads_in_place_not_only_its_view():
+    """q @ k^T over a batch reads k itself with a transpose flag: its group check is fed k, so the recording
+    that streams the checks their values must hold k, not only the transposed view the graph traced (the
+    check once failed with KeyError 'k' and left the product on ATen)."""
+    from stitchcuda.graph.lower import group_inputs, stream_values
+    from stitchcuda.graph.optimize import check_wants
+    from stitchcuda.graph.planner import GENERATED
+
+    q, k = torch.randn(2, 24, 16), torch.randn(2, 20, 16)
+    graph, plan = planned(_TransposedScores(), (q, k))
+    (gemm,) = [g for g in plan.groups if g.kind == "gemm"]
+    assert "b transposed in place" in gemm.reason, gemm.reason
+    assert graph.inputs[1].name in {v.name for v in group_inputs(gemm)}
+    got: dict[int, set[str]] = {}
+    stream_values(graph, [q, k], check_wants(graph, plan), lambda key, values: got.__setitem__(key, set(values)))
+    for g in plan.groups:
+        if g.kind in GENERATED:
+            fed = {v.name for v in group_inputs(g) if v.kind != "weight"}
+            assert fed <= got[id(g)], (g.kind, fed - got[id(g)])

@@ -1165,7 +1165,7 @@ def check_group(graph: Graph, plan: GraphPlan, group: Group, values: dict[str, t
     # (through CUDA IPC with a pool), not bytes in its artifact: the worker would upload a copy of each,
     # and a projection's weight is as large as its activations. Its kernels are the same either way:
     # lowering inlines no weight's values.
-    inputs = _group_inputs(group)
+    inputs = group_inputs(group)
     outputs = group.outputs(outputs_all)
     lowering = Lowering(graph, plan, constants, sm_count)
     key = None
@@ -1210,7 +1210,7 @@ def working_bytes(program: Program) -> int:
     return int(plan["arena_bytes"]) + widest
 
 
-def _group_inputs(group: Group) -> list[Value]:
+def group_inputs(group: Group) -> list[Value]:
     """The values `group`'s program reads: its nodes' inputs, except that a GEMM reads the operands its
     plan chose (a weight for its transposed view, one matrix for its expansion over a batch), not the
     views it was traced on (an expanded weight made contiguous to feed a check can be gigabytes)."""

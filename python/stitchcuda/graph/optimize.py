@@ -24,7 +24,7 @@ from ..verify.program import input_set, release_host_memory, verify_whole
 from ..verify.tolerance import tolerance
 from ..verify import timing as verify_timing  # a module name: optimize() has an argument called measure
 from .capture import CaptureError, Graph, capture
-from .lower import (Lowering, LoweringError, check_group, constant_values, reference_values, stream_values,
+from .lower import (Lowering, LoweringError, check_group, constant_values, group_inputs, reference_values, stream_values,
                     working_bytes)
 from .agents import AgentBudget, run_agents
 from .planner import GENERATED, Group, OfflinePlanner, GraphPlan
@@ -753,6 +753,16 @@ def _memory_target(graph: Graph) -> int:
     return graph.working_set_bytes() + 2 * largest
 
 
+def check_wants(graph: Graph, plan: GraphPlan) -> dict[int, set[str]]:
+    """For each generated group (by id): the recorded values its check reads and compares — the inputs its
+    program reads (a GEMM's chosen operands: the source of a transposed view it reads in place, not the
+    view), weights and constants aside, and its outputs."""
+    outputs_all = {v.name for v in graph.outputs}
+    constant_names = {g.nodes[0].out.name for g in plan.groups if g.kind == "constant" and g.nodes[0].outputs}
+    return {id(g): {v.name for v in group_inputs(g) if v.kind != "weight" and v.name not in constant_names}
+            | {v.name for v in g.outputs(outputs_all)} for g in plan.groups if g.kind in GENERATED}
+
+
 def _check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_count: int, pool: Any, t0: float,
                   budget_s: float, report: Report, fallback: set[int], keep_all: bool, room: int | None = None,
                   forward: Callable[[], Any] | None = None
@@ -767,11 +777,9 @@ def _check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_
     example inputs, which gives the values when the checks want only the graph's inputs and outputs
     (stream_values). Returns the constant values (computed from weights alone) and, with `keep_all` (the
     agents read every value), all recorded values."""
-    outputs_all = {v.name for v in graph.outputs}
     constant_names = {g.nodes[0].out.name for g in plan.groups if g.kind == "constant" and g.nodes[0].outputs}
     generated = [g for g in plan.groups if g.kind in GENERATED]
-    wanted = {id(g): {v.name for v in g.inputs() if v.kind != "weight" and v.name not in constant_names}
-              | {v.name for v in g.outputs(outputs_all)} for g in generated}
+    wanted = check_wants(graph, plan)
     by_id = {id(g): g for g in generated}
     constants: dict[str, torch.Tensor] = {}
     deadline = t0 + budget_s if budget_s and budget_s > 0 else float("inf")
