@@ -882,7 +882,7 @@ class _TorchAttention(nn.Module):
 
 
 def test_a_weight_expanded_over_a_batch_is_read_as_one_broadcast_matrix():
-    from stitchcuda.graph.lower import _group_inputs
+    from stitchcuda.graph.lower import group_inputs
 
     model = _TorchAttention().eval()
     graph = capture(model, (torch.randn(3, 50, 64),))
@@ -893,7 +893,7 @@ def test_a_weight_expanded_over_a_batch_is_read_as_one_broadcast_matrix():
         b = g.params["b"]
         assert len(b.shape) == 2 and b.kind == "weight" and g.params["transpose_b"], (b.name, b.shape)
         # Its check reads the weight itself, not the expansion it was traced on.
-        assert b in _group_inputs(g) and all(len(v.shape) < 3 or v.kind != "weight" for v in _group_inputs(g))
+        assert b in group_inputs(g) and all(len(v.shape) < 3 or v.kind != "weight" for v in group_inputs(g))
     # The program stores the weights once: no buffer holds an expansion of one.
     program = Lowering(graph, plan, {}).build(plan.groups, graph.inputs, graph.outputs)
     stored = sum(math.prod(b["shape"]) for b in program.buffers if b["role"] == "weight")
