@@ -336,7 +336,8 @@ def test_grouped_broadcast_pointwise_matches_torch(emu, misaligned):
 
 @pytest.mark.parametrize("rows, sm_count", [(64, 132), (1029, 1), (1024, 1)],
                          ids=["one-step", "two-deep-and-odd-tail", "two-deep-even"])
-def test_vectorized_pointwise_matches_torch(emu, rows, sm_count):
+def test_vectorized_pointwise_matches_torch(emu, rows, sm_count, monkeypatch):
+    monkeypatch.setenv("STITCHCUDA_POINTWISE_LOOP", "stride")
     # One SM's grid (16 blocks of 256 threads: 4,096 float4 per pass) over 1,029 rows of 32 runs the
     # two-deep loop and an odd last float4; 1,024 rows end on whole pairs; 64 rows take the single step.
     x = torch.randn(rows, 32)
@@ -351,9 +352,9 @@ def test_vectorized_pointwise_matches_torch(emu, rows, sm_count):
 
 @pytest.mark.parametrize("operands, per", [(1, 4), (3, 2), (5, 1)], ids=["four-per-thread", "two", "one"])
 def test_a_one_pass_vectorized_pointwise_kernel_matches_torch(emu, monkeypatch, operands, per):
-    # STITCHCUDA_POINTWISE_LOOP=once: a grid over the whole tensor, `per` float4 of each operand per thread
-    # and no loop; 1,029 rows of 32 leave the last block partly idle (its loads and stores guarded).
-    monkeypatch.setenv("STITCHCUDA_POINTWISE_LOOP", "once")
+    # The default (STITCHCUDA_POINTWISE_LOOP=once): a grid over the whole tensor, `per` float4 of each
+    # operand per thread and no loop; 1,029 rows of 32 leave the last block partly idle (loads and stores guarded).
+    monkeypatch.delenv("STITCHCUDA_POINTWISE_LOOP", raising=False)
     rows = 1029
     xs = [torch.randn(rows, 32) for _ in range(operands)]
     inputs = [PointwiseInput(f"in{k}", torch.float32, (32, 1)) for k in range(operands)]
@@ -371,12 +372,13 @@ def test_a_one_pass_vectorized_pointwise_kernel_matches_torch(emu, monkeypatch, 
 
 def test_the_pointwise_loop_setting_is_checked(monkeypatch):
     monkeypatch.setenv("STITCHCUDA_POINTWISE_LOOP", "unrolled")
-    with pytest.raises(ValueError, match="STITCHCUDA_POINTWISE_LOOP must be one of stride, once, got 'unrolled'"):
+    with pytest.raises(ValueError, match="STITCHCUDA_POINTWISE_LOOP must be one of once, stride, got 'unrolled'"):
         pointwise_kernel("f", (8, 4), [PointwiseInput("in0", torch.float32, (4, 1))], ["const float t0 = in0;"],
                          [("out0", "t0", torch.float32)])
 
 
-def test_a_vectorized_pointwise_kernel_of_many_operands_keeps_one_float4_per_step(emu):
+def test_a_vectorized_pointwise_kernel_of_many_operands_keeps_one_float4_per_step(emu, monkeypatch):
+    monkeypatch.setenv("STITCHCUDA_POINTWISE_LOOP", "stride")
     xs = [torch.randn(1029, 32) for _ in range(4)]
     inputs = [PointwiseInput(f"in{k}", torch.float32, (32, 1)) for k in range(4)]
     code = pointwise_kernel("fused_sum4", (1029, 32), inputs, ["const float t0 = (in0 + in1) * in2 - in3;"],
