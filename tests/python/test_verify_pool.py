@@ -106,6 +106,23 @@ def test_worker_is_reused_between_candidates(pool):
     assert pool.pids[0] == pid and pid is not None and pid != os.getpid()
 
 
+def test_start_launches_idle_workers_without_waiting_and_the_next_job_uses_them():
+    """start() (optimize() calls it before capturing the model) spawns the worker and returns while it is
+    still starting; a second start() spawns nothing more, and the next job runs on the worker it made."""
+    with WorkerPool(devices=["cpu"]) as p:
+        assert p.pids == [None]  # workers start lazily
+        p.start()
+        pid = p.pids[0]
+        assert pid is not None and not p._workers[0].ready  # spawned, not waited for
+        p.start()
+        assert p.pids == [pid]
+        r = check(REFERENCE, HONEST, config=CONFIG, pool=p)
+        assert r.correct, r.feedback
+        assert p.pids == [pid]
+    with pytest.raises(RuntimeError, match="closed"):
+        p.start()
+
+
 @pytest.mark.parametrize("name", ["OPENAI_API_KEY", "ANTHROPIC_API_KEY", "MY_SERVICE_TOKEN", "DB_PASSWORD",
                                   "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN", "GITHUB_TOKEN",
                                   "CLIENT_SECRET", "some_api_key"])

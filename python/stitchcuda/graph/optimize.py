@@ -540,6 +540,12 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
                          "call model.cuda() and move the inputs")
         return OptimizedModule(model, None, None, report)
     start = _allocated()  # what optimize() found allocated: its own memory is measured above this
+    pool = None
+    if isolated:
+        from ..verify import trusted_pool
+
+        pool = trusted_pool()
+        pool.start()  # a first call's worker imports torch while the model is captured and planned
     try:
         with steps.step("capturing"):
             t0 = time.perf_counter()
@@ -563,11 +569,7 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
         agents = llm is not None or resume is not None
         with steps.step(f"generating and checking {sum(g.kind in GENERATED for g in plan.groups)} group(s)"):
             t0 = time.perf_counter()
-            pool = None
-            if isolated:
-                from ..verify import trusted_pool
-
-                pool = trusted_pool()
+            if pool is not None:
                 report.decisions.append(("group checks in the Verifier's isolated worker",
                                          "generated code runs apart from this process until it matches ATen; "
                                          "recorded tensors reach it as CUDA IPC handles, not copies"))

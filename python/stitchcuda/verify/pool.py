@@ -312,6 +312,30 @@ class WorkerPool:
     def pids(self) -> list[int | None]:
         return [w.process.pid if w is not None and w.process.is_alive() else None for w in self._workers]
 
+    def start(self) -> None:
+        """Starts every idle worker that is not running yet and returns at once, without waiting for it to
+        be ready: a caller that sends jobs soon (optimize() before it captures the model) lets the workers
+        import torch and make their CUDA context meanwhile, instead of waiting for that at the first job.
+        A worker busy with a job is left alone."""
+        if self._closed:
+            raise RuntimeError("the WorkerPool is closed")
+        taken = []
+        try:
+            while True:
+                try:
+                    taken.append(self._idle.get_nowait())
+                except queue.Empty:
+                    break
+            for slot in taken:
+                worker = self._workers[slot]
+                if worker is None or not worker.process.is_alive():
+                    if worker is not None:
+                        worker.kill()
+                    self._workers[slot] = self._start(slot)
+        finally:
+            for slot in taken:
+                self._idle.put(slot)
+
     def run(self, job: dict[str, Any], compile_limit_s: float, run_limit_s: float) -> dict[str, Any]:
         """Runs one job; returns the harness's report dict, or a failure dict (crash, timeout...)."""
         if self._closed:
