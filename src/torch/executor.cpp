@@ -776,7 +776,7 @@ Result<void> Executor::Impl::run(const std::vector<at::Tensor>& inputs, std::vec
     }
     if (from_device) x.device_launches++;
     else in.graph->replay();
-    if (allocate) {  // after the replay: the forward's peak does not hold them beside the static outputs
+    if (allocate) {  // as late as they can be: after the replay, just before the copies out
       outputs.clear();
       for (BufferId id : x.output_ids) {
         const TensorSpec& s = x.spec(id);
