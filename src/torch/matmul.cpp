@@ -16,6 +16,11 @@
 // split a block at a time the same way, each block's products writing its columns of c; a is then split
 // whole when its parts fit kSplitWideBytes, else a block of rows at a time inside each of b's blocks (a
 // split again per block of b: b's blocks are made as large as a's then, so that happens rarely).
+// With STITCHCUDA_TF32X3_KBLOCK (off unless set; batch 1, a not transposed) both operands are split a
+// slab of K at a time instead: the parts hold (M + N) x slab elements of each, the three products of a
+// slab accumulate into c, and every slab after the first adds two reads and writes of c (its two lo
+// products) — for a product whose blocks of a would stay large (few columns, a long K: an MLP's
+// down-projection), memory traded back for bandwidth.
 #include "steps.hpp"
 
 #include <cublasLt.h>
@@ -139,6 +144,16 @@ std::int64_t split_chunk(std::int64_t k) {
   if (!v) return kSplitChunk;
   return *v == 0 ? std::max<std::int64_t>(k, 1) : *v;
 }
+
+// Elements of K per slab (STITCHCUDA_TF32X3_KBLOCK, rounded down to a multiple of the chunk, at least one
+// chunk), or 0: no slabs (unset, 0, or a slab as wide as K).
+std::int64_t k_block(std::int64_t k) {
+  const auto v = env_count("STITCHCUDA_TF32X3_KBLOCK");
+  if (!v || *v == 0) return 0;
+  const std::int64_t chunk = split_chunk(k);
+  const std::int64_t kb = std::max(chunk, *v / chunk * chunk);
+  return kb < k ? kb : 0;
+}
 // How tf32x3 blocks its operands: rows of a split at a time (a_rows; m: all at once) and rows of a
 // transposed b, i.e. columns of c (b_rows; n: all). a alone is blocked as long as b's parts fit
 // kSplitWholeBBytes: rows whose two parts fit kSplitBlockBytes, but at least kSplitBlockOutputs outputs per
@@ -183,12 +198,22 @@ constexpr std::int64_t kSplitAlign = 64;  // floats
 std::int64_t aligned(std::int64_t n) { return (n + kSplitAlign - 1) / kSplitAlign * kSplitAlign; }
 
 constexpr const char* kSplitName = "stitchcuda_tf32x3_split";
+constexpr const char* kSlabName = "stitchcuda_tf32x3_split_slab";
 constexpr const char* kSplitSource = R"CUDA(
 __device__ __forceinline__ void split_one(float v, float& h, float& l) {
   // h: a TF32 value (the tensor cores read it exactly); l = v - h is exact. An infinity or a NaN (whatever
   // its payload) stays whole in h, with l = 0.
   h = isnan(v) ? v : __uint_as_float(__float_as_uint(v) & 0xffffe000u);
   l = isfinite(v) ? v - h : 0.0f;
+}
+__device__ __forceinline__ void split_four(float4 v, float4* hi, float4* lo) {
+  float4 h, l;
+  split_one(v.x, h.x, l.x);
+  split_one(v.y, h.y, l.y);
+  split_one(v.z, h.z, l.z);
+  split_one(v.w, h.w, l.w);
+  *hi = h;
+  *lo = l;
 }
 extern "C" __global__ void stitchcuda_tf32x3_split(const float* __restrict__ x, float* __restrict__ hi,
                                                    float* __restrict__ lo, long long n) {
@@ -198,27 +223,41 @@ extern "C" __global__ void stitchcuda_tf32x3_split(const float* __restrict__ x, 
   if (((reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(hi) |
         reinterpret_cast<unsigned long long>(lo)) & 15ull) == 0) {
     const long long n4 = n / 4;
-    for (long long i = first; i < n4; i += stride) {
-      const float4 v = reinterpret_cast<const float4*>(x)[i];
-      float4 h, l;
-      split_one(v.x, h.x, l.x);
-      split_one(v.y, h.y, l.y);
-      split_one(v.z, h.z, l.z);
-      split_one(v.w, h.w, l.w);
-      reinterpret_cast<float4*>(hi)[i] = h;
-      reinterpret_cast<float4*>(lo)[i] = l;
-    }
+    for (long long i = first; i < n4; i += stride)
+      split_four(reinterpret_cast<const float4*>(x)[i], reinterpret_cast<float4*>(hi) + i, reinterpret_cast<float4*>(lo) + i);
     done = n4 * 4;
   }
   for (long long i = done + first; i < n; i += stride) split_one(x[i], hi[i], lo[i]);
 }
+// `rows` x `cols` of x (row stride `ld`) split into dense rows x cols parts: a slab of K.
+extern "C" __global__ void stitchcuda_tf32x3_split_slab(const float* __restrict__ x, long long ld, long long rows,
+                                                        long long cols, float* __restrict__ hi, float* __restrict__ lo) {
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if ((cols & 3) == 0 && (ld & 3) == 0 &&
+      ((reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(hi) |
+        reinterpret_cast<unsigned long long>(lo)) & 15ull) == 0) {
+    const long long cols4 = cols / 4, n4 = rows * cols4;
+    for (long long i = first; i < n4; i += stride) {
+      const long long r = i / cols4, c = i - r * cols4;
+      split_four(reinterpret_cast<const float4*>(x + r * ld)[c], reinterpret_cast<float4*>(hi) + i,
+                 reinterpret_cast<float4*>(lo) + i);
+    }
+    return;
+  }
+  for (long long i = first; i < rows * cols; i += stride) {
+    const long long r = i / cols, c = i - r * cols;
+    split_one(x[r * ld + c], hi[i], lo[i]);
+  }
+}
 )CUDA";
 
-// The split kernel, compiled once per architecture through the kernel cache.
-Result<jit::Kernel> split_kernel() {
+// The split kernels (whole operand or block, and slab of K), compiled once per architecture through the
+// kernel cache.
+Result<jit::Kernel> split_kernel(const char* name = kSplitName) {
   auto module = jit::build(kSplitSource, jit::CompileOptions{}, "tf32x3_split.cu");
   if (!module) return tl::unexpected(module.error());
-  return (*module)->kernel(kSplitName);
+  return (*module)->kernel(name);
 }
 
 }  // namespace
@@ -254,9 +293,13 @@ struct PreparedMatmul::Descriptors {
     cublasLtMatrixLayout_t out = nullptr;  // owned; null: the whole of c (d.out)
   };
   Tile tiles[2][2];  // [a's last block][b's last block]
+  // Slabs of K (k_block > 0): the calls of a slab that is not the last, and of the last one (the epilogue's).
+  std::int64_t k_block = 0;
+  bool b_transposed = false;
+  Tile slabs[2];
   std::int64_t rows_total = 0, block_rows = 0, cols_total = 0, block_cols = 0, k_total = 0;
   std::int64_t a_elems = 0, b_elems = 0;  // elements of one block of a's split parts, of b's
-  std::optional<jit::Kernel> splitter;
+  std::optional<jit::Kernel> splitter, slab_splitter;
 
   // Where each part starts in the scratch (floats).
   std::int64_t part_offset(Part p) const {
@@ -272,14 +315,16 @@ struct PreparedMatmul::Descriptors {
 
 PreparedMatmul::~PreparedMatmul() {
   if (!d_ || !d_->api) return;
-  for (auto& row : d_->tiles)
-    for (auto& tile : row) {
-      for (auto& call : tile.calls) {
-        if (call.first) d_->api->LayoutDestroy(call.first);
-        if (call.second) d_->api->LayoutDestroy(call.second);
-      }
-      if (tile.out) d_->api->LayoutDestroy(tile.out);
+  auto destroy = [&](Descriptors::Tile& tile) {
+    for (auto& call : tile.calls) {
+      if (call.first) d_->api->LayoutDestroy(call.first);
+      if (call.second) d_->api->LayoutDestroy(call.second);
     }
+    if (tile.out) d_->api->LayoutDestroy(tile.out);
+  };
+  for (auto& row : d_->tiles)
+    for (auto& tile : row) destroy(tile);
+  for (auto& tile : d_->slabs) destroy(tile);
   if (d_->first) d_->api->LayoutDestroy(d_->first);
   if (d_->second) d_->api->LayoutDestroy(d_->second);
   if (d_->out) d_->api->LayoutDestroy(d_->out);
@@ -424,6 +469,50 @@ Result<std::unique_ptr<PreparedMatmul>> PreparedMatmul::create(const Matmul& m, 
   auto chunk_offset = [](const TensorSpec& s, bool k_in_rows, std::int64_t k0) {
     return k_in_rows ? k0 : k0 * cols(s);
   };
+  if (const std::int64_t kb = m.batch == 1 && !m.transpose_a ? k_block(K) : 0; kb > 0) {
+    // Slabs of K: each slab's parts are dense — a's [M, w] (column-major [w x M], ld w), b's [N, w] when
+    // transposed ([w x N], ld w), else [w, N] ([N x w], ld N) — and its calls read chunks of them.
+    d.k_block = kb, d.b_transposed = m.transpose_b;
+    d.block_rows = M, d.block_cols = N;
+    d.a_elems = M * kb, d.b_elems = N * kb;
+    auto slab_splitter = split_kernel(kSlabName);
+    if (!slab_splitter) return tl::unexpected(slab_splitter.error());
+    d.slab_splitter = std::move(*slab_splitter);
+    auto part_layout = [&](cublasLtMatrixLayout_t& out, bool k_in_rows, std::int64_t other, std::int64_t w,
+                           std::int64_t kc) {
+      return check(d.api->LayoutCreate(&out, CUDA_R_32F, std::uint64_t(k_in_rows ? kc : other),
+                                       std::uint64_t(k_in_rows ? other : kc), k_in_rows ? w : other),
+                   "cublasLtMatrixLayoutCreate");
+    };
+    auto add_slab = [&](Descriptors::Tile& tile, std::int64_t w, bool last) -> Result<void> {
+      auto add_call = [&](cublasLtMatmulDesc_t desc, Part fp, Part sp, std::int64_t k0, std::int64_t kc,
+                          const char* what) -> Result<void> {
+        Descriptors::Call call;
+        call.op = desc, call.first_part = fp, call.second_part = sp;
+        tile.calls.push_back(call);  // owned from here, as in add_calls
+        Descriptors::Call& c = tile.calls.back();
+        if (auto r = part_layout(c.first, b_k_in_rows, N, w, kc); !r) return r;
+        if (auto r = part_layout(c.second, a_k_in_rows, M, w, kc); !r) return r;
+        c.first_offset = b_k_in_rows ? k0 : k0 * N;
+        c.second_offset = a_k_in_rows ? k0 : k0 * M;
+        return pick(desc, c.first, c.second, c.algo, what);
+      };
+      if (auto r = add_call(d.plain, Part::b_hi, Part::a_lo, 0, w, " (tf32x3 slab, a_lo b_hi)"); !r) return r;
+      if (auto r = add_call(d.plain, Part::b_lo, Part::a_hi, 0, w, " (tf32x3 slab, a_hi b_lo)"); !r) return r;
+      const std::int64_t chunk = split_chunk(K);
+      for (std::int64_t k0 = 0; k0 < w; k0 += chunk) {
+        const std::int64_t kc = std::min(chunk, w - k0);
+        const bool epilogue = last && k0 + kc >= w;
+        if (auto r = add_call(epilogue ? d.op : d.plain, Part::b_hi, Part::a_hi, k0, kc, " (tf32x3 slab, a_hi b_hi chunk)");
+            !r)
+          return r;
+      }
+      return {};
+    };
+    if (auto r = add_slab(d.slabs[0], kb, false); !r) return tl::unexpected(r.error());
+    if (auto r = add_slab(d.slabs[1], K - (K - 1) / kb * kb, true); !r) return tl::unexpected(r.error());
+    return p;
+  }
   auto add_calls = [&](Descriptors::Tile& tile, std::int64_t rows_used, std::int64_t cols_used) -> Result<void> {
     if (rows_used >= 0 || cols_used >= 0)  // a tile of c: cols_used of its N (cuBLASLt's rows) by rows_used
       if (auto r = layout(tile.out, C, m.batch, cols_used, rows_used); !r) return r;
@@ -493,6 +582,45 @@ Result<void> PreparedMatmul::run(const at::Tensor& a, const at::Tensor& b, const
   };
   using Part = Descriptors::Part;
   const float one = 1.0f;
+  if (d.k_block > 0) {  // slabs of K: split both operands' slab, then its calls, c accumulating
+    auto split_slab = [&](const float* x, std::int64_t ld, std::int64_t rows, std::int64_t cols, Part hi,
+                          Part lo) -> Result<void> {
+      jit::KernelArgs args;
+      args.pointer(x).i64(ld).i64(rows).i64(cols).pointer(parts + d.part_offset(hi)).pointer(parts + d.part_offset(lo));
+      jit::LaunchConfig cfg;
+      cfg.block = {256, 1, 1};
+      cfg.grid = {unsigned(std::clamp<std::int64_t>((rows * cols / 4 + 255) / 256, 1, 8192)), 1, 1};
+      cfg.stream = stream;
+      cfg.device = c.get_device();
+      return d.slab_splitter->launch(cfg, args);
+    };
+    const float* a_data = static_cast<const float*>(a.data_ptr());
+    const float* b_data = static_cast<const float*>(b.data_ptr());
+    const std::int64_t M = d.rows_total, N = d.cols_total, K = d.k_total;
+    bool first = true;
+    for (std::int64_t k0 = 0; k0 < K; k0 += d.k_block) {
+      const std::int64_t w = std::min(d.k_block, K - k0);
+      if (auto r = split_slab(a_data + k0, K, M, w, Part::a_hi, Part::a_lo); !r) return r;
+      auto r = d.b_transposed ? split_slab(b_data + k0, K, N, w, Part::b_hi, Part::b_lo)
+                              : split_slab(b_data + k0 * N, N, w, N, Part::b_hi, Part::b_lo);
+      if (!r) return r;
+      const Descriptors::Tile& slab = d.slabs[k0 + w >= K];
+      for (std::size_t i = 0; i < slab.calls.size(); ++i) {
+        const Descriptors::Call& call = slab.calls[i];
+        const float* first_part = parts + d.part_offset(call.first_part) + call.first_offset;
+        const float* second_part = parts + d.part_offset(call.second_part) + call.second_offset;
+        cublasStatus_t s = d.api->Matmul(d.api->handle, call.op, alpha, first_part, call.first, second_part, call.second,
+                                         first ? beta : &one, c.data_ptr(), d.out, c.data_ptr(), d.out, &call.algo,
+                                         workspace, workspace_bytes, static_cast<cudaStream_t>(stream));
+        first = false;
+        if (s != CUBLAS_STATUS_SUCCESS)
+          return fail(ErrorCode::CudaError, "cublasLtMatmul failed (tf32x3 product " + std::to_string(i + 1) + " of " +
+                                                std::to_string(slab.calls.size()) + ", slab at K " + std::to_string(k0) +
+                                                "): " + status_text(s));
+      }
+    }
+    return {};
+  }
   const bool rows_blocked = d.block_rows < d.rows_total, cols_blocked = d.block_cols < d.cols_total;
   const float* a_data = static_cast<const float*>(a.data_ptr());
   const float* b_data = static_cast<const float*>(b.data_ptr());

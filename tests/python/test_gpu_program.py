@@ -319,22 +319,28 @@ def test_a_random_op_keeps_replay_on_the_host():
     assert "random numbers" in stats["host_replay_note"] and "bernoulli" in stats["host_replay_note"]
 
 
-@pytest.mark.parametrize("m, n, k, batch, transpose_b, epilogue, block_rows, block_cols", [
-    (1024, 768, 4096 + 100, 1, True, "bias_relu", 0, 0),  # a linear layer: eight full K-chunks and a ragged one
-    (512, 1024, 300, 1, False, "none", 0, 0),             # K below one chunk: one hi*hi product
-    (256, 256, 1536, 8, False, "gelu", 0, 0),             # batched, the second operand broadcast over the batch
-    (1000, 768, 2048, 1, True, "bias_gelu", 384, 0),      # a split a block of rows at a time, a shorter last block
-    (640, 1000, 1100, 1, True, "bias_gelu", 0, 384),      # b (a weight) a block of its rows at a time: c's columns
-    (1000, 1000, 1100, 1, True, "bias_relu", 384, 256),   # both: tiles of c, shorter last blocks of each
+@pytest.mark.parametrize("m, n, k, batch, transpose_b, epilogue, block_rows, block_cols, slab", [
+    (1024, 768, 4096 + 100, 1, True, "bias_relu", 0, 0, 0),  # a linear layer: eight full K-chunks and a ragged one
+    (512, 1024, 300, 1, False, "none", 0, 0, 0),             # K below one chunk: one hi*hi product
+    (256, 256, 1536, 8, False, "gelu", 0, 0, 0),             # batched, the second operand broadcast over the batch
+    (1000, 768, 2048, 1, True, "bias_gelu", 384, 0, 0),      # a split a block of rows at a time, a shorter last block
+    (640, 1000, 1100, 1, True, "bias_gelu", 0, 384, 0),      # b (a weight) a block of its rows at a time: c's columns
+    (1000, 1000, 1100, 1, True, "bias_relu", 384, 256, 0),   # both: tiles of c, shorter last blocks of each
+    (1024, 768, 4096 + 100, 1, True, "bias_relu", 0, 0, 1024),  # slabs of K, a ragged last one
+    (1000, 640, 2100, 1, False, "bias_gelu", 0, 0, 512),     # slabs of a [K, N] weight: contiguous rows of it
+    (300, 260, 1030, 1, True, "none", 0, 0, 512),            # a row stride not a multiple of 4: the scalar split
 ])
-def test_tf32x3_matmul_has_fp32_accuracy(m, n, k, batch, transpose_b, epilogue, block_rows, block_cols, monkeypatch):
+def test_tf32x3_matmul_has_fp32_accuracy(m, n, k, batch, transpose_b, epilogue, block_rows, block_cols, slab,
+                                         monkeypatch):
     """tf32x3 (three TF32 tensor-core products on split operands, the big one summed in chunks of K; a
-    large a split a block of rows at a time, a large weight a block of its rows) is as close to exact
-    arithmetic as cuBLAS's SGEMM, and within fp32's tolerance of it; plain TF32 is not."""
+    large a split a block of rows at a time, a large weight a block of its rows, or both a slab of K at a
+    time) is as close to exact arithmetic as cuBLAS's SGEMM, and within fp32's tolerance of it; plain TF32
+    is not."""
     from stitchcuda.verify.compare import first_difference, fp64_error
 
     monkeypatch.setenv("STITCHCUDA_TF32X3_ROWS", str(block_rows))  # 0: every row at once
     monkeypatch.setenv("STITCHCUDA_TF32X3_COLS", str(block_cols))  # 0: every column at once
+    monkeypatch.setenv("STITCHCUDA_TF32X3_KBLOCK", str(slab))  # 0: no slabs
 
     torch.manual_seed(m + k)
     a = torch.randn(batch, m, k, device="cuda") if batch > 1 else torch.randn(m, k, device="cuda")
@@ -507,14 +513,17 @@ def test_run_that_allocates_its_outputs_gives_each_one_memory_at_its_first_step(
             del executor, outs
 
 
-@pytest.mark.parametrize("m, n, k, knob, fewer", [
+@pytest.mark.parametrize("m, n, k, knob, blocked, fewer", [
     # a 128 MiB a beside a 16 MiB weight: 144 MiB of parts blocked (8192 of 16384 rows), 272 MiB whole
-    (16384, 1024, 2048, "STITCHCUDA_TF32X3_ROWS", 128 << 20),
+    (16384, 1024, 2048, "STITCHCUDA_TF32X3_ROWS", "", 128 << 20),
     # a 128 MiB weight ([N, K]) beside a 16 MiB a: 96 MiB of parts blocked (4096 of its 16384 rows), 288 whole
-    (2048, 16384, 2048, "STITCHCUDA_TF32X3_COLS", 192 << 20),
+    (2048, 16384, 2048, "STITCHCUDA_TF32X3_COLS", "", 192 << 20),
+    # an MLP's down-projection, a whole (8 Mi outputs): 288 MiB of parts, 36 MiB in slabs of 512 along K
+    (8192, 1024, 4096, "STITCHCUDA_TF32X3_KBLOCK", "512", 240 << 20),
 ])
-def test_a_large_tf32x3_operand_is_split_a_block_at_a_time(m, n, k, knob, fewer, monkeypatch):
-    """The split scratch holds one block of a large operand's parts, not all of them, with the same result."""
+def test_a_large_tf32x3_operand_is_split_a_block_at_a_time(m, n, k, knob, blocked, fewer, monkeypatch):
+    """The split scratch holds one block (or slab of K) of a large operand's parts, not all of them, with
+    the same result."""
     a = torch.randn(m, k, device="cuda")
     w = torch.randn(n, k, device="cuda") / k ** 0.5
     b = ProgramBuilder()
@@ -523,7 +532,7 @@ def test_a_large_tf32x3_operand_is_split_a_block_at_a_time(m, n, k, knob, fewer,
     b.precision("tf32x3")
     program = b.build()
     held, left, results = {}, {}, {}
-    for value in ("", "0"):  # the executor's choice, then the operand whole
+    for value in (blocked, "0"):  # blocks (the executor's choice, or slabs), then the operand whole
         monkeypatch.setenv(knob, value)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
@@ -536,8 +545,8 @@ def test_a_large_tf32x3_operand_is_split_a_block_at_a_time(m, n, k, knob, fewer,
         left[value] = torch.cuda.memory_allocated() - before - out.numel() * 4
         results[value] = out
         del executor
-    assert held["0"] - held[""] >= fewer - (8 << 20), held
+    assert held["0"] - held[blocked] >= fewer - (8 << 20), held
     # Parts of 32 MiB or more live for their step: after the run the instance holds its 32 MiB cuBLASLt
     # workspace and its copy of the weight, not the parts.
     assert max(left.values()) - w.numel() * 4 <= 33 << 20, left
-    torch.testing.assert_close(results[""], results["0"])  # the same products (algorithms may differ by M)
+    torch.testing.assert_close(results[blocked], results["0"])  # the same products, summed in another order

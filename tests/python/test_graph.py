@@ -733,6 +733,34 @@ def test_tf32x3_cost_model_counts_the_split_and_the_chunked_accumulation():
     assert {g.params["precision"] for g in plan.groups if g.kind == "gemm"} == {"tf32"}
 
 
+def test_tf32x3_slabs_of_k_count_their_scratch_and_extra_passes(monkeypatch):
+    """STITCHCUDA_TF32X3_KBLOCK (off unless set): the executor splits both operands a slab of K at a time, so
+    an MLP down-projection whose 8 Mi-output floor keeps a whole (256 MiB of a's parts) holds (M + N) x slab
+    x 8 bytes; the cost model adds two passes over c per extra slab."""
+    from stitchcuda.graph.planner import k_block, split_tf32_choice
+
+    m, n, k = 8192, 1024, 4096  # a transformer encoder's 4096 -> 1024 projection over 8192 tokens
+    args = (m, n, k, 1, m * k, n * k, H200_PEAKS)
+    _, whole = split_tf32_choice(*args, transpose_b=True)
+    assert k_block(k) == 0
+    monkeypatch.setenv("STITCHCUDA_TF32X3_KBLOCK", "1000")  # rounded down to the 512-element chunk
+    assert k_block(k) == 512 and k_block(512) == 0 and k_block(4096 + 512) == 512
+    monkeypatch.setenv("STITCHCUDA_TF32X3_KBLOCK", "1024")
+    assert k_block(k) == 1024
+    _, slabs = split_tf32_choice(*args, transpose_b=True)
+    estimate = lambda why: float(why.split()[1])  # noqa: E731 - "estimated X ms as 3xTF32 ..."
+    assert estimate(slabs) > estimate(whole)  # six more passes over c's 32 MiB
+    # The scratch is a slab of each: operands whose parts would exceed the cap whole fit in slabs.
+    thin = (64, 64, 1 << 20, 1, 64 << 20, 64 << 20, H200_PEAKS)
+    assert "would exceed" not in split_tf32_choice(*thin)[1]
+    monkeypatch.setenv("STITCHCUDA_TF32X3_KBLOCK", "0")
+    assert "would exceed" in split_tf32_choice(*thin)[1]
+    monkeypatch.setenv("STITCHCUDA_TF32X3_KBLOCK", "64")
+    assert k_block(k) == 512
+    monkeypatch.setenv("STITCHCUDA_TF32X3_CHUNK", "256")
+    assert k_block(k) == 256  # a slab is at least one chunk
+
+
 # ---- planning optimize()'s memory ----
 
 class _Chain(nn.Module):

@@ -17,7 +17,10 @@
    plain TF32, in the same run: milliseconds (the Verifier's timer), the speed-up over SGEMM, the FLOP
    rate, and each one's error against an fp64 product (||got - exact||_inf / ||exact||_inf, and the
    largest share of fp32's tolerance, atol = rtol = 1e-4, used against SGEMM), for the default K-chunk of
-   the hi*hi product and for no chunking (STITCHCUDA_TF32X3_CHUNK=0): what the chunking costs and buys.
+   the hi*hi product and for no chunking (STITCHCUDA_TF32X3_CHUNK=0): what the chunking costs and buys;
+   and split in slabs of 1024 along K (STITCHCUDA_TF32X3_KBLOCK=1024): what the slabs' smaller scratch
+   costs in time. Each variant's `peak_mib`: the GPU memory its run allocated beside the operands and the
+   result (cuBLASLt's workspace and the split parts).
 """
 
 from __future__ import annotations
@@ -166,12 +169,22 @@ def tf32_input_conversion() -> str:
     return "truncate" if got == 1.0 else "round" if got == 1.0 + 2.0 ** -10 else f"other ({got!r})"
 
 
-def tf32x3(shapes=((8192, 8192, 4096), (4096, 4096, 4096), (8192, 2048, 8192), (2048, 3072, 768))) -> dict:
+_TF32X3_KNOBS = ("STITCHCUDA_TF32X3_CHUNK", "STITCHCUDA_TF32X3_KBLOCK")
+# label, precision, executor settings (the knobs not named are unset)
+_TF32X3_VARIANTS = (("sgemm", "fp32", {}), ("tf32x3", "tf32x3", {}),
+                    ("tf32x3_unchunked", "tf32x3", {"STITCHCUDA_TF32X3_CHUNK": "0"}),
+                    ("tf32x3_slabs", "tf32x3", {"STITCHCUDA_TF32X3_KBLOCK": "1024"}), ("tf32", "tf32", {}))
+
+
+def tf32x3(shapes=((8192, 8192, 4096), (4096, 4096, 4096), (8192, 2048, 8192), (2048, 3072, 768),
+                   (8192, 1024, 4096))) -> dict:
+    """The last shape: a transformer encoder's MLP down-projection (4096 -> 1024 over 8192 tokens), whose
+    blocks of a stay whole (288 MiB of parts) unless it is split in slabs of K."""
     import os
 
     from ..verify.compare import fp64_error, tolerance_used
 
-    saved = torch.backends.cuda.matmul.allow_tf32, os.environ.get("STITCHCUDA_TF32X3_CHUNK")
+    saved = torch.backends.cuda.matmul.allow_tf32, {name: os.environ.get(name) for name in _TF32X3_KNOBS}
     torch.backends.cuda.matmul.allow_tf32 = False
     results = {"tf32_input_conversion": tf32_input_conversion()}
     try:
@@ -181,14 +194,18 @@ def tf32x3(shapes=((8192, 8192, 4096), (4096, 4096, 4096), (8192, 2048, 8192), (
             exact = x.double() @ w.double().t()
             row: dict = {"gflop": round(2 * m * n * k / 1e9, 1)}
             outs = {}
-            for label, precision, chunk in (("sgemm", "fp32", None), ("tf32x3", "tf32x3", None),
-                                            ("tf32x3_unchunked", "tf32x3", "0"), ("tf32", "tf32", None)):
-                if chunk is None:
-                    os.environ.pop("STITCHCUDA_TF32X3_CHUNK", None)
-                else:
-                    os.environ["STITCHCUDA_TF32X3_CHUNK"] = chunk
-                ex = _matmul_program(m, n, k, w, precision).executor(graphs=False)  # reads the chunk now
+            for label, precision, settings in _TF32X3_VARIANTS:
+                for name in _TF32X3_KNOBS:
+                    os.environ.pop(name, None)
+                os.environ.update(settings)
+                ex = _matmul_program(m, n, k, w, precision).executor(graphs=False)  # reads the knobs at its run
                 y = torch.empty(m, n, device="cuda")
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                ex.run([x], [y])
+                torch.cuda.synchronize()
+                row[f"{label}_peak_mib"] = round((torch.cuda.max_memory_allocated() - before) / 2**20, 1)
                 ms = _gpu_ms(lambda: ex.run([x], [y]))
                 ex.run([x], [y])
                 outs[label] = y.clone()
@@ -196,7 +213,7 @@ def tf32x3(shapes=((8192, 8192, 4096), (4096, 4096, 4096), (8192, 2048, 8192), (
                 row[f"{label}_tflops"] = round(2 * m * n * k / ms / 1e9, 1)
                 row[f"{label}_err_fp64"] = fp64_error(y, exact)
                 del ex, y
-            for label in ("tf32x3", "tf32x3_unchunked", "tf32"):
+            for label in ("tf32x3", "tf32x3_unchunked", "tf32x3_slabs", "tf32"):
                 row[f"{label}_speedup_over_sgemm"] = round(row["sgemm_ms"] / row[f"{label}_ms"], 3)
                 row[f"{label}_tolerance_used_vs_sgemm"] = round(tolerance_used(outs[label], outs["sgemm"], 1e-4, 1e-4), 3)
             results[f"{m}x{n}x{k}"] = row
@@ -204,10 +221,11 @@ def tf32x3(shapes=((8192, 8192, 4096), (4096, 4096, 4096), (8192, 2048, 8192), (
             torch.cuda.empty_cache()
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved[0]
-        if saved[1] is None:
-            os.environ.pop("STITCHCUDA_TF32X3_CHUNK", None)
-        else:
-            os.environ["STITCHCUDA_TF32X3_CHUNK"] = saved[1]
+        for name, value in saved[1].items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     return results
 
 

@@ -116,6 +116,24 @@ def split_blocks(m: int, n: int, k: int, batch: int = 1, transpose_a: bool = Fal
     return a_rows, b_rows
 
 
+def split_chunk(k: int) -> int:
+    """Elements of K per hi*hi product (STITCHCUDA_TF32X3_CHUNK, the executor's knob: 0 for the whole K)."""
+    override = os.environ.get("STITCHCUDA_TF32X3_CHUNK", "")
+    return (int(override) or max(k, 1)) if override.isdigit() else _SPLIT_CHUNK
+
+
+def k_block(k: int) -> int:
+    """Elements of K per slab when the executor splits both operands a slab of K at a time
+    (STITCHCUDA_TF32X3_KBLOCK, off unless set: rounded down to a multiple of the K-chunk, at least one), or
+    0: no slabs (unset, 0, or a slab as wide as K). src/torch/matmul.cpp's k_block."""
+    text = os.environ.get("STITCHCUDA_TF32X3_KBLOCK", "")
+    if not text.isdigit() or int(text) == 0:
+        return 0
+    chunk = split_chunk(k)
+    kb = max(chunk, int(text) // chunk * chunk)
+    return kb if kb < k else 0
+
+
 def split_tf32_choice(m: int, n: int, k: int, batch: int, a_elems: int, b_elems: int,
                       peaks: dict | None, transpose_a: bool = False, transpose_b: bool = False) -> tuple[bool, str]:
     """Whether an fp32 matmul (batch x [m, k] @ [k, n]; a_elems and b_elems elements in its operands)
@@ -135,15 +153,15 @@ def split_tf32_choice(m: int, n: int, k: int, batch: int, a_elems: int, b_elems:
     scratch = 8.0 * ((a_rows * k if a_rows < m else a_elems) + (b_rows * k if b_rows < n else b_elems))
     # a split once, or again for each of b's blocks when both are blocked
     a_splits = -(-n // max(b_rows, 1)) if a_rows < m and b_rows < n else 1
+    slab = k_block(k) if batch == 1 and not transpose_a else 0
+    if slab:  # both operands a slab of K at a time: each split once, two more passes over c per extra slab
+        scratch, a_splits = 8.0 * (m + n) * slab, 1
     largest = 4.0 * max(a_elems, b_elems, batch * m * n)
     if scratch > max(_SPLIT_SCRATCH_TENSORS * largest, _SPLIT_SCRATCH_FLOOR):
         return False, (f"its split operands ({scratch / 2**20:.0f} MiB) would exceed {_SPLIT_SCRATCH_TENSORS} times "
                        f"its largest tensor ({largest / 2**20:.0f} MiB)")
-    chunk = _SPLIT_CHUNK
-    override = os.environ.get("STITCHCUDA_TF32X3_CHUNK", "")  # the executor's knob: the same chunk here
-    if override.isdigit():
-        chunk = int(override) or max(k, 1)
-    chunks = -(-k // chunk)
+    chunk = split_chunk(k)
+    chunks = -(-k // chunk) + (2 * (-(-k // slab) - 1) if slab else 0)
     sgemm_s = flops / (fp32 * 1e12 * _SGEMM_SHARE)
     split_s = (3 * flops / (tf32 * 1e12 * _TF32_SHARE)
                + (12.0 * (a_splits * a_elems + b_elems) + 2.0 * c_bytes * (1 + chunks)) / (dram * 1e12 * _DRAM_SHARE))
