@@ -128,8 +128,8 @@ def _bench_suite(args: argparse.Namespace) -> int:
 
         return int(suite.run_suite(args.suite, folder=args.dir, only=args.only, chunk=args.chunk,
                                    results=args.results, json_output=args.json, llm=args.llm, csv=args.csv,
-                                   html=args.html, compile_only=args.compile_only, gpus=args.gpus,
-                                   scaling=args.scaling, queue=args.queue, precision=args.precision))
+                                   html=args.html, compile_only=args.compile_only, no_compile=args.no_compile,
+                                   gpus=args.gpus, scaling=args.scaling, queue=args.queue, precision=args.precision))
     module = importlib.import_module(f"stitchcuda.bench.{args.suite}")
     return int(module.run(json_output=args.json))
 
@@ -169,6 +169,9 @@ def _model_bench_options(sub: argparse.ArgumentParser, default_dir: str) -> None
                      help="write a self-contained HTML report with plots (needs matplotlib)")
     sub.add_argument("--compile-only", action="store_true",
                      help="no timing: capture, plan and compile each problem (runs without a GPU)")
+    sub.add_argument("--no-compile", action="store_true",
+                     help="time eager and StitchCUDA only, without the two torch.compile columns (a quicker "
+                          "run for diagnosis; its rows are never reused by a full run)")
     sub.add_argument("--gpus", metavar="N", type=_gpu_count, default=1,
                      help="spread the problems over N GPUs of this machine, one bench process each (default 1: "
                           "this process); with --compile-only, N processes on the CPU")

@@ -397,3 +397,58 @@ def test_cli_missing_folder_is_a_usage_error_in_json(fake_gpu, tmp_path, capsys)
     assert "no problem folder" in _strict_json(capsys.readouterr().out)["error"]
     assert main(["bench", "suite", "--dir", str(tmp_path), "--json"]) == 2  # a folder without problems
     assert "no problem files" in _strict_json(capsys.readouterr().out)["error"]
+
+
+# ---- --no-compile ----
+
+
+def test_run_model_without_the_compile_columns_times_eager_and_stitchcuda_only(folder, cpu_columns, monkeypatch):
+    calls = []
+    monkeypatch.setattr(suite, "_compiled_ms", lambda model, inputs, mode: calls.append(mode) or (0.5, 2.0))
+    cpu_columns["optimize"] = lambda model, inputs: _Fast(lambda x: model(x))
+    row = suite.run_model(folder / "gemm_c.py", compile_columns=False)
+    assert calls == [] and row["mode"] == "no-compile" and row["correct"] is True
+    assert "compile_ms" not in row and "reduce_overhead_ms" not in row and row.get("speedup_compile") is None
+    assert row["speedup_stitch"] == 1.0 and row["memory_ratio"] is not None
+    suite.run_model(folder / "gemm_c.py")
+    assert calls == [None, "reduce-overhead"]  # a full row still times both modes
+
+
+def test_no_compile_rows_are_their_own_mode_and_never_reused_by_a_full_run(folder, monkeypatch, tmp_path, capsys):
+    ran: list[tuple[str, bool]] = []
+
+    def run_model(path: Path, compile_columns: bool = True) -> dict:
+        ran.append((path.stem, compile_columns))
+        row = {**suite._new_row(path, "timed" if compile_columns else "no-compile", "fp32"), "eager_ms": 2.0,
+               "stitch_ms": 1.0, "correct": True, "status": "optimized"}
+        if compile_columns:
+            row["compile_ms"] = 1.5
+        return suite.add_speedups(row)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
+    monkeypatch.setattr(suite, "run_model", run_model)
+    monkeypatch.setattr(suite, "_free_gpu", lambda: None)
+    results = tmp_path / "r.jsonl"
+    base = ["bench", "kernelbench", "--dir", str(folder), "--only", "op_a", "--results", str(results), "--json"]
+    assert main([*base, "--no-compile"]) == 0
+    report = _strict_json(capsys.readouterr().out)
+    assert ran == [("op_a", False)] and report["models"][0]["mode"] == "no-compile"
+    assert report["summary"]["overall"]["geomean_speedup_stitch"] == 2.0
+    assert report["summary"]["overall"]["geomean_stitch_vs_best_compile"] is None
+    assert main([*base, "--no-compile"]) == 0  # resumed: the row is reused by a run made the same way
+    capsys.readouterr()
+    assert ran == [("op_a", False)]
+    assert main(base) == 0  # a full run measures it again, compile columns included
+    assert ran == [("op_a", False), ("op_a", True)]
+    assert _strict_json(capsys.readouterr().out)["models"][0]["compile_ms"] == 1.5
+    assert main([*base, "--no-compile", "--compile-only"]) == 2
+    assert "--no-compile" in _strict_json(capsys.readouterr().out)["error"]
+
+
+def test_a_spread_run_passes_no_compile_to_its_bench_processes(folder, tmp_path):
+    spread = suite.Spread("kernelbench", folder, sorted(folder.glob("*.py")), ["0", "1"], tmp_path / "work",
+                          [tmp_path / "r.gpu0", tmp_path / "r.gpu1"], llm=None, compile_only=False,
+                          json_output=True, no_compile=True)
+    assert "--no-compile" in spread._command(0) and "--compile-only" not in spread._command(0)
+    assert spread.rows()["op_a"]["mode"] == "no-compile"  # a problem no process measured: its error row

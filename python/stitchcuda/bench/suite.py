@@ -18,7 +18,7 @@ Options (flags win over the environment):
                    already in the file is not run again, so a killed run continues where it stopped (delete
                    a problem's line to measure it again; one file per folder). The table and summary cover
                    every row in the file that matches the selected problems. Only rows made the same
-                   way are reused (ROW_SETTINGS: timed or compile-only, the same --llm). A file holding
+                   way are reused (ROW_SETTINGS: timed, no-compile or compile-only, the same --llm). A file holding
                    rows of another --precision is refused (exit 2): precisions never share a file (a row
                    without a precision is fp32).
   --precision P    fp32 (default), tf32 or bf16: torch's flags for every column of each problem, set around
@@ -30,6 +30,9 @@ Options (flags win over the environment):
                    the winner and every attempt's speed-up over the target's ATen ops).
   --csv FILE       the rows as CSV (CSV_COLUMNS), rewritten after every problem.
   --html FILE      a self-contained HTML report (stitchcuda/bench/html.py; needs matplotlib).
+  --no-compile     eager and StitchCUDA only: the two torch.compile columns are skipped (rows of mode
+                   "no-compile", never reused by a full run), for quicker runs that diagnose StitchCUDA's
+                   own columns (memory, a setting's effect); the compile-based ratios are then absent.
   --compile-only   no timing: each problem is loaded, its FLOPs and bytes counted on the meta device, and
                    captured, planned, lowered and compiled on the CPU (plan_model); runs without a GPU.
   --gpus N         the problems spread over N GPUs of this machine (Spread): N bench processes of this
@@ -855,13 +858,14 @@ def _new_row(path: Path, mode: str, precision: str = "fp32") -> dict:
     return row
 
 
-def run_model(path: Path, llm: str | None = None, precision: str = "fp32") -> dict:
+def run_model(path: Path, llm: str | None = None, precision: str = "fp32", compile_columns: bool = True) -> dict:
     """One problem's row: times, speed-ups, correctness, memory, report status, FLOPs and bytes, every
     column's error against an fp64 reference; with `llm`, the agents' column too. `precision`: what
     optimize() gets and which tolerance judges the outputs; torch's flags are the caller's
-    (precision_flags). Errors recorded, never raised. The caller frees the GPU after it (its tensors die
+    (precision_flags). `compile_columns=False` (--no-compile) skips both torch.compile columns (mode
+    "no-compile"). Errors recorded, never raised. The caller frees the GPU after it (its tensors die
     with this frame)."""
-    row = _new_row(path, "timed", precision)
+    row = _new_row(path, "timed" if compile_columns else "no-compile", precision)
     if llm:
         row["llm"] = llm
     try:
@@ -873,7 +877,8 @@ def run_model(path: Path, llm: str | None = None, precision: str = "fp32") -> di
         return row
     _record_work(row, module)
     reference = _fp64_column(row, model, inputs, want)
-    _compile_columns(row, model, inputs, reference)
+    if compile_columns:
+        _compile_columns(row, model, inputs, reference)
     _stitch_column(row, module, model, inputs, want, reference)
     if llm:
         _free_gpu()
@@ -918,15 +923,17 @@ def plan_model(path: Path, precision: str = "fp32") -> dict:
     return row
 
 
-def _run_one(path: Path, llm: str | None = None, compile_only: bool = False, precision: str = "fp32") -> dict:
+def _run_one(path: Path, llm: str | None = None, compile_only: bool = False, precision: str = "fp32",
+             no_compile: bool = False) -> dict:
     """run_model (or plan_model), and whatever escapes it (a bug here, not in the problem) as the row's
     error."""
     extra = {"precision": precision} if precision != "fp32" else {}
+    timed = {**extra, "compile_columns": False} if no_compile else extra
     try:
-        row = plan_model(path, **extra) if compile_only else run_model(path, llm, **extra) if llm else \
-            run_model(path, **extra)
+        row = plan_model(path, **extra) if compile_only else run_model(path, llm, **timed) if llm else \
+            run_model(path, **timed)
     except Exception as exc:
-        row = {**_new_row(path, "compile-only" if compile_only else "timed", precision), "correct": False,
+        row = {**_new_row(path, _mode(compile_only, no_compile), precision), "correct": False,
                "errors": {"bench": _first_line(exc)}, "traceback": traceback.format_exc(limit=6)}
         if llm and not compile_only:
             row["llm"] = llm
@@ -951,6 +958,11 @@ def jsonable(value: Any) -> Any:
 
 def _dumps(value: Any) -> str:
     return json.dumps(jsonable(value), default=str, allow_nan=False)
+
+
+def _mode(compile_only: bool, no_compile: bool) -> str:
+    """A row's mode: how it was measured (ROW_SETTINGS)."""
+    return "compile-only" if compile_only else "no-compile" if no_compile else "timed"
 
 
 # What a row was measured with: a resumed run reuses only rows made the same way (a compile-only row
@@ -1516,10 +1528,11 @@ class Spread:
     def __init__(self, bench: str, folder: Path, files: list[Path], devices: list[str], work: Path,
                  parts: list[Path], *, llm: str | None, compile_only: bool, json_output: bool,
                  env: dict[str, str] | None = None, on_row: Callable[[dict], None] | None = None,
-                 precision: str = "fp32") -> None:
+                 precision: str = "fp32", no_compile: bool = False) -> None:
         self.bench, self.folder, self.devices, self.parts = bench, folder, devices, parts
         self.names = _device_names(devices)
         self.llm, self.compile_only, self.json_output = llm, compile_only, json_output
+        self.no_compile = no_compile
         self.precision = precision
         self.env, self.on_row = env or {}, on_row
         self.files = queue_order(files)
@@ -1539,6 +1552,8 @@ class Spread:
                    str(self.queue), "--results", str(self.parts[gpu]), "--json"]
         if self.compile_only:
             command.append("--compile-only")
+        if self.no_compile:
+            command.append("--no-compile")
         if self.llm:
             command += ["--llm", self.llm]
         if self.precision != "fp32":
@@ -1634,7 +1649,7 @@ class Spread:
 
     def rows(self) -> dict[str, dict]:
         """Every queued problem's row, by stem: the one its process wrote, else an error row."""
-        mode = "compile-only" if self.compile_only else "timed"
+        mode = _mode(self.compile_only, self.no_compile)
         measured: dict[str, dict] = {}
         for part in self.parts:
             measured.update(read_results(part))
@@ -1803,7 +1818,8 @@ def _setting(flag: str | None, env: str) -> str | None:
 
 def _measure_all(files: list[Path], done: dict[str, dict], results: Path | None, json_output: bool, *,
                  llm: str | None = None, compile_only: bool = False, csv: Path | None = None,
-                 claim: Callable[[int], bool] | None = None, precision: str = "fp32") -> list[dict]:
+                 claim: Callable[[int], bool] | None = None, precision: str = "fp32",
+                 no_compile: bool = False) -> list[dict]:
     """The selected problems' rows in order: from `done` (the results file) or measured now, each problem's
     columns under torch's flags for `precision` (precision_flags: at fp32, TF32 off everywhere), restored
     after it. The CSV, when asked for, is rewritten after each problem. With `claim` (a process of a
@@ -1817,8 +1833,8 @@ def _measure_all(files: list[Path], done: dict[str, dict], results: Path | None,
         if claim is not None and not claim(index):
             continue
         with precision_flags(precision):
-            row = _run_one(path, llm, compile_only, precision) if (llm or compile_only or precision != "fp32") \
-                else _run_one(path)
+            row = _run_one(path, llm, compile_only, precision, no_compile) \
+                if (llm or compile_only or no_compile or precision != "fp32") else _run_one(path)
         rows.append(row)
         if results is not None:
             append_result(results, row)
@@ -1845,18 +1861,19 @@ def run_suite(bench: str = "suite", *, folder: Path | str | None = None, only: s
               chunk: str | None = None, results: Path | str | None = None, json_output: bool = False,
               llm: str | None = None, csv: Path | str | None = None, html: Path | str | None = None,
               compile_only: bool = False, gpus: int = 1, scaling: bool = False,
-              queue: Path | str | None = None, precision: str = "fp32") -> int:
+              queue: Path | str | None = None, precision: str = "fp32", no_compile: bool = False) -> int:
     """`stitchcuda bench <bench>` over `folder` (default: default_dir(bench)); `only`, `chunk` fall back to
     STITCHCUDA_SUITE_ONLY / _CHUNK; `results` a JSON-lines file to append to and resume from; `llm` adds
     the agents' column (optimize(llm=...)); `csv` and `html` are written from every selected row at the
     end (the CSV after each problem too); `compile_only` plans and compiles without timing (plan_model),
-    the one mode that runs without a GPU. `gpus` > 1 runs the problems in that many bench processes, one
+    the one mode that runs without a GPU; `no_compile` times eager and StitchCUDA without the torch.compile
+    columns. `gpus` > 1 runs the problems in that many bench processes, one
     per GPU (Spread); `scaling` runs them on one GPU, then on `gpus`, and compares the two runs; `queue`
     makes this process one of a Spread's: it takes its problems from that shared queue. `precision`
     (fp32, tf32, bf16): torch's flags for every column (TORCH_FLAGS), optimize(precision=...) and the
     tolerance outputs are judged by; recorded in every row and in the JSON.
     Exit codes: 0 measured, 2 usage (no folder, nothing selected, a bad chunk, --html without
-    matplotlib, --llm with --compile-only, --gpus with a chunk, more GPUs than visible, --scaling with
+    matplotlib, --llm or --no-compile with --compile-only, --gpus with a chunk, more GPUs than visible, --scaling with
     --results, an unknown precision, a results file holding rows of another precision), 3 no GPU."""
     if precision not in TORCH_FLAGS:
         return _refuse(bench, f"--precision must be one of {', '.join(TORCH_FLAGS)}, not {precision!r}", EXIT_USAGE,
@@ -1864,6 +1881,9 @@ def run_suite(bench: str = "suite", *, folder: Path | str | None = None, only: s
     if llm and compile_only:
         return _refuse(bench, "--llm needs a GPU run; it cannot be combined with --compile-only", EXIT_USAGE,
                        json_output)
+    if no_compile and compile_only:
+        return _refuse(bench, "--no-compile times eager and StitchCUDA; --compile-only times nothing: pass one of "
+                       "them", EXIT_USAGE, json_output)
     if not torch.cuda.is_available() and not compile_only:
         return _refuse(bench, "no GPU (torch.cuda.is_available() is False); nothing measured "
                        "(--compile-only plans and compiles each problem without one)", EXIT_NO_GPU, json_output)
@@ -1905,7 +1925,7 @@ def run_suite(bench: str = "suite", *, folder: Path | str | None = None, only: s
 
     results = Path(results) if results is not None else None
     csv = Path(csv) if csv is not None else None
-    settings = {"mode": "compile-only" if compile_only else "timed", "llm": llm or None, "precision": precision}
+    settings = {"mode": _mode(compile_only, no_compile), "llm": llm or None, "precision": precision}
     conflict = precision_conflict(results, precision) if results is not None and queue is None else None
     if conflict:  # before fold_parts: a killed run's rows of another precision stay where they are
         return _refuse(bench, conflict, EXIT_USAGE, json_output)
@@ -1918,7 +1938,7 @@ def run_suite(bench: str = "suite", *, folder: Path | str | None = None, only: s
                            json_output=json_output, csv=csv, html=html)
     rows = _measure_all(files, done, results, json_output, llm=llm, compile_only=compile_only, csv=csv,
                         claim=(lambda index: claim(Path(queue), index)) if queue is not None else None,
-                        precision=precision)
+                        precision=precision, no_compile=no_compile)
     hardware = _hardware(compile_only)
     device = hardware.get("gpu") or (torch.cuda.get_device_name() if torch.cuda.is_available() else
                                      "no GPU (compile-only)")
@@ -1958,6 +1978,7 @@ def _run_spread(bench: str, folder: Path, files: list[Path], done: dict[str, dic
     them, with the "gpus" (and "scaling") sections. With --results F the processes write F.gpu0,
     F.gpu1, ... beside it, folded into F when they are done (or by the next run, after a kill)."""
     llm, compile_only, precision = settings["llm"], settings["mode"] == "compile-only", settings["precision"]
+    no_compile = settings["mode"] == "no-compile"
     todo = [p for p in files if p.stem not in done]
     seen: dict[str, dict] = {}
 
@@ -1968,7 +1989,8 @@ def _run_spread(bench: str, folder: Path, files: list[Path], done: dict[str, dic
 
     def spread(devices: list[str], work: Path, parts: list[Path], env: dict[str, str], on_row=None) -> Spread:
         return Spread(bench, folder, todo, devices, work, parts, llm=llm, compile_only=compile_only,
-                      json_output=json_output, env=env, on_row=on_row, precision=precision).run()
+                      json_output=json_output, env=env, on_row=on_row, precision=precision,
+                      no_compile=no_compile).run()
 
     def caches(side: Path) -> dict[str, str]:  # with --scaling, neither run profits from the other's compiles
         return {"STITCHCUDA_CACHE_DIR": str(side / "cache"), "TORCHINDUCTOR_CACHE_DIR": str(side / "inductor"),
