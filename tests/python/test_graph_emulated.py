@@ -928,3 +928,31 @@ def test_a_rotated_half_input_computes_ropes_rotation(emu):
     with pytest.raises(ValueError, match="must rotate half of the last extent"):
         pointwise_kernel("bad", shape, [PointwiseInput("in0", torch.float32, tuple(q.stride()), rotate=4)], [],
                          [("out0", "in0", torch.float32)])
+
+
+def _tf32_split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """hi: x with its 13 low mantissa bits cleared (NaN kept whole), lo = x - hi (0 where x is not finite)."""
+    hi = (x.view(torch.int32) & -8192).view(torch.float32)
+    hi = torch.where(torch.isnan(x), x, hi)
+    lo = torch.where(torch.isfinite(x), x - hi, torch.zeros_like(x))
+    return hi, lo
+
+
+@pytest.mark.parametrize("rows, cols, ld, offset", [(6, 16, 24, 8), (5, 7, 13, 3), (4, 8, 8, 0), (3, 12, 20, 2)],
+                         ids=["float4", "scalar", "dense", "misaligned"])
+def test_tf32x3_slab_split_writes_an_exact_dense_split_of_a_strided_slab(emu, rows, cols, ld, offset):
+    # A slab of K: `rows` rows of `cols` elements, `ld` apart, starting `offset` floats in (2: not 16-byte
+    # aligned, so the scalar path although cols and ld are multiples of 4), split into dense [rows, cols] parts.
+    torch.manual_seed(rows * cols + ld)
+    storage = torch.randn(offset + rows * ld + 4) * 100
+    storage[offset + 1], storage[offset + 2], storage[offset + 3] = float("inf"), float("nan"), float("-inf")
+    hi, lo = torch.full((rows * cols,), 7.0), torch.full((rows * cols,), 7.0)
+    kernel = EmulatedModule(emu, _split_kernel_source()).kernel("stitchcuda_tf32x3_split_slab")
+    kernel(max(1, -(-rows * cols // 4 // 256)), 256, storage[offset:], ld, rows, cols, hi, lo)
+    slab = storage[offset:].as_strided((rows, cols), (ld, 1))
+    want_hi, want_lo = _tf32_split(slab)
+    torch.testing.assert_close(hi.view(rows, cols), want_hi, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(lo.view(rows, cols), want_lo, rtol=0, atol=0)
+    finite = torch.isfinite(slab)
+    assert torch.equal((hi.view(rows, cols) + lo.view(rows, cols))[finite], slab[finite])  # exact
+
