@@ -238,6 +238,19 @@ def test_the_rule_for_nan_and_infinities():
     assert compare.first_difference("i", ints + torch.tensor([0, 0, 1]), ints, *tolerance(ints.dtype))
 
 
+def test_a_difference_names_the_element_furthest_outside_its_bound_when_the_largest_error_is_within_its_own():
+    # A long sum: at 49 the bound is 0.0050 and an error of 3e-4 passes; near zero atol alone bounds it.
+    want = torch.tensor([49.0401, 0.0003, -3.0])
+    got = torch.tensor([49.0398, 0.00005, -3.0])
+    assert compare.most_outside(got, want, 1e-4, 1e-4) == (pytest.approx(2.5, rel=1e-3), 1)
+    text = compare.first_difference("sum_1", got, want, 1e-4, 1e-4, reference="ATen")
+    assert text.startswith("output 'sum_1' differs from ATen: max |error| 0.000301 at flat index 0")
+    assert "furthest outside atol + rtol * |expected| at flat index 1: |error| 0.00025, 2.5 times its bound" in text
+    # When the largest error is the one outside its bound, the message names it once.
+    assert "furthest" not in compare.first_difference("y", torch.tensor([1.0, 3.0]), torch.tensor([1.0, 2.0]),
+                                                      1e-4, 1e-4)
+
+
 class FakeProgram:
     """A Program's surface as check_program uses it: executor(graphs=False).run(feed), serialize()."""
 

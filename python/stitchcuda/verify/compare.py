@@ -9,6 +9,7 @@ only NaN, an infinity only the same infinity; integers and booleans must be equa
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,21 +121,37 @@ def largest_error(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, int
     return float(values[k]), int(places[k])
 
 
+def _share(g: torch.Tensor, e: torch.Tensor, atol: float, rtol: float) -> torch.Tensor:
+    """Each |g - e| as a share of its bound (inf: a mismatch the rule takes exactly)."""
+    diff = abs_error(g, e)
+    exact = torch.where(diff == 0, 0.0, float("inf"))
+    if not (e.is_floating_point() or e.is_complex()):
+        return exact
+    wide = _wide(e)
+    return torch.where(torch.isfinite(wide), diff.div_(wide.abs().mul_(rtol).add_(atol)), exact)
+
+
 def tolerance_used(got: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> float:
     """The largest |got - expected| as a share of its bound under the rule above (1.0: at the limit, inf:
     a mismatch the rule takes exactly, such as a non-finite or integer value that differs)."""
-    shares = []
-    for _, g, e in _chunks(got, expected):
-        diff = abs_error(g, e)
-        if not (e.is_floating_point() or e.is_complex()):
-            share = torch.where(diff == 0, 0.0, float("inf"))
-        else:
-            wide = _wide(e)
-            exact = torch.where(diff == 0, 0.0, float("inf"))
-            share = torch.where(torch.isfinite(wide), diff.div_(wide.abs().mul_(rtol).add_(atol)), exact)
-        if share.numel():
-            shares.append(share.max())
+    shares = [share.max() for _, g, e in _chunks(got, expected) if (share := _share(g, e, atol, rtol)).numel()]
     return float(torch.stack(shares).max()) if shares else 0.0
+
+
+def most_outside(got: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> tuple[float, int]:
+    """(the largest share of its bound, its flat index): the element furthest outside the tolerance, which
+    need not be the one of the largest absolute error (near zero, atol alone bounds it)."""
+    maxima, places = [], []
+    for start, g, e in _chunks(got, expected):
+        share = _share(g, e, atol, rtol)
+        if share.numel():
+            maxima.append(share.max())
+            places.append(share.argmax() + start)
+    if not maxima:
+        return 0.0, 0
+    values = torch.stack(maxima)
+    k = int(values.argmax())
+    return float(values[k]), int(places[k])
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -153,8 +170,14 @@ def first_difference(name: str, got: torch.Tensor, want: torch.Tensor, atol: flo
     if not _any_outside(got, want, atol, rtol):
         return None
     worst, idx = largest_error(got, want)
-    return (f"output '{name}' differs from {reference}: max |error| {worst:.3g} at flat index {idx} "
+    text = (f"output '{name}' differs from {reference}: max |error| {worst:.3g} at flat index {idx} "
             f"(expected {want.reshape(-1)[idx].item():.6g}, got {got.reshape(-1)[idx].item():.6g})")
+    share, far = most_outside(got, want, atol, rtol)
+    if far != idx and math.isfinite(share):  # the largest error is within its bound: say which one is not
+        e, g = want.reshape(-1)[far].item(), got.reshape(-1)[far].item()
+        text += (f"; furthest outside atol + rtol * |expected| at flat index {far}: |error| {abs(g - e):.3g}, "
+                 f"{share:.3g} times its bound (expected {e:.6g}, got {g:.6g})")
+    return text
 
 
 def _num(x: Any) -> float | None:
