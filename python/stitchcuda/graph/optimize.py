@@ -24,8 +24,8 @@ from ..verify.program import input_set, release_host_memory, verify_whole
 from ..verify.tolerance import tolerance
 from ..verify import timing as verify_timing  # a module name: optimize() has an argument called measure
 from .capture import CaptureError, Graph, capture
-from .lower import (Lowering, LoweringError, check_group, constant_values, group_inputs, reference_values, stream_values,
-                    working_bytes)
+from .lower import (Lowering, LoweringError, check_group, constant_values, group_inputs, reference_values,
+                    stream_values, working_bytes)
 from .agents import AgentBudget, run_agents
 from .planner import GENERATED, Group, OfflinePlanner, GraphPlan
 from .report import Report, _Progress
@@ -541,12 +541,12 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
         return OptimizedModule(model, None, None, report)
     start = _allocated()  # what optimize() found allocated: its own memory is measured above this
     pool = None
-    if isolated:
-        from ..verify import trusted_pool
-
-        pool = trusted_pool()
-        pool.start()  # a first call's worker imports torch while the model is captured and planned
     try:
+        if isolated:
+            from ..verify import trusted_pool
+
+            pool = trusted_pool()
+            pool.start()  # a first call's worker imports torch while the model is captured and planned
         with steps.step("capturing"):
             t0 = time.perf_counter()
             graph = capture(model, example_inputs)
