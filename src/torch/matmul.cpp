@@ -570,15 +570,19 @@ Result<void> PreparedMatmul::run(const at::Tensor& a, const at::Tensor& b, const
   }
   if (!scratch) return fail(ErrorCode::Internal, "a tf32x3 matmul ran without its split scratch");
   float* parts = static_cast<float*>(scratch);
-  auto split = [&](const float* x, std::int64_t n, Descriptors::Part hi, Descriptors::Part lo) -> Result<void> {
-    jit::KernelArgs args;
-    args.pointer(x).pointer(parts + d.part_offset(hi)).pointer(parts + d.part_offset(lo)).i64(n);
+  // A split kernel over `n` elements: a float4 per thread, a grid-stride loop past 8192 blocks.
+  auto launch_split = [&](const jit::Kernel& kernel, std::int64_t n, const jit::KernelArgs& args) -> Result<void> {
     jit::LaunchConfig cfg;
     cfg.block = {256, 1, 1};
     cfg.grid = {unsigned(std::clamp<std::int64_t>((n / 4 + 255) / 256, 1, 8192)), 1, 1};
     cfg.stream = stream;
     cfg.device = c.get_device();
-    return d.splitter->launch(cfg, args);
+    return kernel.launch(cfg, args);
+  };
+  auto split = [&](const float* x, std::int64_t n, Descriptors::Part hi, Descriptors::Part lo) -> Result<void> {
+    jit::KernelArgs args;
+    args.pointer(x).pointer(parts + d.part_offset(hi)).pointer(parts + d.part_offset(lo)).i64(n);
+    return launch_split(*d.splitter, n, args);
   };
   using Part = Descriptors::Part;
   const float one = 1.0f;
@@ -587,12 +591,7 @@ Result<void> PreparedMatmul::run(const at::Tensor& a, const at::Tensor& b, const
                           Part lo) -> Result<void> {
       jit::KernelArgs args;
       args.pointer(x).i64(ld).i64(rows).i64(cols).pointer(parts + d.part_offset(hi)).pointer(parts + d.part_offset(lo));
-      jit::LaunchConfig cfg;
-      cfg.block = {256, 1, 1};
-      cfg.grid = {unsigned(std::clamp<std::int64_t>((rows * cols / 4 + 255) / 256, 1, 8192)), 1, 1};
-      cfg.stream = stream;
-      cfg.device = c.get_device();
-      return d.slab_splitter->launch(cfg, args);
+      return launch_split(*d.slab_splitter, rows * cols, args);
     };
     const float* a_data = static_cast<const float*>(a.data_ptr());
     const float* b_data = static_cast<const float*>(b.data_ptr());

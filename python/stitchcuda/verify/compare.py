@@ -105,20 +105,26 @@ def max_abs_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return largest_error(got, expected)[0]
 
 
-def largest_error(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, int]:
-    """(largest |got - expected|, its flat index): where to look first (the first such index on ties)."""
+def _largest(got: torch.Tensor, expected: torch.Tensor, measure) -> tuple[float, int]:
+    """(largest measure(got, expected) element, its flat index), chunk by chunk (the first on ties)."""
     maxima, places = [], []
     for start, g, e in _chunks(got, expected):
-        diff = abs_error(g, e)
-        # Reductions, not diff[idx]: an index into diff is a view that would keep every chunk's float64
-        # differences alive until the end (twice the output's size for fp32).
-        maxima.append(diff.max())
-        places.append(diff.argmax() + start)
+        values = measure(g, e)
+        # Reductions, not values[idx]: an index into them is a view that would keep every chunk's float64
+        # temporaries alive until the end (twice the output's size for fp32).
+        if values.numel():
+            maxima.append(values.max())
+            places.append(values.argmax() + start)
     if not maxima:
         return 0.0, 0
-    values = torch.stack(maxima)
-    k = int(values.argmax())  # the first chunk holding the largest error
-    return float(values[k]), int(places[k])
+    found = torch.stack(maxima)
+    k = int(found.argmax())  # the first chunk holding the largest
+    return float(found[k]), int(places[k])
+
+
+def largest_error(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, int]:
+    """(largest |got - expected|, its flat index): where to look first (the first such index on ties)."""
+    return _largest(got, expected, abs_error)
 
 
 def _share(g: torch.Tensor, e: torch.Tensor, atol: float, rtol: float) -> torch.Tensor:
@@ -134,24 +140,13 @@ def _share(g: torch.Tensor, e: torch.Tensor, atol: float, rtol: float) -> torch.
 def tolerance_used(got: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> float:
     """The largest |got - expected| as a share of its bound under the rule above (1.0: at the limit, inf:
     a mismatch the rule takes exactly, such as a non-finite or integer value that differs)."""
-    shares = [share.max() for _, g, e in _chunks(got, expected) if (share := _share(g, e, atol, rtol)).numel()]
-    return float(torch.stack(shares).max()) if shares else 0.0
+    return most_outside(got, expected, atol, rtol)[0]
 
 
 def most_outside(got: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> tuple[float, int]:
     """(the largest share of its bound, its flat index): the element furthest outside the tolerance, which
     need not be the one of the largest absolute error (near zero, atol alone bounds it)."""
-    maxima, places = [], []
-    for start, g, e in _chunks(got, expected):
-        share = _share(g, e, atol, rtol)
-        if share.numel():
-            maxima.append(share.max())
-            places.append(share.argmax() + start)
-    if not maxima:
-        return 0.0, 0
-    values = torch.stack(maxima)
-    k = int(values.argmax())
-    return float(values[k]), int(places[k])
+    return _largest(got, expected, lambda g, e: _share(g, e, atol, rtol))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

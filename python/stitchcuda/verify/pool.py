@@ -327,11 +327,7 @@ class WorkerPool:
                 except queue.Empty:
                     break
             for slot in taken:
-                worker = self._workers[slot]
-                if worker is None or not worker.process.is_alive():
-                    if worker is not None:
-                        worker.kill()
-                    self._workers[slot] = self._start(slot)
+                self._running(slot)
         finally:
             for slot in taken:
                 self._idle.put(slot)
@@ -346,12 +342,17 @@ class WorkerPool:
         finally:
             self._idle.put(slot)
 
-    def _run_on(self, slot: int, job: dict[str, Any], compile_limit_s: float, run_limit_s: float) -> dict[str, Any]:
+    def _running(self, slot: int) -> _Worker:
+        """The slot's worker, started (or replaced, when it died) if it is not running."""
         worker = self._workers[slot]
         if worker is None or not worker.process.is_alive():
             if worker is not None:
                 worker.kill()
             worker = self._workers[slot] = self._start(slot)
+        return worker
+
+    def _run_on(self, slot: int, job: dict[str, Any], compile_limit_s: float, run_limit_s: float) -> dict[str, Any]:
+        worker = self._running(slot)
         problem = worker.wait_ready(self.ready_limit_s)
         if problem and worker.sandboxed and "did not start within" not in problem:
             # A machine where CUDA or torch cannot start inside the namespaces: verify without them
