@@ -16,11 +16,11 @@
 // split a block at a time the same way, each block's products writing its columns of c; a is then split
 // whole when its parts fit kSplitWideBytes, else a block of rows at a time inside each of b's blocks (a
 // split again per block of b: b's blocks are made as large as a's then, so that happens rarely).
-// With STITCHCUDA_TF32X3_KBLOCK (off unless set; batch 1, a not transposed) both operands are split a
-// slab of K at a time instead: the parts hold (M + N) x slab elements of each, the three products of a
+// When the parts split_blocks would hold stay large beside c (a down-projection: few columns, a long K,
+// and the output floor per block keeps a whole), both operands are split a slab of K at a time instead
+// (batch 1, a not transposed): the parts hold (M + N) x slab elements of each, the three products of a
 // slab accumulate into c, and every slab after the first adds two reads and writes of c (its two lo
-// products) — for a product whose blocks of a would stay large (few columns, a long K: an MLP's
-// down-projection), memory traded back for bandwidth.
+// products) — memory traded back for bandwidth, as few slabs as the cap allows (k_block).
 #include "steps.hpp"
 
 #include <cublasLt.h>
@@ -145,15 +145,6 @@ std::int64_t split_chunk(std::int64_t k) {
   return *v == 0 ? std::max<std::int64_t>(k, 1) : *v;
 }
 
-// Elements of K per slab (STITCHCUDA_TF32X3_KBLOCK, rounded down to a multiple of the chunk, at least one
-// chunk), or 0: no slabs (unset, 0, or a slab as wide as K).
-std::int64_t k_block(std::int64_t k) {
-  const auto v = env_count("STITCHCUDA_TF32X3_KBLOCK");
-  if (!v || *v == 0) return 0;
-  const std::int64_t chunk = split_chunk(k);
-  const std::int64_t kb = std::max(chunk, *v / chunk * chunk);
-  return kb < k ? kb : 0;
-}
 // How tf32x3 blocks its operands: rows of a split at a time (a_rows; m: all at once) and rows of a
 // transposed b, i.e. columns of c (b_rows; n: all). a alone is blocked as long as b's parts fit
 // kSplitWholeBBytes: rows whose two parts fit kSplitBlockBytes, but at least kSplitBlockOutputs outputs per
@@ -191,6 +182,30 @@ SplitBlocks split_blocks(std::int64_t m, std::int64_t n, std::int64_t k, bool bl
   if (const auto v = env_count("STITCHCUDA_TF32X3_COLS"); v && block_b)
     s.b_rows = *v == 0 ? n1 : std::clamp<std::int64_t>(*v, 1, n1);
   return s;
+}
+
+// Slabs of K: used when the parts split_blocks holds exceed both kSlabAfterBytes and four times c; a slab
+// is then the most K (a multiple of the chunk, at least one) whose parts fit the larger of
+// kSlabAfterBytes and twice c, and only when that holds fewer parts than the blocks. A transformer's
+// 4096 -> 1024 projection over 8192 tokens holds 144 MiB in two slabs instead of 288 MiB of blocks; a
+// square 4096 product (192 MiB of parts, three times c) keeps its blocks. STITCHCUDA_TF32X3_KBLOCK
+// overrides the choice (0: never; else that many elements, rounded down to the chunk), for tests and
+// measurements. Returns 0 for no slabs (also when a slab would span K).
+constexpr std::int64_t kSlabAfterBytes = 160ll << 20;
+
+std::int64_t k_block(std::int64_t m, std::int64_t n, std::int64_t k, const SplitBlocks& blocks) {
+  const std::int64_t chunk = split_chunk(k);
+  std::int64_t kb = 0;
+  if (const auto v = env_count("STITCHCUDA_TF32X3_KBLOCK")) {
+    if (*v == 0) return 0;
+    kb = std::max(chunk, *v / chunk * chunk);
+  } else {
+    const std::int64_t parts = 8 * k * (blocks.a_rows + blocks.b_rows), c_bytes = 4 * m * n;
+    if (parts <= std::max(4 * c_bytes, kSlabAfterBytes)) return 0;
+    kb = std::max(chunk, std::max(2 * c_bytes, kSlabAfterBytes) / (8 * (m + n)) / chunk * chunk);
+    if (8 * (m + n) * kb >= parts) return 0;
+  }
+  return kb < k ? kb : 0;
 }
 
 // Each split part starts on a 256-byte boundary (cuBLASLt's tensor-core kernels want 16-byte alignment).
@@ -469,7 +484,7 @@ Result<std::unique_ptr<PreparedMatmul>> PreparedMatmul::create(const Matmul& m, 
   auto chunk_offset = [](const TensorSpec& s, bool k_in_rows, std::int64_t k0) {
     return k_in_rows ? k0 : k0 * cols(s);
   };
-  if (const std::int64_t kb = m.batch == 1 && !m.transpose_a ? k_block(K) : 0; kb > 0) {
+  if (const std::int64_t kb = m.batch == 1 && !m.transpose_a ? k_block(M, N, K, blocks) : 0; kb > 0) {
     // Slabs of K: each slab's parts are dense — a's [M, w] (column-major [w x M], ld w), b's [N, w] when
     // transposed ([w x N], ld w), else [w, N] ([N x w], ld N) — and its calls read chunks of them.
     d.k_block = kb, d.b_transposed = m.transpose_b;

@@ -520,6 +520,8 @@ def test_run_that_allocates_its_outputs_gives_each_one_memory_at_its_first_step(
     (2048, 16384, 2048, "STITCHCUDA_TF32X3_COLS", "", 192 << 20),
     # an MLP's down-projection, a whole (8 Mi outputs): 288 MiB of parts, 36 MiB in slabs of 512 along K
     (8192, 1024, 4096, "STITCHCUDA_TF32X3_KBLOCK", "512", 240 << 20),
+    # the same by the executor's own rule: two slabs of 2048, 144 MiB of parts
+    (8192, 1024, 4096, "STITCHCUDA_TF32X3_KBLOCK", "", 144 << 20),
 ])
 def test_a_large_tf32x3_operand_is_split_a_block_at_a_time(m, n, k, knob, blocked, fewer, monkeypatch):
     """The split scratch holds one block (or slab of K) of a large operand's parts, not all of them, with

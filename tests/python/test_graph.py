@@ -702,8 +702,9 @@ def test_tf32x3_cost_model_counts_the_split_and_the_chunked_accumulation():
     # Tall and skinny: moving the split copies of its 1 GiB input costs more than the tensor cores save.
     ok, why = split_tf32_choice(65536, 64, 4096, 1, 65536 * 4096, 4096 * 64, H200_PEAKS)
     assert not ok and why.startswith("estimated")
-    # A batch whose split operands would exceed three times its largest tensor is refused for memory.
-    ok, why = split_tf32_choice(64, 64, 1 << 20, 1, 64 << 20, 64 << 20, H200_PEAKS)
+    # Split operands that would exceed three times the largest tensor are refused for memory (a transposed
+    # a is never split in slabs of K, which would hold less).
+    ok, why = split_tf32_choice(64, 64, 1 << 20, 1, 64 << 20, 64 << 20, H200_PEAKS, transpose_a=True)
     assert not ok and "would exceed 3 times its largest tensor (256 MiB)" in why
     # The executor splits a large a a block of rows at a time: the scratch counted is b's parts and one
     # block's, so two 4 GiB operands (16 GiB split whole) fit beside their 4 GiB tensors.
@@ -733,32 +734,41 @@ def test_tf32x3_cost_model_counts_the_split_and_the_chunked_accumulation():
     assert {g.params["precision"] for g in plan.groups if g.kind == "gemm"} == {"tf32"}
 
 
-def test_tf32x3_slabs_of_k_count_their_scratch_and_extra_passes(monkeypatch):
-    """STITCHCUDA_TF32X3_KBLOCK (off unless set): the executor splits both operands a slab of K at a time, so
-    an MLP down-projection whose 8 Mi-output floor keeps a whole (256 MiB of a's parts) holds (M + N) x slab
-    x 8 bytes; the cost model adds two passes over c per extra slab."""
-    from stitchcuda.graph.planner import k_block, split_tf32_choice
+def test_tf32x3_slabs_of_k_where_blocks_stay_large_beside_the_result(monkeypatch):
+    """The executor splits both operands a slab of K at a time where the blocks of its parts would stay large
+    beside the result (a down-projection: the 8 Mi-output floor keeps a whole), as few slabs as 160 MiB (or
+    twice the result) allows; a square product keeps its blocks. The cost model counts the slabs' scratch
+    and their two extra passes over c per extra slab; STITCHCUDA_TF32X3_KBLOCK overrides the choice."""
+    from stitchcuda.graph.planner import k_block, split_blocks, split_tf32_choice
 
+    monkeypatch.delenv("STITCHCUDA_TF32X3_KBLOCK", raising=False)
     m, n, k = 8192, 1024, 4096  # a transformer encoder's 4096 -> 1024 projection over 8192 tokens
+    assert split_blocks(m, n, k, 1, False, True) == (m, n)  # 288 MiB of parts as blocks
+    assert k_block(m, n, k, transpose_b=True) == 2048  # 144 MiB in two slabs
+    assert k_block(12544, 768, 3072, transpose_b=True) == 1536  # an MLP-Mixer's channel projection
+    assert k_block(16384, 768, 3072, transpose_b=True) == 1024  # GPT's MLP output over 16384 tokens
+    for shape in ((4096, 4096, 4096), (8192, 4096, 8192), (8192, 4096, 1024), (512, 512, 512)):
+        assert k_block(*shape, transpose_b=True) == 0, shape  # parts within 4x the result or 160 MiB
+    assert k_block(m, n, k, batch=2, transpose_b=True) == 0 and k_block(m, n, k, transpose_a=True) == 0
     args = (m, n, k, 1, m * k, n * k, H200_PEAKS)
+    _, two = split_tf32_choice(*args, transpose_b=True)
+    monkeypatch.setenv("STITCHCUDA_TF32X3_KBLOCK", "0")
+    assert k_block(m, n, k) == 0
     _, whole = split_tf32_choice(*args, transpose_b=True)
-    assert k_block(k) == 0
     monkeypatch.setenv("STITCHCUDA_TF32X3_KBLOCK", "1000")  # rounded down to the 512-element chunk
-    assert k_block(k) == 512 and k_block(512) == 0 and k_block(4096 + 512) == 512
-    monkeypatch.setenv("STITCHCUDA_TF32X3_KBLOCK", "1024")
-    assert k_block(k) == 1024
-    _, slabs = split_tf32_choice(*args, transpose_b=True)
+    assert k_block(m, n, k) == 512 and k_block(m, n, 512) == 0 and k_block(m, n, 4096 + 512) == 512
+    _, four = split_tf32_choice(*args, transpose_b=True)
     estimate = lambda why: float(why.split()[1])  # noqa: E731 - "estimated X ms as 3xTF32 ..."
-    assert estimate(slabs) > estimate(whole)  # six more passes over c's 32 MiB
+    assert estimate(whole) < estimate(two) < estimate(four)  # two more passes over c per extra slab
     # The scratch is a slab of each: operands whose parts would exceed the cap whole fit in slabs.
     thin = (64, 64, 1 << 20, 1, 64 << 20, 64 << 20, H200_PEAKS)
     assert "would exceed" not in split_tf32_choice(*thin)[1]
     monkeypatch.setenv("STITCHCUDA_TF32X3_KBLOCK", "0")
     assert "would exceed" in split_tf32_choice(*thin)[1]
     monkeypatch.setenv("STITCHCUDA_TF32X3_KBLOCK", "64")
-    assert k_block(k) == 512
+    assert k_block(m, n, k) == 512
     monkeypatch.setenv("STITCHCUDA_TF32X3_CHUNK", "256")
-    assert k_block(k) == 256  # a slab is at least one chunk
+    assert k_block(m, n, k) == 256  # a slab is at least one chunk
 
 
 # ---- planning optimize()'s memory ----

@@ -84,6 +84,7 @@ _SPLIT_BLOCK_BYTES = 64 << 20
 _SPLIT_WHOLE_B_BYTES = 128 << 20
 _SPLIT_WIDE_BYTES = 256 << 20
 _SPLIT_BLOCK_OUTPUTS = 8 << 20
+_SLAB_AFTER_BYTES = 160 << 20  # k_block
 
 
 def split_blocks(m: int, n: int, k: int, batch: int = 1, transpose_a: bool = False,
@@ -122,15 +123,29 @@ def split_chunk(k: int) -> int:
     return (int(override) or max(k, 1)) if override.isdigit() else _SPLIT_CHUNK
 
 
-def k_block(k: int) -> int:
-    """Elements of K per slab when the executor splits both operands a slab of K at a time
-    (STITCHCUDA_TF32X3_KBLOCK, off unless set: rounded down to a multiple of the K-chunk, at least one), or
-    0: no slabs (unset, 0, or a slab as wide as K). src/torch/matmul.cpp's k_block."""
-    text = os.environ.get("STITCHCUDA_TF32X3_KBLOCK", "")
-    if not text.isdigit() or int(text) == 0:
+def k_block(m: int, n: int, k: int, batch: int = 1, transpose_a: bool = False, transpose_b: bool = False) -> int:
+    """Elements of K per slab when the executor splits both operands a slab of K at a time, or 0: no slabs.
+    Batch 1 and a not transposed only; used when the parts split_blocks holds exceed both 160 MiB and four
+    times the result (a down-projection, whose 8 Mi-output floor keeps a whole): the most K, a multiple of
+    the K-chunk and at least one, whose parts fit the larger of 160 MiB and twice the result, when that
+    holds fewer parts. STITCHCUDA_TF32X3_KBLOCK overrides it (0: never; else rounded down to the chunk).
+    src/torch/matmul.cpp's k_block."""
+    if batch != 1 or transpose_a:
         return 0
     chunk = split_chunk(k)
-    kb = max(chunk, int(text) // chunk * chunk)
+    text = os.environ.get("STITCHCUDA_TF32X3_KBLOCK", "")
+    if text.isdigit():
+        if int(text) == 0:
+            return 0
+        kb = max(chunk, int(text) // chunk * chunk)
+    else:
+        a_rows, b_rows = split_blocks(m, n, k, batch, transpose_a, transpose_b)
+        parts, c_bytes = 8 * k * (a_rows + b_rows), 4 * m * n
+        if parts <= max(4 * c_bytes, _SLAB_AFTER_BYTES):
+            return 0
+        kb = max(chunk, max(2 * c_bytes, _SLAB_AFTER_BYTES) // (8 * (m + n)) // chunk * chunk)
+        if 8 * (m + n) * kb >= parts:
+            return 0
     return kb if kb < k else 0
 
 
@@ -153,7 +168,7 @@ def split_tf32_choice(m: int, n: int, k: int, batch: int, a_elems: int, b_elems:
     scratch = 8.0 * ((a_rows * k if a_rows < m else a_elems) + (b_rows * k if b_rows < n else b_elems))
     # a split once, or again for each of b's blocks when both are blocked
     a_splits = -(-n // max(b_rows, 1)) if a_rows < m and b_rows < n else 1
-    slab = k_block(k) if batch == 1 and not transpose_a else 0
+    slab = k_block(m, n, k, batch, transpose_a, transpose_b)
     if slab:  # both operands a slab of K at a time: each split once, two more passes over c per extra slab
         scratch, a_splits = 8.0 * (m + n) * slab, 1
     largest = 4.0 * max(a_elems, b_elems, batch * m * n)
