@@ -263,6 +263,8 @@ def test_run_model_checks_three_input_sets_and_records_memory(folder, cpu_column
     assert (row["eager_peak_bytes"], row["optimize_peak_bytes"]) == (1000, 1000)
     assert row["largest_tensor_bytes"] == 8 * 16 * 4  # the input and the output: fp32 [8, 16]
     assert row["memory_ratio"] == pytest.approx(1000 / (1000 + 2 * 512))
+    largest = row["forward_largest_tensor_bytes"]  # an intermediate of the forward may be larger
+    assert largest >= 512 and row["memory_ratio_forward"] == pytest.approx(1000 / (1000 + 2 * largest))
     assert row["stage_peak_bytes"] == {"capture": 100, "verify": 900}  # where optimize's peak was reached
     assert (row["best_compile_mode"], row["speedup_compile"], row["speedup_stitch"]) == ("default", 2.0, 1.0)
     assert row["groups"] == {"gemm": 1, "pointwise": 2} and row["errors"] == {}
@@ -452,3 +454,17 @@ def test_a_spread_run_passes_no_compile_to_its_bench_processes(folder, tmp_path)
                           json_output=True, no_compile=True)
     assert "--no-compile" in spread._command(0) and "--compile-only" not in spread._command(0)
     assert spread.rows()["op_a"]["mode"] == "no-compile"  # a problem no process measured: its error row
+
+
+def test_the_forward_largest_tensor_counts_intermediates():
+    """The memory target's second reading: the largest tensor the eager forward makes, not only its inputs'
+    and outputs' (a [64, 8] input broadcast to [64, 8, 256] before a sum back to [64, 8])."""
+
+    class Widen(torch.nn.Module):
+        def forward(self, x):
+            return (x.unsqueeze(-1) * torch.ones(256)).sum(-1)
+
+    x = torch.randn(64, 8)
+    assert suite.largest_tensor_bytes((x,), Widen()(x)) == 64 * 8 * 4
+    assert suite.forward_largest_tensor_bytes(Widen(), (x,)) == 64 * 8 * 256 * 4
+    assert suite.forward_largest_tensor_bytes(torch.nn.Identity(), (x,)) == 64 * 8 * 4  # at least the input

@@ -293,5 +293,8 @@ def test_a_row_over_its_memory_target_says_where_the_peak_was_reached():
     (note,) = [line for line in _row_notes(row) if "memory:" in line]
     assert note == ("    memory: 10.00 GiB peak, reached by verify; eager peak 2.00 GiB, largest tensor 1.00 GiB; "
                     "stages: capture 0.00, generate_and_check 4.00, build 6.00, verify 10.00, check_with_worker 5.00")
+    row.update(forward_largest_tensor_bytes=2 * gib, memory_ratio_forward=10 / 6)
+    (note,) = [line for line in _row_notes(row) if "memory:" in line]
+    assert "largest tensor 1.00 GiB (the forward's 2.00: ratio 1.67); stages:" in note
     row["memory_ratio"] = 0.9
     assert not [line for line in _row_notes(row) if "memory:" in line]  # within target: nothing to explain

@@ -69,7 +69,9 @@ before it), optimize_peak_bytes (the same around the optimize call; this process
 optimize_device_peak_bytes (the GPU's: the larger of that and, over the group checks, this process's
 allocations at a check plus what the isolated Verifier worker allocated for it), largest_tensor_bytes (the
 largest single input or eager output) and memory_ratio = optimize device peak / (eager peak + 2 x largest
-tensor), whose target is <= 1, stage_peak_bytes (the peak so far at the end of each of optimize's stages,
+tensor), whose target is <= 1; forward_largest_tensor_bytes (the largest tensor the eager forward makes,
+its intermediates included, or its inputs' and outputs') and memory_ratio_forward (the same ratio with it:
+the target read as the forward's largest tensor), stage_peak_bytes (the peak so far at the end of each of optimize's stages,
 on the same basis, and "check_with_worker": where the peak was reached), program_memory (the report's memory:
 the kept program's weights_bytes, shared_weights_bytes, arena_bytes and runner_bytes, all its runner held
 after its timed calls), peak_sites (only with STITCHCUDA_MEMORY_SITES=N: the N largest groups of the
@@ -123,7 +125,7 @@ Summary (per class, per level and overall): models, correct, optimized, geomean 
 compile default, reduce-overhead, the best compile mode per problem, StitchCUDA and the agents, the
 geomeans of StitchCUDA and the agents over the best compile mode, slower_than_eager (problems whose
 measured StitchCUDA speed-up is below 0.98), optimize_s_median / optimize_s_max, memory_over_target
-(problems whose memory_ratio exceeds 1), and fast_p: KernelBench's metric, for p = 0, 0.5 and 1, the
+(problems whose memory_ratio exceeds 1; memory_over_target_forward: whose memory_ratio_forward does), and fast_p: KernelBench's metric, for p = 0, 0.5 and 1, the
 share of ALL the problems (those that failed included) whose result is correct and whose speed-up over
 the baseline is strictly greater than p — against eager and against the best compile mode.
 """
@@ -391,6 +393,24 @@ def largest_tensor_bytes(*structures: Any) -> int:
     return max((t.numel() * t.element_size() for t in tensors), default=0)
 
 
+def forward_largest_tensor_bytes(model: torch.nn.Module, inputs: tuple) -> int:
+    """The bytes of the largest tensor one eager forward of `model` makes (every ATen op's result, the
+    intermediates included), at least its inputs' largest."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        largest = largest_tensor_bytes(inputs)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            Largest.largest = max(Largest.largest, largest_tensor_bytes(out))
+            return out
+
+    with torch.no_grad(), Largest():
+        model(*inputs)
+    return Largest.largest
+
+
 def memory_ratio(optimize_peak: int | None, eager_peak: int | None, largest: int | None) -> float | None:
     """optimize peak / (eager peak + 2 x largest tensor): optimize may hold the model's working set plus an
     input and an output copy (a reference and a candidate) before it costs more than the target of 1."""
@@ -605,6 +625,7 @@ def _eager(row: dict, model: torch.nn.Module, inputs: tuple) -> Any:
         # The peak of a second, warm forward: eager's steady working set, output included.
         _, row["eager_peak_bytes"] = _peak_bytes(forward)
         row["largest_tensor_bytes"] = largest_tensor_bytes(inputs, want)
+        row["forward_largest_tensor_bytes"] = forward_largest_tensor_bytes(model, inputs)
         row["eager_ms"] = _time_ms(lambda: model(*inputs))
     return want
 
@@ -751,6 +772,8 @@ def _stitch_column(row: dict, module: ModuleType, model: torch.nn.Module, inputs
                                                 row["stage_peak_bytes"].get("check_with_worker", 0))
         row["memory_ratio"] = memory_ratio(row["optimize_device_peak_bytes"], row.get("eager_peak_bytes"),
                                            row.get("largest_tensor_bytes"))
+        row["memory_ratio_forward"] = memory_ratio(row["optimize_device_peak_bytes"], row.get("eager_peak_bytes"),
+                                                   row.get("forward_largest_tensor_bytes"))
         _record_report(row, fast)
         if fast.report.status == "optimized":
             sets = _input_sets(module, model, fast, inputs, want, precision)
@@ -1030,7 +1053,8 @@ CSV_COLUMNS = ("model", "level", "class", "mode", "precision", "llm", "status", 
                "speedup_compile", "speedup_reduce_overhead", "speedup_best_compile", "speedup_stitch",
                "speedup_agents", "stitch_vs_best_compile", "agents_vs_best_compile", "agents_correct",
                "optimize_s", "agents_s", "fallbacks", "kernels", "max_abs_error", *_ERROR_CSV, "fp64_note", "flops",
-               "bytes", "eager_peak_bytes", "optimize_peak_bytes", "optimize_device_peak_bytes", "memory_ratio", "errors")
+               "bytes", "eager_peak_bytes", "optimize_peak_bytes", "optimize_device_peak_bytes", "memory_ratio",
+               "forward_largest_tensor_bytes", "memory_ratio_forward", "errors")
 
 
 def _csv_value(row: dict, key: str) -> Any:
@@ -1156,6 +1180,8 @@ def summarize(rows: list[dict]) -> dict:
     out["optimize_s_max"] = max(walls) if walls else None
     ratios = [r["memory_ratio"] for r in rows if isinstance(r.get("memory_ratio"), (int, float))]
     out["memory_over_target"] = sum(x > 1 for x in ratios)
+    out["memory_over_target_forward"] = sum(r["memory_ratio_forward"] > 1 for r in rows
+                                            if isinstance(r.get("memory_ratio_forward"), (int, float)))
     out["models_with_memory_ratio"] = len(ratios)
     out.update(_error_summary(rows))
     return out
@@ -1261,7 +1287,10 @@ def _memory_note(r: dict) -> str:
     gib = 2 ** 30
     return (f"    memory: {peak / gib:.2f} GiB peak" + (f", reached by {at}" if at else "") +
             f"; eager peak {(r.get('eager_peak_bytes') or 0) / gib:.2f} GiB, largest tensor "
-            f"{(r.get('largest_tensor_bytes') or 0) / gib:.2f} GiB; stages: " +
+            f"{(r.get('largest_tensor_bytes') or 0) / gib:.2f} GiB" +
+            (f" (the forward's {r['forward_largest_tensor_bytes'] / gib:.2f}: ratio "
+             f"{_fmt(r.get('memory_ratio_forward'), '.2f')})" if r.get("forward_largest_tensor_bytes") else "") +
+            "; stages: " +
             ", ".join(f"{stage} {b / gib:.2f}" for stage, b in stages.items()) +
             (f"; program: {program_memory_text(r['program_memory'])}" if r.get("program_memory") else ""))
 
@@ -1342,7 +1371,8 @@ def format_table(rows: list[dict], summary: dict, device: str, title: str = "sui
                  f"optimized (not eager): {s['optimized']}/{s['models']}, StitchCUDA < {SLOW}x eager: "
                  f"{s['slower_than_eager']}, optimize s median {_fmt(s['optimize_s_median'], '.1f')} max "
                  f"{_fmt(s['optimize_s_max'], '.1f')}, memory ratio > 1: {s['memory_over_target']}/"
-                 f"{s['models_with_memory_ratio']}")
+                 f"{s['models_with_memory_ratio']} (against the forward's largest tensor, intermediates "
+                 f"included: {s.get('memory_over_target_forward', '-')})")
     medians = s.get("err_fp64_median") or {}
     if medians:
         names = {"eager": "eager", "compile": "compile", "reduce_overhead": "reduce-overhead", "stitch": "StitchCUDA",
