@@ -242,8 +242,9 @@ def test_group_checks_stream_the_graph_holding_only_what_pending_checks_read():
 
 def test_a_group_is_checked_after_the_interpreter_drops_what_its_last_node_read(monkeypatch):
     """The check of a group runs before the next node, not inside the node that completed it: by then a
-    value only that node read (a SiLU's sigmoid, which no check wants) is gone, so a check sits beside the
-    forward's live set between nodes, not its transient peak inside one."""
+    value only that node read (a gate's mean, which no check wants and whose shape the product cannot be
+    written over) is gone, so a check sits beside the forward's live set between nodes, not its transient
+    peak inside one."""
     import gc
     import weakref
 
@@ -251,12 +252,12 @@ def test_a_group_is_checked_after_the_interpreter_drops_what_its_last_node_read(
 
     class Gate(nn.Module):
         def forward(self, x):
-            return torch.tanh(x * torch.sigmoid(x)) + 1.0
+            return torch.tanh(x * torch.sigmoid(x).mean(-1, keepdim=True)) + 1.0
 
     x = torch.randn(64, 64)
     graph = capture(Gate().eval(), (x,))
     nodes = {n.op: n.out.name for n in graph.nodes if n.outputs}
-    sig, mul = nodes["aten::sigmoid"], nodes["aten::mul.Tensor"]
+    mean, mul = nodes["aten::mean.dim"], nodes["aten::mul.Tensor"]
     results: dict[str, weakref.ref] = {}
     run_node = torch.fx.Interpreter.run_node
 
@@ -274,7 +275,7 @@ def test_a_group_is_checked_after_the_interpreter_drops_what_its_last_node_read(
         alive[key] = {name for name, ref in results.items() if ref() is not None}
 
     stream_values(graph, [x], {"gate": {graph.inputs[0].name, mul}}, on_ready)
-    assert mul in alive["gate"] and sig not in alive["gate"], alive
+    assert mul in alive["gate"] and mean not in alive["gate"], alive
 
 
 def _binds_before_any_gpu(program) -> None:
@@ -688,6 +689,63 @@ def test_recording_runs_an_activation_in_place_where_the_model_did_and_nothing_e
     torch.testing.assert_close(seen[conv], model.conv(x))
     assert storage[first] != storage[conv]
     torch.testing.assert_close(kept[conv], model.conv(x))
+
+
+def test_recording_runs_the_pieces_of_a_decomposed_op_over_operands_no_later_node_reads():
+    """A decomposed op's pieces (a SiLU's x * sigmoid(x)) each allocate a result in the export: a product
+    whose first operand is read again is written over its second, the chain after it over the product,
+    and a sum over the operand whose last reader it is, so the recording holds the eager forward's live set. Values a check wants,
+    kept ones and the graph's inputs are never written; the recorded results are the model's."""
+    from stitchcuda.graph.lower import stream_values
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+        def forward(self, x):
+            h = self.conv(x)
+            y = h * torch.sigmoid(h)  # h is read again below: the product cannot take its memory
+            return h + (y - 1.0) / 2.0
+
+    model = Block().eval()
+    x = torch.randn(2, 4, 8, 8)
+    graph = capture(model, (x,))
+    names = {n.op.split(".")[0]: n.out.name for n in graph.nodes}
+    storage: dict[str, int] = {}
+    run_node = torch.fx.Interpreter.run_node
+
+    def recording(self, n):
+        out = run_node(self, n)
+        if isinstance(out, torch.Tensor):
+            storage[n.name] = out.untyped_storage().data_ptr()
+        return out
+
+    x_before = x.clone()
+    seen = {}
+    import pytest
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.fx.Interpreter, "run_node", recording)
+        stream_values(graph, [x], {"out": {graph.outputs[0].name}}, lambda key, held: seen.update(held))
+    torch.testing.assert_close(seen[graph.outputs[0].name], model(x_before.clone()))
+    assert torch.equal(x, x_before)
+    conv, sig, mul = names["aten::convolution"], names["aten::sigmoid"], names["aten::mul"]
+    sub, div, add = names["aten::sub"], names["aten::div"], names["aten::add"]
+    assert storage[mul] == storage[sig]  # h lives on: the product is written over the sigmoid (the swap)
+    assert storage[sub] == storage[div] == storage[mul]  # the chain after it reuses the same memory
+    assert storage[add] == storage[conv]  # h's last reader: the sum is written over the convolution's output
+    # A check that wants the sigmoid's result sees its values, and nothing overwrites them.
+    seen.clear()
+    storage.clear()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.fx.Interpreter, "run_node", recording)
+        stream_values(graph, [x], {"sig": {sig, mul}},
+                      lambda key, held: seen.update({k: v.clone() for k, v in held.items()}))
+    h = model.conv(x)
+    torch.testing.assert_close(seen[sig], torch.sigmoid(h))
+    torch.testing.assert_close(seen[mul], h * torch.sigmoid(h))
+    assert storage[mul] not in (storage[sig], storage[conv])
 
 
 def test_recording_never_writes_a_model_input_an_op_hands_on_unchanged():

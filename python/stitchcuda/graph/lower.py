@@ -191,10 +191,13 @@ def stream_values(graph: Graph, inputs: list[torch.Tensor], wanted: dict[Any, se
 
     class Streamer(torch.fx.Interpreter):
         def call_function(self, target, args, kwargs):
-            # An activation the model ran in place (nn.ReLU(inplace=True)) is functional in the export: run
-            # it in place again where nothing else can see its input, so the recording holds the eager
-            # forward's live set, not an extra activation-sized tensor per block (a VGG stage's).
-            own = _in_place_ok(self._node, args, readers, keep, self.env, protected, (held, kept))
+            # An activation the model ran in place (nn.ReLU(inplace=True)) is functional in the export, and
+            # an op it decomposed (a SiLU, a batch norm) allocates a result per piece: run each elementwise
+            # one in place where nothing else can see the operand it writes over, so the recording holds the
+            # eager forward's live set, not an extra activation-sized tensor per block (a VGG stage's, an
+            # EfficientNet block's).
+            own = _in_place_ok(self._node, args, readers, keep, self.env, protected, (held, kept),
+                               self.user_to_last_uses.get(self._node, ()))
             if own is not None:
                 return own(*args, **kwargs)
             return super().call_function(target, args, kwargs)
@@ -224,37 +227,69 @@ def stream_values(graph: Graph, inputs: list[torch.Tensor], wanted: dict[Any, se
     return kept
 
 
-# Functional activations and their in-place forms: what an inplace=True module ran.
+# Elementwise ops and their in-place forms. An activation an inplace=True module ran, and the pieces of an
+# op the export decomposed (a SiLU's x * sigmoid(x), a batch norm's scale and shift): each writes over an
+# operand the forward no longer reads, as the eager op would not have allocated it.
 _IN_PLACE = {getattr(torch.ops.aten, name).default: getattr(torch.ops.aten, name + "_").default
              for name in ("relu", "hardtanh", "silu", "hardswish", "hardsigmoid", "leaky_relu", "elu", "mish",
-                          "threshold")
+                          "threshold", "sigmoid", "tanh", "exp", "neg", "abs", "sqrt", "rsqrt", "reciprocal",
+                          "gelu", "clamp")
              if hasattr(torch.ops.aten, name) and hasattr(torch.ops.aten, name + "_")}
+# Binary ones: (in-place form, whether the operands may swap: the result written over the second).
+_IN_PLACE_BINARY = {torch.ops.aten.mul.Tensor: (torch.ops.aten.mul_.Tensor, True),
+                    torch.ops.aten.add.Tensor: (torch.ops.aten.add_.Tensor, True),
+                    torch.ops.aten.sub.Tensor: (torch.ops.aten.sub_.Tensor, False),
+                    torch.ops.aten.div.Tensor: (torch.ops.aten.div_.Tensor, False)}
 
 
 def _in_place_ok(node: Any, args: tuple, readers: dict[str, int], keep: set[str], env: dict,
-                 protected: set[int], recorded: tuple[dict, ...]) -> Any:
-    """The in-place form of `node`'s activation when running it in place changes nothing anyone can see:
-    its input is the result of an earlier op (not an input, weight or constant, nor in their memory:
-    `protected`), used by this node alone, wanted by no pending check nor kept, not a view, and sharing
-    its memory with no other live value: the interpreter's, or the `recorded` ones (values held for
-    pending checks, kept values; an op may hand one on unchanged). None otherwise."""
-    op = _IN_PLACE.get(getattr(node, "target", None))
-    if op is None or not args or not isinstance(args[0], torch.Tensor):
+                 protected: set[int], recorded: tuple[dict, ...], last_uses: list) -> Any:
+    """A callable that runs `node`'s elementwise op in place over one of its operands when that changes
+    nothing anyone can see, or None. The operand: the result of an earlier op (not an input, weight or
+    constant, nor in their memory: `protected`), read by no later node (`last_uses`: the values whose last
+    reader `node` is), wanted by no pending check nor kept, not a view, of the result's shape and dtype,
+    and sharing its memory with no other live value: the interpreter's, or the `recorded` ones (values held
+    for pending checks, kept values; an op may hand one on unchanged)."""
+    target = getattr(node, "target", None)
+    unary, binary = _IN_PLACE.get(target), _IN_PLACE_BINARY.get(target)
+    if unary is None and binary is None:
         return None
-    source, x = node.args[0], args[0]
-    if not isinstance(source, torch.fx.Node) or source.op != "call_function" or len(source.users) != 1:
+
+    def reusable(i: int) -> bool:
+        if i >= len(args) or i >= len(node.args) or not isinstance(args[i], torch.Tensor):
+            return False
+        source, x = node.args[i], args[i]
+        if not isinstance(source, torch.fx.Node) or source.op != "call_function" or source not in last_uses:
+            return False
+        if readers.get(source.name) or source.name in keep or x._base is not None:
+            return False
+        if unary is not None and not x.is_floating_point():
+            return False
+        if binary is not None:
+            other = args[1 - i]
+            shape = torch.broadcast_shapes(x.shape, other.shape) if isinstance(other, torch.Tensor) else x.shape
+            if tuple(shape) != tuple(x.shape) or torch.result_type(*args[:2]) != x.dtype:
+                return False
+        where = x.untyped_storage().data_ptr()
+        if where in protected:
+            return False
+        live = [v for other, v in env.items() if other is not source] + [v for d in recorded for v in d.values()]
+        for value in live:
+            for t in value if isinstance(value, (list, tuple)) else (value,):  # a multi-output op's results too
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == where:
+                    return False
+        return True
+
+    if unary is not None:
+        return unary if reusable(0) else None
+    op, swaps = binary
+    if len(args) != 2 or not isinstance(args[1], torch.Tensor) and not isinstance(args[1], (int, float, bool)):
         return None
-    if readers.get(source.name) or source.name in keep or x._base is not None:
-        return None
-    where = x.untyped_storage().data_ptr()
-    if where in protected:
-        return None
-    live = [v for other, v in env.items() if other is not source] + [v for d in recorded for v in d.values()]
-    for value in live:
-        for t in value if isinstance(value, (list, tuple)) else (value,):  # a multi-output op's results too
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == where:
-                return None
-    return op
+    if reusable(0):
+        return op
+    if swaps and isinstance(args[1], torch.Tensor) and node.kwargs.get("alpha", 1) == 1 and reusable(1):
+        return lambda a, b, **kwargs: op(b, a, **kwargs)
+    return None
 
 
 def _stream_from_forward(graph: Graph, user: dict[str, torch.Tensor], wanted: dict[Any, set[str]],
