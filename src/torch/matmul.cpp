@@ -20,7 +20,7 @@
 // and the output floor per block keeps a whole), both operands are split a slab of K at a time instead
 // (batch 1, a not transposed): the parts hold (M + N) x slab elements of each, the three products of a
 // slab accumulate into c, and every slab after the first adds two reads and writes of c (its two lo
-// products) — memory traded back for bandwidth, as few slabs as the cap allows (k_block).
+// products) — memory traded back for bandwidth (k_block).
 #include "steps.hpp"
 
 #include <cublasLt.h>
@@ -184,13 +184,14 @@ SplitBlocks split_blocks(std::int64_t m, std::int64_t n, std::int64_t k, bool bl
   return s;
 }
 
-// Slabs of K: used when the parts split_blocks holds exceed both kSlabAfterBytes and four times c; a slab
-// is then the most K (a multiple of the chunk, at least one) whose parts fit the larger of
-// kSlabAfterBytes and twice c, and only when that holds fewer parts than the blocks. A transformer's
-// 4096 -> 1024 projection over 8192 tokens holds 144 MiB in two slabs instead of 288 MiB of blocks; a
-// square 4096 product (192 MiB of parts, three times c) keeps its blocks. STITCHCUDA_TF32X3_KBLOCK
-// overrides the choice (0: never; else that many elements, rounded down to the chunk), for tests and
-// measurements. Returns 0 for no slabs (also when a slab would span K).
+// Slabs of K: used when the parts split_blocks holds exceed both kSlabAfterBytes and four times c; then
+// two slabs (half of K, rounded up to the chunk), when they hold fewer parts than the blocks: a
+// transformer's 4096 -> 1024 projection over 8192 tokens holds 144 MiB instead of 288 MiB of blocks, for
+// one more pair of passes over c (more slabs cost more than they save: GPT's 3072 -> 768 projection over
+// 16384 tokens ran 8% slower end to end in three slabs than in blocks). A square 4096 product (192 MiB of
+// parts, three times c) keeps its blocks. STITCHCUDA_TF32X3_KBLOCK overrides the choice (0: never; else
+// that many elements, rounded down to the chunk, at least one), for tests and measurements. Returns 0 for
+// no slabs (also when a slab would span K).
 constexpr std::int64_t kSlabAfterBytes = 160ll << 20;
 
 std::int64_t k_block(std::int64_t m, std::int64_t n, std::int64_t k, const SplitBlocks& blocks) {
@@ -202,7 +203,7 @@ std::int64_t k_block(std::int64_t m, std::int64_t n, std::int64_t k, const Split
   } else {
     const std::int64_t parts = 8 * k * (blocks.a_rows + blocks.b_rows), c_bytes = 4 * m * n;
     if (parts <= std::max(4 * c_bytes, kSlabAfterBytes)) return 0;
-    kb = std::max(chunk, std::max(2 * c_bytes, kSlabAfterBytes) / (8 * (m + n)) / chunk * chunk);
+    kb = ((k + 1) / 2 + chunk - 1) / chunk * chunk;
     if (8 * (m + n) * kb >= parts) return 0;
   }
   return kb < k ? kb : 0;

@@ -534,6 +534,8 @@ def test_a_large_tf32x3_operand_is_split_a_block_at_a_time(m, n, k, knob, blocke
     b.precision("tf32x3")
     program = b.build()
     held, left, results = {}, {}, {}
+    if knob != "STITCHCUDA_TF32X3_KBLOCK":  # blocks whole or not, never slabs of K instead
+        monkeypatch.setenv("STITCHCUDA_TF32X3_KBLOCK", "0")
     for value in (blocked, "0"):  # blocks (the executor's choice, or slabs), then the operand whole
         monkeypatch.setenv(knob, value)
         torch.cuda.synchronize()

@@ -736,8 +736,8 @@ def test_tf32x3_cost_model_counts_the_split_and_the_chunked_accumulation():
 
 def test_tf32x3_slabs_of_k_where_blocks_stay_large_beside_the_result(monkeypatch):
     """The executor splits both operands a slab of K at a time where the blocks of its parts would stay large
-    beside the result (a down-projection: the 8 Mi-output floor keeps a whole), as few slabs as 160 MiB (or
-    twice the result) allows; a square product keeps its blocks. The cost model counts the slabs' scratch
+    beside the result (a down-projection: the 8 Mi-output floor keeps a whole), in two slabs; a square
+    product keeps its blocks. The cost model counts the slabs' scratch
     and their two extra passes over c per extra slab; STITCHCUDA_TF32X3_KBLOCK overrides the choice."""
     from stitchcuda.graph.planner import k_block, split_blocks, split_tf32_choice
 
@@ -746,7 +746,8 @@ def test_tf32x3_slabs_of_k_where_blocks_stay_large_beside_the_result(monkeypatch
     assert split_blocks(m, n, k, 1, False, True) == (m, n)  # 288 MiB of parts as blocks
     assert k_block(m, n, k, transpose_b=True) == 2048  # 144 MiB in two slabs
     assert k_block(12544, 768, 3072, transpose_b=True) == 1536  # an MLP-Mixer's channel projection
-    assert k_block(16384, 768, 3072, transpose_b=True) == 1024  # GPT's MLP output over 16384 tokens
+    assert k_block(16384, 768, 3072, transpose_b=True) == 1536  # GPT's MLP output over 16384 tokens
+    assert k_block(8192, 1024, 4096 + 100, transpose_b=True) == 2560  # half of K, rounded up to the chunk
     for shape in ((4096, 4096, 4096), (8192, 4096, 8192), (8192, 4096, 1024), (512, 512, 512)):
         assert k_block(*shape, transpose_b=True) == 0, shape  # parts within 4x the result or 160 MiB
     assert k_block(m, n, k, batch=2, transpose_b=True) == 0 and k_block(m, n, k, transpose_a=True) == 0

@@ -126,10 +126,9 @@ def split_chunk(k: int) -> int:
 def k_block(m: int, n: int, k: int, batch: int = 1, transpose_a: bool = False, transpose_b: bool = False) -> int:
     """Elements of K per slab when the executor splits both operands a slab of K at a time, or 0: no slabs.
     Batch 1 and a not transposed only; used when the parts split_blocks holds exceed both 160 MiB and four
-    times the result (a down-projection, whose 8 Mi-output floor keeps a whole): the most K, a multiple of
-    the K-chunk and at least one, whose parts fit the larger of 160 MiB and twice the result, when that
-    holds fewer parts. STITCHCUDA_TF32X3_KBLOCK overrides it (0: never; else rounded down to the chunk).
-    src/torch/matmul.cpp's k_block."""
+    times the result (a down-projection, whose 8 Mi-output floor keeps a whole): two slabs, half of K
+    rounded up to the K-chunk, when they hold fewer parts. STITCHCUDA_TF32X3_KBLOCK overrides it (0: never;
+    else rounded down to the chunk, at least one). src/torch/matmul.cpp's k_block."""
     if batch != 1 or transpose_a:
         return 0
     chunk = split_chunk(k)
@@ -143,7 +142,7 @@ def k_block(m: int, n: int, k: int, batch: int = 1, transpose_a: bool = False, t
         parts, c_bytes = 8 * k * (a_rows + b_rows), 4 * m * n
         if parts <= max(4 * c_bytes, _SLAB_AFTER_BYTES):
             return 0
-        kb = max(chunk, max(2 * c_bytes, _SLAB_AFTER_BYTES) // (8 * (m + n)) // chunk * chunk)
+        kb = -(-((k + 1) // 2) // chunk) * chunk
         if 8 * (m + n) * kb >= parts:
             return 0
     return kb if kb < k else 0
