@@ -373,6 +373,7 @@ void bind_program(py::module_& m) {
         py::dict d;
         d["runs"] = s.runs, d["eager_runs"] = s.eager_runs, d["replays"] = s.replays, d["captures"] = s.captures;
         d["copies_skipped"] = s.copies_skipped, d["instances"] = s.instances, d["arena_bytes"] = s.arena_bytes;
+        d["workspace_bytes"] = s.workspace_bytes;
         d["device_launches"] = s.device_launches, d["host_replay_note"] = s.host_replay_note;
         d["weight_bytes"] = s.weight_bytes, d["shared_weight_bytes"] = s.shared_weight_bytes;
         return d;

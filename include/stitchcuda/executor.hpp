@@ -27,7 +27,9 @@ struct ExecutorOptions {
   /// directly); unset: as the program's measured ReplayChoice says (a graph when unmeasured).
   std::optional<bool> graphs;
   int device = -1;           ///< CUDA device; -1: PyTorch's current device
-  std::size_t workspace_bytes = 32u << 20;  ///< cuBLASLt workspace per instance
+  /// cuBLASLt workspace per instance at most: matmuls choose their algorithms within it, and an instance
+  /// allocates the most its chosen algorithms use (none without a matmul).
+  std::size_t workspace_bytes = 32u << 20;
   /// Replay through a device-side graph launch: the host enqueues one single-kernel graph whose kernel
   /// tail-launches the captured forward, so host time per run does not grow with the number of steps.
   /// Where the graph or the machine does not allow it, runs replay from the host (stats().host_replay_note).
@@ -47,6 +49,7 @@ struct ExecutorStats {
   std::uint64_t copies_skipped = 0;///< inputs/outputs that were already the graph's static buffers
   std::size_t instances = 0;       ///< per-stream instances (each: arena, workspace, static I/O, graph)
   std::size_t arena_bytes = 0;     ///< planned arena of one instance
+  std::size_t workspace_bytes = 0; ///< cuBLASLt workspace of one instance (what its matmuls' algorithms use)
   std::size_t weight_bytes = 0;    ///< weights uploaded into the executor's own memory
   std::size_t shared_weight_bytes = 0;  ///< weights read in place from tensors given at creation
   /// Why replays run from the host although ExecutorOptions::device_launch asked otherwise ("" if not).

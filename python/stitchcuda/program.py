@@ -306,7 +306,8 @@ class Executor:
 
     def stats(self) -> dict:
         """runs, eager_runs, replays, device_launches, captures, copies_skipped, instances, arena_bytes,
-        weight_bytes (uploaded into its own memory), shared_weight_bytes (read in place from the tensors
+        workspace_bytes (an instance's cuBLASLt workspace: the most its matmuls' chosen algorithms use, none
+        without a matmul), weight_bytes (uploaded into its own memory), shared_weight_bytes (read in place from the tensors
         shared with Program.share_weight), host_replay_note."""
         return self._e.stats()
 

@@ -130,6 +130,7 @@ Result<jit::Kernel> load_kernel(const KernelSource& ks, const std::string& arch)
 struct Instance {
   std::mutex mu;
   at::Tensor arena, workspace;
+  std::size_t workspace_bytes = 0;  // workspace's size: the most the matmuls' chosen algorithms use
   // The split operands of tf32x3 matmuls whose parts are small (one at a time: steps run in order); a
   // matmul whose parts take large_storage_bytes or more allocates its own at its step instead.
   at::Tensor split_scratch;
@@ -201,6 +202,7 @@ struct Executor::Impl {
   const jit::detail::DriverApi* driver = nullptr;
 
   std::mutex instances_mu;
+  std::size_t workspace_in_use = 0;  // the largest instance's cuBLASLt workspace (guarded by instances_mu)
   std::map<void*, std::unique_ptr<Instance>> instances;
   std::atomic<std::uint64_t> runs{0}, eager_runs{0}, replays{0}, captures{0}, copies_skipped{0}, device_launches{0};
   std::string no_device_launch;  // set at creation when the program rules device-side replay out
@@ -321,11 +323,6 @@ Result<Instance*> Executor::Impl::instance(void* stream) {
     c10::cuda::CUDAGuard guard(c10::DeviceIndex(this->device));
     in->arena = at::empty({std::int64_t(std::max<std::size_t>(plan.arena_bytes, 1))},
                           at::TensorOptions().dtype(at::kByte).device(at::kCUDA, c10::DeviceIndex(device)));
-    bool any_matmul = false;
-    for (const Step& s : program.steps) any_matmul |= std::holds_alternative<Matmul>(s);
-    if (any_matmul)
-      in->workspace = at::empty({std::int64_t(options.workspace_bytes)},
-                                at::TensorOptions().dtype(at::kByte).device(at::kCUDA, c10::DeviceIndex(device)));
     in->tensors.resize(program.buffers.size());
     auto* base = static_cast<std::uint8_t*>(in->arena.data_ptr());
     for (const Placement& p : plan.placements) {
@@ -342,9 +339,20 @@ Result<Instance*> Executor::Impl::instance(void* stream) {
         if (!prepared) return tl::unexpected(at_step(program, i, prepared.error()));
         in->matmuls[i] = std::move(*prepared);
       }
-    std::size_t scratch = 0;
-    for (const auto& m : in->matmuls)
-      if (m && m->scratch_bytes() < BufferPlan::large_storage_bytes) scratch = std::max(scratch, m->scratch_bytes());
+    // The workspace the chosen algorithms use, not the cap they were chosen within (32 MiB by default,
+    // beside an LSTM's or a VGG's working set; many algorithms use none).
+    std::size_t scratch = 0, workspace = 0;
+    for (const auto& m : in->matmuls) {
+      if (!m) continue;
+      workspace = std::max(workspace, m->workspace_needed());
+      if (m->scratch_bytes() < BufferPlan::large_storage_bytes) scratch = std::max(scratch, m->scratch_bytes());
+    }
+    if (workspace) {
+      in->workspace_bytes = (workspace + 255) / 256 * 256;
+      in->workspace = at::empty({std::int64_t(in->workspace_bytes)},
+                                at::TensorOptions().dtype(at::kByte).device(at::kCUDA, c10::DeviceIndex(device)));
+    }
+    workspace_in_use = std::max<std::size_t>(workspace_in_use, in->workspace_bytes);
     if (scratch)
       in->split_scratch = at::empty({std::int64_t(scratch)},
                                     at::TensorOptions().dtype(at::kByte).device(at::kCUDA, c10::DeviceIndex(device)));
@@ -462,7 +470,7 @@ Result<void> Executor::Impl::execute(Instance& in, void* stream, bool own_output
                                   at::TensorOptions().dtype(at::kByte).device(at::kCUDA, c10::DeviceIndex(device)));
         const at::Tensor& scratch = own_scratch.defined() ? own_scratch : in.split_scratch;
         ok = prepared.run(in.tensors[slot.at(m->a)], in.tensors[slot.at(m->b)], in.tensors[slot.at(m->c)], bias,
-                          in.workspace.defined() ? in.workspace.data_ptr() : nullptr, options.workspace_bytes, stream,
+                          in.workspace.defined() ? in.workspace.data_ptr() : nullptr, in.workspace_bytes, stream,
                           scratch.defined() ? scratch.data_ptr() : nullptr);
       } else if (auto* op = std::get_if<AtenOp>(&step)) {
         std::vector<at::Tensor> args;
@@ -894,6 +902,7 @@ ExecutorStats Executor::stats() const {
   {
     std::lock_guard<std::mutex> lock(impl_->instances_mu);
     s.instances = impl_->instances.size();
+    s.workspace_bytes = impl_->workspace_in_use;
   }
   s.arena_bytes = impl_->plan.arena_bytes;
   s.weight_bytes = impl_->weight_bytes, s.shared_weight_bytes = impl_->shared_weight_bytes;

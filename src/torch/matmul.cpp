@@ -353,6 +353,8 @@ std::size_t PreparedMatmul::scratch_bytes() const {
   return std::size_t(2 * aligned(d_->a_elems) + 2 * aligned(d_->b_elems)) * sizeof(float);
 }
 
+std::size_t PreparedMatmul::workspace_needed() const { return d_ ? d_->workspace_needed : 0; }
+
 Result<std::unique_ptr<PreparedMatmul>> PreparedMatmul::create(const Matmul& m, const Program& program,
                                                                std::size_t workspace_bytes) {
   auto api = lt();

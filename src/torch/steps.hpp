@@ -41,6 +41,8 @@ class PreparedMatmul {
                    void* workspace, std::size_t workspace_bytes, void* stream, void* scratch = nullptr) const;
   /// Device memory a run needs beside the workspace: the split operands of a tf32x3 matmul (0 otherwise).
   std::size_t scratch_bytes() const;
+  /// The most cuBLASLt workspace any of its chosen algorithms uses (at most create()'s workspace_bytes).
+  std::size_t workspace_needed() const;
   ~PreparedMatmul();
   PreparedMatmul(const PreparedMatmul&) = delete;
   PreparedMatmul& operator=(const PreparedMatmul&) = delete;

@@ -513,6 +513,40 @@ def test_run_that_allocates_its_outputs_gives_each_one_memory_at_its_first_step(
             del executor, outs
 
 
+def test_an_instance_allocates_the_workspace_its_matmuls_algorithms_use():
+    """The cuBLASLt workspace is the most the chosen algorithms use (chosen within 32 MiB), not the cap:
+    what an instance holds after a run is its arena, that workspace and its weights."""
+    torch.manual_seed(0)
+    w = torch.randn(256, 512, device="cuda")
+    b = ProgramBuilder()
+    x, W, y = b.input([1024, 512], name="x"), b.weight(w, name="w"), b.output([1024, 256], name="y")
+    b.matmul(x, W, y, transpose_b=True)
+    program = b.build()
+    a = torch.randn(1024, 512, device="cuda")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    executor = program.executor(graphs=False)
+    out = executor.run([a])[0]
+    torch.cuda.synchronize()
+    stats = executor.stats()
+    assert 0 <= stats["workspace_bytes"] <= 32 << 20
+    held = torch.cuda.memory_allocated() - before - out.numel() * 4
+    # the arena (1 byte without intermediates) and the copy of the weight, each rounded to the allocator's blocks
+    assert stats["workspace_bytes"] <= held <= stats["workspace_bytes"] + w.numel() * 4 + (2 << 20), (held, stats)
+    torch.testing.assert_close(out, a @ w.t())
+    # Without a matmul: no workspace at all.
+    b = ProgramBuilder()
+    x, y = b.input([1024], name="x"), b.output([1024], name="y")
+    b.aten("aten::relu", [x], [y])
+    assert program_executor_stats(b.build())["workspace_bytes"] == 0
+
+
+def program_executor_stats(program) -> dict:
+    executor = program.executor(graphs=False)
+    executor.run([torch.randn(1024, device="cuda")])
+    return executor.stats()
+
+
 @pytest.mark.parametrize("m, n, k, knob, blocked, fewer", [
     # a 128 MiB a beside a 16 MiB weight: 144 MiB of parts blocked (8192 of 16384 rows), 272 MiB whole
     (16384, 1024, 2048, "STITCHCUDA_TF32X3_ROWS", "", 128 << 20),
