@@ -635,11 +635,31 @@ def test_checks_that_read_only_the_models_inputs_and_outputs_take_them_from_one_
     torch.testing.assert_close(seen[graph.outputs[0].name], model(pred, target))
 
 
+def _stream_with_storage(graph, inputs, wanted, on_ready, keep=frozenset()):
+    """stream_values, and the storage each node's tensor result lives in (name -> data pointer)."""
+    import pytest
+
+    from stitchcuda.graph.lower import stream_values
+
+    storage: dict[str, int] = {}
+    run_node = torch.fx.Interpreter.run_node
+
+    def recording(self, n):
+        out = run_node(self, n)
+        if isinstance(out, torch.Tensor):
+            storage[n.name] = out.untyped_storage().data_ptr()
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.fx.Interpreter, "run_node", recording)
+        kept = stream_values(graph, inputs, wanted, on_ready, keep=keep)
+    return storage, kept
+
+
 def test_recording_runs_an_activation_in_place_where_the_model_did_and_nothing_else_sees_its_input():
     """nn.ReLU(inplace=True) is a functional relu in the export; the recording runs it in place again when
     its input is an earlier op's result read by it alone and wanted by no check, so it holds the eager
     forward's live set. An input a check wants, or a graph input, is never written."""
-    from stitchcuda.graph.lower import stream_values
 
     class Stage(nn.Module):
         def __init__(self):
@@ -657,35 +677,20 @@ def test_recording_runs_an_activation_in_place_where_the_model_did_and_nothing_e
     conv = next(n.out.name for n in graph.nodes if n.op.startswith("aten::conv"))
     relus = [n.out.name for n in graph.nodes if n.op == "aten::relu"]
     assert len(relus) == 3
-    storage: dict[str, int] = {}
-    run_node = torch.fx.Interpreter.run_node
-
-    def recording(self, n):
-        out = run_node(self, n)
-        if isinstance(out, torch.Tensor):
-            storage[n.name] = out.untyped_storage().data_ptr()
-        return out
-
     x_before = x.clone()
     seen = {}
-    import pytest
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.fx.Interpreter, "run_node", recording)
-        kept = stream_values(graph, [x], {"out": {graph.outputs[0].name}}, lambda key, held: seen.update(held),
-                             keep={graph.outputs[0].name})
+    storage, kept = _stream_with_storage(graph, [x], {"out": {graph.outputs[0].name}},
+                                         lambda key, held: seen.update(held), keep={graph.outputs[0].name})
     torch.testing.assert_close(seen[graph.outputs[0].name], model(x_before.clone()))
     assert torch.equal(x, x_before)  # the graph input's relu is not run in place
     first = relus[0]
     assert storage[first] == storage[conv]  # the conv's output, read by the relu alone: in place
     # A check that wants the conv's output runs before the relu (and sees the conv's values); a kept conv
     # output (a constant is kept for later groups) is never overwritten: the relu allocates its own.
-    storage.clear()
     seen.clear()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.fx.Interpreter, "run_node", recording)
-        kept = stream_values(graph, [x], {"conv": {conv}},
-                             lambda key, held: seen.update({k: v.clone() for k, v in held.items()}), keep={conv})
+    storage, kept = _stream_with_storage(graph, [x], {"conv": {conv}},
+                                         lambda key, held: seen.update({k: v.clone() for k, v in held.items()}),
+                                         keep={conv})
     torch.testing.assert_close(seen[conv], model.conv(x))
     assert storage[first] != storage[conv]
     torch.testing.assert_close(kept[conv], model.conv(x))
@@ -694,9 +699,9 @@ def test_recording_runs_an_activation_in_place_where_the_model_did_and_nothing_e
 def test_recording_runs_the_pieces_of_a_decomposed_op_over_operands_no_later_node_reads():
     """A decomposed op's pieces (a SiLU's x * sigmoid(x)) each allocate a result in the export: a product
     whose first operand is read again is written over its second, the chain after it over the product,
-    and a sum over the operand whose last reader it is, so the recording holds the eager forward's live set. Values a check wants,
-    kept ones and the graph's inputs are never written; the recorded results are the model's."""
-    from stitchcuda.graph.lower import stream_values
+    and a sum over the operand whose last reader it is, so the recording holds the eager forward's live
+    set. Values a check wants, kept ones and the graph's inputs are never written; the recorded results
+    are the model's."""
 
     class Block(nn.Module):
         def __init__(self):
@@ -712,22 +717,9 @@ def test_recording_runs_the_pieces_of_a_decomposed_op_over_operands_no_later_nod
     x = torch.randn(2, 4, 8, 8)
     graph = capture(model, (x,))
     names = {n.op.split(".")[0]: n.out.name for n in graph.nodes}
-    storage: dict[str, int] = {}
-    run_node = torch.fx.Interpreter.run_node
-
-    def recording(self, n):
-        out = run_node(self, n)
-        if isinstance(out, torch.Tensor):
-            storage[n.name] = out.untyped_storage().data_ptr()
-        return out
-
     x_before = x.clone()
     seen = {}
-    import pytest
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.fx.Interpreter, "run_node", recording)
-        stream_values(graph, [x], {"out": {graph.outputs[0].name}}, lambda key, held: seen.update(held))
+    storage, _ = _stream_with_storage(graph, [x], {"out": {graph.outputs[0].name}}, lambda key, held: seen.update(held))
     torch.testing.assert_close(seen[graph.outputs[0].name], model(x_before.clone()))
     assert torch.equal(x, x_before)
     conv, sig, mul = names["aten::convolution"], names["aten::sigmoid"], names["aten::mul"]
@@ -737,11 +729,8 @@ def test_recording_runs_the_pieces_of_a_decomposed_op_over_operands_no_later_nod
     assert storage[add] == storage[conv]  # h's last reader: the sum is written over the convolution's output
     # A check that wants the sigmoid's result sees its values, and nothing overwrites them.
     seen.clear()
-    storage.clear()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.fx.Interpreter, "run_node", recording)
-        stream_values(graph, [x], {"sig": {sig, mul}},
-                      lambda key, held: seen.update({k: v.clone() for k, v in held.items()}))
+    storage, _ = _stream_with_storage(graph, [x], {"sig": {sig, mul}},
+                                      lambda key, held: seen.update({k: v.clone() for k, v in held.items()}))
     h = model.conv(x)
     torch.testing.assert_close(seen[sig], torch.sigmoid(h))
     torch.testing.assert_close(seen[mul], h * torch.sigmoid(h))

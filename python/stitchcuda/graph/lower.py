@@ -197,7 +197,7 @@ def stream_values(graph: Graph, inputs: list[torch.Tensor], wanted: dict[Any, se
             # eager forward's live set, not an extra activation-sized tensor per block (a VGG stage's, an
             # EfficientNet block's).
             own = _in_place_ok(self._node, args, readers, keep, self.env, protected, (held, kept),
-                               self.user_to_last_uses.get(self._node, ()))
+                               getattr(self, "user_to_last_uses", {}).get(self._node, ()))
             if own is not None:
                 return own(*args, **kwargs)
             return super().call_function(target, args, kwargs)
