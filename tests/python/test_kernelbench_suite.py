@@ -256,6 +256,39 @@ def test_network_runs_on_cpu_with_finite_output(rank: int):
         assert torch.equal(t, u), f"{stem}: forward is not deterministic"
 
 
+@pytest.mark.parametrize("stem, constants", [
+    ("net_efficientnet_se_stage", {"BATCH": 2}),  # batch norms and SiLUs decomposed into elementwise pieces
+    ("net_transformer_encoder", {"BATCH": 1, "SEQ": 64}),  # residual sums, GELUs, layer norms
+    ("net_vgg_bn", {"BATCH": 1}),  # ReLUs run in place by the model itself
+])
+def test_the_recording_gives_every_check_the_values_an_unaltered_forward_makes(stem: str, constants: dict):
+    """optimize()'s streaming recording runs elementwise ops in place where nothing else holds the operand
+    (graph/lower.py): every value a group check reads is bitwise the value a forward that allocates every
+    result makes (reference_values)."""
+    from stitchcuda.graph.capture import capture
+    from stitchcuda.graph.lower import reference_values, stream_values
+    from stitchcuda.graph.optimize import check_wants
+    from stitchcuda.graph.planner import OfflinePlanner
+
+    module = load(stem, **constants)
+    torch.manual_seed(0)
+    model = module.Model(*module.get_init_inputs()).eval()
+    inputs = module.get_inputs()
+    graph = capture(model, inputs)
+    wanted = check_wants(graph, OfflinePlanner(precision="fp32").plan(graph))
+    reference = reference_values(graph, inputs)
+    compared, differ = [], []
+
+    def check(key, held):
+        for name, value in held.items():
+            compared.append(name)
+            if not torch.equal(value, reference[name]):
+                differ.append(name)
+
+    stream_values(graph, inputs, wanted, check)
+    assert len(wanted) >= 10 and len(compared) >= 2 * len(wanted) and not differ, (len(wanted), differ)
+
+
 def test_selective_scan_matches_a_step_by_step_recurrence():
     """net_selective_scan's chunked scan (masked decay matrices inside chunks, carried states across chunks)
     equals h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t, y_t = C_t . h_t + D x_t run one step at a time; small sizes,
