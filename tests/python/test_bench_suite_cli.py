@@ -150,7 +150,8 @@ def _synthetic_rows() -> list[dict]:
          "correct": True, "status": "optimized", "optimize_s": 10.0, "memory_ratio": 0.5},
         # compile 1x (best), reduce-overhead 0.5x, StitchCUDA 0.9x: slower than eager
         {"model": "op_b", "eager_ms": 1.0, "compile_ms": 1.0, "reduce_overhead_ms": 2.0, "stitch_ms": 1.0 / 0.9,
-         "correct": True, "status": "optimized", "optimize_s": 20.0, "memory_ratio": 1.5},
+         "correct": True, "status": "optimized", "optimize_s": 20.0, "memory_ratio": 1.5,
+         "memory_ratio_forward": 0.9},
         # compile 2x, no reduce-overhead (it failed), StitchCUDA 8x but wrong: counts as 1x
         {"model": "gemm_c", "eager_ms": 2.0, "compile_ms": 1.0, "stitch_ms": 0.25, "correct": False,
          "status": "optimized", "optimize_s": 30.0, "memory_ratio": 1.0,
@@ -187,6 +188,7 @@ def test_summary_by_hand():
     assert o["slower_than_eager"] == 1  # op_b at 0.9x; gemm_c's wrong 8x is not a slowdown
     assert (o["optimize_s_median"], o["optimize_s_max"]) == (20.0, 30.0)
     assert (o["memory_over_target"], o["models_with_memory_ratio"]) == (1, 3)  # 1.5 only; 1.0 meets the target
+    assert o["memory_over_target_forward"] == 0  # op_b: 0.9 against the forward's largest tensor
 
     assert list(s["classes"]) == ["single op", "GEMM + epilogue", "whole network"]
     ops, gemm, net = s["classes"].values()
@@ -217,6 +219,8 @@ def test_table_has_problem_rows_a_class_table_and_the_overall_line():
     assert lines[at["overall"]].split()[1:3] == ["4", "2"]  # models, correct
     assert "reduce_overhead error: OutOfMemoryError" in text and "eager error: RuntimeError: x" in text
     assert "memory ratio > 1: 1/3" in text and "best compile mode 2.000x" in text
+    assert "intermediates included: 0)" in text  # op_b is within the target read with the forward's tensor
+    assert lines[at["single op"]].split()[-2:] == ["1", "0"]  # mem>1, fwd>1
 
 
 # ---- one problem, with the GPU parts replaced ----

@@ -1326,7 +1326,7 @@ def _class_line(name: str, s: dict) -> str:
             f"{_fmt(s['geomean_speedup_reduce_overhead'], '7.2f')} {_fmt(s['geomean_speedup_best_compile'], '7.2f')} "
             f"{_fmt(s['geomean_speedup_stitch'], '8.2f')} {_fmt(s['geomean_stitch_vs_best_compile'], '7.2f')} "
             f"{s['slower_than_eager']:6d} {_fmt(s['optimize_s_median'], '7.1f')} {_fmt(s['optimize_s_max'], '7.1f')} "
-            f"{s['memory_over_target']:5d}")
+            f"{s['memory_over_target']:5d} {s.get('memory_over_target_forward', 0):5d}")
 
 
 def format_table(rows: list[dict], summary: dict, device: str, title: str = "suite",
@@ -1343,12 +1343,13 @@ def format_table(rows: list[dict], summary: dict, device: str, title: str = "sui
             f"{'opt s':>6} {'mem':>5}")
     lines = [f"StitchCUDA {title} on {device} (ms per forward; precision {PRECISION_WORDS[precision]}; outputs "
              f"within atol {atol:g}, rtol {rtol:g} of eager; speed-ups vs eager; st/best: StitchCUDA vs the faster "
-             f"compile mode; mem: optimize peak / (eager peak + 2 x largest tensor))",
+             f"compile mode; mem: optimize peak / (eager peak + 2 x largest input or output); class table: "
+             f"mem>1 over it, fwd>1 over it with the forward's largest tensor, intermediates included)",
              head, "-" * len(head)]
     for r in rows:
         lines += [_row_line(r), *_row_notes(r)]
     class_head = (f"{'class':15} {'n':>4} {'ok':>4} {'x comp':>7} {'x r-o':>7} {'x best':>7} {'x stitch':>8} "
-                  f"{'st/best':>7} {'<0.98':>6} {'opt med':>7} {'opt max':>7} {'mem>1':>5}")
+                  f"{'st/best':>7} {'<0.98':>6} {'opt med':>7} {'opt max':>7} {'mem>1':>5} {'fwd>1':>5}")
     lines += ["", class_head, "-" * len(class_head)]
     lines += [_class_line(name, s) for name, s in classes.items()]
     if summary.get("levels"):
