@@ -538,10 +538,10 @@ def test_an_instance_allocates_the_workspace_its_matmuls_algorithms_use():
     b = ProgramBuilder()
     x, y = b.input([1024], name="x"), b.output([1024], name="y")
     b.aten("aten::relu", [x], [y])
-    assert program_executor_stats(b.build())["workspace_bytes"] == 0
+    assert _stats_after_a_run(b.build())["workspace_bytes"] == 0
 
 
-def program_executor_stats(program) -> dict:
+def _stats_after_a_run(program) -> dict:
     executor = program.executor(graphs=False)
     executor.run([torch.randn(1024, device="cuda")])
     return executor.stats()

@@ -19,8 +19,8 @@
    largest share of fp32's tolerance, atol = rtol = 1e-4, used against SGEMM), for the default K-chunk of
    the hi*hi product and for no chunking (STITCHCUDA_TF32X3_CHUNK=0): what the chunking costs and buys;
    and without slabs of K (STITCHCUDA_TF32X3_KBLOCK=0): where the executor splits a shape in slabs, what
-   their smaller scratch costs in time. Each variant's `peak_mib`: the GPU memory its run allocated beside the operands and the
-   result (cuBLASLt's workspace and the split parts).
+   their smaller scratch costs in time. Each variant's `peak_mib`: the GPU memory its run allocated
+   beside the operands and the result (cuBLASLt's workspace and the split parts).
 """
 
 from __future__ import annotations

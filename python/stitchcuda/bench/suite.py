@@ -399,16 +399,16 @@ def forward_largest_tensor_bytes(model: torch.nn.Module, inputs: tuple) -> int:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Largest(TorchDispatchMode):
-        largest = largest_tensor_bytes(inputs)
-
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            Largest.largest = max(Largest.largest, largest_tensor_bytes(out))
+            self.largest = max(self.largest, largest_tensor_bytes(out))
             return out
 
-    with torch.no_grad(), Largest():
+    mode = Largest()
+    mode.largest = largest_tensor_bytes(inputs)
+    with torch.no_grad(), mode:
         model(*inputs)
-    return Largest.largest
+    return mode.largest
 
 
 def memory_ratio(optimize_peak: int | None, eager_peak: int | None, largest: int | None) -> float | None:
