@@ -209,6 +209,16 @@ std::int64_t k_block(std::int64_t m, std::int64_t n, std::int64_t k, const Split
   return kb < k ? kb : 0;
 }
 
+// Whether tf32x3 runs its two lo products as one (STITCHCUDA_TF32X3_FUSE_LO=1; off by default until measured):
+// a's parts laid out side by side along K as [a_lo | a_hi] and b's as [b_hi | b_lo], one product over 2K
+// gives a_lo b_hi + a_hi b_lo — its accumulator holds only the small terms, so its truncation is 2^-11 of
+// the hi*hi product's — and saves c one read-modify-write and the matmul one launch. Batch 1, a not
+// transposed, K a multiple of 4 (each part's rows start 16-byte aligned), and not in slabs of K.
+bool fuse_lo(std::int64_t batch, bool transpose_a, std::int64_t k) {
+  const auto v = env_count("STITCHCUDA_TF32X3_FUSE_LO");
+  return v && *v != 0 && batch == 1 && !transpose_a && k % 4 == 0;
+}
+
 // Each split part starts on a 256-byte boundary (cuBLASLt's tensor-core kernels want 16-byte alignment).
 constexpr std::int64_t kSplitAlign = 64;  // floats
 std::int64_t aligned(std::int64_t n) { return (n + kSplitAlign - 1) / kSplitAlign * kSplitAlign; }
@@ -245,25 +255,27 @@ extern "C" __global__ void stitchcuda_tf32x3_split(const float* __restrict__ x, 
   }
   for (long long i = done + first; i < n; i += stride) split_one(x[i], hi[i], lo[i]);
 }
-// `rows` x `cols` of x (row stride `ld`) split into dense rows x cols parts: a slab of K.
+// `rows` x `cols` of x (row stride `ld`) split into rows x cols parts of row stride `out_ld`: a slab of K
+// (out_ld = cols: dense), or rows whose parts sit side by side along K (out_ld = 2 cols: fused lo products).
 extern "C" __global__ void stitchcuda_tf32x3_split_slab(const float* __restrict__ x, long long ld, long long rows,
-                                                        long long cols, float* __restrict__ hi, float* __restrict__ lo) {
+                                                        long long cols, float* __restrict__ hi, float* __restrict__ lo,
+                                                        long long out_ld) {
   const long long stride = (long long)gridDim.x * blockDim.x;
   const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if ((cols & 3) == 0 && (ld & 3) == 0 &&
+  if ((cols & 3) == 0 && (ld & 3) == 0 && (out_ld & 3) == 0 &&
       ((reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(hi) |
         reinterpret_cast<unsigned long long>(lo)) & 15ull) == 0) {
     const long long cols4 = cols / 4, n4 = rows * cols4;
     for (long long i = first; i < n4; i += stride) {
       const long long r = i / cols4, c = i - r * cols4;
-      split_four(reinterpret_cast<const float4*>(x + r * ld)[c], reinterpret_cast<float4*>(hi) + i,
-                 reinterpret_cast<float4*>(lo) + i);
+      split_four(reinterpret_cast<const float4*>(x + r * ld)[c], reinterpret_cast<float4*>(hi + r * out_ld) + c,
+                 reinterpret_cast<float4*>(lo + r * out_ld) + c);
     }
     return;
   }
   for (long long i = first; i < rows * cols; i += stride) {
     const long long r = i / cols, c = i - r * cols;
-    split_one(x[r * ld + c], hi[i], lo[i]);
+    split_one(x[r * ld + c], hi[r * out_ld + c], lo[r * out_ld + c]);
   }
 }
 )CUDA";
@@ -316,9 +328,21 @@ struct PreparedMatmul::Descriptors {
   std::int64_t rows_total = 0, block_rows = 0, cols_total = 0, block_cols = 0, k_total = 0;
   std::int64_t a_elems = 0, b_elems = 0;  // elements of one block of a's split parts, of b's
   std::optional<jit::Kernel> splitter, slab_splitter;
+  // The lo products fused (fuse_lo): a's parts are rows [a_lo | a_hi] of 2K; b's are rows [b_hi | b_lo] of 2K
+  // when b is transposed (a weight [N, K]), else b_hi's K rows stacked on b_lo's (b_stacked).
+  bool fused = false, b_stacked = false;
 
   // Where each part starts in the scratch (floats).
   std::int64_t part_offset(Part p) const {
+    if (fused) {
+      const std::int64_t a0 = aligned(2 * b_elems);
+      switch (p) {
+        case b_hi: return 0;
+        case b_lo: return b_stacked ? b_elems : k_total;
+        case a_lo: return a0;
+        case a_hi: return a0 + k_total;
+      }
+    }
     switch (p) {
       case b_hi: return 0;
       case b_lo: return aligned(b_elems);
@@ -487,6 +511,14 @@ Result<std::unique_ptr<PreparedMatmul>> PreparedMatmul::create(const Matmul& m, 
   auto chunk_offset = [](const TensorSpec& s, bool k_in_rows, std::int64_t k0) {
     return k_in_rows ? k0 : k0 * cols(s);
   };
+  // `kc` along K of split parts laid out on their own: K in the stored rows (column-major [kc x other], ld
+  // w: each of the `other` rows holds w floats) or in the columns ([other x kc], ld other).
+  auto part_layout = [&](cublasLtMatrixLayout_t& out, bool k_in_rows, std::int64_t other, std::int64_t w,
+                         std::int64_t kc) {
+    return check(d.api->LayoutCreate(&out, CUDA_R_32F, std::uint64_t(k_in_rows ? kc : other),
+                                     std::uint64_t(k_in_rows ? other : kc), k_in_rows ? w : other),
+                 "cublasLtMatrixLayoutCreate");
+  };
   if (const std::int64_t kb = m.batch == 1 && !m.transpose_a ? k_block(M, N, K, blocks) : 0; kb > 0) {
     // Slabs of K: each slab's parts are dense — a's [M, w] (column-major [w x M], ld w), b's [N, w] when
     // transposed ([w x N], ld w), else [w, N] ([N x w], ld N) — and its calls read chunks of them.
@@ -496,12 +528,6 @@ Result<std::unique_ptr<PreparedMatmul>> PreparedMatmul::create(const Matmul& m, 
     auto slab_splitter = split_kernel(kSlabName);
     if (!slab_splitter) return tl::unexpected(slab_splitter.error());
     d.slab_splitter = std::move(*slab_splitter);
-    auto part_layout = [&](cublasLtMatrixLayout_t& out, bool k_in_rows, std::int64_t other, std::int64_t w,
-                           std::int64_t kc) {
-      return check(d.api->LayoutCreate(&out, CUDA_R_32F, std::uint64_t(k_in_rows ? kc : other),
-                                       std::uint64_t(k_in_rows ? other : kc), k_in_rows ? w : other),
-                   "cublasLtMatrixLayoutCreate");
-    };
     auto add_slab = [&](Descriptors::Tile& tile, std::int64_t w, bool last) -> Result<void> {
       auto add_call = [&](cublasLtMatmulDesc_t desc, Part fp, Part sp, std::int64_t k0, std::int64_t kc,
                           const char* what) -> Result<void> {
@@ -531,24 +557,44 @@ Result<std::unique_ptr<PreparedMatmul>> PreparedMatmul::create(const Matmul& m, 
     if (auto r = add_slab(d.slabs[1], K - (K - 1) / kb * kb, true); !r) return tl::unexpected(r.error());
     return p;
   }
+  // The lo products fused (fuse_lo): their parts side by side along K, written by the row splitter.
+  d.fused = fuse_lo(m.batch, m.transpose_a, K), d.b_stacked = d.fused && !m.transpose_b;
+  if (d.fused) {
+    auto row_splitter = split_kernel(kSlabName);
+    if (!row_splitter) return tl::unexpected(row_splitter.error());
+    d.slab_splitter = std::move(*row_splitter);
+  }
   auto add_calls = [&](Descriptors::Tile& tile, std::int64_t rows_used, std::int64_t cols_used) -> Result<void> {
     if (rows_used >= 0 || cols_used >= 0)  // a tile of c: cols_used of its N (cuBLASLt's rows) by rows_used
       if (auto r = layout(tile.out, C, m.batch, cols_used, rows_used); !r) return r;
     cublasLtMatrixLayout_t out = tile.out ? tile.out : d.out;
+    const std::int64_t m_used = rows_used < 0 ? M : rows_used, n_used = cols_used < 0 ? N : cols_used;
     auto add_call = [&](cublasLtMatmulDesc_t desc, Part fp, Part sp, std::int64_t k0, std::int64_t kc,
                         const char* what) -> Result<void> {
       Descriptors::Call call;
       call.op = desc, call.first_part = fp, call.second_part = sp;
       tile.calls.push_back(call);  // owned from here: the destructor frees its layouts whatever fails next
       Descriptors::Call& c = tile.calls.back();
-      if (auto r = chunk_layout(c.first, B, b_k_in_rows, kc, cols_used); !r) return r;
-      if (auto r = chunk_layout(c.second, A, a_k_in_rows, kc, rows_used); !r) return r;
-      c.first_offset = chunk_offset(B, b_k_in_rows, k0);
-      c.second_offset = chunk_offset(A, a_k_in_rows, k0);
+      if (d.fused) {  // a's rows and a transposed b's hold 2K floats; a stacked b's hi part is [K, N] as b is
+        if (auto r = part_layout(c.first, b_k_in_rows, n_used, 2 * K, kc); !r) return r;
+        if (auto r = part_layout(c.second, a_k_in_rows, m_used, 2 * K, kc); !r) return r;
+        c.first_offset = d.b_stacked ? k0 * N : k0;
+        c.second_offset = k0;
+      } else {
+        if (auto r = chunk_layout(c.first, B, b_k_in_rows, kc, cols_used); !r) return r;
+        if (auto r = chunk_layout(c.second, A, a_k_in_rows, kc, rows_used); !r) return r;
+        c.first_offset = chunk_offset(B, b_k_in_rows, k0);
+        c.second_offset = chunk_offset(A, a_k_in_rows, k0);
+      }
       return pick(desc, c.first, c.second, c.algo, what, out);
     };
-    if (auto r = add_call(d.plain, Part::b_hi, Part::a_lo, 0, K, " (tf32x3, a_lo b_hi)"); !r) return r;
-    if (auto r = add_call(d.plain, Part::b_lo, Part::a_hi, 0, K, " (tf32x3, a_hi b_lo)"); !r) return r;
+    if (d.fused) {  // [b_hi | b_lo] . [a_lo | a_hi] over 2K, from b_hi's and a_lo's starts
+      if (auto r = add_call(d.plain, Part::b_hi, Part::a_lo, 0, 2 * K, " (tf32x3, a_lo b_hi + a_hi b_lo fused)"); !r)
+        return r;
+    } else {
+      if (auto r = add_call(d.plain, Part::b_hi, Part::a_lo, 0, K, " (tf32x3, a_lo b_hi)"); !r) return r;
+      if (auto r = add_call(d.plain, Part::b_lo, Part::a_hi, 0, K, " (tf32x3, a_hi b_lo)"); !r) return r;
+    }
     const std::int64_t chunk = split_chunk(K);
     for (std::int64_t k0 = 0; k0 < K; k0 += chunk) {
       const std::int64_t kc = std::min(chunk, K - k0);
@@ -604,13 +650,17 @@ Result<void> PreparedMatmul::run(const at::Tensor& a, const at::Tensor& b, const
   };
   using Part = Descriptors::Part;
   const float one = 1.0f;
+  // `rows` x `cols` of x (row stride ld) into parts of row stride out_ld (the row splitter).
+  auto split_rows = [&](const float* x, std::int64_t ld, std::int64_t rows, std::int64_t cols, Part hi, Part lo,
+                        std::int64_t out_ld) -> Result<void> {
+    jit::KernelArgs args;
+    args.pointer(x).i64(ld).i64(rows).i64(cols).pointer(parts + d.part_offset(hi)).pointer(parts + d.part_offset(lo))
+        .i64(out_ld);
+    return launch_split(*d.slab_splitter, rows * cols, args);
+  };
   if (d.k_block > 0) {  // slabs of K: split both operands' slab, then its calls, c accumulating
     auto split_slab = [&](const float* x, std::int64_t ld, std::int64_t rows, std::int64_t cols, Part hi,
-                          Part lo) -> Result<void> {
-      jit::KernelArgs args;
-      args.pointer(x).i64(ld).i64(rows).i64(cols).pointer(parts + d.part_offset(hi)).pointer(parts + d.part_offset(lo));
-      return launch_split(*d.slab_splitter, rows * cols, args);
-    };
+                          Part lo) { return split_rows(x, ld, rows, cols, hi, lo, cols); };
     const float* a_data = static_cast<const float*>(a.data_ptr());
     const float* b_data = static_cast<const float*>(b.data_ptr());
     const std::int64_t M = d.rows_total, N = d.cols_total, K = d.k_total;
@@ -641,16 +691,22 @@ Result<void> PreparedMatmul::run(const at::Tensor& a, const at::Tensor& b, const
   const bool rows_blocked = d.block_rows < d.rows_total, cols_blocked = d.block_cols < d.cols_total;
   const float* a_data = static_cast<const float*>(a.data_ptr());
   const float* b_data = static_cast<const float*>(b.data_ptr());
-  if (!cols_blocked)
-    if (auto r = split(b_data, d.b_elems, Part::b_hi, Part::b_lo); !r) return r;
+  // `rows` rows of an operand (K floats each, or a stacked b whole) into its parts: side by side along K
+  // when the lo products are fused, else each part whole.
+  auto split_operand = [&](const float* x, std::int64_t rows, Part hi, Part lo) -> Result<void> {
+    if (d.fused && !(hi == Part::b_hi && d.b_stacked)) return split_rows(x, d.k_total, rows, d.k_total, hi, lo, 2 * d.k_total);
+    return split(x, rows * d.k_total, hi, lo);
+  };
+  if (!cols_blocked)  // b whole: N rows of K when transposed (blocks are only made of those), K rows of N else
+    if (auto r = split_operand(b_data, d.b_elems / d.k_total, Part::b_hi, Part::b_lo); !r) return r;
   if (!rows_blocked)
-    if (auto r = split(a_data, d.a_elems, Part::a_hi, Part::a_lo); !r) return r;
+    if (auto r = split_operand(a_data, d.a_elems / d.k_total, Part::a_hi, Part::a_lo); !r) return r;
   // b's blocks outside, a's inside: a blocked alone is split once per block, as unblocked; both blocked,
   // a is split again for each block of b.
   for (std::int64_t n0 = 0; n0 < d.cols_total; n0 += d.block_cols) {
     const std::int64_t cols_here = std::min(d.block_cols, d.cols_total - n0);
     if (cols_blocked) {
-      if (auto r = split(b_data + n0 * d.k_total, cols_here * d.k_total, Part::b_hi, Part::b_lo); !r) return r;
+      if (auto r = split_operand(b_data + n0 * d.k_total, cols_here, Part::b_hi, Part::b_lo); !r) return r;
       if (d.uses_bias) {  // the bias of these columns
         const void* ptr = static_cast<const char*>(bias->data_ptr()) + n0 * bias->element_size();
         d.api->DescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr, sizeof(ptr));
@@ -659,7 +715,7 @@ Result<void> PreparedMatmul::run(const at::Tensor& a, const at::Tensor& b, const
     for (std::int64_t r0 = 0; r0 < d.rows_total; r0 += d.block_rows) {
       const std::int64_t rows_here = std::min(d.block_rows, d.rows_total - r0);
       if (rows_blocked)
-        if (auto r = split(a_data + r0 * d.k_total, rows_here * d.k_total, Part::a_hi, Part::a_lo); !r) return r;
+        if (auto r = split_operand(a_data + r0 * d.k_total, rows_here, Part::a_hi, Part::a_lo); !r) return r;
       const Descriptors::Tile& tile = d.tiles[rows_here < d.block_rows][cols_here < d.block_cols];
       const cublasLtMatrixLayout_t out = tile.out ? tile.out : d.out;
       float* c_tile = static_cast<float*>(c.data_ptr()) + r0 * d.cols_total + n0;

@@ -330,14 +330,17 @@ def test_a_random_op_keeps_replay_on_the_host():
     (1000, 640, 2100, 1, False, "bias_gelu", 0, 0, 512),     # slabs of a [K, N] weight: contiguous rows of it
     (300, 260, 1030, 1, True, "none", 0, 0, 512),            # a row stride not a multiple of 4: the scalar split
 ])
+@pytest.mark.parametrize("fuse_lo", [False, True], ids=["lo-apart", "lo-fused"])
 def test_tf32x3_matmul_has_fp32_accuracy(m, n, k, batch, transpose_b, epilogue, block_rows, block_cols, slab,
-                                         monkeypatch):
+                                         fuse_lo, monkeypatch):
     """tf32x3 (three TF32 tensor-core products on split operands, the big one summed in chunks of K; a
     large a split a block of rows at a time, a large weight a block of its rows, or both a slab of K at a
     time) is as close to exact arithmetic as cuBLAS's SGEMM, and within fp32's tolerance of it; plain TF32
-    is not."""
+    is not. With STITCHCUDA_TF32X3_FUSE_LO=1 the two lo products run as one over 2K (batch 1 without slabs:
+    a [K, N] weight's parts stacked, a transposed one's and a's side by side, blocked or not)."""
     from stitchcuda.verify.compare import first_difference, fp64_error
 
+    monkeypatch.setenv("STITCHCUDA_TF32X3_FUSE_LO", "1" if fuse_lo else "0")
     monkeypatch.setenv("STITCHCUDA_TF32X3_ROWS", str(block_rows))  # 0: every row at once
     monkeypatch.setenv("STITCHCUDA_TF32X3_COLS", str(block_cols))  # 0: every column at once
     monkeypatch.setenv("STITCHCUDA_TF32X3_KBLOCK", str(slab))  # 0: no slabs

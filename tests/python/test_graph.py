@@ -734,6 +734,34 @@ def test_tf32x3_cost_model_counts_the_split_and_the_chunked_accumulation():
     assert {g.params["precision"] for g in plan.groups if g.kind == "gemm"} == {"tf32"}
 
 
+def test_tf32x3_with_its_lo_products_fused_counts_one_pass_over_the_result_fewer(monkeypatch):
+    """STITCHCUDA_TF32X3_FUSE_LO=1 (off by default): the executor runs a_lo b_hi + a_hi b_lo as one product
+    over 2K, so the cost model counts one read-modify-write of c fewer — which turns a ViT's K = 384
+    projections to tf32x3 — for batch 1, a not transposed and K a multiple of 4, and never in slabs of K."""
+    from stitchcuda.graph.planner import fuse_lo, k_block, split_tf32_choice
+
+    monkeypatch.delenv("STITCHCUDA_TF32X3_KBLOCK", raising=False)
+    tokens = 128 * 197  # a ViT-S/16 batch of 128: 25,216 tokens
+    h100 = {**H200_PEAKS, "dram_tb_s": 3.35}  # the H100's memory: the result's passes weigh more than on an H200
+    fc1 = (tokens, 1536, 384, 1, tokens * 384, 384 * 1536, h100)
+    estimate = lambda why: float(why.split()[1])  # noqa: E731 - "estimated X ms as 3xTF32 ..."
+    monkeypatch.delenv("STITCHCUDA_TF32X3_FUSE_LO", raising=False)
+    assert not fuse_lo(384)
+    unfused_ok, unfused = split_tf32_choice(*fc1, transpose_b=True)
+    monkeypatch.setenv("STITCHCUDA_TF32X3_FUSE_LO", "1")
+    assert fuse_lo(384) and not fuse_lo(384, batch=2) and not fuse_lo(384, transpose_a=True) and not fuse_lo(386)
+    fused_ok, fused = split_tf32_choice(*fc1, transpose_b=True)
+    c_pass_ms = 2 * 4 * tokens * 1536 / (h100["dram_tb_s"] * 1e12 * 0.8) * 1e3  # one read and write of c
+    assert estimate(unfused) - estimate(fused) == pytest.approx(c_pass_ms, abs=1e-3)
+    assert fused_ok and not unfused_ok, (fused, unfused)
+    # In slabs of K the lo products stay apart: a down-projection's estimate does not move.
+    down = (8192, 1024, 4096, 1, 8192 * 4096, 1024 * 4096, H200_PEAKS)
+    assert k_block(8192, 1024, 4096, transpose_b=True) > 0
+    with_knob = split_tf32_choice(*down, transpose_b=True)[1]
+    monkeypatch.setenv("STITCHCUDA_TF32X3_FUSE_LO", "0")
+    assert split_tf32_choice(*down, transpose_b=True)[1] == with_knob
+
+
 def test_tf32x3_slabs_of_k_where_blocks_stay_large_beside_the_result(monkeypatch):
     """The executor splits both operands a slab of K at a time where the blocks of its parts would stay large
     beside the result (a down-projection: the 8 Mi-output floor keeps a whole), in two slabs; a square

@@ -940,19 +940,30 @@ def _tf32_split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("rows, cols, ld, offset", [(6, 16, 24, 8), (5, 7, 13, 3), (4, 8, 8, 0), (3, 12, 20, 2)],
                          ids=["float4", "scalar", "dense", "misaligned"])
-def test_tf32x3_slab_split_writes_an_exact_dense_split_of_a_strided_slab(emu, rows, cols, ld, offset):
+@pytest.mark.parametrize("side_by_side", [False, True], ids=["parts", "fused"])
+def test_tf32x3_slab_split_writes_an_exact_split_of_a_strided_slab(emu, rows, cols, ld, offset, side_by_side):
     # A slab of K: `rows` rows of `cols` elements, `ld` apart, starting `offset` floats in (2: not 16-byte
-    # aligned, so the scalar path although cols and ld are multiples of 4), split into dense [rows, cols] parts.
+    # aligned, so the scalar path although cols and ld are multiples of 4), split into dense [rows, cols] parts;
+    # or, for the fused lo products, into rows of 2 * cols holding [lo | hi] side by side (out_ld = 2 cols).
     torch.manual_seed(rows * cols + ld)
     storage = torch.randn(offset + rows * ld + 4) * 100
     storage[offset + 1], storage[offset + 2], storage[offset + 3] = float("inf"), float("nan"), float("-inf")
-    hi, lo = torch.full((rows * cols,), 7.0), torch.full((rows * cols,), 7.0)
+    out_ld = 2 * cols if side_by_side else cols
     kernel = EmulatedModule(emu, _split_kernel_source()).kernel("stitchcuda_tf32x3_split_slab")
-    kernel(max(1, -(-rows * cols // 4 // 256)), 256, storage[offset:], ld, rows, cols, hi, lo)
+    if side_by_side:
+        parts = torch.full((rows * out_ld,), 7.0)
+        lo_at, hi_at = parts, parts[cols:]
+    else:
+        hi_at, lo_at = torch.full((rows * cols,), 7.0), torch.full((rows * cols,), 7.0)
+    kernel(max(1, -(-rows * cols // 4 // 256)), 256, storage[offset:], ld, rows, cols, hi_at, lo_at, out_ld)
+    if side_by_side:
+        lo, hi = parts.view(rows, out_ld)[:, :cols], parts.view(rows, out_ld)[:, cols:]
+    else:
+        hi, lo = hi_at.view(rows, cols), lo_at.view(rows, cols)
     slab = storage[offset:].as_strided((rows, cols), (ld, 1))
     want_hi, want_lo = _tf32_split(slab)
-    torch.testing.assert_close(hi.view(rows, cols), want_hi, rtol=0, atol=0, equal_nan=True)
-    torch.testing.assert_close(lo.view(rows, cols), want_lo, rtol=0, atol=0)
+    torch.testing.assert_close(hi, want_hi, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(lo, want_lo, rtol=0, atol=0)
     finite = torch.isfinite(slab)
-    assert torch.equal((hi.view(rows, cols) + lo.view(rows, cols))[finite], slab[finite])  # exact
+    assert torch.equal((hi + lo)[finite], slab[finite])  # exact
 

@@ -148,6 +148,14 @@ def k_block(m: int, n: int, k: int, batch: int = 1, transpose_a: bool = False, t
     return kb if kb < k else 0
 
 
+def fuse_lo(k: int, batch: int = 1, transpose_a: bool = False) -> bool:
+    """Whether tf32x3 runs its two lo products as one product over 2K (STITCHCUDA_TF32X3_FUSE_LO=1, off by
+    default until measured; batch 1, a not transposed, K a multiple of 4, not in slabs of K): one
+    read-modify-write of the result fewer. src/torch/matmul.cpp's fuse_lo."""
+    text = os.environ.get("STITCHCUDA_TF32X3_FUSE_LO", "")
+    return text.isdigit() and int(text) != 0 and batch == 1 and not transpose_a and k % 4 == 0
+
+
 def split_tf32_choice(m: int, n: int, k: int, batch: int, a_elems: int, b_elems: int,
                       peaks: dict | None, transpose_a: bool = False, transpose_b: bool = False) -> tuple[bool, str]:
     """Whether an fp32 matmul (batch x [m, k] @ [k, n]; a_elems and b_elems elements in its operands)
@@ -176,9 +184,11 @@ def split_tf32_choice(m: int, n: int, k: int, batch: int, a_elems: int, b_elems:
                        f"its largest tensor ({largest / 2**20:.0f} MiB)")
     chunk = split_chunk(k)
     chunks = -(-k // chunk) + (2 * (-(-k // slab) - 1) if slab else 0)
+    # products after the first, each reading and writing c: the two lo ones (one when fused) and the chunks'
+    rewrites = chunks + (0 if not slab and fuse_lo(k, batch, transpose_a) else 1)
     sgemm_s = flops / (fp32 * 1e12 * _SGEMM_SHARE)
     split_s = (3 * flops / (tf32 * 1e12 * _TF32_SHARE)
-               + (12.0 * (a_splits * a_elems + b_elems) + 2.0 * c_bytes * (1 + chunks)) / (dram * 1e12 * _DRAM_SHARE))
+               + (12.0 * (a_splits * a_elems + b_elems) + 2.0 * c_bytes * rewrites) / (dram * 1e12 * _DRAM_SHARE))
     why = f"estimated {split_s * 1e3:.3f} ms as 3xTF32 against {sgemm_s * 1e3:.3f} ms as SGEMM"
     return split_s * _SPLIT_GAIN <= sgemm_s, why
 
