@@ -600,7 +600,15 @@ def run_program(emu, program, inputs: list[torch.Tensor], constants: dict[str, t
             op = getattr(getattr(torch.ops.aten, name), overload or "default")
             attributes = {k: _PROGRAM_DTYPES.get(v, v) if k == "dtype" else v
                           for k, v in step["attributes"].items()}
-            result = op(*[buffers[i] for i in step["inputs"]], **attributes)
+            given = [buffers[i] for i in step["inputs"]]
+            # Optional tensors the step leaves out after its inputs (a convolution without a bias) are None,
+            # as the executor binds them.
+            for arg in op._schema.arguments[len(given):]:
+                if not (isinstance(arg.type, torch.OptionalType) and isinstance(arg.type.getElementType(), torch.TensorType)):
+                    break
+                if arg.name not in attributes:
+                    given.append(None)
+            result = op(*given, **attributes)
             for i, r in zip(step["outputs"], result if isinstance(result, (tuple, list)) else [result]):
                 buffers[i].copy_(r)
         elif step["kind"] == "matmul" and step["epilogue"] == "none" and step["beta"] == 0.0:
@@ -665,6 +673,46 @@ def test_lowered_loss_programs_give_eager_results(emu, model, inputs):
     with torch.no_grad():
         want = model(*inputs)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+class _ConvThen(torch.nn.Module):
+    """A convolution with a bias, read by elementwise ops only."""
+
+    def __init__(self, conv: torch.nn.Module, then: str):
+        super().__init__()
+        self.conv, self.then = conv, then
+
+    def forward(self, x):
+        y = self.conv(x)
+        if self.then == "gelu":
+            return torch.nn.functional.gelu(y)
+        if self.then == "gate":
+            return x * torch.sigmoid(y)
+        return torch.relu(y) if self.then == "relu" else torch.tanh(y)
+
+
+@pytest.mark.parametrize("conv, then, apart", [
+    (torch.nn.Conv3d(3, 8, 3, padding=1), "gelu", True),         # 3-D: no fused cuDNN epilogue of ours
+    (torch.nn.Conv2d(6, 6, 1), "gate", True),                     # 2-D, a sigmoid gate: not cuDNN's ReLU epilogue
+    (torch.nn.ConvTranspose2d(5, 4, 2, stride=2), "tanh", True),  # transposed
+    (torch.nn.Conv2d(6, 6, 3, padding=1), "relu", False),         # cuDNN's fused conv + bias + ReLU stays possible
+], ids=["conv3d-gelu", "conv2d-gate", "transposed-tanh", "conv2d-relu-keeps-bias"])
+def test_a_convolution_bias_is_added_by_the_kernel_after_it(emu, conv, then, apart):
+    # cuDNN's convolution adds a bias in a pass of its own over the output: where only elementwise ops
+    # read the result, the convolution runs without it and their kernel adds it on load.
+    torch.manual_seed(3)
+    model = _ConvThen(conv, then).eval()
+    x = torch.randn(2, conv.in_channels, *((6, 7, 5) if isinstance(conv, torch.nn.Conv3d) else (9, 10)))
+    if then == "gate":
+        x = torch.randn(2, 6, 9, 10)
+    plan, program, constants = _lowered(model, (x,))
+    (step,) = [st for st in program.steps if st["kind"] == "aten" and "convolution" in st["op"]]
+    assert len(step["inputs"]) == (2 if apart else 3), step  # x, the filter[, the bias]
+    pointwise = next(g for g in plan.groups if g.kind == "pointwise")
+    assert (pointwise.nodes[0].op == "aten::add.Tensor") == apart, [n.op for n in pointwise.nodes]
+    (got,) = run_program(emu, program, [x], constants)
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-5)
 
 
 class _RMSNorm(torch.nn.Module):

@@ -280,6 +280,56 @@ def _export(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Any:
         return exported.run_decompositions(_decompositions())
 
 
+# Elementwise ops after a 2-D convolution that may open the epilogue cuDNN's fused convolution computes
+# with the bias ([batch norm] [+ z] relu: planner.conv_epilogues): there the bias stays in the convolution.
+_CUDNN_EPILOGUE_STARTS = ("aten::relu", "aten::_native_batch_norm_legit_no_training", "aten::add.Tensor")
+
+
+def _convolution_biases_apart(exported: Any) -> int:
+    """Rewrites `convolution(x, w, b)` as `convolution(x, w, None) + b.view(C, 1, ...)` in the exported
+    graph (which the recording also runs) where only elementwise ops read the result: cuDNN's convolution
+    adds a bias in a pass of its own over the output (ATen's `output.add_(bias)`), which the generated
+    kernel of those ops then does in its loads instead — one read and write of the output fewer. A 2-D
+    convolution whose reader may start cuDNN's fused ReLU epilogue keeps its bias, as do grouped
+    convolutions (the depthwise template adds its own) and one whose bias is computed in the forward.
+    Returns how many were rewritten."""
+    from .templates.ops import is_pointwise
+
+    graph = exported.graph_module.graph
+    conv, view, add = torch.ops.aten.convolution.default, torch.ops.aten.view.default, torch.ops.aten.add.Tensor
+    count = 0
+    for fx in list(graph.nodes):
+        if fx.op != "call_function" or fx.target is not conv or len(fx.args) < 9:
+            continue
+        bias, transposed, groups, out = fx.args[2], fx.args[6], fx.args[8], fx.meta.get("val")
+        bias_val = bias.meta.get("val") if isinstance(bias, torch.fx.Node) and bias.op == "placeholder" else None
+        users = list(fx.users)
+        if bias_val is None or not isinstance(out, torch.Tensor) or groups != 1 or bias_val.dim() != 1 \
+                or bias_val.dtype != out.dtype or not users:
+            continue
+        readers = [op_name(u.target) if u.op == "call_function" and isinstance(u.target, torch._ops.OpOverload)
+                   else "" for u in users]
+        if not all(is_pointwise(r) for r in readers):
+            continue  # a view, a pooling, a concatenation, the output: the bias pass is not saved
+        if out.dim() == 4 and not transposed and any(r in _CUDNN_EPILOGUE_STARTS for r in readers):
+            continue
+        shape = [int(out.shape[1])] + [1] * (out.dim() - 2)
+        with graph.inserting_after(fx):
+            b = graph.call_function(view, (bias, shape))
+        with graph.inserting_after(b):
+            y = graph.call_function(add, (fx, b))
+        fx.replace_all_uses_with(y, delete_user_cb=lambda u: u is not y)
+        fx.args = (*fx.args[:2], None, *fx.args[3:])
+        with bias_val.fake_mode if hasattr(bias_val, "fake_mode") else contextlib.nullcontext():
+            b.meta["val"] = bias_val.view(shape)
+            y.meta["val"] = out + b.meta["val"]
+        count += 1
+    if count:
+        graph.lint()
+        exported.graph_module.recompile()
+    return count
+
+
 def _capture_error(exc: Exception, transformers: bool = False) -> CaptureError:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     # The cache hint only where the export met an output type it does not know (another of transformers'
@@ -391,6 +441,11 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Graph:
                       "what the model returns" +
                       (" (transformers' pytree support for its caches registered)" if caches else "")))
 
+    apart = _convolution_biases_apart(exported)
+    if apart:
+        notes.append((f"{apart} convolution bias(es) added by the elementwise kernel after the convolution",
+                      "cuDNN's convolution adds its bias in a pass of its own over the output; the kernel that "
+                      "reads the output adds it in its loads, one read and write of the output fewer"))
     sig = exported.graph_signature
     state = dict(exported.state_dict)
     state.update(exported.constants)
