@@ -681,9 +681,15 @@ class _ConvThen(torch.nn.Module):
     def __init__(self, conv: torch.nn.Module, then: str):
         super().__init__()
         self.conv, self.then = conv, then
+        self.bn = torch.nn.BatchNorm2d(conv.out_channels)
+        with torch.no_grad():  # running statistics away from the identity
+            self.bn.running_mean.uniform_(-0.5, 0.5), self.bn.running_var.uniform_(0.5, 2.0)
 
     def forward(self, x):
         y = self.conv(x)
+        if self.then.startswith("bn-"):
+            y = self.bn(y)
+            return torch.relu(y) if self.then == "bn-relu" else torch.nn.functional.leaky_relu(y, 0.1)
         if self.then == "gelu":
             return torch.nn.functional.gelu(y)
         if self.then == "gate":
@@ -695,8 +701,11 @@ class _ConvThen(torch.nn.Module):
     (torch.nn.Conv3d(3, 8, 3, padding=1), "gelu", True),         # 3-D: no fused cuDNN epilogue of ours
     (torch.nn.Conv2d(6, 6, 1), "gate", True),                     # 2-D, a sigmoid gate: not cuDNN's ReLU epilogue
     (torch.nn.ConvTranspose2d(5, 4, 2, stride=2), "tanh", True),  # transposed
+    (torch.nn.Conv2d(6, 6, 3, padding=1), "bn-leaky", True),      # a batch norm, then not a ReLU
     (torch.nn.Conv2d(6, 6, 3, padding=1), "relu", False),         # cuDNN's fused conv + bias + ReLU stays possible
-], ids=["conv3d-gelu", "conv2d-gate", "transposed-tanh", "conv2d-relu-keeps-bias"])
+    (torch.nn.Conv2d(6, 6, 3, padding=1), "bn-relu", False),      # and conv + BN + ReLU
+], ids=["conv3d-gelu", "conv2d-gate", "transposed-tanh", "conv2d-bn-leaky", "conv2d-relu-keeps-bias",
+        "conv2d-bn-relu-keeps-bias"])
 def test_a_convolution_bias_is_added_by_the_kernel_after_it(emu, conv, then, apart):
     # cuDNN's convolution adds a bias in a pass of its own over the output: where only elementwise ops
     # read the result, the convolution runs without it and their kernel adds it on load.

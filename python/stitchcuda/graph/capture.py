@@ -280,9 +280,30 @@ def _export(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Any:
         return exported.run_decompositions(_decompositions())
 
 
-# Elementwise ops after a 2-D convolution that may open the epilogue cuDNN's fused convolution computes
-# with the bias ([batch norm] [+ z] relu: planner.conv_epilogues): there the bias stays in the convolution.
-_CUDNN_EPILOGUE_STARTS = ("aten::relu", "aten::_native_batch_norm_legit_no_training", "aten::add.Tensor")
+# The links of the epilogue cuDNN's fused convolution computes with the bias after a 2-D convolution
+# ([batch norm] [+ z] relu: planner.conv_epilogues); a batch norm's result is its first getitem.
+_CUDNN_EPILOGUE_LINKS = ("aten::_native_batch_norm_legit_no_training", "aten::add.Tensor")
+
+
+def _relu_epilogue_may_follow(conv: Any) -> bool:
+    """Whether the chain of single readers after `conv` is [batch norm] [+ z] relu: an epilogue cuDNN's
+    fused convolution may compute, bias included (planner.conv_epilogues decides; the bias stays for it)."""
+    getitem = __import__("operator").getitem
+    node = conv
+    for _ in range(5):  # batch norm, its getitem, add, relu
+        users = list(node.users)
+        if len(users) != 1 or users[0].op != "call_function":
+            return False
+        user = users[0]
+        if user.target is not getitem and not isinstance(user.target, torch._ops.OpOverload):
+            return False
+        name = "getitem" if user.target is getitem else op_name(user.target)
+        if name == "aten::relu":
+            return True
+        if name not in (*_CUDNN_EPILOGUE_LINKS, "getitem"):
+            return False
+        node = user
+    return False
 
 
 def _convolution_biases_apart(exported: Any) -> int:
@@ -290,7 +311,7 @@ def _convolution_biases_apart(exported: Any) -> int:
     graph (which the recording also runs) where only elementwise ops read the result: cuDNN's convolution
     adds a bias in a pass of its own over the output (ATen's `output.add_(bias)`), which the generated
     kernel of those ops then does in its loads instead — one read and write of the output fewer. A 2-D
-    convolution whose reader may start cuDNN's fused ReLU epilogue keeps its bias, as do grouped
+    convolution followed by what may be cuDNN's fused ReLU epilogue keeps its bias, as do grouped
     convolutions (the depthwise template adds its own) and one whose bias is computed in the forward.
     Returns how many were rewritten."""
     from .templates.ops import is_pointwise
@@ -311,7 +332,7 @@ def _convolution_biases_apart(exported: Any) -> int:
                    else "" for u in users]
         if not all(is_pointwise(r) for r in readers):
             continue  # a view, a pooling, a concatenation, the output: the bias pass is not saved
-        if out.dim() == 4 and not transposed and any(r in _CUDNN_EPILOGUE_STARTS for r in readers):
+        if out.dim() == 4 and not transposed and _relu_epilogue_may_follow(fx):
             continue
         shape = [int(out.shape[1])] + [1] * (out.dim() - 2)
         with graph.inserting_after(fx):
