@@ -304,11 +304,22 @@ def test_a_fused_residual_reads_the_inputs_channels_last_copy():
     assert is_channels_last(z_in["shape"], z_in["strides"])
 
 
+def _constants(graph, plan, inputs) -> dict:
+    """The values of the plan's constant groups (a bias viewed for the kernel after its convolution), as
+    optimize() hands them to the lowering."""
+    from stitchcuda.graph import reference_values
+
+    values = reference_values(graph, list(inputs))
+    return {g.nodes[0].out.name: values[g.nodes[0].out.name] for g in plan.groups if g.kind == "constant"}
+
+
 def test_fused_epilogues_lower_to_cudnns_fused_convolutions_with_the_batch_norm_folded():
-    graph = capture(_Epilogues().eval(), (torch.randn(4, 16, 64, 64),))
+    x = torch.randn(4, 16, 64, 64)
+    graph = capture(_Epilogues().eval(), (x,))
     plan = OfflinePlanner().plan(graph)
     plan.fuse_conv_epilogues = True
-    lowering = Lowering(graph, plan, {}, 132)
+    constants = _constants(graph, plan, (x,))
+    lowering = Lowering(graph, plan, constants, 132)
     program = lowering.build(plan.groups, graph.inputs, graph.outputs)
     aten = [s for s in program.steps if s["kind"] == "aten"]
     fused = [s for s in aten if s["op"].startswith("aten::cudnn_convolution")]
@@ -327,7 +338,7 @@ def test_fused_epilogues_lower_to_cudnns_fused_convolutions_with_the_batch_norm_
     assert out["strides"] == list(channels_last_strides(out["shape"]))
     # Three epilogue kernels fewer than the program without fusion.
     plan.fuse_conv_epilogues = False
-    unfused = Lowering(graph, plan, {}, 132)
+    unfused = Lowering(graph, plan, constants, 132)
     unfused.build(plan.groups, graph.inputs, graph.outputs)
     assert len(unfused.kernels) - len(lowering.kernels) == 3
     # The report says which ran: cuDNN's fused call for the three epilogues, a generated kernel otherwise.
@@ -346,10 +357,11 @@ def test_fused_epilogues_lower_to_cudnns_fused_convolutions_with_the_batch_norm_
 def test_every_fused_step_binds_to_its_aten_schema():
     # Creation resolves every ATen step in the dispatcher and checks its arguments before it needs a GPU:
     # without one, the error is the missing device, not the step.
-    graph = capture(_Epilogues().eval(), (torch.randn(2, 16, 32, 32),))
+    x = torch.randn(2, 16, 32, 32)
+    graph = capture(_Epilogues().eval(), (x,))
     plan = OfflinePlanner().plan(graph)
     plan.fuse_conv_epilogues = True
-    program = Lowering(graph, plan, {}, 132).build(plan.groups, graph.inputs, graph.outputs)
+    program = Lowering(graph, plan, _constants(graph, plan, (x,)), 132).build(plan.groups, graph.inputs, graph.outputs)
     if torch.cuda.is_available():
         pytest.skip("on a GPU machine creation goes on to run; tests/python/test_gpu_graph.py runs it")
     with pytest.raises(stitchcuda.StitchError, match=r"no CUDA device|CUDA driver \(libcuda"):
