@@ -694,7 +694,8 @@ Result<void> PreparedMatmul::run(const at::Tensor& a, const at::Tensor& b, const
   // `rows` rows of an operand (K floats each, or a stacked b whole) into its parts: side by side along K
   // when the lo products are fused, else each part whole.
   auto split_operand = [&](const float* x, std::int64_t rows, Part hi, Part lo) -> Result<void> {
-    if (d.fused && !(hi == Part::b_hi && d.b_stacked)) return split_rows(x, d.k_total, rows, d.k_total, hi, lo, 2 * d.k_total);
+    if (d.fused && !(hi == Part::b_hi && d.b_stacked))
+      return split_rows(x, d.k_total, rows, d.k_total, hi, lo, 2 * d.k_total);
     return split(x, rows * d.k_total, hi, lo);
   };
   if (!cols_blocked)  // b whole: N rows of K when transposed (blocks are only made of those), K rows of N else

@@ -604,7 +604,8 @@ def run_program(emu, program, inputs: list[torch.Tensor], constants: dict[str, t
             # Optional tensors the step leaves out after its inputs (a convolution without a bias) are None,
             # as the executor binds them.
             for arg in op._schema.arguments[len(given):]:
-                if not (isinstance(arg.type, torch.OptionalType) and isinstance(arg.type.getElementType(), torch.TensorType)):
+                optional = isinstance(arg.type, torch.OptionalType)
+                if not (optional and isinstance(arg.type.getElementType(), torch.TensorType)):
                     break
                 if arg.name not in attributes:
                     given.append(None)

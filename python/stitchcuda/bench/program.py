@@ -20,8 +20,8 @@
    the hi*hi product and for no chunking (STITCHCUDA_TF32X3_CHUNK=0): what the chunking costs and buys;
    and without slabs of K (STITCHCUDA_TF32X3_KBLOCK=0): where the executor splits a shape in slabs, what
    their smaller scratch costs in time; and with the two lo products run as one (STITCHCUDA_TF32X3_FUSE_LO=1,
-   off by default until measured): one pass over the result fewer. Each variant's `peak_mib`: the GPU memory its run allocated
-   beside the operands and the result (cuBLASLt's workspace and the split parts).
+   off by default until measured): one pass over the result fewer. Each variant's `peak_mib`: the GPU
+   memory its run allocated beside the operands and the result (cuBLASLt's workspace and the split parts).
 """
 
 from __future__ import annotations
