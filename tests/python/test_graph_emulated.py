@@ -725,6 +725,21 @@ def test_a_convolution_bias_is_added_by_the_kernel_after_it(emu, conv, then, apa
         torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-5)
 
 
+def test_the_convolution_bias_rewrite_can_be_turned_off(emu, monkeypatch):
+    # STITCHCUDA_CONV_BIAS_APART=0 (to measure the rewrite): cuDNN's call keeps the bias, the program still
+    # gives eager's result.
+    monkeypatch.setenv("STITCHCUDA_CONV_BIAS_APART", "0")
+    torch.manual_seed(3)
+    model = _ConvThen(torch.nn.Conv3d(3, 8, 3, padding=1), "gelu").eval()
+    x = torch.randn(2, 3, 6, 7, 5)
+    plan, program, constants = _lowered(model, (x,))
+    (step,) = [st for st in program.steps if st["kind"] == "aten" and "convolution" in st["op"]]
+    assert len(step["inputs"]) == 3, step
+    (got,) = run_program(emu, program, [x], constants)
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-5)
+
+
 class _RMSNorm(torch.nn.Module):
     def __init__(self, dim: int):
         super().__init__()

@@ -9,6 +9,7 @@ arguments). What cannot be captured raises CaptureError with the reason and what
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import sys
 
@@ -313,9 +314,11 @@ def _convolution_biases_apart(exported: Any) -> int:
     kernel of those ops then does in its loads instead — one read and write of the output fewer. A 2-D
     convolution followed by what may be cuDNN's fused ReLU epilogue keeps its bias, as do grouped
     convolutions (the depthwise template adds its own) and one whose bias is computed in the forward.
-    Returns how many were rewritten."""
+    STITCHCUDA_CONV_BIAS_APART=0 turns the rewrite off (to measure it). Returns how many were rewritten."""
     from .templates.ops import is_pointwise
 
+    if os.environ.get("STITCHCUDA_CONV_BIAS_APART", "1").strip() == "0":
+        return 0
     graph = exported.graph_module.graph
     conv, view, add = torch.ops.aten.convolution.default, torch.ops.aten.view.default, torch.ops.aten.add.Tensor
     count = 0
