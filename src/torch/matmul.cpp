@@ -209,14 +209,20 @@ std::int64_t k_block(std::int64_t m, std::int64_t n, std::int64_t k, const Split
   return kb < k ? kb : 0;
 }
 
-// Whether tf32x3 runs its two lo products as one (STITCHCUDA_TF32X3_FUSE_LO=1; off by default until measured):
-// a's parts laid out side by side along K as [a_lo | a_hi] and b's as [b_hi | b_lo], one product over 2K
-// gives a_lo b_hi + a_hi b_lo — its accumulator holds only the small terms, so its truncation is 2^-11 of
-// the hi*hi product's — and saves c one read-modify-write and the matmul one launch. Batch 1, a not
-// transposed, K a multiple of 4 (each part's rows start 16-byte aligned), and not in slabs of K.
-bool fuse_lo(std::int64_t batch, bool transpose_a, std::int64_t k) {
+// Which of tf32x3's products run as one (STITCHCUDA_TF32X3_FUSE_LO; off by default until measured).
+// 1: the two lo products — a's parts laid out side by side along K as [a_lo | a_hi] and b's as
+// [b_hi | b_lo], one product over 2K gives a_lo b_hi + a_hi b_lo (its accumulator holds only the small
+// terms, so its truncation is 2^-11 of the hi*hi product's), one read-modify-write of c and one launch
+// fewer. 2: besides, where K fits one hi*hi chunk, all three — [a_lo | a_hi | a_hi] and [b_hi | b_lo | b_hi]
+// over 3K, the small terms first along K and the hi*hi ones after them, as the chunk would add them — one
+// product writing c once, with the epilogue (a_hi and b_hi are stored twice: 12 bytes of parts per
+// operand element instead of 8). Batch 1, a not transposed, K a multiple of 4 (each part's rows start
+// 16-byte aligned), and not in slabs of K.
+enum class Fuse { none, lo, all };
+Fuse fuse_products(std::int64_t batch, bool transpose_a, std::int64_t k) {
   const auto v = env_count("STITCHCUDA_TF32X3_FUSE_LO");
-  return v && *v != 0 && batch == 1 && !transpose_a && k % 4 == 0;
+  if (!v || *v == 0 || batch != 1 || transpose_a || k % 4 != 0) return Fuse::none;
+  return *v >= 2 && k <= split_chunk(k) ? Fuse::all : Fuse::lo;
 }
 
 // Each split part starts on a 256-byte boundary (cuBLASLt's tensor-core kernels want 16-byte alignment).
@@ -232,12 +238,15 @@ __device__ __forceinline__ void split_one(float v, float& h, float& l) {
   h = isnan(v) ? v : __uint_as_float(__float_as_uint(v) & 0xffffe000u);
   l = isfinite(v) ? v - h : 0.0f;
 }
-__device__ __forceinline__ void split_four(float4 v, float4* hi, float4* lo) {
-  float4 h, l;
+__device__ __forceinline__ void split_four(float4 v, float4& h, float4& l) {
   split_one(v.x, h.x, l.x);
   split_one(v.y, h.y, l.y);
   split_one(v.z, h.z, l.z);
   split_one(v.w, h.w, l.w);
+}
+__device__ __forceinline__ void split_four(float4 v, float4* hi, float4* lo) {
+  float4 h, l;
+  split_four(v, h, l);
   *hi = h;
   *lo = l;
 }
@@ -256,26 +265,34 @@ extern "C" __global__ void stitchcuda_tf32x3_split(const float* __restrict__ x, 
   for (long long i = done + first; i < n; i += stride) split_one(x[i], hi[i], lo[i]);
 }
 // `rows` x `cols` of x (row stride `ld`) split into rows x cols parts of row stride `out_ld`: a slab of K
-// (out_ld = cols: dense), or rows whose parts sit side by side along K (out_ld = 2 cols: fused lo products).
+// (out_ld = cols: dense), or rows whose parts sit side by side along K (out_ld = 2 cols: fused lo products;
+// 3 cols: all three fused). hi_again > 0: hi is written a second time, that many floats after hi.
 extern "C" __global__ void stitchcuda_tf32x3_split_slab(const float* __restrict__ x, long long ld, long long rows,
                                                         long long cols, float* __restrict__ hi, float* __restrict__ lo,
-                                                        long long out_ld) {
+                                                        long long out_ld, long long hi_again) {
   const long long stride = (long long)gridDim.x * blockDim.x;
   const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if ((cols & 3) == 0 && (ld & 3) == 0 && (out_ld & 3) == 0 &&
+  if ((cols & 3) == 0 && (ld & 3) == 0 && (out_ld & 3) == 0 && (hi_again & 3) == 0 &&
       ((reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(hi) |
         reinterpret_cast<unsigned long long>(lo)) & 15ull) == 0) {
     const long long cols4 = cols / 4, n4 = rows * cols4;
     for (long long i = first; i < n4; i += stride) {
       const long long r = i / cols4, c = i - r * cols4;
-      split_four(reinterpret_cast<const float4*>(x + r * ld)[c], reinterpret_cast<float4*>(hi + r * out_ld) + c,
-                 reinterpret_cast<float4*>(lo + r * out_ld) + c);
+      float4 h, l;
+      split_four(reinterpret_cast<const float4*>(x + r * ld)[c], h, l);
+      reinterpret_cast<float4*>(hi + r * out_ld)[c] = h;
+      reinterpret_cast<float4*>(lo + r * out_ld)[c] = l;
+      if (hi_again > 0) reinterpret_cast<float4*>(hi + hi_again + r * out_ld)[c] = h;
     }
     return;
   }
   for (long long i = first; i < rows * cols; i += stride) {
     const long long r = i / cols, c = i - r * cols;
-    split_one(x[r * ld + c], hi[r * out_ld + c], lo[r * out_ld + c]);
+    float h, l;
+    split_one(x[r * ld + c], h, l);
+    hi[r * out_ld + c] = h;
+    lo[r * out_ld + c] = l;
+    if (hi_again > 0) hi[hi_again + r * out_ld + c] = h;
   }
 }
 )CUDA";
@@ -328,14 +345,21 @@ struct PreparedMatmul::Descriptors {
   std::int64_t rows_total = 0, block_rows = 0, cols_total = 0, block_cols = 0, k_total = 0;
   std::int64_t a_elems = 0, b_elems = 0;  // elements of one block of a's split parts, of b's
   std::optional<jit::Kernel> splitter, slab_splitter;
-  // The lo products fused (fuse_lo): a's parts are rows [a_lo | a_hi] of 2K; b's are rows [b_hi | b_lo] of 2K
-  // when b is transposed (a weight [N, K]), else b_hi's K rows stacked on b_lo's (b_stacked).
-  bool fused = false, b_stacked = false;
+  // The lo products fused (fuse_products): a's parts are rows [a_lo | a_hi] of 2K; b's are rows [b_hi | b_lo]
+  // of 2K when b is transposed (a weight [N, K]), else b_hi's K rows stacked on b_lo's (b_stacked). All three
+  // fused (fused_all): rows [a_lo | a_hi | a_hi] and [b_hi | b_lo | b_hi] of 3K, or a third K rows of b_hi.
+  bool fused = false, b_stacked = false, fused_all = false;
+  std::int64_t parts_along_k() const { return fused_all ? 3 : 2; }
+  // Where the split kernel writes hi a second time, in floats after hi (fused_all), else 0.
+  std::int64_t hi_again(Part hi) const {
+    if (!fused_all) return 0;
+    return hi == a_hi ? k_total : b_stacked ? 2 * b_elems : 2 * k_total;
+  }
 
   // Where each part starts in the scratch (floats).
   std::int64_t part_offset(Part p) const {
     if (fused) {
-      const std::int64_t a0 = aligned(2 * b_elems);
+      const std::int64_t a0 = aligned(parts_along_k() * b_elems);
       switch (p) {
         case b_hi: return 0;
         case b_lo: return b_stacked ? b_elems : k_total;
@@ -374,7 +398,8 @@ PreparedMatmul::~PreparedMatmul() {
 
 std::size_t PreparedMatmul::scratch_bytes() const {
   if (!d_ || !d_->split) return 0;
-  return std::size_t(2 * aligned(d_->a_elems) + 2 * aligned(d_->b_elems)) * sizeof(float);
+  const std::int64_t parts = d_->fused_all ? 3 : 2;
+  return std::size_t(parts * aligned(d_->a_elems) + parts * aligned(d_->b_elems)) * sizeof(float);
 }
 
 std::size_t PreparedMatmul::workspace_needed() const { return d_ ? d_->workspace_needed : 0; }
@@ -557,8 +582,10 @@ Result<std::unique_ptr<PreparedMatmul>> PreparedMatmul::create(const Matmul& m, 
     if (auto r = add_slab(d.slabs[1], K - (K - 1) / kb * kb, true); !r) return tl::unexpected(r.error());
     return p;
   }
-  // The lo products fused (fuse_lo): their parts side by side along K, written by the row splitter.
-  d.fused = fuse_lo(m.batch, m.transpose_a, K), d.b_stacked = d.fused && !m.transpose_b;
+  // The lo products fused, or all three (fuse_products): their parts side by side along K, written by the
+  // row splitter.
+  const Fuse fuse = fuse_products(m.batch, m.transpose_a, K);
+  d.fused = fuse != Fuse::none, d.fused_all = fuse == Fuse::all, d.b_stacked = d.fused && !m.transpose_b;
   if (d.fused) {
     auto row_splitter = split_kernel(kSlabName);
     if (!row_splitter) return tl::unexpected(row_splitter.error());
@@ -575,9 +602,10 @@ Result<std::unique_ptr<PreparedMatmul>> PreparedMatmul::create(const Matmul& m, 
       call.op = desc, call.first_part = fp, call.second_part = sp;
       tile.calls.push_back(call);  // owned from here: the destructor frees its layouts whatever fails next
       Descriptors::Call& c = tile.calls.back();
-      if (d.fused) {  // a's rows and a transposed b's hold 2K floats; a stacked b's hi part is [K, N] as b is
-        if (auto r = part_layout(c.first, b_k_in_rows, n_used, 2 * K, kc); !r) return r;
-        if (auto r = part_layout(c.second, a_k_in_rows, m_used, 2 * K, kc); !r) return r;
+      if (d.fused) {  // a's rows and a transposed b's hold 2K (3K) floats; a stacked b's parts are [K, N] as b is
+        const std::int64_t w = d.parts_along_k() * K;
+        if (auto r = part_layout(c.first, b_k_in_rows, n_used, w, kc); !r) return r;
+        if (auto r = part_layout(c.second, a_k_in_rows, m_used, w, kc); !r) return r;
         c.first_offset = d.b_stacked ? k0 * N : k0;
         c.second_offset = k0;
       } else {
@@ -588,6 +616,8 @@ Result<std::unique_ptr<PreparedMatmul>> PreparedMatmul::create(const Matmul& m, 
       }
       return pick(desc, c.first, c.second, c.algo, what, out);
     };
+    if (d.fused_all)  // [b_hi | b_lo | b_hi] . [a_lo | a_hi | a_hi] over 3K: c written once, with the epilogue
+      return add_call(d.op, Part::b_hi, Part::a_lo, 0, 3 * K, " (tf32x3, the three products fused)");
     if (d.fused) {  // [b_hi | b_lo] . [a_lo | a_hi] over 2K, from b_hi's and a_lo's starts
       if (auto r = add_call(d.plain, Part::b_hi, Part::a_lo, 0, 2 * K, " (tf32x3, a_lo b_hi + a_hi b_lo fused)"); !r)
         return r;
@@ -650,12 +680,13 @@ Result<void> PreparedMatmul::run(const at::Tensor& a, const at::Tensor& b, const
   };
   using Part = Descriptors::Part;
   const float one = 1.0f;
-  // `rows` x `cols` of x (row stride ld) into parts of row stride out_ld (the row splitter).
+  // `rows` x `cols` of x (row stride ld) into parts of row stride out_ld (the row splitter), hi written again
+  // where the three products are fused.
   auto split_rows = [&](const float* x, std::int64_t ld, std::int64_t rows, std::int64_t cols, Part hi, Part lo,
                         std::int64_t out_ld) -> Result<void> {
     jit::KernelArgs args;
     args.pointer(x).i64(ld).i64(rows).i64(cols).pointer(parts + d.part_offset(hi)).pointer(parts + d.part_offset(lo))
-        .i64(out_ld);
+        .i64(out_ld).i64(d.hi_again(hi));
     return launch_split(*d.slab_splitter, rows * cols, args);
   };
   if (d.k_block > 0) {  // slabs of K: split both operands' slab, then its calls, c accumulating
@@ -692,11 +723,14 @@ Result<void> PreparedMatmul::run(const at::Tensor& a, const at::Tensor& b, const
   const float* a_data = static_cast<const float*>(a.data_ptr());
   const float* b_data = static_cast<const float*>(b.data_ptr());
   // `rows` rows of an operand (K floats each, or a stacked b whole) into its parts: side by side along K
-  // when the lo products are fused, else each part whole.
+  // when products are fused (a stacked b as one row, its hi part again after its lo part when all three
+  // are), else each part whole.
   auto split_operand = [&](const float* x, std::int64_t rows, Part hi, Part lo) -> Result<void> {
-    if (d.fused && !(hi == Part::b_hi && d.b_stacked))
-      return split_rows(x, d.k_total, rows, d.k_total, hi, lo, 2 * d.k_total);
-    return split(x, rows * d.k_total, hi, lo);
+    const std::int64_t n = rows * d.k_total;
+    if (d.fused && hi == Part::b_hi && d.b_stacked)
+      return d.fused_all ? split_rows(x, n, 1, n, hi, lo, n) : split(x, n, hi, lo);
+    if (d.fused) return split_rows(x, d.k_total, rows, d.k_total, hi, lo, d.parts_along_k() * d.k_total);
+    return split(x, n, hi, lo);
   };
   if (!cols_blocked)  // b whole: N rows of K when transposed (blocks are only made of those), K rows of N else
     if (auto r = split_operand(b_data, d.b_elems / d.k_total, Part::b_hi, Part::b_lo); !r) return r;

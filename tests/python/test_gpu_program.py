@@ -329,18 +329,21 @@ def test_a_random_op_keeps_replay_on_the_host():
     (1024, 768, 4096 + 100, 1, True, "bias_relu", 0, 0, 1024),  # slabs of K, a ragged last one
     (1000, 640, 2100, 1, False, "bias_gelu", 0, 0, 512),     # slabs of a [K, N] weight: contiguous rows of it
     (300, 260, 1030, 1, True, "none", 0, 0, 512),            # a row stride not a multiple of 4: the scalar split
+    (1000, 768, 384, 1, True, "bias_gelu", 384, 0, 0),       # K within one chunk (a ViT's), a in blocks of rows
+    (700, 1000, 512, 1, True, "bias_relu", 0, 384, 0),       # K of one whole chunk, the weight in blocks
 ])
-@pytest.mark.parametrize("fuse_lo", [False, True], ids=["lo-apart", "lo-fused"])
+@pytest.mark.parametrize("fuse", [0, 1, 2], ids=["apart", "lo-fused", "all-fused"])
 def test_tf32x3_matmul_has_fp32_accuracy(m, n, k, batch, transpose_b, epilogue, block_rows, block_cols, slab,
-                                         fuse_lo, monkeypatch):
+                                         fuse, monkeypatch):
     """tf32x3 (three TF32 tensor-core products on split operands, the big one summed in chunks of K; a
     large a split a block of rows at a time, a large weight a block of its rows, or both a slab of K at a
     time) is as close to exact arithmetic as cuBLAS's SGEMM, and within fp32's tolerance of it; plain TF32
     is not. With STITCHCUDA_TF32X3_FUSE_LO=1 the two lo products run as one over 2K (batch 1 without slabs:
-    a [K, N] weight's parts stacked, a transposed one's and a's side by side, blocked or not)."""
+    a [K, N] weight's parts stacked, a transposed one's and a's side by side, blocked or not); with 2, where K
+    fits one chunk, all three as one over 3K."""
     from stitchcuda.verify.compare import first_difference, fp64_error
 
-    monkeypatch.setenv("STITCHCUDA_TF32X3_FUSE_LO", "1" if fuse_lo else "0")
+    monkeypatch.setenv("STITCHCUDA_TF32X3_FUSE_LO", str(fuse))
     monkeypatch.setenv("STITCHCUDA_TF32X3_ROWS", str(block_rows))  # 0: every row at once
     monkeypatch.setenv("STITCHCUDA_TF32X3_COLS", str(block_cols))  # 0: every column at once
     monkeypatch.setenv("STITCHCUDA_TF32X3_KBLOCK", str(slab))  # 0: no slabs

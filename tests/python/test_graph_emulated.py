@@ -1013,24 +1013,28 @@ def _tf32_split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("rows, cols, ld, offset", [(6, 16, 24, 8), (5, 7, 13, 3), (4, 8, 8, 0), (3, 12, 20, 2)],
                          ids=["float4", "scalar", "dense", "misaligned"])
-@pytest.mark.parametrize("side_by_side", [False, True], ids=["parts", "fused"])
+@pytest.mark.parametrize("side_by_side", [0, 2, 3], ids=["parts", "fused", "fused-all"])
 def test_tf32x3_slab_split_writes_an_exact_split_of_a_strided_slab(emu, rows, cols, ld, offset, side_by_side):
     # A slab of K: `rows` rows of `cols` elements, `ld` apart, starting `offset` floats in (2: not 16-byte
     # aligned, so the scalar path although cols and ld are multiples of 4), split into dense [rows, cols] parts;
-    # or, for the fused lo products, into rows of 2 * cols holding [lo | hi] side by side (out_ld = 2 cols).
+    # or, for the fused lo products, into rows of 2 * cols holding [lo | hi] side by side (out_ld = 2 cols);
+    # or, all three products fused, rows of 3 * cols holding [lo | hi | hi] (hi written again cols after).
     torch.manual_seed(rows * cols + ld)
     storage = torch.randn(offset + rows * ld + 4) * 100
     storage[offset + 1], storage[offset + 2], storage[offset + 3] = float("inf"), float("nan"), float("-inf")
-    out_ld = 2 * cols if side_by_side else cols
+    out_ld = side_by_side * cols if side_by_side else cols
+    hi_again = cols if side_by_side == 3 else 0
     kernel = EmulatedModule(emu, _split_kernel_source()).kernel("stitchcuda_tf32x3_split_slab")
     if side_by_side:
         parts = torch.full((rows * out_ld,), 7.0)
         lo_at, hi_at = parts, parts[cols:]
     else:
         hi_at, lo_at = torch.full((rows * cols,), 7.0), torch.full((rows * cols,), 7.0)
-    kernel(max(1, -(-rows * cols // 4 // 256)), 256, storage[offset:], ld, rows, cols, hi_at, lo_at, out_ld)
+    kernel(max(1, -(-rows * cols // 4 // 256)), 256, storage[offset:], ld, rows, cols, hi_at, lo_at, out_ld, hi_again)
     if side_by_side:
-        lo, hi = parts.view(rows, out_ld)[:, :cols], parts.view(rows, out_ld)[:, cols:]
+        lo, hi = parts.view(rows, out_ld)[:, :cols], parts.view(rows, out_ld)[:, cols:2 * cols]
+        if side_by_side == 3:
+            torch.testing.assert_close(parts.view(rows, out_ld)[:, 2 * cols:], hi, rtol=0, atol=0, equal_nan=True)
     else:
         hi, lo = hi_at.view(rows, cols), lo_at.view(rows, cols)
     slab = storage[offset:].as_strided((rows, cols), (ld, 1))

@@ -20,7 +20,8 @@
    the hi*hi product and for no chunking (STITCHCUDA_TF32X3_CHUNK=0): what the chunking costs and buys;
    and without slabs of K (STITCHCUDA_TF32X3_KBLOCK=0): where the executor splits a shape in slabs, what
    their smaller scratch costs in time; and with the two lo products run as one (STITCHCUDA_TF32X3_FUSE_LO=1,
-   off by default until measured): one pass over the result fewer. Each variant's `peak_mib`: the GPU
+   off by default until measured): one pass over the result fewer; and, where K fits one chunk, all three as
+   one (STITCHCUDA_TF32X3_FUSE_LO=2): the result written once. Each variant's `peak_mib`: the GPU
    memory its run allocated beside the operands and the result (cuBLASLt's workspace and the split parts).
 """
 
@@ -175,15 +176,17 @@ _TF32X3_KNOBS = ("STITCHCUDA_TF32X3_CHUNK", "STITCHCUDA_TF32X3_KBLOCK", "STITCHC
 _TF32X3_VARIANTS = (("sgemm", "fp32", {}), ("tf32x3", "tf32x3", {}),
                     ("tf32x3_unchunked", "tf32x3", {"STITCHCUDA_TF32X3_CHUNK": "0"}),
                     ("tf32x3_no_slabs", "tf32x3", {"STITCHCUDA_TF32X3_KBLOCK": "0"}),
-                    ("tf32x3_fused_lo", "tf32x3", {"STITCHCUDA_TF32X3_FUSE_LO": "1"}), ("tf32", "tf32", {}))
+                    ("tf32x3_fused_lo", "tf32x3", {"STITCHCUDA_TF32X3_FUSE_LO": "1"}),
+                    ("tf32x3_one_product", "tf32x3", {"STITCHCUDA_TF32X3_FUSE_LO": "2"}), ("tf32", "tf32", {}))
 
 
 def tf32x3(shapes=((8192, 8192, 4096), (4096, 4096, 4096), (8192, 2048, 8192), (2048, 3072, 768),
-                   (8192, 1024, 4096), (25216, 1536, 384))) -> dict:
+                   (8192, 1024, 4096), (25216, 1536, 384), (25216, 384, 384))) -> dict:
     """The fifth shape: a transformer encoder's MLP down-projection (4096 -> 1024 over 8192 tokens), whose
     blocks of a stay whole (288 MiB of parts), so the executor splits it in two slabs of K (144 MiB). The
     last: a ViT-S/16's MLP up-projection over a batch of 128 images (25,216 tokens, K = 384), where the two
-    lo products' extra pass over the result is a large share of the work (tf32x3_fused_lo runs them as one)."""
+    lo products' extra pass over the result is a large share of the work (tf32x3_fused_lo runs them as one;
+    tf32x3_one_product, where K fits one chunk, all three), and the same ViT's attention output projection."""
     import os
 
     from ..verify.compare import fp64_error, tolerance_used
@@ -217,7 +220,7 @@ def tf32x3(shapes=((8192, 8192, 4096), (4096, 4096, 4096), (8192, 2048, 8192), (
                 row[f"{label}_tflops"] = round(2 * m * n * k / ms / 1e9, 1)
                 row[f"{label}_err_fp64"] = fp64_error(y, exact)
                 del ex, y
-            for label in ("tf32x3", "tf32x3_unchunked", "tf32x3_no_slabs", "tf32x3_fused_lo", "tf32"):
+            for label in [v[0] for v in _TF32X3_VARIANTS if v[0] != "sgemm"]:
                 row[f"{label}_speedup_over_sgemm"] = round(row["sgemm_ms"] / row[f"{label}_ms"], 3)
                 row[f"{label}_tolerance_used_vs_sgemm"] = round(tolerance_used(outs[label], outs["sgemm"], 1e-4, 1e-4), 3)
             results[f"{m}x{n}x{k}"] = row

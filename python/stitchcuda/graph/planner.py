@@ -149,11 +149,19 @@ def k_block(m: int, n: int, k: int, batch: int = 1, transpose_a: bool = False, t
 
 
 def fuse_lo(k: int, batch: int = 1, transpose_a: bool = False) -> bool:
-    """Whether tf32x3 runs its two lo products as one product over 2K (STITCHCUDA_TF32X3_FUSE_LO=1, off by
-    default until measured; batch 1, a not transposed, K a multiple of 4, not in slabs of K): one
-    read-modify-write of the result fewer. src/torch/matmul.cpp's fuse_lo."""
+    """Whether tf32x3 runs its two lo products as one product over 2K (STITCHCUDA_TF32X3_FUSE_LO=1 or 2, off
+    by default until measured; batch 1, a not transposed, K a multiple of 4, not in slabs of K): one
+    read-modify-write of the result fewer. src/torch/matmul.cpp's fuse_products."""
     text = os.environ.get("STITCHCUDA_TF32X3_FUSE_LO", "")
     return text.isdigit() and int(text) != 0 and batch == 1 and not transpose_a and k % 4 == 0
+
+
+def fuse_all(k: int, batch: int = 1, transpose_a: bool = False) -> bool:
+    """Whether tf32x3 runs all three products as one over 3K (STITCHCUDA_TF32X3_FUSE_LO=2, where the lo
+    products fuse and K fits one hi*hi chunk): the result written once, a_hi and b_hi stored twice (12 bytes
+    of parts per operand element). src/torch/matmul.cpp's fuse_products."""
+    text = os.environ.get("STITCHCUDA_TF32X3_FUSE_LO", "")
+    return fuse_lo(k, batch, transpose_a) and int(text) >= 2 and k <= split_chunk(k)
 
 
 def split_tf32_choice(m: int, n: int, k: int, batch: int, a_elems: int, b_elems: int,
@@ -172,10 +180,12 @@ def split_tf32_choice(m: int, n: int, k: int, batch: int, a_elems: int, b_elems:
     flops = 2.0 * batch * m * n * k
     c_bytes = 4.0 * batch * m * n
     a_rows, b_rows = split_blocks(m, n, k, batch, transpose_a, transpose_b)
-    scratch = 8.0 * ((a_rows * k if a_rows < m else a_elems) + (b_rows * k if b_rows < n else b_elems))
+    slab = k_block(m, n, k, batch, transpose_a, transpose_b)
+    one_product = not slab and fuse_all(k, batch, transpose_a)
+    part_bytes = 12.0 if one_product else 8.0  # a_hi and b_hi stored twice when the three products are one
+    scratch = part_bytes * ((a_rows * k if a_rows < m else a_elems) + (b_rows * k if b_rows < n else b_elems))
     # a split once, or again for each of b's blocks when both are blocked
     a_splits = -(-n // max(b_rows, 1)) if a_rows < m and b_rows < n else 1
-    slab = k_block(m, n, k, batch, transpose_a, transpose_b)
     if slab:  # both operands a slab of K at a time: each split once, two more passes over c per extra slab
         scratch, a_splits = 8.0 * (m + n) * slab, 1
     largest = 4.0 * max(a_elems, b_elems, batch * m * n)
@@ -185,10 +195,12 @@ def split_tf32_choice(m: int, n: int, k: int, batch: int, a_elems: int, b_elems:
     chunk = split_chunk(k)
     chunks = -(-k // chunk) + (2 * (-(-k // slab) - 1) if slab else 0)
     # products after the first, each reading and writing c: the two lo ones (one when fused) and the chunks'
-    rewrites = chunks + (0 if not slab and fuse_lo(k, batch, transpose_a) else 1)
+    # (none when the three are one product)
+    rewrites = 0 if one_product else chunks + (0 if not slab and fuse_lo(k, batch, transpose_a) else 1)
     sgemm_s = flops / (fp32 * 1e12 * _SGEMM_SHARE)
     split_s = (3 * flops / (tf32 * 1e12 * _TF32_SHARE)
-               + (12.0 * (a_splits * a_elems + b_elems) + 2.0 * c_bytes * rewrites) / (dram * 1e12 * _DRAM_SHARE))
+               + ((4.0 + part_bytes) * (a_splits * a_elems + b_elems) + 2.0 * c_bytes * rewrites)
+               / (dram * 1e12 * _DRAM_SHARE))
     why = f"estimated {split_s * 1e3:.3f} ms as 3xTF32 against {sgemm_s * 1e3:.3f} ms as SGEMM"
     return split_s * _SPLIT_GAIN <= sgemm_s, why
 
