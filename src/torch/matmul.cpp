@@ -213,16 +213,16 @@ std::int64_t k_block(std::int64_t m, std::int64_t n, std::int64_t k, const Split
 // 1: the two lo products — a's parts laid out side by side along K as [a_lo | a_hi] and b's as
 // [b_hi | b_lo], one product over 2K gives a_lo b_hi + a_hi b_lo (its accumulator holds only the small
 // terms, so its truncation is 2^-11 of the hi*hi product's), one read-modify-write of c and one launch
-// fewer. 2: besides, where K fits one hi*hi chunk, all three — [a_lo | a_hi | a_hi] and [b_hi | b_lo | b_hi]
-// over 3K, the small terms first along K and the hi*hi ones after them, as the chunk would add them — one
-// product writing c once, with the epilogue (a_hi and b_hi are stored twice: 12 bytes of parts per
-// operand element instead of 8). Batch 1, a not transposed, K a multiple of 4 (each part's rows start
-// 16-byte aligned), and not in slabs of K.
-enum class Fuse { none, lo, all };
-Fuse fuse_products(std::int64_t batch, bool transpose_a, std::int64_t k) {
+// fewer. 2: with them the first hi*hi chunk — [a_lo | a_hi | a_hi's first chunk] and
+// [b_hi | b_lo | b_hi's first chunk] over 2K + chunk, the small terms first along K and that chunk's after
+// them, as the chunk alone would add them — one more pass over c fewer; where K fits one chunk, all three
+// products are one, writing c once with the epilogue. The first chunk of a_hi and b_hi is stored twice:
+// 8 + 4 chunk / K bytes of parts per operand element. Batch 1, a not transposed, K a multiple of 4 (each
+// part's rows start 16-byte aligned), and not in slabs of K. Returns 0 (apart), 1 or 2.
+int fuse_products(std::int64_t batch, bool transpose_a, std::int64_t k) {
   const auto v = env_count("STITCHCUDA_TF32X3_FUSE_LO");
-  if (!v || *v == 0 || batch != 1 || transpose_a || k % 4 != 0) return Fuse::none;
-  return *v >= 2 && k <= split_chunk(k) ? Fuse::all : Fuse::lo;
+  if (!v || *v == 0 || batch != 1 || transpose_a || k % 4 != 0) return 0;
+  return *v >= 2 ? 2 : 1;
 }
 
 // Each split part starts on a 256-byte boundary (cuBLASLt's tensor-core kernels want 16-byte alignment).
@@ -266,13 +266,14 @@ extern "C" __global__ void stitchcuda_tf32x3_split(const float* __restrict__ x, 
 }
 // `rows` x `cols` of x (row stride `ld`) split into rows x cols parts of row stride `out_ld`: a slab of K
 // (out_ld = cols: dense), or rows whose parts sit side by side along K (out_ld = 2 cols: fused lo products;
-// 3 cols: all three fused). hi_again > 0: hi is written a second time, that many floats after hi.
+// 2 cols + chunk with the first hi*hi chunk). hi_again > 0: the first `again_cols` of each row of hi are
+// written a second time, hi_again floats after hi.
 extern "C" __global__ void stitchcuda_tf32x3_split_slab(const float* __restrict__ x, long long ld, long long rows,
                                                         long long cols, float* __restrict__ hi, float* __restrict__ lo,
-                                                        long long out_ld, long long hi_again) {
+                                                        long long out_ld, long long hi_again, long long again_cols) {
   const long long stride = (long long)gridDim.x * blockDim.x;
   const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if ((cols & 3) == 0 && (ld & 3) == 0 && (out_ld & 3) == 0 && (hi_again & 3) == 0 &&
+  if ((cols & 3) == 0 && (ld & 3) == 0 && (out_ld & 3) == 0 && (hi_again & 3) == 0 && (again_cols & 3) == 0 &&
       ((reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(hi) |
         reinterpret_cast<unsigned long long>(lo)) & 15ull) == 0) {
     const long long cols4 = cols / 4, n4 = rows * cols4;
@@ -282,7 +283,7 @@ extern "C" __global__ void stitchcuda_tf32x3_split_slab(const float* __restrict_
       split_four(reinterpret_cast<const float4*>(x + r * ld)[c], h, l);
       reinterpret_cast<float4*>(hi + r * out_ld)[c] = h;
       reinterpret_cast<float4*>(lo + r * out_ld)[c] = l;
-      if (hi_again > 0) reinterpret_cast<float4*>(hi + hi_again + r * out_ld)[c] = h;
+      if (hi_again > 0 && 4 * c < again_cols) reinterpret_cast<float4*>(hi + hi_again + r * out_ld)[c] = h;
     }
     return;
   }
@@ -292,7 +293,7 @@ extern "C" __global__ void stitchcuda_tf32x3_split_slab(const float* __restrict_
     split_one(x[r * ld + c], h, l);
     hi[r * out_ld + c] = h;
     lo[r * out_ld + c] = l;
-    if (hi_again > 0) hi[hi_again + r * out_ld + c] = h;
+    if (hi_again > 0 && c < again_cols) hi[hi_again + r * out_ld + c] = h;
   }
 }
 )CUDA";
@@ -346,20 +347,26 @@ struct PreparedMatmul::Descriptors {
   std::int64_t a_elems = 0, b_elems = 0;  // elements of one block of a's split parts, of b's
   std::optional<jit::Kernel> splitter, slab_splitter;
   // The lo products fused (fuse_products): a's parts are rows [a_lo | a_hi] of 2K; b's are rows [b_hi | b_lo]
-  // of 2K when b is transposed (a weight [N, K]), else b_hi's K rows stacked on b_lo's (b_stacked). All three
-  // fused (fused_all): rows [a_lo | a_hi | a_hi] and [b_hi | b_lo | b_hi] of 3K, or a third K rows of b_hi.
-  bool fused = false, b_stacked = false, fused_all = false;
-  std::int64_t parts_along_k() const { return fused_all ? 3 : 2; }
-  // Where the split kernel writes hi a second time, in floats after hi (fused_all), else 0.
+  // of 2K when b is transposed (a weight [N, K]), else b_hi's K rows stacked on b_lo's (b_stacked). With the
+  // first hi*hi chunk (hi_extra of K, the whole K when it fits one chunk): rows of 2K + hi_extra ending in
+  // that much of a_hi or b_hi again, or b_hi's first hi_extra rows stacked after b_lo's.
+  bool fused = false, b_stacked = false;
+  std::int64_t hi_extra = 0;
+  std::int64_t width() const { return 2 * k_total + hi_extra; }  // of each row of fused parts
+  // Where the split kernel writes hi a second time, in floats after hi, and how much of each row (of K,
+  // or of a stacked b split as one row).
   std::int64_t hi_again(Part hi) const {
-    if (!fused_all) return 0;
+    if (!hi_extra) return 0;
     return hi == a_hi ? k_total : b_stacked ? 2 * b_elems : 2 * k_total;
+  }
+  std::int64_t again_cols(Part hi) const {
+    return hi == b_hi && b_stacked ? hi_extra * (b_elems / k_total) : hi_extra;
   }
 
   // Where each part starts in the scratch (floats).
   std::int64_t part_offset(Part p) const {
     if (fused) {
-      const std::int64_t a0 = aligned(parts_along_k() * b_elems);
+      const std::int64_t a0 = aligned(b_elems / k_total * width());
       switch (p) {
         case b_hi: return 0;
         case b_lo: return b_stacked ? b_elems : k_total;
@@ -398,8 +405,10 @@ PreparedMatmul::~PreparedMatmul() {
 
 std::size_t PreparedMatmul::scratch_bytes() const {
   if (!d_ || !d_->split) return 0;
-  const std::int64_t parts = d_->fused_all ? 3 : 2;
-  return std::size_t(parts * aligned(d_->a_elems) + parts * aligned(d_->b_elems)) * sizeof(float);
+  if (d_->fused)  // rows of 2K + hi_extra: b's, then a's from an aligned start
+    return std::size_t(aligned(d_->b_elems / d_->k_total * d_->width()) + d_->a_elems / d_->k_total * d_->width()) *
+           sizeof(float);
+  return std::size_t(2 * aligned(d_->a_elems) + 2 * aligned(d_->b_elems)) * sizeof(float);
 }
 
 std::size_t PreparedMatmul::workspace_needed() const { return d_ ? d_->workspace_needed : 0; }
@@ -584,8 +593,9 @@ Result<std::unique_ptr<PreparedMatmul>> PreparedMatmul::create(const Matmul& m, 
   }
   // The lo products fused, or all three (fuse_products): their parts side by side along K, written by the
   // row splitter.
-  const Fuse fuse = fuse_products(m.batch, m.transpose_a, K);
-  d.fused = fuse != Fuse::none, d.fused_all = fuse == Fuse::all, d.b_stacked = d.fused && !m.transpose_b;
+  const int fuse = fuse_products(m.batch, m.transpose_a, K);
+  d.fused = fuse > 0, d.b_stacked = d.fused && !m.transpose_b;
+  d.hi_extra = fuse == 2 ? std::min(split_chunk(K), K) : 0;
   if (d.fused) {
     auto row_splitter = split_kernel(kSlabName);
     if (!row_splitter) return tl::unexpected(row_splitter.error());
@@ -602,10 +612,9 @@ Result<std::unique_ptr<PreparedMatmul>> PreparedMatmul::create(const Matmul& m, 
       call.op = desc, call.first_part = fp, call.second_part = sp;
       tile.calls.push_back(call);  // owned from here: the destructor frees its layouts whatever fails next
       Descriptors::Call& c = tile.calls.back();
-      if (d.fused) {  // a's rows and a transposed b's hold 2K (3K) floats; a stacked b's parts are [K, N] as b is
-        const std::int64_t w = d.parts_along_k() * K;
-        if (auto r = part_layout(c.first, b_k_in_rows, n_used, w, kc); !r) return r;
-        if (auto r = part_layout(c.second, a_k_in_rows, m_used, w, kc); !r) return r;
+      if (d.fused) {  // a's rows and a transposed b's hold 2K + hi_extra floats; a stacked b's parts are [., N]
+        if (auto r = part_layout(c.first, b_k_in_rows, n_used, d.width(), kc); !r) return r;
+        if (auto r = part_layout(c.second, a_k_in_rows, m_used, d.width(), kc); !r) return r;
         c.first_offset = d.b_stacked ? k0 * N : k0;
         c.second_offset = k0;
       } else {
@@ -616,17 +625,18 @@ Result<std::unique_ptr<PreparedMatmul>> PreparedMatmul::create(const Matmul& m, 
       }
       return pick(desc, c.first, c.second, c.algo, what, out);
     };
-    if (d.fused_all)  // [b_hi | b_lo | b_hi] . [a_lo | a_hi | a_hi] over 3K: c written once, with the epilogue
-      return add_call(d.op, Part::b_hi, Part::a_lo, 0, 3 * K, " (tf32x3, the three products fused)");
-    if (d.fused) {  // [b_hi | b_lo] . [a_lo | a_hi] over 2K, from b_hi's and a_lo's starts
-      if (auto r = add_call(d.plain, Part::b_hi, Part::a_lo, 0, 2 * K, " (tf32x3, a_lo b_hi + a_hi b_lo fused)"); !r)
+    if (d.fused) {  // [b_hi | b_lo (| b_hi's first chunk)] . [a_lo | a_hi (| a_hi's)], from b_hi's and a_lo's starts
+      const bool all = d.hi_extra == K;  // the three products in one: c written once, with the epilogue
+      if (auto r = add_call(all ? d.op : d.plain, Part::b_hi, Part::a_lo, 0, d.width(),
+                            all ? " (tf32x3, the three products fused)" : " (tf32x3, a_lo b_hi + a_hi b_lo fused)");
+          !r || all)
         return r;
     } else {
       if (auto r = add_call(d.plain, Part::b_hi, Part::a_lo, 0, K, " (tf32x3, a_lo b_hi)"); !r) return r;
       if (auto r = add_call(d.plain, Part::b_lo, Part::a_hi, 0, K, " (tf32x3, a_hi b_lo)"); !r) return r;
     }
     const std::int64_t chunk = split_chunk(K);
-    for (std::int64_t k0 = 0; k0 < K; k0 += chunk) {
+    for (std::int64_t k0 = d.hi_extra; k0 < K; k0 += chunk) {  // after the first chunk when it is fused
       const std::int64_t kc = std::min(chunk, K - k0);
       const bool last = k0 + kc >= K;
       if (auto r = add_call(last ? d.op : d.plain, Part::b_hi, Part::a_hi, k0, kc, " (tf32x3, a_hi b_hi chunk)"); !r)
@@ -686,7 +696,7 @@ Result<void> PreparedMatmul::run(const at::Tensor& a, const at::Tensor& b, const
                         std::int64_t out_ld) -> Result<void> {
     jit::KernelArgs args;
     args.pointer(x).i64(ld).i64(rows).i64(cols).pointer(parts + d.part_offset(hi)).pointer(parts + d.part_offset(lo))
-        .i64(out_ld).i64(d.hi_again(hi));
+        .i64(out_ld).i64(d.hi_again(hi)).i64(d.again_cols(hi));
     return launch_split(*d.slab_splitter, rows * cols, args);
   };
   if (d.k_block > 0) {  // slabs of K: split both operands' slab, then its calls, c accumulating
@@ -723,13 +733,13 @@ Result<void> PreparedMatmul::run(const at::Tensor& a, const at::Tensor& b, const
   const float* a_data = static_cast<const float*>(a.data_ptr());
   const float* b_data = static_cast<const float*>(b.data_ptr());
   // `rows` rows of an operand (K floats each, or a stacked b whole) into its parts: side by side along K
-  // when products are fused (a stacked b as one row, its hi part again after its lo part when all three
-  // are), else each part whole.
+  // when products are fused (a stacked b as one row, the first rows of its hi part again after its lo part
+  // with the first hi*hi chunk), else each part whole.
   auto split_operand = [&](const float* x, std::int64_t rows, Part hi, Part lo) -> Result<void> {
     const std::int64_t n = rows * d.k_total;
     if (d.fused && hi == Part::b_hi && d.b_stacked)
-      return d.fused_all ? split_rows(x, n, 1, n, hi, lo, n) : split(x, n, hi, lo);
-    if (d.fused) return split_rows(x, d.k_total, rows, d.k_total, hi, lo, d.parts_along_k() * d.k_total);
+      return d.hi_extra ? split_rows(x, n, 1, n, hi, lo, n) : split(x, n, hi, lo);
+    if (d.fused) return split_rows(x, d.k_total, rows, d.k_total, hi, lo, d.width());
     return split(x, n, hi, lo);
   };
   if (!cols_blocked)  // b whole: N rows of K when transposed (blocks are only made of those), K rows of N else

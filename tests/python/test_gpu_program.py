@@ -339,8 +339,8 @@ def test_tf32x3_matmul_has_fp32_accuracy(m, n, k, batch, transpose_b, epilogue, 
     large a split a block of rows at a time, a large weight a block of its rows, or both a slab of K at a
     time) is as close to exact arithmetic as cuBLAS's SGEMM, and within fp32's tolerance of it; plain TF32
     is not. With STITCHCUDA_TF32X3_FUSE_LO=1 the two lo products run as one over 2K (batch 1 without slabs:
-    a [K, N] weight's parts stacked, a transposed one's and a's side by side, blocked or not); with 2, where K
-    fits one chunk, all three as one over 3K."""
+    a [K, N] weight's parts stacked, a transposed one's and a's side by side, blocked or not); with 2 the first
+    hi*hi chunk joins that call (all three products in one where K fits one chunk)."""
     from stitchcuda.verify.compare import first_difference, fp64_error
 
     monkeypatch.setenv("STITCHCUDA_TF32X3_FUSE_LO", str(fuse))

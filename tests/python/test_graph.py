@@ -762,35 +762,34 @@ def test_tf32x3_with_its_lo_products_fused_counts_one_pass_over_the_result_fewer
     assert split_tf32_choice(*down, transpose_b=True)[1] == with_knob
 
 
-def test_tf32x3_as_one_product_writes_the_result_once_for_more_split_traffic(monkeypatch):
-    """STITCHCUDA_TF32X3_FUSE_LO=2: where K fits one hi*hi chunk, the three products run as one over 3K —
-    no pass over the result after the first, but a_hi and b_hi written twice (16 bytes of split traffic per
-    operand element instead of 12, 12 of scratch instead of 8). A K beyond the chunk keeps the lo ones fused."""
-    from stitchcuda.graph.planner import fuse_all, fuse_lo, split_tf32_choice
+def test_tf32x3_first_hi_chunk_joins_the_fused_lo_products(monkeypatch):
+    """STITCHCUDA_TF32X3_FUSE_LO=2: the first hi*hi chunk runs in the fused lo products' call, over
+    2K + chunk — one pass over the result fewer, for that chunk of a_hi and b_hi written again (4 * chunk / K
+    more bytes of split traffic and scratch per operand element). Where K fits one chunk the three products
+    are one and the result is written once."""
+    from stitchcuda.graph.planner import fuse_all, fused_hi, split_tf32_choice
 
     monkeypatch.delenv("STITCHCUDA_TF32X3_KBLOCK", raising=False)
     monkeypatch.delenv("STITCHCUDA_TF32X3_CHUNK", raising=False)
     tokens = 128 * 197
     h100 = {**H200_PEAKS, "dram_tb_s": 3.35}
-    a_elems, b_elems = tokens * 384, 384 * 1536
-    fc1 = (tokens, 1536, 384, 1, a_elems, b_elems, h100)
-    estimate = lambda why: float(why.split()[1])  # noqa: E731 - "estimated X ms as 3xTF32 ..."
-    monkeypatch.setenv("STITCHCUDA_TF32X3_FUSE_LO", "1")
-    assert not fuse_all(384)
-    _, lo_fused = split_tf32_choice(*fc1, transpose_b=True)
-    monkeypatch.setenv("STITCHCUDA_TF32X3_FUSE_LO", "2")
-    assert fuse_all(384) and fuse_lo(384) and not fuse_all(1536) and not fuse_all(384, batch=2)
-    ok, all_fused = split_tf32_choice(*fc1, transpose_b=True)
     dram = h100["dram_tb_s"] * 1e12 * 0.8
-    c_pass_ms = 2 * 4 * tokens * 1536 / dram * 1e3
-    extra_split_ms = 4 * (a_elems + b_elems) / dram * 1e3
-    assert estimate(lo_fused) - estimate(all_fused) == pytest.approx(c_pass_ms - extra_split_ms, abs=1e-3)
-    assert ok, all_fused
-    # K = 1536 is three chunks: the estimate is the lo-fused one.
-    fc2 = (tokens, 384, 1536, 1, tokens * 1536, 1536 * 384, h100)
-    two = split_tf32_choice(*fc2, transpose_b=True)[1]
-    monkeypatch.setenv("STITCHCUDA_TF32X3_FUSE_LO", "1")
-    assert split_tf32_choice(*fc2, transpose_b=True)[1] == two
+    estimate = lambda why: float(why.split()[1])  # noqa: E731 - "estimated X ms as 3xTF32 ..."
+    # a ViT's fc1 (K within one chunk) and a transformer encoder's 1024 -> 3072 projection (two chunks)
+    for m, k, n in ((tokens, 384, 1536), (8192, 1024, 3072)):
+        a_elems, b_elems = m * k, k * n
+        shape = (m, n, k, 1, a_elems, b_elems, h100)
+        monkeypatch.setenv("STITCHCUDA_TF32X3_FUSE_LO", "1")
+        assert fused_hi(k) == 0 and not fuse_all(k)
+        _, lo_fused = split_tf32_choice(*shape, transpose_b=True)
+        monkeypatch.setenv("STITCHCUDA_TF32X3_FUSE_LO", "2")
+        assert fused_hi(k) == min(k, 512) and fuse_all(k) == (k <= 512)
+        _, first_chunk = split_tf32_choice(*shape, transpose_b=True)
+        c_pass_ms = 2 * 4 * m * n / dram * 1e3
+        extra_split_ms = 4 * min(k, 512) / k * (a_elems + b_elems) / dram * 1e3
+        assert estimate(lo_fused) - estimate(first_chunk) == pytest.approx(c_pass_ms - extra_split_ms, abs=1e-3)
+    assert split_tf32_choice(tokens, 1536, 384, 1, tokens * 384, 384 * 1536, h100, transpose_b=True)[0]
+    assert fused_hi(384, batch=2) == 0 and fused_hi(386) == 0 and not fuse_all(0)
 
 
 def test_tf32x3_slabs_of_k_where_blocks_stay_large_beside_the_result(monkeypatch):

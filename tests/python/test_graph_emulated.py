@@ -1024,13 +1024,15 @@ def test_tf32x3_slab_split_writes_an_exact_split_of_a_strided_slab(emu, rows, co
     storage[offset + 1], storage[offset + 2], storage[offset + 3] = float("inf"), float("nan"), float("-inf")
     out_ld = side_by_side * cols if side_by_side else cols
     hi_again = cols if side_by_side == 3 else 0
+    again_cols = cols if side_by_side == 3 else 0
     kernel = EmulatedModule(emu, _split_kernel_source()).kernel("stitchcuda_tf32x3_split_slab")
     if side_by_side:
         parts = torch.full((rows * out_ld,), 7.0)
         lo_at, hi_at = parts, parts[cols:]
     else:
         hi_at, lo_at = torch.full((rows * cols,), 7.0), torch.full((rows * cols,), 7.0)
-    kernel(max(1, -(-rows * cols // 4 // 256)), 256, storage[offset:], ld, rows, cols, hi_at, lo_at, out_ld, hi_again)
+    kernel(max(1, -(-rows * cols // 4 // 256)), 256, storage[offset:], ld, rows, cols, hi_at, lo_at, out_ld, hi_again,
+           again_cols)
     if side_by_side:
         lo, hi = parts.view(rows, out_ld)[:, :cols], parts.view(rows, out_ld)[:, cols:2 * cols]
         if side_by_side == 3:

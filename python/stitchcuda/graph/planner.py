@@ -156,12 +156,19 @@ def fuse_lo(k: int, batch: int = 1, transpose_a: bool = False) -> bool:
     return text.isdigit() and int(text) != 0 and batch == 1 and not transpose_a and k % 4 == 0
 
 
-def fuse_all(k: int, batch: int = 1, transpose_a: bool = False) -> bool:
-    """Whether tf32x3 runs all three products as one over 3K (STITCHCUDA_TF32X3_FUSE_LO=2, where the lo
-    products fuse and K fits one hi*hi chunk): the result written once, a_hi and b_hi stored twice (12 bytes
-    of parts per operand element). src/torch/matmul.cpp's fuse_products."""
+def fused_hi(k: int, batch: int = 1, transpose_a: bool = False) -> int:
+    """Elements of K of the hi*hi product tf32x3 runs in the lo products' call (STITCHCUDA_TF32X3_FUSE_LO=2,
+    where the lo products fuse): its first chunk, over 2K + chunk, one pass over the result fewer — all of
+    K where K fits one chunk, the three products then one, the result written once. That much of a_hi and
+    b_hi is stored again: 8 + 4 * fused_hi / K bytes of parts per operand element. 0: none.
+    src/torch/matmul.cpp's fuse_products."""
     text = os.environ.get("STITCHCUDA_TF32X3_FUSE_LO", "")
-    return fuse_lo(k, batch, transpose_a) and int(text) >= 2 and k <= split_chunk(k)
+    return min(split_chunk(k), k) if fuse_lo(k, batch, transpose_a) and int(text) >= 2 else 0
+
+
+def fuse_all(k: int, batch: int = 1, transpose_a: bool = False) -> bool:
+    """Whether tf32x3 runs its three products as one (fused_hi covers K)."""
+    return k > 0 and fused_hi(k, batch, transpose_a) == k
 
 
 def split_tf32_choice(m: int, n: int, k: int, batch: int, a_elems: int, b_elems: int,
@@ -181,8 +188,8 @@ def split_tf32_choice(m: int, n: int, k: int, batch: int, a_elems: int, b_elems:
     c_bytes = 4.0 * batch * m * n
     a_rows, b_rows = split_blocks(m, n, k, batch, transpose_a, transpose_b)
     slab = k_block(m, n, k, batch, transpose_a, transpose_b)
-    one_product = not slab and fuse_all(k, batch, transpose_a)
-    part_bytes = 12.0 if one_product else 8.0  # a_hi and b_hi stored twice when the three products are one
+    hi_fused = 0 if slab else fused_hi(k, batch, transpose_a)
+    part_bytes = 8.0 + 4.0 * hi_fused / max(k, 1)  # the fused hi chunk's a_hi and b_hi stored again
     scratch = part_bytes * ((a_rows * k if a_rows < m else a_elems) + (b_rows * k if b_rows < n else b_elems))
     # a split once, or again for each of b's blocks when both are blocked
     a_splits = -(-n // max(b_rows, 1)) if a_rows < m and b_rows < n else 1
@@ -195,8 +202,8 @@ def split_tf32_choice(m: int, n: int, k: int, batch: int, a_elems: int, b_elems:
     chunk = split_chunk(k)
     chunks = -(-k // chunk) + (2 * (-(-k // slab) - 1) if slab else 0)
     # products after the first, each reading and writing c: the two lo ones (one when fused) and the chunks'
-    # (none when the three are one product)
-    rewrites = 0 if one_product else chunks + (0 if not slab and fuse_lo(k, batch, transpose_a) else 1)
+    # (the first chunk's none when it joins the fused lo products)
+    rewrites = chunks + (0 if not slab and fuse_lo(k, batch, transpose_a) else 1) - (1 if hi_fused else 0)
     sgemm_s = flops / (fp32 * 1e12 * _SGEMM_SHARE)
     split_s = (3 * flops / (tf32 * 1e12 * _TF32_SHARE)
                + ((4.0 + part_bytes) * (a_splits * a_elems + b_elems) + 2.0 * c_bytes * rewrites)
