@@ -591,8 +591,8 @@ Result<std::unique_ptr<PreparedMatmul>> PreparedMatmul::create(const Matmul& m, 
     if (auto r = add_slab(d.slabs[1], K - (K - 1) / kb * kb, true); !r) return tl::unexpected(r.error());
     return p;
   }
-  // The lo products fused, or all three (fuse_products): their parts side by side along K, written by the
-  // row splitter.
+  // The lo products fused, with the first hi*hi chunk or not (fuse_products): their parts side by side along
+  // K, written by the row splitter.
   const int fuse = fuse_products(m.batch, m.transpose_a, K);
   d.fused = fuse > 0, d.b_stacked = d.fused && !m.transpose_b;
   d.hi_extra = fuse == 2 ? std::min(split_chunk(K), K) : 0;
@@ -690,8 +690,8 @@ Result<void> PreparedMatmul::run(const at::Tensor& a, const at::Tensor& b, const
   };
   using Part = Descriptors::Part;
   const float one = 1.0f;
-  // `rows` x `cols` of x (row stride ld) into parts of row stride out_ld (the row splitter), hi written again
-  // where the three products are fused.
+  // `rows` x `cols` of x (row stride ld) into parts of row stride out_ld (the row splitter), the first hi*hi
+  // chunk's share of hi written again where that chunk joins the fused lo products.
   auto split_rows = [&](const float* x, std::int64_t ld, std::int64_t rows, std::int64_t cols, Part hi, Part lo,
                         std::int64_t out_ld) -> Result<void> {
     jit::KernelArgs args;
