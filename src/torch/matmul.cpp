@@ -209,7 +209,7 @@ std::int64_t k_block(std::int64_t m, std::int64_t n, std::int64_t k, const Split
   return kb < k ? kb : 0;
 }
 
-// Which of tf32x3's products run as one (STITCHCUDA_TF32X3_FUSE_LO; off by default until measured).
+// Which of tf32x3's products run as one (STITCHCUDA_TF32X3_FUSE_LO: 0, 1, or 2, the default).
 // 1: the two lo products — a's parts laid out side by side along K as [a_lo | a_hi] and b's as
 // [b_hi | b_lo], one product over 2K gives a_lo b_hi + a_hi b_lo (its accumulator holds only the small
 // terms, so its truncation is 2^-11 of the hi*hi product's), one read-modify-write of c and one launch
@@ -220,9 +220,9 @@ std::int64_t k_block(std::int64_t m, std::int64_t n, std::int64_t k, const Split
 // 8 + 4 chunk / K bytes of parts per operand element. Batch 1, a not transposed, K a multiple of 4 (each
 // part's rows start 16-byte aligned), and not in slabs of K. Returns 0 (apart), 1 or 2.
 int fuse_products(std::int64_t batch, bool transpose_a, std::int64_t k) {
-  const auto v = env_count("STITCHCUDA_TF32X3_FUSE_LO");
-  if (!v || *v == 0 || batch != 1 || transpose_a || k % 4 != 0) return 0;
-  return *v >= 2 ? 2 : 1;
+  const std::int64_t level = env_count("STITCHCUDA_TF32X3_FUSE_LO").value_or(2);
+  if (level == 0 || batch != 1 || transpose_a || k % 4 != 0) return 0;
+  return level >= 2 ? 2 : 1;
 }
 
 // Each split part starts on a 256-byte boundary (cuBLASLt's tensor-core kernels want 16-byte alignment).

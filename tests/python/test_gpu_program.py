@@ -377,7 +377,11 @@ def test_tf32x3_matmul_has_fp32_accuracy(m, n, k, batch, transpose_b, epilogue, 
     err_sgemm, err_split, err_tf32 = fp64_error(sgemm, ref), fp64_error(split, ref), fp64_error(tf32, ref)
     print(f"[tf32x3] {m}x{n}x{k} batch {batch}: error vs fp64 SGEMM {err_sgemm:.2e} tf32x3 {err_split:.2e} "
           f"tf32 {err_tf32:.2e}")
-    assert err_split <= max(4 * err_sgemm, 1e-6), (err_split, err_sgemm)
+    # The hi*hi chunk's tensor-core sum truncates (about every 8 terms, up to 2^-24 of the sum each time on
+    # average): over one 512-element chunk that bounds the error near 64 * 2^-24 = 3.8e-6, whatever SGEMM's
+    # own (a K = 512 product measured 1.3e-6 against SGEMM's 3.0e-7 on an H100, with its three products
+    # apart or fused). Dropping a remainder product instead costs TF32's error, ~1e-4.
+    assert err_split <= max(4 * err_sgemm, (512 // 8) * 2.0 ** -24), (err_split, err_sgemm)
     assert err_tf32 > 10 * err_split  # the split is what buys the accuracy back
 
 

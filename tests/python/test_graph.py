@@ -735,9 +735,10 @@ def test_tf32x3_cost_model_counts_the_split_and_the_chunked_accumulation():
 
 
 def test_tf32x3_with_its_lo_products_fused_counts_one_pass_over_the_result_fewer(monkeypatch):
-    """STITCHCUDA_TF32X3_FUSE_LO=1 (off by default): the executor runs a_lo b_hi + a_hi b_lo as one product
-    over 2K, so the cost model counts one read-modify-write of c fewer — which turns a ViT's K = 384
-    projections to tf32x3 — for batch 1, a not transposed and K a multiple of 4, and never in slabs of K."""
+    """STITCHCUDA_TF32X3_FUSE_LO=1 (the default, 2, does this and more; 0 keeps the three apart): the executor
+    runs a_lo b_hi + a_hi b_lo as one product over 2K, so the cost model counts one read-modify-write of c
+    fewer — which turns a ViT's K = 384 projections to tf32x3 — for batch 1, a not transposed and K a
+    multiple of 4, and never in slabs of K."""
     from stitchcuda.graph.planner import fuse_lo, k_block, split_tf32_choice
 
     monkeypatch.delenv("STITCHCUDA_TF32X3_KBLOCK", raising=False)
@@ -745,7 +746,7 @@ def test_tf32x3_with_its_lo_products_fused_counts_one_pass_over_the_result_fewer
     h100 = {**H200_PEAKS, "dram_tb_s": 3.35}  # the H100's memory: the result's passes weigh more than on an H200
     fc1 = (tokens, 1536, 384, 1, tokens * 384, 384 * 1536, h100)
     estimate = lambda why: float(why.split()[1])  # noqa: E731 - "estimated X ms as 3xTF32 ..."
-    monkeypatch.delenv("STITCHCUDA_TF32X3_FUSE_LO", raising=False)
+    monkeypatch.setenv("STITCHCUDA_TF32X3_FUSE_LO", "0")
     assert not fuse_lo(384)
     unfused_ok, unfused = split_tf32_choice(*fc1, transpose_b=True)
     monkeypatch.setenv("STITCHCUDA_TF32X3_FUSE_LO", "1")
@@ -763,12 +764,14 @@ def test_tf32x3_with_its_lo_products_fused_counts_one_pass_over_the_result_fewer
 
 
 def test_tf32x3_first_hi_chunk_joins_the_fused_lo_products(monkeypatch):
-    """STITCHCUDA_TF32X3_FUSE_LO=2: the first hi*hi chunk runs in the fused lo products' call, over
+    """STITCHCUDA_TF32X3_FUSE_LO=2 (the default): the first hi*hi chunk runs in the fused lo products' call, over
     2K + chunk — one pass over the result fewer, for that chunk of a_hi and b_hi written again (4 * chunk / K
     more bytes of split traffic and scratch per operand element). Where K fits one chunk the three products
     are one and the result is written once."""
     from stitchcuda.graph.planner import fuse_all, fused_hi, split_tf32_choice
 
+    monkeypatch.delenv("STITCHCUDA_TF32X3_FUSE_LO", raising=False)  # 2 by default
+    assert fused_hi(384) == 384 and fused_hi(1024) == 512
     monkeypatch.delenv("STITCHCUDA_TF32X3_KBLOCK", raising=False)
     monkeypatch.delenv("STITCHCUDA_TF32X3_CHUNK", raising=False)
     tokens = 128 * 197

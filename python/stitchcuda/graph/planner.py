@@ -148,22 +148,27 @@ def k_block(m: int, n: int, k: int, batch: int = 1, transpose_a: bool = False, t
     return kb if kb < k else 0
 
 
+def _fuse_level() -> int:
+    """STITCHCUDA_TF32X3_FUSE_LO: 0 the three products apart, 1 the lo ones fused, 2 (default) with the first
+    hi*hi chunk too."""
+    text = os.environ.get("STITCHCUDA_TF32X3_FUSE_LO", "").strip()
+    return int(text) if text.isdigit() else 2
+
+
 def fuse_lo(k: int, batch: int = 1, transpose_a: bool = False) -> bool:
-    """Whether tf32x3 runs its two lo products as one product over 2K (STITCHCUDA_TF32X3_FUSE_LO=1 or 2, off
-    by default until measured; batch 1, a not transposed, K a multiple of 4, not in slabs of K): one
-    read-modify-write of the result fewer. src/torch/matmul.cpp's fuse_products."""
-    text = os.environ.get("STITCHCUDA_TF32X3_FUSE_LO", "")
-    return text.isdigit() and int(text) != 0 and batch == 1 and not transpose_a and k % 4 == 0
+    """Whether tf32x3 runs its two lo products as one product over 2K (batch 1, a not transposed, K a
+    multiple of 4, not in slabs of K; STITCHCUDA_TF32X3_FUSE_LO=0 keeps them apart): one read-modify-write
+    of the result fewer. src/torch/matmul.cpp's fuse_products."""
+    return _fuse_level() != 0 and batch == 1 and not transpose_a and k % 4 == 0
 
 
 def fused_hi(k: int, batch: int = 1, transpose_a: bool = False) -> int:
-    """Elements of K of the hi*hi product tf32x3 runs in the lo products' call (STITCHCUDA_TF32X3_FUSE_LO=2,
-    where the lo products fuse): its first chunk, over 2K + chunk, one pass over the result fewer — all of
+    """Elements of K of the hi*hi product tf32x3 runs in the lo products' call (where they fuse, unless
+    STITCHCUDA_TF32X3_FUSE_LO=1): its first chunk, over 2K + chunk, one pass over the result fewer — all of
     K where K fits one chunk, the three products then one, the result written once. That much of a_hi and
     b_hi is stored again: 8 + 4 * fused_hi / K bytes of parts per operand element. 0: none.
     src/torch/matmul.cpp's fuse_products."""
-    text = os.environ.get("STITCHCUDA_TF32X3_FUSE_LO", "")
-    return min(split_chunk(k), k) if fuse_lo(k, batch, transpose_a) and int(text) >= 2 else 0
+    return min(split_chunk(k), k) if fuse_lo(k, batch, transpose_a) and _fuse_level() >= 2 else 0
 
 
 def fuse_all(k: int, batch: int = 1, transpose_a: bool = False) -> bool:
