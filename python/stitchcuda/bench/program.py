@@ -19,9 +19,9 @@
    largest share of fp32's tolerance, atol = rtol = 1e-4, used against SGEMM), for the default K-chunk of
    the hi*hi product and for no chunking (STITCHCUDA_TF32X3_CHUNK=0): what the chunking costs and buys;
    and without slabs of K (STITCHCUDA_TF32X3_KBLOCK=0): where the executor splits a shape in slabs, what
-   their smaller scratch costs in time; and with the two lo products run as one (STITCHCUDA_TF32X3_FUSE_LO=1,
-   off by default until measured): one pass over the result fewer; and with the first hi*hi chunk in their
-   call too (STITCHCUDA_TF32X3_FUSE_LO=2): another pass fewer, all three products one where K fits a chunk. Each variant's `peak_mib`: the GPU
+   their smaller scratch costs in time. `tf32x3` is the executor's default, the two lo products run as one
+   with the first hi*hi chunk (all three one where K fits a chunk); `tf32x3_apart` keeps the three apart
+   (STITCHCUDA_TF32X3_FUSE_LO=0), `tf32x3_fused_lo` fuses the lo ones only (=1). Each variant's `peak_mib`: the GPU
    memory its run allocated beside the operands and the result (cuBLASLt's workspace and the split parts).
 """
 
@@ -174,10 +174,10 @@ def tf32_input_conversion() -> str:
 _TF32X3_KNOBS = ("STITCHCUDA_TF32X3_CHUNK", "STITCHCUDA_TF32X3_KBLOCK", "STITCHCUDA_TF32X3_FUSE_LO")
 # label, precision, executor settings (the knobs not named are unset)
 _TF32X3_VARIANTS = (("sgemm", "fp32", {}), ("tf32x3", "tf32x3", {}),
+                    ("tf32x3_apart", "tf32x3", {"STITCHCUDA_TF32X3_FUSE_LO": "0"}),
                     ("tf32x3_unchunked", "tf32x3", {"STITCHCUDA_TF32X3_CHUNK": "0"}),
                     ("tf32x3_no_slabs", "tf32x3", {"STITCHCUDA_TF32X3_KBLOCK": "0"}),
-                    ("tf32x3_fused_lo", "tf32x3", {"STITCHCUDA_TF32X3_FUSE_LO": "1"}),
-                    ("tf32x3_fused_hi", "tf32x3", {"STITCHCUDA_TF32X3_FUSE_LO": "2"}), ("tf32", "tf32", {}))
+                    ("tf32x3_fused_lo", "tf32x3", {"STITCHCUDA_TF32X3_FUSE_LO": "1"}), ("tf32", "tf32", {}))
 
 
 def tf32x3(shapes=((8192, 8192, 4096), (4096, 4096, 4096), (8192, 2048, 8192), (2048, 3072, 768),
@@ -185,9 +185,8 @@ def tf32x3(shapes=((8192, 8192, 4096), (4096, 4096, 4096), (8192, 2048, 8192), (
     """The fifth shape: a transformer encoder's MLP down-projection (4096 -> 1024 over 8192 tokens), whose
     blocks of a stay whole (288 MiB of parts), so the executor splits it in two slabs of K (144 MiB). The
     last: a ViT-S/16's MLP up-projection over a batch of 128 images (25,216 tokens, K = 384), where the two
-    lo products' extra pass over the result is a large share of the work (tf32x3_fused_lo runs them as one;
-    tf32x3_fused_hi adds the first hi*hi chunk to their call: here, all three products in one), and the same
-    ViT's attention output projection."""
+    result's passes are a large share of the work (tf32x3_apart: a pass per product after the first), and
+    the same ViT's attention output projection."""
     import os
 
     from ..verify.compare import fp64_error, tolerance_used
