@@ -382,6 +382,40 @@ def test_a_large_fp32_projection_runs_as_tf32x3_and_matches_eager_at_fp32_tolera
     assert [s["precision"] for s in sgemm.program.steps if s["kind"] == "matmul"] == ["fp32"]
 
 
+class _ConvGelu3d(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(8, 16, 3, padding=1)
+
+    def forward(self, x):
+        return F.gelu(self.conv(x))
+
+
+class _ConvGate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(32, 32, 1)
+
+    def forward(self, x):
+        return x * torch.sigmoid(self.conv(x))
+
+
+@pytest.mark.parametrize("make, shape", [(_ConvGelu3d, (2, 8, 12, 16, 16)), (_ConvGate, (4, 32, 28, 28))],
+                         ids=["conv3d-gelu", "conv1x1-gate"])
+def test_a_convolution_bias_added_by_its_reader_matches_eager(make, shape, monkeypatch):
+    # cuDNN's convolution runs without its bias and the elementwise kernel after it adds the bias as it loads
+    # the output; with STITCHCUDA_CONV_BIAS_APART=0 cuDNN keeps it. Both match the model on fresh inputs.
+    x = torch.randn(*shape, device="cuda")
+    for apart in ("1", "0"):
+        monkeypatch.setenv("STITCHCUDA_CONV_BIAS_APART", apart)
+        torch.manual_seed(5)
+        fast = _check(make(), (x,), lambda: (torch.randn_like(x),))
+        noted = [d for d, _ in fast.report.decisions if "convolution bias(es) added by the elementwise kernel" in d]
+        (conv,) = [s for s in fast.program.steps if s["kind"] == "aten" and "convolution" in s["op"]]
+        assert bool(noted) == (apart == "1"), fast.report.decisions
+        assert len(conv["inputs"]) == (2 if apart == "1" else 3), conv  # x, the filter[, the bias]
+
+
 def test_a_tf32x3_projection_read_through_column_slices_matches_eager():
     # KernelBench-scale runs on the H100 sent such a product (gemm_fused_swiglu, the state-space scan's
     # input projection) back to SGEMM after the whole program with it did not match, while its group check
