@@ -21,8 +21,9 @@
    and without slabs of K (STITCHCUDA_TF32X3_KBLOCK=0): where the executor splits a shape in slabs, what
    their smaller scratch costs in time. `tf32x3` is the executor's default, the two lo products run as one
    with the first hi*hi chunk (all three one where K fits a chunk); `tf32x3_apart` keeps the three apart
-   (STITCHCUDA_TF32X3_FUSE_LO=0), `tf32x3_fused_lo` fuses the lo ones only (=1). Each variant's `peak_mib`: the GPU
-   memory its run allocated beside the operands and the result (cuBLASLt's workspace and the split parts).
+   (STITCHCUDA_TF32X3_FUSE_LO=0), `tf32x3_fused_lo` fuses the lo ones only (=1). Each variant's
+   `peak_mib`: the GPU memory its run allocated beside the operands and the result (cuBLASLt's workspace
+   and the split parts).
 """
 
 from __future__ import annotations
@@ -184,9 +185,9 @@ def tf32x3(shapes=((8192, 8192, 4096), (4096, 4096, 4096), (8192, 2048, 8192), (
                    (8192, 1024, 4096), (25216, 1536, 384), (25216, 384, 384))) -> dict:
     """The fifth shape: a transformer encoder's MLP down-projection (4096 -> 1024 over 8192 tokens), whose
     blocks of a stay whole (288 MiB of parts), so the executor splits it in two slabs of K (144 MiB). The
-    last: a ViT-S/16's MLP up-projection over a batch of 128 images (25,216 tokens, K = 384), where the two
-    result's passes are a large share of the work (tf32x3_apart: a pass per product after the first), and
-    the same ViT's attention output projection."""
+    sixth: a ViT-S/16's MLP up-projection over a batch of 128 images (25,216 tokens, K = 384), where the
+    result's passes are a large share of the work (tf32x3_apart: a pass per product after the first); the
+    seventh: the same ViT's attention output projection (384 -> 384)."""
     import os
 
     from ..verify.compare import fp64_error, tolerance_used
