@@ -12,6 +12,7 @@ import contextlib
 import os
 import re
 import sys
+from operator import getitem
 
 import warnings
 from dataclasses import dataclass, field
@@ -289,7 +290,6 @@ _CUDNN_EPILOGUE_LINKS = ("aten::_native_batch_norm_legit_no_training", "aten::ad
 def _relu_epilogue_may_follow(conv: Any) -> bool:
     """Whether the chain of single readers after `conv` is [batch norm] [+ z] relu: an epilogue cuDNN's
     fused convolution may compute, bias included (planner.conv_epilogues decides; the bias stays for it)."""
-    getitem = __import__("operator").getitem
     node = conv
     for _ in range(5):  # batch norm, its getitem, add, relu
         users = list(node.users)
@@ -514,7 +514,7 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Graph:
                 weights.append(v)
             values[fx.name] = v
         elif fx.op == "call_function":
-            if fx.target is __import__("operator").getitem:
+            if fx.target is getitem:
                 parent = multi.get(fx.args[0].name)
                 if parent is None:
                     raise CaptureError(f"getitem on '{fx.args[0].name}', which is not a multi-output op")
