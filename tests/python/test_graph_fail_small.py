@@ -33,9 +33,10 @@ class _Head(nn.Module):
         return torch.softmax(self.fc(y) * 0.5, -1)
 
 
-def _fake_lowering(graph, wrong: dict[str, float]):
+def _fake_lowering(graph, wrong: dict[str, float], builds: list | None = None):
     """A Lowering whose program returns ATen's values for the outputs it was asked for, shifted by
-    `wrong[name]` for the named values: a program with a wrong kernel, without a GPU."""
+    `wrong[name]` for the named values: a program with a wrong kernel, without a GPU. Each build's
+    (groups, output names) goes into `builds` when given."""
 
     class Program:
         def __init__(self, outputs):
@@ -56,6 +57,8 @@ def _fake_lowering(graph, wrong: dict[str, float]):
             pass
 
         def build(self, groups, inputs, outputs, fallback=frozenset(), hardware=None):
+            if builds is not None:
+                builds.append((list(groups), [v.name for v in outputs]))
             return Program(list(outputs))
 
     return Lowering
@@ -89,6 +92,35 @@ def test_the_first_group_outside_its_tolerance_is_the_culprit(monkeypatch):
     monkeypatch.setattr(optimize_module, "Lowering", _fake_lowering(graph, {bn_relu_mean: 5e-5}))
     culprit, why = optimize_module.trace_mismatch(graph, plan, {}, 132, set(), [x])
     assert culprit is generated[0] and "nearest its limit" in why, (culprit, why)
+
+
+def test_a_trace_with_little_room_watches_a_window_at_a_time_and_stops_at_the_culprit(monkeypatch):
+    graph, plan, generated, x = _setup()
+    outputs = {v.name for v in graph.outputs}
+    watched = [g.outputs(outputs)[0] for g in generated]  # one output each: the mean, the GEMM's, the softmax
+    sizes = [v.numel * v.dtype.itemsize for v in watched]
+    assert sizes == [64, 128, 128], sizes
+    position = {id(g): i for i, g in enumerate(plan.groups)}
+    # Room for the mean alone, then one of the others at a time: three windows. The GEMM's output is wrong.
+    builds: list = []
+    monkeypatch.setattr(optimize_module, "Lowering",
+                        _fake_lowering(graph, {watched[1].name: 1e-2}, builds))
+    culprit, why = optimize_module.trace_mismatch(graph, plan, {}, 132, set(), [x], room=100)
+    assert culprit is generated[1] and f"'{watched[1].name}'" in why, (culprit, why)
+    # Two diagnostic programs, each built up to its window's group and returning that window alone; the
+    # softmax's window never ran: the search stopped at the first window outside its tolerance.
+    assert [names for _, names in builds] == [[watched[0].name], [watched[1].name]], builds
+    assert [len(groups) for groups, _ in builds] == [position[id(generated[0])] + 1, position[id(generated[1])] + 1]
+    # Nothing outside its tolerance: every window runs and the one nearest its limit is named, as with one window.
+    builds.clear()
+    monkeypatch.setattr(optimize_module, "Lowering", _fake_lowering(graph, {watched[2].name: 5e-5}, builds))
+    culprit, why = optimize_module.trace_mismatch(graph, plan, {}, 132, set(), [x], room=100)
+    assert culprit is generated[2] and "nearest its limit" in why, (culprit, why)
+    assert len(builds) == 3
+    # Enough room: one program watches all three.
+    builds.clear()
+    culprit, _ = optimize_module.trace_mismatch(graph, plan, {}, 132, set(), [x], room=sum(sizes))
+    assert culprit is generated[2] and [names for _, names in builds] == [[v.name for v in watched]]
 
 
 def test_groups_already_on_aten_are_not_suspected(monkeypatch):

@@ -23,7 +23,7 @@ from ..verify.compare import first_difference, tolerance_used
 from ..verify.program import input_set, release_host_memory, verify_whole
 from ..verify.tolerance import tolerance
 from ..verify import timing as verify_timing  # a module name: optimize() has an argument called measure
-from .capture import CaptureError, Graph, capture
+from .capture import CaptureError, Graph, Value, capture
 from .lower import (Lowering, LoweringError, check_group, constant_values, group_inputs, reference_values,
                     stream_values, working_bytes)
 from .agents import AgentBudget, run_agents
@@ -707,9 +707,14 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
             if report.verification["passed"]:
                 break
             with steps.step("tracing the mismatch to a group"), _timed(report, "trace_and_rebuild"):
-                culprit, why = trace_mismatch(graph, plan, constants, sm_count, fallback,
-                                              _flat_tensors(input_set(example_inputs,
-                                                                      report.verification.get("failed_set") or 0)))
+                optimized.release()  # the mismatching program's working memory, while the diagnosis runs
+                traced_inputs = _flat_tensors(input_set(example_inputs, report.verification.get("failed_set") or 0))
+                # What the memory target leaves beside the diagnosis's own forward (the program's, then ATen's):
+                # the room its watched outputs may take at once.
+                room = start + _memory_target(graph) - _allocated() - graph.working_set_bytes()
+                culprit, why = trace_mismatch(graph, plan, constants, sm_count, fallback, traced_inputs,
+                                              room=max(room, 0))
+                traced_inputs = None
             if culprit is None:
                 break
             mismatch = (f"the whole program did not match the model ({report.verification['detail']}); traced to "
@@ -962,56 +967,83 @@ def _is_replay_decision(decision: tuple[str, str]) -> bool:
 
 
 def trace_mismatch(graph: Graph, plan: GraphPlan, constants: dict, sm_count: int, fallback: set[int],
-                   inputs: list[torch.Tensor]) -> tuple[Group | None, str]:
+                   inputs: list[torch.Tensor], room: int | None = None) -> tuple[Group | None, str]:
     """The group that makes a whole program differ from the model: the program is built again with
-    every generated group's outputs as extra outputs and run on `inputs`; each is compared with ATen's
-    value on the same inputs, in program order. The first group outside its tolerance is the culprit
-    (its inputs, earlier groups' outputs, were within theirs); when none is outside, the one nearest to
-    its limit (errors that add up along the graph). Returns (group, why) or (None, why)."""
+    generated groups' outputs as its outputs and run on `inputs`; each is compared with ATen's value on
+    the same inputs, in program order. The first group outside its tolerance is the culprit (its inputs,
+    earlier groups' outputs, were within theirs); when none is outside, the one nearest to its limit
+    (errors that add up along the graph). Returns (group, why) or (None, why).
+
+    `room`: the bytes the watched outputs of one diagnostic run may take (None: no limit). They are
+    watched a window at a time, in program order: a program built up to the window's last group is run,
+    its outputs compared and freed before the next window's, and the search stops at the first window
+    with a group outside its tolerance. So the diagnosis holds about one forward's working set plus
+    `room` — not every intermediate of the model at once (a ViT's 3.8 GB against its 0.5 GB forward)."""
     suspects = [g for g in plan.groups if (g.kind in GENERATED or g.kind == "kernel_step") and id(g) not in fallback]
     if not suspects:
         return None, "no generated group is left to suspect"
     graph_outputs = {v.name for v in graph.outputs}
+    position = {id(g): i for i, g in enumerate(plan.groups)}
     owner: dict[str, Group] = {}
-    watched = []
+    watched: list[Value] = []  # in program order: the suspects' outputs, each once
     for g in suspects:
         for v in g.outputs(graph_outputs):
             if v.name not in owner:
                 owner[v.name] = g
-                if v.name not in graph_outputs:
-                    watched.append(v)
-    outputs = list(graph.outputs) + watched
-    try:
-        program = Lowering(graph, plan, constants, sm_count).build(plan.groups, graph.inputs, outputs, fallback)
-        program.compile_kernels()
-        got = program.executor(graphs=False).run(inputs)
-    except Exception as exc:  # the diagnosis cannot run: the caller keeps what it has
-        return None, f"the diagnostic program did not run ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
-    names = [v.name for v in outputs]
-    got_by_name = {name: value for name, value in zip(names, got) if name in owner}
-    verdicts: dict[str, tuple[str, float]] = {}  # name -> (first difference or "", share of tolerance used)
-
-    def compare(name: str, held: dict[str, torch.Tensor]) -> None:  # ATen's value, streamed, then let go
-        if name in held:
-            expected = held[name]
-            atol, rtol = tolerance(expected.dtype, plan.tolerance_precision)
-            value = got_by_name[name]
-            verdicts[name] = (first_difference(name, value, expected, atol, rtol, reference="ATen"),
-                              tolerance_used(value, expected, atol, rtol))
-
-    stream_values(graph, inputs, {name: {name} for name in got_by_name}, compare)
+                watched.append(v)
     worst: tuple[float, Group | None, str] = (0.0, None, "")
-    for g in suspects:
-        for name in names:
-            if owner.get(name) is not g or name not in verdicts:
+    for window in _windows(watched, room):
+        last = max(position[id(owner[v.name])] for v in window)
+        try:  # the groups up to the window's last one: nothing after it runs
+            program = Lowering(graph, plan, constants, sm_count).build(plan.groups[:last + 1], graph.inputs,
+                                                                       window, fallback)
+            program.compile_kernels()
+            got = program.executor(graphs=False).run(inputs)
+        except Exception as exc:  # the diagnosis cannot run: the caller keeps what it has
+            return None, f"the diagnostic program did not run ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+        program = None  # its working memory goes before ATen's forward runs
+        got_by_name = {v.name: value for v, value in zip(window, got)}
+        got = None
+        verdicts: dict[str, tuple[str, float]] = {}  # name -> (first difference or "", share of tolerance used)
+
+        def compare(name: str, held: dict[str, torch.Tensor]) -> None:  # ATen's value, streamed, then let go
+            if name in held:
+                expected = held[name]
+                atol, rtol = tolerance(expected.dtype, plan.tolerance_precision)
+                value = got_by_name[name]
+                verdicts[name] = (first_difference(name, value, expected, atol, rtol, reference="ATen"),
+                                  tolerance_used(value, expected, atol, rtol))
+
+        stream_values(graph, inputs, {name: {name} for name in got_by_name}, compare)
+        got_by_name.clear()
+        for v in window:
+            if v.name not in verdicts:
                 continue
-            problem, ratio = verdicts[name]
+            problem, ratio = verdicts[v.name]
             if problem:
-                return g, problem
+                return owner[v.name], problem
             if ratio > worst[0]:
-                worst = (ratio, g, f"within its tolerance but nearest its limit ({ratio:.2f} of it at '{name}'): "
-                                   "errors add up along the graph")
+                worst = (ratio, owner[v.name], f"within its tolerance but nearest its limit ({ratio:.2f} of it at "
+                                               f"'{v.name}'): errors add up along the graph")
     return worst[1], worst[2] or "no group's output differs"
+
+
+def _windows(values: list[Value], room: int | None) -> list[list[Value]]:
+    """`values` cut in consecutive windows of at most `room` bytes each (one value alone where it is larger;
+    one window without a limit)."""
+    if room is None:
+        return [list(values)] if values else []
+    windows: list[list[Value]] = []
+    size = 0
+    for v in values:
+        nbytes = v.numel * v.dtype.itemsize
+        if windows and size + nbytes <= room:
+            windows[-1].append(v)
+            size += nbytes
+        else:
+            windows.append([v])
+            size = nbytes
+    return windows
 
 
 def _plan_only(model, example_inputs, precision: str, graphs: bool, report: Report) -> None:
