@@ -123,6 +123,36 @@ def test_a_trace_with_little_room_watches_a_window_at_a_time_and_stops_at_the_cu
     assert culprit is generated[2] and [names for _, names in builds] == [[v.name for v in watched]]
 
 
+def test_a_trace_runs_at_most_trace_windows_programs_and_atens_forward_only_as_far_as_a_window(monkeypatch):
+    graph, plan, generated, x = _setup()
+    outputs = {v.name for v in graph.outputs}
+    watched = [g.outputs(outputs)[0] for g in generated]
+    # No room at all would be a program per output; with TRACE_WINDOWS = 1 the one window holds them all.
+    builds: list = []
+    monkeypatch.setattr(optimize_module, "Lowering", _fake_lowering(graph, {watched[0].name: 1e-2}, builds))
+    monkeypatch.setattr(optimize_module, "TRACE_WINDOWS", 1)
+    culprit, _ = optimize_module.trace_mismatch(graph, plan, {}, 132, set(), [x], room=0)
+    assert culprit is generated[0] and [names for _, names in builds] == [[v.name for v in watched]], builds
+    # stream_values(stop_when_done=True) stops the forward once the wanted values were handled.
+    from stitchcuda.graph import lower
+
+    ran: list[str] = []
+    original = torch.fx.Interpreter.run_node
+
+    def counting(self, n):
+        ran.append(n.name)
+        return original(self, n)
+
+    monkeypatch.setattr(torch.fx.Interpreter, "run_node", counting)
+    seen: dict = {}
+    lower.stream_values(graph, [x], {watched[0].name: {watched[0].name}}, lambda k, held: seen.update(held))
+    whole = len(ran)
+    ran.clear()
+    lower.stream_values(graph, [x], {watched[0].name: {watched[0].name}}, lambda k, held: seen.update(held),
+                        stop_when_done=True)
+    assert watched[0].name in seen and 0 < len(ran) < whole, (len(ran), whole)
+
+
 def test_groups_already_on_aten_are_not_suspected(monkeypatch):
     graph, plan, generated, x = _setup()
     monkeypatch.setattr(optimize_module, "Lowering", _fake_lowering(graph, {}))

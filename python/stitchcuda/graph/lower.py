@@ -124,10 +124,14 @@ def _output_edge(shape: tuple[int, ...], inputs: list[PointwiseInput], outputs: 
     return any(tuple(i.strides) == nhwc and not i.offset for i in inputs)
 
 
+class _StreamDone(Exception):
+    """stream_values' early stop: every wanted key was handled."""
+
+
 def stream_values(graph: Graph, inputs: list[torch.Tensor], wanted: dict[Any, set[str]],
                   on_ready: Callable[[Any, dict[str, torch.Tensor]], None],
                   keep: set[str] = frozenset(), kept: dict[str, torch.Tensor] | None = None,
-                  forward: Callable[[], Any] | None = None) -> dict[str, torch.Tensor]:
+                  forward: Callable[[], Any] | None = None, stop_when_done: bool = False) -> dict[str, torch.Tensor]:
     """Runs the exported graph with ATen once and calls `on_ready(key, values)` for each key of `wanted`
     (a set of value names: a group's inputs and outputs) once all of its values exist, before the next
     node runs (when the interpreter has dropped what the last node read for the last time); a value is
@@ -141,7 +145,10 @@ def stream_values(graph: Graph, inputs: list[torch.Tensor], wanted: dict[Any, se
     input or an output of the graph (one group that is the whole model: a loss, an activation chain), one
     call of it gives them at the eager forward's own peak, where the exported graph's ATen decomposition
     holds its pieces at once (a Huber loss's difference, square, linear branch and mask: 3 GB for a 1 GB
-    eager peak). Outputs that do not line up with the graph's (count, shape, dtype) fall back to the graph."""
+    eager peak). Outputs that do not line up with the graph's (count, shape, dtype) fall back to the graph.
+
+    `stop_when_done`: with nothing to keep, the graph stops running once every key is handled (a mismatch
+    traced a window of early groups at a time needs only the forward up to them)."""
     user = {v.name: t for v, t in zip(graph.inputs, inputs)}
     kept = {} if kept is None else kept
     if forward is not None and _stream_from_forward(graph, user, wanted, on_ready, keep, kept, forward):
@@ -209,6 +216,8 @@ def stream_values(graph: Graph, inputs: list[torch.Tensor], wanted: dict[Any, se
             # output), so a check runs beside the forward's live set between two nodes, not beside the
             # transient peak inside one.
             handle_deferred()
+            if stop_when_done and not pending and not keep:
+                raise _StreamDone
             result = super().run_node(n)
             if isinstance(result, torch.Tensor):
                 deferred.extend(arrived(n.name, result))
@@ -219,7 +228,10 @@ def stream_values(graph: Graph, inputs: list[torch.Tensor], wanted: dict[Any, se
             return result
 
     with torch.no_grad():
-        Streamer(gm).run(*args)
+        try:
+            Streamer(gm).run(*args)
+        except _StreamDone:
+            pass
     handle_deferred()
     for key in list(pending):
         del pending[key]

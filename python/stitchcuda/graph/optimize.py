@@ -37,6 +37,8 @@ __all__ = ["optimize", "OptimizedModule", "Report", "BUDGET_S", "trace_mismatch"
 BUDGET_S = 60.0
 # Whole-program mismatches traced and fixed, each by sending one group to ATen, before giving up.
 TRACE_ROUNDS = 3
+# A traced mismatch runs at most this many diagnostic programs (windows of the watched outputs, trace_mismatch).
+TRACE_WINDOWS = 24
 
 
 class OptimizedModule(torch.nn.Module):
@@ -977,8 +979,10 @@ def trace_mismatch(graph: Graph, plan: GraphPlan, constants: dict, sm_count: int
     `room`: the bytes the watched outputs of one diagnostic run may take (None: no limit). They are
     watched a window at a time, in program order: a program built up to the window's last group is run,
     its outputs compared and freed before the next window's, and the search stops at the first window
-    with a group outside its tolerance. So the diagnosis holds about one forward's working set plus
-    `room` — not every intermediate of the model at once (a ViT's 3.8 GB against its 0.5 GB forward)."""
+    with a group outside its tolerance; ATen's forward for a window runs only as far as its values. So the
+    diagnosis holds about one forward's working set plus `room` — not every intermediate of the model at
+    once (a ViT's 3.8 GB against its 0.5 GB forward). The windows are at most TRACE_WINDOWS: where `room`
+    would cut more, each takes a TRACE_WINDOWS-th of the outputs' bytes instead (time before memory)."""
     suspects = [g for g in plan.groups if (g.kind in GENERATED or g.kind == "kernel_step") and id(g) not in fallback]
     if not suspects:
         return None, "no generated group is left to suspect"
@@ -991,6 +995,9 @@ def trace_mismatch(graph: Graph, plan: GraphPlan, constants: dict, sm_count: int
             if v.name not in owner:
                 owner[v.name] = g
                 watched.append(v)
+    if room is not None:  # at most TRACE_WINDOWS diagnostic runs: past that, time goes before memory
+        total = sum(v.numel * v.dtype.itemsize for v in watched)
+        room = max(room, -(-total // TRACE_WINDOWS))
     worst: tuple[float, Group | None, str] = (0.0, None, "")
     for window in _windows(watched, room):
         last = max(position[id(owner[v.name])] for v in window)
@@ -1014,7 +1021,7 @@ def trace_mismatch(graph: Graph, plan: GraphPlan, constants: dict, sm_count: int
                 verdicts[name] = (first_difference(name, value, expected, atol, rtol, reference="ATen"),
                                   tolerance_used(value, expected, atol, rtol))
 
-        stream_values(graph, inputs, {name: {name} for name in got_by_name}, compare)
+        stream_values(graph, inputs, {name: {name} for name in got_by_name}, compare, stop_when_done=True)
         got_by_name.clear()
         for v in window:
             if v.name not in verdicts:
