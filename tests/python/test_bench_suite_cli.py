@@ -238,6 +238,9 @@ class _Fast:
     def __call__(self, *args):
         return self._fn(*args)
 
+    def release(self):  # OptimizedModule's: the program's buffers go before eager is timed again
+        self.released = True
+
 
 @pytest.fixture
 def cpu_columns(monkeypatch):
@@ -272,6 +275,10 @@ def test_run_model_checks_three_input_sets_and_records_memory(folder, cpu_column
     assert row["stage_peak_bytes"] == {"capture": 100, "verify": 900}  # where optimize's peak was reached
     assert (row["best_compile_mode"], row["speedup_compile"], row["speedup_stitch"]) == ("default", 2.0, 1.0)
     assert row["groups"] == {"gemm": 1, "pointwise": 2} and row["errors"] == {}
+    # Eager timed again after StitchCUDA's column, the program's buffers released first.
+    assert row["eager_after_ms"] == 1.0
+    summary = suite.summarize([row, dict(row, eager_after_ms=1.2), dict(row, eager_after_ms=0.99)])
+    assert (summary["eager_drifted"], summary["models_with_eager_after"]) == (1, 3)
 
 
 def test_a_program_right_for_the_example_inputs_only_is_wrong(folder, cpu_columns):

@@ -61,7 +61,8 @@ Each row: `class` from the file name's prefix before the first `_` (op: single o
 gemm: GEMM + epilogue, net and model: whole network, anything else: other); eager_ms, compile_ms
 (torch.compile default), reduce_overhead_ms, best_compile_mode / best_compile_ms (the faster of the two
 for this problem), stitch_ms and the speed-ups over eager of each (speedup_*), stitch_vs_best_compile
-(best compile ms / StitchCUDA ms); optimize_s (optimize's wall seconds) and, from the first call, the
+(best compile ms / StitchCUDA ms), eager_after_ms (eager timed again after StitchCUDA's column, the
+program's buffers released: how far the baseline moved within the row); optimize_s (optimize's wall seconds) and, from the first call, the
 seconds of both torch.compile modes (*_first_call_s); correctness on three input sets (`input_sets`: the
 example inputs and get_inputs() again under torch.manual_seed(1) and (2), each against eager); memory:
 eager_peak_bytes (the peak allocated during one warm eager forward, the second, above what was allocated
@@ -124,7 +125,8 @@ rate is flops / time, its bandwidth bytes / time.
 Summary (per class, per level and overall): models, correct, optimized, geomean speed-ups over eager of
 compile default, reduce-overhead, the best compile mode per problem, StitchCUDA and the agents, the
 geomeans of StitchCUDA and the agents over the best compile mode, slower_than_eager (problems whose
-measured StitchCUDA speed-up is below 0.98), optimize_s_median / optimize_s_max, memory_over_target
+measured StitchCUDA speed-up is below 0.98), eager_drifted (rows whose eager, timed again after StitchCUDA's
+column as eager_after_ms, moved by more than EAGER_DRIFT from eager_ms), optimize_s_median / optimize_s_max, memory_over_target
 (problems whose memory_ratio exceeds 1; memory_over_target_forward: whose memory_ratio_forward does), and fast_p: KernelBench's metric, for p = 0, 0.5 and 1, the
 share of ALL the problems (those that failed included) whose result is correct and whose speed-up over
 the baseline is strictly greater than p — against eager and against the best compile mode.
@@ -164,6 +166,8 @@ from . import memory
 REPEATS = 30
 FRESH_SEEDS = (1, 2)  # the two input sets made again by get_inputs(), beside the example inputs
 SLOW = 0.98  # a StitchCUDA speed-up below this is a slowdown, not noise
+# eager_after_ms against eager_ms: a move beyond this share (either way) counts in the summary's eager_drifted.
+EAGER_DRIFT = 0.03
 EXIT_USAGE, EXIT_NO_GPU = 2, 3
 
 # The file name's prefix names the problem's class; the summary is kept per class and overall.
@@ -787,6 +791,11 @@ def _stitch_column(row: dict, module: ModuleType, model: torch.nn.Module, inputs
                 if reference is not None:
                     _record_error(row, "stitch", fast(*inputs), reference)
                 row["stitch_ms"] = _time_ms(lambda: fast(*inputs))
+                # Eager again, last and without the program's buffers beside it: eager_ms was taken before
+                # the compile columns, and a drift between the two (clocks, what those columns leave
+                # behind) shows here instead of hiding in the speed-up.
+                fast.release()
+                row["eager_after_ms"] = _time_ms(lambda: model(*inputs))
         else:  # the original model runs: correct by construction on every set, at eager speed
             row.update(correct=True, stitch_ms=row["eager_ms"], max_abs_error=0.0,
                        input_sets=[{"inputs": n, "correct": True, "max_abs_error": 0.0, "eager_fallback": True}
@@ -1049,7 +1058,7 @@ def precision_conflict(results: Path, precision: str) -> str | None:
 # err_fp64_<column>_<max_abs|max_rel>: a column's error against the fp64 reference (row["err_fp64"]).
 _ERROR_CSV = {f"err_fp64_{c}_{stat}": (c, stat) for c in ERROR_COLUMNS[:4] for stat in ("max_abs", "max_rel")}
 CSV_COLUMNS = ("model", "level", "class", "mode", "precision", "llm", "status", "correct", "eager_ms", "compile_ms",
-               "reduce_overhead_ms", "best_compile_mode", "best_compile_ms", "stitch_ms", "agents_ms",
+               "reduce_overhead_ms", "best_compile_mode", "best_compile_ms", "stitch_ms", "eager_after_ms", "agents_ms",
                "speedup_compile", "speedup_reduce_overhead", "speedup_best_compile", "speedup_stitch",
                "speedup_agents", "stitch_vs_best_compile", "agents_vs_best_compile", "agents_correct",
                "optimize_s", "agents_s", "fallbacks", "kernels", "max_abs_error", *_ERROR_CSV, "fp64_note", "flops",
@@ -1183,6 +1192,12 @@ def summarize(rows: list[dict]) -> dict:
     out["memory_over_target_forward"] = sum(r["memory_ratio_forward"] > 1 for r in rows
                                             if isinstance(r.get("memory_ratio_forward"), (int, float)))
     out["models_with_memory_ratio"] = len(ratios)
+    # Eager timed at the end of a row against its first timing: the rows whose eager moved by more than
+    # EAGER_DRIFT either way (their speed-ups are read against a baseline that moved within the row).
+    drifts = [r["eager_after_ms"] / r["eager_ms"] for r in rows
+              if isinstance(r.get("eager_after_ms"), (int, float)) and r.get("eager_ms")]
+    out["eager_drifted"] = sum(abs(d - 1) > EAGER_DRIFT for d in drifts)
+    out["models_with_eager_after"] = len(drifts)
     out.update(_error_summary(rows))
     return out
 
