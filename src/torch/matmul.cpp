@@ -225,12 +225,28 @@ int fuse_products(std::int64_t batch, bool transpose_a, std::int64_t k) {
   return level >= 2 ? 2 : 1;
 }
 
+// bf16 products on fp32 operands (STITCHCUDA_BF16_CAST): cuBLASLt's CUBLAS_COMPUTE_32F_FAST_16BF on fp32
+// operands picks TF32 kernels (its results carry TF32's rounding and run at TF32's rate), so a matmul of
+// precision bf16 may instead convert each operand to bf16 into scratch (one pass: 4 bytes read, 2 written
+// per element) and run a BF16 x BF16 -> FP32 product, fp32 accumulation, at the tensor cores' bf16 rate.
+// 0 or unset: off (FAST_16BF, as before); 1: where K >= kCastMinK, a product long enough that the
+// conversion's traffic is small beside the compute it halves; 2: every bf16 matmul.
+constexpr std::int64_t kCastMinK = 256;
+
+bool cast_to_bf16(std::int64_t k) {
+  const std::int64_t level = env_count("STITCHCUDA_BF16_CAST").value_or(0);
+  return level >= 2 || (level == 1 && k >= kCastMinK);
+}
+
 // Each split part starts on a 256-byte boundary (cuBLASLt's tensor-core kernels want 16-byte alignment).
 constexpr std::int64_t kSplitAlign = 64;  // floats
 std::int64_t aligned(std::int64_t n) { return (n + kSplitAlign - 1) / kSplitAlign * kSplitAlign; }
 
 constexpr const char* kSplitName = "stitchcuda_tf32x3_split";
 constexpr const char* kSlabName = "stitchcuda_tf32x3_split_slab";
+constexpr const char* kCastName = "stitchcuda_bf16_cast";
+// bf16 elements, rounded up so that the second operand's copy starts on a 256-byte boundary too.
+std::int64_t aligned16(std::int64_t n) { return (n + 127) / 128 * 128; }
 constexpr const char* kSplitSource = R"CUDA(
 __device__ __forceinline__ void split_one(float v, float& h, float& l) {
   // h: a TF32 value (the tensor cores read it exactly); l = v - h is exact. An infinity or a NaN (whatever
@@ -263,6 +279,30 @@ extern "C" __global__ void stitchcuda_tf32x3_split(const float* __restrict__ x, 
     done = n4 * 4;
   }
   for (long long i = done + first; i < n; i += stride) split_one(x[i], hi[i], lo[i]);
+}
+// x rounded to bf16, to nearest even (a NaN stays a NaN; an infinity, or a value that rounds past the
+// largest bf16, is an infinity), written as raw 16-bit values.
+__device__ __forceinline__ unsigned short to_bf16(float v) {
+  const unsigned int u = __float_as_uint(v);
+  if (isnan(v)) return (unsigned short)((u >> 16) | 0x40u);
+  return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+extern "C" __global__ void stitchcuda_bf16_cast(const float* __restrict__ x, unsigned short* __restrict__ y,
+                                                long long n) {
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  long long done = 0;
+  if (((reinterpret_cast<unsigned long long>(x) & 15ull) | (reinterpret_cast<unsigned long long>(y) & 7ull)) == 0) {
+    const long long n4 = n / 4;
+    for (long long i = first; i < n4; i += stride) {
+      const float4 v = reinterpret_cast<const float4*>(x)[i];
+      const unsigned long long packed = (unsigned long long)to_bf16(v.x) | ((unsigned long long)to_bf16(v.y) << 16) |
+                                        ((unsigned long long)to_bf16(v.z) << 32) | ((unsigned long long)to_bf16(v.w) << 48);
+      reinterpret_cast<unsigned long long*>(y)[i] = packed;
+    }
+    done = n4 * 4;
+  }
+  for (long long i = done + first; i < n; i += stride) y[i] = to_bf16(x[i]);
 }
 // `rows` x `cols` of x (row stride `ld`) split into rows x cols parts of row stride `out_ld`: a slab of K
 // (out_ld = cols: dense), or rows whose parts sit side by side along K (out_ld = 2 cols: fused lo products;
@@ -346,6 +386,11 @@ struct PreparedMatmul::Descriptors {
   std::int64_t rows_total = 0, block_rows = 0, cols_total = 0, block_cols = 0, k_total = 0;
   std::int64_t a_elems = 0, b_elems = 0;  // elements of one block of a's split parts, of b's
   std::optional<jit::Kernel> splitter, slab_splitter;
+  // bf16 products (cast_to_bf16): a's and b's bf16 copies in the scratch, b's first; the layouts in
+  // `first` and `second` are bf16.
+  bool cast16 = false;
+  std::int64_t a_count = 0, b_count = 0;
+  std::optional<jit::Kernel> caster;
   // The lo products fused (fuse_products): a's parts are rows [a_lo | a_hi] of 2K; b's are rows [b_hi | b_lo]
   // of 2K when b is transposed (a weight [N, K]), else b_hi's K rows stacked on b_lo's (b_stacked). With the
   // first hi*hi chunk (hi_extra of K, the whole K when it fits one chunk): rows of 2K + hi_extra ending in
@@ -404,6 +449,7 @@ PreparedMatmul::~PreparedMatmul() {
 }
 
 std::size_t PreparedMatmul::scratch_bytes() const {
+  if (d_ && d_->cast16) return std::size_t(aligned16(d_->b_count) + aligned16(d_->a_count)) * 2;
   if (!d_ || !d_->split) return 0;
   if (d_->fused)  // rows of 2K + hi_extra: b's, then a's from an aligned start
     return std::size_t(aligned(d_->b_elems / d_->k_total * d_->width()) + d_->a_elems / d_->k_total * d_->width()) *
@@ -448,6 +494,9 @@ Result<std::unique_ptr<PreparedMatmul>> PreparedMatmul::create(const Matmul& m, 
   else if (C.dtype == DType::f32 && (m.precision == ComputePrecision::tf32 || d.split))
     compute = CUBLAS_COMPUTE_32F_FAST_TF32;
   else if (C.dtype == DType::f32 && m.precision == ComputePrecision::bf16) compute = CUBLAS_COMPUTE_32F_FAST_16BF;
+  d.cast16 = m.precision == ComputePrecision::bf16 && A.dtype == DType::f32 && B.dtype == DType::f32 &&
+             C.dtype == DType::f32 && K > 0 && cast_to_bf16(K);
+  if (d.cast16) compute = CUBLAS_COMPUTE_32F, d.a_count = A.numel(), d.b_count = B.numel();
   cudaDataType_t scale = d.f64 ? CUDA_R_64F : CUDA_R_32F;
   auto check = [](cublasStatus_t s, const char* what) -> Result<void> {
     if (s != CUBLAS_STATUS_SUCCESS) return fail(ErrorCode::CudaError, std::string(what) + " failed: " + status_text(s));
@@ -479,7 +528,8 @@ Result<std::unique_ptr<PreparedMatmul>> PreparedMatmul::create(const Matmul& m, 
                     std::int64_t c_used = -1) -> Result<void> {
     const std::uint64_t r = std::uint64_t(cols(s)), c = std::uint64_t(rows(s));
     const std::uint64_t ru = r_used < 0 ? r : std::uint64_t(r_used), cu = c_used < 0 ? c : std::uint64_t(c_used);
-    if (auto st = check(d.api->LayoutCreate(&out, data_type(s.dtype), ru, cu, std::int64_t(r)), "cublasLtMatrixLayoutCreate"); !st)
+    const cudaDataType_t type = d.cast16 && &s != &C ? CUDA_R_16BF : data_type(s.dtype);  // a bf16 copy of a or b
+    if (auto st = check(d.api->LayoutCreate(&out, type, ru, cu, std::int64_t(r)), "cublasLtMatrixLayoutCreate"); !st)
       return st;
     if (batch > 1) {
       int count = int(batch);
@@ -516,7 +566,13 @@ Result<std::unique_ptr<PreparedMatmul>> PreparedMatmul::create(const Matmul& m, 
     return {};
   };
   if (!d.split) {
-    if (auto r = pick(d.op, d.first, d.second, d.algo, ""); !r) return tl::unexpected(r.error());
+    if (auto r = pick(d.op, d.first, d.second, d.algo, d.cast16 ? " on bf16 copies of its operands" : ""); !r)
+      return tl::unexpected(r.error());
+    if (d.cast16) {
+      auto caster = split_kernel(kCastName);
+      if (!caster) return tl::unexpected(caster.error());
+      d.caster = std::move(*caster);
+    }
     return p;
   }
 
@@ -665,6 +721,32 @@ Result<void> PreparedMatmul::run(const at::Tensor& a, const at::Tensor& b, const
   }
   const void* alpha = d.f64 ? static_cast<const void*>(&d.alpha64) : static_cast<const void*>(&d.alpha);
   const void* beta = d.f64 ? static_cast<const void*>(&d.beta64) : static_cast<const void*>(&d.beta);
+  if (d.cast16) {
+    if (!scratch) return fail(ErrorCode::Internal, "a bf16 matmul ran without its conversion scratch");
+    auto* b16 = static_cast<std::uint16_t*>(scratch);
+    auto* a16 = b16 + aligned16(d.b_count);
+    auto convert = [&](const at::Tensor& x, std::uint16_t* y, std::int64_t n) -> Result<void> {
+      jit::LaunchConfig cfg;
+      cfg.block = {256, 1, 1};
+      cfg.grid = {unsigned(std::clamp<std::int64_t>((n / 4 + 255) / 256, 1, 8192)), 1, 1};
+      cfg.stream = stream;
+      cfg.device = c.get_device();
+      jit::KernelArgs args;
+      args.pointer(x.data_ptr()).pointer(y).i64(n);
+      return d.caster->launch(cfg, args);
+    };
+    if (auto r = convert(b, b16, d.b_count); !r) return r;
+    if (a.data_ptr() == b.data_ptr() && d.a_count == d.b_count) {
+      a16 = b16;  // x @ x^T: one copy
+    } else if (auto r = convert(a, a16, d.a_count); !r) {
+      return r;
+    }
+    cublasStatus_t s = d.api->Matmul(d.api->handle, d.op, alpha, b16, d.first, a16, d.second, beta, c.data_ptr(), d.out,
+                                     c.data_ptr(), d.out, &d.algo, workspace, workspace_bytes,
+                                     static_cast<cudaStream_t>(stream));
+    if (s != CUBLAS_STATUS_SUCCESS) return fail(ErrorCode::CudaError, "cublasLtMatmul failed: " + status_text(s));
+    return {};
+  }
   if (!d.split) {
     cublasStatus_t s = d.api->Matmul(d.api->handle, d.op, alpha, b.data_ptr(), d.first, a.data_ptr(), d.second, beta,
                                      c.data_ptr(), d.out, c.data_ptr(), d.out, &d.algo, workspace, workspace_bytes,

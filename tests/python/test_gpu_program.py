@@ -385,6 +385,53 @@ def test_tf32x3_matmul_has_fp32_accuracy(m, n, k, batch, transpose_b, epilogue, 
     assert err_tf32 > 10 * err_split  # the split is what buys the accuracy back
 
 
+@pytest.mark.parametrize("m, n, k, batch, transpose_b, epilogue, same", [
+    (1024, 768, 1024, 1, True, "bias_gelu", False),  # a linear layer with its epilogue
+    (512, 1000, 300, 1, False, "none", False),       # a [K, N] weight, ragged sizes
+    (128, 128, 512, 4, False, "relu", False),        # batched, the second operand broadcast over the batch
+    (256, 256, 384, 1, True, "none", True),          # x @ x^T: one operand, converted once
+])
+def test_bf16_cast_matmul_runs_bf16_products(m, n, k, batch, transpose_b, epilogue, same, monkeypatch):
+    """STITCHCUDA_BF16_CAST=2: a bf16 matmul on fp32 operands converts them to bf16 and runs bf16 products
+    with fp32 sums — its result is the exact product of the bf16-rounded operands to fp32 accuracy, not
+    TF32's (which CUBLAS_COMPUTE_32F_FAST_16BF gives, the default), and within bf16's tolerance of exact."""
+    from stitchcuda.verify.compare import fp64_error
+
+    torch.manual_seed(m + k)
+    a = torch.randn(batch, m, k, device="cuda") if batch > 1 else torch.randn(m, k, device="cuda")
+    if same:
+        a = a / k ** 0.25  # x @ x^T of order one off the diagonal
+        w = a
+    else:
+        w = (torch.randn(n, k, device="cuda") if transpose_b else torch.randn(k, n, device="cuda")) / k ** 0.5
+    bias = torch.randn(n, device="cuda") if "bias" in epilogue else None
+
+    def run(cast: str) -> torch.Tensor:
+        monkeypatch.setenv("STITCHCUDA_BF16_CAST", cast)
+        b = ProgramBuilder()
+        x = b.input(list(a.shape), name="a")
+        W = x if same else b.weight(w, name="w")
+        B = b.weight(bias, name="bias") if bias is not None else None
+        y = b.output(list(a.shape[:-1]) + [n], name="y")
+        b.matmul(x, W, y, bias=B, transpose_b=transpose_b, batch=batch, epilogue=epilogue, precision="bf16")
+        b.precision("bf16")
+        return stitchcuda.ProgramModule(b.build(), graphs=False)(a)
+
+    def exact(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+        y = x.double() @ (wt.t() if transpose_b else wt).double() + (bias.double() if bias is not None else 0)
+        gelu = lambda t: F.gelu(t, approximate="tanh")  # noqa: E731 - cuBLASLt's GELU
+        return {"relu": torch.relu, "bias_gelu": gelu}.get(epilogue, lambda t: t)(y)
+
+    rounded = exact(a.bfloat16(), w.bfloat16())  # the products of the bf16 operands, summed exactly
+    cast, fast = run("2"), run("0")
+    err_cast, err_fast = fp64_error(cast, rounded), fp64_error(fast, rounded)
+    print(f"[bf16] {m}x{n}x{k} batch {batch}: against the bf16 operands' exact product: cast {err_cast:.2e}, "
+          f"FAST_16BF {err_fast:.2e}; against exact: {fp64_error(cast, exact(a, w)):.2e}")
+    assert err_cast < 1e-5, err_cast  # bf16 products, fp32 sums
+    assert err_fast > 10 * err_cast  # FAST_16BF's products are not the bf16 operands'
+    torch.testing.assert_close(cast, exact(a, w).float(), atol=1e-2, rtol=1e-2)  # bf16's tolerance
+
+
 def test_only_a_replaying_instance_holds_static_copies_of_its_inputs_and_outputs():
     """At KernelBench's sizes a copy of every input and output is the largest cost of an instance: one
     that launches its steps directly never allocates them; a replaying one does at its capture."""

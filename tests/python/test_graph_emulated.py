@@ -830,6 +830,34 @@ def test_tf32x3_split_gives_an_exact_tf32_part_and_remainder(emu, offset):
     assert torch.equal(lo[5:8], torch.zeros(3)) and lo[9] == 0
 
 
+def test_the_split_module_compiles_with_nvrtc_as_the_runtime_builds_it():
+    # The runtime compiles this source once per architecture (src/torch/matmul.cpp: split_kernel); NVRTC
+    # needs no GPU, so a source the emulator accepts but NVRTC rejects fails here, not on the device.
+    module = jit.compile_module(_split_kernel_source())
+    assert set(module.kernel_names) == {"stitchcuda_tf32x3_split", "stitchcuda_tf32x3_split_slab",
+                                        "stitchcuda_bf16_cast"}
+    assert "unsigned short" in str(module.kernel("stitchcuda_bf16_cast"))
+
+
+@pytest.mark.parametrize("offset", [0, 1], ids=["float4", "misaligned"])
+def test_bf16_cast_rounds_to_nearest_even_as_torch_does(emu, offset):
+    # The conversion bf16 products start with (STITCHCUDA_BF16_CAST): torch's own rounding, bit for bit,
+    # over every magnitude, ties, infinities, NaNs, subnormals and values that round past the largest bf16.
+    kernel = EmulatedModule(emu, _split_kernel_source()).kernel("stitchcuda_bf16_cast")
+    torch.manual_seed(11)
+    x = (torch.randn(1 + 4099) * torch.logspace(-40, 38, 4100))[offset:]
+    x[5], x[6], x[7], x[8] = float("inf"), float("-inf"), float("nan"), 1e-40
+    x[9] = torch.finfo(torch.float32).max  # rounds up past bf16's largest: an infinity, as torch gives
+    ties = torch.tensor([0x3F808000, 0x3F818000, 0xBF808000, 0x00008000], dtype=torch.int64).to(torch.int32)
+    x[10:14] = ties.view(torch.float32)  # halfway between two bf16 values: to the even one
+    y = torch.full((x.numel(),), 0x7777, dtype=torch.int16)
+    kernel((3, 1, 1), (256, 1, 1), x, y, x.numel())
+    want = x.to(torch.bfloat16).view(torch.int16)
+    finite = ~torch.isnan(x)
+    assert torch.equal(y[finite], want[finite])
+    assert torch.isnan(y.view(torch.bfloat16)[~finite].float()).all()
+
+
 class _ClassMaps(torch.nn.Module):
     def forward(self, logits):
         return torch.argmax(logits, dim=1), torch.argmin(logits * 2, dim=1, keepdim=True)
