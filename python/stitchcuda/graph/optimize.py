@@ -995,11 +995,15 @@ def trace_mismatch(graph: Graph, plan: GraphPlan, constants: dict, sm_count: int
             if v.name not in owner:
                 owner[v.name] = g
                 watched.append(v)
+    windows = _windows(watched, room)
     if room is not None:  # at most TRACE_WINDOWS diagnostic runs: past that, time goes before memory
-        total = sum(v.numel * v.dtype.itemsize for v in watched)
-        room = max(room, -(-total // TRACE_WINDOWS))
+        room = max(room, -(-sum(v.numel * v.dtype.itemsize for v in watched) // TRACE_WINDOWS), 1)
+        windows = _windows(watched, room)
+        while len(windows) > TRACE_WINDOWS:  # values that pack badly: larger windows until they fit
+            room *= 2
+            windows = _windows(watched, room)
     worst: tuple[float, Group | None, str] = (0.0, None, "")
-    for window in _windows(watched, room):
+    for window in windows:
         last = max(position[id(owner[v.name])] for v in window)
         try:  # the groups up to the window's last one: nothing after it runs
             program = Lowering(graph, plan, constants, sm_count).build(plan.groups[:last + 1], graph.inputs,
