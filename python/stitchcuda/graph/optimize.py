@@ -982,7 +982,8 @@ def trace_mismatch(graph: Graph, plan: GraphPlan, constants: dict, sm_count: int
     with a group outside its tolerance; ATen's forward for a window runs only as far as its values. So the
     diagnosis holds about one forward's working set plus `room` — not every intermediate of the model at
     once (a ViT's 3.8 GB against its 0.5 GB forward). The windows are at most TRACE_WINDOWS: where `room`
-    would cut more, each takes a TRACE_WINDOWS-th of the outputs' bytes instead (time before memory)."""
+    would cut more, they are made larger — a TRACE_WINDOWS-th of the outputs' bytes or more — until they
+    fit (time before memory)."""
     suspects = [g for g in plan.groups if (g.kind in GENERATED or g.kind == "kernel_step") and id(g) not in fallback]
     if not suspects:
         return None, "no generated group is left to suspect"
