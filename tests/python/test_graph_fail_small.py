@@ -136,9 +136,10 @@ def test_a_trace_runs_at_most_trace_windows_programs_and_atens_forward_only_as_f
     # Sizes 64, 128, 128 in windows of half their bytes (160) pack as 64 | 128 | 128: three windows, one
     # more than TRACE_WINDOWS = 2 allows; larger windows are taken until two are enough.
     builds.clear()
+    monkeypatch.setattr(optimize_module, "Lowering", _fake_lowering(graph, {}, builds))  # every window runs
     monkeypatch.setattr(optimize_module, "TRACE_WINDOWS", 2)
     optimize_module.trace_mismatch(graph, plan, {}, 132, set(), [x], room=0)
-    assert len(builds) <= 2, builds
+    assert 1 <= len(builds) <= 2, builds
     # stream_values(stop_when_done=True) stops the forward once the wanted values were handled.
     from stitchcuda.graph import lower
 
