@@ -721,19 +721,23 @@ Result<void> PreparedMatmul::run(const at::Tensor& a, const at::Tensor& b, const
   }
   const void* alpha = d.f64 ? static_cast<const void*>(&d.alpha64) : static_cast<const void*>(&d.alpha);
   const void* beta = d.f64 ? static_cast<const void*>(&d.beta64) : static_cast<const void*>(&d.beta);
+  // A split or conversion kernel over `n` elements: a float4 per thread, a grid-stride loop past 8192 blocks.
+  auto launch_split = [&](const jit::Kernel& kernel, std::int64_t n, const jit::KernelArgs& args) -> Result<void> {
+    jit::LaunchConfig cfg;
+    cfg.block = {256, 1, 1};
+    cfg.grid = {unsigned(std::clamp<std::int64_t>((n / 4 + 255) / 256, 1, 8192)), 1, 1};
+    cfg.stream = stream;
+    cfg.device = c.get_device();
+    return kernel.launch(cfg, args);
+  };
   if (d.cast16) {
     if (!scratch) return fail(ErrorCode::Internal, "a bf16 matmul ran without its conversion scratch");
     auto* b16 = static_cast<std::uint16_t*>(scratch);
     auto* a16 = b16 + aligned16(d.b_count);
     auto convert = [&](const at::Tensor& x, std::uint16_t* y, std::int64_t n) -> Result<void> {
-      jit::LaunchConfig cfg;
-      cfg.block = {256, 1, 1};
-      cfg.grid = {unsigned(std::clamp<std::int64_t>((n / 4 + 255) / 256, 1, 8192)), 1, 1};
-      cfg.stream = stream;
-      cfg.device = c.get_device();
       jit::KernelArgs args;
       args.pointer(x.data_ptr()).pointer(y).i64(n);
-      return d.caster->launch(cfg, args);
+      return launch_split(*d.caster, n, args);
     };
     if (auto r = convert(b, b16, d.b_count); !r) return r;
     if (a.data_ptr() == b.data_ptr() && d.a_count == d.b_count) {
@@ -756,15 +760,6 @@ Result<void> PreparedMatmul::run(const at::Tensor& a, const at::Tensor& b, const
   }
   if (!scratch) return fail(ErrorCode::Internal, "a tf32x3 matmul ran without its split scratch");
   float* parts = static_cast<float*>(scratch);
-  // A split kernel over `n` elements: a float4 per thread, a grid-stride loop past 8192 blocks.
-  auto launch_split = [&](const jit::Kernel& kernel, std::int64_t n, const jit::KernelArgs& args) -> Result<void> {
-    jit::LaunchConfig cfg;
-    cfg.block = {256, 1, 1};
-    cfg.grid = {unsigned(std::clamp<std::int64_t>((n / 4 + 255) / 256, 1, 8192)), 1, 1};
-    cfg.stream = stream;
-    cfg.device = c.get_device();
-    return kernel.launch(cfg, args);
-  };
   auto split = [&](const float* x, std::int64_t n, Descriptors::Part hi, Descriptors::Part lo) -> Result<void> {
     jit::KernelArgs args;
     args.pointer(x).pointer(parts + d.part_offset(hi)).pointer(parts + d.part_offset(lo)).i64(n);
