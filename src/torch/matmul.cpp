@@ -24,10 +24,16 @@
 #include "steps.hpp"
 
 #include <cublasLt.h>
+#include <cuda_runtime_api.h>
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <map>
 #include <mutex>
 #include <optional>
 
@@ -238,6 +244,17 @@ bool cast_to_bf16(std::int64_t k) {
   return level >= 2 || (level == 1 && k >= kCastMinK);
 }
 
+// cuBLASLt's heuristic ranks algorithms by a model of the GPU, and its first is not always the fastest
+// for a shape (a tall-skinny product, an epilogue, a split along K). With STITCHCUDA_MATMUL_TUNE=1 a
+// single-call matmul (not tf32x3, not accumulating into c) times the heuristic's first kTuneCandidates on
+// its own operands at its first run outside stream capture and keeps the fastest, once per shape per
+// process; 0 (default) takes the heuristic's first.
+constexpr int kTuneCandidates = 8;
+bool matmul_tuning() { return env_count("STITCHCUDA_MATMUL_TUNE").value_or(0) >= 1; }
+
+// A candidate must beat the heuristic's first by this fraction to replace it: closer than that is noise.
+constexpr double kTuneMargin = 0.02;
+
 // Each split part starts on a 256-byte boundary (cuBLASLt's tensor-core kernels want 16-byte alignment).
 constexpr std::int64_t kSplitAlign = 64;  // floats
 std::int64_t aligned(std::int64_t n) { return (n + kSplitAlign - 1) / kSplitAlign * kSplitAlign; }
@@ -361,6 +378,14 @@ struct PreparedMatmul::Descriptors {
   bool f64 = false;
   std::size_t workspace_needed = 0;
 
+  // Tuning (matmul_tuning): cuBLASLt's first few heuristic candidates for `op`, timed on the step's own
+  // operands at its first run outside stream capture; the fastest replaces `algo`. `tune_key` names the
+  // problem (shape, types, epilogue, device) so that equal matmuls share one measurement.
+  std::vector<cublasLtMatmulAlgo_t> candidates;
+  std::string tune_key;
+  std::mutex tune_mutex;
+  std::atomic<bool> tuned{false};
+
   // tf32x3: the calls in order, each a cuBLASLt matmul over parts of the split operands.
   enum Part : std::uint8_t { b_hi, b_lo, a_hi, a_lo };
   struct Call {
@@ -428,6 +453,84 @@ struct PreparedMatmul::Descriptors {
     return 0;
   }
 };
+
+namespace {
+
+// Tuned algorithms by problem (Descriptors::tune_key plus the device), shared by every program in the process.
+std::mutex tuned_mutex;
+std::map<std::string, cublasLtMatmulAlgo_t>& tuned_algorithms() {
+  static std::map<std::string, cublasLtMatmulAlgo_t> algorithms;
+  return algorithms;
+}
+
+// GPU milliseconds per call of `call` with `algo` on `stream`: one warm call, then enough calls to fill
+// about a millisecond (2 to 20); infinity when a call fails.
+double time_algorithm(const std::function<cublasStatus_t(const cublasLtMatmulAlgo_t*)>& call,
+                      const cublasLtMatmulAlgo_t& algo, cudaStream_t stream, cudaEvent_t start, cudaEvent_t stop) {
+  constexpr double inf = std::numeric_limits<double>::infinity();
+  auto timed = [&](int calls) -> double {
+    if (cudaEventRecord(start, stream) != cudaSuccess) return inf;
+    for (int i = 0; i < calls; ++i)
+      if (call(&algo) != CUBLAS_STATUS_SUCCESS) return inf;
+    float ms = 0;
+    if (cudaEventRecord(stop, stream) != cudaSuccess || cudaEventSynchronize(stop) != cudaSuccess ||
+        cudaEventElapsedTime(&ms, start, stop) != cudaSuccess)
+      return inf;
+    return double(ms) / calls;
+  };
+  const double warm = timed(1);
+  if (!(warm < inf)) return inf;
+  return timed(std::clamp(int(1.0 / std::max(warm, 1e-3)), 2, 20));
+}
+
+// Times d.candidates through `call` (one cuBLASLt call of the step with the given algorithm) and keeps
+// the fastest in d.algo; see matmul_tuning.
+void tune(PreparedMatmul::Descriptors& d, const std::function<cublasStatus_t(const cublasLtMatmulAlgo_t*)>& call,
+          void* stream, int device) {
+  if (d.candidates.empty() || d.tuned.load(std::memory_order_acquire)) return;
+  std::lock_guard lock(d.tune_mutex);
+  if (d.tuned.load(std::memory_order_relaxed)) return;
+  const auto s = static_cast<cudaStream_t>(stream);
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(s, &capturing) != cudaSuccess || capturing != cudaStreamCaptureStatusNone) {
+    cudaGetLastError();
+    return;  // inside a graph capture: the heuristic's first now, tuned at a later direct run
+  }
+  const std::string key = d.tune_key + " dev" + std::to_string(device);
+  {
+    std::lock_guard cache(tuned_mutex);
+    if (auto it = tuned_algorithms().find(key); it != tuned_algorithms().end()) {
+      d.algo = it->second;
+      d.tuned.store(true, std::memory_order_release);
+      return;
+    }
+  }
+  cudaEvent_t start = nullptr, stop = nullptr;
+  if (cudaEventCreate(&start) != cudaSuccess || cudaEventCreate(&stop) != cudaSuccess) {
+    if (start) cudaEventDestroy(start);
+    cudaGetLastError();
+    d.tuned.store(true, std::memory_order_release);  // keep the heuristic's first
+    return;
+  }
+  std::size_t best = 0;
+  const double first = time_algorithm(call, d.candidates[0], s, start, stop);
+  double best_ms = first;
+  for (std::size_t i = 1; i < d.candidates.size(); ++i) {
+    const double ms = time_algorithm(call, d.candidates[i], s, start, stop);
+    if (ms < best_ms && ms < first * (1.0 - kTuneMargin)) best = i, best_ms = ms;
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaGetLastError();  // a candidate that failed to launch left no error behind for the next step
+  d.algo = d.candidates[best];
+  {
+    std::lock_guard cache(tuned_mutex);
+    tuned_algorithms().emplace(key, d.algo);
+  }
+  d.tuned.store(true, std::memory_order_release);
+}
+
+}  // namespace
 
 PreparedMatmul::~PreparedMatmul() {
   if (!d_ || !d_->api) return;
@@ -556,15 +659,31 @@ Result<std::unique_ptr<PreparedMatmul>> PreparedMatmul::create(const Matmul& m, 
     if (auto r = check(d.api->PreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate"); !r) return r;
     std::uint64_t ws = workspace_bytes;
     d.api->PreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
-    cublasLtMatmulHeuristicResult_t result{};
+    // The plain path (one call per run) asks for candidates to time when tuning is on.
+    const bool tune = &algo == &d.algo && d.tune_key.size() > 0;
+    cublasLtMatmulHeuristicResult_t results[kTuneCandidates]{};
     int found = 0;
-    cublasStatus_t s = d.api->AlgoGetHeuristic(d.api->handle, desc, first, second, out, out, pref, 1, &result, &found);
+    cublasStatus_t s = d.api->AlgoGetHeuristic(d.api->handle, desc, first, second, out, out, pref,
+                                               tune ? kTuneCandidates : 1, results, &found);
     d.api->PreferenceDestroy(pref);
     if (s != CUBLAS_STATUS_SUCCESS || found == 0) return no_algorithm(s, what);
-    algo = result.algo;
-    d.workspace_needed = std::max(d.workspace_needed, result.workspaceSize);
+    algo = results[0].algo;
+    for (int i = 0; i < found; ++i) {
+      if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
+      d.workspace_needed = std::max(d.workspace_needed, results[i].workspaceSize);
+      if (tune) d.candidates.push_back(results[i].algo);
+      if (!tune) break;
+    }
+    if (d.candidates.size() < 2) d.candidates.clear(), d.tune_key.clear();
     return {};
   };
+  if (!d.split && !d.reads_c && matmul_tuning()) {
+    d.tune_key = std::to_string(M) + "x" + std::to_string(N) + "x" + std::to_string(K) + " b" +
+                 std::to_string(m.batch) + (m.transpose_a ? " ta" : "") + (m.transpose_b ? " tb" : "") + " " +
+                 to_string(A.dtype) + to_string(B.dtype) + to_string(C.dtype) + " c" + std::to_string(int(compute)) +
+                 (d.cast16 ? " bf16copies" : "") + " e" + std::to_string(int(m.epilogue)) +
+                 (d.uses_bias ? " bias" : "") + " ws" + std::to_string(workspace_bytes);
+  }
   if (!d.split) {
     if (auto r = pick(d.op, d.first, d.second, d.algo, d.cast16 ? " on bf16 copies of its operands" : ""); !r)
       return tl::unexpected(r.error());
@@ -730,6 +849,17 @@ Result<void> PreparedMatmul::run(const at::Tensor& a, const at::Tensor& b, const
     cfg.device = c.get_device();
     return kernel.launch(cfg, args);
   };
+  // One cuBLASLt call computing the whole product (every path but tf32x3), its algorithm tuned first.
+  auto single_call = [&](const void* first, const void* second) -> Result<void> {
+    auto call = [&](const cublasLtMatmulAlgo_t* algo) {
+      return d.api->Matmul(d.api->handle, d.op, alpha, first, d.first, second, d.second, beta, c.data_ptr(), d.out,
+                           c.data_ptr(), d.out, algo, workspace, workspace_bytes, static_cast<cudaStream_t>(stream));
+    };
+    tune(*d_, call, stream, c.get_device());
+    cublasStatus_t s = call(&d.algo);
+    if (s != CUBLAS_STATUS_SUCCESS) return fail(ErrorCode::CudaError, "cublasLtMatmul failed: " + status_text(s));
+    return {};
+  };
   if (d.cast16) {
     if (!scratch) return fail(ErrorCode::Internal, "a bf16 matmul ran without its conversion scratch");
     auto* b16 = static_cast<std::uint16_t*>(scratch);
@@ -745,19 +875,9 @@ Result<void> PreparedMatmul::run(const at::Tensor& a, const at::Tensor& b, const
     } else if (auto r = convert(a, a16, d.a_count); !r) {
       return r;
     }
-    cublasStatus_t s = d.api->Matmul(d.api->handle, d.op, alpha, b16, d.first, a16, d.second, beta, c.data_ptr(), d.out,
-                                     c.data_ptr(), d.out, &d.algo, workspace, workspace_bytes,
-                                     static_cast<cudaStream_t>(stream));
-    if (s != CUBLAS_STATUS_SUCCESS) return fail(ErrorCode::CudaError, "cublasLtMatmul failed: " + status_text(s));
-    return {};
+    return single_call(b16, a16);
   }
-  if (!d.split) {
-    cublasStatus_t s = d.api->Matmul(d.api->handle, d.op, alpha, b.data_ptr(), d.first, a.data_ptr(), d.second, beta,
-                                     c.data_ptr(), d.out, c.data_ptr(), d.out, &d.algo, workspace, workspace_bytes,
-                                     static_cast<cudaStream_t>(stream));
-    if (s != CUBLAS_STATUS_SUCCESS) return fail(ErrorCode::CudaError, "cublasLtMatmul failed: " + status_text(s));
-    return {};
-  }
+  if (!d.split) return single_call(b.data_ptr(), a.data_ptr());
   if (!scratch) return fail(ErrorCode::Internal, "a tf32x3 matmul ran without its split scratch");
   float* parts = static_cast<float*>(scratch);
   auto split = [&](const float* x, std::int64_t n, Descriptors::Part hi, Descriptors::Part lo) -> Result<void> {

@@ -432,6 +432,43 @@ def test_bf16_cast_matmul_runs_bf16_products(m, n, k, batch, transpose_b, epilog
     torch.testing.assert_close(cast, exact(a, w).float(), atol=1e-2, rtol=1e-2)  # bf16's tolerance
 
 
+@pytest.mark.parametrize("m,n,k,epilogue,precision,cast", [
+    (16384, 256, 1024, "bias", "tf32", "0"),      # tall-skinny: the shape where the heuristic's first may lose
+    (2048, 4096, 2048, "bias_gelu", "tf32", "0"),
+    (4096, 1024, 1024, "none", "bf16", "2"),      # bf16 copies of the operands, tuned on the copies
+])
+def test_tuned_matmul_is_correct_and_stable(m, n, k, epilogue, precision, cast, monkeypatch):
+    """STITCHCUDA_MATMUL_TUNE=1: the first (direct) run times cuBLASLt's candidates and keeps one; the
+    result is the product within the precision's tolerance, and every later call — CUDA graph replays
+    included — runs the algorithm chosen then: results identical bit for bit from the first call on."""
+    from stitchcuda.verify.compare import fp64_error
+
+    monkeypatch.setenv("STITCHCUDA_MATMUL_TUNE", "1")
+    monkeypatch.setenv("STITCHCUDA_BF16_CAST", cast)
+    torch.manual_seed(m + n)
+    a = torch.randn(m, k, device="cuda")
+    w = torch.randn(n, k, device="cuda") / k ** 0.5
+    bias = torch.randn(n, device="cuda") if "bias" in epilogue else None
+    b = ProgramBuilder()
+    x = b.input([m, k], name="a")
+    W = b.weight(w, name="w")
+    B = b.weight(bias, name="bias") if bias is not None else None
+    y = b.output([m, n], name="y")
+    b.matmul(x, W, y, bias=B, transpose_b=True, epilogue=epilogue, precision=precision)
+    b.precision(precision)
+    module = stitchcuda.ProgramModule(b.build(), graphs=True)
+    first = module(a).clone()
+    again = [module(a).clone() for _ in range(3)]
+    exact = a.double() @ w.double().t() + (bias.double() if bias is not None else 0)
+    if epilogue == "bias_gelu":
+        exact = F.gelu(exact, approximate="tanh")
+    err = fp64_error(first, exact)
+    print(f"[tune] {m}x{n}x{k} {epilogue} {precision}: error against exact {err:.2e}")
+    assert err < (2e-3 if precision == "tf32" else 1e-2), err
+    for out in again:
+        assert torch.equal(out, first)
+
+
 def test_only_a_replaying_instance_holds_static_copies_of_its_inputs_and_outputs():
     """At KernelBench's sizes a copy of every input and output is the largest cost of an instance: one
     that launches its steps directly never allocates them; a replaying one does at its capture."""
