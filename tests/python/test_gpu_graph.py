@@ -416,6 +416,52 @@ def test_a_convolution_bias_added_by_its_reader_matches_eager(make, shape, monke
         assert len(conv["inputs"]) == (2 if apart == "1" else 3), conv  # x, the filter[, the bias]
 
 
+class _BiasReluPair(nn.Module):
+    """conv with bias -> ReLU, then conv with bias + the block's input -> ReLU: the capture moves both
+    biases after their convolutions; cuDNN's fused calls take them back."""
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(32, 32, 3, padding=1), nn.Conv2d(32, 32, 3, padding=1)
+        with torch.no_grad():
+            self.c1.bias.uniform_(-0.5, 0.5), self.c2.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        y = F.relu(self.c1(x))
+        return F.relu(self.c2(y) + y)
+
+
+def test_fused_epilogues_take_the_convolution_bias_back_from_the_kernel():
+    # Unfused: the convolutions run without their biases and the kernels after them add them. Fused: the
+    # biases go back into cuDNN's conv + bias + ReLU and conv + bias + z + ReLU. Both match the model.
+    from stitchcuda.graph.capture import capture
+    from stitchcuda.graph.lower import Lowering, reference_values
+    from stitchcuda.graph.planner import OfflinePlanner
+
+    torch.manual_seed(0)
+    model = _BiasReluPair().cuda().eval()
+    x = torch.randn(8, 32, 56, 56, device="cuda")
+    graph = capture(model, (x,))
+    plan = OfflinePlanner().plan(graph)
+    assert len(plan.conv_epilogues) == 2 and all(m["bias"] is not None for m in plan.conv_epilogues.values())
+    values = reference_values(graph, [x])
+    constants = {g.nodes[0].out.name: values[g.nodes[0].out.name] for g in plan.groups if g.kind == "constant"}
+    x2 = torch.randn_like(x)
+    with torch.no_grad():
+        want = model(x2)
+    for fused in (False, True):
+        plan.fuse_conv_epilogues = fused
+        program = Lowering(graph, plan, constants).build(plan.groups, graph.inputs, graph.outputs)
+        program.compile_kernels()
+        convs = [s for s in program.steps if s["kind"] == "aten" and "convolution" in s["op"]]
+        if fused:
+            assert [(s["op"], len(s["inputs"])) for s in convs] == [
+                ("aten::cudnn_convolution_relu", 3), ("aten::cudnn_convolution_add_relu", 4)], convs
+        else:
+            assert [len(s["inputs"]) for s in convs] == [2, 2], convs  # x and the filter: no bias
+        torch.testing.assert_close(program.executor(graphs=False).run([x2])[0], want, atol=1e-2, rtol=1e-2)
+    plan.fuse_conv_epilogues = False
+
+
 def test_a_tf32x3_projection_read_through_column_slices_matches_eager():
     # KernelBench-scale runs on the H100 sent such a product (gemm_fused_swiglu, the state-space scan's
     # input projection) back to SGEMM after the whole program with it did not match, while its group check

@@ -43,7 +43,7 @@ def _tf32_convolutions(monkeypatch):
 def _lowered(model, x):
     graph = capture(model.eval(), (x,))
     plan = OfflinePlanner().plan(graph)
-    lowering = Lowering(graph, plan, {}, 132)
+    lowering = Lowering(graph, plan, _constants(graph, plan, (x,)), 132)
     lowering.build(plan.groups, graph.inputs, graph.outputs)
     return graph, plan, lowering
 

@@ -282,38 +282,14 @@ def _export(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Any:
         return exported.run_decompositions(_decompositions())
 
 
-# The links of the epilogue cuDNN's fused convolution computes with the bias after a 2-D convolution
-# ([batch norm] [+ z] relu: planner.conv_epilogues); a batch norm's result is its first getitem.
-_CUDNN_EPILOGUE_LINKS = ("aten::_native_batch_norm_legit_no_training", "aten::add.Tensor")
-
-
-def _relu_epilogue_may_follow(conv: Any) -> bool:
-    """Whether the chain of single readers after `conv` is [batch norm] [+ z] relu: an epilogue cuDNN's
-    fused convolution may compute, bias included (planner.conv_epilogues decides; the bias stays for it)."""
-    node = conv
-    for _ in range(5):  # batch norm, its getitem, add, relu
-        users = list(node.users)
-        if len(users) != 1 or users[0].op != "call_function":
-            return False
-        user = users[0]
-        if user.target is not getitem and not isinstance(user.target, torch._ops.OpOverload):
-            return False
-        name = "getitem" if user.target is getitem else op_name(user.target)
-        if name == "aten::relu":
-            return True
-        if name not in (*_CUDNN_EPILOGUE_LINKS, "getitem"):
-            return False
-        node = user
-    return False
-
-
 def _convolution_biases_apart(exported: Any) -> int:
     """Rewrites `convolution(x, w, b)` as `convolution(x, w, None) + b.view(C, 1, ...)` in the exported
     graph (which the recording also runs) where only elementwise ops read the result: cuDNN's convolution
     adds a bias in a pass of its own over the output (ATen's `output.add_(bias)`), which the generated
-    kernel of those ops then does in its loads instead — one read and write of the output fewer. A 2-D
-    convolution followed by what may be cuDNN's fused ReLU epilogue keeps its bias, as do grouped
-    convolutions (the depthwise template adds its own) and one whose bias is computed in the forward.
+    kernel of those ops then does in its loads instead — one read and write of the output fewer. Where
+    cuDNN's fused convolution takes the epilogue instead (planner.conv_epilogues), it takes the bias back
+    from the add. Grouped convolutions keep their bias (the depthwise template adds its own), as does one
+    whose bias is computed in the forward.
     STITCHCUDA_CONV_BIAS_APART=0 turns the rewrite off (to measure it). Returns how many were rewritten."""
     from .templates.ops import is_pointwise
 
@@ -335,8 +311,6 @@ def _convolution_biases_apart(exported: Any) -> int:
                    else "" for u in users]
         if not all(is_pointwise(r) for r in readers):
             continue  # a view, a pooling, a concatenation, the output: the bias pass is not saved
-        if out.dim() == 4 and not transposed and _relu_epilogue_may_follow(fx):
-            continue
         shape = [int(out.shape[1])] + [1] * (out.dim() - 2)
         with graph.inserting_after(fx):
             b = graph.call_function(view, (bias, shape))

@@ -791,7 +791,8 @@ class Lowering:
         program's own. The filter is stored NHWC in a channels-last plan; the result takes the layout cuDNN
         gives it (NHWC when the input or the filter is)."""
         conv, bn, z = match["conv"], match["bn"], match["z"]
-        x, weight, bias = conv.args[0], conv.args[1], conv.args[2]
+        x, weight = conv.args[0], conv.args[1]
+        bias = match.get("bias", conv.args[2])  # the capture's bias moved after the convolution, or its own
         w = self._data(weight)
         b = self._data(bias) if bias is not None else None
         if bn is not None:

@@ -339,7 +339,10 @@ def _conv_epilogue(conv: Node, g: Group, outputs: set[str]) -> dict | None:
     if y.dtype not in _CUDNN_FUSED_DTYPES or y.name in outputs or len(y.users) != 1 or y.users[0] is not g.nodes[0]:
         return None
     nodes = list(g.nodes)
-    bn = nodes.pop(0) if nodes[0].op == _BATCH_NORM else None
+    bias_add = nodes.pop(0) if bias is None and _channel_bias(nodes[0], y) is not None else None
+    if bias_add is not None:
+        bias = _channel_bias(bias_add, y)
+    bn = nodes.pop(0) if nodes and nodes[0].op == _BATCH_NORM else None
     if bn is not None:
         gamma, beta, mean, var = bn.args[1:5]
         if mean is None or var is None or any(p is not None and (not isinstance(p, Value) or p.kind != "weight")
@@ -350,12 +353,14 @@ def _conv_epilogue(conv: Node, g: Group, outputs: set[str]) -> dict | None:
         return None
     relu = nodes[0]
     value, z = y, None
-    for n in (bn, add, relu):  # each link reads the one before it, which nothing else reads
+    for n in (bias_add, bn, add, relu):  # each link reads the one before it, which nothing else reads
         if n is None:
             continue
         if value is not y and (value.name in outputs or len(value.users) != 1 or value.users[0] is not n):
             return None
-        if n is add:
+        if n is bias_add:
+            pass  # _channel_bias checked it reads y
+        elif n is add:
             if add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2 or value not in add.args:
                 return None
             z = add.args[1] if add.args[0] is value else add.args[0]
@@ -366,7 +371,23 @@ def _conv_epilogue(conv: Node, g: Group, outputs: set[str]) -> dict | None:
         value = n.out
     if g.outputs(outputs) != [relu.out]:
         return None
-    return {"conv": conv, "bn": bn, "z": z, "out": relu.out}
+    return {"conv": conv, "bn": bn, "z": z, "out": relu.out, "bias": bias}
+
+
+def _channel_bias(node: Node, y: Value) -> Value | None:
+    """The weight `b` when `node` is y + b.view(C, 1, 1) (or [1, C, 1, 1]), a convolution's bias the
+    capture moved after it (capture._convolution_biases_apart), else None."""
+    if node.op != "aten::add.Tensor" or node.kwargs.get("alpha", 1) != 1 or len(node.args) != 2 or y not in node.args:
+        return None
+    other = node.args[1] if node.args[0] is y else node.args[0]
+    view = other.producer if isinstance(other, Value) else None
+    if view is None or view.op != "aten::view" or not view.args or not isinstance(view.args[0], Value):
+        return None
+    b, channels = view.args[0], y.shape[1]
+    if b.kind != "weight" or tuple(b.shape) != (channels,) or b.dtype != y.dtype \
+            or tuple(other.shape) not in ((channels, 1, 1), (1, channels, 1, 1)):
+        return None
+    return b
 
 
 def _low_precision_matmuls(graph: Graph) -> str:
