@@ -627,7 +627,8 @@ def test_an_instance_allocates_the_workspace_its_matmuls_algorithms_use():
     held = torch.cuda.memory_allocated() - before - out.numel() * 4
     # the arena (1 byte without intermediates) and the copy of the weight, each rounded to the allocator's blocks
     assert stats["workspace_bytes"] <= held <= stats["workspace_bytes"] + w.numel() * 4 + (2 << 20), (held, stats)
-    torch.testing.assert_close(out, a @ w.t())
+    # fp32 sums in cuBLASLt's order, which the tuned algorithm (a split along K) may change from torch's
+    torch.testing.assert_close(out, a @ w.t(), atol=1e-4, rtol=1e-4)
     # Without a matmul: no workspace at all.
     b = ProgramBuilder()
     x, y = b.input([1024], name="x"), b.output([1024], name="y")

@@ -362,17 +362,22 @@ def test_a_channels_last_input_is_pooled_where_it_lies(monkeypatch):
     # Between two convolutions of a channels-last plan the pool reads NHWC and writes NHWC (the
     # channels-last template: four channels per thread); kept NCHW, the NCHW template runs.
     monkeypatch.setenv("STITCHCUDA_CHANNELS_LAST", "on")  # planned whatever this process's TF32 flags
-    graph, plan = planned(ConvPoolConv(), torch.randn(2, 16, 64, 64))
+    from stitchcuda.graph import reference_values
+
+    x = torch.randn(2, 16, 64, 64)
+    graph, plan = planned(ConvPoolConv(), x)
     (pool,) = [g for g in plan.groups if g.kind == "pool"]
     assert plan.channels_last
-    nhwc = Lowering(graph, plan, {})
+    values = reference_values(graph, [x])  # the first convolution's bias, viewed for the kernel after it
+    constants = {g.nodes[0].out.name: values[g.nodes[0].out.name] for g in plan.groups if g.kind == "constant"}
+    nhwc = Lowering(graph, plan, constants)
     nhwc.build(plan.groups, graph.inputs, graph.outputs).validate()
     assert not nhwc.on_aten
     (code,) = [code for g, code in nhwc.kernels if g is pool]
     assert "pool_nhwc" in code.name and "four channels per thread" in code.description
     assert is_channels_last(*nhwc.spec[nhwc.buf[pool.nodes[-1].out.name]][:2])
     plan.channels_last = frozenset()
-    nchw = Lowering(graph, plan, {})
+    nchw = Lowering(graph, plan, constants)
     nchw.build(plan.groups, graph.inputs, graph.outputs).validate()
     assert [g for g, _ in nchw.kernels if g is pool] and not nchw.on_aten
 
