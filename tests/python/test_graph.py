@@ -1031,9 +1031,15 @@ def test_ropes_rotate_half_fuses_into_one_kernel_with_its_products():
     (code,) = [c for _, c in lowering.kernels]
     assert "rotated halves" in code.description
     assert [s["kind"] for s in program.steps] == ["kernel"]
-    # A cat that is not a rotation of halves stays what it was.
+    # A cat that is not a rotation of halves is read as a concatenation: its two pieces by range.
     other = capture(_Swap().eval(), (q,))
-    assert any(g.kind == "aten" and g.nodes[0].op == "aten::cat" for g in OfflinePlanner().plan(other).groups)
+    plan = OfflinePlanner().plan(other)
+    (group,) = [g for g in plan.groups if any(n.op == "aten::cat" for n in g.nodes)]
+    assert group.kind == "pointwise"
+    lowering = Lowering(other, plan, {})
+    lowering.build(plan.groups, other.inputs, other.outputs)
+    (code,) = [c for _, c in lowering.kernels]
+    assert "rotated halves" not in code.description and "2 pieces read in place" in code.description
 
 
 class _TransposedScores(nn.Module):

@@ -1081,3 +1081,107 @@ def test_tf32x3_slab_split_writes_an_exact_split_of_a_strided_slab(emu, rows, co
     finite = torch.isfinite(slab)
     assert torch.equal((hi + lo)[finite], slab[finite])  # exact
 
+
+
+# ---- concatenations read in place by the elementwise kernel after them ----
+
+class _DenseLayers(torch.nn.Module):
+    """Two DenseNet layers: each concatenates the features so far and applies batch norm and ReLU to the
+    concatenation before a convolution; the block returns the last concatenation's norm."""
+
+    def __init__(self, c: int = 8, growth: int = 4):
+        super().__init__()
+        self.bn1, self.conv1 = torch.nn.BatchNorm2d(c), torch.nn.Conv2d(c, growth, 3, padding=1, bias=False)
+        self.bn2, self.conv2 = torch.nn.BatchNorm2d(c + growth), torch.nn.Conv2d(c + growth, growth, 3, padding=1,
+                                                                                   bias=False)
+        self.bn3 = torch.nn.BatchNorm2d(c + 2 * growth)
+        for bn in (self.bn1, self.bn2, self.bn3):
+            with torch.no_grad():
+                bn.running_mean.uniform_(-0.5, 0.5), bn.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, x):
+        f1 = self.conv1(torch.relu(self.bn1(x)))
+        f2 = self.conv2(torch.relu(self.bn2(torch.cat([x, f1], 1))))
+        return torch.relu(self.bn3(torch.cat([x, f1, f2], 1)))
+
+
+class _CatThen(torch.nn.Module):
+    def __init__(self, dim: int, then: str = "tanh"):
+        super().__init__()
+        self.dim, self.then = dim, then
+
+    def forward(self, a, b, c):
+        y = torch.cat([torch.sigmoid(a), b, c * 2], self.dim)
+        if self.then == "mm":  # a reader that is not elementwise: the concatenation is copied once
+            return y @ y.transpose(-1, -2)
+        if self.then == "returned":  # the concatenation is also an output: the kernel stores it
+            return y, torch.tanh(y) + 1
+        return torch.tanh(y) * 0.5
+
+
+
+@pytest.mark.parametrize("layout", ["off", "on"])
+def test_densenet_concatenations_are_read_in_place(emu, layout, monkeypatch):
+    # "on": the block planned channels-last, the pieces NHWC and the kernel iterating in NHWC order.
+    monkeypatch.setenv("STITCHCUDA_CHANNELS_LAST", layout)
+    torch.manual_seed(0)
+    model = (_DenseLayers() if layout == "off" else _DenseLayers(16, 4)).eval()
+    x = torch.randn(2, 8, 6, 8) if layout == "off" else torch.randn(1, 16, 64, 64)
+    plan, program, constants = _lowered(model, (x,))
+    assert bool(plan.channels_last) == (layout == "on")
+    # Each concatenation opens the elementwise group of its batch norm and ReLU: no ATen cat.
+    cats = [g for g in plan.groups for n in g.nodes if n.op == "aten::cat"]
+    assert len(cats) == 2 and all(g.kind == "pointwise" and g.nodes[0].op == "aten::cat" for g in cats)
+    assert not [s for s in program.steps if s["kind"] == "aten" and s["op"] == "aten::cat"]
+    (got,) = run_program(emu, program, [x], constants)
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dim, shapes, path", [
+    (1, [(2, 3, 8), (2, 5, 8), (2, 1, 8)], "g < n4"),       # not the last dim: groups of four outputs
+    (-1, [(2, 3, 4), (2, 3, 8), (2, 3, 4)], "g < n4"),      # the last, boundaries multiples of 4
+    (-1, [(2, 3, 5), (2, 3, 2), (2, 3, 7)], "i < n;"),      # the last, other boundaries: one at a time
+    (0, [(1, 3, 5), (0, 3, 5), (2, 3, 5)], "i < n;"),       # an empty piece covers nothing
+])
+def test_a_concatenation_read_in_place_matches_eager(emu, dim, shapes, path):
+    torch.manual_seed(1)
+    a, b, c = (torch.randn(*s) for s in shapes)
+    model = _CatThen(dim).eval()
+    plan, program, constants = _lowered(model, (a, b, c))
+    (group,) = [g for g in plan.groups if any(n.op == "aten::cat" for n in g.nodes)]
+    assert group.kind == "pointwise"
+    (kernel,) = [k for k in program.kernels if re.search(r"__restrict__ p\d+_0\b", k["source"])]  # a pointer a piece
+    assert path in kernel["source"], kernel["source"]
+    # In groups of four, a piece with unit stride along the last dimension is read 16 bytes at a time.
+    assert ("reinterpret_cast<const float4*>(p0_" in kernel["source"]) == (path == "g < n4")
+    (got,) = run_program(emu, program, [a, b, c], constants)
+    torch.testing.assert_close(got, model(a, b, c), atol=1e-6, rtol=1e-6)
+
+
+def test_concatenations_in_place_can_be_turned_off(monkeypatch):
+    from stitchcuda.graph import OfflinePlanner, capture
+
+    monkeypatch.setenv("STITCHCUDA_CAT_IN_PLACE", "0")  # to measure them: ATen's copy, as before
+    a, b, c = torch.randn(2, 3, 8), torch.randn(2, 5, 8), torch.randn(2, 1, 8)
+    plan = OfflinePlanner().plan(capture(_CatThen(1).eval(), (a, b, c)))
+    (group,) = [g for g in plan.groups if any(n.op == "aten::cat" for n in g.nodes)]
+    assert group.kind == "aten" and "STITCHCUDA_CAT_IN_PLACE=0" in group.reason
+
+
+def test_a_concatenation_read_by_a_matmul_stays_aten_and_one_returned_is_stored(emu):
+    torch.manual_seed(2)
+    a, b, c = torch.randn(4, 3, 8), torch.randn(4, 2, 8), torch.randn(4, 1, 8)
+    # Read by a matmul: an ATen step copies it once, as before (this harness runs no tensor-list op).
+    plan, program, _ = _lowered(_CatThen(1, "mm").eval(), (a, b, c))
+    (group,) = [g for g in plan.groups if any(n.op == "aten::cat" for n in g.nodes)]
+    assert group.kind == "aten" and "other than elementwise" in group.reason
+    assert sum(s["kind"] == "aten" and s["op"] == "aten::cat" for s in program.steps) == 1
+    # Returned as well as read: the kernel reads the pieces and stores the concatenation as an output.
+    model = _CatThen(1, "returned").eval()
+    plan, program, constants = _lowered(model, (a, b, c))
+    (group,) = [g for g in plan.groups if any(n.op == "aten::cat" for n in g.nodes)]
+    assert group.kind == "pointwise"
+    got = run_program(emu, program, [a, b, c], constants)
+    for g_, w in zip(got, model(a, b, c)):
+        torch.testing.assert_close(g_, w, atol=1e-6, rtol=1e-6)

@@ -23,7 +23,7 @@ from .capture import Graph, Node, Value
 from .layout import channels_last_strides, depthwise_nhwc, is_channels_last
 from .layout import contiguous_strides as _contiguous_strides
 from .planner import Group, GraphPlan, rotate_half_source
-from .templates import (FUSABLE_DTYPES, POINTWISE_OPS, KernelCode, PointwiseInput, RowProduct, RowPrologue,
+from .templates import (FUSABLE_DTYPES, POINTWISE_OPS, CatPiece, KernelCode, PointwiseInput, RowProduct, RowPrologue,
                         column_reduction_kernel, depthwise_conv_kernel, depthwise_conv_nhwc_kernel, nchw_to_nhwc_kernel,
                         normalized_rows_kernel, pointwise_from_nhwc_kernel, pointwise_kernel, pooling_kernel,
                         pooling_nhwc_kernel, row_reduction_kernel, scan_kernel)
@@ -120,6 +120,8 @@ def _output_edge(shape: tuple[int, ...], inputs: list[PointwiseInput], outputs: 
         return False
     if any(tuple(v.shape) != shape for v in outputs):
         return False
+    if any(i.pieces for i in inputs):
+        return False  # the staged NHWC edge reads each operand whole
     nhwc = channels_last_strides(shape)
     return any(tuple(i.strides) == nhwc and not i.offset for i in inputs)
 
@@ -760,7 +762,7 @@ class Lowering:
     def _lower_pointwise(self, g: Group) -> None:
         shape = tuple(g.params["shape"])
         outputs = g.outputs(set(self.output_ids))
-        inputs, buffers, body, var = self._elementwise(g.nodes, shape, rotations=True)
+        inputs, buffers, body, var = self._elementwise(g.nodes, shape, rotations=True, cats=True)
         rotated = any(i.rotate for i in inputs)
         results = []
         for v in outputs:
@@ -772,7 +774,10 @@ class Lowering:
             v.name in self.channels_last and v.name not in self.output_ids and tuple(v.shape) == shape for v in outputs))
         order = (0, 2, 3, 1) if nhwc else tuple(range(len(shape)))
         if nhwc:
-            inputs = [PointwiseInput(i.key, i.dtype, tuple(i.strides[d] for d in order), i.offset) for i in inputs]
+            inputs = [PointwiseInput(i.key, i.dtype, tuple(i.strides[d] for d in order), i.offset) if not i.pieces
+                      else PointwiseInput(i.key, i.dtype, (), pieces=tuple(
+                          dataclasses.replace(piece, strides=tuple(piece.strides[d] for d in order))
+                          for piece in i.pieces), cat_dim=order.index(i.cat_dim)) for i in inputs]
         if not nhwc and not rotated and _output_edge(shape, inputs, outputs):
             # A chain's output edge: NCHW results from NHWC operands, staged through shared-memory tiles
             # instead of gathered with a stride of C.
@@ -848,7 +853,7 @@ class Lowering:
         return out
 
     def _elementwise(self, nodes: list[Node], shape: tuple[int, ...], known: dict[str, str] | None = None,
-                     prefix: str = "in", rotations: bool = False
+                     prefix: str = "in", rotations: bool = False, cats: bool = False
                      ) -> tuple[list[PointwiseInput], dict[str, int], list[str], dict[str, str]]:
         """C statements computing `nodes` (elementwise, over `shape`) as float variables t0..: the inputs
         they read (keys {prefix}0.., strides over `shape`), their buffers, the statements, and each value's
@@ -880,8 +885,33 @@ class Lowering:
             keyed[(v.name, mode)] = key
             return key
 
+        def concatenation(n: Node) -> str:
+            """A concatenation read in place: one input whose pieces are loaded by range (planner: the cat
+            has the group's shape, so each piece's strides are its own over the group's dimensions)."""
+            pieces, start = [], 0
+            dim = int(n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)) % rank
+            key = f"{prefix}{len(inputs)}"
+            for j, v in enumerate(n.args[0]):
+                if not v.numel:
+                    continue  # an empty piece covers no range (and a legacy empty 1-D one has another rank)
+                bid = self.need(v)
+                vshape, vstrides, _ = self.spec[bid]
+                if len(vshape) != rank:
+                    raise LoweringError(f"concatenation piece '{v.name}' of rank {len(vshape)} in a group of rank {rank}")
+                pieces.append(CatPiece(f"{key}_{j}", tuple(vstrides), start, start + vshape[dim]))
+                buffers[f"{key}_{j}"] = bid
+                start += vshape[dim]
+            inputs.append(PointwiseInput(key, n.out.dtype, (), pieces=tuple(pieces), cat_dim=dim))
+            return key
+
         body: list[str] = []
         for j, n in enumerate(nodes):
+            if n.op == "aten::cat" and rotate_half_source(n) is None:
+                if not cats:
+                    raise LoweringError("a concatenation is read in place by elementwise kernels only")
+                body.append(f"const float t{j} = {concatenation(n)};")
+                var[n.out.name] = f"t{j}"
+                continue
             rotation = rotate_half_source(n)
             if rotation is not None:  # RoPE's rotate_half(x): x read with its halves swapped, the first negated
                 if not rotations or rotation[0].name in var:

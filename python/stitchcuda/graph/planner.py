@@ -427,6 +427,22 @@ def rotate_half_source(node: Node) -> tuple[Value, int] | None:
     return x, d // 2
 
 
+def in_place_cat(node: Node) -> bool:
+    """Whether `node` is a concatenation an elementwise kernel reads in place (its pieces loaded by range;
+    RoPE's rotate_half is the other cat such a kernel reads)."""
+    return node.op == "aten::cat" and rotate_half_source(node) is None
+
+
+def _reads_pieces(g: Group | None) -> bool:
+    """Whether the elementwise group reads a concatenation in place: only its own kernel can (the
+    reduction, scan and row templates load each operand whole), so it is not fused into them."""
+    return g is not None and any(in_place_cat(n) for n in g.nodes)
+
+
+# Pieces of one concatenation read in place: a pointer each, a branch each per element.
+CAT_MAX_PIECES = 16
+
+
 def _broadcast_matrix(v: Value) -> Value | None:
     """The single matrix behind a bmm operand that is its expansion over the batch (expand of a [K, N]
     or [1, K, N] value to [B, K, N], possibly viewed again at that shape), else None."""
@@ -456,7 +472,7 @@ def _output_function(g: Group, nxt: Group, outputs: set[str]) -> Group | None:
     `nxt` has the result's shape, is the only reader of the result, and leaves one float value."""
     y = g.params["node"].out
     inside = {id(n) for n in nxt.nodes}
-    if nxt.kind != "pointwise" or nxt.params["shape"] != y.shape or y.name in outputs or not y.users \
+    if nxt.kind != "pointwise" or _reads_pieces(nxt) or nxt.params["shape"] != y.shape or y.name in outputs or not y.users \
             or any(id(u) not in inside for u in y.users):
         return None
     leaving = nxt.outputs(outputs)
@@ -664,11 +680,11 @@ class OfflinePlanner:
                 stat, row_shape = node.out, node.args[0].shape
                 nxt = groups[i + 1:i + 3]
                 on_stat = nxt[0] if nxt and nxt[0].kind == "pointwise" and nxt[0].params["shape"] == stat.shape \
-                    and nxt[0].params["shape"] != row_shape else None
+                    and nxt[0].params["shape"] != row_shape and not _reads_pieces(nxt[0]) else None
                 over_row = nxt[1 if on_stat else 0] if len(nxt) > (1 if on_stat else 0) else None
                 # A split row (few rows, very long) keeps its two passes: a block per row would idle the GPU.
                 if over_row is not None and over_row.kind == "pointwise" and over_row.params["shape"] == row_shape \
-                        and "split" not in g.params:
+                        and "split" not in g.params and not _reads_pieces(over_row):
                     epilogue = [*(on_stat.nodes if on_stat else []), *over_row.nodes]
                     inside = {id(n) for n in epilogue}
                     leaving = over_row.outputs(outputs)
@@ -1134,16 +1150,40 @@ class OfflinePlanner:
         x = node.args[0]
         if not isinstance(x, Value) or x.producer is None or all(n is not x.producer for n in chain.nodes):
             return False
-        if chain.params["shape"] != x.shape or x.name in outputs or len(x.users) != 1:
+        if chain.params["shape"] != x.shape or x.name in outputs or len(x.users) != 1 or _reads_pieces(chain):
             return False
         leaving = chain.outputs(outputs)
         return len(leaving) == 1 and leaving[0] is x
+
+    @staticmethod
+    def _cat_blocker(node: Node) -> str | None:
+        """None when the elementwise kernel after a concatenation can read its pieces in place (every
+        reader an elementwise op over the concatenation's shape: DenseNet's batch norm and ReLU of the
+        growing feature map), so the concatenated tensor is never written; else why not."""
+        if os.environ.get("STITCHCUDA_CAT_IN_PLACE", "1").strip() == "0":
+            return "concatenations read in place are off (STITCHCUDA_CAT_IN_PLACE=0): ATen step"
+        pieces = node.args[0] if node.args and isinstance(node.args[0], (list, tuple)) else ()
+        out = node.out if node.outputs else None
+        if out is None or not pieces or not all(isinstance(v, Value) for v in pieces):
+            return "a concatenation without tensor pieces: ATen step"
+        if not 2 <= len([v for v in pieces if v.numel]) <= CAT_MAX_PIECES:
+            return f"a concatenation of {len(pieces)} pieces stays an ATen step (read in place: 2 to {CAT_MAX_PIECES})"
+        if out.dtype not in FUSABLE_DTYPES or any(v.dtype != out.dtype for v in pieces) \
+                or any(len(v.shape) != len(out.shape) for v in pieces if v.numel):
+            return "a concatenation of mixed dtypes or ranks stays an ATen step"
+        readers = out.users
+        if not readers or any(u.op not in POINTWISE_OPS or not u.outputs or u.out is None
+                              or tuple(u.out.shape) != tuple(out.shape) for u in readers):
+            return "a concatenation read by other than elementwise ops of its shape stays an ATen step (copied once)"
+        return None
 
     @staticmethod
     def _pointwise_blocker(node: Node) -> str | None:
         """None when the node can join a fused elementwise kernel, else why not."""
         if rotate_half_source(node) is not None:  # RoPE's rotate_half: the kernel reads x's halves swapped
             return None if node.out.dtype in FUSABLE_DTYPES else f"rotate_half on {node.out.dtype} stays an ATen step"
+        if node.op == "aten::cat":
+            return OfflinePlanner._cat_blocker(node)
         if node.op not in POINTWISE_OPS:
             return f"{node.op} has no template: ATen step"
         if any(v is None for v in node.outputs[:1]) or not node.outputs:

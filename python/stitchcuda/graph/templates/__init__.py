@@ -36,7 +36,7 @@ sizes as arguments where they vary; shapes that select the code path are baked i
 """
 
 from .columns import column_reduction_kernel
-from .common import FUSABLE_DTYPES, KernelCode, PointwiseInput, RowPrologue
+from .common import FUSABLE_DTYPES, CatPiece, KernelCode, PointwiseInput, RowPrologue
 from .depthwise import DEPTHWISE_MAX_TAPS, depthwise_conv_kernel, depthwise_conv_nhwc_kernel
 from .ops import POINTWISE_OPS, is_pointwise
 from .pooling import POOL_MAX_TAPS, pool_output_size, pooling_blocker, pooling_kernel, pooling_nhwc_kernel
@@ -46,7 +46,7 @@ from .rows import (CACHED_ROW_MAX, CACHED_ROW_MIN, CLUSTER_ROW_MAX, NORMALIZING,
 from .scan import SCAN_EXTENT_MAX, SCANS, aten_tile, scan_kernel
 from .transpose import nchw_to_nhwc_kernel, pointwise_from_nhwc_kernel
 
-__all__ = ["KernelCode", "PointwiseInput", "RowPrologue", "pointwise_kernel", "row_reduction_kernel",
+__all__ = ["KernelCode", "PointwiseInput", "CatPiece", "RowPrologue", "pointwise_kernel", "row_reduction_kernel",
            "column_reduction_kernel", "depthwise_conv_kernel", "depthwise_conv_nhwc_kernel", "POINTWISE_OPS",
            "REDUCTIONS", "NORMALIZING", "STATISTICS", "FUSABLE_DTYPES", "CACHED_ROW_MAX", "CACHED_ROW_MIN",
            "SHARED_ROW_MAX", "CLUSTER_ROW_MAX", "cluster_size", "DEPTHWISE_MAX_TAPS", "is_pointwise",

@@ -68,9 +68,14 @@ class PointwiseInput:
     # reads x: h (half the last extent) for such an input, 0 otherwise. Element c of the last dimension is
     # x's element (c + h) mod 2h, negated for c < h.
     rotate: int = 0
+    # A concatenation read in place (`aten::cat` in an elementwise chain): its pieces along dimension
+    # `cat_dim` of the group's shape, each loaded where the coordinate falls in its range; `key`, `strides`
+    # and `offset` are then unused. A kernel takes one pointer per piece.
+    pieces: tuple["CatPiece", ...] = ()
+    cat_dim: int = -1
 
     def linear(self, shape: tuple[int, ...]) -> bool:
-        if self.rotate:
+        if self.rotate or self.pieces:
             return False
         expected = 1
         for extent, stride in zip(reversed(shape), reversed(self.strides)):
@@ -78,6 +83,52 @@ class PointwiseInput:
                 return False
             expected *= extent
         return self.offset == 0
+
+
+@dataclass(frozen=True)
+class CatPiece:
+    """One piece of a concatenation read in place: its buffer's key, its strides over the group's shape
+    and the range [start, end) it covers along the concatenated dimension."""
+
+    key: str
+    strides: tuple[int, ...]
+    start: int
+    end: int
+    offset: int = 0
+
+
+def piece_params(k: int, inp: PointwiseInput, ctype: str) -> list[str]:
+    """A kernel's pointer parameters for input `k`: p{k}, or p{k}_0.. for a concatenation's pieces."""
+    if not inp.pieces:
+        return [f"const {ctype}* __restrict__ p{k}"]
+    return [f"const {ctype}* __restrict__ p{k}_{j}" for j in range(len(inp.pieces))]
+
+
+def piece_args(inp: PointwiseInput) -> list[tuple[str, str]]:
+    """The ("in", key) arguments of an input, in piece_params' order."""
+    return [("in", piece.key) for piece in inp.pieces] if inp.pieces else [("in", inp.key)]
+
+
+def _piece_index(inp: PointwiseInput, piece: CatPiece, shape: tuple[int, ...]) -> str:
+    """A piece's element index from the coordinates c0.., its own coordinate along the concatenated
+    dimension counted from its start."""
+    terms = []
+    for d, stride in enumerate(piece.strides):
+        if stride == 0 or shape[d] == 1:
+            continue
+        c = f"(c{d} - {piece.start})" if d == inp.cat_dim and piece.start else f"c{d}"
+        terms.append(f"{c} * {stride}LL")
+    return " + ".join(terms + ([f"{piece.offset}LL"] if piece.offset else [])) or "0"
+
+
+def piece_select(k: int, inp: PointwiseInput, shape: tuple[int, ...], load) -> str:
+    """The C expression choosing input `k`'s piece by its coordinate along the concatenated dimension:
+    load(pointer, index, piece) for the piece whose range holds it (only that one is read)."""
+    parts = [load(f"p{k}_{j}", _piece_index(inp, piece, shape), piece) for j, piece in enumerate(inp.pieces)]
+    expr = parts[-1]
+    for j in range(len(parts) - 2, -1, -1):
+        expr = f"(c{inp.cat_dim} < {inp.pieces[j].end} ? {parts[j]} : {expr})"
+    return expr
 
 
 def _split(value: str, shape: tuple[int, ...], dims: list[int]) -> list[str]:
@@ -114,7 +165,7 @@ def _element_indices(shape: tuple[int, ...], inputs: list[PointwiseInput]) -> tu
         if inp.linear(shape):
             indices.append("i")
             continue
-        indices.append(_index(inp, shape))
+        indices.append("" if inp.pieces else _index(inp, shape))  # pieces: piece_select
     return coords, indices
 
 

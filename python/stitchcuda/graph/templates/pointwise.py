@@ -7,7 +7,8 @@ import os
 
 import torch
 
-from .common import _CTYPE, _PRELUDE, KernelCode, PointwiseInput, _element_indices, _index, _split
+from .common import (_CTYPE, _PRELUDE, KernelCode, PointwiseInput, _element_indices, _index, _split, piece_args,
+                     piece_params, piece_select)
 
 
 # How a streaming (vectorized) kernel covers its tensor: "once" (the default) — as many blocks as the
@@ -42,7 +43,7 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
     n = 1
     for e in shape:
         n *= e
-    params = [f"const {_CTYPE[i.dtype]}* __restrict__ p{k}" for k, i in enumerate(inputs)]
+    params = [p for k, i in enumerate(inputs) for p in piece_params(k, i, _CTYPE[i.dtype])]
     params += [f"{_CTYPE[dt]}* __restrict__ q{k}" for k, (_, _, dt) in enumerate(results)]
     params.append("long long n")
     lines = [_PRELUDE, f"// {name}: {len(body)} fused elementwise op(s) over {list(shape)}",
@@ -55,7 +56,10 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
     rotated = any(i.rotate for i in inputs)  # RoPE's rotate_half: one element at a time, its own index and sign
     if rotated and (not shape or any(i.rotate and 2 * i.rotate != shape[-1] for i in inputs)):
         raise ValueError(f"a rotated input must rotate half of the last extent of {list(shape)}")
-    grouped = not vectorized and not all_linear and not rotated and len(shape) > 0 and shape[-1] % 4 == 0
+    # A concatenation along the last dimension takes the groups of four only where every piece boundary
+    # is a multiple of 4 (the four outputs then read one piece).
+    grouped = not vectorized and not all_linear and not rotated and len(shape) > 0 and shape[-1] % 4 == 0 and all(
+        i.cat_dim != len(shape) - 1 or all(piece.start % 4 == 0 for piece in i.pieces) for i in inputs if i.pieces)
     # A vectorized kernel of at most four operands takes two float4 of each per step (below); more
     # operands' registers, doubled, would cost the occupancy the extra loads buy.
     deep = vectorized and len(inputs) + len(results) <= 4
@@ -121,9 +125,10 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
         coords, indices = _element_indices(shape, inputs)
         lines += [f"    {c}" for c in coords]
         last = len(shape) - 1
-        lines += [f"    const float v{k} = " + (f"c{last} < {inp.rotate} ? -ld(p{k}, {index}) : ld(p{k}, {index});"
-                                                if inp.rotate else f"ld(p{k}, {index});")
-                  for k, (inp, index) in enumerate(zip(inputs, indices))]
+        lines += [f"    const float v{k} = " + (
+            f"{piece_select(k, inp, shape, lambda p, e, _: f'ld({p}, {e})')};" if inp.pieces
+            else f"c{last} < {inp.rotate} ? -ld(p{k}, {index}) : ld(p{k}, {index});" if inp.rotate
+            else f"ld(p{k}, {index});") for k, (inp, index) in enumerate(zip(inputs, indices))]
         for k in range(len(results)):
             lines.append(f"    float o{k};")
         call = [f"v{k}" for k in range(len(inputs))] + [f"o{k}" for k in range(len(results))]
@@ -135,14 +140,16 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
     lines.append("}")
     if grid is None:
         grid = max(1, min((work + threads - 1) // threads, sm_count * 16))
-    args = [("in", i.key) for i in inputs] + [("out", key) for key, _, _ in results] + [("i64", n)]
+    args = [a for i in inputs for a in piece_args(i)] + [("out", key) for key, _, _ in results] + [("i64", n)]
+    pieces = sum(len(i.pieces) for i in inputs)
     kind = (f"vectorized float4, {per} per operand and thread in one pass (no grid-stride loop)" if once
             else "vectorized float4, two per thread and step" if deep else "vectorized float4" if vectorized
             else "rotated halves (RoPE)" if rotated
             else "strided/broadcast, four outputs per thread and step" if grouped
             else "linear" if all_linear else "strided/broadcast")
+    read = f", a concatenation's {pieces} pieces read in place" if pieces else ""
     return KernelCode("\n".join(lines) + "\n", name, grid, threads, args,
-                      f"{len(body)} elementwise op(s), {kind}, {len(inputs)} input(s), {len(results)} output(s)",
+                      f"{len(body)} elementwise op(s), {kind}, {len(inputs)} input(s){read}, {len(results)} output(s)",
                       vectorized)
 
 
@@ -156,6 +163,9 @@ def _grouped_pointwise_loop(name: str, shape: tuple[int, ...], inputs: list[Poin
     last = len(shape) - 1
     kinds = []
     for inp in inputs:
+        if inp.pieces:
+            kinds.append("cat")
+            continue
         stride = inp.strides[last]
         others = [st for d, st in enumerate(inp.strides) if d != last and shape[d] != 1]
         if inp.dtype == torch.float32 and stride == 1 and all(st % 4 == 0 for st in others) and inp.offset % 4 == 0:
@@ -173,6 +183,18 @@ def _grouped_pointwise_loop(name: str, shape: tuple[int, ...], inputs: list[Poin
          "    const long long i = 4 * g;"]
     L += [f"    {c}" for c in coords]
     for k, (inp, kd) in enumerate(zip(inputs, kinds)):
+        if kd == "cat":  # the one piece the four outputs read: a 16-byte load where it can, else four
+            def four(p: str, e: str, piece, dtype=inp.dtype) -> str:
+                step = piece.strides[last]
+                gather = (f"make_float4(ld({p}, {e}), ld({p}, {e} + {step}LL), ld({p}, {e} + {2 * step}LL), "
+                          f"ld({p}, {e} + {3 * step}LL))")
+                others = [st for d, st in enumerate(piece.strides) if d != last and shape[d] != 1]
+                if dtype != torch.float32 or step != 1 or piece.offset % 4 or any(st % 4 for st in others):
+                    return gather
+                return (f"((reinterpret_cast<unsigned long long>({p}) & 15ULL) == 0 ? "
+                        f"*reinterpret_cast<const float4*>({p} + ({e})) : {gather})")
+            L.append(f"    const float4 a{k} = {piece_select(k, inp, shape, four)};")
+            continue
         index = _index(inp, shape)
         if kd == "vec":
             L += [f"    const long long e{k} = {index};",
