@@ -22,7 +22,7 @@ from ..verify.tolerance import tolerance  # the Verifier's table; re-exported fo
 from .capture import Graph, Node, Value
 from .layout import channels_last_strides, depthwise_nhwc, is_channels_last
 from .layout import contiguous_strides as _contiguous_strides
-from .planner import Group, GraphPlan, rotate_half_source
+from .planner import Group, GraphPlan, in_place_cat, rotate_half_source
 from .templates import (FUSABLE_DTYPES, POINTWISE_OPS, CatPiece, KernelCode, PointwiseInput, RowProduct, RowPrologue,
                         column_reduction_kernel, depthwise_conv_kernel, depthwise_conv_nhwc_kernel, nchw_to_nhwc_kernel,
                         normalized_rows_kernel, pointwise_from_nhwc_kernel, pointwise_kernel, pooling_kernel,
@@ -906,7 +906,7 @@ class Lowering:
 
         body: list[str] = []
         for j, n in enumerate(nodes):
-            if n.op == "aten::cat" and rotate_half_source(n) is None:
+            if in_place_cat(n):
                 if not cats:
                     raise LoweringError("a concatenation is read in place by elementwise kernels only")
                 body.append(f"const float t{j} = {concatenation(n)};")

@@ -339,9 +339,9 @@ def _conv_epilogue(conv: Node, g: Group, outputs: set[str]) -> dict | None:
     if y.dtype not in _CUDNN_FUSED_DTYPES or y.name in outputs or len(y.users) != 1 or y.users[0] is not g.nodes[0]:
         return None
     nodes = list(g.nodes)
-    bias_add = nodes.pop(0) if bias is None and _channel_bias(nodes[0], y) is not None else None
-    if bias_add is not None:
-        bias = _channel_bias(bias_add, y)
+    moved = _channel_bias(nodes[0], y) if bias is None else None  # the capture's bias, after the conv
+    bias_add = nodes.pop(0) if moved is not None else None
+    bias = moved if moved is not None else bias
     bn = nodes.pop(0) if nodes and nodes[0].op == _BATCH_NORM else None
     if bn is not None:
         gamma, beta, mean, var = bn.args[1:5]
@@ -358,15 +358,13 @@ def _conv_epilogue(conv: Node, g: Group, outputs: set[str]) -> dict | None:
             continue
         if value is not y and (value.name in outputs or len(value.users) != 1 or value.users[0] is not n):
             return None
-        if n is bias_add:
-            pass  # _channel_bias checked it reads y
-        elif n is add:
+        if n is add:
             if add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2 or value not in add.args:
                 return None
             z = add.args[1] if add.args[0] is value else add.args[0]
             if not isinstance(z, Value) or z is value or tuple(z.shape) != tuple(y.shape) or z.dtype != y.dtype:
                 return None  # x + x, a broadcast or a scalar: not cuDNN's z
-        elif n.args[0] is not value:
+        elif n is not bias_add and n.args[0] is not value:  # _channel_bias checked the add reads y
             return None
         value = n.out
     if g.outputs(outputs) != [relu.out]:

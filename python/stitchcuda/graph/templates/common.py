@@ -94,7 +94,6 @@ class CatPiece:
     strides: tuple[int, ...]
     start: int
     end: int
-    offset: int = 0
 
 
 def piece_params(k: int, inp: PointwiseInput, ctype: str) -> list[str]:
@@ -118,7 +117,7 @@ def _piece_index(inp: PointwiseInput, piece: CatPiece, shape: tuple[int, ...]) -
             continue
         c = f"(c{d} - {piece.start})" if d == inp.cat_dim and piece.start else f"c{d}"
         terms.append(f"{c} * {stride}LL")
-    return " + ".join(terms + ([f"{piece.offset}LL"] if piece.offset else [])) or "0"
+    return " + ".join(terms) or "0"
 
 
 def piece_select(k: int, inp: PointwiseInput, shape: tuple[int, ...], load) -> str:

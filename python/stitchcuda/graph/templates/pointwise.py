@@ -189,7 +189,7 @@ def _grouped_pointwise_loop(name: str, shape: tuple[int, ...], inputs: list[Poin
                 gather = (f"make_float4(ld({p}, {e}), ld({p}, {e} + {step}LL), ld({p}, {e} + {2 * step}LL), "
                           f"ld({p}, {e} + {3 * step}LL))")
                 others = [st for d, st in enumerate(piece.strides) if d != last and shape[d] != 1]
-                if dtype != torch.float32 or step != 1 or piece.offset % 4 or any(st % 4 for st in others):
+                if dtype != torch.float32 or step != 1 or any(st % 4 for st in others):
                     return gather
                 return (f"((reinterpret_cast<unsigned long long>({p}) & 15ULL) == 0 ? "
                         f"*reinterpret_cast<const float4*>({p} + ({e})) : {gather})")
