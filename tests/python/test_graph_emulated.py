@@ -1159,6 +1159,21 @@ def test_a_concatenation_read_in_place_matches_eager(emu, dim, shapes, path):
     torch.testing.assert_close(got, model(a, b, c), atol=1e-6, rtol=1e-6)
 
 
+class _CatAlone(torch.nn.Module):
+    def forward(self, x):
+        return torch.cat([x], 1).relu() * 2  # DenseNet's first layer: its input concatenated alone
+
+
+def test_a_concatenation_of_one_piece_is_read_in_place(emu):
+    x = torch.randn(2, 6, 5, 3)
+    plan, program, constants = _lowered(_CatAlone().eval(), (x,))
+    (group,) = [g for g in plan.groups if any(n.op == "aten::cat" for n in g.nodes)]
+    assert group.kind == "pointwise"
+    assert not [s for s in program.steps if s["kind"] == "aten" and s["op"] == "aten::cat"]
+    (got,) = run_program(emu, program, [x], constants)
+    torch.testing.assert_close(got, x.relu() * 2, atol=0, rtol=0)
+
+
 def test_concatenations_in_place_can_be_turned_off(monkeypatch):
     from stitchcuda.graph import OfflinePlanner, capture
 

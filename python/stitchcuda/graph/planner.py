@@ -1164,8 +1164,9 @@ class OfflinePlanner:
         out = node.out if node.outputs else None
         if out is None or not pieces or not all(isinstance(v, Value) for v in pieces):
             return "a concatenation without tensor pieces: ATen step"
-        if not 2 <= len([v for v in pieces if v.numel]) <= CAT_MAX_PIECES:
-            return f"a concatenation of {len(pieces)} pieces stays an ATen step (read in place: 2 to {CAT_MAX_PIECES})"
+        # One piece is a copy of it (DenseNet's first layer concatenates its input alone): read in place too.
+        if not 1 <= len([v for v in pieces if v.numel]) <= CAT_MAX_PIECES:
+            return f"a concatenation of {len(pieces)} pieces stays an ATen step (read in place: 1 to {CAT_MAX_PIECES})"
         if out.dtype not in FUSABLE_DTYPES or any(v.dtype != out.dtype for v in pieces) \
                 or any(len(v.shape) != len(out.shape) for v in pieces if v.numel):
             return "a concatenation of mixed dtypes or ranks stays an ATen step"
