@@ -235,12 +235,15 @@ int fuse_products(std::int64_t batch, bool transpose_a, std::int64_t k) {
 // operands picks TF32 kernels (its results carry TF32's rounding and run at TF32's rate), so a matmul of
 // precision bf16 may instead convert each operand to bf16 into scratch (one pass: 4 bytes read, 2 written
 // per element) and run a BF16 x BF16 -> FP32 product, fp32 accumulation, at the tensor cores' bf16 rate.
-// 0 or unset: off (FAST_16BF, as before); 1: where K >= kCastMinK, a product long enough that the
-// conversion's traffic is small beside the compute it halves; 2: every bf16 matmul.
+// 1 or unset: where K >= kCastMinK, a product long enough that the conversion's traffic is small beside
+// the compute it halves (on an H200, whole programs against the same with FAST_16BF: 1.6-1.8x on four
+// GEMM-with-epilogue problems, 1.03-1.19x on three transformer blocks); 2: every bf16 matmul; 0: none
+// (FAST_16BF). Graph mode's planner mirrors this rule (stitchcuda.graph.planner.bf16_products) and marks
+// the shorter products tf32.
 constexpr std::int64_t kCastMinK = 256;
 
 bool cast_to_bf16(std::int64_t k) {
-  const std::int64_t level = env_count("STITCHCUDA_BF16_CAST").value_or(0);
+  const std::int64_t level = env_count("STITCHCUDA_BF16_CAST").value_or(1);
   return level >= 2 || (level == 1 && k >= kCastMinK);
 }
 

@@ -587,7 +587,8 @@ def test_a_row_keeps_the_titles_of_optimizes_decisions():
                                          "reason": "oom: the candidate's processes used 13.1 GiB\nof host memory"}],
                              decisions=[("matmuls in true fp32", "PyTorch's default"),
                                         ("1 group check(s) wrote their outputs in place", "a second copy ..."),
-                                        ("mm: SGEMM instead of tf32x3", "the whole program did not match (output 0 ...)")],
+                                        ("mm: SGEMM instead of tf32x3", "the whole program did not match (output 0 ...)"),
+                                        ("fc: TF32 instead of bf16 products", "the bf16 product failed its check: ...")],
                              memory={}, timing={"eager_ms": 1.0, "stitched_ms": 0.8, "speedup_eager": 1.25,
                                                 "rounds_faster": 3, "rounds": 3},
                              stage_seconds={"capture": 1.23456, "generate_and_check": 4.5})
@@ -595,9 +596,10 @@ def test_a_row_keeps_the_titles_of_optimizes_decisions():
     suite._record_report(row, SimpleNamespace(report=report, program=None))
     assert row["stage_seconds"] == {"capture": 1.235, "generate_and_check": 4.5}  # where optimize_s went
     assert row["decisions"] == ["matmuls in true fp32", "1 group check(s) wrote their outputs in place",
-                                "mm: SGEMM instead of tf32x3"]
+                                "mm: SGEMM instead of tf32x3", "fc: TF32 instead of bf16 products"]
     # The reason of a precision decision stays with the row (what decided the GEMM's speed).
-    assert row["precision_decisions"] == {"mm: SGEMM instead of tf32x3": "the whole program did not match (output 0 ...)"}
+    assert row["precision_decisions"] == {"mm: SGEMM instead of tf32x3": "the whole program did not match (output 0 ...)",
+                                          "fc: TF32 instead of bf16 products": "the bf16 product failed its check: ..."}
     assert row["keep_timing"] == {"eager_ms": 1.0, "stitched_ms": 0.8, "rounds_faster": 3, "rounds": 3}
     assert row["matmuls"] == "matmuls in true fp32" and row["groups"] == {"gemm": 1}
     # A group left on ATen keeps the first line of why (a failed check decides a row's speed).

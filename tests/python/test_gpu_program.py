@@ -394,7 +394,8 @@ def test_tf32x3_matmul_has_fp32_accuracy(m, n, k, batch, transpose_b, epilogue, 
 def test_bf16_cast_matmul_runs_bf16_products(m, n, k, batch, transpose_b, epilogue, same, monkeypatch):
     """STITCHCUDA_BF16_CAST=2: a bf16 matmul on fp32 operands converts them to bf16 and runs bf16 products
     with fp32 sums — its result is the exact product of the bf16-rounded operands to fp32 accuracy, not
-    TF32's (which CUBLAS_COMPUTE_32F_FAST_16BF gives, the default), and within bf16's tolerance of exact."""
+    TF32's (which CUBLAS_COMPUTE_32F_FAST_16BF gives, STITCHCUDA_BF16_CAST=0), and within bf16's tolerance
+    of exact. Unset (1), a product of K >= 256 converts as 2 does."""
     from stitchcuda.verify.compare import fp64_error
 
     torch.manual_seed(m + k)
@@ -424,6 +425,7 @@ def test_bf16_cast_matmul_runs_bf16_products(m, n, k, batch, transpose_b, epilog
 
     rounded = exact(a.bfloat16(), w.bfloat16())  # the products of the bf16 operands, summed exactly
     cast, fast = run("2"), run("0")
+    assert fp64_error(run(""), rounded) < 1e-5  # unset converts too (every K here is at least 256)
     err_cast, err_fast = fp64_error(cast, rounded), fp64_error(fast, rounded)
     print(f"[bf16] {m}x{n}x{k} batch {batch}: against the bf16 operands' exact product: cast {err_cast:.2e}, "
           f"FAST_16BF {err_fast:.2e}; against exact: {fp64_error(cast, exact(a, w)):.2e}")

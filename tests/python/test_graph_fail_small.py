@@ -489,6 +489,47 @@ def test_a_tf32x3_gemm_that_misses_its_check_is_checked_again_as_sgemm(monkeypat
     assert optimize_module._memory_target(graph) == graph.working_set_bytes() + 2 * 2048 * 2048 * 4
 
 
+def test_a_bf16_product_gemm_that_misses_its_check_is_checked_again_as_tf32(monkeypatch):
+    """At precision bf16 an fp32 GEMM of K >= 256 multiplies its operands converted to bf16; missing bf16's
+    tolerance (an error the graph amplifies) it steps down to TF32, cuBLASLt's step kept, before ATen. A
+    short product (K < 256) is planned TF32 from the start, and STITCHCUDA_BF16_CAST=0 plans every one so."""
+    from stitchcuda.graph.report import Report
+
+    x = torch.randn(512, 2048)
+    graph = capture(_Projection().eval(), (x,))
+    plan = OfflinePlanner(precision="bf16").plan(graph)
+    gemm = next(g for g in plan.groups if g.kind == "gemm")
+    assert gemm.params["precision"] == "bf16" and "bf16 products" in gemm.reason
+    tried = []
+
+    def check_group(graph, plan, g, held, constants, sm_count, pool, stats=None, memo=None, room=None):
+        tried.append(g.params["precision"])
+        if g.params["precision"] == "bf16":
+            return False, "output 'relu' differs from ATen: max |error| 0.031", None
+        return True, "matches ATen", None
+
+    monkeypatch.setattr(optimize_module, "check_group", check_group)
+    report, fallback = Report(), set()
+    optimize_module._check_groups(graph, plan, [x], 132, None, time.perf_counter(), 60.0, report, fallback,
+                                  keep_all=False)
+    assert tried == ["bf16", "tf32"] and gemm.params["precision"] == "tf32" and not fallback
+    assert any(d == f"{gemm.name}: TF32 instead of bf16 products" and "bf16 product failed its check" in why
+               for d, why in report.decisions), report.decisions
+
+    short = torch.randn(512, 128)
+    narrow = capture(torch.nn.Linear(128, 64).eval(), (short,))
+    (g,) = [g for g in OfflinePlanner(precision="bf16").plan(narrow).groups if g.kind == "gemm"]
+    assert g.params["precision"] == "tf32" and "K=128" in g.reason
+    monkeypatch.setenv("STITCHCUDA_BF16_CAST", "0")
+    (g,) = [g for g in OfflinePlanner(precision="bf16").plan(graph).groups if g.kind == "gemm"]
+    assert g.params["precision"] == "tf32"
+    # A bf16 GEMM of bf16 tensors computes in the model's dtype: nothing to step down to.
+    monkeypatch.delenv("STITCHCUDA_BF16_CAST")
+    half = capture(_Projection().eval().to(torch.bfloat16), (x.to(torch.bfloat16),))
+    (g,) = [g for g in OfflinePlanner(precision="bf16").plan(half).groups if g.kind == "gemm"]
+    assert g.params["precision"] == "bf16" and optimize_module._lossy(g) is None
+
+
 def test_a_check_without_room_for_a_second_copy_of_its_outputs_checks_them_in_place(monkeypatch):
     """check_group weighs the group's outputs and its program's planned working memory against the room
     it is given: beyond it, large outputs are checked in place (the Verifier writes the candidate into the
@@ -536,7 +577,8 @@ def test_after_a_mismatch_only_the_late_tf32x3_gemms_that_keep_it_matching_go_ba
         bad = program[1] == "tf32x3"
         return {"passed": not bad, "detail": "output 0 differs" if bad else "", "set": program}
 
-    kept = optimize_module._restore_late_splits(splits, report, _Progress(False), build, verify, "passing")
+    lowered = [(g, "tf32x3") for g in splits]
+    kept = optimize_module._restore_late(lowered, report, _Progress(False), build, verify, "passing")
     assert built == [("fp32", "fp32", "tf32x3"), ("fp32", "tf32x3", "tf32x3"), ("fp32", "fp32", "tf32x3")]
     assert kept == ("fp32", "fp32", "tf32x3") and [g.params["precision"] for g in splits] == ["fp32", "fp32", "tf32x3"]
     assert report.verification["passed"] and report.verification["set"] == kept  # the kept program's own check
@@ -551,9 +593,35 @@ def test_after_a_mismatch_only_the_late_tf32x3_gemms_that_keep_it_matching_go_ba
         return build()
 
     splits[2].params["precision"] = "fp32"
-    kept = optimize_module._restore_late_splits(splits[2:], report, _Progress(False), failing_build, verify, "passing")
+    kept = optimize_module._restore_late(lowered[2:], report, _Progress(False), failing_build, verify, "passing")
     assert kept == ("fp32", "fp32", "fp32") and splits[2].params["precision"] == "fp32"
     assert "no cuBLASLt algorithm" in dict(report.decisions)["gemm2: SGEMM kept"]
+
+
+def test_after_a_mismatch_a_late_bf16_product_gemm_goes_back_to_bf16_products():
+    """The whole-program step-down covers both lossy kinds, each back to its own precision: the late bf16
+    GEMM returns to bf16 products while the program matches, the tf32x3 one before it stays SGEMM."""
+    from stitchcuda.graph.planner import Group
+    from stitchcuda.graph.report import Report, _Progress
+
+    early = Group("gemm", [SimpleNamespace(name="qkv")], "", params={"precision": "fp32"})
+    late = Group("gemm", [SimpleNamespace(name="out")], "", params={"precision": "tf32"})
+    report = Report()
+    report.decisions += [("qkv: SGEMM instead of tf32x3", "mismatch"), ("out: TF32 instead of bf16 products", "mismatch")]
+
+    def build():
+        return (early.params["precision"], late.params["precision"])
+
+    def verify(program):
+        bad = program[0] == "tf32x3"
+        return {"passed": not bad, "detail": "output 0 differs" if bad else ""}
+
+    kept = optimize_module._restore_late([(early, "tf32x3"), (late, "bf16")], report, _Progress(False), build,
+                                         verify, "passing")
+    assert kept == ("fp32", "bf16")
+    names = [d for d, _ in report.decisions]
+    assert "out: bf16 products again" in names and "out: TF32 instead of bf16 products" not in names
+    assert "qkv: SGEMM kept" in names
 
 
 def test_identical_groups_share_one_check():

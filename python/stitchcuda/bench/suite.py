@@ -78,7 +78,7 @@ the kept program's weights_bytes, shared_weights_bytes, arena_bytes and runner_b
 after its timed calls), peak_sites (only with STITCHCUDA_MEMORY_SITES=N: the N largest groups of the
 blocks alive at optimize()'s peak, by the code that allocated them; bench.memory), stage_seconds
 (optimize's wall seconds per stage, from its report), precision_decisions (why a tf32x3 GEMM went to
-SGEMM, stayed there or came back: title -> reason), fallback_reasons (each group left on ATen: group ->
+SGEMM, or a bf16-product one to TF32, stayed there or came back: title -> reason), fallback_reasons (each group left on ATen: group ->
 the first line of why); `precision`, and
 `matmuls` (the planner's decision: "matmuls in true fp32", "matmuls may use tf32", ...),
 `tf32x3_steps` (the program's matmuls that ran as 3xTF32 after the checks), `decisions` (the titles of
@@ -719,10 +719,12 @@ def _record_report(row: dict, fast: Any) -> None:
     # What optimize() decided, by title (the variant kept, checks written in place, GEMMs sent to SGEMM):
     # the reasons stay in the report; the row keeps a line each to read a run's results by.
     row["decisions"] = [str(d[0]) for d in getattr(report, "decisions", None) or []]
-    # A GEMM's precision changed by a check (tf32x3 sent to SGEMM, kept there, or restored): the reason too,
+    # A GEMM's precision changed by a check (tf32x3 sent to SGEMM or bf16 products to TF32, kept there, or
+    # restored): the reason too,
     # the detail of the mismatch that decided it (a row's speed depends on it, and the report is not kept).
     precision = {str(d[0]): str(d[1]) for d in getattr(report, "decisions", None) or []
-                 if str(d[0]).endswith(("SGEMM instead of tf32x3", "SGEMM kept", "tf32x3 again"))}
+                 if str(d[0]).endswith(("SGEMM instead of tf32x3", "SGEMM kept", "tf32x3 again",
+                                        "TF32 instead of bf16 products", "TF32 kept", "bf16 products again"))}
     if precision:
         row["precision_decisions"] = precision
     if getattr(report, "stage_seconds", None):

@@ -688,23 +688,24 @@ def _optimize(model: torch.nn.Module, example_inputs: tuple, *, llm: Any, precis
                     t["winner"], t["note"] = "template", f"dropped: the whole program with it did not match ({detail})"
             report.decisions.append(("the agents' kernel steps left out", f"the whole program with them did not match "
                                      f"the model: {detail}"))
-        split = [g for g in plan.groups if g.kind == "gemm" and g.params.get("precision") == "tf32x3"
-                 and id(g) not in fallback]
-        if not report.verification["passed"] and split:
-            # Precision before blame: a tf32x3 product within fp32's tolerance of SGEMM can still move a
-            # result that later ops amplify (a state-space scan's exponentials), and tracing would then blame
-            # the groups downstream of it. Every split GEMM goes back to SGEMM first.
+        lossy = [(g, g.params["precision"]) for g in plan.groups if _lossy(g) and id(g) not in fallback]
+        if not report.verification["passed"] and lossy:
+            # Precision before blame: a tf32x3 product within fp32's tolerance of SGEMM, or bf16 products
+            # within bf16's, can still move a result that later ops amplify (a state-space scan's
+            # exponentials, a deep stack of residual blocks), and tracing would then blame the groups
+            # downstream of it. Every such GEMM steps down first (tf32x3 to SGEMM, bf16 products to TF32).
             why = f"the whole program did not match the model ({report.verification['detail']})"
-            for g in split:
-                _as_sgemm(g, report, why)
-            with steps.step(f"rebuilding with {len(split)} tf32x3 GEMM(s) as SGEMM"), _timed(report, "trace_and_rebuild"):
+            for g, _ in lossy:
+                _step_down(g, report, why)
+            with steps.step(f"rebuilding with {len(lossy)} GEMM(s) at higher precision"), \
+                    _timed(report, "trace_and_rebuild"):
                 optimized = None
                 optimized = build()
                 report.verification = _verify(model, optimized, example_inputs, verify_sets, plan)
             _peak(report, "trace_and_rebuild")
             if report.verification["passed"]:
-                optimized = _restore_late_splits(split, report, steps, lambda: build(),
-                                                 lambda o: _verify(model, o, example_inputs, verify_sets, plan), optimized)
+                optimized = _restore_late(lossy, report, steps, lambda: build(),
+                                          lambda o: _verify(model, o, example_inputs, verify_sets, plan), optimized)
         for _ in range(TRACE_ROUNDS):
             if report.verification["passed"]:
                 break
@@ -815,7 +816,8 @@ def _check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_
         try:
             stats: dict = {}
             results[key] = _checked(graph, plan, g, held, constants, sm_count, pool, report, memo, stats, room)
-            if not results[key][0] and _as_sgemm(g, report, f"the 3xTF32 product failed its check: {results[key][1]}"):
+            lossy = _lossy(g)
+            if not results[key][0] and _step_down(g, report, f"the {lossy} product failed its check: {results[key][1]}"):
                 stats = {}
                 results[key] = _checked(graph, plan, g, held, constants, sm_count, pool, report, memo, stats, room)
             shared += bool(stats.get("shared"))
@@ -853,51 +855,74 @@ def _check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_
     return constants, values
 
 
-def _as_sgemm(g: Group, report: Report, why: str) -> bool:
-    """A tf32x3 GEMM group that failed (its check, or a whole-program mismatch traced to it) becomes SGEMM,
-    which keeps its cuBLASLt step and fused epilogue, before ATen is the answer; the report says why.
-    False for any other group."""
-    if g.kind != "gemm" or g.params.get("precision") != "tf32x3":
+# A GEMM group's lossier precisions and the more accurate one each steps down to before ATen is the answer,
+# with the report's names for the two: tf32x3 (fp32's accuracy from TF32 products, held to fp32's
+# tolerance) to cuBLAS's SGEMM; bf16 products of fp32 operands (held to bf16's) to TF32, what cuBLASLt's
+# FAST_16BF mode computes on such operands.
+STEP_DOWN = {"tf32x3": ("fp32", "SGEMM", "tf32x3"), "bf16": ("tf32", "TF32", "bf16 products")}
+
+
+def _lossy(g: Group) -> str | None:
+    """The GEMM group's precision if it can step down (STEP_DOWN), else None. A bf16 GEMM of bf16 tensors
+    computes as the model's dtype does: nothing to step down to."""
+    precision = g.params.get("precision") if g.kind == "gemm" else None
+    if precision not in STEP_DOWN:
+        return None
+    result = g.params.get("result")
+    if precision == "bf16" and result is not None and result.dtype != torch.float32:
+        return None
+    return precision
+
+
+def _step_down(g: Group, report: Report, why: str) -> bool:
+    """A tf32x3 or bf16-product GEMM group that failed (its check, or a whole-program mismatch) steps down
+    (STEP_DOWN), which keeps its cuBLASLt step and fused epilogue, before ATen is the answer; the report
+    says why. False for any other group."""
+    precision = _lossy(g)
+    if precision is None:
         return False
-    g.params["precision"] = "fp32"
-    report.decisions.append((f"{g.name}: SGEMM instead of tf32x3", why))
+    lower, lower_name, name = STEP_DOWN[precision]
+    g.params["precision"] = lower
+    report.decisions.append((f"{g.name}: {lower_name} instead of {name}", why))
     return True
 
 
-# How many of the GEMMs sent back to SGEMM by a whole-program mismatch are tried again as tf32x3, latest first.
-RESTORE_SPLITS = 2
+# How many of the GEMMs a whole-program mismatch stepped down are tried again at their own precision, latest first.
+RESTORE_LATE = 2
 
 
-def _restore_late_splits(split: list[Group], report: Report, steps: Any, build: Callable[[], Any],
-                         verify: Callable[[Any], dict], passing: Any) -> Any:
-    """After a whole-program mismatch sent every tf32x3 GEMM back to SGEMM and the program then matched:
-    the latest of them (in program order) go back to tf32x3 one at a time, each kept only if the whole
-    program still matches. An error amplified downstream (a decay's exponential in a state-space scan)
-    comes from a product early in the graph; a late one (an output projection) has little after it to
-    amplify its error, and keeps its tensor-core speed. Returns the program that last passed."""
+def _restore_late(lowered: list[tuple[Group, str]], report: Report, steps: Any, build: Callable[[], Any],
+                  verify: Callable[[Any], dict], passing: Any) -> Any:
+    """After a whole-program mismatch stepped every lossy GEMM down (`lowered`: each with the precision it
+    had) and the program then matched: the latest of them (in program order) go back to their precision one
+    at a time, each kept only if the whole program still matches. An error amplified downstream (a decay's
+    exponential in a state-space scan) comes from a product early in the graph; a late one (an output
+    projection) has little after it to amplify its error, and keeps its tensor-core speed. Returns the
+    program that last passed."""
     kept = passing
-    for g in list(reversed(split))[:RESTORE_SPLITS]:
-        g.params["precision"] = "tf32x3"
-        with steps.step(f"rebuilding with {g.name} as tf32x3 again"), _timed(report, "trace_and_rebuild"):
+    for g, precision in list(reversed(lowered))[:RESTORE_LATE]:
+        lower, lower_name, name = STEP_DOWN[precision]
+        g.params["precision"] = precision
+        with steps.step(f"rebuilding with {g.name} as {name} again"), _timed(report, "trace_and_rebuild"):
             kept = None  # one program alive at a time
             try:
                 candidate = build()
                 result = verify(candidate)
-            except Exception as exc:  # the SGEMM program still stands
+            except Exception as exc:  # the stepped-down program still stands
                 candidate, result = None, {"passed": False, "detail": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
         if not result["passed"]:
-            g.params["precision"] = "fp32"
-            report.decisions.append((f"{g.name}: SGEMM kept", f"as tf32x3 again, the whole program did not match "
-                                     f"the model ({result['detail']})"))
+            g.params["precision"] = lower
+            report.decisions.append((f"{g.name}: {lower_name} kept", f"as {name} again, the whole program did not "
+                                     f"match the model ({result['detail']})"))
             candidate = None
             # The program that passed, built again from the same plan (its kernels come from the cache):
             # the same program, so its verification stands.
             kept = build()
             break
         kept, report.verification = candidate, result
-        report.decisions[:] = [d for d in report.decisions if d[0] != f"{g.name}: SGEMM instead of tf32x3"]
-        report.decisions.append((f"{g.name}: tf32x3 again", "after every tf32x3 GEMM went to SGEMM, this later one "
-                                 "went back to tf32x3 and the whole program still matched the model"))
+        report.decisions[:] = [d for d in report.decisions if d[0] != f"{g.name}: {lower_name} instead of {name}"]
+        report.decisions.append((f"{g.name}: {name} again", f"after every lossy GEMM stepped down, this later one "
+                                 f"went back to {name} and the whole program still matched the model"))
     return kept
 
 

@@ -155,6 +155,22 @@ def _fuse_level() -> int:
     return int(text) if text.isdigit() else 2
 
 
+# bf16 products on fp32 operands (the runtime's STITCHCUDA_BF16_CAST, default 1): a matmul step of precision
+# bf16 converts each fp32 operand to bf16 and multiplies at the tensor cores' bf16 rate where K is at least
+# this, a product long enough that the conversion's pass is small beside the compute it halves. cuBLASLt's
+# FAST_16BF mode on fp32 operands computes as TF32 does (measured on an H100), so shorter products are TF32
+# steps, and at 0 every one is.
+BF16_CAST_MIN_K = 256
+
+
+def bf16_products(k: int) -> bool:
+    """Whether a bf16 matmul of fp32 operands over K=`k` runs as bf16 products (STITCHCUDA_BF16_CAST: 0 never,
+    1 (default) where K >= BF16_CAST_MIN_K, 2 always), as the runtime decides it."""
+    text = os.environ.get("STITCHCUDA_BF16_CAST", "").strip()
+    level = int(text) if text.isdigit() else 1
+    return level >= 2 or (level == 1 and k >= BF16_CAST_MIN_K)
+
+
 def fuse_lo(k: int, batch: int = 1, transpose_a: bool = False) -> bool:
     """Whether tf32x3 runs its two lo products as one product over 2K (batch 1, a not transposed, K a
     multiple of 4, not in slabs of K; STITCHCUDA_TF32X3_FUSE_LO=0 keeps them apart): one read-modify-write
@@ -941,6 +957,13 @@ class OfflinePlanner:
                 if split:
                     params["precision"], params["split_why"] = "tf32x3", why
                     notes.append(f"3xTF32 on split operands, {why}")
+        if precision == "bf16" and out.dtype == torch.float32:
+            k = params["a"].shape[-2] if params["transpose_a"] else params["a"].shape[-1]
+            if bf16_products(k):
+                notes.append("bf16 products: operands converted to bf16, fp32 accumulation")
+            else:
+                params["precision"] = "tf32"  # what cuBLASLt's FAST_16BF computes on fp32 operands anyway
+                notes.append(f"TF32 products (K={k}: converting the operands to bf16 would not pay)")
         reason = "cuBLASLt matmul" + (f" with the {epilogue} epilogue" if epilogue != "none" else "")
         if notes:
             reason += " (" + "; ".join(notes) + ")"
