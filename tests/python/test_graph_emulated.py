@@ -630,7 +630,11 @@ def _memory_order(t: torch.Tensor) -> torch.Tensor:
     which is all a kernel receives."""
     order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
     view = t.permute(order)
-    return view if view.is_contiguous() else t
+    if view.is_contiguous() or t.is_contiguous():
+        return view if view.is_contiguous() else t
+    # A strided view (a column slice): the span of storage from its first element, as its pointer sees it.
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
+    return t.as_strided((span,), (1,), t.storage_offset())
 
 
 def _lowered(model, inputs):
@@ -1172,6 +1176,67 @@ def test_a_concatenation_of_one_piece_is_read_in_place(emu):
     assert not [s for s in program.steps if s["kind"] == "aten" and s["op"] == "aten::cat"]
     (got,) = run_program(emu, program, [x], constants)
     torch.testing.assert_close(got, x.relu() * 2, atol=0, rtol=0)
+
+
+class _PermutedCopies(torch.nn.Module):
+    """An einsum's operands: an elementwise result copied contiguous through views, twice."""
+
+    def forward(self, a, b):
+        y = torch.sigmoid(a) * b + 1.0  # [B, H, T, P], b broadcast over B and T
+        first = y.permute(0, 2, 1, 3).contiguous() * 2.0  # [B, T, H, P]
+        second = y.unsqueeze(2).transpose(1, 4).contiguous()  # [B, P, 1, T, H]
+        return first, second
+
+
+@pytest.mark.parametrize("relayout", ["1", "0"])
+def test_a_chain_read_only_by_copies_is_computed_in_their_layout(emu, relayout, monkeypatch):
+    monkeypatch.setenv("STITCHCUDA_RELAYOUT", relayout)
+    torch.manual_seed(3)
+    a, b = torch.randn(2, 3, 5, 8), torch.randn(3, 1, 8)
+    model = _PermutedCopies().eval()
+    plan, program, _ = _lowered(model, (a, b))
+    copies = [g for g in plan.groups if g.kind == "pointwise" and any(n.op == "aten::clone" for n in g.nodes)]
+    assert len(copies) == 2
+    if relayout == "1":
+        # The chain's group is gone: each copy computes sigmoid(a) * b + 1 itself, reading a and b through
+        # the views, and y is never stored.
+        assert all("relayout" in g.params and g.nodes[0].op == "aten::sigmoid" for g in copies)
+        assert not [g for g in plan.groups if g.kind == "pointwise" and g not in copies]
+        assert len(program.kernels) == 2
+    else:
+        assert not any("relayout" in g.params for g in copies) and len(program.kernels) == 3
+    got = run_program(emu, program, [a, b], {})
+    for g_, w in zip(got, model(a, b)):
+        torch.testing.assert_close(g_, w, atol=1e-6, rtol=1e-6)
+
+
+class _ChunkedEinsums(torch.nn.Module):
+    """A state-space layer's chunked einsums (the suite's selective scan without its cumsums): a dt-weighted
+    input from a column slice of a projection, read by two einsums, and a permuted output sum."""
+
+    def forward(self, proj, dt, decay):
+        b, l, _ = proj.shape
+        h, p, t = 4, 8, 8
+        xc = proj[..., : h * p].reshape(b, l // t, t, h, p)
+        xdt = xc * torch.nn.functional.softplus(dt).reshape(b, l // t, t, h).unsqueeze(-1)
+        y = torch.einsum("bhcts,bcshp->bhctp", decay, xdt)
+        states = torch.einsum("bhcs,bcshp->bchp", decay[..., -1, :], xdt)
+        y = y * 0.5 + xc.permute(0, 3, 1, 2, 4)
+        return y.permute(0, 2, 3, 1, 4).reshape(b, l, h * p), states
+
+
+def test_einsum_operands_computed_in_their_copies_layout_match_eager(emu):
+    torch.manual_seed(4)
+    proj, dt, decay = torch.randn(2, 32, 80), torch.randn(2, 32, 4), torch.rand(2, 4, 4, 8, 8)
+    model = _ChunkedEinsums().eval()
+    plan, program, values = _lowered(model, (proj, dt, decay))
+    relaid = [g for g in plan.groups if "relayout" in g.params]
+    # xdt computed in both einsums' copies (never stored), the output sum in its permuted copy.
+    assert len(relaid) >= 3, [g.reason for g in plan.groups]
+    got = run_program(emu, program, [proj, dt, decay], values)
+    with torch.no_grad():
+        for g_, w in zip(got, model(proj, dt, decay)):
+            torch.testing.assert_close(g_, w, atol=1e-5, rtol=1e-5)
 
 
 def test_concatenations_in_place_can_be_turned_off(monkeypatch):

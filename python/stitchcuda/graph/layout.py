@@ -126,7 +126,7 @@ def channels_last_values(graph: Graph, groups: list[Group]) -> frozenset[str]:
             # pooling templates, or ATen's NHWC pooling): no conversion around it.
             chosen.update(v.name for v in g.outputs(outputs) if len(v.shape) == 4 and v.name not in outputs)
             continue
-        if g.kind != "pointwise":
+        if g.kind != "pointwise" or "relayout" in g.params:  # a copy made for a reader's layout keeps it
             continue
         shape = tuple(g.params.get("shape", ()))
         if len(shape) != 4:

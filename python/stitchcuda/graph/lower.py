@@ -22,7 +22,7 @@ from ..verify.tolerance import tolerance  # the Verifier's table; re-exported fo
 from .capture import Graph, Node, Value
 from .layout import channels_last_strides, depthwise_nhwc, is_channels_last
 from .layout import contiguous_strides as _contiguous_strides
-from .planner import Group, GraphPlan, in_place_cat, rotate_half_source
+from .planner import Group, GraphPlan, in_place_cat, relayout_strides, rotate_half_source
 from .templates import (FUSABLE_DTYPES, POINTWISE_OPS, CatPiece, KernelCode, PointwiseInput, RowProduct, RowPrologue,
                         column_reduction_kernel, depthwise_conv_kernel, depthwise_conv_nhwc_kernel, nchw_to_nhwc_kernel,
                         normalized_rows_kernel, pointwise_from_nhwc_kernel, pointwise_kernel, pooling_kernel,
@@ -762,7 +762,8 @@ class Lowering:
     def _lower_pointwise(self, g: Group) -> None:
         shape = tuple(g.params["shape"])
         outputs = g.outputs(set(self.output_ids))
-        inputs, buffers, body, var = self._elementwise(g.nodes, shape, rotations=True, cats=True)
+        inputs, buffers, body, var = self._elementwise(g.nodes, shape, rotations=True, cats=True,
+                                                       relayout=g.params.get("relayout"))
         rotated = any(i.rotate for i in inputs)
         results = []
         for v in outputs:
@@ -853,36 +854,47 @@ class Lowering:
         return out
 
     def _elementwise(self, nodes: list[Node], shape: tuple[int, ...], known: dict[str, str] | None = None,
-                     prefix: str = "in", rotations: bool = False, cats: bool = False
+                     prefix: str = "in", rotations: bool = False, cats: bool = False, relayout: dict | None = None
                      ) -> tuple[list[PointwiseInput], dict[str, int], list[str], dict[str, str]]:
         """C statements computing `nodes` (elementwise, over `shape`) as float variables t0..: the inputs
         they read (keys {prefix}0.., strides over `shape`), their buffers, the statements, and each value's
-        variable. `known` maps values the kernel already holds (a reduction's statistic) to C variables."""
+        variable. `known` maps values the kernel already holds (a reduction's statistic) to C variables.
+        `relayout` (planner._relaid_out_copies): its first `computed` nodes compute over its own `shape`,
+        their operands' strides taken through the views of its `chain` to `shape`, the chain's nodes alias."""
         rank = len(shape)
         inputs: list[PointwiseInput] = []
         buffers: dict[str, int] = {}
         var: dict[str, str] = dict(known or {})
-        keyed: dict[tuple[str, str], str] = {}
+        keyed: dict[tuple[str, str, bool], str] = {}
+        chain = {id(n) for n in relayout["chain"]} if relayout else set()
+        relaid = False  # whether the node being lowered computes over relayout["shape"]
 
         def operand(v: Value, mode: str = "broadcast") -> str:
             if v.name in var and mode == "broadcast":
                 return var[v.name]
-            if (v.name, mode) in keyed:
-                return keyed[(v.name, mode)]
+            if (v.name, mode, relaid) in keyed:
+                return keyed[(v.name, mode, relaid)]
             bid = self.need(v)
             vshape, vstrides, vdtype = self.spec[bid]
-            strides = [0] * rank
+            over = tuple(relayout["shape"]) if relaid else shape
+            strides = [0] * len(over)
             if mode == "channel":  # batch norm parameters: [C] along dimension 1
                 strides[1] = vstrides[0] if vshape[0] != 1 else 0
             else:
-                for d in range(rank):
-                    di = d - (rank - len(vshape))
-                    if di >= 0 and not (vshape[di] == 1 and shape[d] != 1):
+                for d in range(len(over)):
+                    di = d - (len(over) - len(vshape))
+                    if di >= 0 and not (vshape[di] == 1 and over[d] != 1):
                         strides[d] = vstrides[di]
+            if relaid:
+                moved = relayout_strides(over, tuple(strides), relayout["chain"])
+                if moved is None or len(moved) != rank:
+                    raise LoweringError(f"'{v.name}' (strides {tuple(vstrides)}) cannot be read through the views "
+                                        "of the copy its chain is computed in")
+                strides = list(moved)
             key = f"{prefix}{len(inputs)}"
             inputs.append(PointwiseInput(key, vdtype, tuple(strides), rotate=vshape[-1] // 2 if mode == "rotate" else 0))
             buffers[key] = bid
-            keyed[(v.name, mode)] = key
+            keyed[(v.name, mode, relaid)] = key
             return key
 
         def concatenation(n: Node) -> str:
@@ -906,6 +918,10 @@ class Lowering:
 
         body: list[str] = []
         for j, n in enumerate(nodes):
+            relaid = bool(relayout) and j < relayout["computed"]
+            if id(n) in chain:  # a view of the value computed in this layout: the same variable
+                var[n.out.name] = var[n.args[0].name]
+                continue
             if in_place_cat(n):
                 if not cats:
                     raise LoweringError("a concatenation is read in place by elementwise kernels only")

@@ -253,10 +253,11 @@ class Group:
     def outputs(self, graph_outputs: set[str]) -> list[Value]:
         """Values of the group used after it (by nodes outside it, or as graph outputs)."""
         inside = {id(n) for n in self.nodes}
+        internal = self.params.get("relayout", {}).get("internal", ())
         out: list[Value] = []
         for n in self.nodes:
             for v in n.outputs:
-                if v is None:
+                if v is None or v.name in internal:
                     continue
                 if v.name in graph_outputs or any(id(u) not in inside for u in v.users):
                     out.append(v)
@@ -335,7 +336,8 @@ def conv_epilogues(groups: list[Group], outputs: set[str]) -> dict[int, dict]:
         if g.kind == "aten" and len(g.nodes) == 1 and g.nodes[0].op == "aten::convolution":
             conv_of[g.nodes[0].out.name] = g
     for g in groups:
-        first = g.nodes[0].args[0] if g.kind == "pointwise" and g.nodes and g.nodes[0].args else None
+        first = g.nodes[0].args[0] if g.kind == "pointwise" and g.nodes and g.nodes[0].args \
+            and "relayout" not in g.params else None
         conv_group = conv_of.get(first.name) if isinstance(first, Value) else None
         if conv_group is None:
             continue
@@ -439,6 +441,29 @@ def rotate_half_source(node: Node) -> tuple[Value, int] | None:
     if bounds(low) != (rank - 1, 0, d // 2, 1) or bounds(high) != (rank - 1, d // 2, d, 1):
         return None
     return x, d // 2
+
+
+# Views a copy's source may reach it through while the elementwise chain that computes the source runs
+# in the copy's layout (planner._relaid_out_copies): relabelings of the same elements, no offset.
+RELAYOUT_VIEWS = frozenset({"aten::view", "aten::_unsafe_view", "aten::reshape", "aten::alias", "aten::permute",
+                            "aten::transpose.int", "aten::t", "aten::unsqueeze", "aten::squeeze.dim",
+                            "aten::squeeze.dims", "aten::squeeze", "aten::expand"})
+
+
+def relayout_strides(shape: tuple[int, ...], strides: tuple[int, ...], chain: list[Node]) -> tuple[int, ...] | None:
+    """The strides over the chain's result of a tensor of `shape` with `strides` (0 where broadcast) taken
+    through the view nodes `chain`, as torch computes them on the meta device; None where a view cannot
+    relabel those strides (a reshape that would have to copy)."""
+    t = torch.empty_strided(tuple(shape), tuple(strides), device="meta")
+    try:
+        for n in chain:
+            if n.op in ("aten::reshape", "aten::_unsafe_view"):  # a view or nothing: never reshape's copy
+                t = torch.ops.aten.view.default(t, n.args[1])
+            else:
+                t = n.target(t, *n.args[1:], **n.kwargs)
+    except RuntimeError:
+        return None
+    return tuple(t.stride())
 
 
 def in_place_cat(node: Node) -> bool:
@@ -654,8 +679,9 @@ class OfflinePlanner:
                              ("; ..." if len(split) > 3 else "") + "); split_tf32=False keeps SGEMM for all")
         if matmul_precision == "fp32_or_split":
             matmul_precision = "fp32"
-        plan = GraphPlan(self._normalized_inputs(self._online_sum_exp(self._row_epilogues(groups, outputs), outputs),
-                                                 outputs), decisions, matmul_precision)
+        plan = GraphPlan(self._relaid_out_copies(self._normalized_inputs(
+            self._online_sum_exp(self._row_epilogues(groups, outputs), outputs), outputs), outputs),
+            decisions, matmul_precision)
         tf32_convs = sum(n.op == "aten::convolution" and isinstance(n.args[0], Value)
                          and n.args[0].dtype == torch.float32 for n in graph.nodes)
         if matmul_precision == "fp32" and tf32_convs and torch.backends.cudnn.allow_tf32:
@@ -677,6 +703,80 @@ class OfflinePlanner:
                               "chain's edge instead of a transpose in and out of every convolution; the elementwise "
                               "groups between them iterate in NHWC order"))
         return plan
+
+    @staticmethod
+    def _relaid_out_copies(groups: list[Group], outputs: set[str]) -> list[Group]:
+        """An elementwise chain whose one result only copies read, each through views that relabel it (an
+        einsum's permute and contiguous clone before its bmm), is computed in each copy's kernel, in the
+        copy's layout: its inputs' strides are taken through the same views, so the result is never
+        written in its own layout and read back. Several such copies each compute the chain (its inputs
+        are read once per copy, the result's write and reads are saved)."""
+        if os.environ.get("STITCHCUDA_RELAYOUT", "1").strip() == "0":
+            return groups
+        producer: dict[str, Group] = {}
+        for g in groups:
+            if g.kind == "pointwise":
+                for n in g.nodes:
+                    for v in n.outputs:
+                        if v is not None:
+                            producer[v.name] = g
+
+        def copy_chain(c: Group) -> tuple[Value, list[Node]] | None:
+            """The copy group's source value and the views from it to the copy, when c starts with a
+            contiguous clone of such a view."""
+            first = c.nodes[0]
+            if c.kind != "pointwise" or "relayout" in c.params or first.op != "aten::clone" or \
+                    first.kwargs.get("memory_format") not in (None, torch.contiguous_format):
+                return None
+            x, chain = first.args[0], []
+            while isinstance(x, Value) and x.producer is not None and x.producer.op in RELAYOUT_VIEWS \
+                    and len(x.users) == 1 and x.name not in outputs:
+                chain.insert(0, x.producer)
+                x = x.producer.args[0]
+            return (x, chain) if chain and isinstance(x, Value) else None
+
+        readers: dict[str, list[tuple[Group, list[Node]]]] = {}
+        for c in groups:
+            found = copy_chain(c)
+            if found is not None:
+                readers.setdefault(found[0].name, []).append((c, found[1]))
+        gone: set[int] = set()
+        for name, copies in readers.items():
+            g = producer.get(name)
+            if g is None or id(g) in gone or any(c is g for c, _ in copies):
+                continue
+            y = next(v for n in g.nodes for v in n.outputs if v is not None and v.name == name)
+            if y.name in outputs or len(y.users) != len(copies) or [v.name for v in g.outputs(outputs)] != [y.name] \
+                    or "relayout" in g.params or tuple(g.params["shape"]) != tuple(y.shape) or _reads_pieces(g) \
+                    or any(rotate_half_source(n) is not None or n.op == "aten::_native_batch_norm_legit_no_training"
+                           for n in g.nodes):
+                continue
+            shape = tuple(y.shape)
+
+            def over(v: Value) -> tuple[int, ...]:  # v's strides broadcast over the chain's shape
+                rank = len(shape)
+                st = [0] * rank
+                for d in range(rank):
+                    di = d - (rank - len(v.shape))
+                    if di >= 0 and not (v.shape[di] == 1 and shape[d] != 1):
+                        st[d] = v.strides[di]
+                return tuple(st)
+
+            if any(relayout_strides(shape, over(v), chain) is None for c, chain in copies for v in g.inputs()):
+                continue
+            internal = {v.name for n in g.nodes for v in n.outputs if v is not None}
+            for c, chain in copies:
+                internal_c = internal | {n.out.name for n in chain}
+                ops = ", ".join(n.op.removeprefix("aten::") for n in g.nodes)
+                c.nodes = [*g.nodes, *chain, *c.nodes]
+                c.params["relayout"] = {"shape": shape, "computed": len(g.nodes), "chain": chain,
+                                        "internal": internal_c}
+                c.reason = (f"{len(g.nodes)} elementwise op(s) ({ops}) computed in the layout of the copy that "
+                            f"reads their result through {len(chain)} view(s), fused into one kernel")
+            gone.add(id(g))
+            viewed = {id(n) for _, chain in copies for n in chain}  # their view groups go too
+            gone.update(id(v) for v in groups if v.kind == "view" and any(id(n) in viewed for n in v.nodes))
+        return [g for g in groups if id(g) not in gone]
 
     @staticmethod
     def _row_epilogues(groups: list[Group], outputs: set[str]) -> list[Group]:
