@@ -517,6 +517,27 @@ def test_einsum_operands_computed_in_their_copies_layout_match_eager():
     assert len(relaid) >= 3, fast.report.groups
 
 
+class _TokenMixing(nn.Module):
+    """An MLP-Mixer's token-mixing MLP: linear layers over the transposed layer norm, back and added."""
+
+    def __init__(self, tokens: int = 196, dim: int = 768, hidden: int = 384):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(dim), nn.Linear(tokens, hidden), nn.Linear(hidden, tokens)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x).transpose(1, 2)))).transpose(1, 2)
+
+
+def test_a_transposed_bmm_operand_reached_through_same_shape_views_matches_eager():
+    # The token projection's operand is the layer norm's result read with cuBLASLt's transpose flag (no
+    # contiguous copy of it), batched, the weight broadcast over the batch.
+    x = torch.randn(16, 196, 768, device="cuda")
+    fast = _check(_TokenMixing(), (x,), lambda: (torch.randn_like(x),))
+    steps = fast.program.steps
+    assert any(s["kind"] == "matmul" and s["transpose_a"] for s in steps), steps
+    assert not [s for s in steps if s["kind"] == "aten" and s["op"] == "aten::contiguous"], steps
+
+
 def test_a_tf32x3_projection_read_through_column_slices_matches_eager():
     # KernelBench-scale runs on the H100 sent such a product (gemm_fused_swiglu, the state-space scan's
     # input projection) back to SGEMM after the whole program with it did not match, while its group check

@@ -1239,6 +1239,29 @@ def test_einsum_operands_computed_in_their_copies_layout_match_eager(emu):
             torch.testing.assert_close(g_, w, atol=1e-5, rtol=1e-5)
 
 
+class _TokenMixing(torch.nn.Module):
+    """An MLP-Mixer's token projection: a linear layer over the transposed layer norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc = torch.nn.LayerNorm(16), torch.nn.Linear(12, 20)
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.fc(self.norm(x).transpose(1, 2)))
+
+
+def test_a_transposed_operand_reached_through_same_shape_views_is_read_in_place(emu):
+    torch.manual_seed(6)
+    model, x = _TokenMixing().eval(), torch.randn(3, 12, 16)
+    plan, program, values = _lowered(model, (x,))
+    (gemm,) = [g for g in plan.groups if g.kind == "gemm"]
+    assert gemm.params["transpose_a"] and "a transposed in place" in gemm.reason, gemm.reason
+    assert not [s for s in program.steps if s["kind"] == "aten" and s["op"] == "aten::contiguous"]
+    (got,) = run_program(emu, program, [x], values)
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-5)
+
+
 def test_concatenations_in_place_can_be_turned_off(monkeypatch):
     from stitchcuda.graph import OfflinePlanner, capture
 

@@ -51,6 +51,7 @@ GENERATED = ("gemm", "pointwise", "reduction", "conv", "pool", "scan")
 
 _VIEW_OPS = VIEW_OPS
 _GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm"}
+_SAME_SHAPE_VIEWS = {"aten::view", "aten::_unsafe_view", "aten::reshape", "aten::expand", "aten::alias"}
 # Ops whose result depends on their arguments' values alone (no tensor input): a causal mask's arange and
 # full, a scalar_tensor(-inf). Folded into constants up to this many bytes.
 _FACTORY_OPS = {"aten::arange", "aten::arange.start", "aten::arange.start_step", "aten::full", "aten::scalar_tensor",
@@ -1018,6 +1019,11 @@ class OfflinePlanner:
         # flag instead of copied: the last two dimensions of a contiguous source swapped, the batch kept.
         for key, flag in (("b", "transpose_b"), ("a", "transpose_a")):
             v = params[key]
+            # Through views that keep the shape (matmul's expand and view of a 3-D operand to the same
+            # sizes, as an MLP-Mixer's token projection of a transposed layer norm reaches its bmm).
+            while v.producer is not None and v.producer.op in _SAME_SHAPE_VIEWS and \
+                    isinstance(v.producer.args[0], Value) and tuple(v.producer.args[0].shape) == tuple(v.shape):
+                v = v.producer.args[0]
             p = v.producer
             rank = len(v.shape)
             swap = list(range(rank - 2)) + [rank - 1, rank - 2]
