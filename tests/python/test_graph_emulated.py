@@ -1262,6 +1262,22 @@ def test_a_transposed_operand_reached_through_same_shape_views_is_read_in_place(
         torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-5)
 
 
+class _TransposedBack(torch.nn.Module):
+    def forward(self, x, y, bias):
+        return x + (y * 2.0).transpose(1, 2) + bias  # y stored [B, C, R], read as [B, R, C]
+
+
+def test_an_operand_read_transposed_is_staged_through_tiles(emu):
+    torch.manual_seed(7)
+    x, y, bias = torch.randn(3, 40, 36), torch.randn(3, 36, 40), torch.randn(36)
+    model = _TransposedBack().eval()
+    plan, program, values = _lowered(model, (x, y, bias))
+    (kernel,) = [k for k in program.kernels if k["name"].startswith("fused_transposed")]
+    assert "1 NHWC operand(s) staged through 32x32 tiles" in kernel["source"]
+    (got,) = run_program(emu, program, [x, y, bias], values)
+    torch.testing.assert_close(got, model(x, y, bias), atol=1e-6, rtol=1e-6)
+
+
 def test_concatenations_in_place_can_be_turned_off(monkeypatch):
     from stitchcuda.graph import OfflinePlanner, capture
 

@@ -126,6 +126,22 @@ def _output_edge(shape: tuple[int, ...], inputs: list[PointwiseInput], outputs: 
     return any(tuple(i.strides) == nhwc and not i.offset for i in inputs)
 
 
+def _transposed_operand(shape: tuple[int, ...], inputs: list[PointwiseInput], outputs: list[Value]) -> bool:
+    """Whether a 3-D pointwise group writing contiguous results of its own shape [B, R, C] reads a
+    full-size operand stored [B, C, R] (strides (R * C, 1, R)): gathered with a stride of R, each 4-byte
+    load would fetch its own 32-byte sector; pointwise_from_nhwc_kernel stages it through tiles."""
+    if len(shape) != 3 or shape[1] < EDGE_MIN_CHANNELS or shape[2] < EDGE_MIN_CHANNELS or shape[0] > 65535 \
+            or not outputs or any(tuple(v.shape) != shape for v in outputs) or any(i.pieces for i in inputs):
+        return False
+    return any(tuple(i.strides) == (shape[1] * shape[2], 1, shape[1]) and not i.offset for i in inputs)
+
+
+def _with_unit_w(i: PointwiseInput) -> PointwiseInput:
+    """A 3-D operand of a [B, R, C] group as one of [B, R, C, 1]: the unit W's stride that of C, so an
+    operand with unit stride along R is staged (pointwise_from_nhwc_kernel) unless broadcast along C."""
+    return dataclasses.replace(i, strides=(*i.strides, i.strides[2]))
+
+
 class _StreamDone(Exception):
     """stream_values' early stop: every wanted key was handled."""
 
@@ -783,6 +799,11 @@ class Lowering:
             # A chain's output edge: NCHW results from NHWC operands, staged through shared-memory tiles
             # instead of gathered with a stride of C.
             code = pointwise_from_nhwc_kernel(self._name("fused_edge", g), shape, inputs, body, results)
+        elif not nhwc and not rotated and _transposed_operand(shape, inputs, outputs):
+            # [B, R, C] results from an operand stored [B, C, R] (an MLP-Mixer's token MLP added back
+            # transposed): the same tiles, as [B, R, C, 1] with that operand "channels-last".
+            code = pointwise_from_nhwc_kernel(self._name("fused_transposed", g), (*shape, 1),
+                                              [_with_unit_w(i) for i in inputs], body, results)
         else:
             code = pointwise_kernel(self._name("fused", g), tuple(shape[d] for d in order), inputs, body, results,
                                     self.sm_count)
