@@ -530,12 +530,14 @@ class _TokenMixing(nn.Module):
 
 def test_a_transposed_bmm_operand_reached_through_same_shape_views_matches_eager():
     # The token projection's operand is the layer norm's result read with cuBLASLt's transpose flag (no
-    # contiguous copy of it), batched, the weight broadcast over the batch.
+    # contiguous copy of it), batched, the weight broadcast over the batch; the residual add reads the
+    # second projection's [B, D, T] result as [B, T, D] through shared-memory tiles.
     x = torch.randn(16, 196, 768, device="cuda")
     fast = _check(_TokenMixing(), (x,), lambda: (torch.randn_like(x),))
     steps = fast.program.steps
     assert any(s["kind"] == "matmul" and s["transpose_a"] for s in steps), steps
     assert not [s for s in steps if s["kind"] == "aten" and s["op"] == "aten::contiguous"], steps
+    assert any(k["name"].startswith("fused_transposed") for k in fast.program.kernels)
 
 
 def test_a_tf32x3_projection_read_through_column_slices_matches_eager():

@@ -1263,14 +1263,22 @@ def test_a_transposed_operand_reached_through_same_shape_views_is_read_in_place(
 
 
 class _TransposedBack(torch.nn.Module):
+    def __init__(self, cut: int = 0):
+        super().__init__()
+        self.cut = cut
+
     def forward(self, x, y, bias):
-        return x + (y * 2.0).transpose(1, 2) + bias  # y stored [B, C, R], read as [B, R, C]
+        y = y * 2.0  # stored [B, C, R + cut]
+        if self.cut:  # a causal conv1d's output cut to the sequence, as a state-space layer reads it
+            y = y[..., : y.shape[-1] - self.cut]
+        return x + y.transpose(1, 2) + bias  # read as [B, R, C]
 
 
-def test_an_operand_read_transposed_is_staged_through_tiles(emu):
+@pytest.mark.parametrize("cut", [0, 3])
+def test_an_operand_read_transposed_is_staged_through_tiles(emu, cut):
     torch.manual_seed(7)
-    x, y, bias = torch.randn(3, 40, 36), torch.randn(3, 36, 40), torch.randn(36)
-    model = _TransposedBack().eval()
+    x, y, bias = torch.randn(3, 40, 36), torch.randn(3, 36, 40 + cut), torch.randn(36)
+    model = _TransposedBack(cut).eval()
     plan, program, values = _lowered(model, (x, y, bias))
     (kernel,) = [k for k in program.kernels if k["name"].startswith("fused_transposed")]
     assert "1 NHWC operand(s) staged through 32x32 tiles" in kernel["source"]

@@ -128,12 +128,15 @@ def _output_edge(shape: tuple[int, ...], inputs: list[PointwiseInput], outputs: 
 
 def _transposed_operand(shape: tuple[int, ...], inputs: list[PointwiseInput], outputs: list[Value]) -> bool:
     """Whether a 3-D pointwise group writing contiguous results of its own shape [B, R, C] reads a
-    full-size operand stored [B, C, R] (strides (R * C, 1, R)): gathered with a stride of R, each 4-byte
-    load would fetch its own 32-byte sector; pointwise_from_nhwc_kernel stages it through tiles."""
+    full-size operand stored [B, C, R'] with R' >= R (unit stride along R, rows of at least R: a transposed
+    tensor, or a slice of one — a causal conv1d's output cut to the sequence and transposed back):
+    gathered with a stride of R', each 4-byte load would fetch its own 32-byte sector;
+    pointwise_from_nhwc_kernel stages it through tiles."""
     if len(shape) != 3 or shape[1] < EDGE_MIN_CHANNELS or shape[2] < EDGE_MIN_CHANNELS or shape[0] > 65535 \
             or not outputs or any(tuple(v.shape) != shape for v in outputs) or any(i.pieces for i in inputs):
         return False
-    return any(tuple(i.strides) == (shape[1] * shape[2], 1, shape[1]) and not i.offset for i in inputs)
+    return any(i.strides[1] == 1 and i.strides[2] >= shape[1] and (i.strides[0] or shape[0] == 1) and not i.offset
+               for i in inputs)
 
 
 def _with_unit_w(i: PointwiseInput) -> PointwiseInput:
