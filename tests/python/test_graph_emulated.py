@@ -1286,6 +1286,32 @@ def test_an_operand_read_transposed_is_staged_through_tiles(emu, cut):
     torch.testing.assert_close(got, model(x, y, bias), atol=1e-6, rtol=1e-6)
 
 
+class _GatedConvs(torch.nn.Module):
+    """A channels-last chain whose elementwise group between its convolutions reads an NCHW value."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.Conv2d(32, 16, 1)
+
+    def forward(self, x, gate):
+        return self.c2(torch.relu(self.c1(x) + torch.sigmoid(gate)))
+
+
+def test_an_nchw_operand_of_an_nhwc_group_is_staged_through_tiles(emu, monkeypatch):
+    monkeypatch.setenv("STITCHCUDA_CHANNELS_LAST", "on")
+    torch.manual_seed(8)
+    x, gate = torch.randn(1, 16, 64, 64), torch.randn(1, 32, 64, 64)
+    model = _GatedConvs().eval()
+    plan, program, values = _lowered(model, (x, gate))
+    assert plan.channels_last
+    # relu(c1(x) + sigmoid(gate)) iterates (N, H, W, C) and reads the gate NCHW: tiles of (pixels, channels).
+    (kernel,) = [k for k in program.kernels if k["name"].startswith("fused_transposed")]
+    assert "1 NHWC operand(s) staged through 32x32 tiles" in kernel["source"]
+    (got,) = run_program(emu, program, [x, gate], values)
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(x, gate), atol=1e-5, rtol=1e-5)
+
+
 def test_concatenations_in_place_can_be_turned_off(monkeypatch):
     from stitchcuda.graph import OfflinePlanner, capture
 

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import math
 from typing import Any, Callable
 
 import torch
@@ -126,14 +127,31 @@ def _output_edge(shape: tuple[int, ...], inputs: list[PointwiseInput], outputs: 
     return any(tuple(i.strides) == nhwc and not i.offset for i in inputs)
 
 
-def _transposed_operand(shape: tuple[int, ...], inputs: list[PointwiseInput], outputs: list[Value]) -> bool:
-    """Whether a 3-D pointwise group writing contiguous results of its own shape [B, R, C] reads a
-    full-size operand stored [B, C, R'] with R' >= R (unit stride along R, rows of at least R: a transposed
-    tensor, or a slice of one — a causal conv1d's output cut to the sequence and transposed back):
-    gathered with a stride of R', each 4-byte load would fetch its own 32-byte sector;
+def _rows_view(shape: tuple[int, ...], inputs: list[PointwiseInput]
+               ) -> tuple[tuple[int, int, int], list[PointwiseInput]] | None:
+    """An elementwise iteration space of rank >= 3 as [B, R, C]: its middle dimensions merged into R,
+    where every operand's strides allow it (over the middle extents above 1, each stride the next's times
+    its extent: dense, or broadcast throughout); None otherwise (or with a concatenation read in place)."""
+    if len(shape) < 3 or any(i.pieces or i.rotate for i in inputs):
+        return None
+    middle = [d for d in range(1, len(shape) - 1) if shape[d] != 1]
+    merged = []
+    for i in inputs:
+        if any(i.strides[a] != shape[b] * i.strides[b] for a, b in zip(middle, middle[1:])):
+            return None
+        merged.append(dataclasses.replace(i, strides=(i.strides[0], i.strides[middle[-1]] if middle else 0,
+                                                      i.strides[-1])))
+    return (shape[0], math.prod(shape[1:-1]), shape[-1]), merged
+
+
+def _transposed_operand(shape: tuple[int, int, int], inputs: list[PointwiseInput]) -> bool:
+    """Whether a pointwise group iterating [B, R, C] (_rows_view; its results contiguous in that order)
+    reads a full-size operand stored [B, C, R'] with R' >= R (unit stride along R, rows of at least R: a
+    transposed tensor, or a slice of one — a causal conv1d's output cut to the sequence and transposed
+    back): gathered with a stride of R', each 4-byte load would fetch its own 32-byte sector;
     pointwise_from_nhwc_kernel stages it through tiles."""
-    if len(shape) != 3 or shape[1] < EDGE_MIN_CHANNELS or shape[2] < EDGE_MIN_CHANNELS or shape[0] > 65535 \
-            or not outputs or any(tuple(v.shape) != shape for v in outputs) or any(i.pieces for i in inputs):
+    if shape[1] < EDGE_MIN_CHANNELS or shape[2] < EDGE_MIN_CHANNELS or shape[0] > 65535 \
+            or -(-shape[1] // 32) > 65535:
         return False
     return any(i.strides[1] == 1 and i.strides[2] >= shape[1] and (i.strides[0] or shape[0] == 1) and not i.offset
                for i in inputs)
@@ -798,15 +816,18 @@ class Lowering:
                       else PointwiseInput(i.key, i.dtype, (), pieces=tuple(
                           dataclasses.replace(piece, strides=tuple(piece.strides[d] for d in order))
                           for piece in i.pieces), cat_dim=order.index(i.cat_dim)) for i in inputs]
+        rows = None if rotated or not outputs or any(tuple(v.shape) != shape for v in outputs) else \
+            _rows_view(tuple(shape[d] for d in order), inputs)
         if not nhwc and not rotated and _output_edge(shape, inputs, outputs):
             # A chain's output edge: NCHW results from NHWC operands, staged through shared-memory tiles
             # instead of gathered with a stride of C.
             code = pointwise_from_nhwc_kernel(self._name("fused_edge", g), shape, inputs, body, results)
-        elif not nhwc and not rotated and _transposed_operand(shape, inputs, outputs):
-            # [B, R, C] results from an operand stored [B, C, R] (an MLP-Mixer's token MLP added back
-            # transposed): the same tiles, as [B, R, C, 1] with that operand "channels-last".
-            code = pointwise_from_nhwc_kernel(self._name("fused_transposed", g), (*shape, 1),
-                                              [_with_unit_w(i) for i in inputs], body, results)
+        elif rows is not None and _transposed_operand(*rows):
+            # [B, R, C] results (in the order iterated) from an operand stored [B, C, R]: an MLP-Mixer's
+            # token MLP added back transposed, an NCHW value read by an NHWC chain's group (R = H * W).
+            # The same tiles, as [B, R, C, 1] with that operand "channels-last".
+            code = pointwise_from_nhwc_kernel(self._name("fused_transposed", g), (*rows[0], 1),
+                                              [_with_unit_w(i) for i in rows[1]], body, results)
         else:
             code = pointwise_kernel(self._name("fused", g), tuple(shape[d] for d in order), inputs, body, results,
                                     self.sm_count)
