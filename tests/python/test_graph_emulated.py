@@ -1188,6 +1188,11 @@ class _PermutedCopies(torch.nn.Module):
         return first, second
 
 
+class _TransposedSum(torch.nn.Module):
+    def forward(self, a, b, c):
+        return torch.tanh((torch.sigmoid(a) * b).transpose(1, 2) + c)  # the product read transposed, once
+
+
 @pytest.mark.parametrize("relayout", ["1", "0"])
 def test_a_chain_read_only_by_copies_is_computed_in_their_layout(emu, relayout, monkeypatch):
     monkeypatch.setenv("STITCHCUDA_RELAYOUT", relayout)
@@ -1223,6 +1228,17 @@ class _ChunkedEinsums(torch.nn.Module):
         states = torch.einsum("bhcs,bcshp->bchp", decay[..., -1, :], xdt)
         y = y * 0.5 + xc.permute(0, 3, 1, 2, 4)
         return y.permute(0, 2, 3, 1, 4).reshape(b, l, h * p), states
+
+
+def test_a_chain_read_through_views_by_another_elementwise_group_is_computed_there(emu):
+    torch.manual_seed(9)
+    a, b, c = torch.randn(2, 6, 10), torch.randn(6, 1), torch.randn(2, 10, 6)
+    model = _TransposedSum().eval()
+    plan, program, values = _lowered(model, (a, b, c))
+    (group,) = [g for g in plan.groups if g.kind == "pointwise"]
+    assert "relayout" in group.params and len(program.kernels) == 1
+    (got,) = run_program(emu, program, [a, b, c], values)
+    torch.testing.assert_close(got, model(a, b, c), atol=1e-6, rtol=1e-6)
 
 
 def test_einsum_operands_computed_in_their_copies_layout_match_eager(emu):

@@ -707,11 +707,12 @@ class OfflinePlanner:
 
     @staticmethod
     def _relaid_out_copies(groups: list[Group], outputs: set[str]) -> list[Group]:
-        """An elementwise chain whose one result only copies read, each through views that relabel it (an
-        einsum's permute and contiguous clone before its bmm), is computed in each copy's kernel, in the
-        copy's layout: its inputs' strides are taken through the same views, so the result is never
-        written in its own layout and read back. Several such copies each compute the chain (its inputs
-        are read once per copy, the result's write and reads are saved)."""
+        """An elementwise chain whose one result only other elementwise groups read, each through views
+        that relabel it to its shape (an einsum's permute and contiguous clone before its bmm; a
+        transposed sum), is computed in each reader's kernel, in the reader's layout: its inputs' strides
+        are taken through the same views, so the result is never written in its own layout and read back.
+        Several such readers each compute the chain (its inputs are read once per reader, the result's
+        write and reads are saved)."""
         if os.environ.get("STITCHCUDA_RELAYOUT", "1").strip() == "0":
             return groups
         producer: dict[str, Group] = {}
@@ -723,18 +724,23 @@ class OfflinePlanner:
                             producer[v.name] = g
 
         def copy_chain(c: Group) -> tuple[Value, list[Node]] | None:
-            """The copy group's source value and the views from it to the copy, when c starts with a
-            contiguous clone of such a view."""
-            first = c.nodes[0]
-            if c.kind != "pointwise" or "relayout" in c.params or first.op != "aten::clone" or \
-                    first.kwargs.get("memory_format") not in (None, torch.contiguous_format):
+            """The source value and the views from it to the elementwise group `c` that reads their result
+            (of c's shape, only there): a contiguous clone (einsum's bmm operand), or any elementwise op."""
+            if c.kind != "pointwise" or "relayout" in c.params or _reads_pieces(c):
                 return None
-            x, chain = first.args[0], []
-            while isinstance(x, Value) and x.producer is not None and x.producer.op in RELAYOUT_VIEWS \
-                    and len(x.users) == 1 and x.name not in outputs:
-                chain.insert(0, x.producer)
-                x = x.producer.args[0]
-            return (x, chain) if chain and isinstance(x, Value) else None
+            inside = {id(n) for n in c.nodes}
+            for read in c.inputs():
+                if read.producer is None or read.producer.op not in RELAYOUT_VIEWS or read.name in outputs \
+                        or tuple(read.shape) != tuple(c.params["shape"]) or any(id(u) not in inside for u in read.users):
+                    continue
+                x, chain = read, []
+                while isinstance(x, Value) and x.producer is not None and x.producer.op in RELAYOUT_VIEWS \
+                        and len(x.users) == 1 and x.name not in outputs:
+                    chain.insert(0, x.producer)
+                    x = x.producer.args[0]
+                if chain and isinstance(x, Value):
+                    return x, chain
+            return None
 
         readers: dict[str, list[tuple[Group, list[Node]]]] = {}
         for c in groups:
@@ -764,6 +770,11 @@ class OfflinePlanner:
                 return tuple(st)
 
             if any(relayout_strides(shape, over(v), chain) is None for c, chain in copies for v in g.inputs()):
+                continue
+            # Bytes moved: each reader reading the chain's inputs, against writing the result once and each
+            # reader reading it (several readers of a chain over several large inputs: better stored).
+            read = sum(v.numel * v.dtype.itemsize for v in g.inputs())
+            if len(copies) * read > read + (1 + len(copies)) * y.numel * y.dtype.itemsize:
                 continue
             internal = {v.name for n in g.nodes for v in n.outputs if v is not None}
             for c, chain in copies:
