@@ -513,7 +513,7 @@ def test_einsum_operands_computed_in_their_copies_layout_match_eager():
                 torch.rand(2, 8, 16, 64, 64, device="cuda") / 64)
 
     fast = _check(_Einsums(), inputs(), inputs)
-    relaid = [g for g in fast.report.groups if "layout of the copy" in g.get("reason", "")]
+    relaid = [g for g in fast.report.groups if "layout of the group that reads" in g.get("reason", "")]
     assert len(relaid) >= 3, fast.report.groups
 
 

@@ -783,8 +783,10 @@ class OfflinePlanner:
                 c.nodes = [*g.nodes, *chain, *c.nodes]
                 c.params["relayout"] = {"shape": shape, "computed": len(g.nodes), "chain": chain,
                                         "internal": internal_c}
-                c.reason = (f"{len(g.nodes)} elementwise op(s) ({ops}) computed in the layout of the copy that "
-                            f"reads their result through {len(chain)} view(s), fused into one kernel")
+                theirs = ", ".join(n.op.removeprefix("aten::") for n in c.nodes[len(g.nodes) + len(chain):])
+                c.reason = (f"{len(g.nodes)} elementwise op(s) ({ops}) computed in the layout of the group that "
+                            f"reads their result through {len(chain)} view(s), fused with it ({theirs}) into one "
+                            "kernel")
             gone.add(id(g))
             viewed = {id(n) for _, chain in copies for n in chain}  # their view groups go too
             gone.update(id(v) for v in groups if v.kind == "view" and any(id(n) in viewed for n in v.nodes))
