@@ -444,8 +444,8 @@ def rotate_half_source(node: Node) -> tuple[Value, int] | None:
     return x, d // 2
 
 
-# Views a copy's source may reach it through while the elementwise chain that computes the source runs
-# in the copy's layout (planner._relaid_out_copies): relabelings of the same elements, no offset.
+# Views an elementwise chain's result may reach its reader through while the chain runs in the reader's
+# layout (OfflinePlanner._relaid_out_copies): relabelings of the same elements, no offset.
 RELAYOUT_VIEWS = frozenset({"aten::view", "aten::_unsafe_view", "aten::reshape", "aten::alias", "aten::permute",
                             "aten::transpose.int", "aten::t", "aten::unsqueeze", "aten::squeeze.dim",
                             "aten::squeeze.dims", "aten::squeeze", "aten::expand"})
@@ -711,8 +711,8 @@ class OfflinePlanner:
         that relabel it to its shape (an einsum's permute and contiguous clone before its bmm; a
         transposed sum), is computed in each reader's kernel, in the reader's layout: its inputs' strides
         are taken through the same views, so the result is never written in its own layout and read back.
-        Several such readers each compute the chain (its inputs are read once per reader, the result's
-        write and reads are saved)."""
+        Several readers each compute the chain where that moves no more bytes than storing it: its inputs
+        read once per reader, against the result written once and read by each."""
         if os.environ.get("STITCHCUDA_RELAYOUT", "1").strip() == "0":
             return groups
         producer: dict[str, Group] = {}
