@@ -720,11 +720,12 @@ def _record_report(row: dict, fast: Any) -> None:
     # the reasons stay in the report; the row keeps a line each to read a run's results by.
     row["decisions"] = [str(d[0]) for d in getattr(report, "decisions", None) or []]
     # A GEMM's precision changed by a check (tf32x3 sent to SGEMM or bf16 products to TF32, kept there, or
-    # restored): the reason too,
-    # the detail of the mismatch that decided it (a row's speed depends on it, and the report is not kept).
+    # restored): the reason too, the detail of the mismatch that decided it (a row's speed depends on it,
+    # and the report is not kept).
+    from ..graph.optimize import PRECISION_TITLES
+
     precision = {str(d[0]): str(d[1]) for d in getattr(report, "decisions", None) or []
-                 if str(d[0]).endswith(("SGEMM instead of tf32x3", "SGEMM kept", "tf32x3 again",
-                                        "TF32 instead of bf16 products", "TF32 kept", "bf16 products again"))}
+                 if str(d[0]).endswith(PRECISION_TITLES)}
     if precision:
         row["precision_decisions"] = precision
     if getattr(report, "stage_seconds", None):

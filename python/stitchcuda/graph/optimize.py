@@ -860,6 +860,9 @@ def _check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_
 # tolerance) to cuBLAS's SGEMM; bf16 products of fp32 operands (held to bf16's) to TF32, what cuBLASLt's
 # FAST_16BF mode computes on such operands.
 STEP_DOWN = {"tf32x3": ("fp32", "SGEMM", "tf32x3"), "bf16": ("tf32", "TF32", "bf16 products")}
+# How the report's titles of those decisions end: stepped down, kept there after a retry, restored.
+PRECISION_TITLES = tuple(title for _, lower_name, name in STEP_DOWN.values()
+                         for title in (f"{lower_name} instead of {name}", f"{lower_name} kept", f"{name} again"))
 
 
 def _lossy(g: Group) -> str | None:
