@@ -5,6 +5,7 @@ fresh kernel-cache folder per test, so cache tests never see entries from other 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -16,6 +17,12 @@ if str(_PYTHON_DIR) not in sys.path:
     sys.path.insert(0, str(_PYTHON_DIR))
 
 from stitchcuda import _C, jit  # noqa: E402
+
+# A shell starts a background job (`make test &`) with SIGINT ignored, and an ignored signal stays ignored
+# across exec: the tests that interrupt a child would see it run on as if Ctrl-C did nothing. With a
+# handler here, the children they start get the default disposition, as from a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_configure(config: pytest.Config) -> None:
