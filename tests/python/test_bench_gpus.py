@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import re
 import signal
@@ -278,8 +279,10 @@ def test_each_process_gets_the_next_visible_gpu():
 @pytest.mark.slow
 def test_scaling_timed_on_one_gpu(folder, capsys):
     """The command a GPU machine runs, at N = 1: each side times every column; each side's verdict follows
-    its own keep timing, and the two agree where neither timing is within the keep margin (a tiny GEMM
-    at 1.00x eager may be kept by one run and not the other: a decision within the timer's spread)."""
+    its own keep timing, and the two agree where both timings are far from parity. Far means 1.5x: these
+    problems run in microseconds, where one process timed the GEMM's program 1.27x faster than eager and the
+    other at least 10% slower (H200, run 20) — the spread of timings near 0.1 ms that docs/graph.md records
+    (1.4-1.6x between two measurements of one program), not a difference between the two runs' programs."""
     assert main(["bench", str(folder), "--gpus", "1", "--scaling", "--only", "gemm_linear_gelu,op_softmax",
                  "--json"]) == 0
     report = _strict_json(capsys.readouterr().out)
@@ -296,7 +299,7 @@ def test_scaling_timed_on_one_gpu(folder, capsys):
         timings = [side[p["model"]]["keep_timing"] for side in sides]  # both programs were built and timed
         for timing, status in zip(timings, p["status"]):
             assert status == ("eager" if _not_faster(timing) else "optimized"), timing
-        if all(abs(t["eager_ms"] / t["stitched_ms"] - 1) > 0.1 for t in timings):
+        if all(abs(math.log(t["eager_ms"] / t["stitched_ms"])) > math.log(1.5) for t in timings):
             assert p["status"][0] == p["status"][1], p
     assert report["gpus"]["devices"] == [report["device"].split(" x ", 1)[1]]
     assert report["gpus"]["per_gpu"][0]["device"] == (os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
