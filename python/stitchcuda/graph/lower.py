@@ -23,7 +23,7 @@ from ..verify.tolerance import tolerance  # the Verifier's table; re-exported fo
 from .capture import Graph, Node, Value
 from .layout import channels_last_strides, depthwise_nhwc, is_channels_last
 from .layout import contiguous_strides as _contiguous_strides
-from .planner import Group, GraphPlan, in_place_cat, relayout_strides, rotate_half_source
+from .planner import Group, GraphPlan, broadcast_strides, in_place_cat, relayout_strides, rotate_half_source
 from .templates import (FUSABLE_DTYPES, POINTWISE_OPS, CatPiece, KernelCode, PointwiseInput, RowProduct, RowPrologue,
                         column_reduction_kernel, depthwise_conv_kernel, depthwise_conv_nhwc_kernel, nchw_to_nhwc_kernel,
                         normalized_rows_kernel, pointwise_from_nhwc_kernel, pointwise_kernel, pooling_kernel,
@@ -922,14 +922,11 @@ class Lowering:
             bid = self.need(v)
             vshape, vstrides, vdtype = self.spec[bid]
             over = tuple(relayout["shape"]) if relaid else shape
-            strides = [0] * len(over)
             if mode == "channel":  # batch norm parameters: [C] along dimension 1
+                strides = [0] * len(over)
                 strides[1] = vstrides[0] if vshape[0] != 1 else 0
             else:
-                for d in range(len(over)):
-                    di = d - (len(over) - len(vshape))
-                    if di >= 0 and not (vshape[di] == 1 and over[d] != 1):
-                        strides[d] = vstrides[di]
+                strides = list(broadcast_strides(tuple(vshape), tuple(vstrides), over))
             if relaid:
                 moved = relayout_strides(over, tuple(strides), relayout["chain"])
                 if moved is None or len(moved) != rank:

@@ -451,6 +451,18 @@ RELAYOUT_VIEWS = frozenset({"aten::view", "aten::_unsafe_view", "aten::reshape",
                             "aten::squeeze.dims", "aten::squeeze", "aten::expand"})
 
 
+def broadcast_strides(vshape: tuple[int, ...], vstrides: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides over `shape` of a tensor of `vshape` with `vstrides` broadcast to it (aligned at the
+    last dimension): 0 along the dimensions it lacks or has at extent 1 where `shape` does not."""
+    rank = len(shape)
+    strides = [0] * rank
+    for d in range(rank):
+        di = d - (rank - len(vshape))
+        if di >= 0 and not (vshape[di] == 1 and shape[d] != 1):
+            strides[d] = vstrides[di]
+    return tuple(strides)
+
+
 def relayout_strides(shape: tuple[int, ...], strides: tuple[int, ...], chain: list[Node]) -> tuple[int, ...] | None:
     """The strides over the chain's result of a tensor of `shape` with `strides` (0 where broadcast) taken
     through the view nodes `chain`, as torch computes them on the meta device; None where a view cannot
@@ -759,17 +771,8 @@ class OfflinePlanner:
                            for n in g.nodes):
                 continue
             shape = tuple(y.shape)
-
-            def over(v: Value) -> tuple[int, ...]:  # v's strides broadcast over the chain's shape
-                rank = len(shape)
-                st = [0] * rank
-                for d in range(rank):
-                    di = d - (rank - len(v.shape))
-                    if di >= 0 and not (v.shape[di] == 1 and shape[d] != 1):
-                        st[d] = v.strides[di]
-                return tuple(st)
-
-            if any(relayout_strides(shape, over(v), chain) is None for c, chain in copies for v in g.inputs()):
+            if any(relayout_strides(shape, broadcast_strides(tuple(v.shape), tuple(v.strides), shape), chain) is None
+                   for c, chain in copies for v in g.inputs()):
                 continue
             # Bytes moved: each reader reading the chain's inputs, against writing the result once and each
             # reader reading it (several readers of a chain over several large inputs: better stored).
