@@ -1,7 +1,12 @@
-"""StitchCUDA: compile CUDA C++ in-process with NVRTC and run it on PyTorch tensors; talk to models.
+"""StitchCUDA: turns a PyTorch model into an optimized, verified CUDA program — fused kernels and the host
+code that stitches them — kept only when it is correct and faster than the model.
 
-Start with :func:`stitchcuda.jit.compile` or :func:`stitchcuda.llm.connect`; ``stitchcuda doctor``
-checks the machine.
+Start with :func:`stitchcuda.optimize` (or ``torch.compile(model, backend="stitchcuda")``); the result's
+``report`` says what was done and why, and ``save()`` writes the program for :func:`stitchcuda.load` or a
+C++ server. ``llm=`` adds the agents (:mod:`stitchcuda.agents`, :mod:`stitchcuda.llm`); the layers below
+are usable alone: :mod:`stitchcuda.jit` (CUDA C++ compiled in the process with NVRTC),
+:mod:`stitchcuda.verify`, :mod:`stitchcuda.profile`, and :mod:`stitchcuda.rl` for RL training.
+``stitchcuda doctor`` checks the machine.
 """
 
 # torch first: the native module links against LibTorch, whose libraries must already be loaded.

@@ -125,3 +125,15 @@ def test_the_readme_example_runs_on_a_cpu(subprocess_env, tmp_path):
     assert lines[-1] == "True"
     if not torch.cuda.is_available():  # what the README says a CPU prints
         assert "no CUDA device" in lines[0] and "2 generated kernels, 2 cuBLASLt matmuls" in lines[0], lines[0]
+
+
+def test_help_and_the_package_docstring_describe_the_optimizer(subprocess_env):
+    import stitchcuda
+
+    first = stitchcuda.__doc__.strip().splitlines()[0]
+    assert "PyTorch model" in first and "CUDA program" in first, first
+    result = subprocess.run([sys.executable, "-m", "stitchcuda", "--help"], env=subprocess_env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    description = " ".join(result.stdout.split("\n\n")[1].split())  # argparse: usage, blank line, description
+    assert "optimized, verified CUDA programs" in description and "JIT" not in description, description
