@@ -15,30 +15,12 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NO_GPU, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-
-
-def no_gpu_reason() -> str | None:
-    """None when torch sees a CUDA GPU, else why not, in words."""
-    import torch
-
-    if torch.cuda.is_available():
-        return None
-    from . import _C
-
-    ok, reason = _C.driver_available()
-    return "torch.cuda.is_available() is False: " + (reason if not ok else "the driver reports no GPU")
-
-
-def refuse(command: str, message: str, code: int, json_output: bool = False) -> int:
-    """An early end: `command: message` on stderr and, under --json, {"error": message} on stdout (which
-    stays one JSON object). Returns `code`."""
-    print(f"{command}: {message}", file=sys.stderr)
-    if json_output:
-        print(json.dumps({"error": message}))
-    return code
+# The exit codes and the early end live on the ground floor (cli_support.py), where the layers' own CLI
+# modules import them without climbing back up to this file; re-exported as stitchcuda.cli.EXIT_*.
+from .cli_support import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_NO_GPU, EXIT_OK, EXIT_USAGE, at_least,  # noqa: F401
+                          no_gpu_reason, refuse)
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -223,16 +205,9 @@ def _llm_ping(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _repeats(text: str) -> int:
-    value = int(text)
-    if value < 5:
-        raise argparse.ArgumentTypeError("at least 5 (cold compile times are medians)")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stitchcuda",
-                                     description="StitchCUDA: in-process CUDA JIT for PyTorch, and the model backends its agents use.")
+                                     description="StitchCUDA: turns PyTorch models into optimized, verified CUDA programs (optimize), and checks, profiles and benchmarks them.")
     parser.set_defaults(run=None, usage_of=parser)
     parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -253,8 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     suites = bench.add_subparsers(dest="suite", metavar="SUITE")
     jit = suites.add_parser("jit", help="compile, cache and launch costs against nvcc's load_inline (docs/jit.md)")
     jit.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    jit.add_argument("--repeats", type=_repeats, default=5, help="cold compiles per kernel (>= 5)")
-    jit.set_defaults(run=_bench)
+    jit.add_argument("--repeats", type=at_least(5, "(cold compile times are medians)"), default=5, help="cold compiles per kernel (>= 5)")
     for suite, text in (("program", "program runtime: graph replay host time, cuBLASLt epilogues, planning "
                                     "(docs/program.md)"),
                         ("profile", "profiler: Tracer vs events, tracing overhead, metrics vs ncu (docs/profile.md)"),
@@ -273,6 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import reward as bench_reward
 
     bench_reward.register(suites)  # `bench reward`, with its own options
+    # Both take a minute or more before they print anything: a running stage on stderr says what is happening.
+    jit.set_defaults(run=_stepped("bench jit: cold compiles, cache hits, nvcc's load_inline, launches", _bench))
+    reward = suites.choices["reward"]
+    reward.set_defaults(run=_stepped("bench reward: the Verifier alone, then through the reward service",
+                                     reward.get_default("run")))
     parser.bench_names = tuple(suites.choices)  # for `bench DIR` (main)
 
     llm = commands.add_parser("llm", help="model backends (docs/llm.md)")
@@ -301,6 +280,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stepped(text: str, run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """`run` inside one progress stage (stitchcuda.log.StepProgress, on stderr: stdout keeps the result)."""
+
+    def stepped(args: argparse.Namespace) -> int:
+        from .log import StepProgress
+
+        with StepProgress(stream=sys.stderr).step(text):
+            return run(args)
+
+    return stepped
+
+
 def _version() -> str:
     import torch
 
@@ -325,7 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         return args.run(args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # commands that keep a run say how to resume it themselves
+        print(f"stitchcuda {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 

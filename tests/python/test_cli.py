@@ -121,7 +121,10 @@ def get_init_inputs():
 
 class _FakeReport:
     status = "eager"
+    reason = ""
     kernels: list = []
+    agents: dict = {}  # the agents did not run
+    run_dir = ""
 
     def to_dict(self) -> dict:
         return {"status": self.status, "groups": []}
@@ -164,23 +167,30 @@ def test_optimize_defaults_to_graph_mode_without_agent_arguments(graph_calls, pr
     assert graph_calls[1]["split_tf32"] is False and graph_calls[1]["precision"] == "fp32"
 
 
-def test_graph_mode_passes_only_the_given_agent_options(graph_calls, problem_file, tmp_path):
-    assert main(["optimize", str(problem_file), "--llm", "scripted:rules.json", "--attempts", "2",
+@pytest.fixture
+def rules(tmp_path: Path) -> str:
+    """A scripted model spec whose file exists: --llm is checked before any work."""
+    (tmp_path / "rules.json").write_text(json.dumps([{"pattern": ".", "reply": "no kernel"}]))
+    return f"scripted:{tmp_path / 'rules.json'}"
+
+
+def test_graph_mode_passes_only_the_given_agent_options(graph_calls, problem_file, tmp_path, rules):
+    assert main(["optimize", str(problem_file), "--llm", rules, "--attempts", "2",
                  "--run-dir", str(tmp_path / "run")]) == 0
     kwargs = graph_calls[0]
-    assert kwargs["llm"] == "scripted:rules.json" and kwargs["attempts"] == 2 and kwargs["run_dir"] == str(tmp_path / "run")
+    assert kwargs["llm"] == rules and kwargs["attempts"] == 2 and kwargs["run_dir"] == str(tmp_path / "run")
     assert not {"tokens", "wall_s", "resume"} & set(kwargs)
-    assert main(["optimize", "--mode", "graph", str(problem_file), "--llm", "x:y", "--tokens", "900", "--wall-s", "60"]) == 0
+    assert main(["optimize", "--mode", "graph", str(problem_file), "--llm", rules, "--tokens", "900", "--wall-s", "60"]) == 0
     assert graph_calls[1]["tokens"] == 900 and graph_calls[1]["wall_s"] == 60.0 and "attempts" not in graph_calls[1]
 
 
-def test_resume_takes_the_mode_the_run_recorded(graph_calls, problem_file, tmp_path, monkeypatch, capsys):
+def test_resume_takes_the_mode_the_run_recorded(graph_calls, problem_file, tmp_path, monkeypatch, capsys, rules):
     graph_run = tmp_path / "graph_run"
     graph_run.mkdir()
-    (graph_run / "config.json").write_text(json.dumps({"mode": "graph", "llm_spec": "scripted:r.json",
+    (graph_run / "config.json").write_text(json.dumps({"mode": "graph", "llm_spec": rules,
                                                        "problem_path": str(problem_file)}))
     assert main(["optimize", "--resume", str(graph_run)]) == 0
-    assert graph_calls[-1]["resume"] == str(graph_run) and graph_calls[-1]["llm"] == "scripted:r.json"
+    assert graph_calls[-1]["resume"] == str(graph_run) and graph_calls[-1]["llm"] == rules
 
     from stitchcuda.agents import cli as agents_cli
 

@@ -2,8 +2,9 @@
 `optimize` parser and its --mode choice live in stitchcuda/graph/cli.py, which calls run_program here),
 and `stitchcuda runs list|show|diff`: what the run directories hold.
 
-Exit codes: 0 a run finished with a usable candidate (or a runs command worked), 1 a run found none,
-2 usage errors (bad arguments, unreadable problem, unknown model spec, missing run directory).
+Exit codes (docs/cli.md): 0 a run finished with a usable candidate (or a runs command worked), 1 a run found
+none or its model backend failed (no API key, no server, an error reply), 2 usage errors (bad arguments, an
+unreadable problem, an unknown model spec, a missing run directory), 130 Ctrl-C.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from ..cli import EXIT_INTERRUPTED
+from ..cli_support import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, BackendError, UsageError, check_llm,
+                           one_line, refuse)
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 UNVERIFIED = "UNVERIFIED (no GPU: compile and static checks only)"
 
 
@@ -39,7 +40,7 @@ def interrupted(run_dir: str | Path | None, what: str = "stitchcuda optimize") -
 def run_program(args: argparse.Namespace, config: dict[str, Any] | None = None) -> int:
     """Program mode: the agents' loop on PROBLEM.py (or the run in --resume, with the budget and model it
     was saved with unless the command line gives others). `config`: the resumed run's config.json."""
-    from ..errors import StitchError
+    from ..errors import InvalidArgumentError, NotFoundError, StitchError
     from .loop import optimize_problem
 
     if args.problem is None and args.resume is None:
@@ -50,11 +51,19 @@ def run_program(args: argparse.Namespace, config: dict[str, Any] | None = None) 
         llm = config.get("llm_spec") if isinstance(config.get("llm_spec"), str) else None
         if not llm:
             return _usage(f"stitchcuda optimize: {args.resume} does not name its model; give --llm SPEC")
+    try:  # before any work: a model the loop cannot reach is known now, not after the first plan
+        check_llm(llm)
+    except UsageError as exc:
+        return _usage(f"stitchcuda optimize: {exc}")
+    except BackendError as exc:
+        return _usage(f"stitchcuda optimize: {exc}", EXIT_FAILURE)
     from .. import _C
     from ..log import LoopProgress
 
     # Named here, not left to the loop, so that a Ctrl-C can say which folder to resume.
     run_dir = args.resume or args.run_dir or _C.agents.fresh_run_path("runs", Path(args.problem).stem)
+    if args.resume is not None:  # the failure it was resumed from is no longer its state
+        (Path(run_dir) / FAILED).unlink(missing_ok=True)
     progress = LoopProgress(run_dir, attempts=args.attempts)
     try:
         # None: not given, so a new run's default or a resumed run's saved value.
@@ -64,10 +73,12 @@ def run_program(args: argparse.Namespace, config: dict[str, Any] | None = None) 
                                on_event=progress, static_only=True if args.static_only else None,
                                judge=True if getattr(args, "judge", False) else None,
                                timeout=getattr(args, "timeout", None) or None)
-    except StitchError as exc:
-        return _usage(f"stitchcuda optimize: {_one_line(exc.message)}")
+    except (InvalidArgumentError, NotFoundError) as exc:  # the problem, the run directory, the options
+        return _usage(f"stitchcuda optimize: {one_line(exc.message)}")
+    except StitchError as exc:  # the model backend or the loop failed: the command ran, the answer is no
+        return _failed_run(run_dir, f"stitchcuda optimize: {one_line(exc.message)}")
     except (OSError, ImportError, AttributeError, TypeError, ValueError) as exc:  # a python: spec that does not import
-        return _usage(f"stitchcuda optimize: {type(exc).__name__}: {_one_line(str(exc))}")
+        return _usage(f"stitchcuda optimize: {type(exc).__name__}: {one_line(str(exc))}")
     except KeyboardInterrupt:
         progress.close()
         return interrupted(run_dir)
@@ -87,6 +98,25 @@ def run_program(args: argparse.Namespace, config: dict[str, Any] | None = None) 
     if out["unverified"]:
         print(UNVERIFIED)
     return EXIT_OK if out["best_attempt"] else EXIT_FAILURE
+
+
+FAILED = "failed.json"  # beside config.json when the loop ended on an error: what `runs list|show` say of the run
+
+
+def _failed_run(run_dir: str | Path, message: str) -> int:
+    """The loop ended on an error (the model backend, the loop itself): says so, and records it in the run
+    directory, which has no summary.json, so that `runs list` tells it from a run still going or killed."""
+    command, _, why = message.partition(": ")
+    if (Path(run_dir) / "config.json").is_file():
+        import datetime
+
+        when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        try:
+            (Path(run_dir) / FAILED).write_text(json.dumps({"error": why, "time": when}) + "\n", encoding="utf-8")
+        except OSError:
+            pass  # the message below is what matters; the run directory only repeats it
+        why += f" (the run is kept in {run_dir}; continue it with stitchcuda optimize --resume {run_dir})"
+    return refuse(command, why, EXIT_FAILURE)
 
 
 # ---- stitchcuda runs -----------------------------------------------------------------------------
@@ -127,8 +157,16 @@ def _run_info(run: Path) -> dict[str, Any]:
             "date": _run_date(run), "model": _llm_name(config), "mode": config.get("mode") or "",
             "attempts": attempts, "finished": bool(summary), "summary": summary,
             "best_speedup": summary.get("best_speedup", 0.0), "best_attempt": summary.get("best_attempt", 0),
-            "verified": summary.get("verified"), "stop_reason": summary.get("stop_reason") or "(running or interrupted)",
+            "verified": summary.get("verified"), "stop_reason": summary.get("stop_reason") or _unfinished(run),
             "plans": summary.get("plans", 0), "tokens": (summary.get("usage") or {}).get("total_tokens", 0)}
+
+
+def _unfinished(run: Path) -> str:
+    """The stop reason of a run without summary.json: the error it failed on, else still going or killed."""
+    failed = _read_json(run / FAILED)
+    if isinstance(failed, dict) and failed.get("error"):
+        return f"failed: {one_line(failed['error'])}"
+    return "(running or interrupted)"
 
 
 def _run_date(run: Path) -> str:
@@ -194,11 +232,12 @@ def _table(rows: list[list[str]]) -> str:
 
 
 def _runs_list(args: argparse.Namespace) -> int:
-    root = Path(args.root)
-    if not root.is_dir():
-        return _usage(f"stitchcuda runs list: no folder '{root}'")
-    runs = [_run_info(p) for p in sorted(root.iterdir()) if _is_run(p)]
-    if getattr(args, "json", False):
+    root = Path(args.root or "runs")
+    if args.root is not None and not root.is_dir():  # a folder named on purpose must exist
+        return refuse("stitchcuda runs list", f"no folder '{root}'", EXIT_USAGE, args.json)
+    # No runs folder yet (the default, nothing run here): no runs, not an error.
+    runs = [_run_info(p) for p in sorted(root.iterdir()) if _is_run(p)] if root.is_dir() else []
+    if args.json:
         print(json.dumps([_run_json(i) for i in runs]))
         return EXIT_OK
     if not runs:
@@ -233,7 +272,7 @@ def _runs_show(args: argparse.Namespace) -> int:
         for a in info["attempts"]:
             rows.append([f"{a['index']:03d}", str(a["plan"]), SKILLS.get(a["skill"], str(a["skill"])),
                          a["feedback_kind"] or "-", f"{a['speedup']:.3f}x" if a["speedup"] else "-",
-                         f"{a['reward']:.3f}", _one_line(a["outcome"])[:100]])
+                         f"{a['reward']:.3f}", one_line(a["outcome"])[:100]])
         print()
         print(_table(rows))
     return EXIT_OK
@@ -278,7 +317,7 @@ def _guard(run: Callable[[argparse.Namespace], int], what: str) -> Callable[[arg
         try:
             return run(args)
         except StitchError as exc:
-            return _usage(f"stitchcuda runs {what}: {_one_line(exc.message)}")
+            return refuse(f"stitchcuda runs {what}", one_line(exc.message), EXIT_USAGE, getattr(args, "json", False))
     return guarded
 
 
@@ -289,7 +328,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     sub = runs.add_subparsers(dest="runs_command", metavar="COMMAND")
     listing = sub.add_parser("list", help="one line per run: problem, attempts, best speed-up, date, model, "
                                           "stop reason")
-    listing.add_argument("--root", default="runs", help="folder holding the runs (default runs)")
+    listing.add_argument("--root", default=None, help="folder holding the runs (default runs; when it does not "
+                                                      "exist there are no runs)")
     listing.add_argument("--json", action="store_true", help="print a JSON array, one object per run")
     listing.set_defaults(run=_guard(_runs_list, "list"))
     show = sub.add_parser("show", help="a run's summary and one line per attempt")
@@ -307,11 +347,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 # ---- small helpers -------------------------------------------------------------------------------
 
 
-def _one_line(text: str) -> str:
-    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
-    return lines[0] if lines else ""
-
-
-def _usage(message: str) -> int:
-    print(message, file=sys.stderr)
-    return EXIT_USAGE
+def _usage(message: str, code: int = EXIT_USAGE) -> int:
+    """`stitchcuda optimize: why` / `stitchcuda runs list: why` on stderr; returns `code`."""
+    command, _, why = message.partition(": ")
+    return refuse(command, why, code)

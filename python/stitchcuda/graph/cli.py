@@ -17,7 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+from ..cli_support import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, BackendError, UsageError, at_least,
+                           check_llm, non_negative_float, one_line, refuse)
+
 MODES = ("graph", "program")
 
 # Options of one mode only (dest: flag), refused in the other so that nothing is silently ignored.
@@ -29,12 +31,11 @@ PROGRAM_ONLY = {"replans": "--replans", "target_speedup": "--target-speedup", "p
 AGENT_OPTIONS = {"run_dir": "--run-dir", "attempts": "--attempts", "tokens": "--tokens", "wall_s": "--wall-s"}
 
 
-def _usage(args: argparse.Namespace, message: str) -> int:
-    """A usage error: the message on stderr and, under --json, {"error": ...} on stdout."""
-    print(message, file=sys.stderr)
-    if getattr(args, "json", False):
-        print(json.dumps({"error": message.removeprefix("stitchcuda optimize: ")}))
-    return EXIT_USAGE
+def _usage(args: argparse.Namespace, message: str, code: int = EXIT_USAGE) -> int:
+    """An early end (a usage error unless `code` says otherwise): the message on stderr and, under --json,
+    {"error": ...} on stdout."""
+    return refuse("stitchcuda optimize", message.removeprefix("stitchcuda optimize: "), code,
+                  getattr(args, "json", False))
 
 
 def _given(args: argparse.Namespace, options: dict[str, str]) -> list[str]:
@@ -58,10 +59,33 @@ def run_mode(config: dict[str, Any] | None) -> str | None:
     return str(config.get("mode") or "program")
 
 
+def _build(task) -> tuple[Any, list[Any]]:
+    """Model(*get_init_inputs()) in eval mode (a problem file's Model is an inference reference, as the
+    Verifier runs it) and get_inputs(); the user's code ending the process with sys.exit is reported as such."""
+    from ..verify.task import TaskError
+
+    try:
+        return task.build_reference(0).eval(), task.make_inputs(0)
+    except SystemExit as exc:
+        raise TaskError(f"the problem called sys.exit({exc.code!r}) while building the model or its inputs") from None
+
+
+def _agents_not_run(report, agents: bool) -> str:
+    """Why the agents asked for with --llm did not run ("" when they ran or were not asked for)."""
+    import torch
+
+    if not agents or report.agents or report.run_dir:
+        return ""
+    if not torch.cuda.is_available():
+        return ("no CUDA GPU here: graph mode's agents verify and time each kernel they write on one, so only the "
+                "plan was made and compiled; the --llm set-up was checked (spec, key, server)")
+    return report.reason or "optimize() ended before the agents' stage"
+
+
 def _run_graph(args: argparse.Namespace, config: dict[str, Any] | None) -> int:
     import torch
 
-    from ..verify import Task
+    from ..verify.cli import load_problem
     from ..verify.task import TaskError
     from .optimize import optimize
 
@@ -85,19 +109,19 @@ def _run_graph(args: argparse.Namespace, config: dict[str, Any] | None) -> int:
             if getattr(args, dest) is not None:
                 kwargs[dest] = getattr(args, dest)
     try:
-        task = Task.from_file(problem)
-    except (TaskError, OSError) as exc:
+        task = load_problem(problem)
+        if agents:  # before any work: a model the agents cannot reach is known now, not after the plan
+            check_llm(kwargs["llm"])
+        model, inputs = _build(task)
+    except (UsageError, TaskError) as exc:  # the user's file, or the spec: one line, no traceback
         return _usage(args, f"stitchcuda optimize: {exc}")
-    try:
-        # A problem file's Model is an inference reference: eval mode, as the Verifier runs it.
-        model, inputs = task.build_reference(0).eval(), task.make_inputs(0)
-    except TaskError as exc:  # the user's file raised: one line, no traceback
-        return _usage(args, f"stitchcuda optimize: {exc}")
+    except BackendError as exc:
+        return _usage(args, f"stitchcuda optimize: {exc}", EXIT_FAILURE)
     if torch.cuda.is_available():
         model, inputs = model.cuda(), [t.cuda() if isinstance(t, torch.Tensor) else t for t in inputs]
     from .. import log
-    from ..agents.cli import EXIT_INTERRUPTED, interrupted
-    from ..errors import StitchError
+    from ..agents.cli import interrupted
+    from ..errors import InvalidArgumentError, NotFoundError, StitchError
 
     run_dir = None
     if agents:  # named here, not left to optimize(), so that a Ctrl-C can say which folder to resume
@@ -108,8 +132,10 @@ def _run_graph(args: argparse.Namespace, config: dict[str, Any] | None) -> int:
     try:
         fast = optimize(model, inputs, precision=args.precision or "fp32", compare_compile=not args.no_compile_baseline,
                         progress=not args.json and None, split_tf32=not args.sgemm, **kwargs)
-    except StitchError as exc:  # an unknown model spec, a run directory that is not one
-        return _usage(args, f"stitchcuda optimize: {exc.message.splitlines()[0] if exc.message else exc}")
+    except (InvalidArgumentError, NotFoundError) as exc:  # a run directory that is not one
+        return _usage(args, f"stitchcuda optimize: {one_line(exc.message) or exc}")
+    except StitchError as exc:  # the model backend failed while the agents ran
+        return _usage(args, f"stitchcuda optimize: {one_line(exc.message) or exc}", EXIT_FAILURE)
     except KeyboardInterrupt:
         if run_dir is None:
             print("stitchcuda optimize: interrupted (graph mode without --llm records no run: run the command again)",
@@ -128,16 +154,21 @@ def _run_graph(args: argparse.Namespace, config: dict[str, Any] | None) -> int:
                 fast.save(args.save)
             except OSError as exc:
                 not_saved = f"{type(exc).__name__}: {exc}"
+    skipped = _agents_not_run(fast.report, agents)
     if args.json:
         report = fast.report.to_dict()
         for g in report["groups"]:
             g.pop("source", None)
+        if skipped:
+            report["agents_not_run"] = skipped
         print(json.dumps(report, default=str))
     else:
         print(fast.report)
         if args.show_kernels:
             for g in fast.report.kernels:
                 print(f"\n// ---- {g['kernel']} ({g['strategy']}) ----\n{g['source']}")
+    if skipped:
+        print(f"stitchcuda optimize: the agents did not run: {skipped}", file=sys.stderr)
     if not_saved:  # after the report, so it is the last thing said
         print(f"stitchcuda optimize: {args.save} not written: {not_saved}", file=sys.stderr)
         return EXIT_FAILURE
@@ -168,29 +199,16 @@ def _run(args: argparse.Namespace) -> int:
 
         if args.llm is None and args.resume is None:
             return _usage(args, "stitchcuda optimize --mode program: give --llm SPEC (or --resume RUN_DIR)")
+        from ..verify.cli import load_problem
+        from ..verify.task import TaskError
+
+        try:
+            if args.problem is not None:  # the loop reads it again; bounded and preflighted here first
+                load_problem(args.problem)
+        except (UsageError, TaskError) as exc:
+            return _usage(args, f"stitchcuda optimize: {exc}")
         return agents_cli.run_program(args, config)
     return _run_graph(args, config)
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("at least 1")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError("0 or more")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError("0 or more")
-    return value
 
 
 def register(commands) -> None:
@@ -219,18 +237,18 @@ def register(commands) -> None:
     agents.add_argument("--run-dir", metavar="DIR", help="record the run here (default runs/<UTC time>-<name>)")
     agents.add_argument("--resume", metavar="RUN_DIR", help="continue the run recorded in RUN_DIR, with its saved budget "
                                                             "unless options below replace it")
-    agents.add_argument("--attempts", type=_positive_int, metavar="N",
+    agents.add_argument("--attempts", type=at_least(1), metavar="N",
                         help="candidates to verify (program: 8; graph: per target, 3)")
-    agents.add_argument("--tokens", type=_non_negative_int, metavar="N", help="token budget of the run (default: none)")
-    agents.add_argument("--wall-s", type=_non_negative_float, metavar="S", help="wall-time budget (default: none)")
+    agents.add_argument("--tokens", type=at_least(0), metavar="N", help="token budget of the run (default: none)")
+    agents.add_argument("--wall-s", type=non_negative_float, metavar="S", help="wall-time budget (default: none)")
     program = p.add_argument_group("program mode")
-    program.add_argument("--replans", type=_non_negative_int, metavar="N", help="new plans after the first (default 2)")
-    program.add_argument("--target-speedup", type=_non_negative_float, metavar="X",
+    program.add_argument("--replans", type=at_least(0), metavar="N", help="new plans after the first (default 2)")
+    program.add_argument("--target-speedup", type=non_negative_float, metavar="X",
                          help="stop once a correct candidate is X times faster than eager (default: no target)")
     program.add_argument("--prompts", metavar="DIR", help="prompt files (<name>.md) replacing the shipped ones")
     program.add_argument("--static-only", action="store_true",
                          help="compile and check candidates statically even where a GPU is present")
-    program.add_argument("--timeout", type=_non_negative_float, metavar="S",
+    program.add_argument("--timeout", type=non_negative_float, metavar="S",
                          help="seconds one model call may take, retries included (default 600; never more than "
                               "--wall-s)")
     program.add_argument("--judge", action="store_true",

@@ -6,32 +6,10 @@ under --json): exit 2 for a file that cannot be used, 3 without a GPU or CUPTI, 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
-
-class _BadProblem(Exception):
-    """The problem file cannot be used; the message is the one line the user sees."""
-
-
-def _load_problem(path: Path) -> ModuleType:
-    if not path.is_file():
-        raise _BadProblem(f"{path}: no such file")
-    spec = importlib.util.spec_from_file_location(f"_stitchcuda_problem_{path.stem}", path)
-    if spec is None or spec.loader is None:
-        raise _BadProblem(f"{path}: not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:  # the user's code: any failure is reported, never a traceback
-        raise _BadProblem(f"{path}: failed to load: {type(exc).__name__}: {exc}") from exc
-    missing = [name for name in ("Model", "get_inputs", "get_init_inputs") if not hasattr(module, name)]
-    if missing:
-        raise _BadProblem(f"{path}: not a KernelBench problem: it defines no {', '.join(missing)}")
-    return module
+from ..cli_support import EXIT_FAILURE, EXIT_NO_GPU, EXIT_OK, EXIT_USAGE, UsageError, at_least, refuse
 
 
 def _to_cuda(value):
@@ -45,14 +23,15 @@ def _to_cuda(value):
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..cli import EXIT_FAILURE, EXIT_NO_GPU, EXIT_OK, EXIT_USAGE, refuse
     from ..errors import StitchError
+    from ..verify.cli import load_problem
+    from ..verify.task import TaskError
     from . import available, profile
 
     path = Path(args.problem)
-    try:
-        problem = _load_problem(path)
-    except _BadProblem as exc:
+    try:  # bounded and imported first in a separate process, as `check` treats its reference
+        task = load_problem(path)
+    except (UsageError, TaskError) as exc:
         return refuse("stitchcuda profile", str(exc), EXIT_USAGE, args.json)
     ok, reason = available()
     if not ok:
@@ -60,9 +39,8 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     try:
-        init_inputs = problem.get_init_inputs()
-        model = problem.Model(*init_inputs).cuda().eval()
-        inputs = _to_cuda(list(problem.get_inputs()))
+        model = task.build_reference(0).cuda().eval()
+        inputs = _to_cuda(list(task.make_inputs(0)))
     except Exception as exc:  # the user's code
         return refuse("stitchcuda profile", f"{path}: building the model failed: {type(exc).__name__}: {exc}",
                       EXIT_FAILURE, args.json)
@@ -78,18 +56,11 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _top_k(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("at least 1")
-    return value
-
-
 def register(commands) -> None:
     """Adds the `profile` subcommand to the CLI's subparsers."""
     parser = commands.add_parser("profile", help="profile a KernelBench problem file on the GPU (docs/profile.md)")
     parser.add_argument("problem", metavar="PROBLEM.py", help="file defining Model, get_inputs, get_init_inputs")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    parser.add_argument("--top-k", type=_top_k, default=10, help="kernels to show (default 10)")
+    parser.add_argument("--top-k", type=at_least(1), default=10, help="kernels to show (default 10)")
     parser.add_argument("--no-metrics", action="store_true", help="skip hardware metrics (no kernel replay)")
     parser.set_defaults(run=_run)

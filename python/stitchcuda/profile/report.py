@@ -17,8 +17,8 @@ from typing import Any, Callable, Sequence
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import (DeviceCeilings, KernelMeasurement, KernelMetrics, RecordedTrace, Trace, TraceSummary, _native, advise,
-               available, classify, trace)
+from .tracing import (DeviceCeilings, KernelMeasurement, KernelMetrics, RecordedTrace, Trace, TraceSummary, native,
+                      advise, available, classify, trace)
 from ..errors import InvalidArgumentError, StitchError, UnavailableError
 
 # Percentages averaged (weighted by duration) over a kernel group's launches; byte counts and duration
@@ -53,7 +53,7 @@ class OpRecorder(TorchDispatchMode):
     def __init__(self, clock: Callable[[], int] | None = None) -> None:
         super().__init__()
         self.windows: list[OpWindow] = []
-        self._clock = clock or _native.timestamp_ns
+        self._clock = clock or native.timestamp_ns
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         start = self._clock()
@@ -318,7 +318,7 @@ def profile(fn: Callable[..., Any], *inputs: Any, top_k: int = 10, metrics: bool
     status = "off"
     if metrics:
         try:
-            collected = _native.collect_metrics(run, [], 1024)
+            collected = native.collect_metrics(run, [], 1024)
             metrics_by_kernel, note = match_metrics(measured.trace, collected)
             status = "collected" + (f" ({note})" if note else "")
         except StitchError as exc:  # permission, another profiler, too many launches: keep the profile

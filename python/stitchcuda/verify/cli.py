@@ -6,19 +6,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+from pathlib import Path
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+from ..cli_support import (EXIT_FAILURE, EXIT_NO_GPU, EXIT_OK, at_least, no_gpu_reason, problem_folder_importable,
+                           read_problem, refuse)
 
 
-def _trials(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if value < 5:
-        raise argparse.ArgumentTypeError("at least 5 trials")
-    return value
+def load_problem(path: str | Path):
+    """A problem file the commands take (`optimize`, `profile`) as a Task, with `check`'s bounds on its
+    reference: a regular file of at most 1 MiB, imported first in a separate sandboxed process
+    (verify.task.preflight), so that a file that crashes, exits or hangs while importing is an error naming
+    it, never the end of this process. Modules beside the file import. Raises cli_support.UsageError or
+    verify.TaskError with the one line to show."""
+    from .task import Task
+
+    text = read_problem(path)
+    problem_folder_importable(path)
+    return Task.from_source(text, Path(path).stem or "problem", filename=str(path), isolated=True)
 
 
 def register(commands) -> None:
@@ -30,7 +34,7 @@ def register(commands) -> None:
     check.add_argument("--json", action="store_true", help="print the report as one JSON object")
     check.add_argument("--static-only", action="store_true",
                        help="only NVRTC compile + static rules (no GPU needed; the verdict is unverified)")
-    check.add_argument("--trials", type=_trials, default=5, help="correctness trials (>= 5, default 5)")
+    check.add_argument("--trials", type=at_least(5, "trials"), default=5, help="correctness trials (>= 5, default 5)")
     check.add_argument("--device", choices=("cuda", "cpu"), default=None,
                        help="where the candidate runs (default: cuda when a GPU is present)")
     check.add_argument("--timing-iters", type=int, default=100, help="timed calls per measurement (default 100)")
@@ -38,7 +42,6 @@ def register(commands) -> None:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from ..cli import EXIT_NO_GPU, no_gpu_reason, refuse
     from .check import check
     from .config import VerifyConfig
 
