@@ -70,10 +70,21 @@ def fresh_cache(tmp_path: Path):
 
 
 @pytest.fixture
+def stitch_settings():
+    """Overrides stitchcuda.settings until the test ends: stitch_settings(relayout=False) or, as the environment
+    would hold it, stitch_settings(STITCHCUDA_SUITE_CHUNK="2/2") (None: as if unset)."""
+    from contextlib import ExitStack
+
+    from stitchcuda.settings import override
+
+    with ExitStack() as stack:
+        yield lambda **values: stack.enter_context(override(**values))
+
+
+@pytest.fixture
 def subprocess_env(tmp_path: Path) -> dict[str, str]:
     """Environment for child Pythons: this source tree importable, a private cache folder."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PYTHON_DIR), env.get("PYTHONPATH")]))
     env["STITCHCUDA_CACHE_DIR"] = str(tmp_path / "child-cache")
     return env
-

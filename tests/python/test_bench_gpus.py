@@ -76,9 +76,10 @@ def folder(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def _no_suite_environment(monkeypatch):
+def _no_suite_environment(monkeypatch, stitch_settings):
     for name in ("STITCHCUDA_SUITE_DIR", "STITCHCUDA_SUITE_ONLY", "STITCHCUDA_SUITE_CHUNK", "STITCHCUDA_TEST_SLOW_INIT"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name, raising=False)  # for the bench processes the tests start
+    stitch_settings(suite_dir=None, suite_only=None, suite_chunk=None)  # and for this one
 
 
 def _row_lines(stderr: str) -> list[dict]:
@@ -238,14 +239,14 @@ def test_runs_agree_within_the_stated_tolerance():
 # ---- usage ----
 
 
-def test_usage_errors(folder, tmp_path, monkeypatch, capsys):
+def test_usage_errors(folder, tmp_path, stitch_settings, capsys):
     assert main(["bench", str(folder), "--compile-only", "--gpus", "2", "--chunk", "1/2", "--json"]) == 2
     error = _strict_json(capsys.readouterr().out)["error"]
     assert "--gpus" in error and "--chunk" in error and "--only" in error
-    monkeypatch.setenv("STITCHCUDA_SUITE_CHUNK", "1/2")
+    stitch_settings(STITCHCUDA_SUITE_CHUNK="1/2")
     assert main(["bench", str(folder), "--compile-only", "--gpus", "2", "--json"]) == 2
     assert "STITCHCUDA_SUITE_CHUNK=1/2" in _strict_json(capsys.readouterr().out)["error"]
-    monkeypatch.delenv("STITCHCUDA_SUITE_CHUNK")
+    stitch_settings(STITCHCUDA_SUITE_CHUNK=None)
     assert main(["bench", str(folder), "--compile-only", "--scaling", "--results", str(tmp_path / "r.jsonl"),
                  "--json"]) == 2
     assert "drop --results" in _strict_json(capsys.readouterr().out)["error"]

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stitchcuda.bench import memory, suite
+from stitchcuda.bench import memory
+from stitchcuda.settings import settings
 
 MiB = 1 << 20
 
@@ -65,14 +66,14 @@ def test_no_trace_is_no_peak():
     assert unnamed["sites"][0]["where"] == "unknown (no stack recorded)"
 
 
-def test_the_bench_setting_is_a_count(monkeypatch):
-    monkeypatch.delenv("STITCHCUDA_MEMORY_SITES", raising=False)
-    assert suite._memory_sites() == 0
-    monkeypatch.setenv("STITCHCUDA_MEMORY_SITES", "6")
-    assert suite._memory_sites() == 6
-    monkeypatch.setenv("STITCHCUDA_MEMORY_SITES", "all")
+def test_the_bench_setting_is_a_count(stitch_settings):
+    stitch_settings(STITCHCUDA_MEMORY_SITES=None)
+    assert settings().memory_sites == 0
+    stitch_settings(STITCHCUDA_MEMORY_SITES="6")
+    assert settings().memory_sites == 6
+    stitch_settings(STITCHCUDA_MEMORY_SITES="all")
     with pytest.raises(ValueError, match="STITCHCUDA_MEMORY_SITES must be a whole number"):
-        suite._memory_sites()
+        settings().memory_sites
 
 
 @pytest.mark.gpu

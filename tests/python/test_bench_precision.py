@@ -93,9 +93,10 @@ def folder(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def _clean(monkeypatch):
+def _clean(monkeypatch, stitch_settings):
     for name in ("STITCHCUDA_SUITE_DIR", "STITCHCUDA_SUITE_ONLY", "STITCHCUDA_SUITE_CHUNK"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name, raising=False)  # for the bench processes the tests start
+    stitch_settings(suite_dir=None, suite_only=None, suite_chunk=None)  # and for this one
     before = _flags()
     yield
     assert _flags() == before, "a test left torch's precision flags changed"

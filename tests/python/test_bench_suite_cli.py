@@ -60,7 +60,7 @@ def folder(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def fake_gpu(monkeypatch):
+def fake_gpu(monkeypatch, stitch_settings):
     """A run without a GPU: run_model returns a synthetic row per problem and records which it ran."""
     ran: list[str] = []
 
@@ -75,6 +75,7 @@ def fake_gpu(monkeypatch):
 
     for name in ("STITCHCUDA_SUITE_DIR", "STITCHCUDA_SUITE_ONLY", "STITCHCUDA_SUITE_CHUNK"):
         monkeypatch.delenv(name, raising=False)
+    stitch_settings(suite_dir=None, suite_only=None, suite_chunk=None)  # this process reads stitchcuda.settings
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
     monkeypatch.setattr(suite, "run_model", run_model)
@@ -106,19 +107,19 @@ def test_selection_by_only_and_chunk(folder):
             suite.model_files(folder, chunk=bad)
 
 
-def test_default_folders(monkeypatch):
-    monkeypatch.setenv("STITCHCUDA_SUITE_DIR", "/elsewhere")
+def test_default_folders(stitch_settings):
+    stitch_settings(STITCHCUDA_SUITE_DIR="/elsewhere")
     assert suite.default_dir("suite") == Path("/elsewhere")
     # The suite's variable does not redirect kernelbench: its folder is the repository's bench/kernelbench.
     kb = ROOT / "bench" / "kernelbench"
     assert suite.default_dir("kernelbench") == (kb if kb.is_dir() else None)
-    monkeypatch.delenv("STITCHCUDA_SUITE_DIR")
+    stitch_settings(STITCHCUDA_SUITE_DIR=None)
     assert suite.default_dir("suite") == ROOT / "bench" / "suite"
 
 
-def test_flags_win_over_the_environment(folder, fake_gpu, monkeypatch, capsys):
-    monkeypatch.setenv("STITCHCUDA_SUITE_ONLY", "op_a,conv_b")
-    monkeypatch.setenv("STITCHCUDA_SUITE_CHUNK", "2/2")
+def test_flags_win_over_the_environment(folder, fake_gpu, stitch_settings, capsys):
+    stitch_settings(STITCHCUDA_SUITE_ONLY="op_a,conv_b")
+    stitch_settings(STITCHCUDA_SUITE_CHUNK="2/2")
     assert suite.run_suite("suite", folder=folder, json_output=True) == 0
     assert fake_gpu == ["op_a"]  # the environment's selection: conv_b, op_a, then the second of 2
     fake_gpu.clear()
@@ -128,12 +129,12 @@ def test_flags_win_over_the_environment(folder, fake_gpu, monkeypatch, capsys):
     assert [[m["model"] for m in _strict_json(line)["models"]] for line in out] == [["op_a"], ["gemm_c", "other_e"]]
 
 
-def test_suite_dir_from_the_environment_and_a_bad_chunk_from_it(folder, fake_gpu, monkeypatch, capsys):
-    monkeypatch.setenv("STITCHCUDA_SUITE_DIR", str(folder))
-    monkeypatch.setenv("STITCHCUDA_SUITE_CHUNK", "3/2")
+def test_suite_dir_from_the_environment_and_a_bad_chunk_from_it(folder, fake_gpu, stitch_settings, capsys):
+    stitch_settings(STITCHCUDA_SUITE_DIR=str(folder))
+    stitch_settings(STITCHCUDA_SUITE_CHUNK="3/2")
     assert suite.run(json_output=True) == 2
     assert "K/N" in _strict_json(capsys.readouterr().out)["error"] and fake_gpu == []
-    monkeypatch.setenv("STITCHCUDA_SUITE_CHUNK", "1/5")
+    stitch_settings(STITCHCUDA_SUITE_CHUNK="1/5")
     assert suite.run(json_output=True) == 0  # run() (scripts/gpu-check's call) takes folder and chunk from the env
     assert fake_gpu == ["conv_b"]
     report = _strict_json(capsys.readouterr().out)
@@ -393,8 +394,8 @@ def test_cli_without_a_gpu_returns_3_and_json_says_why(bench, monkeypatch, capsy
     assert capsys.readouterr().out.startswith(f"bench {bench}: no GPU")
 
 
-def test_cli_passes_the_flags_through(folder, fake_gpu, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("STITCHCUDA_SUITE_ONLY", "conv_b")
+def test_cli_passes_the_flags_through(folder, fake_gpu, tmp_path, stitch_settings, capsys):
+    stitch_settings(STITCHCUDA_SUITE_ONLY="conv_b")
     results = tmp_path / "r.jsonl"
     assert main(["bench", "kernelbench", "--dir", str(folder), "--only", "op_a,other_e", "--chunk", "2/2",
                  "--results", str(results), "--json"]) == 0

@@ -237,12 +237,12 @@ def test_golden_transformer_block_counts():
 # ---- the benchmark driver's CPU-side behaviour ----
 
 
-def test_bench_suite_finds_the_repository_folder_and_filters(monkeypatch):
-    monkeypatch.delenv("STITCHCUDA_SUITE_DIR", raising=False)
+def test_bench_suite_finds_the_repository_folder_and_filters(stitch_settings):
+    stitch_settings(STITCHCUDA_SUITE_DIR=None)
     assert suite.suite_dir() == SUITE
     picked = suite.model_files(SUITE, "softmax_rows, gemm_bias_relu,missing")
     assert [p.stem for p in picked] == ["gemm_bias_relu", "softmax_rows"]
-    monkeypatch.setenv("STITCHCUDA_SUITE_DIR", "/elsewhere")
+    stitch_settings(STITCHCUDA_SUITE_DIR="/elsewhere")
     assert suite.suite_dir() == Path("/elsewhere")
 
 

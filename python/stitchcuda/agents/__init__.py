@@ -14,21 +14,15 @@ with BM25 by the C++ `stitchcuda::agents::Retriever`.
 from __future__ import annotations
 
 import os
-from pathlib import Path
-
 from .. import _C
-from .loop import (BUDGET_DEFAULTS, NO_GPU, PROMPTS_DIR, ProblemPlan, PromptLibrary, extract_code, hardware,
-                   optimize_problem, problem_plan_schema, report_from_json)
+from .loop import (BUDGET_DEFAULTS, CORPUS_DIR, NO_GPU, PROMPTS_DIR, ProblemPlan, PromptLibrary, docs_folder,
+                   extract_code, hardware, optimize_problem, problem_plan_schema, report_from_json)
 from .trajectories import (TRAJECTORY_KEYS, TRAJECTORY_SCHEMA, read_trajectories, trajectory_record,
                            validate_trajectory)
 
-__all__ = ["Retriever", "CORPUS_DIR", "PROMPTS_DIR", "NO_GPU", "BUDGET_DEFAULTS", "hardware", "extract_code",
-           "ProblemPlan", "problem_plan_schema", "PromptLibrary", "report_from_json", "optimize_problem",
+__all__ = ["Retriever", "CORPUS_DIR", "docs_folder", "PROMPTS_DIR", "NO_GPU", "BUDGET_DEFAULTS", "hardware",
+           "extract_code", "ProblemPlan", "problem_plan_schema", "PromptLibrary", "report_from_json", "optimize_problem",
            "TRAJECTORY_SCHEMA", "TRAJECTORY_KEYS", "validate_trajectory", "read_trajectories", "trajectory_record"]
-
-# The corpus shipped with the package; STITCHCUDA_DOCS_DIR points retrieval at another folder.
-CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
-
 
 class Retriever:
     """BM25 over the `## ` sections of markdown files; each hit is {id, title, text, score}."""
@@ -39,7 +33,7 @@ class Retriever:
     @classmethod
     def default(cls) -> "Retriever":
         """The shipped corpus, or the folder named by STITCHCUDA_DOCS_DIR."""
-        return cls.from_folder(os.environ.get("STITCHCUDA_DOCS_DIR") or CORPUS_DIR)
+        return cls.from_folder(docs_folder())
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike) -> "Retriever":

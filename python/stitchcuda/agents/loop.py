@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping
 
 from .. import _C
 from ..log import get_logger
+from ..settings import settings
 
 __all__ = ["PROMPTS_DIR", "hardware", "extract_code", "ProblemPlan", "problem_plan_schema", "PromptLibrary",
            "report_from_json", "optimize_problem", "NO_GPU", "BUDGET_DEFAULTS"]
@@ -27,6 +28,13 @@ _log = get_logger(__name__)
 #: The prompt templates shipped with the package (planner, coder_plan, coder_feedback, answer_model_new,
 #: answer_kernel_step, replanner, verifier).
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
+# The corpus shipped with the package; STITCHCUDA_DOCS_DIR points retrieval at another folder.
+CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
+
+
+def docs_folder() -> Path:
+    """The folder the agents retrieve documentation from: STITCHCUDA_DOCS_DIR, else the shipped corpus."""
+    return settings().docs_dir or CORPUS_DIR
 #: What hardware() calls the machine when there is no GPU: candidates are compiled and checked statically.
 NO_GPU = "no GPU (compile-only verification)"
 
@@ -194,7 +202,7 @@ def _budget(given: Mapping[str, Any], saved: Mapping[str, Any] | None) -> dict[s
     return budget
 
 
-class _main_module_hidden:
+class main_module_hidden:
     """While verification workers are spawned, hides the __main__ module from multiprocessing (its
     ``__file__`` and ``__spec__``), so a child does not run the user's script again: one without an
     ``if __name__ == "__main__":`` guard would start the optimization over in every worker and fail with
@@ -202,7 +210,7 @@ class _main_module_hidden:
 
     _KEYS = ("__file__", "__spec__")
 
-    def __enter__(self) -> "_main_module_hidden":
+    def __enter__(self) -> "main_module_hidden":
         import sys
 
         self.main = sys.modules.get("__main__")
@@ -295,7 +303,7 @@ def optimize_problem(problem_path: str | os.PathLike | None, llm: Any, *, attemp
         pool = WorkerPool()
 
         def verify(candidate: str) -> str:
-            with _main_module_hidden():  # workers start lazily, inside check
+            with main_module_hidden():  # workers start lazily, inside check
                 return check(task, candidate if "\n" in candidate else candidate + "\n", config=config,
                              pool=pool).to_json()
     else:
@@ -316,7 +324,7 @@ def optimize_problem(problem_path: str | os.PathLike | None, llm: Any, *, attemp
                                                        float(budget["wall_s"]))}
     options = {"prompts_dir": os.fspath(PROMPTS_DIR), "prompts_override": os.fspath(prompts_dir) if prompts_dir else "",
                "judge": bool(judge),
-               "docs_dir": os.environ.get("STITCHCUDA_DOCS_DIR") or os.fspath(Path(__file__).resolve().parent / "corpus"),
+               "docs_dir": os.fspath(docs_folder()),
                **call_options}
     run_config = {"mode": "program", "problem": name, "problem_path": os.fspath(path.resolve()), "llm": llm_record,
                   "llm_spec": llm if isinstance(llm, str) else None, "budget": budget, "judge": bool(judge),

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from .. import _C
 from ..doctor import cuda_home, find_nvcc
+from ..settings import settings
 
 SKIP_LOAD_INLINE_ENV = "STITCHCUDA_BENCH_SKIP_LOAD_INLINE"
 LAUNCHES = 10_000
@@ -191,7 +192,7 @@ def _torch_arch(arch: str) -> str:
 
 
 def _load_inline_seconds(notes: dict[str, Any]) -> float | None:
-    if os.environ.get(SKIP_LOAD_INLINE_ENV, "") not in ("", "0"):
+    if settings().bench_skip_load_inline:
         notes["load_inline"] = f"skipped: {SKIP_LOAD_INLINE_ENV} is set"
         return None
     nvcc = find_nvcc()

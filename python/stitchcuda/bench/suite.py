@@ -161,6 +161,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.utils._pytree as pytree
 
+from ..settings import settings
 from . import memory
 
 REPEATS = 30
@@ -212,8 +213,7 @@ def _repository_folder(name: str) -> Path | None:
 
 def suite_dir() -> Path | None:
     """STITCHCUDA_SUITE_DIR, else the nearest `bench/suite` above this file (the repository's)."""
-    override = os.environ.get("STITCHCUDA_SUITE_DIR")
-    return Path(override) if override else _repository_folder("suite")
+    return settings().suite_dir or _repository_folder("suite")
 
 
 def default_dir(bench: str) -> Path | None:
@@ -743,17 +743,6 @@ def _record_report(row: dict, fast: Any) -> None:
         row["tf32x3_steps"] = sum(s["kind"] == "matmul" and s.get("precision") == "tf32x3" for s in fast.program.steps)
 
 
-def _memory_sites() -> int:
-    """STITCHCUDA_MEMORY_SITES: how many allocation sites of optimize()'s memory peak each row keeps
-    (`peak_sites`, bench.memory); 0 (unset) records nothing."""
-    text = os.environ.get("STITCHCUDA_MEMORY_SITES", "").strip()
-    if not text:
-        return 0
-    if not text.isdigit():
-        raise ValueError(f"STITCHCUDA_MEMORY_SITES must be a whole number of sites (e.g. 8), got {text!r}")
-    return int(text)
-
-
 def _stitch_column(row: dict, module: ModuleType, model: torch.nn.Module, inputs: tuple, want: Any,
                    reference: Any = None) -> None:
     from ..graph import optimize
@@ -762,7 +751,7 @@ def _stitch_column(row: dict, module: ModuleType, model: torch.nn.Module, inputs
     try:
         t0 = time.perf_counter()
         base = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
-        sites = _memory_sites()
+        sites = settings().memory_sites  # allocation sites of optimize()'s peak to keep (bench.memory); 0: none
         with memory.recording() if sites else contextlib.nullcontext():
             fast, row["optimize_peak_bytes"] = _peak_bytes(lambda: optimize(model, inputs, measure=False,
                                                                             progress=False, precision=precision))
@@ -1860,9 +1849,9 @@ def _refuse(bench: str, message: str, code: int, json_output: bool) -> int:
     return code
 
 
-def _setting(flag: str | None, env: str) -> str | None:
-    """The flag's value, else the environment's (flags win)."""
-    return flag if flag is not None else (os.environ.get(env) or None)
+def _setting(flag: str | None, name: str) -> str | None:
+    """The flag's value, else the setting `name`'s (flags win)."""
+    return flag if flag is not None else getattr(settings(), name)
 
 
 def _measure_all(files: list[Path], done: dict[str, dict], results: Path | None, json_output: bool, *,
@@ -1948,10 +1937,8 @@ def run_suite(bench: str = "suite", *, folder: Path | str | None = None, only: s
                        "pass --dir" + (" or set STITCHCUDA_SUITE_DIR" if bench == "suite" else ""),
                        EXIT_USAGE, json_output)
     chunk_from_flag = chunk is not None
-    only, chunk = _setting(only, "STITCHCUDA_SUITE_ONLY"), _setting(chunk, "STITCHCUDA_SUITE_CHUNK")
-    try:
-        if chunk:  # one from the environment (argparse has checked the flag's)
-            parse_chunk(chunk)
+    try:  # a bad STITCHCUDA_SUITE_CHUNK is refused here (argparse has checked the flag)
+        only, chunk = _setting(only, "suite_only"), _setting(chunk, "suite_chunk")
     except ValueError as exc:
         return _refuse(bench, str(exc), EXIT_USAGE, json_output)
     spread = (gpus > 1 or scaling) and queue is None

@@ -116,9 +116,9 @@ def _docs_dir(docs: bool | str | os.PathLike) -> str:
     if docs is False:
         return ""
     if docs is True:
-        from ..agents import CORPUS_DIR
+        from ..agents import docs_folder
 
-        return os.environ.get("STITCHCUDA_DOCS_DIR") or os.fspath(CORPUS_DIR)
+        return os.fspath(docs_folder())
     return os.fspath(docs)
 
 
