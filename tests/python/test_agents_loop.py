@@ -485,11 +485,11 @@ def test_a_script_without_a_main_guard_spawns_workers(tmp_path, subprocess_env):
     script = tmp_path / "user_script.py"
     script.write_text(textwrap.dedent('''
         import multiprocessing, sys, time
-        from stitchcuda.agents.loop import _main_module_hidden
+        from stitchcuda.agents.loop import main_module_hidden
         print("script body ran", flush=True)
         ctx = multiprocessing.get_context("spawn")
         if sys.argv[1] == "hidden":
-            with _main_module_hidden():
+            with main_module_hidden():
                 child = ctx.Process(target=time.sleep, args=(0,))
                 child.start()
             assert __file__.endswith("user_script.py")  # put back after the start

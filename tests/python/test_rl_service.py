@@ -10,8 +10,10 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import urllib.error
@@ -251,24 +253,46 @@ def test_the_trainers_functions_score_on_the_service(service):
         TRLReward(service=service.url, pool=object())
 
 
-def test_rows_with_their_own_reference_need_consent_beyond_loopback(service):
+def test_rows_come_from_the_services_sources_unless_inline_rows_are_allowed(service, tmp_path):
     from stitchcuda.rl import find_task
+    from stitchcuda.rl.service import source_references
 
     shipped = find_task(TASK)
     row = {"task_id": TASK, "reference": shipped["reference"]}
-    own = {"task_id": "mine/softmax", "reference": shipped["reference"].replace("dim = 8192", "dim = 4096")}
+    mine = shipped["reference"].replace("dim = 8192", "dim = 4096")
+    own = {"task_id": "mine/softmax", "reference": mine}
     completion = variant(6001)
-    assert service.allow_rows  # 127.0.0.1: rows are accepted
-    service.allow_rows = False  # what a service on 0.0.0.0 without --allow-rows does
+    assert not service.allow_rows and not service.sources  # the default, whatever the host
+    status, _, body = post(service.url + "/score", {"items": [{"task": own, "completion": completion}]})
+    assert status == 403 and body["error"]["kind"] == "row-refused", body
+    assert "items[0].task" in body["error"]["message"] and "--allow-rows" in body["error"]["message"]
+    with pytest.raises(InvalidArgumentError, match="not one of this service's sources"):
+        RewardClient(service.url).score([{"task": own, "completion": completion}])
+    status, _, body = post(service.url + "/score", {"items": [{"task": row, "completion": completion}]})
+    assert status == 200 and body["results"][0]["task_id"] == TASK  # a shipped task's own row is its id
+    # OpenRLHF's labels carry rows too: the same rule.
+    status, _, body = post(service.url + "/openrlhf", {"query": [completion], "prompts": [""],
+                                                       "labels": [json.dumps(own)]})
+    assert status == 403 and body["error"]["kind"] == "row-refused", body
+    # A configured source: the folder's problem file, matched by its text.
+    (tmp_path / "softmax_4096.py").write_text(mine)
+    service.sources = source_references([tmp_path])
     try:
-        status, _, body = post(service.url + "/score", {"items": [{"task": own, "completion": completion}]})
-        assert status == 400 and "--allow-rows" in body["error"]["message"]
-        status, _, body = post(service.url + "/score", {"items": [{"task": row, "completion": completion}]})
-        assert status == 200 and body["results"][0]["task_id"] == TASK  # a shipped task's own row is its id
+        status, _, body = post(service.url + "/score", {"items": [{"task": own, "completion": completion,
+                                                                   "mode": "static"}]})
+        assert status == 200 and body["results"][0]["task_id"] == "mine/softmax" and body["results"][0]["score"] > 0
+        other = dict(own, reference=mine + "\n# one more line\n")
+        assert post(service.url + "/score", {"items": [{"task": other, "completion": completion}]})[0] == 403
     finally:
-        service.allow_rows = True
-    by_row = RewardClient(service.url).score([{"task": own, "completion": completion, "mode": "static"}])[0]
+        service.sources = frozenset()
+    service.allow_rows = True  # --allow-rows
+    try:
+        by_row = RewardClient(service.url).score([{"task": own, "completion": variant(6002), "mode": "static"}])[0]
+    finally:
+        service.allow_rows = False
     assert by_row["task_id"] == "mine/softmax" and by_row["score"] > 0
+    with pytest.raises(InvalidArgumentError, match="not a folder"):
+        source_references([tmp_path / "missing"])
 
 
 def test_client_says_when_no_service_listens():
@@ -413,6 +437,141 @@ def test_sigterm_drains_the_command(tmp_path):
             proc.kill()
         print("serve reward said:\n" + proc.stdout.read())
         raise
+
+
+def exiting_row(marker: Path) -> dict:
+    """A dataset row whose reference writes its process id to `marker` and calls os._exit(0) while its inputs
+    are read; its get_inputs() builds its list (no literal to count), so reading the input count runs it."""
+    reference = textwrap.dedent(f'''
+        import os
+        import pathlib
+
+        import torch
+        import torch.nn as nn
+
+
+        class Model(nn.Module):
+            def forward(self, x):
+                return torch.softmax(x, dim=-1)
+
+
+        def get_inputs():
+            pathlib.Path({str(marker)!r}).write_text(str(os.getpid()))
+            os._exit(0)
+            return list(torch.randn(1, 4, 8192))
+    ''')
+    return {"task_id": "attack/exit_while_inputs_are_read", "reference": reference}
+
+
+def test_a_row_that_exits_reaches_no_service_process_and_sigterm_drains(tmp_path):
+    """`serve reward --allow-rows` as a user runs it: a row whose reference calls os._exit(0) while its inputs
+    are read is answered and a good batch after it too (the reference never ran in the service); a client
+    that sends half a body holds nothing: SIGTERM with nothing accepted pending exits 0 at once."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "stitchcuda", "serve", "reward", "--port", "0", "--devices", "cpu",
+                             "--allow-rows"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=tmp_path)
+    marker = tmp_path / "reference-ran"
+    try:
+        first = proc.stdout.readline()
+        url = re.search(r"http://127\.0\.0\.1:(\d+)", first)
+        assert url, first
+        port, url = int(url.group(1)), url.group(0)
+        wait_for(lambda: get(url + "/health")[1]["status"] == "ok", 120, "the service's worker")
+        status, _, bad = post(url + "/score", {"items": [{"task": exiting_row(marker), "completion": variant(7001),
+                                                          "mode": "static"}]})
+        assert status == 200 and ("score" in bad["results"][0] or bad["results"][0]["error"]["message"]), bad
+        assert not marker.exists() or int(marker.read_text()) != proc.pid  # never in the service's process
+        status, _, good = post(url + "/score", {"items": [{"task": TASK, "completion": variant(7002), "mode": "static"}]})
+        assert status == 200 and good["results"][0]["score"] > 0 and proc.poll() is None
+        half = socket.create_connection(("127.0.0.1", port))
+        half.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 500\r\n"
+                     b"\r\n{\"items\": [")
+        wait_for(lambda: get(url + "/metrics")[1]["in_flight"] == 0, 10, "nothing running")
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert time.monotonic() - started < 8  # the half-sent request was not waited for
+        half.close()
+        out = proc.stdout.read()
+        assert "stopped: 2 scored" in out and "drain timed out" not in out, out
+    except BaseException:
+        if proc.poll() is None:
+            proc.kill()
+        print("serve reward said:\n" + proc.stdout.read())
+        raise
+
+
+def raw(port: int, data: bytes, timeout: float = 10.0) -> bytes:
+    """What the server answers to `data` sent as is, until it closes the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(data)
+        chunks = []
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+
+
+def status_of(answer: bytes) -> int:
+    assert answer.startswith(b"HTTP/1."), answer[:200]
+    return int(answer.split(b" ", 2)[1])
+
+
+def test_bad_input_gets_a_4xx_with_its_reason(service):
+    port = service.address[1]
+    item = {"task": TASK, "completion": variant(8001), "mode": "static"}
+    status, _, body = post(service.url + "/score", {"items": [item], "deadline_s": 1e300})
+    assert status == 400 and "deadline_s" in body["error"]["message"] and "86400" in body["error"]["message"]
+    for depth in (100, 100000):  # beyond the service's limit, and beyond the JSON parser's recursion
+        data = ("[" * depth + "]" * depth).encode()
+        answer = raw(port, b"POST /score HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: "
+                     + str(len(data)).encode() + b"\r\n\r\n" + data)
+        assert status_of(answer) == 400 and b"nested more than 64 levels" in answer, answer[-300:]
+    for length in (b"abc", b"-5", b"1e9"):
+        answer = raw(port, b"POST /nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: " + length + b"\r\n\r\n{}")
+        assert status_of(answer) == 400 and b"Content-Length must be a number" in answer, answer
+    data = json.dumps({"items": [dict(item, completion="\ud800 " + item["completion"])]}).encode()
+    assert b"\\ud800" in data  # JSON's escape of a lone surrogate
+    status, _, body = post(service.url + "/score", json.loads(data))
+    assert status == 400 and "items[0].completion" in body["error"]["message"] and "surrogate" in body["error"]["message"]
+    # In Python, a lone surrogate is scored (as "?"), never a TypeError from the C++ reader.
+    scored = score_completion(TASK, "\ud800" + item["completion"], mode="static")
+    assert scored.score > 0 and scored.code
+    assert get(service.url + "/health")[0] == 200  # and the service lives on
+
+
+def test_slow_clients_time_out_and_cannot_grow_threads():
+    with RewardService(RewardPool(["cpu"], 1, warm=False), port=0, read_timeout_s=1.0, max_connections=4) as s:
+        port = s.address[1]
+        before = threading.active_count()
+        held = []
+        for i in range(12):  # half a request line each: a slow client's connections
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            sock.sendall(b"POST /sco")
+            held.append(sock)
+        time.sleep(0.3)
+        assert threading.active_count() <= before + 4 and s.server.open_connections <= 4
+        answers = []
+        for sock in held:  # the four served time out after 1 s of silence; the rest were told 503 at once
+            chunks = []
+            while True:
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+            answers.append(b"".join(chunks))
+            sock.close()
+        busy = [a for a in answers if a.startswith(b"HTTP/1.1 503")]
+        assert len(busy) == 8 and all(b"Retry-After: 1" in a for a in busy), answers
+        assert all(not a or a.startswith(b"HTTP/1.1 408") for a in answers if a not in busy), answers
+        wait_for(lambda: s.server.open_connections == 0, 5, "the slow connections to close")
+        wait_for(lambda: threading.active_count() <= before, 5, "their threads to end")
+        # Half a body: 408 with the reason, after read_timeout_s.
+        answer = raw(port, b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"items\"")
+        assert status_of(answer) == 408 and b"stopped arriving" in answer, answer
+        assert get(s.url + "/health")[0] in (200, 503)
 
 
 def test_pool_api_without_http():

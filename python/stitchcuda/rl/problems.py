@@ -18,7 +18,8 @@ from typing import Any, Iterable
 
 from ..errors import InvalidArgumentError, NotFoundError
 
-__all__ = ["SHIPPED_SETS", "shipped_dirs", "read_problem", "problem_rows", "tasks", "find_task", "input_counts"]
+__all__ = ["SHIPPED_SETS", "shipped_dirs", "shipped_rows", "read_problem", "problem_rows", "problem_files", "tasks",
+           "find_task", "input_counts"]
 
 # The sets the package ships, by name: (folder in the installed package, folder in a source checkout).
 # A wheel carries them under stitchcuda/rl/problems/ (CMakeLists.txt installs them); a checkout reads the
@@ -178,11 +179,12 @@ def read_problem(path: str | os.PathLike | None = None, *, source: str | None = 
     }
 
 
-def input_counts(source: str) -> tuple[int | None, int | None]:
+def input_counts(source: str, *, load: bool = True) -> tuple[int | None, int | None]:
     """(constructor arguments, forward inputs) a problem gives, None where it cannot be told; cached.
     Read from the AST (a returned list literal); only a problem whose functions build their lists
-    otherwise is loaded, and its functions run on the meta device."""
-    key = hashlib.sha256(source.encode()).hexdigest()
+    otherwise is loaded, and its functions run on the meta device — in this process, so ``load=False``
+    for a problem this process must not run (a client's dataset row): the AST alone."""
+    key = hashlib.sha256(source.encode("utf-8", "surrogatepass")).hexdigest()
     with _lock:
         if key in _counts:
             return _counts[key]
@@ -191,6 +193,8 @@ def input_counts(source: str) -> tuple[int | None, int | None]:
     except (SyntaxError, ValueError, RecursionError):
         return None, None
     counts = (_returned_length(tree, "get_init_inputs"), _returned_length(tree, "get_inputs"))
+    if None in counts and not load:
+        return counts
     if None in counts:
         init, inputs, _, _ = _meta_inputs(source, "reference")
         counts = (len(init) if init is not None else counts[0], len(inputs) if inputs is not None else counts[1])
@@ -206,7 +210,8 @@ _counts: dict[str, tuple[int | None, int | None]] = {}
 # ---- folders and the shipped set --------------------------------------------------------------------
 
 
-def _problem_files(folder: Path) -> Iterable[Path]:
+def problem_files(folder: Path) -> Iterable[Path]:
+    """The problem files of ``folder``: ``*.py`` at any depth, less those (or folders) named ``_*`` or ``.*``."""
     for path in sorted(folder.rglob("*.py")):
         if path.name.startswith("_") or any(p.startswith((".", "_")) for p in path.relative_to(folder).parts[:-1]):
             continue
@@ -223,13 +228,13 @@ def problem_rows(folder: str | os.PathLike | None = None) -> list[dict[str, Any]
             raise NotFoundError("the shipped task set is missing: neither stitchcuda/rl/problems/ (an installed "
                                 "wheel) nor the repository's bench/ folders exist; pass a folder of problems")
         for set_name, path in found.items():
-            rows += [read_problem(p, set_name=set_name, relative=p.relative_to(path)) for p in _problem_files(path)]
+            rows += [read_problem(p, set_name=set_name, relative=p.relative_to(path)) for p in problem_files(path)]
         return rows
     root = Path(folder)
     if not root.is_dir():
         raise NotFoundError(f"the task folder {os.fspath(folder)!r} does not exist or is not a folder")
     set_name = root.name
-    rows = [read_problem(p, set_name=set_name, relative=p.relative_to(root)) for p in _problem_files(root)]
+    rows = [read_problem(p, set_name=set_name, relative=p.relative_to(root)) for p in problem_files(root)]
     if not rows:
         raise InvalidArgumentError(f"the task folder {os.fspath(folder)!r} holds no .py problem files")
     return rows
@@ -238,7 +243,8 @@ def problem_rows(folder: str | os.PathLike | None = None) -> list[dict[str, Any]
 _shipped: dict[str, dict[str, Any]] | None = None
 
 
-def _shipped_rows() -> dict[str, dict[str, Any]]:
+def shipped_rows() -> dict[str, dict[str, Any]]:
+    """{task id: row} of the shipped sets, read once per process."""
     global _shipped
     with _lock:
         if _shipped is not None:
@@ -252,7 +258,7 @@ def _shipped_rows() -> dict[str, dict[str, Any]]:
 def find_task(task_id: str) -> dict[str, Any]:
     """The shipped task called `task_id` ("kernelbench/op_gelu_6gb", or a stem such as "op_gelu_6gb" when
     only one set has it). NotFoundError lists near names."""
-    rows = _shipped_rows()
+    rows = shipped_rows()
     if task_id in rows:
         return rows[task_id]
     by_stem = [r for r in rows.values() if r["name"] == task_id]
@@ -275,5 +281,5 @@ def tasks(folder: str | os.PathLike | None = None):
         import datasets
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError("stitchcuda.rl.tasks needs the datasets package: pip install 'stitchcuda[rl]'") from exc
-    rows = list(_shipped_rows().values()) if folder is None else problem_rows(folder)
+    rows = list(shipped_rows().values()) if folder is None else problem_rows(folder)
     return datasets.Dataset.from_list(rows)

@@ -155,10 +155,10 @@ def _row(task: Mapping[str, Any], rendered: Mapping[str, Any], *, skill: int, pl
 
 
 def _task_rows(tasks: Any) -> list[dict[str, Any]]:
-    from .problems import _shipped_rows, problem_rows
+    from .problems import shipped_rows, problem_rows
 
     if tasks is None:
-        return list(_shipped_rows().values())
+        return list(shipped_rows().values())
     if isinstance(tasks, (str, os.PathLike)):
         return problem_rows(tasks)
     return [dict(t) for t in tasks]  # a datasets.Dataset or rows
@@ -204,9 +204,9 @@ def skill2_rows(runs: str | os.PathLike | Iterable[str | os.PathLike], *, hardwa
     would be asked. hardware: default the run's own (config.json). A task whose reference is a shipped
     one takes its id; others are "run/<problem>". Graph-mode targets answer kernel steps, which the
     reward does not score: left out unless kernel_steps."""
-    from .problems import _shipped_rows
+    from .problems import shipped_rows
 
-    by_hash = {hashlib.sha256(r["reference"].encode()).hexdigest(): r for r in _shipped_rows().values()}
+    by_hash = {hashlib.sha256(r["reference"].encode()).hexdigest(): r for r in shipped_rows().values()}
     rows = []
     for run in _run_dirs(runs):
         reference = (run / "problem.py").read_text(encoding="utf-8")

@@ -89,6 +89,24 @@ class RewardConfig:
             raise InvalidArgumentError(f"RewardConfig has no field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**data)
 
+    @classmethod
+    def of(cls, raw: Any, where: str = "config") -> "RewardConfig":
+        """A RewardConfig from itself, a dict of its fields or None (the defaults); anything else, or a bad
+        field, is InvalidArgumentError naming ``where`` (the request field or option it came from)."""
+        if raw is None:
+            return cls()
+        if isinstance(raw, cls):
+            return raw
+        if not isinstance(raw, Mapping):
+            raise InvalidArgumentError(f"{where} must be a RewardConfig or an object of its fields (tau, r_max, "
+                                       f"lambda_plan, lambda_feedback, static_credit, verify), not {type(raw).__name__}")
+        try:
+            return cls.from_dict(raw)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"{where}: {exc.message}") from None
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"{where}: {exc}") from None
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["verify"] = self.verify.to_dict() if self.verify is not None else None
@@ -167,15 +185,19 @@ class _TaskInfo:
     reference: str
     task: Any = None                        # a stitchcuda.verify.Task, built when first needed
     counts: tuple[int | None, int | None] | None = None
+    # A reference that may run in this process: a shipped task's, or a Task the caller built. A dataset
+    # row's is not (it may come from a reward service's client): it runs in the sandboxed workers only.
+    trusted: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def verify_task(self, mode: str):
         """The Task the Verifier judges against. A static check reads only the reference's source, so it
-        gets the source as it is; a GPU check a Task loaded (in a separate process first) and checked."""
+        gets the source as it is; a GPU check of a trusted reference a Task loaded (in a separate process
+        first) and checked; of a row's reference the source alone, which the Verifier's worker loads."""
         from ..verify import Task
 
         name = self.task_id.replace("/", "__")
-        if mode == "static":
+        if mode == "static" or not self.trusted:
             return self.task if self.task is not None else Task(name=name, source=self.reference)
         with self.lock:
             if self.task is None:
@@ -183,11 +205,12 @@ class _TaskInfo:
             return self.task
 
     def input_counts(self) -> tuple[int | None, int | None]:
+        """(constructor arguments, forward inputs) of the problem; a row's read from its AST alone."""
         from .problems import input_counts
 
         with self.lock:
             if self.counts is None:
-                self.counts = input_counts(self.reference)
+                self.counts = input_counts(self.reference, load=self.trusted)
             return self.counts
 
 
@@ -200,32 +223,55 @@ def _task_info(task: Any) -> _TaskInfo:
     / NotFoundError say what is wrong (a caller's mistake, not the reply's)."""
     from ..verify import Task
 
+    from .problems import find_task
+
+    counts = None
     if isinstance(task, Task):
         if task.source is None:
-            info = _TaskInfo(task.name, "", task=task)
-            return info
-        task_id, reference = task.name, task.source
+            return _TaskInfo(task.name, "", task=task, trusted=True)
+        task_id, reference, trusted = task.name, task.source, True
     elif isinstance(task, Mapping):
         task_id, reference = task.get("task_id"), task.get("reference")
         if not isinstance(task_id, str) or not isinstance(reference, str) or not reference.strip():
             raise InvalidArgumentError("a task row needs 'task_id' (a string) and 'reference' (the problem's source); "
-                                       f"got keys {sorted(task)[:10]}")
+                                       f"got keys {sorted(map(str, task))[:10]}")
+        try:
+            shipped = find_task(task_id)
+        except (LookupError, InvalidArgumentError):
+            shipped = None
+        trusted = shipped is not None and shipped["reference"] == reference  # a shipped task's own row
+        if trusted:
+            counts = _row_counts(shipped)
     elif isinstance(task, str):
-        from .problems import find_task
-
         row = find_task(task)
-        task_id, reference = row["task_id"], row["reference"]
+        task_id, reference, trusted, counts = row["task_id"], row["reference"], True, _row_counts(row)
     else:
         raise InvalidArgumentError(f"task must be a stitchcuda.verify.Task, a dataset row or a task id, not "
                                    f"{type(task).__name__}")
-    key = task_id + ":" + hashlib.sha256(reference.encode()).hexdigest()
+    key = f"{'trusted' if trusted else 'row'}:{task_id}:" + hashlib.sha256(reference.encode("utf-8", "surrogatepass")).hexdigest()
     with _tasks_lock:
         info = _tasks.get(key)
         if info is None:
-            info = _tasks[key] = _TaskInfo(task_id, reference, task=task if isinstance(task, Task) else None)
+            info = _tasks[key] = _TaskInfo(task_id, reference, task=task if isinstance(task, Task) else None,
+                                           counts=counts, trusted=trusted)
             if len(_tasks) > 4096:  # a long run over generated tasks: keep the newest
                 _tasks.pop(next(iter(_tasks)))
         return info
+
+
+def _row_counts(row: Mapping[str, Any]) -> tuple[int | None, int | None]:
+    """A shipped row's input counts (read when the set was loaded; -1 where they could not be told)."""
+    return tuple(n if isinstance(n, int) and n >= 0 else None for n in (row["num_init_inputs"], row["num_inputs"]))
+
+
+def _utf8(text: str) -> str:
+    """``text`` with each lone UTF-16 surrogate (no character: JSON lets a client send one) as "?": the
+    reply reaches the C++ reader, which takes UTF-8 only, and the score says what the code was."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def _previous(previous: Any) -> tuple[str, dict | None, list[str]]:
@@ -330,16 +376,6 @@ def _mode(mode: str) -> str:
     return mode
 
 
-def _config(config: Any) -> RewardConfig:
-    if config is None:
-        return RewardConfig()
-    if isinstance(config, RewardConfig):
-        return config
-    if isinstance(config, Mapping):
-        return RewardConfig.from_dict(config)
-    raise InvalidArgumentError(f"config must be a RewardConfig, a dict of its fields or None, not {type(config).__name__}")
-
-
 def _zero(task_id: str, reason: str, attempt: Mapping[str, Any], **extra: Any) -> Scored:
     """A reply that never reached the Verifier: 0, with the rubric's floor (every item 1) in its parts."""
     parts = {name: 0.0 for name in PART_NAMES}
@@ -372,15 +408,16 @@ def score_completion(task: Any, completion: Any, *, skill: int = 1, previous: di
     started = time.perf_counter()
     if skill not in (1, 2) or isinstance(skill, bool):
         raise InvalidArgumentError(f"skill must be 1 (from the plan) or 2 (from feedback), got {skill!r}")
-    config = _config(config)
+    config = RewardConfig.of(config)
     mode = _mode(mode)
     info = _task_info(task)
     prev_code, prev_report, prev_asks = _previous(previous)
+    prev_code, feedback = _utf8(prev_code), _utf8(feedback or "")
     if asks is not None:
-        asks = [str(a) for a in asks]
+        asks = [_utf8(str(a)) for a in asks]
     else:
-        asks = (prev_asks or asks_of_feedback(feedback)) if skill == 2 else []
-    scored = _score(info, completion_text(completion), skill=skill, prev_code=prev_code, prev_report=prev_report,
+        asks = [_utf8(a) for a in (prev_asks or asks_of_feedback(feedback))] if skill == 2 else []
+    scored = _score(info, _utf8(completion_text(completion)), skill=skill, prev_code=prev_code, prev_report=prev_report,
                     asks=asks, mode=mode, config=config, pool=pool)
     scored.asks = asks
     scored.wall_s = time.perf_counter() - started
@@ -435,7 +472,7 @@ def _verify(info: _TaskInfo, code: str, mode: str, config: RewardConfig, pool: A
 
 
 class _MainHidden:
-    """The agents' loop's guard (agents.loop._main_module_hidden) for many threads at once: while any
+    """The agents' loop's guard (agents.loop.main_module_hidden) for many threads at once: while any
     check runs — workers start inside it — the __main__ module is hidden from multiprocessing, so a
     training script without an ``if __name__ == "__main__":`` guard is not run again in each worker. The
     first thread in hides it, the last one out restores it."""
@@ -448,9 +485,9 @@ class _MainHidden:
     def __enter__(self) -> "_MainHidden":
         with self._lock:
             if self._inside == 0:
-                from ..agents.loop import _main_module_hidden
+                from ..agents.loop import main_module_hidden
 
-                self._guard = _main_module_hidden().__enter__()
+                self._guard = main_module_hidden().__enter__()
             self._inside += 1
         return self
 

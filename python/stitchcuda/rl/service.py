@@ -22,12 +22,22 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..errors import InternalError, InvalidArgumentError, StitchError, UnavailableError
-from .workers import MODES, Rejected, RewardItem, RewardPool, _reward_config
+from .rows import label_row, openrlhf_batch, openrlhf_result, reply_of, task_of
+from .score import RewardConfig, Scored
+from .workers import MAX_DEADLINE_S, MODES, Rejected, RewardItem, RewardPool
 
 __all__ = ["RewardService", "RewardClient", "register", "DEFAULT_PORT"]
 
 DEFAULT_PORT = 8750
 MAX_BODY_BYTES = 64 << 20
+# A client that sends nothing for this long (half a request line, half a body, an idle keep-alive) is
+# answered 408 or dropped: a slow client ties up one handler thread for at most this long.
+READ_TIMEOUT_S = 30.0
+# Connections served at once (a handler thread each); the next ones get 503 at once. Bounds the threads a
+# crowd of slow clients can make.
+MAX_CONNECTIONS = 256
+# JSON nested deeper than this is refused before anything walks it (Python's parser and encoder recurse).
+MAX_JSON_DEPTH = 64
 ROUTES = ("POST /score", "POST /openrlhf", "GET /health", "GET /metrics")
 
 
@@ -35,6 +45,50 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 128  # connections the kernel holds while every handler is busy
+    max_connections = MAX_CONNECTIONS
+
+    def server_bind(self) -> None:
+        self._open = 0
+        self._open_lock = threading.Lock()
+        super().server_bind()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._open_lock:
+            full = self._open >= self.max_connections
+            if not full:
+                self._open += 1
+        if full:  # answered here, without a thread: the reply is small and the socket's buffer takes it
+            body = json.dumps(_error("busy", f"the service serves {self.max_connections} connections at once and "
+                                             "all are taken; retry in a second")).encode()
+            try:
+                request.settimeout(1.0)
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                b"Retry-After: 1\r\nConnection: close\r\nContent-Length: "
+                                + str(len(body)).encode() + b"\r\n\r\n" + body)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._closed_one()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._closed_one()
+
+    def _closed_one(self) -> None:
+        with self._open_lock:
+            self._open -= 1
+
+    @property
+    def open_connections(self) -> int:
+        with self._open_lock:
+            return self._open
 
 
 class RewardService:
@@ -43,21 +97,31 @@ class RewardService:
 
     ``mode``: the mode of items that name none ("auto": the full check on GPU workers, static checks on
     CPU ones). ``config``: the RewardConfig of items that name none (None: score_completion's default).
+
+    Dataset rows (an item whose task carries its own reference problem) are taken only from the service's
+    sources: the shipped sets and the folders of problems in ``sources``, matched by the reference's text;
+    any other row is refused (403) unless ``allow_rows`` is set. Whatever its origin, a row's reference
+    runs only in the sandboxed Verifier workers, never in this process. ``read_timeout_s`` and
+    ``max_connections`` bound what slow or many clients can hold.
     """
 
     def __init__(self, pool: RewardPool, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, mode: str = "auto",
-                 config: Any = None, allow_rows: bool | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-                 log: bool = False) -> None:
+                 config: Any = None, allow_rows: bool = False, sources: Sequence[str | os.PathLike] = (),
+                 max_body_bytes: int = MAX_BODY_BYTES, read_timeout_s: float = READ_TIMEOUT_S,
+                 max_connections: int = MAX_CONNECTIONS, log: bool = False) -> None:
         if mode not in MODES:
             raise InvalidArgumentError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if not (isinstance(read_timeout_s, (int, float)) and 0 < read_timeout_s <= 3600):
+            raise InvalidArgumentError(f"read_timeout_s must be a number of seconds in (0, 3600], got {read_timeout_s!r}")
+        if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
+            raise InvalidArgumentError(f"max_connections must be an integer >= 1, got {max_connections!r}")
         self.pool = pool
-        # A dataset row brings its own reference problem, which is run in this process (trusted code, as
-        # every reference is): accepted from this machine only, unless asked for. Rows that are a shipped
-        # task's own (same id, same source) are always fine.
-        self.allow_rows = _is_loopback(host) if allow_rows is None else bool(allow_rows)
+        self.allow_rows = bool(allow_rows)
+        self.sources = source_references(sources)
         self.mode = mode
-        self.config = _reward_config(config, "config") if config is not None else None
+        self.config = RewardConfig.of(config, "config") if config is not None else None
         self.max_body_bytes = max_body_bytes
+        self.read_timeout_s = float(read_timeout_s)
         self.log = log
         self._active = 0  # POST requests being answered
         self._active_cond = threading.Condition()
@@ -68,6 +132,7 @@ class RewardService:
         except OSError as exc:
             raise UnavailableError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (pick another --port, or "
                                    "--port 0 for any free one)") from None
+        self.server.max_connections = max_connections
 
     @property
     def address(self) -> tuple[str, int]:
@@ -139,15 +204,18 @@ class RewardService:
             return 400, _error("bad-request", "'items' must be a non-empty list of {task, completion, ...}"), {}
         deadline = body.get("deadline_s")
         if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
-                                     or not deadline > 0):
-            return 400, _error("bad-request", f"deadline_s must be a positive number of seconds, got {deadline!r:.40}"), {}
+                                     or not 0 < deadline <= MAX_DEADLINE_S):
+            return 400, _error("bad-request", f"deadline_s must be a number of seconds above 0 and at most "
+                                              f"{MAX_DEADLINE_S:g}, got {deadline!r:.40}"), {}
         try:
-            config = _reward_config(body["config"], "config") if body.get("config") is not None else self.config
+            config = RewardConfig.of(body["config"], "config") if body.get("config") is not None else self.config
             mode = body.get("mode", self.mode)
             if mode not in MODES:
                 raise InvalidArgumentError(f"mode must be one of {', '.join(MODES)}, got {mode!r:.40}")
             items = [RewardItem.from_json(it, f"items[{i}]", config=config, mode=mode) for i, it in enumerate(raw_items)]
-            self._vet_rows(items)
+            refused = self._vet_rows(items)
+            if refused:
+                return 403, _error("row-refused", refused), {}
             tickets = self.pool.submit(items, deadline)
         except InvalidArgumentError as exc:
             return 400, _error("bad-request", str(exc)), {}
@@ -161,75 +229,108 @@ class RewardService:
         {"rewards", "scores", "extra_logs"}, read and answered as rl.trainers.openrlhf_reply does, each
         reply scored through this pool (queue, cache, deadlines). "reasons" holds each score's reason; an
         item that could not be scored (its deadline passed) gets 0 and says why there."""
-        from . import trainers
-        from .score import Scored
-
         try:
-            queries, prompts, labels = _openrlhf_batch(body)
-            rows = [trainers._label_row(label) for label in labels]
-            replies = [trainers._reply_of(q, p) for q, p in zip(queries, prompts)]
+            queries, prompts, labels = openrlhf_batch(body)
             items = []
-            for row, completion in zip(rows, replies):
-                task, keywords = trainers._task_of(row)
-                items.append(RewardItem(task, completion, mode=self.mode, config=self.config, **keywords))
-            self._vet_rows(items)
+            for i, (label, query, prompt) in enumerate(zip(labels, queries, prompts)):
+                task, keywords = task_of(label_row(label))
+                item = RewardItem(task, reply_of(query, prompt), mode=self.mode, config=self.config, **keywords)
+                item.check(f"labels[{i}]")
+                items.append(item)
+            refused = self._vet_rows(items)
+            if refused:
+                return 403, _error("row-refused", refused), {}
             tickets = self.pool.submit(items)
         except InvalidArgumentError as exc:
             return 400, _error("bad-request", str(exc)), {}
         except Rejected as exc:
             return _rejected(exc)
         scored = [Scored.from_reply(t.result()) for t in tickets]
-        reply = trainers._openrlhf_result(scored)
+        reply = openrlhf_result(scored)
         reply["reasons"] = [s.reason for s in scored]  # beside extra_logs, which OpenRLHF logs as numbers
         return 200, reply, {}
 
-    def _vet_rows(self, items: Sequence[RewardItem]) -> None:
-        """Turns rows that are a shipped task's own into its id; refuses other rows unless allowed."""
-        if self.allow_rows:
-            return
+    def _vet_rows(self, items: Sequence[RewardItem]) -> str:
+        """Turns rows that are a shipped task's own into its id and keeps rows of the configured sources;
+        returns why the first other row is refused ("" when none is, or inline rows are allowed)."""
         from .problems import find_task
 
         for i, item in enumerate(items):
             if not isinstance(item.task, Mapping):
                 continue
-            task_id = item.task.get("task_id")
+            task_id, reference = item.task.get("task_id"), item.task.get("reference")
             try:
                 shipped = find_task(task_id) if isinstance(task_id, str) else None
             except (LookupError, InvalidArgumentError):
                 shipped = None
-            if shipped is not None and shipped["reference"] == item.task.get("reference"):
-                item.task = task_id
+            if shipped is not None and shipped["reference"] == reference:
+                item.task = shipped["task_id"]
                 continue
-            raise InvalidArgumentError(f"items[{i}].task is a dataset row with its own reference problem, and this "
-                                       "service (listening beyond this machine) takes task ids of the shipped sets "
-                                       "only: a reference runs in the service's process. Send the task id, or start "
-                                       "the service with --allow-rows if every client is trusted")
+            if self.allow_rows or (isinstance(reference, str) and _digest(reference) in self.sources):
+                continue
+            where = "the shipped sets" + (f" and {len(self.sources)} problem(s) of --tasks" if self.sources else "")
+            return (f"items[{i}].task is a dataset row whose reference problem is not one of this service's sources "
+                    f"({where}); rows from elsewhere are refused. Send a shipped task id, add the problem's folder "
+                    "with --tasks DIR, or start the service with --allow-rows to score inline rows (their "
+                    "references run in the sandboxed workers only)")
+        return ""
 
 
-def _is_loopback(host: str) -> bool:
-    import ipaddress
+def source_references(folders: Sequence[str | os.PathLike]) -> frozenset[str]:
+    """The SHA-256 of every problem file (``*.py``, recursively) in ``folders``: the rows a service takes
+    besides the shipped sets. Read as text, never run; a folder that is missing or holds no problem is an
+    InvalidArgumentError naming it."""
+    from pathlib import Path
 
-    if host in ("localhost", ""):
-        return host == "localhost"
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    from .problems import problem_files
+
+    found: set[str] = set()
+    for folder in folders:
+        root = Path(folder)
+        if not root.is_dir():
+            raise InvalidArgumentError(f"--tasks {os.fspath(folder)}: not a folder; give a folder of KernelBench-format "
+                                       "problem files")
+        paths = list(problem_files(root))
+        if not paths:
+            raise InvalidArgumentError(f"--tasks {os.fspath(folder)}: holds no .py problem files")
+        for path in paths:
+            try:
+                found.add(_digest(path.read_text(encoding="utf-8")))
+            except (OSError, UnicodeDecodeError) as exc:
+                raise InvalidArgumentError(f"--tasks {os.fspath(folder)}: cannot read {path.name} ({exc}); problem "
+                                           "files are UTF-8 text") from None
+    return frozenset(found)
 
 
-def _openrlhf_batch(body: Any) -> tuple[list[str], list[str], list[Any]]:
-    if not isinstance(body, Mapping) or not isinstance(body.get("query"), list) \
-            or not all(isinstance(q, str) for q in body["query"]):
-        raise InvalidArgumentError("the body must be a JSON object with 'query' (a list of strings), 'prompts' and "
-                                   "'labels' (lists of the same length)")
-    queries = body["query"]
-    prompts = body.get("prompts") or [""] * len(queries)
-    labels = body.get("labels") or [None] * len(queries)
-    if not isinstance(prompts, list) or not isinstance(labels, list) or not len(queries) == len(prompts) == len(labels):
-        raise InvalidArgumentError(f"'query', 'prompts' and 'labels' must be lists of one length: got "
-                                   f"{len(queries)} queries, {len(prompts) if isinstance(prompts, list) else '?'} "
-                                   f"prompts, {len(labels) if isinstance(labels, list) else '?'} labels")
-    return queries, prompts, labels
+def _digest(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def json_problem(value: Any) -> str:
+    """Why a request's JSON cannot be taken ("" when it can): nesting deeper than MAX_JSON_DEPTH, or a
+    string holding a lone UTF-16 surrogate (JSON's "\\ud800" without its pair), which is no character and
+    cannot reach the Verifier as text. Walked without recursion."""
+    stack: list[tuple[Any, str, int]] = [(value, "body", 1)]
+    while stack:
+        node, where, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            return f"the body's JSON is nested more than {MAX_JSON_DEPTH} levels deep (at {where[:80]})"
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return (f"{where[:80]} holds a lone UTF-16 surrogate (U+{ord(node[exc.start]):04X} at character "
+                        f"{exc.start}): it is no character; send valid Unicode (a character outside the BMP as a "
+                        "surrogate pair, or UTF-8)")
+        elif isinstance(node, dict):
+            for key, item in node.items():
+                stack.append((key, f"{where} key", depth + 1))
+                stack.append((item, f"{where}.{key}" if where != "body" else str(key), depth + 1))
+        elif isinstance(node, list):
+            stack.extend((item, f"{where}[{i}]", depth + 1) for i, item in enumerate(node))
+    return ""
 
 
 def _error(kind: str, message: str, **extra: Any) -> dict[str, Any]:
@@ -249,6 +350,7 @@ def _handler(service: RewardService) -> type[BaseHTTPRequestHandler]:
         # The status line and headers go out in one write and the body in another: with Nagle's algorithm
         # the body would wait for the client's delayed ACK (~40 ms a reply).
         disable_nagle_algorithm = True
+        timeout = service.read_timeout_s  # every read and write of the socket (StreamRequestHandler.setup)
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
             if service.log:
@@ -257,16 +359,18 @@ def _handler(service: RewardService) -> type[BaseHTTPRequestHandler]:
         def _send(self, status: int, body: Any, headers: Mapping[str, str] | None = None,
                   content_type: str = "application/json") -> None:
             data = body.encode() if isinstance(body, str) else json.dumps(body, default=str).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            for k, v in (headers or {}).items():
-                self.send_header(k, v)
-            self.end_headers()
             try:
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(data)))
+                if self.close_connection:
+                    self.send_header("Connection", "close")
+                for k, v in (headers or {}).items():
+                    self.send_header(k, v)
+                self.end_headers()
                 self.wfile.write(data)
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the client went away; the result stays in the cache
+            except OSError:  # the client went away or stopped reading; the result stays in the cache
+                self.close_connection = True
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
             url = urllib.parse.urlsplit(self.path)
@@ -284,51 +388,79 @@ def _handler(service: RewardService) -> type[BaseHTTPRequestHandler]:
 
         def do_POST(self) -> None:  # noqa: N802
             path = urllib.parse.urlsplit(self.path).path
-            if path not in ("/score", "/openrlhf"):
-                self._drain_body()
-                self._send(404, _error("not-found", f"no route POST {path}; routes: {', '.join(ROUTES)}"))
+            length, problem = self._length()
+            if problem is None and path not in ("/score", "/openrlhf"):
+                problem = 404, _error("not-found", f"no route POST {path}; routes: {', '.join(ROUTES)}")
+                if length <= service.max_body_bytes:  # read it, so the connection can serve the next request
+                    problem = self._read(length)[1] or problem
+                else:
+                    self.close_connection = True
+            if problem is not None:
+                self._send(*problem)
                 return
+            body, problem = self._read_json(length)
+            if problem is not None:
+                self._send(*problem)
+                return
+            # Counted from here: a request whose body is still arriving holds nothing a drain must wait for.
             with service._active_cond:
                 service._active += 1
             try:
-                body, problem = self._read_json()
-                if problem is not None:
-                    self._send(*problem)
-                    return
-                try:
-                    status, reply, headers = (service.score if path == "/score" else service.openrlhf)(body)
-                except Exception as exc:  # noqa: BLE001 - a bug answers 500 with its text, the server lives on
-                    status, reply, headers = 500, _error("internal", f"{type(exc).__name__}: {exc}"), {}
+                status, reply, headers = (service.score if path == "/score" else service.openrlhf)(body)
+            except Exception as exc:  # noqa: BLE001 - a bug answers 500 with its text, the server lives on
+                status, reply, headers = 500, _error("internal", f"{type(exc).__name__}: {exc}"), {}
+            try:
                 self._send(status, reply, headers)
             finally:
                 with service._active_cond:
                     service._active -= 1
                     service._active_cond.notify_all()
 
-        def _drain_body(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            if 0 < length <= service.max_body_bytes:
-                self.rfile.read(length)
-            elif length:
+        def _length(self) -> tuple[int, tuple | None]:
+            """The body's length from Content-Length, or the 4xx reply for a missing, malformed or too large
+            one (the connection is closed then: where the body ends is unknown)."""
+            raw = self.headers.get("Content-Length")
+            if raw is None or self.headers.get("Transfer-Encoding"):
                 self.close_connection = True
-
-        def _read_json(self) -> tuple[Any, tuple | None]:
-            try:
-                length = int(self.headers.get("Content-Length") or -1)
-            except ValueError:
-                length = -1
-            if length < 0:
+                return 0, (411, _error("bad-request", "send the body with a Content-Length header (chunked transfer "
+                                                      "encoding is not read)"))
+            if not raw.strip().isdigit():
                 self.close_connection = True
-                return None, (411, _error("bad-request", "send the body with a Content-Length header"))
+                return 0, (400, _error("bad-request", f"Content-Length must be a number of bytes, got {raw[:40]!r}"))
+            length = int(raw)
             if length > service.max_body_bytes:
                 self.close_connection = True
-                return None, (413, _error("too-large", f"the body has {length} bytes, more than the "
-                                                       f"{service.max_body_bytes} allowed: send smaller batches"))
-            data = self.rfile.read(length)
+                return length, (413, _error("too-large", f"the body has {length} bytes, more than the "
+                                                         f"{service.max_body_bytes} allowed: send smaller batches"))
+            return length, None
+
+        def _read(self, length: int) -> tuple[bytes, tuple | None]:
+            """The body, or 408 when the client stops sending it for read_timeout_s."""
             try:
-                return json.loads(data), None
+                data = self.rfile.read(length)
+            except (TimeoutError, OSError):
+                data = b""
+            if len(data) < length:
+                self.close_connection = True
+                return data, (408, _error("timeout", f"the body stopped arriving ({len(data)} of {length} bytes after "
+                                                     f"{service.read_timeout_s:g} s without data); send it whole"))
+            return data, None
+
+        def _read_json(self, length: int) -> tuple[Any, tuple | None]:
+            data, problem = self._read(length)
+            if problem is not None:
+                return None, problem
+            try:
+                body = json.loads(data)
+            except RecursionError:
+                return None, (400, _error("bad-request", f"the body's JSON is nested more than {MAX_JSON_DEPTH} levels "
+                                                         "deep: send items as {task, completion, ...} objects"))
             except (ValueError, UnicodeDecodeError) as exc:
                 return None, (400, _error("bad-request", f"the body is not valid JSON: {exc}"))
+            why = json_problem(body)
+            if why:
+                return None, (400, _error("bad-request", why))
+            return body, None
 
     return Handler
 
@@ -448,7 +580,7 @@ class RewardClient:
                     attempt += 1
                     time.sleep(min(self.max_retry_wait_s, _retry_after(exc.headers.get("Retry-After"), attempt)))
                     continue
-                if status in (400, 404, 411, 413):
+                if 400 <= status < 500 and status != 429:  # the request's fault: bad, refused, too large
                     raise InvalidArgumentError(message, http_status=status) from None
                 if status in (429, 503):
                     raise UnavailableError(message + f" (after {attempt} retries)", http_status=status,
@@ -509,10 +641,12 @@ def register(commands: argparse._SubParsersAction) -> None:
                         "cluster, 'local' starts one here, or ray://HOST:PORT")
     p.add_argument("--drain-timeout", type=float, default=None, metavar="S",
                    help="on SIGTERM, longest wait for accepted items (default: --deadline)")
+    p.add_argument("--tasks", action="append", default=[], metavar="DIR",
+                   help="a folder of KernelBench-format problems whose rows (task_id + the file's text as reference) "
+                        "are scored, besides the shipped sets (repeatable); other rows are refused with 403")
     p.add_argument("--allow-rows", action="store_true",
-                   help="accept dataset rows with their own reference problem from every client (a reference runs "
-                        "in the service's process); without it only a loopback --host accepts them, and other hosts "
-                        "send task ids (or rows of the shipped sets)")
+                   help="score dataset rows with any reference problem (every client is trusted to send problems); "
+                        "references run in the sandboxed workers only, never in the service's process")
     p.add_argument("--log", action="store_true", help="print one line per HTTP request on stderr")
     p.set_defaults(run=serve_reward)
 
@@ -527,7 +661,7 @@ def _load_config(path: str | None) -> Any:
         raise InvalidArgumentError(f"--config {path}: cannot read it ({exc.strerror})") from None
     except ValueError as exc:
         raise InvalidArgumentError(f"--config {path}: not valid JSON ({exc})") from None
-    return _reward_config(data, f"--config {path}")
+    return RewardConfig.of(data, f"--config {path}")
 
 
 def build_pool(args: argparse.Namespace) -> RewardPool:
@@ -545,22 +679,10 @@ def build_pool(args: argparse.Namespace) -> RewardPool:
 
 
 def serve_reward(args: argparse.Namespace) -> int:
-    """`stitchcuda serve reward`: serves until SIGTERM or Ctrl-C, then drains and exits 0."""
-    try:
-        config = _load_config(args.config)
-        pool = build_pool(args)
-    except StitchError as exc:
-        print(f"serve reward: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, InvalidArgumentError) else 1
-    try:
-        service = RewardService(pool, args.host, args.port, mode=args.mode, config=config,
-                                allow_rows=True if args.allow_rows else None, log=args.log)
-    except StitchError as exc:
-        pool.close()
-        print(f"serve reward: {exc}", file=sys.stderr)
-        return 1
+    """`stitchcuda serve reward`: serves until SIGTERM or Ctrl-C, then drains and exits 0 (1 when the drain
+    timed out with accepted items unanswered; a second signal stops at once with 1)."""
     stop = threading.Event()
-    signals = []
+    signals: list[int] = []
 
     def on_signal(number: int, _frame: Any) -> None:
         signals.append(number)
@@ -568,22 +690,42 @@ def serve_reward(args: argparse.Namespace) -> int:
             os._exit(1)
         stop.set()
 
+    # Installed before the workers start: a signal while they warm up stops the service cleanly too.
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _serve(args, stop, signals)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _serve(args: argparse.Namespace, stop: threading.Event, signals: list[int]) -> int:
+    try:
+        config = _load_config(args.config)
+        sources = source_references(args.tasks)
+        pool = build_pool(args)
+    except StitchError as exc:
+        print(f"serve reward: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, InvalidArgumentError) else 1
+    try:
+        service = RewardService(pool, args.host, args.port, mode=args.mode, config=config,
+                                allow_rows=args.allow_rows, log=args.log)
+    except StitchError as exc:
+        pool.close()
+        print(f"serve reward: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, InvalidArgumentError) else 1
+    service.sources = sources
     service.start()
     kinds = {d.device for d in pool.slots}
     print(f"stitchcuda reward service on {service.url} ({len(pool.slots)} worker(s) on {', '.join(sorted(kinds))}"
           f"{' through Ray' if args.ray else ''}, mode {args.mode}, queue {pool.queue_size}, deadline "
-          f"{pool.deadline_s:g} s)", flush=True)
-    try:
-        while not stop.wait(0.5):
-            pass
-        m = pool.metrics()
-        print(f"stitchcuda reward service: {signal.Signals(signals[0]).name}, draining ({m['in_flight']} in flight, "
-              f"{m['queue_depth']} queued)", flush=True)
-        drained = service.shutdown(args.drain_timeout if args.drain_timeout is not None else args.deadline)
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
+          f"{pool.deadline_s:g} s, {'any' if args.allow_rows else 'source'} rows)", flush=True)
+    while not stop.wait(0.5):
+        pass
+    m = pool.metrics()
+    print(f"stitchcuda reward service: {signal.Signals(signals[0]).name}, draining ({m['in_flight']} in flight, "
+          f"{m['queue_depth']} queued)", flush=True)
+    drained = service.shutdown(args.drain_timeout if args.drain_timeout is not None else args.deadline)
     m = pool.metrics()
     print(f"stitchcuda reward service stopped: {m['done']} scored, {m['failed']} failed, {m['rejected']} rejected, "
           f"{m['cache']['hits']} cache hits{'' if drained else ' (drain timed out)'}", flush=True)

@@ -22,6 +22,7 @@ import threading
 from typing import Any, Callable, Mapping, Sequence
 
 from stitchcuda.errors import InvalidArgumentError
+from stitchcuda.rl.rows import TASK_KEYS, label_row, openrlhf_batch, openrlhf_result, reply_of, task_label, task_of
 from stitchcuda.rl.score import PART_NAMES, RewardConfig, Scored, completion_text, score_completion
 
 __all__ = ["StitchReward", "TRLReward", "AsyncTRLReward", "compute_score", "verl_rows", "reward_func",
@@ -29,29 +30,6 @@ __all__ = ["StitchReward", "TRLReward", "AsyncTRLReward", "compute_score", "verl
 
 #: verl's data_source for StitchCUDA rows.
 DATA_SOURCE = "stitchcuda"
-# The columns of a prompt dataset row that say what a reply is scored against (stitchcuda.rl.prompts).
-_TASK_KEYS = ("task_id", "reference", "skill", "previous", "feedback", "asks")
-
-
-def _task_of(row: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """(the task score_completion takes, its keywords) from one row's task columns."""
-    task_id, reference = row.get("task_id"), row.get("reference")
-    if not isinstance(task_id, str) or not task_id:
-        raise InvalidArgumentError("a row to score needs a 'task_id' column (stitchcuda.rl.skill1_dataset() rows have "
-                                   f"it); got {sorted(row)[:12]}")
-    task: Any = {"task_id": task_id, "reference": reference} if isinstance(reference, str) and reference.strip() else task_id
-    skill = row.get("skill") or 1
-    previous = row.get("previous")
-    if isinstance(previous, str):
-        previous = json.loads(previous) if previous.strip().startswith("{") else {"code": previous}
-    if isinstance(previous, Mapping) and not previous.get("code"):
-        previous = None
-    asks = row.get("asks")
-    if asks is not None:
-        asks = list(asks)
-    if int(skill) == 2 and not asks:
-        asks = None  # score_completion takes them from previous["asks"]
-    return task, {"skill": int(skill), "previous": previous, "feedback": row.get("feedback") or "", "asks": asks}
 
 
 class StitchReward:
@@ -89,14 +67,14 @@ class StitchReward:
     def score_one(self, row: Mapping[str, Any], completion: Any) -> Scored:
         if self._client is not None:
             return self._remote([row], [completion])[0]
-        task, keywords = _task_of(row)
+        task, keywords = task_of(row)
         return score_completion(task, completion, mode=self.mode, config=self.config, pool=self.pool, **keywords)
 
     def _remote(self, rows: Sequence[Mapping[str, Any]], completions: Sequence[Any]) -> list[Scored]:
         """The (row, completion) pairs scored by the service, in one request."""
         items = []
         for row, completion in zip(rows, completions):
-            task, keywords = _task_of(row)
+            task, keywords = task_of(row)
             item = {"task": task, "completion": completion, "skill": keywords["skill"]}
             for key in ("previous", "feedback", "asks"):
                 if keywords.get(key):
@@ -108,7 +86,7 @@ class StitchReward:
                 for row, reply in zip(rows, replies)]
 
     def _key(self, row: Mapping[str, Any], completion: Any) -> str:
-        fields = [str(row.get(k)) for k in _TASK_KEYS] + [completion_text(completion)]
+        fields = [str(row.get(k)) for k in TASK_KEYS] + [completion_text(completion)]
         return hashlib.sha256("\x00".join(fields).encode("utf-8", "surrogatepass")).hexdigest()
 
     def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -122,7 +100,7 @@ class StitchReward:
         if len(rows) != len(completions):
             raise InvalidArgumentError(f"{len(completions)} completions for {len(rows)} rows")
         for row in rows:
-            _task_of(row)  # a dataset without the task columns fails here, once, before any work
+            task_of(row)  # a dataset without the task columns fails here, once, before any work
         keys = [self._key(r, c) for r, c in zip(rows, completions)]
         first = {k: i for i, k in reversed(list(enumerate(keys)))}
         if self._client is not None:  # one request; the service scores the distinct replies on its pool
@@ -137,7 +115,7 @@ class StitchReward:
         if len(rows) != len(completions):
             raise InvalidArgumentError(f"{len(completions)} completions for {len(rows)} rows")
         for row in rows:
-            _task_of(row)
+            task_of(row)
         keys = [self._key(r, c) for r, c in zip(rows, completions)]
         first = {k: i for i, k in reversed(list(enumerate(keys)))}
         loop = asyncio.get_running_loop()
@@ -247,30 +225,6 @@ def _shared_reward(mode: str, config: Any, service: str | None = None) -> Stitch
         return _shared[key]
 
 
-def task_label(row: Mapping[str, Any]) -> str:
-    """The JSON a row's task travels as through a trainer that carries one string (verl's ground_truth,
-    OpenRLHF's label): task_id, reference, skill, previous, feedback, asks."""
-    return json.dumps({k: row.get(k) for k in _TASK_KEYS if row.get(k) is not None})
-
-
-def _label_row(label: Any, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """A row's task columns from a label (task_label's JSON, a task id, or a dict) and verl's extra_info."""
-    row: dict[str, Any] = {}
-    if isinstance(label, Mapping):
-        row.update(label)
-    elif isinstance(label, str) and label.strip().startswith("{"):
-        try:
-            row.update(json.loads(label))
-        except ValueError:
-            raise InvalidArgumentError(f"the label is not valid JSON: {label[:80]!r}") from None
-    elif isinstance(label, str) and label.strip():
-        row["task_id"] = label.strip()
-    for key in _TASK_KEYS:
-        if extra and extra.get(key) is not None and key not in row:
-            row[key] = extra[key]
-    return row
-
-
 def _verl_result(s: Scored) -> dict[str, Any]:
     return {"score": s.score, **{k: float(v) for k, v in s.parts.items()}, "reason": s.reason}
 
@@ -290,9 +244,9 @@ def compute_score(data_source: str | None = None, solution_str: str | None = Non
         n = len(solution_strs)
         infos = list(extra_infos) if extra_infos is not None else [None] * n
         truths = list(ground_truths) if ground_truths is not None else [None] * n
-        rows = [_label_row(t, e) for t, e in zip(truths, infos)]
+        rows = [label_row(t, e) for t, e in zip(truths, infos)]
         return [_verl_result(s) for s in reward.score_batch(rows, list(solution_strs))]
-    row = _label_row(ground_truth, extra_info)
+    row = label_row(ground_truth, extra_info)
     return _verl_result(reward.score_one(row, solution_str or ""))
 
 
@@ -309,25 +263,6 @@ def verl_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 # ---- OpenRLHF ----------------------------------------------------------------------------------------
 
 
-def _reply_of(query: str, prompt: str) -> str:
-    """The model's reply inside OpenRLHF's query (the prompt and the reply decoded together, special
-    tokens kept): what follows the prompt. "" when the prompt cannot be found: never the prompt's own
-    example code, which would be scored as if the model had written it."""
-    if not prompt:
-        return query
-    at = query.rfind(prompt)
-    if at >= 0:
-        return query[at + len(prompt):]
-    tail = prompt[-200:]  # a tokenizer round trip may change the prompt's start (BOS, spaces)
-    at = query.rfind(tail)
-    return query[at + len(tail):] if at >= 0 else ""
-
-
-def _openrlhf_result(scored: list[Scored]) -> dict[str, Any]:
-    return {"rewards": [s.score for s in scored], "scores": [s.score for s in scored],
-            "extra_logs": {**{p: [float(s.parts[p]) for s in scored] for p in PART_NAMES}}}
-
-
 def reward_func(queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any], **kwargs: Any) -> dict[str, Any]:
     """OpenRLHF's local reward function (``--remote_rm_url`` naming this file): {"rewards", "scores",
     "extra_logs": {part: [...]}} for the batch. labels: task_label() JSON (``--label_key label`` over
@@ -336,25 +271,16 @@ def reward_func(queries: Sequence[str], prompts: Sequence[str], labels: Sequence
     queries, prompts, labels = list(queries), list(prompts or [""] * len(queries)), list(labels or [None] * len(queries))
     if not len(queries) == len(prompts) == len(labels):
         raise InvalidArgumentError(f"{len(queries)} queries, {len(prompts)} prompts and {len(labels)} labels: one each")
-    rows = [_label_row(label) for label in labels]
-    replies = [_reply_of(q, p) for q, p in zip(queries, prompts)]
-    return _openrlhf_result(reward.score_batch(rows, replies))
+    rows = [label_row(label) for label in labels]
+    replies = [reply_of(q, p) for q, p in zip(queries, prompts)]
+    return openrlhf_result(reward.score_batch(rows, replies))
 
 
 def openrlhf_reply(body: Mapping[str, Any], *, mode: str = "auto", config: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The answer to OpenRLHF's remote reward request: POST {"query": [...], "prompts": [...], "labels": [...]}
     -> {"rewards", "scores", "extra_logs"}. A body that is not that shape is InvalidArgumentError (the
     service answers it with 400)."""
-    if not isinstance(body, Mapping) or not isinstance(body.get("query"), list):
-        raise InvalidArgumentError("the body must be a JSON object with 'query' (a list of strings), 'prompts' and "
-                                   "'labels' (lists of the same length)")
-    queries = body["query"]
-    if not all(isinstance(q, str) for q in queries):
-        raise InvalidArgumentError("'query' must be a list of strings")
-    prompts = body.get("prompts") or [""] * len(queries)
-    labels = body.get("labels") or [None] * len(queries)
-    if not isinstance(prompts, list) or not isinstance(labels, list):
-        raise InvalidArgumentError("'prompts' and 'labels' must be lists")
+    queries, prompts, labels = openrlhf_batch(body)
     return reward_func(queries, prompts, labels, mode=mode, config=config)
 
 

@@ -12,20 +12,20 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
-import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from ..errors import InvalidArgumentError, StitchError, UnavailableError
+from .score import MODES, RewardConfig, score_completion
 
 __all__ = ["RewardItem", "Slot", "LocalSlot", "RewardPool", "Rejected", "resolve_mode", "run_item",
-           "local_devices", "MODES", "Ticket"]
+           "local_devices", "MODES", "Ticket", "MAX_DEADLINE_S"]
 
-MODES = ("auto", "gpu", "static")
 MAX_COMPLETION_CHARS = 1 << 20  # the Verifier reads at most 1 MiB of candidate source
 DEFAULT_DEADLINE_S = 600.0
+MAX_DEADLINE_S = 86400.0  # a day: beyond it a deadline means "never", which a queue cannot promise
 DEFAULT_QUEUE_PER_WORKER = 64
 DEFAULT_CACHE_SIZE = 4096
 LATENCY_WINDOW = 2048  # jobs whose latencies the percentiles are taken over
@@ -93,7 +93,7 @@ class RewardItem:
             raise InvalidArgumentError(f"{where}.asks must be a list of strings")
         raw = data.get("config")
         if raw is not None:
-            config = _reward_config(raw, f"{where}.config")
+            config = RewardConfig.of(raw, f"{where}.config")
         item = cls(task=dict(task) if isinstance(task, Mapping) else task, completion=completion, skill=skill,
                    previous=data.get("previous"), feedback=feedback, mode=data.get("mode", mode), config=config,
                    asks=asks)
@@ -128,7 +128,7 @@ class RewardItem:
             raise InvalidArgumentError(f"{where}.skill must be 1 (from the plan) or 2 (from feedback), "
                                        f"got {self.skill!r:.40}")
         if self.config is not None:
-            self.config = _reward_config(self.config, f"{where}.config")
+            self.config = RewardConfig.of(self.config, f"{where}.config")
 
     @property
     def task_id(self) -> str:
@@ -168,21 +168,6 @@ def _task_identity(task: Any) -> str:
     return f"task:{getattr(task, 'name', '')}:{key if isinstance(key, str) else id(task)}"
 
 
-def _reward_config(raw: Any, where: str) -> Any:
-    """A RewardConfig from its dict form, or InvalidArgumentError naming ``where``."""
-    from .score import RewardConfig
-
-    if isinstance(raw, RewardConfig):
-        return raw
-    if not isinstance(raw, Mapping):
-        raise InvalidArgumentError(f"{where} must be an object of RewardConfig fields (tau, r_max, lambda_plan, "
-                                   f"lambda_feedback, static_credit, verify), got {type(raw).__name__}")
-    try:
-        return RewardConfig.from_dict(raw)
-    except (InvalidArgumentError, TypeError, ValueError) as exc:
-        raise InvalidArgumentError(f"{where}: {exc}") from None
-
-
 def _config_identity(config: Any) -> str:
     if config is None:
         return "default"
@@ -201,12 +186,6 @@ def resolve_mode(mode: str, device: str) -> str:
 
 
 # ---- one scoring -------------------------------------------------------------------------------------
-
-
-def _score_completion() -> Callable[..., Any]:
-    from .score import score_completion
-
-    return score_completion
 
 
 def _killed_from_outside(raw: Mapping[str, Any] | None) -> str | None:
@@ -234,14 +213,13 @@ def run_item(item: RewardItem, pool: Any, device: str, retries: int = 1) -> dict
         mode = resolve_mode(item.mode, device)
     except InvalidArgumentError as exc:
         return {"error": {"kind": "bad-item", "message": str(exc)}, "attempts": 0}
-    score = _score_completion()
     causes: list[str] = []
     attempts = 0
     while True:
         attempts += 1
         pool.last_raw = None
         try:
-            scored = score(item.task, item.completion, skill=item.skill, previous=item.previous,
+            scored = score_completion(item.task, item.completion, skill=item.skill, previous=item.previous,
                            feedback=item.feedback, mode=mode, config=item.config, pool=pool, asks=item.asks)
         except (InvalidArgumentError, LookupError) as exc:  # the caller's task or options, said as such
             return {"error": {"kind": "bad-item", "message": str(exc)}, "attempts": attempts, "mode": mode}
@@ -437,8 +415,9 @@ class RewardPool:
             slots = self._local_slots(devices, workers_per_device, retries, sandbox, memory_limit_bytes)
         if not slots:
             raise InvalidArgumentError("RewardPool needs at least one worker")
-        if deadline_s <= 0:
-            raise InvalidArgumentError(f"RewardPool: deadline_s must be positive, got {deadline_s}")
+        if not 0 < deadline_s <= MAX_DEADLINE_S:
+            raise InvalidArgumentError(f"RewardPool: deadline_s must be above 0 and at most {MAX_DEADLINE_S:g} s, "
+                                       f"got {deadline_s}")
         self.slots = list(slots)
         self.queue_size = int(queue_size if queue_size is not None else DEFAULT_QUEUE_PER_WORKER * len(self.slots))
         if self.queue_size < 1:
@@ -492,8 +471,9 @@ class RewardPool:
         items = [it if isinstance(it, RewardItem) else RewardItem.from_json(it, f"items[{i}]")
                  for i, it in enumerate(items)]
         deadline_s = self.deadline_s if deadline_s is None else float(deadline_s)
-        if not (deadline_s > 0 and math.isfinite(deadline_s)):
-            raise InvalidArgumentError(f"deadline_s must be a positive number of seconds, got {deadline_s!r}")
+        if not 0 < deadline_s <= MAX_DEADLINE_S:  # also NaN
+            raise InvalidArgumentError(f"deadline_s must be a number of seconds above 0 and at most {MAX_DEADLINE_S:g}, "
+                                       f"got {deadline_s!r}")
         modes = []
         for i, it in enumerate(items):
             it.check(f"items[{i}]")
