@@ -597,3 +597,18 @@ def test_gpu_workers_verify():
     assert good["verified"] is True and good["mode"] == "gpu" and good["parts"]["correct"] == 1.0, good["reason"]
     assert good["score"] > 0 and good["service"]["worker"] == "cuda:0"
     assert bad["verified"] is True and bad["score"] == 0.0 and bad["reason"], bad
+
+
+@pytest.mark.gpu
+def test_gpu_a_rows_reference_runs_in_the_sandboxed_worker_only(tmp_path):
+    """On a GPU a row's reference must run for the check: in the Verifier's worker, never in the service. One
+    that exits while its inputs are read costs that worker; its item is answered with the reason, and the
+    next batch is scored."""
+    marker = tmp_path / "reference-ran"
+    with RewardService(RewardPool(["cuda:0"], 1, deadline_s=600), port=0, allow_rows=True) as s:
+        bad = RewardClient(s.url).score([{"task": exiting_row(marker), "completion": reply(HONEST)}])[0]
+        good = RewardClient(s.url).score([{"task": TASK, "completion": reply(HONEST)}])[0]
+    why = bad.get("reason") or bad.get("error", {}).get("message")
+    assert bad.get("score", 0.0) == 0.0 and why, bad
+    assert not marker.exists() or int(marker.read_text()) != os.getpid()
+    assert good["verified"] is True and good["score"] > 0, good
