@@ -5,24 +5,32 @@ The pool starts every worker through this file, run as a script by an isolated i
 (``python -I -S sandbox.py ARGS``: the standard library only, one thread — the kernel makes a user
 namespace only for a single-threaded process, and importing torch starts threads). The launcher
 
-1. leads a new process group and sets the worker's limits (no core dumps, files of at most 4 GiB, 4096
-   open files; for users other than root, whom the kernel never holds to it, at most 512 processes beyond
-   those the user already runs);
-2. unshares a user, a mount and a PID namespace and forks. The child is process 1 of the new PID
-   namespace: the kernel kills it when the launcher (its keeper, the process the pool knows) dies, and it
-   takes every process the candidate started with it, one that starts a session of its own included.
-   Process 1 forks the worker and reaps what the candidate leaves behind;
-3. in the namespace: mounts a fresh ``/proc`` (no other process of the machine is visible, so no
-   ``/proc/<pid>/environ`` of the caller), binds the pool's private folder writable, mounts a private
-   ``/dev/shm``, remounts every other file system read-only, covers the usual credential files of the
-   home and working folders, and gives up every capability (``no_new_privs``; root loses its powers);
-4. points HOME, TMPDIR and every cache the worker's tools write (torch.compile's, Triton's, load_inline's,
-   CUDA's, StitchCUDA's kernel cache) into the private folder, so nothing a candidate writes reaches the
-   caller's caches, and executes the worker's interpreter with the environment the pool gave (no secrets).
+1. starts a session of its own (no controlling terminal: nothing typed into the caller's terminal) and
+   sets the worker's limits (no core dumps, files of at most 4 GiB, 4096 open files, at most 512
+   processes beyond those its user already runs); where the caller is root it first becomes an
+   unprivileged user (``nobody``), so that nothing the kernel checks against root's id (sysctl files,
+   root-owned files) is open to a candidate;
+2. unshares a user, a mount, a PID and a network namespace and forks. The child is process 1 of the new
+   PID namespace: the kernel kills it when the launcher (its keeper, the process the pool knows) dies,
+   and it takes every process the candidate started with it, one that starts a session of its own
+   included. Process 1 forks the worker and reaps what the candidate leaves behind. The network
+   namespace has only a loopback device that is down: no address of the machine is reachable;
+3. in the namespace: mounts a fresh ``/proc`` (no other process of the machine is visible) with
+   ``/proc/sys`` and the other kernel knobs read-only, a minimal ``/dev`` (null, zero, full, random,
+   urandom, tty and the GPU's nodes, read-only, with a private ``/dev/shm``), binds the pool's private
+   folder writable, remounts every other file system (``/sys`` and its cgroup folders included)
+   read-only, covers the usual credential files of the home and working folders and, for a worker that
+   became nobody, each folder closed to others on the way to its interpreter (``/root``: only the entries
+   that lead there stay), and gives up every capability (``no_new_privs``);
+4. loads a seccomp filter (libseccomp) that refuses the system calls a worker never needs (ptrace,
+   mount, new namespaces, kexec, bpf, keyrings, io_uring...; ``SECCOMP_DENIED``);
+5. points HOME, TMPDIR and every cache the worker's tools write into the private folder and executes
+   the worker's interpreter with the environment the pool gave (no secrets).
 
 Whatever a layer cannot have on this kernel (user namespaces disabled, a container that forbids a new
-``/proc``) is skipped and named in the state the worker reports (``STITCHCUDA_SANDBOX_STATE``); the pool
-warns once. Nothing here needs root, and nothing changes outside the worker.
+``/proc``, no libseccomp) is skipped and named in the state the worker reports
+(``STITCHCUDA_SANDBOX_STATE``); the pool warns once. Memory is summed over every process of the
+worker's namespace (``namespace_rss``), so a child that leaves the process group still counts.
 """
 
 from __future__ import annotations
@@ -34,17 +42,20 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["LAYERS", "command", "describe", "state_of_this_process"]
+__all__ = ["LAYERS", "SECCOMP_DENIED", "command", "describe", "namespace_rss", "state_of_this_process"]
 
 # The layers, in the order they are set up (each may be missing on a given machine).
-LAYERS = ("user_namespace", "pid_namespace", "proc_hidden", "read_only_root", "private_shm",
-          "no_privileges", "limits")
+LAYERS = ("unprivileged_uid", "user_namespace", "pid_namespace", "network_namespace", "proc_hidden",
+          "read_only_proc_sys", "minimal_dev", "private_shm", "read_only_root", "read_only_sys", "no_privileges",
+          "seccomp", "limits")
 STATE_VARIABLE = "STITCHCUDA_SANDBOX_STATE"
 
-_CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID = 0x00020000, 0x10000000, 0x20000000
+_CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
+_CLONE_NEWCGROUP, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x02000000, 0x04000000, 0x08000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
 _MS_REMOUNT, _MS_NOATIME, _MS_NODIRATIME, _MS_BIND, _MS_REC = 32, 1024, 2048, 4096, 16384
 _MS_PRIVATE, _MS_RELATIME, _MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
+_MNT_DETACH = 2
 _PR_SET_PDEATHSIG, _PR_SET_SECUREBITS, _PR_SET_NO_NEW_PRIVS = 1, 28, 38
 _SECBIT_NOROOT, _SECBIT_NOROOT_LOCKED = 1, 2
 _SIGKILL = 9
@@ -52,11 +63,34 @@ _SIGKILL = 9
 FILE_BYTES = 4 << 30  # one file a worker writes (a candidate filling the disk dies of SIGXFSZ)
 OPEN_FILES = 4096
 EXTRA_PROCESSES = 512
+NOBODY = 65534  # the host user a root caller's workers run as (when no "nobody" entry says otherwise)
 
 # Where tools keep credentials, under the home and working folders: readable by the user, so by a
 # candidate, unless covered (an empty read-only folder, /dev/null).
 CREDENTIAL_PATHS = (".ssh", ".aws", ".azure", ".config/gcloud", ".kube", ".docker", ".netrc", ".git-credentials",
                     ".pypirc", ".huggingface", ".cache/huggingface", ".config/gh", ".gnupg", ".npmrc", ".env")
+
+# The device nodes a worker gets (bound from the machine's /dev), besides the GPU's (/dev/nvidia*).
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+# Kernel knobs under the fresh /proc that stay read-only (the rest of /proc is the namespace's own).
+PROC_READ_ONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
+
+# System calls a verification worker never makes (libseccomp names; a name this machine's libseccomp
+# does not know is skipped). Each fails with EPERM; clone3 fails with ENOSYS so that the C library
+# falls back to clone, whose namespace flags the filter can see.
+SECCOMP_DENIED = (
+    "ptrace", "process_vm_readv", "process_vm_writev", "kcmp",
+    "mount", "umount2", "pivot_root", "chroot", "open_tree", "move_mount", "fsopen", "fsconfig", "fsmount",
+    "fspick", "mount_setattr", "unshare", "setns",
+    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot", "swapon",
+    "swapoff", "acct", "quotactl", "quotactl_fd", "syslog", "sethostname", "setdomainname", "settimeofday",
+    "clock_settime", "clock_adjtime", "adjtimex", "iopl", "ioperm", "vhangup", "uselib", "lookup_dcookie",
+    "bpf", "perf_event_open", "userfaultfd", "fanotify_init",
+    "keyctl", "add_key", "request_key",
+    "open_by_handle_at", "name_to_handle_at",
+    "io_uring_setup", "io_uring_enter", "io_uring_register",
+)
+_TIOCSTI = 0x5412  # ioctl that types into a terminal
 
 # Where the worker's tools write, inside the private folder.
 _WRITABLE = {"HOME": "home", "TMPDIR": "tmp", "XDG_CACHE_HOME": "cache", "TORCHINDUCTOR_CACHE_DIR": "cache/inductor",
@@ -66,8 +100,22 @@ _WRITABLE = {"HOME": "home", "TMPDIR": "tmp", "XDG_CACHE_HOME": "cache", "TORCHI
 
 def command(private_dir: str | None, sandbox: bool, worker: list[str]) -> list[str]:
     """The command line that starts ``worker`` (an interpreter's command line) through the launcher."""
-    spec = {"private_dir": private_dir, "sandbox": sandbox, "exec": worker}
+    spec = {"private_dir": private_dir, "sandbox": sandbox, "exec": worker, "needs": _needed_paths(worker)}
     return [sys.executable, "-I", "-S", os.path.abspath(__file__), json.dumps(spec)]
+
+
+def _needed_paths(worker: list[str]) -> list[str]:
+    """What the worker reads to start: its interpreter, the interpreter's prefixes and this process's
+    import path (the worker gets it), each also as its real path."""
+    paths = [worker[0] if worker else sys.executable, sys.executable, sys.prefix, sys.base_prefix, sys.exec_prefix,
+             sys.base_exec_prefix, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
+    paths += [p for p in sys.path if p]
+    out: list[str] = []
+    for path in paths:
+        for p in (os.path.abspath(path), os.path.realpath(path)):
+            if p not in out and os.path.exists(p):
+                out.append(p)
+    return out
 
 
 def state_of_this_process() -> dict[str, Any] | None:
@@ -85,12 +133,47 @@ def describe(state: dict[str, Any] | None) -> str:
         return "sandbox: none"
     if not state.get("enabled", True):
         return "sandbox: off (WorkerPool(sandbox=False) or STITCHCUDA_SANDBOX=0); limits only"
-    names = {"user_namespace": "user namespace", "pid_namespace": "PID namespace", "proc_hidden": "/proc hidden",
-             "read_only_root": "read-only file system", "private_shm": "private /dev/shm",
-             "no_privileges": "no privileges", "limits": "limits"}
+    names = {"unprivileged_uid": "unprivileged user", "user_namespace": "user namespace",
+             "pid_namespace": "PID namespace", "network_namespace": "no network", "proc_hidden": "/proc hidden",
+             "read_only_proc_sys": "/proc/sys read-only", "minimal_dev": "minimal /dev",
+             "private_shm": "private /dev/shm", "read_only_root": "read-only file system",
+             "read_only_sys": "/sys read-only", "no_privileges": "no privileges", "seccomp": "seccomp",
+             "limits": "limits"}
     held = [names[k] for k in LAYERS if state.get(k)]
     missing = [names[k] for k in LAYERS if not state.get(k)]
     return "sandbox: " + (", ".join(held) or "no layer") + (f" (missing: {', '.join(missing)})" if missing else "")
+
+
+def namespace_rss(keeper_pid: int) -> int:
+    """Resident bytes of the launcher ``keeper_pid`` and every process below it — with the sandbox, every
+    process of the worker's PID namespace (an orphan there is adopted by the namespace's process 1, so it
+    stays below the keeper, whatever session or process group it made) — and of every process still in the
+    keeper's process group (the sandbox off). One read of /proc: cheap enough four times a second."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    counted: set[int] = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) <= 21:
+            continue
+        pid = int(entry)
+        rss[pid] = int(fields[21]) * page  # state is field 0 here, ppid 1, process group 2, rss 21
+        children.setdefault(int(fields[1]), []).append(pid)
+        if int(fields[2]) == keeper_pid:
+            counted.add(pid)
+    todo = [keeper_pid]
+    while todo:
+        pid = todo.pop()
+        counted.add(pid)
+        todo.extend(children.pop(pid, ()))
+    return sum(rss.get(pid, 0) for pid in counted)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -103,7 +186,8 @@ def _c() -> Any:
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
+        _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+        _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
         _libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
     return _libc
 
@@ -113,11 +197,11 @@ def _err(what: str) -> str:
     return f"{what}: {errno.errorcode.get(code, code)} ({os.strerror(code)})"
 
 
-def _mount(source: str | None, target: str, fstype: str | None, flags: int) -> str | None:
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> str | None:
     def enc(s):
         return s.encode() if s is not None else None
 
-    if _c().mount(enc(source), enc(target), enc(fstype), flags, None) != 0:
+    if _c().mount(enc(source), enc(target), enc(fstype), flags, enc(data)) != 0:
         return _err(f"mount {target}")
     return None
 
@@ -132,49 +216,128 @@ def _launch(spec: dict[str, Any]) -> None:
     state: dict[str, Any] = {name: False for name in LAYERS}
     state.update(enabled=bool(spec["sandbox"]), warnings=[], private_dir=private_dir)
     try:
-        os.setpgid(0, 0)  # the pool kills the group
+        os.setsid()  # no controlling terminal; the pool kills the group this makes
     except OSError:
-        pass
+        try:
+            os.setpgid(0, 0)  # already a session leader (started with start_new_session)
+        except OSError:
+            pass
+    if spec["sandbox"] and private_dir:
+        for sub in _WRITABLE.values():
+            os.makedirs(os.path.join(private_dir, sub), exist_ok=True)
     uid, gid = os.getuid(), os.getgid()
-    running = _processes_of(uid) if uid != 0 else 0  # counted while the machine's /proc is in view
-    _limits(state, running)
+    target = _unprivileged(state, private_dir) if spec["sandbox"] else None
+    running = _processes_of(target[0] if target else uid) if (target or uid != 0) else 0
+    _limits(state, running)  # counted while the machine's /proc is in view
     if spec["sandbox"]:
-        _namespaces(state, uid, gid)
+        target = _namespaces(state, uid, gid, target)
         if state["pid_namespace"]:
             _keep()  # forks; only process 1 of the namespace returns
         if state["user_namespace"]:
-            _mounts(state, private_dir)
+            _mounts(state, private_dir, spec.get("needs") or [], target)
         if state["pid_namespace"]:
             _init()  # forks; only the worker returns
         if state["user_namespace"]:
-            _drop_privileges(state)
+            _drop_privileges(state, target)
+        elif target:  # no namespace to map nobody into: become nobody on the machine itself
+            _become(state, target)
+        _seccomp(state)
     env = dict(os.environ)
     if spec["sandbox"] and private_dir:
         for name, sub in _WRITABLE.items():
-            path = os.path.join(private_dir, sub)
-            os.makedirs(path, exist_ok=True)
-            env[name] = path
+            env[name] = os.path.join(private_dir, sub)
         env["PYTHONDONTWRITEBYTECODE"] = "1"
         os.chdir(os.path.join(private_dir, "tmp"))
     env[STATE_VARIABLE] = json.dumps(state)
     os.execve(worker[0], worker, env)
 
 
-def _namespaces(state: dict[str, Any], uid: int, gid: int) -> None:
-    if _c().unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWPID) != 0:
-        state["warnings"].append(
-            _err("no user namespace (unshare)") + ": other processes' /proc and the whole file system stay "
-            "visible to candidates (allow unprivileged user namespaces, e.g. sysctl "
-            "kernel.unprivileged_userns_clone=1 or kernel.apparmor_restrict_unprivileged_userns=0, or run "
-            "each check in a container)")
-        return
+def _unprivileged(state: dict[str, Any], private_dir: str | None) -> tuple[int, int] | None:
+    """The (uid, gid) a root caller's worker becomes: ``nobody``, with the private folder handed over to it
+    (as root in its namespace, the worker would be root to every check the kernel makes of files and sysctl
+    knobs against the caller's id). None for a caller that is not root (already unprivileged)."""
+    if os.getuid() != 0:
+        state["unprivileged_uid"], state["uid"] = True, os.getuid()
+        return None
     try:
-        _write("/proc/self/setgroups", "deny")
-        _write("/proc/self/uid_map", f"{uid} {uid} 1")
-        _write("/proc/self/gid_map", f"{gid} {gid} 1")
-        state["user_namespace"] = state["pid_namespace"] = True
+        import pwd
+
+        try:
+            entry = pwd.getpwnam("nobody")
+            uid, gid = entry.pw_uid, entry.pw_gid
+        except KeyError:
+            uid = gid = NOBODY
+        if private_dir:
+            for folder, _dirs, files in os.walk(private_dir):
+                os.chown(folder, uid, gid)
+                for name in files:
+                    os.chown(os.path.join(folder, name), uid, gid, follow_symlinks=False)
+        os.setgroups([])  # root's supplementary groups would go along
+        return uid, gid
+    except (OSError, ImportError) as exc:
+        state["warnings"].append(f"the worker runs as root: its private folder could not be given to nobody ({exc})")
+        return None
+
+
+def _become(state: dict[str, Any], target: tuple[int, int]) -> None:
+    uid, gid = target
+    try:
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+        state["unprivileged_uid"], state["uid"] = True, uid
+    except OSError as exc:
+        state["warnings"].append(f"the worker runs as root: it could not become uid {uid} ({exc})")
+
+
+def _namespaces(state: dict[str, Any], uid: int, gid: int, target: tuple[int, int] | None) -> tuple[int, int] | None:
+    """Unshares the namespaces. A root caller maps both root and ``target`` into the user namespace: a
+    process of the machine's (a forked helper, still root there) must write such a map, the namespace's
+    own process may only map its own id. Returns ``target`` when it is mapped (or no namespace was made)."""
+    helper, go = (_map_helper(uid, gid, target) if target else (None, None))
+    made = _c().unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET) == 0
+    problem = None if made else _err("no user namespace (unshare)")
+    if helper is not None:
+        os.write(go, b"1" if made else b"0")
+        os.close(go)
+        _, status = os.waitpid(helper, 0)
+        if made and status != 0:
+            target = None
+            state["warnings"].append("the worker runs as root: nobody could not be mapped into its namespace")
+    if not made:
+        state["warnings"].append(
+            problem + ": other processes' /proc, the network and the whole file system stay visible to "
+            "candidates (allow unprivileged user namespaces, e.g. sysctl kernel.unprivileged_userns_clone=1 "
+            "or kernel.apparmor_restrict_unprivileged_userns=0, or run each check in a container)")
+        return target
+    try:
+        if target is None or helper is None:
+            _write("/proc/self/setgroups", "deny")
+            _write("/proc/self/uid_map", f"{uid} {uid} 1")
+            _write("/proc/self/gid_map", f"{gid} {gid} 1")
+        state["user_namespace"] = state["pid_namespace"] = state["network_namespace"] = True
     except OSError as exc:
         state["warnings"].append(f"user namespace made but its id maps could not be written ({exc})")
+    return target
+
+
+def _map_helper(uid: int, gid: int, target: tuple[int, int]) -> tuple[int, int]:
+    """Forks a process that waits until this one unshared, then writes its id maps: the caller's id and
+    ``target``, each onto itself. Returns (helper pid, the pipe's write end that says "go")."""
+    parent = os.getpid()
+    ready, go = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(go)
+        try:
+            if os.read(ready, 1) != b"1":
+                os._exit(0)
+            _write(f"/proc/{parent}/uid_map", f"{uid} {uid} 1\n{target[0]} {target[0]} 1\n")
+            _write(f"/proc/{parent}/gid_map", f"{gid} {gid} 1\n{target[1]} {target[1]} 1\n")
+            os._exit(0)
+        except BaseException:  # noqa: BLE001 - the launcher reads the status
+            os._exit(1)
+    os.close(ready)
+    return pid, go
 
 
 def _keep() -> None:
@@ -222,7 +385,7 @@ def _wait_for(pid: int, reap_all: bool) -> int:
             return status
 
 
-def _mounts(state: dict[str, Any], private_dir: str) -> None:
+def _mounts(state: dict[str, Any], private_dir: str, needs: list[str], target: tuple[int, int] | None) -> None:
     warn = state["warnings"].append
     problem = _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing done here reaches the caller
     if problem:
@@ -233,36 +396,140 @@ def _mounts(state: dict[str, Any], private_dir: str) -> None:
         warn(problem + ": /proc still lists the machine's processes (a container may forbid a new /proc)")
     else:
         state["proc_hidden"] = True
+        state["read_only_proc_sys"] = _read_only_proc(warn)
     os.makedirs(private_dir, exist_ok=True)
     problem = _mount(private_dir, private_dir, None, _MS_BIND | _MS_REC)
     if problem:
         warn(problem + ": no private writable folder, so the file system is left writable")
         return
-    if os.path.isdir("/dev/shm"):
-        problem = _mount("tmpfs", "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV)
-        if problem:
-            warn(problem + ": /dev/shm is the machine's")
-        else:
-            state["private_shm"] = True
+    if target:
+        state["opened"] = _open_paths(needs + [private_dir], private_dir, target[0], warn)
+    _minimal_dev(state, private_dir)
     failed = []
     for target, options in _mount_points():
         if target == private_dir or _under(target, private_dir) or "ro" in options:
             continue
-        if target in ("/proc", "/dev", "/sys") or target.startswith(("/proc/", "/dev/", "/sys/")):
-            continue  # device nodes open for writing on a read-only mount anyway; /sys, /proc are kernel views
+        if target in ("/proc", "/dev") or target.startswith(("/proc/", "/dev/")):
+            continue  # the namespace's own /proc (its knobs read-only above) and /dev (below)
         problem = _mount(None, target, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _locked_flags(options))
         if problem:
             failed.append(problem)
     state["hidden"] = _hide_credentials(failed)
     state["read_only_root"] = not any(p.startswith("mount /:") for p in failed)
+    state["read_only_sys"] = os.path.isdir("/sys") and not any(p.startswith("mount /sys") for p in failed)
     if failed:
         warn(f"{len(failed)} mount(s) left writable or uncovered: " + "; ".join(failed[:4]))
 
 
-def _drop_privileges(state: dict[str, Any]) -> None:
-    """No capability survives the exec of the worker: its user id is the caller's, and for root the
-    kernel is told not to hand root its powers (a candidate could otherwise remount the file system)."""
+def _read_only_proc(warn) -> bool:
+    """The fresh /proc's kernel knobs (/proc/sys: core_pattern and the rest) bound read-only onto themselves."""
+    ok = True
+    for name in PROC_READ_ONLY:
+        path = "/proc/" + name
+        if not os.path.exists(path):
+            continue
+        problem = _mount(path, path, None, _MS_BIND | _MS_REC) or _mount(
+            None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+        if problem:
+            warn(problem + f": {path} stays writable")
+            ok = ok and name != "sys"
+    return ok
+
+
+def _minimal_dev(state: dict[str, Any], private_dir: str) -> None:
+    """A read-only tmpfs on /dev holding only DEVICES and the GPU's nodes (bound from the machine's /dev)
+    and a private /dev/shm."""
+    warn = state["warnings"].append
+    keep = [n for n in os.listdir("/dev") if n in DEVICES or n.startswith("nvidia")]
+    if not _cover("/dev", keep, private_dir, _MS_NOSUID | _MS_NOEXEC, warn):
+        warn("/dev is the machine's")
+        return
+    for name, link in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                       ("stderr", "/proc/self/fd/2")):
+        os.symlink(link, "/dev/" + name)
+    os.mkdir("/dev/shm")
+    problem = _mount("tmpfs", "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=1777")
+    if problem:
+        warn(problem + ": no /dev/shm")
+    else:
+        state["private_shm"] = True
+    problem = _mount(None, "/dev", None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NOEXEC)
+    if problem:
+        warn(problem + ": the namespace's /dev stays writable")
+    else:
+        state["minimal_dev"] = True
+
+
+def _cover(folder: str, keep: list[str], private_dir: str, flags: int, warn) -> bool:
+    """Mounts an empty tmpfs on ``folder`` and binds its entries named in ``keep`` back into it (reached
+    through a bind of the folder in the private folder, undone at the end): the rest of it disappears."""
+    stage = os.path.join(private_dir, ".stage")
+    os.makedirs(stage, exist_ok=True)
+    problem = _mount(folder, stage, None, _MS_BIND | _MS_REC)
+    if problem:
+        warn(problem)
+        return False
+    try:
+        problem = _mount("tmpfs", folder, "tmpfs", flags, "mode=755,size=64k")
+        if problem:
+            warn(problem)
+            return False
+        for name in sorted(keep):
+            source, target = os.path.join(stage, name), os.path.join(folder, name)
+            if not os.path.lexists(source):
+                continue
+            if os.path.isdir(source):
+                os.mkdir(target)
+            else:
+                open(target, "w").close()
+            problem = _mount(source, target, None, _MS_BIND | _MS_REC)
+            if problem:
+                warn(problem + f": {target} is missing from the worker's view")
+        return True
+    finally:
+        _c().umount2(stage.encode(), _MNT_DETACH)
+        try:
+            os.rmdir(stage)
+        except OSError:
+            pass
+
+
+def _open_paths(needs: list[str], private_dir: str, uid: int, warn) -> list[str]:
+    """Makes each needed path reachable by nobody: a folder on the way that others may not enter (a
+    caller's interpreter under /root, mode 700) is covered by an empty tmpfs into which only the needed
+    entries are bound back — so the rest of that folder (root's files) disappears from the view. Returns
+    the folders covered."""
+    covered: list[str] = []
+    for _ in range(32):  # each round covers the shallowest closed folder; a covered one is open
+        closed: dict[str, set[str]] = {}
+        for path in needs:
+            parts = path.strip("/").split("/")
+            for depth in range(1, len(parts)):
+                folder = "/" + "/".join(parts[:depth])
+                try:
+                    info = os.stat(folder)
+                except OSError:
+                    break
+                if not info.st_mode & 0o001 and info.st_uid != uid:
+                    closed.setdefault(folder, set()).add(parts[depth])
+                    break
+        if not closed:
+            return covered
+        folder = min(closed, key=lambda f: f.count("/"))
+        if not _cover(folder, sorted(closed[folder]), private_dir, _MS_NOSUID | _MS_NODEV, warn):
+            warn(f"{folder} stays closed to the worker")
+            return covered
+        covered.append(folder)
+    return covered
+
+
+def _drop_privileges(state: dict[str, Any], target: tuple[int, int] | None) -> None:
+    """No capability survives the exec of the worker: a root caller's worker becomes ``target`` (nobody),
+    and for a root that stayed root the kernel is told not to hand root its powers (a candidate could
+    otherwise remount the file system)."""
     libc = _c()
+    if target:
+        _become(state, target)
     ok = libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0
     if os.getuid() == 0:
         ok = libc.prctl(_PR_SET_SECUREBITS, _SECBIT_NOROOT | _SECBIT_NOROOT_LOCKED, 0, 0, 0) == 0 and ok
@@ -270,6 +537,61 @@ def _drop_privileges(state: dict[str, Any]) -> None:
         state["no_privileges"] = True
     else:
         state["warnings"].append(_err("capabilities not dropped (prctl)"))
+
+
+class _ArgCmp(ctypes.Structure):
+    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("datum_a", ctypes.c_uint64),
+                ("datum_b", ctypes.c_uint64)]
+
+
+def _seccomp(state: dict[str, Any]) -> None:
+    """Loads the filter of SECCOMP_DENIED through libseccomp (the maintained library; loaded by name, so
+    a machine without it is a named missing layer). Also refused: clone with a namespace flag, and the
+    TIOCSTI ioctl. Other architectures' system call tables (int 0x80) kill the process."""
+    try:
+        lib = ctypes.CDLL("libseccomp.so.2", use_errno=True)
+    except OSError:
+        state["warnings"].append("no seccomp filter: libseccomp is not installed (Debian/Ubuntu: libseccomp2)")
+        return
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_init.argtypes = [ctypes.c_uint32]
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint,
+                                           ctypes.POINTER(_ArgCmp)]
+    lib.seccomp_load.argtypes = [ctypes.c_void_p]
+    lib.seccomp_release.argtypes = [ctypes.c_void_p]
+    allow, deny, nosys = 0x7FFF0000, 0x00050000 | errno.EPERM, 0x00050000 | errno.ENOSYS
+    masked_eq = 7  # SCMP_CMP_MASKED_EQ: (argument & datum_a) == datum_b
+    ctx = lib.seccomp_init(allow)
+    if not ctx:
+        state["warnings"].append("no seccomp filter: seccomp_init failed")
+        return
+    try:
+        problems = []
+
+        def rule(action: int, name: str, *cmps: tuple[int, int, int, int]) -> None:
+            number = lib.seccomp_syscall_resolve_name(name.encode())
+            if number < 0:
+                return  # not a system call of this architecture
+            array = (_ArgCmp * max(1, len(cmps)))(*[_ArgCmp(*c) for c in cmps])
+            if lib.seccomp_rule_add_array(ctx, action, number, len(cmps), array) != 0:
+                problems.append(name)
+
+        for name in SECCOMP_DENIED:
+            rule(deny, name)
+        rule(nosys, "clone3")
+        for flag in (_CLONE_NEWUSER, _CLONE_NEWNS, _CLONE_NEWPID, _CLONE_NEWNET, _CLONE_NEWCGROUP, _CLONE_NEWUTS,
+                     _CLONE_NEWIPC):
+            rule(deny, "clone", (0, masked_eq, flag, flag))
+        rule(deny, "ioctl", (1, masked_eq, 0xFFFFFFFF, _TIOCSTI))
+        if lib.seccomp_load(ctx) != 0:
+            state["warnings"].append(_err("no seccomp filter: seccomp_load"))
+            return
+        state["seccomp"] = True
+        if problems:
+            state["warnings"].append("seccomp rules not added for: " + ", ".join(problems))
+    finally:
+        lib.seccomp_release(ctx)
 
 
 def _hide_credentials(failed: list[str]) -> list[str]:
