@@ -162,13 +162,27 @@ class Program:
 
     @staticmethod
     def load(path: str | os.PathLike) -> "Program":
-        """Reads a `.stitch` artifact; a truncated, tampered or wrong-version file raises InvalidArgumentError."""
-        return Program(_C.program.Program.load(os.fspath(path)))
+        """Reads a `.stitch` artifact; a truncated, tampered or wrong-version file, or one whose kernel sources
+        are not UTF-8 text, raises InvalidArgumentError."""
+        return Program._read(_C.program.Program.load(os.fspath(path)), f"the artifact {os.fspath(path)!r}")
 
     @staticmethod
     def deserialize(data: bytes) -> "Program":
-        """Reads `.stitch` bytes."""
-        return Program(_C.program.Program.deserialize(data))
+        """Reads `.stitch` bytes (the errors of ``load``)."""
+        return Program._read(_C.program.Program.deserialize(data), "the artifact's bytes")
+
+    @staticmethod
+    def _read(native: Any, what: str) -> "Program":
+        """``native`` once its kernel sources read as text. The checksums only say the file is as it was
+        written; a file built by hand can still carry sources in another encoding, which Python cannot read."""
+        try:
+            native.kernels
+        except UnicodeDecodeError as exc:
+            raise InvalidArgumentError(
+                f"{what} holds a kernel source that is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                f"{exc.start} of a {len(exc.object)}-byte source): StitchCUDA writes UTF-8 only, so the file was "
+                "altered or written by something else; rebuild it (optimize(), or ProgramBuilder then save())") from None
+        return Program(native)
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes the artifact atomically (shared weights with the values their tensors hold now)."""

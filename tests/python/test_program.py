@@ -117,6 +117,46 @@ def test_corrupted_truncated_and_wrong_version_artifacts_are_clear_errors(tmp_pa
         Program.load(tmp_path / "missing.stitch")
 
 
+def with_section(data: bytes, name: str, payload: bytes) -> bytes:
+    """The artifact `data` with section `name` replaced by `payload`, every checksum made right again: a
+    file someone built on purpose, which the checksums cannot catch."""
+    import hashlib
+    import json
+
+    size = int.from_bytes(data[12:20], "little")
+    manifest = json.loads(data[52:52 + size])
+    body = data[52 + size:]
+    parts, offset = [], 0
+    for s in manifest["sections"]:
+        chunk = payload if s["name"] == name else body[s["offset"]:s["offset"] + s["size"]]
+        s.update(offset=offset, size=len(chunk), sha256=hashlib.sha256(chunk).hexdigest())
+        parts.append(chunk)
+        offset += len(chunk)
+    text = json.dumps(manifest, indent=1).encode()
+    return (data[:12] + len(text).to_bytes(8, "little") + hashlib.sha256(text).digest() + text + b"".join(parts))
+
+
+def test_a_kernel_source_that_is_not_utf8_is_a_clear_error(tmp_path):
+    b = ProgramBuilder()
+    x, y = b.input([4]), b.output([4])
+    k = b.kernel('extern "C" __global__ void copy(const float* x, float* y) { y[threadIdx.x] = x[threadIdx.x]; }',
+                 "copy", signature=["const float*", "float*"])
+    b.launch(k, [1, 1, 1], [4, 1, 1], [("in", x), ("out", y)])
+    data = b.build().serialize()
+    assert Program.deserialize(with_section(data, "kernel.0.source", Program.deserialize(data).kernels[0]["source"]
+                                            .encode())).kernels  # the rebuilt file reads when nothing changed
+    bad = with_section(data, "kernel.0.source", b"// caf\xe9 in Latin-1\n" + b"extern \"C\" __global__ void copy() {}")
+    path = tmp_path / "latin1.stitch"
+    path.write_bytes(bad)
+    for load in (lambda: Program.load(path), lambda: stitchcuda.program.load(path),
+                 lambda: Program.deserialize(bad)):
+        with pytest.raises(stitchcuda.InvalidArgumentError, match=r"kernel source that is not UTF-8.*byte 0xe9 at offset 6") as info:
+            load()
+        assert "rebuild" in str(info.value)
+    with pytest.raises(stitchcuda.InvalidArgumentError, match="latin1.stitch"):
+        Program.load(path)
+
+
 def test_validation_names_the_step():
     b = ProgramBuilder()
     x = b.input([4, 8])
