@@ -1,7 +1,7 @@
-"""What every command line of StitchCUDA shares: the exit codes, the early end (`refuse`), the checks of
-a problem file and of an `--llm` spec that run before any work, and argparse value types.
+"""What every command line of StitchCUDA shares: the exit codes, the early end (`refuse`), the bounded read
+of a problem file, and argparse value types.
 
-It is on the ground floor (it imports only errors.py at module level) so that the CLI modules beside each
+It is on the ground floor (it imports nothing of StitchCUDA but the native module) so that the CLI modules beside each
 layer (graph/cli.py, agents/cli.py, verify/cli.py, profile/cli.py, the bench commands) use it without
 importing the top-level cli.py, which imports them.
 """
@@ -11,12 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import stat
 import sys
 from pathlib import Path
 from typing import Callable
-from urllib.parse import urlsplit
 
 # The table of docs/cli.md, "Exit codes"; stitchcuda.cli re-exports them.
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NO_GPU, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -24,8 +22,6 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NO_GPU, EXIT_INTERRUPTED = 0, 1, 2, 3, 1
 # A problem file is a Python source of kilobytes; the Verifier bounds its inputs at the same 1 MiB
 # (verify/check.py, MAX_SOURCE_BYTES), for the same reason: nothing larger is an honest source.
 MAX_PROBLEM_BYTES = 1 << 20
-# How long `--llm` may take to show that its server answers a TCP connection before any work starts.
-LLM_REACH_TIMEOUT_S = 5.0
 
 
 class UsageError(Exception):
@@ -96,50 +92,6 @@ def problem_folder_importable(path: str | os.PathLike) -> None:
     folder = str(Path(path).resolve().parent)
     if folder not in sys.path:
         sys.path.insert(0, folder)
-
-
-# ---- --llm SPEC ------------------------------------------------------------------------------------
-
-
-def check_llm(spec: str, timeout_s: float = LLM_REACH_TIMEOUT_S) -> str:
-    """Checks an `--llm` spec before any work, sending no request: a spec that does not parse, names an
-    unknown provider, a `python:` module that does not import or a replay/scripted file that cannot be read
-    is a UsageError; a missing API key, or a server named by URL that accepts no TCP connection within
-    `timeout_s`, is a BackendError. Returns the backend's name. A hosted API (no URL in the spec) is checked
-    for its key only: whether it answers shows at the first call."""
-    from . import llm
-    from .errors import InvalidArgumentError, NotFoundError, StitchError, StitchIOError
-
-    try:
-        base_url = "" if spec.startswith("python:") else llm.parse_spec(spec).base_url
-        backend = llm.connect(spec)
-    except (InvalidArgumentError, NotFoundError, StitchIOError) as exc:
-        raise UsageError(f"--llm {spec}: {one_line(exc.message)}") from None
-    except StitchError as exc:  # a missing key
-        raise BackendError(f"--llm {spec}: {one_line(exc.message)}") from None
-    if base_url:
-        _reachable(spec, base_url, timeout_s)
-    return backend.name
-
-
-def _reachable(spec: str, url: str, timeout_s: float) -> None:
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    try:
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-    except ValueError:
-        raise UsageError(f"--llm {spec}: the URL's port is not a number") from None
-    loopback = host in ("localhost", "127.0.0.1", "::1")
-    if not loopback and any(os.environ.get(v) for v in ("https_proxy", "HTTPS_PROXY", "http_proxy", "HTTP_PROXY",
-                                                         "all_proxy", "ALL_PROXY")):
-        return  # the HTTP client goes through the proxy: a direct connection says nothing about it
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            pass
-    except OSError as exc:
-        why = "no answer" if isinstance(exc, TimeoutError) else (exc.strerror or type(exc).__name__)
-        raise BackendError(f"--llm {spec}: the server at {parts.scheme}://{parts.netloc} is not reachable ({why}, "
-                           f"within {timeout_s:g} s): start it, or fix the URL") from None
 
 
 # ---- argparse value types --------------------------------------------------------------------------

@@ -12,14 +12,62 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any, Callable
+from urllib.parse import urlsplit
 
-from ..cli_support import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, BackendError, UsageError, check_llm,
-                           one_line, refuse)
+from ..cli_support import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, BackendError, UsageError, one_line,
+                           refuse)
 
+# How long `--llm` may take to show that its server answers a TCP connection before any work starts.
+LLM_REACH_TIMEOUT_S = 5.0
 UNVERIFIED = "UNVERIFIED (no GPU: compile and static checks only)"
+
+
+# ---- --llm SPEC, in both modes of `optimize` ----------------------------------------------------
+
+def check_llm(spec: str, timeout_s: float = LLM_REACH_TIMEOUT_S) -> str:
+    """Checks an `--llm` spec before any work, sending no request: a spec that does not parse, names an
+    unknown provider, a `python:` module that does not import or a replay/scripted file that cannot be read
+    is a UsageError; a missing API key, or a server named by URL that accepts no TCP connection within
+    `timeout_s`, is a BackendError. Returns the backend's name. A hosted API (no URL in the spec) is checked
+    for its key only: whether it answers shows at the first call."""
+    from .. import llm
+    from ..errors import InvalidArgumentError, NotFoundError, StitchError, StitchIOError
+
+    try:
+        base_url = "" if spec.startswith("python:") else llm.parse_spec(spec).base_url
+        backend = llm.connect(spec)
+    except (InvalidArgumentError, NotFoundError, StitchIOError) as exc:
+        raise UsageError(f"--llm {spec}: {one_line(exc.message)}") from None
+    except StitchError as exc:  # a missing key
+        raise BackendError(f"--llm {spec}: {one_line(exc.message)}") from None
+    if base_url:
+        _reachable(spec, base_url, timeout_s)
+    return backend.name
+
+
+def _reachable(spec: str, url: str, timeout_s: float) -> None:
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        raise UsageError(f"--llm {spec}: the URL's port is not a number") from None
+    loopback = host in ("localhost", "127.0.0.1", "::1")
+    if not loopback and any(os.environ.get(v) for v in ("https_proxy", "HTTPS_PROXY", "http_proxy", "HTTP_PROXY",
+                                                         "all_proxy", "ALL_PROXY")):
+        return  # the HTTP client goes through the proxy: a direct connection says nothing about it
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        why = "no answer" if isinstance(exc, TimeoutError) else (exc.strerror or type(exc).__name__)
+        raise BackendError(f"--llm {spec}: the server at {parts.scheme}://{parts.netloc} is not reachable ({why}, "
+                           f"within {timeout_s:g} s): start it, or fix the URL") from None
 
 
 # ---- stitchcuda optimize --mode program ------------------------------------------------------------

@@ -173,7 +173,7 @@ def run(json_output: bool = False) -> int:
         out = {"device": None, "optimize_time_100_ops": optimize_time(gpu=False),
                "models": "not measured: no GPU (torch.cuda.is_available() is False)"}
         print(json.dumps(out) if json_output else json.dumps(out, indent=2))
-        from ..cli import EXIT_NO_GPU
+        from ..cli_support import EXIT_NO_GPU
 
         return EXIT_NO_GPU  # the CPU side was timed; the speed-ups, the benchmark's point, need a GPU
     from ..graph import optimize

@@ -284,7 +284,7 @@ def run(json_output: bool = False) -> int:
     there is nothing to measure."""
     result = measure()
     if "skipped" in result:
-        from ..cli import EXIT_NO_GPU, refuse
+        from ..cli_support import EXIT_NO_GPU, refuse
 
         return refuse("bench profile", result["skipped"], EXIT_NO_GPU, json_output)
     if json_output:

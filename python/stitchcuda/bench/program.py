@@ -260,7 +260,7 @@ def artifact_identity() -> dict:
 
 
 def run(json_output: bool = False) -> int:
-    from ..cli import EXIT_NO_GPU, no_gpu_reason, refuse
+    from ..cli_support import EXIT_NO_GPU, no_gpu_reason, refuse
 
     why = no_gpu_reason()
     if why is not None:

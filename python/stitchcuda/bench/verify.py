@@ -132,7 +132,7 @@ def run(json_output: bool) -> int:
     3 without a GPU."""
     import torch
 
-    from ..cli import EXIT_NO_GPU, no_gpu_reason, refuse
+    from ..cli_support import EXIT_NO_GPU, no_gpu_reason, refuse
     from ..verify import Task, VerifyConfig, WorkerPool, check
 
     why = no_gpu_reason()

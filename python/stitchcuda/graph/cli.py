@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cli_support import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, BackendError, UsageError, at_least,
-                           check_llm, non_negative_float, one_line, refuse)
+                           non_negative_float, one_line, refuse)
 
 MODES = ("graph", "program")
 
@@ -85,6 +85,7 @@ def _agents_not_run(report, agents: bool) -> str:
 def _run_graph(args: argparse.Namespace, config: dict[str, Any] | None) -> int:
     import torch
 
+    from ..agents.cli import check_llm, interrupted
     from ..verify.cli import load_problem
     from ..verify.task import TaskError
     from .optimize import optimize
@@ -120,7 +121,6 @@ def _run_graph(args: argparse.Namespace, config: dict[str, Any] | None) -> int:
     if torch.cuda.is_available():
         model, inputs = model.cuda(), [t.cuda() if isinstance(t, torch.Tensor) else t for t in inputs]
     from .. import log
-    from ..agents.cli import interrupted
     from ..errors import InvalidArgumentError, NotFoundError, StitchError
 
     run_dir = None

@@ -25,13 +25,12 @@ def _to_cuda(value):
 def _run(args: argparse.Namespace) -> int:
     from ..errors import StitchError
     from ..verify.cli import load_problem
-    from ..verify.task import TaskError
     from . import available, profile
 
     path = Path(args.problem)
     try:  # bounded and imported first in a separate process, as `check` treats its reference
         task = load_problem(path)
-    except (UsageError, TaskError) as exc:
+    except UsageError as exc:
         return refuse("stitchcuda profile", str(exc), EXIT_USAGE, args.json)
     ok, reason = available()
     if not ok:

@@ -8,21 +8,24 @@ import argparse
 import json
 from pathlib import Path
 
-from ..cli_support import (EXIT_FAILURE, EXIT_NO_GPU, EXIT_OK, at_least, no_gpu_reason, problem_folder_importable,
-                           read_problem, refuse)
+from ..cli_support import (EXIT_FAILURE, EXIT_NO_GPU, EXIT_OK, UsageError, at_least, no_gpu_reason,
+                           problem_folder_importable, read_problem, refuse)
 
 
 def load_problem(path: str | Path):
     """A problem file the commands take (`optimize`, `profile`) as a Task, with `check`'s bounds on its
     reference: a regular file of at most 1 MiB, imported first in a separate sandboxed process
     (verify.task.preflight), so that a file that crashes, exits or hangs while importing is an error naming
-    it, never the end of this process. Modules beside the file import. Raises cli_support.UsageError or
-    verify.TaskError with the one line to show."""
-    from .task import Task
+    it, never the end of this process. Modules beside the file import. Raises cli_support.UsageError with
+    the one line to show."""
+    from .task import Task, TaskError
 
     text = read_problem(path)
     problem_folder_importable(path)
-    return Task.from_source(text, Path(path).stem or "problem", filename=str(path), isolated=True)
+    try:
+        return Task.from_source(text, Path(path).stem or "problem", filename=str(path), isolated=True)
+    except TaskError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def register(commands) -> None:
