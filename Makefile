@@ -1,4 +1,5 @@
 # Two commands matter: `make run` and `make test`. Both set the machine up first when needed.
+SHELL  := /bin/bash
 ROOT   := $(abspath .)
 VENV   := $(ROOT)/.venv
 PY     := $(VENV)/bin/python
@@ -6,6 +7,9 @@ BUILD  := $(ROOT)/build
 ASAN_BUILD := $(ROOT)/build-asan
 STAMP  := $(VENV)/.stitchcuda-setup
 CCACHE := $(shell command -v ccache 2>/dev/null)
+# ccache keys on paths relative to the tree, so a clone elsewhere (CI's, the wheel test's clean copy) reuses
+# the objects compiled here.
+export CCACHE_BASEDIR := $(ROOT)
 export PATH := $(VENV)/bin:/usr/local/cuda/bin:$(PATH)
 
 .PHONY: setup build run test test-cpp test-python test-asan clean
@@ -35,13 +39,35 @@ run: build
 	  $(VENV)/bin/stitchcuda optimize $$model $$save || exit 1; \
 	done
 
+# The tests use every core: ctest's tests side by side, pytest's files spread over worker processes
+# (pytest-xdist; each file whole on one worker, in order, as in a serial run). Where a GPU is present
+# pytest runs in one process: the GPU tests time kernels on a GPU nothing else is using.
+# `make test PYTEST_WORKERS=0` runs pytest serially anywhere.
+NPROC := $(shell nproc 2>/dev/null || echo 2)
+GPUS  := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+PYTEST_WORKERS ?= $(if $(filter 0,$(GPUS)),$(NPROC),0)
+PYTEST := $(PY) -m pytest tests/python -q -rs $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile)
+CTEST  := ctest --output-on-failure -j $(NPROC)
+
 test-cpp: build
-	cd $(BUILD) && ctest --output-on-failure
+	cd $(BUILD) && $(CTEST)
 
 test-python: build
-	$(PY) -m pytest tests/python -q -rs
+	$(PYTEST)
 
-test: test-cpp test-python
+# Both at once (on two cores the whole run is about half as long as one after the other). ctest's output
+# waits in build/ctest.log and is printed once pytest is done; pytest's summary line is repeated at the
+# end, so the run closes with it. Fails when either fails.
+test: build
+	@rm -f $(BUILD)/ctest.log $(BUILD)/ctest.rc
+	@(cd $(BUILD) && $(CTEST) > ctest.log 2>&1; echo $$? > ctest.rc) & \
+	$(PYTEST) 2>&1 | tee $(BUILD)/pytest.log; py=$${PIPESTATUS[0]}; \
+	wait; cpp=$$(cat $(BUILD)/ctest.rc 2>/dev/null || echo 1); \
+	echo "---- ctest (C++ tests, run beside pytest) ----"; cat $(BUILD)/ctest.log; \
+	echo "---- pytest ----"; tail -n 1 $(BUILD)/pytest.log; \
+	[ "$$cpp" = 0 ] || echo "make test: ctest failed (exit $$cpp): its output is above"; \
+	[ "$$py" = 0 ] || echo "make test: pytest failed (exit $$py)"; \
+	[ "$$cpp" = 0 ] && [ "$$py" = 0 ]
 
 # The llm layer's C++ tests (64 concurrent calls among them) under AddressSanitizer and UBSan, in a
 # tree of their own without Python; not part of `make test` because the extra build takes minutes.

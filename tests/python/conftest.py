@@ -49,9 +49,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_cache(tmp_path_factory: pytest.TempPathFactory):
-    """Keeps the test run out of the user's cache folder (~/.cache/stitchcuda)."""
+    """Keeps the test run out of the user's cache folder (~/.cache/stitchcuda). Under pytest-xdist the
+    workers share one folder (the parent of their own temporary folders), so a kernel one worker compiled
+    is not compiled again by the next, as in a serial run; the cache's writes are atomic renames."""
     previous = jit.cache_dir()
-    jit.set_cache_dir(tmp_path_factory.mktemp("session-kernel-cache"))
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        folder = tmp_path_factory.mktemp("session-kernel-cache")
+    else:
+        folder = tmp_path_factory.getbasetemp().parent / "session-kernel-cache"
+        folder.mkdir(exist_ok=True)
+    jit.set_cache_dir(folder)
     yield
     jit.set_cache_dir(previous)
 
@@ -88,3 +95,4 @@ def subprocess_env(tmp_path: Path) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PYTHON_DIR), env.get("PYTHONPATH")]))
     env["STITCHCUDA_CACHE_DIR"] = str(tmp_path / "child-cache")
     return env
+
