@@ -46,6 +46,71 @@ def escapes(secret_file: Path) -> list[tuple[str, dict, str]]:
     ]
 
 
+def bypasses(secret_file: Path) -> list[tuple[str, dict, str]]:
+    """(source, options, what the error must name): spellings that a line-by-line scan of the text misses
+    and NVRTC's preprocessor reads as an include of the planted file (issue 50, row 7)."""
+    f = str(secret_file)
+    return [
+        (f'%:include "{f}"\n' + KERNEL, {}, "absolute paths"),  # a digraph
+        (f'%: include "{f}"\n' + KERNEL, {}, "absolute paths"),
+        (f'const char* a = "/*";\n#include "{f}"\nconst char* b = "*/";\n' + KERNEL, {}, "absolute paths"),
+        (f'#include \\\r\n"{f}"\n' + KERNEL, {}, "absolute paths"),  # backslash, CR, LF
+        (f'int x;\r#include "{f}"\r' + KERNEL, {}, "absolute paths"),  # old Mac line ends
+        (f'\f#include "{f}"\n' + KERNEL, {}, "absolute paths"),  # form feed before #
+        (f'\v#include "{f}"\n' + KERNEL, {}, "absolute paths"),  # vertical tab before #
+        (f'/* a comment */ # /* and another */ include "{f}"\n' + KERNEL, {}, "absolute paths"),
+        (f'#include "a/*b"\n#include "{f}"\n// */\n' + KERNEL, {}, "'a/*b'"),
+        (f'// a comment \\ \n#include "{f}"\n' + KERNEL, {}, "absolute paths"),  # read either way
+        (f'??=include "{f}"\n' + KERNEL, {}, "absolute paths"),  # a trigraph
+        (f'#if __has_include("{f}")\n#endif\n' + KERNEL, {}, "__has_include"),
+        ('#if __has_include(__FILE__)\n#endif\n' + KERNEL, {}, "computed __has_include"),
+        ('#\\u0069nclude "x"\n' + KERNEL, {}, "universal character name"),
+        (KERNEL, {"name_expressions": [f'k\n#include "{f}"\n']}, "name expression"),
+        (KERNEL, {"defines": {"X": f'1\n#include "{f}"'}}, "control character"),
+        (KERNEL, {"extra_flags": [f'-DX=1\n#include "{f}"']}, "control character"),
+    ]
+
+
+def test_every_bypass_of_a_textual_scan_is_refused(secret_file):
+    for source, options, named in bypasses(secret_file):
+        with pytest.raises(InvalidArgumentError) as caught:
+            jit.check_includes(source, **options)
+        assert named in caught.value.message, (source, caught.value.message)
+        assert SECRET not in caught.value.message
+        with pytest.raises(InvalidArgumentError) as caught:
+            jit.compile_module(source, arch="sm_90a", confined=True, **options)
+        assert SECRET not in str(caught.value) and SECRET not in caught.value.log
+
+
+def test_a_same_named_header_in_the_working_or_program_folder_is_refused(tmp_path, monkeypatch):
+    """NVRTC looks for a quoted include in the working folder (the bare program name's folder) before the
+    toolkit: a planted cuda_fp16.h there would be read in its place."""
+    (tmp_path / "cuda_fp16.h").write_text(f'#error "{SECRET}"\n')
+    source = '#include "cuda_fp16.h"\n' + KERNEL
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidArgumentError, match="working folder") as caught:
+        jit.compile_module(source, arch="sm_90a", confined=True)
+    assert SECRET not in str(caught.value) and SECRET not in caught.value.log
+    with pytest.raises(InvalidArgumentError, match="bare file name"):
+        jit.compile_module(source, arch="sm_90a", confined=True, program_name=str(tmp_path / "kernel.cu"))
+    jit.compile_module('#include <cuda_fp16.h>\n' + KERNEL, arch="sm_90a", confined=True)  # the angle form
+
+
+def test_text_that_only_looks_like_a_directive_still_compiles():
+    """The tokenizer is no stricter than the language: strings, raw strings, digit separators, comments
+    and __has_include of toolkit headers (present or not) are ordinary code."""
+    honest = (
+        '#if __has_include(<cuda_fp16.h>) && !__has_include(<no_such_header_anywhere.h>)\n#include <cuda_fp16.h>\n'
+        '#endif\n'
+        'constexpr int big = 1\'000\'000;\n'
+        'constexpr const char* note = "#include \\"/etc/passwd\\" /* is text */";\n'
+        'constexpr const char* raw = R"x(a "/*" in a raw string)x";\n'
+        'constexpr char quote = \'"\';\n'
+        '#define HALF_T __half  // a macro, \\\n   continued in a comment\n' + KERNEL)
+    jit.check_includes(honest, name_expressions=["scale<float, 4>"], defines={"N": 4, "S": '"text"'})
+    assert jit.compile(honest, "k", arch="sm_90a", confined=True).name == "k"
+
+
 def test_every_escape_is_refused_with_the_rule_named(secret_file):
     for source, options, named in escapes(secret_file):
         with pytest.raises(InvalidArgumentError) as caught:
