@@ -176,12 +176,19 @@ class Program:
         """``native`` once its kernel sources read as text. The checksums only say the file is as it was
         written; a file built by hand can still carry sources in another encoding, which Python cannot read."""
         try:
-            native.kernels
+            kernels = native.kernels
         except UnicodeDecodeError as exc:
             raise InvalidArgumentError(
                 f"{what} holds a kernel source that is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
                 f"{exc.start} of a {len(exc.object)}-byte source): StitchCUDA writes UTF-8 only, so the file was "
                 "altered or written by something else; rebuild it (optimize(), or ProgramBuilder then save())") from None
+        from .jit import check_includes
+
+        for index, kernel in enumerate(kernels):  # read as the preprocessor reads it, as for untrusted CUDA
+            try:
+                check_includes(kernel["source"], extra_flags=kernel["options"])
+            except InvalidArgumentError as exc:
+                raise InvalidArgumentError(f"{what}: kernel {index} ('{kernel['name']}'): {exc.message}") from None
         return Program(native)
 
     def save(self, path: str | os.PathLike) -> None:

@@ -219,3 +219,22 @@ def test_the_verifier_never_lets_a_candidate_include_a_file(secret_file, static_
     text = report.to_json()
     assert not report.correct and SECRET not in text and "sk-planted" not in text
     assert "absolute paths" in text and "untrusted CUDA" in text, text[:2000]
+
+
+def test_a_stitch_artifact_whose_kernel_uses_a_bypass_is_refused_on_load(tmp_path, secret_file):
+    """A `.stitch` file is data: its kernel sources go through the same reading of the text as untrusted
+    CUDA, so a digraph or a string-hidden include that the native scan misses is refused when loading."""
+    from stitchcuda.program import Program, ProgramBuilder
+
+    for spelled in (f'%:include "{secret_file}"\n', f'const char* a = "/*";\n#include "{secret_file}"\n// */\n'):
+        b = ProgramBuilder()
+        k = b.kernel(spelled + 'extern "C" __global__ void k(const float* x, float* y) { y[0] = x[0]; }', "k")
+        x, y = b.input([4], name="x"), b.output([4], name="y")
+        b.launch(k, 1, 1, [("in", x), ("out", y)])
+        path = tmp_path / "planted.stitch"
+        b.build().save(path)
+        with pytest.raises(InvalidArgumentError, match="kernel 0 \\('k'\\).*absolute paths") as caught:
+            Program.load(path)
+        assert str(path) in caught.value.message and SECRET not in caught.value.message
+        with pytest.raises(InvalidArgumentError, match="absolute paths"):
+            Program.deserialize(path.read_bytes())
