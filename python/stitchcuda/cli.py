@@ -301,6 +301,13 @@ def _version() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from .log import redacted_output
+
+    with redacted_output():  # nothing the CLI prints holds a secret: keys, a URL's password (log.redact)
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     # As `python -m stitchcuda` does: modules in the current folder import (python:MODULE:FN model specs).
     # Appended, not prepended: an installed package keeps its name.
     if "" not in sys.path and str(Path.cwd()) not in sys.path:

@@ -47,9 +47,11 @@ class StitchError(Exception):
         self.transient = transient  # trying again may succeed (already retried where StitchCUDA retries)
 
     def __str__(self) -> str:
+        from .log import redact  # what is shown of an error never holds a secret (a key, a URL's password)
+
         if self.log and self.log.strip() and self.log.strip() not in self.message:
-            return f"{self.message}\n{self.log.rstrip()}"
-        return self.message
+            return redact(f"{self.message}\n{self.log.rstrip()}")
+        return redact(self.message)
 
     # Exceptions pickle through self.args (the message only); keep the log and diagnostics so an
     # error raised in an isolated worker process arrives whole in the parent.

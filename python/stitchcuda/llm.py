@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence, Union
 
 from . import _C
 from .errors import InvalidArgumentError
+from .log import redact, remember_url_credentials
 
 __all__ = [
     "connect",
@@ -161,8 +162,8 @@ class Backend:
 
     @property
     def name(self) -> str:
-        """What this backend talks to, e.g. ``openai:gpt-4.1`` (never a key)."""
-        return self._native.name
+        """What this backend talks to, e.g. ``openai:gpt-4.1`` (never a key, nor a URL's password)."""
+        return redact(self._native.name)
 
     def complete(self, messages: MessageLike, *, on_text: Callable[[str], Any] | None = None,
                  **options: Any) -> Completion:
@@ -257,6 +258,8 @@ def connect(spec: str | Callable[..., Any] | Any, **options: Any) -> Backend:
     malformed spec raise at once.
     """
     request, connection = _split_options(options)
+    if isinstance(spec, str):
+        remember_url_credentials(spec)  # a BASE_URL's user:password is masked wherever it is written from now on
     if isinstance(spec, str) and spec.startswith("python:"):
         spec = _load_python_spec(spec)
     if isinstance(spec, str):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -27,14 +28,117 @@ from pathlib import Path
 from typing import Any, Iterator, TextIO
 
 __all__ = ["LOGGER", "ENV", "LEVELS", "configure", "get_logger", "in_ci", "live_terminal", "note", "StepProgress",
-           "LoopProgress"]
+           "LoopProgress", "redact", "remember_url_credentials", "redacted_output"]
 
 LOGGER = "stitchcuda"
 ENV = "STITCHCUDA_LOG"
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
+# ---- secrets ---------------------------------------------------------------------------------------
+# What leaves the process as text (log records, the CLI's output, error messages, reward replies) goes
+# through redact(): the secrets the C++ registry knows (the environment's keys and tokens, values it was
+# told), and what a URL carries as credentials, whoever wrote it.
+
+# scheme://user:password@host — the part before "@", up to the first character a host cannot hold.
+_URL_CREDENTIALS = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://)([^\s/@'\"<>]+)@")
+# ?key=... &access_token=... — a query parameter whose name says it holds a credential.
+_SECRET_QUERY = re.compile(r"(?i)([?&][a-z0-9_\-]*(?:key|token|secret|password|passwd|signature|auth)[a-z0-9_\-]*=)"
+                           r"[^&#\s'\"<>]+")
+_MASK = "[redacted]"
+
+
+def _native_redact(text: str) -> str:
+    try:
+        from . import _C
+    except ImportError:  # the extension is not built (a source tree while it compiles): the patterns only
+        return text
+    try:
+        return _C.secrets.redact(text)
+    except (TypeError, UnicodeError):  # a lone surrogate, which the C++ side cannot take: as "?"
+        return _C.secrets.redact(text.encode("utf-8", "replace").decode("utf-8"))
+
+
+def redact(text: Any) -> str:
+    """``text`` (made a str) with every secret the process knows masked as "[redacted]" — its fragments of 8
+    characters and its hex and base64 spellings too — and every URL's user:password and credential-named
+    query parameters masked."""
+    text = str(text)
+    if not text:
+        return text
+    text = _URL_CREDENTIALS.sub(lambda m: m.group(1) + _MASK + "@", text)
+    text = _SECRET_QUERY.sub(lambda m: m.group(1) + _MASK, text)
+    return _native_redact(text)
+
+
+def remember_url_credentials(text: str) -> None:
+    """Tells the secrets registry the credentials of every URL in ``text`` (``user:password@``), so they are
+    masked wherever they are written later — run directories and transcripts too — not only in URLs."""
+    for match in _URL_CREDENTIALS.finditer(str(text)):
+        userinfo = match.group(2)
+        try:
+            from . import _C
+
+            for value in {userinfo, userinfo.partition(":")[2]}:
+                if value:
+                    _C.secrets.remember(value)
+        except (ImportError, TypeError, UnicodeError):
+            return
+
+
+class _RedactedStream:
+    """A text stream whose writes go through redact() to the stream it wraps; everything else is the
+    wrapped stream's (isatty, fileno, encoding, buffer...)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        self._stream.write(redact(text))
+        return len(text)
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextmanager
+def redacted_output() -> Iterator[None]:
+    """While the block runs, what is written to sys.stdout and sys.stderr is redacted (the CLI's boundary:
+    results, errors, tracebacks, progress). Nested uses wrap once."""
+    saved = sys.stdout, sys.stderr
+    if not isinstance(sys.stdout, _RedactedStream):
+        sys.stdout = _RedactedStream(sys.stdout)  # type: ignore[assignment]
+    if not isinstance(sys.stderr, _RedactedStream):
+        sys.stderr = _RedactedStream(sys.stderr)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
+
+
 # ---- logging -------------------------------------------------------------------------------------
+
+
+class _Redacting(logging.Filter):
+    """Makes a record's message its redacted text, so that every handler — the application's too — gets
+    it without the secrets (the record's arguments are folded into the message first)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a bad format string: logging reports it at emit time
+            return True
+        record.msg, record.args = redact(message), ()
+        if record.exc_info and not record.exc_text:
+            record.exc_text = redact(logging.Formatter().formatException(record.exc_info))
+        return True
+
+
+_REDACTING = _Redacting()
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -57,9 +161,9 @@ class _Formatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         level = "" if record.levelno == logging.INFO else f"{record.levelname.lower()}: "
         text = f"[{record.name}] {level}{record.getMessage()}"
-        if record.exc_info:
-            text += "\n" + self.formatException(record.exc_info)
-        return text
+        if record.exc_text or record.exc_info:
+            text += "\n" + (record.exc_text or self.formatException(record.exc_info))
+        return redact(text)
 
 
 def configure() -> logging.Logger:
@@ -68,6 +172,8 @@ def configure() -> logging.Logger:
     logger = logging.getLogger(LOGGER)
     if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
         logger.addHandler(_StderrHandler())
+    if _REDACTING not in logger.filters:
+        logger.addFilter(_REDACTING)
     raw = os.environ.get(ENV, "").strip().lower()
     if raw in LEVELS:
         logger.setLevel(LEVELS[raw])
@@ -82,7 +188,10 @@ def get_logger(name: str = LOGGER) -> logging.Logger:
     package, or a short name (``get_logger("graph")`` is ``stitchcuda.graph``)."""
     if name != LOGGER and not name.startswith(LOGGER + "."):
         name = f"{LOGGER}.{name}"
-    return logging.getLogger(name)
+    logger = logging.getLogger(name)
+    if _REDACTING not in logger.filters:  # a logger's filters see the records logged to it, before any handler
+        logger.addFilter(_REDACTING)
+    return logger
 
 
 configure()

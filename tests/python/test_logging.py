@@ -315,7 +315,9 @@ def test_ctrl_c_in_graph_mode(monkeypatch, tmp_path, capsys):
     assert "graph mode without --llm records no run" in capsys.readouterr().err
 
     run = tmp_path / "graph_run"
-    assert main(["optimize", str(problem), "--llm", "scripted:rules.json", "--run-dir", str(run)]) == 130
+    rules = tmp_path / "rules.json"  # --llm is checked before any work: the rules file exists
+    rules.write_text(json.dumps([{"pattern": ".", "reply": "no plan here"}]))
+    assert main(["optimize", str(problem), "--llm", f"scripted:{rules}", "--run-dir", str(run)]) == 130
     assert capsys.readouterr().err.strip().splitlines()[-1].strip() == f"stitchcuda optimize --resume {run}"
     assert callable(seen[-1]["on_event"])  # the agents' events reach the live view
 

@@ -150,3 +150,83 @@ def test_graph_modes_run_files_are_redacted(tmp_path):
     graph_agents._write(tmp_path / "a.json", json.dumps({"reply": f"echo {KEY}"}))
     assert not leaks((tmp_path / "a.json").read_text())
     assert json.loads((tmp_path / "a.json").read_text())["reply"].startswith("echo [redacted]")
+
+
+# ---- every message boundary: the CLI's output, log records, errors, the reward service's replies --------
+
+CANDIDATE = (Path(__file__).resolve().parents[1] / "corpus" / "honest" / "softmax_block_reduce.py").read_text()
+SOFTMAX = (Path(__file__).resolve().parents[1] / "corpus" / "problems" / "row_softmax.py").read_text()
+
+
+def test_the_cli_prints_no_key_from_a_file_name_an_exception_or_a_models_url(tmp_path, subprocess_env):
+    """The key planted in the environment (as a user's OPENAI_API_KEY) reaches the CLI's messages three ways:
+    a file name holding it, a reference that raises with it, and a model URL's password. None gets out."""
+    key = "sk-cli-" + pysecrets.token_hex(10) + "Zq"
+    password = "pw-" + pysecrets.token_hex(8) + "Q"
+    env = {**subprocess_env, "OPENAI_API_KEY": key}
+    (tmp_path / "cand.py").write_text(CANDIDATE)
+    (tmp_path / "problem.py").write_text(SOFTMAX)
+    (tmp_path / "raises.py").write_text("import os\nraise RuntimeError('the key is ' + os.environ['OPENAI_API_KEY'])\n")
+    runs = {
+        "file name": ["check", "--reference", f"missing-{key}.py", "--candidate", "cand.py", "--device", "cpu"],
+        "exception": ["check", "--reference", "raises.py", "--candidate", "cand.py", "--device", "cpu", "--json"],
+        "url": ["optimize", "problem.py", "--llm", f"openai:m@http://alice:{password}@127.0.0.1:9/v1"],
+    }
+    for what, args in runs.items():
+        done = subprocess.run([sys.executable, "-m", "stitchcuda", *args], capture_output=True, text=True, env=env,
+                              cwd=tmp_path, timeout=300)
+        out = done.stdout + done.stderr
+        assert done.returncode != 0 and "[redacted]" in out, (what, out[-2000:])
+        assert not leaks(out, key) and password not in out and password[3:11] not in out, (what, out[-2000:])
+
+
+def test_log_records_reach_every_handler_redacted():
+    import logging
+
+    from stitchcuda import log
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):  # an application's own handler
+        def emit(self, record):
+            seen.append(self.format(record))
+
+    logger = log.get_logger("rl.test_secrets")
+    handler = Keep()
+    logging.getLogger().addHandler(handler)
+    try:
+        logger.warning("scored with %s at %s", KEY, "http://alice:pw-short@127.0.0.1:1/v1?token=abc123")
+        try:
+            raise RuntimeError(f"the reference raised {KEY}")
+        except RuntimeError:
+            logger.exception("while scoring")
+    finally:
+        logging.getLogger().removeHandler(handler)
+    text = "\n".join(seen)
+    assert len(seen) == 2 and "RuntimeError" in text and not leaks(text), text
+    assert "pw-short" not in text and "abc123" not in text and "http://[redacted]@127.0.0.1:1" in text
+
+
+def test_errors_and_a_models_name_show_no_credentials():
+    from stitchcuda import llm
+    from stitchcuda.errors import StitchError
+
+    assert not leaks(str(StitchError(f"cannot read the reference '/tmp/{KEY}.py'")))
+    password = "pw-" + pysecrets.token_hex(8) + "Q"
+    backend = llm.connect(f"openai:m@http://alice:{password}@127.0.0.1:9/v1", api_key="x" * 12, max_attempts=1,
+                          connect_timeout=2, timeout=3)
+    assert password not in backend.name + repr(backend) and "http://[redacted]@127.0.0.1:9/v1" in backend.name
+    with pytest.raises(StitchError) as info:
+        backend.complete("hello")
+    assert password not in str(info.value) and "127.0.0.1:9" in str(info.value)
+    # Remembered from the URL: masked where it appears alone too (a run directory's config, a transcript).
+    assert _C.secrets.redact(f"x {password} y") == "x [redacted] y"
+
+
+def test_the_reward_services_replies_hold_no_key():
+    from stitchcuda.rl import RewardClient, RewardPool, RewardService
+
+    with RewardService(RewardPool(["cpu"], 1, warm=False), port=0) as service:
+        (reply,) = RewardClient(service.url).score([{"task": f"corpus/{KEY}", "completion": "x", "mode": "static"}])
+    assert reply["error"]["kind"] == "bad-item" and "no shipped task" in reply["error"]["message"]
+    assert not leaks(json.dumps(reply)), reply

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping, Sequence
 
 from ..errors import InvalidArgumentError, StitchError, UnavailableError
+from ..log import redact
 
 __all__ = ["Scored", "RewardConfig", "score_completion", "completion_text", "RUBRIC_ITEMS", "PART_NAMES", "MODES"]
 
@@ -420,6 +421,7 @@ def score_completion(task: Any, completion: Any, *, skill: int = 1, previous: di
     scored = _score(info, _utf8(completion_text(completion)), skill=skill, prev_code=prev_code, prev_report=prev_report,
                     asks=asks, mode=mode, config=config, pool=pool)
     scored.asks = asks
+    scored.reason = redact(scored.reason)  # a reference's or a server's error text may hold a secret
     scored.wall_s = time.perf_counter() - started
     return scored
 

@@ -22,6 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..errors import InternalError, InvalidArgumentError, StitchError, UnavailableError
+from ..log import redact
 from .rows import label_row, openrlhf_batch, openrlhf_result, reply_of, task_of
 from .score import RewardConfig, Scored
 from .workers import MAX_DEADLINE_S, MODES, Rejected, RewardItem, RewardPool
@@ -358,7 +359,8 @@ def _handler(service: RewardService) -> type[BaseHTTPRequestHandler]:
 
         def _send(self, status: int, body: Any, headers: Mapping[str, str] | None = None,
                   content_type: str = "application/json") -> None:
-            data = body.encode() if isinstance(body, str) else json.dumps(body, default=str).encode()
+            # Every reply is redacted whole: an echoed task id, a reference's error, a candidate's text.
+            data = redact(body if isinstance(body, str) else json.dumps(body, default=str)).encode()
             try:
                 self.send_response(status)
                 self.send_header("Content-Type", content_type)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..errors import InvalidArgumentError, StitchError, UnavailableError
+from ..log import redact
 from .score import MODES, RewardConfig, score_completion
 
 __all__ = ["RewardItem", "Slot", "LocalSlot", "RewardPool", "Rejected", "resolve_mode", "run_item",
@@ -226,8 +227,8 @@ def run_item(item: RewardItem, pool: Any, device: str, retries: int = 1) -> dict
         except UnavailableError as exc:
             return {"error": {"kind": "unavailable", "message": str(exc)}, "attempts": attempts, "mode": mode}
         except Exception as exc:  # noqa: BLE001 - the pool reports, it does not die
-            return {"error": {"kind": "internal", "message": f"{type(exc).__name__}: {exc}"}, "attempts": attempts,
-                    "mode": mode}
+            return {"error": {"kind": "internal", "message": redact(f"{type(exc).__name__}: {exc}")},
+                    "attempts": attempts, "mode": mode}
         cause = _killed_from_outside(pool.last_raw)
         if cause is None:
             out: dict[str, Any] = {"result": scored.to_dict(), "attempts": attempts, "mode": mode}
