@@ -74,7 +74,7 @@ def _strict_json(text: str):
 
 def _flags() -> tuple:
     """torch's precision settings through both of its APIs."""
-    knobs = tuple(k.fp32_precision for k in suite._precision_knobs())
+    knobs = tuple(k.fp32_precision for k in suite.precision_knobs())
     return (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32,
             torch.backends.cudnn.allow_tf32, knobs)
 
@@ -83,7 +83,7 @@ def _put_back(flags: tuple) -> None:
     """_flags()'s settings again: the legacy flags first, then the per-backend settings they shadow."""
     torch.set_float32_matmul_precision(flags[0])
     torch.backends.cudnn.allow_tf32 = flags[2]
-    for knob, value in zip(suite._precision_knobs(), flags[3]):
+    for knob, value in zip(suite.precision_knobs(), flags[3]):
         knob.fp32_precision = value
 
 
@@ -360,7 +360,7 @@ def test_timed_run_at_tf32_has_every_columns_error_against_fp64(tmp_path, capsys
     assert row["matmuls"] == "matmuls may use tf32"
     errors = row["err_fp64"]
     assert set(errors) == {"eager", "compile", "reduce_overhead", "stitch"}, row
-    atol, rtol = suite._tolerance("tf32")
+    atol, rtol = suite.tolerance("tf32")
     for column, e in errors.items():
         assert math.isfinite(e["max_abs"]) and 0 < e["max_rel"] < rtol, (column, e)
     assert errors["stitch"]["tolerance_used"] <= 1.0  # within the tf32 tolerance of exact arithmetic

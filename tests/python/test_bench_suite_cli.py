@@ -433,7 +433,7 @@ def test_no_compile_rows_are_their_own_mode_and_never_reused_by_a_full_run(folde
 
     def run_model(path: Path, compile_columns: bool = True) -> dict:
         ran.append((path.stem, compile_columns))
-        row = {**suite._new_row(path, "timed" if compile_columns else "no-compile", "fp32"), "eager_ms": 2.0,
+        row = {**suite.new_row(path, "timed" if compile_columns else "no-compile", "fp32"), "eager_ms": 2.0,
                "stitch_ms": 1.0, "correct": True, "status": "optimized"}
         if compile_columns:
             row["compile_ms"] = 1.5

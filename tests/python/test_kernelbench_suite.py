@@ -316,7 +316,7 @@ def test_selective_scan_matches_a_step_by_step_recurrence():
 
 
 def test_a_row_over_its_memory_target_says_where_the_peak_was_reached():
-    from stitchcuda.bench.suite import _row_notes
+    from stitchcuda.bench.tables import _row_notes
 
     gib = 2 ** 30
     row = {"model": "op", "memory_ratio": 2.5, "optimize_device_peak_bytes": 10 * gib, "eager_peak_bytes": 2 * gib,

@@ -273,11 +273,11 @@ def test_bench_suite_summary_geomeans_and_counts_eager_fallbacks_as_correct():
 
 def test_bench_suite_compares_outputs_with_the_suite_tolerance():
     want = (torch.ones(3, 4), torch.zeros(2))
-    assert suite._compare((want[0] + 5e-5, want[1]), want)[0]
-    ok, worst, detail = suite._compare((want[0], torch.tensor([0.0, 1e-3])), want)
+    assert suite.compare_outputs((want[0] + 5e-5, want[1]), want)[0]
+    ok, worst, detail = suite.compare_outputs((want[0], torch.tensor([0.0, 1e-3])), want)
     assert not ok and worst == pytest.approx(1e-3) and "output 1" in detail and "flat index 1" in detail
-    assert not suite._compare((want[0],), want)[0]
-    assert not suite._compare((want[0].double(), want[1]), want)[0]
+    assert not suite.compare_outputs((want[0],), want)[0]
+    assert not suite.compare_outputs((want[0].double(), want[1]), want)[0]
 
 
 def test_bench_suite_without_a_gpu_says_why_and_returns_3(capsys):

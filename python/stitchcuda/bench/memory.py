@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 # Allocations and frees the allocator's ring buffer keeps; the oldest go first past it.
 MAX_ENTRIES = 1_000_000
@@ -90,3 +91,39 @@ def format_sites(result: dict[str, Any]) -> str:
     if result.get("other_bytes"):
         lines.append(f"  {result['other_bytes'] / 2**20:9,.1f} MiB  elsewhere")
     return "\n".join(lines)
+
+
+# ---- the sizes a bench row's memory ratio is measured against ----
+
+
+def largest_tensor_bytes(*structures: Any) -> int:
+    """The bytes of the largest single tensor in the given (nested) inputs and outputs."""
+    tensors = [t for s in structures for t in pytree.tree_flatten(s)[0] if isinstance(t, torch.Tensor)]
+    return max((t.numel() * t.element_size() for t in tensors), default=0)
+
+
+def forward_largest_tensor_bytes(model: torch.nn.Module, inputs: tuple) -> int:
+    """The bytes of the largest tensor one eager forward of `model` makes (every ATen op's result, the
+    intermediates included), at least its inputs' largest."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.largest = max(self.largest, largest_tensor_bytes(out))
+            return out
+
+    mode = Largest()
+    mode.largest = largest_tensor_bytes(inputs)
+    with torch.no_grad(), mode:
+        model(*inputs)
+    return mode.largest
+
+
+def memory_ratio(optimize_peak: int | None, eager_peak: int | None, largest: int | None) -> float | None:
+    """optimize peak / (eager peak + 2 x largest tensor): optimize may hold the model's working set plus an
+    input and an output copy (a reference and a candidate) before it costs more than the target of 1."""
+    if optimize_peak is None or eager_peak is None or largest is None:
+        return None
+    budget = eager_peak + 2 * largest
+    return optimize_peak / budget if budget > 0 else None
