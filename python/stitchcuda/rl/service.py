@@ -48,10 +48,10 @@ class _Server(ThreadingHTTPServer):
     request_queue_size = 128  # connections the kernel holds while every handler is busy
     max_connections = MAX_CONNECTIONS
 
-    def server_bind(self) -> None:
-        self._open = 0
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._open = 0  # connections being served (a thread each)
         self._open_lock = threading.Lock()
-        super().server_bind()
+        super().__init__(*args, **kwargs)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         with self._open_lock:
