@@ -211,3 +211,22 @@ def test_namespace_rss_sums_the_process_tree_not_only_the_group():
             if pid:
                 os.kill(pid, 9)
         child.wait()
+
+
+def test_the_worker_sees_only_its_view(pool, tmp_path):
+    """Beyond its interpreter, import path, the toolkit, the system's folders and its private folder, the
+    machine is out of the worker's view: a file planted in a temporary folder, the home folders and /var
+    are not there (so NVRTC cannot read them either, whatever a candidate's CUDA spells)."""
+    need(pool, "view")
+    planted = tmp_path / "planted-secret.txt"
+    planted.write_text("sk-planted-view-0123456789")
+    run(pool, f'''
+        for path in ({str(planted)!r}, {str(tmp_path)!r}):
+            if os.path.exists(path):
+                escaped.append(("in view", path))
+        for folder in ("/home", "/var", "/run", "/mnt"):
+            if os.path.isdir(folder) and os.listdir(folder):
+                escaped.append(("in view", folder, os.listdir(folder)[:5]))
+        if not os.path.isdir(os.path.dirname(torch.__file__)):
+            escaped.append("the import path is missing")
+    ''')

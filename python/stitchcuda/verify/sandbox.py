@@ -70,6 +70,11 @@ NOBODY = 65534  # the host user a root caller's workers run as (when no "nobody"
 CREDENTIAL_PATHS = (".ssh", ".aws", ".azure", ".config/gcloud", ".kube", ".docker", ".netrc", ".git-credentials",
                     ".pypirc", ".huggingface", ".cache/huggingface", ".config/gh", ".gnupg", ".npmrc", ".env")
 
+# The machine's folders a worker sees besides its interpreter, import path, toolkit and private folder.
+SYSTEM_PATHS = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/etc/passwd", "/etc/group",
+                "/etc/nsswitch.conf", "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives",
+                "/etc/localtime", "/etc/os-release", "/etc/hosts", "/etc/ssl", "/etc/nvidia", "/etc/OpenCL")
+
 # The device nodes a worker gets (bound from the machine's /dev), besides the GPU's (/dev/nvidia*).
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 # Kernel knobs under the fresh /proc that stay read-only (the rest of /proc is the namespace's own).
@@ -105,15 +110,28 @@ def command(private_dir: str | None, sandbox: bool, worker: list[str]) -> list[s
 
 
 def _needed_paths(worker: list[str]) -> list[str]:
-    """What the worker reads to start: its interpreter, the interpreter's prefixes and this process's
-    import path (the worker gets it), each also as its real path."""
+    """What the worker reads: its interpreter, the interpreter's prefixes, this process's import path and
+    main script (the worker gets both), the CUDA toolkit's headers and NVRTC, and the system's folders —
+    each also as its real path. The rest of the machine is left out of the worker's view."""
     paths = [worker[0] if worker else sys.executable, sys.executable, sys.prefix, sys.base_prefix, sys.exec_prefix,
              sys.base_exec_prefix, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
-    paths += [p for p in sys.path if p]
+    shared = {os.path.realpath(p) for p in ("/", "/tmp", "/var/tmp", "/dev/shm", os.path.expanduser("~"),
+                                            os.environ.get("TMPDIR") or "/tmp")}
+    paths += [p for p in sys.path if p and os.path.realpath(p) not in shared]  # a script in /tmp: not all of /tmp
+    paths += list(SYSTEM_PATHS)
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main:
+        paths.append(main)
+    native = sys.modules.get("stitchcuda._C")
+    if native is not None:  # the toolkit may live outside /usr (a wheel's headers, /opt/nvidia)
+        try:
+            paths += list(native.system_include_paths()) + [os.path.dirname(native.nvrtc_path())]
+        except Exception:  # noqa: BLE001 - no NVRTC: nothing to add
+            pass
     out: list[str] = []
     for path in paths:
         for p in (os.path.abspath(path), os.path.realpath(path)):
-            if p not in out and os.path.exists(p):
+            if p not in out and os.path.lexists(p):
                 out.append(p)
     return out
 
@@ -402,6 +420,8 @@ def _mounts(state: dict[str, Any], private_dir: str, needs: list[str], target: t
     if problem:
         warn(problem + ": no private writable folder, so the file system is left writable")
         return
+    if needs:
+        state["view"] = _restrict_view(needs + [private_dir], private_dir, warn)
     if target:
         state["opened"] = _open_paths(needs + [private_dir], private_dir, target[0], warn)
     _minimal_dev(state, private_dir)
@@ -461,22 +481,28 @@ def _minimal_dev(state: dict[str, Any], private_dir: str) -> None:
 
 
 def _cover(folder: str, keep: list[str], private_dir: str, flags: int, warn) -> bool:
-    """Mounts an empty tmpfs on ``folder`` and binds its entries named in ``keep`` back into it (reached
-    through a bind of the folder in the private folder, undone at the end): the rest of it disappears."""
+    """Mounts an empty tmpfs on ``folder`` and binds its entries named in ``keep`` back into it, reached
+    through a bind of the folder in the private folder (held open by a descriptor, since covering /tmp
+    covers the private folder's path too) and undone at the end: the rest of the folder disappears."""
     stage = os.path.join(private_dir, ".stage")
     os.makedirs(stage, exist_ok=True)
     problem = _mount(folder, stage, None, _MS_BIND | _MS_REC)
     if problem:
         warn(problem)
         return False
+    held = os.open(stage, os.O_PATH | os.O_DIRECTORY)
+    staged = f"/proc/self/fd/{held}"
     try:
         problem = _mount("tmpfs", folder, "tmpfs", flags, "mode=755,size=64k")
         if problem:
             warn(problem)
             return False
         for name in sorted(keep):
-            source, target = os.path.join(stage, name), os.path.join(folder, name)
-            if not os.path.lexists(source):
+            source, target = os.path.join(staged, name), os.path.join(folder, name)
+            if not os.path.lexists(source) or os.path.lexists(target):
+                continue
+            if os.path.islink(source):  # the same link: it resolves in the worker's view
+                os.symlink(os.readlink(source), target)
                 continue
             if os.path.isdir(source):
                 os.mkdir(target)
@@ -487,11 +513,53 @@ def _cover(folder: str, keep: list[str], private_dir: str, flags: int, warn) -> 
                 warn(problem + f": {target} is missing from the worker's view")
         return True
     finally:
-        _c().umount2(stage.encode(), _MNT_DETACH)
+        _c().umount2(staged.encode(), _MNT_DETACH)
+        os.close(held)
         try:
             os.rmdir(stage)
         except OSError:
             pass
+
+
+def _restrict_view(keep: list[str], private_dir: str, warn) -> bool:
+    """Leaves in view only the paths in ``keep`` (whole) and the folders on the way to them: every other
+    folder of the root is covered by an empty tmpfs, and a folder that holds kept paths by one into which
+    only the entries on the way are bound back (``_cover``). /proc, /dev and /sys are the namespace's."""
+    keep = sorted(set(keep))
+
+    def inside(folder: str) -> list[str]:
+        return [k for k in keep if k == folder or k.startswith(folder + "/")]
+
+    def restrict(folder: str) -> bool:
+        under = inside(folder)
+        if folder in under:
+            return True
+        children = sorted({k[len(folder) + 1:].split("/")[0] for k in under})
+        if not _cover(folder, children, private_dir, _MS_NOSUID | _MS_NODEV, warn):
+            return False
+        ok = True
+        for child in children:
+            path = folder + "/" + child
+            if os.path.isdir(path) and not os.path.islink(path):
+                ok = restrict(path) and ok
+        return ok
+
+    ok = True
+    for name in sorted(os.listdir("/")):
+        path = "/" + name
+        if path in ("/proc", "/dev", "/sys") or os.path.islink(path):
+            continue
+        if not os.path.isdir(path):  # a file at the root (a container's description): emptied
+            problem = None if inside(path) else _mount("/dev/null", path, None, _MS_BIND)
+        elif inside(path):
+            ok = restrict(path) and ok
+            continue
+        else:
+            problem = _mount("tmpfs", path, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "mode=755,size=16k")
+        if problem:
+            warn(problem + f": {path} stays in view")
+            ok = False
+    return ok
 
 
 def _open_paths(needs: list[str], private_dir: str, uid: int, warn) -> list[str]:
