@@ -295,6 +295,25 @@ def test_rows_come_from_the_services_sources_unless_inline_rows_are_allowed(serv
         source_references([tmp_path / "missing"])
 
 
+def test_task_folders_are_read_bounded(tmp_path):
+    """--tasks DIR reads its files as the other entries do: a FIFO named like a problem never blocks the
+    service's start, a file that is not UTF-8 is named."""
+    from stitchcuda.rl.service import source_references
+
+    fifo = tmp_path / "fifo" / "problem.py"
+    fifo.parent.mkdir()
+    os.mkfifo(fifo)
+    started = time.monotonic()
+    with pytest.raises(InvalidArgumentError, match="not a regular file"):
+        source_references([fifo.parent])
+    assert time.monotonic() - started < 5
+    latin = tmp_path / "latin" / "problem.py"
+    latin.parent.mkdir()
+    latin.write_bytes(b"# caf\xe9\nclass Model: pass\n")
+    with pytest.raises(InvalidArgumentError, match=r"--tasks .*latin.*problem\.py.*utf-8"):
+        source_references([latin.parent])
+
+
 def test_client_says_when_no_service_listens():
     with pytest.raises(UnavailableError, match="not reachable"):
         RewardClient("http://127.0.0.1:9").health()

@@ -19,7 +19,7 @@ from typing import Any, Iterable
 from ..errors import InvalidArgumentError, NotFoundError
 
 __all__ = ["SHIPPED_SETS", "shipped_dirs", "shipped_rows", "read_problem", "problem_rows", "problem_files", "tasks",
-           "find_task", "input_counts"]
+           "find_task", "input_counts", "read_problem_text"]
 
 # The sets the package ships, by name: (folder in the installed package, folder in a source checkout).
 # A wheel carries them under stitchcuda/rl/problems/ (CMakeLists.txt installs them); a checkout reads the
@@ -149,10 +149,7 @@ def read_problem(path: str | os.PathLike | None = None, *, source: str | None = 
     if source is None:
         if path is None:
             raise InvalidArgumentError("read_problem needs a path or source=")
-        try:
-            source = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise InvalidArgumentError(f"cannot read the problem {os.fspath(path)!r}: {exc}") from None
+        source = read_problem_text(path)
     rel = Path(relative) if relative is not None else Path(Path(path).name if path else "problem.py")
     stem = rel.stem
     name = task_id or (f"{set_name}/" if set_name else "") + rel.with_suffix("").as_posix()
@@ -177,6 +174,17 @@ def read_problem(path: str | os.PathLike | None = None, *, source: str | None = 
         "sizes": json.dumps(sizes, sort_keys=True),
         "sha256": hashlib.sha256(source.encode()).hexdigest(),
     }
+
+
+def read_problem_text(path: str | os.PathLike) -> str:
+    """A problem file's text, bounded as every entry bounds it (a regular file of at most 1 MiB, UTF-8: a
+    FIFO or /dev/zero in a task folder would hang or fill the process); InvalidArgumentError names it."""
+    from ..cli_support import UsageError, read_problem as read_bounded
+
+    try:
+        return read_bounded(path)
+    except UsageError as exc:
+        raise InvalidArgumentError(f"the problem {exc}") from None
 
 
 def input_counts(source: str, *, load: bool = True) -> tuple[int | None, int | None]:

@@ -283,7 +283,7 @@ def source_references(folders: Sequence[str | os.PathLike]) -> frozenset[str]:
     InvalidArgumentError naming it."""
     from pathlib import Path
 
-    from .problems import problem_files
+    from .problems import problem_files, read_problem_text
 
     found: set[str] = set()
     for folder in folders:
@@ -296,10 +296,9 @@ def source_references(folders: Sequence[str | os.PathLike]) -> frozenset[str]:
             raise InvalidArgumentError(f"--tasks {os.fspath(folder)}: holds no .py problem files")
         for path in paths:
             try:
-                found.add(_digest(path.read_text(encoding="utf-8")))
-            except (OSError, UnicodeDecodeError) as exc:
-                raise InvalidArgumentError(f"--tasks {os.fspath(folder)}: cannot read {path.name} ({exc}); problem "
-                                           "files are UTF-8 text") from None
+                found.add(_digest(read_problem_text(path)))
+            except InvalidArgumentError as exc:
+                raise InvalidArgumentError(f"--tasks {os.fspath(folder)}: {exc.message}") from None
     return frozenset(found)
 
 
