@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 from ..cli_support import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, BackendError, UsageError, one_line,
                            refuse)
+from .run_dir import FAILED, RunDir, read_json  # the run directory's format
 
 # How long `--llm` may take to show that its server answers a TCP connection before any work starts.
 LLM_REACH_TIMEOUT_S = 5.0
@@ -148,9 +149,6 @@ def run_program(args: argparse.Namespace, config: dict[str, Any] | None = None) 
     return EXIT_OK if out["best_attempt"] else EXIT_FAILURE
 
 
-FAILED = "failed.json"  # beside config.json when the loop ended on an error: what `runs list|show` say of the run
-
-
 def _failed_run(run_dir: str | Path, message: str) -> int:
     """The loop ended on an error (the model backend, the loop itself): says so, and records it in the run
     directory, which has no summary.json, so that `runs list` tells it from a run still going or killed."""
@@ -171,17 +169,12 @@ def _failed_run(run_dir: str | Path, message: str) -> int:
 
 
 def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
+    return read_json(path)
 
 
 def _attempt_records(run: Path) -> list[dict[str, Any]]:
     """The finished attempts (attempt.json present), in order."""
-    folders = sorted(p for p in (run / "attempts").glob("[0-9]*") if p.is_dir()) if (run / "attempts").is_dir() else []
-    records = [_read_json(p / "attempt.json") for p in folders]
-    return [r for r in records if isinstance(r, dict)]
+    return RunDir(run).attempts()
 
 
 def _run_info(run: Path) -> dict[str, Any]:
@@ -255,7 +248,7 @@ def _run_json(info: dict[str, Any], attempts: bool = False) -> dict[str, Any]:
 
 
 def _is_run(path: Path) -> bool:
-    return path.is_dir() and any((path / n).exists() for n in ("config.json", "problem.py", "attempts"))
+    return RunDir.is_run(path)
 
 
 def _find_run(name: str, root: str) -> Path:

@@ -495,10 +495,10 @@ def _stitch_column(row: dict, module: ModuleType, model: torch.nn.Module, inputs
 def _attempt_speedups(target_dir: str) -> list[float | None]:
     """Each finished attempt's speed-up over the target's ATen ops, in order (None: not correct, or a
     hack), from the target's run directory."""
-    from ..agents.cli import _attempt_records
+    from ..agents.run_dir import RunDir
 
     out: list[float | None] = []
-    for record in _attempt_records(Path(target_dir)):
+    for record in RunDir(target_dir).attempts():
         report = record.get("report") or {}
         hack = any(f.get("severity") == "major" for f in report.get("findings") or [])
         ok = report.get("correct") and not report.get("static_only") and not hack

@@ -36,6 +36,8 @@ from typing import Any, Callable
 import torch
 
 from .. import _C
+from ..agents.run_dir import append_event, read_json as _read_json, redact_keys as _redact
+from ..agents.run_dir import write_json as _write_json, write_text as _write
 from ..log import get_logger
 from .capture import Graph
 from .planner import Group, GraphPlan
@@ -45,7 +47,6 @@ from .targets import (COMPUTING, KernelStep, KernelStepError, SubProblem, Target
 __all__ = ["AgentBudget", "TargetResult", "GraphRun", "run_agents", "profile_groups", "program_wrapper_source"]
 
 _log = get_logger(__name__)
-_SECRET = re.compile(r"(api_?key|secret|password|authorization|^token$|_token$)", re.I)
 
 
 @dataclass
@@ -103,36 +104,6 @@ def _C_backend_type() -> type:
     from .. import _C
 
     return _C.LlmBackend
-
-
-# ---- small file helpers -------------------------------------------------------------------------
-
-
-def _write(path: Path, text: str) -> None:
-    """Atomic replace: a killed run never leaves half a file; no secret the process knows is written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(_C.secrets.redact(text), encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def _write_json(path: Path, value: Any) -> None:
-    _write(path, json.dumps(value, indent=2, default=str))
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
-def _redact(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: ("<redacted>" if _SECRET.search(str(k)) and v not in (None, "") else _redact(v)) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_redact(v) for v in value]
-    return value
 
 
 def fingerprint(graph: Graph) -> str:
@@ -280,8 +251,7 @@ class _Runner:
     def event(self, stage: str, message: str, **extra: Any) -> None:
         record = {"stage": stage, "message": message, "time_s": round(time.perf_counter() - self.started, 3), **extra}
         with self.events:
-            with open(self.root / "events.jsonl", "a", encoding="utf-8") as f:
-                f.write(_C.secrets.redact(json.dumps(record, default=str)) + "\n")
+            append_event(self.root, record)
         if self.on_event is not None:
             try:
                 self.on_event(record)
