@@ -20,6 +20,7 @@ from pathlib import Path
 
 from . import _C
 from .errors import StitchError
+from .settings import settings
 
 CUDA_MAJOR = 13  # the CUDA major version StitchCUDA is built and tested against
 CUPTI_LIBRARY = f"libcupti.so.{CUDA_MAJOR}"
@@ -132,7 +133,7 @@ def _check_gpus() -> Check:
 
 def cuda_home() -> Path:
     """The CUDA toolkit folder: $CUDA_HOME, else $CUDA_PATH, else /usr/local/cuda (the C++ side's order)."""
-    return Path(os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda")
+    return settings().cuda_home or settings().cuda_path or Path("/usr/local/cuda")
 
 
 def find_nvcc() -> str | None:
