@@ -85,8 +85,8 @@ def test_writes_are_atomic_redacted_and_read_back(tmp_path):
     secret = "sk-test-run-dir-0123456789abcdef"
     _C.secrets.remember(secret)
     run = RunDir.create(tmp_path / "graph")
-    run.write_config({"mode": "graph", "model": "m", "call_options": {"api_key": "k1", "headers": {"Authorization": "x"},
-                                                                      "token": "", "max_tokens": 5}, "note": secret})
+    options = {"api_key": "k1", "headers": {"Authorization": "x"}, "token": "", "max_tokens": 5}
+    run.write_config({"mode": "graph", "model": "m", "call_options": options, "note": secret})
     config = run.config()
     assert config["call_options"] == {"api_key": REDACTED, "headers": {"Authorization": REDACTED}, "token": "",
                                       "max_tokens": 5}

@@ -57,7 +57,8 @@ def test_the_cpp_table_and_this_one_agree():
     cpp = _cpp_table()
     assert "STITCHCUDA_NVRTC" in cpp and "STITCHCUDA_TF32X3_CHUNK" in cpp, "the C++ table was not read"
     ours = {s.name: s for s in st.declared() if s.side in ("C++", "both") and s.name.startswith("STITCHCUDA_")}
-    assert sorted(ours) == sorted(cpp), "declare the C++ table's rows in stitchcuda.settings, and only those, as C++/both"
+    assert sorted(ours) == sorted(cpp), \
+        "declare the C++ table's rows in stitchcuda.settings, and only those, as C++/both"
     for name, (fallback, reason) in cpp.items():
         if ours[name].side == "C++":  # the rows the C++ alone reads say what the C++ says
             assert (ours[name].reason, ours[name].shown_default()) == (reason, fallback or "unset"), name

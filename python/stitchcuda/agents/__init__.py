@@ -14,15 +14,19 @@ with BM25 by the C++ `stitchcuda::agents::Retriever`.
 from __future__ import annotations
 
 import os
+
 from .. import _C
 from .loop import (BUDGET_DEFAULTS, CORPUS_DIR, NO_GPU, PROMPTS_DIR, ProblemPlan, PromptLibrary, docs_folder,
                    extract_code, hardware, optimize_problem, problem_plan_schema, report_from_json)
+from .run_dir import RunDir
 from .trajectories import (TRAJECTORY_KEYS, TRAJECTORY_SCHEMA, read_trajectories, trajectory_record,
                            validate_trajectory)
 
-__all__ = ["Retriever", "CORPUS_DIR", "docs_folder", "PROMPTS_DIR", "NO_GPU", "BUDGET_DEFAULTS", "hardware",
-           "extract_code", "ProblemPlan", "problem_plan_schema", "PromptLibrary", "report_from_json", "optimize_problem",
-           "TRAJECTORY_SCHEMA", "TRAJECTORY_KEYS", "validate_trajectory", "read_trajectories", "trajectory_record"]
+__all__ = ["Retriever", "RunDir", "CORPUS_DIR", "docs_folder", "PROMPTS_DIR", "NO_GPU", "BUDGET_DEFAULTS",
+           "hardware", "extract_code", "ProblemPlan", "problem_plan_schema", "PromptLibrary", "report_from_json",
+           "optimize_problem", "TRAJECTORY_SCHEMA", "TRAJECTORY_KEYS", "validate_trajectory", "read_trajectories",
+           "trajectory_record"]
+
 
 class Retriever:
     """BM25 over the `## ` sections of markdown files; each hit is {id, title, text, score}."""
