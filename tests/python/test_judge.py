@@ -175,7 +175,7 @@ def test_every_timing_caller_goes_through_measure(monkeypatch):
 
     assert optimize_module._time_ms(lambda: None) == 2.0
     assert suite._time_ms(lambda: None) == 2.0
-    assert bench_program._gpu_ms(lambda: None) == 2.0
+    assert bench_program.gpu_ms(lambda: None) == 2.0
     assert bench_verify._kernelbench_style(lambda x: x, [torch.ones(1)], trials=5) == 2.0
     assert fake.protocols == ["stitchcuda"] * 3 + ["kernelbench"]
     assert len(fake.flushes) == 4  # one flush per measurement, all the same class

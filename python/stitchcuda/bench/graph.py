@@ -122,13 +122,13 @@ def bandwidth(rows: int = 8192, cols: int = 8192) -> dict:
     from ..graph import Lowering, OfflinePlanner, capture
     from ..verify.compare import first_difference
     from ..verify.tolerance import tolerance
-    from .program import _gpu_ms
+    from .program import gpu_ms
 
     n = rows * cols
     x = torch.randn(rows, cols, device="cuda")
     y = torch.randn(rows, cols, device="cuda")
     copy_out = torch.empty_like(x)
-    copy_ms = _gpu_ms(lambda: copy_out.copy_(x))
+    copy_ms = gpu_ms(lambda: copy_out.copy_(x))
     copy_gbs = 2 * n * 4 / copy_ms / 1e6
     cases = {
         "pointwise x*sigmoid(x)+y": (lambda a, b: a * torch.sigmoid(a) + b, (x, y), 3 * n * 4),
@@ -150,7 +150,7 @@ def bandwidth(rows: int = 8192, cols: int = 8192) -> dict:
         with torch.no_grad():
             want = fn(*inputs)
         correct = first_difference("y", outputs[0], want, *tolerance(want.dtype)) is None
-        ms = _gpu_ms(lambda: ex.run(list(inputs), outputs))
+        ms = gpu_ms(lambda: ex.run(list(inputs), outputs))
         gbs = nbytes / ms / 1e6
         out["kernels"][name] = {"steps": steps, "kernel": lowering.kernels[0][1].name if lowering.kernels else None,
                                 "ms": round(ms, 4), "gb_s": round(gbs, 1), "of_copy": round(gbs / copy_gbs, 3),

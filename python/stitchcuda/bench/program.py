@@ -70,7 +70,7 @@ def _host_us(fn, repeats: int = 200) -> float:
     return statistics.median(samples) / 1e3
 
 
-def _gpu_ms(fn, repeats: int = 20) -> float:
+def gpu_ms(fn, repeats: int = 20) -> float:
     """GPU milliseconds per call: the median on the Verifier's protocol (stitchcuda.verify.measure)."""
     from ..verify import measure
 
@@ -100,7 +100,7 @@ def host_overhead() -> dict:
             ins[0].copy_(x)
             row[f"{mode}_replay_host_us"] = round(_host_us(lambda: ex.run(ins, outs)), 2)
             row[f"{mode}_replay_with_copies_host_us"] = round(_host_us(lambda: ex.run([x], [y])), 2)
-            row[f"{mode}_gpu_ms_per_forward"] = round(_gpu_ms(lambda: ex.run(ins, outs)), 4)
+            row[f"{mode}_gpu_ms_per_forward"] = round(gpu_ms(lambda: ex.run(ins, outs)), 4)
             row[f"{mode}_correct"] = bool(ok)
             if device_launch:
                 stats = ex.stats()
@@ -138,9 +138,9 @@ def epilogues() -> dict:
                 b.matmul(X, W, Y, bias=B, transpose_b=True, epilogue=name)
                 ex = b.build().executor(graphs=False)
                 y = torch.empty(m, n, device="cuda")
-                ours = _gpu_ms(lambda: ex.run([x], [y]))
-                theirs = _gpu_ms(lambda: act(F.linear(x, w, bias)))
-                linear_only = _gpu_ms(lambda: F.linear(x, w, bias))
+                ours = gpu_ms(lambda: ex.run([x], [y]))
+                theirs = gpu_ms(lambda: act(F.linear(x, w, bias)))
+                linear_only = gpu_ms(lambda: F.linear(x, w, bias))
                 err = (ex.run([x], [y])[0] - act(F.linear(x, w, bias))).abs().max().item()
                 results[f"{m}x{n}x{k}_{name}"] = {
                     "cublaslt_fused_ms": round(ours, 4), "linear_plus_activation_ms": round(theirs, 4),
@@ -214,7 +214,7 @@ def tf32x3(shapes=((8192, 8192, 4096), (4096, 4096, 4096), (8192, 2048, 8192), (
                 ex.run([x], [y])
                 torch.cuda.synchronize()
                 row[f"{label}_peak_mib"] = round((torch.cuda.max_memory_allocated() - before) / 2**20, 1)
-                ms = _gpu_ms(lambda: ex.run([x], [y]))
+                ms = gpu_ms(lambda: ex.run([x], [y]))
                 ex.run([x], [y])
                 outs[label] = y.clone()
                 row[f"{label}_ms"] = round(ms, 4)
