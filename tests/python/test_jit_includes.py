@@ -184,14 +184,14 @@ REFERENCE = textwrap.dedent('''
 ''')
 
 
-def candidate(include: str) -> str:
+def candidate(include: str, directive: str = "#include") -> str:
     return textwrap.dedent(f'''
         import torch
         import torch.nn as nn
         from stitchcuda import jit
 
         SRC = r"""
-        #include "{include}"
+        {directive} "{include}"
         extern "C" __global__ void twice(const float* x, float* y, int n) {{
           int i = blockIdx.x * blockDim.x + threadIdx.x;
           if (i < n) y[i] = 2.0f * x[i];
@@ -207,15 +207,16 @@ def candidate(include: str) -> str:
     ''')
 
 
+@pytest.mark.parametrize("directive", ["#include", "%:include"], ids=["plain", "digraph"])
 @pytest.mark.parametrize("static_only", [True, False], ids=["static-only", "in-the-worker"])
-def test_the_verifier_never_lets_a_candidate_include_a_file(secret_file, static_only):
+def test_the_verifier_never_lets_a_candidate_include_a_file(secret_file, static_only, directive):
     from stitchcuda.verify import Task, VerifyConfig, check
 
     task = Task.from_source(REFERENCE, "twice")
     if static_only:
-        report = check(task, candidate(str(secret_file)), static_only=True)
+        report = check(task, candidate(str(secret_file), directive), static_only=True)
     else:
-        report = check(task, candidate(str(secret_file)), config=VerifyConfig(device="cpu", timing_iters=0))
+        report = check(task, candidate(str(secret_file), directive), config=VerifyConfig(device="cpu", timing_iters=0))
     text = report.to_json()
     assert not report.correct and SECRET not in text and "sk-planted" not in text
     assert "absolute paths" in text and "untrusted CUDA" in text, text[:2000]

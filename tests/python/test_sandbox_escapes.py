@@ -230,3 +230,33 @@ def test_the_worker_sees_only_its_view(pool, tmp_path):
         if not os.path.isdir(os.path.dirname(torch.__file__)):
             escaped.append("the import path is missing")
     ''')
+
+
+def test_tensors_reach_a_sandboxed_worker_by_value(tmp_path):
+    """A worker that runs as nobody with no /tmp in view cannot fetch a tensor's shared-memory descriptor
+    from multiprocessing's sharer (a socket in the caller's temporary folder); sent with sandbox.by_value,
+    the tensor carries its data and arrives."""
+    import subprocess
+    from multiprocessing.connection import Connection
+
+    import torch
+
+    from stitchcuda.verify import sandbox
+
+    receiver = ("import sys\nfrom multiprocessing.connection import Connection\nimport torch\n"
+                "c = Connection(int(sys.argv[1]))\n"
+                "try:\n    c.send(('ok', c.recv().tolist()))\n"
+                "except Exception as exc:\n    c.send(('error', type(exc).__name__))\n")
+    ours, theirs = socket.socketpair()
+    worker = subprocess.Popen(sandbox.command(str(tmp_path / "private"), True,
+                                              [sys.executable, "-c", receiver, str(theirs.fileno())]),
+                              pass_fds=(theirs.fileno(),))
+    theirs.close()
+    conn = Connection(ours.detach())
+    try:
+        conn.send_bytes(sandbox.by_value(torch.arange(4.0)))
+        assert conn.poll(120), "the worker did not answer"
+        assert conn.recv() == ("ok", [0.0, 1.0, 2.0, 3.0])
+    finally:
+        conn.close()
+        worker.wait(30)

@@ -42,13 +42,14 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["LAYERS", "SECCOMP_DENIED", "command", "describe", "namespace_rss", "state_of_this_process"]
+__all__ = ["LAYERS", "SECCOMP_DENIED", "by_value", "command", "describe", "namespace_rss", "state_of_this_process"]
 
 # The layers, in the order they are set up (each may be missing on a given machine).
 LAYERS = ("unprivileged_uid", "user_namespace", "pid_namespace", "network_namespace", "proc_hidden",
-          "read_only_proc_sys", "minimal_dev", "private_shm", "read_only_root", "read_only_sys", "no_privileges",
+          "read_only_proc_sys", "view", "minimal_dev", "private_shm", "read_only_root", "read_only_sys", "no_privileges",
           "seccomp", "limits")
 STATE_VARIABLE = "STITCHCUDA_SANDBOX_STATE"
+SKIPPABLE = ("unprivileged_uid", "network_namespace", "view", "minimal_dev", "seccomp")
 
 _CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
 _CLONE_NEWCGROUP, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x02000000, 0x04000000, 0x08000000
@@ -103,9 +104,14 @@ _WRITABLE = {"HOME": "home", "TMPDIR": "tmp", "XDG_CACHE_HOME": "cache", "TORCHI
              "CUDA_CACHE_PATH": "cache/nv", "STITCHCUDA_CACHE_DIR": "cache/stitchcuda"}
 
 
-def command(private_dir: str | None, sandbox: bool, worker: list[str]) -> list[str]:
-    """The command line that starts ``worker`` (an interpreter's command line) through the launcher."""
-    spec = {"private_dir": private_dir, "sandbox": sandbox, "exec": worker, "needs": _needed_paths(worker)}
+def command(private_dir: str | None, sandbox: bool, worker: list[str], skip: tuple[str, ...] = ()) -> list[str]:
+    """The command line that starts ``worker`` (an interpreter's command line) through the launcher.
+    ``skip`` leaves out some of SKIPPABLE (the cost benchmark measures each layer that way)."""
+    unknown = set(skip) - set(SKIPPABLE)
+    if unknown:
+        raise ValueError(f"unknown sandbox layers {sorted(unknown)}: the layers that can be left out are {SKIPPABLE}")
+    spec = {"private_dir": private_dir, "sandbox": sandbox, "exec": worker, "needs": _needed_paths(worker),
+            "skip": list(skip)}
     return [sys.executable, "-I", "-S", os.path.abspath(__file__), json.dumps(spec)]
 
 
@@ -153,13 +159,24 @@ def describe(state: dict[str, Any] | None) -> str:
         return "sandbox: off (WorkerPool(sandbox=False) or STITCHCUDA_SANDBOX=0); limits only"
     names = {"unprivileged_uid": "unprivileged user", "user_namespace": "user namespace",
              "pid_namespace": "PID namespace", "network_namespace": "no network", "proc_hidden": "/proc hidden",
-             "read_only_proc_sys": "/proc/sys read-only", "minimal_dev": "minimal /dev",
+             "read_only_proc_sys": "/proc/sys read-only", "view": "only the toolkit, interpreter and system in view",
+             "minimal_dev": "minimal /dev",
              "private_shm": "private /dev/shm", "read_only_root": "read-only file system",
              "read_only_sys": "/sys read-only", "no_privileges": "no privileges", "seccomp": "seccomp",
              "limits": "limits"}
     held = [names[k] for k in LAYERS if state.get(k)]
     missing = [names[k] for k in LAYERS if not state.get(k)]
     return "sandbox: " + (", ".join(held) or "no layer") + (f" (missing: {', '.join(missing)})" if missing else "")
+
+
+def by_value(message: Any) -> bytes:
+    """``message`` pickled for a sandboxed worker (send it with ``Connection.send_bytes``; the worker's
+    ``recv`` reads it as usual): tensors carry their data, since the handles multiprocessing's reducer would
+    send (a descriptor fetched over a socket in the caller's private temporary folder) are out of reach
+    of a worker that runs as nobody and has no /tmp in view."""
+    import pickle
+
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def namespace_rss(keeper_pid: int) -> int:
@@ -243,23 +260,25 @@ def _launch(spec: dict[str, Any]) -> None:
     if spec["sandbox"] and private_dir:
         for sub in _WRITABLE.values():
             os.makedirs(os.path.join(private_dir, sub), exist_ok=True)
-    uid, gid = os.getuid(), os.getgid()
-    target = _unprivileged(state, private_dir) if spec["sandbox"] else None
+    uid, gid, skip = os.getuid(), os.getgid(), set(spec.get("skip") or ())
+    target = _unprivileged(state, private_dir) if spec["sandbox"] and "unprivileged_uid" not in skip else None
     running = _processes_of(target[0] if target else uid) if (target or uid != 0) else 0
     _limits(state, running)  # counted while the machine's /proc is in view
     if spec["sandbox"]:
-        target = _namespaces(state, uid, gid, target)
+        target = _namespaces(state, uid, gid, target, network="network_namespace" not in skip)
         if state["pid_namespace"]:
             _keep()  # forks; only process 1 of the namespace returns
         if state["user_namespace"]:
-            _mounts(state, private_dir, spec.get("needs") or [], target)
+            _mounts(state, private_dir, spec.get("needs") or [], target, dev="minimal_dev" not in skip,
+                    view="view" not in skip)
         if state["pid_namespace"]:
             _init()  # forks; only the worker returns
         if state["user_namespace"]:
             _drop_privileges(state, target)
         elif target:  # no namespace to map nobody into: become nobody on the machine itself
             _become(state, target)
-        _seccomp(state)
+        if "seccomp" not in skip:
+            _seccomp(state)
     env = dict(os.environ)
     if spec["sandbox"] and private_dir:
         for name, sub in _WRITABLE.items():
@@ -307,12 +326,13 @@ def _become(state: dict[str, Any], target: tuple[int, int]) -> None:
         state["warnings"].append(f"the worker runs as root: it could not become uid {uid} ({exc})")
 
 
-def _namespaces(state: dict[str, Any], uid: int, gid: int, target: tuple[int, int] | None) -> tuple[int, int] | None:
+def _namespaces(state: dict[str, Any], uid: int, gid: int, target: tuple[int, int] | None,
+                network: bool = True) -> tuple[int, int] | None:
     """Unshares the namespaces. A root caller maps both root and ``target`` into the user namespace: a
     process of the machine's (a forked helper, still root there) must write such a map, the namespace's
     own process may only map its own id. Returns ``target`` when it is mapped (or no namespace was made)."""
     helper, go = (_map_helper(uid, gid, target) if target else (None, None))
-    made = _c().unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET) == 0
+    made = _c().unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWPID | (_CLONE_NEWNET if network else 0)) == 0
     problem = None if made else _err("no user namespace (unshare)")
     if helper is not None:
         os.write(go, b"1" if made else b"0")
@@ -332,7 +352,8 @@ def _namespaces(state: dict[str, Any], uid: int, gid: int, target: tuple[int, in
             _write("/proc/self/setgroups", "deny")
             _write("/proc/self/uid_map", f"{uid} {uid} 1")
             _write("/proc/self/gid_map", f"{gid} {gid} 1")
-        state["user_namespace"] = state["pid_namespace"] = state["network_namespace"] = True
+        state["user_namespace"] = state["pid_namespace"] = True
+        state["network_namespace"] = network
     except OSError as exc:
         state["warnings"].append(f"user namespace made but its id maps could not be written ({exc})")
     return target
@@ -403,7 +424,8 @@ def _wait_for(pid: int, reap_all: bool) -> int:
             return status
 
 
-def _mounts(state: dict[str, Any], private_dir: str, needs: list[str], target: tuple[int, int] | None) -> None:
+def _mounts(state: dict[str, Any], private_dir: str, needs: list[str], target: tuple[int, int] | None,
+            dev: bool = True, view: bool = True) -> None:
     warn = state["warnings"].append
     problem = _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing done here reaches the caller
     if problem:
@@ -420,11 +442,12 @@ def _mounts(state: dict[str, Any], private_dir: str, needs: list[str], target: t
     if problem:
         warn(problem + ": no private writable folder, so the file system is left writable")
         return
-    if needs:
+    if needs and view:
         state["view"] = _restrict_view(needs + [private_dir], private_dir, warn)
     if target:
         state["opened"] = _open_paths(needs + [private_dir], private_dir, target[0], warn)
-    _minimal_dev(state, private_dir)
+    if dev:
+        _minimal_dev(state, private_dir)
     failed = []
     for target, options in _mount_points():
         if target == private_dir or _under(target, private_dir) or "ro" in options:
