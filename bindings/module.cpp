@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <stitchcuda/detail/settings.hpp>
 #include <stitchcuda/secrets.hpp>
 
 #include "errors.hpp"
@@ -38,6 +39,15 @@ PYBIND11_MODULE(_C, m) {
   sm.def("redact", [](const std::string& text) { return stitchcuda::secrets::redact(text); }, py::arg("text"));
   sm.def("looks_secret", [](const std::string& name) { return stitchcuda::secrets::looks_secret(name); });
   sm.def("count", &stitchcuda::secrets::count);
+  // The C++ side's rows of the settings table (stitchcuda.settings lists them beside the Python ones).
+  m.def("cpp_settings", [] {
+    py::list rows;
+    for (const auto& row : stitchcuda::detail::settings_table())
+      rows.append(py::dict(py::arg("name") = std::string(row.name), py::arg("type") = std::string(row.type),
+                           py::arg("fallback") = std::string(row.fallback),
+                           py::arg("reason") = std::string(row.reason)));
+    return rows;
+  });
   stitchcuda::bindings::bind_jit(m);
   stitchcuda::bindings::bind_llm(m);
   stitchcuda::bindings::bind_profile(m);

@@ -1,7 +1,8 @@
-// stitchcuda::program::Executor — runs a Program on a GPU: arena from liveness planning, kernels from
-// CUBIN or recompiled, cuBLASLt matmuls with epilogues, ATen ops through the dispatcher, views, and the
-// whole forward captured once into a CUDA graph and replayed. Needs LibTorch (its caching allocator,
-// dispatcher and streams); the implementation lives in src/torch/, the one folder that includes it.
+// stitchcuda::program::Executor (defined as stitchcuda::torch::Executor) — runs a Program on a GPU: arena
+// from liveness planning, kernels from CUBIN or recompiled, cuBLASLt matmuls with epilogues, ATen ops
+// through the dispatcher, views, and the whole forward captured once into a CUDA graph and replayed. Needs
+// LibTorch (its caching allocator, dispatcher and streams); the implementation lives in src/torch/, the one
+// folder that includes it.
 #pragma once
 
 #include <cstddef>
@@ -19,7 +20,9 @@ namespace at {
 class Tensor;
 }
 
-namespace stitchcuda::program {
+// The Executor is the torch layer's (it lives where LibTorch is included); the program layer names it too,
+// where a program's users look for it.
+namespace stitchcuda::torch {
 
 /// How an Executor runs its program.
 struct ExecutorOptions {
@@ -63,15 +66,15 @@ class Executor {
   /// Validates and plans the program, loads its kernels (the CUBIN when it was built for this device's
   /// architecture, else recompiled from source through the kernel cache), resolves every ATen op in the
   /// dispatcher and checks its arguments, and uploads the weights. Errors name the step at fault.
-  static Result<std::shared_ptr<Executor>> create(Program program, ExecutorOptions options = {});
+  static Result<std::shared_ptr<Executor>> create(program::Program program, ExecutorOptions options = {});
   /// As above, reading the weights named in `shared` from the given tensors instead of uploading the
   /// program's bytes: a program running beside the model it was built from uses the model's parameters
   /// in place and holds no second copy of them. Each tensor must have its weight's dtype, shape and
   /// strides, live on the executor's device and start 256-byte aligned; the executor keeps a reference
   /// (the tensor stays alive) and reads whatever the tensor holds at run time. set_weight refuses a shared
   /// weight: write to the tensor instead.
-  static Result<std::shared_ptr<Executor>> create(Program program, ExecutorOptions options,
-                                                  const std::map<BufferId, at::Tensor>& shared);
+  static Result<std::shared_ptr<Executor>> create(program::Program program, ExecutorOptions options,
+                                                  const std::map<program::BufferId, at::Tensor>& shared);
   /// Program::load + create.
   static Result<std::shared_ptr<Executor>> load(const std::string& path, ExecutorOptions options = {});
 
@@ -94,7 +97,7 @@ class Executor {
 
   /// Replaces a weight's contents (same shape and dtype); captured graphs see the new values. A weight
   /// shared at creation is the caller's tensor and is refused here.
-  Result<void> set_weight(BufferId weight, const at::Tensor& value);
+  Result<void> set_weight(program::BufferId weight, const at::Tensor& value);
   /// Frees what runs allocated: every stream's arena, cuBLASLt workspace, split scratch, static inputs
   /// and outputs, and captured graph. The weights and loaded kernels stay; the next run allocates again
   /// (and, replaying, captures again). For a caller that needs the memory back between calls — a
@@ -102,12 +105,12 @@ class Executor {
   /// never call it while a run is in flight on another thread.
   Result<void> release();
 
-  const Program& program() const;            ///< what it runs
-  const BufferPlan& plan() const;            ///< arena layout of the intermediates
-  std::vector<BufferId> inputs() const;      ///< input buffer ids, in run() order
-  std::vector<BufferId> outputs() const;     ///< output buffer ids, in run() order
-  int device() const;                        ///< CUDA device it runs on
-  ExecutorStats stats() const;               ///< counters
+  const program::Program& program() const;        ///< what it runs
+  const program::BufferPlan& plan() const;        ///< arena layout of the intermediates
+  std::vector<program::BufferId> inputs() const;  ///< input buffer ids, in run() order
+  std::vector<program::BufferId> outputs() const; ///< output buffer ids, in run() order
+  int device() const;                             ///< CUDA device it runs on
+  ExecutorStats stats() const;                    ///< counters
   /// What a user should know before trusting the results here, e.g. a program verified on another GPU.
   const std::vector<std::string>& warnings() const;
 
@@ -121,4 +124,10 @@ class Executor {
   std::unique_ptr<Impl> impl_;
 };
 
+}  // namespace stitchcuda::torch
+
+namespace stitchcuda::program {
+using torch::Executor;
+using torch::ExecutorOptions;
+using torch::ExecutorStats;
 }  // namespace stitchcuda::program

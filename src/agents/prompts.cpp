@@ -9,7 +9,7 @@
 #include <set>
 #include <sstream>
 
-#include "../core/sha256.hpp"
+#include <stitchcuda/detail/sha256.hpp>
 
 namespace stitchcuda::agents {
 namespace {

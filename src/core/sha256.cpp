@@ -1,5 +1,5 @@
 // SHA-256 as specified in FIPS 180-4; small and dependency-free.
-#include "sha256.hpp"
+#include <stitchcuda/detail/sha256.hpp>
 
 #include <cstring>
 

@@ -16,7 +16,8 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "../core/sha256.hpp"
+#include <stitchcuda/detail/settings.hpp>
+#include <stitchcuda/detail/sha256.hpp>
 #include "ptx.hpp"
 
 namespace stitchcuda::jit {
@@ -233,9 +234,11 @@ std::shared_ptr<KernelCache> g_global;
 }  // namespace
 
 std::string KernelCache::default_dir() {
-  if (const char* env = std::getenv("STITCHCUDA_CACHE_DIR")) return env;  // "" disables the disk store
-  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) return (fs::path(xdg) / "stitchcuda").string();
-  if (const char* home = std::getenv("HOME"); home && *home) return (fs::path(home) / ".cache" / "stitchcuda").string();
+  using stitchcuda::detail::environment;
+  // An empty STITCHCUDA_CACHE_DIR disables the disk store.
+  if (auto env = stitchcuda::detail::raw_setting(stitchcuda::detail::Setting::cache_dir)) return *env;
+  if (auto xdg = environment("XDG_CACHE_HOME")) return (fs::path(*xdg) / "stitchcuda").string();
+  if (auto home = environment("HOME")) return (fs::path(*home) / ".cache" / "stitchcuda").string();
   return (fs::temp_directory_path() / "stitchcuda-cache").string();
 }
 

@@ -14,8 +14,9 @@
 #include <set>
 #include <sstream>
 
-#include "../core/sha256.hpp"
-#include "driver.hpp"
+#include <stitchcuda/detail/dynamic_library.hpp>
+#include <stitchcuda/detail/sha256.hpp>
+#include <stitchcuda/detail/cuda_driver.hpp>
 #include "link.hpp"
 #include "nvrtc.hpp"
 #include "ptx.hpp"
@@ -430,9 +431,8 @@ std::string Compiler::default_arch() {
 std::vector<std::string> Compiler::system_include_paths() {
   static const std::vector<std::string> paths = [] {
     std::vector<fs::path> roots;
-    for (const char* var : {"CUDA_HOME", "CUDA_PATH"})
-      if (const char* v = std::getenv(var); v && *v) roots.emplace_back(fs::path(v) / "include");
-    roots.emplace_back("/usr/local/cuda/include");
+    for (const std::string& home : stitchcuda::detail::toolkit_folders())
+      roots.emplace_back(fs::path(home) / "include");
     // A pip-installed NVRTC keeps its headers next to its lib folder.
     if (auto api = detail::nvrtc()) roots.push_back(fs::path((*api)->path).parent_path().parent_path() / "include");
     std::vector<std::string> out;

@@ -1,11 +1,10 @@
 // Loads libcuda, resolves entry points by API version, and answers device questions.
-#include "driver.hpp"
-
-#include <dlfcn.h>
+#include <stitchcuda/detail/cuda_driver.hpp>
 
 #include <algorithm>
 #include <mutex>
 
+#include <stitchcuda/detail/dynamic_library.hpp>
 #include <stitchcuda/jit.hpp>
 
 namespace stitchcuda::jit::detail {
@@ -14,16 +13,15 @@ namespace {
 using GetProcAddress = CUresult (*)(const char*, void**, int, cuuint64_t, CUdriverProcAddressQueryResult*);
 
 Result<DriverApi> load() {
-  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-  const char* why = lib ? nullptr : dlerror();
-  if (!lib)
-    return fail(ErrorCode::Unavailable,
-                "the CUDA driver (libcuda.so.1) is not installed on this machine: kernels can be compiled "
-                "(for sm_90a by default) but not run; install an NVIDIA driver to run them",
-                why ? why : "");
-  auto gpa = reinterpret_cast<GetProcAddress>(dlsym(lib, "cuGetProcAddress_v2"));
-  auto get_version = reinterpret_cast<decltype(&::cuDriverGetVersion)>(dlsym(lib, "cuDriverGetVersion"));
-  if (!gpa || !get_version)
+  // The driver is the system's (never a toolkit's stub library): only the dynamic loader's search.
+  auto lib = stitchcuda::detail::load_library(
+      {"libcuda.so.1", stitchcuda::detail::Setting::libcuda, {"libcuda.so.1"},
+       "the CUDA driver (libcuda.so.1) is not installed on this machine: kernels can be compiled "
+       "(for sm_90a by default) but not run; install an NVIDIA driver to run them"});
+  if (!lib) return tl::unexpected(lib.error());
+  GetProcAddress gpa = nullptr;
+  decltype(&::cuDriverGetVersion) get_version = nullptr;
+  if (!lib->bind(gpa, "cuGetProcAddress_v2") || !lib->bind(get_version, "cuDriverGetVersion"))
     return fail(ErrorCode::Unavailable, "the CUDA driver is too old (no cuGetProcAddress_v2): install a driver "
                                         "supporting CUDA 12.4 or newer");
   DriverApi api;

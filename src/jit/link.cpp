@@ -1,14 +1,13 @@
 // nvJitLink found next to NVRTC (or in the toolkit), the device runtime archive, and one link.
 #include "link.hpp"
 
-#include <dlfcn.h>
-
-#include <cstdlib>
 #include <filesystem>
 #include <mutex>
 #include <vector>
 
 #include <nvJitLink.h>
+
+#include <stitchcuda/detail/dynamic_library.hpp>
 
 #include "nvrtc.hpp"
 
@@ -30,40 +29,26 @@ struct JitLinkApi {
   decltype(&::__nvJitLinkGetErrorLog_13_0) GetErrorLog = nullptr;
 };
 
-// Folders that hold the CUDA libraries of this process, most specific first.
+// Folders that hold the CUDA libraries of this process, most specific first: NVRTC's (torch's wheels
+// keep nvJitLink and libcudadevrt.a beside it), the toolkit's.
 std::vector<fs::path> library_folders() {
   std::vector<fs::path> out;
   if (auto api = nvrtc(); api && !(*api)->path.empty()) out.push_back(fs::path((*api)->path).parent_path());
-  for (const char* var : {"CUDA_HOME", "CUDA_PATH"})
-    if (const char* home = std::getenv(var); home && *home) out.push_back(fs::path(home) / "lib64");
-  out.push_back("/usr/local/cuda/lib64");
+  for (const std::string& home : stitchcuda::detail::toolkit_folders()) out.push_back(fs::path(home) / "lib64");
   return out;
 }
 
 Result<JitLinkApi> load() {
-  std::vector<std::string> tried;
-  void* lib = nullptr;
-  auto attempt = [&](const std::string& candidate, int extra) {
-    if (lib) return;
-    tried.push_back(candidate);
-    lib = dlopen(candidate.c_str(), RTLD_NOW | RTLD_LOCAL | extra);
-  };
-  attempt("libnvJitLink.so.13", RTLD_NOLOAD);
-  for (const fs::path& dir : library_folders()) attempt((dir / "libnvJitLink.so.13").string(), 0);
-  attempt("libnvJitLink.so.13", 0);
-  if (!lib) {
-    std::string where;
-    for (auto& t : tried) where += "\n  " + t;
-    return fail(ErrorCode::Unavailable,
-                "nvJitLink (libnvJitLink.so.13), needed to link the CUDA device runtime, was not found: install "
-                "the CUDA 13 toolkit at /usr/local/cuda or set CUDA_HOME",
-                "looked for:" + where);
-  }
+  stitchcuda::detail::LibrarySearch search{
+      "libnvJitLink.so.13", stitchcuda::detail::Setting::nvjitlink, {},
+      "nvJitLink (libnvJitLink.so.13), needed to link the CUDA device runtime, was not found: install the CUDA 13 "
+      "toolkit at /usr/local/cuda, set CUDA_HOME, or set STITCHCUDA_NVJITLINK to the library's path"};
+  for (const fs::path& dir : library_folders()) search.candidates.push_back((dir / "libnvJitLink.so.13").string());
+  search.candidates.push_back("libnvJitLink.so.13");
+  auto lib = stitchcuda::detail::load_library(search);
+  if (!lib) return tl::unexpected(lib.error());
   JitLinkApi api;
-  auto bind = [&](auto& fn, const char* name) {
-    fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
-    return fn != nullptr;
-  };
+  auto bind = [&](auto& fn, const char* name) { return lib->bind(fn, name); };
   bool ok = bind(api.Create, "__nvJitLinkCreate_13_0") && bind(api.Destroy, "__nvJitLinkDestroy_13_0") &&
             bind(api.AddData, "__nvJitLinkAddData_13_0") && bind(api.AddFile, "__nvJitLinkAddFile_13_0") &&
             bind(api.Complete, "__nvJitLinkComplete_13_0") &&
@@ -97,9 +82,9 @@ struct HandleGuard {
 
 Result<std::string> cudadevrt_path() {
   std::error_code ec;
-  if (const char* env = std::getenv("STITCHCUDA_CUDADEVRT"); env && *env) {
-    if (fs::is_regular_file(env, ec)) return std::string(env);
-    return fail(ErrorCode::Unavailable, std::string("STITCHCUDA_CUDADEVRT points to '") + env +
+  if (auto env = stitchcuda::detail::text_setting(stitchcuda::detail::Setting::cudadevrt)) {
+    if (fs::is_regular_file(*env, ec)) return *env;
+    return fail(ErrorCode::Unavailable, "STITCHCUDA_CUDADEVRT points to '" + *env +
                                             "', which is not a file: point it at libcudadevrt.a or unset it");
   }
   std::string where;

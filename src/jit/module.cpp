@@ -10,7 +10,7 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "driver.hpp"
+#include <stitchcuda/detail/cuda_driver.hpp>
 #include "ptx.hpp"
 
 namespace stitchcuda::jit {

@@ -1,73 +1,44 @@
 // Finds and loads libnvrtc once per process; every failure says where it looked.
 #include "nvrtc.hpp"
 
-#include <dlfcn.h>
-
-#include <cstdlib>
 #include <mutex>
-#include <vector>
+
+#include <stitchcuda/detail/dynamic_library.hpp>
 
 namespace stitchcuda::jit::detail {
 namespace {
 
-template <class F>
-bool bind(void* lib, F& fn, const char* name) {
-  fn = reinterpret_cast<F>(dlsym(lib, name));
-  return fn != nullptr;
-}
+using stitchcuda::detail::in_toolkit;
+using stitchcuda::detail::LibrarySearch;
+using stitchcuda::detail::load_library;
+using stitchcuda::detail::Setting;
+using stitchcuda::detail::torch_folders;
 
 Result<NvrtcApi> load() {
-  std::vector<std::string> tried;
-  void* lib = nullptr;
-  std::string path;
-  auto attempt = [&](const std::string& candidate, int extra_flags) {
-    if (lib) return;
-    tried.push_back(candidate);
-    lib = dlopen(candidate.c_str(), RTLD_NOW | RTLD_LOCAL | extra_flags);
-    if (lib) path = candidate;
-  };
-  if (const char* env = std::getenv("STITCHCUDA_NVRTC"); env && *env) {
-    attempt(env, 0);
-    if (!lib)
-      return fail(ErrorCode::Unavailable,
-                  std::string("STITCHCUDA_NVRTC points to '") + env +
-                      "', which could not be loaded: point it at a libnvrtc.so.13 or unset it");
-  }
-  // One process, one CUDA major: prefer the NVRTC PyTorch (or anyone) already loaded.
-  attempt("libnvrtc.so.13", RTLD_NOLOAD);
-  attempt("libnvrtc.so.13", 0);
-  if (const char* home = std::getenv("CUDA_HOME"); home && *home)
-    attempt(std::string(home) + "/lib64/libnvrtc.so.13", 0);
-  if (const char* home = std::getenv("CUDA_PATH"); home && *home)
-    attempt(std::string(home) + "/lib64/libnvrtc.so.13", 0);
-  attempt("/usr/local/cuda/lib64/libnvrtc.so.13", 0);
-  attempt("/usr/local/cuda-13.0/lib64/libnvrtc.so.13", 0);
-  if (!lib) {
-    std::string where;
-    for (auto& t : tried) where += "\n  " + t;
-    return fail(ErrorCode::Unavailable,
-                "NVRTC (libnvrtc.so.13) was not found: install the CUDA 13 toolkit at /usr/local/cuda, "
-                "set CUDA_HOME, or set STITCHCUDA_NVRTC to the library's path",
-                "looked for:" + where);
-  }
+  LibrarySearch search{"libnvrtc.so.13", Setting::nvrtc, {"libnvrtc.so.13"},
+                       "NVRTC (libnvrtc.so.13) was not found: install the CUDA 13 toolkit at /usr/local/cuda, "
+                       "set CUDA_HOME, or set STITCHCUDA_NVRTC to the library's path"};
+  for (const std::string& path : in_toolkit("libnvrtc.so.13")) search.candidates.push_back(path);
+  search.candidates.push_back("/usr/local/cuda-13.0/lib64/libnvrtc.so.13");
+  for (const std::string& folder : torch_folders()) search.candidates.push_back(folder + "/libnvrtc.so.13");
+  auto lib = load_library(search);
+  if (!lib) return tl::unexpected(lib.error());
+  const std::string& path = lib->path;
   NvrtcApi api;
-  bool ok = bind(lib, api.GetErrorString, "nvrtcGetErrorString") && bind(lib, api.Version, "nvrtcVersion") &&
-            bind(lib, api.GetNumSupportedArchs, "nvrtcGetNumSupportedArchs") &&
-            bind(lib, api.GetSupportedArchs, "nvrtcGetSupportedArchs") &&
-            bind(lib, api.CreateProgram, "nvrtcCreateProgram") &&
-            bind(lib, api.DestroyProgram, "nvrtcDestroyProgram") &&
-            bind(lib, api.CompileProgram, "nvrtcCompileProgram") && bind(lib, api.GetPTXSize, "nvrtcGetPTXSize") &&
-            bind(lib, api.GetPTX, "nvrtcGetPTX") && bind(lib, api.GetCUBINSize, "nvrtcGetCUBINSize") &&
-            bind(lib, api.GetCUBIN, "nvrtcGetCUBIN") && bind(lib, api.GetProgramLogSize, "nvrtcGetProgramLogSize") &&
-            bind(lib, api.GetProgramLog, "nvrtcGetProgramLog") &&
-            bind(lib, api.AddNameExpression, "nvrtcAddNameExpression") &&
-            bind(lib, api.GetLoweredName, "nvrtcGetLoweredName");
+  bool ok = lib->bind(api.GetErrorString, "nvrtcGetErrorString") && lib->bind(api.Version, "nvrtcVersion") &&
+            lib->bind(api.GetNumSupportedArchs, "nvrtcGetNumSupportedArchs") &&
+            lib->bind(api.GetSupportedArchs, "nvrtcGetSupportedArchs") &&
+            lib->bind(api.CreateProgram, "nvrtcCreateProgram") &&
+            lib->bind(api.DestroyProgram, "nvrtcDestroyProgram") &&
+            lib->bind(api.CompileProgram, "nvrtcCompileProgram") && lib->bind(api.GetPTXSize, "nvrtcGetPTXSize") &&
+            lib->bind(api.GetPTX, "nvrtcGetPTX") && lib->bind(api.GetCUBINSize, "nvrtcGetCUBINSize") &&
+            lib->bind(api.GetCUBIN, "nvrtcGetCUBIN") && lib->bind(api.GetProgramLogSize, "nvrtcGetProgramLogSize") &&
+            lib->bind(api.GetProgramLog, "nvrtcGetProgramLog") &&
+            lib->bind(api.AddNameExpression, "nvrtcAddNameExpression") &&
+            lib->bind(api.GetLoweredName, "nvrtcGetLoweredName");
   if (!ok)
     return fail(ErrorCode::Unavailable, "the NVRTC at '" + path +
                                             "' lacks required functions: use the NVRTC of CUDA 12.4 or newer");
-  // Report the real file, not the soname we asked for.
-  Dl_info info{};
-  if (dladdr(reinterpret_cast<void*>(api.Version), &info) && info.dli_fname) path = info.dli_fname;
   api.path = path;
   api.Version(&api.major, &api.minor);
   return api;

@@ -31,7 +31,8 @@ struct NvrtcApi {
 };
 
 /// The process's NVRTC, loaded once: STITCHCUDA_NVRTC, an already loaded libnvrtc.so.13, the
-/// loader's search path, then $CUDA_HOME/lib64 and /usr/local/cuda/lib64.
+/// loader's search path, then $CUDA_HOME/lib64, $CUDA_PATH/lib64, /usr/local/cuda/lib64, and the folder of
+/// the CUDA runtime torch loaded.
 Result<const NvrtcApi*> nvrtc();
 
 }  // namespace stitchcuda::jit::detail

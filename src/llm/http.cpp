@@ -14,6 +14,7 @@
 #include <mutex>
 #include <string>
 
+#include <stitchcuda/detail/settings.hpp>
 #include <stitchcuda/secrets.hpp>
 
 namespace stitchcuda::llm::detail {
@@ -39,7 +40,7 @@ const std::string& no_proxy_list() {
   static const std::string list = [] {
     std::string out = "127.0.0.1,localhost,::1";
     for (const char* var : {"NO_PROXY", "no_proxy"})
-      if (const char* v = std::getenv(var); v && *v) out = std::string(v) + "," + out;
+      if (auto v = stitchcuda::detail::environment(var)) out = *v + "," + out;
     return out;
   }();
   return list;

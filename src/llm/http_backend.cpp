@@ -2,9 +2,8 @@
 // pieces both need: checks, keys, server error texts and the classification of statuses.
 #include "http_backend.hpp"
 
-#include <cstdlib>
-
 #include "event_stream.hpp"
+#include <stitchcuda/detail/settings.hpp>
 #include <stitchcuda/secrets.hpp>
 
 namespace stitchcuda::llm::detail {
@@ -208,10 +207,9 @@ Result<std::string> api_key(const ServerConfig& config, const std::string& varia
     secrets::remember(config.api_key);
     return config.api_key;
   }
-  const char* value = std::getenv(variable.c_str());
-  if (value && *value) {
-    secrets::remember(value);
-    return std::string(value);
+  if (auto value = stitchcuda::detail::environment(variable)) {
+    secrets::remember(*value);
+    return *value;
   }
   // A local server usually needs no key; the hosted API always does, and so does a named variable.
   if (config.base_url.empty() || !config.api_key_env.empty())

@@ -12,7 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "../core/sha256.hpp"
+#include <stitchcuda/detail/sha256.hpp>
 #include <stitchcuda/secrets.hpp>
 
 namespace stitchcuda::llm {

@@ -1,54 +1,33 @@
-// The one CUPTI loader: libcupti.so.13 is dlopen'ed (never linked) so the library imports and runs
+// CUPTI's entry points: libcupti.so.13 is loaded at run time (never linked) so the library imports and runs
 // without it, and every failure to load or call it becomes an Unavailable value with the fix.
 #include "cupti.hpp"
 
-#include <dlfcn.h>
-
-#include <cstdlib>
-#include <type_traits>
-#include <vector>
+#include <stitchcuda/detail/dynamic_library.hpp>
 
 namespace stitchcuda::profile::detail {
 namespace {
 
+// The toolkit keeps CUPTI in lib64 or, in older layouts, extras/CUPTI/lib64.
 Result<CuptiApi> load_cupti() {
-  std::vector<std::string> tried;
-  void* lib = nullptr;
-  auto attempt = [&](const std::string& candidate, int extra_flags) {
-    if (lib) return;
-    tried.push_back(candidate);
-    lib = dlopen(candidate.c_str(), RTLD_NOW | RTLD_LOCAL | extra_flags);
-  };
-  if (const char* env = std::getenv("STITCHCUDA_CUPTI"); env && *env) {
-    attempt(env, 0);
-    if (!lib)
-      return fail(ErrorCode::Unavailable, std::string("profiler unavailable: STITCHCUDA_CUPTI points to '") + env +
-                                              "', which could not be loaded: point it at a libcupti.so.13 or unset it");
-  }
-  // One process, one CUDA major: prefer a CUPTI already loaded (PyTorch's wheels bring one).
-  attempt("libcupti.so.13", RTLD_NOLOAD);
-  attempt("libcupti.so.13", 0);
-  for (const char* var : {"CUDA_HOME", "CUDA_PATH"}) {
-    if (const char* home = std::getenv(var); home && *home) {
-      attempt(std::string(home) + "/lib64/libcupti.so.13", 0);
-      attempt(std::string(home) + "/extras/CUPTI/lib64/libcupti.so.13", 0);
-    }
-  }
-  attempt("/usr/local/cuda/lib64/libcupti.so.13", 0);
-  attempt("/usr/local/cuda/extras/CUPTI/lib64/libcupti.so.13", 0);
+  stitchcuda::detail::LibrarySearch search{
+      "libcupti.so.13", stitchcuda::detail::Setting::cupti, {"libcupti.so.13"},
+      "profiler unavailable: CUPTI (libcupti.so.13) was not found: install the CUDA 13 toolkit's CUPTI, "
+      "set CUDA_HOME, or set STITCHCUDA_CUPTI to the library's path"};
+  for (const std::string& home : stitchcuda::detail::toolkit_folders())
+    for (const char* folder : {"/lib64/", "/extras/CUPTI/lib64/"})
+      search.candidates.push_back(home + folder + "libcupti.so.13");
+  for (const std::string& folder : stitchcuda::detail::torch_folders())
+    search.candidates.push_back(folder + "/libcupti.so.13");
+  auto lib = stitchcuda::detail::load_library(search);
   if (!lib) {
-    std::string where;
-    for (const auto& t : tried) where += "\n  " + t;
-    return fail(ErrorCode::Unavailable,
-                "profiler unavailable: CUPTI (libcupti.so.13) was not found: install the CUDA 13 toolkit's CUPTI, "
-                "set CUDA_HOME, or set STITCHCUDA_CUPTI to the library's path",
-                "looked for:" + where);
+    Error e = lib.error();
+    if (e.message.rfind("profiler unavailable: ", 0) != 0) e.message = "profiler unavailable: " + e.message;
+    return tl::unexpected(std::move(e));
   }
   CuptiApi api;
   std::string missing;
   auto bind = [&](auto& fn, const char* name, bool required = true) {
-    fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
-    if (!fn && required) missing += std::string(" ") + name;
+    if (!lib->bind(fn, name) && required) missing += std::string(" ") + name;
   };
   bind(api.GetVersion, "cuptiGetVersion");
   bind(api.GetResultString, "cuptiGetResultString");
@@ -68,8 +47,7 @@ Result<CuptiApi> load_cupti() {
   bind(api.GetTimestamp, "cuptiGetTimestamp");
   // The range profiler's functions: Metrics refuses to run without them, tracing does not need them.
   auto bind_profiler = [&](auto& fn, const char* name) {
-    fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
-    if (!fn) api.profiler_missing += std::string(" ") + name;
+    if (!lib->bind(fn, name)) api.profiler_missing += std::string(" ") + name;
   };
   bind_profiler(api.ProfilerInitialize, "cuptiProfilerInitialize");
   bind_profiler(api.ProfilerDeInitialize, "cuptiProfilerDeInitialize");
@@ -94,8 +72,7 @@ Result<CuptiApi> load_cupti() {
   bind_profiler(api.RangeProfilerCounterDataImageInitialize, "cuptiRangeProfilerCounterDataImageInitialize");
   bind_profiler(api.RangeProfilerGetCounterDataInfo, "cuptiRangeProfilerGetCounterDataInfo");
   bind_profiler(api.RangeProfilerCounterDataGetRangeInfo, "cuptiRangeProfilerCounterDataGetRangeInfo");
-  Dl_info info{};
-  api.path = dladdr(reinterpret_cast<void*>(api.GetVersion), &info) && info.dli_fname ? info.dli_fname : tried.back();
+  api.path = lib->path;
   if (!missing.empty())
     return fail(ErrorCode::Unavailable, "profiler unavailable: the CUPTI at '" + api.path +
                                             "' lacks functions StitchCUDA needs:" + missing + "; use CUPTI of CUDA 13");

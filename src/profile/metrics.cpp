@@ -9,7 +9,7 @@
 
 #include <stitchcuda/profile.hpp>
 
-#include "../jit/driver.hpp"
+#include <stitchcuda/detail/cuda_driver.hpp>
 #include "cupti.hpp"
 
 namespace stitchcuda::profile {

@@ -12,7 +12,7 @@
 
 #include <stitchcuda/profile.hpp>
 
-#include "../jit/driver.hpp"
+#include <stitchcuda/detail/cuda_driver.hpp>
 #include "activity.hpp"
 #include "cupti.hpp"
 

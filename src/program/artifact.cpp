@@ -15,7 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "../core/sha256.hpp"
+#include <stitchcuda/detail/sha256.hpp>
 
 namespace stitchcuda::program {
 namespace {

@@ -7,11 +7,11 @@
 #include <stitchcuda/program.hpp>
 
 #include <algorithm>
-#include <cstdlib>
 #include <limits>
 #include <unordered_map>
 
-#include "steps.hpp"
+#include <stitchcuda/detail/settings.hpp>
+#include <stitchcuda/detail/step_access.hpp>
 
 namespace stitchcuda::program {
 namespace {
@@ -34,12 +34,9 @@ bool lifetimes_overlap(const Storage& a, const Storage& b) { return a.first <= b
 // BufferPlan::large_storage_bytes, or STITCHCUDA_LARGE_STORAGE_BYTES when it is a count (0: every storage a
 // kernel writes first stays in the arena), for measuring what the rule saves and ruling it out.
 std::size_t large_storage_bytes() {
-  const char* text = std::getenv("STITCHCUDA_LARGE_STORAGE_BYTES");
-  if (!text || !*text) return BufferPlan::large_storage_bytes;
-  char* end = nullptr;
-  const long long v = std::strtoll(text, &end, 10);
-  if (*end != '\0' || v < 0) return BufferPlan::large_storage_bytes;
-  return v == 0 ? std::numeric_limits<std::size_t>::max() : std::size_t(v);
+  const auto v = stitchcuda::detail::count_setting(stitchcuda::detail::Setting::large_storage_bytes);
+  if (!v) return BufferPlan::large_storage_bytes;
+  return *v == 0 ? std::numeric_limits<std::size_t>::max() : std::size_t(*v);
 }
 
 // First fit in the given order: each storage goes to the lowest offset clear of every storage

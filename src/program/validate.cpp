@@ -5,7 +5,7 @@
 #include <set>
 #include <unordered_map>
 
-#include "steps.hpp"
+#include <stitchcuda/detail/step_access.hpp>
 
 namespace stitchcuda::program {
 namespace {

@@ -7,7 +7,7 @@
 
 #include <set>
 
-namespace stitchcuda::program::detail {
+namespace stitchcuda::torch::detail {
 namespace {
 
 std::string describe(const Attribute& a) {
@@ -223,7 +223,7 @@ Result<BoundAtenOp> BoundAtenOp::bind(const AtenOp& step, const Program& program
 }
 
 std::vector<at::Tensor> BoundAtenOp::call(const std::vector<at::Tensor>& inputs) const {
-  torch::jit::Stack stack;
+  ::torch::jit::Stack stack;
   stack.reserve(slots_.size());
   for (const Slot& s : slots_) {
     switch (s.kind) {
@@ -245,4 +245,4 @@ std::vector<at::Tensor> BoundAtenOp::call(const std::vector<at::Tensor>& inputs)
   return out;
 }
 
-}  // namespace stitchcuda::program::detail
+}  // namespace stitchcuda::torch::detail

@@ -19,11 +19,15 @@
 #include <set>
 #include <unordered_map>
 
-#include "../jit/driver.hpp"
-#include "../program/steps.hpp"
+#include <stitchcuda/detail/cuda_driver.hpp>
+#include <stitchcuda/detail/step_access.hpp>
 #include "steps.hpp"
 
-namespace stitchcuda::program {
+namespace stitchcuda::torch {
+
+// The Executor runs the program layer's Program, Step, BufferPlan...
+using namespace stitchcuda::program;
+
 namespace {
 
 using detail::scalar_type;
@@ -136,7 +140,7 @@ struct Instance {
   at::Tensor split_scratch;
   std::vector<at::Tensor> tensors;  // by buffer slot; intermediates bound to the arena
   std::vector<at::Tensor> static_in, static_out;
-  std::vector<std::unique_ptr<program::detail::PreparedMatmul>> matmuls;  // by step (null for others)
+  std::vector<std::unique_ptr<detail::PreparedMatmul>> matmuls;  // by step (null for others)
   std::unique_ptr<at::cuda::CUDAGraph> graph;
   bool warmed = false;
   // Device-side replay: the forward instantiated for device launch, and a one-kernel graph whose
@@ -195,7 +199,7 @@ struct Executor::Impl {
   std::vector<char> adopt_output;  // by slot: an output an ATen step writes first, directly
   std::vector<jit::Kernel> kernels;                // by kernel table index
   std::vector<std::string> warnings;
-  std::vector<std::optional<program::detail::BoundAtenOp>> aten;  // by step
+  std::vector<std::optional<detail::BoundAtenOp>> aten;  // by step
   std::map<BufferId, at::Tensor> weights;          // device copies, or the caller's tensors where shared
   std::set<BufferId> shared;                       // weights read in place from the caller's tensors
   std::size_t weight_bytes = 0, shared_weight_bytes = 0;
@@ -335,7 +339,7 @@ Result<Instance*> Executor::Impl::instance(void* stream) {
     in->matmuls.resize(program.steps.size());
     for (std::size_t i = 0; i < program.steps.size(); ++i)
       if (auto* m = std::get_if<Matmul>(&program.steps[i])) {
-        auto prepared = program::detail::PreparedMatmul::create(*m, program, options.workspace_bytes);
+        auto prepared = detail::PreparedMatmul::create(*m, program, options.workspace_bytes);
         if (!prepared) return tl::unexpected(at_step(program, i, prepared.error()));
         in->matmuls[i] = std::move(*prepared);
       }
@@ -584,7 +588,7 @@ Result<std::shared_ptr<Executor>> Executor::create(Program program, ExecutorOpti
   x.aten.resize(x.program.steps.size());
   for (std::size_t i = 0; i < x.program.steps.size(); ++i)
     if (auto* op = std::get_if<AtenOp>(&x.program.steps[i])) {
-      auto bound = program::detail::BoundAtenOp::bind(*op, x.program);
+      auto bound = detail::BoundAtenOp::bind(*op, x.program);
       if (!bound) return tl::unexpected(at_step(x.program, i, bound.error()));
       x.aten[i] = std::move(*bound);
     }
@@ -909,4 +913,4 @@ ExecutorStats Executor::stats() const {
   return s;
 }
 
-}  // namespace stitchcuda::program
+}  // namespace stitchcuda::torch

@@ -1,6 +1,6 @@
 // Matmul steps through cuBLASLt: row-major operands mapped onto cuBLASLt's column-major view, fused
 // bias/ReLU/GELU epilogues, strided batches with broadcast operands. The library is the
-// libcublasLt.so.13 PyTorch already loaded (one CUDA major per process), found with dlopen.
+// libcublasLt.so.13 PyTorch already loaded (one CUDA major per process), found by the run-time loader.
 //
 // tf32x3 (fp32 accuracy on TF32 tensor cores): each fp32 operand x is split by one kernel into
 // hi = x with its 13 low mantissa bits cleared (exactly a TF32 value) and lo = x - hi (exact in fp32), and
@@ -25,7 +25,6 @@
 
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
-#include <dlfcn.h>
 
 #include <algorithm>
 #include <atomic>
@@ -37,9 +36,11 @@
 #include <mutex>
 #include <optional>
 
+#include <stitchcuda/detail/dynamic_library.hpp>
+#include <stitchcuda/detail/settings.hpp>
 #include <stitchcuda/jit.hpp>
 
-namespace stitchcuda::program::detail {
+namespace stitchcuda::torch::detail {
 namespace {
 
 struct LtApi {
@@ -63,19 +64,23 @@ Result<const LtApi*> lt() {
   static std::once_flag once;
   static Result<LtApi> loaded = fail(ErrorCode::Internal, "cuBLASLt not loaded");
   std::call_once(once, [] {
-    void* lib = dlopen("libcublasLt.so.13", RTLD_NOW | RTLD_NOLOAD);
-    if (!lib) lib = dlopen("libcublasLt.so.13", RTLD_NOW | RTLD_LOCAL);
+    stitchcuda::detail::LibrarySearch search{
+        "libcublasLt.so.13", stitchcuda::detail::Setting::cublaslt, {"libcublasLt.so.13"},
+        "cuBLASLt (libcublasLt.so.13) was not found: install PyTorch built for CUDA 13 (it ships cuBLASLt), "
+        "the CUDA 13 toolkit's libraries on the library path, or set STITCHCUDA_CUBLASLT to the library's path"};
+    for (const std::string& path : stitchcuda::detail::in_toolkit("libcublasLt.so.13"))
+      search.candidates.push_back(path);
+    for (const std::string& folder : stitchcuda::detail::torch_folders())
+      search.candidates.push_back(folder + "/libcublasLt.so.13");
+    auto lib = stitchcuda::detail::load_library(search);
     if (!lib) {
-      loaded = fail(ErrorCode::Unavailable,
-                    "cuBLASLt (libcublasLt.so.13) could not be loaded: install PyTorch built for CUDA 13 "
-                    "(it ships cuBLASLt) or the CUDA 13 toolkit's libraries on the library path");
+      loaded = tl::unexpected(lib.error());
       return;
     }
     LtApi api;
     std::string missing;
     auto bind = [&](auto& fn, const char* name) {
-      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
-      if (!fn) missing += std::string(" ") + name;
+      if (!lib->bind(fn, name)) missing += std::string(" ") + name;
     };
     bind(api.Create, "cublasLtCreate");
     bind(api.Destroy, "cublasLtDestroy");
@@ -91,7 +96,8 @@ Result<const LtApi*> lt() {
     bind(api.AlgoGetHeuristic, "cublasLtMatmulAlgoGetHeuristic");
     bind(api.Matmul, "cublasLtMatmul");
     if (!missing.empty()) {
-      loaded = fail(ErrorCode::Unavailable, "libcublasLt.so.13 lacks:" + missing);
+      loaded = fail(ErrorCode::Unavailable, "the cuBLASLt at '" + lib->path + "' lacks:" + missing +
+                                                "; use the cuBLASLt of CUDA 13");
       return;
     }
     if (cublasStatus_t s = api.Create(&api.handle); s != CUBLAS_STATUS_SUCCESS) {
@@ -135,18 +141,11 @@ std::string status_text(cublasStatus_t s) { return "cuBLASLt status " + std::to_
 // measuring the trade between accuracy and the result's extra read-modify-writes (bench program).
 constexpr std::int64_t kSplitChunk = 512;
 
-// A count from the environment variable `name`, or nothing when it is unset or not a count.
-std::optional<std::int64_t> env_count(const char* name) {
-  const char* text = std::getenv(name);
-  if (!text || !*text) return std::nullopt;
-  char* end = nullptr;
-  const long long v = std::strtoll(text, &end, 10);
-  if (*end != '\0' || v < 0) return std::nullopt;
-  return v;
-}
+using stitchcuda::detail::count_setting;
+using stitchcuda::detail::Setting;
 
 std::int64_t split_chunk(std::int64_t k) {
-  const auto v = env_count("STITCHCUDA_TF32X3_CHUNK");
+  const auto v = count_setting(Setting::tf32x3_chunk);
   if (!v) return kSplitChunk;
   return *v == 0 ? std::max<std::int64_t>(k, 1) : *v;
 }
@@ -183,9 +182,9 @@ SplitBlocks split_blocks(std::int64_t m, std::int64_t n, std::int64_t k, bool bl
     if (block_a && 8 * m1 * k1 > kSplitWideBytes) s.a_rows = rows(kSplitWideBytes, outputs_per(n1), m1);
     s.b_rows = rows(s.a_rows < m1 ? kSplitWideBytes : kSplitBlockBytes, outputs_per(s.a_rows), n1);
   }
-  if (const auto v = env_count("STITCHCUDA_TF32X3_ROWS"); v && block_a)
+  if (const auto v = count_setting(Setting::tf32x3_rows); v && block_a)
     s.a_rows = *v == 0 ? m1 : std::clamp<std::int64_t>(*v, 1, m1);
-  if (const auto v = env_count("STITCHCUDA_TF32X3_COLS"); v && block_b)
+  if (const auto v = count_setting(Setting::tf32x3_cols); v && block_b)
     s.b_rows = *v == 0 ? n1 : std::clamp<std::int64_t>(*v, 1, n1);
   return s;
 }
@@ -203,7 +202,7 @@ constexpr std::int64_t kSlabAfterBytes = 160ll << 20;
 std::int64_t k_block(std::int64_t m, std::int64_t n, std::int64_t k, const SplitBlocks& blocks) {
   const std::int64_t chunk = split_chunk(k);
   std::int64_t kb = 0;
-  if (const auto v = env_count("STITCHCUDA_TF32X3_KBLOCK")) {
+  if (const auto v = count_setting(Setting::tf32x3_kblock)) {
     if (*v == 0) return 0;
     kb = std::max(chunk, *v / chunk * chunk);
   } else {
@@ -226,7 +225,7 @@ std::int64_t k_block(std::int64_t m, std::int64_t n, std::int64_t k, const Split
 // 8 + 4 chunk / K bytes of parts per operand element. Batch 1, a not transposed, K a multiple of 4 (each
 // part's rows start 16-byte aligned), and not in slabs of K. Returns 0 (apart), 1 or 2.
 int fuse_products(std::int64_t batch, bool transpose_a, std::int64_t k) {
-  const std::int64_t level = env_count("STITCHCUDA_TF32X3_FUSE_LO").value_or(2);
+  const std::int64_t level = count_setting(Setting::tf32x3_fuse_lo).value_or(2);
   if (level == 0 || batch != 1 || transpose_a || k % 4 != 0) return 0;
   return level >= 2 ? 2 : 1;
 }
@@ -243,7 +242,7 @@ int fuse_products(std::int64_t batch, bool transpose_a, std::int64_t k) {
 constexpr std::int64_t kCastMinK = 256;
 
 bool cast_to_bf16(std::int64_t k) {
-  const std::int64_t level = env_count("STITCHCUDA_BF16_CAST").value_or(1);
+  const std::int64_t level = count_setting(Setting::bf16_cast).value_or(1);
   return level >= 2 || (level == 1 && k >= kCastMinK);
 }
 
@@ -254,7 +253,7 @@ bool cast_to_bf16(std::int64_t k) {
 // projection pair, a GPT decoder, a GEMM with bias and clamp; no loss elsewhere). STITCHCUDA_MATMUL_TUNE=0
 // takes the heuristic's first instead.
 constexpr int kTuneCandidates = 8;
-bool matmul_tuning() { return env_count("STITCHCUDA_MATMUL_TUNE").value_or(1) >= 1; }
+bool matmul_tuning() { return count_setting(Setting::matmul_tune).value_or(1) >= 1; }
 
 // A candidate must beat the heuristic's first by this fraction to replace it: closer than that is noise.
 constexpr double kTuneMargin = 0.02;
@@ -986,4 +985,4 @@ Result<void> PreparedMatmul::run(const at::Tensor& a, const at::Tensor& b, const
   return {};
 }
 
-}  // namespace stitchcuda::program::detail
+}  // namespace stitchcuda::torch::detail

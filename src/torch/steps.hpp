@@ -10,7 +10,10 @@
 
 #include <stitchcuda/program.hpp>
 
-namespace stitchcuda::program::detail {
+namespace stitchcuda::torch::detail {
+
+// The steps are the program layer's (Matmul, AtenOp, TensorSpec...).
+using namespace stitchcuda::program;
 
 /// The ATen element type of a program dtype.
 inline c10::ScalarType scalar_type(DType d) {
@@ -75,4 +78,4 @@ class BoundAtenOp {
   std::vector<Slot> slots_;
 };
 
-}  // namespace stitchcuda::program::detail
+}  // namespace stitchcuda::torch::detail

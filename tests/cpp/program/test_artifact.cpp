@@ -8,7 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <stitchcuda/program.hpp>
 
-#include "../../../src/core/sha256.hpp"
+#include <stitchcuda/detail/sha256.hpp>
 #include "catch_shim.hpp"
 #include "temp_dir.hpp"
 

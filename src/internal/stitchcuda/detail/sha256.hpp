@@ -1,4 +1,4 @@
-// SHA-256, for content-addressed cache keys and entry checksums.
+// SHA-256 (src/core/sha256.cpp), for content-addressed cache keys, entry checksums and artifact sections.
 #pragma once
 
 #include <array>

@@ -1,4 +1,5 @@
-// The CUDA driver API loaded at run time (dlopen libcuda.so.1): importable without a GPU.
+// The CUDA driver API (libcuda.so.1, opened by the run-time loader): importable without a GPU. The jit layer
+// implements it; the profiler and the executor use it too.
 #pragma once
 
 #include <cuda.h>

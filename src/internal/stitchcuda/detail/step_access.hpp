@@ -1,4 +1,4 @@
-// What each step reads and writes, shared by validation and liveness planning.
+// What each step reads and writes: the program layer's validation and liveness planning, and the executor.
 #pragma once
 
 #include <vector>
