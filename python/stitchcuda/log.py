@@ -116,8 +116,25 @@ def redacted_output() -> Iterator[None]:
         sys.stderr = _RedactedStream(sys.stderr)  # type: ignore[assignment]
     try:
         yield
+    except BaseException:
+        # An exception that leaves the block ends the program: the traceback Python prints for it is redacted too.
+        if not getattr(sys.excepthook, "redacts", False):
+            sys.excepthook = _redacting_excepthook(sys.excepthook)
+        raise
     finally:
         sys.stdout, sys.stderr = saved
+
+
+def _redacting_excepthook(previous: Any) -> Any:
+    def hook(kind: type, value: BaseException, tb: Any) -> None:
+        import traceback
+
+        if issubclass(kind, KeyboardInterrupt):
+            return previous(kind, value, tb)
+        sys.stderr.write(redact("".join(traceback.format_exception(kind, value, tb))))
+
+    hook.redacts = True  # type: ignore[attr-defined]
+    return hook
 
 
 # ---- logging -------------------------------------------------------------------------------------

@@ -131,6 +131,25 @@ def test_task_forms_and_config_errors():
             rl.score_completion(row("bias_gelu"), HONEST, mode="gpu")
 
 
+def test_a_rows_reference_never_runs_in_the_scoring_process(tmp_path):
+    """A row that is not a shipped task's own (a dataset you did not write, a reward service's client) may
+    carry any reference: reading its input counts and building its GPU check run none of it here."""
+    marker = tmp_path / "ran"
+    reference = row("bias_gelu")["reference"].replace(
+        "def get_inputs():", f"def get_inputs():\n    open({str(marker)!r}, 'w').write('here')\n    "
+        "return list(_inputs())\n\n\ndef _inputs():", 1)
+    foreign = {"task_id": "mine/bias_gelu", "reference": reference}
+    scored = rl.score_completion(foreign, HONEST, mode="static")
+    assert scored.score > 0 and scored.task_id == "mine/bias_gelu" and not marker.exists()
+    from stitchcuda.rl.score import _task_info
+
+    info = _task_info(foreign)
+    task = info.verify_task("gpu")  # the check's Task: its source, for the sandboxed worker to load
+    assert not info.trusted and task.source == reference and task._module is None and not marker.exists()
+    assert info.input_counts() == (1, None)  # from the AST: get_init_inputs() a literal list, get_inputs() not
+    assert _task_info(row("bias_gelu")).trusted  # a shipped task's own row may load here, as its id does
+
+
 def test_skill2_compliance_reads_the_previous_candidate():
     previous = rl.score_completion(row("bias_gelu"), BROKEN, mode="static")
     asks = ["Fix the compile error in the bias_gelu kernel"]

@@ -180,6 +180,18 @@ def test_the_cli_prints_no_key_from_a_file_name_an_exception_or_a_models_url(tmp
         assert not leaks(out, key) and password not in out and password[3:11] not in out, (what, out[-2000:])
 
 
+def test_a_crash_past_the_cli_prints_a_redacted_traceback(subprocess_env):
+    key = "sk-crash-" + pysecrets.token_hex(10) + "Zq"
+    code = ("from stitchcuda.log import redacted_output\n"
+            "with redacted_output():\n"
+            "    print('the key is', __import__('os').environ['OPENAI_API_KEY'])\n"
+            "    raise RuntimeError('a bug that shows ' + __import__('os').environ['OPENAI_API_KEY'])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**subprocess_env, "OPENAI_API_KEY": key})
+    assert done.returncode == 1 and "RuntimeError: a bug that shows [redacted]" in done.stderr, done.stderr
+    assert done.stdout == "the key is [redacted]\n" and not leaks(done.stdout + done.stderr, key)
+
+
 def test_log_records_reach_every_handler_redacted():
     import logging
 
