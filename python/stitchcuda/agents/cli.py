@@ -89,7 +89,7 @@ def interrupted(run_dir: str | Path | None, what: str = "stitchcuda optimize") -
 def run_program(args: argparse.Namespace, config: dict[str, Any] | None = None) -> int:
     """Program mode: the agents' loop on PROBLEM.py (or the run in --resume, with the budget and model it
     was saved with unless the command line gives others). `config`: the resumed run's config.json."""
-    from ..errors import InvalidArgumentError, NotFoundError, StitchError
+    from ..errors import InvalidArgumentError, StitchError
     from .loop import optimize_problem
 
     if args.problem is None and args.resume is None:
@@ -106,6 +106,13 @@ def run_program(args: argparse.Namespace, config: dict[str, Any] | None = None) 
         return _usage(f"stitchcuda optimize: {exc}")
     except BackendError as exc:
         return _usage(f"stitchcuda optimize: {exc}", EXIT_FAILURE)
+    if args.problem is not None:  # the loop reads it again; bounded and imported apart here first
+        from ..verify.cli import load_problem
+
+        try:
+            load_problem(args.problem)
+        except UsageError as exc:
+            return _usage(f"stitchcuda optimize: {exc}")
     from .. import _C
     from ..log import LoopProgress
 
@@ -122,9 +129,9 @@ def run_program(args: argparse.Namespace, config: dict[str, Any] | None = None) 
                                on_event=progress, static_only=True if args.static_only else None,
                                judge=True if getattr(args, "judge", False) else None,
                                timeout=getattr(args, "timeout", None) or None)
-    except (InvalidArgumentError, NotFoundError) as exc:  # the problem, the run directory, the options
+    except InvalidArgumentError as exc:  # the problem, the run directory, the options
         return _usage(f"stitchcuda optimize: {one_line(exc.message)}")
-    except StitchError as exc:  # the model backend or the loop failed: the command ran, the answer is no
+    except StitchError as exc:  # the model backend or the loop failed (no plan, no reply): the answer is no
         return _failed_run(run_dir, f"stitchcuda optimize: {one_line(exc.message)}")
     except (OSError, ImportError, AttributeError, TypeError, ValueError) as exc:  # a python: spec that does not import
         return _usage(f"stitchcuda optimize: {type(exc).__name__}: {one_line(str(exc))}")

@@ -77,8 +77,8 @@ def _agents_not_run(report, agents: bool) -> str:
     if not agents or report.agents or report.run_dir:
         return ""
     if not torch.cuda.is_available():
-        return ("no CUDA GPU here: graph mode's agents verify and time each kernel they write on one, so only the "
-                "plan was made and compiled; the --llm set-up was checked (spec, key, server)")
+        return ("no CUDA GPU here, and they verify and time each kernel they write on one: the plan was made and "
+                "compiled only. The --llm set-up was checked before any work (spec, key, server)")
     return report.reason or "optimize() ended before the agents' stage"
 
 
@@ -110,9 +110,9 @@ def _run_graph(args: argparse.Namespace, config: dict[str, Any] | None) -> int:
             if getattr(args, dest) is not None:
                 kwargs[dest] = getattr(args, dest)
     try:
-        task = load_problem(problem)
         if agents:  # before any work: a model the agents cannot reach is known now, not after the plan
             check_llm(kwargs["llm"])
+        task = load_problem(problem)
         model, inputs = _build(task)
     except (UsageError, TaskError) as exc:  # the user's file, or the spec: one line, no traceback
         return _usage(args, f"stitchcuda optimize: {exc}")
@@ -121,7 +121,7 @@ def _run_graph(args: argparse.Namespace, config: dict[str, Any] | None) -> int:
     if torch.cuda.is_available():
         model, inputs = model.cuda(), [t.cuda() if isinstance(t, torch.Tensor) else t for t in inputs]
     from .. import log
-    from ..errors import InvalidArgumentError, NotFoundError, StitchError
+    from ..errors import InvalidArgumentError, StitchError
 
     run_dir = None
     if agents:  # named here, not left to optimize(), so that a Ctrl-C can say which folder to resume
@@ -132,7 +132,7 @@ def _run_graph(args: argparse.Namespace, config: dict[str, Any] | None) -> int:
     try:
         fast = optimize(model, inputs, precision=args.precision or "fp32", compare_compile=not args.no_compile_baseline,
                         progress=not args.json and None, split_tf32=not args.sgemm, **kwargs)
-    except (InvalidArgumentError, NotFoundError) as exc:  # a run directory that is not one
+    except InvalidArgumentError as exc:  # a saved budget or option optimize() refuses
         return _usage(args, f"stitchcuda optimize: {one_line(exc.message) or exc}")
     except StitchError as exc:  # the model backend failed while the agents ran
         return _usage(args, f"stitchcuda optimize: {one_line(exc.message) or exc}", EXIT_FAILURE)
@@ -182,6 +182,9 @@ def _run(args: argparse.Namespace) -> int:
         if not Path(args.resume).is_dir():
             return _usage(args, f"stitchcuda optimize: run directory '{args.resume}' does not exist")
         config = _saved_config(args.resume)
+        if config is None:
+            return _usage(args, f"stitchcuda optimize: '{args.resume}' is not a run directory: it has no readable "
+                          "config.json")
         saved = run_mode(config)
         if saved == "graph-target":
             return _usage(args, f"stitchcuda optimize: {args.resume} is one target of a graph-mode run: resume the "
@@ -199,14 +202,6 @@ def _run(args: argparse.Namespace) -> int:
 
         if args.llm is None and args.resume is None:
             return _usage(args, "stitchcuda optimize --mode program: give --llm SPEC (or --resume RUN_DIR)")
-        from ..verify.cli import load_problem
-        from ..verify.task import TaskError
-
-        try:
-            if args.problem is not None:  # the loop reads it again; bounded and preflighted here first
-                load_problem(args.problem)
-        except (UsageError, TaskError) as exc:
-            return _usage(args, f"stitchcuda optimize: {exc}")
         return agents_cli.run_program(args, config)
     return _run_graph(args, config)
 
