@@ -1,4 +1,5 @@
-"""StitchCUDA's diagnostics and progress: the ``stitchcuda`` loggers, and the live view of long jobs.
+"""StitchCUDA's diagnostics and progress: the ``stitchcuda`` loggers, the live view of long jobs, and the
+redaction every message passes through on its way out (``redact``).
 
 Diagnostics go through :mod:`logging`, one hierarchy for the package: ``get_logger(__name__)`` in
 ``stitchcuda.graph.agents`` is ``logging.getLogger("stitchcuda.graph.agents")``. ``STITCHCUDA_LOG``
@@ -7,6 +8,12 @@ logger keeps what the application gave it (by default: warnings and errors). One
 ``stitchcuda`` logger writes records to stderr while the application has configured no logging; once the
 root logger has a handler, records reach the application's handlers alone, so nothing prints twice. The
 root logger is never touched.
+
+Nothing leaves with a secret in it: ``redact(text)`` masks what the C++ secrets registry knows (the
+environment's keys and tokens, keys a backend was given, a model URL's password once ``llm.connect`` saw
+it) and any URL's ``user:password@`` or credential-named query parameter. Every ``stitchcuda`` logger
+redacts its records before any handler sees them, StitchError's text is redacted, and the CLI writes
+through ``redacted_output()``.
 
 Progress is not logging: :class:`StepProgress` (optimize()'s stages) and :class:`LoopProgress` (the
 agents' attempts) redraw in place on a terminal with rich — cut to the terminal's width, with the elapsed
