@@ -260,3 +260,19 @@ def test_tensors_reach_a_sandboxed_worker_by_value(tmp_path):
     finally:
         conn.close()
         worker.wait(30)
+
+
+@pytest.mark.gpu
+def test_a_gpu_worker_runs_a_cuda_candidate_with_every_layer():
+    """On a GPU the worker needs the driver's nodes, /proc/driver, /sys and the driver's libraries through
+    the minimal /dev and the view, as nobody, under the seccomp filter (perf_event_open refused): a CUDA
+    candidate is verified there, with its kernel trace, and no layer is missing or fell back."""
+    from stitchcuda.verify import Task
+    from test_jit_includes import REFERENCE as TWICE
+    from test_jit_includes import candidate
+
+    with WorkerPool(devices=["cuda:0"]) as p:
+        r = check(Task.from_source(TWICE, "twice"), candidate("cuda_fp16.h"), config=VerifyConfig(), pool=p)
+        assert p.sandbox_fallback is None, p.sandbox_fallback
+        assert r.error is None and r.correct, r.feedback
+        assert "missing" not in r.timing["sandbox"] and "seccomp" in r.timing["sandbox"], r.timing["sandbox"]

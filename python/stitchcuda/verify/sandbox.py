@@ -125,6 +125,8 @@ def _needed_paths(worker: list[str]) -> list[str]:
                                             os.environ.get("TMPDIR") or "/tmp")}
     paths += [p for p in sys.path if p and os.path.realpath(p) not in shared]  # a script in /tmp: not all of /tmp
     paths += list(SYSTEM_PATHS)
+    for name in ("LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_PATH"):  # a driver or toolkit outside /usr
+        paths += [p for p in os.environ.get(name, "").split(os.pathsep) if p and os.path.realpath(p) not in shared]
     main = getattr(sys.modules.get("__main__"), "__file__", None)
     if main:
         paths.append(main)
