@@ -1,0 +1,338 @@
+"""Fused attention: a FlashAttention-style forward (prefill, encoders) and a split-KV decode pair
+(flash-decoding), softmax(scale * Q K^T + mask) V with the scores never written to memory.
+
+Prefill (`flash_attention_kernel`). A block owns BM query rows of one (batch, head); it walks the keys in
+tiles of BN, staging K and V through shared memory, and keeps per row a running max and sum (fp32, the
+online softmax) and the output accumulator in registers, rescaled when the max grows. Four threads share a
+row: each computes BN/4 of the tile's scores (keys p, p + 4, ..) and owns D/4 of the output columns
+(p, p + 4, ..), the row's max and sum combined by two shuffles. Causal blocks stop at their last row's key
+tile. The mask is one broadcastable tensor [B|1, H|1, Nq, Nk] read through strides (0 where broadcast):
+additive (any float dtype) or boolean (True attends, as SDPA's): a key-padding mask is a boolean mask with
+strides (Nk, 0, 0, 1). GQA/MQA read kv head h / (H_q / H_kv). Q, K, V and the output are read and written
+through (batch, head, token) strides, so a [B, N, H, D] projection output needs no copy.
+
+Every dtype computes in fp32: fp16/bf16 are converted when staged into shared memory and the output is
+rounded once, to the input dtype. The products are plain FMAs (true fp32 for fp32 inputs, as eager's
+math is); tensor cores (WMMA / mma.sync for fp16/bf16) are not used yet.
+
+Budget per block (fp32 staging, floats): Q BM x (D+1), K BN x (D+1), V BN x D, P BM x (BN+1) — the +1
+pads keep the four-threads-per-row reads of Q, K and P on distinct banks. D <= 128: BM = 64, BN = 32,
+256 threads: 41.6 KB at D = 64, 74 KB at D = 128; D = 256: BM = 32, BN = 32, 128 threads, 103 KB (two
+blocks per H100 SM's 228 KB). Registers per thread: D/4 accumulators (16..64) + BN/4 scores (8) + the
+row state, under the 255 limit at D = 256 and about 64 at D = 64.
+
+Decode (`decode_attention_kernels`). One to a few query tokens per sequence against a KV cache
+[B, H_kv, S_max, D] with a per-sequence length (int32 [B]). The keys of a sequence are cut into `splits`
+chunks, one block each (grid splits x (H_q * tokens) x B, 128 threads): each warp takes every fourth key,
+lanes hold D/32 of q and of the accumulator, the dot product reduced by shuffles; the four warps' (max,
+sum, acc) are merged in shared memory and written to a workspace; a second kernel (one block of D
+threads per query row) rescales and sums the splits. Query token t of T sees keys < length - T + t + 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import InvalidArgumentError
+from .common import CTYPE, PRELUDE, KernelCode
+
+# -inf without <math.h> (NVRTC has none): the bit pattern of -inf.
+NEG_INF = "#define NEG_INF __int_as_float(0xff800000)\n"
+
+ATTENTION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+HEAD_DIMS = (64, 80, 96, 128, 160, 192, 224, 256)  # multiples of 32 (decode lanes) from 64 to 256
+
+
+@dataclass(frozen=True)
+class PrefillTiles:
+    """Tile sizes of the prefill kernel for one head dim: BM query rows, BN keys, 4 * BM threads."""
+
+    bm: int
+    bn: int
+    head_dim: int
+
+    @property
+    def threads(self) -> int:
+        return 4 * self.bm
+
+    @property
+    def shared_mem(self) -> int:
+        d = self.head_dim
+        return 4 * (self.bm * (d + 1) + self.bn * (d + 1) + self.bn * d + self.bm * (self.bn + 1))
+
+
+def prefill_tiles(head_dim: int) -> PrefillTiles:
+    """BM = 64 up to D = 128 (256 threads, at most 74 KB of shared memory), BM = 32 above (the staged Q
+    tile and the D/4 accumulators per thread double with D)."""
+    return PrefillTiles(64 if head_dim <= 128 else 32, 32, head_dim)
+
+
+def _check(dtype: torch.dtype, head_dim: int) -> None:
+    if dtype not in ATTENTION_DTYPES:
+        raise InvalidArgumentError(f"fused attention takes fp32, fp16 or bf16 inputs, not {dtype}; "
+                                   "cast the inputs or leave the call to SDPA")
+    if head_dim not in HEAD_DIMS:
+        raise InvalidArgumentError(f"fused attention supports head dims {HEAD_DIMS}, not {head_dim}; "
+                                   "leave this call to SDPA")
+
+
+def flash_attention_kernel(name: str, *, batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int,
+                           head_dim: int, dtype: torch.dtype, causal: bool = False,
+                           mask_dtype: torch.dtype | None = None, lse: bool = False) -> KernelCode:
+    """The prefill / encoder kernel for q [B, H, Nq, D], k and v [B, H_kv, Nk, D] (any token and head
+    strides, unit stride along D). Arguments, in order: q, k, v, [mask], o, [lse (fp32 [B, H, Nq])], then
+    Nq, Nk, H, H / H_kv, the (batch, head, token) strides of q, k, v and o, [the mask's four strides] and
+    the scale (f32). The returned `args` carry the contiguous strides; a caller with other layouts
+    replaces them. `mask_dtype`: None, torch.bool (True attends) or a float dtype (added to the scores)."""
+    _check(dtype, head_dim)
+    if heads % kv_heads:
+        raise InvalidArgumentError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
+    if mask_dtype is not None and mask_dtype not in (torch.bool, *ATTENTION_DTYPES):
+        raise InvalidArgumentError(f"an attention mask is boolean or fp32/fp16/bf16, not {mask_dtype}")
+    tiles = prefill_tiles(head_dim)
+    bm, bn, d = tiles.bm, tiles.bn, head_dim
+    t = CTYPE[dtype]
+    params = [f"const {t}* __restrict__ q", f"const {t}* __restrict__ k", f"const {t}* __restrict__ v"]
+    if mask_dtype is not None:
+        params.append(f"const {CTYPE[mask_dtype]}* __restrict__ mask")
+    params.append(f"{t}* __restrict__ o")
+    if lse:
+        params.append("float* __restrict__ lse")
+    params += ["long long Nq", "long long Nk", "long long H", "long long group"]
+    params += [f"long long {x}s{s}" for x in "qkvo" for s in "bhn"]
+    if mask_dtype is not None:
+        params += ["long long msb", "long long msh", "long long msi", "long long msj"]
+    params.append("float scale")
+
+    keep = ["n < Nk", "row < Nq"] + (["n <= row"] if causal else [])
+    score = ["      float x = s[j] * scale;", f"      bool keep = {' && '.join(keep)};"]
+    if mask_dtype is torch.bool:
+        score.append("      keep = keep && mb[row * msi + n * msj];")
+    elif mask_dtype is not None:
+        score.append("      if (keep) x += ld(mb, row * msi + n * msj);")
+    source = PRELUDE + NEG_INF + f"""
+// Fused attention forward: {bm} query rows x {bn}-key tiles, D = {d}, {t}; fp32 online softmax.
+extern "C" __global__ void __launch_bounds__({4 * bm}) {name}({", ".join(params)}) {{
+  extern __shared__ float smem[];
+  float* Qs = smem;                    // [{bm}][{d + 1}]
+  float* Ks = Qs + {bm * (d + 1)};     // [{bn}][{d + 1}]
+  float* Vs = Ks + {bn * (d + 1)};     // [{bn}][{d}]
+  float* Ps = Vs + {bn * d};           // [{bm}][{bn + 1}] this tile's probabilities
+  const int t = threadIdx.x, r = t >> 2, p = t & 3;
+  const long long b = blockIdx.y / H, h = blockIdx.y % H, hk = h / group;
+  const long long q0 = (long long)blockIdx.x * {bm}, row = q0 + r;
+  const {t}* qb = q + b * qsb + h * qsh;
+  const {t}* kb = k + b * ksb + hk * ksh;
+  const {t}* vb = v + b * vsb + hk * vsh;
+{"  const " + CTYPE[mask_dtype] + "* mb = mask + b * msb + h * msh;" if mask_dtype is not None else ""}
+  for (int i = t; i < {bm * d}; i += {4 * bm}) {{
+    const int rr = i / {d}, c = i % {d};
+    Qs[rr * {d + 1} + c] = q0 + rr < Nq ? ld(qb, (q0 + rr) * qsn + c) : 0.0f;
+  }}
+  float m = NEG_INF, l = 0.0f, acc[{d // 4}];
+  #pragma unroll
+  for (int i = 0; i < {d // 4}; ++i) acc[i] = 0.0f;
+  const long long kend = {"(q0 + " + str(bm) + " < Nk ? q0 + " + str(bm) + " : Nk)" if causal else "Nk"};
+  for (long long k0 = 0; k0 < kend; k0 += {bn}) {{
+    __syncthreads();  // the previous tile's readers are done (and Q is staged, the first time)
+    for (int i = t; i < {bn * d}; i += {4 * bm}) {{
+      const int c = i / {d}, e = i % {d};
+      const bool in = k0 + c < Nk;
+      Ks[c * {d + 1} + e] = in ? ld(kb, (k0 + c) * ksn + e) : 0.0f;
+      Vs[c * {d} + e] = in ? ld(vb, (k0 + c) * vsn + e) : 0.0f;
+    }}
+    __syncthreads();
+    float s[{bn // 4}];
+    #pragma unroll
+    for (int j = 0; j < {bn // 4}; ++j) s[j] = 0.0f;
+    for (int e = 0; e < {d}; ++e) {{
+      const float qe = Qs[r * {d + 1} + e];
+      #pragma unroll
+      for (int j = 0; j < {bn // 4}; ++j) s[j] = fmaf(qe, Ks[(p + 4 * j) * {d + 1} + e], s[j]);
+    }}
+    float mx = NEG_INF;
+    #pragma unroll
+    for (int j = 0; j < {bn // 4}; ++j) {{
+      const long long n = k0 + p + 4 * j;
+{chr(10).join(score)}
+      s[j] = keep ? x : NEG_INF;
+      mx = fmaxf(mx, s[j]);
+    }}
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float mnew = fmaxf(m, mx);
+    const float base = mnew == NEG_INF ? 0.0f : mnew;  // a row masked so far keeps probabilities 0
+    const float alpha = expf(m - base);
+    float sum = 0.0f;
+    #pragma unroll
+    for (int j = 0; j < {bn // 4}; ++j) {{
+      const float e = expf(s[j] - base);
+      sum += e;
+      Ps[r * {bn + 1} + p + 4 * j] = e;
+    }}
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    l = l * alpha + sum;
+    m = mnew;
+    #pragma unroll
+    for (int i = 0; i < {d // 4}; ++i) acc[i] *= alpha;
+    __syncthreads();  // the row's probabilities, written by its four threads
+    for (int c = 0; c < {bn}; ++c) {{
+      const float pc = Ps[r * {bn + 1} + c];
+      #pragma unroll
+      for (int i = 0; i < {d // 4}; ++i) acc[i] = fmaf(pc, Vs[c * {d} + p + 4 * i], acc[i]);
+    }}
+  }}
+  if (row < Nq) {{
+    const float inv = 1.0f / l;  // a row with every key masked: 0 / 0, NaN as softmax gives
+    {t}* ob = o + b * osb + h * osh + row * osn;
+    #pragma unroll
+    for (int i = 0; i < {d // 4}; ++i) st(ob, p + 4 * i, acc[i] * inv);
+{"    if (p == 0) lse[blockIdx.y * Nq + row] = m + logf(l);" if lse else ""}
+  }}
+}}
+"""
+    strides = [("i64", x) for x in (heads * q_len * head_dim, q_len * head_dim, head_dim,
+                                    kv_heads * kv_len * head_dim, kv_len * head_dim, head_dim,
+                                    kv_heads * kv_len * head_dim, kv_len * head_dim, head_dim,
+                                    heads * q_len * head_dim, q_len * head_dim, head_dim)]
+    args = [("in", "q"), ("in", "k"), ("in", "v")] + ([("in", "mask")] if mask_dtype is not None else [])
+    args += [("out", "o")] + ([("out", "lse")] if lse else [])
+    args += [("i64", q_len), ("i64", kv_len), ("i64", heads), ("i64", heads // kv_heads)] + strides
+    if mask_dtype is not None:  # a full [B, H, Nq, Nk] mask by default; broadcast dims take stride 0
+        args += [("i64", heads * q_len * kv_len), ("i64", q_len * kv_len), ("i64", kv_len), ("i64", 1)]
+    args.append(("f32", 1.0 / math.sqrt(head_dim)))
+    what = f"{'causal ' if causal else ''}attention {batch}x{heads}(kv {kv_heads})x{q_len}x{kv_len}x{head_dim}"
+    return KernelCode(source, name, grid=(math.ceil(q_len / bm), batch * heads), block=tiles.threads, args=args,
+                      description=f"{what} {t}, {bm}x{bn} tiles" + (f", {mask_dtype} mask" if mask_dtype else ""),
+                      shared_mem=tiles.shared_mem)
+
+
+@dataclass
+class DecodeKernels:
+    """The two launches of split-KV decode and the fp32 workspace between them: `partial` writes each
+    split's (max, sum) to "ws_ml" (rows x splits x 2) and its unnormalized output to "ws_acc"
+    (rows x splits x D); `combine` merges them into "o" (and "lse")."""
+
+    partial: KernelCode
+    combine: KernelCode
+    splits: int
+    chunk: int  # keys per split
+    workspace_ml: int  # floats
+    workspace_acc: int  # floats
+
+
+DECODE_MIN_CHUNK = 64  # keys per split at the least: below, a split's fixed cost outweighs its keys
+
+
+def decode_splits(rows: int, max_len: int, sms: int = 132) -> int:
+    """Splits per query row: enough blocks for two per SM, no split under DECODE_MIN_CHUNK keys."""
+    want = math.ceil(2 * sms / max(rows, 1))
+    return max(1, min(want, math.ceil(max_len / DECODE_MIN_CHUNK)))
+
+
+def decode_attention_kernels(name: str, *, batch: int, heads: int, kv_heads: int, q_tokens: int, max_len: int,
+                             head_dim: int, dtype: torch.dtype, lse: bool = False, splits: int | None = None,
+                             sms: int = 132) -> DecodeKernels:
+    """Split-KV decode of q [B, H, T, D] (T = q_tokens, the newest tokens) against caches k and v
+    [B, H_kv, S_max, D] holding `lengths[b]` valid keys (int32 [B], the new tokens' included). The
+    partial kernel takes q, k, v, lengths, ws_ml, ws_acc, H, T, H / H_kv, chunk, the (batch, head, token)
+    strides of q, k, v and the scale; the combine kernel ws_ml, ws_acc, o, [lse], H, T, the strides of o."""
+    _check(dtype, head_dim)
+    if heads % kv_heads:
+        raise InvalidArgumentError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
+    rows = batch * heads * q_tokens
+    splits = splits or decode_splits(rows, max_len, sms)
+    chunk = math.ceil(max_len / splits)
+    d, t, per = head_dim, CTYPE[dtype], head_dim // 32
+    partial_params = [f"const {t}* __restrict__ q", f"const {t}* __restrict__ k", f"const {t}* __restrict__ v",
+                      "const int* __restrict__ lengths", "float* __restrict__ ws_ml", "float* __restrict__ ws_acc",
+                      "long long H", "long long T", "long long group", "long long chunk"]
+    partial_params += [f"long long {x}s{s}" for x in "qkv" for s in "bhn"] + ["float scale"]
+    partial = PRELUDE + NEG_INF + f"""
+// Split-KV decode, partial: one block per (split, head x token, batch); four warps, every fourth key each.
+extern "C" __global__ void __launch_bounds__(128) {name}_partial({", ".join(partial_params)}) {{
+  __shared__ float wm[4], wl[4], wacc[4][{d}];
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const long long b = blockIdx.z, h = blockIdx.y / T, tok = blockIdx.y % T, hk = h / group;
+  const long long limit = (long long)lengths[b] - T + tok + 1;  // this token sees the keys before it
+  const long long s0 = (long long)blockIdx.x * chunk;
+  const long long s1 = s0 + chunk < limit ? s0 + chunk : limit;
+  const {t}* qb = q + b * qsb + h * qsh + tok * qsn;
+  const {t}* kb = k + b * ksb + hk * ksh;
+  const {t}* vb = v + b * vsb + hk * vsh;
+  float qr[{per}], acc[{per}], m = NEG_INF, l = 0.0f;
+  #pragma unroll
+  for (int i = 0; i < {per}; ++i) {{ qr[i] = ld(qb, lane + 32 * i) * scale; acc[i] = 0.0f; }}
+  for (long long n = s0 + w; n < s1; n += 4) {{  // warp-uniform: every lane takes every key
+    float dot = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < {per}; ++i) dot = fmaf(qr[i], ld(kb, n * ksn + lane + 32 * i), dot);
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    const float mnew = fmaxf(m, dot);
+    const float alpha = expf(m - mnew), e = expf(dot - mnew);
+    l = l * alpha + e;
+    m = mnew;
+    #pragma unroll
+    for (int i = 0; i < {per}; ++i) acc[i] = fmaf(e, ld(vb, n * vsn + lane + 32 * i), acc[i] * alpha);
+  }}
+  if (lane == 0) {{ wm[w] = m; wl[w] = l; }}
+  #pragma unroll
+  for (int i = 0; i < {per}; ++i) wacc[w][lane + 32 * i] = acc[i];
+  __syncthreads();
+  const float M = fmaxf(fmaxf(wm[0], wm[1]), fmaxf(wm[2], wm[3]));
+  const float base = M == NEG_INF ? 0.0f : M;  // an empty split: sum 0, accumulator 0
+  const long long slot = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+  for (int c = threadIdx.x; c < {d}; c += 128) {{
+    float a = 0.0f;
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) a += wacc[j][c] * expf(wm[j] - base);
+    ws_acc[slot * {d} + c] = a;
+  }}
+  if (threadIdx.x == 0) {{
+    float s = 0.0f;
+    for (int j = 0; j < 4; ++j) s += wl[j] * expf(wm[j] - base);
+    ws_ml[slot * 2] = M;
+    ws_ml[slot * 2 + 1] = s;
+  }}
+}}
+"""
+    combine_params = ["const float* __restrict__ ws_ml", "const float* __restrict__ ws_acc", f"{t}* __restrict__ o"]
+    combine_params += (["float* __restrict__ lse"] if lse else []) + ["long long H", "long long T"]
+    combine_params += [f"long long os{s}" for s in "bhn"]
+    combine = f"""
+// Split-KV decode, combine: one block of D threads per query row, the {splits} splits rescaled to one max.
+extern "C" __global__ void __launch_bounds__({d}) {name}_combine({", ".join(combine_params)}) {{
+  const long long row = blockIdx.x, b = row / (H * T), h = (row / T) % H, tok = row % T;
+  const float* ml = ws_ml + row * {splits * 2};
+  float M = NEG_INF;
+  for (int s = 0; s < {splits}; ++s) M = fmaxf(M, ml[2 * s]);
+  const float base = M == NEG_INF ? 0.0f : M;
+  float den = 0.0f, num = 0.0f;
+  for (int s = 0; s < {splits}; ++s) {{
+    const float f = expf(ml[2 * s] - base);
+    den += ml[2 * s + 1] * f;
+    num += ws_acc[(row * {splits} + s) * {d} + threadIdx.x] * f;
+  }}
+  st(o + b * osb + h * osh + tok * osn, threadIdx.x, num / den);
+{"  if (threadIdx.x == 0) lse[row] = M + logf(den);" if lse else ""}
+}}
+"""
+    qs = (heads * q_tokens * d, q_tokens * d, d)
+    kvs = (kv_heads * max_len * d, max_len * d, d)
+    partial_args = [("in", "q"), ("in", "k"), ("in", "v"), ("in", "lengths"), ("out", "ws_ml"), ("out", "ws_acc"),
+                    ("i64", heads), ("i64", q_tokens), ("i64", heads // kv_heads), ("i64", chunk)]
+    partial_args += [("i64", x) for x in (*qs, *kvs, *kvs)] + [("f32", 1.0 / math.sqrt(d))]
+    combine_args = [("in", "ws_ml"), ("in", "ws_acc"), ("out", "o")] + ([("out", "lse")] if lse else [])
+    combine_args += [("i64", heads), ("i64", q_tokens)] + [("i64", x) for x in qs]
+    what = f"decode {batch}x{heads}(kv {kv_heads})x{q_tokens} over {max_len} keys, D = {d}, {t}"
+    return DecodeKernels(
+        KernelCode(partial, f"{name}_partial", grid=(splits, heads * q_tokens, batch), block=128, args=partial_args,
+                   description=f"{what}: {splits} splits of {chunk} keys"),
+        KernelCode(PRELUDE + NEG_INF + combine, f"{name}_combine", grid=rows, block=d, args=combine_args,
+                   description=f"{what}: combine of {splits} splits"),
+        splits, chunk, rows * splits * 2, rows * splits * d)

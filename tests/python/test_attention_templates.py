@@ -1,0 +1,266 @@
+"""The fused attention kernels (graph/templates/attention.py): compiled by NVRTC for sm_90a in every dtype and
+head dim, the fp32 kernels run on the CPU through the corpus's CUDA emulator against torch's math attention,
+and on a GPU every dtype against SDPA."""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "corpus"))
+from cpu_emulator.emulator import EmulatedJit, EmulatedModule, unavailable  # noqa: E402
+
+from stitchcuda import jit  # noqa: E402
+from stitchcuda.errors import InvalidArgumentError  # noqa: E402
+from stitchcuda.graph.templates.attention import (HEAD_DIMS, decode_attention_kernels,  # noqa: E402
+                                                  flash_attention_kernel, prefill_tiles)
+
+emulated = pytest.mark.skipif(unavailable() is not None, reason=f"CUDA emulator: {unavailable()}")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def reference(q, k, v, *, causal=False, mask=None, scale=None):
+    """softmax(scale q k^T + mask) v in fp64, written out (the math form), GQA by repeating kv heads."""
+    q, k, v = q.double(), k.double(), v.double()
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = q @ k.transpose(-1, -2) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.double()
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+# ---- NVRTC, compile only -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_every_kernel_compiles_for_sm90a(dtype, head_dim):
+    prefill = flash_attention_kernel("fa", batch=2, heads=8, kv_heads=2, q_len=300, kv_len=300, head_dim=head_dim,
+                                     dtype=dtype, causal=True, mask_dtype=torch.bool, lse=True)
+    decode = decode_attention_kernels("dec", batch=4, heads=8, kv_heads=2, q_tokens=1, max_len=2048,
+                                      head_dim=head_dim, dtype=dtype, lse=True)
+    for code in (prefill, decode.partial, decode.combine):
+        module = jit.compile_module(code.source, arch="sm_90a")
+        assert module.kernel(code.name).name == code.name
+    assert prefill.shared_mem == prefill_tiles(head_dim).shared_mem <= 227 * 1024
+
+
+def test_additive_mask_kernels_compile_in_every_mask_dtype():
+    for mask_dtype in DTYPES:
+        code = flash_attention_kernel("fa_add", batch=1, heads=4, kv_heads=4, q_len=64, kv_len=64, head_dim=64,
+                                      dtype=torch.bfloat16, mask_dtype=mask_dtype)
+        assert jit.compile_module(code.source, arch="sm_90a").kernel(code.name).name == code.name
+
+
+def test_unsupported_inputs_are_refused_with_the_fix():
+    with pytest.raises(InvalidArgumentError, match="head dims"):
+        flash_attention_kernel("x", batch=1, heads=1, kv_heads=1, q_len=8, kv_len=8, head_dim=40,
+                               dtype=torch.float32)
+    with pytest.raises(InvalidArgumentError, match="multiple of kv heads"):
+        decode_attention_kernels("x", batch=1, heads=6, kv_heads=4, q_tokens=1, max_len=64, head_dim=64,
+                                 dtype=torch.float32)
+    with pytest.raises(InvalidArgumentError, match="cast the inputs"):
+        flash_attention_kernel("x", batch=1, heads=1, kv_heads=1, q_len=8, kv_len=8, head_dim=64,
+                               dtype=torch.float64)
+
+
+# ---- the CPU emulator, fp32 ---------------------------------------------------------------------------
+
+def _fp32_only(source: str) -> str:
+    """The emulator has no fp16/bf16 types: drop their includes and overloads (fp32 kernels do not use them)."""
+    return "\n".join(l for l in source.splitlines() if not re.search(r"__half|__nv_bfloat16|#include <cuda_", l))
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    return EmulatedJit(tmp_path_factory.mktemp("attention"))
+
+
+def _launch(emu, code, tensors, overrides=None):
+    args = []
+    for i, (kind, key) in enumerate(code.args):
+        value = tensors[key] if kind in ("in", "out") else key
+        args.append((overrides or {}).get(i, value))
+    EmulatedModule(emu, _fp32_only(code.source)).kernel(code.name)(code.grid, code.block, *args,
+                                                                  shared_mem=code.shared_mem)
+
+
+def run_prefill(emu, q, k, v, *, causal=False, mask=None, lse=False):
+    b, h, nq, d = q.shape
+    code = flash_attention_kernel("fa_emu", batch=b, heads=h, kv_heads=k.shape[1], q_len=nq, kv_len=k.shape[2],
+                                  head_dim=d, dtype=q.dtype, causal=causal,
+                                  mask_dtype=None if mask is None else mask.dtype, lse=lse)
+    o = torch.full_like(q, float("nan"))
+    out_lse = torch.full((b, h, nq), float("nan"))
+    overrides = {}
+    if mask is not None:  # broadcast dimensions read with stride 0, as a caller passes them
+        full = mask.expand(b, h, nq, k.shape[2])
+        strides = [0 if mask.shape[i] == 1 and full.shape[i] != 1 else mask.stride(i) for i in range(4)]
+        start = len(code.args) - 5  # the mask's four strides come before the scale
+        overrides = {start + i: s for i, s in enumerate(strides)}
+    _launch(emu, code, {"q": q, "k": k, "v": v, "mask": mask, "o": o, "lse": out_lse}, overrides)
+    return o, out_lse
+
+
+CASES = {
+    "plain": dict(shape=(1, 2, 2, 37, 37, 64)),
+    "causal": dict(shape=(1, 2, 2, 70, 70, 64), causal=True),
+    "gqa-causal": dict(shape=(2, 4, 2, 33, 33, 64), causal=True),
+    "mqa-cross": dict(shape=(1, 3, 1, 20, 45, 64)),
+    "additive-mask": dict(shape=(1, 2, 2, 40, 40, 64), mask="additive"),
+    "key-padding": dict(shape=(2, 2, 2, 24, 40, 64), mask="padding"),
+    "head-dim-96": dict(shape=(1, 1, 1, 17, 50, 96), causal=True),
+    "head-dim-256": dict(shape=(1, 1, 1, 40, 40, 256)),
+}
+
+
+def _case(shape, causal=False, mask=None):
+    b, h, hk, nq, nk, d = shape
+    g = torch.Generator().manual_seed(nq * nk + d)
+    q, k, v = (torch.randn(b, x, n, d, generator=g) for x, n in ((h, nq), (hk, nk), (hk, nk)))
+    m = None
+    if mask == "additive":  # [1, H, Nq, Nk], some keys pushed far down, one hard -inf
+        m = torch.randn(1, h, nq, nk, generator=g) * 2
+        m[..., 3] = float("-inf")
+    elif mask == "padding":  # [B, 1, 1, Nk], True attends; sequence 0 keeps 29 keys, sequence 1 all
+        m = torch.ones(b, 1, 1, nk, dtype=torch.bool)
+        m[0, ..., 29:] = False
+    return q, k, v, causal, m
+
+
+@emulated
+@pytest.mark.parametrize("case", list(CASES))
+def test_prefill_matches_math_attention(emu, case):
+    q, k, v, causal, mask = _case(**CASES[case])
+    o, lse = run_prefill(emu, q, k, v, causal=causal, mask=mask, lse=True)
+    want, want_lse = reference(q, k, v, causal=causal, mask=mask)
+    torch.testing.assert_close(o, want.float(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse, want_lse.float(), atol=1e-4, rtol=1e-4)
+
+
+@emulated
+def test_the_comparison_catches_a_planted_bug(emu):
+    """The same check against a reference with the causal mask shifted by one key fails: the tolerance does
+    not hide an off-by-one."""
+    q, k, v, causal, mask = _case(**CASES["causal"])
+    o, _ = run_prefill(emu, q, k, v, causal=True)
+    s = (q @ k.transpose(-1, -2)) / 8
+    wrong = torch.softmax(s.masked_fill(torch.ones(70, 70, dtype=torch.bool).triu(2), float("-inf")), -1) @ v
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(o, wrong, atol=1e-4, rtol=1e-4)
+
+
+def run_decode(emu, q, k_cache, v_cache, lengths, *, splits=None):
+    b, h, t, d = q.shape
+    kernels = decode_attention_kernels("dec_emu", batch=b, heads=h, kv_heads=k_cache.shape[1], q_tokens=t,
+                                       max_len=k_cache.shape[2], head_dim=d, dtype=q.dtype, lse=True, splits=splits)
+    tensors = {"q": q, "k": k_cache, "v": v_cache, "lengths": lengths.int(), "o": torch.full_like(q, float("nan")),
+               "ws_ml": torch.full((kernels.workspace_ml,), float("nan")),
+               "ws_acc": torch.full((kernels.workspace_acc,), float("nan")), "lse": torch.zeros(b, h, t)}
+    _launch(emu, kernels.partial, tensors)
+    _launch(emu, kernels.combine, tensors)
+    return tensors["o"], tensors["lse"], kernels
+
+
+@emulated
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_decode_with_ragged_lengths_and_splits(emu, tokens):
+    g = torch.Generator().manual_seed(tokens)
+    b, h, hk, s_max, d = 3, 4, 2, 300, 64
+    q = torch.randn(b, h, tokens, d, generator=g)
+    k, v = torch.randn(b, hk, s_max, d, generator=g), torch.randn(b, hk, s_max, d, generator=g)
+    lengths = torch.tensor([300, 5, 131])
+    o, lse, kernels = run_decode(emu, q, k, v, lengths, splits=4)
+    assert kernels.splits == 4 and kernels.chunk == 75  # the 5-key sequence leaves three splits empty
+    for i, n in enumerate(lengths.tolist()):
+        # the new tokens are the last `tokens` of the cache: causal among themselves, bottom-right aligned
+        causal_mask = torch.ones(tokens, n, dtype=torch.bool).tril(n - tokens)
+        want, want_lse = reference(q[i:i + 1], k[i:i + 1, :, :n], v[i:i + 1, :, :n], mask=causal_mask)
+        torch.testing.assert_close(o[i:i + 1], want.float(), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(lse[i:i + 1], want_lse.float(), atol=1e-4, rtol=1e-4)
+
+
+@emulated
+def test_decode_head_dim_128_one_split(emu):
+    g = torch.Generator().manual_seed(7)
+    q, k, v = torch.randn(1, 2, 1, 128, generator=g), torch.randn(1, 1, 64, 128, generator=g), torch.randn(
+        1, 1, 64, 128, generator=g)
+    o, _, kernels = run_decode(emu, q, k, v, torch.tensor([64]))
+    assert kernels.splits == 1
+    torch.testing.assert_close(o, reference(q, k, v)[0].float(), atol=1e-4, rtol=1e-4)
+
+
+def test_decode_splits_fill_the_gpu_without_tiny_chunks():
+    from stitchcuda.graph.templates.attention import decode_splits
+    assert decode_splits(rows=32, max_len=2048) == 9  # 32 rows x 9 splits >= 2 blocks per SM of 132
+    assert decode_splits(rows=1024, max_len=2048) == 1
+    assert decode_splits(rows=1, max_len=100) == 2  # never below 64 keys a split
+
+
+# ---- the GPU: every dtype against SDPA --------------------------------------------------------------------
+
+def _gpu_prefill(q, k, v, causal):
+    b, h, n, d = q.shape
+    code = flash_attention_kernel("fa_gpu", batch=b, heads=h, kv_heads=k.shape[1], q_len=n, kv_len=k.shape[2],
+                                  head_dim=d, dtype=q.dtype, causal=causal)
+    o = torch.empty_like(q)
+    args = [{"q": q, "k": k, "v": v, "o": o}[key] if kind in ("in", "out") else key for kind, key in code.args]
+    jit.compile(code.source, code.name)(code.grid, code.block, *args, shared_mem=code.shared_mem)
+    return o
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_gpu_prefill_against_sdpa(dtype, causal, head_dim):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    g = torch.Generator(device="cuda").manual_seed(head_dim)
+    q = torch.randn(2, 8, 333, head_dim, device="cuda", generator=g).to(dtype)
+    k, v = (torch.randn(2, 2, 333, head_dim, device="cuda", generator=g).to(dtype) for _ in range(2))
+    want = reference(q, k, v, causal=causal)[0]
+    ours = _gpu_prefill(q, k, v, causal)
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours.double(), want, atol=1e-4, rtol=1e-4)
+        return
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    sdpa_err = (sdpa.double() - want).abs().max().item()
+    our_err = (ours.double() - want).abs().max().item()
+    assert our_err <= 2 * sdpa_err + 1e-3, (our_err, sdpa_err)  # the accuracy rule: SDPA's own error, a floor
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_decode_against_sdpa(dtype):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    b, h, hk, s_max, d = 8, 32, 8, 2048, 128
+    q = torch.randn(b, h, 1, d, device="cuda", generator=g).to(dtype)
+    k, v = (torch.randn(b, hk, s_max, d, device="cuda", generator=g).to(dtype) for _ in range(2))
+    lengths = torch.randint(1, s_max + 1, (b,), device="cuda", generator=g).int()
+    kernels = decode_attention_kernels("dec_gpu", batch=b, heads=h, kv_heads=hk, q_tokens=1, max_len=s_max,
+                                       head_dim=d, dtype=dtype)
+    t = {"q": q, "k": k, "v": v, "lengths": lengths, "o": torch.empty_like(q),
+         "ws_ml": torch.empty(kernels.workspace_ml, device="cuda"),
+         "ws_acc": torch.empty(kernels.workspace_acc, device="cuda")}
+    for code in (kernels.partial, kernels.combine):
+        args = [t[key] if kind in ("in", "out") else key for kind, key in code.args]
+        jit.compile(code.source, code.name)(code.grid, code.block, *args, shared_mem=code.shared_mem)
+    for i, n in enumerate(lengths.tolist()):
+        want = reference(q[i:i + 1], k[i:i + 1, :, :n], v[i:i + 1, :, :n])[0]
+        if dtype == torch.float32:
+            torch.testing.assert_close(t["o"][i:i + 1].double(), want, atol=1e-4, rtol=1e-4)
+            continue
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q[i:i + 1], k[i:i + 1, :, :n], v[i:i + 1, :, :n],
+                                                                enable_gqa=True)
+        sdpa_err = (sdpa.double() - want).abs().max().item()
+        assert (t["o"][i:i + 1].double() - want).abs().max().item() <= 2 * sdpa_err + 1e-3
