@@ -265,7 +265,11 @@ def _launch(spec: dict[str, Any]) -> None:
     uid, gid, skip = os.getuid(), os.getgid(), set(spec.get("skip") or ())
     target = _unprivileged(state, private_dir) if spec["sandbox"] and "unprivileged_uid" not in skip else None
     running = _processes_of(target[0] if target else uid) if (target or uid != 0) else 0
-    _limits(state, running)  # counted while the machine's /proc is in view
+    # Counted while the machine's /proc is in view. Every pool's workers share nobody's count, threads
+    # included (torch and CUDA start dozens per worker): a margin that grows with the machine.
+    # The kernel holds root to no process count; the worker that becomes nobody is held.
+    _limits(state, running, None if uid == 0 and not target else
+            EXTRA_PROCESSES if not target else max(EXTRA_PROCESSES, 64 * (os.cpu_count() or 8)))
     if spec["sandbox"]:
         target = _namespaces(state, uid, gid, target, network="network_namespace" not in skip)
         if state["pid_namespace"]:
@@ -731,7 +735,7 @@ def _locked_flags(options: set[str]) -> int:
     return flags
 
 
-def _limits(state: dict[str, Any], running: int) -> None:
+def _limits(state: dict[str, Any], running: int, extra: int | None) -> None:
     try:
         import resource
 
@@ -743,8 +747,8 @@ def _limits(state: dict[str, Any], running: int) -> None:
         cap(resource.RLIMIT_CORE, 0)
         cap(resource.RLIMIT_FSIZE, FILE_BYTES)
         cap(resource.RLIMIT_NOFILE, OPEN_FILES)
-        if os.getuid() != 0:
-            cap(resource.RLIMIT_NPROC, running + EXTRA_PROCESSES)
+        if extra is not None:
+            cap(resource.RLIMIT_NPROC, running + extra)
         state["limits"] = True
     except (ImportError, ValueError, OSError) as exc:
         state["warnings"].append(f"resource limits not set: {exc}")
