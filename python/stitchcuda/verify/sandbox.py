@@ -130,6 +130,13 @@ def _needed_paths(worker: list[str]) -> list[str]:
     main = getattr(sys.modules.get("__main__"), "__file__", None)
     if main:
         paths.append(main)
+        folder = os.path.dirname(os.path.abspath(main))
+        if os.path.realpath(folder) in shared:  # a script in a home or temporary folder: its modules only
+            try:
+                paths += [os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".py") or
+                          os.path.isfile(os.path.join(folder, n, "__init__.py"))]
+            except OSError:
+                pass
     native = sys.modules.get("stitchcuda._C")
     if native is not None:  # the toolkit may live outside /usr (a wheel's headers, /opt/nvidia)
         try:
