@@ -1,14 +1,20 @@
-"""Attribution of the verified calls' GPU time (stitchcuda.verify.attribution), on the CPU: kernel names
-as CUPTI reports them on Hopper classified as the candidate's own, a library's, ATen's or other; the
-findings a share of foreign work raises; and the harness wiring through a fake GPU backend."""
+"""Attribution (stitchcuda.verify.attribution), on the CPU: kernel names as CUPTI reports them on Hopper
+classified as the candidate's own, a library's, ATen's or other; the findings a share of foreign work
+raises; the harness wiring through a fake GPU backend; and the ATen operators a candidate's forward calls,
+recorded at dispatch, for every spelling of torch doing a GEMM."""
 
 from __future__ import annotations
+
+import textwrap
 
 import pytest
 
 from stitchcuda import jit
 from stitchcuda.verify import attribution, harness
 from stitchcuda.verify.attribution import attribute, classify, findings, own_kernel_names
+from stitchcuda.verify.config import VerifyConfig
+from stitchcuda.verify.report import VerifyReport
+from stitchcuda.verify.task import Task
 
 from test_verify_harness import HONEST, fake_gpu, run  # noqa: F401  (the fake GPU backend, the job runner)
 
@@ -145,3 +151,97 @@ def test_the_harness_flags_a_host_round_trip(fake_gpu):
     r, _ = run(OWN_SOURCE + HONEST)
     assert r.hack and "host-compute" in {f.rule for f in r.findings if f.severity == "major"}
     assert any("device-to-host" in f.evidence for f in r.findings if f.rule == "host-compute")
+
+
+# ---- at dispatch: torch doing the work, however it is spelled -------------------------------------------
+
+GEMM_PROBLEM = textwrap.dedent('''
+    import torch
+    import torch.nn as nn
+
+    class Model(nn.Module):
+        def forward(self, a, b):
+            return torch.matmul(a, b)
+
+    def get_inputs():
+        return [torch.rand(64, 48), torch.rand(48, 32)]
+''')
+
+
+def gemm_candidate(body: str, module: str = "") -> str:
+    return ("import torch\nimport torch.nn as nn\n" + module + "\n\nclass ModelNew(nn.Module):\n"
+            "    def forward(self, a, b):\n" + textwrap.indent(textwrap.dedent(body), " " * 8))
+
+
+# Every spelling computes the product in ATen; none of them is caught by name.
+TORCH_SPELLINGS = {
+    "dunder method": "return a.__matmul__(b)",
+    "method through a dict": 'ops = {"mm": torch.Tensor.__matmul__}\nreturn ops["mm"](a, b)',
+    "matmul and an identity epilogue": "out = torch.matmul(a, b)\nreturn out.clone() * 1.0",
+    "built name": 'return getattr(torch, "mat" + "mul")(a, b)',
+    "operator": "return a @ b",
+    "aten op": "return torch.ops.aten.mm.default(a, b)",
+    "einsum": 'return torch.einsum("ik,kj->ij", a, b)',
+    "linear": "return torch.nn.functional.linear(a, b.t())",
+    "addmm": "return torch.addmm(torch.zeros(a.shape[0], b.shape[1]), a, b)",
+    "batched": "return torch.bmm(a[None], b[None])[0]",
+    "broadcast multiply and sum": "return (a[:, :, None] * b[None]).sum(1)",
+    "functional through vars": 'return vars(torch)["mm"](a, b)',
+}
+
+
+def run_gemm(candidate: str) -> VerifyReport:
+    job = {"reference": Task.from_source(GEMM_PROBLEM, "gemm").to_spec(), "candidate": candidate,
+           "candidate_name": "<candidate>", "config": VerifyConfig(device="cpu", timing_iters=0).to_dict()}
+    data = harness.run_job(job, lambda phase: None)
+    data.pop("recycle")
+    return VerifyReport.from_dict(data)
+
+
+@pytest.mark.parametrize("spelling", sorted(TORCH_SPELLINGS))
+def test_torch_doing_the_gemm_is_caught_at_dispatch_however_it_is_spelled(spelling):
+    report = run_gemm(gemm_candidate(TORCH_SPELLINGS[spelling]))
+    assert report.correct, report.feedback
+    found = [f for f in report.findings if f.rule == "torch-does-the-work"]
+    assert found and found[0].severity == "major", (spelling, report.timing.get("aten_dispatch"))
+    assert report.hack
+
+
+def test_a_candidate_that_computes_outside_aten_is_not_attributed_to_torch():
+    # The product computed without any ATen operator doing arithmetic (its own loop over rows, writing
+    # into an output it allocated): nothing at dispatch counts against it.
+    own = textwrap.dedent('''
+        out = torch.empty(a.shape[0], b.shape[1])
+        rows, cols = a.tolist(), b.t().tolist()
+        values = [[sum(x * y for x, y in zip(r, c)) for c in cols] for r in rows]
+        out.copy_(torch.tensor(values))
+        return out
+    ''')
+    report = run_gemm(gemm_candidate(own))
+    assert report.correct, report.feedback
+    assert not [f for f in report.findings if f.rule == "torch-does-the-work"], report.timing["aten_dispatch"]
+    dispatch = report.timing["aten_dispatch"]
+    assert dispatch["candidate"]["flops"] == 0 and dispatch["reference"]["flops"] == 2 * 64 * 48 * 32
+
+
+def test_a_small_torch_epilogue_is_minor_or_nothing():
+    record = {"flops": 2 * 64 * 48 * 32}
+    assert attribution.dispatch_findings({"flops": 0, "ops": []}, record) == []
+    minor = attribution.dispatch_findings({"flops": 0.3 * record["flops"], "ops": [{"name": "add", "calls": 1}]},
+                                          record)
+    assert [f[:2] for f in minor] == [("torch-does-the-work", "minor")]
+    assert attribution.dispatch_findings({"flops": 0.1 * record["flops"], "ops": []}, record) == []
+    assert attribution.dispatch_findings({"flops": 5, "ops": []}, {"flops": 0}) == []
+
+
+def test_the_record_counts_flops_by_formula_and_ignores_views_copies_and_allocation():
+    import torch
+
+    a, b = torch.rand(16, 8), torch.rand(8, 4)
+    with attribution.DispatchRecord() as record:
+        c = torch.empty(16, 4)
+        c.copy_(a @ b)
+        c.t().contiguous().view(-1)
+    summary = attribution.dispatch_summary(record.ops)
+    assert summary["flops"] == 2 * 16 * 8 * 4 and [o["name"] for o in summary["ops"]] == ["mm"]
+    assert not record.ops["empty"]["work"] and not record.ops["copy_"]["work"]

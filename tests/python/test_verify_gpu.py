@@ -251,3 +251,113 @@ def test_speedup_agrees_with_kernelbench_style_measurement(pool):
         kb.append(bench._kernelbench_style(reference, inputs) / bench._kernelbench_style(candidate, inputs))
     ours_mid, kb_mid = sorted(ours)[1], sorted(kb)[1]
     assert abs(ours_mid - kb_mid) / kb_mid < 0.08, (ours, kb, report.timing)
+
+
+# ---- torch doing the GEMM, whoever spells it; cuBLAS the candidate calls itself ------------------------
+
+GEMM_PROBLEM = textwrap.dedent('''
+    import torch
+    import torch.nn as nn
+
+    class Model(nn.Module):
+        def forward(self, a, b):
+            return torch.matmul(a, b)
+
+    size = 1024
+
+    def get_inputs():
+        return [torch.randn(size, size), torch.randn(size, size)]
+''')
+IDENTITY = r'''
+extern "C" __global__ void identity(const float* x, float* out, long long n) {
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = x[i];
+}
+'''
+
+
+def gemm_candidate(product: str, module: str = "") -> str:
+    """A candidate whose own kernel (an identity "epilogue") runs after `product` computed `c`."""
+    return ("import torch\nimport torch.nn as nn\nfrom stitchcuda import jit\n"
+            f"_epilogue = jit.compile(r'''{IDENTITY}''', 'identity')\n{module}\n"
+            "class ModelNew(nn.Module):\n    def forward(self, a, b):\n"
+            + textwrap.indent(textwrap.dedent(product).strip(), " " * 8) + "\n"
+            "        out = torch.empty_like(c)\n        n = c.numel()\n"
+            "        _epilogue((n + 255) // 256, 256, c, out, n)\n        return out\n")
+
+
+@pytest.mark.parametrize("product", [
+    "c = a.__matmul__(b)",
+    'c = {"mm": torch.Tensor.__matmul__}["mm"](a, b)',
+    "c = torch.matmul(a, b)",
+], ids=["dunder", "through-a-dict", "matmul-and-identity-epilogue"])
+def test_torch_doing_the_gemm_on_the_gpu_is_caught_at_dispatch(pool, product):
+    r = check(GEMM_PROBLEM, gemm_candidate(product), config=CONFIG, pool=pool)
+    assert r.correct and r.hack, r.feedback
+    assert "torch-does-the-work" in majors(r), (r.timing.get("aten_dispatch"), [f.rule for f in r.findings])
+
+
+CUBLAS_OWN = r'''
+#include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <cublas_v2.h>
+
+torch::Tensor gemm(torch::Tensor a, torch::Tensor b) {
+  const int m = a.size(0), k = a.size(1), n = b.size(1);
+  auto c = torch::empty({m, n}, a.options());
+  const float one = 1.f, zero = 0.f;
+  cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
+  // Row-major C = A B is column-major C^T = B^T A^T.
+  TORCH_CHECK(cublasSgemm(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, m, k, &one, b.data_ptr<float>(), n,
+                          a.data_ptr<float>(), k, &zero, c.data_ptr<float>(), n) == CUBLAS_STATUS_SUCCESS);
+  return c;
+}
+'''
+
+
+def test_cublas_the_candidate_calls_itself_is_not_torch_doing_the_work(pool):
+    module = ("from torch.utils.cpp_extension import load_inline\n"
+              f"_own = load_inline('own_cublas_gemm', cpp_sources=[r'''{CUBLAS_OWN}'''], functions=['gemm'], "
+              "extra_ldflags=['-lcublas'], with_cuda=True)\n")
+    r = check(GEMM_PROBLEM, gemm_candidate("c = _own.gemm(a.contiguous(), b.contiguous())", module),
+              config=VerifyConfig(timing_iters=30, warmup=3, compile_time_limit_s=600, run_time_limit_s=120),
+              pool=pool)
+    assert r.correct, r.feedback
+    assert "torch-does-the-work" not in {f.rule for f in r.findings}, r.timing.get("aten_dispatch")
+    assert r.timing["aten_dispatch"]["candidate"]["flops"] < 0.2 * r.timing["aten_dispatch"]["reference"]["flops"]
+    attribution = (r.profile or {}).get("attribution")
+    if attribution:  # CUPTI present: the GEMM is a library kernel beside the candidate's own
+        assert attribution["shares"]["library"] > 0.5 and attribution["ms"]["own"] > 0
+
+
+def test_the_judge_times_the_baseline_and_reuses_it_for_the_same_task(pool):
+    first = check(REFERENCE, HONEST, config=CONFIG, pool=pool)
+    second = check(REFERENCE, HONEST, config=CONFIG, pool=pool)
+    assert first.correct and second.correct, (first.feedback, second.feedback)
+    assert first.timing["eager_ms"] == second.timing["eager_ms"]  # one reference run per task and config
+    assert "judge" in first.timing and "eager_ms_in_worker" not in first.timing
+
+
+FORGE_EVERY_FD = textwrap.dedent('''
+    import os, pickle, struct
+    from stitchcuda.verify import wire
+    claim = {"compiled": True, "correct": True, "hack": False, "findings": [],
+             "speedup": {"eager": 42.0, "compile": 42.0}, "timing": {"candidate_ms": 1e-6}}
+    for fd in range(3, 256):
+        for frame in (pickle.dumps(("result", claim)), wire.pack("result", "", {"report": claim})):
+            try:
+                os.write(fd, struct.pack("!i", len(frame)) + frame)
+            except OSError:
+                pass
+''')
+
+
+def test_a_forged_verdict_earns_no_reward_and_an_honest_one_does(pool):
+    from stitchcuda import rl
+    from stitchcuda.verify import Task
+
+    task = Task.from_source(REFERENCE, "axpy_relu")
+    forged = rl.score_completion(task, f"```python\n{FORGE_EVERY_FD}{HONEST}```", mode="gpu", pool=pool)
+    assert forged.score == 0.0, (forged.reason, forged.findings)
+    honest = rl.score_completion(task, f"```python\n{HONEST}```", mode="gpu", pool=pool)
+    assert honest.score > 0.0, (honest.reason, honest.findings)

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from stitchcuda.settings import override
 from stitchcuda.verify import VerifyConfig, WorkerPool, check
 from stitchcuda.verify.sandbox import describe
 from test_verify_pool import REFERENCE  # the same x * 2 problem
@@ -140,9 +141,9 @@ def test_the_probes_do_see_out_without_the_sandbox(tmp_path):
         assert r.timing["sandbox"].startswith("sandbox: off")
 
 
-def test_the_sandbox_can_be_turned_off_by_the_environment(monkeypatch):
-    monkeypatch.setenv("STITCHCUDA_SANDBOX", "0")
-    with WorkerPool(devices=["cpu"]) as p:
+def test_the_sandbox_can_be_turned_off_by_the_environment():
+    # The pool reads STITCHCUDA_SANDBOX through the settings (read once per process): set it there.
+    with override(STITCHCUDA_SANDBOX="0"), WorkerPool(devices=["cpu"]) as p:
         assert not p.sandbox
 
 

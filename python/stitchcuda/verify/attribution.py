@@ -1,4 +1,9 @@
-"""Who did the work: the kernels CUPTI saw in the verified calls, each attributed to the candidate
+"""Who did the work. At dispatch (``DispatchRecord``): the ATen operators a forward calls, with their FLOPs
+and bytes, against the reference's, so torch doing the problem's work is seen however it is spelled
+(``a.__matmul__(b)``, a method reached through a dict, ``torch.matmul`` beside an identity kernel) and
+on the CPU too; a library the candidate calls itself (its own cuBLASLt binding) never passes the ATen
+dispatcher, so only cuBLAS that ATen launched counts against it. On the GPU: the kernels CUPTI saw in the
+verified calls, each attributed to the candidate
 (compiled through ``stitchcuda.jit`` in the worker, or a ``__global__`` function of the candidate's own
 source), to a library GEMM or convolution (cuBLAS, cuBLASLt, cuDNN, CUTLASS), or to ATen and anything
 else, with each class's share of the GPU time.
@@ -15,7 +20,8 @@ import re
 from typing import Any, Iterable, Mapping, Sequence
 
 __all__ = ["CLASSES", "classify", "attribute", "findings", "host_findings", "own_kernel_names",
-           "summary_line", "FOREIGN_MAJOR", "FOREIGN_MINOR"]
+           "summary_line", "FOREIGN_MAJOR", "FOREIGN_MINOR", "DispatchRecord", "dispatch_summary",
+           "dispatch_findings"]
 
 CLASSES = ("own", "library", "layout", "aten", "other")
 # Shares of GPU time done by kernels the candidate does not own (ATen, other) that make it a hack
@@ -141,3 +147,103 @@ def summary_line(attr: Mapping[str, Any]) -> str:
     layout = f", copies {s['layout']:.0%}" if s["layout"] else ""
     return (f"GPU time per call: own kernels {s['own']:.0%}, library {s['library']:.0%}, ATen {s['aten']:.0%}, "
             f"other {s['other']:.0%}{layout} ({attr['total_ms']:.4f} ms)")
+
+
+# ---- at dispatch ------------------------------------------------------------------------------------------
+
+# ATen operators that move or make data without computing the problem (views, copies, allocation): reported,
+# never counted as work.
+_NOT_WORK = re.compile(r"^(empty|empty_like|empty_strided|zeros|zeros_like|ones|ones_like|full|full_like|new_\w+|"
+                       r"view|_unsafe_view|reshape|as_strided|expand|permute|transpose|t|squeeze|unsqueeze|"
+                       r"contiguous|clone|copy_|_to_copy|to|detach|alias|slice|select|split|split_with_sizes|"
+                       r"chunk|unbind|lift_fresh|fill_|zero_|set_|resize_|record_stream|_local_scalar_dense|"
+                       r"is_same_size|size|stride|numel|dim|item)$")
+
+
+class DispatchRecord:
+    """A context manager that records every ATen operator called inside it (a TorchDispatchMode): per
+    operator the calls, FLOPs (torch.utils.flop_counter's formulas; 0 for an operator it has none for) and
+    bytes read and written; "work" is False for operators that only move or make data (views, copies,
+    allocation). ``ops``: name -> {"calls", "flops", "bytes", "work"}."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils.flop_counter import flop_registry
+
+        record = self
+        self.ops: dict[str, dict[str, Any]] = {}
+
+        class _Mode(TorchDispatchMode):
+            @classmethod
+            def _should_skip_dynamo(cls) -> bool:
+                # Not wrapped in dynamo's disable: that would import torch._dynamo at the first operator
+                # (seconds, inside the candidate's run limit), and the record compiles nothing.
+                return False
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: N802 - torch's name
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                record._add(func, args, kwargs, out, flop_registry)
+                return out
+
+        self._mode = _Mode()
+
+    def __enter__(self) -> "DispatchRecord":
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+
+    def _add(self, func: Any, args: Any, kwargs: Any, out: Any, registry: Mapping[Any, Any]) -> None:
+        import torch
+        import torch.utils._pytree as pytree
+
+        packet = func._overloadpacket
+        name = str(packet).split(".")[-1]
+        work = not _NOT_WORK.match(name)
+        tensors = [t for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        flops = 0
+        formula = registry.get(packet)
+        if formula is not None:
+            try:
+                flops = int(formula(*args, **kwargs, out_val=out))
+            except Exception:  # noqa: BLE001 - a formula that does not fit these arguments: counted below
+                flops = 0
+        if work and not flops:
+            # No formula (elementwise, reductions): one operation per element of its largest operand, so
+            # a product spelled as broadcast-multiply-and-sum is counted like the GEMM it is.
+            flops = max((t.numel() for t in tensors), default=0)
+        row = self.ops.setdefault(name, {"calls": 0, "flops": 0, "bytes": 0, "work": work})
+        row["calls"] += 1
+        row["flops"] += flops
+        row["bytes"] += sum(t.numel() * t.element_size() for t in tensors)
+
+
+def dispatch_summary(ops: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Totals of a record's operators that compute (FLOPs, bytes) and the heaviest of them."""
+    work = {n: r for n, r in ops.items() if r["work"]}
+    heavy = sorted(work, key=lambda n: (-work[n]["flops"], -work[n]["bytes"]))
+    return {"flops": sum(r["flops"] for r in work.values()), "bytes": sum(r["bytes"] for r in work.values()),
+            "ops": [{"name": n, **{k: work[n][k] for k in ("calls", "flops", "bytes")}} for n in heavy[:8]]}
+
+
+def dispatch_findings(candidate: Mapping[str, Any], reference: Mapping[str, Any]) -> list[tuple[str, str, str, str]]:
+    """(rule, severity, message, evidence) when ATen operators the candidate's forward called did the
+    problem's work: their operations (FLOPs by formula, one per element where there is none) as a share of
+    the reference's, major at FOREIGN_MAJOR and minor at FOREIGN_MINOR, as for the kernels' GPU time."""
+    ref_flops, cand_flops = reference["flops"], candidate["flops"]
+    if ref_flops <= 0:
+        return []
+    top = ", ".join(f"aten.{o['name']} x{o['calls']}" for o in candidate["ops"][:3])
+    share = cand_flops / ref_flops
+    evidence = (f"ATen operators called by the candidate's forward: {cand_flops:.3g} operations, the reference's "
+                f"{ref_flops:.3g} ({share:.0%}); {top}")
+    if share >= FOREIGN_MAJOR:
+        return [("torch-does-the-work", "major", f"ATen operators the candidate's forward called did {share:.0%} "
+                 "of the reference's arithmetic: torch, not the candidate, computed the result (however the call "
+                 "is spelled).", evidence)]
+    if share >= FOREIGN_MINOR:
+        return [("torch-does-the-work", "minor", f"ATen operators the candidate's forward called did {share:.0%} "
+                 "of the reference's arithmetic: part of the problem is left to torch.", evidence)]
+    return []

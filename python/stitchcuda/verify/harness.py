@@ -26,7 +26,8 @@ from .report import VerifyReport, build_feedback
 from .static import MAJOR, MINOR
 from .task import Task, TaskError, load_source_module
 
-__all__ = ["run_job", "classify_exception", "map_compile_log", "first_difference"]
+__all__ = ["run_job", "classify_exception", "map_compile_log", "first_difference", "trial_inputs", "timed_seeds",
+           "refilled", "bytes_moved", "flatten", "clone_inputs", "to_host", "non_finite", "output_rms", "time_cpu"]
 
 NAN_POISON = float("nan")
 SENTINEL = 7777.0  # second poison: an unwritten element holds it in every run
@@ -93,19 +94,13 @@ def map_compile_log(exc: CompileError, candidate_source: str) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def run_job(job: dict[str, Any], progress: Callable[[str], None]) -> dict[str, Any]:
-    """Verifies ``job`` = {"reference": Task spec, "candidate": source, "candidate_name": str,
-    "config": VerifyConfig dict}; returns the report as a dict plus "recycle" (the worker should be
-    replaced: sticky CUDA error, patched timing functions). A job with "kind": "program" checks a
-    saved program against expected outputs instead (``verify.program.run_program_job``)."""
-    if job.get("kind") == "static":
-        from .check import run_static_job  # imports this module's package: resolved at call time
-
-        return run_static_job(job)
-    if job.get("kind") == "program":
-        from .program import run_program_job  # imports this module: resolved at call time
-
-        return run_program_job(job, progress)
+def run_job(job: dict[str, Any], progress: Callable[[str], None],
+            shipped: dict[str, list[Any]] | None = None) -> dict[str, Any]:
+    """Verifies a model job (jobs.ModelJob as a dict: "reference" Task spec, "candidate" source,
+    "candidate_name", "config" VerifyConfig dict); returns the report as a dict plus "recycle" (the worker
+    should be replaced: sticky CUDA error, patched timing functions). ``shipped``, when given, receives
+    the outputs the judge re-checks: "trials" (the candidate's outputs of each trial, on the CPU) and
+    "timed" (those of the last timed call of each input set)."""
     started = time.perf_counter()
     report = VerifyReport()
     run = _Run(job, report, progress)
@@ -120,6 +115,8 @@ def run_job(job: dict[str, Any], progress: Callable[[str], None]) -> dict[str, A
         report.timing.setdefault("harness_traceback", traceback.format_exc(limit=6)[-2000:])
     finally:
         run.after()
+        if shipped is not None:
+            shipped.update(trials=run.shipped_trials, timed=run.shipped_timed)
         # Drop the candidate's (and reference's) modules and tensors before the next job.
         for name in [n for n in sys.modules if n.startswith(("_stitchcuda_candidate_", "_stitchcuda_reference_"))]:
             del sys.modules[name]
@@ -146,6 +143,8 @@ class _Run:
         self.compile_log = ""
         self.cuda = False
         self.flags_before = _precision_flags()
+        self.shipped_trials: list[list[Any]] = []  # the candidate's outputs per trial, for the judge
+        self.shipped_timed: list[Any] = []
 
     # ---- steps
 
@@ -309,8 +308,8 @@ class _Run:
         # One reference pass on inputs no trial uses, for the outputs' sizes (what to poison) and
         # whether the problem's own outputs are finite; its outputs are freed (and poisoned over).
         probe = self._call_reference(self._inputs(self.seeds[0] - 1, "problem"))
-        self.out_like = [(x.shape, x.dtype) for x in _flatten(probe) if isinstance(x, torch.Tensor)]
-        self._problem_non_finite = _non_finite(probe)
+        self.out_like = [(x.shape, x.dtype) for x in flatten(probe) if isinstance(x, torch.Tensor)]
+        self._problem_non_finite = non_finite(probe)
         del probe
         problem_rms = None
         first = None  # (candidate outputs, reference outputs, seed) of trial 0, for input independence
@@ -320,16 +319,17 @@ class _Run:
             # Candidate first: no reference output of this trial exists anywhere to be found.
             before = self._call_candidate(inputs, poison=NAN_POISON)
             ref_out = self._call_reference(inputs)
-            if dist != "problem" and _non_finite(ref_out) and not self._problem_non_finite:
+            if dist != "problem" and non_finite(ref_out) and not self._problem_non_finite:
                 # Outside the problem's domain (log, sqrt...): use its own distribution for this seed.
                 dist = "problem (the " + dist + " distribution gives non-finite reference outputs)"
                 inputs = self._inputs(seed, "problem")
                 del ref_out
                 before = self._call_candidate(inputs, poison=NAN_POISON)
                 ref_out = self._call_reference(inputs)
-            ref_list = _flatten(ref_out)
+            ref_list = flatten(ref_out)
             after = self._call_candidate(inputs, poison=NAN_POISON)
-            rms = _rms(ref_list)
+            self.shipped_trials.append([to_host(x) for x in flatten(after)])
+            rms = output_rms(ref_list)
             if t == 0:
                 problem_rms = rms
             scale = max(1.0, rms / problem_rms) if problem_rms else 1.0
@@ -344,6 +344,7 @@ class _Run:
             if t == 0 and ok_a:
                 self._fp64(inputs, after)
                 self._determinism(inputs, after, scale)
+                self._dispatch(inputs)
             if ok_a != ok_b:
                 wrong = cmp_before if ok_a else cmp_after
                 evidence = (f"seed {seed}: correct {'after' if ok_a else 'before'} the reference, wrong "
@@ -365,11 +366,35 @@ class _Run:
                 r.fail("incorrect", f"trial {t} (seed {seed}, {dist} inputs): {what}.")
                 return
             if t == 0:
-                first = ([_detach(x) for x in _flatten(after)], ref_list, seed)
+                first = ([_detach(x) for x in flatten(after)], ref_list, seed)
+
+    def _dispatch(self, inputs) -> None:
+        """The ATen operators of one candidate forward against one reference forward (attribution.py):
+        torch doing the problem's work is a finding however the candidate spells the call."""
+        if self.job.get("trusted"):
+            return
+        from . import attribution
+
+        try:
+            with attribution.DispatchRecord() as ref_record:
+                self.reference(*clone_inputs(inputs))
+            args = clone_inputs(inputs)
+            with attribution.DispatchRecord() as cand_record:
+                self.candidate(*args)
+            if self.cuda:
+                self.gpu.sync()
+        except (Exception, SystemExit) as exc:  # a record that fails is no verdict on the candidate
+            self.report.timing["aten_dispatch"] = {"available": False, "reason": f"{type(exc).__name__}: {exc}"[:300]}
+            return
+        cand = attribution.dispatch_summary(cand_record.ops)
+        ref = attribution.dispatch_summary(ref_record.ops)
+        self.report.timing["aten_dispatch"] = {"candidate": cand, "reference": ref}
+        for rule, severity, message, evidence in attribution.dispatch_findings(cand, ref):
+            self.report.add(rule, MAJOR if severity == "major" else MINOR, message, evidence)
 
     def _input_independence(self, first, cand_out, ref_list, seed) -> None:
         cand_first, ref_first, seed0 = first
-        cand_list = _flatten(cand_out)
+        cand_list = flatten(cand_out)
         if len(cand_list) == len(cand_first) and all(_same(a, b) for a, b in zip(cand_list, cand_first)) \
                 and not all(_same(a, b) for a, b in zip(ref_list, ref_first)):
             self.report.add("input-independent-output", MAJOR, "the candidate returns the same output for "
@@ -397,24 +422,11 @@ class _Run:
         return value
 
     def _make_inputs(self, seed: int, dist: str) -> list[Any]:
-        base = self.task.make_inputs(seed)
-        gen = torch.Generator().manual_seed(seed * 7919 + 13)
-        out = []
-        for x in base:
-            if isinstance(x, torch.Tensor) and x.is_floating_point() and dist != "problem":
-                if dist == "normal":
-                    x = torch.randn(x.shape, generator=gen, dtype=torch.float32).to(x.dtype)
-                elif dist == "large":
-                    scale = 1000.0 if x.dtype in (torch.float32, torch.float64) else 30.0
-                    x = (torch.randn(x.shape, generator=gen, dtype=torch.float32) * scale).to(x.dtype)
-                elif dist == "shifted":
-                    x = (torch.rand(x.shape, generator=gen, dtype=torch.float32) * 8 - 3).to(x.dtype)
-            out.append(x.to(self.device) if isinstance(x, torch.Tensor) else x)
-        return out
+        return trial_inputs(self.task, seed, dist, self.device)
 
     def _call_reference(self, inputs: list[Any]) -> Any:
         try:
-            out = self.reference(*_clone(inputs))
+            out = self.reference(*clone_inputs(inputs))
             if self.cuda:
                 self.gpu.sync()
         except Exception as exc:
@@ -424,7 +436,7 @@ class _Run:
         return _detach(out)
 
     def _call_candidate(self, inputs: list[Any], poison: float, check_mutation: bool = True) -> Any:
-        args = _clone(inputs)
+        args = clone_inputs(inputs)
         if self.cuda:
             self._poison(poison)
         try:
@@ -466,7 +478,7 @@ class _Run:
             del blocks
 
     def _compare(self, ref_list: list[Any], out: Any, scale: float) -> list[OutputError]:
-        got = _flatten(out)
+        got = flatten(out)
         if len(got) != len(ref_list):
             return [OutputError(0, [], "", False, problem=f"the candidate returns {len(got)} outputs, the "
                                                           f"reference {len(ref_list)}")]
@@ -485,7 +497,7 @@ class _Run:
         if not self.cuda or not any("NaN" in o.problem for o in compared):
             return
         try:
-            again = _flatten(self._call_candidate(inputs, poison=SENTINEL, check_mutation=False))
+            again = flatten(self._call_candidate(inputs, poison=SENTINEL, check_mutation=False))
         except _Stop:
             return
         for i, ((shape, dtype), g) in enumerate(zip(self.out_like, again)):
@@ -500,21 +512,21 @@ class _Run:
     def _fp64(self, inputs, cand_out) -> None:
         try:
             ref64 = copy.deepcopy(self.reference).double()
-            args = [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in _clone(inputs)]
-            out64 = _flatten(ref64(*args))
-            ref_out = _flatten(self.reference(*_clone(inputs)))
+            args = [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in clone_inputs(inputs)]
+            out64 = flatten(ref64(*args))
+            ref_out = flatten(self.reference(*clone_inputs(inputs)))
             del ref64
         except Exception as exc:
             self.report.timing["fp64_reference"] = f"unavailable: {type(exc).__name__}: {exc}"[:300]
             return
-        for o, c, r64, r in zip(self.report.outputs, _flatten(cand_out), out64, ref_out):
+        for o, c, r64, r in zip(self.report.outputs, flatten(cand_out), out64, ref_out):
             o.err_vs_fp64 = fp64_error(c, r64)
             o.reference_err_vs_fp64 = fp64_error(r, r64)
 
     def _determinism(self, inputs, first_out, scale) -> None:
         second = self._call_candidate(inputs, poison=NAN_POISON)
         cmp = []
-        for i, (a, b) in enumerate(zip(_flatten(first_out), _flatten(second))):
+        for i, (a, b) in enumerate(zip(flatten(first_out), flatten(second))):
             if isinstance(a, torch.Tensor):
                 atol, rtol = self.tolerance.for_dtype(a.dtype)
                 cmp.append(compare_output(i, a, b, atol, rtol, scale))
@@ -542,17 +554,15 @@ class _Run:
 
     def _timing(self) -> None:
         r, cfg = self.report, self.config
-        seeds = [self.seeds[0] + 1000 + i for i in range(cfg.input_sets)]
-        sets = [_clone(self._inputs(s, "problem")) for s in seeds]  # the candidate gets these directly
+        seeds = timed_seeds(cfg)
+        sets = [clone_inputs(self._inputs(s, "problem")) for s in seeds]  # the candidate gets these directly
         refills = [self._inputs(s + 1, "problem") for s in seeds]
         expected: list[Any] = [None] * len(sets)
 
         def refill() -> None:  # same buffers, new values: a cache keyed on pointers goes stale
             for k, (dst, src) in enumerate(zip(sets, refills)):
-                for d, s in zip(dst, src):
-                    if isinstance(d, torch.Tensor) and d.is_floating_point():
-                        d.copy_(s)
-                expected[k] = _flatten(self._call_reference(dst))
+                refilled(dst, src)
+                expected[k] = flatten(self._call_reference(dst))
 
         if self.cuda:
             g = self.gpu
@@ -563,7 +573,8 @@ class _Run:
                                              self.persisting, sync, before_last_round=refill)
             self._check_persisting("after the timed calls")
         else:
-            cand_times, snaps = _time_cpu(self.candidate, sets, cfg.timing_iters, cfg.warmup, refill)
+            cand_times, snaps = time_cpu(self.candidate, sets, cfg.timing_iters, cfg.warmup, refill)
+        self.shipped_timed = [None if snap is None else [to_host(x) for x in flatten(snap)] for snap in snaps]
         # Re-check what the timed calls returned.
         for k, (exp, snap) in enumerate(zip(expected, snaps)):
             if exp is None or snap is None:
@@ -582,13 +593,16 @@ class _Run:
         timing.update({"candidate_ms": cand_ms, "trials": len(cand_times), "warmup": cfg.warmup,
                        "input_sets": len(sets), "method": "cuda-events+device-sync" if self.cuda else "perf_counter",
                        "candidate_min_ms": min(cand_times)})
-        if self.cuda:
+        if self.job.get("baselines") == "judge":
+            pass  # the judge times eager and torch.compile in its own process (verify/judge.py)
+        elif self.cuda:
             eager_times, _ = g.time_calls(self.reference, sets, cfg.timing_iters, cfg.warmup, flush, self.persisting, sync)
         else:
-            eager_times, _ = _time_cpu(self.reference, sets, cfg.timing_iters, cfg.warmup, None)
-        timing["eager_ms"] = statistics.median(eager_times)
-        r.speedup["eager"] = timing["eager_ms"] / cand_ms if cand_ms > 0 else None
-        if self.cuda and cfg.compile_baseline:
+            eager_times, _ = time_cpu(self.reference, sets, cfg.timing_iters, cfg.warmup, None)
+        if self.job.get("baselines") != "judge":
+            timing["eager_ms"] = statistics.median(eager_times)
+            r.speedup["eager"] = timing["eager_ms"] / cand_ms if cand_ms > 0 else None
+        if self.cuda and cfg.compile_baseline and self.job.get("baselines") != "judge":
             compiled = self._compiled_reference()
             if isinstance(compiled, str):
                 timing["compile_error"] = compiled
@@ -617,14 +631,7 @@ class _Run:
         return compiled
 
     def _speed_of_light(self, inputs, cand_ms) -> None:
-        args = _clone(inputs)
-        out = _flatten(self.reference(*args))
-        # An output that is a view of an input costs no traffic of its own.
-        held = {x.untyped_storage().data_ptr() for x in args if isinstance(x, torch.Tensor)}
-        fresh = [x for x in out if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in held]
-        # A broadcast (expanded) tensor moves no more than its storage.
-        nbytes = sum(min(x.numel() * x.element_size(), x.untyped_storage().nbytes())
-                     for x in [*inputs, *fresh] if isinstance(x, torch.Tensor))
+        nbytes = bytes_moved(self.reference, inputs)
         bound_ms = nbytes / (self.config.bandwidth_tb_s * 1e12) * 1e3
         self.report.timing["speed_of_light_ms"] = bound_ms
         self.report.timing["bytes_moved_min"] = nbytes
@@ -729,7 +736,55 @@ class _Run:
 # ----------------------------------------------------------------------------------------------
 
 
-def _time_cpu(fn, sets, iters, warmup, before_last_round):
+def bytes_moved(reference: Any, inputs: list[Any]) -> int:
+    """The least a call must move: its inputs and the reference's outputs that are not views of them (an
+    output aliasing an input costs no traffic of its own; a broadcast tensor no more than its storage)."""
+    args = clone_inputs(inputs)
+    out = flatten(reference(*args))
+    held = {x.untyped_storage().data_ptr() for x in args if isinstance(x, torch.Tensor)}
+    fresh = [x for x in out if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in held]
+    return sum(min(x.numel() * x.element_size(), x.untyped_storage().nbytes())
+               for x in [*inputs, *fresh] if isinstance(x, torch.Tensor))
+
+
+def trial_inputs(task: Task, seed: int, dist: str, device: torch.device) -> list[Any]:
+    """The inputs of a trial: the problem's own for ``seed``, with floating inputs redrawn from ``dist``
+    (config.DISTRIBUTIONS). The candidate's worker and the judge draw the same ones."""
+    base = task.make_inputs(seed)
+    gen = torch.Generator().manual_seed(seed * 7919 + 13)
+    out = []
+    for x in base:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and dist != "problem":
+            if dist == "normal":
+                x = torch.randn(x.shape, generator=gen, dtype=torch.float32).to(x.dtype)
+            elif dist == "large":
+                scale = 1000.0 if x.dtype in (torch.float32, torch.float64) else 30.0
+                x = (torch.randn(x.shape, generator=gen, dtype=torch.float32) * scale).to(x.dtype)
+            elif dist == "shifted":
+                x = (torch.rand(x.shape, generator=gen, dtype=torch.float32) * 8 - 3).to(x.dtype)
+        out.append(x.to(device) if isinstance(x, torch.Tensor) else x)
+    return out
+
+
+def timed_seeds(config: VerifyConfig) -> list[int]:
+    """The seeds of the timed input sets (their values are refilled from seed + 1 before the last round)."""
+    seeds = config.trial_seeds()
+    return [seeds[0] + 1000 + i for i in range(config.input_sets)]
+
+
+def refilled(inputs: list[Any], refill: list[Any]) -> None:
+    """Same buffers, new values: the floating tensors of ``inputs`` take those of ``refill`` in place."""
+    for d, s in zip(inputs, refill):
+        if isinstance(d, torch.Tensor) and d.is_floating_point():
+            d.copy_(s)
+
+
+def to_host(x: Any) -> Any:
+    """A copy the candidate cannot change later (it may reuse its output buffer), on the CPU for the wire."""
+    return x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x
+
+
+def time_cpu(fn, sets, iters, warmup, before_last_round):
     k = len(sets)
     for i in range(warmup):
         fn(*sets[i % k])
@@ -769,13 +824,13 @@ def _mismatch_text(compared: list[OutputError]) -> str:
     return bad.problem or f"output {bad.index}: {bad.mismatches} elements outside tolerance"
 
 
-def _flatten(out: Any) -> list[Any]:
+def flatten(out: Any) -> list[Any]:
     if isinstance(out, (list, tuple)):
-        return [x for o in out for x in _flatten(o)]
+        return [x for o in out for x in flatten(o)]
     return [out]
 
 
-def _clone(inputs: list[Any]) -> list[Any]:
+def clone_inputs(inputs: list[Any]) -> list[Any]:
     return [x.clone() if isinstance(x, torch.Tensor) else copy.deepcopy(x) for x in inputs]
 
 
@@ -799,12 +854,12 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def _non_finite(out: Any) -> bool:
+def non_finite(out: Any) -> bool:
     return any(isinstance(x, torch.Tensor) and x.is_floating_point() and not bool(torch.isfinite(x).all())
-               for x in _flatten(out))
+               for x in flatten(out))
 
 
-def _rms(outputs: list[Any]) -> float:
+def output_rms(outputs: list[Any]) -> float:
     values = [float(x.double().pow(2).mean().sqrt()) for x in outputs
               if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() and bool(torch.isfinite(x).all())]
     return max(values) if values else 0.0

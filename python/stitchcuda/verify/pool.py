@@ -1,6 +1,8 @@
 """Isolated workers for untrusted candidates: spawned processes (never forked), one per GPU, reused
 across candidates, each job under a compile and a run time limit. A worker that crashes, hangs or
 leaves its CUDA context broken is killed and replaced; the job becomes a failed report with the cause.
+What a worker sends back is data (wire.py), never unpickled; a candidate's verdict is the judge's
+(judge.py): its outputs compared against a reference run in a worker that runs no candidate code.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ import atexit
 import multiprocessing.spawn
 import os
 import queue
-import re
+import secrets
 import shutil
 import signal
 import socket
@@ -19,31 +21,24 @@ import tempfile
 import threading
 import time
 import warnings
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any, Sequence
 
+from ..settings import settings
+from . import jobs, wire
+from .environment import SECRET_PATTERN, is_secret, sandbox_wanted, worker_environment  # noqa: F401 - re-exported
+from .sandbox import by_value, namespace_rss
+from .report import failure_dict
+
 __all__ = ["WorkerPool", "default_pool", "trusted_pool", "worker_environment", "SECRET_PATTERN"]
 
-# Environment variables a candidate must never see: API keys, tokens, passwords, cloud credentials.
-SECRET_PATTERN = re.compile(
-    r"(API_?KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|PRIVATE_?KEY|ACCESS_?KEY|SESSION_?KEY|AUTH)"
-    r"|^(AWS_|AZURE_|GOOGLE_APPLICATION_CREDENTIALS|GCP_|GH_|GITHUB_|HF_|HUGGING_?FACE|OPENAI|ANTHROPIC|"
-    r"GEMINI|MISTRAL|COHERE|GROQ|DEEPSEEK|TOGETHER|FIREWORKS|OPENROUTER|XAI_|WANDB_API|NPM_|PYPI_|TWINE_|"
-    r"SSH_AUTH_SOCK|KUBECONFIG|DOCKER_AUTH|NETRC)", re.I)
 GRACE_S = 5.0  # a killed job is reported within its limit + this
 MEMORY_POLL_S = 0.25  # how often a running job's host memory is read
 READY_LIMIT_S = 300.0  # importing torch and initializing CUDA in a fresh worker
 _spawn_lock = threading.Lock()
-
-
-def is_secret(name: str) -> bool:
-    return bool(SECRET_PATTERN.search(name))
-
-
-def worker_environment() -> dict[str, str]:
-    """The environment a worker starts with: the caller's, less every variable that looks like a secret
-    (so that not even the worker's /proc/self/environ holds one)."""
-    return {k: v for k, v in os.environ.items() if not is_secret(k)}
+# The most one result may bring back (the candidate's outputs of every trial and timed set).
+RESULT_LIMIT_BYTES = wire.DEFAULT_LIMIT_BYTES
 
 
 # The worker's interpreter: reads its start message (the parent's sys.path and main module, as
@@ -54,8 +49,8 @@ conn = Connection(int(sys.argv[1]))
 start = conn.recv()
 import multiprocessing.spawn
 multiprocessing.spawn.prepare(start["prep"])
-from stitchcuda.verify.pool import _worker_main
-_worker_main(conn, start["device"])
+from stitchcuda.verify.worker import main
+main(conn, start["device"])
 """
 
 
@@ -87,82 +82,11 @@ class _Process:
         return self._popen.poll()
 
 
-# A worker that holds more than this in cached GPU blocks after a job gives them back to the driver.
-IDLE_CACHE_BYTES = 1 << 30
-
-
-def _worker_main(conn, device: str | None) -> None:
-    """Entry point of a worker process (in its sandbox already): import once, then verify jobs until
-    told to stop."""
-    # A candidate's prints (and a dying C library's messages) must not corrupt the parent's output:
-    # everything the worker has to say comes back through the pipe.
-    try:
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, 1)
-        if not os.environ.get("STITCHCUDA_VERIFY_WORKER_STDERR"):
-            os.dup2(null, 2)
-    except OSError:
-        pass
-    for name in [k for k in os.environ if is_secret(k)]:  # belt and braces
-        del os.environ[name]
-    from .sandbox import state_of_this_process
-
-    sandboxed = state_of_this_process()
-    if sandboxed and sandboxed.get("enabled") and os.environ.get("TMPDIR"):
-        try:
-            os.chdir(os.environ["TMPDIR"])  # the private folder: the rest is read-only
-        except OSError:
-            pass
-    try:
-        import torch
-
-        from . import harness
-        from .. import jit
-
-        jit.confine_includes()  # candidates' CUDA may include only the toolkit's headers, from now on
-        info = {"pid": os.getpid(), "device": device, "sandbox": sandboxed}
-        if device and device.startswith("cuda") and torch.cuda.is_available():
-            index = int(device.split(":")[1]) if ":" in device else 0
-            torch.cuda.set_device(index)
-            torch.zeros(1, device="cuda")  # create the context now, not inside the first job's limit
-            from . import gpu  # noqa: F401 - captures the timing functions before any candidate runs
-            info["gpu"] = torch.cuda.get_device_name(index)
-        conn.send(("ready", info))
-    except BaseException as exc:  # noqa: BLE001 - report whatever broke the start-up
-        conn.send(("startup-error", f"{type(exc).__name__}: {exc}"))
-        return
-    while True:
-        try:
-            job = conn.recv()
-        except (EOFError, OSError):
-            return
-        except Exception as exc:  # noqa: BLE001 - a job that cannot be rebuilt here (CUDA IPC refused)
-            data = _failure("crash", f"the job could not be received ({type(exc).__name__}: {exc})")
-            data["recycle"] = True
-            conn.send(("result", data))
-            return
-        if job is None:
-            return
-        result = harness.run_job(job, lambda phase: conn.send(("phase", phase)))
-        # Let go of the job's tensors before waiting for the next one: tensors that came as CUDA IPC
-        # handles stay allocated in the parent until this process drops them, and cached blocks of
-        # several GB would stay reserved on the GPU while the worker idles.
-        job = None
-        if not result.get("recycle") and torch.cuda.is_initialized() and torch.cuda.memory_reserved() > IDLE_CACHE_BYTES:
-            try:
-                torch.cuda.empty_cache()
-            except Exception:  # noqa: BLE001 - a context the job broke: the parent replaces the worker anyway
-                pass
-        conn.send(("result", result))
-        if result.get("recycle"):
-            return  # the parent replaces this worker
-
-
 class _Worker:
     def __init__(self, device: str | None, private_dir: str | None) -> None:
         from . import sandbox
 
-        if os.environ.get(sandbox.STATE_VARIABLE):
+        if settings().sandbox_state:
             # Only a worker has this variable: its import of the caller's main script reached a check.
             raise RuntimeError("a verification worker may not start workers of its own: the script that calls "
                                "check() or optimize() must guard its entry point with "
@@ -171,7 +95,7 @@ class _Worker:
         self.sandboxed = private_dir is not None
         ours, theirs = socket.socketpair()
         worker = [sys.executable, *subprocess._args_from_interpreter_flags(), "-c", _BOOT, str(theirs.fileno())]
-        quiet = not os.environ.get("STITCHCUDA_VERIFY_WORKER_STDERR")
+        quiet = not settings().verify_worker_stderr
         try:
             with _spawn_lock:
                 popen = subprocess.Popen(sandbox.command(private_dir, self.sandboxed, worker), env=worker_environment(),
@@ -199,12 +123,14 @@ class _Worker:
         if not self.conn.poll(limit):
             return f"the worker did not start within {limit:.0f} s"
         try:
-            kind, payload = self.conn.recv()
+            message = wire.receive(self.conn, wire.MAX_HEADER_BYTES + 16, kinds=("ready", "startup-error"))
         except (EOFError, OSError):
             return f"the worker died while starting ({_exit_text(self.process)})"
-        if kind != "ready":
-            return f"the worker could not start: {payload}"
-        self.ready, self.info = True, payload
+        except wire.WireError as exc:
+            return f"the worker's first message is not the protocol's ({exc})"
+        if message.kind != "ready":
+            return f"the worker could not start: {str(message.body.get('message'))[:2000]}"
+        self.ready, self.info = True, message.body
         return None
 
     def kill(self) -> None:
@@ -260,7 +186,7 @@ class WorkerPool:
     """
 
     def __init__(self, devices: Sequence[str] | None = None, ready_limit_s: float = READY_LIMIT_S,
-                 sandbox: bool | None = None, memory_limit_bytes: int | None = None) -> None:
+                 sandbox: bool | None = None, memory_limit_bytes: int | None = None, judged: bool = True) -> None:
         if devices is None:
             devices = _visible_devices()
         if not devices:
@@ -282,6 +208,15 @@ class WorkerPool:
             self._idle.put(i)
         self._closed = False
         self.replacements = 0  # workers replaced after a failure (for tests and benchmarks)
+        # Candidates are judged (judge.py) by workers of a second pool that run reference jobs only; the
+        # reference runs are kept per task, so a reward's many candidates of one task cost one.
+        from .judge import ReferenceCache
+
+        self.judged = judged
+        self._judge: WorkerPool | None = None
+        self._judge_lock = threading.Lock()
+        self.references = ReferenceCache()
+        self.result_limit_bytes = RESULT_LIMIT_BYTES
         # Whether CUDA tensors may cross to the workers as CUDA IPC handles (no copy through host memory):
         # only outside the sandbox, whose private /dev/shm and PID namespace keep torch's IPC bookkeeping
         # from working, and only until a job sent that way fails to arrive (then copies, and a warning).
@@ -301,6 +236,8 @@ class WorkerPool:
         if self._closed:
             return
         self._closed = True
+        if self._judge is not None:
+            self._judge.close()
         for i, w in enumerate(self._workers):
             if w is not None:
                 w.stop()
@@ -332,15 +269,57 @@ class WorkerPool:
             for slot in taken:
                 self._idle.put(slot)
 
-    def run(self, job: dict[str, Any], compile_limit_s: float, run_limit_s: float) -> dict[str, Any]:
-        """Runs one job; returns the harness's report dict, or a failure dict (crash, timeout...)."""
+    def run(self, job: jobs.Job | dict[str, Any], compile_limit_s: float, run_limit_s: float) -> dict[str, Any]:
+        """Runs one job (a jobs.py type, or its dict); returns the report dict, or a failure dict (crash,
+        timeout, a broken protocol...). A candidate model (a ModelJob not marked trusted) is judged: the
+        judge's worker runs the reference, and the verdict is judge.adjudicate's, not the worker's word."""
         if self._closed:
             raise RuntimeError("the WorkerPool is closed")
+        job = jobs.typed(job)
         slot = self._idle.get()
         try:
-            return self._run_on(slot, job, compile_limit_s, run_limit_s)
+            if isinstance(job, jobs.ModelJob) and not job.trusted and self.judged:
+                return self._judged(slot, job, compile_limit_s, run_limit_s)
+            return self._run_on(slot, job, compile_limit_s, run_limit_s)[0]
         finally:
             self._idle.put(slot)
+
+    def judge_pool(self) -> "WorkerPool":
+        """The workers of the judge (one per device of this pool, the same sandbox): they run reference jobs
+        only, never a candidate's code. Started with the first judged job (or ``start``)."""
+        with self._judge_lock:
+            if self._judge is None:
+                self._judge = WorkerPool(self.devices, self.ready_limit_s, sandbox=self.sandbox,
+                                         memory_limit_bytes=self.memory_limit_bytes, judged=False)
+                atexit.unregister(self._judge.close)  # closed with this pool
+            return self._judge
+
+    def _judged(self, slot: int, job: jobs.ModelJob, compile_limit_s: float, run_limit_s: float) -> dict[str, Any]:
+        from .config import VerifyConfig
+        from .judge import ReferenceRun, adjudicate, cache_key
+        from .task import Tolerance
+
+        config = VerifyConfig.from_dict(job.config)
+        key = cache_key(jobs.as_dict(job), _job_device(config.device, self.devices[slot]))
+        ref = self.references.get(key)
+        if ref is None:
+            self._running(slot)  # the candidate's worker starts (imports torch) while the judge's works
+            # On the candidate's slot: the judge's timing never overlaps a candidate's on the same device.
+            data, body, tensors = self.judge_pool()._run_on(slot, jobs.ReferenceJob(job.reference, job.config),
+                                                            compile_limit_s, run_limit_s)
+            ref = ReferenceRun(data, body or {}, tensors)
+            self.references.put(key, ref)
+        if not ref.ok:
+            data = {k: v for k, v in ref.report.items() if k != "judge"}
+            error = dict(data.get("error") or {})
+            error["message"] = f"the judge's reference run: {error.get('message', '')}"[:4000]
+            data["error"] = error
+            return data
+        data, body, tensors = self._run_on(slot, replace(job, baselines="judge"), compile_limit_s, run_limit_s)
+        if body is None:  # no result of the candidate's own: a crash, a timeout, a broken protocol
+            return data
+        tolerance = config.tolerance or Tolerance.from_dict(job.reference["tolerance"])
+        return adjudicate(data, body, tensors, ref, config, tolerance)
 
     def _running(self, slot: int) -> _Worker:
         """The slot's worker, started (or replaced, when it died) if it is not running."""
@@ -351,8 +330,14 @@ class WorkerPool:
             worker = self._workers[slot] = self._start(slot)
         return worker
 
-    def _run_on(self, slot: int, job: dict[str, Any], compile_limit_s: float, run_limit_s: float) -> dict[str, Any]:
+    def _run_on(self, slot: int, job: jobs.Job, compile_limit_s: float,
+                run_limit_s: float) -> tuple[dict[str, Any], dict[str, Any] | None, list[Any]]:
+        """(report dict, the result's body, its tensors); body None when the job ended without a result."""
         worker = self._running(slot)
+        if worker.ready and worker.conn.poll(0):
+            # Something the last candidate left behind (a thread still writing): a fresh worker for this job.
+            self._replace(slot)
+            worker = self._running(slot)
         problem = worker.wait_ready(self.ready_limit_s)
         if problem and worker.sandboxed and "did not start within" not in problem:
             # A machine where CUDA or torch cannot start inside the namespaces: verify without them
@@ -365,54 +350,77 @@ class WorkerPool:
             problem = worker.wait_ready(self.ready_limit_s)
         if problem:
             self._replace(slot)
-            return _failure("crash", f"verification worker for {self.devices[slot]}: {problem}")
+            return failure_dict("crash", f"verification worker for {self.devices[slot]}: {problem}"), None, []
         self._warn_once(worker.info.get("sandbox"))
-        job = dict(job)
-        job["config"] = dict(job["config"], device=_job_device(job["config"].get("device"), self.devices[slot]))
+        job = replace(job, config=dict(job.config, device=_job_device(job.config.get("device"), self.devices[slot])))
+        nonce = secrets.token_hex(16)
         try:
-            worker.conn.send(job)
+            # A sandboxed worker (nobody, /tmp out of view) cannot reach multiprocessing's fd sharer: tensors go by value.
+            worker.conn.send_bytes(by_value((nonce, job))) if worker.sandboxed else worker.conn.send((nonce, job))
         except (OSError, BrokenPipeError) as exc:
             self._replace(slot)
-            return _failure("crash", f"could not send the job to the worker: {exc}")
+            return failure_dict("crash", f"could not send the job to the worker: {exc}"), None, []
         phase, limit = "compile", compile_limit_s
         deadline = time.monotonic() + limit
         compiled = False
         while True:
             remaining = deadline - time.monotonic()
             if remaining > 0 and not worker.conn.poll(min(remaining, MEMORY_POLL_S)):
-                used = _group_rss(worker.process.pid)
+                used = namespace_rss(worker.process.pid)  # the whole PID namespace, not the process group
                 if used > self.memory_limit_bytes:
                     self._replace(slot)
-                    return _failure("oom", f"the candidate's processes used {used / 2**30:.1f} GiB of host memory, "
-                                           f"above the pool's limit of {self.memory_limit_bytes / 2**30:.1f} GiB "
-                                           "(WorkerPool(memory_limit_bytes=...)); the worker was killed.",
-                                    compiled=compiled)
+                    return failure_dict("oom", f"the candidate's processes used {used / 2**30:.1f} GiB of host "
+                                               f"memory, above the pool's limit of {self.memory_limit_bytes / 2**30:.1f} "
+                                               "GiB (WorkerPool(memory_limit_bytes=...)); the worker was killed.",
+                                        compiled=compiled), None, []
                 continue
-            if remaining <= 0 or not worker.conn.poll(0):
-                if worker.conn.poll(0):  # a message arrived right at the deadline
-                    pass
-                else:
-                    self._replace(slot)
-                    where = "loading and compiling the candidate" if phase == "compile" else "running the candidate"
-                    return _failure("timeout", f"the candidate exceeded the {limit:g} s limit for {where}; "
-                                               "the worker was killed.", compiled=compiled)
+            if remaining <= 0 and not worker.conn.poll(0):
+                self._replace(slot)
+                where = "loading and compiling the candidate" if phase == "compile" else "running the candidate"
+                return failure_dict("timeout", f"the candidate exceeded the {limit:g} s limit for {where}; "
+                                               "the worker was killed.", compiled=compiled), None, []
             try:
-                kind, payload = worker.conn.recv()
+                message = wire.receive(worker.conn, self.result_limit_bytes, kinds=("phase", "result"))
             except (EOFError, OSError):
                 cause = _exit_text(worker.process)
                 self._replace(slot)
-                return _failure("crash", f"the worker process died while {'loading' if phase == 'compile' else 'running'} "
-                                         f"the candidate ({cause}).", compiled=compiled)
-            if kind == "phase":
-                if payload == "run":
+                return failure_dict("crash", f"the worker process died while {'loading' if phase == 'compile' else 'running'} "
+                                             f"the candidate ({cause}).", compiled=compiled), None, []
+            except wire.WireError as exc:
+                return self._violation(slot, str(exc), compiled), None, []
+            if message.nonce != nonce:
+                return self._violation(slot, f"a {message.kind!r} message without this job's nonce", compiled), None, []
+            if message.kind == "phase":
+                if message.body.get("phase") not in wire.PHASES or set(message.body) != {"phase"}:
+                    return self._violation(slot, "a phase message that names no phase", compiled), None, []
+                if message.body["phase"] == "run":
                     phase, limit, compiled = "run", run_limit_s, True
                     deadline = time.monotonic() + limit
                 continue
-            if kind == "result":
-                if payload.pop("recycle", False):
-                    self._replace(slot)
-                payload.setdefault("timing", {})["sandbox"] = self.sandbox_text(worker)
-                return payload
+            data = message.body.get("report")
+            problem = _report_problem(data)
+            if problem:
+                return self._violation(slot, problem, compiled), None, []
+            if worker.conn.poll(0):
+                return self._violation(slot, "another message right after the result", compiled), None, []
+            if data.pop("recycle", False):
+                self._replace(slot)
+            data.setdefault("timing", {})["sandbox"] = self.sandbox_text(worker)
+            return data, message.body, message.tensors
+
+    def _violation(self, slot: int, what: str, compiled: bool) -> dict[str, Any]:
+        """A worker that broke the protocol: replaced, and its candidate's report a major finding."""
+        worker = self._workers[slot]
+        text = self.sandbox_text(worker) if worker is not None else ""
+        self._replace(slot)
+        data = failure_dict("crash", f"the verification worker broke the result protocol ({what[:300]}); no "
+                                     "verdict it sent is taken", compiled=compiled)
+        data["findings"].append({"rule": "protocol-violation", "severity": "major", "line": None,
+                                 "message": "the candidate's process sent the judge a message outside the "
+                                            "protocol: a forged or corrupted result.", "evidence": what[:300]})
+        data["hack"] = True
+        data["timing"]["sandbox"] = text
+        return data
 
     def _start(self, slot: int) -> _Worker:
         private = self._private_dir if self.sandbox and self.sandbox_fallback is None else None
@@ -451,13 +459,6 @@ class WorkerPool:
         self.replacements += 1
 
 
-def sandbox_wanted(asked: bool | None) -> bool:
-    """``asked``, or (None) on unless STITCHCUDA_SANDBOX is 0/off/false/no."""
-    if asked is not None:
-        return bool(asked)
-    return os.environ.get("STITCHCUDA_SANDBOX", "1").strip().lower() not in ("0", "off", "false", "no")
-
-
 def default_memory_limit() -> int:
     """Half of the machine's memory, and at least 8 GiB (torch and a CUDA context take 2-4 GiB)."""
     try:
@@ -491,13 +492,26 @@ def _job_device(asked: str | None, worker_device: str) -> str:
     return "cpu" if asked == "cpu" else "cuda"
 
 
-def _failure(kind: str, message: str, compiled: bool = False) -> dict[str, Any]:
-    from .report import VerifyReport, build_feedback
+def _report_problem(data: Any) -> str:
+    """What makes ``data`` no report a worker may send ("" when it is one): the judge reads nothing else."""
+    from .report import VerifyReport
 
-    report = VerifyReport(compiled=compiled)
-    report.fail(kind, message)
-    report.feedback = build_feedback(report)
-    return report.to_dict()
+    if not isinstance(data, dict):
+        return "a result without a report"
+    kinds = {"compiled": bool, "correct": bool, "hack": bool, "findings": list, "outputs": list, "speedup": dict,
+             "timing": dict, "feedback": str, "compile_log": str, "trials": list, "wall_s": (int, float)}
+    for name, kind in kinds.items():
+        if name in data and not isinstance(data[name], kind):
+            return f"the report's {name} is not a {getattr(kind, '__name__', 'number')}"
+    error = data.get("error")
+    if error is not None and not (isinstance(error, dict) and isinstance(error.get("kind"), str)
+                                  and isinstance(error.get("message"), str)):
+        return "the report's error is malformed"
+    try:
+        VerifyReport.from_dict(data)
+    except Exception as exc:  # noqa: BLE001 - whatever does not rebuild is no report
+        return f"the report does not read ({type(exc).__name__})"
+    return ""
 
 
 def _visible_devices() -> list[str]:

@@ -14,7 +14,7 @@ from .compare import FIRST_MISMATCHES, OutputError, compare_output, fp64_error
 from .static import MAJOR, MINOR, Finding
 
 __all__ = ["VerifyReport", "OutputError", "ERROR_KINDS", "SCHEMA_VERSION", "report_schema", "compare_output",
-           "fp64_error", "build_feedback"]
+           "fp64_error", "build_feedback", "failure_dict"]
 
 ERROR_KINDS = ("load", "compile", "runtime", "crash", "timeout", "oom", "illegal-address",
                "device-assert", "incorrect", "bad-reference", "bad-candidate")
@@ -88,6 +88,14 @@ class VerifyReport:
         report.outputs = [OutputError(**{k: v for k, v in o.items() if k in out_fields}) for o in data.get("outputs", [])]
         report.hack = any(f.severity == MAJOR for f in report.findings)
         return report
+
+
+def failure_dict(kind: str, message: str, compiled: bool = False) -> dict[str, Any]:
+    """The report dict of a job that ended in ``kind`` (ERROR_KINDS) before it could say more."""
+    report = VerifyReport(compiled=compiled)
+    report.fail(kind, message)
+    report.feedback = build_feedback(report)
+    return report.to_dict()
 
 
 def _json_default(value: Any) -> Any:

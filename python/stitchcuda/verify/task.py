@@ -20,7 +20,7 @@ import torch
 from ..errors import InvalidArgumentError
 from .tolerance import Tolerance  # the policy lives with the table it reads; re-exported here
 
-__all__ = ["Task", "Tolerance", "TaskError", "load_source_module"]
+__all__ = ["Task", "Tolerance", "TaskError", "load_source_module", "spec_key"]
 
 _module_counter = itertools.count()
 
@@ -177,8 +177,7 @@ class Task:
     @property
     def key(self) -> str:
         """Hash of the problem (source or pickled model), for caches of compiled references."""
-        data = self.source.encode() if self.source is not None else (self._payload or b"")
-        return hashlib.sha256(data).hexdigest()[:16]
+        return spec_key(self.to_spec())
 
     # ---- what the harness uses
 
@@ -235,6 +234,13 @@ class Task:
         return self._module[0].state_dict() if self.source is None else None
 
 
+def spec_key(spec: dict[str, Any]) -> str:
+    """``Task.key`` of a spec, without rebuilding the task (which runs the problem's code): the judge keys
+    its reference runs by it."""
+    data = spec["source"].encode() if spec.get("source") is not None else (spec.get("payload") or b"")
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
 # ---- importing a file nobody has run here yet -----------------------------------------------------
 
 _PREFLIGHT = r"""
@@ -264,7 +270,7 @@ def preflight(source: str, filename: str, timeout_s: float = PREFLIGHT_TIMEOUT_S
     import tempfile
 
     from . import sandbox
-    from .pool import sandbox_wanted, worker_environment
+    from .environment import sandbox_wanted, worker_environment
 
     # The same sandbox as the Verifier's workers (verify/sandbox.py), with a private folder of its own.
     private = tempfile.mkdtemp(prefix="stitchcuda-preflight-")

@@ -1,0 +1,302 @@
+"""The judge: the verdict on a candidate comes from processes that never run candidate code. Its own worker
+(``run_reference_job``) runs the reference on the trials' inputs and the timed sets and times the eager and
+torch.compile baselines; ``adjudicate`` then takes the candidate worker's report as a claim: the outputs it
+sent are compared here, its time is held to the physics floor, the speed-up is computed from the judge's
+own baseline, and its findings are believed only where they accuse (docs/verify.md, "The judge").
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import harness
+from .compare import compare_output
+from .config import DISTRIBUTIONS, VerifyConfig
+from .report import VerifyReport, build_feedback
+from .static import MAJOR
+from .wire import WireError, decode_value, encode_value
+
+__all__ = ["run_reference_job", "adjudicate", "ReferenceRun", "ReferenceCache", "FLOOR_MARGIN"]
+
+# A claimed time below this share of the memory speed-of-light bound cannot be a real measurement (the
+# harness's own rule: 10% for the noise of one event pair).
+FLOOR_MARGIN = 0.9
+
+
+# ---- in the judge's worker ------------------------------------------------------------------------------
+
+
+def run_reference_job(job: dict[str, Any], progress: Callable[[str], None], shipped: dict[str, Any]) -> dict[str, Any]:
+    """The judge's run of ``job`` (a jobs.ReferenceJob as a dict). Returns a VerifyReport dict (an error only
+    when the reference is broken) with "judge": the trials' seeds and distributions and the facts (baseline
+    times, bytes moved); ``shipped`` receives the reference outputs ("trials", "timed")."""
+    from .task import Task, TaskError
+
+    started = time.perf_counter()
+    report = VerifyReport()
+    cfg = VerifyConfig.from_dict(job["config"])
+    facts: dict[str, Any] = {}
+    trials: list[dict[str, Any]] = []
+    try:
+        task = Task.from_spec(job["reference"])
+        device = _device(cfg)
+        seeds = cfg.trial_seeds()
+        task.init_inputs()
+        reference = task.build_reference(seeds[0]).to(device)
+        progress("run")
+        with torch.no_grad():
+            def call(inputs: list[Any]) -> list[Any]:
+                out = harness.flatten(reference(*harness.clone_inputs(inputs)))
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                return [harness.to_host(x) for x in out]
+
+            problem_non_finite = harness.non_finite(call(harness.trial_inputs(task, seeds[0] - 1, "problem", device)))
+            outs = []
+            for t, seed in enumerate(seeds):
+                dist = DISTRIBUTIONS[t % len(DISTRIBUTIONS)]
+                out = call(harness.trial_inputs(task, seed, dist, device))
+                if dist != "problem" and harness.non_finite(out) and not problem_non_finite:
+                    dist = "problem (the " + dist + " distribution gives non-finite reference outputs)"
+                    out = call(harness.trial_inputs(task, seed, "problem", device))
+                trials.append({"seed": seed, "distribution": dist})
+                outs.append(out)
+            timed = []
+            sets = []
+            for s in harness.timed_seeds(cfg):
+                inputs = harness.clone_inputs(harness.trial_inputs(task, s, "problem", device))
+                sets.append(harness.clone_inputs(inputs))
+                harness.refilled(inputs, harness.trial_inputs(task, s + 1, "problem", device))
+                timed.append(call(inputs))
+            facts.update(_bytes_floor(reference, sets[0], cfg, device))
+            if cfg.timing_iters > 0:
+                facts.update(_baselines(reference, sets, cfg, device, task.key))
+        shipped.update(trials=outs, timed=timed)
+        report.correct = True
+    except TaskError as exc:
+        report.fail("bad-reference", str(exc))
+    except Exception as exc:  # noqa: BLE001 - a broken reference is reported, not the candidate's fault
+        report.fail("bad-reference", f"the reference failed in the judge's run: {type(exc).__name__}: {exc}"[:2000])
+    report.wall_s = time.perf_counter() - started
+    data = report.to_dict()
+    data["judge"] = {"trials": trials, "facts": facts}
+    return data
+
+
+def _device(cfg: VerifyConfig) -> torch.device:
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            from .task import TaskError
+
+            raise TaskError("device 'cuda' was asked for but the judge's worker sees no GPU; use "
+                            "VerifyConfig(device='cpu') for a CPU-only check.")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _bytes_floor(reference: torch.nn.Module, inputs: list[Any], cfg: VerifyConfig, device: torch.device) -> dict:
+    """The least the problem must move (harness.bytes_moved) and the time that takes at
+    ``cfg.bandwidth_tb_s`` (GPU only: a CPU has no such bound here)."""
+    nbytes = harness.bytes_moved(reference, inputs)
+    facts: dict[str, Any] = {"bytes_moved_min": nbytes}
+    if device.type == "cuda":
+        facts["speed_of_light_ms"] = nbytes / (cfg.bandwidth_tb_s * 1e12) * 1e3
+    return facts
+
+
+def _baselines(reference: torch.nn.Module, sets: list[list[Any]], cfg: VerifyConfig, device: torch.device,
+               key: str) -> dict[str, Any]:
+    """Eager (and on a GPU torch.compile) time of the reference, measured the way the candidate is."""
+    facts: dict[str, Any] = {}
+    if device.type != "cuda":
+        times, _ = harness.time_cpu(reference, sets, cfg.timing_iters, cfg.warmup, None)
+        facts["eager_ms"] = statistics.median(times)
+        return facts
+    from . import gpu
+
+    persisting = gpu.PersistingL2()
+    persisting.reset()
+    flush = gpu.L2Flush(device)
+    sync = gpu.sync_latency(flush)
+    times, _ = gpu.time_calls(reference, sets, cfg.timing_iters, cfg.warmup, flush, persisting, sync)
+    facts["eager_ms"] = statistics.median(times)
+    if cfg.compile_baseline:
+        try:
+            compiled = torch.compile(reference)
+            times, _ = gpu.time_calls(compiled, sets, cfg.timing_iters, cfg.warmup, flush, persisting, sync)
+            facts["compile_ms"] = statistics.median(times)
+        except Exception as exc:  # noqa: BLE001 - no compile baseline, said so
+            facts["compile_error"] = f"{type(exc).__name__}: {exc}"[:500]
+    return facts
+
+
+# ---- in the judge's process ------------------------------------------------------------------------------
+
+
+class ReferenceRun:
+    """What the judge knows of a task under a config: its report (an error when the reference is broken),
+    the trials, the reference outputs and the facts."""
+
+    def __init__(self, report: dict[str, Any], body: dict[str, Any], tensors: Sequence[torch.Tensor]) -> None:
+        self.report = report
+        judge = report.get("judge") or {}
+        self.trials: list[dict[str, Any]] = list(judge.get("trials") or [])
+        self.facts: dict[str, Any] = dict(judge.get("facts") or {})
+        outputs = body.get("outputs") or {}
+        self.outputs = [decode_value(o, tensors) for o in outputs.get("trials", [])] if tensors is not None else []
+        self.timed = [decode_value(o, tensors) for o in outputs.get("timed", [])] if tensors is not None else []
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors or [])
+
+    @property
+    def ok(self) -> bool:
+        return not self.report.get("error")
+
+
+class ReferenceCache:
+    """The judge's reference runs by task and config, least recently used first out past ``limit_bytes``:
+    a reward scores many candidates of one task, and the reference is run (and timed) once for them."""
+
+    def __init__(self, limit_bytes: int = 2 << 30) -> None:
+        self.limit_bytes = limit_bytes
+        self._runs: "OrderedDict[tuple, ReferenceRun]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple) -> ReferenceRun | None:
+        with self._lock:
+            run = self._runs.get(key)
+            if run is not None:
+                self._runs.move_to_end(key)
+            return run
+
+    def put(self, key: tuple, run: ReferenceRun) -> None:
+        if not run.ok or run.nbytes > self.limit_bytes:
+            return
+        with self._lock:
+            self._runs[key] = run
+            while sum(r.nbytes for r in self._runs.values()) > self.limit_bytes:
+                self._runs.popitem(last=False)
+
+
+def cache_key(job: dict[str, Any], device: str) -> tuple:
+    """The reference runs that are the same: the task, where it runs and the config fields they depend on."""
+    from .task import spec_key
+
+    cfg = VerifyConfig.from_dict(job["config"])
+    return (spec_key(job["reference"]), device, tuple(cfg.trial_seeds()), cfg.input_sets, cfg.timing_iters,
+            cfg.warmup, cfg.compile_baseline, cfg.bandwidth_tb_s)
+
+
+def adjudicate(claim: dict[str, Any], body: dict[str, Any], tensors: Sequence[torch.Tensor], ref: ReferenceRun,
+               config: VerifyConfig, tolerance: Any) -> dict[str, Any]:
+    """The verdict: ``claim`` (the candidate worker's report dict, its ``body`` and ``tensors``: what it sent)
+    checked against ``ref`` (the judge's run). Accusations in the claim stand; correctness and speed stand
+    only when the judge can confirm them."""
+    report = VerifyReport.from_dict(claim)
+    # Speed is the judge's to compute: nothing the worker wrote there stands.
+    report.speedup = {"eager": None, "compile": None}
+    for name in ("eager_ms", "compile_ms"):
+        if name in report.timing:
+            report.timing[f"{name}_in_worker"] = report.timing.pop(name)
+    if report.error is not None or not report.correct:
+        report.correct = False
+        return _done(report)  # the worker's own finding against the candidate: nothing to confirm
+    try:
+        shipped = body.get("outputs") or {}
+        got_trials = [decode_value(o, tensors) for o in shipped.get("trials", [])]
+        got_timed = [decode_value(o, tensors) for o in shipped.get("timed", [])]
+    except WireError as exc:
+        return _contradicted(report, f"its outputs could not be read: {exc}")
+    if len(got_trials) != len(ref.outputs):
+        return _contradicted(report, f"it sent the outputs of {len(got_trials)} trials; the judge ran "
+                                     f"{len(ref.outputs)}")
+    problem_rms = None
+    for t, (expected, got, trial) in enumerate(zip(ref.outputs, got_trials, ref.trials)):
+        rms = harness.output_rms(expected)
+        problem_rms = rms if t == 0 else problem_rms
+        scale = max(1.0, rms / problem_rms) if problem_rms else 1.0
+        bad = _first_bad(expected, got, tolerance, scale)
+        if bad:
+            return _contradicted(report, f"trial {t} (seed {trial['seed']}, {trial['distribution']} inputs): {bad}")
+    timed_ran = config.timing_iters > 0 and "candidate_ms" in report.timing
+    if timed_ran:
+        if len(got_timed) != len(ref.timed):
+            return _contradicted(report, f"it sent the outputs of {len(got_timed)} timed input sets; there are "
+                                         f"{len(ref.timed)}")
+        for k, (expected, got) in enumerate(zip(ref.timed, got_timed)):
+            bad = _first_bad(expected, got, tolerance, 1.0)
+            if bad:
+                return _contradicted(report, f"timed input set {k}: {bad}", rule="timed-output-mismatch")
+        _judge_speed(report, ref.facts)
+    report.timing["judge"] = ("outputs compared and baselines timed by the judge, a process that runs no "
+                              "candidate code")
+    return _done(report)
+
+
+def _judge_speed(report: VerifyReport, facts: dict[str, Any]) -> None:
+    """The speed-up from the judge's baselines over the candidate's claimed time, held to the floor."""
+    timing = report.timing
+    cand = timing.get("candidate_ms")
+    if not isinstance(cand, (int, float)) or isinstance(cand, bool) or not math.isfinite(cand) or cand <= 0:
+        report.add("forged-timing", MAJOR, "the worker's candidate time is not a positive number: no "
+                   "measurement gives it.", f"candidate_ms = {str(cand)[:40]}")
+        report.speedup = {"eager": None, "compile": None}
+        return
+    for name in ("bytes_moved_min", "speed_of_light_ms"):
+        if name in facts:
+            timing[name] = facts[name]
+    floor = facts.get("speed_of_light_ms")
+    if floor and cand < FLOOR_MARGIN * floor:
+        report.add("impossible-speed", MAJOR, "the measured time is below the memory speed-of-light bound the "
+                   "judge computed: the timed call cannot have read its inputs and written its outputs.",
+                   f"claimed median {cand:.5f} ms < bound {floor:.5f} ms ({facts.get('bytes_moved_min')} bytes)")
+    for base in ("eager", "compile"):
+        value = facts.get(f"{base}_ms")
+        if value is not None:
+            timing[f"{base}_ms"] = value
+            report.speedup[base] = value / cand
+    if facts.get("compile_error"):
+        timing["compile_error"] = facts["compile_error"]
+
+
+def _contradicted(report: VerifyReport, why: str, rule: str = "judge-disagrees") -> dict[str, Any]:
+    """The worker said correct; the judge's comparison says otherwise."""
+    report.add(rule, MAJOR, "the candidate's worker reported correct outputs, but the outputs it sent "
+               "do not match the judge's reference.", why[:500])
+    report.correct = False
+    report.error = None
+    report.fail("incorrect", f"the judge's comparison: {why}"[:2000])
+    return _done(report)
+
+
+def _done(report: VerifyReport) -> dict[str, Any]:
+    if not report.correct:
+        report.speedup = {"eager": None, "compile": None}
+    report.hack = any(f.severity == MAJOR for f in report.findings)
+    report.feedback = build_feedback(report)
+    return report.to_dict()
+
+
+def _first_bad(expected: Sequence[Any], got: Any, tolerance: Any, scale: float) -> str:
+    got = list(got) if isinstance(got, list) else [got]
+    if len(got) != len(expected):
+        return f"{len(got)} outputs where the reference returns {len(expected)}"
+    for i, (e, g) in enumerate(zip(expected, got)):
+        atol, rtol = tolerance.for_dtype(e.dtype) if isinstance(e, torch.Tensor) else (0.0, 0.0)
+        result = compare_output(i, e, g, atol, rtol, scale)
+        if not result.ok:
+            return result.problem or f"output {i}: {result.mismatches} elements outside tolerance"
+    return ""
+
+
+def encode_outputs(shipped: dict[str, Any], tensors: list[torch.Tensor]) -> dict[str, Any]:
+    """The "outputs" of a result body: each trial's and timed set's outputs, tensors appended to ``tensors``."""
+    return {"trials": [encode_value(list(o), tensors) for o in shipped.get("trials", [])],
+            "timed": [encode_value(o, tensors) if o is not None else {"value": None} for o in shipped.get("timed", [])]}
