@@ -1,15 +1,23 @@
-"""Packaging: the wheel (built once for this module, in build/wheel with ccache: minutes from scratch on
-two cores, seconds when nothing changed), its torch pin and entry points, the C++ package inside it and
-a find_package(stitchcuda) consumer built against the installed wheel; the development install's entry
-points in .venv; `optimize --save` where there is no GPU."""
+"""Packaging as a user meets it: a clean copy of the tree (what git tracks, and new files it does not ignore)
+built into a wheel by `python -m build`, installed with pip into a fresh virtual environment with nothing
+but this machine's packages (`--no-index`), extras included; the wheel's torch pin and entry points, the
+`stitchcuda` command and the torch.compile backend in that environment, the C++ package inside it and a
+find_package(stitchcuda) consumer built against it; the development install's entry points in .venv;
+`optimize --save` where there is no GPU.
+
+The wheel build compiles the library and the extension: minutes on two cores the first time, and with
+ccache (the copy's paths made relative by CCACHE_BASEDIR) under a minute when little changed."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import sysconfig
 import time
 import zipfile
 from pathlib import Path
@@ -30,16 +38,44 @@ def _run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
 # ---- the wheel ------------------------------------------------------------------------------------
 
 
+def _clean_copy(dest: Path) -> Path:
+    """The files of a fresh clone plus the working tree's changes: tracked and untracked-but-not-ignored
+    files, as they are on disk (so a build output, .venv or a stray _C.so never reaches the build)."""
+    listed = _run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT).stdout
+    for name in filter(None, listed.split("\0")):
+        source = ROOT / name
+        if source.is_file():  # a tracked file deleted in the working tree is not copied
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / name)
+    return dest
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    cmd = [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index", "-q", str(ROOT), "-w",
-           str(out)]
-    if shutil.which("ccache"):  # the same compile commands as build/: ccache answers for most objects
-        cmd.append(f"-Ccmake.define.CMAKE_CXX_COMPILER_LAUNCHER={shutil.which('ccache')}")
+    source = _clean_copy(tmp_path_factory.mktemp("clean-copy"))
+    assert not list(source.glob("python/stitchcuda/_C*")) and not (source / "build").exists()
+    out = tmp_path_factory.mktemp("dist")
+    # --no-isolation: the extension compiles against the torch of this environment (pip's isolated build
+    # would fetch one from an index, which tests never reach).
+    cmd = [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out), str(source),
+           "-Cbuild-dir=build"]
     env = dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
+    if shutil.which("ccache"):
+        cmd.append(f"-Ccmake.define.CMAKE_CXX_COMPILER_LAUNCHER={shutil.which('ccache')}")
+        env["CCACHE_BASEDIR"] = str(source)  # the copy's folder changes every run; relative paths hit the cache
+        env["CCACHE_NOHASHDIR"] = "1"
     started = time.monotonic()
-    _run(cmd, cwd=ROOT, env=env, timeout=1800)
+    # A session of its own: on a timeout the whole build goes (ninja and the compilers under it), not only
+    # the front end that subprocess.run would kill.
+    build = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+    try:
+        output, _ = build.communicate(timeout=1800)
+    except subprocess.TimeoutExpired:
+        os.killpg(build.pid, signal.SIGKILL)
+        output, _ = build.communicate()
+        pytest.fail(f"the wheel build took over 30 minutes; its last lines:\n{output[-3000:]}")
+    assert build.returncode == 0, f"{' '.join(cmd)}\n{output[-6000:]}"
     print(f"\nwheel built in {time.monotonic() - started:.0f} s")
     (built,) = out.glob("stitchcuda-*.whl")
     return built
@@ -59,7 +95,7 @@ def _read(wheel: Path, suffix: str) -> str:
 
 @pytest.mark.slow
 def test_wheel_holds_the_package_and_the_cpp_package(names):
-    assert len([n for n in names if re.fullmatch(r"stitchcuda/_C\.cpython-.*\.so", n)]) == 1  # the wheel's, not python/'s
+    assert len([n for n in names if re.fullmatch(r"stitchcuda/_C\.cpython-.*\.so", n)]) == 1
     for header in (ROOT / "include/stitchcuda").rglob("*.hpp"):
         assert f"stitchcuda/include/{header.relative_to(ROOT / 'include').as_posix()}" in names
     assert "stitchcuda/include/stitchcuda/third_party/tl/expected.hpp" in names  # no tl-expected package needed
@@ -79,6 +115,8 @@ def test_wheel_pins_the_torch_it_was_built_against(wheel):
                 if line.startswith("Requires-Dist:")]
     assert [r for r in requires if r.startswith("torch")] == [f"torch=={TORCH_MINOR}.*"]
     assert "numpy" in requires and any(r.startswith("rich") for r in requires)
+    for extra, package in (("rl", "trl"), ("rl", "datasets"), ("bench", "matplotlib"), ("ray", "ray")):
+        assert any(r.startswith(package) and f'extra == "{extra}"' in r for r in requires), (extra, requires)
     entry_points = _read(wheel, ".dist-info/entry_points.txt")
     assert "[torch_dynamo_backends]\nstitchcuda = stitchcuda.graph.dynamo:backend" in entry_points
     assert "[console_scripts]\nstitchcuda = stitchcuda.cli:main" in entry_points
@@ -86,27 +124,56 @@ def test_wheel_pins_the_torch_it_was_built_against(wheel):
     assert "Tag: cp3" in _read(wheel, ".dist-info/WHEEL") and "-linux_x86_64" in _read(wheel, ".dist-info/WHEEL")
 
 
+# This environment's packages but the development install of stitchcuda: what a user's environment holds
+# before `pip install`. A fresh venv sees them through a .pth file, as installed distributions.
+OWN = ("stitchcuda", "__editable__", "_stitchcuda")
+
+
 @pytest.fixture(scope="module")
-def installed(wheel, tmp_path_factory) -> Path:
-    """The wheel installed into a folder of its own (pip --target), without torch beside it."""
-    site = tmp_path_factory.mktemp("site")
-    _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(site), str(wheel)],
-         timeout=300)
+def venv(wheel, tmp_path_factory) -> Path:
+    """A fresh virtual environment with torch and the extras' packages available, the wheel installed by
+    pip from nothing but the wheel file (`--no-index`: every requirement must already be satisfied)."""
+    base = tmp_path_factory.mktemp("venv")
+    packages = base / "packages"
+    packages.mkdir()
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if not entry.name.startswith(OWN) and entry.suffix != ".pth":
+            (packages / entry.name).symlink_to(entry)
+    env_dir = base / "env"
+    _run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], timeout=120)
+    python = env_dir / "bin/python"
+    site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
+    (site / "user-packages.pth").write_text(f"{packages}\n")
+    # pip of this environment, run for the new one (--python): the venv itself has none (--without-pip).
+    report = base / "report.json"
+    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-index", "--report", str(report),
+          f"{wheel}[rl,bench]"], timeout=600)
+    installed = [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]]
+    assert installed == ["stitchcuda"], installed  # torch, numpy, rich and the extras' packages were there
+    return env_dir
+
+
+def _site(env_dir: Path) -> Path:
+    (site,) = (env_dir / "lib").glob("python3*/site-packages")
     return site
 
 
-def _python_env(site: Path) -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(site))
+@pytest.fixture(scope="module")
+def installed(venv) -> Path:
+    """The site-packages folder the wheel went to: stitchcuda alone, torch reachable only through the .pth."""
+    return _site(venv)
 
 
-# .venv's development install sends `import stitchcuda` to python/ through a finder ahead of sys.path; a
-# look at the installed wheel sets that finder aside (the wheel then comes first on sys.path).
-WHEEL_FIRST = "import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'InplaceFinder' not in type(f).__name__]\n"
-CMAKE_DIR = WHEEL_FIRST + "import runpy; sys.argv = ['stitchcuda', '--cmake-dir']; runpy.run_module('stitchcuda', run_name='__main__')"
+def _in_venv(site: Path, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """Runs the fresh environment's Python (or one of its scripts) as a user's shell would: no PYTHONPATH,
+    from a folder outside the source tree."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    program = str(site.parents[2] / "bin" / args[0])
+    return _run([program, *args[1:]], env=env, cwd=site.parents[3], timeout=timeout)
 
 
 def _cmake_dir(site: Path) -> str:
-    return _run([sys.executable, "-c", CMAKE_DIR], env=_python_env(site), timeout=120).stdout.strip()
+    return _in_venv(site, "python", "-m", "stitchcuda", "--cmake-dir").stdout.strip()
 
 
 @pytest.mark.slow
@@ -120,13 +187,34 @@ def test_the_extension_finds_torch_beside_it(installed):
 
 @pytest.mark.slow
 def test_installed_wheel_imports_and_prints_its_cmake_dir(installed):
-    env = _python_env(installed)
-    where = _run([sys.executable, "-c", WHEEL_FIRST + "import stitchcuda; print(stitchcuda.__file__, stitchcuda._C.__file__)"],
-                 env=env, timeout=120).stdout.split()
+    where = _in_venv(installed, "python", "-c", "import stitchcuda; print(stitchcuda.__file__, stitchcuda._C.__file__)"
+                     ).stdout.split()
     assert all(Path(p).is_relative_to(installed) for p in where), where  # the wheel's package and extension
     cmake_dir = _cmake_dir(installed)
     assert Path(cmake_dir) == installed / "stitchcuda/lib/cmake/stitchcuda"
     assert (Path(cmake_dir) / "stitchcudaConfig.cmake").is_file()
+
+
+@pytest.mark.slow
+def test_installed_command_and_backend_work_in_the_fresh_environment(installed):
+    version = _in_venv(installed, "stitchcuda", "--version").stdout.strip()
+    assert version.startswith("stitchcuda 0.1.0"), version
+    assert "optimize" in _in_venv(installed, "stitchcuda", "--help").stdout
+    # torch.compile finds the backend through the wheel's entry point, and the result matches eager.
+    compiled = _in_venv(installed, "python", "-c", """
+import torch, torch._dynamo
+assert "stitchcuda" in torch._dynamo.list_backends()
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
+x = torch.randn(4, 8)
+print(torch.allclose(torch.compile(model, backend="stitchcuda")(x), model(x)))
+""", timeout=300)
+    assert compiled.stdout.strip().splitlines()[-1] == "True", compiled.stdout
+
+
+@pytest.mark.slow
+def test_extras_resolve_from_the_wheel_alone(installed):
+    # The venv fixture installed `wheel[rl,bench]` with --no-index; the extras' modules import there.
+    _in_venv(installed, "python", "-c", "import trl, datasets, matplotlib, stitchcuda.rl, stitchcuda.bench.html")
 
 
 def test_cmake_dir_in_the_development_tree_says_what_to_do(subprocess_env):
@@ -206,29 +294,40 @@ endif()
 
 
 @pytest.mark.slow
-def test_torch_component_resolves_torch_in_the_same_site_packages(installed, tmp_path):
-    def probe(site: Path, components: str) -> str:
-        source = tmp_path / f"probe-{site.name}"
+def test_torch_component_resolves_torch_where_the_consumer_is_configured(installed, tmp_path):
+    def probe(name: str, site: Path, components: str, *extra: str) -> str:
+        source = tmp_path / f"probe-{name}"
         source.mkdir()
         (source / "CMakeLists.txt").write_text(TORCH_COMPONENT.format(components=components))
-        return _run(_configure_args(source, tmp_path / f"build-{site.name}",
-                                    f"-Dstitchcuda_DIR={site}/stitchcuda/lib/cmake/stitchcuda"), timeout=300).stdout
+        return _run(_configure_args(source, tmp_path / f"build-{name}",
+                                    f"-Dstitchcuda_DIR={site}/stitchcuda/lib/cmake/stitchcuda", *extra),
+                    timeout=300).stdout
 
-    # Installed alone: stitchcuda::stitchcuda works, the torch component is missing and says what to install.
-    alone = probe(installed, "OPTIONAL_COMPONENTS")
-    assert "torch-found=FALSE" in alone and f"install torch=={TORCH_MINOR}.* (beside a wheel" in alone
+    def torch_paths(out: str) -> list[str]:
+        assert "torch-found=TRUE" in out, out
+        paths = [p for p in re.search(r"torch-paths=(.*)", out).group(1).split(";") if p]
+        assert any(p.endswith("libtorch.so") for p in paths), paths
+        return paths
 
-    # Beside torch (and the CUDA runtime torch's wheels bring), as pip installs it: every path is there.
+    # Installed alone, told to look where no torch is: stitchcuda::stitchcuda works, the torch component is
+    # missing and says where it looked and what to install.
+    nowhere = tmp_path / "no-torch"
+    alone = probe("alone", installed, "OPTIONAL_COMPONENTS", f"-DSTITCHCUDA_TORCH_ROOT={nowhere}")
+    assert "torch-found=FALSE" in alone and f"Install torch=={TORCH_MINOR}.*" in alone
+    assert f"{nowhere} (no torch there)" in alone
+
+    # Installed alone, with a Python that has torch: the torch that Python imports, wherever it lives.
+    torch_site = Path(torch.__file__).resolve().parents[1]
+    from_python = probe("python", installed, "COMPONENTS", f"-DPython_EXECUTABLE={sys.executable}")
+    assert all(Path(p).resolve().is_relative_to(torch_site) for p in torch_paths(from_python))
+
+    # Beside torch (and the CUDA runtime torch's wheels bring), as pip installs it: that torch comes first.
     site = tmp_path / "site-packages"
     shutil.copytree(installed / "stitchcuda", site / "stitchcuda", symlinks=True)
-    torch_site = Path(torch.__file__).resolve().parents[1]
     for name in ("torch", "nvidia"):
         (site / name).symlink_to(torch_site / name)
-    beside = probe(site, "COMPONENTS")
-    assert "torch-found=TRUE" in beside
-    paths = re.search(r"torch-paths=(.*)", beside).group(1).split(";")
-    assert paths and all(p.startswith(str(site)) for p in paths if p), paths
-    assert any(p.endswith("libtorch.so") for p in paths)
+    beside = probe("beside", site, "COMPONENTS", f"-DPython_EXECUTABLE={sys.executable}")
+    assert all(p.startswith(str(site)) for p in torch_paths(beside))
 
 
 # ---- the development install ----------------------------------------------------------------------
