@@ -1,0 +1,353 @@
+"""Finds attention in a captured graph: SDPA calls and attention written out (matmul -> scale -> mask ->
+softmax -> dropout in eval -> matmul), through the views, transposes and GQA repeats around it, and describes
+each as an `Attention` (q, k, v, scale, causal, mask, sizes) that the fused attention kernels can compute.
+
+Standalone for now: optimize() does not call it yet (see docs/attention.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .capture import Graph, Node, Value
+
+__all__ = ["Attention", "find_attention"]
+
+# Ops that change no value, only how it is seen: the matmul's operand reshapes, dropout in eval (a clone).
+_SAME_VALUES = {"view", "_unsafe_view", "reshape", "clone", "alias", "contiguous", "expand"}
+_SOFTMAX = {"_softmax", "softmax"}
+_SDPA = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+         "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"}
+# A fill at or below this masks a key exactly: exp(fill - max) is 0 in fp32 for any finite row max it meets.
+_MASKING_FILL = -1e9
+_FOLD_LIMIT = 1 << 24  # elements: a constant mask larger than this is not evaluated
+
+
+@dataclass
+class Attention:
+    """One attention found in a graph: out = softmax(scale * q k^T [+ mask]) v over the last two dims.
+
+    q [.., Nq, D], k [.., Nk, D], v [.., Nk, Dv] are the values as the attention reads them, k and v before
+    any GQA repeat (so their head count is `kv_heads`; query head h reads kv head h // (heads / kv_heads)).
+    `mask_kind`: None, "additive" (added to the scaled scores), "keep" (boolean, True attends) or "drop"
+    (boolean, True is filled with `mask_value`). `causal` is set when the mask is the causal pattern (a
+    constant lower triangle, top-left aligned), which then is not kept as `mask`. `nodes`: the nodes the
+    fused kernel replaces, in graph order."""
+
+    kind: str  # "sdpa" or "written"
+    q: Value
+    k: Value
+    v: Value
+    output: Value
+    scale: float
+    causal: bool = False
+    mask: Value | None = None
+    mask_kind: str | None = None
+    mask_value: float | None = None
+    dropout_p: float = 0.0
+    nodes: list[Node] = field(default_factory=list, repr=False)
+
+    @property
+    def heads(self) -> int:
+        return self.q.shape[-3] if len(self.q.shape) >= 3 else 1
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k.shape[-3] if len(self.k.shape) >= 3 else 1
+
+    @property
+    def batch(self) -> int:
+        return math.prod(self.q.shape[:-3])
+
+    @property
+    def q_len(self) -> int:
+        return self.q.shape[-2]
+
+    @property
+    def kv_len(self) -> int:
+        return self.k.shape[-2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[-1]
+
+    @property
+    def value_dim(self) -> int:
+        return self.v.shape[-1]
+
+
+def _op(node: Node | None) -> str:
+    return "" if node is None else node.op.removeprefix("aten::").split(".")[0]
+
+
+def _is_scalar(a: Any) -> bool:
+    return isinstance(a, (int, float)) and not isinstance(a, bool)
+
+
+class _Finder:
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.outputs = {id(v) for v in graph.outputs}
+        self.folded: dict[int, torch.Tensor | None] = {}
+
+    # ---- helpers ------------------------------------------------------------------------------------
+
+    def private(self, v: Value, user: Node) -> bool:
+        """`v` is read by `user` alone and is not a graph output: the fused kernel may drop it."""
+        return len(v.users) == 1 and v.users[0] is user and id(v) not in self.outputs
+
+    def peel(self, v: Value, seen: list[Node]) -> Value:
+        """Back through value-preserving ops that keep the last two dims ([.., N, D] stays [.., N, D]), stopping
+        at a GQA repeat's result (kv_source reads through it)."""
+        while True:
+            p = v.producer
+            if len(v.shape) == 4 and self.kv_source(v, v.shape[1], []) is not v:
+                return v
+            if _op(p) not in _SAME_VALUES or not isinstance(p.args[0], Value):
+                return v
+            src = p.args[0]
+            if src.shape[-2:] != v.shape[-2:] or (_op(p) == "expand" and src.shape != v.shape):
+                return v  # a reshape of the matrix dims, or a real broadcast
+            seen.append(p)
+            v = src
+
+    def scalar_of(self, a: Any) -> float | None:
+        if _is_scalar(a):
+            return float(a)
+        if isinstance(a, Value) and a.numel == 1:
+            t = self.fold(a)
+            return None if t is None else float(t.reshape(()).item())
+        return None
+
+    def fold(self, v: Value) -> torch.Tensor | None:
+        """The value of `v` when it depends on no user input (a mask built from arange/triu/full or a
+        registered buffer), else None."""
+        if id(v) in self.folded:
+            return self.folded[id(v)]
+        result = None
+        if v.kind == "weight" and v.data is not None:
+            result = v.data
+        elif v.kind == "node" and v.numel <= _FOLD_LIMIT and v.producer is not None:
+            p = v.producer
+            ok = True
+
+            def resolve(a):
+                nonlocal ok
+                if isinstance(a, Value):
+                    t = self.fold(a)
+                    ok = ok and t is not None
+                    return t
+                if isinstance(a, (list, tuple)):
+                    return type(a)(resolve(x) for x in a)
+                return a
+
+            args, kwargs = resolve(p.args), {k: resolve(x) for k, x in p.kwargs.items()}
+            if ok:
+                try:
+                    out = p.target(*args, **kwargs)
+                    result = out[next(i for i, o in enumerate(p.outputs) if o is v)] if isinstance(out, (list, tuple)) else out
+                except Exception:  # an op that cannot run here: the mask is then taken as a tensor
+                    result = None
+        self.folded[id(v)] = result
+        return result
+
+    def kv_source(self, kv: Value, heads: int, seen: list[Node]) -> Value:
+        """Through a GQA repeat (repeat_interleave / [:, :, None].expand().reshape() along the head dim):
+        the [B, H_kv, N, D] tensor it repeats, else `kv` itself."""
+        p = kv.producer
+        if _op(p) not in ("view", "_unsafe_view", "reshape") or len(kv.shape) != 4:
+            return kv
+        chain = [p]
+        x = p.args[0]
+        if _op(x.producer) == "clone":
+            chain.append(x.producer)
+            x = x.producer.args[0]
+        if _op(x.producer) != "expand" or len(x.shape) != 5:
+            return kv
+        chain.append(x.producer)
+        src = x.producer.args[0]
+        b, hkv, rep, n, d = x.shape
+        if (src.shape != (b, hkv, 1, n, d) or hkv * rep != heads or kv.shape != (b, heads, n, d)):
+            return kv  # a tile (repeat) puts head h on kv head h % H_kv: read as is
+        if _op(src.producer) in ("unsqueeze", "view", "reshape", "_unsafe_view") and \
+                src.producer.args[0].shape == (b, hkv, n, d):
+            chain.append(src.producer)
+            src = src.producer.args[0]
+        else:
+            return kv
+        seen += chain
+        return src
+
+    # ---- SDPA calls ---------------------------------------------------------------------------------
+
+    def sdpa(self, node: Node) -> Attention | None:
+        names = [a.name for a in node.target._schema.arguments]  # the same for every SDPA variant
+        call = dict(zip(names, node.args)) | node.kwargs
+        q, k, v = call["query"], call["key"], call["value"]
+        seen: list[Node] = []
+        heads = q.shape[-3] if len(q.shape) >= 3 else 1
+        ks, vs = self.kv_source(k, heads, seen), self.kv_source(v, heads, seen)
+        if (ks is k) != (vs is v):  # one repeated, the other not: read both as they are
+            ks, vs, seen = k, v, []
+        mask = call.get("attn_mask", call.get("attn_bias"))
+        scale = call.get("scale")
+        found = Attention("sdpa", q, ks, vs, node.outputs[0],
+                          float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+                          causal=bool(call.get("is_causal", False)), dropout_p=float(call.get("dropout_p", 0.0)),
+                          nodes=seen + [node])
+        if mask is not None:
+            found.mask = mask
+            found.mask_kind = "keep" if mask.dtype == torch.bool else "additive"
+        return found
+
+    # ---- written out --------------------------------------------------------------------------------
+
+    def written(self, softmax: Node) -> Attention | None:
+        x = softmax.args[0]
+        dim = softmax.args[1] if len(softmax.args) > 1 else softmax.kwargs.get("dim")
+        if not isinstance(x, Value) or len(x.shape) < 2 or dim not in (-1, len(x.shape) - 1):
+            return None
+        probs = softmax.outputs[0]
+        seen: list[Node] = [softmax]
+        # forward: dropout in eval (a clone) and the operand views, into the second matmul's left side
+        y = probs
+        while True:
+            if id(y) in self.outputs or len(y.users) != 1:
+                return None  # the probabilities are read elsewhere (returned attention weights)
+            user = y.users[0]
+            if _op(user) in _SAME_VALUES and user.args[0] is y and user.outputs[0].shape[-2:] == y.shape[-2:] \
+                    and (_op(user) != "expand" or user.outputs[0].shape == y.shape):
+                seen.append(user)
+                y = user.outputs[0]
+                continue
+            break
+        pv = y.users[0]
+        if _op(pv) not in ("bmm", "mm") or pv.args[0] is not y:
+            return None
+        seen.append(pv)
+        v = self.peel(pv.args[1], seen)
+        out = pv.outputs[0]
+        while len(out.users) == 1 and _op(out.users[0]) in ("view", "_unsafe_view", "reshape") \
+                and out.users[0].outputs[0].shape[-2:] == out.shape[-2:] and id(out) not in self.outputs:
+            seen.append(out.users[0])
+            out = out.users[0].outputs[0]
+        # backward: scale, mask and views down to the scores' matmul
+        scale, causal, mask, mask_kind, mask_value = 1.0, False, None, None, None
+        s, consumer = x, softmax
+        while True:
+            p = s.producer
+            if p is None or not self.private(s, consumer):
+                return None  # the scores are read elsewhere: they would be built anyway
+            kind = _op(p)
+            if kind in ("mul", "div"):
+                c = self.scalar_of(p.args[1]) if isinstance(p.args[0], Value) else None
+                if c is None or c == 0:
+                    return None  # a tensor factor (a learned temperature): not a scalar scale
+                scale = scale * c if kind == "mul" else scale / c
+                s = p.args[0]
+            elif kind == "add" and all(isinstance(a, Value) for a in p.args[:2]) and mask is None:
+                a, b = p.args[0], p.args[1]
+                s, mask = (a, b) if self.reaches_matmul(a) else (b, a)
+                if len(p.args) > 2 or p.kwargs.get("alpha", 1) != 1:
+                    return None
+                mask_kind = "additive"
+            elif kind == "where" and mask is None:
+                cond, a, b = p.args[:3]
+                if self.reaches_matmul(b) and self.scalar_of(a) is not None:
+                    s, mask, mask_kind, mask_value = b, cond, "drop", self.scalar_of(a)
+                elif self.reaches_matmul(a) and self.scalar_of(b) is not None:
+                    s, mask, mask_kind, mask_value = a, cond, "keep", self.scalar_of(b)
+                else:
+                    return None
+            elif kind == "masked_fill" and mask is None:
+                s, mask, mask_kind, mask_value = p.args[0], p.args[1], "drop", self.scalar_of(p.args[2])
+            elif kind in ("view", "_unsafe_view", "reshape", "clone") and p.args[0].shape[-2:] == s.shape[-2:]:
+                s = p.args[0]
+            elif kind in ("bmm", "mm"):
+                break
+            else:
+                return None
+            seen.append(p)
+            consumer = p
+        qk = s.producer
+        seen.append(qk)
+        q = self.peel(qk.args[0], seen)
+        while _op(q.producer) in ("mul", "div") and self.scalar_of(q.producer.args[1]) is not None:
+            c = self.scalar_of(q.producer.args[1])  # the scale folded into q (nn.MultiheadAttention)
+            scale = scale * c if _op(q.producer) == "mul" else scale / c
+            seen.append(q.producer)
+            q = self.peel(q.producer.args[0], seen)
+        kt = self.peel(qk.args[1], seen)
+        p = kt.producer
+        nd = len(kt.shape)
+        swap = list(range(nd - 2)) + [nd - 1, nd - 2]
+        if _op(p) == "permute" and [d % nd for d in p.args[1]] == swap:
+            k = p.args[0]
+        elif _op(p) == "transpose" and sorted(d % nd for d in p.args[1:3]) == [nd - 2, nd - 1]:
+            k = p.args[0]
+        else:
+            return None  # the right operand is not a transposed key tensor
+        seen.append(p)
+        k = self.peel(k, seen)
+        if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2] or q.shape[:-2] != k.shape[:-2]:
+            return None
+        heads = q.shape[-3] if len(q.shape) >= 3 else 1
+        ks, vs = self.kv_source(k, heads, seen), self.kv_source(v, heads, seen)
+        if (ks is k) != (vs is v):
+            ks, vs = k, v
+        order = {id(n): i for i, n in enumerate(self.graph.nodes)}
+        unique = {id(n): n for n in seen}
+        found = Attention("written", q, ks, vs, out, scale, nodes=sorted(unique.values(), key=lambda n: order[id(n)]))
+        if mask is not None:
+            causal = self.causal_pattern(mask, mask_kind, mask_value, q.shape[-2], k.shape[-2])
+            if not causal:
+                found.mask, found.mask_kind, found.mask_value = mask, mask_kind, mask_value
+        found.causal = causal
+        return found
+
+    def reaches_matmul(self, v: Value) -> bool:
+        """`v` is the scores' path: back through scale, views and casts it meets a matmul."""
+        for _ in range(8):
+            p = v.producer
+            if _op(p) in ("bmm", "mm"):
+                return True
+            if _op(p) not in ("mul", "div", "view", "_unsafe_view", "reshape", "clone", "add", "where"):
+                return False
+            v = next((a for a in p.args if isinstance(a, Value) and a.shape[-2:] == v.shape[-2:]
+                      and self.fold(a) is None), None)
+            if v is None:
+                return False
+        return False
+
+    def causal_pattern(self, mask: Value, kind: str, value: float | None, nq: int, nk: int) -> bool:
+        """The mask is a constant that hides exactly the keys after each query (top-left aligned)."""
+        t = self.fold(mask)
+        if t is None or t.shape[-2:] not in ((nq, nk),):
+            return False
+        masked = torch.ones(nq, nk, dtype=torch.bool, device=t.device).triu(1)
+        every = t.reshape(-1, nq, nk)
+        if kind == "additive":
+            return bool(((every == float("-inf")) == masked).all() and (every[:, ~masked] == 0).all())
+        if value is None or value > _MASKING_FILL:
+            return False
+        return bool(((every if kind == "drop" else ~every) == masked).all())
+
+def find_attention(graph: Graph) -> list[Attention]:
+    """Every attention in `graph`, in graph order: SDPA calls and written-out attention whose scores and
+    probabilities nothing else reads."""
+    finder = _Finder(graph)
+    found = []
+    for node in graph.nodes:
+        if _op(node) in _SDPA:
+            hit = finder.sdpa(node)
+        elif _op(node) in _SOFTMAX:
+            hit = finder.written(node)
+        else:
+            continue
+        if hit is not None:
+            found.append(hit)
+    return found
