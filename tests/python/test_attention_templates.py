@@ -264,3 +264,23 @@ def test_gpu_decode_against_sdpa(dtype):
                                                                 enable_gqa=True)
         sdpa_err = (sdpa.double() - want).abs().max().item()
         assert (t["o"][i:i + 1].double() - want).abs().max().item() <= 2 * sdpa_err + 1e-3
+
+
+# ---- the benchmark -----------------------------------------------------------------------------------------
+
+def test_the_benchmark_says_it_needs_a_gpu():
+    import subprocess
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the benchmark would run")
+    done = subprocess.run([sys.executable, "-m", "stitchcuda.bench.attention", "--json"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 3 and "needs a CUDA GPU" in done.stderr and done.stdout == ""
+
+
+def test_the_benchmark_ratios_are_baseline_over_ours():
+    from stitchcuda.bench.attention import _ratios
+    row = {"ours_ms": 2.0, "sdpa_flash_ms": 1.0, "sdpa_math_ms": None, "speed_of_light_ms": 0.5}
+    _ratios(row)
+    assert row["sdpa_flash_over_ours"] == 0.5 and "sdpa_math_over_ours" not in row
+    assert row["fraction_of_speed_of_light"] == 0.25

@@ -149,7 +149,9 @@ class _Finder:
             if ok:
                 try:
                     out = p.target(*args, **kwargs)
-                    result = out[next(i for i, o in enumerate(p.outputs) if o is v)] if isinstance(out, (list, tuple)) else out
+                    if isinstance(out, (list, tuple)):
+                        out = out[next(i for i, o in enumerate(p.outputs) if o is v)]
+                    result = out
                 except Exception:  # an op that cannot run here: the mask is then taken as a tensor
                     result = None
         self.folded[id(v)] = result

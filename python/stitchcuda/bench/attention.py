@@ -1,0 +1,187 @@
+"""The fused attention kernels (graph/templates/attention.py) beside PyTorch's, in one run:
+`python -m stitchcuda.bench.attention [--json]`.
+
+Prefill: the fused kernel against SDPA's flash (bf16 only: it has no fp32 kernel), memory-efficient and math
+backends and torch.compile of the math form, at bf16 and fp32, on Llama-1B prefill (1x32x2048x64, causal),
+ViT-B (64x12x197x64) and BERT-base (32x12x512x64). Decode: the split-KV pair against SDPA (its own backend
+choice) for one new token at batch 1, 8 and 32 over 512 and 2,048 cached keys (32 query heads, 8 kv heads,
+D = 128, bf16). Every time is the Verifier's timer (verify/timing.measure, L2 flushed before each call);
+ratios are baseline / ours (above 1: ours is faster) and the speed of light is max(bytes / DRAM bandwidth,
+FLOPs / peak) from the GPU's table. Each result is checked against the fp64 math form first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from .. import jit
+from ..graph.templates.attention import decode_attention_kernels, flash_attention_kernel
+from ..verify import hardware
+from ..verify.timing import measure
+
+PREFILL = [("llama-1b-prefill", 1, 32, 2048, 64, True), ("vit-b-16", 64, 12, 197, 64, False),
+           ("bert-base", 32, 12, 512, 64, False)]
+DECODE = [(b, n) for b in (1, 8, 32) for n in (512, 2048)]
+DECODE_HEADS, DECODE_KV_HEADS, DECODE_DIM = 32, 8, 128
+
+
+def _math(q, k, v, causal):
+    """The math form, as torch.compile sees attention written out."""
+    s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return torch.softmax(s.float(), -1).to(q.dtype) @ v
+
+
+def _launcher(code, tensors: dict) -> Callable[[], None]:
+    kernel = jit.compile(code.source, code.name)
+    args = [tensors[key] if kind in ("in", "out") else key for kind, key in code.args]
+    return lambda: kernel(code.grid, code.block, *args, shared_mem=code.shared_mem)
+
+
+def _time(fn) -> float:
+    with torch.no_grad():
+        return measure(fn, repeats=30, warmup=5).ms
+
+
+def _backend(backend, q, k, v, causal):
+    from torch.nn.attention import sdpa_kernel
+
+    def call():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return call
+
+
+def _error(ours: torch.Tensor, q, k, v, causal) -> float:
+    want = _math(q.double(), k.double(), v.double(), causal)
+    return (ours.double() - want).abs().max().item()
+
+
+def prefill(gpu: dict) -> list[dict]:
+    from torch.nn.attention import SDPBackend
+
+    rows = []
+    for name, b, h, n, d, causal in PREFILL:
+        for dtype in (torch.bfloat16, torch.float32):
+            q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(3))
+            o = torch.empty_like(q)
+            code = flash_attention_kernel(f"bench_fa_{d}", batch=b, heads=h, kv_heads=h, q_len=n, kv_len=n,
+                                          head_dim=d, dtype=dtype, causal=causal)
+            ours = _launcher(code, {"q": q, "k": k, "v": v, "o": o})
+            ours()
+            torch.cuda.synchronize()
+            row: dict[str, Any] = {"shape": name, "B": b, "H": h, "N": n, "D": d, "causal": causal,
+                                   "dtype": str(dtype).removeprefix("torch."),
+                                   "max_abs_error_vs_fp64": _error(o, q, k, v, causal), "ours_ms": _time(ours)}
+            baselines = {"sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION, "sdpa_math": SDPBackend.MATH}
+            if dtype != torch.float32:
+                baselines = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, **baselines}
+            for label, backend in baselines.items():
+                try:
+                    row[f"{label}_ms"] = _time(_backend(backend, q, k, v, causal))
+                except RuntimeError as exc:  # a backend that refuses the shape says so in the table
+                    row[f"{label}_ms"] = None
+                    row[f"{label}_error"] = str(exc).splitlines()[0][:160]
+            compiled = torch.compile(_math)
+            try:
+                row["compile_math_ms"] = _time(lambda: compiled(q, k, v, causal))
+            except Exception as exc:  # noqa: BLE001 — a compile failure is a result to report, not a crash
+                row["compile_math_ms"], row["compile_math_error"] = None, str(exc).splitlines()[0][:160]
+            flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+            size = q.element_size() * 4 * q.numel()
+            peak = gpu["bf16_tflops"] if dtype != torch.float32 else gpu["fp32_tflops"]
+            row["speed_of_light_ms"] = max(size / (gpu["dram_tb_s"] * 1e9), flops / (peak * 1e9)) if peak else None
+            _ratios(row)
+            rows.append(row)
+            del q, k, v, o
+            torch.cuda.empty_cache()
+    return rows
+
+
+def decode(gpu: dict) -> list[dict]:
+    rows = []
+    h, hk, d, dtype = DECODE_HEADS, DECODE_KV_HEADS, DECODE_DIM, torch.bfloat16
+    for b, n in DECODE:
+        q = torch.randn(b, h, 1, d, device="cuda", dtype=dtype)
+        k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=dtype) for _ in range(2))
+        kernels = decode_attention_kernels(f"bench_dec_{d}", batch=b, heads=h, kv_heads=hk, q_tokens=1, max_len=n,
+                                           head_dim=d, dtype=dtype, sms=gpu["sms"])
+        t = {"q": q, "k": k, "v": v, "o": torch.empty_like(q),
+             "lengths": torch.full((b,), n, dtype=torch.int32, device="cuda"),
+             "ws_ml": torch.empty(kernels.workspace_ml, device="cuda"),
+             "ws_acc": torch.empty(kernels.workspace_acc, device="cuda")}
+        first, second = _launcher(kernels.partial, t), _launcher(kernels.combine, t)
+
+        def ours():
+            first()
+            second()
+        ours()
+        torch.cuda.synchronize()
+        want = _math(q.double(), k.double().repeat_interleave(h // hk, 1), v.double().repeat_interleave(h // hk, 1),
+                     False)
+        row = {"batch": b, "kv_len": n, "H": h, "H_kv": hk, "D": d, "dtype": "bfloat16", "splits": kernels.splits,
+               "max_abs_error_vs_fp64": (t["o"].double() - want).abs().max().item(), "ours_ms": _time(ours),
+               "sdpa_ms": _time(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))}
+        size = 2 * k.numel() * k.element_size() + 2 * q.numel() * q.element_size()
+        row["speed_of_light_ms"] = size / (gpu["dram_tb_s"] * 1e9)
+        _ratios(row)
+        rows.append(row)
+    return rows
+
+
+def _ratios(row: dict) -> None:
+    """baseline / ours for every baseline measured (above 1: ours faster); ours against the speed of light."""
+    ours = row["ours_ms"]
+    for key in [k for k in row if k.endswith("_ms") and k not in ("ours_ms", "speed_of_light_ms")]:
+        if row[key]:
+            row[key.removesuffix("_ms") + "_over_ours"] = round(row[key] / ours, 3)
+    if row.get("speed_of_light_ms"):
+        row["fraction_of_speed_of_light"] = round(row["speed_of_light_ms"] / ours, 3)
+
+
+def _table(rows: list[dict], keys: list[str]) -> str:
+    lines = [" | ".join(keys)]
+    for r in rows:
+        lines.append(" | ".join(f"{r.get(k):.4g}" if isinstance(r.get(k), float) else str(r.get(k)) for k in keys))
+    return "\n".join(lines)
+
+
+def run(json_output: bool = False) -> int:
+    from ..cli_support import EXIT_NO_GPU
+
+    if not torch.cuda.is_available():
+        print("stitchcuda.bench.attention: needs a CUDA GPU (torch.cuda.is_available() is False); nothing was "
+              "measured. Run it on a machine with an NVIDIA GPU.", file=sys.stderr)
+        return EXIT_NO_GPU
+    gpu = hardware.describe()
+    torch.manual_seed(0)
+    out = {"device": gpu, "torch": torch.__version__, "prefill": prefill(gpu), "decode": decode(gpu)}
+    if json_output:
+        print(json.dumps(out))
+        return 0
+    print(f"{gpu['gpu']}: {gpu['dram_tb_s']} TB/s, bf16 {gpu['bf16_tflops']} TFLOP/s, fp32 {gpu['fp32_tflops']}")
+    print("\nprefill (ratios: baseline time / ours)")
+    print(_table(out["prefill"], ["shape", "dtype", "ours_ms", "sdpa_flash_over_ours", "sdpa_efficient_over_ours",
+                                  "sdpa_math_over_ours", "compile_math_over_ours", "fraction_of_speed_of_light",
+                                  "max_abs_error_vs_fp64"]))
+    print("\ndecode, bf16, 32 heads / 8 kv heads, D = 128")
+    print(_table(out["decode"], ["batch", "kv_len", "splits", "ours_ms", "sdpa_over_ours", "fraction_of_speed_of_light",
+                                 "max_abs_error_vs_fp64"]))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m stitchcuda.bench.attention", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    return run(parser.parse_args(argv).json)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
