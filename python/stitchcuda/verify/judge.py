@@ -48,7 +48,6 @@ def run_reference_job(job: dict[str, Any], progress: Callable[[str], None], ship
         task = Task.from_spec(job["reference"])
         device = _device(cfg)
         seeds = cfg.trial_seeds()
-        task.init_inputs()
         reference = task.build_reference(seeds[0]).to(device)
         progress("run")
         with torch.no_grad():
@@ -82,7 +81,7 @@ def run_reference_job(job: dict[str, Any], progress: Callable[[str], None], ship
         report.correct = True
     except TaskError as exc:
         report.fail("bad-reference", str(exc))
-    except Exception as exc:  # noqa: BLE001 - a broken reference is reported, not the candidate's fault
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - a broken reference is reported, not the candidate's fault
         report.fail("bad-reference", f"the reference failed in the judge's run: {type(exc).__name__}: {exc}"[:2000])
     report.wall_s = time.perf_counter() - started
     data = report.to_dict()

@@ -468,24 +468,6 @@ def default_memory_limit() -> int:
     return max(8 << 30, total // 2)
 
 
-def _group_rss(pgid: int) -> int:
-    """Resident bytes of every process of the group ``pgid`` (the worker's: its launcher leads it, and the
-    candidate's children stay in it or, in a session of their own, die with the worker's namespace)."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    total = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b") ", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if len(fields) > 21 and int(fields[2]) == pgid:
-            total += int(fields[21]) * page  # rss, in pages
-    return total
-
-
 def _job_device(asked: str | None, worker_device: str) -> str:
     if worker_device == "cpu":
         return "cpu"

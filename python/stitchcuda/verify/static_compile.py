@@ -48,6 +48,8 @@ STATIC_UNDECIDED = (
     "timed calls, timed outputs re-checked)",
     "work left outside the timer or done on too little data (CUPTI trace window, speed-of-light bound)",
     "whose kernels did the GPU work (CUPTI attribution: the candidate's own, a library's, ATen's)",
+    "whether torch does the problem's arithmetic however the call is spelled (the ATen operators its forward "
+    "calls, recorded at dispatch)",
     "code the analysis could not read, if any (findings marked opaque-code or introspection)",
 )
 
