@@ -20,7 +20,7 @@ import torch
 import stitchcuda
 from stitchcuda import _C, agents, verify
 from stitchcuda.errors import InvalidArgumentError, UnavailableError
-from stitchcuda.verify import compare, gpu, hardware, harness, timing
+from stitchcuda.verify import compare, gpu, hardware, harness, timing, worker
 from stitchcuda.verify import program as vprogram
 from stitchcuda.verify.report import ERROR_KINDS, SCHEMA_VERSION, VerifyReport
 from stitchcuda.verify.tolerance import REDUCED_PRECISION, TABLE, Tolerance, tolerance
@@ -315,10 +315,10 @@ def test_the_worker_side_of_a_program_job(monkeypatch):
     monkeypatch.setattr(program_module.Program, "deserialize", staticmethod(lambda data: program))
     job = vprogram.program_job(FakeProgram(None), [x], [x + 1], [(1e-4, 1e-4)], ["y"])
     assert job["config"]["device"] is None  # CPU tensors: the worker runs on the CPU
-    data = harness.run_job(job, lambda phase: None)  # the worker's entry dispatches on "kind"
+    data = worker.run(job, lambda phase: None)[0]  # the worker's entry dispatches on the job's type
     assert data["correct"] and data["schema_version"] == SCHEMA_VERSION and data["recycle"] is False
     job["expected"] = [x]
-    data = harness.run_job(job, lambda phase: None)
+    data = worker.run(job, lambda phase: None)[0]
     assert not data["correct"] and data["error"]["kind"] == "incorrect"
     assert data["error"]["message"].startswith("output 'y' differs from the reference")
 
@@ -339,7 +339,7 @@ def test_a_program_job_with_the_callers_outputs_writes_them_and_compares_nothing
     x, out = torch.arange(4.0), torch.zeros(4)
     job = vprogram.program_job(FakeProgram(None), [x], None, [(1e-4, 1e-4)], ["y"], outputs=[out])
     assert job["expected"] is None and job["outputs"][0] is not None
-    data = harness.run_job(job, lambda phase: None)
+    data = worker.run(job, lambda phase: None)[0]
     assert data["correct"] and data.get("error") in (None, {})
     assert torch.equal(out, x + 1)  # written into the caller's tensor
 
