@@ -285,3 +285,19 @@ def test_nothing_below_the_pool_imports_check():
         tree = ast.parse((folder / f"{name}.py").read_text())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         assert "check" not in imported and "stitchcuda.verify.check" not in imported, name
+
+
+def test_the_judges_quick_pass_agrees_with_the_comparator():
+    from stitchcuda.verify.judge import _first_bad
+
+    torch.manual_seed(0)
+    e = torch.randn(1000)
+    tol = Tolerance()
+    assert _first_bad([e], [e + 1e-6], tol, 1.0) == ""  # clearly within: the quick pass
+    near = e.clone()
+    near[7] += 1.5e-4 + 1e-4 * e[7].abs()  # just outside the bound: the full comparator words it
+    assert "1 elements outside tolerance" in _first_bad([e], [near], tol, 1.0)
+    nan = e.clone()
+    nan[3] = float("nan")
+    assert _first_bad([e], [nan], tol, 1.0)
+    assert "dtype" in _first_bad([e], [e.double()], tol, 1.0)
