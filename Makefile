@@ -41,12 +41,13 @@ run: build
 
 # The tests use every core: ctest's tests side by side, pytest's files spread over worker processes
 # (pytest-xdist; each file whole on one worker, in order, as in a serial run). Where a GPU is present
-# pytest runs in one process: the GPU tests time kernels on a GPU nothing else is using.
+# pytest runs in one process: the GPU tests time kernels on a GPU nothing else is using. Files start in
+# collection order, the ones conftest.py names as long first (xdist would start the files with most tests).
 # `make test PYTEST_WORKERS=0` runs pytest serially anywhere.
 NPROC := $(shell nproc 2>/dev/null || echo 2)
 GPUS  := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 PYTEST_WORKERS ?= $(if $(filter 0,$(GPUS)),$(NPROC),0)
-PYTEST := $(PY) -m pytest tests/python -q -rs $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile)
+PYTEST := $(PY) -m pytest tests/python -q -rs $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 CTEST  := ctest --output-on-failure -j $(NPROC)
 
 test-cpp: build

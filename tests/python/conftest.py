@@ -37,7 +37,14 @@ def _no_gpu_reason() -> str | None:
     return "no GPU: " + ("the driver reports no device" if ok else reason)
 
 
+# Files that hold a worker for minutes (the wheel test builds the C++ package); under pytest-xdist they start
+# first, so the other files fill the other workers meanwhile instead of one file running on alone at the end.
+LONG_FILES = ("test_packaging.py",)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if hasattr(config, "workerinput"):  # an xdist worker: every worker sorts alike, the controller deals files
+        items.sort(key=lambda item: item.path.name not in LONG_FILES)  # stable: each file keeps its order
     reason = _no_gpu_reason()
     if reason is None:
         return
