@@ -161,6 +161,12 @@ def test_the_judge_computes_the_speed_up_from_its_own_baseline_and_holds_the_cla
     assert verdict["timing"]["eager_ms_in_worker"] == 99.0 and verdict["timing"]["eager_ms"] == 2.0
     fast = adjudicate(*_claim([x] * 5, [x], candidate_ms=0.01), ref, config, Tolerance())
     assert any(f["rule"] == "impossible-speed" for f in fast["findings"]) and fast["hack"]
+    gemm = _reference_run([x] * 5, [x], {"eager_ms": 2.0, "speed_of_light_ms": 0.001, "compute_floor_ms": 0.2,
+                                          "reference_flops": 2e11})
+    fast_gemm = adjudicate(*_claim([x] * 5, [x], candidate_ms=0.05), gemm, config, Tolerance())
+    beat = [f for f in fast_gemm["findings"] if f["rule"] == "beats-reference-arithmetic"]
+    assert beat[0]["severity"] == "minor" and beat[0]["evidence"].endswith("2e+11 FLOPs")
+    assert not adjudicate(*_claim([x] * 5, [x], candidate_ms=0.3), gemm, config, Tolerance())["findings"]
     nan = adjudicate(*_claim([x] * 5, [x], candidate_ms=float("nan")), ref, config, Tolerance())
     assert any(f["rule"] == "forged-timing" for f in nan["findings"])
 

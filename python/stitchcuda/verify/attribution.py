@@ -164,7 +164,8 @@ class DispatchRecord:
     """A context manager that records every ATen operator called inside it (a TorchDispatchMode): per
     operator the calls, FLOPs (torch.utils.flop_counter's formulas; 0 for an operator it has none for) and
     bytes read and written; "work" is False for operators that only move or make data (views, copies,
-    allocation). ``ops``: name -> {"calls", "flops", "bytes", "work"}."""
+    allocation). ``ops``: name -> {"calls", "flops", "formula_flops" (the part counted by a formula),
+    "bytes", "work"}."""
 
     def __init__(self) -> None:
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -210,13 +211,15 @@ class DispatchRecord:
                 flops = int(formula(*args, **kwargs, out_val=out))
             except Exception:  # noqa: BLE001 - a formula that does not fit these arguments: counted below
                 flops = 0
+        by_formula = flops
         if work and not flops:
             # No formula (elementwise, reductions): one operation per element of its largest operand, so
             # a product spelled as broadcast-multiply-and-sum is counted like the GEMM it is.
             flops = max((t.numel() for t in tensors), default=0)
-        row = self.ops.setdefault(name, {"calls": 0, "flops": 0, "bytes": 0, "work": work})
+        row = self.ops.setdefault(name, {"calls": 0, "flops": 0, "formula_flops": 0, "bytes": 0, "work": work})
         row["calls"] += 1
         row["flops"] += flops
+        row["formula_flops"] += by_formula
         row["bytes"] += sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -225,6 +228,7 @@ def dispatch_summary(ops: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     work = {n: r for n, r in ops.items() if r["work"]}
     heavy = sorted(work, key=lambda n: (-work[n]["flops"], -work[n]["bytes"]))
     return {"flops": sum(r["flops"] for r in work.values()), "bytes": sum(r["bytes"] for r in work.values()),
+            "formula_flops": sum(r["formula_flops"] for r in work.values()),
             "ops": [{"name": n, **{k: work[n][k] for k in ("calls", "flops", "bytes")}} for n in heavy[:8]]}
 
 

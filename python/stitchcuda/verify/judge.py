@@ -20,7 +20,7 @@ from . import harness
 from .compare import compare_output
 from .config import DISTRIBUTIONS, VerifyConfig
 from .report import VerifyReport, build_feedback
-from .static import MAJOR
+from .static import MAJOR, MINOR
 from .wire import WireError, decode_value, encode_value
 
 __all__ = ["run_reference_job", "adjudicate", "ReferenceRun", "ReferenceCache", "FLOOR_MARGIN"]
@@ -108,7 +108,22 @@ def _bytes_floor(reference: torch.nn.Module, inputs: list[Any], cfg: VerifyConfi
     facts: dict[str, Any] = {"bytes_moved_min": nbytes}
     if device.type == "cuda":
         facts["speed_of_light_ms"] = nbytes / (cfg.bandwidth_tb_s * 1e12) * 1e3
+        facts.update(_compute_floor(reference, inputs, device))
     return facts
+
+
+def _compute_floor(reference: torch.nn.Module, inputs: list[Any], device: torch.device) -> dict[str, Any]:
+    """The reference's arithmetic (FLOPs of the operators torch has formulas for: GEMMs, convolutions,
+    attention) at the fastest this GPU computes (twice its bf16 tensor peak: fp8): no call can do it faster."""
+    from . import attribution, hardware
+
+    peak = 2 * float(hardware.describe(device).get("bf16_tflops") or 0.0)
+    if peak <= 0:
+        return {}
+    with attribution.DispatchRecord() as record:
+        reference(*harness.clone_inputs(inputs))
+    flops = attribution.dispatch_summary(record.ops)["formula_flops"]
+    return {"reference_flops": flops, "compute_floor_ms": flops / (peak * 1e12) * 1e3} if flops else {}
 
 
 def _baselines(reference: torch.nn.Module, sets: list[list[Any]], cfg: VerifyConfig, device: torch.device,
@@ -248,14 +263,21 @@ def _judge_speed(report: VerifyReport, facts: dict[str, Any]) -> None:
                    "measurement gives it.", f"candidate_ms = {str(cand)[:40]}")
         report.speedup = {"eager": None, "compile": None}
         return
-    for name in ("bytes_moved_min", "speed_of_light_ms"):
+    for name in ("bytes_moved_min", "speed_of_light_ms", "reference_flops", "compute_floor_ms"):
         if name in facts:
             timing[name] = facts[name]
-    floor = facts.get("speed_of_light_ms")
-    if floor and cand < FLOOR_MARGIN * floor:
+    memory, compute = facts.get("speed_of_light_ms") or 0.0, facts.get("compute_floor_ms") or 0.0
+    if memory and cand < FLOOR_MARGIN * memory:
         report.add("impossible-speed", MAJOR, "the measured time is below the memory speed-of-light bound the "
                    "judge computed: the timed call cannot have read its inputs and written its outputs.",
-                   f"claimed median {cand:.5f} ms < bound {floor:.5f} ms ({facts.get('bytes_moved_min')} bytes)")
+                   f"claimed median {cand:.5f} ms < bound {memory:.5f} ms ({facts.get('bytes_moved_min')} bytes)")
+    elif compute and cand < FLOOR_MARGIN * compute:
+        # Minor: an algebraic rewrite (summing before a product) legitimately does less arithmetic than the
+        # reference; a time claimed below the reference's arithmetic is worth a look, not a verdict.
+        report.add("beats-reference-arithmetic", MINOR, "the time is below what the reference's arithmetic "
+                   "takes at this GPU's fastest tensor-core rate: an algebraic simplification, or a time that "
+                   "was not measured.",
+                   f"claimed median {cand:.5f} ms < {compute:.5f} ms for {facts.get('reference_flops'):.3g} FLOPs")
     for base in ("eager", "compile"):
         value = facts.get(f"{base}_ms")
         if value is not None:
