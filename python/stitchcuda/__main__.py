@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 CMAKE_DIR = Path(__file__).resolve().parent / "lib" / "cmake" / "stitchcuda"
+CMAKE_DIR_HELP = ("--cmake-dir (alone): print the installed package's CMake config folder, for "
+                  "cmake -Dstitchcuda_DIR=\"$(python -m stitchcuda --cmake-dir)\"")
 
 
 def _cmake_dir() -> int:
@@ -21,9 +23,22 @@ def _cmake_dir() -> int:
     return 1
 
 
+def _help() -> int:
+    """The command line's help, with the one option only `python -m stitchcuda` has."""
+    from .cli import build_parser
+
+    parser = build_parser()
+    parser.prog = "python -m stitchcuda"
+    parser.epilog = CMAKE_DIR_HELP
+    parser.print_help()
+    return 0
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--cmake-dir"]:
         sys.exit(_cmake_dir())
+    if sys.argv[1:] in (["-h"], ["--help"]):
+        sys.exit(_help())
     from .cli import main
 
     sys.exit(main())

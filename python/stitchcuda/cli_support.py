@@ -94,6 +94,19 @@ def problem_folder_importable(path: str | os.PathLike) -> None:
         sys.path.insert(0, folder)
 
 
+def module_main(prog: str, doc: str | None, run: Callable[[bool], int], argv: list[str] | None = None) -> int:
+    """The `python -m MODULE [--json]` entry of a benchmark module: `--help` says what it measures (the
+    module docstring's first paragraph) and runs nothing; `--json` is passed to `run`; anything else is a
+    usage error (exit 2)."""
+    parser = argparse.ArgumentParser(prog=prog, description=(doc or "").split("\n\n")[0] or None)
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a bad option (2), already printed
+        return int(exc.code or 0)
+    return int(run(args.json))
+
+
 # ---- argparse value types --------------------------------------------------------------------------
 
 

@@ -90,7 +90,8 @@ CASES = {
     "optimize, /dev/zero": Case(["optimize", "/dev/zero", "--json"], 2, "not a regular file", "error"),
     "optimize, over 1 MiB": Case(["optimize", "big.py"], 2, "more than the 1048576 a problem file may have"),
     "optimize, segfault at import": Case(["optimize", "segv.py"], 2, "crashed while importing (SIGSEGV)"),
-    "optimize, os._exit(0) at import": Case(["optimize", "exit0.py"], 2, "ended the process while importing (exit status 0)"),
+    "optimize, os._exit(0) at import": Case(["optimize", "exit0.py"], 2,
+                                            "ended the process while importing (exit status 0)"),
     "optimize, SystemExit(7) at import": Case(["optimize", "exit7.py"], 2, "exit status 7"),
     "optimize, SystemExit(7) in get_inputs": Case(["optimize", "exit7_inputs.py", "--json"], 2, "sys.exit(7)", "error"),
     "optimize program, segfault at import": Case(["optimize", "--mode", "program", "segv.py", "--llm",
@@ -200,6 +201,30 @@ def test_runs_list_json_is_an_empty_list_without_runs(workdir, subprocess_env, c
     assert json.loads(_run(CASES["runs list, no runs folder yet"], workdir, subprocess_env, closed_port).stdout) == []
 
 
+# Every Python program a user may start answers --help with its usage, running nothing (a benchmark module
+# once took `--help` for "run without --json" and measured for minutes).
+HELP = {
+    "stitchcuda": ([], ["--help"], "optimize"),
+    "python -m stitchcuda": (["-m", "stitchcuda"], ["--help"], "--cmake-dir"),
+    "stitchcuda optimize": ([], ["optimize", "--help"], "--llm SPEC"),
+    "stitchcuda bench suite": ([], ["bench", "suite", "--help"], "--compile-only"),
+    "python -m stitchcuda.bench.verify": (["-m", "stitchcuda.bench.verify"], ["--help"], "--json"),
+    "python -m stitchcuda.bench.reward": (["-m", "stitchcuda.bench.reward"], ["--help"], "--json"),
+    "python -m stitchcuda.bench.fingerprint": (["-m", "stitchcuda.bench.fingerprint"], ["--help"], "--out"),
+    "python -m stitchcuda.settings": (["-m", "stitchcuda.settings"], ["--help"], "--markdown"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(HELP))
+def test_every_python_program_answers_help(name, subprocess_env, tmp_path):
+    module, argv, mentions = HELP[name]
+    command = ([sys.executable, *module] if module else _entry_point()) + argv
+    done = subprocess.run(command, cwd=tmp_path, env=subprocess_env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage:"), done.stdout[-2000:] + done.stderr[-2000:]
+    assert mentions in done.stdout and done.stderr == "", done.stdout
+
+
 @pytest.mark.slow
 def test_a_problem_file_imports_the_modules_beside_it(workdir, subprocess_env, closed_port):
     """Run from elsewhere, a problem file still imports its sibling, as `python helpers/uses_sibling.py` would."""
@@ -230,7 +255,8 @@ def test_program_mode_without_a_usable_plan_is_a_no_and_runs_list_says_failed(wo
     assert "no valid plan" in done.stderr and f"--resume {run_dir}" in done.stderr
     listing = _run(Case(["runs", "list", "--json"], 0), workdir, subprocess_env, closed_port)
     [run] = json.loads(listing.stdout)
-    assert run["finished"] is False and run["stop_reason"].startswith("failed: ") and "no valid plan" in run["stop_reason"]
+    assert run["finished"] is False and run["stop_reason"].startswith("failed: ")
+    assert "no valid plan" in run["stop_reason"]
     table = _run(Case(["runs", "list"], 0), workdir, subprocess_env, closed_port)
     assert "failed: " in table.stdout and "running or interrupted" not in table.stdout
 
@@ -240,7 +266,8 @@ def test_ctrl_c_while_the_problem_builds_exits_130_and_says_so(workdir, subproce
     marker = workdir / "building"
     (workdir / "slow.py").write_text(RELU.replace(
         "    return [torch.randn(32, 64)]",
-        f"    open({str(marker)!r}, 'w').close()\n    import time\n    time.sleep(300)\n    return [torch.randn(32, 64)]"))
+        f"    open({str(marker)!r}, 'w').close()\n    import time\n    time.sleep(300)\n"
+        "    return [torch.randn(32, 64)]"))
     proc = subprocess.Popen(_entry_point() + ["optimize", "slow.py"], cwd=workdir, env=subprocess_env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -445,5 +445,7 @@ def _main(args: argparse.Namespace) -> int:
     return run(args.workers, args.candidates, args.json)
 
 
-if __name__ == "__main__":
-    sys.exit(run(json_output="--json" in sys.argv))
+if __name__ == "__main__":  # `stitchcuda bench reward` has the options
+    from ..cli_support import module_main
+
+    sys.exit(module_main("python -m stitchcuda.bench.reward", __doc__, lambda as_json: run(json_output=as_json)))

@@ -253,4 +253,6 @@ def format_result(result: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(run("--json" in sys.argv))
+    from ..cli_support import module_main
+
+    sys.exit(module_main("python -m stitchcuda.bench.verify", __doc__, run))
