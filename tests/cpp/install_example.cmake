@@ -53,6 +53,10 @@ endif()
 if(TL_EXPECTED_DIR)
   list(APPEND configure_args "-DSTITCHCUDA_TL_EXPECTED_DIR=${TL_EXPECTED_DIR}")
 endif()
+# The package finds torch through the Python that has it, as a user's project would be told to.
+if(PYTHON_EXECUTABLE)
+  list(APPEND configure_args "-DPython_EXECUTABLE=${PYTHON_EXECUTABLE}")
+endif()
 run_step(configure ${CMAKE_COMMAND} ${configure_args})
 run_step(build ${CMAKE_COMMAND} --build "${EXAMPLE_BUILD_DIR}" ${config_args})
 
@@ -69,12 +73,22 @@ if(NOT STEP_OUTPUT MATCHES "(^|\n)(ok|no GPU: compiled only)\n")
   message(FATAL_ERROR "jit_demo exited 0 but printed neither 'ok' nor 'no GPU: compiled only':\n${STEP_OUTPUT}")
 endif()
 
+# Asked for help, a program says what it does and how to call it, and runs nothing.
+run_step(help "${demo}" --help)
+if(NOT STEP_OUTPUT MATCHES "^usage: jit_demo\n")
+  message(FATAL_ERROR "jit_demo --help printed no usage:\n${STEP_OUTPUT}")
+endif()
+
 # The serving example exists when the package was built with the torch layer (stitchcuda::torch).
 set(serve "${EXAMPLE_BUILD_DIR}/serve/serve")
 if(NOT EXISTS "${serve}" AND CONFIG)
   set(serve "${EXAMPLE_BUILD_DIR}/serve/${CONFIG}/serve")
 endif()
 if(EXISTS "${serve}")
+  run_step(serve_help "${serve}" --help)
+  if(NOT STEP_OUTPUT MATCHES "^usage: serve ")
+    message(FATAL_ERROR "serve --help printed no usage (it must not take --help for an artifact):\n${STEP_OUTPUT}")
+  endif()
   run_step(serve "${serve}" --threads 4 --requests 50)
   message(STATUS "serve printed:\n${STEP_OUTPUT}")
   if(NOT STEP_OUTPUT MATCHES "(^|\n)(ok |no GPU: built only)")

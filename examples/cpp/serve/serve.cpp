@@ -3,9 +3,10 @@
 // several threads, each on its own CUDA stream, replaying the program's CUDA graph. Every answer is
 // compared with an eager (no graph) executor of the same artifact; the host time per forward is printed.
 //
-//   serve [artifact.stitch] [--threads N] [--requests N]
+//   serve [artifact.stitch] [--threads N] [--requests N]     (serve --help says more)
 //
-// Prints "ok ..." on success, "no GPU: built only (...)" where no GPU is present; exits 1 on any error.
+// Prints "ok ..." on success, "no GPU: built only (...)" where no GPU is present; exits 1 on any error,
+// 2 on bad usage.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -14,6 +15,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <random>
@@ -60,13 +62,42 @@ static program::Program demo_program(int batch) {
   return std::move(*built);
 }
 
+static constexpr const char* kUsage =
+    "usage: serve [ARTIFACT.stitch] [--threads N] [--requests N]\n"
+    "Loads a .stitch artifact (given none, builds and saves a small MLP program first) and answers N requests\n"
+    "from several threads, each on its own CUDA stream, checking every answer against an eager executor.\n"
+    "  --threads N    threads serving requests (default 4)\n"
+    "  --requests N   requests in all (default 100)\n"
+    "Prints 'ok ...' on success, 'no GPU: built only (...)' without a GPU; exits 1 on an error, 2 on bad usage.\n";
+
+// A count after a flag, or 0 when it is missing or not a positive number.
+static int count_after(int argc, char** argv, int& i) {
+  if (i + 1 >= argc) return 0;
+  char* end = nullptr;
+  const long v = std::strtol(argv[++i], &end, 10);
+  return *end == '\0' && v > 0 && v <= 1 << 20 ? int(v) : 0;
+}
+
 int main(int argc, char** argv) {
   std::string path;
   int threads = 4, requests = 100;
   for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) threads = std::max(1, std::atoi(argv[++i]));
-    else if (!std::strcmp(argv[i], "--requests") && i + 1 < argc) requests = std::max(1, std::atoi(argv[++i]));
-    else path = argv[i];
+    const std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      std::printf("%s", kUsage);
+      return 0;
+    }
+    int* count = arg == "--threads" ? &threads : arg == "--requests" ? &requests : nullptr;
+    if (count && !(*count = count_after(argc, argv, i))) {
+      std::fprintf(stderr, "serve: %s needs a positive number\n%s", arg.c_str(), kUsage);
+      return 2;
+    }
+    if (count) continue;
+    if (arg.rfind("-", 0) == 0 || !path.empty()) {
+      std::fprintf(stderr, "serve: unexpected argument '%s'\n%s", arg.c_str(), kUsage);
+      return 2;
+    }
+    path = arg;
   }
   if (path.empty()) {
     path = (std::filesystem::temp_directory_path() / "stitchcuda-serve-demo.stitch").string();
