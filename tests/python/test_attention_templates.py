@@ -17,8 +17,8 @@ from cpu_emulator.emulator import EmulatedJit, EmulatedModule, unavailable  # no
 
 from stitchcuda import jit  # noqa: E402
 from stitchcuda.errors import InvalidArgumentError  # noqa: E402
-from stitchcuda.graph.templates.attention import (HEAD_DIMS, decode_attention_kernels,  # noqa: E402
-                                                  flash_attention_kernel, prefill_tiles)
+from stitchcuda.graph.templates.attention import (HEAD_DIMS, _wmma_source, decode_attention_kernels,  # noqa: E402
+                                                  flash_attention_kernel, prefill_tiles, wmma_tiles)
 
 emulated = pytest.mark.skipif(unavailable() is not None, reason=f"CUDA emulator: {unavailable()}")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -43,13 +43,22 @@ def reference(q, k, v, *, causal=False, mask=None, scale=None):
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_every_kernel_compiles_for_sm90a(dtype, head_dim):
     prefill = flash_attention_kernel("fa", batch=2, heads=8, kv_heads=2, q_len=300, kv_len=300, head_dim=head_dim,
-                                     dtype=dtype, causal=True, mask_dtype=torch.bool, lse=True)
+                                     dtype=dtype, causal=True, mask_dtype=torch.bool, lse=True, tensor_cores=False)
     decode = decode_attention_kernels("dec", batch=4, heads=8, kv_heads=2, q_tokens=1, max_len=2048,
                                       head_dim=head_dim, dtype=dtype, lse=True)
     for code in (prefill, decode.partial, decode.combine):
         module = jit.compile_module(code.source, arch="sm_90a")
         assert module.kernel(code.name).name == code.name
     assert prefill.shared_mem == prefill_tiles(head_dim).shared_mem <= 227 * 1024
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_tensor_core_prefill_compiles_for_sm90a(dtype, head_dim):
+    code = flash_attention_kernel("fa_tc", batch=2, heads=8, kv_heads=2, q_len=300, kv_len=300, head_dim=head_dim,
+                                  dtype=dtype, causal=True, mask_dtype=torch.bool, lse=True, tensor_cores=True)
+    assert jit.compile_module(code.source, arch="sm_90a").kernel(code.name).name == code.name
+    assert code.block == 128 and code.shared_mem == wmma_tiles(head_dim).shared_mem <= 227 * 1024
 
 
 def test_additive_mask_kernels_compile_in_every_mask_dtype():
@@ -66,6 +75,9 @@ def test_unsupported_inputs_are_refused_with_the_fix():
     with pytest.raises(InvalidArgumentError, match="multiple of kv heads"):
         decode_attention_kernels("x", batch=1, heads=6, kv_heads=4, q_tokens=1, max_len=64, head_dim=64,
                                  dtype=torch.float32)
+    with pytest.raises(InvalidArgumentError, match="true fp32"):
+        flash_attention_kernel("x", batch=1, heads=1, kv_heads=1, q_len=8, kv_len=8, head_dim=64,
+                               dtype=torch.float32, tensor_cores=True)
     with pytest.raises(InvalidArgumentError, match="cast the inputs"):
         flash_attention_kernel("x", batch=1, heads=1, kv_heads=1, q_len=8, kv_len=8, head_dim=64,
                                dtype=torch.float64)
@@ -157,6 +169,81 @@ def test_the_comparison_catches_a_planted_bug(emu):
         torch.testing.assert_close(o, wrong, atol=1e-4, rtol=1e-4)
 
 
+# WMMA on the CPU: a fragment is the whole 16 x 16 tile in every lane (loads, stores and products are warp-wide
+# and synchronizing, as the *_sync calls are on the GPU), so the tensor-core kernel's indexing, tiling and
+# online softmax run here with fp32 tiles (the GPU kernel takes fp16/bf16; the arithmetic is the same fp32
+# accumulation of exact products).
+WMMA_ON_CPU = r"""
+struct uint4 { unsigned x, y, z, w; };
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp->bar.arrive_and_wait(); }
+namespace nvcuda { namespace wmma {
+struct row_major {}; struct col_major {}; struct matrix_a {}; struct matrix_b {}; struct accumulator {};
+enum layout_t { mem_row_major, mem_col_major };
+template <class Use, int M, int N, int K, class T, class Layout = void> struct fragment { float x[16][16]; };
+template <class F> void fill_fragment(F& f, float v) { for (auto& r : f.x) for (auto& e : r) e = v; }
+template <class Use, class T, class L>
+void load_matrix_sync(fragment<Use, 16, 16, 16, T, L>& f, const T* p, unsigned ld) {
+  __syncwarp();
+  for (int i = 0; i < 16; ++i) for (int j = 0; j < 16; ++j)
+    f.x[i][j] = std::is_same<L, col_major>::value ? p[i + j * ld] : p[i * ld + j];
+  __syncwarp();
+}
+inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const float* p, unsigned ld, layout_t) {
+  __syncwarp();
+  for (int i = 0; i < 16; ++i) for (int j = 0; j < 16; ++j) f.x[i][j] = p[i * ld + j];
+  __syncwarp();
+}
+inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ld, layout_t) {
+  __syncwarp();
+  if (emu_lane == 0) for (int i = 0; i < 16; ++i) for (int j = 0; j < 16; ++j) p[i * ld + j] = f.x[i][j];
+  __syncwarp();
+}
+template <class A, class B>
+void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const A& a, const B& b,
+              const fragment<accumulator, 16, 16, 16, float>& c) {
+  fragment<accumulator, 16, 16, 16, float> r;
+  for (int i = 0; i < 16; ++i) for (int j = 0; j < 16; ++j) {
+    float s = c.x[i][j];
+    for (int k = 0; k < 16; ++k) s += a.x[i][k] * b.x[k][j];
+    r.x[i][j] = s;
+  }
+  d = r;
+}
+}}
+"""
+
+
+def run_wmma_prefill(emu, q, k, v, *, causal=False, mask=None):
+    b, h, nq, d = q.shape
+    code = flash_attention_kernel("fa_tc_emu", batch=b, heads=h, kv_heads=k.shape[1], q_len=nq, kv_len=k.shape[2],
+                                  head_dim=d, dtype=torch.float16, causal=causal,
+                                  mask_dtype=None if mask is None else mask.dtype, lse=True, tensor_cores=True)
+    params = re.search(r"fa_tc_emu\((.*?)\) \{", code.source).group(1).replace("__half", "float").split(", ")
+    from stitchcuda.graph.templates.attention import _score_lines
+    source = _wmma_source("fa_tc_emu", params, wmma_tiles(d), "float", causal,
+                          "  const bool* mb = mask + b * msb + h * msh;" if mask is not None else "", True,
+                          _score_lines("Sw[r * SF + c]", causal, None if mask is None else mask.dtype))
+    source = source.replace("#include <mma.h>", "#include <type_traits>\n" + WMMA_ON_CPU).replace(
+        "extern __shared__ __align__(128) unsigned char smem_raw[];", "extern __shared__ float smem_raw[];")
+    o, lse = torch.full_like(q, float("nan")), torch.full((b, h, nq), float("nan"))
+    tensors = {"q": q, "k": k, "v": v, "mask": mask, "o": o, "lse": lse}
+    args = [tensors[key] if kind in ("in", "out") else key for kind, key in code.args]
+    kernel = EmulatedModule(emu, _fp32_only(source)).kernel("fa_tc_emu")
+    kernel(code.grid, code.block, *args, shared_mem=wmma_tiles(d).shared_mem * 2)  # fp32 tiles: twice the bytes
+    return o, lse
+
+
+@emulated
+@pytest.mark.parametrize("case", ["plain", "causal", "gqa-causal", "mqa-cross", "head-dim-256"])
+def test_tensor_core_prefill_logic_matches_math_attention(emu, case):
+    q, k, v, causal, mask = _case(**CASES[case])
+    o, lse = run_wmma_prefill(emu, q, k, v, causal=causal)
+    want, want_lse = reference(q, k, v, causal=causal)
+    torch.testing.assert_close(o, want.float(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse, want_lse.float(), atol=1e-4, rtol=1e-4)
+
+
 def run_decode(emu, q, k_cache, v_cache, lengths, *, splits=None):
     b, h, t, d = q.shape
     kernels = decode_attention_kernels("dec_emu", batch=b, heads=h, kv_heads=k_cache.shape[1], q_tokens=t,
@@ -206,10 +293,10 @@ def test_decode_splits_fill_the_gpu_without_tiny_chunks():
 
 # ---- the GPU: every dtype against SDPA --------------------------------------------------------------------
 
-def _gpu_prefill(q, k, v, causal):
+def _gpu_prefill(q, k, v, causal, tensor_cores):
     b, h, n, d = q.shape
     code = flash_attention_kernel("fa_gpu", batch=b, heads=h, kv_heads=k.shape[1], q_len=n, kv_len=k.shape[2],
-                                  head_dim=d, dtype=q.dtype, causal=causal)
+                                  head_dim=d, dtype=q.dtype, causal=causal, tensor_cores=tensor_cores)
     o = torch.empty_like(q)
     args = [{"q": q, "k": k, "v": v, "o": o}[key] if kind in ("in", "out") else key for kind, key in code.args]
     jit.compile(code.source, code.name)(code.grid, code.block, *args, shared_mem=code.shared_mem)
@@ -217,17 +304,19 @@ def _gpu_prefill(q, k, v, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype, tensor_cores", [(torch.float32, False), (torch.float16, True), (torch.float16, False),
+                                                 (torch.bfloat16, True), (torch.bfloat16, False)],
+                         ids=["fp32", "fp16-wmma", "fp16-fma", "bf16-wmma", "bf16-fma"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_gpu_prefill_against_sdpa(dtype, causal, head_dim):
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+def test_gpu_prefill_against_sdpa(dtype, tensor_cores, causal, head_dim):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     g = torch.Generator(device="cuda").manual_seed(head_dim)
     q = torch.randn(2, 8, 333, head_dim, device="cuda", generator=g).to(dtype)
     k, v = (torch.randn(2, 2, 333, head_dim, device="cuda", generator=g).to(dtype) for _ in range(2))
     want = reference(q, k, v, causal=causal)[0]
-    ours = _gpu_prefill(q, k, v, causal)
+    ours = _gpu_prefill(q, k, v, causal, tensor_cores)
     if dtype == torch.float32:
         torch.testing.assert_close(ours.double(), want, atol=1e-4, rtol=1e-4)
         return

@@ -7,7 +7,8 @@ ViT-B (64x12x197x64) and BERT-base (32x12x512x64). Decode: the split-KV pair aga
 choice) for one new token at batch 1, 8 and 32 over 512 and 2,048 cached keys (32 query heads, 8 kv heads,
 D = 128, bf16). Every time is the Verifier's timer (verify/timing.measure, L2 flushed before each call);
 ratios are baseline / ours (above 1: ours is faster) and the speed of light is max(bytes / DRAM bandwidth,
-FLOPs / peak) from the GPU's table. Each result is checked against the fp64 math form first.
+FLOPs / peak) from the GPU's table. Each result is checked against the fp64 math form first. bf16 runs the
+tensor-core (WMMA) kernel; its FMA variant is timed beside it (fma_kernel).
 """
 
 from __future__ import annotations
@@ -94,6 +95,10 @@ def prefill(gpu: dict) -> list[dict]:
                 row["compile_math_ms"] = _time(lambda: compiled(q, k, v, causal))
             except Exception as exc:  # noqa: BLE001 — a compile failure is a result to report, not a crash
                 row["compile_math_ms"], row["compile_math_error"] = None, str(exc).splitlines()[0][:160]
+            if dtype != torch.float32:  # the FMA variant beside the tensor-core kernel, for the record
+                fma = flash_attention_kernel(f"bench_fa_fma_{d}", batch=b, heads=h, kv_heads=h, q_len=n, kv_len=n,
+                                             head_dim=d, dtype=dtype, causal=causal, tensor_cores=False)
+                row["fma_kernel_ms"] = _time(_launcher(fma, {"q": q, "k": k, "v": v, "o": torch.empty_like(q)}))
             flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
             size = q.element_size() * 4 * q.numel()
             peak = gpu["bf16_tflops"] if dtype != torch.float32 else gpu["fp32_tflops"]

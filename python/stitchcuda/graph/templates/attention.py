@@ -11,15 +11,18 @@ additive (any float dtype) or boolean (True attends, as SDPA's): a key-padding m
 strides (Nk, 0, 0, 1). GQA/MQA read kv head h / (H_q / H_kv). Q, K, V and the output are read and written
 through (batch, head, token) strides, so a [B, N, H, D] projection output needs no copy.
 
-Every dtype computes in fp32: fp16/bf16 are converted when staged into shared memory and the output is
-rounded once, to the input dtype. The products are plain FMAs (true fp32 for fp32 inputs, as eager's
-math is); tensor cores (WMMA / mma.sync for fp16/bf16) are not used yet.
+Softmax state and accumulation are fp32 in every dtype; the output is rounded once, to the input dtype.
+fp32 inputs: plain FMAs over fp32 tiles (true fp32, as eager's math is). fp16/bf16 inputs (by default):
+Q K^T and P V on tensor cores through WMMA 16x16x16 fragments with fp32 accumulation (`_wmma_source`,
+4 warps x 16 query rows, the probabilities rounded to the input dtype for P V as FlashAttention does);
+with tensor_cores=False, the FMA kernel over converted fp32 tiles.
 
-Budget per block (fp32 staging, floats): Q BM x (D+1), K BN x (D+1), V BN x D, P BM x (BN+1) — the +1
-pads keep the four-threads-per-row reads of Q, K and P on distinct banks. D <= 128: BM = 64, BN = 32,
-256 threads: 41.6 KB at D = 64, 74 KB at D = 128; D = 256: BM = 32, BN = 32, 128 threads, 103 KB (two
-blocks per H100 SM's 228 KB). Registers per thread: D/4 accumulators (16..64) + BN/4 scores (8) + the
-row state, under the 255 limit at D = 256 and about 64 at D = 64.
+Budget per block of the FMA kernel (fp32 staging, floats): Q BM x (D+1), K BN x (D+1), V BN x D,
+P BM x (BN+1) — the +1 pads keep the four-threads-per-row reads of Q, K and P on distinct banks. D <= 128:
+BM = 64, BN = 32, 256 threads: 41.6 KB at D = 64, 74 KB at D = 128; D = 256: BM = 32, BN = 32, 128
+threads, 103 KB (two blocks per H100 SM's 228 KB). Registers per thread: D/4 accumulators (16..64) +
+BN/4 scores (8) + the row state, under the 255 limit at D = 256 and about 64 at D = 64. The tensor-core
+kernel's budget: WmmaTiles.
 
 Decode (`decode_attention_kernels`). One to a few query tokens per sequence against a KV cache
 [B, H_kv, S_max, D] with a per-sequence length (int32 [B]). The keys of a sequence are cut into `splits`
@@ -81,13 +84,20 @@ def _check(dtype: torch.dtype, head_dim: int) -> None:
 
 def flash_attention_kernel(name: str, *, batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int,
                            head_dim: int, dtype: torch.dtype, causal: bool = False,
-                           mask_dtype: torch.dtype | None = None, lse: bool = False) -> KernelCode:
+                           mask_dtype: torch.dtype | None = None, lse: bool = False,
+                           tensor_cores: bool | None = None) -> KernelCode:
     """The prefill / encoder kernel for q [B, H, Nq, D], k and v [B, H_kv, Nk, D] (any token and head
     strides, unit stride along D). Arguments, in order: q, k, v, [mask], o, [lse (fp32 [B, H, Nq])], then
     Nq, Nk, H, H / H_kv, the (batch, head, token) strides of q, k, v and o, [the mask's four strides] and
     the scale (f32). The returned `args` carry the contiguous strides; a caller with other layouts
-    replaces them. `mask_dtype`: None, torch.bool (True attends) or a float dtype (added to the scores)."""
+    replaces them. `mask_dtype`: None, torch.bool (True attends) or a float dtype (added to the scores).
+    `tensor_cores` (default: for fp16/bf16): the WMMA variant (`_wmma_source`), which also needs token
+    strides that are multiples of 8 elements and 16-byte aligned q, k, v; False: the FMA kernel."""
     _check(dtype, head_dim)
+    if tensor_cores is None:
+        tensor_cores = dtype != torch.float32
+    if tensor_cores and dtype == torch.float32:
+        raise InvalidArgumentError("tensor_cores takes fp16/bf16 inputs; fp32 attention runs on FMAs (true fp32)")
     if heads % kv_heads:
         raise InvalidArgumentError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
     if mask_dtype is not None and mask_dtype not in (torch.bool, *ATTENTION_DTYPES):
@@ -107,13 +117,47 @@ def flash_attention_kernel(name: str, *, batch: int, heads: int, kv_heads: int, 
         params += ["long long msb", "long long msh", "long long msi", "long long msj"]
     params.append("float scale")
 
+    score = _score_lines("s[j]", causal, mask_dtype)
+    mask_base = f"  const {CTYPE[mask_dtype]}* mb = mask + b * msb + h * msh;" if mask_dtype is not None else ""
+    if tensor_cores:
+        tiles = wmma_tiles(head_dim)
+        source = _wmma_source(name, params, tiles, t, causal, mask_base, lse,
+                              _score_lines("Sw[r * SF + c]", causal, mask_dtype))
+        bm, bn = tiles.bm, tiles.bn
+    else:
+        source = _fma_source(name, params, tiles, t, causal, mask_base, lse, score)
+    strides = [("i64", x) for x in (heads * q_len * head_dim, q_len * head_dim, head_dim,
+                                    kv_heads * kv_len * head_dim, kv_len * head_dim, head_dim,
+                                    kv_heads * kv_len * head_dim, kv_len * head_dim, head_dim,
+                                    heads * q_len * head_dim, q_len * head_dim, head_dim)]
+    args = [("in", "q"), ("in", "k"), ("in", "v")] + ([("in", "mask")] if mask_dtype is not None else [])
+    args += [("out", "o")] + ([("out", "lse")] if lse else [])
+    args += [("i64", q_len), ("i64", kv_len), ("i64", heads), ("i64", heads // kv_heads)] + strides
+    if mask_dtype is not None:  # a full [B, H, Nq, Nk] mask by default; broadcast dims take stride 0
+        args += [("i64", heads * q_len * kv_len), ("i64", q_len * kv_len), ("i64", kv_len), ("i64", 1)]
+    args.append(("f32", 1.0 / math.sqrt(head_dim)))
+    what = f"{'causal ' if causal else ''}attention {batch}x{heads}(kv {kv_heads})x{q_len}x{kv_len}x{head_dim}"
+    what += f" {t}, {bm}x{bn} tiles, {'WMMA tensor cores' if tensor_cores else 'FMA'}"
+    return KernelCode(source, name, grid=(math.ceil(q_len / bm), batch * heads), block=tiles.threads, args=args,
+                      description=what + (f", {mask_dtype} mask" if mask_dtype else ""), shared_mem=tiles.shared_mem)
+
+
+def _score_lines(value: str, causal: bool, mask_dtype: torch.dtype | None) -> list[str]:
+    """The statements turning one raw score `value` of query `row` and key `n` into `x` (scaled, masked)
+    and `keep` (False: the key is masked out)."""
     keep = ["n < Nk", "row < Nq"] + (["n <= row"] if causal else [])
-    score = ["      float x = s[j] * scale;", f"      bool keep = {' && '.join(keep)};"]
+    lines = [f"      float x = {value} * scale;", f"      bool keep = {' && '.join(keep)};"]
     if mask_dtype is torch.bool:
-        score.append("      keep = keep && mb[row * msi + n * msj];")
+        lines.append("      keep = keep && mb[row * msi + n * msj];")
     elif mask_dtype is not None:
-        score.append("      if (keep) x += ld(mb, row * msi + n * msj);")
-    source = PRELUDE + NEG_INF + f"""
+        lines.append("      if (keep) x += ld(mb, row * msi + n * msj);")
+    return lines
+
+
+def _fma_source(name: str, params: list[str], tiles: PrefillTiles, t: str, causal: bool, mask_base: str,
+                lse: bool, score: list[str]) -> str:
+    bm, bn, d = tiles.bm, tiles.bn, tiles.head_dim
+    return PRELUDE + NEG_INF + f"""
 // Fused attention forward: {bm} query rows x {bn}-key tiles, D = {d}, {t}; fp32 online softmax.
 extern "C" __global__ void __launch_bounds__({4 * bm}) {name}({", ".join(params)}) {{
   extern __shared__ float smem[];
@@ -127,7 +171,7 @@ extern "C" __global__ void __launch_bounds__({4 * bm}) {name}({", ".join(params)
   const {t}* qb = q + b * qsb + h * qsh;
   const {t}* kb = k + b * ksb + hk * ksh;
   const {t}* vb = v + b * vsb + hk * vsh;
-{"  const " + CTYPE[mask_dtype] + "* mb = mask + b * msb + h * msh;" if mask_dtype is not None else ""}
+{mask_base}
   for (int i = t; i < {bm * d}; i += {4 * bm}) {{
     const int rr = i / {d}, c = i % {d};
     Qs[rr * {d + 1} + c] = q0 + rr < Nq ? ld(qb, (q0 + rr) * qsn + c) : 0.0f;
@@ -195,20 +239,151 @@ extern "C" __global__ void __launch_bounds__({4 * bm}) {name}({", ".join(params)
   }}
 }}
 """
-    strides = [("i64", x) for x in (heads * q_len * head_dim, q_len * head_dim, head_dim,
-                                    kv_heads * kv_len * head_dim, kv_len * head_dim, head_dim,
-                                    kv_heads * kv_len * head_dim, kv_len * head_dim, head_dim,
-                                    heads * q_len * head_dim, q_len * head_dim, head_dim)]
-    args = [("in", "q"), ("in", "k"), ("in", "v")] + ([("in", "mask")] if mask_dtype is not None else [])
-    args += [("out", "o")] + ([("out", "lse")] if lse else [])
-    args += [("i64", q_len), ("i64", kv_len), ("i64", heads), ("i64", heads // kv_heads)] + strides
-    if mask_dtype is not None:  # a full [B, H, Nq, Nk] mask by default; broadcast dims take stride 0
-        args += [("i64", heads * q_len * kv_len), ("i64", q_len * kv_len), ("i64", kv_len), ("i64", 1)]
-    args.append(("f32", 1.0 / math.sqrt(head_dim)))
-    what = f"{'causal ' if causal else ''}attention {batch}x{heads}(kv {kv_heads})x{q_len}x{kv_len}x{head_dim}"
-    return KernelCode(source, name, grid=(math.ceil(q_len / bm), batch * heads), block=tiles.threads, args=args,
-                      description=f"{what} {t}, {bm}x{bn} tiles" + (f", {mask_dtype} mask" if mask_dtype else ""),
-                      shared_mem=tiles.shared_mem)
+
+
+@dataclass(frozen=True)
+class WmmaTiles:
+    """Tile sizes of the tensor-core prefill: BM = 64 query rows (16 per warp, 4 warps), BN keys per tile.
+    Shared memory (bytes): Q, K, V tiles in the input dtype (rows padded by 8 elements: 16 bytes, which keeps
+    WMMA's 32-byte fragment alignment and spreads the rows over the banks); per warp its 16 x BN fp32 scores,
+    16 x BN probabilities in the input dtype and its 16 x D fp32 output accumulator (rows padded by 4)."""
+
+    bm: int
+    bn: int
+    head_dim: int
+
+    @property
+    def threads(self) -> int:
+        return 128
+
+    @property
+    def shared_mem(self) -> int:
+        d, bm, bn = self.head_dim, self.bm, self.bn
+        return 2 * (bm + 2 * bn) * (d + 8) + 4 * 16 * (2 * (bn + 8) + 4 * (bn + 4) + 4 * (d + 4))
+
+
+def wmma_tiles(head_dim: int) -> WmmaTiles:
+    """BN = 64 keys up to D = 128 (110 KB at D = 128, two blocks per H100 SM), 32 above (145 KB at D = 256):
+    the fp32 output accumulators (64 x D) and the K/V tiles grow with D."""
+    return WmmaTiles(64, 64 if head_dim <= 128 else 32, head_dim)
+
+
+def _wmma_source(name: str, params: list[str], tiles: WmmaTiles, t: str, causal: bool, mask_base: str, lse: bool,
+                 score: list[str]) -> str:
+    """Q K^T and P V on tensor cores (WMMA 16x16x16, fp32 accumulation); the online softmax in fp32 with two
+    lanes per row. The output accumulator lives in shared memory (a WMMA fragment's element-to-row mapping is
+    unspecified, so its rows cannot be rescaled in registers): per key tile it is rescaled by the row's
+    factor, loaded into fragments, P V added, and stored back."""
+    bm, bn, d = tiles.bm, tiles.bn, tiles.head_dim
+    dp, bp, sf, of = d + 8, bn + 8, bn + 4, d + 4
+    vec = 4 if t == "float" else 8  # elements per 16-byte copy (float: only the CPU emulator's check uses it)
+    return PRELUDE + NEG_INF + f"""#include <mma.h>
+// Fused attention forward on tensor cores: {bm} query rows x {bn}-key tiles, D = {d}, {t}.
+extern "C" __global__ void __launch_bounds__(128) {name}({", ".join(params)}) {{
+  using namespace nvcuda;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  {t}* Qs = reinterpret_cast<{t}*>(smem_raw);  // [{bm}][{dp}]
+  {t}* Ks = Qs + {bm * dp};                    // [{bn}][{dp}]
+  {t}* Vs = Ks + {bn * dp};                    // [{bn}][{dp}]
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  {t}* Pw = Vs + {bn * dp} + w * {16 * bp};     // this warp's [16][{bp}] probabilities
+  float* Sw = reinterpret_cast<float*>(Vs + {bn * dp} + {4 * 16 * bp}) + w * {16 * sf};  // [16][{sf}] scores
+  float* Ow = reinterpret_cast<float*>(Vs + {bn * dp} + {4 * 16 * bp}) + {4 * 16 * sf} + w * {16 * of};  // [16][{of}]
+  const int SF = {sf};
+  const long long b = blockIdx.y / H, h = blockIdx.y % H, hk = h / group;
+  const long long q0 = (long long)blockIdx.x * {bm};
+  const int r = lane >> 1, half = lane & 1;  // two lanes per row of the warp's 16
+  const long long row = q0 + w * 16 + r;
+  const {t}* qb = q + b * qsb + h * qsh;
+  const {t}* kb = k + b * ksb + hk * ksh;
+  const {t}* vb = v + b * vsb + hk * vsh;
+{mask_base}
+  for (int i = threadIdx.x; i < {bm * d // vec}; i += 128) {{  // 16-byte copies, zero past the last query
+    const int rr = i / {d // vec}, c = (i % {d // vec}) * {vec};
+    uint4 val = make_uint4(0u, 0u, 0u, 0u);
+    if (q0 + rr < Nq) val = *reinterpret_cast<const uint4*>(qb + (q0 + rr) * qsn + c);
+    *reinterpret_cast<uint4*>(Qs + rr * {dp} + c) = val;
+  }}
+  for (int i = lane; i < {16 * d}; i += 32) Ow[(i / {d}) * {of} + i % {d}] = 0.0f;
+  float m = NEG_INF, l = 0.0f;
+  const long long kend = {"(q0 + " + str(bm) + " < Nk ? q0 + " + str(bm) + " : Nk)" if causal else "Nk"};
+  for (long long k0 = 0; k0 < kend; k0 += {bn}) {{
+    __syncthreads();  // every warp is done with the previous K, V tile (and Q is staged, the first time)
+    for (int i = threadIdx.x; i < {bn * d // vec}; i += 128) {{
+      const int c = i / {d // vec}, e = (i % {d // vec}) * {vec};
+      uint4 kv = make_uint4(0u, 0u, 0u, 0u), vv = make_uint4(0u, 0u, 0u, 0u);
+      if (k0 + c < Nk) {{
+        kv = *reinterpret_cast<const uint4*>(kb + (k0 + c) * ksn + e);
+        vv = *reinterpret_cast<const uint4*>(vb + (k0 + c) * vsn + e);
+      }}
+      *reinterpret_cast<uint4*>(Ks + c * {dp} + e) = kv;
+      *reinterpret_cast<uint4*>(Vs + c * {dp} + e) = vv;
+    }}
+    __syncthreads();
+    #pragma unroll
+    for (int j = 0; j < {bn // 16}; ++j) {{  // S = Q K^T, 16 x 16 at a time (K row-major is K^T column-major)
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> s;
+      wmma::fill_fragment(s, 0.0f);
+      #pragma unroll
+      for (int kk = 0; kk < {d // 16}; ++kk) {{
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, {t}, wmma::row_major> a;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, {t}, wmma::col_major> kt;
+        wmma::load_matrix_sync(a, Qs + w * {16 * dp} + kk * 16, {dp});
+        wmma::load_matrix_sync(kt, Ks + j * {16 * dp} + kk * 16, {dp});
+        wmma::mma_sync(s, a, kt, s);
+      }}
+      wmma::store_matrix_sync(Sw + j * 16, s, {sf}, wmma::mem_row_major);
+    }}
+    __syncwarp();
+    float mx = NEG_INF;
+    for (int j = 0; j < {bn // 2}; ++j) {{
+      const int c = half * {bn // 2} + j;
+      const long long n = k0 + c;
+{chr(10).join(score)}
+      x = keep ? x : NEG_INF;
+      Sw[r * {sf} + c] = x;
+      mx = fmaxf(mx, x);
+    }}
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    const float mnew = fmaxf(m, mx);
+    const float base = mnew == NEG_INF ? 0.0f : mnew;  // a row masked so far keeps probabilities 0
+    const float alpha = expf(m - base);
+    float sum = 0.0f;
+    for (int j = 0; j < {bn // 2}; ++j) {{
+      const int c = half * {bn // 2} + j;
+      const float e = expf(Sw[r * {sf} + c] - base);
+      sum += e;
+      st(Pw, r * {bp} + c, e);
+    }}
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    l = l * alpha + sum;
+    m = mnew;
+    for (int c = half * {d // 2}; c < (half + 1) * {d // 2}; ++c) Ow[r * {of} + c] *= alpha;
+    __syncwarp();
+    #pragma unroll
+    for (int j = 0; j < {d // 16}; ++j) {{  // O += P V
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::load_matrix_sync(acc, Ow + j * 16, {of}, wmma::mem_row_major);
+      #pragma unroll
+      for (int kk = 0; kk < {bn // 16}; ++kk) {{
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, {t}, wmma::row_major> p;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, {t}, wmma::row_major> vf;
+        wmma::load_matrix_sync(p, Pw + kk * 16, {bp});
+        wmma::load_matrix_sync(vf, Vs + kk * {16 * dp} + j * 16, {dp});
+        wmma::mma_sync(acc, p, vf, acc);
+      }}
+      wmma::store_matrix_sync(Ow + j * 16, acc, {of}, wmma::mem_row_major);
+    }}
+    __syncwarp();
+  }}
+  if (row < Nq) {{
+    const float inv = 1.0f / l;  // a row with every key masked: 0 / 0, NaN as softmax gives
+    {t}* ob = o + b * osb + h * osh + row * osn;
+    for (int c = half * {d // 2}; c < (half + 1) * {d // 2}; ++c) st(ob, c, Ow[r * {of} + c] * inv);
+{"    if (half == 0) lse[blockIdx.y * Nq + row] = m + logf(l);" if lse else ""}
+  }}
+}}
+"""
 
 
 @dataclass
