@@ -20,7 +20,7 @@ import stitchcuda
 from stitchcuda.errors import InvalidArgumentError
 from stitchcuda.graph import capture, reference_values
 
-optimize_module = importlib.import_module("stitchcuda.graph.optimize")  # the module: the package exports the function
+graph_module = importlib.import_module("stitchcuda.graph.module")
 
 HAS_GPU = torch.cuda.is_available()
 PLANNED = "planned and compiled only"
@@ -78,7 +78,7 @@ def test_keyword_inputs_are_captured_as_program_inputs_after_the_positional_ones
     assert torch.equal(fast(x, mask=mask), model(x, mask=mask))
     # The order the program takes its inputs in: the graph of the same call, run by ATen on the flat
     # inputs (x, mask), computes the model's value.
-    traced = optimize_module._KeywordCall(model, 1, ("mask",))
+    traced = graph_module.KeywordCall(model, 1, ("mask",))
     graph = capture(traced, (x, mask))
     assert [tuple(v.shape) for v in graph.inputs] == [(8, 16), (8, 32)]
     got = reference_values(graph, [x, mask])[graph.outputs[0].name]
@@ -88,13 +88,13 @@ def test_keyword_inputs_are_captured_as_program_inputs_after_the_positional_ones
 def test_a_call_maps_keywords_to_the_program_order_and_refuses_unseen_ones():
     x, m, s = object(), object(), object()
     # optimize(model, (x,), {"mask": m, "scale": s}) saw one positional input, then mask and scale.
-    assert optimize_module._positional_call((x,), {"scale": s, "mask": m}, 1, ("mask", "scale")) == (x, m, s)
-    assert optimize_module._positional_call((x, m), {"scale": s}, 1, ("mask", "scale")) == (x, m, s)
-    assert optimize_module._positional_call((x, m, s), {}, 1, ("mask", "scale")) == (x, m, s)
+    assert graph_module.positional_call((x,), {"scale": s, "mask": m}, 1, ("mask", "scale")) == (x, m, s)
+    assert graph_module.positional_call((x, m), {"scale": s}, 1, ("mask", "scale")) == (x, m, s)
+    assert graph_module.positional_call((x, m, s), {}, 1, ("mask", "scale")) == (x, m, s)
     with pytest.raises(InvalidArgumentError, match=r"lacks \['scale'\]"):
-        optimize_module._positional_call((x,), {"mask": m}, 1, ("mask", "scale"))
+        graph_module.positional_call((x,), {"mask": m}, 1, ("mask", "scale"))
     with pytest.raises(InvalidArgumentError, match=r"gives \['bias'\], which optimize\(\) did not see"):
-        optimize_module._positional_call((x,), {"bias": m}, 1, ())
+        graph_module.positional_call((x,), {"bias": m}, 1, ())
 
 
 @pytest.mark.skipif(HAS_GPU, reason="the plan-only path runs where there is no GPU")
@@ -106,13 +106,13 @@ def test_inputs_without_a_tensor_are_fixed_at_their_values():
     fixed = [why for d, why in fast.report.decisions if d == "1 input(s) without a tensor fixed at the values optimize() saw"]
     assert fixed and fixed[0].startswith("scale=3.0: the program is specialized to them")
     # The traced call takes the tensors alone; its graph, run by ATen, is the model's call with scale=3.0.
-    traced = optimize_module._KeywordCall(model, 1, ("mask", "scale"), {2: 3.0})
+    traced = graph_module.KeywordCall(model, 1, ("mask", "scale"), {2: 3.0})
     graph = capture(traced, (x, mask))
     assert [tuple(v.shape) for v in graph.inputs] == [(8, 16), (8, 32)]
     got = reference_values(graph, [x, mask])[graph.outputs[0].name]
     torch.testing.assert_close(got, model(x, mask=mask, scale=3.0))
     # A positional one too: a None mask passed by position is a fixed input.
-    traced = optimize_module._KeywordCall(model, 2, (), {1: None})
+    traced = graph_module.KeywordCall(model, 2, (), {1: None})
     graph = capture(traced, (x,))
     torch.testing.assert_close(reference_values(graph, [x])[graph.outputs[0].name], model(x, None))
 
@@ -127,7 +127,7 @@ def test_tensors_made_under_inference_mode_are_captured():
     assert x.is_inference() and model.proj.weight.is_inference()
     fast = stitchcuda.optimize(model, (x,), {"mask": mask}, progress=False)
     assert PLANNED in fast.report.reason, fast.report.reason
-    graph = capture(optimize_module._KeywordCall(model, 1, ("mask",)), (x, mask))
+    graph = capture(graph_module.KeywordCall(model, 1, ("mask",)), (x, mask))
     torch.testing.assert_close(reference_values(graph, [x, mask])[graph.outputs[0].name], model(x, mask=mask))
 
 
@@ -160,7 +160,7 @@ def test_numbers_strings_and_none_in_the_output_come_back_around_the_programs_te
 def test_a_call_may_leave_out_a_fixed_keyword_input_and_may_not_change_it():
     x, m = object(), object()
     settings = {2: 3.0}  # optimize(model, (x,), {"mask": m, "scale": 3.0})
-    call = optimize_module._positional_call
+    call = graph_module.positional_call
     assert call((x,), {"mask": m}, 1, ("mask", "scale"), settings) == (x, m, 3.0)
     assert call((x,), {"mask": m, "scale": 3.0}, 1, ("mask", "scale"), settings) == (x, m, 3.0)
     assert call((x, m, 3.0), {}, 1, ("mask", "scale"), settings) == (x, m, 3.0)

@@ -196,10 +196,10 @@ def test_a_whole_program_mismatch_is_traced_to_its_group_which_alone_falls_back(
     # The relu template is wrong and the per-group check is skipped (it would catch it), so only the
     # whole-program check sees the error: it must be traced to the relu's group, that group must run on
     # ATen, and the rest must stay generated.
-    optimize_module = importlib.import_module("stitchcuda.graph.optimize")
+    checks = importlib.import_module("stitchcuda.graph.checks")  # where optimize's group checks run
 
-    real = optimize_module.check_group
-    monkeypatch.setattr(optimize_module, "check_group", lambda *a, **k: (True, "skipped", real(*a, **k)[2]))
+    real = checks.check_group
+    monkeypatch.setattr(checks, "check_group", lambda *a, **k: (True, "skipped", real(*a, **k)[2]))
     monkeypatch.setitem(templates.POINTWISE_OPS, "aten::relu", lambda a, kw: f"({a[0]} + 1.0f)")
     model = _ConvHead().cuda().eval()  # groups: cuDNN conv, BN+relu+mean, a GEMM, scale+softmax
     x = torch.randn(2, 16, 8, 8, device="cuda")
@@ -224,10 +224,10 @@ def test_a_spent_time_budget_leaves_the_remaining_groups_on_aten():
 
 
 def test_a_program_slower_than_eager_is_not_kept(monkeypatch):
-    optimize_module = importlib.import_module("stitchcuda.graph.optimize")
+    pipeline = importlib.import_module("stitchcuda.graph.pipeline")  # where optimize's measure stage runs
 
-    monkeypatch.setattr(optimize_module, "_measure", lambda *a, **k: {"eager_ms": 1.0, "stitched_ms": 1.5,
-                                                                      "speedup_eager": 1 / 1.5})
+    monkeypatch.setattr(pipeline, "measure_speed", lambda *a, **k: {"eager_ms": 1.0, "stitched_ms": 1.5,
+                                                                    "speedup_eager": 1 / 1.5})
     model = MLP().cuda().eval()
     x = torch.randn(64, 256, device="cuda")
     fast = stitchcuda.optimize(model, (x,))
@@ -281,8 +281,8 @@ class _ResidualConvStage(nn.Module):
         return self.pool(z).mean((2, 3))
 
 
-def test_a_convolution_chain_runs_channels_last_and_matches_eager(monkeypatch):
-    monkeypatch.setenv("STITCHCUDA_CHANNELS_LAST", "on")  # the NHWC path at fp32's tolerance (TF32 off here)
+def test_a_convolution_chain_runs_channels_last_and_matches_eager(stitch_settings, monkeypatch):
+    stitch_settings(STITCHCUDA_CHANNELS_LAST="on")  # the NHWC path at fp32's tolerance (TF32 off here)
     torch.manual_seed(0)
     model = _ResidualConvStage().cuda().eval()
     for bn in (model.b1, model.b2):  # statistics away from the identity, so the folded affine matters
@@ -402,12 +402,12 @@ class _ConvGate(nn.Module):
 
 @pytest.mark.parametrize("make, shape", [(_ConvGelu3d, (2, 8, 12, 16, 16)), (_ConvGate, (4, 32, 28, 28))],
                          ids=["conv3d-gelu", "conv1x1-gate"])
-def test_a_convolution_bias_added_by_its_reader_matches_eager(make, shape, monkeypatch):
+def test_a_convolution_bias_added_by_its_reader_matches_eager(stitch_settings, make, shape, monkeypatch):
     # cuDNN's convolution runs without its bias and the elementwise kernel after it adds the bias as it loads
     # the output; with STITCHCUDA_CONV_BIAS_APART=0 cuDNN keeps it. Both match the model on fresh inputs.
     x = torch.randn(*shape, device="cuda")
     for apart in ("1", "0"):
-        monkeypatch.setenv("STITCHCUDA_CONV_BIAS_APART", apart)
+        stitch_settings(STITCHCUDA_CONV_BIAS_APART=apart)
         torch.manual_seed(5)
         fast = _check(make(), (x,), lambda: (torch.randn_like(x),))
         noted = [d for d, _ in fast.report.decisions if "convolution bias(es) added by the elementwise kernel" in d]
@@ -617,10 +617,10 @@ class _MobileBlock(nn.Module):
         return self.pw2(torch.clamp(self.b2(self.dw(h)), 0, 6)) + x
 
 
-def test_a_mobilenet_block_matches_eager_in_the_layout_optimize_measures_faster(monkeypatch):
+def test_a_mobilenet_block_matches_eager_in_the_layout_optimize_measures_faster(stitch_settings, monkeypatch):
     """Channels-last now keeps the depthwise convolution in NHWC (no conversion around it); optimize
     times both layouts and keeps the faster, which must match eager either way."""
-    monkeypatch.setenv("STITCHCUDA_CHANNELS_LAST", "on")  # both layouts built at fp32 (TF32 off here)
+    stitch_settings(STITCHCUDA_CHANNELS_LAST="on")  # both layouts built at fp32 (TF32 off here)
     x = torch.randn(32, 64, 56, 56, device="cuda")
     fast = _check(_MobileBlock(), (x,), lambda: (torch.randn_like(x),))
     layout = next(d for d, _ in fast.report.decisions if d.startswith("convolution chains"))
@@ -644,10 +644,10 @@ class _VggStage(nn.Module):
         return self.head(F.max_pool2d(y, 2))
 
 
-def test_a_vgg_stage_matches_eager_in_the_layout_optimize_measures_faster(monkeypatch):
+def test_a_vgg_stage_matches_eager_in_the_layout_optimize_measures_faster(stitch_settings, monkeypatch):
     """Channels-last now pools NHWC with the template (no indices) between the stage's convolutions, and the
     returned result leaves through the tiled output edge; whichever layout is kept must match eager."""
-    monkeypatch.setenv("STITCHCUDA_CHANNELS_LAST", "on")  # both layouts built at fp32 (TF32 off here)
+    stitch_settings(STITCHCUDA_CHANNELS_LAST="on")  # both layouts built at fp32 (TF32 off here)
     x = torch.randn(16, 64, 112, 112, device="cuda")
     fast = _check(_VggStage(), (x,), lambda: (torch.randn_like(x),))
     layout = next(d for d, _ in fast.report.decisions if d.startswith("convolution chains"))

@@ -449,7 +449,7 @@ def test_the_faster_replay_mode_is_kept_and_recorded_in_the_program(monkeypatch,
     import importlib
 
     # The module, not the function `optimize` that stitchcuda.graph re-exports under the same name.
-    opt = importlib.import_module("stitchcuda.graph.optimize")
+    build = importlib.import_module("stitchcuda.graph.build")
 
     class FakeRunner:  # stands in for a ProgramModule, which needs a GPU
         def __init__(self, program, graphs):
@@ -458,13 +458,13 @@ def test_the_faster_replay_mode_is_kept_and_recorded_in_the_program(monkeypatch,
             self.graphs = graphs
             self.executor = SimpleNamespace(run=lambda inputs: graph_ms if graphs else direct_ms)
 
-    monkeypatch.setattr(opt, "ProgramModule", FakeRunner)
-    monkeypatch.setattr(opt, "_time_ms", lambda fn: fn())
+    monkeypatch.setattr(build, "ProgramModule", FakeRunner)
+    monkeypatch.setattr(build, "time_ms", lambda fn: fn())
     b = stitchcuda.ProgramBuilder()
     x, y = b.input([4]), b.output([4])
     b.aten("aten::relu", [x], [y])
     program = b.build()
-    runner, (decision, why), ms = opt._choose_replay(program, [torch.randn(4)])
+    runner, (decision, why), ms = build.choose_replay(program, [torch.randn(4)])
     assert runner.graphs is (mode == "graph")
     assert ms == (graph_ms if mode == "graph" else direct_ms)  # the kept mode's time, for the layout choice
     assert decision.startswith("replay as one CUDA graph" if mode == "graph" else "launch the steps directly")
@@ -481,7 +481,8 @@ def test_a_replay_whose_copies_dwarf_its_launches_is_not_even_built(monkeypatch)
     copies would add 2 GiB to optimize's memory; the direct runner is the only one built."""
     import importlib
 
-    opt = importlib.import_module("stitchcuda.graph.optimize")
+    build = importlib.import_module("stitchcuda.graph.build")
+    hardware = importlib.import_module("stitchcuda.verify.hardware")
     built = []
 
     class FakeRunner:
@@ -490,16 +491,16 @@ def test_a_replay_whose_copies_dwarf_its_launches_is_not_even_built(monkeypatch)
             self.graphs = graphs
             self.executor = SimpleNamespace(run=lambda inputs: 0.5)
 
-    monkeypatch.setattr(opt, "ProgramModule", FakeRunner)
-    monkeypatch.setattr(opt, "_time_ms", lambda fn: fn())
-    monkeypatch.setattr(opt, "describe", lambda: {"gpu": "H200", "dram_tb_s": 4.8})
+    monkeypatch.setattr(build, "ProgramModule", FakeRunner)
+    monkeypatch.setattr(build, "time_ms", lambda fn: fn())
+    monkeypatch.setattr(hardware, "describe", lambda: {"gpu": "H200", "dram_tb_s": 4.8})
     b = stitchcuda.ProgramBuilder()
     x, y = b.input([1 << 28]), b.output([1 << 28])
     b.aten("aten::relu", [x], [y])
     program = b.build()
-    copies_ms, saved_ms = opt._replay_estimate(program)
-    assert copies_ms == pytest.approx(4 * 2**30 / 4.8e12 * 1e3) and saved_ms == pytest.approx(opt.LAUNCH_US / 1e3)
-    runner, (decision, why), ms = opt._choose_replay(program, [torch.empty(0)])
+    copies_ms, saved_ms = build.replay_estimate(program)
+    assert copies_ms == pytest.approx(4 * 2**30 / 4.8e12 * 1e3) and saved_ms == pytest.approx(build.LAUNCH_US / 1e3)
+    runner, (decision, why), ms = build.choose_replay(program, [torch.empty(0)])
     assert built == [False] and runner.graphs is False and ms == 0.5
     assert decision == "launch the steps directly (no CUDA graph)"
     assert why.startswith("estimated, not measured: a replay copies the inputs and outputs (0.895 ms")
@@ -509,7 +510,7 @@ def test_a_replay_whose_copies_dwarf_its_launches_is_not_even_built(monkeypatch)
 def test_the_report_counts_what_a_program_holds_before_it_runs():
     import importlib
 
-    opt = importlib.import_module("stitchcuda.graph.optimize")
+    build = importlib.import_module("stitchcuda.graph.build")
     b = stitchcuda.ProgramBuilder()
     x, w = b.input([4, 16]), b.weight([16, 32], data=bytes(16 * 32 * 4))
     bias = b.weight([32], data=bytes(32 * 4))
@@ -519,11 +520,11 @@ def test_the_report_counts_what_a_program_holds_before_it_runs():
     program = b.build()
     # 2176 bytes of weights; the [4, 32] f32 intermediate is 512 bytes, the arena's 256-byte alignment keeps it
     # A call plans the arena and its [4, 32] output: 512 + 512 bytes.
-    assert opt._program_memory(program) == {"weights_bytes": (16 * 32 + 32) * 4, "shared_weights_bytes": 0,
+    assert build.program_memory(program) == {"weights_bytes": (16 * 32 + 32) * 4, "shared_weights_bytes": 0,
                                             "arena_bytes": 512, "planned_bytes": 1024}
     # A weight shared with the model's tensor is read in place: counted apart, not as the program's own.
     program.share_weight(w, torch.zeros(16, 32))
-    assert opt._program_memory(program) == {"weights_bytes": 32 * 4, "shared_weights_bytes": 16 * 32 * 4,
+    assert build.program_memory(program) == {"weights_bytes": 32 * 4, "shared_weights_bytes": 16 * 32 * 4,
                                             "arena_bytes": 512, "planned_bytes": 1024}
 
 
@@ -590,7 +591,7 @@ def test_only_constants_with_memory_of_their_own_leave_the_gpu_after_the_checks(
     # memory. A mask computed from factories is a tensor of its own.
     import importlib
 
-    opt = importlib.import_module("stitchcuda.graph.optimize")
+    build = importlib.import_module("stitchcuda.graph.build")
 
     class Masked(nn.Module):
         def __init__(self):
@@ -606,7 +607,7 @@ def test_only_constants_with_memory_of_their_own_leave_the_gpu_after_the_checks(
     graph, plan = planned(model, (x,))
     values = reference_values(graph, [x])
     constants = {g.nodes[0].out.name: values[g.nodes[0].out.name] for g in plan.groups if g.kind == "constant"}
-    owning = set(opt._owning_constants(constants, model))
+    owning = set(build.owning_constants(constants, model))
     views = {n for n, t in constants.items() if t.untyped_storage().data_ptr() == model.fc.weight.untyped_storage().data_ptr()}
     assert views and owning and not views & owning and owning | views == set(constants), (owning, views)
 
@@ -693,7 +694,7 @@ def test_fp32_gemms_stay_sgemm_when_tf32x3_would_not_pay_or_is_refused(planner, 
 
 
 def test_tf32x3_cost_model_counts_the_split_and_the_chunked_accumulation():
-    from stitchcuda.graph.planner import split_tf32_choice
+    from stitchcuda.graph.gemm_precision import split_tf32_choice
 
     # Square and compute-bound: worth it on an H200.
     ok, why = split_tf32_choice(8192, 8192, 4096, 1, 8192 * 4096, 4096 * 8192, H200_PEAKS)
@@ -710,7 +711,7 @@ def test_tf32x3_cost_model_counts_the_split_and_the_chunked_accumulation():
     assert not ok and "would exceed 3 times its largest tensor (256 MiB)" in why
     # The executor splits a large a a block of rows at a time: the scratch counted is b's parts and one
     # block's, so two 4 GiB operands (16 GiB split whole) fit beside their 4 GiB tensors.
-    from stitchcuda.graph.planner import split_blocks
+    from stitchcuda.graph.gemm_precision import split_blocks
 
     assert split_blocks(32768, 32768, 32768) == (256, 32768)  # 64 MiB of a's parts, 8 Mi outputs per block
     assert split_blocks(8192, 768, 3072) == (8192, 768)  # 8 Mi outputs need every row: one block
@@ -736,22 +737,22 @@ def test_tf32x3_cost_model_counts_the_split_and_the_chunked_accumulation():
     assert {g.params["precision"] for g in plan.groups if g.kind == "gemm"} == {"tf32"}
 
 
-def test_tf32x3_with_its_lo_products_fused_counts_one_pass_over_the_result_fewer(monkeypatch):
+def test_tf32x3_with_its_lo_products_fused_counts_one_pass_over_the_result_fewer(stitch_settings, monkeypatch):
     """STITCHCUDA_TF32X3_FUSE_LO=1 (the default, 2, does this and more; 0 keeps the three apart): the executor
     runs a_lo b_hi + a_hi b_lo as one product over 2K, so the cost model counts one read-modify-write of c
     fewer — which turns a ViT's K = 384 projections to tf32x3 — for batch 1, a not transposed and K a
     multiple of 4, and never in slabs of K."""
-    from stitchcuda.graph.planner import fuse_lo, k_block, split_tf32_choice
+    from stitchcuda.graph.gemm_precision import fuse_lo, k_block, split_tf32_choice
 
-    monkeypatch.delenv("STITCHCUDA_TF32X3_KBLOCK", raising=False)
+    stitch_settings(STITCHCUDA_TF32X3_KBLOCK=None)
     tokens = 128 * 197  # a ViT-S/16 batch of 128: 25,216 tokens
     h100 = {**H200_PEAKS, "dram_tb_s": 3.35}  # the H100's memory: the result's passes weigh more than on an H200
     fc1 = (tokens, 1536, 384, 1, tokens * 384, 384 * 1536, h100)
     estimate = lambda why: float(why.split()[1])  # noqa: E731 - "estimated X ms as 3xTF32 ..."
-    monkeypatch.setenv("STITCHCUDA_TF32X3_FUSE_LO", "0")
+    stitch_settings(STITCHCUDA_TF32X3_FUSE_LO="0")
     assert not fuse_lo(384)
     unfused_ok, unfused = split_tf32_choice(*fc1, transpose_b=True)
-    monkeypatch.setenv("STITCHCUDA_TF32X3_FUSE_LO", "1")
+    stitch_settings(STITCHCUDA_TF32X3_FUSE_LO="1")
     assert fuse_lo(384) and not fuse_lo(384, batch=2) and not fuse_lo(384, transpose_a=True) and not fuse_lo(386)
     fused_ok, fused = split_tf32_choice(*fc1, transpose_b=True)
     c_pass_ms = 2 * 4 * tokens * 1536 / (h100["dram_tb_s"] * 1e12 * 0.8) * 1e3  # one read and write of c
@@ -761,21 +762,21 @@ def test_tf32x3_with_its_lo_products_fused_counts_one_pass_over_the_result_fewer
     down = (8192, 1024, 4096, 1, 8192 * 4096, 1024 * 4096, H200_PEAKS)
     assert k_block(8192, 1024, 4096, transpose_b=True) > 0
     with_knob = split_tf32_choice(*down, transpose_b=True)[1]
-    monkeypatch.setenv("STITCHCUDA_TF32X3_FUSE_LO", "0")
+    stitch_settings(STITCHCUDA_TF32X3_FUSE_LO="0")
     assert split_tf32_choice(*down, transpose_b=True)[1] == with_knob
 
 
-def test_tf32x3_first_hi_chunk_joins_the_fused_lo_products(monkeypatch):
+def test_tf32x3_first_hi_chunk_joins_the_fused_lo_products(stitch_settings, monkeypatch):
     """STITCHCUDA_TF32X3_FUSE_LO=2 (the default): the first hi*hi chunk runs in the fused lo products' call, over
     2K + chunk — one pass over the result fewer, for that chunk of a_hi and b_hi written again (4 * chunk / K
     more bytes of split traffic and scratch per operand element). Where K fits one chunk the three products
     are one and the result is written once."""
-    from stitchcuda.graph.planner import fuse_all, fused_hi, split_tf32_choice
+    from stitchcuda.graph.gemm_precision import fuse_all, fused_hi, split_tf32_choice
 
-    monkeypatch.delenv("STITCHCUDA_TF32X3_FUSE_LO", raising=False)  # 2 by default
+    stitch_settings(STITCHCUDA_TF32X3_FUSE_LO=None)  # 2 by default
     assert fused_hi(384) == 384 and fused_hi(1024) == 512
-    monkeypatch.delenv("STITCHCUDA_TF32X3_KBLOCK", raising=False)
-    monkeypatch.delenv("STITCHCUDA_TF32X3_CHUNK", raising=False)
+    stitch_settings(STITCHCUDA_TF32X3_KBLOCK=None)
+    stitch_settings(STITCHCUDA_TF32X3_CHUNK=None)
     tokens = 128 * 197
     h100 = {**H200_PEAKS, "dram_tb_s": 3.35}
     dram = h100["dram_tb_s"] * 1e12 * 0.8
@@ -784,10 +785,10 @@ def test_tf32x3_first_hi_chunk_joins_the_fused_lo_products(monkeypatch):
     for m, k, n in ((tokens, 384, 1536), (8192, 1024, 3072)):
         a_elems, b_elems = m * k, k * n
         shape = (m, n, k, 1, a_elems, b_elems, h100)
-        monkeypatch.setenv("STITCHCUDA_TF32X3_FUSE_LO", "1")
+        stitch_settings(STITCHCUDA_TF32X3_FUSE_LO="1")
         assert fused_hi(k) == 0 and not fuse_all(k)
         _, lo_fused = split_tf32_choice(*shape, transpose_b=True)
-        monkeypatch.setenv("STITCHCUDA_TF32X3_FUSE_LO", "2")
+        stitch_settings(STITCHCUDA_TF32X3_FUSE_LO="2")
         assert fused_hi(k) == min(k, 512) and fuse_all(k) == (k <= 512)
         _, first_chunk = split_tf32_choice(*shape, transpose_b=True)
         c_pass_ms = 2 * 4 * m * n / dram * 1e3
@@ -797,14 +798,14 @@ def test_tf32x3_first_hi_chunk_joins_the_fused_lo_products(monkeypatch):
     assert fused_hi(384, batch=2) == 0 and fused_hi(386) == 0 and not fuse_all(0)
 
 
-def test_tf32x3_slabs_of_k_where_blocks_stay_large_beside_the_result(monkeypatch):
+def test_tf32x3_slabs_of_k_where_blocks_stay_large_beside_the_result(stitch_settings, monkeypatch):
     """The executor splits both operands a slab of K at a time where the blocks of its parts would stay large
     beside the result (a down-projection: the 8 Mi-output floor keeps a whole), in two slabs; a square
     product keeps its blocks. The cost model counts the slabs' scratch
     and their two extra passes over c per extra slab; STITCHCUDA_TF32X3_KBLOCK overrides the choice."""
-    from stitchcuda.graph.planner import k_block, split_blocks, split_tf32_choice
+    from stitchcuda.graph.gemm_precision import k_block, split_blocks, split_tf32_choice
 
-    monkeypatch.delenv("STITCHCUDA_TF32X3_KBLOCK", raising=False)
+    stitch_settings(STITCHCUDA_TF32X3_KBLOCK=None)
     m, n, k = 8192, 1024, 4096  # a transformer encoder's 4096 -> 1024 projection over 8192 tokens
     assert split_blocks(m, n, k, 1, False, True) == (m, n)  # 288 MiB of parts as blocks
     assert k_block(m, n, k, transpose_b=True) == 2048  # 144 MiB in two slabs
@@ -816,10 +817,10 @@ def test_tf32x3_slabs_of_k_where_blocks_stay_large_beside_the_result(monkeypatch
     assert k_block(m, n, k, batch=2, transpose_b=True) == 0 and k_block(m, n, k, transpose_a=True) == 0
     args = (m, n, k, 1, m * k, n * k, H200_PEAKS)
     _, two = split_tf32_choice(*args, transpose_b=True)
-    monkeypatch.setenv("STITCHCUDA_TF32X3_KBLOCK", "0")
+    stitch_settings(STITCHCUDA_TF32X3_KBLOCK="0")
     assert k_block(m, n, k) == 0
     _, whole = split_tf32_choice(*args, transpose_b=True)
-    monkeypatch.setenv("STITCHCUDA_TF32X3_KBLOCK", "1000")  # rounded down to the 512-element chunk
+    stitch_settings(STITCHCUDA_TF32X3_KBLOCK="1000")  # rounded down to the 512-element chunk
     assert k_block(m, n, k) == 512 and k_block(m, n, 512) == 0 and k_block(m, n, 4096 + 512) == 512
     _, four = split_tf32_choice(*args, transpose_b=True)
     estimate = lambda why: float(why.split()[1])  # noqa: E731 - "estimated X ms as 3xTF32 ..."
@@ -827,11 +828,11 @@ def test_tf32x3_slabs_of_k_where_blocks_stay_large_beside_the_result(monkeypatch
     # The scratch is a slab of each: operands whose parts would exceed the cap whole fit in slabs.
     thin = (64, 64, 1 << 20, 1, 64 << 20, 64 << 20, H200_PEAKS)
     assert "would exceed" not in split_tf32_choice(*thin)[1]
-    monkeypatch.setenv("STITCHCUDA_TF32X3_KBLOCK", "0")
+    stitch_settings(STITCHCUDA_TF32X3_KBLOCK="0")
     assert "would exceed" in split_tf32_choice(*thin)[1]
-    monkeypatch.setenv("STITCHCUDA_TF32X3_KBLOCK", "64")
+    stitch_settings(STITCHCUDA_TF32X3_KBLOCK="64")
     assert k_block(m, n, k) == 512
-    monkeypatch.setenv("STITCHCUDA_TF32X3_CHUNK", "256")
+    stitch_settings(STITCHCUDA_TF32X3_CHUNK="256")
     assert k_block(m, n, k) == 256  # a slab is at least one chunk
 
 
@@ -865,13 +866,13 @@ class _ManyLayers(nn.Module):
 def test_the_fp64_check_is_left_out_when_it_would_exceed_optimizes_memory_allowance(monkeypatch):
     import importlib
 
-    opt = importlib.import_module("stitchcuda.graph.optimize")
+    measure = importlib.import_module("stitchcuda.graph.measure")
     program_module = importlib.import_module("stitchcuda.verify.program")
     graph = capture(_ManyLayers().eval(), (torch.randn(8, 256),))
     plan = OfflinePlanner().plan(graph)
-    assert opt._fp64_too_large(plan, graph) == ""  # 4 MiB of weights: far below the 256 MiB floor
+    assert measure.fp64_too_large(plan, graph) == ""  # 4 MiB of weights: far below the 256 MiB floor
     monkeypatch.setattr(program_module, "EXACT_COPY_LIMIT_BYTES", 1 << 20)
-    why = opt._fp64_too_large(plan, graph)
+    why = measure.fp64_too_large(plan, graph)
     # 16 layers of 256 KiB weights against a largest tensor of 256 KiB: the fp64 copy would need 8 MiB+.
     assert why.startswith("an fp64 copy of the model and its forward would take about 8 MiB, above optimize's "
                           "memory allowance of 1 MiB (twice the largest tensor)"), why

@@ -336,8 +336,8 @@ def test_grouped_broadcast_pointwise_matches_torch(emu, misaligned):
 
 @pytest.mark.parametrize("rows, sm_count", [(64, 132), (1029, 1), (1024, 1)],
                          ids=["one-step", "two-deep-and-odd-tail", "two-deep-even"])
-def test_vectorized_pointwise_matches_torch(emu, rows, sm_count, monkeypatch):
-    monkeypatch.setenv("STITCHCUDA_POINTWISE_LOOP", "stride")
+def test_vectorized_pointwise_matches_torch(stitch_settings, emu, rows, sm_count, monkeypatch):
+    stitch_settings(STITCHCUDA_POINTWISE_LOOP="stride")
     # One SM's grid (16 blocks of 256 threads: 4,096 float4 per pass) over 1,029 rows of 32 runs the
     # two-deep loop and an odd last float4; 1,024 rows end on whole pairs; 64 rows take the single step.
     x = torch.randn(rows, 32)
@@ -351,10 +351,10 @@ def test_vectorized_pointwise_matches_torch(emu, rows, sm_count, monkeypatch):
 
 
 @pytest.mark.parametrize("operands, per", [(1, 4), (3, 2), (5, 1)], ids=["four-per-thread", "two", "one"])
-def test_a_one_pass_vectorized_pointwise_kernel_matches_torch(emu, monkeypatch, operands, per):
+def test_a_one_pass_vectorized_pointwise_kernel_matches_torch(stitch_settings, emu, monkeypatch, operands, per):
     # The default (STITCHCUDA_POINTWISE_LOOP=once): a grid over the whole tensor, `per` float4 of each
     # operand per thread and no loop; 1,029 rows of 32 leave the last block partly idle (loads and stores guarded).
-    monkeypatch.delenv("STITCHCUDA_POINTWISE_LOOP", raising=False)
+    stitch_settings(STITCHCUDA_POINTWISE_LOOP=None)
     rows = 1029
     xs = [torch.randn(rows, 32) for _ in range(operands)]
     inputs = [PointwiseInput(f"in{k}", torch.float32, (32, 1)) for k in range(operands)]
@@ -370,15 +370,15 @@ def test_a_one_pass_vectorized_pointwise_kernel_matches_torch(emu, monkeypatch, 
     torch.testing.assert_close(y, want)
 
 
-def test_the_pointwise_loop_setting_is_checked(monkeypatch):
-    monkeypatch.setenv("STITCHCUDA_POINTWISE_LOOP", "unrolled")
+def test_the_pointwise_loop_setting_is_checked(stitch_settings, monkeypatch):
+    stitch_settings(STITCHCUDA_POINTWISE_LOOP="unrolled")
     with pytest.raises(ValueError, match="STITCHCUDA_POINTWISE_LOOP must be one of once, stride, got 'unrolled'"):
         pointwise_kernel("f", (8, 4), [PointwiseInput("in0", torch.float32, (4, 1))], ["const float t0 = in0;"],
                          [("out0", "t0", torch.float32)])
 
 
-def test_a_vectorized_pointwise_kernel_of_many_operands_keeps_one_float4_per_step(emu, monkeypatch):
-    monkeypatch.setenv("STITCHCUDA_POINTWISE_LOOP", "stride")
+def test_a_vectorized_pointwise_kernel_of_many_operands_keeps_one_float4_per_step(stitch_settings, emu, monkeypatch):
+    stitch_settings(STITCHCUDA_POINTWISE_LOOP="stride")
     xs = [torch.randn(1029, 32) for _ in range(4)]
     inputs = [PointwiseInput(f"in{k}", torch.float32, (32, 1)) for k in range(4)]
     code = pointwise_kernel("fused_sum4", (1029, 32), inputs, ["const float t0 = (in0 + in1) * in2 - in3;"],
@@ -736,10 +736,10 @@ def test_a_convolution_bias_is_added_by_the_kernel_after_it(emu, conv, then):
         torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-5)
 
 
-def test_the_convolution_bias_rewrite_can_be_turned_off(emu, monkeypatch):
+def test_the_convolution_bias_rewrite_can_be_turned_off(stitch_settings, emu, monkeypatch):
     # STITCHCUDA_CONV_BIAS_APART=0 (to measure the rewrite): cuDNN's call keeps the bias, the program still
     # gives eager's result.
-    monkeypatch.setenv("STITCHCUDA_CONV_BIAS_APART", "0")
+    stitch_settings(STITCHCUDA_CONV_BIAS_APART="0")
     torch.manual_seed(3)
     model = _ConvThen(torch.nn.Conv3d(3, 8, 3, padding=1), "gelu").eval()
     x = torch.randn(2, 3, 6, 7, 5)
@@ -1125,9 +1125,9 @@ class _CatThen(torch.nn.Module):
 
 
 @pytest.mark.parametrize("layout", ["off", "on"])
-def test_densenet_concatenations_are_read_in_place(emu, layout, monkeypatch):
+def test_densenet_concatenations_are_read_in_place(stitch_settings, emu, layout, monkeypatch):
     # "on": the block planned channels-last, the pieces NHWC and the kernel iterating in NHWC order.
-    monkeypatch.setenv("STITCHCUDA_CHANNELS_LAST", layout)
+    stitch_settings(STITCHCUDA_CHANNELS_LAST=layout)
     torch.manual_seed(0)
     model = (_DenseLayers() if layout == "off" else _DenseLayers(16, 4)).eval()
     x = torch.randn(2, 8, 6, 8) if layout == "off" else torch.randn(1, 16, 64, 64)
@@ -1194,8 +1194,8 @@ class _TransposedSum(torch.nn.Module):
 
 
 @pytest.mark.parametrize("relayout", ["1", "0"])
-def test_a_chain_read_only_by_copies_is_computed_in_their_layout(emu, relayout, monkeypatch):
-    monkeypatch.setenv("STITCHCUDA_RELAYOUT", relayout)
+def test_a_chain_read_only_by_copies_is_computed_in_their_layout(stitch_settings, emu, relayout, monkeypatch):
+    stitch_settings(STITCHCUDA_RELAYOUT=relayout)
     torch.manual_seed(3)
     a, b = torch.randn(2, 3, 5, 8), torch.randn(3, 1, 8)
     model = _PermutedCopies().eval()
@@ -1313,8 +1313,8 @@ class _GatedConvs(torch.nn.Module):
         return self.c2(torch.relu(self.c1(x) + torch.sigmoid(gate)))
 
 
-def test_an_nchw_operand_of_an_nhwc_group_is_staged_through_tiles(emu, monkeypatch):
-    monkeypatch.setenv("STITCHCUDA_CHANNELS_LAST", "on")
+def test_an_nchw_operand_of_an_nhwc_group_is_staged_through_tiles(stitch_settings, emu, monkeypatch):
+    stitch_settings(STITCHCUDA_CHANNELS_LAST="on")
     torch.manual_seed(8)
     x, gate = torch.randn(1, 16, 64, 64), torch.randn(1, 32, 64, 64)
     model = _GatedConvs().eval()
@@ -1328,10 +1328,10 @@ def test_an_nchw_operand_of_an_nhwc_group_is_staged_through_tiles(emu, monkeypat
         torch.testing.assert_close(got, model(x, gate), atol=1e-5, rtol=1e-5)
 
 
-def test_concatenations_in_place_can_be_turned_off(monkeypatch):
+def test_concatenations_in_place_can_be_turned_off(stitch_settings, monkeypatch):
     from stitchcuda.graph import OfflinePlanner, capture
 
-    monkeypatch.setenv("STITCHCUDA_CAT_IN_PLACE", "0")  # to measure them: ATen's copy, as before
+    stitch_settings(STITCHCUDA_CAT_IN_PLACE="0")  # to measure them: ATen's copy, as before
     a, b, c = torch.randn(2, 3, 8), torch.randn(2, 5, 8), torch.randn(2, 1, 8)
     plan = OfflinePlanner().plan(capture(_CatThen(1).eval(), (a, b, c)))
     (group,) = [g for g in plan.groups if any(n.op == "aten::cat" for n in g.nodes)]

@@ -20,7 +20,10 @@ from stitchcuda.graph.capture import capture
 from stitchcuda.graph.lower import reference_values
 from stitchcuda.graph.planner import GENERATED, OfflinePlanner
 
-optimize_module = importlib.import_module("stitchcuda.graph.optimize")  # the package exports the function
+repair = importlib.import_module("stitchcuda.graph.repair")
+checks = importlib.import_module("stitchcuda.graph.checks")
+build = importlib.import_module("stitchcuda.graph.build")
+measure = importlib.import_module("stitchcuda.graph.measure")
 
 
 class _Head(nn.Module):
@@ -84,13 +87,13 @@ def test_the_first_group_outside_its_tolerance_is_the_culprit(monkeypatch):
     outputs = {v.name for v in graph.outputs}
     bn_relu_mean = generated[0].outputs(outputs)[0].name
     # The first reduction is wrong by 1e-2: everything after it is wrong too, but it is named.
-    monkeypatch.setattr(optimize_module, "Lowering", _fake_lowering(graph, {bn_relu_mean: 1e-2}))
-    culprit, why = optimize_module.trace_mismatch(graph, plan, {}, 132, set(), [x])
+    monkeypatch.setattr(repair, "Lowering", _fake_lowering(graph, {bn_relu_mean: 1e-2}))
+    culprit, why = repair.trace_mismatch(graph, plan, {}, 132, set(), [x])
     assert culprit is generated[0], (culprit, why)
     assert f"'{bn_relu_mean}'" in why and "differs from ATen" in why
     # Once that group is on ATen, nothing outside its tolerance remains: the nearest to its limit is named.
-    monkeypatch.setattr(optimize_module, "Lowering", _fake_lowering(graph, {bn_relu_mean: 5e-5}))
-    culprit, why = optimize_module.trace_mismatch(graph, plan, {}, 132, set(), [x])
+    monkeypatch.setattr(repair, "Lowering", _fake_lowering(graph, {bn_relu_mean: 5e-5}))
+    culprit, why = repair.trace_mismatch(graph, plan, {}, 132, set(), [x])
     assert culprit is generated[0] and "nearest its limit" in why, (culprit, why)
 
 
@@ -103,9 +106,9 @@ def test_a_trace_with_little_room_watches_a_window_at_a_time_and_stops_at_the_cu
     position = {id(g): i for i, g in enumerate(plan.groups)}
     # Room for the mean alone, then one of the others at a time: three windows. The GEMM's output is wrong.
     builds: list = []
-    monkeypatch.setattr(optimize_module, "Lowering",
+    monkeypatch.setattr(repair, "Lowering",
                         _fake_lowering(graph, {watched[1].name: 1e-2}, builds))
-    culprit, why = optimize_module.trace_mismatch(graph, plan, {}, 132, set(), [x], room=100)
+    culprit, why = repair.trace_mismatch(graph, plan, {}, 132, set(), [x], room=100)
     assert culprit is generated[1] and f"'{watched[1].name}'" in why, (culprit, why)
     # Two diagnostic programs, each built up to its window's group and returning that window alone; the
     # softmax's window never ran: the search stopped at the first window outside its tolerance.
@@ -113,13 +116,13 @@ def test_a_trace_with_little_room_watches_a_window_at_a_time_and_stops_at_the_cu
     assert [len(groups) for groups, _ in builds] == [position[id(generated[0])] + 1, position[id(generated[1])] + 1]
     # Nothing outside its tolerance: every window runs and the one nearest its limit is named, as with one window.
     builds.clear()
-    monkeypatch.setattr(optimize_module, "Lowering", _fake_lowering(graph, {watched[2].name: 5e-5}, builds))
-    culprit, why = optimize_module.trace_mismatch(graph, plan, {}, 132, set(), [x], room=100)
+    monkeypatch.setattr(repair, "Lowering", _fake_lowering(graph, {watched[2].name: 5e-5}, builds))
+    culprit, why = repair.trace_mismatch(graph, plan, {}, 132, set(), [x], room=100)
     assert culprit is generated[2] and "nearest its limit" in why, (culprit, why)
     assert len(builds) == 3
     # Enough room: one program watches all three.
     builds.clear()
-    culprit, _ = optimize_module.trace_mismatch(graph, plan, {}, 132, set(), [x], room=sum(sizes))
+    culprit, _ = repair.trace_mismatch(graph, plan, {}, 132, set(), [x], room=sum(sizes))
     assert culprit is generated[2] and [names for _, names in builds] == [[v.name for v in watched]]
 
 
@@ -129,16 +132,16 @@ def test_a_trace_runs_at_most_trace_windows_programs_and_atens_forward_only_as_f
     watched = [g.outputs(outputs)[0] for g in generated]
     # No room at all would be a program per output; with TRACE_WINDOWS = 1 the one window holds them all.
     builds: list = []
-    monkeypatch.setattr(optimize_module, "Lowering", _fake_lowering(graph, {watched[0].name: 1e-2}, builds))
-    monkeypatch.setattr(optimize_module, "TRACE_WINDOWS", 1)
-    culprit, _ = optimize_module.trace_mismatch(graph, plan, {}, 132, set(), [x], room=0)
+    monkeypatch.setattr(repair, "Lowering", _fake_lowering(graph, {watched[0].name: 1e-2}, builds))
+    monkeypatch.setattr(repair, "TRACE_WINDOWS", 1)
+    culprit, _ = repair.trace_mismatch(graph, plan, {}, 132, set(), [x], room=0)
     assert culprit is generated[0] and [names for _, names in builds] == [[v.name for v in watched]], builds
     # Sizes 64, 128, 128 in windows of half their bytes (160) pack as 64 | 128 | 128: three windows, one
     # more than TRACE_WINDOWS = 2 allows; larger windows are taken until two are enough.
     builds.clear()
-    monkeypatch.setattr(optimize_module, "Lowering", _fake_lowering(graph, {}, builds))  # every window runs
-    monkeypatch.setattr(optimize_module, "TRACE_WINDOWS", 2)
-    optimize_module.trace_mismatch(graph, plan, {}, 132, set(), [x], room=0)
+    monkeypatch.setattr(repair, "Lowering", _fake_lowering(graph, {}, builds))  # every window runs
+    monkeypatch.setattr(repair, "TRACE_WINDOWS", 2)
+    repair.trace_mismatch(graph, plan, {}, 132, set(), [x], room=0)
     assert 1 <= len(builds) <= 2, builds
     # stream_values(stop_when_done=True) stops the forward once the wanted values were handled.
     from stitchcuda.graph import lower
@@ -162,8 +165,8 @@ def test_a_trace_runs_at_most_trace_windows_programs_and_atens_forward_only_as_f
 
 def test_groups_already_on_aten_are_not_suspected(monkeypatch):
     graph, plan, generated, x = _setup()
-    monkeypatch.setattr(optimize_module, "Lowering", _fake_lowering(graph, {}))
-    culprit, why = optimize_module.trace_mismatch(graph, plan, {}, 132, {id(g) for g in generated}, [x])
+    monkeypatch.setattr(repair, "Lowering", _fake_lowering(graph, {}))
+    culprit, why = repair.trace_mismatch(graph, plan, {}, 132, {id(g) for g in generated}, [x])
     assert culprit is None and why == "no generated group is left to suspect"
 
 
@@ -177,8 +180,8 @@ def test_a_diagnosis_that_cannot_run_names_why_and_blames_nobody(monkeypatch):
         def build(self, *a, **k):
             raise RuntimeError("invalid program: step 3 (view)")
 
-    monkeypatch.setattr(optimize_module, "Lowering", Broken)
-    culprit, why = optimize_module.trace_mismatch(graph, plan, {}, 132, set(), [x])
+    monkeypatch.setattr(repair, "Lowering", Broken)
+    culprit, why = repair.trace_mismatch(graph, plan, {}, 132, set(), [x])
     assert culprit is None and "did not run" in why and "step 3 (view)" in why
 
 
@@ -239,7 +242,7 @@ def test_recurrent_steps_say_how_many_inputs_each_tensor_list_takes():
     plan = OfflinePlanner().plan(graph)
     values = reference_values(graph, [x])  # the zero initial states are constants, as optimize() makes them
     constants = {g.nodes[0].out.name: values[g.nodes[0].out.name] for g in plan.groups if g.kind == "constant"}
-    program = optimize_module.Lowering(graph, plan, constants).build(plan.groups, graph.inputs, graph.outputs)
+    program = build.Lowering(graph, plan, constants).build(plan.groups, graph.inputs, graph.outputs)
     steps = {s["op"]: s for s in program.steps if s["kind"] == "aten" and "lstm" in s.get("op", "")}
     lstm = steps["aten::lstm.input"]
     # hx holds h0 and c0; params the 6 layers' 4 tensors each (weights and biases)
@@ -388,8 +391,8 @@ def test_no_fp64_copy_of_a_model_whose_attention_would_materialize_its_scores():
         q = torch.randn(1, 2, seq, 16)
         return OfflinePlanner().plan(capture(Attention().eval(), (q, q, q)))
 
-    assert optimize_module._fp64_too_large(plan_of(64)) == ""
-    why = optimize_module._fp64_too_large(plan_of(8192))  # 2 heads x 8192 x 8192 x 8 bytes = 1 GiB
+    assert measure.fp64_too_large(plan_of(64)) == ""
+    why = measure.fp64_too_large(plan_of(8192))  # 2 heads x 8192 x 8192 x 8 bytes = 1 GiB
     assert "1.0 GiB of scores" in why and "MiB limit" in why
 
 
@@ -409,30 +412,30 @@ def test_a_model_whose_one_computing_step_stays_on_aten_is_not_built():
 
     big = torch.randn(1, 2, 4096, 256)  # 8 MiB each: 64 MiB read and written by a replay's copies
     plan, graph = plan_of(Attention(), big, big, big)
-    why = optimize_module._nothing_to_gain(plan, set(), graph)
+    why = build.nothing_to_gain(plan, set(), graph)
     assert why.startswith("nothing to gain") and "scaled_dot_product" in why and "32 MiB" in why, why
     small = torch.randn(1, 2, 64, 16)
     plan, graph = plan_of(Attention(), small, small, small)
-    assert optimize_module._nothing_to_gain(plan, set(), graph) == ""
+    assert build.nothing_to_gain(plan, set(), graph) == ""
 
     class Scaled(nn.Module):  # attention and a generated scale after it
         def forward(self, q, k, v):
             return F.scaled_dot_product_attention(q, k, v) * 2.0
 
     plan, graph = plan_of(Scaled(), big, big, big)
-    assert optimize_module._nothing_to_gain(plan, set(), graph) == ""
+    assert build.nothing_to_gain(plan, set(), graph) == ""
     # ...unless that group fell back: then the attention and the scale are two ATen steps, and a replay
     # of two steps is still worth measuring
     everything = {id(g) for g in plan.groups if g.kind in GENERATED}
-    assert everything and optimize_module._nothing_to_gain(plan, everything, graph) == ""
+    assert everything and build.nothing_to_gain(plan, everything, graph) == ""
 
     x = torch.randn(8, 32, 128, 128)  # 16 MiB
     plan, graph = plan_of(nn.Sequential(nn.Conv2d(32, 32, 3), nn.ReLU()), x)
-    assert optimize_module._nothing_to_gain(plan, set(), graph) == ""  # a fused epilogue
+    assert build.nothing_to_gain(plan, set(), graph) == ""  # a fused epilogue
     plan, graph = plan_of(nn.Conv2d(32, 32, 3), x)
-    assert optimize_module._nothing_to_gain(plan, set(), graph).startswith("nothing to gain")
+    assert build.nothing_to_gain(plan, set(), graph).startswith("nothing to gain")
     plan, graph = plan_of(nn.Flatten(), torch.randn(2, 3, 4))  # views only: nothing to gain at any size
-    assert optimize_module._nothing_to_gain(plan, set(), graph) == "nothing to gain: the model only views its inputs"
+    assert build.nothing_to_gain(plan, set(), graph) == "nothing to gain: the model only views its inputs"
 
 
 class _Projection(nn.Module):
@@ -468,10 +471,9 @@ def test_a_tf32x3_gemm_that_misses_its_check_is_checked_again_as_sgemm(monkeypat
             return False, "output 'relu' differs from ATen: max |error| 0.0021", None
         return True, "matches ATen", None
 
-    monkeypatch.setattr(optimize_module, "check_group", check_group)
+    monkeypatch.setattr(checks, "check_group", check_group)
     report, fallback = Report(), set()
-    optimize_module._check_groups(graph, plan, [x], 132, None, time.perf_counter(), 60.0, report, fallback,
-                                  keep_all=False)
+    checks.check_groups(graph, plan, [x], 132, None, time.perf_counter(), 60.0, report, fallback, keep_all=False)
     assert tried == ["tf32x3", "fp32"] and gemm.params["precision"] == "fp32"
     assert in_place == [None, None]  # no memory target given: no limit on a check
     assert not fallback and not report.fallbacks
@@ -482,14 +484,14 @@ def test_a_tf32x3_gemm_that_misses_its_check_is_checked_again_as_sgemm(monkeypat
     # A memory target: each check gets what is left of it beside this process's allocations (none on a CPU).
     tried.clear(), in_place.clear()
     report = Report()
-    optimize_module._check_groups(graph, plan, [x], 132, None, time.perf_counter(), 60.0, report, set(),
-                                  keep_all=False, room=12345)
+    checks.check_groups(graph, plan, [x], 132, None, time.perf_counter(), 60.0, report, set(), keep_all=False,
+                        room=12345)
     assert in_place == [12345]
     assert any(d == "1 group check(s) wrote their outputs in place" for d, _ in report.decisions), report.decisions
-    assert optimize_module._memory_target(graph) == graph.working_set_bytes() + 2 * 2048 * 2048 * 4
+    assert checks.memory_target(graph) == graph.working_set_bytes() + 2 * 2048 * 2048 * 4
 
 
-def test_a_bf16_product_gemm_that_misses_its_check_is_checked_again_as_tf32(monkeypatch):
+def test_a_bf16_product_gemm_that_misses_its_check_is_checked_again_as_tf32(stitch_settings, monkeypatch):
     """At precision bf16 an fp32 GEMM of K >= 256 multiplies its operands converted to bf16; missing bf16's
     tolerance (an error the graph amplifies) it steps down to TF32, cuBLASLt's step kept, before ATen. A
     short product (K < 256) is planned TF32 from the start, and STITCHCUDA_BF16_CAST=0 plans every one so."""
@@ -508,10 +510,9 @@ def test_a_bf16_product_gemm_that_misses_its_check_is_checked_again_as_tf32(monk
             return False, "output 'relu' differs from ATen: max |error| 0.031", None
         return True, "matches ATen", None
 
-    monkeypatch.setattr(optimize_module, "check_group", check_group)
+    monkeypatch.setattr(checks, "check_group", check_group)
     report, fallback = Report(), set()
-    optimize_module._check_groups(graph, plan, [x], 132, None, time.perf_counter(), 60.0, report, fallback,
-                                  keep_all=False)
+    checks.check_groups(graph, plan, [x], 132, None, time.perf_counter(), 60.0, report, fallback, keep_all=False)
     assert tried == ["bf16", "tf32"] and gemm.params["precision"] == "tf32" and not fallback
     assert any(d == f"{gemm.name}: TF32 instead of bf16 products" and "bf16 product failed its check" in why
                for d, why in report.decisions), report.decisions
@@ -520,14 +521,14 @@ def test_a_bf16_product_gemm_that_misses_its_check_is_checked_again_as_tf32(monk
     narrow = capture(torch.nn.Linear(128, 64).eval(), (short,))
     (g,) = [g for g in OfflinePlanner(precision="bf16").plan(narrow).groups if g.kind == "gemm"]
     assert g.params["precision"] == "tf32" and "K=128" in g.reason
-    monkeypatch.setenv("STITCHCUDA_BF16_CAST", "0")
+    stitch_settings(STITCHCUDA_BF16_CAST="0")
     (g,) = [g for g in OfflinePlanner(precision="bf16").plan(graph).groups if g.kind == "gemm"]
     assert g.params["precision"] == "tf32"
     # A bf16 GEMM of bf16 tensors computes in the model's dtype: nothing to step down to.
-    monkeypatch.delenv("STITCHCUDA_BF16_CAST")
+    stitch_settings(STITCHCUDA_BF16_CAST=None)
     half = capture(_Projection().eval().to(torch.bfloat16), (x.to(torch.bfloat16),))
     (g,) = [g for g in OfflinePlanner(precision="bf16").plan(half).groups if g.kind == "gemm"]
-    assert g.params["precision"] == "bf16" and optimize_module._lossy(g) is None
+    assert g.params["precision"] == "bf16" and checks.lossy_gemm(g) is None
 
 
 def test_a_check_without_room_for_a_second_copy_of_its_outputs_checks_them_in_place(monkeypatch):
@@ -555,13 +556,27 @@ def test_a_check_without_room_for_a_second_copy_of_its_outputs_checks_them_in_pl
     assert seen == [0, 0, lower.HOST_REFERENCE_BYTES]
 
 
-def test_after_a_mismatch_only_the_late_tf32x3_gemms_that_keep_it_matching_go_back_to_tf32x3():
+def _restore_late(monkeypatch, lowered, report, build_program, verify):
+    """repair.restore_late on a state whose builds and verifications are `build_program()` and
+    `verify(program)`; returns the program the state keeps."""
+    from stitchcuda.graph.options import OptimizeOptions
+    from stitchcuda.graph.state import PipelineState
+    from stitchcuda.log import StepProgress
+
+    monkeypatch.setattr(repair, "build_program", lambda state: build_program())
+    monkeypatch.setattr(repair, "verify_state", lambda state, program: verify(program))
+    state = PipelineState(None, (), OptimizeOptions(), report=report, steps=StepProgress(False), optimized="passing")
+    repair.restore_late(state, lowered)
+    return state.optimized
+
+
+def test_after_a_mismatch_only_the_late_tf32x3_gemms_that_keep_it_matching_go_back_to_tf32x3(monkeypatch):
     """A whole-program mismatch sent three tf32x3 GEMMs to SGEMM and the program matched. The latest goes
     back to tf32x3 first (nothing downstream amplifies its error): kept while the program still matches;
     the next one makes it differ (its error feeds an exponential) and stays SGEMM, and the program that
     passed is built again and kept with its verification; the earliest is not tried."""
     from stitchcuda.graph.planner import Group
-    from stitchcuda.graph.report import Report, _Progress
+    from stitchcuda.graph.report import Report
 
     splits = [Group("gemm", [SimpleNamespace(name=f"gemm{k}")], "", params={"precision": "fp32"}) for k in range(3)]
     report = Report()
@@ -578,7 +593,7 @@ def test_after_a_mismatch_only_the_late_tf32x3_gemms_that_keep_it_matching_go_ba
         return {"passed": not bad, "detail": "output 0 differs" if bad else "", "set": program}
 
     lowered = [(g, "tf32x3") for g in splits]
-    kept = optimize_module._restore_late(lowered, report, _Progress(False), build, verify, "passing")
+    kept = _restore_late(monkeypatch, lowered, report, build, verify)
     assert built == [("fp32", "fp32", "tf32x3"), ("fp32", "tf32x3", "tf32x3"), ("fp32", "fp32", "tf32x3")]
     assert kept == ("fp32", "fp32", "tf32x3") and [g.params["precision"] for g in splits] == ["fp32", "fp32", "tf32x3"]
     assert report.verification["passed"] and report.verification["set"] == kept  # the kept program's own check
@@ -593,16 +608,16 @@ def test_after_a_mismatch_only_the_late_tf32x3_gemms_that_keep_it_matching_go_ba
         return build()
 
     splits[2].params["precision"] = "fp32"
-    kept = optimize_module._restore_late(lowered[2:], report, _Progress(False), failing_build, verify, "passing")
+    kept = _restore_late(monkeypatch, lowered[2:], report, failing_build, verify)
     assert kept == ("fp32", "fp32", "fp32") and splits[2].params["precision"] == "fp32"
     assert "no cuBLASLt algorithm" in dict(report.decisions)["gemm2: SGEMM kept"]
 
 
-def test_after_a_mismatch_a_late_bf16_product_gemm_goes_back_to_bf16_products():
+def test_after_a_mismatch_a_late_bf16_product_gemm_goes_back_to_bf16_products(monkeypatch):
     """The whole-program step-down covers both lossy kinds, each back to its own precision: the late bf16
     GEMM returns to bf16 products while the program matches, the tf32x3 one before it stays SGEMM."""
     from stitchcuda.graph.planner import Group
-    from stitchcuda.graph.report import Report, _Progress
+    from stitchcuda.graph.report import Report
 
     early = Group("gemm", [SimpleNamespace(name="qkv")], "", params={"precision": "fp32"})
     late = Group("gemm", [SimpleNamespace(name="out")], "", params={"precision": "tf32"})
@@ -616,8 +631,7 @@ def test_after_a_mismatch_a_late_bf16_product_gemm_goes_back_to_bf16_products():
         bad = program[0] == "tf32x3"
         return {"passed": not bad, "detail": "output 0 differs" if bad else ""}
 
-    kept = optimize_module._restore_late([(early, "tf32x3"), (late, "bf16")], report, _Progress(False), build,
-                                         verify, "passing")
+    kept = _restore_late(monkeypatch, [(early, "tf32x3"), (late, "bf16")], report, build, verify)
     assert kept == ("fp32", "bf16")
     names = [d for d, _ in report.decisions]
     assert "out: bf16 products again" in names and "out: TF32 instead of bf16 products" not in names
@@ -688,8 +702,8 @@ def test_the_keep_decision_times_eager_and_the_program_in_alternating_rounds(mon
         clock["ms"] *= 0.9
         return clock["ms"]
 
-    monkeypatch.setattr(optimize_module, "_time_ms", timed)
-    t = optimize_module._measure(model, optimized, (torch.ones(2),), False)
+    monkeypatch.setattr(measure, "time_ms", timed)
+    t = measure.measure_speed(model, optimized, (torch.ones(2),), False)
     assert calls == ["eager", "program", "program", "eager", "eager", "program"]
     assert t["rounds"] == 3 and t["rounds_faster"] == 2  # faster in the two rounds where it went second
     assert t["stitched_ms"] >= t["eager_ms"]  # the medians: not faster, so the model keeps running
@@ -698,8 +712,8 @@ def test_the_keep_decision_times_eager_and_the_program_in_alternating_rounds(mon
 def test_the_program_is_kept_only_when_faster_than_the_margin_in_most_rounds():
     """A gain within the timer's spread on one model (KEEP_MARGIN, 2%) keeps the model running; so does a
     median win carried by one round of three."""
-    keep = optimize_module._not_faster
-    assert optimize_module.KEEP_MARGIN == optimize_module.VARIANT_TIE == 0.02
+    keep = measure.not_faster
+    assert measure.KEEP_MARGIN == measure.VARIANT_TIE == 0.02
     assert keep({"eager_ms": 1.0, "stitched_ms": 0.9, "rounds": 3, "rounds_faster": 3}) == ""
     within = keep({"eager_ms": 1.0, "stitched_ms": 0.99, "rounds": 3, "rounds_faster": 3})
     assert "0.9900 ms against eager 1.0000 ms" in within and "2% faster" in within
@@ -712,14 +726,14 @@ def test_a_stage_that_runs_again_adds_to_its_seconds(monkeypatch):
     """report.stage_seconds: each timed stage's wall seconds; a stage run twice (a rebuild after a traced
     mismatch) adds up, and a stage that raises still counts the time it took."""
     clock = iter([10.0, 12.5, 20.0, 21.0, 30.0, 30.25])
-    monkeypatch.setattr(optimize_module.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: next(clock))
     report = SimpleNamespace(stage_seconds={"capture": 1.0})
-    with optimize_module._timed(report, "trace_and_rebuild"):
+    with measure.timed_stage(report, "trace_and_rebuild"):
         pass
-    with optimize_module._timed(report, "trace_and_rebuild"):
+    with measure.timed_stage(report, "trace_and_rebuild"):
         pass
     try:
-        with optimize_module._timed(report, "verify"):
+        with measure.timed_stage(report, "verify"):
             raise RuntimeError("a failed check")
     except RuntimeError:
         pass

@@ -15,7 +15,7 @@ from stitchcuda import jit
 from stitchcuda.graph.capture import capture
 from stitchcuda.graph.layout import channels_last_strides, is_channels_last
 from stitchcuda.graph.lower import Lowering, fold_batch_norm
-from stitchcuda.graph.optimize import _group_entries
+from stitchcuda.graph.build import group_entries
 from stitchcuda.graph.planner import OfflinePlanner
 
 
@@ -33,11 +33,11 @@ class _ResidualBlock(nn.Module):
 
 
 @pytest.fixture(autouse=True)
-def _tf32_convolutions(monkeypatch):
+def _tf32_convolutions(stitch_settings, monkeypatch):
     """Channels-last is planned for tensor-core convolutions: fp32 ones while cuDNN may use TF32 (PyTorch's
     default, set here so that no other test's flags decide)."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
-    monkeypatch.delenv("STITCHCUDA_CHANNELS_LAST", raising=False)
+    stitch_settings(STITCHCUDA_CHANNELS_LAST=None)
 
 
 def _lowered(model, x):
@@ -86,19 +86,19 @@ def test_a_model_with_tf32_convolutions_is_judged_at_tf32s_tolerance(monkeypatch
     assert plan.tolerance_precision == "fp32"
 
 
-def test_the_channels_last_knob_overrides_the_precision_rule(monkeypatch):
+def test_the_channels_last_knob_overrides_the_precision_rule(stitch_settings, monkeypatch):
     """STITCHCUDA_CHANNELS_LAST=on plans the chain channels-last in true fp32 too (the NHWC path tested or
     timed at fp32's tolerance), off never plans it, and a value it does not know is an error naming it."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    monkeypatch.setenv("STITCHCUDA_CHANNELS_LAST", "on")
+    stitch_settings(STITCHCUDA_CHANNELS_LAST="on")
     _, plan, _ = _lowered(_ResidualBlock(), torch.randn(4, 16, 64, 64))
     assert plan.channels_last
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
-    monkeypatch.setenv("STITCHCUDA_CHANNELS_LAST", "off")
+    stitch_settings(STITCHCUDA_CHANNELS_LAST="off")
     _, plan, _ = _lowered(_ResidualBlock(), torch.randn(4, 16, 64, 64))
     assert plan.channels_last == frozenset()
-    monkeypatch.setenv("STITCHCUDA_CHANNELS_LAST", "always")
-    with pytest.raises(ValueError, match="STITCHCUDA_CHANNELS_LAST='always' is not one of auto, on, off"):
+    stitch_settings(STITCHCUDA_CHANNELS_LAST="always")
+    with pytest.raises(ValueError, match="STITCHCUDA_CHANNELS_LAST must be one of auto, on, off, got 'always'"):
         _lowered(_ResidualBlock(), torch.randn(4, 16, 64, 64))
 
 
@@ -342,10 +342,10 @@ def test_fused_epilogues_lower_to_cudnns_fused_convolutions_with_the_batch_norm_
     unfused.build(plan.groups, graph.inputs, graph.outputs)
     assert len(unfused.kernels) - len(lowering.kernels) == 3
     # The report says which ran: cuDNN's fused call for the three epilogues, a generated kernel otherwise.
-    entries = _group_entries(plan, lowering, set(), lowering.main_kernels)
+    entries = group_entries(plan, lowering, set(), lowering.main_kernels)
     in_cudnn = [e for e in entries if "fused with its convolution in cuDNN's cudnn_convolution" in e["reason"]]
     assert len(in_cudnn) == 3 and not any("kernel" in e for e in in_cudnn), in_cudnn
-    unfused_entries = _group_entries(plan, unfused, set(), unfused.main_kernels)
+    unfused_entries = group_entries(plan, unfused, set(), unfused.main_kernels)
     assert not any("cuDNN's cudnn_convolution" in e["reason"] for e in unfused_entries)
 
     def generated(rows):
@@ -396,17 +396,17 @@ def test_folding_a_batch_norm_into_the_filter_and_bias_matches_the_two_ops():
 def test_the_report_says_which_program_variant_was_timed_faster():
     import importlib
 
-    opt = importlib.import_module("stitchcuda.graph.optimize")
+    opt = importlib.import_module("stitchcuda.graph.build")
     nhwc = frozenset({"x"})
     times = {(nhwc, False): 2.0, (frozenset(), False): 2.5, (nhwc, True): 1.8}
-    decisions = dict(opt._variant_decisions(times, (nhwc, True), 3))
+    decisions = dict(opt.variant_decisions(times, (nhwc, True), 3))
     assert decisions.keys() == {"convolution chains channels-last (measured)",
                                 "convolution epilogues fused in cuDNN (measured)"}
     assert "channels-last 2.0000 ms, NCHW 2.5000 ms" in decisions["convolution chains channels-last (measured)"]
     why = decisions["convolution epilogues fused in cuDNN (measured)"]
     assert "3 convolution(s)" in why and "1.8000 ms, a convolution and a generated epilogue kernel 2.0000 ms" in why
     # NCHW only (no chain worth converting), the generated epilogues faster.
-    decisions = opt._variant_decisions({(frozenset(), False): 1.0, (frozenset(), True): 1.2}, (frozenset(), False), 1)
+    decisions = opt.variant_decisions({(frozenset(), False): 1.0, (frozenset(), True): 1.2}, (frozenset(), False), 1)
     assert [d[0] for d in decisions] == ["convolution epilogues as generated kernels (measured)"]
 
 
@@ -416,14 +416,14 @@ def test_variants_within_the_timers_spread_are_decided_by_their_planned_memory()
     and the report says why with both times and both plans."""
     import importlib
 
-    opt = importlib.import_module("stitchcuda.graph.optimize")
+    opt = importlib.import_module("stitchcuda.graph.build")
     nhwc, nchw = (frozenset({"x"}), False), (frozenset(), False)
     mib = 1 << 20
-    assert opt._choose_variant({nhwc: 1.00, nchw: 1.01}, {nhwc: 1568 * mib, nchw: 784 * mib}) == nchw
-    assert opt._choose_variant({nhwc: 1.00, nchw: 1.05}, {nhwc: 1568 * mib, nchw: 784 * mib}) == nhwc  # a real gain
-    assert opt._choose_variant({nhwc: 1.00, nchw: 1.01}, {nhwc: 784 * mib, nchw: 784 * mib}) == nhwc  # the faster
-    assert opt._choose_variant({nhwc: float("inf"), nchw: 1.0}, {nhwc: 0, nchw: 784 * mib}) == nchw  # one failed
-    decisions = dict(opt._variant_decisions({nhwc: 1.00, nchw: 1.01}, nchw, 0, {nhwc: 1568 * mib, nchw: 784 * mib}))
+    assert opt.choose_variant({nhwc: 1.00, nchw: 1.01}, {nhwc: 1568 * mib, nchw: 784 * mib}) == nchw
+    assert opt.choose_variant({nhwc: 1.00, nchw: 1.05}, {nhwc: 1568 * mib, nchw: 784 * mib}) == nhwc  # a real gain
+    assert opt.choose_variant({nhwc: 1.00, nchw: 1.01}, {nhwc: 784 * mib, nchw: 784 * mib}) == nhwc  # the faster
+    assert opt.choose_variant({nhwc: float("inf"), nchw: 1.0}, {nhwc: 0, nchw: 784 * mib}) == nchw  # one failed
+    decisions = dict(opt.variant_decisions({nhwc: 1.00, nchw: 1.01}, nchw, 0, {nhwc: 1568 * mib, nchw: 784 * mib}))
     why = decisions["program variants within 2%: the one planning less memory kept (measured)"]
     assert "1.0100 ms planning 784 MiB against the fastest's 1.0000 ms planning 1,568 MiB" in why
     assert "convolution chains kept NCHW (measured)" in decisions

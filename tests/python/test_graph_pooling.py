@@ -27,7 +27,7 @@ from stitchcuda.graph import Lowering, OfflinePlanner, capture, reference_values
 from stitchcuda.graph.layout import is_channels_last  # noqa: E402
 from stitchcuda.graph.templates import (PointwiseInput, RowPrologue, pool_output_size, pooling_blocker,  # noqa: E402
                                         pooling_kernel)
-from stitchcuda.graph.templates.common import _PRELUDE  # noqa: E402
+from stitchcuda.graph.templates.common import PRELUDE  # noqa: E402
 
 emulated = pytest.mark.skipif(unavailable() is not None, reason=f"CUDA emulator: {unavailable()}")
 KERNELBENCH = Path(__file__).resolve().parents[2] / "bench" / "kernelbench"
@@ -45,8 +45,8 @@ def emu(tmp_path_factory):
 
 def _launch_all(emu, codes, tensors):
     """Builds every kernel in one emulated module (one C++ compile for all) and launches each on its tensors."""
-    body = "".join(code.source[len(_PRELUDE):] for code in codes)
-    module = EmulatedModule(emu, _fp32_only(_PRELUDE + body))
+    body = "".join(code.source[len(PRELUDE):] for code in codes)
+    module = EmulatedModule(emu, _fp32_only(PRELUDE + body))
     for code, t in zip(codes, tensors):
         kernel = module.kernel(code.name)
         kernel(code.grid, code.block, *[t[key] if kind in ("in", "out") else key for kind, key in code.args])
@@ -358,10 +358,10 @@ class ConvPoolConv(nn.Module):
         return self.b(F.max_pool2d(torch.relu(self.a(x)), 2))
 
 
-def test_a_channels_last_input_is_pooled_where_it_lies(monkeypatch):
+def test_a_channels_last_input_is_pooled_where_it_lies(stitch_settings, monkeypatch):
     # Between two convolutions of a channels-last plan the pool reads NHWC and writes NHWC (the
     # channels-last template: four channels per thread); kept NCHW, the NCHW template runs.
-    monkeypatch.setenv("STITCHCUDA_CHANNELS_LAST", "on")  # planned whatever this process's TF32 flags
+    stitch_settings(STITCHCUDA_CHANNELS_LAST="on")  # planned whatever this process's TF32 flags
     from stitchcuda.graph import reference_values
 
     x = torch.randn(2, 16, 64, 64)

@@ -21,30 +21,6 @@ PACKAGE = ROOT / "python" / "stitchcuda"
 # listed); nothing may join.
 KNOWN_PRIVATE_IMPORTS = {
     ("stitchcuda.bench.suite", "stitchcuda.graph.optimize", "_plan_only"),
-    ("stitchcuda.graph.lower", "stitchcuda.graph.templates.ops", "_scalar"),
-    ("stitchcuda.graph.templates.columns", "stitchcuda.graph.templates.common", "_CTYPE"),
-    ("stitchcuda.graph.templates.columns", "stitchcuda.graph.templates.common", "_PRELUDE"),
-    ("stitchcuda.graph.templates.depthwise", "stitchcuda.graph.templates.common", "_CTYPE"),
-    ("stitchcuda.graph.templates.depthwise", "stitchcuda.graph.templates.common", "_PRELUDE"),
-    ("stitchcuda.graph.templates.pointwise", "stitchcuda.graph.templates.common", "_CTYPE"),
-    ("stitchcuda.graph.templates.pointwise", "stitchcuda.graph.templates.common", "_PRELUDE"),
-    ("stitchcuda.graph.templates.pointwise", "stitchcuda.graph.templates.common", "_element_indices"),
-    ("stitchcuda.graph.templates.pointwise", "stitchcuda.graph.templates.common", "_index"),
-    ("stitchcuda.graph.templates.pointwise", "stitchcuda.graph.templates.common", "_split"),
-    ("stitchcuda.graph.templates.pooling", "stitchcuda.graph.templates.common", "_CTYPE"),
-    ("stitchcuda.graph.templates.pooling", "stitchcuda.graph.templates.common", "_PRELUDE"),
-    ("stitchcuda.graph.templates.rows", "stitchcuda.graph.templates.common", "_CTYPE"),
-    ("stitchcuda.graph.templates.rows", "stitchcuda.graph.templates.common", "_PRELUDE"),
-    ("stitchcuda.graph.templates.rows", "stitchcuda.graph.templates.common", "_index"),
-    ("stitchcuda.graph.templates.rows", "stitchcuda.graph.templates.common", "_split"),
-    ("stitchcuda.graph.templates.rows", "stitchcuda.graph.templates.ops", "_lit"),
-    ("stitchcuda.graph.templates.scan", "stitchcuda.graph.templates.common", "_CTYPE"),
-    ("stitchcuda.graph.templates.scan", "stitchcuda.graph.templates.common", "_PRELUDE"),
-    ("stitchcuda.graph.templates.scan", "stitchcuda.graph.templates.rows", "_cached_output"),
-    ("stitchcuda.graph.templates.scan", "stitchcuda.graph.templates.rows", "_cached_prologue"),
-    ("stitchcuda.graph.templates.transpose", "stitchcuda.graph.templates.common", "_CTYPE"),
-    ("stitchcuda.graph.templates.transpose", "stitchcuda.graph.templates.common", "_PRELUDE"),
-    ("stitchcuda.graph.templates.transpose", "stitchcuda.graph.templates.common", "_index"),
     ("stitchcuda.verify.static_compile", "stitchcuda.verify.static", "_Analysis"),
     ("stitchcuda.verify.static_compile", "stitchcuda.verify.static", "_Reference"),
 }
@@ -143,7 +119,8 @@ def test_lint_imports_holds_the_contracts():
 
 def test_no_module_imports_one_that_imports_it_back():
     imports = _imports()
-    edges = {importer: {module for _, module, _ in entries if module in imports and module not in (importer, "stitchcuda")}
+    edges = {importer: {module for _, module, _ in entries
+                        if module in imports and module not in (importer, "stitchcuda")}
              for importer, entries in imports.items()}
     # The package itself (`from .. import _C`) is imported before any of its modules: no edge of a circle.
     circles = _circles(edges)

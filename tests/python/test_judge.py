@@ -168,12 +168,12 @@ def test_measure_without_a_gpu_is_unavailable(monkeypatch):
 
 def test_every_timing_caller_goes_through_measure(monkeypatch):
     fake = FakeGPU(monkeypatch, times=[2.0] * 100)
-    optimize_module = importlib.import_module("stitchcuda.graph.optimize")
+    graph_measure = importlib.import_module("stitchcuda.graph.measure")  # graph mode's timer
     from stitchcuda.bench import program as bench_program
     from stitchcuda.bench import suite
     from stitchcuda.bench import verify as bench_verify
 
-    assert optimize_module._time_ms(lambda: None) == 2.0
+    assert graph_measure.time_ms(lambda: None) == 2.0
     assert suite._time_ms(lambda: None) == 2.0
     assert bench_program.gpu_ms(lambda: None) == 2.0
     assert bench_verify._kernelbench_style(lambda x: x, [torch.ones(1)], trials=5) == 2.0
@@ -410,9 +410,9 @@ def test_verify_whole_judges_a_model_on_the_example_and_random_sets(monkeypatch)
     monkeypatch.undo()
     shape = vprogram.verify_whole(model, lambda t: (t[:8] * 2, (t > 0).sum()), (x,), 2)
     assert not shape["passed"] and shape["max_abs_error"] == math.inf and "output 0 is" in shape["detail"]
-    optimize_module = importlib.import_module("stitchcuda.graph.optimize")
-    assert optimize_module._verify(model, lambda t: (t + t, (t > 0).sum()), (x,), 1,
-                                   SimpleNamespace(precision="fp32", tolerance_precision="fp32", groups=[]))["passed"]
+    graph_measure = importlib.import_module("stitchcuda.graph.measure")
+    assert graph_measure.verify_program(model, lambda t: (t + t, (t > 0).sum()), (x,), 1,
+                                        SimpleNamespace(precision="fp32", tolerance_precision="fp32", groups=[]))["passed"]
 
 
 def test_verify_whole_releases_the_program_before_each_model_forward_and_judges_its_second_call():
@@ -485,15 +485,14 @@ def test_the_hardware_table_is_the_cpp_profile_layers():
 
 
 def test_the_planners_dram_number_is_the_verifiers_floor_bandwidth(monkeypatch):
-    optimize_module = importlib.import_module("stitchcuda.graph.optimize")
+    graph_measure = importlib.import_module("stitchcuda.graph.measure")
     fake = lambda device=None: hardware._describe(H200, "13.0")  # noqa: E731
-    monkeypatch.setattr(hardware, "describe", fake)
-    monkeypatch.setattr(optimize_module, "describe", fake)  # bound at import there
+    monkeypatch.setattr(hardware, "describe", fake)  # graph mode reads it through the module
     told = agents.hardware()
     assert set(told) == {"gpu", "arch", "sms", "memory_gib", "dram_tb_s", "fp32_tflops", "tf32_tflops", "cuda"}
     assert told["dram_tb_s"] == verify.VerifyConfig().bandwidth_tb_s == hardware.floor_bandwidth_tb_s() == 4.3
     assert told["tf32_tflops"] == 495.0 and told["gpu"] == "NVIDIA H200"
-    assert optimize_module._device_facts() == (132, "NVIDIA H200")
+    assert graph_measure.device_facts() == (132, "NVIDIA H200")
     monkeypatch.setattr(hardware, "describe", lambda device=None: {"gpu": None, "cuda": "13.0"})
     assert agents.hardware() == {"gpu": agents.NO_GPU, "cuda": "13.0"}
 

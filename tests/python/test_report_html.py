@@ -187,7 +187,7 @@ def test_to_dict_is_strict_json_with_its_schema_and_reads_back(planned):
     jsonschema.Draft202012Validator.check_schema(schema)
     for report in (planned, _as_optimized(planned)):
         data = report.to_dict()
-        assert data["schema"] == SCHEMA == "stitchcuda.graph.report/1"
+        assert data["schema"] == SCHEMA == "stitchcuda.graph.report/2"
         text = json.dumps(data, allow_nan=False)
         jsonschema.validate(json.loads(text), schema, cls=jsonschema.Draft202012Validator)
         again = Report.from_dict(json.loads(text))
@@ -210,7 +210,7 @@ def test_to_dict_is_strict_json_with_its_schema_and_reads_back(planned):
                             cls=jsonschema.Draft202012Validator)
     # The schema is not vacuous: what from_dict refuses, it refuses too.
     good = planned.to_dict()
-    for broken in ({**good, "schema": "stitchcuda.graph.report/2"}, {**good, "status": "maybe"},
+    for broken in ({**good, "schema": "stitchcuda.graph.report/3"}, {**good, "status": "maybe"},
                    {**good, "decisions": [["a", "b", "c"]]}, {k: v for k, v in good.items() if k != "groups"},
                    {**good, "groups": [{"kind": "pointwise"}]}):
         with pytest.raises(jsonschema.ValidationError):
@@ -219,8 +219,8 @@ def test_to_dict_is_strict_json_with_its_schema_and_reads_back(planned):
 
 def test_from_dict_refuses_another_schema_and_bad_values(planned):
     good = planned.to_dict()
-    with pytest.raises(InvalidArgumentError, match="schema 'stitchcuda.graph.report/2'"):
-        Report.from_dict({**good, "schema": "stitchcuda.graph.report/2"})
+    with pytest.raises(InvalidArgumentError, match="schema 'stitchcuda.graph.report/3'"):
+        Report.from_dict({**good, "schema": "stitchcuda.graph.report/3"})
     with pytest.raises(InvalidArgumentError, match="status 'maybe'"):
         Report.from_dict({**good, "status": "maybe"})
     with pytest.raises(InvalidArgumentError, match="pairs"):

@@ -39,8 +39,9 @@ from .. import _C
 from ..agents.run_dir import append_event, read_json as _read_json, redact_keys as _redact
 from ..agents.run_dir import write_json as _write_json, write_text as _write
 from ..log import get_logger
+from ..settings import settings
 from .capture import Graph
-from .planner import Group, GraphPlan
+from .groups import Group, GraphPlan
 from .targets import (COMPUTING, KernelStep, KernelStepError, SubProblem, Target, TargetError, describe_graph,
                       evaluate, floor_of, group_ids, kernel_code, parse_targets, subproblem, wrapper_source)
 
@@ -268,11 +269,29 @@ class _Runner:
             return check(task, source, config=self.config, pool=self.pool, **kwargs).to_json()
 
 
+def _template_verdict(r: _Runner, target: Target, groups: list[Group], sub: SubProblem, task: Any) -> dict:
+    """The template path of the target's groups lowered alone and judged by the Verifier like a candidate."""
+    from .lower import Lowering
+
+    r.event("template", f"{target.id}: judging the template path of {', '.join(target.groups)}", target=target.id)
+    try:
+        lowering = Lowering(r.graph, r.plan, r.constants, r.sm_count)
+        program = lowering.build(groups, sub.inputs, sub.outputs)
+        program.compile_kernels()
+        report = json.loads(r.verify(task, program_wrapper_source(program.serialize(), sub), trusted=True))
+        steps = [s["kind"] for s in program.steps]
+        return {"correct": bool(report.get("correct")), "hack": bool(report.get("hack")),
+                "speedup": (report.get("speedup") or {}).get("eager"),
+                "ms": (report.get("timing") or {}).get("candidate_ms"),
+                "eager_ms": (report.get("timing") or {}).get("eager_ms"),
+                "steps": steps, "why": (report.get("error") or {}).get("message", "")}
+    except Exception as exc:  # the template path may not lower alone; the LLM may still win
+        return {"correct": False, "speedup": None, "why": f"{type(exc).__name__}: {exc}"[:300]}
+
+
 def _run_target(r: _Runner, target: Target, groups: list[Group], index: int, tokens: int) -> TargetResult:
-    from .. import _C
     from ..agents import loop
     from ..verify import Task
-    from .lower import Lowering
 
     sub = subproblem(r.graph, groups, r.values, target.id, target.strategy)
     tdir = r.root / "targets" / f"{index:02d}-{target.id}"
@@ -283,21 +302,8 @@ def _run_target(r: _Runner, target: Target, groups: list[Group], index: int, tok
     # The template path of these groups, judged like any candidate (cached: a resumed run keeps it).
     template = _read_json(tdir / "template.json")
     if template is None:
-        r.event("template", f"{target.id}: judging the template path of {', '.join(target.groups)}", target=target.id)
         t0 = time.perf_counter()
-        try:
-            lowering = Lowering(r.graph, r.plan, r.constants, r.sm_count)
-            program = lowering.build(groups, sub.inputs, sub.outputs)
-            program.compile_kernels()
-            report = json.loads(r.verify(task, program_wrapper_source(program.serialize(), sub), trusted=True))
-            steps = [s["kind"] for s in program.steps]
-            template = {"correct": bool(report.get("correct")), "hack": bool(report.get("hack")),
-                        "speedup": (report.get("speedup") or {}).get("eager"),
-                        "ms": (report.get("timing") or {}).get("candidate_ms"),
-                        "eager_ms": (report.get("timing") or {}).get("eager_ms"),
-                        "steps": steps, "why": (report.get("error") or {}).get("message", "")}
-        except Exception as exc:  # the template path may not lower alone; the LLM may still win
-            template = {"correct": False, "speedup": None, "why": f"{type(exc).__name__}: {exc}"[:300]}
+        template = _template_verdict(r, target, groups, sub, task)
         # Lowering, NVRTC and the Verifier's run (the worker's start on the first target): compile and GPU time.
         result.template_s = time.perf_counter() - t0
     result.template = template
@@ -325,7 +331,7 @@ def _run_target(r: _Runner, target: Target, groups: list[Group], index: int, tok
     budget = {"attempts": r.budget.attempts, "replans": 1, "tokens": tokens,
               "wall_s": max(remaining, 1.0) if r.budget.wall_s else 0.0}
     options = {"prompts_dir": os.fspath(loop.PROMPTS_DIR), "prompts_override": "",
-               "docs_dir": os.environ.get("STITCHCUDA_DOCS_DIR") or os.fspath(Path(loop.__file__).resolve().parent / "corpus"),
+               "docs_dir": os.fspath(settings().docs_dir or Path(loop.__file__).resolve().parent / "corpus"),
                **r.call_options}
     config = {"mode": "graph-target", "problem": target.id, "llm": r.backend_name, "llm_spec": r.llm_spec,
               "budget": budget, "target": target.to_dict(), "hardware": r.machine, "stitchcuda": _C.version()}
@@ -434,29 +440,10 @@ def run_agents(graph: Graph, plan: GraphPlan, values: dict[str, torch.Tensor], c
     """Runs the agents on `plan`'s groups and returns each target's verdict (TargetResult.code is set
     where an LLM kernel step won). Everything is recorded under the run directory; `resume` continues a
     killed run (the graph must be the same)."""
-    from .. import _C
     from ..agents import loop
 
     started = time.perf_counter()
-    budget = budget or AgentBudget()
-    if resume is not None:
-        root = Path(resume)
-        saved = _read_json(root / "config.json")
-        if saved is None:
-            from ..errors import NotFoundError
-            raise NotFoundError(f"'{root}' is not a graph-mode run directory (no readable config.json)")
-        if saved.get("fingerprint") != fingerprint(graph):
-            from ..errors import InvalidArgumentError
-            raise InvalidArgumentError(f"the run in '{root}' was made for another graph (fingerprint "
-                                       f"{saved.get('fingerprint')}, this model's {fingerprint(graph)}): resume it "
-                                       "with the same model and input shapes, or start a new run")
-        budget = AgentBudget(**{**budget.to_dict(), **(saved.get("budget") or {})})
-    else:
-        root = Path(run_dir) if run_dir else Path(_C.agents.fresh_run_path("runs", name))
-        if root.exists() and any(root.iterdir()):
-            from ..errors import InvalidArgumentError
-            raise InvalidArgumentError(f"the run directory '{root}' exists and is not empty: choose another or resume it")
-        root.mkdir(parents=True, exist_ok=True)
+    root, budget = _run_root(graph, name, run_dir, resume, budget or AgentBudget())
     r = _Runner(graph, plan, values, constants, sm_count, llm, root, budget, machine, pool, verify_config,
                 static_only, on_event, started, resume is not None)
     if resume is None:
@@ -466,74 +453,18 @@ def run_agents(graph: Graph, plan: GraphPlan, values: dict[str, torch.Tensor], c
             "stitchcuda": _C.version()}))
         _write_json(root / "hardware.json", machine)
     r.event("start", f"{'resuming' if resume is not None else 'starting'} graph-mode agents on {name}")
-
     library = loop.PromptLibrary.load(loop.PROMPTS_DIR)
-    prompts = library.prompts()
-    if "graph_planner" in prompts and not (root / "prompts" / "index.json").exists():
-        _write(root / "prompts" / "graph_planner.md", prompts["graph_planner"]["text"])
-        _write_json(root / "prompts" / "index.json",
-                    {"graph_planner": {"version": prompts["graph_planner"]["version"],
-                                       "sha256": prompts["graph_planner"]["sha256"]}})
-
-    profile = (_read_json(root / "graph.json") or {}).get("groups")
-    profile_s = 0.0
-    if profile is None:
-        r.event("profile", "profiling each group of the reference")
-        t0 = time.perf_counter()
-        profile = profile_groups(graph, plan, values, machine)
-        profile_s = time.perf_counter() - t0
-        _write_json(root / "graph.json", {"groups": profile, "table": describe_graph(plan, graph, profile)})
-    waited = profile_s
-    saved_targets = _read_json(root / "plans" / "targets.json")
+    _record_prompts(root, library)
+    profile, profile_s = _profiled(r, graph, plan, values, machine, root)
     exchanges: list[dict] = []
-    if saved_targets is None:
-        r.event("plan", "the Planner chooses targets")
-        t0 = time.perf_counter()
-        targets = _plan_targets(r, describe_graph(plan, graph, profile), library, exchanges)
-        waited += time.perf_counter() - t0
-        _write_json(root / "plans" / "targets.json", [t.to_dict() for t in targets])
-        _write_json(root / "plans" / "targets.calls.json", exchanges)
-    else:
-        targets = [Target(t["id"], list(t["groups"]), t.get("strategy", "")) for t in saved_targets]
+    targets, planning_s = _chosen_targets(r, graph, plan, profile, library, exchanges, root)
     planner_calls = _read_json(root / "plans" / "targets.calls.json") or []
-
-    ids = group_ids(plan)
-    results: list[TargetResult] = []
-    if targets:
-        share = budget.tokens // len(targets) if budget.tokens else 0
-        spent = sum(int((e.get("usage") or {}).get("total_tokens", 0)) for e in planner_calls)
-        if budget.tokens:
-            share = max((budget.tokens - spent) // len(targets), 1)
-        workers = max(1, min(budget.concurrency, len(targets)))
-        with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stitchcuda-target") as ex:
-            futures = [ex.submit(_run_target, r, t, [ids[g] for g in t.groups], k + 1, share) for k, t in enumerate(targets)]
-            for t, f in zip(targets, futures):
-                try:
-                    results.append(f.result())
-                except Exception as exc:  # one target's failure leaves the others' results
-                    r.event("target", f"{t.id} failed: {type(exc).__name__}: {exc}"[:300], target=t.id)
-                    results.append(TargetResult(t, [ids[g] for g in t.groups], subproblem(graph, [ids[g] for g in t.groups], values, t.id),
-                                                os.fspath(root / "targets"), winner="template",
-                                                note=f"the agents failed: {type(exc).__name__}: {exc}"[:300]))
-
-    # trajectories.jsonl: the Planner's calls, then every target's records (rewritten whole each run).
-    lines = [json.dumps(_trajectory(e, root.name, r.backend_name), default=str) for e in planner_calls]
-    for res in results:
-        path = Path(res.run_dir) / "trajectories.jsonl"
-        if path.is_file():
-            lines += [l for l in path.read_text(encoding="utf-8").splitlines() if l.strip()]
-    _write(root / "trajectories.jsonl", "\n".join(lines) + ("\n" if lines else ""))
-
-    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    for e in planner_calls:
-        for k in usage:
-            usage[k] += int((e.get("usage") or {}).get(k, 0))
-    for res in results:
-        for k in usage:
-            usage[k] += int((res.llm.get("usage") or {}).get(k, 0))
+    results = _run_targets(r, graph, plan, values, targets, planner_calls, budget, root)
+    _write_trajectories(root, planner_calls, results, r.backend_name)
+    usage = _usage(planner_calls, results)
     verify_s = sum(res.llm.get("verify_s", 0.0) + res.template_s for res in results)
     llm_s = sum(res.llm.get("llm_s", 0.0) for res in results) + sum(float(e.get("latency_s", 0.0)) for e in exchanges)
-    waited += verify_s + llm_s
+    waited = profile_s + planning_s + verify_s + llm_s
     wall = time.perf_counter() - started
     summary = {"mode": "graph", "model": name, "targets": [res.row() for res in results], "usage": usage,
                "wall_s": wall, "profile_groups": len(profile), "profile_s": profile_s, "verify_s": verify_s,
@@ -547,3 +478,111 @@ def run_agents(graph: Graph, plan: GraphPlan, values: dict[str, torch.Tensor], c
     _write_json(root / "summary.json", summary)
     r.event("done", f"{sum(res.winner == 'llm' for res in results)} of {len(results)} target(s) won by an LLM kernel")
     return run
+
+
+def _run_root(graph: Graph, name: str, run_dir: str | os.PathLike | None, resume: str | os.PathLike | None,
+              budget: AgentBudget) -> tuple[Path, AgentBudget]:
+    """The run directory (a resumed one checked against this graph, its budget taken back; a new one
+    created empty) and the budget."""
+    from ..errors import InvalidArgumentError, NotFoundError
+
+    if resume is not None:
+        root = Path(resume)
+        saved = _read_json(root / "config.json")
+        if saved is None:
+            raise NotFoundError(f"'{root}' is not a graph-mode run directory (no readable config.json)")
+        if saved.get("fingerprint") != fingerprint(graph):
+            raise InvalidArgumentError(f"the run in '{root}' was made for another graph (fingerprint "
+                                       f"{saved.get('fingerprint')}, this model's {fingerprint(graph)}): resume it "
+                                       "with the same model and input shapes, or start a new run")
+        return root, AgentBudget(**{**budget.to_dict(), **(saved.get("budget") or {})})
+    root = Path(run_dir) if run_dir else Path(_C.agents.fresh_run_path("runs", name))
+    if root.exists() and any(root.iterdir()):
+        raise InvalidArgumentError(f"the run directory '{root}' exists and is not empty: choose another or resume it")
+    root.mkdir(parents=True, exist_ok=True)
+    return root, budget
+
+
+def _record_prompts(root: Path, library: Any) -> None:
+    """The graph Planner's prompt, with its version and hash, in the run directory (once)."""
+    prompts = library.prompts()
+    if "graph_planner" in prompts and not (root / "prompts" / "index.json").exists():
+        _write(root / "prompts" / "graph_planner.md", prompts["graph_planner"]["text"])
+        _write_json(root / "prompts" / "index.json",
+                    {"graph_planner": {"version": prompts["graph_planner"]["version"],
+                                       "sha256": prompts["graph_planner"]["sha256"]}})
+
+
+def _profiled(r: "_Runner", graph: Graph, plan: GraphPlan, values: dict, machine: dict, root: Path
+              ) -> tuple[dict, float]:
+    """Each group's profile (graph.json; measured once, read back on resume) and the seconds it took."""
+    profile = (_read_json(root / "graph.json") or {}).get("groups")
+    if profile is not None:
+        return profile, 0.0
+    r.event("profile", "profiling each group of the reference")
+    t0 = time.perf_counter()
+    profile = profile_groups(graph, plan, values, machine)
+    _write_json(root / "graph.json", {"groups": profile, "table": describe_graph(plan, graph, profile)})
+    return profile, time.perf_counter() - t0
+
+
+def _chosen_targets(r: "_Runner", graph: Graph, plan: GraphPlan, profile: dict, library: Any, exchanges: list[dict],
+                    root: Path) -> tuple[list[Target], float]:
+    """The Planner's targets (plans/targets.json; chosen once, read back on resume) and the seconds it took."""
+    saved_targets = _read_json(root / "plans" / "targets.json")
+    if saved_targets is not None:
+        return [Target(t["id"], list(t["groups"]), t.get("strategy", "")) for t in saved_targets], 0.0
+    r.event("plan", "the Planner chooses targets")
+    t0 = time.perf_counter()
+    targets = _plan_targets(r, describe_graph(plan, graph, profile), library, exchanges)
+    _write_json(root / "plans" / "targets.json", [t.to_dict() for t in targets])
+    _write_json(root / "plans" / "targets.calls.json", exchanges)
+    return targets, time.perf_counter() - t0
+
+
+def _run_targets(r: "_Runner", graph: Graph, plan: GraphPlan, values: dict, targets: list[Target],
+                 planner_calls: list[dict], budget: AgentBudget, root: Path) -> list[TargetResult]:
+    """Every target's run (budget.concurrency at once, each with its share of the tokens the Planner left);
+    a target that fails is the template path with the reason."""
+    ids = group_ids(plan)
+    results: list[TargetResult] = []
+    if not targets:
+        return results
+    share = budget.tokens // len(targets) if budget.tokens else 0
+    spent = sum(int((e.get("usage") or {}).get("total_tokens", 0)) for e in planner_calls)
+    if budget.tokens:
+        share = max((budget.tokens - spent) // len(targets), 1)
+    workers = max(1, min(budget.concurrency, len(targets)))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stitchcuda-target") as ex:
+        futures = [ex.submit(_run_target, r, t, [ids[g] for g in t.groups], k + 1, share) for k, t in enumerate(targets)]
+        for t, f in zip(targets, futures):
+            try:
+                results.append(f.result())
+            except Exception as exc:  # one target's failure leaves the others' results
+                r.event("target", f"{t.id} failed: {type(exc).__name__}: {exc}"[:300], target=t.id)
+                results.append(TargetResult(t, [ids[g] for g in t.groups], subproblem(graph, [ids[g] for g in t.groups], values, t.id),
+                                            os.fspath(root / "targets"), winner="template",
+                                            note=f"the agents failed: {type(exc).__name__}: {exc}"[:300]))
+    return results
+
+
+def _write_trajectories(root: Path, planner_calls: list[dict], results: list[TargetResult], backend_name: str) -> None:
+    """trajectories.jsonl: the Planner's calls, then every target's records (rewritten whole each run)."""
+    lines = [json.dumps(_trajectory(e, root.name, backend_name), default=str) for e in planner_calls]
+    for res in results:
+        path = Path(res.run_dir) / "trajectories.jsonl"
+        if path.is_file():
+            lines += [l for l in path.read_text(encoding="utf-8").splitlines() if l.strip()]
+    _write(root / "trajectories.jsonl", "\n".join(lines) + ("\n" if lines else ""))
+
+
+def _usage(planner_calls: list[dict], results: list[TargetResult]) -> dict[str, int]:
+    """The tokens of the Planner's calls and every target's model calls."""
+    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    for e in planner_calls:
+        for k in usage:
+            usage[k] += int((e.get("usage") or {}).get(k, 0))
+    for res in results:
+        for k in usage:
+            usage[k] += int((res.llm.get("usage") or {}).get(k, 0))
+    return usage

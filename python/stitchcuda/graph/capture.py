@@ -9,17 +9,21 @@ arguments). What cannot be captured raises CaptureError with the reason and what
 from __future__ import annotations
 
 import contextlib
-import os
+import io
+import logging
 import re
 import sys
 from operator import getitem
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.utils._pytree as pytree
+
+from ..log import get_logger
+from ..settings import settings
 
 __all__ = ["CaptureError", "Value", "Node", "Graph", "capture"]
 
@@ -275,11 +279,44 @@ def _export(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Any:
     # parameters inference tensors) is traced in inference mode itself.
     loaded_for_inference = any(t.is_inference() for t in [*model.parameters(), *model.buffers()])
     mode = torch.inference_mode() if loaded_for_inference else torch.no_grad()
-    with warnings.catch_warnings(), _recurrent_shapes_only(), mode:
+    with warnings.catch_warnings(), _recurrent_shapes_only(), mode, _export_quietly():
         # torch's own pytree deprecation notices, raised inside export: not the user's concern.
         warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
         exported = torch.export.export(model, tuple(example_inputs), strict=False)
         return exported.run_decompositions(_decompositions())
+
+
+_log = get_logger(__name__)
+
+
+class _NoUserCode(logging.Filter):
+    """Drops torch's "Unable to find user code corresponding to {u0}" (a data-dependent branch): the
+    CaptureError that follows says what failed and what to do."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Unable to find user code corresponding to")
+
+
+@contextlib.contextmanager
+def _export_quietly() -> Iterator[None]:
+    """torch.export without its own stderr noise: on a failed trace it prints the partial FX graph once per
+    nested wrapper (twice for a data-dependent `if`). What it writes to stderr is held: written out after a
+    capture that succeeds (nothing is lost), logged at DEBUG after one that fails (the CaptureError is the
+    message)."""
+    held = io.StringIO()
+    shapes_log, quiet = logging.getLogger("torch.fx.experimental.symbolic_shapes"), _NoUserCode()
+    shapes_log.addFilter(quiet)
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    except BaseException:
+        if held.getvalue().strip():
+            _log.debug("torch.export's output before it failed:\n%s", held.getvalue().rstrip())
+        raise
+    else:
+        sys.stderr.write(held.getvalue())
+    finally:
+        shapes_log.removeFilter(quiet)
 
 
 def _convolution_biases_apart(exported: Any) -> int:
@@ -293,7 +330,7 @@ def _convolution_biases_apart(exported: Any) -> int:
     STITCHCUDA_CONV_BIAS_APART=0 turns the rewrite off (to measure it). Returns how many were rewritten."""
     from .templates.ops import is_pointwise
 
-    if os.environ.get("STITCHCUDA_CONV_BIAS_APART", "1").strip() == "0":
+    if not settings().conv_bias_apart:
         return 0
     graph = exported.graph_module.graph
     conv, view, add = torch.ops.aten.convolution.default, torch.ops.aten.view.default, torch.ops.aten.add.Tensor
@@ -390,8 +427,15 @@ def _library_types(spec: Any) -> list[str]:
         t = getattr(s, "type", None)
         if t is not None and t.__module__.startswith("transformers.cache_utils") and t.__name__ not in names:
             names.append(t.__name__)
-        stack.extend(getattr(s, "children_specs", []) or [])
+        stack.extend(_children(s))
     return names
+
+
+def _children(spec: Any) -> list[Any]:
+    """A pytree spec's child specs: children() where torch has it (its children_specs attribute warns
+    FutureWarning there), else the attribute."""
+    children = getattr(spec, "children", None)
+    return list(children()) if callable(children) else list(getattr(spec, "children_specs", []) or [])
 
 
 class _FlatOutputs(torch.nn.Module):
@@ -414,136 +458,163 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Graph:
     """Exports `model` on `example_inputs` and returns its core-ATen graph. A transformers model (or one
     returning an object of that library pytree did not know: a causal LM's DynamicCache) is exported
     returning its output's tensors, and the graph's out_spec rebuilds the output, cache included."""
-    out_spec, notes = None, []
-    flat = _transformers_model(model)
-    if not flat:
-        try:
-            exported = _export(model, example_inputs)
-        except Exception as exc:  # torch raises many types here; the message is what the user needs
-            flat = _transformers_model(model, exc)
-            if not flat:
-                raise _capture_error(exc) from exc
-    if flat:
-        specs: list[Any] = []
-        try:
-            exported = _export(_FlatOutputs(model, specs.append), example_inputs)
-        except Exception as exc:
-            raise _capture_error(exc, transformers=True) from exc
-        out_spec = specs[-1]
-        caches = _library_types(out_spec)
-        notes.append(("the transformers model is exported returning its output's tensors" +
-                      (f" (its {', '.join(caches)} included)" if caches else ""),
-                      "torch.export does not trace through transformers' output objects as they are" +
-                      (" (a DynamicCache loses the call's inputs from its module call graph)" if caches else "") +
-                      "; the program returns the tensors and the output is rebuilt around them, so calls return "
-                      "what the model returns" +
-                      (" (transformers' pytree support for its caches registered)" if caches else "")))
-
+    exported, out_spec, notes = _exported(model, example_inputs)
     apart = _convolution_biases_apart(exported)
     if apart:
         notes.append((f"{apart} convolution bias(es) added by the elementwise kernel after the convolution",
                       "cuDNN's convolution adds its bias in a pass of its own over the output; the kernel that "
                       "reads the output adds it in its loads, one read and write of the output fewer"))
-    sig = exported.graph_signature
-    state = dict(exported.state_dict)
-    state.update(exported.constants)
-    placeholder_target: dict[str, str] = {}
-    for spec in sig.input_specs:
-        if spec.target is not None and hasattr(spec.arg, "name"):
-            placeholder_target[spec.arg.name] = spec.target
-    user_inputs = set(sig.user_inputs)
+    reader = _GraphReader(exported)
+    reader.read()
+    if not reader.inputs:
+        raise CaptureError("the model has no tensor inputs")
+    return Graph(reader.inputs, reader.weights, reader.nodes, reader.outputs, out_spec or exported.call_spec.out_spec,
+                 exported.call_spec.in_spec, exported, notes, reader.output_constants)
 
-    values: dict[str, Value] = {}
-    inputs: list[Value] = []
-    weights: list[Value] = []
-    nodes: list[Node] = []
-    multi: dict[str, Node] = {}
-    output_constants: dict[int, Any] = {}
 
-    def convert(a):
+def _exported(model: torch.nn.Module, example_inputs: Sequence[Any]) -> tuple[Any, Any, list[tuple[str, str]]]:
+    """(the exported program, the output spec that rebuilds a flattened output or None, the notes): a
+    transformers model is exported returning its output's tensors (_FlatOutputs)."""
+    out_spec, notes = None, []
+    flat = _transformers_model(model)
+    if not flat:
+        try:
+            return _export(model, example_inputs), None, notes
+        except Exception as exc:  # torch raises many types here; the message is what the user needs
+            flat = _transformers_model(model, exc)
+            if not flat:
+                raise _capture_error(exc) from exc
+    specs: list[Any] = []
+    try:
+        exported = _export(_FlatOutputs(model, specs.append), example_inputs)
+    except Exception as exc:
+        raise _capture_error(exc, transformers=True) from exc
+    out_spec = specs[-1]
+    caches = _library_types(out_spec)
+    notes.append(("the transformers model is exported returning its output's tensors" +
+                  (f" (its {', '.join(caches)} included)" if caches else ""),
+                  "torch.export does not trace through transformers' output objects as they are" +
+                  (" (a DynamicCache loses the call's inputs from its module call graph)" if caches else "") +
+                  "; the program returns the tensors and the output is rebuilt around them, so calls return "
+                  "what the model returns" +
+                  (" (transformers' pytree support for its caches registered)" if caches else "")))
+    return exported, out_spec, notes
+
+
+class _GraphReader:
+    """The exported program's FX graph read into the Graph's values and nodes: placeholders become inputs
+    or weights, ATen calls nodes (every result of a multi-output op a value, named by its getitem), and
+    the output node the graph's outputs (numbers, strings and None beside them kept as constants)."""
+
+    def __init__(self, exported: Any) -> None:
+        self.exported = exported
+        sig = exported.graph_signature
+        self.state = {**exported.state_dict, **exported.constants}
+        self.placeholder_target = {spec.arg.name: spec.target for spec in sig.input_specs
+                                   if spec.target is not None and hasattr(spec.arg, "name")}
+        self.user_inputs = set(sig.user_inputs)
+        self.values: dict[str, Value] = {}
+        self.inputs: list[Value] = []
+        self.weights: list[Value] = []
+        self.nodes: list[Node] = []
+        self.multi: dict[str, Node] = {}
+        self.output_constants: dict[int, Any] = {}
+        self.outputs: list[Value] = []
+
+    def read(self) -> None:
+        for fx in self.exported.graph.nodes:
+            if fx.op == "placeholder":
+                self._placeholder(fx)
+            elif fx.op == "call_function":
+                self._call(fx)
+            elif fx.op == "output":
+                self._output(fx)
+            else:
+                raise CaptureError(f"unsupported node kind '{fx.op}' ({fx.name}) in the exported graph")
+
+    def convert(self, a: Any) -> Any:
         if isinstance(a, torch.fx.Node):
-            if a.name in values:
-                return values[a.name]
+            if a.name in self.values:
+                return self.values[a.name]
             raise CaptureError(f"'{a.name}' is used but produces no tensor StitchCUDA can hold")
         if isinstance(a, (list, tuple)):
-            return type(a)(convert(x) for x in a)
+            return type(a)(self.convert(x) for x in a)
         # A complex scalar (x * 1j) is kept: the planner makes its node an ATen group, the capture goes on.
         if isinstance(a, (torch.dtype, torch.device, torch.layout, torch.memory_format, int, float, complex, bool,
                           str)) or a is None:
             return a
         raise CaptureError(f"unsupported argument of type {type(a).__name__} in the exported graph")
 
-    for fx in exported.graph.nodes:
-        if fx.op == "placeholder":
-            shape, strides, dtype, offset = _meta(fx.meta.get("val"), fx.name)
-            if fx.name in user_inputs:
-                v = Value(fx.name, shape, strides, dtype, "input", offset)
-                inputs.append(v)
-            else:
-                target = placeholder_target.get(fx.name)
-                data = state.get(target) if target is not None else None
-                if data is None:
-                    raise CaptureError(f"graph input '{fx.name}' is neither a user input nor a known weight")
-                v = Value(fx.name, shape, strides, dtype, "weight", offset, data=data.detach())
-                weights.append(v)
-            values[fx.name] = v
-        elif fx.op == "call_function":
-            if fx.target is getitem:
-                parent = multi.get(fx.args[0].name)
-                if parent is None:
-                    raise CaptureError(f"getitem on '{fx.args[0].name}', which is not a multi-output op")
-                index = int(fx.args[1])
-                v = parent.outputs[index]
-                if v is None:
-                    raise CaptureError(f"'{fx.name}' selects result {index} of {parent.op}, which is not a tensor")
-                values.pop(v.name, None)
-                v.name = fx.name
-                values[fx.name] = v
-                continue
-            if not isinstance(fx.target, torch._ops.OpOverload):
-                raise CaptureError(f"node '{fx.name}' calls {fx.target}, which is not an ATen operator")
-            if not fx.target._schema.returns:
-                # Checks with no result (aten._assert_tensor_metadata after .to(dtype), _assert_async...):
-                # export already verified them for these shapes, and a program has nothing to hold.
-                continue
-            node = Node(fx.name, op_name(fx.target), fx.target, convert(fx.args), {k: convert(v) for k, v in fx.kwargs.items()}, [])
-            val = fx.meta.get("val")
-            if op_name(fx.target).removeprefix("aten::") in _RECURRENT:
-                # The re-trace of run_decompositions() records an LSTM's final states with one dimension
-                # too many: their shapes are taken from the rule, on meta tensors shaped like the inputs.
-                val = _recurrent_outputs(fx.target)(*_on_meta(fx.args), **_on_meta(fx.kwargs))
-            if isinstance(val, (list, tuple)):
-                # Every result gets a value (an op step needs a buffer for each), named by getitem later.
-                multi[fx.name] = node
-                for k, item in enumerate(val):
-                    if isinstance(item, torch.Tensor):
-                        shape, strides, dtype, offset = _meta(item, f"{fx.name}[{k}]")
-                        node.outputs.append(Value(f"{fx.name}.{k}", shape, strides, dtype, "node", offset, producer=node))
-                    else:
-                        node.outputs.append(None)
-            else:
-                shape, strides, dtype, offset = _meta(val, fx.name)
-                v = Value(fx.name, shape, strides, dtype, "node", offset, producer=node)
-                node.outputs = [v]
-                values[fx.name] = v
-            for i in node.inputs:
-                i.users.append(node)
-            nodes.append(node)
-        elif fx.op == "output":
-            outs = fx.args[0]
-            leaves = [convert(o) for o in (outs if isinstance(outs, (list, tuple)) else [outs])]
-            # A number, string or None beside the tensors (a count, a flag) is the same on every call: the
-            # output is rebuilt with it; the program computes the tensors.
-            for k, o in enumerate(leaves):
-                if not isinstance(o, Value):
-                    if not isinstance(o, (bool, int, float, str, type(None))):
-                        raise CaptureError(f"the model returns a {type(o).__name__} beside its tensors; return "
-                                           "tensors (numbers, strings and None may come along)")
-                    output_constants[k] = o
-            outputs = [o for o in leaves if isinstance(o, Value)]
+    def _placeholder(self, fx: Any) -> None:
+        shape, strides, dtype, offset = _meta(fx.meta.get("val"), fx.name)
+        if fx.name in self.user_inputs:
+            v = Value(fx.name, shape, strides, dtype, "input", offset)
+            self.inputs.append(v)
         else:
-            raise CaptureError(f"unsupported node kind '{fx.op}' ({fx.name}) in the exported graph")
-    if not inputs:
-        raise CaptureError("the model has no tensor inputs")
-    return Graph(inputs, weights, nodes, outputs, out_spec or exported.call_spec.out_spec, exported.call_spec.in_spec,
-                 exported, notes, output_constants)
+            target = self.placeholder_target.get(fx.name)
+            data = self.state.get(target) if target is not None else None
+            if data is None:
+                raise CaptureError(f"graph input '{fx.name}' is neither a user input nor a known weight")
+            v = Value(fx.name, shape, strides, dtype, "weight", offset, data=data.detach())
+            self.weights.append(v)
+        self.values[fx.name] = v
+
+    def _call(self, fx: Any) -> None:
+        if fx.target is getitem:
+            self._getitem(fx)
+            return
+        if not isinstance(fx.target, torch._ops.OpOverload):
+            raise CaptureError(f"node '{fx.name}' calls {fx.target}, which is not an ATen operator")
+        if not fx.target._schema.returns:
+            # Checks with no result (aten._assert_tensor_metadata after .to(dtype), _assert_async...):
+            # export already verified them for these shapes, and a program has nothing to hold.
+            return
+        node = Node(fx.name, op_name(fx.target), fx.target, self.convert(fx.args),
+                    {k: self.convert(v) for k, v in fx.kwargs.items()}, [])
+        val = fx.meta.get("val")
+        if op_name(fx.target).removeprefix("aten::") in _RECURRENT:
+            # The re-trace of run_decompositions() records an LSTM's final states with one dimension
+            # too many: their shapes are taken from the rule, on meta tensors shaped like the inputs.
+            val = _recurrent_outputs(fx.target)(*_on_meta(fx.args), **_on_meta(fx.kwargs))
+        if isinstance(val, (list, tuple)):
+            # Every result gets a value (an op step needs a buffer for each), named by getitem later.
+            self.multi[fx.name] = node
+            for k, item in enumerate(val):
+                if isinstance(item, torch.Tensor):
+                    shape, strides, dtype, offset = _meta(item, f"{fx.name}[{k}]")
+                    node.outputs.append(Value(f"{fx.name}.{k}", shape, strides, dtype, "node", offset, producer=node))
+                else:
+                    node.outputs.append(None)
+        else:
+            shape, strides, dtype, offset = _meta(val, fx.name)
+            v = Value(fx.name, shape, strides, dtype, "node", offset, producer=node)
+            node.outputs = [v]
+            self.values[fx.name] = v
+        for i in node.inputs:
+            i.users.append(node)
+        self.nodes.append(node)
+
+    def _getitem(self, fx: Any) -> None:
+        parent = self.multi.get(fx.args[0].name)
+        if parent is None:
+            raise CaptureError(f"getitem on '{fx.args[0].name}', which is not a multi-output op")
+        index = int(fx.args[1])
+        v = parent.outputs[index]
+        if v is None:
+            raise CaptureError(f"'{fx.name}' selects result {index} of {parent.op}, which is not a tensor")
+        self.values.pop(v.name, None)
+        v.name = fx.name
+        self.values[fx.name] = v
+
+    def _output(self, fx: Any) -> None:
+        outs = fx.args[0]
+        leaves = [self.convert(o) for o in (outs if isinstance(outs, (list, tuple)) else [outs])]
+        # A number, string or None beside the tensors (a count, a flag) is the same on every call: the
+        # output is rebuilt with it; the program computes the tensors.
+        for k, o in enumerate(leaves):
+            if not isinstance(o, Value):
+                if not isinstance(o, (bool, int, float, str, type(None))):
+                    raise CaptureError(f"the model returns a {type(o).__name__} beside its tensors; return "
+                                       "tensors (numbers, strings and None may come along)")
+                self.output_constants[k] = o
+        self.outputs = [o for o in leaves if isinstance(o, Value)]

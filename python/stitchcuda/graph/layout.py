@@ -13,15 +13,11 @@ groups' iteration order, the layout ATen gives a step's result).
 
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING
-
 import torch
 
+from ..settings import settings
 from .capture import Graph, Node, Value
-
-if TYPE_CHECKING:  # the planner imports this module
-    from .planner import Group
+from .groups import Group
 
 __all__ = ["channels_last_values", "channels_last_strides", "contiguous_strides", "is_channels_last",
            "depthwise_nhwc", "CONVOLUTION_OPS"]
@@ -58,19 +54,12 @@ MIN_CHANNELS = 16
 MIN_ELEMENTS = 1 << 16
 
 
-CHANNELS_LAST_ENV = "STITCHCUDA_CHANNELS_LAST"
-CHANNELS_LAST_MODES = ("auto", "on", "off")
-
-
 def channels_last_mode() -> str:
-    """STITCHCUDA_CHANNELS_LAST, read at planning time: "auto" (default) plans channels-last chains of
+    """STITCHCUDA_CHANNELS_LAST (settings().channels_last): "auto" (default) plans channels-last chains of
     tensor-core convolutions (tensor_core_convolutions); "on" plans them for every eligible convolution
-    whatever its precision (to test or time the NHWC path in true fp32); "off" never."""
-    mode = os.environ.get(CHANNELS_LAST_ENV, "auto").strip().lower() or "auto"
-    if mode not in CHANNELS_LAST_MODES:
-        raise ValueError(f"{CHANNELS_LAST_ENV}={os.environ.get(CHANNELS_LAST_ENV)!r} is not one of "
-                         f"{', '.join(CHANNELS_LAST_MODES)}: unset it (auto) or set one of those")
-    return mode
+    whatever its precision (to test or time the NHWC path in true fp32); "off" never. A bad value raises
+    SettingsError (a ValueError) naming the variable and the values it takes."""
+    return settings().channels_last
 
 
 def tensor_core_convolutions(dtype: torch.dtype) -> bool:

@@ -23,7 +23,8 @@ from ..verify.tolerance import tolerance  # the Verifier's table; re-exported fo
 from .capture import Graph, Node, Value
 from .layout import channels_last_strides, depthwise_nhwc, is_channels_last
 from .layout import contiguous_strides as _contiguous_strides
-from .planner import Group, GraphPlan, broadcast_strides, in_place_cat, relayout_strides, rotate_half_source
+from .groups import Group, GraphPlan
+from .planner import broadcast_strides, in_place_cat, relayout_strides, rotate_half_source
 from .templates import (FUSABLE_DTYPES, POINTWISE_OPS, CatPiece, KernelCode, PointwiseInput, RowProduct, RowPrologue,
                         column_reduction_kernel, depthwise_conv_kernel, depthwise_conv_nhwc_kernel, nchw_to_nhwc_kernel,
                         normalized_rows_kernel, pointwise_from_nhwc_kernel, pointwise_kernel, pooling_kernel,
@@ -196,86 +197,108 @@ def stream_values(graph: Graph, inputs: list[torch.Tensor], wanted: dict[Any, se
     weights = {w.name: w.data for w in graph.weights}
     args = [user[fx.name] if fx.name in user else weights[fx.name]
             for fx in gm.graph.nodes if fx.op == "placeholder"]
-    pending = {key: set(names) for key, names in wanted.items()}
+    recording = _Recording(wanted, on_ready, keep, kept)
     # The caller's inputs and the weights: never written, whatever op hands them on unchanged (a
     # contiguous() of a contiguous tensor returns the tensor itself).
     protected = {t.untyped_storage().data_ptr() for t in args if isinstance(t, torch.Tensor)}
-    readers: dict[str, int] = {}
-    for names in pending.values():
-        for name in names:
-            readers[name] = readers.get(name, 0) + 1
-    held: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        try:
+            _Streamer(gm, recording, protected, stop_when_done).run(*args)
+        except _StreamDone:
+            pass
+    recording.finish()
+    return kept
 
-    def handle(key) -> None:
-        names = wanted[key]
-        on_ready(key, {name: held[name] for name in names if name in held})
-        for name in names:
-            readers[name] -= 1
-            if readers[name] == 0:
-                held.pop(name, None)
 
-    def arrived(name: str, tensor: torch.Tensor) -> list:
-        if name in keep:
-            kept[name] = tensor
-        if readers.get(name):
-            held[name] = tensor
-        ready = []
-        for key, missing in pending.items():
+class _Recording:
+    """stream_values' bookkeeping: which keys still wait for values (`pending`), how many pending keys read
+    each value (`readers`), the values held for them, and the keys whose values all exist, handled before
+    the next node runs (`deferred`)."""
+
+    def __init__(self, wanted: dict[Any, set[str]], on_ready: Callable[[Any, dict[str, torch.Tensor]], None],
+                 keep: set[str], kept: dict[str, torch.Tensor]) -> None:
+        self.wanted, self.on_ready, self.keep, self.kept = wanted, on_ready, keep, kept
+        self.pending = {key: set(names) for key, names in wanted.items()}
+        self.readers: dict[str, int] = {}
+        for names in self.pending.values():
+            for name in names:
+                self.readers[name] = self.readers.get(name, 0) + 1
+        self.held: dict[str, torch.Tensor] = {}
+        self.deferred: list = []
+
+    def handle(self, key) -> None:
+        names = self.wanted[key]
+        self.on_ready(key, {name: self.held[name] for name in names if name in self.held})
+        for name in names:
+            self.readers[name] -= 1
+            if self.readers[name] == 0:
+                self.held.pop(name, None)
+
+    def arrived(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.keep:
+            self.kept[name] = tensor
+        if self.readers.get(name):
+            self.held[name] = tensor
+        for key, missing in self.pending.items():
             if name in missing:
                 missing.discard(name)
                 if not missing:
-                    ready.append(key)
-        return ready
+                    self.deferred.append(key)
 
-    deferred: list = []  # keys whose values all exist, handled before the next node runs
+    def handle_deferred(self) -> None:
+        while self.deferred:
+            key = self.deferred.pop(0)
+            del self.pending[key]
+            self.handle(key)
 
-    def handle_deferred() -> None:
-        while deferred:
-            key = deferred.pop(0)
-            del pending[key]
-            handle(key)
+    def finish(self) -> None:
+        """The keys handled at the end: those completed by the last node, and those whose values never all
+        appeared (with what exists)."""
+        self.handle_deferred()
+        for key in list(self.pending):
+            del self.pending[key]
+            self.handle(key)
 
-    class Streamer(torch.fx.Interpreter):
-        def call_function(self, target, args, kwargs):
-            # An activation the model ran in place (nn.ReLU(inplace=True)) is functional in the export, and
-            # an op it decomposed (a SiLU, a batch norm) allocates a result per piece: run each elementwise
-            # one in place where nothing else can see the operand it writes over, so the recording holds the
-            # eager forward's live set, not an extra activation-sized tensor per block (a VGG stage's, an
-            # EfficientNet block's).
-            own = _in_place_ok(self._node, args, readers, keep, self.env, protected, (held, kept),
-                               getattr(self, "user_to_last_uses", {}).get(self._node, ()))
-            if own is not None:
-                return own(*args, **kwargs)
-            return super().call_function(target, args, kwargs)
 
-        def run_node(self, n):
-            self._node = n
-            # The keys a node completed are handled when the next node is about to run: by then the
-            # interpreter has let go of the values that node read last (a SiLU's sigmoid, a batch norm's
-            # output), so a check runs beside the forward's live set between two nodes, not beside the
-            # transient peak inside one.
-            handle_deferred()
-            if stop_when_done and not pending and not keep:
-                raise _StreamDone
-            result = super().run_node(n)
-            if isinstance(result, torch.Tensor):
-                deferred.extend(arrived(n.name, result))
-            elif isinstance(result, (list, tuple)):
-                for k, r in enumerate(result):
-                    if isinstance(r, torch.Tensor):
-                        deferred.extend(arrived(f"{n.name}.{k}", r))
-            return result
+class _Streamer(torch.fx.Interpreter):
+    """The exported graph run with ATen, each value handed to the recording as it is computed."""
 
-    with torch.no_grad():
-        try:
-            Streamer(gm).run(*args)
-        except _StreamDone:
-            pass
-    handle_deferred()
-    for key in list(pending):
-        del pending[key]
-        handle(key)
-    return kept
+    def __init__(self, gm: torch.fx.GraphModule, recording: _Recording, protected: set[int],
+                 stop_when_done: bool) -> None:
+        super().__init__(gm)
+        self.recording, self.protected, self.stop_when_done = recording, protected, stop_when_done
+
+    def call_function(self, target, args, kwargs):
+        # An activation the model ran in place (nn.ReLU(inplace=True)) is functional in the export, and
+        # an op it decomposed (a SiLU, a batch norm) allocates a result per piece: run each elementwise
+        # one in place where nothing else can see the operand it writes over, so the recording holds the
+        # eager forward's live set, not an extra activation-sized tensor per block (a VGG stage's, an
+        # EfficientNet block's).
+        rec = self.recording
+        own = _in_place_ok(self._node, args, rec.readers, rec.keep, self.env, self.protected, (rec.held, rec.kept),
+                           getattr(self, "user_to_last_uses", {}).get(self._node, ()))
+        if own is not None:
+            return own(*args, **kwargs)
+        return super().call_function(target, args, kwargs)
+
+    def run_node(self, n):
+        self._node = n
+        rec = self.recording
+        # The keys a node completed are handled when the next node is about to run: by then the
+        # interpreter has let go of the values that node read last (a SiLU's sigmoid, a batch norm's
+        # output), so a check runs beside the forward's live set between two nodes, not beside the
+        # transient peak inside one.
+        rec.handle_deferred()
+        if self.stop_when_done and not rec.pending and not rec.keep:
+            raise _StreamDone
+        result = super().run_node(n)
+        if isinstance(result, torch.Tensor):
+            rec.arrived(n.name, result)
+        elif isinstance(result, (list, tuple)):
+            for k, r in enumerate(result):
+                if isinstance(r, torch.Tensor):
+                    rec.arrived(f"{n.name}.{k}", r)
+        return result
 
 
 # Elementwise ops and their in-place forms. An activation an inplace=True module ran, and the pieces of an
@@ -906,105 +929,10 @@ class Lowering:
         variable. `known` maps values the kernel already holds (a reduction's statistic) to C variables.
         `relayout` (planner._relaid_out_copies): its first `computed` nodes compute over its own `shape`,
         their operands' strides taken through the views of its `chain` to `shape`, the chain's nodes alias."""
-        rank = len(shape)
-        inputs: list[PointwiseInput] = []
-        buffers: dict[str, int] = {}
-        var: dict[str, str] = dict(known or {})
-        keyed: dict[tuple[str, str, bool], str] = {}
-        chain = {id(n) for n in relayout["chain"]} if relayout else set()
-        relaid = False  # whether the node being lowered computes over relayout["shape"]
-
-        def operand(v: Value, mode: str = "broadcast") -> str:
-            if v.name in var and mode == "broadcast":
-                return var[v.name]
-            if (v.name, mode, relaid) in keyed:
-                return keyed[(v.name, mode, relaid)]
-            bid = self.need(v)
-            vshape, vstrides, vdtype = self.spec[bid]
-            over = tuple(relayout["shape"]) if relaid else shape
-            if mode == "channel":  # batch norm parameters: [C] along dimension 1
-                strides = [0] * len(over)
-                strides[1] = vstrides[0] if vshape[0] != 1 else 0
-            else:
-                strides = list(broadcast_strides(tuple(vshape), tuple(vstrides), over))
-            if relaid:
-                moved = relayout_strides(over, tuple(strides), relayout["chain"])
-                if moved is None or len(moved) != rank:
-                    raise LoweringError(f"'{v.name}' (strides {tuple(vstrides)}) cannot be read through the views "
-                                        "of the copy its chain is computed in")
-                strides = list(moved)
-            key = f"{prefix}{len(inputs)}"
-            inputs.append(PointwiseInput(key, vdtype, tuple(strides), rotate=vshape[-1] // 2 if mode == "rotate" else 0))
-            buffers[key] = bid
-            keyed[(v.name, mode, relaid)] = key
-            return key
-
-        def concatenation(n: Node) -> str:
-            """A concatenation read in place: one input whose pieces are loaded by range (planner: the cat
-            has the group's shape, so each piece's strides are its own over the group's dimensions)."""
-            pieces, start = [], 0
-            dim = int(n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)) % rank
-            key = f"{prefix}{len(inputs)}"
-            for j, v in enumerate(n.args[0]):
-                if not v.numel:
-                    continue  # an empty piece covers no range (and a legacy empty 1-D one has another rank)
-                bid = self.need(v)
-                vshape, vstrides, _ = self.spec[bid]
-                if len(vshape) != rank:
-                    raise LoweringError(f"concatenation piece '{v.name}' of rank {len(vshape)} in a group of rank {rank}")
-                pieces.append(CatPiece(f"{key}_{j}", tuple(vstrides), start, start + vshape[dim]))
-                buffers[f"{key}_{j}"] = bid
-                start += vshape[dim]
-            inputs.append(PointwiseInput(key, n.out.dtype, (), pieces=tuple(pieces), cat_dim=dim))
-            return key
-
-        body: list[str] = []
+        body = _ElementwiseBody(self, shape, known, prefix, relayout)
         for j, n in enumerate(nodes):
-            relaid = bool(relayout) and j < relayout["computed"]
-            if id(n) in chain:  # a view of the value computed in this layout: the same variable
-                var[n.out.name] = var[n.args[0].name]
-                continue
-            if in_place_cat(n):
-                if not cats:
-                    raise LoweringError("a concatenation is read in place by elementwise kernels only")
-                body.append(f"const float t{j} = {concatenation(n)};")
-                var[n.out.name] = f"t{j}"
-                continue
-            rotation = rotate_half_source(n)
-            if rotation is not None:  # RoPE's rotate_half(x): x read with its halves swapped, the first negated
-                if not rotations or rotation[0].name in var:
-                    raise LoweringError("rotate_half reads its input from memory, in elementwise kernels only")
-                body.append(f"const float t{j} = {operand(rotation[0], 'rotate')};")
-                var[n.out.name] = f"t{j}"
-                continue
-            batch_norm = n.op == "aten::_native_batch_norm_legit_no_training"
-            args = []
-            for k, a in enumerate(n.args):
-                if isinstance(a, Value):
-                    args.append(operand(a, "channel" if batch_norm and k in (1, 2, 3, 4) else "broadcast"))
-                elif a is None:
-                    args.append(None)
-                else:
-                    s = _scalar_literal(a)
-                    args.append(s if s is not None else a)
-            kwargs = {}
-            for k, a in n.kwargs.items():
-                if isinstance(a, Value):
-                    kwargs[k] = operand(a)
-                else:
-                    s = _scalar_literal(a)
-                    kwargs[k] = s if s is not None else a
-            expr = POINTWISE_OPS[n.op](args, kwargs)
-            out = n.out
-            if n.op == "aten::_to_copy" and out.dtype == torch.float16:
-                expr = f"__half2float(__float2half_rn({expr}))"
-            elif n.op == "aten::_to_copy" and out.dtype == torch.bfloat16:
-                expr = f"__bfloat162float(__float2bfloat16_rn({expr}))"
-            elif out.dtype == torch.bool:
-                expr = f"(({expr}) != 0.0f ? 1.0f : 0.0f)"
-            body.append(f"const float t{j} = {expr};")
-            var[out.name] = f"t{j}"
-        return inputs, buffers, body, var
+            body.add(j, n, rotations, cats)
+        return body.inputs, body.buffers, body.lines, body.var
 
     def _lower_view(self, g: Group) -> None:
         n = g.nodes[0]
@@ -1153,10 +1081,118 @@ class Lowering:
         return [tuple(r.stride()) if isinstance(r, torch.Tensor) else None for r in results]
 
 
-def _scalar_literal(a) -> str | None:
-    from .templates.ops import _scalar
 
-    return _scalar(a)
+class _ElementwiseBody:
+    """Lowering._elementwise's statements, one node at a time: each operand read once per way it is read
+    (broadcast, per channel, rotated) as an input of the kernel, with its buffer."""
+
+    def __init__(self, lowering: Lowering, shape: tuple[int, ...], known: dict[str, str] | None, prefix: str,
+                 relayout: dict | None) -> None:
+        self.lowering, self.shape, self.rank, self.prefix, self.relayout = lowering, shape, len(shape), prefix, relayout
+        self.inputs: list[PointwiseInput] = []
+        self.buffers: dict[str, int] = {}
+        self.var: dict[str, str] = dict(known or {})
+        self.keyed: dict[tuple[str, str, bool], str] = {}
+        self.chain = {id(n) for n in relayout["chain"]} if relayout else set()
+        self.relaid = False  # whether the node being lowered computes over relayout["shape"]
+        self.lines: list[str] = []
+
+    def add(self, j: int, n: Node, rotations: bool, cats: bool) -> None:
+        self.relaid = bool(self.relayout) and j < self.relayout["computed"]
+        if id(n) in self.chain:  # a view of the value computed in this layout: the same variable
+            self.var[n.out.name] = self.var[n.args[0].name]
+            return
+        if in_place_cat(n):
+            if not cats:
+                raise LoweringError("a concatenation is read in place by elementwise kernels only")
+            expr = self.concatenation(n)
+        elif rotate_half_source(n) is not None:
+            rotation = rotate_half_source(n)  # RoPE's rotate_half(x): x read with its halves swapped, the first negated
+            if not rotations or rotation[0].name in self.var:
+                raise LoweringError("rotate_half reads its input from memory, in elementwise kernels only")
+            expr = self.operand(rotation[0], "rotate")
+        else:
+            expr = self.expression(n)
+        self.lines.append(f"const float t{j} = {expr};")
+        self.var[n.out.name] = f"t{j}"
+
+    def expression(self, n: Node) -> str:
+        """The C expression of one elementwise node, its result rounded as its dtype rounds."""
+        batch_norm = n.op == "aten::_native_batch_norm_legit_no_training"
+        args = []
+        for k, a in enumerate(n.args):
+            if isinstance(a, Value):
+                args.append(self.operand(a, "channel" if batch_norm and k in (1, 2, 3, 4) else "broadcast"))
+            elif a is None:
+                args.append(None)
+            else:
+                s = _scalar_literal(a)
+                args.append(s if s is not None else a)
+        kwargs = {}
+        for k, a in n.kwargs.items():
+            if isinstance(a, Value):
+                kwargs[k] = self.operand(a)
+            else:
+                s = _scalar_literal(a)
+                kwargs[k] = s if s is not None else a
+        expr = POINTWISE_OPS[n.op](args, kwargs)
+        out = n.out
+        if n.op == "aten::_to_copy" and out.dtype == torch.float16:
+            expr = f"__half2float(__float2half_rn({expr}))"
+        elif n.op == "aten::_to_copy" and out.dtype == torch.bfloat16:
+            expr = f"__bfloat162float(__float2bfloat16_rn({expr}))"
+        elif out.dtype == torch.bool:
+            expr = f"(({expr}) != 0.0f ? 1.0f : 0.0f)"
+        return expr
+
+    def operand(self, v: Value, mode: str = "broadcast") -> str:
+        if v.name in self.var and mode == "broadcast":
+            return self.var[v.name]
+        if (v.name, mode, self.relaid) in self.keyed:
+            return self.keyed[(v.name, mode, self.relaid)]
+        bid = self.lowering.need(v)
+        vshape, vstrides, vdtype = self.lowering.spec[bid]
+        over = tuple(self.relayout["shape"]) if self.relaid else self.shape
+        if mode == "channel":  # batch norm parameters: [C] along dimension 1
+            strides = [0] * len(over)
+            strides[1] = vstrides[0] if vshape[0] != 1 else 0
+        else:
+            strides = list(broadcast_strides(tuple(vshape), tuple(vstrides), over))
+        if self.relaid:
+            moved = relayout_strides(over, tuple(strides), self.relayout["chain"])
+            if moved is None or len(moved) != self.rank:
+                raise LoweringError(f"'{v.name}' (strides {tuple(vstrides)}) cannot be read through the views "
+                                    "of the copy its chain is computed in")
+            strides = list(moved)
+        key = f"{self.prefix}{len(self.inputs)}"
+        self.inputs.append(PointwiseInput(key, vdtype, tuple(strides), rotate=vshape[-1] // 2 if mode == "rotate" else 0))
+        self.buffers[key] = bid
+        self.keyed[(v.name, mode, self.relaid)] = key
+        return key
+
+    def concatenation(self, n: Node) -> str:
+        """A concatenation read in place: one input whose pieces are loaded by range (planner: the cat has
+        the group's shape, so each piece's strides are its own over the group's dimensions)."""
+        pieces, start = [], 0
+        dim = int(n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)) % self.rank
+        key = f"{self.prefix}{len(self.inputs)}"
+        for j, v in enumerate(n.args[0]):
+            if not v.numel:
+                continue  # an empty piece covers no range (and a legacy empty 1-D one has another rank)
+            bid = self.lowering.need(v)
+            vshape, vstrides, _ = self.lowering.spec[bid]
+            if len(vshape) != self.rank:
+                raise LoweringError(f"concatenation piece '{v.name}' of rank {len(vshape)} in a group of rank {self.rank}")
+            pieces.append(CatPiece(f"{key}_{j}", tuple(vstrides), start, start + vshape[dim]))
+            self.buffers[f"{key}_{j}"] = bid
+            start += vshape[dim]
+        self.inputs.append(PointwiseInput(key, n.out.dtype, (), pieces=tuple(pieces), cat_dim=dim))
+        return key
+
+def _scalar_literal(a) -> str | None:
+    from .templates.ops import scalar_literal
+
+    return scalar_literal(a)
 
 
 def fold_batch_norm(w: torch.Tensor, b: torch.Tensor | None, gamma: torch.Tensor | None, beta: torch.Tensor | None,

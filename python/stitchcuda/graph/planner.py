@@ -33,21 +33,20 @@ apply first.
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
-
 import torch
 
 from ..program import DTYPES as PROGRAM_DTYPES
+from ..settings import settings
 from .capture import VIEW_OPS, Graph, Node, Value
+from .gemm_precision import bf16_products, split_tf32_choice
+from .groups import GENERATED, Group, GraphPlan
+from .layout import channels_last_values
 from .templates import (CACHED_ROW_MAX, CACHED_ROW_MIN, CLUSTER_ROW_MAX, DEPTHWISE_MAX_TAPS, FUSABLE_DTYPES, NORMALIZING,
                         POINTWISE_OPS, SCAN_EXTENT_MAX, SHARED_ROW_MAX, STATISTICS, aten_tile, cluster_size,
                         pooling_blocker, split_rows)
 
 __all__ = ["Group", "GraphPlan", "OfflinePlanner", "GENERATED", "unheld_dtype", "split_tf32_choice", "conv_epilogues"]
 
-# Group kinds whose code the template Coder writes (and optimize checks against ATen before use).
-GENERATED = ("gemm", "pointwise", "reduction", "conv", "pool", "scan")
 
 _VIEW_OPS = VIEW_OPS
 _GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm"}
@@ -62,247 +61,8 @@ _REDUCTION_OPS = {"aten::_softmax": "softmax", "aten::_log_softmax": "log_softma
                   "aten::sum.dim_IntList": "sum", "aten::sum": "sum",  # the second: over every element
                   "aten::mean.dim": "mean", "aten::mean": "mean", "aten::amax": "amax", "aten::amin": "amin",
                   "aten::argmax": "argmax", "aten::argmin": "argmin"}
-# tf32x3's cost model: the shares of the peaks cuBLAS reaches (fp32 SIMT, TF32 tensor cores, DRAM), the
-# K-chunk of its hi*hi product (as the executor runs it), the speed-up it must promise, and the most
-# split scratch it may hold: the split copies of both operands (8 bytes per element) up to three times
-# the matmul's largest tensor (a projection whose input is twice its weight and its result), or 256 MiB.
-# A trade of memory for speed that split_tf32=False declines. The shares are fitted to measured runs
-# (docs/graph.md): an 8192 x 8192 x 4096 SGEMM at 10.8-11.0 ms on the H200 and the H100 (the model says
-# 10.9); the same product as tf32x3 at 5.4 ms (H200) and about 6.3 ms (H100), which with the memory
-# terms below leaves the TF32 products 0.8-0.9 of the tensor cores' peak — 0.75 keeps a margin (at 0.55
-# the model put it at 7.7 and 8.2 ms, and on the H100 it turned down every projection of a transformer
-# encoder block whose tf32x3 projections had run it at 1.49x eager on the H200).
-_SGEMM_SHARE, _TF32_SHARE, _DRAM_SHARE = 0.75, 0.75, 0.8
-_SPLIT_CHUNK = 512
-_SPLIT_GAIN = 1.25
-_SPLIT_SCRATCH_FLOOR = 256 << 20
-_SPLIT_SCRATCH_TENSORS = 3
-# The executor splits a large operand a block at a time (src/torch/matmul.cpp, split_blocks): a (batch 1,
-# not transposed) in rows whose two parts fit 64 MiB, at least 8 Mi outputs per block, a multiple of 128,
-# while b's parts fit 128 MiB; a larger b stored as [N, K] (transposed: a linear layer's weight) in blocks
-# of its rows, a then whole up to 256 MiB of parts (else blocks of that size, and b's blocks as large).
-_SPLIT_BLOCK_BYTES = 64 << 20
-_SPLIT_WHOLE_B_BYTES = 128 << 20
-_SPLIT_WIDE_BYTES = 256 << 20
-_SPLIT_BLOCK_OUTPUTS = 8 << 20
-_SLAB_AFTER_BYTES = 160 << 20  # k_block
-
-
-def split_blocks(m: int, n: int, k: int, batch: int = 1, transpose_a: bool = False,
-                 transpose_b: bool = False) -> tuple[int, int]:
-    """(rows of a, rows of b = columns of the result) whose split parts a tf32x3 matmul holds at once, as
-    the executor chooses them (its STITCHCUDA_TF32X3_ROWS and STITCHCUDA_TF32X3_COLS knobs included): m and
-    n when it splits both whole."""
-    k1, m1, n1 = max(k, 1), max(m, 1), max(n, 1)
-    block_a, block_b = batch == 1 and not transpose_a, batch == 1 and transpose_b
-
-    def rows(budget: int, at_least: int, whole: int) -> int:
-        return min(max(-(-max(budget // (8 * k1), at_least) // 128) * 128, 1), whole)
-
-    a_rows, b_rows = m1, n1
-    if not block_b or 8 * n1 * k1 <= _SPLIT_WHOLE_B_BYTES:
-        if block_a:
-            a_rows = rows(_SPLIT_BLOCK_BYTES, -(-_SPLIT_BLOCK_OUTPUTS // n1), m1)
-    else:
-        if block_a and 8 * m1 * k1 > _SPLIT_WIDE_BYTES:
-            a_rows = rows(_SPLIT_WIDE_BYTES, -(-_SPLIT_BLOCK_OUTPUTS // n1), m1)
-        b_rows = rows(_SPLIT_WIDE_BYTES if a_rows < m1 else _SPLIT_BLOCK_BYTES, -(-_SPLIT_BLOCK_OUTPUTS // a_rows), n1)
-    def knob(name: str, chosen: int, whole: int) -> int:  # the executor's override (0: whole)
-        text = os.environ.get(name, "")
-        return chosen if not text.isdigit() else whole if int(text) == 0 else min(max(int(text), 1), whole)
-
-    if block_a:
-        a_rows = knob("STITCHCUDA_TF32X3_ROWS", a_rows, m1)
-    if block_b:
-        b_rows = knob("STITCHCUDA_TF32X3_COLS", b_rows, n1)
-    return a_rows, b_rows
-
-
-def split_chunk(k: int) -> int:
-    """Elements of K per hi*hi product (STITCHCUDA_TF32X3_CHUNK, the executor's knob: 0 for the whole K)."""
-    override = os.environ.get("STITCHCUDA_TF32X3_CHUNK", "")
-    return (int(override) or max(k, 1)) if override.isdigit() else _SPLIT_CHUNK
-
-
-def k_block(m: int, n: int, k: int, batch: int = 1, transpose_a: bool = False, transpose_b: bool = False) -> int:
-    """Elements of K per slab when the executor splits both operands a slab of K at a time, or 0: no slabs.
-    Batch 1 and a not transposed only; used when the parts split_blocks holds exceed both 160 MiB and four
-    times the result (a down-projection, whose 8 Mi-output floor keeps a whole): two slabs, half of K
-    rounded up to the K-chunk, when they hold fewer parts. STITCHCUDA_TF32X3_KBLOCK overrides it (0: never;
-    else rounded down to the chunk, at least one). src/torch/matmul.cpp's k_block."""
-    if batch != 1 or transpose_a:
-        return 0
-    chunk = split_chunk(k)
-    text = os.environ.get("STITCHCUDA_TF32X3_KBLOCK", "")
-    if text.isdigit():
-        if int(text) == 0:
-            return 0
-        kb = max(chunk, int(text) // chunk * chunk)
-    else:
-        a_rows, b_rows = split_blocks(m, n, k, batch, transpose_a, transpose_b)
-        parts, c_bytes = 8 * k * (a_rows + b_rows), 4 * m * n
-        if parts <= max(4 * c_bytes, _SLAB_AFTER_BYTES):
-            return 0
-        kb = -(-((k + 1) // 2) // chunk) * chunk
-        if 8 * (m + n) * kb >= parts:
-            return 0
-    return kb if kb < k else 0
-
-
-def _fuse_level() -> int:
-    """STITCHCUDA_TF32X3_FUSE_LO: 0 the three products apart, 1 the lo ones fused, 2 (default) with the first
-    hi*hi chunk too."""
-    text = os.environ.get("STITCHCUDA_TF32X3_FUSE_LO", "").strip()
-    return int(text) if text.isdigit() else 2
-
-
-# bf16 products on fp32 operands (the runtime's STITCHCUDA_BF16_CAST, default 1): a matmul step of precision
-# bf16 converts each fp32 operand to bf16 and multiplies at the tensor cores' bf16 rate where K is at least
-# this, a product long enough that the conversion's pass is small beside the compute it halves. cuBLASLt's
-# FAST_16BF mode on fp32 operands computes as TF32 does (measured on an H100), so shorter products are TF32
-# steps, and at 0 every one is.
-BF16_CAST_MIN_K = 256
-
-
-def bf16_products(k: int) -> bool:
-    """Whether a bf16 matmul of fp32 operands over K=`k` runs as bf16 products (STITCHCUDA_BF16_CAST: 0 never,
-    1 (default) where K >= BF16_CAST_MIN_K, 2 always), as the runtime decides it."""
-    text = os.environ.get("STITCHCUDA_BF16_CAST", "").strip()
-    level = int(text) if text.isdigit() else 1
-    return level >= 2 or (level == 1 and k >= BF16_CAST_MIN_K)
-
-
-def fuse_lo(k: int, batch: int = 1, transpose_a: bool = False) -> bool:
-    """Whether tf32x3 runs its two lo products as one product over 2K (batch 1, a not transposed, K a
-    multiple of 4, not in slabs of K; STITCHCUDA_TF32X3_FUSE_LO=0 keeps them apart): one read-modify-write
-    of the result fewer. src/torch/matmul.cpp's fuse_products."""
-    return _fuse_level() != 0 and batch == 1 and not transpose_a and k % 4 == 0
-
-
-def fused_hi(k: int, batch: int = 1, transpose_a: bool = False) -> int:
-    """Elements of K of the hi*hi product tf32x3 runs in the lo products' call (where they fuse, unless
-    STITCHCUDA_TF32X3_FUSE_LO=1): its first chunk, over 2K + chunk, one pass over the result fewer — all of
-    K where K fits one chunk, the three products then one, the result written once. That much of a_hi and
-    b_hi is stored again: 8 + 4 * fused_hi / K bytes of parts per operand element. 0: none.
-    src/torch/matmul.cpp's fuse_products."""
-    return min(split_chunk(k), k) if fuse_lo(k, batch, transpose_a) and _fuse_level() >= 2 else 0
-
-
-def fuse_all(k: int, batch: int = 1, transpose_a: bool = False) -> bool:
-    """Whether tf32x3 runs its three products as one (fused_hi covers K)."""
-    return k > 0 and fused_hi(k, batch, transpose_a) == k
-
-
-def split_tf32_choice(m: int, n: int, k: int, batch: int, a_elems: int, b_elems: int,
-                      peaks: dict | None, transpose_a: bool = False, transpose_b: bool = False) -> tuple[bool, str]:
-    """Whether an fp32 matmul (batch x [m, k] @ [k, n]; a_elems and b_elems elements in its operands)
-    should run as tf32x3, with the estimate behind the answer. The three TF32 products cost 3x the
-    FLOPs at tensor-core rate, plus the split (read 4 bytes, write 8 per operand element) and a
-    read-modify-write of the result for every product after the first (two, plus one per extra
-    K-chunk); SGEMM costs the FLOPs at the fp32 SIMT rate, and a split again for each block of b when
-    both operands are blocked. `peaks`: the Verifier's description of the GPU (fp32_tflops, tf32_tflops,
-    dram_tb_s); unknown peaks keep SGEMM. The scratch counted is what the executor holds: one block of
-    each operand's parts (split_blocks)."""
-    fp32, tf32, dram = ((peaks or {}).get(key) or 0.0 for key in ("fp32_tflops", "tf32_tflops", "dram_tb_s"))
-    if not (fp32 > 0 and tf32 > 0 and dram > 0):
-        return False, "the GPU's fp32/TF32 peaks are unknown"
-    flops = 2.0 * batch * m * n * k
-    c_bytes = 4.0 * batch * m * n
-    a_rows, b_rows = split_blocks(m, n, k, batch, transpose_a, transpose_b)
-    slab = k_block(m, n, k, batch, transpose_a, transpose_b)
-    hi_fused = 0 if slab else fused_hi(k, batch, transpose_a)
-    part_bytes = 8.0 + 4.0 * hi_fused / max(k, 1)  # the fused hi chunk's a_hi and b_hi stored again
-    scratch = part_bytes * ((a_rows * k if a_rows < m else a_elems) + (b_rows * k if b_rows < n else b_elems))
-    # a split once, or again for each of b's blocks when both are blocked
-    a_splits = -(-n // max(b_rows, 1)) if a_rows < m and b_rows < n else 1
-    if slab:  # both operands a slab of K at a time: each split once, two more passes over c per extra slab
-        scratch, a_splits = 8.0 * (m + n) * slab, 1
-    largest = 4.0 * max(a_elems, b_elems, batch * m * n)
-    if scratch > max(_SPLIT_SCRATCH_TENSORS * largest, _SPLIT_SCRATCH_FLOOR):
-        return False, (f"its split operands ({scratch / 2**20:.0f} MiB) would exceed {_SPLIT_SCRATCH_TENSORS} times "
-                       f"its largest tensor ({largest / 2**20:.0f} MiB)")
-    chunk = split_chunk(k)
-    chunks = -(-k // chunk) + (2 * (-(-k // slab) - 1) if slab else 0)
-    # products after the first, each reading and writing c: the two lo ones (one when fused) and the chunks'
-    # (the first chunk's none when it joins the fused lo products)
-    rewrites = chunks + (0 if not slab and fuse_lo(k, batch, transpose_a) else 1) - (1 if hi_fused else 0)
-    sgemm_s = flops / (fp32 * 1e12 * _SGEMM_SHARE)
-    split_s = (3 * flops / (tf32 * 1e12 * _TF32_SHARE)
-               + ((4.0 + part_bytes) * (a_splits * a_elems + b_elems) + 2.0 * c_bytes * rewrites)
-               / (dram * 1e12 * _DRAM_SHARE))
-    why = f"estimated {split_s * 1e3:.3f} ms as 3xTF32 against {sgemm_s * 1e3:.3f} ms as SGEMM"
-    return split_s * _SPLIT_GAIN <= sgemm_s, why
-
-
 _POOL_OPS = {"aten::avg_pool2d": "avg", "aten::max_pool2d_with_indices": "max", "aten::max_pool2d": "max"}
 _SCAN_OPS = {"aten::cumsum": "cumsum", "aten::cumprod": "cumprod"}
-
-
-@dataclass
-class Group:
-    """A unit of the plan: `kind` in gemm, pointwise, reduction, conv, pool, scan, view, constant, aten."""
-
-    kind: str
-    nodes: list[Node]
-    reason: str
-    params: dict = field(default_factory=dict)
-
-    @property
-    def name(self) -> str:
-        return self.nodes[-1].name if self.nodes else "?"
-
-    def outputs(self, graph_outputs: set[str]) -> list[Value]:
-        """Values of the group used after it (by nodes outside it, or as graph outputs)."""
-        inside = {id(n) for n in self.nodes}
-        internal = self.params.get("relayout", {}).get("internal", ())
-        out: list[Value] = []
-        for n in self.nodes:
-            for v in n.outputs:
-                if v is None or v.name in internal:
-                    continue
-                if v.name in graph_outputs or any(id(u) not in inside for u in v.users):
-                    out.append(v)
-        return out
-
-    def inputs(self) -> list[Value]:
-        """Values the group reads that it does not produce."""
-        produced = {v.name for n in self.nodes for v in n.outputs if v is not None}
-        seen: dict[str, Value] = {}
-        for n in self.nodes:
-            for v in n.inputs:
-                if v.name not in produced:
-                    seen.setdefault(v.name, v)
-        return list(seen.values())
-
-
-@dataclass
-class GraphPlan:
-    """Groups in execution order and the host-side decisions, each with its reason."""
-
-    groups: list[Group]
-    decisions: list[tuple[str, str]]  # (decision, reason)
-    precision: str
-    channels_last: frozenset[str] = frozenset()  # values stored NHWC (graph/layout.py)
-    # Convolutions whose epilogue cuDNN can run fused (conv_epilogues): id of the epilogue's pointwise
-    # group -> the match; lowered as one fused ATen step only while fuse_conv_epilogues is on (optimize
-    # times the program both ways and keeps the faster).
-    conv_epilogues: dict = field(default_factory=dict)
-    fuse_conv_epilogues: bool = False
-    # The precision whose tolerance judges the program's outputs against the model's ("": `precision`'s):
-    # "tf32" for an fp32 plan whose model runs its fp32 convolutions with TF32 (cuDNN's flag, on by
-    # PyTorch's default), where the model's own result carries TF32's rounding and another cuDNN
-    # algorithm (NHWC, a folded batch norm) rounds differently, beyond fp32's 1e-4.
-    judged_at: str = ""
-
-    @property
-    def tolerance_precision(self) -> str:
-        return self.judged_at or self.precision
-
-    def summary(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for g in self.groups:
-            counts[g.kind] = counts.get(g.kind, 0) + 1
-        return counts
 
 
 def unheld_dtype(node: Node) -> torch.dtype | None:
@@ -551,6 +311,40 @@ class OfflinePlanner:
         self.split_tf32 = split_tf32
 
     def plan(self, graph: Graph) -> GraphPlan:
+        decisions, matmul_precision = self._precision_decisions(graph)
+        outputs = {v.name for v in graph.outputs}
+        groups = _Partition(self, graph, outputs, matmul_precision).groups()
+        groups = self._without_unread_negations(groups, outputs)
+        self._split_decision(groups, decisions)
+        if matmul_precision == "fp32_or_split":
+            matmul_precision = "fp32"
+        plan = GraphPlan(self._relaid_out_copies(self._normalized_inputs(
+            self._online_sum_exp(self._row_epilogues(groups, outputs), outputs), outputs), outputs),
+            decisions, matmul_precision)
+        tf32_convs = sum(n.op == "aten::convolution" and isinstance(n.args[0], Value)
+                         and n.args[0].dtype == torch.float32 for n in graph.nodes)
+        if matmul_precision == "fp32" and tf32_convs and torch.backends.cudnn.allow_tf32:
+            plan.judged_at = "tf32"
+            decisions.append(("outputs judged at TF32's tolerance",
+                              f"the model runs its {tf32_convs} fp32 convolution(s) with TF32 "
+                              "(torch.backends.cudnn.allow_tf32, PyTorch's default): its own result carries TF32's "
+                              "rounding, and another cuDNN algorithm (NHWC data, a batch norm folded into the filter) "
+                              "rounds differently by more than fp32's 1e-4 — set the flag off for true fp32 "
+                              "convolutions judged at 1e-4"))
+
+        plan.channels_last = channels_last_values(graph, plan.groups)
+        plan.conv_epilogues = conv_epilogues(plan.groups, outputs)
+        if plan.channels_last:
+            convs = sum(n.op == "aten::convolution" for g in plan.groups if g.kind == "aten" for n in g.nodes)
+            decisions.append((f"convolution chains channels-last ({len(plan.channels_last)} values NHWC in memory)",
+                              f"cuDNN's tensor-core convolutions ({convs}) run on NHWC data: one conversion at each "
+                              "chain's edge instead of a transpose in and out of every convolution; the elementwise "
+                              "groups between them iterate in NHWC order"))
+        return plan
+
+    def _precision_decisions(self, graph: Graph) -> tuple[list[tuple[str, str]], str]:
+        """The host decisions (matmul and convolution precision, CUDA graph replay) and the precision the
+        GEMMs are planned at ("fp32_or_split": each fp32 GEMM decides between SGEMM and tf32x3)."""
         decisions: list[tuple[str, str]] = []
         matmul_precision = self.precision
         if self.precision == "fp32" and torch.backends.cuda.matmul.allow_tf32:
@@ -575,99 +369,12 @@ class OfflinePlanner:
                           "inputs and outputs through the graph's own buffers: both are timed on the example inputs "
                           "once the program is built" if self.graphs else "graphs=False was requested"))
 
-        outputs = {v.name for v in graph.outputs}
-        constant: set[str] = {w.name for w in graph.weights}
-        groups: list[Group] = []
-        absorbed: set[int] = set()
-        open_pointwise: Group | None = None
+        return decisions, matmul_precision
 
-        def close():
-            nonlocal open_pointwise
-            open_pointwise = None
-
-        for node in graph.nodes:
-            if id(node) in absorbed:
-                continue
-            ins = node.inputs
-            unheld = unheld_dtype(node)
-            if unheld is not None:  # before folding: a constant of that dtype could not be stored either
-                groups.append(Group("aten", [node], f"ATen fallback: {node.op} works on {unheld} values, which no "
-                                                    "program buffer holds", {"unheld": unheld}))
-                close()
-                continue
-            # Constant folding: nothing here depends on a user input.
-            if (ins and all(v.name in constant for v in ins)) or (not ins and self._foldable_factory(node)):
-                for v in node.outputs:
-                    if v is not None:
-                        constant.add(v.name)
-                # Computed once, before any run, from no value of the forward: it goes to the front and
-                # the open chain stays open (a causal mask's -inf between a scale and the masking, or a
-                # weight's transpose between a norm and its output ops, no longer splits them).
-                groups.insert(0, Group("constant", [node], "depends only on weights: computed once, stored as a constant"))
-                continue
-            if node.op in _GEMM_OPS:
-                g = self._gemm(node, outputs, absorbed, matmul_precision)
-                groups.append(g)
-                close()
-                continue
-            if node.op == "aten::convolution":
-                why_not = self._depthwise(node)
-                groups.append(Group("conv", [node], self._conv_reason(node), {"node": node}) if why_not is None
-                              else Group("aten", [node], f"convolution through cuDNN: {why_not}"))
-                close()
-                continue
-            if node.op in _POOL_OPS:
-                groups.append(self._pool(node, outputs))
-                close()
-                continue
-            if node.op in _REDUCTION_OPS or node.op in _SCAN_OPS:
-                g = self._reduction(node, outputs) if node.op in _REDUCTION_OPS else self._scan(node)
-                if g.kind in ("reduction", "scan") and open_pointwise is not None and groups[-1] is open_pointwise and \
-                        self._prologue_fits(open_pointwise, node, outputs):
-                    # The chain computes only the reduction's input: fuse it into the loads.
-                    groups.pop()  # identity, not list.remove: groups compare by value, down to tensors
-                    ops = ", ".join(n.op.removeprefix("aten::") for n in open_pointwise.nodes)
-                    g.params["prologue"] = list(open_pointwise.nodes)
-                    g.nodes = [*open_pointwise.nodes, node]
-                    g.reason += f", with {len(open_pointwise.nodes)} elementwise op(s) ({ops}) fused into its loads"
-                groups.append(g)
-                close()
-                continue
-            if node.op in _VIEW_OPS:
-                groups.append(Group("view", [node], "a view: no copy where the source's layout allows"))
-                close()
-                continue
-            why_not = self._pointwise_blocker(node)
-            if why_not is None:
-                out = node.out
-                # The open group is the last unit emitted, so every input already exists: any elementwise
-                # node of the same shape may join it, a consumer of the chain or an independent branch.
-                sunk = None if open_pointwise is not None else self._sinkable(groups, node)
-                rotation = rotate_half_source(node)
-                if rotation is not None and open_pointwise is not None and \
-                        any(rotation[0] in n.outputs for n in open_pointwise.nodes):
-                    close()  # rotate_half reads x at other elements: x must be in memory, not in the kernel
-                if open_pointwise is not None and open_pointwise.params["shape"] == out.shape:
-                    earlier = self._sinkable(groups[:-1], node, also_unread_by=open_pointwise)
-                    if earlier is not None:
-                        # An earlier chain of this shape that only this node reads (RoPE's q * cos, split from
-                        # `+ rotate_half(q) * sin` by q's slices): it joins the open chain, computed first.
-                        open_pointwise.nodes[:0] = groups.pop(earlier).nodes
-                    open_pointwise.nodes.append(node)
-                elif sunk is not None:
-                    # An earlier chain of this shape that only this node reads (SwiGLU's silu(gate), split
-                    # from `* up` by the up projection): moved here, it joins the chain and its result never
-                    # reaches memory.
-                    open_pointwise = groups.pop(sunk)
-                    open_pointwise.nodes.append(node)
-                    groups.append(open_pointwise)
-                else:
-                    open_pointwise = Group("pointwise", [node], "elementwise chain fused into one kernel",
-                                           {"shape": out.shape})
-                    groups.append(open_pointwise)
-                continue
-            groups.append(Group("aten", [node], why_not))
-            close()
+    @staticmethod
+    def _without_unread_negations(groups: list[Group], outputs: set[str]) -> list[Group]:
+        """`groups` without the negated halves a fused rotate_half reads from x itself, and each elementwise
+        chain's reason naming its ops."""
         # The negated half a fused rotate_half reads from x itself is computed by nobody else: its group goes.
         rotated = {id(n) for g in groups if g.kind == "pointwise" for n in g.nodes if rotate_half_source(n)}
 
@@ -681,6 +388,11 @@ class OfflinePlanner:
             if g.kind == "pointwise":
                 ops = ", ".join(n.op.removeprefix("aten::") for n in g.nodes)
                 g.reason = f"{len(g.nodes)} elementwise op(s) ({ops}) fused into one kernel"
+        return groups
+
+    @staticmethod
+    def _split_decision(groups: list[Group], decisions: list[tuple[str, str]]) -> None:
+        """Rewrites the fp32 matmul decision to say which GEMMs run as tf32x3, and why."""
         split = [g for g in groups if g.kind == "gemm" and g.params.get("precision") == "tf32x3"]
         if split:  # the decision says which fp32 matmuls are not SGEMM, and why
             gemms = sum(g.kind == "gemm" for g in groups)
@@ -690,32 +402,6 @@ class OfflinePlanner:
                              "accuracy, held to fp32's tolerance by every check) where the GPU's peaks say it is faster "
                              "than SGEMM (" + "; ".join(f"{g.name}: {g.params['split_why']}" for g in split[:3]) +
                              ("; ..." if len(split) > 3 else "") + "); split_tf32=False keeps SGEMM for all")
-        if matmul_precision == "fp32_or_split":
-            matmul_precision = "fp32"
-        plan = GraphPlan(self._relaid_out_copies(self._normalized_inputs(
-            self._online_sum_exp(self._row_epilogues(groups, outputs), outputs), outputs), outputs),
-            decisions, matmul_precision)
-        tf32_convs = sum(n.op == "aten::convolution" and isinstance(n.args[0], Value)
-                         and n.args[0].dtype == torch.float32 for n in graph.nodes)
-        if matmul_precision == "fp32" and tf32_convs and torch.backends.cudnn.allow_tf32:
-            plan.judged_at = "tf32"
-            decisions.append(("outputs judged at TF32's tolerance",
-                              f"the model runs its {tf32_convs} fp32 convolution(s) with TF32 "
-                              "(torch.backends.cudnn.allow_tf32, PyTorch's default): its own result carries TF32's "
-                              "rounding, and another cuDNN algorithm (NHWC data, a batch norm folded into the filter) "
-                              "rounds differently by more than fp32's 1e-4 — set the flag off for true fp32 "
-                              "convolutions judged at 1e-4"))
-        from .layout import channels_last_values  # it reads groups: imported here, after this module
-
-        plan.channels_last = channels_last_values(graph, plan.groups)
-        plan.conv_epilogues = conv_epilogues(plan.groups, outputs)
-        if plan.channels_last:
-            convs = sum(n.op == "aten::convolution" for g in plan.groups if g.kind == "aten" for n in g.nodes)
-            decisions.append((f"convolution chains channels-last ({len(plan.channels_last)} values NHWC in memory)",
-                              f"cuDNN's tensor-core convolutions ({convs}) run on NHWC data: one conversion at each "
-                              "chain's edge instead of a transpose in and out of every convolution; the elementwise "
-                              "groups between them iterate in NHWC order"))
-        return plan
 
     @staticmethod
     def _relaid_out_copies(groups: list[Group], outputs: set[str]) -> list[Group]:
@@ -725,7 +411,7 @@ class OfflinePlanner:
         are taken through the same views, so the result is never written in its own layout and read back.
         Several readers each compute the chain where that moves no more bytes than storing it: its inputs
         read once per reader, against the result written once and read by each."""
-        if os.environ.get("STITCHCUDA_RELAYOUT", "1").strip() == "0":
+        if not settings().relayout:
             return groups
         producer: dict[str, Group] = {}
         for g in groups:
@@ -880,96 +566,25 @@ class OfflinePlanner:
         owner = {id(n): g for g in groups for n in g.nodes}
         place = {id(g): i for i, g in enumerate(groups)}
         made_at = {v.name: i for i, g in enumerate(groups) for n in g.nodes for v in n.outputs if v is not None}
-
-        def normalizer(g: Group) -> bool:
-            q = g.params
-            if g.kind != "reduction" or q.get("kind") not in ("softmax", "log_softmax") or q.get("prologue") \
-                    or q.get("output") or q.get("epilogue"):
-                return False
-            x, y = q["node"].args[0], q["node"].out
-            return x.dtype == y.dtype == torch.float32 and x.is_contiguous() and q["cols"] == x.shape[-1] \
-                and q["cols"] % 4 == 0 and CACHED_ROW_MIN <= q["cols"] <= CACHED_ROW_MAX and y.name not in outputs
-
-        def external(g: Group) -> list[Value]:
-            made = {v.name for n in g.nodes for v in n.outputs if v is not None}
-            return [v for n in g.nodes for v in n.inputs if v.name not in made]
-
-        def reader(c: Group, y: Value, rows: int, cols: int) -> str | None:
-            """How `c` reads the normalized rows `y`: "stat", "gather" or None (not a per-row reader)."""
-            q = c.params
-            if c.kind == "reduction" and q.get("kind") in ("sum", "mean", "amax", "amin") and not q.get("epilogue") \
-                    and q.get("layout") != "column" \
-                    and ((q["rows"], q["cols"]) == (rows, cols) or (q["rows"], q["cols"]) == (1, rows * cols)):
-                x = q["node"].args[0]
-                if q.get("prologue"):
-                    return "stat" if tuple(x.shape) == tuple(y.shape) and any(
-                        v is y for n in q["prologue"] for v in n.inputs) else None
-                return "stat" if x is y else None
-            if c.kind == "aten" and len(c.nodes) == 1 and c.nodes[0].op == "aten::gather":
-                node = c.nodes[0]
-                index = node.args[2] if len(node.args) > 2 else None
-                dim = node.args[1]
-                if node.args[0] is y and isinstance(dim, int) and dim % len(y.shape) == len(y.shape) - 1 \
-                        and isinstance(index, Value) and index.dtype == torch.int64 \
-                        and tuple(index.shape) == (*y.shape[:-1], 1) and not node.kwargs.get("sparse_grad"):
-                    return "gather"
-            return None
-
         fused: dict[int, Group] = {}  # the first reader's place -> the group replacing it
         gone: set[int] = set()
         for g in groups:
-            if id(g) in gone or not normalizer(g):
+            if id(g) in gone or not _normalizer(g, outputs):
                 continue
             rows, cols = g.params["rows"], g.params["cols"]
-            norms, readers, kinds, todo, ok = [g], [], [], [g], True
-            while todo and ok:
-                n = todo.pop()
-                for u in n.params["node"].out.users:
-                    c = owner.get(id(u))
-                    if c is not None and any(c is r for r in readers):
-                        continue
-                    kind = reader(c, n.params["node"].out, rows, cols) if c is not None else None
-                    if kind is None or id(c) in gone:  # a reader outside every group is no per-row reader
-                        ok = False
-                        break
-                    readers.append(c)
-                    kinds.append(kind)
-                    for v in external(c):  # the reader's other normalized inputs join (a KL's second log-softmax)
-                        src = owner.get(id(v.producer)) if v.producer is not None else None
-                        if src is not None and normalizer(src) and not any(src is m for m in norms) \
-                                and src.params["node"].out is v:
-                            if (src.params["rows"], src.params["cols"]) != (rows, cols) or id(src) in gone:
-                                ok = False
-                                break
-                            norms.append(src)
-                            todo.append(src)
-                    if not ok:
-                        break
-            if not ok or not readers or cols * len(norms) > CACHED_ROW_MAX:
+            found = _row_readers(g, owner, gone, outputs)
+            if found is None:
+                continue
+            norms, readers, kinds = found
+            if not readers or cols * len(norms) > CACHED_ROW_MAX:
                 continue
             ys = {m.params["node"].out.name for m in norms}
             first = min(place[id(c)] for c in readers)
-            if any(v.name not in ys and made_at.get(v.name, -1) >= first for c in readers for v in external(c)):
+            if any(v.name not in ys and made_at.get(v.name, -1) >= first for c in readers for v in _external(c)):
                 continue  # a reader needs a value made after the first reader: the readers cannot move there
             for m in [*norms, *readers]:
                 gone.add(id(m))
-            described = []
-            for c, kind in zip(readers, kinds):
-                if kind == "gather":
-                    described.append("a gather of one column per row")
-                else:
-                    q = c.params
-                    whole = q["rows"] == 1 and rows != 1
-                    described.append(f"a {q['kind']}" + (" over the whole tensor" if whole else " per row")
-                                     + (f" of {len(q['prologue'])} elementwise op(s)" if q.get("prologue") else ""))
-            kinds_text = ", ".join(m.params["kind"] for m in norms)
-            reason = (f"{kinds_text} over {rows} rows of {cols} and what reads them ({'; '.join(described)}): one kernel "
-                      "reads each logits row once into registers, normalizes it there and computes every per-row "
-                      "result; the normalized rows are never stored")
-            fused[first] = Group("reduction", [n for m in norms for n in m.nodes] + [n for c in readers for n in c.nodes],
-                                 reason, {"kind": "normalized", "rows": rows, "cols": cols,
-                                          "normalized": [(m.params["node"].out, m.params["node"]) for m in norms],
-                                          "readers": list(zip(kinds, readers))})
+            fused[first] = _normalized_group(norms, readers, kinds, rows, cols)
         return [fused.get(i, g) for i, g in enumerate(groups) if i in fused or id(g) not in gone]
 
     @staticmethod
@@ -1031,23 +646,7 @@ class OfflinePlanner:
                 if source is not None:
                     params[key] = source
                     notes.append(f"{key} one matrix broadcast over the batch")
-        # A transposed operand (x @ w.t(); q @ k.transpose(1, 2) in a bmm) is read in place with a transpose
-        # flag instead of copied: the last two dimensions of a contiguous source swapped, the batch kept.
-        for key, flag in (("b", "transpose_b"), ("a", "transpose_a")):
-            v = params[key]
-            # Through views that keep the shape (matmul's expand and view of a 3-D operand to the same
-            # sizes, as an MLP-Mixer's token projection of a transposed layer norm reaches its bmm).
-            while v.producer is not None and v.producer.op in _SAME_SHAPE_VIEWS and \
-                    isinstance(v.producer.args[0], Value) and tuple(v.producer.args[0].shape) == tuple(v.shape):
-                v = v.producer.args[0]
-            p = v.producer
-            rank = len(v.shape)
-            swap = list(range(rank - 2)) + [rank - 1, rank - 2]
-            if p is not None and p.op == "aten::permute" and rank in (2, 3) and p.args[0].is_contiguous() \
-                    and [d % rank for d in p.args[1]] == swap and (rank == 2 or node.op == "aten::bmm"):
-                params[key] = p.args[0]
-                params[flag] = True
-                notes.append(f"{key} transposed in place")
+        _transposed_in_place(node, params, notes)
         nodes = [node]
         epilogue = "bias" if bias is not None else "none"
         users = out.users
@@ -1066,6 +665,16 @@ class OfflinePlanner:
                 notes.append(f"{u.op.removeprefix('aten::')} fused into the cuBLASLt epilogue")
         params["epilogue"] = epilogue
         params["result"] = nodes[-1].out
+        self._gemm_precision(node, params, notes, precision)
+        reason = "cuBLASLt matmul" + (f" with the {epilogue} epilogue" if epilogue != "none" else "")
+        if notes:
+            reason += " (" + "; ".join(notes) + ")"
+        return Group("gemm", nodes, reason, params)
+
+    def _gemm_precision(self, node: Node, params: dict, notes: list[str], precision: str) -> None:
+        """The GEMM's precision in `params` (fp32_or_split: SGEMM or tf32x3 by split_tf32_choice; bf16:
+        bf16 products where K is long enough, else TF32), with a note on the choice."""
+        out = node.out
         if precision == "fp32_or_split":
             params["precision"] = "fp32"
             if out.dtype == torch.float32:
@@ -1086,10 +695,6 @@ class OfflinePlanner:
             else:
                 params["precision"] = "tf32"  # what cuBLASLt's FAST_16BF computes on fp32 operands anyway
                 notes.append(f"TF32 products (K={k}: converting the operands to bf16 would not pay)")
-        reason = "cuBLASLt matmul" + (f" with the {epilogue} epilogue" if epilogue != "none" else "")
-        if notes:
-            reason += " (" + "; ".join(notes) + ")"
-        return Group("gemm", nodes, reason, params)
 
     @staticmethod
     def _reduction(node: Node, outputs: set[str]) -> Group:
@@ -1303,7 +908,7 @@ class OfflinePlanner:
         """None when the elementwise kernel after a concatenation can read its pieces in place (every
         reader an elementwise op over the concatenation's shape: DenseNet's batch norm and ReLU of the
         growing feature map), so the concatenated tensor is never written; else why not."""
-        if os.environ.get("STITCHCUDA_CAT_IN_PLACE", "1").strip() == "0":
+        if not settings().cat_in_place:
             return "concatenations read in place are off (STITCHCUDA_CAT_IN_PLACE=0): ATen step"
         pieces = node.args[0] if node.args and isinstance(node.args[0], (list, tuple)) else ()
         out = node.out if node.outputs else None
@@ -1346,3 +951,211 @@ class OfflinePlanner:
             if len(v.shape) > len(out.shape) and node.op != "aten::_native_batch_norm_legit_no_training":
                 return f"{node.op} reduces rank: ATen step"
         return None
+
+
+def _transposed_in_place(node: Node, params: dict, notes: list[str]) -> None:
+    """A transposed operand (x @ w.t(); q @ k.transpose(1, 2) in a bmm) is read in place with a transpose
+    flag instead of copied: the last two dimensions of a contiguous source swapped, the batch kept."""
+    for key, flag in (("b", "transpose_b"), ("a", "transpose_a")):
+        v = params[key]
+        # Through views that keep the shape (matmul's expand and view of a 3-D operand to the same
+        # sizes, as an MLP-Mixer's token projection of a transposed layer norm reaches its bmm).
+        while v.producer is not None and v.producer.op in _SAME_SHAPE_VIEWS and \
+                isinstance(v.producer.args[0], Value) and tuple(v.producer.args[0].shape) == tuple(v.shape):
+            v = v.producer.args[0]
+        p = v.producer
+        rank = len(v.shape)
+        swap = list(range(rank - 2)) + [rank - 1, rank - 2]
+        if p is not None and p.op == "aten::permute" and rank in (2, 3) and p.args[0].is_contiguous() \
+                and [d % rank for d in p.args[1]] == swap and (rank == 2 or node.op == "aten::bmm"):
+            params[key] = p.args[0]
+            params[flag] = True
+            notes.append(f"{key} transposed in place")
+
+
+def _normalizer(g: Group, outputs: set[str]) -> bool:
+    """A softmax or log-softmax group whose rows the normalized-inputs kernel can hold in registers."""
+    q = g.params
+    if g.kind != "reduction" or q.get("kind") not in ("softmax", "log_softmax") or q.get("prologue") \
+            or q.get("output") or q.get("epilogue"):
+        return False
+    x, y = q["node"].args[0], q["node"].out
+    return x.dtype == y.dtype == torch.float32 and x.is_contiguous() and q["cols"] == x.shape[-1] \
+        and q["cols"] % 4 == 0 and CACHED_ROW_MIN <= q["cols"] <= CACHED_ROW_MAX and y.name not in outputs
+
+
+def _external(g: Group) -> list[Value]:
+    """The values `g` reads that it does not make."""
+    made = {v.name for n in g.nodes for v in n.outputs if v is not None}
+    return [v for n in g.nodes for v in n.inputs if v.name not in made]
+
+
+def _row_reader(c: Group, y: Value, rows: int, cols: int) -> str | None:
+    """How `c` reads the normalized rows `y`: "stat", "gather" or None (not a per-row reader)."""
+    q = c.params
+    if c.kind == "reduction" and q.get("kind") in ("sum", "mean", "amax", "amin") and not q.get("epilogue") \
+            and q.get("layout") != "column" \
+            and ((q["rows"], q["cols"]) == (rows, cols) or (q["rows"], q["cols"]) == (1, rows * cols)):
+        x = q["node"].args[0]
+        if q.get("prologue"):
+            return "stat" if tuple(x.shape) == tuple(y.shape) and any(
+                v is y for n in q["prologue"] for v in n.inputs) else None
+        return "stat" if x is y else None
+    if c.kind == "aten" and len(c.nodes) == 1 and c.nodes[0].op == "aten::gather":
+        node = c.nodes[0]
+        index = node.args[2] if len(node.args) > 2 else None
+        dim = node.args[1]
+        if node.args[0] is y and isinstance(dim, int) and dim % len(y.shape) == len(y.shape) - 1 \
+                and isinstance(index, Value) and index.dtype == torch.int64 \
+                and tuple(index.shape) == (*y.shape[:-1], 1) and not node.kwargs.get("sparse_grad"):
+            return "gather"
+    return None
+
+
+def _row_readers(g: Group, owner: dict[int, Group], gone: set[int], outputs: set[str]
+                 ) -> tuple[list[Group], list[Group], list[str]] | None:
+    """From the normalizer `g`: every normalizer its readers also read (a KL's second log-softmax), the
+    readers and how each reads ("stat", "gather"); None when a reader reads the rows otherwise."""
+    rows, cols = g.params["rows"], g.params["cols"]
+    norms, readers, kinds, todo = [g], [], [], [g]
+    while todo:
+        n = todo.pop()
+        for u in n.params["node"].out.users:
+            c = owner.get(id(u))
+            if c is not None and any(c is r for r in readers):
+                continue
+            kind = _row_reader(c, n.params["node"].out, rows, cols) if c is not None else None
+            if kind is None or id(c) in gone:  # a reader outside every group is no per-row reader
+                return None
+            readers.append(c)
+            kinds.append(kind)
+            for v in _external(c):  # the reader's other normalized inputs join (a KL's second log-softmax)
+                src = owner.get(id(v.producer)) if v.producer is not None else None
+                if src is not None and _normalizer(src, outputs) and not any(src is m for m in norms) \
+                        and src.params["node"].out is v:
+                    if (src.params["rows"], src.params["cols"]) != (rows, cols) or id(src) in gone:
+                        return None
+                    norms.append(src)
+                    todo.append(src)
+    return norms, readers, kinds
+
+
+def _normalized_group(norms: list[Group], readers: list[Group], kinds: list[str], rows: int, cols: int) -> Group:
+    """The one reduction group of normalizers and their per-row readers, with the reason naming them."""
+    described = []
+    for c, kind in zip(readers, kinds):
+        if kind == "gather":
+            described.append("a gather of one column per row")
+        else:
+            q = c.params
+            whole = q["rows"] == 1 and rows != 1
+            described.append(f"a {q['kind']}" + (" over the whole tensor" if whole else " per row")
+                             + (f" of {len(q['prologue'])} elementwise op(s)" if q.get("prologue") else ""))
+    kinds_text = ", ".join(m.params["kind"] for m in norms)
+    reason = (f"{kinds_text} over {rows} rows of {cols} and what reads them ({'; '.join(described)}): one kernel "
+              "reads each logits row once into registers, normalizes it there and computes every per-row "
+              "result; the normalized rows are never stored")
+    return Group("reduction", [n for m in norms for n in m.nodes] + [n for c in readers for n in c.nodes],
+                 reason, {"kind": "normalized", "rows": rows, "cols": cols,
+                          "normalized": [(m.params["node"].out, m.params["node"]) for m in norms],
+                          "readers": list(zip(kinds, readers))})
+
+
+class _Partition:
+    """OfflinePlanner.plan's first pass: the graph's nodes, in order, into groups — constants folded to the
+    front, GEMMs, convolutions, pooling, reductions and scans (with the elementwise chain computing only their
+    input fused into their loads), views, elementwise chains (one open at a time) and ATen steps."""
+
+    def __init__(self, planner: "OfflinePlanner", graph: Graph, outputs: set[str], matmul_precision: str) -> None:
+        self.planner, self.graph, self.outputs, self.matmul_precision = planner, graph, outputs, matmul_precision
+        self.constant: set[str] = {w.name for w in graph.weights}
+        self.list: list[Group] = []
+        self.absorbed: set[int] = set()  # nodes a GEMM took into its epilogue
+        self.open: Group | None = None  # the elementwise chain later nodes may still join
+
+    def groups(self) -> list[Group]:
+        for node in self.graph.nodes:
+            if id(node) not in self.absorbed:
+                self.add(node)
+        return self.list
+
+    def add(self, node: Node) -> None:
+        planner, groups = self.planner, self.list
+        unheld = unheld_dtype(node)
+        if unheld is not None:  # before folding: a constant of that dtype could not be stored either
+            groups.append(Group("aten", [node], f"ATen fallback: {node.op} works on {unheld} values, which no "
+                                                "program buffer holds", {"unheld": unheld}))
+        elif self._folded(node):
+            return  # the open chain stays open
+        elif node.op in _GEMM_OPS:
+            groups.append(planner._gemm(node, self.outputs, self.absorbed, self.matmul_precision))
+        elif node.op == "aten::convolution":
+            why_not = planner._depthwise(node)
+            groups.append(Group("conv", [node], planner._conv_reason(node), {"node": node}) if why_not is None
+                          else Group("aten", [node], f"convolution through cuDNN: {why_not}"))
+        elif node.op in _POOL_OPS:
+            groups.append(planner._pool(node, self.outputs))
+        elif node.op in _REDUCTION_OPS or node.op in _SCAN_OPS:
+            groups.append(self._reduction(node))
+        elif node.op in _VIEW_OPS:
+            groups.append(Group("view", [node], "a view: no copy where the source's layout allows"))
+        else:
+            why_not = planner._pointwise_blocker(node)
+            if why_not is None:
+                self._pointwise(node)
+                return  # the chain stays open
+            groups.append(Group("aten", [node], why_not))
+        self.open = None
+
+    def _folded(self, node: Node) -> bool:
+        """Constant folding: a node of which nothing depends on a user input is computed once, before any
+        run, from no value of the forward: it goes to the front and the open chain stays open (a causal
+        mask's -inf between a scale and the masking, or a weight's transpose between a norm and its output
+        ops, no longer splits them)."""
+        ins = node.inputs
+        if not ((ins and all(v.name in self.constant for v in ins)) or (not ins and self.planner._foldable_factory(node))):
+            return False
+        for v in node.outputs:
+            if v is not None:
+                self.constant.add(v.name)
+        self.list.insert(0, Group("constant", [node], "depends only on weights: computed once, stored as a constant"))
+        return True
+
+    def _reduction(self, node: Node) -> Group:
+        planner, chain = self.planner, self.open
+        g = planner._reduction(node, self.outputs) if node.op in _REDUCTION_OPS else planner._scan(node)
+        if g.kind in ("reduction", "scan") and chain is not None and self.list[-1] is chain and \
+                planner._prologue_fits(chain, node, self.outputs):
+            # The chain computes only the reduction's input: fuse it into the loads.
+            self.list.pop()  # identity, not list.remove: groups compare by value, down to tensors
+            ops = ", ".join(n.op.removeprefix("aten::") for n in chain.nodes)
+            g.params["prologue"] = list(chain.nodes)
+            g.nodes = [*chain.nodes, node]
+            g.reason += f", with {len(chain.nodes)} elementwise op(s) ({ops}) fused into its loads"
+        return g
+
+    def _pointwise(self, node: Node) -> None:
+        """The open chain is the last unit emitted, so every input already exists: any elementwise node of
+        the same shape may join it, a consumer of the chain or an independent branch."""
+        planner, groups = self.planner, self.list
+        out = node.out
+        sunk = None if self.open is not None else planner._sinkable(groups, node)
+        rotation = rotate_half_source(node)
+        if rotation is not None and self.open is not None and any(rotation[0] in n.outputs for n in self.open.nodes):
+            self.open = None  # rotate_half reads x at other elements: x must be in memory, not in the kernel
+        if self.open is not None and self.open.params["shape"] == out.shape:
+            earlier = planner._sinkable(groups[:-1], node, also_unread_by=self.open)
+            if earlier is not None:
+                # An earlier chain of this shape that only this node reads (RoPE's q * cos, split from
+                # `+ rotate_half(q) * sin` by q's slices): it joins the open chain, computed first.
+                self.open.nodes[:0] = groups.pop(earlier).nodes
+            self.open.nodes.append(node)
+        elif sunk is not None:
+            # An earlier chain of this shape that only this node reads (SwiGLU's silu(gate), split from
+            # `* up` by the up projection): moved here, it joins the chain and its result never reaches memory.
+            self.open = groups.pop(sunk)
+            self.open.nodes.append(node)
+            groups.append(self.open)
+        else:
+            self.open = Group("pointwise", [node], "elementwise chain fused into one kernel", {"shape": out.shape})
+            groups.append(self.open)

@@ -6,14 +6,92 @@ from __future__ import annotations
 import html
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple, TypedDict
 
 from ..log import StepProgress as _Progress  # optimize()'s stage progress: live on a terminal, plain lines elsewhere
 
-__all__ = ["Report", "SCHEMA", "report_schema"]
+__all__ = ["Report", "SCHEMA", "SCHEMAS_READ", "report_schema", "Decision", "GroupEntry", "FallbackEntry", "Verification",
+           "Timing", "TargetRow"]
 
-# The version of the dict Report.to_dict() writes; from_dict() reads only this one. A change of meaning
-# of a key bumps the number here and in report_schema() together.
-SCHEMA = "stitchcuda.graph.report/1"
+# The version of the dict Report.to_dict() writes. A change of meaning of a key bumps the number here and
+# in report_schema() together. /2: internal_error (the traceback of a StitchCUDA bug that stopped optimize()).
+SCHEMA = "stitchcuda.graph.report/2"
+# The versions from_dict() reads: /1 is /2 without internal_error.
+SCHEMAS_READ = ("stitchcuda.graph.report/1", SCHEMA)
+
+
+# The report's records. Each is what the report's lists and dicts hold, with its keys and their types; they
+# stay dicts (and decisions tuples) at run time, so JSON, the bench's rows and older readers take them as
+# they are.
+
+
+class Decision(NamedTuple):
+    """A host or planning decision and why it was taken."""
+
+    title: str
+    why: str
+
+
+class GroupEntry(TypedDict, total=False):
+    """One group of the program (views and constants that nothing read left out)."""
+
+    kind: str        # gemm, pointwise, reduction, conv, pool, scan, aten, kernel_step, "aten (fallback)", ...
+    nodes: str       # its ATen ops, comma-separated, without the aten:: prefix
+    reason: str      # the strategy and why
+    kernel: str      # the generated kernel's name, where it has one
+    source: str      # its CUDA source
+    launch: str      # "grid (x, y, z), block (x, y, z)"
+    strategy: str    # what the kernel does, in words
+    aten_us: float   # per-group times, when recorded
+    us: float
+
+
+class FallbackEntry(TypedDict, total=False):
+    """A group that runs on ATen instead of its generated code, and why."""
+
+    group: str
+    kind: str
+    reason: str
+
+
+class Verification(TypedDict, total=False):
+    """The whole program against the model (the Verifier's verify_whole)."""
+
+    passed: bool
+    input_sets: int
+    max_abs_error: float | None
+    max_rel_error_fp64: float | None
+    detail: str | None
+    fp64_note: str | None
+    failed_set: int
+
+
+class Timing(TypedDict, total=False):
+    """The measure stage's times, milliseconds per call."""
+
+    eager_ms: float
+    stitched_ms: float
+    speedup_eager: float
+    compile_ms: float
+    speedup_compile: float
+    compile_error: str
+    rounds: int
+    rounds_faster: int
+
+
+class TargetRow(TypedDict, total=False):
+    """With llm=: one agents' target, its candidates and the winner."""
+
+    target: str
+    groups: list[str]
+    strategy: str
+    ops: str
+    eager_ms: float | None
+    template: dict | None
+    llm: dict | None
+    winner: str      # llm, template or aten
+    note: str
+    run_dir: str
 
 
 @dataclass
@@ -22,28 +100,30 @@ class Report:
 
     status: str = "eager"                  # "optimized" or "eager" (nothing replaced)
     reason: str = ""                       # why eager, when it is
-    decisions: list[tuple[str, str]] = field(default_factory=list)
-    groups: list[dict] = field(default_factory=list)
-    fallbacks: list[dict] = field(default_factory=list)
-    verification: dict = field(default_factory=dict)
-    timing: dict = field(default_factory=dict)
-    op_counts: dict = field(default_factory=dict)
-    stage_seconds: dict = field(default_factory=dict)
+    decisions: list[Decision] = field(default_factory=list)  # (title, why) tuples or Decisions
+    groups: list[GroupEntry] = field(default_factory=list)
+    fallbacks: list[FallbackEntry] = field(default_factory=list)
+    verification: Verification = field(default_factory=dict)
+    timing: Timing = field(default_factory=dict)
+    op_counts: dict[str, int] = field(default_factory=dict)
+    stage_seconds: dict[str, float] = field(default_factory=dict)
     # The process's peak of GPU memory allocated by PyTorch at the end of each stage (a running maximum:
     # the stage where it rises is the one that needed the memory).
-    stage_peak_bytes: dict = field(default_factory=dict)
+    stage_peak_bytes: dict[str, int] = field(default_factory=dict)
     # What the kept program holds on the GPU, in bytes: weights_bytes (its own copy of constants and of
     # weights stored in a layout of their own), shared_weights_bytes (the model's parameters its runner
     # reads in place: no copy), arena_bytes (the planned arena of intermediates) and runner_bytes (all the
     # runner held after its timed calls: own weights, arena, split scratch, static copies, the CUDA graph's
     # pool).
-    memory: dict = field(default_factory=dict)
-    targets: list[dict] = field(default_factory=list)  # with llm=: per target, the candidates and the winner
+    memory: dict[str, int] = field(default_factory=dict)
+    targets: list[TargetRow] = field(default_factory=list)  # with llm=: per target, the candidates and the winner
     agents: dict = field(default_factory=dict)          # with llm=: usage, wall and overhead time
     run_dir: str = ""                                   # with llm=: where the agents' run is recorded
+    # A StitchCUDA bug that stopped optimize() (the model then runs eagerly): its traceback, to report.
+    internal_error: str = ""
 
     @property
-    def kernels(self) -> list[dict]:
+    def kernels(self) -> list[GroupEntry]:
         return [g for g in self.groups if g.get("source")]
 
     def to_dict(self) -> dict:
@@ -56,21 +136,22 @@ class Report:
                        "op_counts": self.op_counts, "stage_seconds": self.stage_seconds,
                        "stage_peak_bytes": self.stage_peak_bytes, "memory": self.memory, "targets": self.targets,
                        "agents": self.agents,
-                       "run_dir": self.run_dir})
+                       "run_dir": self.run_dir, "internal_error": self.internal_error})
 
     @classmethod
     def from_dict(cls, data: dict) -> "Report":
-        """A Report from to_dict()'s layout (e.g. read back from JSON). A dict of another schema, or whose
-        status or lists are not what the schema says, is refused (InvalidArgumentError); one without a
-        "schema" key is taken as this version."""
+        """A Report from to_dict()'s layout (e.g. read back from JSON), of this schema or an older one
+        (SCHEMAS_READ). A dict of another schema, or whose status or lists are not what the schema says, is
+        refused (InvalidArgumentError); one without a "schema" key is taken as this version."""
         from ..errors import InvalidArgumentError
 
         if not isinstance(data, dict):
             raise InvalidArgumentError(f"a report must be a dict (Report.to_dict()'s layout), got "
                                        f"{type(data).__name__}")
         schema = data.get("schema", SCHEMA)
-        if schema != SCHEMA:
-            raise InvalidArgumentError(f"a report of schema {schema!r}; this version reads {SCHEMA!r}")
+        if schema not in SCHEMAS_READ:
+            raise InvalidArgumentError(f"a report of schema {schema!r}; this version reads "
+                                       f"{' and '.join(map(repr, SCHEMAS_READ))}")
         if data.get("status", "eager") not in STATUSES:
             raise InvalidArgumentError(f"report status {data.get('status')!r} is not one of {', '.join(STATUSES)}")
         for key in ("decisions", "groups", "fallbacks", "targets"):
@@ -80,13 +161,14 @@ class Report:
         if not all(isinstance(d, (list, tuple)) and len(d) == 2 for d in decisions):
             raise InvalidArgumentError("report decisions must be [decision, why] pairs")
         return cls(status=data.get("status", "eager"), reason=data.get("reason", ""),
-                   decisions=[(str(d), str(why)) for d, why in decisions], groups=list(data.get("groups", [])),
+                   decisions=[Decision(str(d), str(why)) for d, why in decisions], groups=list(data.get("groups", [])),
                    fallbacks=list(data.get("fallbacks", [])), verification=dict(data.get("verification") or {}),
                    timing=dict(data.get("timing") or {}), op_counts=dict(data.get("op_counts") or {}),
                    stage_seconds=dict(data.get("stage_seconds") or {}),
                    stage_peak_bytes=dict(data.get("stage_peak_bytes") or {}), memory=dict(data.get("memory") or {}),
                    targets=list(data.get("targets", [])),
-                   agents=dict(data.get("agents") or {}), run_dir=data.get("run_dir") or "")
+                   agents=dict(data.get("agents") or {}), run_dir=data.get("run_dir") or "",
+                   internal_error=data.get("internal_error") or "")
 
     def __str__(self) -> str:
         lines = [f"StitchCUDA report: {self.status}" + (f" — {self.reason}" if self.reason else "")]
@@ -122,6 +204,9 @@ class Report:
                          + ", ".join(_speeds(t)) + (f"; {t['note']}" if t.get("note") else ""))
         if self.run_dir:
             lines.append(f"  agents' run directory: {self.run_dir}")
+        if self.internal_error:
+            lines.append("  internal error (a StitchCUDA bug; please report it with this traceback):")
+            lines += ["    " + line for line in self.internal_error.rstrip().splitlines()]
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -193,6 +278,8 @@ def report_schema() -> dict:
                                "winner": {"enum": ["llm", "template", "aten"]}, "note": string, "run_dir": string}}},
             "agents": {"type": "object"},
             "run_dir": string,
+            "internal_error": {"type": "string", "description": "the traceback of a StitchCUDA bug that stopped "
+                                                                "optimize() (empty when none)"},
         },
     }
 

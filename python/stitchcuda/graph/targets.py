@@ -21,7 +21,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from .capture import Graph, Node, Value
-from .planner import Group, GraphPlan
+from .groups import Group, GraphPlan
 from .templates import KernelCode
 
 __all__ = ["SubProblem", "KernelStep", "KernelStepError", "Target", "TargetError", "subproblem", "evaluate",

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from .common import _CTYPE, _PRELUDE, KernelCode, RowPrologue
+from .common import CTYPE, PRELUDE, KernelCode, RowPrologue
 
 
 def _column_inputs(name: str, dtype: torch.dtype, prologue: RowPrologue | None):
     """(the element load X(idx), the kernel's input parameters, its input arguments): x itself, or the
     prologue's inputs with its value function computing x on load."""
     if prologue is None:
-        return (lambda idx: f"ld(x, {idx})"), [f"const {_CTYPE[dtype]}* __restrict__ x"], [("in", "x")]
+        return (lambda idx: f"ld(x, {idx})"), [f"const {CTYPE[dtype]}* __restrict__ x"], [("in", "x")]
     return ((lambda idx: f"{name}_x({idx}{prologue.pointers()})"), prologue.params(),
             [("in", i.key) for i in prologue.inputs])
 
@@ -39,9 +39,9 @@ def column_reduction_kernel(name: str, kind: str, outer: int, reduce: int, inner
     step = {"sum": "a += v", "mean": "a += v", "amax": "a = nanmax(a, v)", "amin": "a = nanmin(a, v)"}[kind]
     combine = {"sum": "a += p", "mean": "a += p", "amax": "a = nanmax(a, p)", "amin": "a = nanmin(a, p)"}[kind]
     X, params, args = _column_inputs(name, dtype, prologue)
-    params.append(f"{_CTYPE[out_dtype]}* __restrict__ y")
+    params.append(f"{CTYPE[out_dtype]}* __restrict__ y")
     final = f"a / {reduce}.0f" if kind == "mean" else "a"
-    L = [_PRELUDE, *(prologue.value_function(name) if prologue else []),
+    L = [PRELUDE, *(prologue.value_function(name) if prologue else []),
          f"// {name}: {kind} over the middle extent {reduce} of [{outer}, {reduce}, {inner}]"
          + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else ""),
          f'extern "C" __global__ void __launch_bounds__(256) {name}({", ".join(params)}) {{',
@@ -83,7 +83,7 @@ def _column_arg_kernel(name: str, kind: str, outer: int, reduce: int, inner: int
         return _column_arg_kernel_4(name, kind, better, outer, reduce, inner)
     X, params, args = _column_inputs(name, dtype, prologue)
     params.append("long long* __restrict__ y")
-    L = [_PRELUDE, *(prologue.value_function(name) if prologue else []),
+    L = [PRELUDE, *(prologue.value_function(name) if prologue else []),
          f"// {name}: {kind} over the middle extent {reduce} of [{outer}, {reduce}, {inner}]"
          + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else ""),
          *_first_function(better),
@@ -138,7 +138,7 @@ def _column_arg_kernel_4(name: str, kind: str, better: str, outer: int, reduce: 
     columns, 8 warps splitting the extent, then 128 threads combining the 8 warps' pairs of a column each.
     A misaligned x (a view at an odd offset) takes four scalar loads instead (inner % 4 == 0, so every
     row start shares x's alignment)."""
-    L = [_PRELUDE, f"// {name}: {kind} over the middle extent {reduce} of [{outer}, {reduce}, {inner}], 4 columns per thread",
+    L = [PRELUDE, f"// {name}: {kind} over the middle extent {reduce} of [{outer}, {reduce}, {inner}], 4 columns per thread",
          *_first_function(better),
          f'extern "C" __global__ void __launch_bounds__(256) {name}(const float* __restrict__ x, '
          "long long* __restrict__ y) {",

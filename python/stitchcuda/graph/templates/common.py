@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-_PRELUDE = r"""#include <cuda_fp16.h>
+PRELUDE = r"""#include <cuda_fp16.h>
 #include <cuda_bf16.h>
 __device__ __forceinline__ float ld(const float* p, long long i) { return p[i]; }
 __device__ __forceinline__ float ld(const __half* p, long long i) { return __half2float(p[i]); }
@@ -37,8 +37,8 @@ __device__ __forceinline__ void store4(float* p, int c4, float4 v, bool vec) {
 }
 """
 
-_CTYPE = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.bool: "bool"}
-FUSABLE_DTYPES = set(_CTYPE)
+CTYPE = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.bool: "bool"}
+FUSABLE_DTYPES = set(CTYPE)
 
 
 @dataclass
@@ -130,7 +130,7 @@ def piece_select(k: int, inp: PointwiseInput, shape: tuple[int, ...], load) -> s
     return expr
 
 
-def _split(value: str, shape: tuple[int, ...], dims: list[int]) -> list[str]:
+def split_coordinates(value: str, shape: tuple[int, ...], dims: list[int]) -> list[str]:
     """Statements splitting the flat `value` into the coordinates c{d} of `dims` (innermost last). 32-bit
     when the extents allow: a division by a constant is then a multiply-high and a shift, where a 64-bit
     one costs several times that — per element, in a kernel whose index arithmetic can outweigh its
@@ -143,7 +143,7 @@ def _split(value: str, shape: tuple[int, ...], dims: list[int]) -> list[str]:
                                            for d in reversed(dims)]
 
 
-def _index(inp: PointwiseInput, shape: tuple[int, ...], dims: int | None = None) -> str:
+def element_index(inp: PointwiseInput, shape: tuple[int, ...], dims: int | None = None) -> str:
     """C expression of `inp`'s element index from the coordinates c0.. of its first `dims` dimensions (all by
     default), broadcast dimensions left out."""
     dims = len(shape) if dims is None else dims
@@ -153,18 +153,18 @@ def _index(inp: PointwiseInput, shape: tuple[int, ...], dims: int | None = None)
     return " + ".join(terms + ([f"{inp.offset}LL"] if inp.offset else [])) or "0"
 
 
-def _element_indices(shape: tuple[int, ...], inputs: list[PointwiseInput]) -> tuple[list[str], list[str]]:
+def element_indices(shape: tuple[int, ...], inputs: list[PointwiseInput]) -> tuple[list[str], list[str]]:
     """For the element at flat index `i` of `shape`: the statements splitting i into coordinates c0..
     (none when every input is laid out like the output) and each input's element index."""
     coords: list[str] = []
     if not all(inp.linear(shape) for inp in inputs):
-        coords += _split("i", shape, list(range(len(shape))))
+        coords += split_coordinates("i", shape, list(range(len(shape))))
     indices = []
     for inp in inputs:
         if inp.linear(shape):
             indices.append("i")
             continue
-        indices.append("" if inp.pieces else _index(inp, shape))  # pieces: piece_select
+        indices.append("" if inp.pieces else element_index(inp, shape))  # pieces: piece_select
     return coords, indices
 
 
@@ -182,7 +182,7 @@ class RowPrologue:
     extra: tuple[str, ...] = ()  # float values the body reads besides its inputs (an epilogue's "stat")
 
     def params(self) -> list[str]:
-        return [f"const {_CTYPE[i.dtype]}* __restrict__ {i.key}" for i in self.inputs]
+        return [f"const {CTYPE[i.dtype]}* __restrict__ {i.key}" for i in self.inputs]
 
     def pointers(self) -> str:
         """The inputs as trailing call arguments (", in0, in1"), "" when there are none."""
@@ -193,9 +193,9 @@ class RowPrologue:
         prologue, of the output for an epilogue)."""
         shape = self.shape
         params = ", ".join(["long long i", *[f"float {e}" for e in self.extra],
-                            *[f"const {_CTYPE[i.dtype]}* __restrict__ p_{i.key}" for i in self.inputs]])
+                            *[f"const {CTYPE[i.dtype]}* __restrict__ p_{i.key}" for i in self.inputs]])
         L = [f"__device__ __forceinline__ float {name}_{suffix}({params}) {{"]
-        coords, indices = _element_indices(shape, self.inputs)
+        coords, indices = element_indices(shape, self.inputs)
         L += [f"  {c}" for c in coords]
         L += [f"  const float {inp.key} = ld(p_{inp.key}, {index});" for inp, index in zip(self.inputs, indices)]
         L += [f"  {b}" for b in self.body] + [f"  return {self.result};", "}"]
@@ -208,10 +208,10 @@ class RowPrologue:
         compiler shares between the calls."""
         shape = self.shape
         params = ", ".join([*[f"long long c{d}" for d in range(len(shape))], *[f"float {e}" for e in self.extra],
-                            *[f"const {_CTYPE[i.dtype]}* __restrict__ p_{i.key}" for i in self.inputs]])
+                            *[f"const {CTYPE[i.dtype]}* __restrict__ p_{i.key}" for i in self.inputs]])
         L = [f"__device__ __forceinline__ float {name}_{suffix}c({params}) {{"]
         for inp in self.inputs:
-            L.append(f"  const float {inp.key} = ld(p_{inp.key}, {_index(inp, shape)});")
+            L.append(f"  const float {inp.key} = ld(p_{inp.key}, {element_index(inp, shape)});")
         L += [f"  {b}" for b in self.body] + [f"  return {self.result};", "}"]
         return L
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import _CTYPE, _PRELUDE, KernelCode, RowPrologue, nhwc_pixel_loop
+from .common import CTYPE, PRELUDE, KernelCode, RowPrologue, nhwc_pixel_loop
 
 
 DEPTHWISE_MAX_TAPS = 49  # up to 7x7: the taps are unrolled
@@ -48,7 +48,7 @@ def depthwise_conv_kernel(name: str, x_shape: tuple[int, int, int, int], kernel:
     seg = (vec - 1) * sw + (kw - 1) * dw + 1  # input values a thread's VEC outputs read per filter row
     owv = ow // vec
     total = n_ * c_ * oh * owv
-    T, U = _CTYPE[dtype], _CTYPE[out_dtype]
+    T, U = CTYPE[dtype], CTYPE[out_dtype]
     params = [f"const {T}* __restrict__ x", f"const {T}* __restrict__ wt"]
     if has_bias:
         params.append(f"const {T}* __restrict__ bias")
@@ -111,7 +111,7 @@ def depthwise_conv_kernel(name: str, x_shape: tuple[int, int, int, int], kernel:
                "#pragma unroll",
                f"    for (int j = 0; j < {vec}; ++j) st(y, o + j, {value('j', 'acc[j]')});",
                "  }"]
-    L = [_PRELUDE, *(output.coordinate_function(name) if output else []),
+    L = [PRELUDE, *(output.coordinate_function(name) if output else []),
          f"// {name}: depthwise {kh}x{kw} convolution (stride {sh}x{sw}, padding {ph}x{pw}, dilation {dh}x{dw}) "
          f"over [{n_}, {c_}, {h}, {w}] -> [{n_}, {c_}, {oh}, {ow}], {vec} output(s) per thread",
          f'extern "C" __global__ void __launch_bounds__(256) {name}({", ".join(params)}) {{']
@@ -196,7 +196,7 @@ def depthwise_conv_nhwc_kernel(name: str, x_shape: tuple[int, int, int, int], ke
         (lambda j, v: f"{name}_oc(n, c + {j}, oy, ox, {v}{output.pointers()})")
     init = (lambda j: f"bias[c + {j}]") if has_bias else (lambda j: "0.0f")
     comp = "xyzw"
-    L = [_PRELUDE, *(output.coordinate_function(name) if output else []),
+    L = [PRELUDE, *(output.coordinate_function(name) if output else []),
          f"// {name}: depthwise {kh}x{kw} convolution (stride {sh}x{sw}, padding {ph}x{pw}, dilation {dh}x{dw}) "
          f"over NHWC [{n_}, {c_}, {h}, {w}] -> NHWC [{n_}, {c_}, {oh}, {ow}], four channels per thread",
          f'extern "C" __global__ void __launch_bounds__(256) {name}({", ".join(params)}) {{',

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-def _lit(x: float) -> str:
+def float_literal(x: float) -> str:
     x = float(x)
     if math.isnan(x):
         return "__int_as_float(0x7fc00000)"
@@ -14,11 +14,11 @@ def _lit(x: float) -> str:
     return f"{x!r}f"
 
 
-def _scalar(a) -> str | None:
+def scalar_literal(a) -> str | None:
     if isinstance(a, bool):
         return "1.0f" if a else "0.0f"
     if isinstance(a, (int, float)):
-        return _lit(a)
+        return float_literal(a)
     return None
 
 
@@ -28,7 +28,7 @@ def _binary(fmt: str) -> Callable:
         x, y = a[0], a[1]
         alpha = kw.get("alpha", a[2] if len(a) > 2 else None)
         if alpha not in (1, 1.0, None, "1.0f"):
-            y = f"({alpha if isinstance(alpha, str) else _lit(alpha)} * {y})"
+            y = f"({alpha if isinstance(alpha, str) else float_literal(alpha)} * {y})"
         return fmt.format(x=x, y=y)
     return emit
 

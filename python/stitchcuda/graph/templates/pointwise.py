@@ -3,12 +3,11 @@ per step for broadcast ones."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from .common import (_CTYPE, _PRELUDE, KernelCode, PointwiseInput, _element_indices, _index, _split, piece_args,
-                     piece_params, piece_select)
+from ...settings import settings
+from .common import (CTYPE, PRELUDE, KernelCode, PointwiseInput, element_index, element_indices, piece_args,
+                     piece_params, piece_select, split_coordinates)
 
 
 # How a streaming (vectorized) kernel covers its tensor: "once" (the default) — as many blocks as the
@@ -22,11 +21,9 @@ ONCE_FLOAT4 = {2: 4, 4: 2}  # float4 per operand and thread by operand count (in
 
 
 def pointwise_loop() -> str:
-    """STITCHCUDA_POINTWISE_LOOP, "once" when unset."""
-    loop = os.environ.get("STITCHCUDA_POINTWISE_LOOP", "").strip() or "once"
-    if loop not in POINTWISE_LOOPS:
-        raise ValueError(f"STITCHCUDA_POINTWISE_LOOP must be one of {', '.join(POINTWISE_LOOPS)}, got {loop!r}")
-    return loop
+    """STITCHCUDA_POINTWISE_LOOP (settings().pointwise_loop), "once" when unset; a bad value raises
+    SettingsError (a ValueError) naming the values it takes."""
+    return settings().pointwise_loop
 
 
 def body_function(name: str, inputs: int, body: list[str], results: list[tuple[str, str, torch.dtype]]) -> list[str]:
@@ -43,10 +40,10 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
     n = 1
     for e in shape:
         n *= e
-    params = [p for k, i in enumerate(inputs) for p in piece_params(k, i, _CTYPE[i.dtype])]
-    params += [f"{_CTYPE[dt]}* __restrict__ q{k}" for k, (_, _, dt) in enumerate(results)]
+    params = [p for k, i in enumerate(inputs) for p in piece_params(k, i, CTYPE[i.dtype])]
+    params += [f"{CTYPE[dt]}* __restrict__ q{k}" for k, (_, _, dt) in enumerate(results)]
     params.append("long long n")
-    lines = [_PRELUDE, f"// {name}: {len(body)} fused elementwise op(s) over {list(shape)}",
+    lines = [PRELUDE, f"// {name}: {len(body)} fused elementwise op(s) over {list(shape)}",
              *body_function(name, len(inputs), body, results)]
     all_linear = all(i.linear(shape) for i in inputs)
     vectorized = (all_linear and n % 4 == 0 and all(i.dtype == torch.float32 for i in inputs)
@@ -122,7 +119,7 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
     else:
         lines.append("  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; "
                      "i += (long long)gridDim.x * blockDim.x) {")
-        coords, indices = _element_indices(shape, inputs)
+        coords, indices = element_indices(shape, inputs)
         lines += [f"    {c}" for c in coords]
         last = len(shape) - 1
         lines += [f"    const float v{k} = " + (
@@ -175,7 +172,7 @@ def _grouped_pointwise_loop(name: str, shape: tuple[int, ...], inputs: list[Poin
     wide = [f"p{k}" for k, kd in enumerate(kinds) if kd == "vec"] + \
            [f"q{k}" for k, (_, _, dt) in enumerate(results) if dt == torch.float32]
     aligned = " | ".join(f"reinterpret_cast<unsigned long long>({p})" for p in wide) or "0ULL"
-    coords = _split("i", shape, list(range(len(shape))))
+    coords = split_coordinates("i", shape, list(range(len(shape))))
     L = [f"  const bool wide = (({aligned}) & 15ULL) == 0;",
          "  const long long n4 = n / 4;",
          "  for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < n4; "
@@ -195,7 +192,7 @@ def _grouped_pointwise_loop(name: str, shape: tuple[int, ...], inputs: list[Poin
                         f"*reinterpret_cast<const float4*>({p} + ({e})) : {gather})")
             L.append(f"    const float4 a{k} = {piece_select(k, inp, shape, four)};")
             continue
-        index = _index(inp, shape)
+        index = element_index(inp, shape)
         if kd == "vec":
             L += [f"    const long long e{k} = {index};",
                   f"    const float4 a{k} = wide ? *reinterpret_cast<const float4*>(p{k} + e{k})"

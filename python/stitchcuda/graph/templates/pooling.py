@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import _CTYPE, _PRELUDE, KernelCode, RowPrologue, nhwc_pixel_loop
+from .common import CTYPE, PRELUDE, KernelCode, RowPrologue, nhwc_pixel_loop
 
 __all__ = ["POOL_MAX_TAPS", "POOL_DTYPES", "pool_output_size", "pooling_blocker", "pooling_kernel",
            "pooling_nhwc_kernel"]
@@ -125,7 +125,7 @@ def pooling_kernel(name: str, kind: str, x_shape: tuple[int, ...], kernel: tuple
     seg = (vec - 1) * sw + (kw - 1) * dw + 1  # input values its VEC outputs read per input row
     owg, ohg = -(-ow // vec), -(-oh // rh)
     total = n_ * c_ * ohg * owg
-    T, U = _CTYPE[dtype], _CTYPE[out_dtype]
+    T, U = CTYPE[dtype], CTYPE[out_dtype]
     is_max = kind == "max"
     fill = _NEG_INF if is_max else "0.0f"
 
@@ -241,7 +241,7 @@ def pooling_kernel(name: str, kind: str, x_shape: tuple[int, ...], kernel: tuple
                *store(None),
                "  }"]
     how = "each input row's segment loaded once"
-    L = [_PRELUDE, *(output.coordinate_function(name) if output else []),
+    L = [PRELUDE, *(output.coordinate_function(name) if output else []),
          f"// {name}: {kind} pooling {kh}x{kw} (stride {sh}x{sw}, padding {ph}x{pw}, dilation {dh}x{dw}"
          + (", ceil mode" if ceil_mode else "")
          + ("" if is_max else ", padding counted" if count_include_pad else ", padding not counted")
@@ -375,7 +375,7 @@ def pooling_nhwc_kernel(name: str, kind: str, x_shape: tuple[int, ...], kernel: 
     combine = (lambda j: f"acc.{comp[j]} = fmaxf(acc.{comp[j]}, v.{comp[j]}); bad{j} |= v.{comp[j]} != v.{comp[j]};") \
         if is_max else (lambda j: f"acc.{comp[j]} += v.{comp[j]};")
     params = ["const float* __restrict__ x"] + (output.params() if output else []) + ["float* __restrict__ y"]
-    L = [_PRELUDE, *(output.coordinate_function(name) if output else []),
+    L = [PRELUDE, *(output.coordinate_function(name) if output else []),
          f"// {name}: {kind} pooling {kh}x{kw} (stride {sh}x{sw}, padding {ph}x{pw}, dilation {dh}x{dw}"
          + (", ceil mode" if ceil_mode else "") + f") over NHWC [{n_}, {c_}, {h}, {w}] -> NHWC [{n_}, {c_}, {oh}, {ow}], "
          "four channels per thread",

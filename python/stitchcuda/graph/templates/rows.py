@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import _CTYPE, _PRELUDE, VECTOR_IO, KernelCode, RowPrologue, _index, _split
-from .ops import _lit
+from .common import CTYPE, PRELUDE, VECTOR_IO, KernelCode, RowPrologue, element_index, split_coordinates
+from .ops import float_literal
 
 # ---- row reductions ----
 
@@ -110,7 +110,7 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
     tpr = 32 if cols <= 1024 else (256 if cols <= 4096 else 512)  # threads per row
     rpb = 4 if tpr == 32 else 1                                     # rows per block
     warps = tpr // 32
-    T, U = _CTYPE[dtype], _CTYPE[out_dtype]
+    T, U = CTYPE[dtype], CTYPE[out_dtype]
     params = [f"const {T}* __restrict__ x"] if prologue is None else prologue.params()
     if has_weight:
         params.append(f"const {T}* __restrict__ w")
@@ -127,7 +127,7 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
         return f"st(y, {idx}, {value})" if output is None else \
             f"st(y, {idx}, {name}_o({idx}, {value}{more}{output.pointers()}))"
 
-    L = [_PRELUDE, _ROW_PRELUDE, *(prologue.value_function(name) if prologue else []),
+    L = [PRELUDE, _ROW_PRELUDE, *(prologue.value_function(name) if prologue else []),
          *(epilogue.value_function(name, "e") if epilogue else []),
          *(output.value_function(name, "o") if output else []),
          f"// {name}: {kind} over rows of {cols} ({'a warp' if tpr == 32 else f'{tpr} threads'} per row)"
@@ -183,7 +183,7 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
               "  }",
               "  warp_welford(n, mean, m2);"]
         block_combine(["n", "mean", "m2"], "  if (lane >= WARPS) { n = 0.0f; mean = 0.0f; m2 = 0.0f; }\n  warp_welford(n, mean, m2);")
-        L += [f"  const float rstd = rsqrtf(m2 / (float)cols + {_lit(eps)});",
+        L += [f"  const float rstd = rsqrtf(m2 / (float)cols + {float_literal(eps)});",
               "  for (long long c = t; c < cols; c += TPR) {",
               f"    float v = ({X('base + c')} - mean) * rstd;"]
         if has_weight:
@@ -379,22 +379,22 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
         params += epilogue.params()
     if output:
         params += output.params()
-    params += [f"{_CTYPE[out_dtype]}* __restrict__ y", "long long rows", "long long cols"]
+    params += [f"{CTYPE[out_dtype]}* __restrict__ y", "long long rows", "long long cols"]
     # A group norm reads its weight and bias by channel, one element at a time: not part of the vector check.
     vector_wb = not groups
     aligned = " | ".join(f"reinterpret_cast<unsigned long long>({p})" for p in
                          checked + (["w"] if has_weight and vector_wb else []) + (["b"] if has_bias and vector_wb else [])) \
         or "0ULL"
     per_row = "one warp per row" if tpr == 32 else f"one block of {tpr} threads per row"
-    L = [_PRELUDE, _ROW_PRELUDE,
+    L = [PRELUDE, _ROW_PRELUDE,
          f"// {name}: {kind} over rows of {cols}, {per_row}, the row held in registers",
          f"#define TPR {tpr}", f"#define RPB {rpb}", f"#define WARPS {tpr // 32}", f"#define VPT {vpt}",
          f"#define C4 {c4}", f"#define COLS {cols}LL",
          _BLOCK_PRELUDE if tpr > 32 else _WARP_ROW_PRELUDE,
          VECTOR_IO,
-         *(_cached_prologue(name, prologue, kinds, held=kept) if prologue else []),
-         *(_cached_prologue(name, epilogue, ekinds, "e", held=list(reuse)) if epilogue else []),
-         *((output.value_function(name, "o") if stat else _cached_output(name, output)) if output else []),
+         *(cached_prologue(name, prologue, kinds, held=kept) if prologue else []),
+         *(cached_prologue(name, epilogue, ekinds, "e", held=list(reuse)) if epilogue else []),
+         *((output.value_function(name, "o") if stat else cached_output(name, output)) if output else []),
          f'extern "C" __global__ void __launch_bounds__(TPR * RPB) {name}({", ".join(params)}) {{',
          "  const long long row = (long long)blockIdx.x * RPB + threadIdx.x / TPR;",
          "  const int t = threadIdx.x % TPR;",
@@ -469,7 +469,7 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
         L += ["  const float mean = block_sum(s, sh) / (float)cols;", "  float q = 0.0f;"]
         each(["const float4 d = make_float4(v[k].x - mean, v[k].y - mean, v[k].z - mean, v[k].w - mean);",
               "q += (d.x * d.x + d.y * d.y) + (d.z * d.z + d.w * d.w);"])
-        L.append(f"  const float rstd = rsqrtf(block_sum(q, sh) / (float)cols + {_lit(eps)});")
+        L.append(f"  const float rstd = rsqrtf(block_sum(q, sh) / (float)cols + {float_literal(eps)});")
         body = ["const int c = t + k * TPR;",
                 "float4 o = make_float4((v[k].x - mean) * rstd, (v[k].y - mean) * rstd, (v[k].z - mean) * rstd, "
                 "(v[k].w - mean) * rstd);"]
@@ -566,7 +566,7 @@ def _cluster_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, 
         load = "load4(x + base, c, vec)"
     else:
         load = "make_float4(" + ", ".join(f"{name}_x(base + 4LL * c + {j}{prologue.pointers()})" for j in range(4)) + ")"
-    L = [_PRELUDE, _ROW_PRELUDE, "#include <cooperative_groups.h>",
+    L = [PRELUDE, _ROW_PRELUDE, "#include <cooperative_groups.h>",
          f"// {name}: {kind} over rows of {cols}, a cluster of {n} blocks per row, each holding {part} of its "
          "values in shared memory",
          f"#define WARPS {CLUSTER_THREADS // 32}", f"#define CLUSTER {n}", f"#define PART {part}LL",
@@ -639,7 +639,7 @@ __device__ __forceinline__ float cluster_max(float v, float* slots, int k) {
         each(["const float4 v = v4[c];",
               "const float4 d = make_float4(v.x - mean, v.y - mean, v.z - mean, v.w - mean);",
               "q += (d.x * d.x + d.y * d.y) + (d.z * d.z + d.w * d.w);"])
-        L.append(f"  const float rstd = rsqrtf(cluster_sum(block_sum(q, sh), slots, 1) / (float)cols + {_lit(eps)});")
+        L.append(f"  const float rstd = rsqrtf(cluster_sum(block_sum(q, sh), slots, 1) / (float)cols + {float_literal(eps)});")
         L.append("  cooperative_groups::this_cluster().sync();  // every block has read every slot: none is left")
         body = ["const float4 v = v4[c];",
                 "float4 o = make_float4((v.x - mean) * rstd, (v.y - mean) * rstd, (v.z - mean) * rstd, "
@@ -666,11 +666,11 @@ __device__ __forceinline__ float cluster_max(float v, float* slots, int k) {
                       f"write{fused}", vectorized=prologue is None, shared_mem=4 * part)
 
 
-def _cached_output(name: str, output: RowPrologue) -> list[str]:
+def cached_output(name: str, output: RowPrologue) -> list[str]:
     """`{name}_o4(row, c4, v, in0, ..)`: the output function on one float4 of results."""
     L = output.value_function(name, "o")
     params = ", ".join(["long long row", "int c4", "float4 v",
-                        *[f"const {_CTYPE[i.dtype]}* __restrict__ p_{i.key}" for i in output.inputs]])
+                        *[f"const {CTYPE[i.dtype]}* __restrict__ p_{i.key}" for i in output.inputs]])
     args = "".join(f", p_{i.key}" for i in output.inputs)
     L += [f"__device__ __forceinline__ float4 {name}_o4({params}) {{",
           "  const long long i = row * COLS + 4LL * c4;",
@@ -680,15 +680,15 @@ def _cached_output(name: str, output: RowPrologue) -> list[str]:
     return L
 
 
-def _cached_prologue(name: str, prologue: RowPrologue, kinds: list[str] | None, suffix: str = "x",
-                     held: list[str] = ()) -> list[str]:
+def cached_prologue(name: str, prologue: RowPrologue, kinds: list[str] | None, suffix: str = "x",
+                    held: list[str] = ()) -> list[str]:
     """`{name}_{suffix}4(row, c4, vec, [extra..], in0, ..)`: four consecutive values of the fused ops (one
     float4 of the row: the reduction input for a prologue, the result for an epilogue, whose extra is the
     row's statistic), 16-byte loads of each operand when `kinds` allows, else the scalar value function.
     The inputs in `held` ("row" kind) are passed as the float4 the caller holds instead of a pointer."""
     L = prologue.value_function(name, suffix)
     params = ", ".join(["long long row", "int c4", "bool vec", *[f"float {e}" for e in prologue.extra],
-                        *[f"float4 h_{i.key}" if i.key in held else f"const {_CTYPE[i.dtype]}* __restrict__ p_{i.key}"
+                        *[f"float4 h_{i.key}" if i.key in held else f"const {CTYPE[i.dtype]}* __restrict__ p_{i.key}"
                           for i in prologue.inputs]])
     L.append(f"__device__ __forceinline__ float4 {name}_{suffix}4({params}) {{")
     if kinds is None:
@@ -700,7 +700,7 @@ def _cached_prologue(name: str, prologue: RowPrologue, kinds: list[str] | None, 
         return L
     shape = prologue.shape
     if any(k in ("based4", "based1", "per_row") for k in kinds):  # the row's coordinates (all but the last)
-        L += [f"  {c}" for c in _split("row", shape, list(range(len(shape) - 1)))]
+        L += [f"  {c}" for c in split_coordinates("row", shape, list(range(len(shape) - 1)))]
     for inp, k in zip(prologue.inputs, kinds):
         a, p = f"a_{inp.key}", f"p_{inp.key}"
         if inp.key in held:
@@ -710,7 +710,7 @@ def _cached_prologue(name: str, prologue: RowPrologue, kinds: list[str] | None, 
         elif k == "col":
             L.append(f"  const float4 {a} = load4({p}, c4, vec);")
         elif k in ("based4", "based1", "per_row"):
-            L.append(f"  const long long b_{inp.key} = {_index(inp, shape, len(shape) - 1)};")
+            L.append(f"  const long long b_{inp.key} = {element_index(inp, shape, len(shape) - 1)};")
             if k == "based4":
                 L.append(f"  const float4 {a} = load4({p} + b_{inp.key}, c4, vec);")
             elif k == "based1":
@@ -803,12 +803,12 @@ def normalized_rows_kernel(name: str, rows: int, cols: int, norms: list[str], pr
         if pr.kind == "gather":
             params.append(f"const long long* __restrict__ {pr.index}")
             args.append(("in", pr.index))
-        params.append(f"{_CTYPE[pr.out_dtype]}* __restrict__ y{k}")
+        params.append(f"{CTYPE[pr.out_dtype]}* __restrict__ y{k}")
         args.append(("out", f"y{k}"))
     params += ["long long rows", "long long cols"]
     args += [("i64", rows), ("i64", cols)]
     aligned = " | ".join(f"reinterpret_cast<unsigned long long>(x{j} + row * cols)" for j in range(len(norms)))
-    L = [_PRELUDE, _ROW_PRELUDE,
+    L = [PRELUDE, _ROW_PRELUDE,
          f"// {name}: {len(products)} per-row result(s) of " + ", ".join(f"{n}(x{j})" for j, n in enumerate(norms))
          + f" over rows of {cols}, each row read once into registers",
          f"#define TPR {tpr}", f"#define RPB {rpb}", f"#define WARPS {tpr // 32}", f"#define VPT {vpt}",

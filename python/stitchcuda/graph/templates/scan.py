@@ -36,8 +36,8 @@ import math
 
 import torch
 
-from .common import _CTYPE, _PRELUDE, VECTOR_IO, KernelCode, RowPrologue
-from .rows import _cached_output, _cached_prologue
+from .common import CTYPE, PRELUDE, VECTOR_IO, KernelCode, RowPrologue
+from .rows import cached_output, cached_prologue
 
 SCANS = ("cumsum", "cumprod")
 _INIT = {"cumsum": "0.0f", "cumprod": "1.0f"}  # ATen's initial total (0 + -0 is +0: its first element too)
@@ -93,7 +93,7 @@ def scan_kernel(name: str, kind: str, shape: tuple[int, ...], dim: int, prologue
     if output is not None and (output.extra != ("yv",) or tuple(output.shape) != shape):
         raise ValueError(f"an output function reads 'yv' over {list(shape)}, got {output.extra} over "
                          f"{list(output.shape)}")
-    if out_dtype not in _CTYPE or out_dtype == torch.bool:
+    if out_dtype not in CTYPE or out_dtype == torch.bool:
         raise ValueError(f"a scan stores fp32, fp16 or bf16 values, not {out_dtype}")
     outer, length, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1:])
     if max(outer * inner, length) > SCAN_EXTENT_MAX:
@@ -147,7 +147,7 @@ def _row_scan(name: str, kind: str, rows: int, cols: int, prologue: RowPrologue 
     params = ["const float* __restrict__ x"] if prologue is None else prologue.params()
     if output is not None:
         params += output.params()
-    params.append(f"{_CTYPE[out_dtype]}* __restrict__ y")
+    params.append(f"{CTYPE[out_dtype]}* __restrict__ y")
     names = ", ".join(p.split()[-1] for p in params)
     ptrs = prologue.pointers() if prologue is not None else ""
     optrs = output.pointers() if output is not None else ""
@@ -159,9 +159,9 @@ def _row_scan(name: str, kind: str, rows: int, cols: int, prologue: RowPrologue 
 
     helpers: list[str] = []
     if prologue is not None:
-        helpers += _cached_prologue(name, prologue, kinds) if vec else prologue.value_function(name)
+        helpers += cached_prologue(name, prologue, kinds) if vec else prologue.value_function(name)
     if output is not None:
-        helpers += _cached_output(name, output) if store_vec else output.value_function(name, "o")
+        helpers += cached_output(name, output) if store_vec else output.value_function(name, "o")
 
     def load(buf: str, stage: str) -> list[str]:
         L = ["{", f"  const int c0 = ({stage}) * {tiles * tile} + p * RUN;"]
@@ -226,7 +226,7 @@ def _row_scan(name: str, kind: str, rows: int, cols: int, prologue: RowPrologue 
             f"carried): {lanes} lanes per row, {run} consecutive elements per lane in registers, "
             + (f"{tiles} tile(s) per stage with the next stage's loads in flight, " if stages > 1 else "one stage, ")
             + f"{'16-byte' if vec else 'scalar'} accesses{fused}")
-    L = [_PRELUDE, _combine_macro(kind),
+    L = [PRELUDE, _combine_macro(kind),
          f"#define ROWS {rows}LL", f"#define COLS {cols}LL", f"#define LANES {lanes}", f"#define RUN {run}",
          "__device__ __forceinline__ int upto(int c, int last) { return c < last ? c : last; }",
          *([VECTOR_IO] if vec else []), *helpers,
@@ -279,7 +279,7 @@ def _column_scan(name: str, kind: str, outer: int, length: int, inner: int, prol
     params = ["const float* __restrict__ x"] if prologue is None else prologue.params()
     if output is not None:
         params += output.params()
-    params.append(f"{_CTYPE[out_dtype]}* __restrict__ y")
+    params.append(f"{CTYPE[out_dtype]}* __restrict__ y")
     X = (lambda i: f"ld(x, {i})") if prologue is None else (lambda i: f"{name}_x({i}{prologue.pointers()})")
     Y = (lambda i, v: f"st(y, {i}, {v})") if output is None else \
         (lambda i, v: f"st(y, {i}, {name}_o({i}, {v}{output.pointers()}))")
@@ -291,7 +291,7 @@ def _column_scan(name: str, kind: str, outer: int, length: int, inner: int, prol
         fused += f", {len(output.body)} elementwise op(s) applied before the store"
     what = (f"{kind} down {columns} columns of {length} ([{outer}, {length}, {inner}]) in ATen's order: a thread "
             f"per column, sequential, {u} loads ahead{fused}")
-    L = [_PRELUDE, _combine_macro(kind), *(prologue.value_function(name) if prologue is not None else []),
+    L = [PRELUDE, _combine_macro(kind), *(prologue.value_function(name) if prologue is not None else []),
          *(output.value_function(name, "o") if output is not None else []),
          f"// {name}: {what}",
          f"#define LEN {length}LL", f"#define INNER {inner}LL",

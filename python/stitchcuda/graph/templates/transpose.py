@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import _CTYPE, _PRELUDE, KernelCode, PointwiseInput, _index
+from .common import CTYPE, PRELUDE, KernelCode, PointwiseInput, element_index
 from .pointwise import body_function
 
 TILE = 32  # a 32 x 32 tile of (channels, pixels) per block: each warp's loads and stores are 32 consecutive values
@@ -28,7 +28,7 @@ def nchw_to_nhwc_kernel(name: str, shape: tuple[int, ...], dtype: torch.dtype) -
         raise ValueError(f"an NCHW to NHWC conversion of an empty tensor {shape}")
     if n > 65535 or -(-c // TILE) > 65535:
         raise ValueError(f"{shape}: more images or channel tiles than a grid dimension holds (65,535)")
-    T = _CTYPE[dtype]
+    T = CTYPE[dtype]
     source = "\n".join([
         "#include <cuda_fp16.h>",
         "#include <cuda_bf16.h>",
@@ -79,12 +79,12 @@ def pointwise_from_nhwc_kernel(name: str, shape: tuple[int, ...], inputs: list[P
     staged = [k for k, i in enumerate(inputs) if i.strides[1] == 1 and c > 1 and i.strides[3] != 0]
     if not staged:
         raise ValueError("an NHWC edge kernel needs an operand stored channels-last")
-    params = [f"const {_CTYPE[i.dtype]}* __restrict__ p{k}" for k, i in enumerate(inputs)]
-    params += [f"{_CTYPE[dt]}* __restrict__ q{k}" for k, (_, _, dt) in enumerate(results)]
+    params = [f"const {CTYPE[i.dtype]}* __restrict__ p{k}" for k, i in enumerate(inputs)]
+    params += [f"{CTYPE[dt]}* __restrict__ q{k}" for k, (_, _, dt) in enumerate(results)]
     params.append("long long n")
     coords = ["        const long long c0 = blockIdx.z, c1 = ch;",
               f"        const long long c2 = p / {w}, c3 = p % {w};"]
-    L = [_PRELUDE, f"// {name}: {len(body)} fused elementwise op(s) over [{n}, {c}, {h}, {w}], NCHW results, "
+    L = [PRELUDE, f"// {name}: {len(body)} fused elementwise op(s) over [{n}, {c}, {h}, {w}], NCHW results, "
          f"{len(staged)} NHWC operand(s) staged through {TILE}x{TILE} tiles",
          f"#define TILE {TILE}", f"#define ROWS {ROWS}",
          *body_function(name, len(inputs), body, results),
@@ -97,7 +97,7 @@ def pointwise_from_nhwc_kernel(name: str, shape: tuple[int, ...], inputs: list[P
          "    const int p = px0 + r, ch = ch0 + threadIdx.x;",
          f"    if (ch < {c} && p < {hw}) {{",
          *coords,
-         *[f"        t{k}[r][threadIdx.x] = ld(p{k}, {_index(inputs[k], shape)});" for k in staged],
+         *[f"        t{k}[r][threadIdx.x] = ld(p{k}, {element_index(inputs[k], shape)});" for k in staged],
          "    }",
          "  }",
          "  __syncthreads();",
@@ -108,7 +108,7 @@ def pointwise_from_nhwc_kernel(name: str, shape: tuple[int, ...], inputs: list[P
          f"    if (ch < {c} && p < {hw}) {{",
          *coords,
          *[f"        const float v{k} = " + (f"t{k}[threadIdx.x][r];" if k in staged else
-                                             f"ld(p{k}, {_index(i, shape)});") for k, i in enumerate(inputs)],
+                                             f"ld(p{k}, {element_index(i, shape)});") for k, i in enumerate(inputs)],
          *[f"        float o{k};" for k in range(len(results))],
          f"        {name}_body(" + ", ".join([f"v{k}" for k in range(len(inputs))] +
                                             [f"o{k}" for k in range(len(results))]) + ");",
