@@ -154,6 +154,16 @@ def _score_lines(value: str, causal: bool, mask_dtype: torch.dtype | None) -> li
     return lines
 
 
+def _online_max(lanes: tuple[int, ...]) -> str:
+    """The online softmax's step: the tile's row max `mx` combined over the row's lanes (xor `lanes`), the new
+    running max, the factor `alpha` rescaling what was summed under the old one, and `sum` started."""
+    return "\n".join([f"    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, {x}));" for x in lanes] + [
+        "    const float mnew = fmaxf(m, mx);",
+        "    const float base = mnew == NEG_INF ? 0.0f : mnew;  // a row masked so far keeps probabilities 0",
+        "    const float alpha = expf(m - base);",
+        "    float sum = 0.0f;"])
+
+
 def _fma_source(name: str, params: list[str], tiles: PrefillTiles, t: str, causal: bool, mask_base: str,
                 lse: bool, score: list[str]) -> str:
     bm, bn, d = tiles.bm, tiles.bn, tiles.head_dim
@@ -205,12 +215,7 @@ extern "C" __global__ void __launch_bounds__({4 * bm}) {name}({", ".join(params)
       s[j] = keep ? x : NEG_INF;
       mx = fmaxf(mx, s[j]);
     }}
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float mnew = fmaxf(m, mx);
-    const float base = mnew == NEG_INF ? 0.0f : mnew;  // a row masked so far keeps probabilities 0
-    const float alpha = expf(m - base);
-    float sum = 0.0f;
+{_online_max((1, 2))}
     #pragma unroll
     for (int j = 0; j < {bn // 4}; ++j) {{
       const float e = expf(s[j] - base);
@@ -344,11 +349,7 @@ extern "C" __global__ void __launch_bounds__(128) {name}({", ".join(params)}) {{
       Sw[r * {sf} + c] = x;
       mx = fmaxf(mx, x);
     }}
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    const float mnew = fmaxf(m, mx);
-    const float base = mnew == NEG_INF ? 0.0f : mnew;  // a row masked so far keeps probabilities 0
-    const float alpha = expf(m - base);
-    float sum = 0.0f;
+{_online_max((1,))}
     for (int j = 0; j < {bn // 2}; ++j) {{
       const int c = half * {bn // 2} + j;
       const float e = expf(Sw[r * {sf} + c] - base);
