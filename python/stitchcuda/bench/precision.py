@@ -1,5 +1,6 @@
 """torch's flags at a bench precision (fp32, tf32, bf16), set around a problem's columns and restored after,
-and the tolerance outputs are judged by at that precision."""
+and the tolerance outputs are judged by at that precision; a problem's variants (bf16, fp16, autocast: the
+dtype its model runs in) and the accuracy rule that judges low-precision outputs against a reference."""
 
 from __future__ import annotations
 
@@ -79,3 +80,92 @@ def precision_flags(precision: str):
             torch.backends.cudnn.allow_tf32 = cudnn
         for knob, value in zip(knobs, saved):
             knob.fp32_precision = value
+
+
+# ---- variants: one problem file, several dtypes ----------------------------------------------------------
+# A problem file may name the ways its model runs in a module-level VARIANTS tuple (bench/lowp does); the
+# bench makes one row per variant, `name[variant]`. Each variant is (the dtype of the weights and floating
+# inputs, the dtype torch.autocast runs the forward at or None). Autocast keeps fp32 weights, as users of
+# mixed precision do: every column (eager, torch.compile, StitchCUDA, optimize() itself) runs inside it.
+VARIANT_DTYPES: dict[str, tuple[torch.dtype, torch.dtype | None]] = {
+    "fp32": (torch.float32, None),
+    "bf16": (torch.bfloat16, None),
+    "fp16": (torch.float16, None),
+    "autocast-bf16": (torch.float32, torch.bfloat16),
+    "autocast-fp16": (torch.float32, torch.float16),
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def variant_fields(variant: str) -> dict[str, str]:
+    """What a row records of its variant: {variant, dtype (weights and activations), autocast (when it runs
+    under autocast)}. ValueError naming the known variants for any other."""
+    if variant not in VARIANT_DTYPES:
+        raise ValueError(f"unknown variant {variant!r}: a problem's VARIANTS may name {', '.join(VARIANT_DTYPES)}")
+    dtype, autocast = VARIANT_DTYPES[variant]
+    return {"variant": variant, "dtype": dtype_name(dtype), **({"autocast": dtype_name(autocast)} if autocast else {})}
+
+
+def cast_variant(model: torch.nn.Module, inputs: tuple, variant: str | None) -> tuple[torch.nn.Module, tuple]:
+    """The model and its floating inputs in the variant's dtype (integer inputs, token ids, stay as they are).
+    No variant: both unchanged."""
+    if variant is None:
+        return model, inputs
+    dtype = VARIANT_DTYPES[variant][0]
+    return model.to(dtype), tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                                  for t in inputs)
+
+
+def variant_autocast(variant: str | None, device_type: str = "cuda") -> contextlib.AbstractContextManager:
+    """torch.autocast at the variant's dtype on `device_type`, or nothing for a variant without autocast."""
+    autocast = VARIANT_DTYPES[variant][1] if variant is not None else None
+    return torch.autocast(device_type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+
+
+def judged_precision(precision: str, variant: str | None) -> str:
+    """The tolerance column an autocast row's outputs are compared with eager's under: an fp32 output of
+    an autocast forward came through bf16/fp16 matmuls, so it is as close as a 16-bit one ("bf16")."""
+    return "bf16" if variant is not None and VARIANT_DTYPES[variant][1] is not None else precision
+
+
+# ---- the accuracy rule ------------------------------------------------------------------------------------
+# A 16-bit model's eager output is not the truth: ATen rounds after every op, and a kernel that computes
+# in fp32 and rounds once is closer to exact arithmetic while differing from eager by as much as eager
+# differs from the truth. So a candidate (torch.compile, StitchCUDA) is judged against a high-precision
+# reference (the model in fp64, fp32 where fp64 does not fit), by the error eager itself makes there:
+#     error(candidate) <= ACCURACY_FACTOR * error(eager) + ACCURACY_FLOOR
+# (the same shape as Inductor's accuracy check against an fp64 reference). The factor admits a different
+# but equally valid order of rounding (a split-K GEMM, another reduction tree) and rejects a kernel that
+# loses precision (accumulating in 16 bits, a wrong element); the floor keeps an exact eager (error 0)
+# from demanding exactness. Errors are max |got - reference| over the outputs (the err_fp64 max_abs).
+ACCURACY_FACTOR = 2.0
+ACCURACY_FLOOR = 1e-4  # the fp32 table's atol: below it no 16-bit output differs meaningfully
+
+
+def accuracy_bound(eager_error: float, factor: float = ACCURACY_FACTOR, floor: float = ACCURACY_FLOOR) -> float:
+    return factor * eager_error + floor
+
+
+def accuracy_verdict(candidate_error: float | None, eager_error: float | None) -> dict[str, Any]:
+    """{ok, error, eager_error, bound} of one candidate by the accuracy rule; ok None (unknown) when either
+    error is missing (no reference)."""
+    if candidate_error is None or eager_error is None:
+        return {"ok": None, "error": candidate_error, "eager_error": eager_error, "bound": None}
+    bound = accuracy_bound(eager_error)
+    return {"ok": bool(candidate_error <= bound), "error": candidate_error, "eager_error": eager_error, "bound": bound}
+
+
+def add_accuracy(row: dict) -> dict:
+    """row["accuracy"]: the accuracy verdict of every column with an error against the reference
+    (row["err_fp64"]) beside eager's; row["accurate"]: StitchCUDA's verdict (None without a reference)."""
+    errors = row.get("err_fp64") or {}
+    eager = (errors.get("eager") or {}).get("max_abs")
+    verdicts = {column: accuracy_verdict(e.get("max_abs"), eager) for column, e in errors.items()
+                if column != "eager" and isinstance(e, dict)}
+    if verdicts:
+        row["accuracy"] = verdicts
+    row["accurate"] = verdicts.get("stitch", {}).get("ok")
+    return row

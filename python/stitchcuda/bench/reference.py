@@ -42,41 +42,53 @@ def compare_outputs(got: Any, want: Any, precision: str = "fp32") -> tuple[bool,
     return ok, worst, detail
 
 
-def _float64(value: Any) -> Any:
-    return pytree.tree_map(lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, value)
+def _float64(value: Any, dtype: torch.dtype = torch.float64) -> Any:
+    return pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, value)
 
 
-def _fp64_bytes(*structures: Any) -> int:
-    """The bytes of the tensors in `structures` once every floating one is float64."""
+def _fp64_bytes(*structures: Any, dtype: torch.dtype = torch.float64) -> int:
+    """The bytes of the tensors in `structures` once every floating one is float64 (or `dtype`)."""
     tensors = [t for s in structures for t in pytree.tree_flatten(s)[0] if isinstance(t, torch.Tensor)]
-    return sum(t.numel() * (8 if t.is_floating_point() else t.element_size()) for t in tensors)
+    width = torch.finfo(dtype).bits // 8
+    return sum(t.numel() * (width if t.is_floating_point() else t.element_size()) for t in tensors)
+
+
+def reference_dtype(model: torch.nn.Module, inputs: tuple, outputs: Any = None,
+                    budget: int = FP64_BUDGET_BYTES) -> torch.dtype:
+    """The dtype of a 16-bit model's high-precision reference: float64 where its weights, inputs and
+    `outputs` fit in `budget` bytes at 8 bytes a number, else float32 (still exact enough to judge a 16-bit
+    model's error, whose unit roundoff is 2^-8 or 2^-11 against fp32's 2^-24)."""
+    parts = ([*model.parameters(), *model.buffers()], inputs, outputs)
+    return torch.float64 if _fp64_bytes(*parts) <= budget else torch.float32
 
 
 def fp64_reference(model: torch.nn.Module, inputs: tuple, outputs: Any,
-                   budget: int = FP64_BUDGET_BYTES) -> tuple[Any, str]:
+                   budget: int = FP64_BUDGET_BYTES, dtype: torch.dtype = torch.float64) -> tuple[Any, str]:
     """(the model's outputs on `inputs` in float64, in host memory; a note, "" or what the reference is
     not) from a deep copy of the model and the inputs cast to float64 on their device; or (None, why
     there is none): the float64 weights, inputs and `outputs` (eager's) would take more than `budget`
-    bytes, or the model cannot be copied to or run in float64. The copy is dropped before returning."""
-    need = _fp64_bytes([*model.parameters(), *model.buffers()], inputs, outputs)
+    bytes, or the model cannot be copied to or run in float64. The copy is dropped before returning.
+    `dtype` float32: the same in float32 (reference_dtype's choice for a 16-bit model too large for float64)."""
+    name = str(dtype).removeprefix("torch.")
+    need = _fp64_bytes([*model.parameters(), *model.buffers()], inputs, outputs, dtype=dtype)
     if need > budget:
-        return None, (f"skipped: the float64 weights, inputs and outputs would take {need / 2**30:.1f} GiB, above the "
+        return None, (f"skipped: the {name} weights, inputs and outputs would take {need / 2**30:.1f} GiB, above the "
                       f"{budget / 2**30:g} GiB budget")
     try:
-        wide = copy.deepcopy(model).double()
+        wide = copy.deepcopy(model).to(dtype)
     except Exception as exc:
-        return None, f"skipped: the model cannot be copied to float64 ({first_line(exc)})"
+        return None, f"skipped: the model cannot be copied to {name} ({first_line(exc)})"
     try:
         with torch.no_grad():
-            ref = wide(*_float64(inputs))
+            ref = wide(*_float64(inputs, dtype))
     except Exception as exc:  # an op without a float64 kernel, a tensor the model makes in fp32, out of memory
-        return None, f"skipped: the model does not run in float64 ({first_line(exc)})"
+        return None, f"skipped: the model does not run in {name} ({first_line(exc)})"
     finally:
         del wide
     flat = pytree.tree_flatten(ref)[0]
     narrow = [i for i, t in enumerate(flat)
-              if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64]
-    note = (f"output(s) {narrow} are {flat[narrow[0]].dtype} in the float64 run (the model casts): their error is "
+              if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype]
+    note = (f"output(s) {narrow} are {flat[narrow[0]].dtype} in the {name} run (the model casts): their error is "
             "against that" if narrow else "")
     return pytree.tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, ref), note
 

@@ -58,7 +58,8 @@ def row_mode(compile_only: bool, no_compile: bool) -> str:
 # What a row was measured with: a resumed run reuses only rows made the same way (a compile-only row
 # is no timed measurement; a row without the agents is not one with them). Rows of older files have no
 # such keys and read as these defaults. A file never mixes precisions (precision_conflict).
-ROW_SETTINGS = {"mode": "timed", "llm": None, "precision": "fp32"}
+# --small rows (the problems' SMALL sizes) and rows timed with extra compile modes are not a full run's.
+ROW_SETTINGS = {"mode": "timed", "llm": None, "precision": "fp32", "small": False, "compile_modes": []}
 
 
 def row_settings(row: dict) -> dict:
@@ -113,11 +114,12 @@ def precision_conflict(results: Path, precision: str) -> str | None:
 # everything, the input sets and agents' targets too).
 # err_fp64_<column>_<max_abs|max_rel>: a column's error against the fp64 reference (row["err_fp64"]).
 _ERROR_CSV = {f"err_fp64_{c}_{stat}": (c, stat) for c in ERROR_COLUMNS[:4] for stat in ("max_abs", "max_rel")}
-CSV_COLUMNS = ("model", "level", "class", "mode", "precision", "llm", "status", "correct", "eager_ms", "compile_ms",
-               "reduce_overhead_ms", "best_compile_mode", "best_compile_ms", "stitch_ms", "eager_after_ms", "agents_ms",
+CSV_COLUMNS = ("model", "level", "class", "mode", "precision", "variant", "dtype", "autocast", "llm", "status",
+               "correct", "accurate", "eager_ms", "compile_ms", "reduce_overhead_ms", "max_autotune_no_cudagraphs_ms",
+               "max_autotune_no_cudagraphs_first_call_s", "best_compile_mode", "best_compile_ms", "stitch_ms", "eager_after_ms", "agents_ms",
                "speedup_compile", "speedup_reduce_overhead", "speedup_best_compile", "speedup_stitch",
                "speedup_agents", "stitch_vs_best_compile", "agents_vs_best_compile", "agents_correct",
-               "optimize_s", "agents_s", "fallbacks", "kernels", "max_abs_error", *_ERROR_CSV, "fp64_note", "flops",
+               "optimize_s", "agents_s", "fallbacks", "kernels", "max_abs_error", *_ERROR_CSV, "reference_dtype", "fp64_note", "flops",
                "bytes", "eager_peak_bytes", "optimize_peak_bytes", "optimize_device_peak_bytes", "memory_ratio",
                "forward_largest_tensor_bytes", "memory_ratio_forward", "errors")
 

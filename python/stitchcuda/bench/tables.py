@@ -20,14 +20,21 @@ EAGER_DRIFT = 0.03
 FAST_P = (0.0, 0.5, 1.0)  # the thresholds of fast_p in the summary
 
 
+# torch.compile's modes and the row's column of each (<column>_ms, <column>_first_call_s): default and
+# reduce-overhead always, the others when --compile-modes adds them.
+COMPILE_MODES = {"default": "compile", "reduce-overhead": "reduce_overhead",
+                 "max-autotune-no-cudagraphs": "max_autotune_no_cudagraphs", "max-autotune": "max_autotune"}
+EXTRA_COMPILE_MODES = ("max-autotune-no-cudagraphs", "max-autotune")
+
+
 def add_speedups(row: dict) -> dict:
     """The row's best compile mode and its speed-ups over eager (and StitchCUDA's over the best mode)."""
-    modes = [(row[k], mode) for k, mode in (("compile_ms", "default"), ("reduce_overhead_ms", "reduce-overhead"))
-             if row.get(k)]
+    modes = [(row[f"{column}_ms"], mode) for mode, column in COMPILE_MODES.items() if row.get(f"{column}_ms")]
     if modes:
         row["best_compile_ms"], row["best_compile_mode"] = min(modes)
     for key, name in (("compile_ms", "speedup_compile"), ("reduce_overhead_ms", "speedup_reduce_overhead"),
-                      ("best_compile_ms", "speedup_best_compile"), ("stitch_ms", "speedup_stitch"),
+                      ("max_autotune_no_cudagraphs_ms", "speedup_max_autotune_no_cudagraphs"),
+                      ("max_autotune_ms", "speedup_max_autotune"), ("best_compile_ms", "speedup_best_compile"), ("stitch_ms", "speedup_stitch"),
                       ("agents_ms", "speedup_agents")):
         if row.get(key) and row.get("eager_ms"):
             row[name] = row["eager_ms"] / row[key]
@@ -74,7 +81,7 @@ def _when_correct(key: str, correct: str = "correct") -> Callable[[dict], float 
 def _best_compile_speedup(row: dict) -> float | None:
     """The faster torch.compile mode for this problem (rows from older files have no best column; rows
     written by other tools may have the best column only)."""
-    present = [row[k] for k in ("speedup_compile", "speedup_reduce_overhead") if row.get(k)]
+    present = [row[f"speedup_{c}"] for c in COMPILE_MODES.values() if row.get(f"speedup_{c}")]
     return max(present) if present else row.get("speedup_best_compile")
 
 
@@ -85,6 +92,9 @@ def summarize(rows: list[dict]) -> dict:
     out["share_correct"] = out["correct"] / len(rows) if rows else 0.0
     out["optimized"] = sum(r.get("status") == "optimized" for r in rows)
     out["compiled"] = sum(r.get("status") == "compiled" for r in rows)  # --compile-only rows
+    # Variant rows: StitchCUDA's accuracy verdict against the high-precision reference (precision.add_accuracy).
+    out["accurate"] = sum(r.get("accurate") is True for r in rows)
+    out["models_with_accuracy"] = sum(r.get("accurate") is not None for r in rows)
     best = {id(r): _best_compile_speedup(r) for r in rows}
     columns: dict[str, list[float]] = {
         "speedup_compile": [r["speedup_compile"] for r in rows if "speedup_compile" in r],
@@ -245,6 +255,12 @@ def _row_notes(r: dict) -> list[str]:
                                                          for c in ERROR_COLUMNS if c in errors))
     elif r.get("fp64_note") and r.get("mode") != "compile-only":
         lines.append(f"    vs fp64: {r['fp64_note'][:200]}")
+    accuracy = r.get("accuracy")
+    if accuracy:  # a variant's row: each candidate by the accuracy rule (precision.accuracy_verdict)
+        eager = next(iter(accuracy.values()))["eager_error"]
+        lines.append(f"    accuracy vs {r.get('reference_dtype', 'float64')} (max abs; eager {fmt(eager, '.2e')}): " + ", ".join(
+            f"{c} {fmt(v['error'], '.2e')} {({True: 'ok', False: 'OVER', None: '?'})[v['ok']]}"
+            for c, v in accuracy.items()))
     return lines
 
 
@@ -305,6 +321,11 @@ def format_table(rows: list[dict], summary: dict, device: str, title: str = "sui
                  f"{fmt(s['optimize_s_max'], '.1f')}, memory ratio > 1: {s['memory_over_target']}/"
                  f"{s['models_with_memory_ratio']} (against the forward's largest tensor, intermediates "
                  f"included: {s.get('memory_over_target_forward', '-')})")
+    if s.get("models_with_accuracy"):
+        from .precision import ACCURACY_FACTOR, ACCURACY_FLOOR
+
+        lines.append(f"accurate (StitchCUDA's max |error| vs the high-precision reference <= {ACCURACY_FACTOR:g} x eager's "
+                     f"+ {ACCURACY_FLOOR:g}): {s['accurate']}/{s['models_with_accuracy']}")
     medians = s.get("err_fp64_median") or {}
     if medians:
         names = {"eager": "eager", "compile": "compile", "reduce_overhead": "reduce-overhead", "stitch": "StitchCUDA",
