@@ -26,10 +26,11 @@ kernel's budget: WmmaTiles.
 
 Decode (`decode_attention_kernels`). One to a few query tokens per sequence against a KV cache
 [B, H_kv, S_max, D] with a per-sequence length (int32 [B]). The keys of a sequence are cut into `splits`
-chunks, one block each (grid splits x (H_q * tokens) x B, 128 threads): each warp takes every fourth key,
-lanes hold D/32 of q and of the accumulator, the dot product reduced by shuffles; the four warps' (max,
-sum, acc) are merged in shared memory and written to a workspace; a second kernel (one block of D
-threads per query row) rescales and sums the splits. Query token t of T sees keys < length - T + t + 1.
+chunks, one block each (grid splits x (H_q * tokens) x B, 128 threads): each warp takes groups of four
+consecutive keys (one group in four, their loads issued together), lanes hold D/32 of q and of the
+accumulator, the dot products reduced by shuffles; the four warps' (max, sum, acc) are merged in shared
+memory and written to a workspace; a second kernel (one block of D threads per query row) rescales and
+sums the splits. Query token t of T sees keys < length - T + t + 1.
 """
 
 from __future__ import annotations
@@ -401,6 +402,7 @@ class DecodeKernels:
     workspace_acc: int  # floats
 
 
+DECODE_KEYS = 4  # keys a warp of the decode kernel loads per step
 DECODE_MIN_CHUNK = 64  # keys per split at the least: below, a split's fixed cost outweighs its keys
 
 
@@ -443,18 +445,43 @@ extern "C" __global__ void __launch_bounds__(128) {name}_partial({", ".join(part
   float qr[{per}], acc[{per}], m = NEG_INF, l = 0.0f;
   #pragma unroll
   for (int i = 0; i < {per}; ++i) {{ qr[i] = ld(qb, lane + 32 * i) * scale; acc[i] = 0.0f; }}
-  for (long long n = s0 + w; n < s1; n += 4) {{  // warp-uniform: every lane takes every key
-    float dot = 0.0f;
+  // Each warp takes {DECODE_KEYS} consecutive keys per step (every {4 * DECODE_KEYS}th group), their loads issued
+  // together: one key at a time leaves a warp waiting on each load's latency (a chain of load, FMAs, five
+  // shuffles, exp) with little memory in flight.
+  for (long long n0 = s0 + w * {DECODE_KEYS}; n0 < s1; n0 += {4 * DECODE_KEYS}) {{  // warp-uniform
+    float dot[{DECODE_KEYS}];
     #pragma unroll
-    for (int i = 0; i < {per}; ++i) dot = fmaf(qr[i], ld(kb, n * ksn + lane + 32 * i), dot);
+    for (int u = 0; u < {DECODE_KEYS}; ++u) {{
+      dot[u] = 0.0f;
+      if (n0 + u < s1) {{
+        #pragma unroll
+        for (int i = 0; i < {per}; ++i) dot[u] = fmaf(qr[i], ld(kb, (n0 + u) * ksn + lane + 32 * i), dot[u]);
+      }}
+    }}
     #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-    const float mnew = fmaxf(m, dot);
-    const float alpha = expf(m - mnew), e = expf(dot - mnew);
-    l = l * alpha + e;
+    for (int o = 16; o > 0; o >>= 1) {{
+      #pragma unroll
+      for (int u = 0; u < {DECODE_KEYS}; ++u) dot[u] += __shfl_xor_sync(0xffffffffu, dot[u], o);
+    }}
+    float mnew = m;
+    #pragma unroll
+    for (int u = 0; u < {DECODE_KEYS}; ++u) if (n0 + u < s1) mnew = fmaxf(mnew, dot[u]);
+    const float alpha = expf(m - mnew);  // key n0 exists, so mnew is finite
+    float e[{DECODE_KEYS}];
+    #pragma unroll
+    for (int u = 0; u < {DECODE_KEYS}; ++u) {{
+      e[u] = n0 + u < s1 ? expf(dot[u] - mnew) : 0.0f;
+      l = (u == 0 ? l * alpha : l) + e[u];
+    }}
     m = mnew;
     #pragma unroll
-    for (int i = 0; i < {per}; ++i) acc[i] = fmaf(e, ld(vb, n * vsn + lane + 32 * i), acc[i] * alpha);
+    for (int i = 0; i < {per}; ++i) {{
+      float a = acc[i] * alpha;
+      #pragma unroll
+      for (int u = 0; u < {DECODE_KEYS}; ++u)
+        if (n0 + u < s1) a = fmaf(e[u], ld(vb, (n0 + u) * vsn + lane + 32 * i), a);
+      acc[i] = a;
+    }}
   }}
   if (lane == 0) {{ wm[w] = m; wl[w] = l; }}
   #pragma unroll
