@@ -35,6 +35,7 @@ Every kernel is `extern "C"`, computes in fp32 (fp16/bf16 are converted on load 
 sizes as arguments where they vary; shapes that select the code path are baked in as constants.
 """
 
+from .attention import DecodeKernels, decode_attention_kernels, flash_attention_kernel  # noqa: F401 (docs/attention.md)
 from .columns import column_reduction_kernel
 from .common import FUSABLE_DTYPES, CatPiece, KernelCode, PointwiseInput, RowPrologue
 from .depthwise import DEPTHWISE_MAX_TAPS, depthwise_conv_kernel, depthwise_conv_nhwc_kernel
