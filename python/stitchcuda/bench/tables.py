@@ -264,6 +264,15 @@ def _row_notes(r: dict) -> list[str]:
     return lines
 
 
+def _variant_tolerance(rows: list[dict]) -> str:
+    """The header's word on variant rows (bf16, fp16, autocast), whose outputs are judged at the 16-bit
+    tolerance (precision.judged_precision and the tolerance table by dtype), not the run's."""
+    if not any(r.get("variant") for r in rows):
+        return ""
+    atol, rtol = tolerance("bf16")
+    return f" (bf16, fp16 and autocast rows: atol {atol:g}, rtol {rtol:g}, and the accuracy rule below)"
+
+
 def _rows_precision(rows: list[dict]) -> str:
     return next((r["precision"] for r in rows if r.get("precision")), "fp32")
 
@@ -289,7 +298,7 @@ def format_table(rows: list[dict], summary: dict, device: str, title: str = "sui
             f"{'x r-o':>7} {'x best':>7} {'x stitch':>8} {'st/best':>7} {'ok':>7} {'status':>9} {'fb':>3} "
             f"{'opt s':>6} {'mem':>5}")
     lines = [f"StitchCUDA {title} on {device} (ms per forward; precision {PRECISION_WORDS[precision]}; outputs "
-             f"within atol {atol:g}, rtol {rtol:g} of eager; speed-ups vs eager; st/best: StitchCUDA vs the faster "
+             f"within atol {atol:g}, rtol {rtol:g} of eager{_variant_tolerance(rows)}; speed-ups vs eager; st/best: StitchCUDA vs the faster "
              f"compile mode; mem: optimize peak / (eager peak + 2 x largest input or output); class table: "
              f"mem>1 over it, fwd>1 over it with the forward's largest tensor, intermediates included)",
              head, "-" * len(head)]
