@@ -145,6 +145,16 @@ def test_attention_is_found_and_described_exactly(case):
     torch.testing.assert_close(_evaluate(a, graph, args).float(), module(*args), atol=1e-5, rtol=1e-5)
 
 
+def test_a_softmax_taken_in_fp32_between_bf16_matmuls_is_absorbed():
+    """HF's eager attention at bf16: softmax(dtype=float32).to(bf16) — casts the fused kernel's fp32 softmax makes
+    unnecessary."""
+    q, k, v = (x.bfloat16() for x in _qkv())
+    mask = torch.randn(B, 1, N, N).bfloat16()
+    graph, found = _find(AdditiveMask(), (q, k, v, mask))
+    assert len(found) == 1 and found[0].mask is graph.inputs[3] and found[0].output is graph.outputs[0]
+    assert sum(n.op == "aten::_to_copy" for n in found[0].nodes) == 2
+
+
 def test_multihead_attention_without_weights_is_an_sdpa_over_its_projections():
     mha = nn.MultiheadAttention(D, H, batch_first=True)
 

@@ -84,6 +84,13 @@ def _op(node: Node | None) -> str:
     return "" if node is None else node.op.removeprefix("aten::").split(".")[0]
 
 
+def _is_cast(node: Node | None) -> bool:
+    """A float-to-float dtype conversion (a softmax taken in fp32 between bf16 matmuls): the fused kernel's
+    softmax is fp32 whatever the inputs, so such casts around it are absorbed."""
+    return _op(node) == "_to_copy" and len(node.args) == 1 and node.args[0].dtype.is_floating_point \
+        and node.outputs[0].dtype.is_floating_point
+
+
 def _is_scalar(a: Any) -> bool:
     return isinstance(a, (int, float)) and not isinstance(a, bool)
 
@@ -221,8 +228,9 @@ class _Finder:
             if id(y) in self.outputs or len(y.users) != 1:
                 return None  # the probabilities are read elsewhere (returned attention weights)
             user = y.users[0]
-            if _op(user) in _SAME_VALUES and user.args[0] is y and user.outputs[0].shape[-2:] == y.shape[-2:] \
-                    and (_op(user) != "expand" or user.outputs[0].shape == y.shape):
+            after = user.outputs[0]
+            if _is_cast(user) or _op(user) in _SAME_VALUES and user.args[0] is y and after.shape[-2:] == y.shape[-2:] \
+                    and (_op(user) != "expand" or after.shape == y.shape):
                 seen.append(user)
                 y = user.outputs[0]
                 continue
@@ -267,7 +275,8 @@ class _Finder:
                     return None
             elif kind == "masked_fill" and mask is None:
                 s, mask, mask_kind, mask_value = p.args[0], p.args[1], "drop", self.scalar_of(p.args[2])
-            elif kind in ("view", "_unsafe_view", "reshape", "clone") and p.args[0].shape[-2:] == s.shape[-2:]:
+            elif kind in ("view", "_unsafe_view", "reshape", "clone") and p.args[0].shape[-2:] == s.shape[-2:] \
+                    or _is_cast(p):
                 s = p.args[0]
             elif kind in ("bmm", "mm"):
                 break
@@ -317,7 +326,7 @@ class _Finder:
             p = v.producer
             if _op(p) in ("bmm", "mm"):
                 return True
-            if _op(p) not in ("mul", "div", "view", "_unsafe_view", "reshape", "clone", "add", "where"):
+            if _op(p) not in ("mul", "div", "view", "_unsafe_view", "reshape", "clone", "add", "where", "_to_copy"):
                 return False
             v = next((a for a in p.args if isinstance(a, Value) and a.shape[-2:] == v.shape[-2:]
                       and self.fold(a) is None), None)
