@@ -247,3 +247,43 @@ def test_the_exactness_check_can_fail():
     graph, (a,) = _find(ManualCausal(), (q, k, v))
     a.causal = False
     assert not torch.allclose(_evaluate(a, graph, (q, k, v)).float(), ManualCausal()(q, k, v), atol=1e-3)
+
+
+# ---- found attention, computed by the fused kernel (CPU emulator) -------------------------------------------
+
+def _emulator():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "corpus"))
+    from cpu_emulator import emulator
+    return emulator
+
+
+@pytest.mark.skipif(_emulator().unavailable() is not None, reason="CUDA emulator unavailable")
+@pytest.mark.parametrize("case", ["manual-causal", "gqa-repeat-interleave", "additive-mask", "sdpa-gqa"])
+def test_the_fused_kernel_computes_what_was_found(tmp_path, case):
+    """Capture, find, generate the kernel from the description alone and run it: the module's output."""
+    import re
+
+    from stitchcuda.graph.templates.attention import flash_attention_kernel
+
+    emulator = _emulator()
+    cls, expected = WRITTEN[case]
+    q, k, v = _qkv(expected.get("kv_heads", H), seed=3)
+    args = (q, k, v) + ((torch.randn(B, 1, N, N),) if case == "additive-mask" else ())
+    module = cls()
+    graph, (a,) = _find(module, args)
+    code = flash_attention_kernel("found", batch=a.batch, heads=a.heads, kv_heads=a.kv_heads, q_len=a.q_len,
+                                  kv_len=a.kv_len, head_dim=a.head_dim, dtype=a.q.dtype, causal=a.causal,
+                                  mask_dtype=a.mask.dtype if a.mask is not None else None)
+    inputs = {x.name: t for x, t in zip(graph.inputs, args)}
+    tensors = {"q": inputs[a.q.name], "k": inputs[a.k.name], "v": inputs[a.v.name], "o": torch.empty_like(q)}
+    call = [tensors.get(key) if kind in ("in", "out") else key for kind, key in code.args]
+    call[-1] = a.scale
+    if a.mask is not None:  # [B, 1, N, N]: the head dimension broadcast
+        call[3] = inputs[a.mask.name]
+        call[-5:-1] = [N * N, 0, N, 1]
+    source = "\n".join(l for l in code.source.splitlines() if not re.search(r"__half|__nv_bfloat16|#include <cuda_", l))
+    kernel = emulator.EmulatedModule(emulator.EmulatedJit(tmp_path), source).kernel(code.name)
+    kernel(code.grid, code.block, *call, shared_mem=code.shared_mem)
+    torch.testing.assert_close(tensors["o"], module(*args), atol=1e-4, rtol=1e-4)

@@ -128,6 +128,7 @@ CASES = {
     "mqa-cross": dict(shape=(1, 3, 1, 20, 45, 64)),
     "additive-mask": dict(shape=(1, 2, 2, 40, 40, 64), mask="additive"),
     "key-padding": dict(shape=(2, 2, 2, 24, 40, 64), mask="padding"),
+    "head-dim-32": dict(shape=(2, 2, 1, 65, 65, 32), causal=True),
     "head-dim-96": dict(shape=(1, 1, 1, 17, 50, 96), causal=True),
     "head-dim-256": dict(shape=(1, 1, 1, 40, 40, 256)),
 }
@@ -235,7 +236,7 @@ def run_wmma_prefill(emu, q, k, v, *, causal=False, mask=None):
 
 
 @emulated
-@pytest.mark.parametrize("case", ["plain", "causal", "gqa-causal", "mqa-cross", "head-dim-256"])
+@pytest.mark.parametrize("case", ["plain", "causal", "gqa-causal", "mqa-cross", "head-dim-32", "head-dim-256"])
 def test_tensor_core_prefill_logic_matches_math_attention(emu, case):
     q, k, v, causal, mask = _case(**CASES[case])
     o, lse = run_wmma_prefill(emu, q, k, v, causal=causal)

@@ -47,7 +47,7 @@ from .common import CTYPE, PRELUDE, KernelCode
 NEG_INF = "#define NEG_INF __int_as_float(0xff800000)\n"
 
 ATTENTION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-HEAD_DIMS = (64, 80, 96, 128, 160, 192, 224, 256)  # multiples of 32 (decode lanes) from 64 to 256
+HEAD_DIMS = (32, 64, 80, 96, 128, 160, 192, 224, 256)  # multiples of 32 (decode lanes) up to 256
 
 
 @dataclass(frozen=True)
