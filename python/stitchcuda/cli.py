@@ -97,7 +97,7 @@ def _bench(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-MODEL_BENCHES = ("suite", "kernelbench")  # folders of KernelBench-format problems, run by bench/suite.py
+MODEL_BENCHES = ("suite", "kernelbench", "lowp")  # folders of KernelBench-format problems, run by bench/suite.py
 
 
 def _bench_suite(args: argparse.Namespace) -> int:
@@ -111,7 +111,8 @@ def _bench_suite(args: argparse.Namespace) -> int:
         return int(suite.run_suite(args.suite, folder=args.dir, only=args.only, chunk=args.chunk,
                                    results=args.results, json_output=args.json, llm=args.llm, csv=args.csv,
                                    html=args.html, compile_only=args.compile_only, no_compile=args.no_compile,
-                                   gpus=args.gpus, scaling=args.scaling, queue=args.queue, precision=args.precision))
+                                   gpus=args.gpus, scaling=args.scaling, queue=args.queue, precision=args.precision,
+                                   small=args.small, compile_modes=tuple(filter(None, args.compile_modes.split(",")))))
     module = importlib.import_module(f"stitchcuda.bench.{args.suite}")
     return int(module.run(json_output=args.json))
 
@@ -163,6 +164,12 @@ def _model_bench_options(sub: argparse.ArgumentParser, default_dir: str) -> None
     sub.add_argument("--precision", choices=("fp32", "tf32", "bf16"), default="fp32",
                      help="torch's matmul/cuDNN flags for every column and optimize(precision=...): fp32 (TF32 "
                           "off, default), tf32, bf16; the tolerance follows (docs/graph.md)")
+    sub.add_argument("--small", action="store_true",
+                     help="every problem at its SMALL sizes (a module-level dict of its constants), e.g. for "
+                          "--compile-only on a CPU")
+    sub.add_argument("--compile-modes", metavar="M,N", default="",
+                     help="torch.compile modes timed beside default and reduce-overhead: max-autotune-no-cudagraphs, "
+                          "max-autotune (each with its compile seconds)")
     sub.add_argument("--queue", metavar="DIR", type=Path, default=None,
                      help=argparse.SUPPRESS)  # a --gpus run's shared queue, given to its bench processes
 
@@ -237,12 +244,14 @@ def build_parser() -> argparse.ArgumentParser:
                         ("suite", "the bench/suite models: eager vs torch.compile (default, reduce-overhead) vs "
                                   "optimize, correctness, memory (docs/graph.md)"),
                         ("kernelbench", "the same over bench/kernelbench: KernelBench-format problems at large "
-                                        "sizes, summarized per class")):
+                                        "sizes, summarized per class"),
+                        ("lowp", "the same over bench/lowp: real models in bf16, fp16 and under autocast, judged by "
+                                 "accuracy against an fp64 reference (docs/graph.md)")):
         sub = suites.add_parser(suite, help=text)
         sub.add_argument("--json", action="store_true", help="print one JSON object on stdout")
         if suite in MODEL_BENCHES:
             _model_bench_options(sub, "STITCHCUDA_SUITE_DIR, else bench/suite" if suite == "suite"
-                                 else "bench/kernelbench")
+                                 else f"bench/{suite}")
         sub.set_defaults(run=_bench_suite)
     from .bench import reward as bench_reward
 

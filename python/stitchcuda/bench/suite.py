@@ -1,5 +1,5 @@
-"""`stitchcuda bench suite`, `stitchcuda bench kernelbench` and `stitchcuda bench DIR`: every problem in a
-folder of KernelBench-format files (Model, get_inputs, get_init_inputs) through eager PyTorch,
+"""`stitchcuda bench suite`, `stitchcuda bench kernelbench`, `stitchcuda bench lowp` and `stitchcuda bench DIR`:
+every problem in a folder of KernelBench-format files (Model, get_inputs, get_init_inputs) through eager PyTorch,
 torch.compile (default and mode="reduce-overhead"), `stitchcuda.optimize` and, with --llm, optimize with
 the agents, timed in one run, with the outputs checked against eager, memory against eager's, geomean
 speed-ups over eager and fast_p per class, per KernelBench level and overall.
@@ -32,6 +32,14 @@ Options (flags win over the environment):
                    its columns and restored after (precision_flags, TORCH_FLAGS), and optimize(precision=P);
                    outputs are judged under the tolerance for P (verify.tolerance). --compile-only plans with
                    OfflinePlanner(precision=P).
+  --small          every problem at its SMALL sizes (a module-level dict of its constants' small values).
+  --compile-modes M,N  torch.compile modes timed beside default and reduce-overhead (max-autotune-no-cudagraphs,
+                   max-autotune), each with its compile seconds; the best compile mode is chosen among all.
+  VARIANTS         a file's module-level VARIANTS ("bf16", "fp16", "autocast-bf16": precision.VARIANT_DTYPES)
+                   makes one row per variant, `stem[variant]`: the model and inputs cast to its dtype, or
+                   every column (optimize() included) under torch.autocast; the row's `accuracy` judges each
+                   column against the high-precision reference by precision.accuracy_verdict (bench/lowp;
+                   docs/graph.md, "Low-precision suite").
   --llm SPEC       a further column: optimize(model, inputs, llm=SPEC), the agents after the offline plan
                    (agents_ms, agents_correct, speedup_agents, agents_s, agents_run_dir, and per target
                    the winner and every attempt's speed-up over the target's ATen ops).
@@ -161,14 +169,16 @@ from . import memory
 from .gpus import (AGREEMENT_COLUMNS, SPEEDUP_TOLERANCE, Spread, child_devices, claim, compare_runs, devices_label,
                    format_gpus, format_scaling, queue_files, queue_order, scaling_report, spread_usage)
 from .memory import forward_largest_tensor_bytes, largest_tensor_bytes, memory_ratio
-from .precision import PRECISION_WORDS, TORCH_FLAGS, precision_flags, precision_knobs, tolerance
-from .problems import (BENCHES, CLASS_ORDER, CLASSES, default_dir, folder_problems, load, model_files, only_names,
-                       parse_chunk, problem_class, problem_level, suite_dir)
-from .reference import FP64_BUDGET_BYTES, compare_outputs, fp64_errors, fp64_reference
+from .precision import (PRECISION_WORDS, TORCH_FLAGS, add_accuracy, cast_variant, judged_precision, precision_flags,
+                        precision_knobs, tolerance, variant_autocast, variant_fields)
+from .problems import (BENCHES, CLASS_ORDER, CLASSES, default_dir, folder_problems, load, model_files,
+                       only_names, parse_chunk, problem_class, problem_level, suite_dir)
+from .problems import Problem, expand_variants, shrink
+from .reference import FP64_BUDGET_BYTES, compare_outputs, fp64_errors, fp64_reference, reference_dtype
 from .results import (CSV_COLUMNS, ERROR_COLUMNS, ROW_PREFIX, ROW_SETTINGS, append_result, dumps, first_line,
                       fold_parts, jsonable, new_row, precision_conflict, read_results, row_mode, row_settings,
                       write_csv)
-from .tables import (EAGER_DRIFT, FAST_P, SLOW, add_speedups, error_ratio, fast_p, format_table, full_summary,
+from .tables import (COMPILE_MODES, EAGER_DRIFT, EXTRA_COMPILE_MODES, FAST_P, SLOW, add_speedups, error_ratio, fast_p, format_table, full_summary,
                      summarize, summarize_classes, summarize_levels)
 
 REPEATS = 30
@@ -215,9 +225,16 @@ def _record_error(row: dict, column: str, got: Any, reference: Any) -> None:
 
 def _fp64_column(row: dict, model: torch.nn.Module, inputs: tuple, want: Any) -> Any:
     """The problem's fp64 reference (fp64_reference) and eager's error against it; records err_fp64
-    (None when there is no reference) and fp64_note. Returns the reference or None."""
+    (None when there is no reference) and fp64_note. A variant's row (a 16-bit model) falls back to an
+    fp32 reference where the fp64 one does not fit, and records which in reference_dtype. Outside
+    autocast: the reference is the model in exact arithmetic, not the variant's. Returns the reference
+    or None."""
     try:
-        reference, note = fp64_reference(model, inputs, want)
+        with torch.autocast("cuda", enabled=False):
+            dtype = reference_dtype(model, inputs, want) if row.get("variant") else torch.float64
+            reference, note = fp64_reference(model, inputs, want, dtype=dtype)
+        if reference is not None:
+            row["reference_dtype"] = str(dtype).removeprefix("torch.")
     except Exception as exc:  # a bug here is the row's note, never the run's end
         reference, note = None, f"skipped: {first_line(exc)}"
     _free_gpu()  # the float64 copy of the model
@@ -269,16 +286,17 @@ def _work_meter() -> Any:
     return WorkMeter()
 
 
-def problem_work(module: ModuleType) -> dict:
+def problem_work(module: ModuleType, variant: str | None = None) -> dict:
     """{flops, bytes} of one forward, from the model and inputs built on the meta device (no memory, no
     GPU): `bytes` is the traffic no implementation avoids — parameters, buffers, inputs and outputs, each
     read or written once — so bytes / time is the bandwidth a problem achieved and FLOPs / time its
-    compute rate, the two axes of the roofline."""
+    compute rate, the two axes of the roofline. A `variant`'s bytes are those of its dtype."""
     with torch.device("meta"):
         torch.manual_seed(0)
         model = module.Model(*module.get_init_inputs()).eval()
         inputs = [torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) and t.device.type != "meta"
                   else t for t in module.get_inputs()]  # a tensor made outside the device context
+        model, inputs = cast_variant(model, tuple(inputs), variant)
     meter = _work_meter()
     with torch.no_grad(), meter:
         out = model(*inputs)
@@ -287,9 +305,9 @@ def problem_work(module: ModuleType) -> dict:
     return {"flops": meter.flops, "bytes": sum(t.numel() * t.element_size() for t in unique.values())}
 
 
-def _record_work(row: dict, module: ModuleType) -> None:
+def _record_work(row: dict, module: ModuleType, variant: str | None = None) -> None:
     try:
-        row.update(problem_work(module))
+        row.update(problem_work(module, variant))
     except Exception as exc:  # an op without a meta kernel: the roofline leaves this problem out
         row["work_error"] = first_line(exc)
 
@@ -298,12 +316,17 @@ def _to_gpu(inputs: Iterable[Any]) -> tuple:
     return tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in inputs)
 
 
-def _on_gpu(path: Path) -> tuple[ModuleType, torch.nn.Module, tuple]:
-    """The file's module, its model (seed 0, eval mode) and example inputs, on the GPU."""
-    module = load(path)
+def _load(path: Path, small: bool = False) -> ModuleType:
+    """The problem's module; with `small` (--small), at its SMALL sizes."""
+    return shrink(load(path)) if small else load(path)
+
+
+def _on_gpu(path: Path, small: bool = False, variant: str | None = None) -> tuple[ModuleType, torch.nn.Module, tuple]:
+    """The file's module, its model (seed 0, eval mode) and example inputs, on the GPU, in the variant's dtype."""
+    module = _load(path, small)
     torch.manual_seed(0)
     model = module.Model(*module.get_init_inputs()).cuda().eval()
-    return module, model, _to_gpu(module.get_inputs())
+    return (module, *cast_variant(model, _to_gpu(module.get_inputs()), variant))
 
 
 def _clone(out: Any) -> Any:
@@ -341,8 +364,12 @@ def _compiled_ms(model, inputs, mode: str | None) -> tuple[float, float]:
         return _time_ms(lambda: compiled(*inputs), warmup=5), first_s
 
 
-def _compile_columns(row: dict, model: torch.nn.Module, inputs: tuple, reference: Any = None) -> None:
-    for key, mode in (("compile_ms", None), ("reduce_overhead_ms", "reduce-overhead")):
+def _compile_columns(row: dict, model: torch.nn.Module, inputs: tuple, reference: Any = None,
+                     extra_modes: Iterable[str] = ()) -> None:
+    """torch.compile's columns: default and reduce-overhead, then each of `extra_modes` (--compile-modes),
+    each with its first call's seconds (compilation) in <column>_first_call_s."""
+    modes = ["default", "reduce-overhead", *(m for m in extra_modes if m not in ("default", "reduce-overhead"))]
+    for key, mode in ((f"{COMPILE_MODES[m]}_ms", None if m == "default" else m) for m in modes):
         column = key.removesuffix("_ms")
         receive = (lambda out, column=column: _record_error(row, column, out, reference)) if reference is not None \
             else None
@@ -369,21 +396,23 @@ def _check_set(name: str, run: Callable[[], tuple[Any, Any]], precision: str = "
     return entry
 
 
-def _fresh_set(module: ModuleType, model: torch.nn.Module, fast: Any, seed: int) -> tuple[Any, Any]:
+def _fresh_set(module: ModuleType, model: torch.nn.Module, fast: Any, seed: int,
+               variant: str | None = None) -> tuple[Any, Any]:
     torch.manual_seed(seed)
-    inputs = _to_gpu(module.get_inputs())
+    inputs = cast_variant(model, _to_gpu(module.get_inputs()), variant)[1]  # in the variant's dtype
     want = _clone(model(*inputs))  # before StitchCUDA's call, in case either writes into its inputs
     return fast(*inputs), want
 
 
 def _input_sets(module: ModuleType, model: torch.nn.Module, fast: Any, inputs: tuple, want: Any,
-                precision: str = "fp32") -> list[dict]:
+                precision: str = "fp32", variant: str | None = None) -> list[dict]:
     """StitchCUDA against eager on the example inputs and on get_inputs() under each of FRESH_SEEDS: a
     program that is right for one set of values only (a stale buffer, a baked-in constant) fails here.
     Judged under the tolerance for `precision`."""
     sets = [_check_set("example", lambda: (fast(*inputs), want), precision)]
     for seed in FRESH_SEEDS:
-        sets.append(_check_set(f"seed={seed}", lambda seed=seed: _fresh_set(module, model, fast, seed), precision))
+        sets.append(_check_set(f"seed={seed}", lambda seed=seed: _fresh_set(module, model, fast, seed, variant),
+                               precision))
         gc.collect()  # the fresh set's tensors and outputs go before the next one
     return sets
 
@@ -464,7 +493,8 @@ def _stitch_column(row: dict, module: ModuleType, model: torch.nn.Module, inputs
                                                    row.get("forward_largest_tensor_bytes"))
         _record_report(row, fast)
         if fast.report.status == "optimized":
-            sets = _input_sets(module, model, fast, inputs, want, precision)
+            variant = row.get("variant")
+            sets = _input_sets(module, model, fast, inputs, want, judged_precision(precision, variant), variant)
             errors = [s["max_abs_error"] for s in sets if "max_abs_error" in s]
             row.update(input_sets=sets, correct=all(s["correct"] for s in sets),
                        max_abs_error=max(errors) if errors else None)
@@ -533,7 +563,8 @@ def _agents_column(row: dict, module: ModuleType, model: torch.nn.Module, inputs
         row.update(agents_status=report.status, agents_run_dir=report.run_dir,
                    agents_targets=[_target_entry(t) for t in report.targets])
         if report.status == "optimized":
-            sets = _input_sets(module, model, fast, inputs, want, precision)
+            variant = row.get("variant")
+            sets = _input_sets(module, model, fast, inputs, want, judged_precision(precision, variant), variant)
             row.update(agents_input_sets=sets, agents_correct=all(s["correct"] for s in sets))
             with torch.no_grad():
                 if reference is not None:
@@ -548,58 +579,86 @@ def _agents_column(row: dict, module: ModuleType, model: torch.nn.Module, inputs
         row["agents_correct"] = False
 
 
-def run_model(path: Path, llm: str | None = None, precision: str = "fp32", compile_columns: bool = True) -> dict:
+def _problem_row(path: Path, mode: str, precision: str, variant: str | None = None, small: bool = False,
+                 compile_modes: Iterable[str] = ()) -> dict:
+    """A row's start (new_row), named `stem[variant]` with the variant's fields (precision.variant_fields)
+    for a variant, and the settings a resumed run must match (results.ROW_SETTINGS): --small,
+    --compile-modes."""
+    row = new_row(path, mode, precision)
+    if variant is not None:
+        row.update(model=Problem(path, variant).name, **variant_fields(variant))
+    if small:
+        row["small"] = True
+    if compile_modes:
+        row["compile_modes"] = list(compile_modes)
+    return row
+
+
+def run_model(path: Path, llm: str | None = None, precision: str = "fp32", compile_columns: bool = True,
+              variant: str | None = None, small: bool = False, compile_modes: Iterable[str] = ()) -> dict:
     """One problem's row: times, speed-ups, correctness, memory, report status, FLOPs and bytes, every
     column's error against an fp64 reference; with `llm`, the agents' column too. `precision`: what
     optimize() gets and which tolerance judges the outputs; torch's flags are the caller's
-    (precision_flags). `compile_columns=False` (--no-compile) skips both torch.compile columns (mode
-    "no-compile"). Errors recorded, never raised. The caller frees the GPU after it (its tensors die
-    with this frame)."""
-    row = new_row(path, "timed" if compile_columns else "no-compile", precision)
+    (precision_flags). `compile_columns=False` (--no-compile) skips the torch.compile columns (mode
+    "no-compile"); `compile_modes` adds modes to default and reduce-overhead (--compile-modes).
+    `variant` (a name of the file's VARIANTS): the model and inputs cast to its dtype, and under autocast
+    every column, optimize() included, runs inside torch.autocast (variant_autocast); the row gets the
+    accuracy verdicts (precision.add_accuracy). `small`: the file's SMALL sizes. Errors recorded, never
+    raised. The caller frees the GPU after it (its tensors die with this frame)."""
+    row = _problem_row(path, "timed" if compile_columns else "no-compile", precision, variant, small, compile_modes)
     if llm:
         row["llm"] = llm
-    try:
-        module, model, inputs = _on_gpu(path)
-        want = _eager(row, model, inputs)
-    except Exception as exc:  # the model itself does not load or run: nothing else can be measured
-        row["errors"]["eager"] = first_line(exc)
-        row["correct"] = False
-        return row
-    _record_work(row, module)
-    reference = _fp64_column(row, model, inputs, want)
-    if compile_columns:
-        _compile_columns(row, model, inputs, reference)
-    _stitch_column(row, module, model, inputs, want, reference)
-    if llm:
-        _free_gpu()
-        _agents_column(row, module, model, inputs, want, llm, reference)
+    with variant_autocast(variant, "cuda"):
+        try:
+            module, model, inputs = _on_gpu(path, small, variant)
+            want = _eager(row, model, inputs)
+        except Exception as exc:  # the model itself does not load or run: nothing else can be measured
+            row["errors"]["eager"] = first_line(exc)
+            row["correct"] = False
+            return row
+        _record_work(row, module, variant)
+        reference = _fp64_column(row, model, inputs, want)
+        if compile_columns:
+            _compile_columns(row, model, inputs, reference, compile_modes)
+        _stitch_column(row, module, model, inputs, want, reference)
+        if llm:
+            _free_gpu()
+            _agents_column(row, module, model, inputs, want, llm, reference)
+    if variant is not None:
+        add_accuracy(row)
     return add_speedups(row)
 
 
-def plan_model(path: Path, precision: str = "fp32") -> dict:
+def plan_model(path: Path, precision: str = "fp32", variant: str | None = None, small: bool = False) -> dict:
     """One problem's row without timing (--compile-only, e.g. on a machine without a GPU): the file
     loads, its FLOPs and bytes are counted on the meta device, and graph mode captures, plans (with
     OfflinePlanner(precision=precision)), lowers and compiles every kernel with NVRTC on the CPU, as
     optimize() does where there is no GPU. Nothing runs on a GPU: no times, no speed-ups, `correct`
     None (unknown). The model and inputs are built on the CPU, so this suits problems that fit in host
-    memory."""
+    memory (`small`: the file's SMALL sizes). A `variant`'s model and inputs are cast to its dtype; an
+    autocast variant is planned under the CPU's torch.autocast at its dtype (the CUDA one does nothing to
+    CPU tensors; the two cast the same matmul and convolution ops to 16 bits). The row records the
+    reference's dtype a timed run would use (reference_dtype: float64 where it fits in FP64_BUDGET_BYTES)."""
     from ..graph.optimize import _plan_only
     from ..graph.report import Report
 
-    row = new_row(path, "compile-only", precision)
+    row = _problem_row(path, "compile-only", precision, variant, small)
     try:
-        module = load(path)
-        _record_work(row, module)
+        module = _load(path, small)
+        _record_work(row, module, variant)
         torch.manual_seed(0)
-        model = module.Model(*module.get_init_inputs()).eval()
-        inputs = tuple(module.get_inputs())
+        model, inputs = cast_variant(module.Model(*module.get_init_inputs()).eval(), tuple(module.get_inputs()),
+                                     variant)
+        if variant is not None:
+            row["reference_dtype"] = str(reference_dtype(model, inputs)).removeprefix("torch.")
     except Exception as exc:  # the model itself does not load or build
         row["errors"]["eager"] = first_line(exc)
         row["correct"] = False
         return row
     report = Report()
     t0 = time.perf_counter()
-    _plan_only(model, inputs, precision, True, report)  # never raises: a failure is in the reason
+    with variant_autocast(variant, "cpu"):
+        _plan_only(model, inputs, precision, True, report)  # never raises: a failure is in the reason
     row["optimize_s"] = time.perf_counter() - t0
     kinds = sorted({g["kind"] for g in report.groups})
     row.update(status="compiled" if report.groups else "not compiled", reason=report.reason.lstrip("; "),
@@ -613,17 +672,23 @@ def plan_model(path: Path, precision: str = "fp32") -> dict:
     return row
 
 
-def _run_one(path: Path, llm: str | None = None, compile_only: bool = False, precision: str = "fp32",
-             no_compile: bool = False) -> dict:
-    """run_model (or plan_model), and whatever escapes it (a bug here, not in the problem) as the row's
-    error."""
-    extra = {"precision": precision} if precision != "fp32" else {}
-    timed = {**extra, "compile_columns": False} if no_compile else extra
+def _run_one(path: Path | Problem, llm: str | None = None, compile_only: bool = False, precision: str = "fp32",
+             no_compile: bool = False, small: bool = False, compile_modes: Iterable[str] = ()) -> dict:
+    """run_model (or plan_model) of a problem (a file, or a file's variant), and whatever escapes it (a bug
+    here, not in the problem) as the row's error. Only the settings that differ from the defaults are
+    passed on."""
+    problem = path if isinstance(path, Problem) else Problem(path)
+    path, variant = problem.path, problem.variant
+    extra = {**({"precision": precision} if precision != "fp32" else {}),
+             **({"variant": variant} if variant is not None else {}), **({"small": True} if small else {})}
+    timed = {**extra, **({"compile_columns": False} if no_compile else {}),
+             **({"compile_modes": tuple(compile_modes)} if compile_modes else {})}
     try:
         row = plan_model(path, **extra) if compile_only else run_model(path, llm, **timed) if llm else \
             run_model(path, **timed)
     except Exception as exc:
-        row = {**new_row(path, row_mode(compile_only, no_compile), precision), "correct": False,
+        row = {**_problem_row(path, row_mode(compile_only, no_compile), precision, variant, small,
+                              () if compile_only else compile_modes), "correct": False,
                "errors": {"bench": first_line(exc)}, "traceback": traceback.format_exc(limit=6)}
         if llm and not compile_only:
             row["llm"] = llm
@@ -642,25 +707,27 @@ def _setting(flag: str | None, name: str) -> str | None:
     return flag if flag is not None else getattr(environment(), name)
 
 
-def _measure_all(files: list[Path], done: dict[str, dict], results: Path | None, json_output: bool, *,
-                 llm: str | None = None, compile_only: bool = False, csv: Path | None = None,
+def _measure_all(files: list[Path] | list[Problem], done: dict[str, dict], results: Path | None,
+                 json_output: bool, *, llm: str | None = None, compile_only: bool = False, csv: Path | None = None,
                  claim: Callable[[int], bool] | None = None, precision: str = "fp32",
-                 no_compile: bool = False) -> list[dict]:
+                 no_compile: bool = False, small: bool = False, compile_modes: Iterable[str] = ()) -> list[dict]:
     """The selected problems' rows in order: from `done` (the results file) or measured now, each problem's
     columns under torch's flags for `precision` (precision_flags: at fp32, TF32 off everywhere), restored
     after it. The CSV, when asked for, is rewritten after each problem. With `claim` (a process of a
     --gpus run), a problem is measured only when claim(its index) takes it from the shared queue; the
-    others are left out."""
+    others are left out. `files` may be Problems (a file's variants: rows named `stem[variant]`)."""
     rows = []
     for index, path in enumerate(files):
-        if path.stem in done:
-            rows.append(done[path.stem])
+        name = path.name if isinstance(path, Problem) else path.stem
+        if name in done:
+            rows.append(done[name])
             continue
         if claim is not None and not claim(index):
             continue
         with precision_flags(precision):
-            row = _run_one(path, llm, compile_only, precision, no_compile) \
-                if (llm or compile_only or no_compile or precision != "fp32") else _run_one(path)
+            row = _run_one(path, llm, compile_only, precision, no_compile, small, compile_modes) \
+                if (llm or compile_only or no_compile or precision != "fp32" or small or compile_modes
+                    or isinstance(path, Problem)) else _run_one(path)
         rows.append(row)
         if results is not None:
             append_result(results, row)
@@ -687,7 +754,8 @@ def run_suite(bench: str = "suite", *, folder: Path | str | None = None, only: s
               chunk: str | None = None, results: Path | str | None = None, json_output: bool = False,
               llm: str | None = None, csv: Path | str | None = None, html: Path | str | None = None,
               compile_only: bool = False, gpus: int = 1, scaling: bool = False,
-              queue: Path | str | None = None, precision: str = "fp32", no_compile: bool = False) -> int:
+              queue: Path | str | None = None, precision: str = "fp32", no_compile: bool = False,
+              small: bool = False, compile_modes: Iterable[str] = ()) -> int:
     """`stitchcuda bench <bench>` over `folder` (default: default_dir(bench)); `only`, `chunk` fall back to
     STITCHCUDA_SUITE_ONLY / _CHUNK; `results` a JSON-lines file to append to and resume from; `llm` adds
     the agents' column (optimize(llm=...)); `csv` and `html` are written from every selected row at the
@@ -697,7 +765,9 @@ def run_suite(bench: str = "suite", *, folder: Path | str | None = None, only: s
     per GPU (Spread); `scaling` runs them on one GPU, then on `gpus`, and compares the two runs; `queue`
     makes this process one of a Spread's: it takes its problems from that shared queue. `precision`
     (fp32, tf32, bf16): torch's flags for every column (TORCH_FLAGS), optimize(precision=...) and the
-    tolerance outputs are judged by; recorded in every row and in the JSON.
+    tolerance outputs are judged by; recorded in every row and in the JSON. `small`: every problem at its
+    SMALL sizes (--small); `compile_modes`: torch.compile modes timed beside default and reduce-overhead
+    (--compile-modes, EXTRA_COMPILE_MODES). A file naming VARIANTS runs once per variant (expand_variants).
     Exit codes: 0 measured, 2 usage (no folder, nothing selected, a bad chunk, --html without
     matplotlib, --llm or --no-compile with --compile-only, --gpus with a chunk, more GPUs than visible, --scaling with
     --results, an unknown precision, a results file holding rows of another precision), 3 no GPU."""
@@ -707,6 +777,14 @@ def run_suite(bench: str = "suite", *, folder: Path | str | None = None, only: s
     if llm and compile_only:
         return _refuse(bench, "--llm needs a GPU run; it cannot be combined with --compile-only", EXIT_USAGE,
                        json_output)
+    compile_modes = tuple(compile_modes)
+    unknown_modes = [m for m in compile_modes if m not in EXTRA_COMPILE_MODES]
+    if unknown_modes:
+        return _refuse(bench, f"--compile-modes takes {', '.join(EXTRA_COMPILE_MODES)} (default and reduce-overhead "
+                       f"always run), not {', '.join(unknown_modes)}", EXIT_USAGE, json_output)
+    if compile_modes and (compile_only or no_compile):
+        return _refuse(bench, "--compile-modes adds timed torch.compile columns; it cannot be combined with "
+                       f"--{'compile-only' if compile_only else 'no-compile'}", EXIT_USAGE, json_output)
     if no_compile and compile_only:
         return _refuse(bench, "--no-compile times eager and StitchCUDA; --compile-only times nothing: pass one of "
                        "them", EXIT_USAGE, json_output)
@@ -740,16 +818,24 @@ def run_suite(bench: str = "suite", *, folder: Path | str | None = None, only: s
         except ValueError as exc:
             return _refuse(bench, str(exc), EXIT_USAGE, json_output)
     files = queue_files(Path(queue)) if queue is not None else model_files(folder, only, chunk)
-    unknown = only_names(only) - {p.stem for p in folder_problems(folder)} if queue is None else set()
+    unknown = {n for n in only_names(only) if n.partition("[")[0] not in {p.stem for p in folder_problems(folder)}} \
+        if queue is None else set()
     if unknown:  # at KernelBench scale a typo would otherwise just shrink the run
         print(f"bench {bench}: --only names no file in {folder}: {', '.join(sorted(unknown))}", file=sys.stderr)
     if not files and queue is None:
         return _refuse(bench, f"no problem files in {folder} match only={only!r} chunk={chunk!r}", EXIT_USAGE,
                        json_output)
 
+    problems = expand_variants(files, only) if queue is None else []
+    if spread and (small or compile_modes or any(p.variant for p in problems)):
+        return _refuse(bench, "--gpus and --scaling do not pass VARIANTS, --small or --compile-modes to their "
+                       "processes yet; run in one process", EXIT_USAGE, json_output)
+    if any(p.variant for p in problems):
+        files = problems  # one row per variant, named stem[variant]
     results = Path(results) if results is not None else None
     csv = Path(csv) if csv is not None else None
-    settings = {"mode": row_mode(compile_only, no_compile), "llm": llm or None, "precision": precision}
+    settings = {"mode": row_mode(compile_only, no_compile), "llm": llm or None, "precision": precision,
+                "small": small, "compile_modes": list(compile_modes)}
     conflict = precision_conflict(results, precision) if results is not None and queue is None else None
     if conflict:  # before fold_parts: a killed run's rows of another precision stay where they are
         return _refuse(bench, conflict, EXIT_USAGE, json_output)
@@ -762,7 +848,7 @@ def run_suite(bench: str = "suite", *, folder: Path | str | None = None, only: s
                            json_output=json_output, csv=csv, html=html)
     rows = _measure_all(files, done, results, json_output, llm=llm, compile_only=compile_only, csv=csv,
                         claim=(lambda index: claim(Path(queue), index)) if queue is not None else None,
-                        precision=precision, no_compile=no_compile)
+                        precision=precision, no_compile=no_compile, small=small, compile_modes=compile_modes)
     hardware = _hardware(compile_only)
     device = hardware.get("gpu") or (torch.cuda.get_device_name() if torch.cuda.is_available() else
                                      "no GPU (compile-only)")
