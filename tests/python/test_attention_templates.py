@@ -31,7 +31,7 @@ def reference(q, k, v, *, causal=False, mask=None, scale=None):
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     s = q @ k.transpose(-1, -2) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
     if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.double()
     return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
