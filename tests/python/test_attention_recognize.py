@@ -176,6 +176,31 @@ def test_multihead_attention_without_weights_is_an_sdpa_over_its_projections():
     torch.testing.assert_close(_evaluate(a, graph, (x,)).float(), sdpa, atol=1e-5, rtol=1e-5)
 
 
+def test_a_vision_attention_block_discarding_its_weights_is_found():
+    """A benchmark-style block: pixels as tokens through nn.MultiheadAttention whose averaged weights are thrown
+    away (export drops them), so the written-out attention inside is fusable: [B*H, N, D] matmuls."""
+
+    class VisionAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.norm = nn.MultiheadAttention(128, 4), nn.LayerNorm(128)
+
+        def forward(self, x):
+            b, c, h, w = x.shape
+            x = x.view(b, c, h * w).permute(2, 0, 1)
+            a, _ = self.attn(x, x, x)
+            return self.norm(a + x).permute(1, 2, 0).reshape(b, c, h, w)
+
+    x = torch.randn(2, 128, 8, 8)
+    graph, found = _find(VisionAttention(), (x,))
+    assert len(found) == 1
+    a = found[0]
+    assert (a.kind, a.heads, a.q_len, a.kv_len, a.head_dim, a.causal, a.mask) == ("written", 8, 64, 64, 32, False, None)
+    assert a.scale == pytest.approx(32 ** -0.5)
+    inputs = {graph.inputs[0].name: x}
+    torch.testing.assert_close(_evaluate(a, graph, (x,)).float(), _value(a.output, inputs), atol=1e-5, rtol=1e-5)
+
+
 def test_multihead_attention_returning_weights_is_not_fused():
     """Its averaged probabilities are an output: the scores must exist, nothing to fuse."""
     _, found = _find(nn.MultiheadAttention(D, H, batch_first=True), (torch.randn(B, N, D),) * 3)

@@ -51,6 +51,12 @@ class Attention:
     dropout_p: float = 0.0
     nodes: list[Node] = field(default_factory=list, repr=False)
 
+    def __repr__(self) -> str:  # the values' names and shapes: a Value's own repr walks the whole graph
+        mask = f", mask={self.mask.name} ({self.mask_kind})" if self.mask is not None else ""
+        return (f"Attention({self.kind}: q={self.q.name}{list(self.q.shape)}, k={self.k.name}{list(self.k.shape)}, "
+                f"v={self.v.name}{list(self.v.shape)} -> {self.output.name}, scale={self.scale:.6g}, "
+                f"causal={self.causal}{mask}, {len(self.nodes)} nodes)")
+
     @property
     def heads(self) -> int:
         return self.q.shape[-3] if len(self.q.shape) >= 3 else 1
