@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("trl", reason="the rl extra is not installed: pip install 'stitchcuda[rl]'")
+pytest.importorskip("trl", reason="the rl extra is not installed: pip install '.[rl]' in a StitchCUDA clone")
 
 import torch  # noqa: E402
 

@@ -1,7 +1,7 @@
 """The HTML report of a `stitchcuda bench` run (`--html FILE`): one self-contained file — plots as inline
 SVG drawn with matplotlib, no scripts, nothing fetched — with the summary and fast_p, each problem's
 speed-up against torch.compile, a roofline of every problem against the GPU's ceilings, the agents' best
-speed-up per attempt, and the rows. matplotlib is an optional dependency (`stitchcuda[bench]`).
+speed-up per attempt, and the rows. matplotlib is an optional dependency (the `bench` extra: `pip install '.[bench]'` in a clone).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 __all__ = ["INSTALL_HINT", "matplotlib_missing", "render", "write_report", "speedup_svg", "roofline_svg",
            "attempts_svg"]
 
-INSTALL_HINT = "pip install 'stitchcuda[bench]' (or: pip install matplotlib)"
+INSTALL_HINT = "pip install matplotlib (or, in a StitchCUDA clone, pip install '.[bench]')"
 # The header's words for a run's --precision (every column ran under the same torch flags).
 PRECISION_LABELS = {"fp32": "fp32, TF32 off", "tf32": "tf32: TF32 matmuls and convolutions",
                     "bf16": "bf16 matmuls for StitchCUDA, torch at 'medium'"}

@@ -288,6 +288,6 @@ def tasks(folder: str | os.PathLike | None = None):
     try:
         import datasets
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("stitchcuda.rl.tasks needs the datasets package: pip install 'stitchcuda[rl]'") from exc
+        raise ImportError("stitchcuda.rl.tasks needs the datasets package: pip install '.[rl]' in a StitchCUDA clone, or pip install datasets") from exc
     rows = list(shipped_rows().values()) if folder is None else problem_rows(folder)
     return datasets.Dataset.from_list(rows)

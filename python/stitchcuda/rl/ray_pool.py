@@ -22,7 +22,7 @@ def _ray():
         import ray
     except ImportError:
         raise UnavailableError("RayRewardPool needs Ray: install it with `pip install ray` (or the project's "
-                               "optional group: `pip install stitchcuda[ray]`)") from None
+                               "optional group: `pip install '.[ray]'` in a StitchCUDA clone, or `pip install ray`)") from None
     return ray
 
 
