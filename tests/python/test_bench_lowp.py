@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -162,6 +163,45 @@ def test_compile_only_plans_two_small_variants(capsys):
         assert row["kernels"] > 0 and row["groups"].get("gemm", 0) > 0
         assert row["reference_dtype"] == "float64" and row["small"] is True and row["correct"] is None
         assert "bf16" in row["matmuls"]  # planned in the model's 16-bit dtype, not fp32
+
+
+class _Program:
+    """optimize()'s result where no GPU can run one: the model's own forward, or that forward 2% off (a
+    kernel that loses precision: still within eager's 1e-2 tolerance, far outside the accuracy bound)."""
+
+    def __init__(self, model, off: bool):
+        self.program, self.model, self.off = None, model, off
+        self.report = SimpleNamespace(status="optimized", reason="", fallbacks=[], groups=[{"kind": "gemm"}],
+                                      stage_peak_bytes={})
+
+    def __call__(self, *inputs):
+        out = self.model(*inputs)
+        return (out.float() * 1.02).to(out.dtype) if self.off else out
+
+    def release(self):
+        pass
+
+
+@pytest.mark.parametrize("off", [False, True])
+def test_run_model_judges_every_input_set_by_the_accuracy_rule(monkeypatch, off):
+    """run_model of a small bf16 variant on the CPU, the GPU's parts replaced (the timer, .cuda(), torch.compile,
+    the program): each of the three input sets gets its own fp64 reference and verdict; a program 2% off passes
+    the comparison with eager (1e-2) and fails the rule on every set."""
+    from stitchcuda import graph as stitch_graph
+
+    monkeypatch.setattr(torch.nn.Module, "cuda", lambda self, device=None: self)
+    monkeypatch.setattr(suite, "_to_gpu", tuple)
+    monkeypatch.setattr(suite, "_time_ms", lambda fn, warmup=3, repeats=30: (fn(), 1.0)[1])
+    monkeypatch.setattr(suite, "_peak_bytes", lambda fn: (fn(), 1000))
+    monkeypatch.setattr(suite, "_compiled_ms", lambda model, inputs, mode: (0.5, 2.0))
+    monkeypatch.setattr(stitch_graph, "optimize", lambda model, inputs, **kw: _Program(model, off))
+    row = suite.run_model(LOWP / "net_llama_gqa.py", variant="bf16", small=True)
+    assert row["errors"] == {} and row["model"] == "net_llama_gqa[bf16]" and row["reference_dtype"] == "float64"
+    assert [s["inputs"] for s in row["input_sets"]] == ["example", "seed=1", "seed=2"]
+    assert all(s["correct"] for s in row["input_sets"])  # within eager's 16-bit tolerance either way
+    verdicts = [s["accuracy"] for s in row["input_sets"]]
+    assert all(v["ok"] is (not off) and v["eager_error"] > 0 for v in verdicts)
+    assert row["accurate"] is (not off) and row["accuracy"]["stitch"]["ok"] is (not off)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -160,7 +160,8 @@ def accuracy_verdict(candidate_error: float | None, eager_error: float | None) -
 
 def add_accuracy(row: dict) -> dict:
     """row["accuracy"]: the accuracy verdict of every column with an error against the reference
-    (row["err_fp64"]) beside eager's; row["accurate"]: StitchCUDA's verdict (None without a reference)."""
+    (row["err_fp64"]) beside eager's; row["accurate"]: StitchCUDA's verdict (None without a reference),
+    over every input set where the row's input_sets carry one."""
     errors = row.get("err_fp64") or {}
     eager = (errors.get("eager") or {}).get("max_abs")
     verdicts = {column: accuracy_verdict(e.get("max_abs"), eager) for column, e in errors.items()
@@ -168,4 +169,8 @@ def add_accuracy(row: dict) -> dict:
     if verdicts:
         row["accuracy"] = verdicts
     row["accurate"] = verdicts.get("stitch", {}).get("ok")
+    # A program that ran: the rule on each of its input sets too (suite._set_accuracy); every one must pass.
+    sets = [s["accuracy"].get("ok") for s in row.get("input_sets") or [] if isinstance(s.get("accuracy"), dict)]
+    if sets:
+        row["accurate"] = None if None in sets else all(sets)
     return row

@@ -169,8 +169,8 @@ from . import memory
 from .gpus import (AGREEMENT_COLUMNS, SPEEDUP_TOLERANCE, Spread, child_devices, claim, compare_runs, devices_label,
                    format_gpus, format_scaling, queue_files, queue_order, scaling_report, spread_usage)
 from .memory import forward_largest_tensor_bytes, largest_tensor_bytes, memory_ratio
-from .precision import (PRECISION_WORDS, TORCH_FLAGS, add_accuracy, cast_variant, judged_precision, precision_flags,
-                        precision_knobs, tolerance, variant_autocast, variant_fields)
+from .precision import (PRECISION_WORDS, TORCH_FLAGS, accuracy_verdict, add_accuracy, cast_variant, judged_precision,
+                        precision_flags, precision_knobs, tolerance, variant_autocast, variant_fields)
 from .problems import (BENCHES, CLASS_ORDER, CLASSES, default_dir, folder_problems, load, model_files,
                        only_names, parse_chunk, problem_class, problem_level, suite_dir)
 from .problems import Problem, expand_variants, shrink
@@ -396,10 +396,15 @@ def _check_set(name: str, run: Callable[[], tuple[Any, Any]], precision: str = "
     return entry
 
 
+def _seeded_inputs(module: ModuleType, model: torch.nn.Module, seed: int, variant: str | None = None) -> tuple:
+    """get_inputs() under torch.manual_seed(seed), on the GPU, in the variant's dtype."""
+    torch.manual_seed(seed)
+    return cast_variant(model, _to_gpu(module.get_inputs()), variant)[1]
+
+
 def _fresh_set(module: ModuleType, model: torch.nn.Module, fast: Any, seed: int,
                variant: str | None = None) -> tuple[Any, Any]:
-    torch.manual_seed(seed)
-    inputs = cast_variant(model, _to_gpu(module.get_inputs()), variant)[1]  # in the variant's dtype
+    inputs = _seeded_inputs(module, model, seed, variant)
     want = _clone(model(*inputs))  # before StitchCUDA's call, in case either writes into its inputs
     return fast(*inputs), want
 
@@ -414,7 +419,32 @@ def _input_sets(module: ModuleType, model: torch.nn.Module, fast: Any, inputs: t
         sets.append(_check_set(f"seed={seed}", lambda seed=seed: _fresh_set(module, model, fast, seed, variant),
                                precision))
         gc.collect()  # the fresh set's tensors and outputs go before the next one
+    if variant is not None:  # a 16-bit row: the accuracy rule on every set, against the set's own reference
+        for entry, seed in zip(sets, (None, *FRESH_SEEDS)):
+            entry["accuracy"] = _set_accuracy(model, fast, inputs if seed is None else
+                                              _seeded_inputs(module, model, seed, variant))
+            gc.collect()
     return sets
+
+
+def _set_accuracy(model: torch.nn.Module, fast: Any, inputs: tuple) -> dict:
+    """StitchCUDA's accuracy verdict (precision.accuracy_verdict) on one input set: its error and eager's
+    against the high-precision reference of that set (float64, float32 where that does not fit), computed
+    outside autocast. Errors are the verdict (ok False), a missing reference an unknown one (ok None)."""
+    try:
+        with torch.no_grad():
+            want, got = _clone(model(*inputs)), fast(*inputs)
+            with torch.autocast("cuda", enabled=False):
+                dtype = reference_dtype(model, inputs, want)
+                ref, note = fp64_reference(model, inputs, want, dtype=dtype)
+            if ref is None:
+                return {"ok": None, "note": note}
+            errors = [fp64_errors(out, ref) for out in (got, want)]
+    except Exception as exc:  # out of memory for the reference, a failing replay
+        return {"ok": False, "error_text": first_line(exc)}
+    if errors[0] is None:
+        return {"ok": None, "note": "no floating output"}
+    return accuracy_verdict(errors[0]["max_abs"], errors[1]["max_abs"])
 
 
 def _matmul_decision(report: Any) -> str | None:
