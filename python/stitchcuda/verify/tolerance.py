@@ -1,6 +1,8 @@
 """The one tolerance table: how close an output must be to its reference, by dtype and precision policy.
 Candidates (``Tolerance``, per task), graph mode's group checks and whole-program verification
-(``tolerance()``), and the benchmarks all read it, so a kernel is never judged by two standards.
+(``tolerance()``), and the benchmarks all read it, so a kernel is never judged by two standards. For
+16-bit outputs and the reduced precision policies it also holds the accuracy rule (``judge_accuracy``):
+the candidate's error and eager's, both against a high-precision reference.
 """
 
 from __future__ import annotations
@@ -10,7 +12,10 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["TABLE", "REDUCED_PRECISION", "PRECISIONS", "Tolerance", "tolerance"]
+from .compare import CHUNK_ELEMENTS, max_abs_error
+
+__all__ = ["TABLE", "REDUCED_PRECISION", "PRECISIONS", "Tolerance", "tolerance", "ACCURACY_FACTOR", "UNIT_ROUNDOFF",
+           "Accuracy", "by_accuracy", "accuracy_error", "accuracy_floor", "judge_accuracy", "reference_dtype"]
 
 # (atol, rtol) by output dtype; |got - expected| <= atol + rtol * |expected|. The KernelBench values:
 # fp32 (and fp64) 1e-4, the 16-bit formats 1e-2.
@@ -76,3 +81,102 @@ def tolerance(dtype: torch.dtype, precision: str = "fp32") -> tuple[float, float
     """(atol, rtol) for an output of ``dtype`` under a precision policy: fp32 1e-4, fp16/bf16 1e-2,
     every float 1e-2 when the policy is not "fp32"; integers and booleans exactly (0, 0)."""
     return Tolerance.for_precision(precision).for_dtype(dtype)
+
+
+# ---- the accuracy rule for reduced precision -----------------------------------------------------------
+#
+# A 16-bit output, or any output under the tf32/bf16 policies, is judged against the truth, not against
+# ATen's rounding: the candidate and eager are both compared with a high-precision reference (the same
+# model or group run in fp64, fp32 where fp64 does not fit or has no kernel), and the candidate passes when
+#
+#     error(candidate) <= ACCURACY_FACTOR * error(eager) + floor
+#
+# ATen's chain of 16-bit ops rounds after every op; a kernel that computes in fp32 and rounds once is
+# closer to the truth and may still differ from ATen by an ulp or two, so agreement with ATen is the wrong
+# question (Inductor's accuracy checks compare against an fp64 reference for the same reason, with the
+# same factor of 2). The factor leaves room for a different but equally valid order of operations; a kernel
+# that loses precision (16-bit accumulation, a skipped fp32 step) or is wrong (one bad element) lands well
+# above it. The floor is one rounding of the format the result is allowed to be computed in: a result
+# rounded correctly once always passes, even where eager is exact (a copy, a reshape).
+#
+# The error: max |got - ref| / max |ref| over the output (norm-wise relative, the infinity norm). The
+# maximum, not a root mean square, because one wrong element in ten million changes an RMS by a factor of
+# about three thousand less and would pass; divided by the reference's largest magnitude so the factor and
+# the floor need no units; norm-wise, not per element, because per-element ratios explode near zero. A NaN
+# or infinity where the reference has none is an infinite error.
+
+ACCURACY_FACTOR = 2.0
+# Unit roundoff (half an ulp at 1.0) of the formats a result may be rounded to: the floor of the rule.
+UNIT_ROUNDOFF: dict[str, float] = {"fp64": 2.0 ** -53, "fp32": 2.0 ** -24, "tf32": 2.0 ** -11,
+                                   "fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
+_FORMAT = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def by_accuracy(dtype: torch.dtype, precision: str = "fp32") -> bool:
+    """Whether outputs of `dtype` under `precision` are judged by the accuracy rule: fp16 and bf16
+    outputs, and every fp32 output under the "tf32" and "bf16" policies. fp32 outputs at "fp32" (and fp64,
+    integers, booleans) keep the table's allclose rule."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return True
+    return dtype == torch.float32 and precision != "fp32"
+
+
+def accuracy_floor(dtype: torch.dtype, precision: str = "fp32") -> float:
+    """The rule's floor: the unit roundoff of the output's format, or of the policy's product format
+    when that is coarser (an fp32 output of TF32 products carries TF32's rounding)."""
+    floor = UNIT_ROUNDOFF.get(_FORMAT.get(dtype, "fp32"), UNIT_ROUNDOFF["fp32"])
+    return max(floor, UNIT_ROUNDOFF.get(precision, 0.0))
+
+
+def accuracy_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |got - ref| / max |ref| (max |got - ref| when the reference is all zeros or not finite), a
+    slice at a time like every comparison (verify/compare.py); infinite when the shapes differ or `got`
+    is NaN or infinite where `ref` is not."""
+    if tuple(got.shape) != tuple(ref.shape):
+        return float("inf")
+    if got.numel() == 0:
+        return 0.0
+    err = max_abs_error(got, ref)
+    flat = ref.detach().reshape(-1)
+    scale = max(float(part.double().abs().nan_to_num_(0.0, 0.0, 0.0).max())
+                for part in flat.split(CHUNK_ELEMENTS))
+    return err / scale if scale > 0 else err
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    """One output judged by the accuracy rule: the candidate's and eager's errors against the reference
+    (``accuracy_error``), the bound the candidate had to meet, and what the reference was computed in."""
+
+    ok: bool
+    error: float
+    eager_error: float
+    bound: float
+    floor: float
+    reference: str = "fp64"
+
+    def describe(self) -> str:
+        verdict = "within" if self.ok else "above"
+        return (f"error {self.error:.3g} against the {self.reference} reference, {verdict} the bound {self.bound:.3g} "
+                f"({ACCURACY_FACTOR:g} x eager's {self.eager_error:.3g} + {self.floor:.3g})")
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "error": self.error, "eager_error": self.eager_error, "bound": self.bound,
+                "floor": self.floor, "reference": self.reference}
+
+
+def judge_accuracy(got: torch.Tensor, eager: torch.Tensor, ref: torch.Tensor, precision: str = "fp32",
+                   reference: str = "fp64") -> Accuracy:
+    """The accuracy rule for one output: `got` (the candidate) passes when its error against `ref` (the
+    high-precision reference, fp64 or fp32) is at most ACCURACY_FACTOR times `eager`'s error plus the floor
+    for eager's dtype under `precision` (``accuracy_floor``). `reference` names what `ref` was computed in."""
+    error, eager_error = accuracy_error(got, ref), accuracy_error(eager, ref)
+    floor = accuracy_floor(eager.dtype, precision)
+    bound = ACCURACY_FACTOR * eager_error + floor
+    return Accuracy(bool(error <= bound), error, eager_error, bound, floor, reference)
+
+
+def reference_dtype(fits_fp64: bool) -> torch.dtype:
+    """What the high-precision reference is computed in: fp64, or fp32 where fp64 does not fit in memory
+    (or the op has no fp64 kernel). An fp32 reference is still ~2^16 times finer than bf16's rounding."""
+    return torch.float64 if fits_fp64 else torch.float32
