@@ -1,6 +1,6 @@
 """A BERT-base-like encoder (word, position and segment embeddings, post-LayerNorm layers with GELU MLPs,
 bidirectional attention with biases): 12 layers x 768, 12 heads, 32 x 512 tokens; output the last hidden
-states. About 5.8 TFLOP per forward; the largest tensor is a 32 x 512 x 3072 MLP activation."""
+states. About 3.1 TFLOP per forward; the largest tensor is a 32 x 512 x 3072 MLP activation."""
 
 import torch
 import torch.nn as nn

@@ -1,6 +1,6 @@
 """A ConvNeXt-T-like classifier (4 x 4 patchify stem, stages of 3, 3, 9 and 3 blocks of a 7 x 7 depthwise
 convolution, channels-last LayerNorm, a 4x GELU MLP and layer scale, downsampling between stages, a
-LayerNorm and linear head): widths 96 to 768, 32 images of 224 x 224; output the 1000 logits. About 0.57 TFLOP
+LayerNorm and linear head): widths 96 to 768, 32 images of 224 x 224; output the 1000 logits. About 0.29 TFLOP
 per forward."""
 
 import torch

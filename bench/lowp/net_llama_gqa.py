@@ -1,6 +1,6 @@
 """A Llama-architecture decoder (RMSNorm, grouped-query attention with rotary embedding, SwiGLU, untied LM head)
 at prefill: 4 layers x 2048 hidden, 16 query / 4 key-value heads, 2 x 1024 tokens; output the logits.
-About 1.3 TFLOP per forward; the largest tensor is the 2 x 1024 x 32000 logits."""
+About 1.1 TFLOP per forward; the largest tensor is the 2 x 1024 x 32000 logits."""
 
 import torch
 import torch.nn as nn
