@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 
 from ..verify.program import release_host_memory
+from .accuracy import ACCEPTED
 from .capture import Graph
 from .lower import check_group, group_inputs, reference_values, stream_values
 from .measure import allocated
@@ -119,6 +120,12 @@ class _GroupChecker:
 
     def record_decisions(self) -> None:
         report = self.report
+        accepted = [why for ok, why, _ in self.results.values() if ok and why.startswith(ACCEPTED)]
+        if accepted:
+            report.decisions.append((f"{len(accepted)} group check(s) passed by the accuracy rule",
+                                     "their 16-bit (or reduced-policy) outputs differ from ATen's, but are as close "
+                                     "to the group run in fp64 as the rule asks (verify/tolerance.py); first: "
+                                     + accepted[0].removeprefix(ACCEPTED + ": ")))
         if self.shared:
             report.decisions.append((f"{self.shared} group check(s) shared with an identical group",
                                      "the same kernels over the same shapes (a block's groups, repeated in every layer) "

@@ -11,7 +11,7 @@ from typing import NamedTuple, TypedDict
 from ..log import StepProgress as _Progress  # optimize()'s stage progress: live on a terminal, plain lines elsewhere
 
 __all__ = ["Report", "SCHEMA", "SCHEMAS_READ", "report_schema", "Decision", "GroupEntry", "FallbackEntry", "Verification",
-           "Timing", "TargetRow"]
+           "Timing", "TargetRow", "accuracy_text"]
 
 # The version of the dict Report.to_dict() writes. A change of meaning of a key bumps the number here and
 # in report_schema() together. /2: internal_error (the traceback of a StitchCUDA bug that stopped optimize()).
@@ -64,6 +64,9 @@ class Verification(TypedDict, total=False):
     detail: str | None
     fp64_note: str | None
     failed_set: int
+    # The accuracy rule's verdicts (16-bit outputs, reduced precision policies: verify/tolerance.py), one
+    # per output and input set: {set, output, ok, error, eager_error, bound, floor, reference}.
+    accuracy: list[dict]
 
 
 class Timing(TypedDict, total=False):
@@ -187,6 +190,8 @@ class Report:
                          f"input set(s), max |error| {'-' if worst is None else format(worst, '.3g')}, max relative "
                          "error vs fp64 "
                          + (f"{fp64:.3g}" if fp64 is not None else v.get("fp64_note") or "not computed"))
+            if v.get("accuracy"):
+                lines.append(f"  accuracy rule: {accuracy_text(v['accuracy'])}")
         if self.memory:
             lines.append(f"  program on the GPU: {program_memory_text(self.memory)}")
         for d, why in self.decisions:
@@ -262,7 +267,8 @@ def report_schema() -> dict:
                              "properties": {"passed": {"type": "boolean"}, "input_sets": integer,
                                             "max_abs_error": number, "max_rel_error_fp64": number,
                                             "detail": {"type": ["string", "null"]},
-                                            "fp64_note": {"type": ["string", "null"]}}},
+                                            "fp64_note": {"type": ["string", "null"]},
+                                            "accuracy": {"type": "array", "items": {"type": "object"}}}},
             "timing": {"type": "object",
                        "properties": {"eager_ms": number, "stitched_ms": number, "speedup_eager": number,
                                       "compile_ms": number, "speedup_compile": number, "compile_error": string,
@@ -389,6 +395,16 @@ def _status_html(r: "Report") -> str:
     return "".join(out)
 
 
+def accuracy_text(verdicts: list[dict]) -> str:
+    """The accuracy rule's closest call among `verdicts` (the largest share of its bound used): the
+    candidate's error and eager's against the high-precision reference."""
+    worst = max(verdicts, key=lambda a: a["error"] / a["bound"] if a["bound"] > 0 else float("inf"))
+    passed = sum(bool(a["ok"]) for a in verdicts)
+    return (f"{passed}/{len(verdicts)} output(s) within bound; closest: output {worst['output']} of input set "
+            f"{worst['set']}, error {worst['error']:.3g} vs eager's {worst['eager_error']:.3g} against the "
+            f"{worst['reference']} reference (bound {worst['bound']:.3g})")
+
+
 def _verification_html(v: dict) -> str:
     if not v:
         return ""
@@ -397,6 +413,8 @@ def _verification_html(v: dict) -> str:
     text = (f"verification: {verdict} on {v.get('input_sets', 0)} input set(s), max |error| "
             f"{'–' if worst is None else format(worst, '.3g')}, max relative error vs fp64 "
             + (format(fp64, ".3g") if fp64 is not None else _e(v.get("fp64_note") or "not computed")))
+    if v.get("accuracy"):
+        text += f"; accuracy rule: {_e(accuracy_text(v['accuracy']))}"
     if not v.get("passed") and v.get("detail"):
         text += f" — {_e(v['detail'])}"
     return f'<div class="verification">{text}</div>'

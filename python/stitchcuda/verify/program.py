@@ -17,15 +17,17 @@ import torch
 import torch.utils._pytree as pytree
 
 from .compare import error_and_outside, first_difference, fp64_error
-from .tolerance import tolerance
+from .tolerance import by_accuracy, judge_accuracy, tolerance
 
-__all__ = ["check_program", "program_job", "run_program_job", "verify_whole", "random_like", "input_set",
+__all__ = ["check_program", "program_job", "output_specs", "run_program_job", "verify_whole", "random_like", "input_set",
            "release_host_memory"]
 
 # The fp64 copy of a model doubles every tensor it touches, and its forward holds fp64 intermediates:
 # past this size of the largest input or of the weights, the error against exact arithmetic is not
 # computed (at KernelBench's sizes it would cost more memory than the check and the forward together).
 EXACT_COPY_LIMIT_BYTES = 256 << 20
+# A 16-bit model past that limit gets an fp32 copy instead, up to this many bytes of fp32 weights or input.
+FP32_REFERENCE_LIMIT_BYTES = 4 << 30
 
 
 def _first_line(exc: BaseException) -> str:
@@ -133,7 +135,7 @@ def _first_problem(got: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]
     return None
 
 
-def _output_specs(program: Any) -> list[dict]:
+def output_specs(program: Any) -> list[dict]:
     """The program's output buffers in the order its runs return them (by buffer id)."""
     return sorted((b for b in program.buffers if b["role"] == "output"), key=lambda b: b["id"])
 
@@ -144,7 +146,7 @@ def _in_place(program: Any, feed: Sequence[torch.Tensor], expected: Sequence[tor
     tensors of `from_bytes` or more that cover their storage exactly, with the shape, strides and dtype of
     the program's output buffer, sharing no storage with an input. Empty when there are none (or no
     page-locked memory could be had)."""
-    specs = _output_specs(program)
+    specs = output_specs(program)
     if len(specs) != len(expected):
         return {}
     inputs = {t.untyped_storage().data_ptr() for t in feed if isinstance(t, torch.Tensor) and t.is_cuda}
@@ -172,7 +174,7 @@ def _check_in_place(program: Any, feed: Sequence[torch.Tensor], expected: Sequen
     their own. The program runs in `pool`'s worker (which writes through CUDA IPC and compares nothing)
     or in this process; the comparison runs here. None when the worker crashed on the job (the handles
     may not have arrived): the caller checks the usual way, which finds out."""
-    specs = _output_specs(program)
+    specs = output_specs(program)
     outputs = [e if k in saved else torch.empty_strided(b["shape"], b["strides"], dtype=e.dtype, device=e.device)
                for k, (e, b) in enumerate(zip(expected, specs))]
     want = [saved.get(k, e) for k, e in enumerate(expected)]
@@ -297,13 +299,20 @@ def _exact_copy(model: torch.nn.Module, example_inputs: Sequence[Any]) -> tuple[
     tensors = [t for t in pytree.tree_flatten(example_inputs)[0] if isinstance(t, torch.Tensor)]
     largest = max((t.numel() * t.element_size() for t in tensors), default=0)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    wide, note = torch.float64, ""
     if max(largest, weights) > EXACT_COPY_LIMIT_BYTES:
-        return None, (f"not computed: an fp64 copy of a model with {max(largest, weights) / 2**30:.1f} GiB "
-                      "tensors would double the check's memory")
+        note = (f"an fp64 copy of a model with {max(largest, weights) / 2**30:.1f} GiB tensors would double the "
+                "check's memory")
+        # A 16-bit model is still judged against the truth (the accuracy rule, verify/tolerance.py): an fp32
+        # copy is 2^16 times finer than bf16's rounding and half an fp64 copy's size.
+        sixteen = any(t.dtype in (torch.float16, torch.bfloat16) for t in [*tensors, *model.parameters()])
+        if not sixteen or 2 * max(largest, weights) > FP32_REFERENCE_LIMIT_BYTES:
+            return None, f"not computed: {note}"
+        wide, note = torch.float32, f"an fp32 reference: {note}"
     try:
-        return copy.deepcopy(model).double(), ""
+        return copy.deepcopy(model).to(wide), note
     except Exception as exc:
-        return None, f"not computed: the model cannot be copied to fp64 ({_first_line(exc)})"
+        return None, f"not computed: the model cannot be copied to {wide} ({_first_line(exc)})"
 
 
 # Outputs of the model at least this large are held in host memory during a whole-program check.
@@ -350,7 +359,12 @@ def verify_whole(model: torch.nn.Module, optimized: Callable[..., Any], example_
     forwards of each set: `optimized` gives its working memory back then, so the check never holds both
     forwards' working sets at once (the model's outputs, then the optimized ones, are compared), and
     `optimized` runs twice per set, so a program that replays a CUDA graph is judged on its replay. The
-    model's outputs of HOST_REFERENCE_BYTES or more wait in host memory while `optimized` runs."""
+    model's outputs of HOST_REFERENCE_BYTES or more wait in host memory while `optimized` runs.
+
+    A 16-bit output (or any under the tf32/bf16 policies) that lies outside the table around the model's
+    is judged again by the accuracy rule against the fp64 copy (verify/tolerance.py; an fp32 copy of a
+    16-bit model too large for fp64, said in fp64_note): "accuracy" then lists every such verdict, with
+    the program's error and the model's own."""
     try:
         return _verify_whole(model, optimized, example_inputs, sets, precision, no_exact, release)
     finally:
@@ -364,6 +378,7 @@ def _verify_whole(model: torch.nn.Module, optimized: Callable[..., Any], example
     detail = ""
     passed = True
     failed_set = None
+    accuracy: list[dict] = []  # the accuracy rule's verdicts (verify/tolerance.py), output by output
     exact_model, exact_note = (None, f"not computed: {no_exact}") if no_exact else _exact_copy(model, example_inputs)
 
     def failure(k: int, text: str) -> dict[str, Any]:
@@ -381,8 +396,9 @@ def _verify_whole(model: torch.nn.Module, optimized: Callable[..., Any], example
             exact = None
             if exact_model is not None:
                 try:
+                    high = next((p.dtype for p in exact_model.parameters()), torch.float64)
                     wide = pytree.tree_map(
-                        lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, inputs)
+                        lambda t: t.to(high) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, inputs)
                     exact = pytree.tree_flatten(exact_model(*wide))[0]
                     del wide
                 except Exception:  # a model that cannot run in fp64 (an fp16-only kernel): no exact error
@@ -402,19 +418,26 @@ def _verify_whole(model: torch.nn.Module, optimized: Callable[..., Any], example
                 what = f"{g.dtype}{list(g.shape)}" if isinstance(g, torch.Tensor) else type(g).__name__
                 return failure(k, f"output {i} is {what}, the model's {w.dtype}{list(w.shape)}")
             atol, rtol = tolerance(w.dtype, precision)
+            verdict = None
             error, outside = error_and_outside(g, w, atol, rtol)  # one read of both: w may be in host memory
             worst_abs = max(worst_abs, error)
             if exact is not None and i < len(exact):
                 rel = fp64_error(g, exact[i])
                 if rel is not None:
                     worst_rel = max(worst_rel, rel)
+                if by_accuracy(w.dtype, precision) and exact[i].dtype != w.dtype:  # the truth decides, not eager
+                    verdict = judge_accuracy(g, w, exact[i], precision, "fp64" if exact[i].dtype == torch.float64
+                                             else "fp32")
+                    accuracy.append({"set": k, "output": i, **verdict.to_dict()})
+                    outside = outside and not verdict.ok
             if passed and outside:
                 passed, failed_set = False, k
                 detail = f"input set {k}, {first_difference(str(i), g, w, atol, rtol, reference='the model')}"
+                detail += f"; by the accuracy rule: {verdict.describe()}" if verdict is not None else ""
         # The next set is drawn with nothing of this one left alive (the loop's w and g included: at
         # KernelBench's sizes each is an output of several GB).
         del want, got, exact, inputs
         w = g = None
     return {"passed": passed, "input_sets": sets, "max_abs_error": worst_abs,
             "max_rel_error_fp64": worst_rel if exact_model is not None else None, "fp64_note": exact_note,
-            "detail": detail, "failed_set": failed_set}
+            "detail": detail, "failed_set": failed_set, **({"accuracy": accuracy} if accuracy else {})}
