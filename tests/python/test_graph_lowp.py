@@ -135,6 +135,24 @@ def test_fp32_at_the_fp32_policy_keeps_the_allclose_rule():
     assert not result["passed"] and "accuracy" not in result
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_on_a_gpu_no_16_bit_group_falls_back_for_rounding_and_the_program_is_verified_by_the_rule(dtype):
+    """The issue's case in small: norms and pointwise chains with casts around them, in bf16 and fp16. The
+    fused kernels compute in fp32 and round once; none may fall back for differing from ATen's rounding,
+    and the whole program passes verification with both errors reported."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Norm(), _Chain(), _Norm()).to("cuda", dtype).eval()
+    x = (torch.randn(512, 256, device="cuda") * 3).to(dtype)
+    fast = stitchcuda.optimize(model, (x,), progress=False, compare_compile=False, measure=False)
+    rounding = [f for f in fast.report.fallbacks if "differs from ATen" in f["reason"]
+                or "fails the accuracy rule" in f["reason"]]
+    assert not rounding, rounding
+    v = fast.report.verification
+    assert v.get("passed"), v
+    assert all(a["ok"] and a["error"] <= a["bound"] for a in v.get("accuracy", [])), v.get("accuracy")
+
+
 # ---- dtypes no program buffer holds ----------------------------------------------------------------------
 
 

@@ -91,9 +91,11 @@ def candidate_outputs(program: Any, feed: Sequence[torch.Tensor], like: Sequence
 
 def judge_group(group: Group, got: Sequence[torch.Tensor], feed: Sequence[torch.Tensor], inputs: Sequence[Value],
                 outputs: Sequence[Value], wants: Sequence[torch.Tensor], tolerances: Sequence[tuple[float, float]],
-                precision: str, room: int | None = None) -> tuple[bool, str] | None:
+                precision: str, room: int | None = None,
+                known: dict[str, torch.Tensor] | None = None) -> tuple[bool, str] | None:
     """The accuracy rule for a group whose outputs `got` (its program's, candidate_outputs) differ from
-    ATen's (`wants`, the recorded outputs) on `feed` (the values of `inputs`): (ok, why) naming the candidate's and ATen's errors against the group's subgraph in fp64 (fp32 where
+    ATen's (`wants`, the recorded outputs) on `feed` (the values of `inputs`; `known`: other recorded
+    values and constants by name, for a node that reads a value its program does not): (ok, why) naming the candidate's and ATen's errors against the group's subgraph in fp64 (fp32 where
     `room`, the bytes the check may still allocate, does not hold FP64_ROOM_FACTOR times the fp64 inputs
     and outputs, or where an op has no fp64 kernel). Outputs the rule does not cover (fp32 at the fp32
     policy, integers) must still match ATen under their `tolerances`. None when the rule cannot judge (no output it covers, or the reference could not be had)."""
@@ -101,7 +103,7 @@ def judge_group(group: Group, got: Sequence[torch.Tensor], feed: Sequence[torch.
         return None
     fp64_bytes = 8 * sum(t.numel() for t in (*feed, *wants))
     fits = room is None or FP64_ROOM_FACTOR * fp64_bytes <= room
-    values = {v.name: t for v, t in zip(inputs, feed)}
+    values = {**(known or {}), **{v.name: t for v, t in zip(inputs, feed)}}
     ref, note = None, "" if fits else " (fp32 reference: an fp64 one would not fit the check's memory)"
     for dtype in ((torch.float64, torch.float32) if fits else (torch.float32,)):
         try:

@@ -1375,7 +1375,8 @@ def check_group(graph: Graph, plan: GraphPlan, group: Group, values: dict[str, t
         got = candidate_outputs(program, feed, wants, pool)
         again = None if got is None else judge_group(
             group, got, feed, inputs, outputs, wants, tolerances, judged,
-            None if room is None else room - 2 * sum(t.numel() * t.element_size() for t in wants))
+            None if room is None else room - 2 * sum(t.numel() * t.element_size() for t in wants),
+            known={**values, **constants})
         if again is not None:
             ok, why = again
         del got
