@@ -128,6 +128,24 @@ def test_a_wrong_whole_program_is_still_caught_with_both_errors_in_the_detail():
     assert not result["accuracy"][0]["ok"]
 
 
+def test_a_16_bit_model_too_large_for_an_fp64_copy_is_judged_against_fp32(monkeypatch):
+    import copy
+
+    from stitchcuda.verify import program as vprogram
+
+    model, x = _bf16_case()
+    wide = copy.deepcopy(model).float()
+    monkeypatch.setattr(vprogram, "EXACT_COPY_LIMIT_BYTES", 64)  # every model is "too large" for fp64 now
+    result = verify_whole(model, lambda t: wide(t.float()).to(t.dtype), (x,), sets=1)
+    assert result["passed"], result["detail"]
+    assert result["fp64_note"].startswith("an fp32 reference")
+    (verdict,) = result["accuracy"]  # outside the table around eager (max |error| 0.5), inside the rule
+    assert verdict["reference"] == "fp32" and verdict["ok"] and verdict["error"] < verdict["eager_error"]
+    monkeypatch.setattr(vprogram, "FP32_REFERENCE_LIMIT_BYTES", 64)  # nor for fp32: no reference, said so
+    result = verify_whole(model, model, (x,), sets=1)
+    assert result["passed"] and result["fp64_note"].startswith("not computed") and "accuracy" not in result
+
+
 def test_fp32_at_the_fp32_policy_keeps_the_allclose_rule():
     x = torch.randn(512)
     model = _Chain().eval()
