@@ -107,26 +107,34 @@ def _planted(ref: torch.Tensor, error: float) -> torch.Tensor:
 
 @pytest.mark.parametrize("variant", ["bf16", "fp16"])
 def test_accuracy_rule_with_planted_errors_just_inside_and_outside_the_bound(variant):
-    """A real 16-bit model's eager error against its fp64 reference sets the bound; a candidate whose only
-    error is planted 1% below the bound passes, 1% above fails, both through fp64_errors and add_accuracy
-    as the bench records them."""
+    """A real 16-bit model's eager error against its fp64 reference sets the bound (the Verifier's rule: 2x
+    eager's norm-wise error plus one rounding of the format); a candidate whose only error is planted 1% below
+    the bound passes, 1% above fails, through fp64_errors and add_accuracy as the bench records them."""
+    from stitchcuda.verify.tolerance import ACCURACY_FACTOR, accuracy_floor
+
     eager, ref = _eager_and_reference("net_llama_gqa", variant)
-    eager_error = reference.fp64_errors(eager, ref)["max_abs"]
+    eager_error = reference.fp64_errors(eager, ref)["max_rel"]
     assert 0 < eager_error < 0.05  # 16-bit rounding, not a broken model
-    bound = precision.accuracy_bound(eager_error)
-    assert bound == pytest.approx(precision.ACCURACY_FACTOR * eager_error + precision.ACCURACY_FLOOR)
-    for scale, ok in ((0.99, True), (1.01, False)):
-        row = {"err_fp64": {"eager": reference.fp64_errors(eager, ref),
-                            "stitch": reference.fp64_errors(_planted(ref, scale * bound), ref)}}
-        assert row["err_fp64"]["stitch"]["max_abs"] == pytest.approx(scale * bound, rel=1e-9)
+    floor = accuracy_floor(eager.dtype)
+    bound = precision.accuracy_bound(eager_error, floor)
+    assert bound == pytest.approx(ACCURACY_FACTOR * eager_error + floor)
+    scale = float(ref.abs().max())
+    for share, ok in ((0.99, True), (1.01, False)):
+        row = {"variant": variant, "dtype": eager.dtype.__repr__().removeprefix("torch."),
+               "err_fp64": {"eager": reference.fp64_errors(eager, ref),
+                            "stitch": reference.fp64_errors(_planted(ref, share * bound * scale), ref)}}
+        assert row["err_fp64"]["stitch"]["max_rel"] == pytest.approx(share * bound, rel=1e-9)
         precision.add_accuracy(row)
         assert row["accurate"] is ok and row["accuracy"]["stitch"]["ok"] is ok
         assert row["accuracy"]["stitch"]["bound"] == pytest.approx(bound)
 
 
 def test_the_floor_admits_an_exact_eager_and_no_reference_is_unknown():
-    assert precision.accuracy_verdict(0.9 * precision.ACCURACY_FLOOR, 0.0)["ok"] is True
-    assert precision.accuracy_verdict(1.1 * precision.ACCURACY_FLOOR, 0.0)["ok"] is False
+    floor = precision.row_floor({"variant": "bf16", "dtype": "bfloat16"})
+    assert floor == 2.0 ** -8
+    assert precision.row_floor({"variant": "autocast-bf16", "dtype": "float32", "output_dtype": "float32"}) == 2.0 ** -8
+    assert precision.accuracy_verdict(0.9 * floor, 0.0, floor)["ok"] is True
+    assert precision.accuracy_verdict(1.1 * floor, 0.0, floor)["ok"] is False
     row = precision.add_accuracy({"err_fp64": None})
     assert row["accurate"] is None and "accuracy" not in row
 

@@ -132,39 +132,43 @@ def judged_precision(precision: str, variant: str | None) -> str:
 
 
 # ---- the accuracy rule ------------------------------------------------------------------------------------
-# A 16-bit model's eager output is not the truth: ATen rounds after every op, and a kernel that computes
-# in fp32 and rounds once is closer to exact arithmetic while differing from eager by as much as eager
-# differs from the truth. So a candidate (torch.compile, StitchCUDA) is judged against a high-precision
-# reference (the model in fp64, fp32 where fp64 does not fit), by the error eager itself makes there:
-#     error(candidate) <= ACCURACY_FACTOR * error(eager) + ACCURACY_FLOOR
-# (the same shape as Inductor's accuracy check against an fp64 reference). The factor admits a different
-# but equally valid order of rounding (a split-K GEMM, another reduction tree) and rejects a kernel that
-# loses precision (accumulating in 16 bits, a wrong element); the floor keeps an exact eager (error 0)
-# from demanding exactness. Errors are max |got - reference| over the outputs (the err_fp64 max_abs).
-ACCURACY_FACTOR = 2.0
-ACCURACY_FLOOR = 1e-4  # the fp32 table's atol: below it no 16-bit output differs meaningfully
+# The Verifier's (verify.tolerance: judge_accuracy, its reasons there): a candidate's error against the
+# high-precision reference within ACCURACY_FACTOR times eager's plus one rounding of the output's format
+# (accuracy_floor), the error norm-wise, max |got - ref| / max |ref| — a row's err_fp64 max_rel. Here it
+# is applied to a row's recorded errors, column by column.
 
 
-def accuracy_bound(eager_error: float, factor: float = ACCURACY_FACTOR, floor: float = ACCURACY_FLOOR) -> float:
-    return factor * eager_error + floor
+def accuracy_bound(eager_error: float, floor: float) -> float:
+    from ..verify.tolerance import ACCURACY_FACTOR
+
+    return ACCURACY_FACTOR * eager_error + floor
 
 
-def accuracy_verdict(candidate_error: float | None, eager_error: float | None) -> dict[str, Any]:
-    """{ok, error, eager_error, bound} of one candidate by the accuracy rule; ok None (unknown) when either
-    error is missing (no reference)."""
+def accuracy_verdict(candidate_error: float | None, eager_error: float | None, floor: float) -> dict[str, Any]:
+    """{ok, error, eager_error, bound} of one candidate by the Verifier's accuracy rule (norm-wise errors
+    against the reference); ok None (unknown) when either error is missing (no reference)."""
     if candidate_error is None or eager_error is None:
         return {"ok": None, "error": candidate_error, "eager_error": eager_error, "bound": None}
-    bound = accuracy_bound(eager_error)
+    bound = accuracy_bound(eager_error, floor)
     return {"ok": bool(candidate_error <= bound), "error": candidate_error, "eager_error": eager_error, "bound": bound}
+
+
+def row_floor(row: dict) -> float:
+    """The rule's floor for a row: one rounding of its outputs' dtype (output_dtype, else the variant's
+    dtype) under the precision its outputs are judged at (an autocast row's fp32 outputs at bf16's)."""
+    from ..verify.tolerance import accuracy_floor
+
+    dtype = getattr(torch, row.get("output_dtype") or row.get("dtype") or "float32")
+    return accuracy_floor(dtype, judged_precision(row.get("precision", "fp32"), row.get("variant")))
 
 
 def add_accuracy(row: dict) -> dict:
     """row["accuracy"]: the accuracy verdict of every column with an error against the reference
-    (row["err_fp64"]) beside eager's; row["accurate"]: StitchCUDA's verdict (None without a reference),
-    over every input set where the row's input_sets carry one."""
+    (row["err_fp64"], max_rel) beside eager's; row["accurate"]: StitchCUDA's verdict (None without a
+    reference), over every input set where the row's input_sets carry one."""
     errors = row.get("err_fp64") or {}
-    eager = (errors.get("eager") or {}).get("max_abs")
-    verdicts = {column: accuracy_verdict(e.get("max_abs"), eager) for column, e in errors.items()
+    eager, floor = (errors.get("eager") or {}).get("max_rel"), row_floor(row)
+    verdicts = {column: accuracy_verdict(e.get("max_rel"), eager, floor) for column, e in errors.items()
                 if column != "eager" and isinstance(e, dict)}
     if verdicts:
         row["accuracy"] = verdicts

@@ -169,7 +169,7 @@ from . import memory
 from .gpus import (AGREEMENT_COLUMNS, SPEEDUP_TOLERANCE, Spread, child_devices, claim, compare_runs, devices_label,
                    format_gpus, format_scaling, queue_files, queue_order, scaling_report, spread_usage)
 from .memory import forward_largest_tensor_bytes, largest_tensor_bytes, memory_ratio
-from .precision import (PRECISION_WORDS, TORCH_FLAGS, accuracy_verdict, add_accuracy, cast_variant, judged_precision,
+from .precision import (PRECISION_WORDS, TORCH_FLAGS, add_accuracy, cast_variant, judged_precision,
                         precision_flags, precision_knobs, tolerance, variant_autocast, variant_fields)
 from .problems import (BENCHES, CLASS_ORDER, CLASSES, default_dir, folder_problems, load, model_files,
                        only_names, parse_chunk, problem_class, problem_level, suite_dir)
@@ -235,6 +235,9 @@ def _fp64_column(row: dict, model: torch.nn.Module, inputs: tuple, want: Any) ->
             reference, note = fp64_reference(model, inputs, want, dtype=dtype)
         if reference is not None:
             row["reference_dtype"] = str(dtype).removeprefix("torch.")
+        floating = [t for t in pytree.tree_leaves(want) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if row.get("variant") and floating:  # the accuracy rule's floor is one rounding of this dtype
+            row["output_dtype"] = str(floating[0].dtype).removeprefix("torch.")
     except Exception as exc:  # a bug here is the row's note, never the run's end
         reference, note = None, f"skipped: {first_line(exc)}"
     _free_gpu()  # the float64 copy of the model
@@ -422,15 +425,18 @@ def _input_sets(module: ModuleType, model: torch.nn.Module, fast: Any, inputs: t
     if variant is not None:  # a 16-bit row: the accuracy rule on every set, against the set's own reference
         for entry, seed in zip(sets, (None, *FRESH_SEEDS)):
             entry["accuracy"] = _set_accuracy(model, fast, inputs if seed is None else
-                                              _seeded_inputs(module, model, seed, variant))
+                                              _seeded_inputs(module, model, seed, variant), precision)
             gc.collect()
     return sets
 
 
-def _set_accuracy(model: torch.nn.Module, fast: Any, inputs: tuple) -> dict:
-    """StitchCUDA's accuracy verdict (precision.accuracy_verdict) on one input set: its error and eager's
-    against the high-precision reference of that set (float64, float32 where that does not fit), computed
-    outside autocast. Errors are the verdict (ok False), a missing reference an unknown one (ok None)."""
+def _set_accuracy(model: torch.nn.Module, fast: Any, inputs: tuple, precision: str) -> dict:
+    """StitchCUDA's accuracy verdict on one input set by the Verifier's rule (verify.tolerance.judge_accuracy,
+    every floating output): its error and eager's against the high-precision reference of that set
+    (float64, float32 where that does not fit), computed outside autocast; the worst output's numbers.
+    Errors are the verdict (ok False), a missing reference an unknown one (ok None)."""
+    from ..verify.tolerance import judge_accuracy
+
     try:
         with torch.no_grad():
             want, got = _clone(model(*inputs)), fast(*inputs)
@@ -439,12 +445,16 @@ def _set_accuracy(model: torch.nn.Module, fast: Any, inputs: tuple) -> dict:
                 ref, note = fp64_reference(model, inputs, want, dtype=dtype)
             if ref is None:
                 return {"ok": None, "note": note}
-            errors = [fp64_errors(out, ref) for out in (got, want)]
+            triples = [(g, w, r) for g, w, r in zip(*(pytree.tree_leaves(x) for x in (got, want, ref)))
+                       if isinstance(r, torch.Tensor) and r.is_floating_point()]
+            verdicts = [judge_accuracy(g, w, r.to(g.device), precision, "fp64" if r.dtype == torch.float64 else "fp32")
+                        for g, w, r in triples]
     except Exception as exc:  # out of memory for the reference, a failing replay
         return {"ok": False, "error_text": first_line(exc)}
-    if errors[0] is None:
+    if not verdicts:
         return {"ok": None, "note": "no floating output"}
-    return accuracy_verdict(errors[0]["max_abs"], errors[1]["max_abs"])
+    worst = max(verdicts, key=lambda v: v.error - v.bound)  # the output closest to (or furthest past) its bound
+    return {k: v for k, v in worst.to_dict().items() if k in ("ok", "error", "eager_error", "bound", "floor")}
 
 
 def _matmul_decision(report: Any) -> str | None:

@@ -258,7 +258,7 @@ def _row_notes(r: dict) -> list[str]:
     accuracy = r.get("accuracy")
     if accuracy:  # a variant's row: each candidate by the accuracy rule (precision.accuracy_verdict)
         eager = next(iter(accuracy.values()))["eager_error"]
-        lines.append(f"    accuracy vs {r.get('reference_dtype', 'float64')} (max abs; eager {fmt(eager, '.2e')}): " + ", ".join(
+        lines.append(f"    accuracy vs {r.get('reference_dtype', 'float64')} (max rel; eager {fmt(eager, '.2e')}): " + ", ".join(
             f"{c} {fmt(v['error'], '.2e')} {({True: 'ok', False: 'OVER', None: '?'})[v['ok']]}"
             for c, v in accuracy.items()))
     return lines
@@ -331,10 +331,11 @@ def format_table(rows: list[dict], summary: dict, device: str, title: str = "sui
                  f"{s['models_with_memory_ratio']} (against the forward's largest tensor, intermediates "
                  f"included: {s.get('memory_over_target_forward', '-')})")
     if s.get("models_with_accuracy"):
-        from .precision import ACCURACY_FACTOR, ACCURACY_FLOOR
+        from ..verify.tolerance import ACCURACY_FACTOR
 
-        lines.append(f"accurate (StitchCUDA's max |error| vs the high-precision reference <= {ACCURACY_FACTOR:g} x eager's "
-                     f"+ {ACCURACY_FLOOR:g}): {s['accurate']}/{s['models_with_accuracy']}")
+        lines.append(f"accurate (StitchCUDA's norm-wise error vs the high-precision reference <= {ACCURACY_FACTOR:g} x "
+                     f"eager's + one rounding of the output's format, on every input set): "
+                     f"{s['accurate']}/{s['models_with_accuracy']}")
     medians = s.get("err_fp64_median") or {}
     if medians:
         names = {"eager": "eager", "compile": "compile", "reduce_overhead": "reduce-overhead", "stitch": "StitchCUDA",
