@@ -242,7 +242,27 @@ def test_bench_dir_argument_and_its_usage_errors(folder, tmp_path, monkeypatch, 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed: refused before any work
     assert main(["bench", str(folder), "--compile-only", "--html", str(tmp_path / "r.html"), "--json"]) == 2
     error = _strict_json(capsys.readouterr().out)["error"]
-    assert "matplotlib" in error and "stitchcuda[bench]" in error and not (tmp_path / "r.html").exists()
+    assert "matplotlib" in error and "'.[bench]'" in error and not (tmp_path / "r.html").exists()
+
+
+def test_bench_dir_skips_modules_without_a_model_which_the_problems_import(tmp_path, capsys):
+    """A helper module beside the problems is no problem (skipped, and said so); the problems import it from
+    any working folder; a problem that does not load makes the run's answer no (exit 1)."""
+    folder = write_problems(tmp_path, {
+        "shapes": "ROWS, COLS = 16, 32\n",
+        "op_uses_shapes": "from shapes import ROWS, COLS\n" + SCALE.replace("64, 128", "ROWS, COLS").replace(
+            "return [128]", "return [COLS]"),
+        "op_missing_import": "import no_such_helper\n" + SCALE})
+    assert main(["bench", str(folder), "--compile-only", "--json"]) == 1
+    out, err = capsys.readouterr()
+    report = _strict_json(out)
+    rows = {r["model"]: r for r in report["models"]}
+    assert set(rows) == {"op_uses_shapes", "op_missing_import"}  # shapes.py is not a row
+    assert "skipped shapes.py: no Model" in err
+    assert rows["op_uses_shapes"]["status"] == "compiled" and not rows["op_uses_shapes"]["errors"]
+    assert rows["op_missing_import"]["correct"] is False and "no_such_helper" in rows["op_missing_import"]["errors"]["eager"]
+    assert main(["bench", str(folder), "--compile-only", "--only", "op_uses_shapes", "--json"]) == 0
+    capsys.readouterr()
 
 
 # ---- summary from rows built by hand ----
@@ -497,6 +517,7 @@ def test_runs_list_and_show_json_with_date_and_model(tmp_path, capsys):
     shown = _strict_json(capsys.readouterr().out)
     assert shown["model"] == "openai:gpt-4.1" and [a["speedup"] for a in shown["attempt_records"]] == [None, 1.5]
     assert main(["runs", "list", "--root", str(tmp_path / "empty-root"), "--json"]) == 2  # no such folder
+    assert "no folder" in _strict_json(capsys.readouterr().out)["error"]
     (tmp_path / "empty").mkdir()
     assert main(["runs", "list", "--root", str(tmp_path / "empty"), "--json"]) == 0
     assert _strict_json(capsys.readouterr().out) == []

@@ -93,7 +93,7 @@ def _row_lines(stderr: str) -> list[dict]:
 def test_two_processes_share_the_problems_and_a_dead_ones_problem_is_an_error_row(folder, tmp_path, capsys):
     results, table = tmp_path / "kb.jsonl", tmp_path / "kb.csv"
     assert main(["bench", str(folder), "--compile-only", "--gpus", "2", "--results", str(results), "--csv",
-                 str(table), "--json"]) == 0
+                 str(table), "--json"]) == 1  # net_dies' row is an error: the run's answer is no
     out = capsys.readouterr()
     report = _strict_json(out.out)
     stems = sorted(PROBLEMS)

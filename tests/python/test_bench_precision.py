@@ -137,7 +137,7 @@ def test_a_problem_runs_under_the_flags_and_they_come_back_after_it_raises(folde
     monkeypatch.setenv("STITCHCUDA_TEST_FLAGS", str(seen))
     before = _flags()
     assert main(["bench", str(folder), "--compile-only", "--precision", "bf16", "--only", "op_sees_flags",
-                 "--json"]) == 0
+                 "--json"]) == 1  # the problem raised: a failed row
     [row] = _strict_json(capsys.readouterr().out)["models"]
     assert "raises on purpose" in row["errors"]["eager"] and row["precision"] == "bf16"
     assert tuple(json.loads(seen.read_text())) == EXPECTED_FLAGS["bf16"]
@@ -219,8 +219,8 @@ def test_a_results_file_of_another_precision_is_refused(folder, tmp_path, capsys
     fresh, part = tmp_path / "other.jsonl", tmp_path / "other.jsonl.gpu1"
     _write_rows(part, {**old, "precision": "tf32"}, {**old, "model": "gemm_linear_gelu", "precision": "tf32"})
     assert main(["bench", str(folder), "--compile-only", "--precision", "bf16", "--results", str(fresh)]) == 2
-    out = capsys.readouterr().out
-    assert "holds rows of another precision (2 at tf32)" in out and part.exists() and not fresh.exists()
+    err = capsys.readouterr().err
+    assert "holds rows of another precision (2 at tf32)" in err and part.exists() and not fresh.exists()
 
 
 def test_read_results_keeps_rows_of_the_precision_asked_for(tmp_path):

@@ -328,7 +328,8 @@ def test_resume_skips_finished_problems_and_summarizes_the_whole_file(folder, fa
                {"model": "not_selected", "correct": True, "speedup_stitch": 100.0, "errors": {}}]
     results.write_text("".join(json.dumps(r) + "\n" for r in earlier) + '{"model": "conv_b", "eag')  # killed
 
-    assert suite.run_suite("kernelbench", folder=folder, results=results, json_output=True) == 0
+    # gemm_c (from the file) is wrong and net_d raises: the run's answer is no.
+    assert suite.run_suite("kernelbench", folder=folder, results=results, json_output=True) == 1
     assert fake_gpu == ["conv_b", "net_d", "other_e"]  # op_a and gemm_c were in the file
     captured = capsys.readouterr()
     report = _strict_json(captured.out)
@@ -346,7 +347,7 @@ def test_resume_skips_finished_problems_and_summarizes_the_whole_file(folder, fa
     assert set(suite.read_results(results)) == {"op_a", "gemm_c", "not_selected", "conv_b", "net_d", "other_e"}
 
     fake_gpu.clear()
-    assert suite.run_suite("kernelbench", folder=folder, only="op_a,net_d", results=results) == 0
+    assert suite.run_suite("kernelbench", folder=folder, only="op_a,net_d", results=results) == 1  # net_d raised
     assert fake_gpu == []  # everything selected is in the file
     text = capsys.readouterr().out
     assert "op_a" in text and "net_d" in text and "conv_b" not in text  # the table covers the selection only
@@ -355,14 +356,15 @@ def test_resume_skips_finished_problems_and_summarizes_the_whole_file(folder, fa
 def test_the_gpu_is_freed_after_every_problem_even_a_failed_one(folder, fake_gpu, monkeypatch, capsys):
     events: list[str] = []
     monkeypatch.setattr(suite, "_free_gpu", lambda: events.append(f"free after {fake_gpu[-1]}"))
-    assert suite.run_suite("suite", folder=folder, only="gemm_c,net_d,op_a", json_output=True) == 0
-    assert events == ["free after gemm_c", "free after net_d", "free after op_a"]  # net_d raised
+    # net_d raised: the run's answer is no (exit 1), and the GPU was freed after it all the same.
+    assert suite.run_suite("suite", folder=folder, only="gemm_c,net_d,op_a", json_output=True) == 1
+    assert events == ["free after gemm_c", "free after net_d", "free after op_a"]
 
 
 def test_without_results_nothing_is_written(folder, fake_gpu, tmp_path, capsys):
     assert suite.run_suite("suite", folder=folder, only="op_a", json_output=False) == 0
-    out = capsys.readouterr().out
-    assert "[suite] op_a: done" in out and "geomean speed-up" in out
+    out, err = capsys.readouterr()
+    assert "[suite] op_a: done" in err and "geomean speed-up" in out  # progress on stderr, the table on stdout
     assert not list(tmp_path.rglob("*.jsonl"))
 
 
@@ -391,7 +393,7 @@ def test_cli_without_a_gpu_returns_3_and_json_says_why(bench, monkeypatch, capsy
     out = capsys.readouterr().out
     assert _strict_json(out)["error"].startswith("no GPU") and out.count("\n") == 1
     assert main(["bench", bench]) == 3
-    assert capsys.readouterr().out.startswith(f"bench {bench}: no GPU")
+    assert capsys.readouterr().err.startswith(f"bench {bench}: no GPU")  # a message for a person: stderr
 
 
 def test_cli_passes_the_flags_through(folder, fake_gpu, tmp_path, stitch_settings, capsys):

@@ -52,6 +52,9 @@ FILES = {
     "helpers/shapes.py": "ROWS, COLS = 16, 8\n",
     "helpers/uses_sibling.py": "from shapes import ROWS, COLS\n" + RELU.replace("32, 64", "ROWS, COLS"),
     "cand.py": RELU.replace("class Model(", "class ModelNew("),
+    "kb/shapes.py": "ROWS, COLS = 16, 8\n",  # a module the problems import: skipped, not a failed problem
+    "kb/op_uses_shapes.py": "from shapes import ROWS, COLS\n" + RELU.replace("32, 64", "ROWS, COLS"),
+    "kb/op_missing_import.py": "import no_such_helper\n" + RELU,
     "rules.json": json.dumps([{"pattern": ".", "reply": "no plan here"}]),
 }
 
@@ -119,6 +122,11 @@ CASES = {
                                          "OPENAI_API_KEY"),
     "optimize program, no server": Case(["optimize", "--mode", "program", "relu.py", "--llm", "openai:m@" + CLOSED],
                                         1, "is not reachable"),
+    # ---- bench DIR: a problem that does not load is a "no"; a helper module is no problem
+    "bench DIR, a problem that does not load": Case(["bench", "kb", "--compile-only", "--json"], 1,
+                                                    "skipped shapes.py: no Model", "json"),
+    "bench DIR, every problem ran": Case(["bench", "kb", "--compile-only", "--only", "op_uses_shapes", "--json"], 0,
+                                         '[suite-row] {"model": "op_uses_shapes"', "json"),
     # ---- runs
     "runs list, no runs folder yet": Case(["runs", "list", "--json"], 0, "", "json"),
     "runs list, a --root that does not exist": Case(["runs", "list", "--root", "nowhere", "--json"], 2, "no folder",
@@ -127,6 +135,9 @@ CASES = {
     # ---- profile, check, bench: a file that cannot be used; no GPU
     "profile, no such file": Case(["profile", "missing.py", "--json"], 2, "No such file", "error"),
     "profile, a FIFO": Case(["profile", "fifo.py"], 2, "not a regular file"),
+    # `check` reports bad input in its verdict (one JSON report), a "no"
+    "check, a FIFO candidate": Case(["check", "--reference", "relu.py", "--candidate", "fifo.py", "--static-only",
+                                     "--json"], 1, "", "json"),
 }
 
 NO_GPU_CASES = {
@@ -136,6 +147,7 @@ NO_GPU_CASES = {
                                 "no usable CUDA GPU", "error"),
     "profile without a GPU": Case(["profile", "relu.py", "--json"], 3, "profiler unavailable", "error"),
     "bench program without a GPU": Case(["bench", "program", "--json"], 3, "", "error"),
+    "bench DIR without a GPU": Case(["bench", "kb", "--json"], 3, "no GPU", "error"),
 }
 
 

@@ -243,7 +243,7 @@ class Spread:
                 print(line, file=sys.stderr, flush=True)
                 if isinstance(row, dict):
                     if not self.json_output:
-                        print(f"[suite] {row.get('model')}: done (GPU {child.gpu})", flush=True)
+                        print(f"[suite] {row.get('model')}: done (GPU {child.gpu})", file=sys.stderr, flush=True)
                     if self.on_row is not None:
                         self.on_row(row)
 

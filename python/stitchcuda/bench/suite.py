@@ -171,7 +171,7 @@ from .gpus import (AGREEMENT_COLUMNS, SPEEDUP_TOLERANCE, Spread, child_devices, 
 from .memory import forward_largest_tensor_bytes, largest_tensor_bytes, memory_ratio
 from .precision import (PRECISION_WORDS, TORCH_FLAGS, add_accuracy, cast_variant, judged_precision,
                         precision_flags, precision_knobs, tolerance, variant_autocast, variant_fields)
-from .problems import (BENCHES, CLASS_ORDER, CLASSES, default_dir, folder_problems, load, model_files,
+from .problems import (BENCHES, CLASS_ORDER, CLASSES, default_dir, folder_problems, helper_files, load, model_files,
                        only_names, parse_chunk, problem_class, problem_level, suite_dir)
 from .problems import Problem, expand_variants, shrink
 from .reference import FP64_BUDGET_BYTES, compare_outputs, fp64_errors, fp64_reference, reference_dtype
@@ -183,7 +183,7 @@ from .tables import (COMPILE_MODES, EAGER_DRIFT, EXTRA_COMPILE_MODES, FAST_P, SL
 
 REPEATS = 30
 FRESH_SEEDS = (1, 2)  # the two input sets made again by get_inputs(), beside the example inputs
-EXIT_USAGE, EXIT_NO_GPU = 2, 3
+from ..cli_support import EXIT_FAILURE, EXIT_NO_GPU, EXIT_USAGE, refuse
 
 
 def _time_ms(fn: Callable[[], Any], warmup: int = 3, repeats: int = REPEATS) -> float:
@@ -737,9 +737,14 @@ def _run_one(path: Path | Problem, llm: str | None = None, compile_only: bool = 
 
 
 def _refuse(bench: str, message: str, code: int, json_output: bool) -> int:
-    """An early exit: the message as {"error": ...} under --json (stdout stays JSON), else as text."""
-    print(dumps({"error": message}) if json_output else f"bench {bench}: {message}")
-    return code
+    """An early exit: the message on stderr, and as {"error": ...} on stdout under --json (docs/cli.md)."""
+    return refuse(f"bench {bench}", message, code, json_output)
+
+
+def _answer(code: int, rows: list[dict]) -> int:
+    """A run that measured (`code` 0) in which a problem did not load, ran wrong or raised: exit 1 (the
+    benchmark ran, the answer is no)."""
+    return EXIT_FAILURE if code == 0 and any(r.get("correct") is False for r in rows) else code
 
 
 def _setting(flag: str | None, name: str) -> str | None:
@@ -776,7 +781,7 @@ def _measure_all(files: list[Path] | list[Problem], done: dict[str, dict], resul
         # One line per problem on stderr as it finishes, so a run cut short still reports what it measured.
         print(ROW_PREFIX + dumps(row), file=sys.stderr, flush=True)
         if not json_output:
-            print(f"[suite] {row['model']}: done", flush=True)
+            print(f"[suite] {row['model']}: done", file=sys.stderr, flush=True)  # progress: stderr
     return rows
 
 
@@ -862,6 +867,10 @@ def run_suite(bench: str = "suite", *, folder: Path | str | None = None, only: s
         if queue is None else set()
     if unknown:  # at KernelBench scale a typo would otherwise just shrink the run
         print(f"bench {bench}: --only names no file in {folder}: {', '.join(sorted(unknown))}", file=sys.stderr)
+    helpers = helper_files(folder) if queue is None else []
+    if helpers:
+        print(f"bench {bench}: skipped {', '.join(p.name for p in helpers)}: no Model (a module the problems "
+              "import, not a problem)", file=sys.stderr)
     if not files and queue is None:
         return _refuse(bench, f"no problem files in {folder} match only={only!r} chunk={chunk!r}", EXIT_USAGE,
                        json_output)
@@ -892,8 +901,9 @@ def run_suite(bench: str = "suite", *, folder: Path | str | None = None, only: s
     hardware = _hardware(compile_only)
     device = hardware.get("gpu") or (torch.cuda.get_device_name() if torch.cuda.is_available() else
                                      "no GPU (compile-only)")
-    return _report(rows, hardware, device, title, folder=folder, settings=settings,
+    code = _report(rows, hardware, device, title, folder=folder, settings=settings,
                    resumed=sum(p.stem in done for p in files), json_output=json_output, csv=csv, html=html)
+    return code if queue is not None else _answer(code, rows)  # a --gpus run's processes: the parent judges
 
 
 def _report(rows: list[dict], hardware: dict, device: str, title: str, *, folder: Path, settings: dict,
@@ -980,9 +990,9 @@ def _run_spread(bench: str, folder: Path, files: list[Path], done: dict[str, dic
             {"gpu": None if compile_only else many.names[0]}
     device = (f"no GPU (compile-only, {len(devices)} processes)" if compile_only else devices_label(many.names))
     text = [format_gpus(sections["gpus"])] + ([format_scaling(sections["scaling"])] if one is not None else [])
-    return _report(rows, hardware, device, title,
-                   folder=folder, settings=settings, resumed=sum(p.stem in done for p in files),
-                   json_output=json_output, csv=csv, html=html, sections=sections, text=["", *text])
+    return _answer(_report(rows, hardware, device, title,
+                           folder=folder, settings=settings, resumed=sum(p.stem in done for p in files),
+                           json_output=json_output, csv=csv, html=html, sections=sections, text=["", *text]), rows)
 
 
 def run(json_output: bool = False) -> int:
