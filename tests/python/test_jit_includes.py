@@ -48,7 +48,7 @@ def escapes(secret_file: Path) -> list[tuple[str, dict, str]]:
 
 def bypasses(secret_file: Path) -> list[tuple[str, dict, str]]:
     """(source, options, what the error must name): spellings that a line-by-line scan of the text misses
-    and NVRTC's preprocessor reads as an include of the planted file (issue 50, row 7)."""
+    and NVRTC's preprocessor reads as an include of the planted file."""
     f = str(secret_file)
     return [
         (f'%:include "{f}"\n' + KERNEL, {}, "absolute paths"),  # a digraph

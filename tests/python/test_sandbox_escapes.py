@@ -1,4 +1,4 @@
-"""Ways out of the verification worker's sandbox that a hostile candidate tries (issue 50, rows 3, 5, 6):
+"""Ways out of the verification worker's sandbox that a hostile candidate tries:
 the network, the machine's /dev, /sys and /proc/sys, root's id, a child that leaves the process group to
 hold memory past the limit, and system calls the seccomp filter refuses. Each attack is written the way a
 candidate would, runs in ModelNew's constructor inside a real pool worker, and the candidate is correct

@@ -19,8 +19,8 @@ PACKAGE = ROOT / "python" / "stitchcuda"
 SOURCE_SUFFIXES = {".py", ".cpp", ".hpp", ".h", ".cu", ".cuh"}
 # STITCHCUDA_ names that are not environment variables: the build's version macro and a CMake variable.
 BUILD_NAMES = {"STITCHCUDA_VERSION", "STITCHCUDA_TORCH_PYTHON_LIBRARY"}
-# Folders and files that still read the environment themselves: their owners move them onto settings()
-# (issue 49). An entry leaves once its reads go through settings(); nothing may join.
+# Folders and files that still read the environment themselves: their owners move them onto settings().
+# An entry leaves once its reads go through settings(); nothing may join.
 NOT_YET_MIGRATED = ("graph/", "verify/", "log.py")
 NAME = re.compile(r"\bSTITCHCUDA_[A-Z0-9_]*[A-Z0-9]\b")
 
