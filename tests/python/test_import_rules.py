@@ -6,6 +6,7 @@ of python/stitchcuda, and no import of another module's private name.
 from __future__ import annotations
 
 import ast
+import os
 import shutil
 import subprocess
 import sys
@@ -112,7 +113,10 @@ def test_lint_imports_holds_the_contracts():
     lint = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
     if lint is None:
         pytest.fail("lint-imports is not installed: pip install import-linter (the dev dependencies have it)")
-    done = subprocess.run([lint, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    # The tree's package, not an installed copy of it: python/ first on the path (an editable install maps there).
+    path = os.pathsep.join(filter(None, [str(PACKAGE.parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    done = subprocess.run([lint, "--no-cache"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     report = done.stdout[done.stdout.find("Contracts"):]  # after import-linter's banner
     assert done.returncode == 0, report[-12000:] + done.stderr[-4000:]
 
