@@ -1,0 +1,154 @@
+// The GPU runners (runners.hpp): pinned staging buffers per worker, one CUDA stream per worker, the program
+// through the Executor or a TorchScript module through LibTorch eager.
+#include "runners.hpp"
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/script.h>
+
+#include <cstring>
+
+#include <stitchcuda/executor.hpp>
+
+namespace stitchcuda_server {
+
+namespace program = stitchcuda::program;
+
+static at::ScalarType scalar_type(program::DType d) {
+  switch (d) {
+    case program::DType::f32: return at::kFloat;
+    case program::DType::f16: return at::kHalf;
+    case program::DType::bf16: return at::kBFloat16;
+    case program::DType::f64: return at::kDouble;
+    case program::DType::i32: return at::kInt;
+    case program::DType::i64: return at::kLong;
+    case program::DType::u8: return at::kByte;
+    case program::DType::boolean: return at::kBool;
+  }
+  return at::kFloat;
+}
+
+static std::vector<std::int64_t> batched(const TensorSlot& s, std::int64_t batch) {
+  std::vector<std::int64_t> shape{batch};
+  shape.insert(shape.end(), s.shape.begin(), s.shape.end());
+  return shape;
+}
+
+// One worker's stream and pinned host buffers: copies in and out run asynchronously on the stream.
+struct Lane {
+  c10::cuda::CUDAStream stream;
+  std::vector<at::Tensor> host_in, host_out;
+};
+
+static std::vector<Lane> lanes(const ServedModel& model, int workers, int device) {
+  std::vector<Lane> out;
+  auto pinned = [&](const TensorSlot& s) {
+    return at::empty(batched(s, model.max_batch), at::TensorOptions().dtype(scalar_type(s.dtype)).pinned_memory(true));
+  };
+  for (int w = 0; w < workers; ++w) {
+    Lane lane{c10::cuda::getStreamFromPool(false, c10::DeviceIndex(device)), {}, {}};
+    for (const auto& s : model.inputs) lane.host_in.push_back(pinned(s));
+    for (const auto& s : model.outputs) lane.host_out.push_back(pinned(s));
+    out.push_back(std::move(lane));
+  }
+  return out;
+}
+
+static void stage_in(Lane& lane, const std::vector<std::string>& inputs) {
+  for (std::size_t i = 0; i < inputs.size(); ++i) std::memcpy(lane.host_in[i].data_ptr(), inputs[i].data(), inputs[i].size());
+}
+
+static void stage_out(Lane& lane, std::vector<std::string>& outputs) {
+  lane.stream.synchronize();
+  for (std::size_t o = 0; o < outputs.size(); ++o)
+    outputs[o].assign(static_cast<const char*>(lane.host_out[o].data_ptr()), lane.host_out[o].nbytes());
+}
+
+namespace {
+
+class ProgramRunner : public Runner {
+ public:
+  ProgramRunner(std::shared_ptr<program::Executor> ex, const ServedModel& model, int workers)
+      : ex_(std::move(ex)), lanes_(lanes(model, workers, ex_->device())) {}
+  std::string run(int worker, const std::vector<std::string>& inputs, std::vector<std::string>& outputs) override {
+    Lane& lane = lanes_[std::size_t(worker)];
+    c10::cuda::CUDAGuard device{c10::DeviceIndex(ex_->device())};
+    c10::cuda::CUDAStreamGuard on(lane.stream);
+    // The graph's own buffers for this stream: writing there saves the executor a copy in and out.
+    auto in = ex_->static_inputs(lane.stream.stream());
+    auto out = ex_->static_outputs(lane.stream.stream());
+    if (!in || !out) return (!in ? in.error() : out.error()).describe();
+    stage_in(lane, inputs);
+    for (std::size_t i = 0; i < in->size(); ++i) (*in)[i].copy_(lane.host_in[i], /*non_blocking=*/true);
+    if (auto r = ex_->run(*in, *out, lane.stream.stream()); !r) return r.error().describe();
+    for (std::size_t o = 0; o < out->size(); ++o) lane.host_out[o].copy_((*out)[o], /*non_blocking=*/true);
+    stage_out(lane, outputs);
+    return {};
+  }
+
+ private:
+  std::shared_ptr<program::Executor> ex_;
+  std::vector<Lane> lanes_;
+};
+
+class EagerRunner : public Runner {
+ public:
+  EagerRunner(torch::jit::Module module, const ServedModel& model, int workers, int device)
+      : module_(std::move(module)), model_(model), device_(device), lanes_(lanes(model, workers, device)) {}
+  std::string run(int worker, const std::vector<std::string>& inputs, std::vector<std::string>& outputs) override {
+    Lane& lane = lanes_[std::size_t(worker)];
+    c10::cuda::CUDAGuard device{c10::DeviceIndex(device_)};
+    c10::cuda::CUDAStreamGuard on(lane.stream);
+    c10::InferenceMode inference;
+    stage_in(lane, inputs);
+    std::vector<c10::IValue> args;
+    for (auto& h : lane.host_in) args.emplace_back(h.to(at::Device(at::kCUDA, c10::DeviceIndex(device_)), /*non_blocking=*/true));
+    auto result = module_.forward(args);
+    std::vector<at::Tensor> got;
+    if (result.isTensor()) got.push_back(result.toTensor());
+    else if (result.isTuple())
+      for (auto& v : result.toTupleRef().elements()) got.push_back(v.toTensor());
+    else return "the module's forward returned " + result.tagKind() + ", not a tensor or a tuple of tensors";
+    if (got.size() != model_.outputs.size())
+      return "the module returned " + std::to_string(got.size()) + " outputs, the program has " +
+             std::to_string(model_.outputs.size());
+    for (std::size_t o = 0; o < got.size(); ++o) {
+      if (got[o].sizes() != lane.host_out[o].sizes() || got[o].scalar_type() != lane.host_out[o].scalar_type())
+        return "the module's output " + std::to_string(o) + " does not match the program's '" + model_.outputs[o].name + "'";
+      lane.host_out[o].copy_(got[o], /*non_blocking=*/true);
+    }
+    stage_out(lane, outputs);
+    return {};
+  }
+
+ private:
+  torch::jit::Module module_;
+  ServedModel model_;
+  int device_;
+  std::vector<Lane> lanes_;
+};
+
+}  // namespace
+
+Loaded program_runner(program::Program p, const ServedModel& model, int workers) {
+  auto ex = program::Executor::create(std::move(p));
+  if (!ex) return {nullptr, ex.error().describe(), ex.error().code == stitchcuda::ErrorCode::Unavailable};
+  for (const auto& w : (*ex)->warnings()) std::fprintf(stderr, "warning: %s\n", w.c_str());
+  return {std::make_unique<ProgramRunner>(std::move(*ex), model, workers), {}, false};
+}
+
+Loaded eager_runner(const std::string& module_path, const ServedModel& model, int workers) {
+  if (!at::hasCUDA() || c10::cuda::device_count() == 0) return {nullptr, "no CUDA device", true};
+  const int device = c10::cuda::current_device();
+  try {
+    auto module = torch::jit::load(module_path, at::Device(at::kCUDA, c10::DeviceIndex(device)));
+    module.eval();
+    return {std::make_unique<EagerRunner>(std::move(module), model, workers, device), {}, false};
+  } catch (const std::exception& e) {
+    return {nullptr, "loading the TorchScript module " + module_path + ": " + e.what(), false};
+  }
+}
+
+}  // namespace stitchcuda_server
