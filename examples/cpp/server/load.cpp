@@ -52,6 +52,15 @@ static std::string random_sample(const json& slot, std::mt19937& rng) {
   return out;
 }
 
+// IEEE half to double: sign, 5-bit exponent (bias 15), 10-bit mantissa; subnormals, infinities, NaN.
+static double half_value(std::uint16_t h) {
+  const int exponent = (h >> 10) & 31, mantissa = h & 1023;
+  const double sign = h & 0x8000 ? -1.0 : 1.0;
+  if (exponent == 0) return sign * std::ldexp(mantissa, -24);
+  if (exponent == 31) return mantissa ? NAN : sign * INFINITY;
+  return sign * std::ldexp(1024 + mantissa, exponent - 25);
+}
+
 // An answer's outputs as doubles (they come back as base64: the load test asks for it, cheaper to encode).
 static std::vector<double> values(const json& answer, const json& health) {
   std::vector<double> v;
@@ -63,7 +72,8 @@ static std::vector<double> values(const json& answer, const json& health) {
       if (dtype == "f32") { float f; std::memcpy(&f, bytes.data() + i, 4); v.push_back(f); }
       else if (dtype == "f64") { double d; std::memcpy(&d, bytes.data() + i, 8); v.push_back(d); }
       else if (dtype == "bf16") { std::uint32_t b = 0; std::memcpy(reinterpret_cast<char*>(&b) + 2, bytes.data() + i, 2); float f; std::memcpy(&f, &b, 4); v.push_back(f); }
-      else { std::int64_t x = 0; std::memcpy(&x, bytes.data() + i, std::min<std::size_t>(size, 8)); v.push_back(double(x)); }  // f16 compared bitwise
+      else if (dtype == "f16") { std::uint16_t h; std::memcpy(&h, bytes.data() + i, 2); v.push_back(half_value(h)); }
+      else { std::int64_t x = 0; std::memcpy(&x, bytes.data() + i, std::min<std::size_t>(size, 8)); v.push_back(double(x)); }
     }
   }
   return v;

@@ -9,7 +9,12 @@ if(TARGET stitchcuda_httplib)
     ${CMAKE_CURRENT_SOURCE_DIR}/server/test_batcher.cpp
     ${CMAKE_CURRENT_SOURCE_DIR}/server/test_http.cpp
   )
-  target_include_directories(stitchcuda_cpp_tests PRIVATE ${_server})
+  # Only these files see the server's folder: its model.hpp and http.hpp must not shadow other headers.
+  set_source_files_properties(
+    ${CMAKE_CURRENT_SOURCE_DIR}/server/test_request.cpp
+    ${CMAKE_CURRENT_SOURCE_DIR}/server/test_batcher.cpp
+    ${CMAKE_CURRENT_SOURCE_DIR}/server/test_http.cpp
+    PROPERTIES INCLUDE_DIRECTORIES ${_server})
   target_link_libraries(stitchcuda_cpp_tests PRIVATE stitchcuda_httplib)
 else()
   message(STATUS "the server tests are not built: ${STITCHCUDA_HTTPLIB_WHY}")
