@@ -39,6 +39,7 @@ import ctypes
 import errno
 import json
 import os
+import shutil
 import sys
 from typing import Any
 
@@ -127,6 +128,13 @@ def _needed_paths(worker: list[str]) -> list[str]:
     paths += list(SYSTEM_PATHS)
     for name in ("LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_PATH"):  # a driver or toolkit outside /usr
         paths += [p for p in os.environ.get(name, "").split(os.pathsep) if p and os.path.realpath(p) not in shared]
+    # The host compilers a candidate's torch.utils.cpp_extension.load_inline runs (a g++ in /opt/gcc): each
+    # one's install prefix, so its cc1plus, headers and libraries come along.
+    for tool in (os.environ.get("CXX"), os.environ.get("CC"), "c++", "g++", "gcc", "cc", "nvcc", "ninja"):
+        found = shutil.which(tool) if tool else None
+        prefix = os.path.dirname(os.path.dirname(os.path.realpath(found))) if found else None
+        if prefix and prefix not in shared:
+            paths.append(prefix)
     main = getattr(sys.modules.get("__main__"), "__file__", None)
     if main:
         paths.append(main)
