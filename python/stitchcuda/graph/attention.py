@@ -226,9 +226,33 @@ class _Finder:
         dim = softmax.args[1] if len(softmax.args) > 1 else softmax.kwargs.get("dim")
         if not isinstance(x, Value) or len(x.shape) < 2 or dim not in (-1, len(x.shape) - 1):
             return None
-        probs = softmax.outputs[0]
         seen: list[Node] = [softmax]
-        # forward: dropout in eval (a clone) and the operand views, into the second matmul's left side
+        after = self.probabilities_to_output(softmax.outputs[0], seen)
+        scores = self.scores_to_matmul(x, softmax, seen) if after is not None else None
+        operands = self.query_and_key(scores[0].producer, scores[1], seen) if scores is not None else None
+        if operands is None:
+            return None
+        (v, out), (_, _, mask, mask_kind, mask_value), (q, k, scale) = after, scores, operands
+        if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2] or q.shape[:-2] != k.shape[:-2]:
+            return None
+        heads = q.shape[-3] if len(q.shape) >= 3 else 1
+        ks, vs = self.kv_source(k, heads, seen), self.kv_source(v, heads, seen)
+        if (ks is k) != (vs is v):
+            ks, vs = k, v
+        order = {id(n): i for i, n in enumerate(self.graph.nodes)}
+        unique = {id(n): n for n in seen}
+        found = Attention("written", q, ks, vs, out, scale, nodes=sorted(unique.values(), key=lambda n: order[id(n)]))
+        causal = False
+        if mask is not None:
+            causal = self.causal_pattern(mask, mask_kind, mask_value, q.shape[-2], k.shape[-2])
+            if not causal:
+                found.mask, found.mask_kind, found.mask_value = mask, mask_kind, mask_value
+        found.causal = causal
+        return found
+
+    def probabilities_to_output(self, probs: Value, seen: list[Node]) -> tuple[Value, Value] | None:
+        """Forward from the softmax: dropout in eval (a clone), casts and the operand views into the second
+        matmul's left side. (v, the attention's output past its reshapes), or None."""
         y = probs
         while True:
             if id(y) in self.outputs or len(y.users) != 1:
@@ -251,8 +275,12 @@ class _Finder:
                 and out.users[0].outputs[0].shape[-2:] == out.shape[-2:] and id(out) not in self.outputs:
             seen.append(out.users[0])
             out = out.users[0].outputs[0]
-        # backward: scale, mask and views down to the scores' matmul
-        scale, causal, mask, mask_kind, mask_value = 1.0, False, None, None, None
+        return v, out
+
+    def scores_to_matmul(self, x: Value, softmax: Node, seen: list[Node]) -> tuple | None:
+        """Backward from the softmax's input: scale, mask and views down to the scores' matmul.
+        (the scores value, scale, mask, mask kind, mask value), or None."""
+        scale, mask, mask_kind, mask_value = 1.0, None, None, None
         s, consumer = x, softmax
         while True:
             p = s.producer
@@ -285,16 +313,19 @@ class _Finder:
                     or _is_cast(p):
                 s = p.args[0]
             elif kind in ("bmm", "mm"):
-                break
+                return s, scale, mask, mask_kind, mask_value
             else:
                 return None
             seen.append(p)
             consumer = p
-        qk = s.producer
+
+    def query_and_key(self, qk: Node, scale: float, seen: list[Node]) -> tuple[Value, Value, float] | None:
+        """The scores' matmul's operands: q (with a scale folded into it, as nn.MultiheadAttention does) and k
+        under its transpose. (q, k, the whole scale), or None when the right operand is no transposed key."""
         seen.append(qk)
         q = self.peel(qk.args[0], seen)
         while _op(q.producer) in ("mul", "div") and self.scalar_of(q.producer.args[1]) is not None:
-            c = self.scalar_of(q.producer.args[1])  # the scale folded into q (nn.MultiheadAttention)
+            c = self.scalar_of(q.producer.args[1])
             scale = scale * c if _op(q.producer) == "mul" else scale / c
             seen.append(q.producer)
             q = self.peel(q.producer.args[0], seen)
@@ -307,24 +338,9 @@ class _Finder:
         elif _op(p) == "transpose" and sorted(d % nd for d in p.args[1:3]) == [nd - 2, nd - 1]:
             k = p.args[0]
         else:
-            return None  # the right operand is not a transposed key tensor
-        seen.append(p)
-        k = self.peel(k, seen)
-        if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2] or q.shape[:-2] != k.shape[:-2]:
             return None
-        heads = q.shape[-3] if len(q.shape) >= 3 else 1
-        ks, vs = self.kv_source(k, heads, seen), self.kv_source(v, heads, seen)
-        if (ks is k) != (vs is v):
-            ks, vs = k, v
-        order = {id(n): i for i, n in enumerate(self.graph.nodes)}
-        unique = {id(n): n for n in seen}
-        found = Attention("written", q, ks, vs, out, scale, nodes=sorted(unique.values(), key=lambda n: order[id(n)]))
-        if mask is not None:
-            causal = self.causal_pattern(mask, mask_kind, mask_value, q.shape[-2], k.shape[-2])
-            if not causal:
-                found.mask, found.mask_kind, found.mask_value = mask, mask_kind, mask_value
-        found.causal = causal
-        return found
+        seen.append(p)
+        return q, self.peel(k, seen), scale
 
     def reaches_matmul(self, v: Value) -> bool:
         """`v` is the scores' path: back through scale, views and casts it meets a matmul."""
