@@ -100,15 +100,9 @@ def _run_graph(args: argparse.Namespace, config: dict[str, Any] | None) -> int:
                       (" (the model file the run optimized)" if args.resume else ""))
     kwargs: dict[str, Any] = {}
     if agents:
-        llm = args.llm or (config or {}).get("llm_spec")
-        if not isinstance(llm, str) or not llm:
+        kwargs = _agent_kwargs(args, config)
+        if not kwargs:
             return _usage(args, f"stitchcuda optimize: {args.resume} does not name its model; give --llm SPEC")
-        kwargs["llm"] = llm
-        if args.resume is not None:
-            kwargs["resume"] = args.resume
-        for dest in AGENT_OPTIONS:  # only what was given: optimize's own defaults otherwise
-            if getattr(args, dest) is not None:
-                kwargs[dest] = getattr(args, dest)
     try:
         if agents:  # before any work: a model the agents cannot reach is known now, not after the plan
             check_llm(kwargs["llm"])
@@ -142,19 +136,51 @@ def _run_graph(args: argparse.Namespace, config: dict[str, Any] | None) -> int:
                   file=sys.stderr)
             return EXIT_INTERRUPTED
         return interrupted(run_dir)
-    not_saved = ""
-    if args.save:
-        if fast.report.status != "optimized":
-            not_saved = (fast.report.reason or "the model runs eagerly").split(";")[0]
-            if not torch.cuda.is_available():  # optimize() planned and compiled only: nothing verified to save
-                not_saved += (": a .stitch holds a program verified and timed on a GPU; run this on a machine "
-                              "with one, or drop --save to see the plan")
-        else:
-            try:
-                fast.save(args.save)
-            except OSError as exc:
-                not_saved = f"{type(exc).__name__}: {exc}"
+    not_saved = _save(args, fast, torch.cuda.is_available())
     skipped = _agents_not_run(fast.report, agents)
+    _print_result(args, fast, skipped)
+    if skipped:
+        print(f"stitchcuda optimize: the agents did not run: {skipped}", file=sys.stderr)
+    if not_saved:  # after the report, so it is the last thing said
+        print(f"stitchcuda optimize: {args.save} not written: {not_saved}", file=sys.stderr)
+        return EXIT_FAILURE
+    return EXIT_OK
+
+
+def _agent_kwargs(args: argparse.Namespace, config: dict[str, Any] | None) -> dict[str, Any]:
+    """optimize()'s keyword arguments for the agents: the model spec (given, or the resumed run's), the run to
+    resume and only the agent options given (optimize's own defaults otherwise); empty when no model is named."""
+    llm = args.llm or (config or {}).get("llm_spec")
+    if not isinstance(llm, str) or not llm:
+        return {}
+    kwargs: dict[str, Any] = {"llm": llm}
+    if args.resume is not None:
+        kwargs["resume"] = args.resume
+    for dest in AGENT_OPTIONS:
+        if getattr(args, dest) is not None:
+            kwargs[dest] = getattr(args, dest)
+    return kwargs
+
+
+def _save(args: argparse.Namespace, fast: Any, gpu: bool) -> str:
+    """Writes --save's artifact; the reason it was not written, or "" (also when --save was not given)."""
+    if not args.save:
+        return ""
+    if fast.report.status != "optimized":
+        not_saved = (fast.report.reason or "the model runs eagerly").split(";")[0]
+        if not gpu:  # optimize() planned and compiled only: nothing verified to save
+            not_saved += (": a .stitch holds a program verified and timed on a GPU; run this on a machine "
+                          "with one, or drop --save to see the plan")
+        return not_saved
+    try:
+        fast.save(args.save)
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def _print_result(args: argparse.Namespace, fast: Any, skipped: str) -> None:
+    """The report on stdout: one JSON object (kernel sources left out) or the text, with --show-kernels' sources."""
     if args.json:
         report = fast.report.to_dict()
         for g in report["groups"]:
@@ -162,17 +188,11 @@ def _run_graph(args: argparse.Namespace, config: dict[str, Any] | None) -> int:
         if skipped:
             report["agents_not_run"] = skipped
         print(json.dumps(report, default=str))
-    else:
-        print(fast.report)
-        if args.show_kernels:
-            for g in fast.report.kernels:
-                print(f"\n// ---- {g['kernel']} ({g['strategy']}) ----\n{g['source']}")
-    if skipped:
-        print(f"stitchcuda optimize: the agents did not run: {skipped}", file=sys.stderr)
-    if not_saved:  # after the report, so it is the last thing said
-        print(f"stitchcuda optimize: {args.save} not written: {not_saved}", file=sys.stderr)
-        return EXIT_FAILURE
-    return EXIT_OK
+        return
+    print(fast.report)
+    if args.show_kernels:
+        for g in fast.report.kernels:
+            print(f"\n// ---- {g['kernel']} ({g['strategy']}) ----\n{g['source']}")
 
 
 def _run(args: argparse.Namespace) -> int:
