@@ -34,6 +34,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, TextIO
 
+from .settings import SettingsError, read
+
 __all__ = ["LOGGER", "ENV", "LEVELS", "configure", "get_logger", "in_ci", "live_terminal", "note", "StepProgress",
            "LoopProgress", "redact", "remember_url_credentials", "redacted_output"]
 
@@ -198,12 +200,14 @@ def configure() -> logging.Logger:
         logger.addHandler(_StderrHandler())
     if _REDACTING not in logger.filters:
         logger.addFilter(_REDACTING)
-    raw = os.environ.get(ENV, "").strip().lower()
-    if raw in LEVELS:
-        logger.setLevel(LEVELS[raw])
-    elif raw:
+    try:
+        level = read(ENV)
+    except SettingsError as exc:
+        level = None
         logger.setLevel(logging.WARNING)
-        logger.warning("%s=%s is not a level: use one of %s (warning is used)", ENV, raw, ", ".join(LEVELS))
+        logger.warning("%s (warning is used)", exc)
+    if level in LEVELS:
+        logger.setLevel(LEVELS[level])
     return logger
 
 
@@ -226,12 +230,12 @@ configure()
 
 def in_ci() -> bool:
     """True where CI is set to anything but an empty, 0, false or no value (every common CI service sets it)."""
-    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+    return bool(read("CI"))
 
 
 def live_terminal(stream: TextIO) -> bool:
     """Whether progress on `stream` may redraw in place: a terminal (or Jupyter), not CI, not TERM=dumb."""
-    if in_ci() or os.environ.get("TERM") == "dumb":
+    if in_ci() or read("TERM") == "dumb":
         return False
     try:
         tty = stream.isatty()

@@ -64,7 +64,7 @@ def test_default_level_and_an_application_that_configures_logging(subprocess_env
     # Once the application has a root handler, records go there alone: no second copy on stderr.
     assert "APP stitchcuda.graph after-app-config" in out.stdout and "after-app-config" not in out.stderr
     # A bad value is named, with the values that work.
-    assert "STITCHCUDA_LOG=loud is not a level: use one of debug, info, warning, error" in out.stdout
+    assert "STITCHCUDA_LOG must be one of debug, info, warning, error, got 'loud'" in out.stdout
 
 
 def test_configure_reads_the_variable_again(monkeypatch):

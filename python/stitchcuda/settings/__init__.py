@@ -233,7 +233,7 @@ class Settings:
     log: str | None = _var(
         "STITCHCUDA_LOG", choice("debug", "info", "warning", "error"), None, "stitchcuda.log, at import and "
         "log.configure()", "level of the stitchcuda loggers (records go to stderr unless the application "
-        "configured logging)", default_text="unset: the root's level (warnings and errors)")
+        "configured logging)", default_text="the root's level (warnings and errors)")
     ci: bool = _var(
         "CI", Truthy(), False, "progress views (stitchcuda.log)",
         "progress as plain lines, never redrawn in place (so is TERM=dumb, and a stderr that is not a terminal)")
@@ -365,6 +365,14 @@ def from_environ(environ: Mapping[str, str] | None = None) -> Settings:
     for name, (attribute, setting) in _FIELDS.items():
         values[attribute] = _parsed(setting, environ.get(name))
     return Settings(**values)
+
+
+def read(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """One variable parsed afresh from `environ` (default: this process's environment), for the few readers
+    that must see a change made after the first settings() call (the log level, progress views); a value the
+    setting does not take raises SettingsError."""
+    setting = _FIELDS[name][1]
+    return setting.parse((os.environ if environ is None else environ).get(name))
 
 
 def _parsed(setting: Setting, text: str | None) -> Any:

@@ -161,7 +161,9 @@ def _needed_paths(worker: list[str]) -> list[str]:
 
 def state_of_this_process() -> dict[str, Any] | None:
     """The layers the launcher set up for this process (None outside a worker)."""
-    text = os.environ.get(STATE_VARIABLE)
+    from ..settings import read  # here, not at the top: the launcher runs this file as a stdlib-only script
+
+    text = read(STATE_VARIABLE)
     try:
         return json.loads(text) if text else None
     except ValueError:
