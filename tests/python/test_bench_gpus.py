@@ -22,7 +22,7 @@ import pytest
 from stitchcuda import _C
 from stitchcuda.bench import suite
 from stitchcuda.cli import main
-from stitchcuda.graph.optimize import _not_faster
+from stitchcuda.graph.measure import not_faster
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -299,7 +299,7 @@ def test_scaling_timed_on_one_gpu(folder, capsys):
         assert all(isinstance(x, float) for x in p["speedup_stitch"])
         timings = [side[p["model"]]["keep_timing"] for side in sides]  # both programs were built and timed
         for timing, status in zip(timings, p["status"]):
-            assert status == ("eager" if _not_faster(timing) else "optimized"), timing
+            assert status == ("eager" if not_faster(timing) else "optimized"), timing
         if all(abs(math.log(t["eager_ms"] / t["stitched_ms"])) > math.log(1.5) for t in timings):
             assert p["status"][0] == p["status"][1], p
     assert report["gpus"]["devices"] == [report["device"].split(" x ", 1)[1]]

@@ -679,7 +679,7 @@ def plan_model(path: Path, precision: str = "fp32", variant: str | None = None, 
     autocast variant is planned under the CPU's torch.autocast at its dtype (the CUDA one does nothing to
     CPU tensors; the two cast the same matmul and convolution ops to 16 bits). The row records the
     reference's dtype a timed run would use (reference_dtype: float64 where it fits in FP64_BUDGET_BYTES)."""
-    from ..graph.optimize import _plan_only
+    from ..graph.pipeline import plan_only
     from ..graph.report import Report
 
     row = _problem_row(path, "compile-only", precision, variant, small)
@@ -698,7 +698,7 @@ def plan_model(path: Path, precision: str = "fp32", variant: str | None = None, 
     report = Report()
     t0 = time.perf_counter()
     with variant_autocast(variant, "cpu"):
-        _plan_only(model, inputs, precision, True, report)  # never raises: a failure is in the reason
+        plan_only(model, inputs, precision, True, report)  # never raises: a failure is in the reason
     row["optimize_s"] = time.perf_counter() - t0
     kinds = sorted({g["kind"] for g in report.groups})
     row.update(status="compiled" if report.groups else "not compiled", reason=report.reason.lstrip("; "),

@@ -12,20 +12,15 @@ from typing import Any, Callable
 import torch
 
 from .checks import PRECISION_TITLES, check_wants
-from .measure import not_faster
 from .module import (KeywordCall, OptimizedModule, as_args, as_kwargs, as_module, input_label, is_setting,
                      refuse_training)
 from .options import BUDGET_S, OptimizeOptions
-from .pipeline import plan_only, run_pipeline
+from .pipeline import run_pipeline
 from .repair import TRACE_ROUNDS, TRACE_WINDOWS, trace_mismatch
 from .report import Report
 
 __all__ = ["optimize", "OptimizedModule", "OptimizeOptions", "Report", "BUDGET_S", "trace_mismatch", "check_wants",
            "PRECISION_TITLES", "TRACE_ROUNDS", "TRACE_WINDOWS"]
-
-# The names the bench (bench/suite.py) and its tests reached here before the stages had modules of their
-# own; new code imports pipeline.plan_only and measure.not_faster.
-_plan_only, _not_faster = plan_only, not_faster
 
 
 def optimize(model: torch.nn.Module | Callable[..., Any], args: Any = None, kwargs: dict[str, Any] | None = None, *,

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
-__all__ = ["Finding", "analyze", "MAJOR", "MINOR"]
+__all__ = ["Finding", "analyze", "Analysis", "Reference", "MAJOR", "MINOR"]
 
 MAJOR = "major"  # the result cannot be trusted
 MINOR = "minor"  # suspicious; worth a look or a rubric penalty, not a rejection
@@ -112,8 +112,8 @@ def analyze(source: str, reference_source: str | None = None) -> list[Finding]:
         detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         return [Finding("syntax-error", MAJOR, f"the candidate cannot be parsed ({detail}).", None, "")]
     try:
-        reference = _Reference.parse(reference_source)
-        findings = _Analysis(source, tree, reference).run()
+        reference = Reference.parse(reference_source)
+        findings = Analysis(source, tree, reference).run()
     except RecursionError:
         # Nesting deep enough to exhaust the stack is itself a reason not to trust the file.
         return [Finding("analysis-incomplete", MAJOR, "the candidate is nested too deeply to analyze.",
@@ -248,13 +248,13 @@ def _matching(text: str, start: int, open_ch: str, close_ch: str) -> int:
 
 
 @dataclass
-class _Reference:
+class Reference:
     constants: dict[str, int]  # module-level integer sizes (batch_size = 128)
     ops: set[str]  # torch functions and tensor methods its Model.forward calls
     low_precision: bool  # the reference itself works in fp16/bf16
 
     @classmethod
-    def parse(cls, source: str | None) -> "_Reference":
+    def parse(cls, source: str | None) -> "Reference":
         if not source:
             return cls({}, set(), False)
         try:
@@ -330,8 +330,8 @@ def _last_name(node: ast.AST) -> str | None:
     return None
 
 
-class _Analysis:
-    def __init__(self, source: str, tree: ast.Module, reference: _Reference) -> None:
+class Analysis:
+    def __init__(self, source: str, tree: ast.Module, reference: Reference) -> None:
         self.lines = source.splitlines()
         self.tree = tree
         self.ref = reference
@@ -1216,7 +1216,7 @@ class _DataFlow:
     Names are plain variables and self-attributes; assignments give edges from what is read to what
     is written, so the check follows values through reshapes and temporaries."""
 
-    def __init__(self, fn: ast.FunctionDef, analysis: _Analysis) -> None:
+    def __init__(self, fn: ast.FunctionDef, analysis: Analysis) -> None:
         self.a = analysis
         self.edges: dict[str, set[str]] = {}
         self.launch_args: set[str] = set()

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import CompileError, StitchError
 from .report import VerifyReport
-from .static import MAJOR, _Analysis, _Reference, analyze
+from .static import MAJOR, Analysis, Reference, analyze
 
 __all__ = ["run_static_job", "compile_static", "STATIC_UNDECIDED"]
 
@@ -70,7 +70,7 @@ def compile_static(source: str) -> tuple[bool, str, list[dict[str, Any]]]:
 
     try:
         tree = ast.parse(source)
-        analysis = _Analysis(source, tree, _Reference.parse(None))
+        analysis = Analysis(source, tree, Reference.parse(None))
         analysis.find_compiles()
     except (SyntaxError, ValueError, RecursionError) as exc:
         return False, f"the candidate cannot be parsed: {exc}", []
@@ -127,7 +127,7 @@ def compile_static(source: str) -> tuple[bool, str, list[dict[str, Any]]]:
     return ok, "\n".join(logs), records
 
 
-def _fully_literal(analysis: _Analysis, node: ast.AST) -> bool:
+def _fully_literal(analysis: Analysis, node: ast.AST) -> bool:
     """True when the expression is only string literals, + and names bound to such expressions."""
     if isinstance(node, ast.Constant):
         return isinstance(node.value, str)
