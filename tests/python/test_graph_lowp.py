@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import stitchcuda
 from stitchcuda.graph import OfflinePlanner, capture, reference_values
-from stitchcuda.graph.accuracy import ACCEPTED, group_reference, judge_group
+from stitchcuda.graph.accuracy import ACCEPTED, group_reference, judge_group, rule_precision
 from stitchcuda.graph.groups import GENERATED
 from stitchcuda.graph.lower import group_inputs
 from stitchcuda.verify.compare import first_difference
@@ -88,6 +88,41 @@ def test_an_fp32_group_at_the_fp32_policy_is_not_the_rules_to_judge():
     model, x = _Norm().eval(), torch.randn(64, 256)
     group, inputs, outputs, feed, wants = _the_group(model, x)
     assert judge_group(group, wants, feed, inputs, outputs, wants, [tolerance(torch.float32)], "fp32") is None
+
+
+class _SquareThenWiden(nn.Module):
+    """A bf16 square cast to fp32 (as a bf16 norm may write it): ATen rounds the square to bf16 first."""
+
+    def forward(self, x):
+        return (x * 1.37).pow(2).float() * 0.5 + 0.25
+
+
+class _WidenFirst(nn.Module):
+    def forward(self, x):
+        return (x.float() * 1.37).pow(2) * 0.5 + 0.25
+
+
+@pytest.mark.parametrize("share, ok", [(None, True), (0.95, True), (1.05, False)])
+def test_an_fp32_output_of_bf16_arithmetic_is_the_rules_to_judge(share, ok):
+    torch.manual_seed(0)
+    x = (torch.randn(64, 256) * 9).to(torch.bfloat16)
+    group, inputs, outputs, feed, wants = _the_group(_SquareThenWiden().eval(), x)
+    assert outputs[0].dtype == torch.float32 and rule_precision(group, "fp32") == "bf16"
+    assert rule_precision(group, "tf32") == "tf32"
+    widened = _the_group(_WidenFirst().eval(), x)[0]  # bf16 read, fp32 made: ATen and a kernel agree
+    assert rule_precision(widened, "fp32") == "fp32"
+    named = {v.name: t for v, t in zip(inputs, feed)}
+    if share is None:  # what a fused kernel computes: the square kept in fp32
+        got = [group_reference(group, named, torch.float32)[outputs[0].name]]
+    else:
+        ref = group_reference(group, named, torch.float64)[outputs[0].name]
+        bound = ACCURACY_FACTOR * accuracy_error(wants[0], ref) + accuracy_floor(torch.float32, "bf16")
+        got = [ref.clone()]
+        got[0].view(-1)[5] += share * bound * float(ref.abs().max())
+    assert first_difference("y", got[0], wants[0], *tolerance(torch.float32), reference="ATen")  # ATen disagrees
+    assert judge_group(group, got, feed, inputs, outputs, wants, [tolerance(torch.float32)], "fp32") is None
+    verdict = judge_group(group, got, feed, inputs, outputs, wants, [tolerance(torch.float32)], "bf16")
+    assert verdict is not None and verdict[0] is ok, verdict
 
 
 class _Chain(nn.Module):

@@ -14,7 +14,7 @@ from ..verify.tolerance import Accuracy, by_accuracy, judge_accuracy, reference_
 from .capture import Value
 from .groups import Group
 
-__all__ = ["group_reference", "candidate_outputs", "judge_group", "FP64_ROOM_FACTOR", "ACCEPTED"]
+__all__ = ["group_reference", "candidate_outputs", "judge_group", "rule_precision", "FP64_ROOM_FACTOR", "ACCEPTED"]
 
 # How a check's verdict begins when the rule accepted a group that differs from ATen's rounding.
 ACCEPTED = "passes the accuracy rule (it differs from ATen's rounding only)"
@@ -26,6 +26,18 @@ FP64_ROOM_FACTOR = 3
 
 def _wide(t: Any, dtype: torch.dtype) -> Any:
     return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+
+def rule_precision(group: Group, precision: str) -> str:
+    """The policy the rule judges `group` under: `precision`, except that at "fp32" a group whose arithmetic
+    passes through 16-bit values (a bf16 model's norm squares in bf16 and casts the square to fp32) is judged
+    as that format, the coarser of bf16 and fp16 it holds: ATen rounds those values and a fused kernel keeps
+    them in fp32, so even its fp32 outputs differ from ATen's by the 16-bit rounding, not by a bug."""
+    if precision != "fp32":
+        return precision
+    # Values the group makes, not the ones it reads: from 16-bit inputs ATen and a kernel compute alike.
+    held = {v.dtype for n in group.nodes for v in n.outputs if v is not None}
+    return "bf16" if torch.bfloat16 in held else "fp16" if torch.float16 in held else precision
 
 
 def group_reference(group: Group, values: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ from ..program import Program, ProgramBuilder, dtype_name
 from ..verify.program import HOST_REFERENCE_BYTES, check_program
 from ..verify.tolerance import by_accuracy
 from ..verify.tolerance import tolerance  # the Verifier's table; re-exported for graph-mode callers
-from .accuracy import candidate_outputs, judge_group
+from .accuracy import candidate_outputs, judge_group, rule_precision
 from .capture import Graph, Node, Value
 from .layout import channels_last_strides, depthwise_nhwc, is_channels_last
 from .layout import contiguous_strides as _contiguous_strides
@@ -1370,11 +1370,12 @@ def check_group(graph: Graph, plan: GraphPlan, group: Group, values: dict[str, t
         in_place_from = HOST_REFERENCE_BYTES
     ok, why = check_program(program, feed, wants, tolerances, [v.name for v in outputs], pool=pool, reference="ATen",
                             stats=stats, in_place_from=in_place_from)
-    if not ok and "differs from ATen" in why and any(by_accuracy(v.dtype, judged) for v in outputs):
-        # 16-bit outputs or a reduced policy: ATen's rounding is not the truth (graph/accuracy.py)
+    rule = rule_precision(group, judged)
+    if not ok and "differs from ATen" in why and any(by_accuracy(v.dtype, rule) for v in outputs):
+        # 16-bit values or a reduced policy: ATen's rounding is not the truth (graph/accuracy.py)
         got = candidate_outputs(program, feed, wants, pool)
         again = None if got is None else judge_group(
-            group, got, feed, inputs, outputs, wants, tolerances, judged,
+            group, got, feed, inputs, outputs, wants, tolerances, rule,
             None if room is None else room - 2 * sum(t.numel() * t.element_size() for t in wants),
             known={**values, **constants})
         if again is not None:
