@@ -64,8 +64,7 @@ inline std::string trimmed(std::string s) {
 
 inline std::shared_ptr<const PromptLibrary> shipped_prompts() {
   static std::shared_ptr<const PromptLibrary> lib = [] {
-    const auto folder = fs::path(__FILE__).parent_path().parent_path().parent_path().parent_path() /
-                        "python/stitchcuda/agents/prompts";
+    const auto folder = std::filesystem::path(STITCHCUDA_PROMPTS_DIR);  // tests.cmake
     auto loaded = PromptLibrary::load(folder.string());
     REQUIRE(loaded);
     return std::make_shared<const PromptLibrary>(std::move(*loaded));

@@ -175,8 +175,7 @@ TEST_CASE("load reads a folder; an override folder replaces and adds prompts", "
 }
 
 TEST_CASE("the shipped prompts render with exactly the placeholders the agents pass", "[agents]") {
-  const auto folder = std::filesystem::path(__FILE__).parent_path().parent_path().parent_path().parent_path() /
-                      "python/stitchcuda/agents/prompts";
+  const auto folder = std::filesystem::path(STITCHCUDA_PROMPTS_DIR);  // tests.cmake
   auto lib = PromptLibrary::load(folder.string());
   REQUIRE(lib);
   const std::map<std::string, std::vector<std::string>> placeholders = {

@@ -14,3 +14,10 @@ target_sources(stitchcuda_cpp_tests PRIVATE
   ${CMAKE_CURRENT_SOURCE_DIR}/agents/test_coder.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/agents/test_optimizer.cpp
 )
+# The shipped prompts, by absolute path: not from __FILE__, which is relative where ccache's base_dir rewrites
+# the compile line (make sets CCACHE_BASEDIR so clones elsewhere reuse the cache).
+set_property(SOURCE
+  ${CMAKE_CURRENT_SOURCE_DIR}/agents/test_prompts.cpp ${CMAKE_CURRENT_SOURCE_DIR}/agents/test_rubric_judge.cpp
+  ${CMAKE_CURRENT_SOURCE_DIR}/agents/test_planner.cpp ${CMAKE_CURRENT_SOURCE_DIR}/agents/test_optimizer.cpp
+  ${CMAKE_CURRENT_SOURCE_DIR}/agents/test_replanner.cpp ${CMAKE_CURRENT_SOURCE_DIR}/agents/test_coder.cpp
+  APPEND PROPERTY COMPILE_DEFINITIONS "STITCHCUDA_PROMPTS_DIR=\"${PROJECT_SOURCE_DIR}/python/stitchcuda/agents/prompts\"")
