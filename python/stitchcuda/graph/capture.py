@@ -25,7 +25,8 @@ import torch.utils._pytree as pytree
 from ..log import get_logger
 from ..settings import settings
 
-__all__ = ["CaptureError", "Value", "Node", "Graph", "capture"]
+__all__ = ["CaptureError", "Value", "Node", "Graph", "capture", "AUTOCAST_DEVICES", "autocast_in_effect", "autocast_as",
+           "under_autocast", "warn_other_autocast"]
 
 
 class CaptureError(Exception):
@@ -110,6 +111,9 @@ class Graph:
     notes: list[tuple[str, str]] = field(default_factory=list)  # what capture decided, for the report
     # The output's leaves that are not tensors (a number, a string, None), by position among all leaves.
     output_constants: dict[int, Any] = field(default_factory=dict)
+    # The torch.autocast the model was captured under, (device type, dtype), or None: its casts are the
+    # graph's own _to_copy nodes, so the graph (and the program) computes that autocast's forward.
+    autocast: tuple[str, torch.dtype] | None = None
 
     def output_leaves(self, tensors: Sequence[Any]) -> list[Any]:
         """All the output's leaves in order: `tensors` (the outputs' values) with the constants put back."""
@@ -454,11 +458,25 @@ class _FlatOutputs(torch.nn.Module):
         return tuple(leaves)
 
 
-def capture(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Graph:
+def capture(model: torch.nn.Module, example_inputs: Sequence[Any],
+            autocast: tuple[str, torch.dtype] | bool | None = None) -> Graph:
     """Exports `model` on `example_inputs` and returns its core-ATen graph. A transformers model (or one
     returning an object of that library pytree did not know: a causal LM's DynamicCache) is exported
-    returning its output's tensors, and the graph's out_spec rebuilds the output, cache included."""
-    exported, out_spec, notes = _exported(model, example_inputs)
+    returning its output's tensors, and the graph's out_spec rebuilds the output, cache included.
+    `autocast`: the torch.autocast to capture the forward under, (device type, dtype); None takes the one
+    in effect at the call (autocast_in_effect), False none. Its casts become the graph's _to_copy nodes."""
+    autocast = autocast_in_effect() if autocast is None else (autocast or None)
+    notes: list[tuple[str, str]] = []
+    if autocast is not None:
+        device, dtype = autocast
+        model = under_autocast(model, autocast)
+        notes.append((f"captured under torch.autocast('{device}', dtype={dtype}): its casts are in the graph",
+                      "torch.export records an autocast region as a higher-order op, which the lowering to core "
+                      "ATen inlines into explicit casts; the program computes what the model computes under this "
+                      "autocast, called inside it or not (a call outside it logs a warning once)"))
+    with autocast_as(None):  # the export's trace and its decomposition see no autocast but the model's own
+        exported, out_spec, more = _exported(model, example_inputs)
+    notes += more
     apart = _convolution_biases_apart(exported)
     if apart:
         notes.append((f"{apart} convolution bias(es) added by the elementwise kernel after the convolution",
@@ -469,19 +487,89 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Graph:
     if not reader.inputs:
         raise CaptureError("the model has no tensor inputs")
     return Graph(reader.inputs, reader.weights, reader.nodes, reader.outputs, out_spec or exported.call_spec.out_spec,
-                 exported.call_spec.in_spec, exported, notes, reader.output_constants)
+                 exported.call_spec.in_spec, exported, notes, reader.output_constants, autocast)
+
+
+# ---- torch.autocast ----------------------------------------------------------------------------------
+#
+# torch.export ignores an autocast region around the call (the trace sits above autocast's dispatch key)
+# and records one inside forward as a higher-order op; a model optimized inside `with torch.autocast(...)`
+# would be captured in fp32. So capture() enters the autocast inside a wrapper's forward, where export
+# records it and run_decompositions() inlines its casts. The graph is then explicit: replaying it, or
+# running the program, under an autocast would cast again (ATen steps dispatch through autocast too), so
+# those run with autocast off, and the model's own eager forward (the reference) under the captured one.
+
+AUTOCAST_DEVICES = ("cuda", "cpu")
+
+
+def autocast_in_effect() -> tuple[str, torch.dtype] | None:
+    """The torch.autocast enabled in this thread, (device type, dtype), CUDA's first; None when none is."""
+    for device in AUTOCAST_DEVICES:
+        if torch.is_autocast_enabled(device):
+            return device, torch.get_autocast_dtype(device)
+    return None
+
+
+@contextlib.contextmanager
+def autocast_as(autocast: tuple[str, torch.dtype] | None) -> Iterator[None]:
+    """Exactly `autocast` in effect inside the block, (device type, dtype), every other device's off; None:
+    autocast off everywhere (a captured graph's replay, a program's run)."""
+    with contextlib.ExitStack() as stack:
+        for device in AUTOCAST_DEVICES:
+            if device == "cuda" and not torch.cuda.is_available():
+                continue  # torch.autocast("cuda") disables itself there, with a warning
+            on = autocast is not None and autocast[0] == device
+            if on or torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, dtype=autocast[1] if on else None, enabled=on))
+        yield
+
+
+class _UnderAutocast(torch.nn.Module):
+    """`inner` called under a torch.autocast: what capture() exports, and the eager reference of a graph
+    captured under it. fp64 tensors pass autocast untouched, so an fp64 copy of it stays exact."""
+
+    def __init__(self, inner: torch.nn.Module, autocast: tuple[str, torch.dtype]) -> None:
+        super().__init__()
+        self.inner = inner
+        self.autocast = autocast
+
+    def forward(self, *args, **kwargs):
+        with autocast_as(self.autocast):
+            return self.inner(*args, **kwargs)
+
+
+def warn_other_autocast(graph: Graph, warned: set) -> None:
+    """Logs a warning, once per autocast setting in `warned`, when the one in effect is not the one `graph`
+    was captured under: the program still computes the captured forward, which the caller may not expect."""
+    now = autocast_in_effect()
+    if now == graph.autocast or ("autocast", now) in warned:
+        return
+    warned.add(("autocast", now))
+
+    def text(a: tuple[str, torch.dtype] | None) -> str:
+        return f"torch.autocast('{a[0]}', dtype={a[1]})" if a else "no autocast"
+
+    _log.warning("this program was captured under %s and computes that forward; it is called under %s and "
+                 "still computes it (call stitchcuda.optimize() under the autocast you run it in for a program "
+                 "of that forward)", text(graph.autocast), text(now))
+
+
+def under_autocast(model: torch.nn.Module, autocast: tuple[str, torch.dtype] | None) -> torch.nn.Module:
+    """`model` as it runs under `autocast` wherever it is called (itself when None)."""
+    return model if autocast is None else _UnderAutocast(model, autocast)
 
 
 def _exported(model: torch.nn.Module, example_inputs: Sequence[Any]) -> tuple[Any, Any, list[tuple[str, str]]]:
     """(the exported program, the output spec that rebuilds a flattened output or None, the notes): a
     transformers model is exported returning its output's tensors (_FlatOutputs)."""
     out_spec, notes = None, []
-    flat = _transformers_model(model)
+    inner = model.inner if isinstance(model, _UnderAutocast) else model
+    flat = _transformers_model(inner)
     if not flat:
         try:
             return _export(model, example_inputs), None, notes
         except Exception as exc:  # torch raises many types here; the message is what the user needs
-            flat = _transformers_model(model, exc)
+            flat = _transformers_model(inner, exc)
             if not flat:
                 raise _capture_error(exc) from exc
     specs: list[Any] = []

@@ -11,7 +11,7 @@ import torch
 
 from ..verify.program import release_host_memory
 from .accuracy import ACCEPTED
-from .capture import Graph
+from .capture import Graph, autocast_as
 from .lower import check_group, group_inputs, reference_values, stream_values
 from .measure import allocated
 from .groups import GENERATED, Group, GraphPlan
@@ -60,17 +60,22 @@ def check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_c
                             t0 + budget_s if budget_s and budget_s > 0 else float("inf"), budget_s)
     checker.by_id = {id(g): g for g in generated}
     values = None
-    if keep_all:  # the agents profile and check groups later on the same recorded values
-        values = reference_values(graph, inputs)
-        checker.constants.update({n: values[n] for n in constant_names if n in values})
-        for g in generated:
-            checker.check(id(g), values)
-    elif wanted or constant_names:  # else nothing to check or keep: the graph need not run at all
-        # Constants (values computed from weights alone) are kept as they arrive: a group reading one
-        # comes after it in the graph and takes it from `constants`, as the program will.
-        stream_values(graph, inputs, wanted, checker.check, keep=constant_names, kept=checker.constants,
-                      forward=forward)
-        release_host_memory()  # the page-locked copies of outputs checked in place
+    if forward is not None and graph.autocast is not None:
+        forward = _under(graph.autocast, forward)
+    # The graph holds the casts of the autocast it was captured under: it and the groups' programs run
+    # with autocast off, the model's own forward under the captured one (capture.py, torch.autocast).
+    with autocast_as(None):
+        if keep_all:  # the agents profile and check groups later on the same recorded values
+            values = reference_values(graph, inputs)
+            checker.constants.update({n: values[n] for n in constant_names if n in values})
+            for g in generated:
+                checker.check(id(g), values)
+        elif wanted or constant_names:  # else nothing to check or keep: the graph need not run at all
+            # Constants (values computed from weights alone) are kept as they arrive: a group reading one
+            # comes after it in the graph and takes it from `constants`, as the program will.
+            stream_values(graph, inputs, wanted, checker.check, keep=constant_names, kept=checker.constants,
+                          forward=forward)
+            release_host_memory()  # the page-locked copies of outputs checked in place
     for g in generated:  # in plan order, so the report reads as the plan does
         ok, why, _ = checker.results[id(g)]
         if not ok:
@@ -78,6 +83,13 @@ def check_groups(graph: Graph, plan: GraphPlan, inputs: list[torch.Tensor], sm_c
             report.fallbacks.append({"group": g.name, "kind": g.kind, "reason": why})
     checker.record_decisions()
     return checker.constants, values
+
+
+def _under(autocast: tuple[str, torch.dtype], call: Callable[[], Any]) -> Callable[[], Any]:
+    def called() -> Any:
+        with autocast_as(autocast):
+            return call()
+    return called
 
 
 class _GroupChecker:

@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 from ..verify import hardware  # describe() through the module: tests give it a GPU of their choice
 from ..verify import program as whole_program  # EXACT_COPY_LIMIT_BYTES read at each call (tests lower it)
 from ..verify import timing as verify_timing  # a module name: measure_speed() has an argument called measure
-from .capture import Graph
+from .capture import Graph, under_autocast
 from .groups import GraphPlan
 from .report import Report
 from .state import PipelineState
@@ -93,9 +93,12 @@ def verify_program(model, optimized: Any, example_inputs, sets: int, plan: Graph
     example inputs, then fresh random sets, under the tolerance table for the plan's precision; the
     error against an fp64 copy of the model too. {passed, input_sets, max_abs_error, max_rel_error_fp64,
     detail}."""
-    return whole_program.verify_whole(model, optimized, example_inputs, sets, plan.tolerance_precision,
-                        no_exact=fp64_too_large(plan, getattr(optimized, "_graph", None)),
-                        release=getattr(optimized, "release", None))
+    graph = getattr(optimized, "_graph", None)
+    # A graph captured under torch.autocast is judged against the model under that autocast (its fp64 copy
+    # stays exact: autocast leaves fp64 tensors alone).
+    return whole_program.verify_whole(under_autocast(model, getattr(graph, "autocast", None)), optimized,
+                                      example_inputs, sets, plan.tolerance_precision,
+                                      no_exact=fp64_too_large(plan, graph), release=getattr(optimized, "release", None))
 
 
 def fp64_too_large(plan: GraphPlan, graph: Graph | None = None) -> str:
@@ -153,6 +156,7 @@ def measure_speed(model, optimized: Any, example_inputs, compare_compile: bool) 
     """Eager's and the program's ms per call on the example inputs (the median of MEASURE_ROUNDS
     alternating rounds, eager first in odd rounds, the program first in even ones) and, with
     `compare_compile`, torch.compile's; `rounds_faster`: in how many rounds the program was faster."""
+    model = under_autocast(model, getattr(getattr(optimized, "_graph", None), "autocast", None))
     with torch.no_grad():
         eager_ms, stitched_ms = [], []
         for r in range(MEASURE_ROUNDS):

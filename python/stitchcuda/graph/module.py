@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 
 from ..errors import InvalidArgumentError, StitchError
 from ..program import DTYPES, Program, ProgramModule, dtype_name
-from .capture import Graph
+from .capture import Graph, autocast_as, under_autocast, warn_other_autocast
 from .report import Report
 
 __all__ = ["OptimizedModule", "NoProgramError", "FunctionModule", "KeywordCall", "is_setting", "same_setting",
@@ -78,8 +78,10 @@ class OptimizedModule(torch.nn.Module):
                     f"stitchcuda: inputs {shapes_text(given)} differ from the {shapes_text(wanted)} this program was "
                     "stitched for: the original model runs for them (call stitchcuda.optimize() with such inputs "
                     "for a program of their own)", RuntimeWarning, stacklevel=2)
-            return self.original(*args, **kwargs)
-        outs = self._runner.executor.run([t.contiguous() for t in tensors])
+            return under_autocast(self.original, self._graph.autocast)(*args, **kwargs)
+        warn_other_autocast(self._graph, self._warned)
+        with autocast_as(None):  # the graph holds its autocast's casts; ATen steps would cast again
+            outs = self._runner.executor.run([t.contiguous() for t in tensors])
         return pytree.tree_unflatten(self._graph.output_leaves(outs), self._graph.out_spec)
 
     def release(self) -> None:
