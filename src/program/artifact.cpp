@@ -2,6 +2,7 @@
 // a JSON manifest listing sections with their offsets, sizes and SHA-256, then the sections' bytes.
 // Reading trusts nothing: every length is bounded, every checksum verified, every field type-checked.
 #include <stitchcuda/program.hpp>
+#include <stitchcuda/family.hpp>
 #include <stitchcuda/jit.hpp>
 
 #include <unistd.h>
@@ -337,6 +338,9 @@ Result<Program> Program::deserialize(std::string_view bytes) {
   if (bytes.size() < kHeaderBytes)
     return corrupt("the file holds " + std::to_string(bytes.size()) + " bytes, fewer than the " +
                    std::to_string(kHeaderBytes) + "-byte header (truncated?)");
+  if (is_family_artifact(bytes))
+    return fail(ErrorCode::InvalidArgument, "a program family (one program per size of a dynamic range), not a single "
+                                            "program: load it with FamilyExecutor::load in C++ or stitchcuda.load in Python");
   if (std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0) return corrupt("wrong magic bytes (not a .stitch file)");
   auto version = std::uint32_t(get_le(bytes, 8, 4));
   if (version != kArtifactVersion)
