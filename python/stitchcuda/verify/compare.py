@@ -36,6 +36,9 @@ class OutputError:
     reference_err_vs_fp64: float | None = None  # the same for the reference itself, for scale
     first_mismatches: list[dict[str, Any]] = field(default_factory=list)  # {"index", "expected", "got"}
     problem: str = ""  # shape/dtype/NaN/Inf/type problem in words, "" when none
+    # The accuracy rule's verdict (verify/tolerance.py, Accuracy.to_dict) where it judged this output
+    # against a high-precision reference; None where it did not.
+    accuracy: dict[str, Any] | None = None
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:

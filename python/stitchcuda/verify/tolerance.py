@@ -7,15 +7,17 @@ the candidate's error and eager's, both against a high-precision reference.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
-from .compare import CHUNK_ELEMENTS, max_abs_error
+from .compare import CHUNK_ELEMENTS, OutputError, compare_output, max_abs_error
 
 __all__ = ["TABLE", "REDUCED_PRECISION", "PRECISIONS", "Tolerance", "tolerance", "ACCURACY_FACTOR", "UNIT_ROUNDOFF",
-           "Accuracy", "by_accuracy", "accuracy_error", "accuracy_floor", "judge_accuracy", "reference_dtype"]
+           "Accuracy", "by_accuracy", "accuracy_error", "accuracy_floor", "judge_accuracy", "reference_dtype",
+           "wants_reference", "judge_output", "judge_outputs"]
 
 # (atol, rtol) by output dtype; |got - expected| <= atol + rtol * |expected|. The KernelBench values:
 # fp32 (and fp64) 1e-4, the 16-bit formats 1e-2.
@@ -36,25 +38,32 @@ PRECISIONS = ("fp32", "tf32", "bf16")
 class Tolerance:
     """Absolute and relative tolerance per output dtype: ``|got - expected| <= atol + rtol * |expected|``.
 
-    Defaults are :data:`TABLE`; integer and boolean outputs must match exactly.
+    Defaults are :data:`TABLE`; integer and boolean outputs must match exactly. ``precision`` is the policy
+    (PRECISIONS) the outputs were computed under: with a high-precision reference at hand, an output the
+    accuracy rule covers there (``by_accuracy``) that lies outside the table is judged by the rule.
     """
 
     fp32: tuple[float, float] = TABLE["fp32"]
     fp16: tuple[float, float] = TABLE["fp16"]
     bf16: tuple[float, float] = TABLE["bf16"]
     fp64: tuple[float, float] = TABLE["fp64"]
+    precision: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"Tolerance.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
 
     @classmethod
-    def uniform(cls, atol: float, rtol: float) -> "Tolerance":
+    def uniform(cls, atol: float, rtol: float, precision: str = "fp32") -> "Tolerance":
         """The same (atol, rtol) for every floating dtype."""
         pair = (float(atol), float(rtol))
-        return cls(pair, pair, pair, pair)
+        return cls(pair, pair, pair, pair, precision)
 
     @classmethod
     def for_precision(cls, precision: str = "fp32") -> "Tolerance":
         """The policy for a precision setting: the table for "fp32", REDUCED_PRECISION for every
         floating dtype otherwise ("tf32", "bf16")."""
-        return cls() if precision == "fp32" else cls.uniform(*REDUCED_PRECISION)
+        return cls() if precision == "fp32" else cls.uniform(*REDUCED_PRECISION, precision=precision)
 
     def for_dtype(self, dtype: torch.dtype) -> tuple[float, float]:
         """(atol, rtol) for outputs of ``dtype``; (0, 0) for integers and booleans."""
@@ -68,13 +77,14 @@ class Tolerance:
             return self.fp16
         return (0.0, 0.0)
 
-    def to_dict(self) -> dict[str, list[float]]:
+    def to_dict(self) -> dict[str, Any]:
         return {"fp32": list(self.fp32), "fp16": list(self.fp16), "bf16": list(self.bf16),
-                "fp64": list(self.fp64)}
+                "fp64": list(self.fp64), "precision": self.precision}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Sequence[float]]) -> "Tolerance":
-        return cls(**{k: (float(v[0]), float(v[1])) for k, v in data.items()})
+    def from_dict(cls, data: dict[str, Any]) -> "Tolerance":
+        pairs = {k: (float(v[0]), float(v[1])) for k, v in data.items() if k != "precision"}
+        return cls(**pairs, precision=str(data.get("precision", "fp32")))
 
 
 def tolerance(dtype: torch.dtype, precision: str = "fp32") -> tuple[float, float]:
@@ -180,3 +190,54 @@ def reference_dtype(fits_fp64: bool) -> torch.dtype:
     """What the high-precision reference is computed in: fp64, or fp32 where fp64 does not fit in memory
     (or the op has no fp64 kernel). An fp32 reference is still ~2^16 times finer than bf16's rounding."""
     return torch.float64 if fits_fp64 else torch.float32
+
+
+# ---- the rule in the Verifier's comparison -------------------------------------------------------------
+
+
+def wants_reference(dtypes: Sequence[torch.dtype], policy: Tolerance) -> bool:
+    """Whether outputs of these dtypes are judged by the accuracy rule under `policy`: then the Verifier runs
+    the reference in high precision (fp64; fp32 where fp64 does not fit) beside its own forward."""
+    return any(by_accuracy(d, policy.precision) for d in dtypes)
+
+
+def judge_output(index: int, expected: Any, got: Any, policy: Tolerance, atol_scale: float = 1.0,
+                 exact: Any = None) -> OutputError:
+    """One output of a candidate against the reference's, as graph mode's whole-program check judges it:
+    the table's allclose (compare_output); for an output the accuracy rule covers under `policy` and
+    `exact` (the reference's forward in fp64, or fp32 for a 16-bit model), the candidate's error and the
+    reference's own against `exact` are reported (err_vs_fp64, reference_err_vs_fp64), and an output
+    outside the table passes when the rule accepts it (``accuracy`` holds the verdict). Shape, dtype and
+    type problems stay failures."""
+    atol, rtol = policy.for_dtype(expected.dtype) if isinstance(expected, torch.Tensor) else (0.0, 0.0)
+    result = compare_output(index, expected, got, atol, rtol, atol_scale)
+    if not (isinstance(expected, torch.Tensor) and by_accuracy(expected.dtype, policy.precision)
+            and isinstance(exact, torch.Tensor) and exact.dtype in (torch.float64, torch.float32)
+            and exact.dtype.itemsize > expected.dtype.itemsize and tuple(exact.shape) == tuple(expected.shape)
+            and type(got) is torch.Tensor and got.dtype == expected.dtype and got.shape == expected.shape):
+        return result  # nothing the rule judges: a shape, dtype or type problem, or no finer reference
+    verdict = judge_accuracy(got, expected, exact.to(got.device), policy.precision,
+                             "fp64" if exact.dtype == torch.float64 else "fp32")
+    # JSON has no infinity (a NaN where the truth has a number): None, as compare_output reports it.
+    result.err_vs_fp64, result.reference_err_vs_fp64 = _finite(verdict.error), _finite(verdict.eager_error)
+    result.accuracy = {k: _finite(v) if isinstance(v, float) else v for k, v in verdict.to_dict().items()}
+    if not result.ok and verdict.ok:  # differs from the reference's rounding, not from the truth
+        result.ok, result.problem = True, ""
+    elif not result.ok:
+        result.problem = "; ".join(p for p in (result.problem, f"by the accuracy rule: {verdict.describe()}") if p)
+    return result
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def judge_outputs(expected: Sequence[Any], got: Sequence[Any], policy: Tolerance, atol_scale: float = 1.0,
+                  exact: Sequence[Any] | None = None) -> list[OutputError]:
+    """judge_output for each output (`exact`: the high-precision reference's outputs in the same order, or
+    None); a count that differs is one failed entry saying so."""
+    if len(got) != len(expected):
+        return [OutputError(0, [], "", False, problem=f"the candidate returns {len(got)} outputs, the reference "
+                                                      f"{len(expected)}")]
+    finer = list(exact) if exact is not None and len(exact) == len(expected) else [None] * len(expected)
+    return [judge_output(i, e, g, policy, atol_scale, x) for i, (e, g, x) in enumerate(zip(expected, got, finer))]
