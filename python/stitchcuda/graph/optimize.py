@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 
 from .checks import PRECISION_TITLES, check_wants
+from .dynamic import optimize_dynamic, parameter_names
 from .module import (KeywordCall, OptimizedModule, as_args, as_kwargs, as_module, input_label, is_setting,
                      refuse_training)
 from .options import BUDGET_S, OptimizeOptions
@@ -28,7 +29,8 @@ def optimize(model: torch.nn.Module | Callable[..., Any], args: Any = None, kwar
              compare_compile: bool = True, progress: bool | None = None, isolated: bool = True,
              run_dir: str | os.PathLike | None = None, resume: str | os.PathLike | None = None, attempts: int = 3,
              tokens: int = 0, wall_s: float = 0.0, max_targets: int = 4, concurrency: int = 4, on_event: Any = None,
-             budget_s: float = BUDGET_S, keep_slower: bool = False, split_tf32: bool = True) -> OptimizedModule:
+             budget_s: float = BUDGET_S, keep_slower: bool = False, split_tf32: bool = True,
+             dynamic: Any = None) -> OptimizedModule:
     """Optimizes `model` for inference on inputs shaped like `args` and `kwargs` (on a CUDA device).
 
     `model`: an nn.Module in eval mode, or a plain function of tensors (a bound method of a module brings
@@ -68,6 +70,12 @@ def optimize(model: torch.nn.Module | Callable[..., Any], args: Any = None, kwar
     the example inputs (`keep_slower=True` keeps it regardless); otherwise the model runs eagerly and the
     report gives both times.
 
+    `dynamic`: the input dims that may vary, and their ranges — "auto" (the batch, axis 0, over 1..2x the
+    example's) or torch.export's dynamic_shapes form ({"x": {0: torch.export.Dim("batch", min=1, max=64)}}).
+    The result then serves every size in range: a program per member size, built by this pipeline on
+    first use, zero-padded to the next member along dims whose rows are independent (graph/dynamic.py);
+    optimize() verifies it at the range's ends, a prime and the example before returning.
+
     `split_tf32`: at precision="fp32", a GEMM bound by fp32 arithmetic may run as three TF32 tensor-core
     products on operands split into a TF32 part and its remainder (tf32x3: fp32's accuracy, held to fp32's
     tolerance by every check) where the GPU's peaks say it is faster; False keeps cuBLAS's SGEMM for all.
@@ -88,8 +96,13 @@ def optimize(model: torch.nn.Module | Callable[..., Any], args: Any = None, kwar
                               compare_compile=compare_compile, progress=progress, isolated=isolated, run_dir=run_dir,
                               resume=resume, attempts=attempts, tokens=tokens, wall_s=wall_s, max_targets=max_targets,
                               concurrency=concurrency, on_event=on_event, budget_s=budget_s, keep_slower=keep_slower,
-                              split_tf32=split_tf32)
-    fast = run_pipeline(traced, tensors, options)
+                              split_tf32=split_tf32, dynamic=dynamic)
+    if dynamic is None:
+        fast = run_pipeline(traced, tensors, options)
+    else:
+        declared = parameter_names(original)
+        names = [declared[i] if i < len(declared) else f"input {i}" for i in range(len(positional))] + list(keywords)
+        fast = optimize_dynamic(traced, tensors, options, [n for i, n in enumerate(names) if i not in settings])
     fast.original = original
     fast._arity, fast._keywords, fast._settings = len(positional), tuple(keywords), settings
     if settings:

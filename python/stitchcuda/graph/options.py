@@ -37,6 +37,7 @@ class OptimizeOptions:
     budget_s: float = BUDGET_S
     keep_slower: bool = False
     split_tf32: bool = True
+    dynamic: Any = None
 
     @property
     def agents(self) -> bool:

@@ -119,6 +119,7 @@ class Report:
     # runner held after its timed calls: own weights, arena, split scratch, static copies, the CUDA graph's
     # pool).
     memory: dict[str, int] = field(default_factory=dict)
+    dynamic: dict = field(default_factory=dict)  # optimize(dynamic=): dims, guards, members, range check
     targets: list[TargetRow] = field(default_factory=list)  # with llm=: per target, the candidates and the winner
     agents: dict = field(default_factory=dict)          # with llm=: usage, wall and overhead time
     run_dir: str = ""                                   # with llm=: where the agents' run is recorded

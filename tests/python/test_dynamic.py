@@ -1,0 +1,133 @@
+"""optimize(..., dynamic=): the spec, export's guards, the member choice and the range check's sizes, on
+the CPU (the family's programs run in test_dynamic_gpu.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch.export import Dim
+
+import stitchcuda
+from stitchcuda.errors import InvalidArgumentError
+from stitchcuda.graph.dynamic import (DynamicDim, DynamicShapeError, choose_member, export_guards, parse_dynamic,
+                                      resized_inputs, stress_sizes)
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)
+
+    def forward(self, x, bias):
+        return self.b(torch.relu(self.a(x))) + bias
+
+
+class FixedView(torch.nn.Module):
+    def forward(self, x):
+        return x.view(8, -1) * 2
+
+
+class Doubled(torch.nn.Module):
+    def forward(self, x):
+        return torch.cat([x, x]) + 1
+
+
+def test_auto_is_the_batch_of_every_input_that_carries_it():
+    x, ids, w = torch.randn(6, 4), torch.zeros(6, dtype=torch.long), torch.randn(3, 4)
+    (d,) = parse_dynamic("auto", (x, ids, w))
+    assert (d.name, d.min, d.max, d.example) == ("batch", 1, 12, 6)
+    assert d.inputs == [(0, 0), (1, 0)]  # w's axis 0 (3) is not the batch
+
+
+def test_export_style_spec_by_name_position_and_list():
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    batch = Dim("batch", min=2, max=64)
+    for spec in ({"x": {0: batch}, "y": {0: batch}}, {0: {0: batch}, 1: {0: batch}}, [{0: batch}, {-2: batch}]):
+        (d,) = parse_dynamic(spec, (x, y), ["x", "y"])
+        assert (d.name, d.min, d.max, d.inputs) == ("batch", 2, 64, [(0, 0), (1, 0)])
+    # A (min, max) pair is a dim of its own; Dim's default min 0 reads as 1.
+    dims = parse_dynamic({"x": {0: (1, 16)}, "y": {1: Dim("cols", max=9)}}, (x, y), ["x", "y"])
+    assert [(d.name, d.min, d.max) for d in dims] == [("x.0", 1, 16), ("cols", 1, 9)]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("batch", "not understood"),
+    ({"z": {0: (1, 4)}}, "does not have"),
+    ([{0: (1, 4)}], "one per input"),
+    ({"x": {2: (1, 16)}}, "has 2 axes"),
+    ({"x": {0: Dim("b")}}, "no maximum"),
+    ({"x": {0: (4, 2)}}, "1 <= min <= max"),
+    ({"x": {0: (1, 4)}}, "must lie inside the range"),
+    ({"x": {0: Dim("b", max=16)}, "y": {0: Dim("b", max=32)}}, "one name is one dim"),
+    ({"x": [0]}, "must be a dict"),
+    ({"x": {0: "batch"}}, "torch.export.Dim"),
+    (3, "must be 'auto'"),
+])
+def test_bad_specs_name_the_problem(spec, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        parse_dynamic(spec, (torch.randn(8, 16), torch.randn(8, 8)), ["x", "y"])
+
+
+def test_export_checks_the_model_and_finds_the_output_axes():
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    dims = parse_dynamic("auto", (x, y))
+    guards = export_guards(Mlp().eval(), (x, y), dims)
+    assert guards == ["'batch' in 1..16"]
+    assert dims[0].outputs == [(0, 0)] and dims[0].pad
+
+    dims = parse_dynamic("auto", (torch.randn(8, 16),))
+    with pytest.raises(DynamicShapeError, match="fixes 'batch' to 8"):
+        export_guards(FixedView().eval(), (torch.randn(8, 16),), dims)
+
+    # An output whose extent is 2 * batch cannot be cut back after padding: that dim is built exactly.
+    dims = parse_dynamic("auto", (torch.randn(4, 3),))
+    export_guards(Doubled().eval(), (torch.randn(4, 3),), dims)
+    assert not dims[0].pad and "2*" in dims[0].why_exact.replace(" ", "")
+
+
+def test_member_choice_pads_to_the_next_member_or_bucket():
+    batch = DynamicDim("batch", 1, 256, [(0, 0)], 48)
+    assert choose_member([batch], [(48,)], (48,)) == ((48,), True)
+    assert choose_member([batch], [(48,)], (40,)) == ((48,), True)   # the example is within 40's bucket (64)
+    assert choose_member([batch], [(48,)], (30,)) == ((32,), False)  # a bucket of its own, to build
+    assert choose_member([batch], [(48,)], (200,)) == ((256,), False)
+    assert choose_member([batch], [(48,), (256,)], (129,)) == ((256,), True)
+    seq = DynamicDim("seq", 1, 512, [(0, 1)], 100, pad=False)
+    assert choose_member([batch, seq], [(48, 100)], (40, 100)) == ((48, 100), True)
+    assert choose_member([batch, seq], [(48, 100)], (40, 99)) == ((64, 99), False)  # seq only exactly
+    narrow = DynamicDim("batch", 3, 6, [(0, 0)], 4)
+    assert choose_member([narrow], [(4,)], (5,)) == ((6,), False)  # the bucket (8) clamped to the range
+
+
+def test_stress_sizes_cover_the_ends_a_prime_and_the_example():
+    assert stress_sizes(DynamicDim("batch", 1, 256, [(0, 0)], 128)) == [1, 64, 127, 128, 256]
+    assert stress_sizes(DynamicDim("batch", 1, 4, [(0, 0)], 2)) == [1, 2, 4]
+    assert stress_sizes(DynamicDim("seq", 30, 40, [(0, 1)], 32)) == [30, 31, 32, 40]
+
+
+def test_resized_inputs_keep_integer_values_valid():
+    ids = torch.tensor([[3, 1], [4, 1], [5, 9]])
+    x = torch.randn(3, 5)
+    d = DynamicDim("batch", 1, 8, [(0, 0), (1, 0)], 3)
+    big, bigx = resized_inputs((ids, x), [d], [7])
+    assert big.shape == (7, 2) and bigx.shape == (7, 5)
+    assert torch.equal(big[:3], ids) and torch.equal(big[3:6], ids) and torch.equal(bigx[6], x[0])
+    small, _ = resized_inputs((ids, x), [d], [1])
+    assert torch.equal(small, ids[:1])
+
+
+def test_optimize_without_a_gpu_records_the_dims_and_guards(caplog):
+    model, x, y = Mlp().eval(), torch.randn(8, 16), torch.randn(8, 8)
+    fast = stitchcuda.optimize(model, (x, y), dynamic={"x": {0: Dim("batch", max=32)}, "bias": {0: Dim("batch", max=32)}})
+    dyn = fast.report.dynamic
+    assert [d["name"] for d in dyn["dims"]] == ["batch"] and dyn["dims"][0]["max"] == 32
+    assert dyn["guards"] == ["'batch' in 1..32"]
+    assert "original model" in dyn["refused"]  # no GPU: the example's program does not run, so no size does
+    torch.testing.assert_close(fast(x[:3], y[:3]), model(x[:3], y[:3]))
+
+    with caplog.at_level(logging.WARNING, logger="stitchcuda"):
+        fixed = stitchcuda.optimize(FixedView().eval(), (torch.randn(8, 16),), dynamic="auto")
+    assert "fixes 'batch' to 8" in fixed.report.dynamic["refused"]
+    assert any("fixes 'batch' to 8" in r.getMessage() for r in caplog.records)
