@@ -28,6 +28,14 @@ __all__ = ["run_reference_job", "adjudicate", "ReferenceRun", "ReferenceCache", 
 # A claimed time below this share of the memory speed-of-light bound cannot be a real measurement (the
 # harness's own rule: 10% for the noise of one event pair).
 FLOOR_MARGIN = 0.9
+# The judge's clock around the timed phase (the arrival of the worker's "timed" and "timed-end" messages)
+# less the empty phase's (calibrate): what the candidate's calls took, give or take these. A message's
+# arrival is late by up to one /proc read of the pool's memory poll (CLOCK_SLACK_MS), the empty phase varies
+# from run to run (CALIBRATION_MARGIN), and an honest call's median sits below its mean when a few calls are
+# slow (FORGED_SHARE: a claimed median under half the judge's per-call time is no measurement).
+CLOCK_SLACK_MS = 20.0
+CALIBRATION_MARGIN = 1.5
+FORGED_SHARE = 0.5
 
 
 # ---- in the judge's worker ------------------------------------------------------------------------------
@@ -248,21 +256,74 @@ def adjudicate(claim: dict[str, Any], body: dict[str, Any], tensors: Sequence[to
             bad = _first_bad(expected, got, tolerance, 1.0)
             if bad:
                 return _contradicted(report, f"timed input set {k}: {bad}", rule="timed-output-mismatch")
-        _judge_speed(report, ref.facts)
+        _judge_speed(report, ref.facts, _judge_clock(report, body.get("judge_clock"), config))
     report.timing["judge"] = ("outputs compared and baselines timed by the judge, a process that runs no "
                               "candidate code")
     return _done(report)
 
 
-def _judge_speed(report: VerifyReport, facts: dict[str, Any]) -> None:
-    """The speed-up from the judge's baselines over the candidate's claimed time, held to the floor."""
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _judge_clock(report: VerifyReport, clock: Any, config: VerifyConfig) -> float | None:
+    """Holds the claimed times to the judge's own clock; returns the per-call time the judge will use where
+    the claim disagrees with it (None: the claim stands). ``clock``: when each of the worker's phase messages
+    arrived (pool.py, monotonic seconds: the first and the last of each phase); None for a claim that came some other way (no clock to hold it to).
+    The calibration's messages come before any candidate code is loaded; of the timed phase the judge takes
+    the first "timed" and the last "timed-end", so a message the candidate forges can only widen the window
+    (a candidate that forges its whole result is still held to it and to the floors)."""
+    if not isinstance(clock, dict):
+        return None
+    timing = report.timing
+    claimed, total = timing.get("candidate_ms"), timing.get("candidate_total_ms")
+    calls = config.timing_iters + config.warmup
+    start, ends = (clock.get("timed") or [None])[0], list(clock.get("timed-end") or [])
+    if start is None or not ends or ends[-1] <= start:
+        report.add("forged-timing", MAJOR, "the worker claims a timed phase the judge's clock never saw (no "
+                   "timed-phase messages around it).", f"phase messages seen: {', '.join(sorted(clock))[:200]}")
+        return math.inf
+    elapsed_ms = (ends[-1] - start) * 1e3
+    cal = clock.get("calibrate") or [], clock.get("calibrated") or []
+    empty_ms = (cal[1][0] - cal[0][0]) * 1e3 if cal[0] and cal[1] and cal[1][0] > cal[0][0] else 0.0
+    floor_ms = max(elapsed_ms - CALIBRATION_MARGIN * empty_ms - CLOCK_SLACK_MS, 0.0) / max(calls, 1)
+    timing["judge_clock"] = {"timed_phase_ms": elapsed_ms, "empty_phase_ms": empty_ms, "calls": calls,
+                             "per_call_floor_ms": floor_ms}
+    if not _number(claimed):
+        return None  # _judge_speed's finding
+    if not _number(total):
+        total = claimed * config.timing_iters
+    if total > elapsed_ms + CLOCK_SLACK_MS:
+        report.add("forged-timing", MAJOR, "the worker's timed calls add up to more time than the judge's clock "
+                   "saw pass around them: the times were not measured.",
+                   f"claimed total {total:.3f} ms > {elapsed_ms:.3f} ms on the judge's clock")
+        return min(claimed, elapsed_ms / max(config.timing_iters, 1))
+    if claimed < FORGED_SHARE * floor_ms:
+        report.add("forged-timing", MAJOR, "the worker's time per call is far below what the judge's clock saw "
+                   "the timed calls take: the times were not measured (or were rewritten).",
+                   f"claimed median {claimed:.5f} ms per call; the judge's clock: {elapsed_ms:.3f} ms for {calls} "
+                   f"calls, less {empty_ms:.3f} ms for the same phase with nothing to time = at least "
+                   f"{floor_ms:.5f} ms per call")
+        return floor_ms
+    return None
+
+
+def _judge_speed(report: VerifyReport, facts: dict[str, Any], judged_ms: float | None = None) -> None:
+    """The speed-up from the judge's baselines over the candidate's claimed time (``judged_ms``, the judge's
+    clock's, where they disagree), held to the floor."""
     timing = report.timing
     cand = timing.get("candidate_ms")
-    if not isinstance(cand, (int, float)) or isinstance(cand, bool) or not math.isfinite(cand) or cand <= 0:
+    if not _number(cand):
         report.add("forged-timing", MAJOR, "the worker's candidate time is not a positive number: no "
                    "measurement gives it.", f"candidate_ms = {str(cand)[:40]}")
         report.speedup = {"eager": None, "compile": None}
         return
+    if judged_ms is not None:
+        timing["candidate_ms_claimed"] = cand
+        cand = timing["candidate_ms"] = judged_ms
+        if not math.isfinite(cand):
+            report.speedup = {"eager": None, "compile": None}
+            return
     for name in ("bytes_moved_min", "speed_of_light_ms", "reference_flops", "compute_floor_ms"):
         if name in facts:
             timing[name] = facts[name]

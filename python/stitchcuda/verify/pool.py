@@ -319,7 +319,10 @@ class WorkerPool:
         if body is None:  # no result of the candidate's own: a crash, a timeout, a broken protocol
             return data
         tolerance = config.tolerance or Tolerance.from_dict(job.reference["tolerance"])
-        return adjudicate(data, body, tensors, ref, config, tolerance)
+        verdict = adjudicate(data, body, tensors, ref, config, tolerance)
+        if any(f.get("rule") == "forged-timing" for f in verdict.get("findings", [])):
+            self._replace(slot)  # whatever rewrote its times may still sit in the worker for the next candidate
+        return verdict
 
     def _running(self, slot: int) -> _Worker:
         """The slot's worker, started (or replaced, when it died) if it is not running."""
@@ -363,6 +366,7 @@ class WorkerPool:
         phase, limit = "compile", compile_limit_s
         deadline = time.monotonic() + limit
         compiled = False
+        clock: dict[str, list[float]] = {}  # when phase messages arrived, on the judge's clock (judge.py)
         while True:
             remaining = deadline - time.monotonic()
             if remaining > 0 and not worker.conn.poll(min(remaining, MEMORY_POLL_S)):
@@ -393,6 +397,8 @@ class WorkerPool:
             if message.kind == "phase":
                 if message.body.get("phase") not in wire.PHASES or set(message.body) != {"phase"}:
                     return self._violation(slot, "a phase message that names no phase", compiled), None, []
+                now = time.monotonic()
+                clock.setdefault(message.body["phase"], [now, now])[1] = now  # the first and the last
                 if message.body["phase"] == "run":
                     phase, limit, compiled = "run", run_limit_s, True
                     deadline = time.monotonic() + limit
@@ -406,7 +412,7 @@ class WorkerPool:
             if data.pop("recycle", False):
                 self._replace(slot)
             data.setdefault("timing", {})["sandbox"] = self.sandbox_text(worker)
-            return data, message.body, message.tensors
+            return data, dict(message.body, judge_clock=clock), message.tensors
 
     def _violation(self, slot: int, what: str, compiled: bool) -> dict[str, Any]:
         """A worker that broke the protocol: replaced, and its candidate's report a major finding."""

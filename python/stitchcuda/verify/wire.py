@@ -25,7 +25,9 @@ MAX_HEADER_BYTES = 4 << 20
 # The most a worker may send in one message unless the judge allows more (outputs of the trials).
 DEFAULT_LIMIT_BYTES = 2 << 30
 KINDS = ("ready", "startup-error", "phase", "result")
-PHASES = ("compile", "run")
+# "calibrate"/"calibrated" bracket the empty timed phase run before the candidate loads, "timed"/"timed-end"
+# the candidate's timed calls: the judge clocks both (judge.py, "the judge's clock").
+PHASES = ("compile", "run", "calibrate", "calibrated", "timed", "timed-end")
 MAX_DIMS = 16
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
