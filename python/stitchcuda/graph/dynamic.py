@@ -39,6 +39,7 @@ import torch.utils._pytree as pytree
 
 from ..errors import InvalidArgumentError
 from ..log import get_logger
+from .capture import autocast_as, under_autocast, warn_other_autocast
 from .module import OptimizedModule, model_name, positional_call, shapes_text
 from .options import OptimizeOptions
 
@@ -251,9 +252,9 @@ def _export_reason(exc: Exception, dims: list[DynamicDim]) -> str:
     text = str(exc)
     fixed = re.findall(r"marked (\w+) as dynamic but your code specialized it to be a constant \((\d+)\)", text)
     if fixed:
-        said = "; ".join(f"it fixes '{name}' to {value}" for name, value in dict(fixed).items())
-        return (f"the model cannot vary {said} (torch.export found a size the code depends on: a view, an "
-                "expand or a loop written for the example's size)")
+        said = "; ".join(f"the model fixes '{name}' to {value}" for name, value in dict(fixed).items())
+        return (f"{said}, so it cannot vary (torch.export found code that depends on the size: a view, an "
+                "expand or a loop written for the example's)")
     first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(exc).__name__)
     return (f"the model cannot vary {', '.join(repr(d.name) for d in dims)}: torch.export with symbolic sizes "
             f"stopped ({type(exc).__name__}: {first[:300]})")
@@ -408,7 +409,7 @@ class DynamicModule(OptimizedModule):
     def forward(self, *args, **kwargs):
         ordered = positional_call(args, kwargs, self._arity, self._keywords, self._settings)
         call = [v for i, v in enumerate(ordered) if i not in self._settings]
-        return self._run_call(call, lambda: self.original(*args, **kwargs))
+        return self._run_call(call, lambda: under_autocast(self.original, self._graph.autocast)(*args, **kwargs))
 
     def _run_call(self, call: list, original: Any):
         """The call's inputs in the traced model's order (keyword inputs after the positional ones, inputs
@@ -425,11 +426,13 @@ class DynamicModule(OptimizedModule):
             self.padded_calls += 1
             call = self._pad(call, sizes, member.sizes)
         tensors = [t for t in pytree.tree_flatten(tuple(call))[0] if isinstance(t, torch.Tensor)]
-        outs = member.module._runner.executor.run([t.contiguous() for t in tensors])
+        graph = member.module._graph
+        warn_other_autocast(graph, self._warned)
+        with autocast_as(None):  # the graph holds its autocast's casts; ATen steps would cast again
+            outs = member.module._runner.executor.run([t.contiguous() for t in tensors])
         if padded:
             outs = self._cut(outs, sizes, member.sizes)
         self._release_idle()
-        graph = member.module._graph
         return pytree.tree_unflatten(graph.output_leaves(outs), graph.out_spec)
 
     def _original(self, why: str, original: Any):

@@ -4,13 +4,13 @@ model where optimization did not apply) and the helpers that take a call's input
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
 
 from ..errors import InvalidArgumentError, StitchError
+from ..log import get_logger
 from ..program import DTYPES, Program, ProgramModule, dtype_name
 from .capture import Graph, autocast_as, under_autocast, warn_other_autocast
 from .report import Report
@@ -18,6 +18,8 @@ from .report import Report
 __all__ = ["OptimizedModule", "NoProgramError", "FunctionModule", "KeywordCall", "is_setting", "same_setting",
            "shapes_text", "model_name", "as_module", "refuse_training", "as_args", "as_kwargs", "input_label",
            "positional_call"]
+
+log = get_logger(__name__)
 
 
 class NoProgramError(StitchError, RuntimeError):
@@ -33,7 +35,8 @@ class OptimizedModule(torch.nn.Module):
     statistics) and records no autograd graph. It is called like the original — the same positional and
     keyword inputs — and ``.train(True)`` raises InvalidArgumentError: train ``.original`` and call
     optimize() again. The program is stitched for the input shapes and dtypes optimize() saw; a call with
-    others runs ``.original`` (a RuntimeWarning once per shape set; ``other_shape_calls`` counts them)."""
+    others runs ``.original``, logged at WARNING once per shape set (``other_shape_calls`` counts them);
+    optimize(..., dynamic=) builds a module that serves a range of sizes (graph/dynamic.py)."""
 
     def __init__(self, original: torch.nn.Module, program: Program | None, graph: Graph | None, report: Report,
                  graphs: bool = True, runner: ProgramModule | None = None) -> None:
@@ -74,10 +77,10 @@ class OptimizedModule(torch.nn.Module):
             key = tuple(given)
             if key not in self._warned:
                 self._warned.add(key)
-                warnings.warn(
-                    f"stitchcuda: inputs {shapes_text(given)} differ from the {shapes_text(wanted)} this program was "
-                    "stitched for: the original model runs for them (call stitchcuda.optimize() with such inputs "
-                    "for a program of their own)", RuntimeWarning, stacklevel=2)
+                log.warning("%s: inputs %s differ from the %s this program was stitched for: the original model runs "
+                            "for them (optimize() with dynamic= serves a range of sizes; or call optimize() with such "
+                            "inputs for a program of their own)", model_name(self.original), shapes_text(given),
+                            shapes_text(wanted))
             return under_autocast(self.original, self._graph.autocast)(*args, **kwargs)
         warn_other_autocast(self._graph, self._warned)
         with autocast_as(None):  # the graph holds its autocast's casts; ATen steps would cast again
