@@ -131,3 +131,36 @@ def test_optimize_without_a_gpu_records_the_dims_and_guards(caplog):
         fixed = stitchcuda.optimize(FixedView().eval(), (torch.randn(8, 16),), dynamic="auto")
     assert "fixes 'batch' to 8" in fixed.report.dynamic["refused"]
     assert any("fixes 'batch' to 8" in r.getMessage() for r in caplog.records)
+
+
+def test_padding_can_be_turned_off_to_measure_exact_members(monkeypatch):
+    from stitchcuda.settings import reload
+
+    monkeypatch.setenv("STITCHCUDA_DYNAMIC_PADDING", "off")
+    reload()
+    try:
+        (d,) = parse_dynamic("auto", (torch.randn(4, 3),))
+        assert not d.pad and d.why_exact == "STITCHCUDA_DYNAMIC_PADDING=off"
+    finally:
+        monkeypatch.delenv("STITCHCUDA_DYNAMIC_PADDING")
+        reload()
+    assert parse_dynamic("auto", (torch.randn(4, 3),))[0].pad
+
+
+def test_bench_sizes_and_summary():
+    from stitchcuda.bench.dynamic import batch_sizes, summarize_sizes
+
+    assert batch_sizes(128) == {"1": 1, "prime": 127, "half": 64, "example": 128, "2x": 256}
+    assert batch_sizes(2) == {"1": 1, "prime": 1, "half": 1, "example": 2, "2x": 4}
+    cell = lambda e, f, c, ok=True, served="program": {"eager_ms": e, "family_ms": f, "compile_ms": c, "correct": ok,
+                                                       "served": served}
+    rows = [{"problem": "a", "static_s": 10.0, "dynamic_s": 15.0, "static_speedup": 2.0,
+             "sizes": {"1": cell(1.0, 0.5, 1.0), "example": cell(4.0, 2.0, 2.0)}},
+            {"problem": "b", "static_s": 10.0, "dynamic_s": 30.0, "static_speedup": 1.0, "refused": "fixes batch",
+             "sizes": {"1": cell(1.0, 2.0, 0.5, ok=False, served="original")}}]
+    s = summarize_sizes(rows)
+    assert s["1"]["problems"] == 2 and s["1"]["correct"] == 1 and s["1"]["original"] == 1
+    assert s["1"]["family_vs_eager"] == pytest.approx(1.0)          # sqrt(2 * 0.5)
+    assert s["1"]["family_vs_compile"] == pytest.approx(0.5 ** 0.5)  # sqrt(2 * 0.25)
+    assert s["example"]["family_over_static_example"] == pytest.approx(1.0)
+    assert s["optimize_wall_ratio"]["max"] == pytest.approx(3.0) and s["refused"] == ["b"]

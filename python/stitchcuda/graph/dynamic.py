@@ -39,6 +39,7 @@ import torch.utils._pytree as pytree
 
 from ..errors import InvalidArgumentError
 from ..log import get_logger
+from ..settings import settings
 from .capture import autocast_as, under_autocast, warn_other_autocast
 from .module import OptimizedModule, model_name, positional_call, shapes_text
 from .options import OptimizeOptions
@@ -145,7 +146,14 @@ def parse_dynamic(spec: Any, tensors: Sequence[Any], names: Sequence[str] = ()) 
                                            "one name is one dim")
             else:
                 known.inputs.append((position, axis))
-    return list(dims.values())
+    return _padding_setting(list(dims.values()))
+
+
+def _padding_setting(dims: list[DynamicDim]) -> list[DynamicDim]:
+    if settings().dynamic_padding == "off":
+        for d in dims:
+            d.pad, d.why_exact = False, "STITCHCUDA_DYNAMIC_PADDING=off"
+    return dims
 
 
 def _dim_range(dim: Any, default_name: str) -> tuple[str, int, int]:
@@ -177,7 +185,7 @@ def _auto(tensors: Sequence[Any]) -> list[DynamicDim]:
     batch = int(first.shape[0])
     carriers = [(i, 0) for i, t in enumerate(tensors)
                 if isinstance(t, torch.Tensor) and t.dim() >= 1 and int(t.shape[0]) == batch]
-    return [DynamicDim("batch", 1, max(2 * batch, 2), carriers, batch)]
+    return _padding_setting([DynamicDim("batch", 1, max(2 * batch, 2), carriers, batch)])
 
 
 # ---- export's guards --------------------------------------------------------------------------------------
@@ -504,6 +512,11 @@ class DynamicModule(OptimizedModule):
         for m in self._members.values():
             if m.runs_program:
                 m.module.release()
+
+    @property
+    def dims(self) -> list[DynamicDim]:
+        """The dims that vary, as the range check left them (a dim may have lost its padding)."""
+        return list(self._dims)
 
     @property
     def members(self) -> list[dict]:

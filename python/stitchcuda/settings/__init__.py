@@ -224,6 +224,10 @@ class Settings:
     pointwise_loop: str = _var(
         "STITCHCUDA_POINTWISE_LOOP", choice("once", "stride"), "once", "graph's pointwise template",
         "once: a thread per few float4 of each operand, one pass; stride: a grid-stride loop (to measure the two)")
+    dynamic_padding: str = _var(
+        "STITCHCUDA_DYNAMIC_PADDING", choice("on", "off"), "on", "optimize(dynamic=)",
+        "on: a size is served by a larger member, zero-padded, where the range check allows; off: a member per "
+        "size that occurs (to measure the two)")
     # the agents
     docs_dir: Path | None = _var(
         "STITCHCUDA_DOCS_DIR", Folder(), None, "agents' retrieval (program mode, graph mode's agents, rl prompts)",

@@ -1,0 +1,191 @@
+"""`python -m stitchcuda.bench.dynamic`: optimize(dynamic="auto") on a folder of problems (the 40-model
+suite by default), each at the batch sizes a serving loop meets — 1, a prime below the example, half the
+example, the example, twice it — against eager, the static program at the example shape, and
+torch.compile(dynamic=True), timed in one run, outputs checked against eager at every size.
+
+    python -m stitchcuda.bench.dynamic [--dir DIR] [--only a,b] [--small] [--no-compile] [--json]
+
+Columns per problem and size: eager_ms, family_ms (the optimized module, its member built before timing;
+"original" where that size runs the model), compile_ms (torch.compile(dynamic=True), warmed at the size),
+correct; per problem: the static optimize's and the dynamic one's wall seconds, the members built and how
+each size was served (program, padded, original). Summary: per size, the geomean speed-up over eager of the
+family, of compile and the family over compile, and the family at each size over the static program at
+the example shape (the issue's 0.9x target). STITCHCUDA_DYNAMIC_PADDING=off measures exact members.
+Progress goes to stderr, the table (or --json) to stdout; exit 1 when any output is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..settings import settings
+from .problems import default_dir, load, model_files, shrink
+from .reference import compare_outputs
+from .tables import geomean
+
+__all__ = ["batch_sizes", "measure_problem", "summarize_sizes", "main"]
+
+LABELS = ("1", "prime", "half", "example", "2x")
+
+
+def batch_sizes(example: int) -> dict[str, int]:
+    """The sizes measured, by label: 1, the largest prime below the example (or 1), half, the example, 2x."""
+    prime = next((p for p in range(example - 1, 1, -1) if all(p % q for q in range(2, math.isqrt(p) + 1))), 1)
+    return {"1": 1, "prime": prime, "half": max(1, example // 2), "example": example, "2x": 2 * example}
+
+
+def _ms(fn) -> float:
+    from ..verify import measure
+
+    return measure(fn, repeats=20, warmup=3).median_ms
+
+
+def _log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def measure_problem(path: Path, small: bool = False, compile_column: bool = True) -> dict:
+    """One problem's row: the static and dynamic optimize, then every size's columns."""
+    import stitchcuda
+    from ..graph.dynamic import DynamicModule, resized_inputs
+
+    module = shrink(load(path)) if small else load(path)
+    torch.manual_seed(0)
+    model = module.Model(*module.get_init_inputs()).cuda().eval()
+    inputs = tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in module.get_inputs())
+    row: dict[str, Any] = {"problem": path.stem, "padding": settings().dynamic_padding}
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        static = stitchcuda.optimize(model, inputs, compare_compile=False, progress=False)
+        row["static_s"] = round(time.perf_counter() - t0, 2)
+        row["static_runs"] = "program" if static.report.status == "optimized" else "original"
+        row["static_speedup"] = static.report.timing.get("speedup_eager") if row["static_runs"] == "program" else 1.0
+        del static
+        gc.collect()
+        t0 = time.perf_counter()
+        family = stitchcuda.optimize(model, inputs, dynamic="auto", compare_compile=False, progress=False)
+        row["dynamic_s"] = round(time.perf_counter() - t0, 2)
+        row["refused"] = family.report.dynamic.get("refused", "")
+        if not isinstance(family, DynamicModule):
+            row["sizes"] = {}
+            return row
+        dims = family.dims
+        compiled = torch.compile(model, dynamic=True) if compile_column else None
+        row["sizes"] = {}
+        for label, size in batch_sizes(dims[0].example).items():
+            if not dims[0].min <= size <= dims[0].max:
+                continue
+            xs = resized_inputs(inputs, dims, [size])
+            want = model(*xs)
+            before, pads, t0 = family.other_shape_calls, family.padded_calls, time.perf_counter()
+            got = family(*xs)  # builds the member on first use
+            first_s = time.perf_counter() - t0
+            ok, err, detail = compare_outputs(got, want)
+            cell = {"size": size, "correct": ok, "max_abs_error": err, "first_call_s": round(first_s, 3),
+                    "served": "original" if family.other_shape_calls > before
+                    else ("padded" if family.padded_calls > pads else "program"),
+                    "eager_ms": _ms(lambda: model(*xs)), "family_ms": _ms(lambda: family(*xs))}
+            if not ok:
+                cell["detail"] = detail
+            if compiled is not None:
+                compiled(*xs)
+                cell["compile_ms"] = _ms(lambda: compiled(*xs))
+            row["sizes"][label] = cell
+        row["members"] = family.members
+        row["member_builds"] = family.member_builds
+    return row
+
+
+def summarize_sizes(rows: list[dict]) -> dict:
+    """Per size label: geomeans of family/eager, compile/eager, family/compile, and family/eager over the
+    static program's speed-up at the example; plus correctness and optimize's wall-time ratio."""
+    out: dict[str, Any] = {}
+    for label in LABELS:
+        cells = [(r, r["sizes"][label]) for r in rows if label in r.get("sizes", {})]
+        fam = [c["eager_ms"] / c["family_ms"] for _, c in cells if c.get("family_ms")]
+        comp = [c["eager_ms"] / c["compile_ms"] for _, c in cells if c.get("compile_ms")]
+        vs = [c["compile_ms"] / c["family_ms"] for _, c in cells if c.get("compile_ms") and c.get("family_ms")]
+        static = [(c["eager_ms"] / c["family_ms"]) / r["static_speedup"] for r, c in cells
+                  if c.get("family_ms") and r.get("static_speedup")]
+        out[label] = {"problems": len(cells), "correct": sum(c["correct"] for _, c in cells),
+                      "original": sum(c["served"] == "original" for _, c in cells),
+                      "family_vs_eager": geomean(fam), "compile_vs_eager": geomean(comp),
+                      "family_vs_compile": geomean(vs), "family_over_static_example": geomean(static)}
+    walls = [r["dynamic_s"] / r["static_s"] for r in rows if r.get("static_s")]
+    out["optimize_wall_ratio"] = {"geomean": geomean(walls), "max": max(walls, default=None)}
+    out["refused"] = [r["problem"] for r in rows if r.get("refused")]
+    return out
+
+
+def _table(rows: list[dict], summary: dict) -> str:
+    lines = ["problem | static s | dynamic s | " + " | ".join(f"{l} fam/eager (cmp/eager)" for l in LABELS)]
+    for r in rows:
+        cells = []
+        for label in LABELS:
+            c = r.get("sizes", {}).get(label)
+            if c is None:
+                cells.append("-")
+                continue
+            mark = "" if c["correct"] else " WRONG"
+            cmp_ = f" ({c['eager_ms'] / c['compile_ms']:.2f})" if c.get("compile_ms") else ""
+            cells.append(f"{c['eager_ms'] / c['family_ms']:.2f}{cmp_} {c['served'][0]}{mark}")
+        lines.append(f"{r['problem']} | {r.get('static_s')} | {r.get('dynamic_s')} | " + " | ".join(cells)
+                     + (f"  refused: {r['refused'][:80]}" if r.get("refused") else ""))
+    lines.append("")
+    for label in LABELS:
+        s = summary[label]
+        lines.append(f"{label:8s} correct {s['correct']}/{s['problems']}, original {s['original']}, family/eager "
+                     f"{_f(s['family_vs_eager'])}, compile(dynamic)/eager {_f(s['compile_vs_eager'])}, family/compile "
+                     f"{_f(s['family_vs_compile'])}, over static@example {_f(s['family_over_static_example'])}")
+    w = summary["optimize_wall_ratio"]
+    lines.append(f"optimize wall, dynamic over static: geomean {_f(w['geomean'])}, max {_f(w['max'])}")
+    return "\n".join(lines)
+
+
+def _f(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m stitchcuda.bench.dynamic", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", type=Path, default=None, help="a folder of problem files (default: bench/suite)")
+    parser.add_argument("--only", default=None, help="file stems to run, comma-separated")
+    parser.add_argument("--small", action="store_true", help="every problem at its SMALL sizes")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile(dynamic=True)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench dynamic: needs a CUDA GPU (it times programs at each size)", file=sys.stderr)
+        return 3
+    folder = args.dir or default_dir("suite")
+    rows = []
+    for path in model_files(folder, args.only):
+        _log(f"{path.stem} ...")
+        try:
+            rows.append(measure_problem(path, args.small, not args.no_compile))
+        except Exception as exc:  # one problem's failure is its row, the others still run
+            rows.append({"problem": path.stem, "error": f"{type(exc).__name__}: {exc}"[:500], "sizes": {}})
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+        _log(json.dumps(rows[-1], default=str)[:400])
+    summary = summarize_sizes(rows)
+    wrong = any(not c["correct"] for r in rows for c in r.get("sizes", {}).values()) or any("error" in r for r in rows)
+    if args.json:
+        print(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows, "summary": summary}, default=str))
+    else:
+        print(_table(rows, summary))
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
