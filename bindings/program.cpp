@@ -1,10 +1,13 @@
-// Bindings of the program layer: ProgramBuilder, Program (validate, plan, save/load) and the Executor.
+// Bindings of the program layer: ProgramBuilder, Program (validate, plan, save/load), the Executor, and
+// ProgramFamily with its FamilyExecutor (one program per member size of a dynamic range).
 // The Pythonic surface (stitchcuda.Program, stitchcuda.load) is in python/stitchcuda/program.py.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <stitchcuda/executor.hpp>
+#include <stitchcuda/family.hpp>
+#include <stitchcuda/family_executor.hpp>
 #include <stitchcuda/program.hpp>
 
 #include "errors.hpp"
@@ -148,6 +151,165 @@ py::list to_py(const std::vector<at::Tensor>& ts) {
 }
 
 void* stream_of(std::uintptr_t s) { return reinterpret_cast<void*>(s); }
+
+// {buffer id: torch.Tensor}: weights an executor reads in place.
+std::map<BufferId, at::Tensor> shared_of(const py::dict& shared) {
+  std::map<BufferId, at::Tensor> tensors;
+  for (const auto& [key, value] : shared) {
+    if (!THPVariable_Check(value.ptr())) invalid("shared weights map buffer ids to torch.Tensor values");
+    tensors.emplace(key.cast<BufferId>(), THPVariable_Unpack(value.ptr()));
+  }
+  return tensors;
+}
+
+py::dict executor_stats(const ExecutorStats& s) {
+  py::dict d;
+  d["runs"] = s.runs, d["eager_runs"] = s.eager_runs, d["replays"] = s.replays, d["captures"] = s.captures;
+  d["copies_skipped"] = s.copies_skipped, d["instances"] = s.instances, d["arena_bytes"] = s.arena_bytes;
+  d["workspace_bytes"] = s.workspace_bytes;
+  d["device_launches"] = s.device_launches, d["host_replay_note"] = s.host_replay_note;
+  d["weight_bytes"] = s.weight_bytes, d["shared_weight_bytes"] = s.shared_weight_bytes;
+  return d;
+}
+
+// [(index, axis), ...] of a dim's inputs or outputs.
+std::vector<std::pair<std::uint32_t, std::uint32_t>> axes_of(const py::handle& list, const std::string& what) {
+  std::vector<std::pair<std::uint32_t, std::uint32_t>> out;
+  for (auto item : list.cast<py::sequence>()) {
+    auto pair = py::reinterpret_borrow<py::sequence>(item);
+    if (pair.size() != 2) invalid(what + " holds (index, axis) pairs");
+    out.emplace_back(pair[0].cast<std::uint32_t>(), pair[1].cast<std::uint32_t>());
+  }
+  return out;
+}
+
+// dict(name=, min=, max=, pad=False, inputs=[(i, a)], outputs=[(i, a)]).
+DynamicDim dim_of(const py::handle& h, std::size_t index) {
+  const std::string at = "dims[" + std::to_string(index) + "]";
+  if (!py::isinstance<py::dict>(h)) invalid(at + " is not a dict(name=, min=, max=, pad=, inputs=, outputs=)");
+  auto d = h.cast<py::dict>();
+  check_keys(d, {"name", "min", "max", "pad", "inputs", "outputs"}, "dim field");
+  for (const char* key : {"name", "min", "max", "inputs"})
+    if (!d.contains(key)) invalid(at + " lacks '" + key + "'");
+  DynamicDim dim;
+  dim.name = d["name"].cast<std::string>();
+  dim.min = d["min"].cast<std::int64_t>(), dim.max = d["max"].cast<std::int64_t>();
+  dim.pad = d.contains("pad") && d["pad"].cast<bool>();
+  dim.inputs = axes_of(d["inputs"], at + ".inputs");
+  if (d.contains("outputs")) dim.outputs = axes_of(d["outputs"], at + ".outputs");
+  return dim;
+}
+
+py::dict dim_dict(const DynamicDim& dim) {
+  py::dict d;
+  d["name"] = dim.name, d["min"] = dim.min, d["max"] = dim.max, d["pad"] = dim.pad;
+  d["inputs"] = dim.inputs, d["outputs"] = dim.outputs;
+  return d;
+}
+
+
+// ProgramFamily and FamilyExecutor (stitchcuda.ProgramFamily / FamilyExecutor wrap them).
+void bind_family(py::module_& pm) {
+  py::class_<ProgramFamily>(pm, "ProgramFamily")
+      .def(py::init([](const py::sequence& dims, const py::sequence& members) {
+        ProgramFamily f;
+        for (std::size_t d = 0; d < dims.size(); ++d) f.dims.push_back(dim_of(dims[d], d));
+        for (std::size_t i = 0; i < members.size(); ++i) {
+          auto pair = members[i].cast<py::sequence>();
+          if (pair.size() != 2) invalid("members[" + std::to_string(i) + "] is not a (sizes, Program) pair");
+          f.members.push_back({pair[0].cast<std::vector<std::int64_t>>(), pair[1].cast<Program>()});
+        }
+        return f;
+      }), py::arg("dims"), py::arg("members"))
+      .def("validate", [](const ProgramFamily& f) { unwrap(f.validate()); })
+      .def("check_member", [](const ProgramFamily& f, std::vector<std::int64_t> sizes, const Program& p) {
+        unwrap(f.check_member({std::move(sizes), p}));
+      })
+      .def("serialize", [](const ProgramFamily& f) { return py::bytes(f.serialize()); })
+      .def_static("deserialize", [](const py::bytes& b) { return unwrap(ProgramFamily::deserialize(std::string(b))); })
+      .def("save", [](const ProgramFamily& f, const std::string& path) { unwrap(f.save(path)); })
+      .def_static("load", [](const std::string& path) { return unwrap(ProgramFamily::load(path)); })
+      .def_property_readonly("dims", [](const ProgramFamily& f) {
+        py::list out;
+        for (const DynamicDim& d : f.dims) out.append(dim_dict(d));
+        return out;
+      })
+      .def_property_readonly("member_sizes", &ProgramFamily::member_sizes)
+      .def("program", [](const ProgramFamily& f, std::size_t i) {
+        if (i >= f.members.size()) invalid("member " + std::to_string(i) + " of " + std::to_string(f.members.size()));
+        return f.members[i].program;  // a copy: the Python Program owns it
+      })
+      .def("sizes_of", [](const ProgramFamily& f, const std::vector<std::vector<std::int64_t>>& shapes) {
+        return unwrap(f.sizes_of(shapes));
+      })
+      .def("select", [](const ProgramFamily& f, const std::vector<std::int64_t>& sizes) { return unwrap(f.select(sizes)); });
+  pm.def("is_family_artifact", [](const py::bytes& b) { return is_family_artifact(std::string(b)); });
+
+  py::class_<FamilyExecutor, std::shared_ptr<FamilyExecutor>>(pm, "FamilyExecutor")
+      .def(py::init([](const ProgramFamily& f, std::optional<bool> graphs, int device, std::size_t max_resident,
+                       const py::sequence& shared) {
+        ExecutorOptions o;
+        o.graphs = graphs, o.device = device;
+        std::vector<std::map<BufferId, at::Tensor>> maps;
+        for (auto m : shared) maps.push_back(shared_of(m.cast<py::dict>()));
+        Result<std::shared_ptr<FamilyExecutor>> r;
+        {
+          py::gil_scoped_release release;
+          r = FamilyExecutor::create(f, o, {max_resident}, maps);
+        }
+        return unwrap(std::move(r));
+      }), py::arg("family"), py::arg("graphs") = py::none(), py::arg("device") = -1, py::arg("max_resident") = 4,
+          py::arg("shared") = py::list())
+      .def("run", [](FamilyExecutor& e, const py::sequence& inputs, std::uintptr_t stream) {
+        auto in = tensors_of(inputs, "input");
+        Result<std::vector<at::Tensor>> r;
+        {
+          py::gil_scoped_release release;
+          r = e.run(in, stream_of(stream));
+        }
+        return to_py(unwrap(std::move(r)));
+      }, py::arg("inputs"), py::arg("stream") = 0)
+      .def("add_member", [](FamilyExecutor& e, std::vector<std::int64_t> sizes, const Program& p, const py::dict& shared) {
+        auto tensors = shared_of(shared);
+        Result<void> r;
+        {
+          py::gil_scoped_release release;
+          r = e.add_member(std::move(sizes), p, tensors);
+        }
+        unwrap(std::move(r));
+      }, py::arg("sizes"), py::arg("program"), py::arg("shared") = py::dict())
+      .def("release", [](FamilyExecutor& e) {
+        Result<void> r;
+        {
+          py::gil_scoped_release release;
+          r = e.release();
+        }
+        unwrap(std::move(r));
+      })
+      .def_property_readonly("dims", [](const FamilyExecutor& e) {
+        py::list out;
+        for (const DynamicDim& d : e.dims()) out.append(dim_dict(d));
+        return out;
+      })
+      .def_property_readonly("member_sizes", &FamilyExecutor::member_sizes)
+      .def_property_readonly("device", &FamilyExecutor::device)
+      .def_property_readonly("warnings", &FamilyExecutor::warnings)
+      .def("stats", [](const FamilyExecutor& e) {
+        FamilyStats s = e.stats();
+        py::dict d;
+        d["runs"] = s.runs, d["padded_runs"] = s.padded_runs, d["releases"] = s.releases, d["resident"] = s.resident;
+        d["weight_bytes"] = s.weight_bytes, d["shared_weight_bytes"] = s.shared_weight_bytes;
+        py::list members;
+        for (const FamilyMemberStats& m : s.members) {
+          py::dict md;
+          md["sizes"] = m.sizes, md["calls"] = m.calls, md["padded_calls"] = m.padded_calls, md["resident"] = m.resident;
+          md["executor"] = executor_stats(m.executor);
+          members.append(md);
+        }
+        d["members"] = members;
+        return d;
+      });
+}
 
 }  // namespace
 
@@ -319,12 +481,7 @@ void bind_program(py::module_& m) {
         ExecutorOptions o;
         o.graphs = graphs, o.device = device, o.workspace_bytes = workspace, o.device_launch = device_launch;
         o.device_launch_min_nodes = min_nodes;
-        std::map<BufferId, at::Tensor> tensors;
-        for (const auto& [key, value] : shared) {
-          if (!THPVariable_Check(value.ptr())) invalid("shared weights map buffer ids to torch.Tensor values");
-          tensors.emplace(key.cast<BufferId>(), THPVariable_Unpack(value.ptr()));
-        }
-        return unwrap(Executor::create(p, o, tensors));
+        return unwrap(Executor::create(p, o, shared_of(shared)));
       }), py::arg("program"), py::arg("graphs") = py::none(), py::arg("device") = -1, py::arg("workspace_bytes") = 32u << 20,
           py::arg("device_launch") = true, py::arg("device_launch_min_nodes") = 128, py::arg("shared") = py::dict())
       .def("run", [](Executor& e, const py::sequence& inputs, std::optional<py::sequence> outputs, std::uintptr_t stream) {
@@ -368,16 +525,9 @@ void bind_program(py::module_& m) {
       .def_property_readonly("device", &Executor::device)
       .def_property_readonly("warnings", &Executor::warnings)
       .def_property_readonly("program", &Executor::program, py::return_value_policy::reference_internal)
-      .def("stats", [](const Executor& e) {
-        ExecutorStats s = e.stats();
-        py::dict d;
-        d["runs"] = s.runs, d["eager_runs"] = s.eager_runs, d["replays"] = s.replays, d["captures"] = s.captures;
-        d["copies_skipped"] = s.copies_skipped, d["instances"] = s.instances, d["arena_bytes"] = s.arena_bytes;
-        d["workspace_bytes"] = s.workspace_bytes;
-        d["device_launches"] = s.device_launches, d["host_replay_note"] = s.host_replay_note;
-        d["weight_bytes"] = s.weight_bytes, d["shared_weight_bytes"] = s.shared_weight_bytes;
-        return d;
-      });
+      .def("stats", [](const Executor& e) { return executor_stats(e.stats()); });
+
+  bind_family(pm);
 }
 
 }  // namespace stitchcuda::bindings

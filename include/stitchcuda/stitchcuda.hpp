@@ -3,6 +3,7 @@
 
 #include <stitchcuda/agents.hpp>
 #include <stitchcuda/error.hpp>
+#include <stitchcuda/family.hpp>
 #include <stitchcuda/jit.hpp>
 #include <stitchcuda/llm.hpp>
 #include <stitchcuda/program.hpp>

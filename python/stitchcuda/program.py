@@ -10,7 +10,8 @@
     model = stitchcuda.load("mlp.stitch")      # an nn.Module
     out = model(torch.randn(64, 256, device="cuda"))
 
-See docs/program.md for the step kinds, the artifact layout and the executor.
+See docs/program.md for the step kinds, the artifact layout and the executor, and docs/family.md for
+ProgramFamily: one program per member size of a dynamic range (batch buckets), run by FamilyExecutor.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import torch
 from . import _C
 from .errors import InvalidArgumentError
 
-__all__ = ["Program", "ProgramBuilder", "Executor", "ProgramModule", "load", "DTYPES"]
+__all__ = ["Program", "ProgramBuilder", "Executor", "ProgramModule", "ProgramFamily", "FamilyExecutor", "FamilyModule",
+           "load", "DTYPES"]
 
 # Program dtype names and the torch dtypes they mean.
 DTYPES: dict[str, torch.dtype] = {
@@ -367,9 +369,149 @@ class ProgramModule(torch.nn.Module):
         return repr(self.program)
 
 
+class ProgramFamily:
+    """Programs that differ only in the sizes of some dims — one per member size of a dynamic range (batch
+    buckets 1, 2, 4, ..., or sizes built as they occur) — served together by FamilyExecutor.
+
+    ``dims``: ``dict(name=, min=, max=, pad=False, inputs=[(input, axis)], outputs=[(output, axis)])`` each:
+    the range of sizes served and the axes carrying the dim (inputs and outputs in buffer-id order, as
+    Executor.run takes them). ``pad=True``: a member of a larger size may serve a call, its inputs
+    zero-padded and its outputs narrowed back (right where positions along the dim do not mix, as samples
+    of a batch). ``members``: ``(sizes, Program)`` pairs, one size per dim. ``validate()`` says what is wrong.
+    """
+
+    def __init__(self, dims: Sequence[dict], members: Sequence[tuple[Sequence[int], Program]] = ()) -> None:
+        self.dims: list[dict] = [dict(d) for d in dims]
+        self.members: list[tuple[tuple[int, ...], Program]] = []
+        for sizes, program in members:
+            self.add(sizes, program)
+
+    def add(self, sizes: Sequence[int], program: Program) -> None:
+        """Appends a member (checked by validate(), save() and FamilyExecutor)."""
+        if not isinstance(program, Program):
+            raise InvalidArgumentError(f"a family member is a Program, not {type(program).__name__}")
+        self.members.append((tuple(int(s) for s in sizes), program))
+
+    def _native(self, *, with_shared_bytes: bool = False):
+        """The C++ ProgramFamily of these members (copies of their programs). ``with_shared_bytes``: shared
+        weights stored without bytes take their tensors' values, as Program.save does."""
+        with contextlib.ExitStack() as stack:
+            if with_shared_bytes:
+                for _, program in self.members:
+                    stack.enter_context(program._shared_bytes())
+            return _C.program.ProgramFamily(self.dims, [(list(sizes), p._p) for sizes, p in self.members])
+
+    @staticmethod
+    def _from_native(native: Any, what: str) -> "ProgramFamily":
+        family = ProgramFamily(native.dims)
+        for i, sizes in enumerate(native.member_sizes):
+            family.add(sizes, Program._read(native.program(i), f"{what}, member {i}"))
+        return family
+
+    def validate(self) -> None:
+        """Raises InvalidArgumentError naming the field at fault ("dims[0].max", "members[2].sizes[0]")."""
+        self._native().validate()
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the family file atomically: each member's program once, each distinct weight once."""
+        self._native(with_shared_bytes=True).save(os.fspath(path))
+
+    def serialize(self) -> bytes:
+        """The family file's bytes."""
+        return self._native(with_shared_bytes=True).serialize()
+
+    @staticmethod
+    def load(path: str | os.PathLike) -> "ProgramFamily":
+        """Reads a family file; a truncated, damaged or wrong-version one raises InvalidArgumentError."""
+        path = os.fspath(path)
+        return ProgramFamily._from_native(_C.program.ProgramFamily.load(path), f"the family file {path!r}")
+
+    @staticmethod
+    def deserialize(data: bytes) -> "ProgramFamily":
+        """Reads family file bytes (the errors of ``load``)."""
+        return ProgramFamily._from_native(_C.program.ProgramFamily.deserialize(data), "the family's bytes")
+
+    def sizes_of(self, shapes: Sequence[Sequence[int]]) -> tuple[int, ...]:
+        """Each dim's size in a call whose inputs have these shapes (an error names a size out of range)."""
+        return tuple(self._native().sizes_of([list(s) for s in shapes]))
+
+    def select(self, sizes: Sequence[int]) -> int:
+        """The index of the member that serves ``sizes``: exactly, else the smallest padded one."""
+        return self._native().select(list(sizes))
+
+    def __repr__(self) -> str:
+        dims = ", ".join(f"{d.get('name')} {d.get('min')}..{d.get('max')}{' padded' if d.get('pad') else ''}" for d in self.dims)
+        return f"<stitchcuda.ProgramFamily: {dims}; {len(self.members)} members {[s for s, _ in self.members]}>"
+
+
+class FamilyExecutor:
+    """Runs a ProgramFamily on the GPU: each call goes to the member of its sizes, or a larger one with the
+    inputs zero-padded and the outputs narrowed back; a size outside a dim's range raises naming the dim
+    and the range. Members' equal weights are uploaded once; at most ``max_resident`` members hold their
+    working memory (arena, static buffers, CUDA graph), the least recently run one released first.
+    Thread-safe like Executor; ``add_member`` adds a program built later beside running calls."""
+
+    def __init__(self, family: ProgramFamily, *, graphs: bool | None = None, device: int | None = None,
+                 max_resident: int = 4) -> None:
+        self.family = family
+        for _, program in family.members:
+            _note_kernels(program)
+        self._e = _C.program.FamilyExecutor(family._native(), graphs, -1 if device is None else int(device),
+                                            int(max_resident), [p.shared_weights for _, p in family.members])
+
+    def run(self, inputs: Sequence[torch.Tensor], *, stream: torch.cuda.Stream | None = None) -> list[torch.Tensor]:
+        """Runs on ``stream`` (default: the current stream); returns new output tensors."""
+        return self._e.run(list(inputs), 0 if stream is None else int(stream.cuda_stream))
+
+    def add_member(self, sizes: Sequence[int], program: Program) -> None:
+        """Adds the program built for ``sizes`` (it also joins ``family.members``)."""
+        _note_kernels(program)
+        self._e.add_member([int(s) for s in sizes], program._p, program.shared_weights)
+        self.family.add(sizes, program)
+
+    # release() (every member's working memory back until the next call), device, warnings: as Executor's.
+    release = Executor.release
+    device = Executor.device
+    warnings = Executor.warnings
+
+    @property
+    def member_sizes(self) -> list[list[int]]:
+        return self._e.member_sizes
+
+    def stats(self) -> dict:
+        """runs, padded_runs, releases, resident, weight_bytes (uploaded once for all members),
+        shared_weight_bytes, and members: [{sizes, calls, padded_calls, resident, executor: Executor.stats()}]."""
+        return self._e.stats()
+
+
+class FamilyModule(ProgramModule):
+    """An nn.Module that runs a ProgramFamily: forward(*inputs) at any size the family serves."""
+
+    def __init__(self, family: ProgramFamily, *, graphs: bool | None = None, device: int | None = None,
+                 max_resident: int = 4) -> None:
+        torch.nn.Module.__init__(self)
+        self.program = family
+        self.executor = FamilyExecutor(family, graphs=graphs, device=device, max_resident=max_resident)
+        for text in self.executor.warnings:
+            warnings.warn(f"stitchcuda: {text}", RuntimeWarning, stacklevel=2)
+        first = family.members[0][1]
+        self._inputs = sorted((b for b in first.buffers if b["role"] == "input"), key=lambda b: b["id"])
+
+
 def load(path: str | os.PathLike, *, graphs: bool | None = None, device: int | None = None) -> ProgramModule:
-    """Loads a `.stitch` artifact as a callable nn.Module running on the GPU."""
+    """Loads a `.stitch` artifact — one program, or a program family (a FamilyModule) — as a callable
+    nn.Module running on the GPU."""
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        if _C.program.is_family_artifact(f.read(8)):
+            return FamilyModule(ProgramFamily.load(path), graphs=graphs, device=device)
     return ProgramModule(Program.load(path), graphs=graphs, device=device)
+
+
+def _note_kernels(program: Program) -> None:
+    """The program's kernels are this process's own code from here on (Executor's note, for the Verifier)."""
+    from . import jit
+
+    jit._COMPILED.update(str(k["name"]) for k in program.kernels if k.get("name"))
 
 
 def _dims(v) -> list[int]:
