@@ -8,7 +8,7 @@ import contextlib
 import statistics
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -23,7 +23,8 @@ from .state import PipelineState
 
 __all__ = ["device_facts", "hardware_record", "time_ms", "allocated", "copy_ms", "timed_stage", "record_peak",
            "flat_tensors", "verify_program", "fp64_too_large", "VARIANT_TIE", "MEASURE_ROUNDS", "MEASURE_REPEATS",
-           "KEEP_MARGIN", "not_faster", "measure_speed", "verify_state"]
+           "KEEP_MARGIN", "not_faster", "measure_speed", "verify_state", "LOSSES_LISTED", "losing_groups", "loss_text",
+           "group_times", "explain_loss", "kernels_of_groups", "OTHER_STEPS"]
 
 # Program variants whose times are within this share of the fastest's are a tie (the timer's spread on
 # one model): of those, the one whose plan holds the least working memory is kept.
@@ -183,3 +184,153 @@ def measure_speed(model, optimized: Any, example_inputs, compare_compile: bool) 
 def verify_state(state: PipelineState, optimized: Any) -> dict:
     """verify_program on the state's model, example inputs, plan and verify_sets."""
     return verify_program(state.model, optimized, state.example_inputs, state.options.verify_sets, state.plan)
+
+
+# ---- why a program loses -------------------------------------------------------------------------------
+#
+# A program slower than eager is dropped; the report then says which of its kernels cost more than the ATen
+# ops they replace. Each generated kernel is timed under CUPTI in one call of the program (the groups that
+# share it, every layer's copy of a block's norm, add up), against the ATen ops of those groups timed alone
+# the same way (on inputs of the recorded shapes: ATen's time does not depend on the values); the cuBLASLt,
+# cuDNN and ATen steps together are one more row. Biggest loss first.
+
+LOSSES_LISTED = 5  # rows named in the fallback's reason and warning; report.timing["slower_groups"] has all
+OTHER_STEPS = "cuBLASLt, cuDNN, ATen and copy steps"  # the kind of the row of every kernel no group is named after
+
+
+def losing_groups(rows: Sequence[dict]) -> list[dict]:
+    """The rows (each {kernel, kind, nodes, groups, us, aten_us}: a generated kernel and the groups that run
+    it, program and ATen microseconds per call) whose program time passes their ATen ops', with `loss_us`,
+    biggest loss first. A row without both times is left out."""
+    timed = [r for r in rows if isinstance(r.get("us"), (int, float)) and isinstance(r.get("aten_us"), (int, float))]
+    return sorted(({**r, "loss_us": r["us"] - r["aten_us"]} for r in timed if r["us"] > r["aten_us"]),
+                  key=lambda r: -r["loss_us"])
+
+
+def loss_text(losses: Sequence[dict], limit: int = LOSSES_LISTED) -> str:
+    """The losing rows in one sentence (the fallback's reason and warning): "" when none."""
+    if not losses:
+        return ""
+    parts = []
+    for r in losses[:limit]:
+        what = f"kernel {r['kernel']}" if r.get("kernel") else r.get("kind", "steps")
+        count = r.get("groups", 1)
+        parts.append(f"{what} ({count} group{'s' if count != 1 else ''}: {r.get('nodes', '')}) {r['us']:.1f} us "
+                     f"against ATen's {r['aten_us']:.1f} us (+{r['loss_us']:.1f} us)")
+    more = f"; {len(losses) - limit} more in report.timing['slower_groups']" if len(losses) > limit else ""
+    return "kernels slower than their ATen ops, biggest loss first: " + "; ".join(parts) + more
+
+
+def kernels_of_groups(plan: GraphPlan, entries: Sequence[dict]) -> dict[int, str]:
+    """id(group) -> the name of the generated kernel it runs, read from the report's group entries, which are
+    in plan order but leave out the views and constants nothing read."""
+    found: dict[int, str] = {}
+    k = 0
+    for g in plan.groups:
+        if k >= len(entries):
+            break
+        e = entries[k]
+        if g.kind in ("view", "constant") and (e.get("kind") != g.kind or
+                                              e.get("nodes") != ", ".join(n.op.removeprefix("aten::") for n in g.nodes)):
+            continue  # left out of the entries
+        if e.get("kernel"):
+            found[id(g)] = e["kernel"]
+        k += 1
+    return found
+
+
+def _kernel_us(call, calls: int = 3) -> dict[str, float]:
+    """Microseconds per call of each kernel `call()` launches, by name, under CUPTI (one untimed call first)."""
+    from .. import profile
+
+    call()
+    torch.cuda.synchronize()
+    with profile.trace(kernels=True, memory=False, api_calls=False) as t:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for k in t.trace.kernels:
+        times[str(k.name)] = times.get(str(k.name), 0.0) + k.duration_ns / calls / 1e3
+    return times
+
+
+def _aten_us(state: PipelineState, g: Any) -> float | None:
+    """Microseconds per call of the group's ATen ops alone (its sub-problem, as the agents profile a target), on
+    its weights and constants and on stand-ins of the recorded shapes for the rest (normal values, zeros for
+    integers: valid indices); None where they cannot run apart."""
+    from .targets import subproblem
+
+    try:
+        values = {}
+        for v in g.inputs():
+            if v.kind != "weight":
+                values[v.name] = state.constants.get(v.name)
+                if values[v.name] is None:
+                    values[v.name] = torch.zeros(v.shape, dtype=v.dtype, device="cuda")
+                    if v.dtype.is_floating_point:
+                        values[v.name].normal_()
+        sub = subproblem(state.graph, [g], values, g.name)
+        model, _ = sub.build()
+        feed = [(v.data if v.kind == "weight" else values[v.name]).contiguous() for v in sub.inputs]
+        with torch.no_grad():
+            return sum(_kernel_us(lambda: model(*feed)).values())
+    except Exception:  # an op that cannot run on its own (a data-dependent size): that row is not compared
+        return None
+
+
+def group_times(state: PipelineState) -> tuple[list[dict], str]:
+    """(one row per generated kernel of the program and one for its other steps: {kernel, kind, nodes, groups,
+    us, aten_us}, ""), or ([], why not) where CUPTI or the program cannot be timed. Needs a GPU."""
+    plan, program = state.plan, getattr(state.optimized, "program", None)
+    if program is None:
+        return [], "no program to time"
+    try:
+        state.optimized.release()  # its working memory, while a runner without CUDA graphs is timed
+        executor = program.executor(graphs=False)
+        feed = [t.contiguous() for t in state.contiguous_inputs or flat_tensors(state.example_inputs)]
+        with torch.no_grad():
+            program_us = _kernel_us(lambda: executor.run(feed))
+        executor.release()
+    except Exception as exc:  # no CUPTI, a program that cannot run apart: the fallback's reason stays as it was
+        return [], f"not measured: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+    kernel_of = kernels_of_groups(plan, state.report.groups)
+    rows: dict[str, dict] = {}
+    signatures: dict[tuple, float | None] = {}  # the same ops on the same shapes (every layer's copy) timed once
+    for g in plan.groups:
+        if g.kind == "constant":  # computed once from the weights, in neither forward
+            continue
+        key = (tuple(n.op for n in g.nodes), tuple((v.shape, v.dtype, v.kind) for v in g.inputs()))
+        if key not in signatures:
+            signatures[key] = _aten_us(state, g)
+        # A GEMM's generated kernel is its epilogue beside cuBLASLt's product: the group goes with the other steps.
+        name = kernel_of.get(id(g), "") if g.kind != "gemm" else ""
+        row = rows.setdefault(name, {"kernel": name, "kind": g.kind if name else OTHER_STEPS, "groups": 0,
+                                     "nodes": ", ".join(n.op.removeprefix("aten::") for n in g.nodes) if name else "",
+                                     "aten_us": 0.0})
+        row["groups"] += 1
+        aten = signatures[key]
+        row["aten_us"] = None if row["aten_us"] is None or aten is None else row["aten_us"] + aten
+    for name, row in rows.items():
+        row["us"] = sum(us for k, us in program_us.items() if _base_name(k) == name)
+    if "" in rows:  # every kernel no generated group is named after: cuBLASLt, cuDNN, ATen, layout copies
+        rows[""]["us"] = sum(us for k, us in program_us.items() if _base_name(k) not in rows)
+    return list(rows.values()), ""
+
+
+def _base_name(kernel: str) -> str:
+    return kernel.split("(", 1)[0]
+
+
+def explain_loss(state: PipelineState) -> str:
+    """Why the program lost to eager, per kernel (group_times, losing_groups): recorded in
+    report.timing ("slower_groups", or "slower_groups_note" where they could not be timed) and returned as
+    loss_text's sentence for the fallback's reason ("" when nothing was found slower)."""
+    rows, why = group_times(state)
+    timing = state.report.timing
+    if why:
+        timing["slower_groups_note"] = why
+        return ""
+    losses = losing_groups(rows)
+    timing["slower_groups"] = losses
+    return loss_text(losses)

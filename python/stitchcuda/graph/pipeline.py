@@ -23,7 +23,8 @@ from .build import (build_program, nothing_to_gain, owning_constants, planned_en
 from .capture import CaptureError, capture
 from .checks import check_groups, memory_target
 from .lower import Lowering, LoweringError, constant_values
-from .measure import (allocated, device_facts, measure_speed, not_faster, record_peak, timed_stage, verify_state)
+from .measure import (allocated, device_facts, explain_loss, measure_speed, not_faster, record_peak, timed_stage,
+                      verify_state)
 from .module import OptimizedModule, model_name
 from .options import OptimizeOptions
 from .groups import GENERATED, Group
@@ -214,10 +215,11 @@ def measure_stage(state: PipelineState) -> Fallback | None:
                                       options.compare_compile and options.measure)
     record_peak(report, "measure")
     why = not_faster(report.timing)
+    lost = explain_loss(state) if why else ""  # the kernels that cost more than their ATen ops, in report.timing
     if not options.keep_slower and why:
         return Fallback(f"the stitched program is not faster than the model on the example inputs ({why}, by the "
-                        "Verifier's timer): the original model runs (keep_slower=True keeps the program)",
-                        keep_program=True)
+                        f"Verifier's timer){'; ' + lost if lost else ''}: the original model runs (keep_slower=True "
+                        "keeps the program)", keep_program=True)
     return None
 
 

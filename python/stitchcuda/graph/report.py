@@ -80,6 +80,11 @@ class Timing(TypedDict, total=False):
     compile_error: str
     rounds: int
     rounds_faster: int
+    # A program slower than eager: its kernels (and its other steps together) that cost more than the ATen
+    # ops they replace, biggest loss first, each {kernel, kind, nodes, groups, us, aten_us, loss_us}
+    # (graph/measure.py, explain_loss); or why they could not be timed.
+    slower_groups: list[dict]
+    slower_groups_note: str
 
 
 class TargetRow(TypedDict, total=False):
@@ -183,6 +188,9 @@ class Report:
                          + (f", torch.compile {t['compile_ms']:.4f} ms" if t.get("compile_ms") else ""))
             lines.append(f"  speed-up: {t.get('speedup_eager', float('nan')):.2f}x vs eager"
                          + (f", {t['speedup_compile']:.2f}x vs torch.compile" if t.get("speedup_compile") else ""))
+            for r in t.get("slower_groups") or []:
+                lines.append(f"  slower than ATen: {r.get('kernel') or r.get('kind')} ({r.get('groups')} group(s): "
+                             f"{r.get('nodes')}) {r['us']:.1f} us vs {r['aten_us']:.1f} us, +{r['loss_us']:.1f} us")
         if self.verification:
             v = self.verification
             fp64 = v.get("max_rel_error_fp64")
@@ -273,7 +281,12 @@ def report_schema() -> dict:
             "timing": {"type": "object",
                        "properties": {"eager_ms": number, "stitched_ms": number, "speedup_eager": number,
                                       "compile_ms": number, "speedup_compile": number, "compile_error": string,
-                                      "rounds": integer, "rounds_faster": integer}},  # the rounds: since 2026-12
+                                      "rounds": integer, "rounds_faster": integer,  # the rounds: since 2026-12
+                                      "slower_groups": {"type": "array", "items": {  # absent in older reports
+                                          "type": "object", "properties": {
+                                              "kernel": string, "kind": string, "nodes": string, "groups": integer,
+                                              "us": number, "aten_us": number, "loss_us": number}}},
+                                      "slower_groups_note": string}},
             "op_counts": {"type": "object", "additionalProperties": integer},
             "stage_seconds": {"type": "object", "additionalProperties": {"type": "number"}},
             "stage_peak_bytes": {"type": "object", "additionalProperties": integer},  # absent in older reports
