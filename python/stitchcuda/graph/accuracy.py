@@ -11,6 +11,7 @@ import torch
 from ..verify.compare import first_difference
 from ..verify.program import output_specs, program_job
 from ..verify.tolerance import Accuracy, by_accuracy, judge_accuracy, reference_dtype
+from .attention import reference_values
 from .capture import Value
 from .groups import Group
 
@@ -45,6 +46,8 @@ def group_reference(group: Group, values: dict[str, torch.Tensor], dtype: torch.
     recorded inputs and constants; weights come from their Values), every value it produces by name.
     A cast to another floating type (a bf16 model's `.to(torch.bfloat16)`) keeps `dtype`: the reference
     is the same arithmetic without the roundings, which is what "the truth" means for a cast."""
+    if group.kind == "attention" and dtype is not None:  # its nodes would build the scores: in slices of rows
+        return reference_values(group.params["attention"], values, dtype)
     env: dict[str, Any] = {}
 
     def arg(a: Any) -> Any:

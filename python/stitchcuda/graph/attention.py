@@ -2,7 +2,10 @@
 softmax -> dropout in eval -> matmul), through the views, transposes and GQA repeats around it, and describes
 each as an `Attention` (q, k, v, scale, causal, mask, sizes) that the fused attention kernels can compute.
 
-Standalone for now: optimize() does not call it yet (see docs/attention.md).
+The planner replaces written-out attention by one step that never builds the scores (OfflinePlanner's
+attention groups): what that step can take (`sdpa_blocker`, `template_blocker`), the nodes it replaces
+(`replaced_nodes`) and its reference without the scores, computed in slices of query rows (`reference`)
+are here beside the recognizer. See docs/attention.md.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import torch
 
 from .capture import Graph, Node, Value
 
-__all__ = ["Attention", "find_attention"]
+__all__ = ["Attention", "find_attention", "sdpa_blocker", "template_blocker", "replaced_nodes", "attention_inputs",
+           "reference", "reference_values", "REFERENCE_SLICE_BYTES"]
 
 # Ops that change no value, only how it is seen: the matmul's operand reshapes, dropout in eval (a clone).
 _SAME_VALUES = {"view", "_unsafe_view", "reshape", "clone", "alias", "contiguous", "expand"}
@@ -27,7 +31,7 @@ _MASKING_FILL = -1e9
 _FOLD_LIMIT = 1 << 24  # elements: a constant mask larger than this is not evaluated
 
 
-@dataclass
+@dataclass(eq=False)  # one found attention is itself: groups holding it compare by identity, not by graph walks
 class Attention:
     """One attention found in a graph: out = softmax(scale * q k^T [+ mask]) v over the last two dims.
 
@@ -384,3 +388,122 @@ def find_attention(graph: Graph) -> list[Attention]:
         if hit is not None:
             found.append(hit)
     return found
+
+
+# ---- the planner's view: what one attention step can take ------------------------------------------------
+
+_STEP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def sdpa_blocker(a: Attention) -> str | None:
+    """None when `a` can run as one ATen scaled_dot_product_attention step (ATen then picks the flash or
+    memory-efficient kernel, the scores never in memory), else why not."""
+    q, k, v = a.q, a.k, a.v
+    if a.dropout_p:
+        return "dropout in training mode"
+    if len({q.dtype, k.dtype, v.dtype}) != 1 or q.dtype not in _STEP_DTYPES:
+        return f"q, k, v of {q.dtype}, {k.dtype}, {v.dtype} (one of fp32, fp16, bf16 for all three)"
+    if not 3 <= len(q.shape) <= 4 or len(k.shape) != len(q.shape) or len(v.shape) != len(q.shape):
+        return f"q, k, v of ranks {len(q.shape)}, {len(k.shape)}, {len(v.shape)} (3 or 4 for all three)"
+    if q.shape[:-3] != k.shape[:-3] or k.shape[:-1] != v.shape[:-1] or a.heads % a.kv_heads:
+        return f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} do not share batch, heads and keys"
+    if a.mask is not None:
+        m = a.mask
+        if len(m.shape) > 4:
+            return f"a mask of rank {len(m.shape)}"
+        if a.mask_kind == "additive" and m.dtype not in (torch.float32, q.dtype):
+            return f"an additive mask of {m.dtype} beside {q.dtype} scores"
+        if a.mask_kind in ("keep", "drop") and (m.dtype != torch.bool or a.mask_value is None
+                                                or a.mask_value > _MASKING_FILL):
+            return (f"a boolean mask filled with {a.mask_value} (a fill of {_MASKING_FILL:g} or below masks a key, "
+                    "as a boolean attention mask does)")
+        try:
+            torch.broadcast_shapes(tuple(m.shape), (*q.shape[:-1], k.shape[-2]))
+        except RuntimeError:
+            return f"a mask of shape {list(m.shape)} that does not broadcast to the scores"
+    return None
+
+
+def template_blocker(a: Attention) -> str | None:
+    """None when the fused prefill template (templates/attention.py) computes `a` too, else why not."""
+    from .templates.attention import HEAD_DIMS  # the recognizer alone needs no template
+
+    why = sdpa_blocker(a)
+    if why is not None:
+        return why
+    if a.head_dim not in HEAD_DIMS or a.value_dim != a.head_dim:
+        return f"head dims {a.head_dim} / {a.value_dim} (the template: equal, one of {HEAD_DIMS})"
+    return None
+
+
+def replaced_nodes(a: Attention, outputs: set[str]) -> list[Node]:
+    """The nodes of `a` one step replaces: its nodes less those whose results something outside reads
+    (a view of q that another op reads too stays, and feeds the step its source), repeated until none is."""
+    kept = list(a.nodes)
+    while True:
+        inside = {id(n) for n in kept}
+        shared = [n for n in kept if any(v is not None and v is not a.output and
+                                         (v.name in outputs or any(id(u) not in inside for u in v.users))
+                                         for v in n.outputs)]
+        if not shared:
+            return kept
+        kept = [n for n in kept if n not in shared]
+
+
+def attention_inputs(a: Attention) -> list[Value]:
+    """The values one attention step reads: q, k, v (before any GQA repeat) and the mask, if kept."""
+    out: list[Value] = []
+    for v in (a.q, a.k, a.v, a.mask):
+        if v is not None and all(v is not w for w in out):
+            out.append(v)
+    return out
+
+
+# A reference computed in slices of query rows holds at most this many bytes of one slice's scores.
+REFERENCE_SLICE_BYTES = 64 << 20
+
+
+def reference(a: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+              dtype: torch.dtype = torch.float64, slice_bytes: int = REFERENCE_SLICE_BYTES,
+              slices: list[int] | None = None) -> torch.Tensor:
+    """`a`'s output computed from its inputs in `dtype`, the math form over slices of query rows whose
+    scores hold at most `slice_bytes` (one row at the least): the check of an attention group never
+    builds the N x N scores, as the step it checks does not. Shaped as `a.output`. `slices` receives each
+    slice's row count."""
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    rep = a.heads // a.kv_heads
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
+    nq, nk = q.shape[-2], k.shape[-2]
+    per_row = math.prod(q.shape[:-2]) * nk * torch.empty((), dtype=dtype).element_size()
+    step = max(1, slice_bytes // max(per_row, 1))
+    if mask is not None:
+        mask = mask if mask.dtype == torch.bool else mask.to(dtype)
+        mask = mask.expand(*mask.shape[:-2], nq, nk) if mask.dim() >= 2 else mask.expand(nq, nk)
+    parts = []
+    for r0 in range(0, nq, step):
+        r1 = min(nq, r0 + step)
+        s = (q[..., r0:r1, :] @ k.transpose(-1, -2)) * a.scale
+        if a.causal:
+            s = s.masked_fill(torch.ones(r1 - r0, nk, dtype=torch.bool, device=s.device).triu(r0 + 1), float("-inf"))
+        if mask is not None:
+            m = mask[..., r0:r1, :]
+            if a.mask_kind == "additive":
+                s = s + m
+            else:  # the fill, as the module applies it: to the scores where the mask hides a key
+                s = s.masked_fill(m if a.mask_kind == "drop" else ~m, a.mask_value)
+        parts.append(torch.softmax(s, -1) @ v)
+        if slices is not None:
+            slices.append(r1 - r0)
+        del s
+    return torch.cat(parts, -2).reshape(a.output.shape)
+
+
+def reference_values(a: Attention, values: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`reference` on recorded values by name (weights from their Values): {output name: tensor}, what the
+    accuracy rule reads of an attention group's subgraph instead of running its nodes (which would build
+    the scores)."""
+    def get(x: Value | None) -> torch.Tensor | None:
+        return None if x is None else x.data.detach() if x.kind == "weight" else values[x.name]
+
+    return {a.output.name: reference(a, get(a.q), get(a.k), get(a.v), get(a.mask), dtype)}

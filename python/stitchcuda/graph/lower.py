@@ -31,6 +31,7 @@ from .templates import (FUSABLE_DTYPES, POINTWISE_OPS, CatPiece, KernelCode, Poi
                         column_reduction_kernel, depthwise_conv_kernel, depthwise_conv_nhwc_kernel, nchw_to_nhwc_kernel,
                         normalized_rows_kernel, pointwise_from_nhwc_kernel, pointwise_kernel, pooling_kernel,
                         pooling_nhwc_kernel, row_reduction_kernel, scan_kernel)
+from .templates.attention import flash_attention_kernel
 
 __all__ = ["LoweringError", "Lowering", "reference_values", "stream_values", "check_group", "working_bytes", "tolerance"]
 
@@ -530,6 +531,8 @@ class Lowering:
                 self._lower_scan(g)
             elif g.kind == "kernel_step":
                 self._lower_kernel_step(g)
+            elif g.kind == "attention":
+                self._lower_attention(g)
             else:
                 raise LoweringError(f"unknown group kind {g.kind}")
         # Outputs nothing wrote (a returned input, weight, constant or view, or a value returned twice).
@@ -820,6 +823,119 @@ class Lowering:
         for k, v in enumerate(g.params["outputs"]):
             buffers[f"out{k}"] = self.produce(v)
         self._launch(g, code, buffers)
+
+    # ---- attention: one step, the scores never in memory ----
+
+    def _lower_attention(self, g: Group) -> None:
+        """Written-out attention (the planner's attention group) as ATen's scaled_dot_product_attention or
+        the fused template (`impl`), on q, k, v as the attention reads them (before a GQA repeat)."""
+        a = g.params["attention"]
+        mask = self._attention_mask(a)
+        if g.params["impl"] == "fused":
+            self._lower_fused_attention(g, a, mask)
+            return
+        rank = len(a.q.shape)
+        rep = a.heads // a.kv_heads
+        # Flash takes GQA as it is (enable_gqa); the memory-efficient kernel (fp32) reads repeated heads.
+        gqa = rep > 1 and a.q.dtype != torch.float32
+        lead = (1,) * (4 - rank)  # the fused SDPA kernels take 4-D q, k, v only: [B*H, N, D] gets a leading 1
+        ins = [self._lifted(self._repeated(self.need(x), rep, rank - 3) if x is not a.q and rep > 1 and not gqa
+                            else self.need(x), lead) for x in (a.q, a.k, a.v)]
+        if mask is not None:
+            ins.append(mask)
+        shape = (*lead, *a.q.shape[:-1], a.value_dim)
+        out = self._attention_result(a, shape)
+        self.b.aten("aten::scaled_dot_product_attention", ins, [out], dropout_p=0.0, is_causal=a.causal,
+                    scale=a.scale, enable_gqa=gqa)
+        self._attention_viewed(a, out)
+
+    def _attention_mask(self, a) -> int | None:
+        """The mask buffer as both attention steps read it: additive in the scores' dtype or fp32, boolean
+        True where a key is attended (a masked_fill's mask, True where hidden, is negated once)."""
+        if a.mask is None:
+            return None
+        bid = self.need(a.mask)
+        shape, _, dtype = self.spec[bid]
+        target = torch.bool if a.mask_kind != "additive" else dtype if dtype in (torch.float32, a.q.dtype) else a.q.dtype
+        if a.mask_kind == "drop" or target != dtype:
+            out = self.b.intermediate(list(shape), dtype_name(target), name=f"{a.mask.name}.attention")
+            if a.mask_kind == "drop":
+                self.b.aten("aten::logical_not", [bid], [out])
+            else:
+                self.b.aten("aten::_to_copy", [bid], [out], dtype=dtype_name(target))
+            self.spec[out] = (tuple(shape), _contiguous_strides(shape), target)
+            bid = out
+        return bid
+
+    def _repeated(self, bid: int, rep: int, dim: int) -> int:
+        """The buffer's heads (dim `dim`) each repeated `rep` times in a buffer of its own (GQA's kv heads)."""
+        shape, _, dtype = self.spec[bid]
+        shape = tuple(x * rep if d == dim else x for d, x in enumerate(shape))
+        out = self.b.intermediate(list(shape), dtype_name(dtype))
+        self.b.aten("aten::repeat_interleave.self_int", [bid], [out], repeats=rep, dim=dim)
+        self.spec[out] = (shape, _contiguous_strides(shape), dtype)
+        return out
+
+    def _lifted(self, bid: int, lead: tuple[int, ...]) -> int:
+        """A view of the buffer with `lead` extents of 1 in front."""
+        if not lead:
+            return bid
+        shape, strides, dtype = self.spec[bid]
+        out_shape = (*lead, *shape)
+        out_strides = (*(shape[0] * strides[0] for _ in lead), *strides)
+        out = self.b.view("slice", bid, list(out_shape), strides=list(out_strides))
+        self.spec[out] = (out_shape, out_strides, dtype)
+        return out
+
+    def _attention_result(self, a, shape: tuple[int, ...]) -> int:
+        """The buffer an attention step writes, contiguous `shape`: the output's own where the shapes agree,
+        else a buffer of its own (viewed as the output by _attention_viewed once the step is written)."""
+        if tuple(shape) == tuple(a.output.shape):
+            return self.produce(a.output)
+        out = self.b.intermediate(list(shape), dtype_name(a.output.dtype), name=f"{a.output.name}.attention")
+        self.spec[out] = (tuple(shape), _contiguous_strides(shape), a.output.dtype)
+        return out
+
+    def _attention_viewed(self, a, out: int) -> None:
+        """The attention's output as a view of the step's result of another shape (an output buffer then
+        gets a copy at the end of the program, as any output nothing wrote)."""
+        if a.output.name not in self.buf:
+            contiguous = _contiguous_strides(a.output.shape)
+            view = self.b.view("reshape", out, list(a.output.shape), strides=list(contiguous))
+            self._record(a.output, view, a.output.shape, contiguous, a.output.dtype)
+
+    def _lower_fused_attention(self, g: Group, a, mask: int | None) -> None:
+        """The fused prefill template (templates/attention.py) reading q, k, v through their (batch, head,
+        token) strides; a layout it cannot read (D not unit-stride; for the tensor-core kernel, 16-byte
+        copies) is copied contiguous first."""
+        rank, dtype = len(a.q.shape), a.q.dtype
+        wmma = dtype != torch.float32
+        strides = []
+        bids = {}
+        for key, x in (("q", a.q), ("k", a.k), ("v", a.v)):
+            bid = self.need(x)
+            _, st, _ = self.spec[bid]
+            if st[-1] != 1 or (wmma and any(s % 8 for s in st[:-1])):
+                bid = self.need(x, contiguous=True)
+                _, st, _ = self.spec[bid]
+            bids[key] = bid
+            strides += [st[0] if rank == 4 else 0, st[-3], st[-2]]
+        heads, nq, d = a.heads, a.q_len, a.head_dim
+        strides += [heads * nq * d, nq * d, d]  # the output, contiguous
+        full = (a.batch, heads, nq, a.kv_len)
+        code = flash_attention_kernel(self._name("attention", g), batch=a.batch, heads=heads, kv_heads=a.kv_heads,
+                                      q_len=nq, kv_len=a.kv_len, head_dim=d, dtype=dtype, causal=a.causal,
+                                      mask_dtype=None if mask is None else self.spec[mask][2])
+        buffers = {**bids, "o": self._attention_result(a, (*a.q.shape[:-1], d))}
+        ends = [x for x in code.args if x[0] in ("in", "out")]
+        args = ends + code.args[len(ends):len(ends) + 4] + [("i64", s) for s in strides]
+        if mask is not None:
+            shape, st, _ = self.spec[mask]
+            args += [("i64", s) for s in broadcast_strides(shape, st, full)]
+            buffers["mask"] = mask
+        code = dataclasses.replace(code, args=args + [("f32", a.scale)])
+        self._launch(g, code, buffers)
+        self._attention_viewed(a, buffers["o"])
 
     def _lower_pointwise(self, g: Group) -> None:
         shape = tuple(g.params["shape"])
@@ -1400,6 +1516,8 @@ def group_inputs(group: Group) -> list[Value]:
     """The values `group`'s program reads: its nodes' inputs, except that a GEMM reads the operands its
     plan chose (a weight for its transposed view, one matrix for its expansion over a batch), not the
     views it was traced on (an expanded weight made contiguous to feed a check can be gigabytes)."""
+    if group.kind == "attention":  # q, k, v and the mask: not the constants of a causal mask it found
+        return list(group.params["inputs"])
     if group.kind != "gemm":
         return list(group.inputs())
     p = group.params

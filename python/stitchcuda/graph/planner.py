@@ -26,6 +26,10 @@ apply first.
   own order (eager's results bit for bit), with an elementwise chain computing only its input fused into
   its loads and one reading only its result applied before the store; a tensor that is one row (ATen's
   CUB scan) and other dtypes stay ATen steps.
+- Attention written out (matmul -> scale -> mask -> softmax -> matmul, graph/attention.py) becomes one
+  attention group: an ATen scaled_dot_product_attention step by default (ATen picks flash or
+  memory-efficient at run time), or the fused template where asked (`attention="fused"`); either way the
+  N x N scores are never in memory. SDPA calls stay the ATen steps the capture keeps whole.
 - Views become View steps (no copy) where the source's layout allows.
 - Values computed only from weights are folded into constants.
 - Everything else (other convolutions through cuDNN, other pooling, indexing, ...) stays an ATen step.
@@ -37,6 +41,7 @@ import torch
 
 from ..program import DTYPES as PROGRAM_DTYPES
 from ..settings import settings
+from .attention import attention_inputs, find_attention, replaced_nodes, sdpa_blocker, template_blocker
 from .capture import VIEW_OPS, Graph, Node, Value
 from .gemm_precision import bf16_products, split_tf32_choice
 from .groups import GENERATED, Group, GraphPlan
@@ -45,7 +50,8 @@ from .templates import (CACHED_ROW_MAX, CACHED_ROW_MIN, CLUSTER_ROW_MAX, DEPTHWI
                         POINTWISE_OPS, SCAN_EXTENT_MAX, SHARED_ROW_MAX, STATISTICS, aten_tile, cluster_size,
                         pooling_blocker, split_rows)
 
-__all__ = ["Group", "GraphPlan", "OfflinePlanner", "GENERATED", "unheld_dtype", "split_tf32_choice", "conv_epilogues"]
+__all__ = ["Group", "GraphPlan", "OfflinePlanner", "GENERATED", "unheld_dtype", "split_tf32_choice", "conv_epilogues",
+           "ATTENTION_STEPS"]
 
 
 _VIEW_OPS = VIEW_OPS
@@ -63,6 +69,9 @@ _REDUCTION_OPS = {"aten::_softmax": "softmax", "aten::_log_softmax": "log_softma
                   "aten::argmax": "argmax", "aten::argmin": "argmin"}
 _POOL_OPS = {"aten::avg_pool2d": "avg", "aten::max_pool2d_with_indices": "max", "aten::max_pool2d": "max"}
 _SCAN_OPS = {"aten::cumsum": "cumsum", "aten::cumprod": "cumprod"}
+# What written-out attention becomes (OfflinePlanner's `attention`): one ATen SDPA step, the fused template
+# where it computes the attention (else the SDPA step), or the matmul and softmax groups as written.
+ATTENTION_STEPS = ("sdpa", "fused", "off")
 
 
 def unheld_dtype(node: Node) -> torch.dtype | None:
@@ -301,9 +310,12 @@ class OfflinePlanner:
     "tf32" or "bf16" allow faster matmuls."""
 
     def __init__(self, precision: str = "fp32", graphs: bool = True, peaks: dict | None = None,
-                 split_tf32: bool = True) -> None:
+                 split_tf32: bool = True, attention: str = "sdpa") -> None:
         if precision not in ("fp32", "tf32", "bf16"):
             raise ValueError(f"precision must be 'fp32', 'tf32' or 'bf16', not {precision!r}")
+        if attention not in ATTENTION_STEPS:
+            raise ValueError(f"attention must be one of {ATTENTION_STEPS}, not {attention!r}")
+        self.attention = attention
         self.precision = precision
         self.graphs = graphs
         # The GPU's peaks (verify.hardware.describe()) for tf32x3's cost model; None: every fp32 GEMM is SGEMM.
@@ -313,7 +325,10 @@ class OfflinePlanner:
     def plan(self, graph: Graph) -> GraphPlan:
         decisions, matmul_precision = self._precision_decisions(graph)
         outputs = {v.name for v in graph.outputs}
-        groups = _Partition(self, graph, outputs, matmul_precision).groups()
+        attention = self._attention(graph, outputs, decisions)
+        groups = _Partition(self, graph, outputs, matmul_precision, attention).groups()
+        if attention:  # a causal mask the steps no longer read, built for the scores alone
+            groups = _without_unread_groups(groups, outputs)
         groups = self._without_unread_negations(groups, outputs)
         self._split_decision(groups, decisions)
         if matmul_precision == "fp32_or_split":
@@ -341,6 +356,41 @@ class OfflinePlanner:
                               "chain's edge instead of a transpose in and out of every convolution; the elementwise "
                               "groups between them iterate in NHWC order"))
         return plan
+
+    def _attention(self, graph: Graph, outputs: set[str], decisions: list[tuple[str, str]]) -> dict[int, Group]:
+        """Attention written out (graph/attention.py) as one group each, by the id of every node it takes:
+        one step that never builds the N x N scores, placed where the attention's output is made. Where
+        that step cannot take it (a learned scale aside, which the recognizer already refuses: dropout
+        in training, mixed dtypes, a finite fill that does not mask), the decisions say why and the
+        matmul and softmax groups stay."""
+        if self.attention == "off":
+            return {}
+        taken: dict[int, Group] = {}
+        for a in find_attention(graph):
+            if a.kind != "written":
+                continue  # an SDPA call: already one ATen step (capture's KEPT_WHOLE)
+            why_not = sdpa_blocker(a)
+            if why_not is not None:
+                decisions.append((f"attention at {a.output.name} kept as written (matmul and softmax groups)",
+                                  f"one attention step cannot take it: {why_not}"))
+                continue
+            template = template_blocker(a)
+            fused = self.attention == "fused" and template is None
+            what = (f"{'causal ' if a.causal else ''}attention {a.batch}x{a.heads}"
+                    f"{f'(kv {a.kv_heads})' if a.kv_heads != a.heads else ''}x{a.q_len}x{a.kv_len}x{a.head_dim}"
+                    f"{f', {a.mask_kind} mask' if a.mask is not None else ''}")
+            how = ("the fused attention template (online softmax, the scores in registers)" if fused else
+                   "one ATen scaled_dot_product_attention step (ATen picks flash or memory-efficient at run time)")
+            nodes = replaced_nodes(a, outputs)
+            group = Group("attention", nodes,
+                          f"{what} written out ({len(nodes)} ops) as {how}: the {a.q_len}x{a.kv_len} scores never in "
+                          "memory" + (f"; the template cannot: {template}" if self.attention == "fused" and not fused
+                                      else ""),
+                          {"attention": a, "impl": "fused" if fused else "sdpa", "inputs": attention_inputs(a),
+                           "template": template})
+            for n in nodes:
+                taken[id(n)] = group
+        return taken
 
     def _precision_decisions(self, graph: Graph) -> tuple[list[tuple[str, str]], str]:
         """The host decisions (matmul and convolution precision, CUDA graph replay) and the precision the
@@ -953,6 +1003,19 @@ class OfflinePlanner:
         return None
 
 
+def _without_unread_groups(groups: list[Group], outputs: set[str]) -> list[Group]:
+    """`groups` without those whose results nothing reads, repeated until none is: the mask an attention
+    step found causal (`causal=True`, the mask no longer read) and what only it read."""
+    while True:
+        read = set(outputs)
+        for g in groups:
+            read.update(v.name for v in (g.params["inputs"] if g.kind == "attention" else g.inputs()))
+        kept = [g for g in groups if any(v is not None and v.name in read for n in g.nodes for v in n.outputs)]
+        if len(kept) == len(groups):
+            return groups
+        groups = kept
+
+
 def _transposed_in_place(node: Node, params: dict, notes: list[str]) -> None:
     """A transposed operand (x @ w.t(); q @ k.transpose(1, 2) in a bmm) is read in place with a transpose
     flag instead of copied: the last two dimensions of a contiguous source swapped, the batch kept."""
@@ -1066,8 +1129,10 @@ class _Partition:
     front, GEMMs, convolutions, pooling, reductions and scans (with the elementwise chain computing only their
     input fused into their loads), views, elementwise chains (one open at a time) and ATen steps."""
 
-    def __init__(self, planner: "OfflinePlanner", graph: Graph, outputs: set[str], matmul_precision: str) -> None:
+    def __init__(self, planner: "OfflinePlanner", graph: Graph, outputs: set[str], matmul_precision: str,
+                 attention: dict[int, Group] | None = None) -> None:
         self.planner, self.graph, self.outputs, self.matmul_precision = planner, graph, outputs, matmul_precision
+        self.attention = attention or {}  # node id -> the attention group that takes it
         self.constant: set[str] = {w.name for w in graph.weights}
         self.list: list[Group] = []
         self.absorbed: set[int] = set()  # nodes a GEMM took into its epilogue
@@ -1082,7 +1147,14 @@ class _Partition:
     def add(self, node: Node) -> None:
         planner, groups = self.planner, self.list
         unheld = unheld_dtype(node)
-        if unheld is not None:  # before folding: a constant of that dtype could not be stored either
+        attention = self.attention.get(id(node))
+        if attention is not None:
+            # The step goes where the attention's output is made (every input exists by then); its other
+            # nodes make values only it read, so the open chain stays open across them.
+            if node is not attention.params["attention"].output.producer:
+                return
+            groups.append(attention)
+        elif unheld is not None:  # before folding: a constant of that dtype could not be stored either
             groups.append(Group("aten", [node], f"ATen fallback: {node.op} works on {unheld} values, which no "
                                                 "program buffer holds", {"unheld": unheld}))
         elif self._folded(node):
