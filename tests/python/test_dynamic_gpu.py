@@ -70,6 +70,23 @@ def test_batch_family_pads_and_matches_at_every_size(caplog):
     assert any("'batch' is 97, outside the 1..96" in r.getMessage() for r in caplog.records)
 
 
+def test_the_family_saved_serves_its_sizes_from_the_file(tmp_path):
+    torch.manual_seed(2)
+    model = Block(128).cuda().eval()
+    x = torch.randn(16, 32, 128, device="cuda")
+    fast = stitchcuda.optimize(model, (x,), dynamic={"x": {0: Dim("batch", min=1, max=32)}}, compare_compile=False,
+                               keep_slower=True)
+    fast(torch.randn(3, 32, 128, device="cuda"))  # builds the bucket of 4: the file holds every member built
+    path = tmp_path / "block.stitch"
+    fast.save(path)
+    loaded = stitchcuda.load(path)
+    for s in (1, 3, 11, 16, 32):
+        xs = torch.randn(s, 32, 128, device="cuda")
+        got = loaded(xs)
+        got = got[0] if isinstance(got, (list, tuple)) else got
+        torch.testing.assert_close(got, model(xs), atol=1e-4, rtol=1e-4, msg=lambda m: f"size {s}: {m}")
+
+
 def test_a_dim_padding_would_change_is_built_exactly():
     torch.manual_seed(1)
     model = BatchCentered().cuda().eval()

@@ -234,10 +234,9 @@ def export_guards(model: torch.nn.Module, tensors: Sequence[Any], dims: list[Dyn
             guards.append(f"'{d.name}' in {d.min}..{d.max}")
     outputs = [n for n in exported.graph.nodes if n.op == "output"][0].args[0]
     leaves = pytree.tree_flatten(outputs)[0]
-    for j, leaf in enumerate(leaves):
-        val = getattr(leaf, "meta", {}).get("val") if hasattr(leaf, "meta") else None
-        if not isinstance(val, torch.Tensor):
-            continue
+    tensor_leaves = [v for v in (getattr(leaf, "meta", {}).get("val") if hasattr(leaf, "meta") else None
+                                 for leaf in leaves) if isinstance(v, torch.Tensor)]
+    for j, val in enumerate(tensor_leaves):  # j: the program's output j (the output's tensor leaves, in order)
         for axis, extent in enumerate(val.shape):
             if not isinstance(extent, torch.SymInt):
                 continue
@@ -559,8 +558,13 @@ class DynamicModule(OptimizedModule):
         members = [(m.sizes, m.module.program) for m in self._members.values() if m.runs_program]
         if not members:
             return super().save(path)
-        dims = [dict(name=d.name, min=d.min, max=d.max, pad=d.pad, inputs=list(d.inputs), outputs=list(d.outputs))
-                for d in self._dims]
+        # The family file counts inputs as the program does: the call's tensor leaves, in order.
+        first_leaf, k = [], 0
+        for t in self._example_inputs:
+            first_leaf.append(k)
+            k += sum(isinstance(v, torch.Tensor) for v in pytree.tree_flatten(t)[0])
+        dims = [dict(name=d.name, min=d.min, max=d.max, pad=d.pad, inputs=[(first_leaf[i], a) for i, a in d.inputs],
+                     outputs=list(d.outputs)) for d in self._dims]
         ProgramFamily(dims=dims, members=members).save(path)
 
 
