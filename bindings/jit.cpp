@@ -162,9 +162,9 @@ void bind_jit(py::module_& m) {
   m.def("default_arch", &jit::Compiler::default_arch);
   m.def("system_include_paths", &jit::Compiler::system_include_paths);
   m.def("declared_signature", &jit::declared_signature, py::arg("source"), py::arg("kernel_name"));
-  m.def("check_includes", [](const std::string& source, const py::dict& options) {
-    unwrap(jit::check_includes(source, to_options(options)));
-  }, py::arg("source"), py::arg("options"));
+  m.def("check_includes", [](const std::string& source, const py::dict& options, const std::string& program_name) {
+    unwrap(jit::check_includes(source, to_options(options), program_name));
+  }, py::arg("source"), py::arg("options"), py::arg("program_name") = "kernel.cu");
   m.def("confine_includes", &jit::confine_includes);
   m.def("includes_confined", &jit::includes_confined);
 

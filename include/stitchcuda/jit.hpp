@@ -47,8 +47,13 @@ struct CompileOptions {
 /// names an in-memory header or a header inside the CUDA toolkit's include folders (CCCL among them),
 /// reached without absolute paths, `..`, computed (macro) includes or links out of those folders;
 /// `include_paths` must lie inside them; `extra_flags` are limited to code-generation flags and macro
-/// definitions (no -I, --pre-include, -include). InvalidArgument names the directive or flag and the rule.
-Result<void> check_includes(std::string_view source, const CompileOptions& options);
+/// definitions (no -I, --pre-include, -include). The text is read as the preprocessor reads it (line
+/// splices, CR-LF and CR line ends, `%:` digraphs, trigraphs, form feeds and vertical tabs before `#`,
+/// comments and string literals, `__has_include`); a quoted include that a same-named file in the working
+/// folder would answer is refused, and name expressions, macro values and `program_name` (a bare file
+/// name) can carry no directive. InvalidArgument names the directive or flag and the rule.
+Result<void> check_includes(std::string_view source, const CompileOptions& options,
+                            std::string_view program_name = "kernel.cu");
 /// From now on, for the rest of the process, every compile follows the include rule (as `confined`):
 /// the Verifier's worker calls it before it loads a candidate. It cannot be undone.
 void confine_includes() noexcept;

@@ -6,9 +6,7 @@ straight to the native launcher so the per-launch cost stays in C++.
 
 from __future__ import annotations
 
-import bisect
 import os
-import re
 from dataclasses import dataclass, fields
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
@@ -313,9 +311,7 @@ def compile_module(
         arch=arch, std=std, include_paths=include_paths, defines=defines, headers=headers,
         fast_math=fast_math, line_info=line_info, max_registers=max_registers,
         name_expressions=name_expressions, pch=pch, extra_flags=extra_flags, device_runtime=device_runtime)
-    options["confined"] = bool(confined)
-    if confined or includes_confined():
-        _check_untrusted(source, options, program_name)
+    options["confined"] = bool(confined)  # the native compile applies the include rule before anything else
     module = Module(_C.compile(source, program_name, options, cache), source)
     _COMPILED.update(module.kernel_names)
     return module
@@ -346,197 +342,7 @@ def check_includes(source: str, *, include_paths: Iterable[str | os.PathLike] = 
                "headers": {str(k): str(v) for k, v in (headers or {}).items()}, "extra_flags": list(extra_flags),
                "name_expressions": list(name_expressions),
                "defines": {str(k): ("" if v is None else _define_value(v)) for k, v in (defines or {}).items()}}
-    _check_untrusted(source, options, program_name)
-    _C.check_includes(source, {k: options[k] for k in ("include_paths", "headers", "extra_flags")})
-
-
-# ---------------------------------------------------------------------------------------------------
-# The include rule, read as the preprocessor reads the text (a second line behind the native rule, which
-# the compile applies too; the Verifier also compiles untrusted CUDA only inside its sandbox).
-
-_RULE = "untrusted CUDA may include only the CUDA toolkit's headers (CCCL among them) and in-memory headers"
-_SPLICE = re.compile(r"\\[ \t\f\v]*\n")  # a backslash, blanks, the line's end: one logical line
-_STRICT_SPLICE = re.compile(r"\\\n")
-_BLANK = " \t\f\v"
-_IDENT = re.compile(r"[A-Za-z_$][A-Za-z0-9_$]*")
-_PP_NUMBER = re.compile(r"\.?[0-9](?:[eEpP][+-]|[A-Za-z0-9_.']|\\u[0-9A-Fa-f]{4})*")
-_STRING_PREFIXES = ("u8", "u", "U", "L")
-_SAFE_EXPRESSION = re.compile(r"[A-Za-z0-9_:<>,*&()\[\] .+\-]*")
-
-
-def _check_untrusted(source: str, options: Mapping[str, Any], program_name: str) -> None:
-    if "/" in program_name or "\\" in program_name or program_name in (".", ".."):
-        raise InvalidArgumentError(f"program_name {program_name!r}: untrusted CUDA is compiled under a bare file "
-                                   "name (NVRTC searches the program's folder for quoted includes)")
-    for expression in options.get("name_expressions") or ():
-        if not _SAFE_EXPRESSION.fullmatch(expression):
-            raise InvalidArgumentError(f"name expression {expression!r} holds characters no C++ name needs "
-                                       "(NVRTC pastes name expressions into the program text)")
-    values = list((options.get("defines") or {}).items())
-    values += [(f, f) for f in options.get("extra_flags") or ()]
-    for name, value in values:
-        if any(ord(ch) < 32 for ch in str(name) + str(value)):
-            raise InvalidArgumentError(f"macro {str(name)[:40]!r}: a control character (a line break) in a macro "
-                                       "or flag would start a directive of its own; remove it")
-    headers = dict(options.get("headers") or {})
-    texts = [(program_name, source)] + list(headers.items())
-    for where, text in texts:
-        # Compilers differ on trigraphs and on blanks between a backslash and the line's end: every
-        # reading is checked, so that none of them hides a directive another one sees.
-        for trigraphs in (False, True):
-            for loose in (False, True):
-                for line, kind, name, quoted in _directives(text, trigraphs, loose):
-                    _check_one(where, line, kind, name, quoted, headers, options, program_name)
-
-
-def _directives(text: str, trigraphs: bool, loose: bool) -> list[tuple[int, str, str | None, bool]]:
-    """(line, kind, header name or None when computed, whether quoted) of every #include-like directive and every
-    __has_include in ``text``, read after translation phases 1-3: line ends normalized, trigraphs
-    (``trigraphs``) and backslash-newline splices (with blanks before the line end: ``loose``) resolved,
-    comments dropped, string and character literals (raw ones included) skipped, ``%:`` read as ``#``,
-    any blank (form feed and vertical tab too) before it. A directive name spelled with a universal
-    character name or a non-ASCII letter is reported as computed."""
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
-    if trigraphs:
-        text = text.replace("??=", "#").replace("??/", "\\")
-    splices: list[int] = []  # offsets in the joined text where a line break was removed
-
-    removed = [0]
-
-    def join(m: re.Match) -> str:
-        splices.append(m.start() - removed[0])
-        removed[0] += len(m.group(0))
-        return ""
-
-    text = (_SPLICE if loose else _STRICT_SPLICE).sub(join, text)
-
-    def line_of(pos: int) -> int:
-        return text.count("\n", 0, pos) + bisect.bisect_right(splices, pos) + 1
-
-    found: list[tuple[int, str, str | None, bool]] = []
-    n, i, line_start = len(text), 0, True
-
-    def blanks(j: int) -> int:  # blanks and /* */ comments within the line
-        while j < n:
-            if text[j] in _BLANK:
-                j += 1
-            elif text.startswith("/*", j):
-                end = text.find("*/", j + 2)
-                j = n if end < 0 else end + 2
-            else:
-                return j
-        return j
-
-    def header_name(j: int) -> tuple[str | None, int]:
-        if j < n and text[j] in "<\"":
-            close = ">" if text[j] == "<" else '"'
-            end = text.find(close, j + 1)
-            newline = text.find("\n", j + 1)
-            if end >= 0 and (newline < 0 or end < newline):
-                return text[j + 1:end], end + 1
-        return None, j
-
-    while i < n:
-        c = text[i]
-        if c == "\n":
-            line_start, i = True, i + 1
-        elif c in _BLANK:
-            i += 1
-        elif text.startswith("//", i):
-            end = text.find("\n", i)
-            i = n if end < 0 else end
-        elif text.startswith("/*", i):
-            end = text.find("*/", i + 2)
-            i = n if end < 0 else end + 2
-        elif line_start and (c == "#" or text.startswith("%:", i)):
-            line_start = False
-            j = blanks(i + (1 if c == "#" else 2))
-            m = _IDENT.match(text, j)
-            if j < n and (text[j] == "\\" or ord(text[j]) > 127 or (m and m.end() < n and (
-                    text[m.end()] == "\\" or ord(text[m.end()]) > 127))):
-                found.append((line_of(i), "directive", None, False))  # a name the rule cannot read: refused
-                i = j + 1
-            elif m and m.group(0) in ("include", "include_next", "import", "embed"):
-                start = blanks(m.end())
-                name, after = header_name(start)
-                found.append((line_of(i), m.group(0), name, text.startswith('"', start)))
-                i = after if name is not None else m.end()
-            else:
-                i = m.end() if m else j
-        else:
-            line_start = False
-            m = _IDENT.match(text, i)
-            if m:
-                word, i = m.group(0), m.end()
-                if i < n and text[i] in "\"'" and word in _STRING_PREFIXES + ("R", "u8R", "uR", "UR", "LR"):
-                    i = _skip_literal(text, i, raw=word.endswith("R") and text[i] == '"')
-                elif word in ("__has_include", "__has_include_next"):
-                    j = blanks(i)
-                    name, start = None, j
-                    if j < n and text[j] == "(":
-                        start = blanks(j + 1)
-                        name, after = header_name(start)
-                        if name is not None and blanks(after) < n and text[blanks(after)] == ")":
-                            i = after
-                        else:
-                            name = None
-                    found.append((line_of(m.start()), word, name, text.startswith('"', start)))
-            elif c in "\"'":
-                i = _skip_literal(text, i, raw=False)
-            else:
-                m = _PP_NUMBER.match(text, i)
-                i = m.end() if m else i + 1
-    return found
-
-
-def _skip_literal(text: str, i: int, raw: bool) -> int:
-    """The offset after the string or character literal that starts at ``text[i]`` (a quote)."""
-    if raw:  # R"delim( ... )delim"
-        open_paren = text.find("(", i + 1)
-        if open_paren < 0 or open_paren - i - 1 > 16:
-            return i + 1
-        end = text.find(")" + text[i + 1:open_paren] + '"', open_paren)
-        return len(text) if end < 0 else end + open_paren - i + 1
-    quote, j = text[i], i + 1
-    while j < len(text) and text[j] != "\n":
-        if text[j] == "\\":
-            j += 2
-        elif text[j] == quote:
-            return j + 1
-        else:
-            j += 1
-    return j
-
-
-def _check_one(where: str, line: int, kind: str, name: str | None, quoted: bool, headers: Mapping[str, str],
-               options: Mapping[str, Any], program_name: str) -> None:
-    spelled = kind if kind.startswith("_") else "#" + kind
-    at = f"{where}:{line}: {spelled}"
-    if kind in ("include_next", "import", "embed", "__has_include_next"):
-        raise InvalidArgumentError(f"{at}: {spelled} is not allowed ({_RULE})")
-    if kind == "directive":
-        raise InvalidArgumentError(f"{where}:{line}: a directive spelled with a universal character name or a "
-                                   f"non-ASCII letter is not allowed ({_RULE})")
-    if name is None:
-        what = "#include (a macro)" if kind == "include" else "__has_include (a macro)"
-        raise InvalidArgumentError(f"{at}: a computed {what} cannot be checked ({_RULE})")
-    if name in headers:
-        return
-    directive = f"#include <{name}>\n" if '"' in name else f'#include "{name}"\n'
-    try:
-        _C.check_includes(directive, {"include_paths": list(options.get("include_paths") or ()),
-                                      "headers": {}, "extra_flags": []})
-    except InvalidArgumentError as exc:
-        # Whether a name is a toolkit header is all __has_include may learn; anything else is refused.
-        if kind != "__has_include" or "is not a header of the CUDA toolkit" not in exc.message:
-            reason = exc.message.split(": #include ", 1)[-1]
-            reason = reason.split(": ", 1)[1] if reason.startswith(("<", '"')) and ": " in reason else reason
-            raise InvalidArgumentError(f"{at} '{name}': {reason}") from None
-    for folder in (os.getcwd(), os.path.dirname(os.path.abspath(program_name))) if quoted else ():
-        if os.path.lexists(os.path.join(folder, name)):  # NVRTC looks there first for a quoted name
-            raise InvalidArgumentError(f"{at} '{name}': a file of that name in the working folder would be read "
-                                       f"instead of the toolkit's header ({_RULE}); compile elsewhere or pass it "
-                                       "as an in-memory header")
+    _C.check_includes(source, options, program_name)  # the one implementation: src/jit/includes.cpp
 
 
 def confine_includes() -> None:

@@ -126,140 +126,18 @@ Result<std::string> resolve_arch(const std::string& requested) {
 
 std::atomic<bool> g_confined{false};
 
-// The source without comments, its line continuations joined, so that directives read as NVRTC sees them.
-std::string without_comments(std::string_view text) {
-  std::string out;
-  out.reserve(text.size());
-  for (std::size_t i = 0; i < text.size(); ++i) {
-    if (text[i] == '\\' && i + 1 < text.size() && text[i + 1] == '\n') {
-      ++i;  // a continued line
-    } else if (text.compare(i, 2, "//") == 0) {
-      while (i < text.size() && text[i] != '\n') ++i;
-      out += '\n';
-    } else if (text.compare(i, 2, "/*") == 0) {
-      auto end = text.find("*/", i + 2);
-      out += ' ';
-      i = end == std::string_view::npos ? text.size() : end + 1;
-    } else {
-      out += text[i];
-    }
-  }
-  return out;
-}
-
-// `inner` lies inside `root` (both canonical).
-bool inside(const fs::path& inner, const fs::path& root) {
-  auto r = root.begin(), i = inner.begin();
-  for (; r != root.end(); ++r, ++i)
-    if (i == inner.end() || *i != *r) return false;
-  return true;
-}
-
-const char* kIncludeRule = "untrusted CUDA may include only the CUDA toolkit's headers (CCCL among them) and "
-                           "in-memory headers";
-
-Result<void> check_one_text(const std::string& text, const std::string& where, const std::vector<fs::path>& roots,
-                            const std::set<std::string>& memory) {
-  static const std::regex directive(R"(^[ \t]*#[ \t]*(include_next|include|import|embed)\b[ \t]*(.*)$)");
-  const std::string clean = without_comments(text);
-  std::istringstream in(clean);
-  std::string line;
-  int number = 0;
-  while (std::getline(in, line)) {
-    ++number;
-    std::smatch m;
-    if (!std::regex_search(line, m, directive)) continue;
-    const std::string kind = m[1], arg = m[2];
-    auto at = where + ":" + std::to_string(number) + ": #" + kind + " " + arg;
-    if (kind != "include")
-      return fail(ErrorCode::InvalidArgument, at + ": #" + kind + " is not allowed (" + kIncludeRule + ")");
-    if (arg.empty() || (arg[0] != '<' && arg[0] != '"'))
-      return fail(ErrorCode::InvalidArgument, at + ": a computed #include (a macro) cannot be checked (" +
-                                                  kIncludeRule + ")");
-    const char close = arg[0] == '<' ? '>' : '"';
-    const auto end = arg.find(close, 1);
-    if (end == std::string::npos) return fail(ErrorCode::InvalidArgument, at + ": the #include is not closed");
-    const std::string name = arg.substr(1, end - 1);
-    if (memory.count(name)) continue;
-    const fs::path path(name);
-    bool escapes = path.is_absolute() || name.find('\\') != std::string::npos || name.empty() || name[0] == '~';
-    for (const auto& part : path) escapes = escapes || part == "..";
-    if (escapes)
-      return fail(ErrorCode::InvalidArgument, at + ": absolute paths and '..' are not allowed (" + kIncludeRule + ")");
-    bool found = false;
-    for (const auto& root : roots) {
-      std::error_code ec;
-      const fs::path candidate = root / path;
-      if (!fs::is_regular_file(candidate, ec)) continue;  // a FIFO or a device is no header
-      const fs::path real = fs::canonical(candidate, ec);
-      if (!ec && inside(real, root)) {
-        found = true;
-        break;
-      }
-    }
-    if (!found)
-      return fail(ErrorCode::InvalidArgument, at + ": '" + name + "' is not a header of the CUDA toolkit (" +
-                                                  kIncludeRule + ")");
-  }
-  return {};
-}
-
-bool allowed_flag(const std::string& f) {
-  static const std::vector<std::string> exact = {
-      "--use_fast_math", "-use_fast_math", "-lineinfo", "--generate-line-info", "-G", "--device-debug",
-      "--extra-device-vectorization", "-extra-device-vectorization", "-restrict", "--restrict", "-w",
-      "--disable-warnings", "-default-device", "--device-as-default-execution-space", "--minimal",
-      "-dopt=on", "--dopt=on", "-Wno-deprecated-gpu-targets", "-Wno-deprecated-declarations", "-rdc=true",
-      "-rdc=false", "--relocatable-device-code=true", "--relocatable-device-code=false"};
-  static const std::vector<std::string> prefixes = {
-      "--ftz=", "-ftz=", "--prec-div=", "-prec-div=", "--prec-sqrt=", "-prec-sqrt=", "--fmad=", "-fmad=",
-      "--maxrregcount=", "-maxrregcount=", "-D", "--define-macro=", "-U", "--undefine-macro=", "--std=", "-std=",
-      "--diag-suppress=", "-diag-suppress=", "--diag-error=", "--diag-warn=", "--gpu-architecture=", "-arch="};
-  if (std::find(exact.begin(), exact.end(), f) != exact.end()) return true;
-  for (const auto& p : prefixes)
-    if (f.rfind(p, 0) == 0) return true;
-  return false;
-}
-
 }  // namespace
-
-Result<void> check_includes(std::string_view source, const CompileOptions& o) {
-  std::vector<fs::path> roots;
-  for (const auto& p : Compiler::system_include_paths()) {
-    std::error_code ec;
-    fs::path real = fs::canonical(p, ec);
-    if (!ec) roots.push_back(real);
-  }
-  for (const auto& p : o.include_paths) {
-    std::error_code ec;
-    fs::path real = fs::canonical(p, ec);
-    bool ok = !ec && std::any_of(roots.begin(), roots.end(), [&](const fs::path& r) { return inside(real, r); });
-    if (!ok)
-      return fail(ErrorCode::InvalidArgument, "include path '" + p + "' is outside the CUDA toolkit's headers (" +
-                                                  kIncludeRule + ")");
-  }
-  for (const auto& f : o.extra_flags)
-    if (!allowed_flag(f))
-      return fail(ErrorCode::InvalidArgument, "NVRTC flag '" + f + "' is not allowed for untrusted CUDA (allowed: "
-                                              "code-generation flags and -D/-U macros; no include or pre-include flags)");
-  std::set<std::string> memory;
-  for (const auto& [name, text] : o.headers) memory.insert(name);
-  if (auto ok = check_one_text(std::string(source), "kernel.cu", roots, memory); !ok) return ok;
-  for (const auto& [name, text] : o.headers)
-    if (auto ok = check_one_text(text, name, roots, memory); !ok) return ok;
-  return {};
-}
 
 void confine_includes() noexcept { g_confined = true; }
 bool includes_confined() noexcept { return g_confined; }
 
 namespace {
 
-Result<void> validate(std::string_view source, const CompileOptions& o) {
+Result<void> validate(std::string_view source, const CompileOptions& o, std::string_view program_name) {
   if (source.find_first_not_of(" \t\r\n") == std::string_view::npos)
     return fail(ErrorCode::InvalidArgument, "the CUDA source is empty: pass the program text to compile");
   if (o.confined || g_confined)
-    if (auto ok = check_includes(source, o); !ok) return ok;
+    if (auto ok = check_includes(source, o, program_name); !ok) return ok;
   if (o.cpp_standard != 17 && o.cpp_standard != 20)
     return fail(ErrorCode::InvalidArgument, "C++ standard " + std::to_string(o.cpp_standard) +
                                                 " is not supported: use 17 or 20");
@@ -452,7 +330,7 @@ Result<std::string> Compiler::cache_key(std::string_view source, const CompileOp
                                         std::string_view program_name) {
   auto api = detail::nvrtc();
   if (!api) return tl::unexpected(api.error());
-  if (auto ok = validate(source, options); !ok) return tl::unexpected(ok.error());
+  if (auto ok = validate(source, options, program_name); !ok) return tl::unexpected(ok.error());
   auto arch = resolve_arch(options.arch);
   if (!arch) return tl::unexpected(arch.error());
   return key_for(source, options, *arch, program_name, **api);
@@ -462,7 +340,7 @@ Result<Binary> Compiler::compile(std::string_view source, const CompileOptions& 
   auto loaded = detail::nvrtc();
   if (!loaded) return tl::unexpected(loaded.error());
   const auto& api = **loaded;
-  if (auto ok = validate(source, options); !ok) return tl::unexpected(ok.error());
+  if (auto ok = validate(source, options, program_name); !ok) return tl::unexpected(ok.error());
   auto arch = resolve_arch(options.arch);
   if (!arch) return tl::unexpected(arch.error());
   if (options.device_runtime && arch->rfind("sm_", 0) != 0)
