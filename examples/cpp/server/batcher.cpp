@@ -77,9 +77,9 @@ void Batcher::work(int worker) {
 }
 
 void Batcher::run_batch(int worker, std::vector<Pending>& batch) {
-  const auto rows = std::size_t(model_.max_batch);
   const int real = int(batch.size());
-  // Row r of input i is request r's sample; rows past the batch stay zero (padding).
+  const auto rows = std::size_t(model_.rows_for(real));
+  // Row r of input i is request r's sample; rows past the batch (a program's fixed batch) stay zero.
   std::vector<std::string> inputs;
   for (std::size_t i = 0; i < model_.inputs.size(); ++i) {
     const std::size_t row = model_.inputs[i].bytes();

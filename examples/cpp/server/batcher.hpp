@@ -1,6 +1,6 @@
 // The batching server's batcher (no torch, no HTTP): a bounded queue of samples, workers that gather up to
-// the program's batch within a latency window, pad the rest with zero rows, run the batch once through a
-// Runner and hand each request its rows of the outputs.
+// the largest batch within a latency window, pad the rest with zero rows where a program runs one batch
+// size (a family runs the batch as it is), run it once through a Runner and hand each request its rows.
 #pragma once
 
 #include <chrono>
@@ -21,8 +21,9 @@ namespace stitchcuda_server {
 class Runner {
  public:
   virtual ~Runner() = default;
-  /// `inputs`: one buffer per program input, max_batch rows each (padding rows are zero). Fills `outputs`
-  /// (one buffer per program output, max_batch rows each) and returns "", or returns why it failed.
+  /// `inputs`: one buffer per program input, of ServedModel::rows_for(requests) rows each: max_batch for a
+  /// program (padding rows are zero), the batch's requests for a family. Fills `outputs` (one buffer per
+  /// program output, as many rows) and returns "", or returns why it failed.
   /// Worker `worker` calls it only from its own thread, so a runner may keep a stream per worker.
   virtual std::string run(int worker, const std::vector<std::string>& inputs, std::vector<std::string>& outputs) = 0;
 };
@@ -45,7 +46,7 @@ struct BatcherOptions {
 struct BatcherMetrics {
   std::uint64_t requests = 0;     ///< samples answered (ran or failed)
   std::uint64_t batches = 0;      ///< runs of the program
-  std::uint64_t padded_rows = 0;  ///< zero rows run to fill partial batches
+  std::uint64_t padded_rows = 0;  ///< zero rows run to fill partial batches (a fixed-batch program's)
   std::uint64_t failed = 0;       ///< samples whose batch failed
   std::uint64_t refused = 0;      ///< submits refused (queue full or draining)
   std::uint64_t queued = 0;       ///< waiting now

@@ -1,14 +1,18 @@
 // server: an HTTP inference server that batches. Loads a .stitch artifact whose inputs and outputs carry
-// the batch as dim 0, gathers concurrent POST /v1/infer requests into batches of up to that size within
-// a latency window, runs each batch once on its own CUDA stream and answers every request. SIGTERM or
-// SIGINT stops taking connections, answers what was accepted, prints the metrics and exits 0.
+// the batch as dim 0 — one program (its batch size) or a program family (every batch up to its max) —,
+// gathers concurrent POST /v1/infer requests into batches of up to that size within a latency window, runs
+// each batch once on its own CUDA stream and answers every request. SIGTERM or SIGINT stops taking
+// connections, answers what was accepted, prints the metrics and exits 0.
 //
 //   server MODEL.stitch [--port N] [--max-wait-us N] ...        (server --help says more)
 #include <atomic>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 
 #include <pthread.h>
@@ -23,7 +27,9 @@ static constexpr const char* kUsage =
     "usage: server MODEL.stitch [--eager MODEL.pt] [--host H] [--port N] [--max-wait-us N] [--workers N]\n"
     "              [--max-queue N] [--max-body-bytes N] [--http-threads N]\n"
     "Serves the artifact over HTTP: POST /v1/infer (one sample, JSON), GET /healthz (the inputs and outputs),\n"
-    "GET /metrics (requests, batches, padding). Requests are batched up to the artifact's dim 0.\n"
+    "GET /metrics (requests, batches, padding). Requests are batched up to the artifact's dim 0 (a program,\n"
+    "whose partial batches are padded with zero rows) or its batch dim's max (a program family, whose\n"
+    "batches run at their own size).\n"
     "  --eager MODEL.pt    run this TorchScript module in LibTorch eager instead of the artifact (the same\n"
     "                      inputs and outputs): the baseline for the load test\n"
     "  --host H            address to listen on (default 127.0.0.1)\n"
@@ -34,6 +40,26 @@ static constexpr const char* kUsage =
     "  --max-body-bytes N  larger bodies get 413 (default 67108864)\n"
     "  --http-threads N    connections served at once (default 128)\n"
     "Exits 0 after SIGTERM/SIGINT (drained), 1 on an error (the message names it), 2 on bad usage.\n";
+
+// What `path` serves and its runner (the eager twin instead where `eager` names one); false after printing
+// why the artifact cannot be served.
+static bool load_model(const std::string& path, const std::string& eager, int workers, std::optional<ServedModel>& model,
+                       Loaded& runner) {
+  namespace program = stitchcuda::program;
+  auto serve = [&](auto loaded, auto served_from, auto runner_for) {
+    std::string why;
+    if (!loaded) why = "loading it failed: " + loaded.error().describe();
+    else if ((model = served_from(*loaded, why)))
+      runner = eager.empty() ? runner_for(std::move(*loaded), *model, workers) : eager_runner(eager, *model, workers);
+    if (!model) std::fprintf(stderr, "error: %s cannot be served: %s\n", path.c_str(), why.c_str());
+    return model.has_value();
+  };
+  char head[8] = {};
+  std::ifstream(path, std::ios::binary).read(head, sizeof head);
+  if (program::is_family_artifact(std::string_view(head, sizeof head)))
+    return serve(program::ProgramFamily::load(path), ServedModel::from_family, family_runner);
+  return serve(program::Program::load(path), ServedModel::from_program, program_runner);
+}
 
 // A non-negative number after a flag, or -1.
 static long number_after(int argc, char** argv, int& i) {
@@ -90,19 +116,9 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  auto loaded = stitchcuda::program::Program::load(path);
-  if (!loaded) {
-    std::fprintf(stderr, "error: loading %s: %s\n", path.c_str(), loaded.error().describe().c_str());
-    return 1;
-  }
-  std::string why;
-  auto model = ServedModel::from_program(*loaded, why);
-  if (!model) {
-    std::fprintf(stderr, "error: %s cannot be served: %s\n", path.c_str(), why.c_str());
-    return 1;
-  }
-  auto runner = eager.empty() ? program_runner(std::move(*loaded), *model, int(workers))
-                              : eager_runner(eager, *model, int(workers));
+  std::optional<ServedModel> model;
+  Loaded runner;
+  if (!load_model(path, eager, int(workers), model, runner)) return 1;
   if (!runner.runner) {
     std::fprintf(stderr, "error: %s%s\n", runner.unavailable ? "no GPU: " : "", runner.why.c_str());
     return 1;
@@ -117,8 +133,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "error: cannot listen on %s:%ld (in use, or not an address of this machine)\n", host.c_str(), port);
     return 1;
   }
-  std::printf("listening on http://%s:%d  runner=%s max_batch=%lld max_wait_us=%ld workers=%ld\n", host.c_str(), bound,
-              eager.empty() ? "stitched" : "eager", static_cast<long long>(model->max_batch), wait_us, workers);
+  std::printf("listening on http://%s:%d  runner=%s max_batch=%lld%s max_wait_us=%ld workers=%ld\n", host.c_str(), bound,
+              eager.empty() ? "stitched" : "eager", static_cast<long long>(model->max_batch),
+              model->fixed_batch ? "" : " (family: batches at their own size)", wait_us, workers);
   std::fflush(stdout);
 
   std::atomic<bool> signalled{false};

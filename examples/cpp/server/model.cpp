@@ -1,6 +1,7 @@
 // Request parsing and validation against the served program's inputs, and answer encoding (model.hpp).
 #include "model.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 
@@ -59,12 +60,57 @@ std::optional<ServedModel> ServedModel::from_program(const program::Program& p, 
   return m;
 }
 
+std::optional<ServedModel> ServedModel::from_family(const program::ProgramFamily& f, std::string& why) {
+  if (auto ok = f.validate(); !ok) {
+    why = ok.error().message;
+    return std::nullopt;
+  }
+  if (f.dims.size() != 1) {
+    why = "the family varies " + std::to_string(f.dims.size()) + " dims; the server stacks requests along one, the "
+          "batch: serve a family whose only dim is dim 0 of every input and output";
+    return std::nullopt;
+  }
+  const program::DynamicDim& dim = f.dims[0];
+  const auto& first = f.members[0].program;
+  for (auto [role, axes] : {std::pair{program::BufferRole::input, &dim.inputs}, std::pair{program::BufferRole::output, &dim.outputs}}) {
+    const char* kind = role == program::BufferRole::input ? "input" : "output";
+    const auto buffers = program::io_buffers(first, role);
+    for (std::uint32_t i = 0; i < buffers.size(); ++i)
+      if (std::find(axes->begin(), axes->end(), std::pair<std::uint32_t, std::uint32_t>{i, 0}) == axes->end() ||
+          std::count_if(axes->begin(), axes->end(), [&](const auto& a) { return a.first == i; }) != 1) {
+        why = "dim '" + dim.name + "' is not dim 0 (alone) of " + kind + " " + std::to_string(i) + " ('" + buffers[i]->name +
+              "'): the server stacks requests along dim 0 of every input and output";
+        return std::nullopt;
+      }
+  }
+  if (dim.min != 1 || dim.max > kMaxFamilyBatch) {
+    why = "dim '" + dim.name + "' ranges over " + std::to_string(dim.min) + ".." + std::to_string(dim.max) +
+          ": the server runs every batch from 1 to at most " + std::to_string(kMaxFamilyBatch) + " requests";
+    return std::nullopt;
+  }
+  if (!dim.pad) {  // members are unique and in range: fewer than max of them leave a size unserved
+    std::vector<char> served(std::size_t(dim.max) + 1, 0);
+    for (const auto& m : f.members) served[std::size_t(m.sizes[0])] = 1;
+    const auto gap = std::find(served.begin() + 1, served.end(), 0);
+    if (gap != served.end()) {
+      why = "dim '" + dim.name + "' does not pad and no member serves a batch of " + std::to_string(gap - served.begin()) +
+            ": the server runs whatever batch the window gathers; build the family with pad = true, or a member per size";
+      return std::nullopt;
+    }
+  }
+  auto m = from_program(first, why);
+  if (!m) return std::nullopt;
+  m->max_batch = dim.max;
+  m->fixed_batch = false;
+  return m;
+}
+
 static json slot_json(const TensorSlot& s) {
   return {{"name", s.name}, {"dtype", program::to_string(s.dtype)}, {"shape", s.shape}};
 }
 
 std::string ServedModel::describe_json() const {
-  json j{{"max_batch", max_batch}, {"inputs", json::array()}, {"outputs", json::array()}};
+  json j{{"max_batch", max_batch}, {"fixed_batch", fixed_batch}, {"inputs", json::array()}, {"outputs", json::array()}};
   for (const auto& s : inputs) j["inputs"].push_back(slot_json(s));
   for (const auto& s : outputs) j["outputs"].push_back(slot_json(s));
   return j.dump();

@@ -8,6 +8,7 @@
 #include <string_view>
 #include <vector>
 
+#include <stitchcuda/family.hpp>
 #include <stitchcuda/program.hpp>
 
 namespace stitchcuda_server {
@@ -20,17 +21,28 @@ struct TensorSlot {
   std::size_t bytes() const;         ///< bytes of one sample
 };
 
-/// What the server serves: every input and output has the batch as dim 0; the artifact's extent there is
-/// the largest batch it runs (a smaller batch is padded with zero rows).
+/// What the server serves: every input and output has the batch as dim 0. A program runs one batch size,
+/// its extent there (a smaller batch is padded with zero rows); a program family runs every batch from 1
+/// to its batch dim's max as it is (the family itself may pad it to one of its members).
 struct ServedModel {
   std::vector<TensorSlot> inputs;
   std::vector<TensorSlot> outputs;
   std::int64_t max_batch = 0;
+  bool fixed_batch = true;  ///< a program: every batch runs max_batch rows; a family: its own rows
+
+  /// The largest batch a family may declare here: the batcher keeps a counter per batch size.
+  static constexpr std::int64_t kMaxFamilyBatch = 1 << 16;
 
   /// From a loaded program; an error (std::nullopt with `why` set) when a buffer is not contiguous or its
   /// dim 0 differs from the first input's.
   static std::optional<ServedModel> from_program(const stitchcuda::program::Program& program, std::string& why);
-  /// {"max_batch": B, "inputs": [{"name", "dtype", "shape"}], "outputs": [...]}: what /healthz reports.
+  /// From a loaded family whose one dim is the batch: dim 0 of every input and output, from 1 to at most
+  /// kMaxFamilyBatch, every size served (the dim pads, or a member per size). An error says which not.
+  static std::optional<ServedModel> from_family(const stitchcuda::program::ProgramFamily& family, std::string& why);
+  /// Rows a batch of `requests` samples runs with: max_batch for a program, the requests for a family.
+  std::int64_t rows_for(std::int64_t requests) const { return fixed_batch ? max_batch : requests; }
+  /// {"max_batch": B, "fixed_batch": bool, "inputs": [{"name", "dtype", "shape"}], "outputs": [...]}: what
+  /// /healthz reports.
   std::string describe_json() const;
 };
 

@@ -1,5 +1,5 @@
 // The GPU runners (runners.hpp): pinned staging buffers per worker, one CUDA stream per worker, the program
-// through the Executor or a TorchScript module through LibTorch eager.
+// through the Executor, a family through the FamilyExecutor, or a TorchScript module through LibTorch eager.
 #include "runners.hpp"
 
 #include <ATen/ATen.h>
@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include <stitchcuda/executor.hpp>
+#include <stitchcuda/family_executor.hpp>
 
 namespace stitchcuda_server {
 
@@ -60,10 +61,22 @@ static void stage_in(Lane& lane, const std::vector<std::string>& inputs) {
   for (std::size_t i = 0; i < inputs.size(); ++i) std::memcpy(lane.host_in[i].data_ptr(), inputs[i].data(), inputs[i].size());
 }
 
-static void stage_out(Lane& lane, std::vector<std::string>& outputs) {
+// The batch's rows of the pinned buffers, which hold the largest batch.
+static std::vector<at::Tensor> first_rows(const std::vector<at::Tensor>& host, std::int64_t rows) {
+  std::vector<at::Tensor> out;
+  for (const auto& h : host) out.push_back(h.narrow(0, 0, rows));
+  return out;
+}
+
+static void stage_out(Lane& lane, std::vector<std::string>& outputs, std::int64_t rows) {
   lane.stream.synchronize();
   for (std::size_t o = 0; o < outputs.size(); ++o)
-    outputs[o].assign(static_cast<const char*>(lane.host_out[o].data_ptr()), lane.host_out[o].nbytes());
+    outputs[o].assign(static_cast<const char*>(lane.host_out[o].data_ptr()), lane.host_out[o].narrow(0, 0, rows).nbytes());
+}
+
+// Rows of a batch the batcher handed over: its first input's bytes over one sample's.
+static std::int64_t rows_of(const ServedModel& model, const std::vector<std::string>& inputs) {
+  return std::int64_t(inputs[0].size() / model.inputs[0].bytes());
 }
 
 namespace {
@@ -84,12 +97,44 @@ class ProgramRunner : public Runner {
     for (std::size_t i = 0; i < in->size(); ++i) (*in)[i].copy_(lane.host_in[i], /*non_blocking=*/true);
     if (auto r = ex_->run(*in, *out, lane.stream.stream()); !r) return r.error().describe();
     for (std::size_t o = 0; o < out->size(); ++o) lane.host_out[o].copy_((*out)[o], /*non_blocking=*/true);
-    stage_out(lane, outputs);
+    stage_out(lane, outputs, lane.host_out[0].size(0));
     return {};
   }
 
  private:
   std::shared_ptr<program::Executor> ex_;
+  std::vector<Lane> lanes_;
+};
+
+class FamilyRunner : public Runner {
+ public:
+  FamilyRunner(std::shared_ptr<program::FamilyExecutor> ex, const ServedModel& model, int workers)
+      : ex_(std::move(ex)), model_(model), lanes_(lanes(model, workers, ex_->device())) {}
+  std::string run(int worker, const std::vector<std::string>& inputs, std::vector<std::string>& outputs) override {
+    Lane& lane = lanes_[std::size_t(worker)];
+    const std::int64_t rows = rows_of(model_, inputs);
+    c10::cuda::CUDAGuard device{c10::DeviceIndex(ex_->device())};
+    c10::cuda::CUDAStreamGuard on(lane.stream);
+    stage_in(lane, inputs);
+    std::vector<at::Tensor> in;
+    for (const auto& h : first_rows(lane.host_in, rows))
+      in.push_back(h.to(at::Device(at::kCUDA, c10::DeviceIndex(ex_->device())), /*non_blocking=*/true));
+    auto out = ex_->run(in, lane.stream.stream());
+    if (!out) return out.error().describe();
+    auto host_out = first_rows(lane.host_out, rows);
+    for (std::size_t o = 0; o < out->size(); ++o) {
+      if ((*out)[o].sizes() != host_out[o].sizes())
+        return "the family's output " + std::to_string(o) + " has " + std::to_string((*out)[o].size(0)) + " rows for a batch of " +
+               std::to_string(rows);
+      host_out[o].copy_((*out)[o], /*non_blocking=*/true);
+    }
+    stage_out(lane, outputs, rows);
+    return {};
+  }
+
+ private:
+  std::shared_ptr<program::FamilyExecutor> ex_;
+  ServedModel model_;
   std::vector<Lane> lanes_;
 };
 
@@ -102,9 +147,11 @@ class EagerRunner : public Runner {
     c10::cuda::CUDAGuard device{c10::DeviceIndex(device_)};
     c10::cuda::CUDAStreamGuard on(lane.stream);
     c10::InferenceMode inference;
+    const std::int64_t rows = rows_of(model_, inputs);
     stage_in(lane, inputs);
     std::vector<c10::IValue> args;
-    for (auto& h : lane.host_in) args.emplace_back(h.to(at::Device(at::kCUDA, c10::DeviceIndex(device_)), /*non_blocking=*/true));
+    for (auto& h : first_rows(lane.host_in, rows))
+      args.emplace_back(h.to(at::Device(at::kCUDA, c10::DeviceIndex(device_)), /*non_blocking=*/true));
     auto result = module_.forward(args);
     std::vector<at::Tensor> got;
     if (result.isTensor()) got.push_back(result.toTensor());
@@ -114,12 +161,13 @@ class EagerRunner : public Runner {
     if (got.size() != model_.outputs.size())
       return "the module returned " + std::to_string(got.size()) + " outputs, the program has " +
              std::to_string(model_.outputs.size());
+    auto host_out = first_rows(lane.host_out, rows);
     for (std::size_t o = 0; o < got.size(); ++o) {
-      if (got[o].sizes() != lane.host_out[o].sizes() || got[o].scalar_type() != lane.host_out[o].scalar_type())
+      if (got[o].sizes() != host_out[o].sizes() || got[o].scalar_type() != host_out[o].scalar_type())
         return "the module's output " + std::to_string(o) + " does not match the program's '" + model_.outputs[o].name + "'";
-      lane.host_out[o].copy_(got[o], /*non_blocking=*/true);
+      host_out[o].copy_(got[o], /*non_blocking=*/true);
     }
-    stage_out(lane, outputs);
+    stage_out(lane, outputs, rows);
     return {};
   }
 
@@ -137,6 +185,13 @@ Loaded program_runner(program::Program p, const ServedModel& model, int workers)
   if (!ex) return {nullptr, ex.error().describe(), ex.error().code == stitchcuda::ErrorCode::Unavailable};
   for (const auto& w : (*ex)->warnings()) std::fprintf(stderr, "warning: %s\n", w.c_str());
   return {std::make_unique<ProgramRunner>(std::move(*ex), model, workers), {}, false};
+}
+
+Loaded family_runner(program::ProgramFamily family, const ServedModel& model, int workers) {
+  auto ex = program::FamilyExecutor::create(std::move(family));
+  if (!ex) return {nullptr, ex.error().describe(), ex.error().code == stitchcuda::ErrorCode::Unavailable};
+  for (const auto& w : (*ex)->warnings()) std::fprintf(stderr, "warning: %s\n", w.c_str());
+  return {std::make_unique<FamilyRunner>(std::move(*ex), model, workers), {}, false};
 }
 
 Loaded eager_runner(const std::string& module_path, const ServedModel& model, int workers) {

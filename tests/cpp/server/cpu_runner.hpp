@@ -1,14 +1,16 @@
 // A Runner that computes a tiny stitched program on the CPU: y = x @ w^T + bias (its one Matmul step),
-// reading w and bias from the program's own weights. The server's tests run the real batcher and HTTP
-// front on it where no GPU is present.
+// reading w and bias from the program's own weights, at whatever batch it is handed (a family's too).
+// The server's tests run the real batcher and HTTP front on it where no GPU is present.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
+#include <stitchcuda/family.hpp>
 #include <stitchcuda/program.hpp>
 
 #include "batcher.hpp"
@@ -36,6 +38,14 @@ inline program::Program linear_program(int batch, int k, int n) {
   auto built = b.build();
   if (!built) throw std::runtime_error(built.error().describe());
   return std::move(*built);
+}
+
+/// linear_program at each of `batches`, as a family whose batch dim (dim 0 of x and y) ranges 1..max.
+inline program::ProgramFamily linear_family(const std::vector<int>& batches, int k, int n, bool pad) {
+  program::ProgramFamily f;
+  f.dims.push_back({"batch", 1, *std::max_element(batches.begin(), batches.end()), pad, {{0, 0}}, {{0, 0}}});
+  for (int b : batches) f.members.push_back({{b}, linear_program(b, k, n)});
+  return f;
 }
 
 /// Runs linear_program's one matmul on the CPU, counting its calls.

@@ -2,6 +2,7 @@
 // program's batch, the latency window holds, padding is counted, failures and draining lose nothing.
 #include <chrono>
 #include <cstring>
+#include <mutex>
 #include <thread>
 
 #include "batcher.hpp"
@@ -39,12 +40,18 @@ class RecordingRunner : public stitchcuda_test::CpuLinearRunner {
  public:
   using CpuLinearRunner::CpuLinearRunner;
   std::string run(int worker, const std::vector<std::string>& in, std::vector<std::string>& out) override {
+    {
+      std::lock_guard lock(seen_mu);
+      rows_seen.push_back(in[0].size() / (kIn * sizeof(float)));
+    }
     if (fail) return "device lost (test)";
     if (hold.count()) std::this_thread::sleep_for(hold);
     return CpuLinearRunner::run(worker, in, out);
   }
   bool fail = false;
   std::chrono::milliseconds hold{0};
+  std::mutex seen_mu;
+  std::vector<std::size_t> rows_seen;  // rows handed over, per batch
 };
 
 }  // namespace
@@ -152,4 +159,28 @@ TEST_CASE("server batcher: draining runs every queued request, then refuses new 
   auto m = batcher.metrics();
   CHECK(m.requests == 3);
   CHECK(m.refused == 2);
+}
+
+TEST_CASE("server batcher: a family's partial batches run at their own size, unpadded", "[server]") {
+  std::string why;
+  auto family = stitchcuda_test::linear_family({1, 2, 4}, kIn, kOut, true);
+  auto model = ServedModel::from_family(family, why);
+  REQUIRE(model);
+  RecordingRunner runner(family.members[0].program);
+  Batcher batcher(*model, runner, {.max_wait = 30ms});
+  std::vector<std::future<Answer>> fs;
+  for (int i = 0; i < 3; ++i) fs.push_back(*batcher.submit(sample_of(float(i), 1, -1)));
+  for (int i = 0; i < 3; ++i) {
+    Answer a = fs[std::size_t(i)].get();
+    const float x[kIn] = {float(i), 1, -1};
+    CHECK(a.error.empty());
+    CHECK(floats(a.outputs.at(0)) == runner.row(x));
+    CHECK(a.batch_rows == 3);
+    CHECK(a.padded_rows == 0);
+  }
+  auto m = batcher.metrics();
+  CHECK(m.batches == 1);
+  CHECK(m.padded_rows == 0);
+  CHECK(m.batch_sizes.at(3) == 1);
+  CHECK(runner.rows_seen == std::vector<std::size_t>{3});  // the runner got three rows, not four
 }

@@ -56,6 +56,36 @@ TEST_CASE("server: the served model takes dim 0 of every input and output as the
   CHECK(contains(why, "scalar"));
 }
 
+TEST_CASE("server: a program family is served at every batch up to its batch dim's max", "[server]") {
+  std::string why;
+  auto m = ServedModel::from_family(stitchcuda_test::linear_family({1, 2, 4, 16}, 3, 2, true), why);
+  REQUIRE(m);
+  CHECK(m->max_batch == 16);
+  CHECK_FALSE(m->fixed_batch);
+  CHECK(m->rows_for(5) == 5);
+  CHECK(m->inputs[0].shape == std::vector<std::int64_t>{3});
+  CHECK(nlohmann::json::parse(m->describe_json())["fixed_batch"] == false);
+  auto fixed = model_of(stitchcuda_test::linear_program(8, 3, 2));
+  CHECK(fixed.rows_for(5) == 8);
+  CHECK(nlohmann::json::parse(fixed.describe_json())["fixed_batch"] == true);
+
+  // Exact sizes only: every batch up to the max needs its member.
+  CHECK(ServedModel::from_family(stitchcuda_test::linear_family({1, 2, 3}, 3, 2, false), why));
+  CHECK_FALSE(ServedModel::from_family(stitchcuda_test::linear_family({1, 2, 4}, 3, 2, false), why));
+  CHECK(contains(why, "dim 'batch' does not pad and no member serves a batch of 3"));
+  auto family = stitchcuda_test::linear_family({2, 4}, 3, 2, true);
+  family.dims[0].min = 2;
+  CHECK_FALSE(ServedModel::from_family(family, why));
+  CHECK(contains(why, "ranges over 2..4: the server runs every batch from 1"));
+  family = stitchcuda_test::linear_family({1}, 3, 2, true);
+  family.dims[0].outputs.clear();  // one member: the family is valid, but y is not split by the batch
+  CHECK_FALSE(ServedModel::from_family(family, why));
+  CHECK(contains(why, "dim 'batch' is not dim 0 (alone) of output 0 ('y')"));
+  family.dims.clear();
+  CHECK_FALSE(ServedModel::from_family(family, why));
+  CHECK(contains(why, "dims is empty"));  // the family's own validation first
+}
+
 TEST_CASE("server: a good request in nested lists or base64 becomes the sample's bytes", "[server]") {
   auto m = model_of(stitchcuda_test::linear_program(4, 3, 2));
   auto parsed = parse_request(m, "application/json; charset=utf-8", kGood);
