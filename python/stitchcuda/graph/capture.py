@@ -9,6 +9,7 @@ arguments). What cannot be captured raises CaptureError with the reason and what
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import re
@@ -277,7 +278,24 @@ def _decompositions() -> dict:
     return table
 
 
+@functools.cache
+def _fx_names_every_dtype() -> None:
+    """torch.fx prints a value's dtype by a short name from a table that lacks the sub-byte and quantized
+    dtypes (torch.uint4, torch.int4, ...); with torch's structured trace on (TORCH_TRACE, a handler on its
+    trace logger) an export that meets such a value fails there with KeyError instead of giving its graph,
+    whose nodes on it become ATen groups that say why. The missing names are added (the dtype's own)."""
+    from torch.fx import graph as fx_graph
+
+    table = getattr(fx_graph, "dtype_abbrs", None)
+    if isinstance(table, dict):
+        for name in dir(torch):
+            dtype = getattr(torch, name)
+            if isinstance(dtype, torch.dtype) and dtype not in table:
+                table[dtype] = str(dtype).removeprefix("torch.")
+
+
 def _export(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Any:
+    _fx_names_every_dtype()
     # Without autograd: the program is an inference forward, and tensors made under torch.inference_mode()
     # (an inference server's inputs) cannot be traced with autograd recording; a model loaded there (its
     # parameters inference tensors) is traced in inference mode itself.
