@@ -5,14 +5,15 @@ pass and fail; fp32 at the fp32 policy, shape and dtype problems keep the table'
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 import torch
 
 from stitchcuda.verify.report import VerifyReport
-from stitchcuda.verify.tolerance import (ACCURACY_FACTOR, Tolerance, accuracy_error, accuracy_floor, judge_output,
-                                         judge_outputs, wants_reference)
+from stitchcuda.verify.tolerance import (ACCURACY_FACTOR, HighPrecision, Tolerance, accuracy_error, accuracy_floor,
+                                         judge_output, judge_outputs, wants_reference)
 
 
 def _outputs(dtype: torch.dtype, seed: int = 0):
@@ -113,3 +114,43 @@ def test_the_policy_travels_with_the_tolerance():
     assert Tolerance.from_dict({"fp32": [1e-4, 1e-4]}).precision == "fp32"  # a dict of an older writer
     with pytest.raises(ValueError, match="precision must be one of fp32, tf32, bf16"):
         Tolerance(precision="fp8")
+
+
+class _Bf16Chain(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.tanh(h) * h - x * 0.3, (h > 0).sum()
+
+
+def test_the_fp64_forward_the_rule_judges_by():
+    torch.manual_seed(0)
+    model = _Bf16Chain().to(torch.bfloat16).eval()
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    high = HighPrecision(model)
+    exact, count = high.outputs([x])
+    assert exact.dtype == torch.float64 and model.fc.weight.dtype == torch.bfloat16  # the model is untouched
+    with torch.no_grad():
+        eager, eager_count = model(x)
+        wide = copy.deepcopy(model).double()(x.double())[0]
+    assert torch.equal(exact, wide) and count.dtype == torch.int64 and int(count) == int(eager_count)
+    # A candidate rounding the fp64 result once passes by it, whatever the table says.
+    out = judge_outputs([eager, eager_count], [exact.to(torch.bfloat16), eager_count], Tolerance(),
+                        exact=[exact, count])
+    assert all(o.ok for o in out) and out[0].accuracy["ok"] and out[1].accuracy is None
+
+
+def test_a_reference_with_no_fp64_forward_leaves_the_table_to_judge():
+    class Half(torch.nn.Module):
+        def forward(self, x):
+            if x.dtype == torch.float64:
+                raise RuntimeError("no fp64 kernel for this op")
+            return x * 2
+
+    high = HighPrecision(Half())
+    assert high.outputs([torch.ones(3, dtype=torch.float16)]) is None
+    assert high.note == "no fp64 reference: RuntimeError: no fp64 kernel for this op"
+    assert high.outputs([torch.ones(3, dtype=torch.float16)]) is None  # not tried again

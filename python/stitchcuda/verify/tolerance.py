@@ -7,17 +7,19 @@ the candidate's error and eager's, both against a high-precision reference.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
 from .compare import CHUNK_ELEMENTS, OutputError, compare_output, max_abs_error
 
 __all__ = ["TABLE", "REDUCED_PRECISION", "PRECISIONS", "Tolerance", "tolerance", "ACCURACY_FACTOR", "UNIT_ROUNDOFF",
            "Accuracy", "by_accuracy", "accuracy_error", "accuracy_floor", "judge_accuracy", "reference_dtype",
-           "wants_reference", "judge_output", "judge_outputs"]
+           "wants_reference", "judge_output", "judge_outputs", "HighPrecision"]
 
 # (atol, rtol) by output dtype; |got - expected| <= atol + rtol * |expected|. The KernelBench values:
 # fp32 (and fp64) 1e-4, the 16-bit formats 1e-2.
@@ -241,3 +243,31 @@ def judge_outputs(expected: Sequence[Any], got: Sequence[Any], policy: Tolerance
                                                       f"{len(expected)}")]
     finer = list(exact) if exact is not None and len(exact) == len(expected) else [None] * len(expected)
     return [judge_output(i, e, g, policy, atol_scale, x) for i, (e, g, x) in enumerate(zip(expected, got, finer))]
+
+
+class HighPrecision:
+    """The reference's forward in fp64, what judge_output's `exact` comes from in the Verifier's trials: one
+    deep copy of `model` in fp64, made at the first call (the caller's model is untouched), run on the
+    inputs with their floating tensors widened. ``outputs(inputs)``: its output tensors in order, or None
+    where the copy or its forward fails (an op without an fp64 kernel), after which ``note`` says why and
+    the table alone judges."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.note = ""
+        self._copy: torch.nn.Module | None = None
+
+    def outputs(self, inputs: Sequence[Any]) -> list[Any] | None:
+        if self.note:
+            return None
+        try:
+            if self._copy is None:
+                self._copy = copy.deepcopy(self.model).to(torch.float64)
+            wide = [x.to(torch.float64) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                    for x in inputs]
+            with torch.no_grad():
+                return pytree.tree_leaves(self._copy(*wide))
+        except Exception as exc:  # no fp64 forward: said once, and the table judges
+            self.note = f"no fp64 reference: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+            self._copy = None
+            return None
