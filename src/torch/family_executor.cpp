@@ -158,10 +158,6 @@ Result<std::shared_ptr<FamilyExecutor>> FamilyExecutor::create(ProgramFamily fam
   for (std::size_t i = 0; i < family.members.size(); ++i) {
     FamilyMember& fm = family.members[i];
     x.layout.members.push_back({fm.sizes, {}});
-    if (i == 0) {
-      x.layout.members[0].program = fm.program;
-      x.layout.members[0].program.weights.clear();
-    }
     auto m = x.prepare(fm.sizes, std::move(fm.program), shared.empty() ? std::map<BufferId, at::Tensor>{} : shared[i]);
     if (!m) {
       Error e = m.error();
@@ -169,6 +165,10 @@ Result<std::shared_ptr<FamilyExecutor>> FamilyExecutor::create(ProgramFamily fam
       for (std::size_t d = 0; d < x.dims.size(); ++d) sizes += (d ? ", " : "") + x.dims[d].name + "=" + std::to_string(fm.sizes[d]);
       e.message = "members[" + std::to_string(i) + "] (" + sizes + "): " + e.message;
       return tl::unexpected(std::move(e));
+    }
+    if (i == 0) {  // its executor's copy holds no pooled weight: copying it copies no model's weights
+      x.layout.members[0].program = (*m)->executor->program();
+      x.layout.members[0].program.weights.clear();
     }
     x.member_sizes.push_back((*m)->sizes);
     x.members.push_back(std::move(*m));

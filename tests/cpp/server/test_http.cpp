@@ -145,3 +145,44 @@ TEST_CASE("server http: stop_and_drain answers every accepted request at once (w
   CHECK(batcher.metrics().requests == 3);
   live.reset();
 }
+
+TEST_CASE("server http: a family file is served with concurrent clients, every batch at its own size", "[server]") {
+  constexpr int kIn = 4, kOut = 3;
+  stitchcuda_test::TempDir dir;
+  const std::string path = dir.str() + "/linear.family.stitch";
+  REQUIRE(stitchcuda_test::linear_family({1, 2, 4, 8}, kIn, kOut, true).save(path));
+  auto loaded = stitchcuda::program::ProgramFamily::load(path);
+  REQUIRE(loaded);
+  std::string why;
+  auto model = ServedModel::from_family(*loaded, why);
+  REQUIRE(model);
+  stitchcuda_test::CpuLinearRunner runner(loaded->members[0].program);
+  Batcher batcher(*model, runner, {.max_wait = 2ms, .workers = 2});
+  LiveServer live(batcher, {.threads = 16});
+
+  httplib::Client probe("127.0.0.1", live.port);
+  auto health = json::parse(probe.Get("/healthz")->body);
+  CHECK(health["max_batch"] == 8);
+  CHECK(health["fixed_batch"] == false);
+  std::atomic<int> wrong{0};
+  std::vector<std::thread> clients;
+  for (int c = 0; c < 6; ++c)
+    clients.emplace_back([&, c] {
+      httplib::Client cli("127.0.0.1", live.port);
+      for (int r = 0; r < 10; ++r) {
+        const std::vector<float> x{float(c), float(r), -1.0f, 0.5f};
+        auto res = cli.Post("/v1/infer", body_for(x), "application/json");
+        if (!res || res->status != 200) {
+          wrong++;
+          continue;
+        }
+        auto answer = json::parse(res->body);
+        if (answer["outputs"][0]["data"].get<std::vector<float>>() != runner.row(x.data()) || answer["padded"] != 0) wrong++;
+      }
+    });
+  for (auto& t : clients) t.join();
+  CHECK(wrong == 0);
+  auto metrics = json::parse(probe.Get("/metrics")->body);
+  CHECK(metrics["requests"] == 60);
+  CHECK(metrics["padded_rows"] == 0);
+}
