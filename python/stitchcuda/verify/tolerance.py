@@ -206,7 +206,7 @@ def wants_reference(dtypes: Sequence[torch.dtype], policy: Tolerance) -> bool:
 def judge_output(index: int, expected: Any, got: Any, policy: Tolerance, atol_scale: float = 1.0,
                  exact: Any = None) -> OutputError:
     """One output of a candidate against the reference's, as graph mode's whole-program check judges it:
-    the table's allclose (compare_output); for an output the accuracy rule covers under `policy` and
+    the table's rule, by compare_output; for an output the accuracy rule covers under `policy` and
     `exact` (the reference's forward in fp64, or fp32 for a 16-bit model), the candidate's error and the
     reference's own against `exact` are reported (err_vs_fp64, reference_err_vs_fp64), and an output
     outside the table passes when the rule accepts it (``accuracy`` holds the verdict). Shape, dtype and
