@@ -238,12 +238,25 @@ void bind_family(py::module_& pm) {
       .def("program", [](const ProgramFamily& f, std::size_t i) {
         if (i >= f.members.size()) invalid("member " + std::to_string(i) + " of " + std::to_string(f.members.size()));
         return f.members[i].program;  // a copy: the Python Program owns it
-      })
-      .def("sizes_of", [](const ProgramFamily& f, const std::vector<std::vector<std::int64_t>>& shapes) {
-        return unwrap(f.sizes_of(shapes));
-      })
-      .def("select", [](const ProgramFamily& f, const std::vector<std::int64_t>& sizes) { return unwrap(f.select(sizes)); });
+      });
   pm.def("is_family_artifact", [](const py::bytes& b) { return is_family_artifact(std::string(b)); });
+  // The member choice on the dims and sizes alone: no program is copied to answer it.
+  pm.def("select_member", [](const py::sequence& dims, const std::vector<std::vector<std::int64_t>>& member_sizes,
+                             const std::vector<std::int64_t>& sizes) {
+    std::vector<DynamicDim> ds;
+    for (std::size_t d = 0; d < dims.size(); ++d) ds.push_back(dim_of(dims[d], d));
+    return unwrap(select_member(ds, member_sizes, sizes));
+  });
+  pm.def("call_sizes", [](const py::sequence& dims, const std::vector<py::dict>& reference,
+                          const std::vector<std::vector<std::int64_t>>& shapes) {
+    std::vector<DynamicDim> ds;
+    for (std::size_t d = 0; d < dims.size(); ++d) ds.push_back(dim_of(dims[d], d));
+    std::vector<TensorSpec> specs;
+    for (const py::dict& r : reference)  // a buffer dict of Program.buffers
+      specs.push_back(spec_of(r["shape"].cast<std::vector<std::int64_t>>(), r["dtype"].cast<std::string>(),
+                              r["strides"].cast<std::vector<std::int64_t>>()));
+    return unwrap(call_sizes(ds, specs, shapes));
+  });
 
   py::class_<FamilyExecutor, std::shared_ptr<FamilyExecutor>>(pm, "FamilyExecutor")
       .def(py::init([](const ProgramFamily& f, std::optional<bool> graphs, int device, std::size_t max_resident,

@@ -433,11 +433,13 @@ class ProgramFamily:
 
     def sizes_of(self, shapes: Sequence[Sequence[int]]) -> tuple[int, ...]:
         """Each dim's size in a call whose inputs have these shapes (an error names a size out of range)."""
-        return tuple(self._native().sizes_of([list(s) for s in shapes]))
+        if not self.members:
+            raise InvalidArgumentError("the family has no members yet: add one before asking for a call's sizes")
+        return tuple(_C.program.call_sizes(self.dims, _inputs_of(self.members[0][1]), [list(s) for s in shapes]))
 
     def select(self, sizes: Sequence[int]) -> int:
         """The index of the member that serves ``sizes``: exactly, else the smallest padded one."""
-        return self._native().select(list(sizes))
+        return _C.program.select_member(self.dims, [list(s) for s, _ in self.members], list(sizes))
 
     def __repr__(self) -> str:
         dims = ", ".join(f"{d.get('name')} {d.get('min')}..{d.get('max')}{' padded' if d.get('pad') else ''}" for d in self.dims)
@@ -494,8 +496,7 @@ class FamilyModule(ProgramModule):
         self.executor = FamilyExecutor(family, graphs=graphs, device=device, max_resident=max_resident)
         for text in self.executor.warnings:
             warnings.warn(f"stitchcuda: {text}", RuntimeWarning, stacklevel=2)
-        first = family.members[0][1]
-        self._inputs = sorted((b for b in first.buffers if b["role"] == "input"), key=lambda b: b["id"])
+        self._inputs = _inputs_of(family.members[0][1])
 
 
 def load(path: str | os.PathLike, *, graphs: bool | None = None, device: int | None = None) -> ProgramModule:
@@ -505,6 +506,11 @@ def load(path: str | os.PathLike, *, graphs: bool | None = None, device: int | N
         if _C.program.is_family_artifact(f.read(8)):
             return FamilyModule(ProgramFamily.load(path), graphs=graphs, device=device)
     return ProgramModule(Program.load(path), graphs=graphs, device=device)
+
+
+def _inputs_of(program: Program) -> list[dict]:
+    """The program's input buffers in run() order (buffer id)."""
+    return sorted((b for b in program.buffers if b["role"] == "input"), key=lambda b: b["id"])
 
 
 def _note_kernels(program: Program) -> None:

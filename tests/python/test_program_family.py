@@ -58,6 +58,8 @@ def test_the_family_validates_and_chooses_members():
     exact = buckets(dims=[dict(BATCH, pad=False)])
     with pytest.raises(InvalidArgumentError, match=r"no member serves batch=3: the members are \(batch=1\)"):
         exact.select((3,))
+    with pytest.raises(InvalidArgumentError, match="the family has no members yet"):
+        ProgramFamily([BATCH]).sizes_of([(3, 4, 8)])
 
 
 @pytest.mark.parametrize(
