@@ -4,6 +4,7 @@
 
 #include <ATen/core/ivalue.h>
 #include <ATen/core/jit_type.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <set>
 
@@ -235,6 +236,9 @@ std::vector<at::Tensor> BoundAtenOp::call(const std::vector<at::Tensor>& inputs)
       case Slot::value: stack.push_back(s.constant); break;
     }
   }
+  // A program's steps are explicit about dtypes (a graph captured under torch.autocast holds its casts):
+  // called while the caller's autocast is on, the dispatcher would cast this op's inputs again.
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   handle_->callBoxed(stack);
   std::vector<at::Tensor> out;
   for (c10::IValue& v : stack) {
