@@ -353,7 +353,8 @@ class Member:
         timing = rep.timing if rep is not None else {}
         return {"sizes": dict(zip((d.name for d in dims), self.sizes)), "runs": "program" if self.runs_program
                 else "original", "reason": self.reason, "build_s": round(self.seconds, 3),
-                "speedup_eager": timing.get("speedup_eager")}
+                "speedup_eager": timing.get("speedup_eager"),
+                "stage_s": {k: round(v, 2) for k, v in (rep.stage_seconds if rep is not None else {}).items()}}
 
 
 class DynamicModule(OptimizedModule):
