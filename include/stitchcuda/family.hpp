@@ -53,7 +53,8 @@ struct ProgramFamily {
   /// range. Each problem is an InvalidArgument naming the field ("dims[1].max", "members[2].sizes[0]").
   Result<void> validate() const;
   /// Whether `member` may join this family (its program, sizes and layout; not a second member of the
-  /// same sizes): what validate() checks of one member, for members added one at a time.
+  /// same sizes): what validate() checks of one member, for members added one at a time. Errors name it
+  /// by the index it would take ("members[4].sizes[0]").
   Result<void> check_member(const FamilyMember& member) const;
 
   /// The sizes of a call whose inputs have these shapes (see call_sizes).

@@ -64,7 +64,8 @@ Result<void> check_dims(const std::vector<DynamicDim>& dims) {
     const DynamicDim& dim = dims[d];
     const std::string at = "dims[" + std::to_string(d) + "]";
     if (dim.name.empty()) return invalid(at + ".name is empty: name the dim (\"batch\", \"seq\") for messages");
-    if (!names.insert(dim.name).second) return invalid(at + ".name '" + dim.name + "' names an earlier dim too: names are unique");
+    if (!names.insert(dim.name).second)
+      return invalid(at + ".name '" + dim.name + "' names an earlier dim too: names are unique");
     if (dim.min < 1 || dim.min > kMaxSize)
       return invalid(at + ".min = " + std::to_string(dim.min) + " is outside 1.." + std::to_string(kMaxSize));
     if (dim.max < dim.min || dim.max > kMaxSize)
@@ -106,8 +107,9 @@ Result<void> check_one(const std::vector<DynamicDim>& dims, const FamilyMember& 
                          std::to_string(mine.size()) + " " + role + "(s)");
         const TensorSpec& s = mine[i]->spec;
         if (a >= s.shape.size())
-          return invalid(field + " names axis " + std::to_string(a) + " of " + at + ".program's " + tensor_label(role, i, *mine[i]) +
-                         ", which is " + s.describe() + " (rank " + std::to_string(s.shape.size()) + ")");
+          return invalid(field + " names axis " + std::to_string(a) + " of " + at + ".program's " +
+                         tensor_label(role, i, *mine[i]) + ", which is " + s.describe() + " (rank " +
+                         std::to_string(s.shape.size()) + ")");
         if (s.shape[a] != m.sizes[d])
           return invalid(at + ".program's " + tensor_label(role, i, *mine[i]) + " is " + s.describe() + ": its axis " +
                          std::to_string(a) + " carries dim '" + dims[d].name + "', whose size is " + std::to_string(m.sizes[d]) +
@@ -130,6 +132,12 @@ Result<void> check_one(const std::vector<DynamicDim>& dims, const FamilyMember& 
     }
   }
   return {};
+}
+
+tl::unexpected<Error> duplicate(const std::vector<DynamicDim>& dims, const std::string& at, const std::vector<std::int64_t>& sizes,
+                                std::size_t earlier) {
+  return invalid(at + ".sizes (" + sizes_text(dims, sizes) + ") are members[" + std::to_string(earlier) +
+                 "]'s too: one program per sizes");
 }
 
 // ---- the file ----
@@ -205,9 +213,7 @@ Result<void> ProgramFamily::validate() const {
   for (std::size_t i = 0; i < members.size(); ++i) {
     const std::string at = "members[" + std::to_string(i) + "]";
     if (auto ok = check_one(dims, members[i], at, &members[0]); !ok) return ok;
-    if (auto [it, fresh] = seen.emplace(members[i].sizes, i); !fresh)
-      return invalid(at + ".sizes (" + sizes_text(dims, members[i].sizes) + ") are members[" + std::to_string(it->second) +
-                     "]'s too: one program per sizes");
+    if (auto [it, fresh] = seen.emplace(members[i].sizes, i); !fresh) return duplicate(dims, at, members[i].sizes, it->second);
   }
   if (std::all_of(dims.begin(), dims.end(), [](const DynamicDim& d) { return d.pad; })) {
     std::vector<std::int64_t> top;
@@ -221,11 +227,10 @@ Result<void> ProgramFamily::validate() const {
 
 Result<void> ProgramFamily::check_member(const FamilyMember& member) const {
   if (auto ok = check_dims(dims); !ok) return ok;
-  if (auto ok = check_one(dims, member, "the new member", members.empty() ? nullptr : &members[0]); !ok) return ok;
+  const std::string at = "members[" + std::to_string(members.size()) + "]";  // the index it would take
+  if (auto ok = check_one(dims, member, at, members.empty() ? nullptr : &members[0]); !ok) return ok;
   for (std::size_t i = 0; i < members.size(); ++i)
-    if (members[i].sizes == member.sizes)
-      return invalid("the new member's sizes (" + sizes_text(dims, member.sizes) + ") are members[" + std::to_string(i) +
-                     "]'s: one program per sizes");
+    if (members[i].sizes == member.sizes) return duplicate(dims, at, member.sizes, i);
   return {};
 }
 
@@ -306,12 +311,14 @@ Result<std::size_t> select_member(const std::vector<DynamicDim>& dims, const std
   }
   if (best) return *best;
   std::string message = "no member serves " + sizes_text(dims, sizes) + ": the members are";
-  for (std::size_t m = 0; m < member_sizes.size() && m < 8; ++m) message += (m ? ", (" : " (") + sizes_text(dims, member_sizes[m]) + ")";
+  for (std::size_t m = 0; m < member_sizes.size() && m < 8; ++m)
+    message += (m ? ", (" : " (") + sizes_text(dims, member_sizes[m]) + ")";
   if (member_sizes.size() > 8) message += " and " + std::to_string(member_sizes.size() - 8) + " more";
   std::string exact;
   for (const DynamicDim& d : dims)
     if (!d.pad) exact += (exact.empty() ? "" : ", ") + ("'" + d.name + "'");
-  message += exact.empty() ? "; none is as large in every dim" : "; " + exact + " do(es) not pad, so those sizes are served only exactly";
+  message += exact.empty() ? "; none is as large in every dim"
+                           : "; " + exact + " do(es) not pad, so those sizes are served only exactly";
   return invalid(message);
 }
 
@@ -386,7 +393,8 @@ Result<ProgramFamily> ProgramFamily::deserialize(std::string_view bytes) {
   try {
     const json manifest = json::parse(manifest_text.begin(), manifest_text.end(), nullptr, false);
     if (manifest.is_discarded()) throw Malformed{"the manifest is not valid JSON"};
-    if (field(manifest, "format", "manifest") != kFormat) throw Malformed{"manifest.format is not \"" + std::string(kFormat) + "\""};
+    if (field(manifest, "format", "manifest") != kFormat)
+      throw Malformed{"manifest.format is not \"" + std::string(kFormat) + "\""};
     if (field(manifest, "version", "manifest") != kFamilyArtifactVersion)
       throw Malformed{"manifest.version differs from the header's format version"};
     // Sections follow one another in the manifest's order and fill the payload exactly.
@@ -397,7 +405,8 @@ Result<ProgramFamily> ProgramFamily::deserialize(std::string_view bytes) {
       const json& name = field(listed[s], "name", at);
       const json& sha = field(listed[s], "sha256", at);
       if (!name.is_string() || !sha.is_string()) throw Malformed{at + " has a name or sha256 that is not a string"};
-      const auto size = std::uint64_t(integer(field(listed[s], "size", at), at + ".size", 0, std::numeric_limits<std::int64_t>::max()));
+      const auto size =
+          std::uint64_t(integer(field(listed[s], "size", at), at + ".size", 0, std::numeric_limits<std::int64_t>::max()));
       if (size > payload.size())
         throw Malformed{"section '" + name.get<std::string>() + "' claims " + std::to_string(size) + " bytes but " +
                         std::to_string(payload.size()) + " remain (truncated?)"};
@@ -405,7 +414,8 @@ Result<ProgramFamily> ProgramFamily::deserialize(std::string_view bytes) {
       payload.remove_prefix(size);
       if (detail::sha256_hex(data) != sha.get<std::string>())
         throw Malformed{"section '" + name.get<std::string>() + "' fails its SHA-256 check (the file was modified or damaged)"};
-      if (!sections.emplace(name.get<std::string>(), data).second) throw Malformed{"section '" + name.get<std::string>() + "' appears twice"};
+      if (!sections.emplace(name.get<std::string>(), data).second)
+        throw Malformed{"section '" + name.get<std::string>() + "' appears twice"};
     }
     if (!payload.empty()) throw Malformed{std::to_string(payload.size()) + " bytes follow the last section"};
 

@@ -162,7 +162,8 @@ Result<std::shared_ptr<FamilyExecutor>> FamilyExecutor::create(ProgramFamily fam
     if (!m) {
       Error e = m.error();
       std::string sizes;
-      for (std::size_t d = 0; d < x.dims.size(); ++d) sizes += (d ? ", " : "") + x.dims[d].name + "=" + std::to_string(fm.sizes[d]);
+      for (std::size_t d = 0; d < x.dims.size(); ++d)
+        sizes += (d ? ", " : "") + x.dims[d].name + "=" + std::to_string(fm.sizes[d]);
       e.message = "members[" + std::to_string(i) + "] (" + sizes + "): " + e.message;
       return tl::unexpected(std::move(e));
     }
@@ -226,13 +227,13 @@ Result<std::vector<at::Tensor>> FamilyExecutor::Impl::pad(const Member& m, const
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const TensorSpec& s = m.inputs[i];
     const at::Tensor& t = inputs[i];
+    const std::string which = "input " + std::to_string(i);
     if (t.scalar_type() != scalar_type(s.dtype))
-      return fail(ErrorCode::InvalidArgument, "input " + std::to_string(i) + " is " + std::string(c10::toString(t.scalar_type())) +
-                                                  " but the family's programs take " + to_string(s.dtype) + ": convert it first");
+      return fail(ErrorCode::InvalidArgument, which + " is " + c10::toString(t.scalar_type()) + " but the family's programs "
+                                              "take " + to_string(s.dtype) + ": convert it first");
     if (!t.is_cuda() || t.get_device() != device)
-      return fail(ErrorCode::InvalidArgument, "input " + std::to_string(i) + " is on " + t.device().str() + " but the family runs "
-                                                  "on cuda:" + std::to_string(device) + ": move it with .to('cuda:" +
-                                                  std::to_string(device) + "')");
+      return fail(ErrorCode::InvalidArgument, which + " is on " + t.device().str() + " but the family runs on cuda:" +
+                                                  std::to_string(device) + ": move it with .to('cuda:" + std::to_string(device) + "')");
     at::Tensor padded = at::empty_strided(s.shape, s.strides, options_for(s)).zero_();
     at::Tensor window = padded;
     for (std::size_t d = 0; d < dims.size(); ++d)
@@ -287,7 +288,8 @@ Result<std::vector<at::Tensor>> FamilyExecutor::run(const std::vector<at::Tensor
     m->calls++, m->padded_calls++, x.runs++, x.padded_runs++;
     return out;
   } catch (const c10::Error& e) {
-    return fail(ErrorCode::CudaError, std::string("padding the call to the member's sizes failed: ") + e.what_without_backtrace());
+    return fail(ErrorCode::CudaError,
+                std::string("padding the call to the member's sizes failed: ") + e.what_without_backtrace());
   }
 }
 

@@ -225,7 +225,7 @@ def test_add_member_serves_a_size_met_later():
     torch.testing.assert_close(ex.run([x])[0], reference(x, other)[0])
     assert ex.member_sizes == [[1], [8], [3]] and len(family.members) == 3
     assert ex.stats()["weight_bytes"] == 64  # the new member's scale differs: uploaded for it
-    with pytest.raises(InvalidArgumentError, match=r"the new member's sizes \(batch=3\) are members\[2\]'s"):
+    with pytest.raises(InvalidArgumentError, match=r"members\[3\]\.sizes \(batch=3\) are members\[2\]'s too"):
         ex.add_member((3,), scaled(3))
 
 

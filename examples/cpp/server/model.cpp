@@ -72,7 +72,8 @@ std::optional<ServedModel> ServedModel::from_family(const program::ProgramFamily
   }
   const program::DynamicDim& dim = f.dims[0];
   const auto& first = f.members[0].program;
-  for (auto [role, axes] : {std::pair{program::BufferRole::input, &dim.inputs}, std::pair{program::BufferRole::output, &dim.outputs}}) {
+  for (auto [role, axes] :
+       {std::pair{program::BufferRole::input, &dim.inputs}, std::pair{program::BufferRole::output, &dim.outputs}}) {
     const char* kind = role == program::BufferRole::input ? "input" : "output";
     const auto buffers = program::io_buffers(first, role);
     for (std::uint32_t i = 0; i < buffers.size(); ++i)

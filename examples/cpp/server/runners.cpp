@@ -124,8 +124,8 @@ class FamilyRunner : public Runner {
     auto host_out = first_rows(lane.host_out, rows);
     for (std::size_t o = 0; o < out->size(); ++o) {
       if ((*out)[o].sizes() != host_out[o].sizes())
-        return "the family's output " + std::to_string(o) + " has " + std::to_string((*out)[o].size(0)) + " rows for a batch of " +
-               std::to_string(rows);
+        return "the family's output " + std::to_string(o) + " has " + std::to_string((*out)[o].size(0)) +
+               " rows for a batch of " + std::to_string(rows);
       host_out[o].copy_((*out)[o], /*non_blocking=*/true);
     }
     stage_out(lane, outputs, rows);

@@ -107,10 +107,12 @@ TEST_CASE("family validation names the field of each problem", "[program][family
     CHECK(contains(rejection(f), "dims[0].inputs[0] names input 1 but members[0].program has 1 input(s)"));
     f = buckets();
     f.dims[0].outputs = {{1, 1}};
-    CHECK(contains(rejection(f), "dims[0].outputs[0] names axis 1 of members[0].program's output 1 ('total'), which is f32[1] (rank 1)"));
+    CHECK(contains(rejection(f),
+                   "dims[0].outputs[0] names axis 1 of members[0].program's output 1 ('total'), which is f32[1] (rank 1)"));
     f = buckets();
     f.dims[0].inputs = {{0, 2}};  // axis 2 is 8 everywhere, not the batch
-    CHECK(contains(rejection(f), "members[0].program's input 0 ('x') is f32[1, 16, 8]: its axis 2 carries dim 'batch', whose size is 1"));
+    CHECK(contains(rejection(f),
+                   "members[0].program's input 0 ('x') is f32[1, 16, 8]: its axis 2 carries dim 'batch', whose size is 1"));
   }
   SECTION("members") {
     ProgramFamily f = buckets();
@@ -149,8 +151,8 @@ TEST_CASE("family validation names the field of each problem", "[program][family
   SECTION("check_member for a member added later") {
     ProgramFamily f = buckets();
     CHECK(f.check_member({{3}, scaled(3, 16)}).has_value());
-    CHECK(contains(f.check_member({{4}, scaled(4, 16)}).error().message, "the new member's sizes (batch=4) are members[2]'s"));
-    CHECK(contains(f.check_member({{3}, scaled(3, 15)}).error().message, "the new member.program's input 0 ('x') is f32[3, 15, 8]"));
+    CHECK(contains(f.check_member({{4}, scaled(4, 16)}).error().message, "members[4].sizes (batch=4) are members[2]'s too"));
+    CHECK(contains(f.check_member({{3}, scaled(3, 15)}).error().message, "members[4].program's input 0 ('x') is f32[3, 15, 8]"));
     ProgramFamily empty;
     empty.dims = {batch_dim(8, false)};
     CHECK(empty.check_member({{5}, scaled(5, 16)}).has_value());
@@ -263,7 +265,8 @@ TEST_CASE("a damaged or mistaken family file is a clear error", "[program][famil
   std::string version = bytes;
   version[8] = 9;
   CHECK(contains(error(version), "format version 9 is not supported"));
-  CHECK(contains(error(scaled(1, 16).serialize()), "wrong magic bytes (a single program's .stitch file loads with Program::load"));
+  CHECK(contains(error(scaled(1, 16).serialize()),
+                 "wrong magic bytes (a single program's .stitch file loads with Program::load"));
 
   SECTION("a single-program loader names the family's loader") {
     auto p = Program::deserialize(bytes);
