@@ -18,7 +18,7 @@ from stitchcuda.graph.groups import GENERATED
 from stitchcuda.graph.measure import (LOSSES_LISTED, OTHER_STEPS, explain_loss, kernels_of_groups, loss_text,
                                       losing_groups)
 from stitchcuda.graph.options import OptimizeOptions
-from stitchcuda.graph.report import Report, report_schema
+from stitchcuda.graph.report import Report, report_schema, time_bars
 from stitchcuda.graph.state import PipelineState
 
 HAS_GPU = torch.cuda.is_available()
@@ -83,6 +83,8 @@ def test_each_generated_group_is_matched_to_the_kernel_of_its_report_entry():
 def _state(rows, why=""):
     state = PipelineState(nn.Identity(), (torch.zeros(1),), OptimizeOptions())
     state.report.timing = {"eager_ms": 1.0, "stitched_ms": 1.3}
+    state.report.groups = [{"kind": "reduction", "nodes": "native_layer_norm", "reason": "", "kernel": "norm_1a2b"},
+                           {"kind": "gemm", "nodes": "addmm", "reason": ""}]
     return state, (lambda s: (rows, why))
 
 
@@ -93,6 +95,9 @@ def test_explain_loss_records_the_table_and_returns_the_sentence(monkeypatch):
     slower = state.report.timing["slower_groups"]
     assert [r["kernel"] for r in slower] == ["norm_1a2b", ""] and text == loss_text(slower)
     printed = str(state.report)
+    norm, gemm = state.report.groups
+    assert (norm["us"], norm["aten_us"]) == (310.0 / 12, 180.0 / 12) and "us" not in gemm  # the plot's bars
+    assert time_bars(state.report)[0][-1] == ("reduction: native_layer_norm", 0.015, 310.0 / 12 / 1e3)
     assert "slower than ATen: norm_1a2b (12 group(s): native_layer_norm) 310.0 us vs 180.0 us, +130.0 us" in printed
     state, timed = _state([], "not measured: UnavailableError: CUPTI is not available")
     monkeypatch.setattr(measure, "group_times", timed)

@@ -324,7 +324,8 @@ def _base_name(kernel: str) -> str:
 
 def explain_loss(state: PipelineState) -> str:
     """Why the program lost to eager, per kernel (group_times, losing_groups): recorded in
-    report.timing ("slower_groups", or "slower_groups_note" where they could not be timed) and returned as
+    report.timing ("slower_groups", or "slower_groups_note" where they could not be timed) and in the group
+    entries of the generated kernels (`us`, `aten_us`: the report's per-group time plot), and returned as
     loss_text's sentence for the fallback's reason ("" when nothing was found slower)."""
     rows, why = group_times(state)
     timing = state.report.timing
@@ -333,4 +334,10 @@ def explain_loss(state: PipelineState) -> str:
         return ""
     losses = losing_groups(rows)
     timing["slower_groups"] = losses
+    # Each generated kernel's groups share its shapes (they are in its source): each entry gets the share.
+    per_kernel = {r["kernel"]: r for r in rows if r["kernel"] and r["groups"] and r["aten_us"] is not None}
+    for entry in state.report.groups:
+        r = per_kernel.get(entry.get("kernel", ""))
+        if r is not None and entry.get("kind") != "gemm":
+            entry["us"], entry["aten_us"] = r["us"] / r["groups"], r["aten_us"] / r["groups"]
     return loss_text(losses)

@@ -335,8 +335,8 @@ def time_bars(report: "Report") -> tuple[list[tuple[str, float, float]], str]:
     """The bars of the report's time plot and what they show: (label, before ms, after ms) for the whole
     model when it was timed (eager, then the stitched program), then per group when the groups carry
     times (`aten_us` and `us`), else per agents' target (its ATen ops, then the winning candidate).
-    optimize() does not yet time each group on its own, so without the agents the plot is the whole
-    model's."""
+    optimize() times each group only when the program lost to eager (measure.explain_loss); otherwise,
+    without the agents, the plot is the whole model's."""
     bars, parts = [], []
     t = report.timing
     if isinstance(t.get("eager_ms"), (int, float)) and isinstance(t.get("stitched_ms"), (int, float)):
