@@ -122,10 +122,11 @@ def test_the_slower_groups_are_in_the_reports_schema_and_read_back(monkeypatch):
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
 def test_on_a_gpu_every_kernel_of_the_program_is_timed_against_its_aten_ops():
     from stitchcuda.graph.pipeline import STAGES, run_stages
+    from stitchcuda.log import StepProgress
 
     torch.manual_seed(0)
     model, x = _Block().cuda().eval(), torch.randn(32, 32, device="cuda")
-    state = PipelineState(model, (x,), OptimizeOptions(progress=False))
+    state = PipelineState(model, (x,), OptimizeOptions(progress=False), steps=StepProgress(False))
     run_stages(state, tuple(s for s in STAGES if s[0] not in ("agents", "measure")))
     assert state.optimized is not None and state.optimized.program is not None, state.report.reason
     rows, why = measure.group_times(state)
