@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 from ..errors import InvalidArgumentError, StitchError
 from ..log import get_logger
 from ..program import DTYPES, Program, ProgramModule, dtype_name
-from .capture import Graph, autocast_as, under_autocast, warn_other_autocast
+from .capture import Graph, under_autocast, warn_other_autocast
 from .report import Report
 
 __all__ = ["OptimizedModule", "NoProgramError", "FunctionModule", "KeywordCall", "is_setting", "same_setting",
@@ -82,9 +82,9 @@ class OptimizedModule(torch.nn.Module):
                             "inputs for a program of their own)", model_name(self.original), shapes_text(given),
                             shapes_text(wanted))
             return under_autocast(self.original, self._graph.autocast)(*args, **kwargs)
+        # The graph holds its autocast's casts; the executor's ATen steps run with autocast excluded.
         warn_other_autocast(self._graph, self._warned)
-        with autocast_as(None):  # the graph holds its autocast's casts; ATen steps would cast again
-            outs = self._runner.executor.run([t.contiguous() for t in tensors])
+        outs = self._runner.executor.run([t.contiguous() for t in tensors])
         return pytree.tree_unflatten(self._graph.output_leaves(outs), self._graph.out_spec)
 
     def release(self) -> None:
