@@ -591,7 +591,10 @@ class Lowering:
             prologue = RowPrologue(tuple(x.shape), inputs, body, var[x.name])
         same_row: dict[str, str] = {}
         if p.get("epilogue"):  # elementwise ops over the row reading its statistic: the statistic is never stored
-            inputs, more, body, var = self._elementwise(p["epilogue"], tuple(x.shape), {node.out.name: "stat"}, "e")
+            # Prologue values the row's ops read (an RMS norm's fp32 upcast of x) are computed again from
+            # the same loads: the prologue's results are never stored.
+            inputs, more, body, var = self._elementwise([*_read_by(p.get("prologue") or [], p["epilogue"]),
+                                                         *p["epilogue"]], tuple(x.shape), {node.out.name: "stat"}, "e")
             epilogue = RowPrologue(tuple(x.shape), inputs, body, var[result.name], ("stat",))
             # The epilogue's reads of the row the reduction reads (an RMS norm's x): from the kernel's registers.
             read = ({i.key: (buffers[i.key], i) for i in prologue.inputs} if prologue else
@@ -1337,6 +1340,19 @@ def _attribute(value: Any, node: Node, name: str) -> Any:
     if isinstance(value, (list, tuple)) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value):
         return list(value)
     raise LoweringError(f"{node.op}: argument '{name}' = {value!r} cannot be expressed as a program attribute")
+
+
+def _read_by(prologue: list[Node], nodes: list[Node]) -> list[Node]:
+    """The prologue's nodes whose values `nodes` read, directly or through each other, in prologue order."""
+    made_by = {v.name: n for n in prologue for v in n.outputs if v is not None}
+    wanted: set[int] = set()
+    stack = [made_by[v.name] for n in nodes for v in n.inputs if v.name in made_by]
+    while stack:
+        n = stack.pop()
+        if id(n) not in wanted:
+            wanted.add(id(n))
+            stack += [made_by[v.name] for v in n.inputs if v.name in made_by]
+    return [n for n in prologue if id(n) in wanted]
 
 
 _SPLIT_OPS = ("aten::split_with_sizes", "aten::split.Tensor", "aten::unbind.int")

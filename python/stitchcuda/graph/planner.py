@@ -185,7 +185,9 @@ def _low_precision_matmuls(graph: Graph) -> str:
 
 def rotate_half_source(node: Node) -> tuple[Value, int] | None:
     """(x, h) when `node` is cat((-x[..., h:], x[..., :h]), dim=-1) over x's last dimension of 2h — RoPE's
-    rotate_half, which a fused kernel reads as x with its halves swapped — else None."""
+    rotate_half, which a fused kernel reads as x with its halves swapped — else None. The halves are two
+    slices of x, or the two pieces of one split of x (`x1, x2 = x.chunk(2, dim=-1)`, how the transformer
+    libraries write it)."""
     if node.op != "aten::cat" or not node.args or not isinstance(node.args[0], (list, tuple)) \
             or len(node.args[0]) != 2 or not node.outputs or node.outputs[0] is None:
         return None
@@ -197,6 +199,8 @@ def rotate_half_source(node: Node) -> tuple[Value, int] | None:
         return None
     neg, low = first.producer, second.producer
     high = neg.args[0].producer if neg is not None and neg.op == "aten::neg" else None
+    if high is not None and high is low and high.op in ("aten::split_with_sizes", "aten::split.Tensor"):
+        return _split_halves(high, neg.args[0], second, out)
     if high is None or low is None or high.op != "aten::slice.Tensor" or low.op != "aten::slice.Tensor":
         return None
     x = low.args[0]
@@ -211,6 +215,20 @@ def rotate_half_source(node: Node) -> tuple[Value, int] | None:
     if bounds(low) != (rank - 1, 0, d // 2, 1) or bounds(high) != (rank - 1, d // 2, d, 1):
         return None
     return x, d // 2
+
+
+def _split_halves(split: Node, high: Value, low: Value, out: Value) -> tuple[Value, int] | None:
+    """rotate_half_source's (x, h) when `split` cuts x's last dimension of 2h into two halves, `low` its
+    first piece and `high` its second, else None."""
+    x = split.args[0] if split.args else None
+    if not isinstance(x, Value) or not x.shape or tuple(x.shape) != tuple(out.shape) or x.shape[-1] % 2 \
+            or len(split.outputs) != 2 or split.outputs[0] is not low or split.outputs[1] is not high:
+        return None
+    rank, d = len(x.shape), x.shape[-1]
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    sizes = split.args[1] if len(split.args) > 1 else None
+    halves = list(sizes) == [d // 2, d // 2] if isinstance(sizes, (list, tuple)) else sizes == d // 2
+    return (x, d // 2) if dim % rank == rank - 1 and halves else None
 
 
 # Views an elementwise chain's result may reach its reader through while the chain runs in the reader's
@@ -303,6 +321,48 @@ def _output_function(g: Group, nxt: Group, outputs: set[str]) -> Group | None:
     return Group(g.kind, [*g.nodes, *nxt.nodes],
                  f"{g.reason}; then {len(nxt.nodes)} elementwise op(s) ({ops}) applied before the store",
                  {**g.params, "output": list(nxt.nodes), "result": leaving[0]})
+
+
+def _row_producer_into_loads(out: list[Group], g: Group, outputs: set[str]) -> None:
+    """Moves into the loads of the reduction `g` (a statistic applied back to its row) the part of the
+    elementwise group just before it (`out[-1]`) that only `g` reads: an RMS norm's fp32 upcast and square,
+    whose upcast value the row's scaling reads too (`x.float()` read by `pow` and by `h * rsqrt(...)`), so
+    the open chain could not be the reduction's prologue whole. What the rest of the model reads (the
+    residual sum before the norm) stays in that group, stored as before; the upcast value is computed again
+    by the epilogue from the same loaded row (`Lowering._lower_reduction`), never stored: a bf16 norm reads
+    its row once in 16-bit instead of writing and reading it back twice in fp32."""
+    pre = out[-1] if out else None
+    node = g.params["node"]
+    x = node.args[0]
+    if pre is None or pre.kind != "pointwise" or g.params.get("prologue") or "split" in g.params \
+            or g.params.get("layout") == "column" or "relayout" in pre.params or _reads_pieces(pre) \
+            or not isinstance(x, Value) or tuple(pre.params["shape"]) != tuple(x.shape) or x.name in outputs \
+            or [id(u) for u in x.users] != [id(node)] or all(x.producer is not n for n in pre.nodes) \
+            or any(rotate_half_source(n) is not None for n in pre.nodes):
+        return
+    inside = {id(n) for n in g.nodes} | {id(n) for n in pre.nodes}
+    made_by = {v.name: n for n in pre.nodes for v in n.outputs if v is not None}
+    kept: set[int] = set()
+    stack = [n for n in pre.nodes for v in n.outputs if v is not None
+             and (v.name in outputs or any(id(u) not in inside for u in v.users))]
+    while stack:  # what leaves the group, and what it is computed from, stays
+        n = stack.pop()
+        if id(n) not in kept:
+            kept.add(id(n))
+            stack += [made_by[v.name] for v in n.inputs if v.name in made_by]
+    moved = [n for n in pre.nodes if id(n) not in kept]
+    if not moved:
+        return
+    if len(moved) == len(pre.nodes):
+        out.pop()
+    else:
+        pre.nodes = [n for n in pre.nodes if id(n) in kept]
+        pre.reason = (f"{len(pre.nodes)} elementwise op(s) ({', '.join(n.op.removeprefix('aten::') for n in pre.nodes)})"
+                      " fused into one kernel")
+    ops = ", ".join(n.op.removeprefix("aten::") for n in moved)
+    g.params["prologue"] = moved
+    g.nodes = [*moved, *g.nodes]
+    g.reason += f"; {len(moved)} elementwise op(s) ({ops}) fused into its loads, recomputed where the row's ops read them"
 
 
 class OfflinePlanner:
@@ -569,6 +629,7 @@ class OfflinePlanner:
                                       "the row in the same kernel: the statistic is never stored",
                                       {**g.params, "epilogue": epilogue, "result": leaving[0]})
                         i += 2 + (1 if on_stat else 0)
+                        _row_producer_into_loads(out, fused, outputs)
                 if fused is None and on_stat is not None:
                     fused = _output_function(g, on_stat, outputs)
                     i += 2 if fused is not None else 0

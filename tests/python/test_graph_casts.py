@@ -1,0 +1,165 @@
+"""Casts between dtypes are elementwise ops the planner fuses into their neighbours: a bf16/fp16 Llama-like
+block (RMSNorm with its fp32 upcast and downcast, rotary embedding with rotate_half written through chunk,
+SwiGLU, residual adds) plans with no group made of casts alone, its norms one kernel each, and its 16-bit
+program compiles with NVRTC for sm_90. The same plan shapes in fp32 run through the CUDA emulator (it has
+no 16-bit types) against eager."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from stitchcuda.graph import Lowering, OfflinePlanner, capture, reference_values
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_graph_emulated import run_program  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "corpus"))
+from cpu_emulator.emulator import EmulatedJit, unavailable  # noqa: E402
+
+
+class _RMSNorm(nn.Module):
+    """Statistics in fp32, the result cast back before the scale (how Llama's reference code writes it)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(dim))
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(x.dtype)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class _Block(nn.Module):
+    """One decoder layer: RMSNorm, q/k/v with rotary embedding, SDPA, output projection and residual;
+    RMSNorm, SwiGLU and residual."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, hidden: int = 128, seq: int = 16):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.n1, self.n2 = _RMSNorm(dim), _RMSNorm(dim)
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.gate, self.up = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+        angles = torch.outer(torch.arange(seq, dtype=torch.float32),
+                             1.0 / 10000 ** (torch.arange(0, self.head_dim, 2) / self.head_dim))
+        angles = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.n1(x)
+        q, k, v = (p(h).view(b, t, self.heads, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        cos, sin = self.cos.to(x.dtype), self.sin.to(x.dtype)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+        h = self.n2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+def _planned(dtype: torch.dtype):
+    torch.manual_seed(0)
+    model = _Block().eval().to(dtype)
+    x = torch.randn(2, 16, 64, dtype=dtype)
+    graph = capture(model, (x,))
+    return graph, OfflinePlanner().plan(graph)
+
+
+def _ops(group) -> list[str]:
+    return [n.op.removeprefix("aten::") for n in group.nodes]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_no_cast_stands_alone_in_a_16_bit_llama_block(dtype):
+    graph, plan = _planned(dtype)
+    casts = [n for n in graph.nodes if n.op == "aten::_to_copy"]
+    assert len(casts) == 6, [n.op for n in graph.nodes]  # two norms' up and down, SwiGLU's silu in fp32 and back
+    generated = [g for g in plan.groups if g.kind in ("pointwise", "reduction")]
+    # Before: 9 kernels — each norm's upcast and square apart from its reduction (the upcast value, read by
+    # the square and the scaling, stored in fp32 with the square), each rotate_half's negation on its own
+    # (the RoPE kernel then read the negated half and the other half as a concatenation's pieces).
+    assert [(g.kind, _ops(g)) for g in generated] == [
+        ("reduction", ["_to_copy", "pow.Tensor_Scalar", "mean.dim", "add.Tensor", "rsqrt", "mul.Tensor", "_to_copy",
+                       "mul.Tensor"]),
+        ("pointwise", ["mul.Tensor", "cat", "mul.Tensor", "add.Tensor"] * 2),  # q's and k's RoPE, x read rotated
+        ("pointwise", ["add.Tensor"]),                                      # the residual, read again later
+        ("reduction", ["_to_copy", "pow.Tensor_Scalar", "mean.dim", "add.Tensor", "rsqrt", "mul.Tensor", "_to_copy",
+                       "mul.Tensor"]),
+        ("pointwise", ["_to_copy", "sigmoid", "mul.Tensor", "_to_copy", "mul.Tensor"]),  # SwiGLU
+        ("pointwise", ["add.Tensor"]),
+    ], [(g.kind, _ops(g)) for g in generated]
+    # Every cast is inside a group that computes something besides casts; no negation is a kernel of its own.
+    owner = {id(n): g for g in plan.groups for n in g.nodes}
+    for n in casts:
+        assert any(op not in ("_to_copy", "clone") for op in _ops(owner[id(n)])), _ops(owner[id(n)])
+    assert not any(_ops(g) == ["neg"] for g in plan.groups)
+    norm = generated[0]
+    assert [n.op for n in norm.params["prologue"]] == ["aten::_to_copy", "aten::pow.Tensor_Scalar"]
+    assert "recomputed where the row's ops read them" in norm.reason
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_the_16_bit_block_program_compiles_for_sm_90(dtype):
+    graph, plan = _planned(dtype)
+    values = reference_values(graph, [torch.randn(2, 16, 64, dtype=dtype)])
+    constants = {g.nodes[0].out.name: values[g.nodes[0].out.name] for g in plan.groups if g.kind == "constant"}
+    lowering = Lowering(graph, plan, constants)
+    program = lowering.build(plan.groups, graph.inputs, graph.outputs)
+    program.compile_kernels("sm_90a")
+    norms = [c for g, c in ((g, lowering.main_kernels.get(id(g))) for g in plan.groups)
+             if c is not None and g.kind == "reduction"]
+    assert len(norms) == 2
+    ctype = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}[dtype]
+    for code in norms:
+        # The norm reads the 16-bit row and writes the 16-bit result; no fp32 copy of the row is an argument.
+        assert f"const {ctype}* __restrict__ in0" in code.source and f"{ctype}* __restrict__ y" in code.source
+        assert "const float* __restrict__" not in code.source.split("__global__")[1].split(")")[0]
+
+
+class _ResidualNorm(nn.Module):
+    """fp32 stand-in of the 16-bit norm's shape for the emulator: s = x + r is returned (the residual stream),
+    h = s * 1.5 is read by the square and by the scaling, as the upcast is."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(dim))
+
+    def forward(self, x, r):
+        s = x + r
+        h = s * 1.5
+        return s, self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+@pytest.mark.skipif(unavailable() is not None, reason=f"CUDA emulator: {unavailable()}")
+@pytest.mark.parametrize("dim", [64, 2048], ids=["warp-per-row", "row-in-registers"])
+def test_a_norm_that_reads_its_prologues_value_again_gives_eager_results(tmp_path, dim):
+    torch.manual_seed(3)
+    model = _ResidualNorm(dim).eval()
+    x, r = torch.randn(3, 5, dim), torch.randn(3, 5, dim)
+    graph = capture(model, (x, r))
+    plan = OfflinePlanner().plan(graph)
+    generated = [(g.kind, _ops(g)) for g in plan.groups if g.kind in ("pointwise", "reduction")]
+    assert generated == [("pointwise", ["add.Tensor"]),
+                         ("reduction", ["mul.Tensor", "pow.Tensor_Scalar", "mean.dim", "add.Tensor", "rsqrt",
+                                        "mul.Tensor", "mul.Tensor"])], generated
+    values = reference_values(graph, [x, r])
+    constants = {g.nodes[0].out.name: values[g.nodes[0].out.name] for g in plan.groups if g.kind == "constant"}
+    program = Lowering(graph, plan, constants).build(plan.groups, graph.inputs, graph.outputs)
+    got = run_program(EmulatedJit(tmp_path), program, [x, r], {**constants, **values})
+    with torch.no_grad():
+        want = model(x, r)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
