@@ -40,7 +40,7 @@ import torch.utils._pytree as pytree
 from ..errors import InvalidArgumentError
 from ..log import get_logger
 from ..settings import settings
-from .capture import autocast_as, under_autocast, warn_other_autocast
+from .capture import under_autocast, warn_other_autocast
 from .module import OptimizedModule, model_name, positional_call, shapes_text
 from .options import OptimizeOptions
 
@@ -436,8 +436,7 @@ class DynamicModule(OptimizedModule):
         tensors = [t for t in pytree.tree_flatten(tuple(call))[0] if isinstance(t, torch.Tensor)]
         graph = member.module._graph
         warn_other_autocast(graph, self._warned)
-        with autocast_as(None):  # the graph holds its autocast's casts; ATen steps would cast again
-            outs = member.module._runner.executor.run([t.contiguous() for t in tensors])
+        outs = member.module._runner.executor.run([t.contiguous() for t in tensors])  # its ATen steps exclude autocast
         if padded:
             outs = self._cut(outs, sizes, member.sizes)
         self._release_idle()
