@@ -37,6 +37,37 @@ __device__ __forceinline__ void store4(float* p, int c4, float4 v, bool vec) {
 }
 """
 
+# The same four-value accesses of 16-bit rows: one 8-byte load or store of four halves (converted to and
+# from fp32 in registers, rounded once at the store), scalar where the address is not aligned. Each overload
+# is one line, so a source stripped of its 16-bit lines (the CUDA emulator's fp32 build) stays whole. Only
+# kernels with a 16-bit operand include them: an fp32 kernel's source is unchanged.
+VECTOR_IO_16 = r"""
+__device__ __forceinline__ float4 load4(const __half* p, int c4, bool vec) { if (vec) { const uint2 u = reinterpret_cast<const uint2*>(p)[c4]; const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x)), b = __half22float2(*reinterpret_cast<const __half2*>(&u.y)); return make_float4(a.x, a.y, b.x, b.y); } return make_float4(__half2float(p[4 * c4]), __half2float(p[4 * c4 + 1]), __half2float(p[4 * c4 + 2]), __half2float(p[4 * c4 + 3])); }
+__device__ __forceinline__ float4 load4(const __nv_bfloat16* p, int c4, bool vec) { if (vec) { const uint2 u = reinterpret_cast<const uint2*>(p)[c4]; const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x)), b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y)); return make_float4(a.x, a.y, b.x, b.y); } return make_float4(__bfloat162float(p[4 * c4]), __bfloat162float(p[4 * c4 + 1]), __bfloat162float(p[4 * c4 + 2]), __bfloat162float(p[4 * c4 + 3])); }
+__device__ __forceinline__ void store4(__half* p, int c4, float4 v, bool vec) { const __half2 a = __floats2half2_rn(v.x, v.y), b = __floats2half2_rn(v.z, v.w); if (vec) { uint2 u; u.x = *reinterpret_cast<const unsigned*>(&a); u.y = *reinterpret_cast<const unsigned*>(&b); reinterpret_cast<uint2*>(p)[c4] = u; return; } p[4 * c4] = a.x; p[4 * c4 + 1] = a.y; p[4 * c4 + 2] = b.x; p[4 * c4 + 3] = b.y; }
+__device__ __forceinline__ void store4(__nv_bfloat16* p, int c4, float4 v, bool vec) { const __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w); if (vec) { uint2 u; u.x = *reinterpret_cast<const unsigned*>(&a); u.y = *reinterpret_cast<const unsigned*>(&b); reinterpret_cast<uint2*>(p)[c4] = u; return; } p[4 * c4] = a.x; p[4 * c4 + 1] = a.y; p[4 * c4 + 2] = b.x; p[4 * c4 + 3] = b.y; }
+"""
+
+# Eight consecutive values per access of the 16-bit elementwise kernels: one 16-byte load or store of eight
+# halves, two float4 of fp32 (an operand of another dtype in the same kernel), fp32 math in between and
+# one rounding at the store. `v` counts groups of eight. One line per 16-bit overload, as above.
+VECTOR8_IO = r"""
+__device__ __forceinline__ void load8(const float* p, long long v, float* o) {
+  const float4 a = reinterpret_cast<const float4*>(p)[2 * v], b = reinterpret_cast<const float4*>(p)[2 * v + 1];
+  o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w; o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+}
+__device__ __forceinline__ void store8(float* p, long long v, const float* o) {
+  reinterpret_cast<float4*>(p)[2 * v] = make_float4(o[0], o[1], o[2], o[3]);
+  reinterpret_cast<float4*>(p)[2 * v + 1] = make_float4(o[4], o[5], o[6], o[7]);
+}
+__device__ __forceinline__ void load8(const __half* p, long long v, float* o) { const uint4 u = reinterpret_cast<const uint4*>(p)[v]; const __half2* h = reinterpret_cast<const __half2*>(&u); for (int j = 0; j < 4; ++j) { const float2 f = __half22float2(h[j]); o[2 * j] = f.x; o[2 * j + 1] = f.y; } }
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, long long v, float* o) { const uint4 u = reinterpret_cast<const uint4*>(p)[v]; const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u); for (int j = 0; j < 4; ++j) { const float2 f = __bfloat1622float2(h[j]); o[2 * j] = f.x; o[2 * j + 1] = f.y; } }
+__device__ __forceinline__ void store8(__half* p, long long v, const float* o) { uint4 u; __half2* h = reinterpret_cast<__half2*>(&u); for (int j = 0; j < 4; ++j) h[j] = __floats2half2_rn(o[2 * j], o[2 * j + 1]); reinterpret_cast<uint4*>(p)[v] = u; }
+__device__ __forceinline__ void store8(__nv_bfloat16* p, long long v, const float* o) { uint4 u; __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u); for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(o[2 * j], o[2 * j + 1]); reinterpret_cast<uint4*>(p)[v] = u; }
+"""
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
 CTYPE = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.bool: "bool"}
 FUSABLE_DTYPES = set(CTYPE)
 
@@ -215,18 +246,19 @@ class RowPrologue:
         L += [f"  {b}" for b in self.body] + [f"  return {self.result};", "}"]
         return L
 
-    def vector_kinds(self, cols: int) -> list[str] | None:
+    def vector_kinds(self, cols: int, half: bool = False) -> list[str] | None:
         """Per input, how the register path reads four consecutive values of a row — "row" (fp32, the
         reduction input's own layout: one 16-byte load), "col" (fp32, a vector over the reduced dimensions
         repeated over rows: one 16-byte load), "scalar" (one value), and, when only the last dimension is
         reduced, "based4"/"based1" (unit stride along it from a base that depends on the row: a causal mask
         [S, S] over [B, H, S, S] scores; one 16-byte load when fp32 with 16-byte row bases, else four loads)
-        and "per_row" (one value per row) — or None when some input fits none of them."""
+        and "per_row" (one value per row) — or None when some input fits none of them. With `half` (the
+        kernel has VECTOR_IO_16's overloads) fp16/bf16 operands take "row" and "col" too: one 8-byte load."""
         kinds = []
         full = self.shape
         last_only = bool(full) and full[-1] == cols
         for inp in self.inputs:
-            fp32 = inp.dtype == torch.float32
+            fp32 = inp.dtype == torch.float32 or (half and inp.dtype in HALF_DTYPES)
             if fp32 and not inp.offset and inp.linear(full):
                 kinds.append("row")
                 continue

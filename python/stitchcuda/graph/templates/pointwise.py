@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from ...settings import settings
-from .common import (CTYPE, PRELUDE, KernelCode, PointwiseInput, element_index, element_indices, piece_args,
-                     piece_params, piece_select, split_coordinates)
+from .common import (CTYPE, HALF_DTYPES, PRELUDE, VECTOR8_IO, KernelCode, PointwiseInput, element_index,
+                     element_indices, piece_args, piece_params, piece_select, split_coordinates)
 
 
 # How a streaming (vectorized) kernel covers its tensor: "once" (the default) — as many blocks as the
@@ -48,6 +48,10 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
     all_linear = all(i.linear(shape) for i in inputs)
     vectorized = (all_linear and n % 4 == 0 and all(i.dtype == torch.float32 for i in inputs)
                   and all(dt == torch.float32 for _, _, dt in results))
+    dtypes = [i.dtype for i in inputs] + [dt for _, _, dt in results]
+    if all_linear and n % 8 == 0 and any(dt in HALF_DTYPES for dt in dtypes) \
+            and all(dt in (torch.float32, *HALF_DTYPES) for dt in dtypes):
+        return eight_wide_pointwise_kernel(name, shape, n, inputs, body, results, params)
     # Broadcast or strided operands over a last dimension of a multiple of 4: four consecutive outputs share
     # every coordinate but the last, so each operand is one 16-byte load, one value repeated, or four loads.
     rotated = any(i.rotate for i in inputs)  # RoPE's rotate_half: one element at a time, its own index and sign
@@ -148,6 +152,50 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
     return KernelCode("\n".join(lines) + "\n", name, grid, threads, args,
                       f"{len(body)} elementwise op(s), {kind}, {len(inputs)} input(s){read}, {len(results)} output(s)",
                       vectorized)
+
+
+def eight_wide_pointwise_kernel(name: str, shape: tuple[int, ...], n: int, inputs: list[PointwiseInput], body: list[str],
+                           results: list[tuple[str, str, torch.dtype]], params: list[str]) -> KernelCode:
+    """pointwise_kernel's form for contiguous operands when some are fp16/bf16 (n a multiple of 8; it builds
+    for fp32 operands too, which is how the emulator, without 16-bit types, checks its indexing): each
+    thread takes EIGHT_PER groups of eight consecutive elements, a 16-byte load of each 16-bit operand per
+    group (two of an fp32 one), all loads before any use; the body in fp32, each result rounded once at
+    its 16-byte store. Where a pointer is not 16-byte aligned (a view at an odd offset) the same groups take
+    scalar loads and stores. The grid covers the tensor once, as the fp32 one-pass form does."""
+    operands = len(inputs) + len(results)
+    per = 2 if operands <= 4 else 1  # groups of eight per thread: more operands' registers would cost occupancy
+    pointers = [f"p{k}" for k in range(len(inputs))] + [f"q{k}" for k in range(len(results))]
+    aligned = " | ".join(f"reinterpret_cast<unsigned long long>({p})" for p in pointers)
+    L = [PRELUDE, VECTOR8_IO, f"// {name}: {len(body)} fused elementwise op(s) over {list(shape)}",
+         *body_function(name, len(inputs), body, results),
+         f'extern "C" __global__ void {name}({", ".join(params)}) {{',
+         "  const long long n8 = n / 8;",
+         f"  const long long v0 = blockIdx.x * ({per}LL * blockDim.x) + threadIdx.x;",
+         f"  const bool wide = (({aligned}) & 15ULL) == 0;"]
+    for j in range(per):
+        L.append(f"  const long long v{j + 1} = v0 + {j}LL * blockDim.x;")
+        for k in range(len(inputs)):
+            L += [f"  float a{k}_{j}[8];",
+                  f"  if (v{j + 1} < n8) {{ if (wide) load8(p{k}, v{j + 1}, a{k}_{j}); "
+                  f"else for (int e = 0; e < 8; ++e) a{k}_{j}[e] = ld(p{k}, 8 * v{j + 1} + e); }}"]
+    for j in range(per):
+        L.append(f"  if (v{j + 1} < n8) {{")
+        L += [f"    float b{k}_{j}[8];" for k in range(len(results))]
+        L.append("#pragma unroll")
+        L.append("    for (int e = 0; e < 8; ++e) "
+                 f"{name}_body({', '.join([f'a{k}_{j}[e]' for k in range(len(inputs))] + [f'b{k}_{j}[e]' for k in range(len(results))])});")
+        for k in range(len(results)):
+            L.append(f"    if (wide) store8(q{k}, v{j + 1}, b{k}_{j}); "
+                     f"else for (int e = 0; e < 8; ++e) st(q{k}, 8 * v{j + 1} + e, b{k}_{j}[e]);")
+        L.append("  }")
+    L.append("}")
+    threads = 256
+    grid = max(1, -(-(n // 8) // (threads * per)))
+    args = [a for i in inputs for a in piece_args(i)] + [("out", key) for key, _, _ in results] + [("i64", n)]
+    return KernelCode("\n".join(L) + "\n", name, grid, threads, args,
+                      f"{len(body)} elementwise op(s), vectorized 16-bit: eight values per 16-byte access, {per} "
+                      f"group(s) of eight per thread in one pass, fp32 math, {len(inputs)} input(s), "
+                      f"{len(results)} output(s)", True)
 
 
 def _grouped_pointwise_loop(name: str, shape: tuple[int, ...], inputs: list[PointwiseInput],

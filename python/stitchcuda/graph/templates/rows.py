@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import CTYPE, PRELUDE, VECTOR_IO, KernelCode, RowPrologue, element_index, split_coordinates
+from .common import (CTYPE, HALF_DTYPES, PRELUDE, VECTOR_IO, VECTOR_IO_16, KernelCode, RowPrologue, element_index,
+                     split_coordinates)
 from .ops import float_literal
 
 # ---- row reductions ----
@@ -101,6 +102,13 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
                  or (epilogue is not None and out_dtype == torch.float32))):
         return _cached_row_kernel(name, kind, rows, cols, eps, has_weight, has_bias, prologue, output, groups,
                                   group_hw, out_dtype, epilogue, same_row)
+    if ({dtype, out_dtype} <= {torch.float32, *HALF_DTYPES} and cols % 4 == 0
+            and CACHED_ROW_MIN <= cols <= SHARED_ROW_MAX
+            and (kind in NORMALIZING or kind in STATISTICS)):
+        # A 16-bit row (or result): the same register-row kernel, four values per 8-byte access of the
+        # 16-bit operands, fp32 in registers, one rounding at the store.
+        return _cached_row_kernel(name, kind, rows, cols, eps, has_weight, has_bias, prologue, output, groups,
+                                  group_hw, out_dtype, epilogue, same_row, dtype)
     if (dtype == out_dtype == torch.float32 and kind in ("softmax", "log_softmax", "layer_norm", "group_norm")
             and SHARED_ROW_MAX < cols <= CLUSTER_ROW_MAX and cluster_size(cols) and epilogue is None and output is None):
         return _cluster_row_kernel(name, kind, rows, cols, eps, has_weight, has_bias, prologue, groups, group_hw)
@@ -331,7 +339,8 @@ def _row_geometry(c4: int) -> tuple[int, int, int]:
 def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, has_weight: bool,
                        has_bias: bool, prologue: RowPrologue | None = None, output: RowPrologue | None = None,
                        groups: int = 0, group_hw: int = 0, out_dtype: torch.dtype = torch.float32,
-                       epilogue: RowPrologue | None = None, same_row: dict[str, str] | None = None) -> KernelCode:
+                       epilogue: RowPrologue | None = None, same_row: dict[str, str] | None = None,
+                       dtype: torch.dtype = torch.float32) -> KernelCode:
     """Softmax, log-softmax, layer or group norm over fp32 rows, a warp or a block per row: the row is read
     once from memory with 16-byte loads into registers (VPT float4 per thread), reduced there (exact
     two-pass statistics, one exp per element) and written once with 16-byte stores. Rows that are not
@@ -343,17 +352,24 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
     reduction input's own, or a copy of the prologue input's float4 kept beside them (KEPT_ROW_FLOAT4 per
     block at most: more would spill or cost blocks per SM). A second read of the row goes to DRAM once
     the rows in flight outgrow L2: an RMS norm that read it twice took the time of three passes over
-    memory where its floor is two."""
+    memory where its floor is two.
+
+    `dtype` (the row's, with its weight and bias) and `out_dtype` may be fp16 or bf16, and so may the fused
+    ops' operands: their rows are read and written four values per 8-byte access (VECTOR_IO_16), the
+    arithmetic stays fp32 in registers and each result is rounded once at its store."""
     stat = kind in STATISTICS and epilogue is None
     c4 = cols // 4
     shared = cols > CACHED_ROW_MAX  # the row in shared memory, each thread's float4s where its registers were
     tpr, rpb, vpt = _row_geometry(c4)
-    params = ["const float* __restrict__ x"] if prologue is None else prologue.params()
+    operand_dtypes = {dtype, out_dtype, *(i.dtype for f in (prologue, epilogue, output) if f for i in f.inputs)}
+    half = bool(operand_dtypes & set(HALF_DTYPES))  # some 16-bit operand: the 16-bit load4/store4 overloads
+    T = CTYPE[dtype]
+    params = [f"const {T}* __restrict__ x"] if prologue is None else prologue.params()
     ptrs = ["x + row * cols", "y + row * cols"]
-    kinds = prologue.vector_kinds(cols) if prologue else None
+    kinds = prologue.vector_kinds(cols, half) if prologue else None
     # What must be 16-byte aligned for the vector path: the row's start in every row-shaped operand.
     checked = (["xr"] if prologue is None else []) + ([] if stat else ["yr"])
-    ekinds = epilogue.vector_kinds(cols) if epilogue else None
+    ekinds = epilogue.vector_kinds(cols, half) if epilogue else None
     # Epilogue operands read from registers: epilogue key -> the float4 expression holding it at step k.
     pkinds = dict(zip((i.key for i in prologue.inputs), kinds)) if prologue and kinds else {}
     reuse = {}
@@ -372,9 +388,9 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
             checked += [f"{i.key} + row * cols" if k == "row" else i.key
                         for i, k in zip(fused.inputs, fkinds) if k in ("row", "col", "based4")]
     if has_weight:
-        params.append("const float* __restrict__ w")
+        params.append(f"const {T}* __restrict__ w")
     if has_bias:
-        params.append("const float* __restrict__ b")
+        params.append(f"const {T}* __restrict__ b")
     if epilogue:
         params += epilogue.params()
     if output:
@@ -391,7 +407,7 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
          f"#define TPR {tpr}", f"#define RPB {rpb}", f"#define WARPS {tpr // 32}", f"#define VPT {vpt}",
          f"#define C4 {c4}", f"#define COLS {cols}LL",
          _BLOCK_PRELUDE if tpr > 32 else _WARP_ROW_PRELUDE,
-         VECTOR_IO,
+         VECTOR_IO, *([VECTOR_IO_16] if half else []),
          *(cached_prologue(name, prologue, kinds, held=kept) if prologue else []),
          *(cached_prologue(name, epilogue, ekinds, "e", held=list(reuse)) if epilogue else []),
          *((output.value_function(name, "o") if stat else cached_output(name, output)) if output else []),
@@ -400,8 +416,8 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
          "  const int t = threadIdx.x % TPR;",
          "  if (row >= rows) return;",  # a whole row's threads leave together: no barrier is left waiting
          "  __shared__ float sh[WARPS];",
-         *([f"  const float* xr = {ptrs[0]};"] if prologue is None else []),
-         *([] if stat else [f"  float* yr = {ptrs[1]};"]),
+         *([f"  const {T}* xr = {ptrs[0]};"] if prologue is None else []),
+         *([] if stat else [f"  {CTYPE[out_dtype]}* yr = {ptrs[1]};"]),
          f"  const bool vec = (({aligned}) & 15ULL) == 0;",
          "  float4 v[VPT];",
          *[f"  float4 r_{key}[VPT];" for key in kept],
@@ -477,7 +493,10 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
         for flag, ptr, op, var in ((has_weight, "w", "*=", "g"), (has_bias, "b", "+=", "h")):
             if not flag:
                 continue
-            if groups:
+            if groups and half:
+                body.append(f"const float4 {var} = make_float4(ld({ptr}, {ch('4 * c')}), ld({ptr}, {ch('4 * c + 1')}), "
+                            f"ld({ptr}, {ch('4 * c + 2')}), ld({ptr}, {ch('4 * c + 3')}));")
+            elif groups:
                 body.append(f"const float4 {var} = make_float4({ptr}[{ch('4 * c')}], {ptr}[{ch('4 * c + 1')}], "
                             f"{ptr}[{ch('4 * c + 2')}], {ptr}[{ch('4 * c + 3')}]);")
             else:
@@ -511,7 +530,9 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
         fused += f", {len(output.body)} elementwise op(s) applied before the store"
     return KernelCode("\n".join(L) + "\n", name, -(-rows // rpb), tpr * rpb, args,
                       f"{kind} over {rows} rows of {cols}, {'warp' if tpr == 32 else 'block'} per row, row held in {held} "
-                      f"({vpt} float4 per thread), {io}, {what}{fused}", vectorized=True,
+                      f"({vpt} float4 per thread), {io}, {what}{fused}"
+                      + (", 16-bit operands four values per 8-byte access, fp32 in registers" if half else ""),
+                      vectorized=True,
                       shared_mem=16 * c4 if shared else 0)
 
 
