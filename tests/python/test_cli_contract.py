@@ -48,6 +48,13 @@ FILES = {
     "exit0.py": "import os\nos._exit(0)\n" + RELU,
     "exit7.py": "raise SystemExit(7)\n" + RELU,
     "exit7_inputs.py": RELU.replace('    return [torch.randn(32, 64)]', '    raise SystemExit(7)'),
+    # The same, in the model graph mode runs in the command's own process: Model() and forward().
+    "exit7_init.py": RELU.replace("class Model(nn.Module):\n", "class Model(nn.Module):\n    def __init__(self):\n"
+                                  "        raise SystemExit(7)\n\n"),
+    "exit0_forward.py": RELU.replace("        return torch.relu(x) * 2.0", "        import os\n        os._exit(0)"),
+    "exit7_forward.py": RELU.replace("        return torch.relu(x) * 2.0", "        raise SystemExit(7)"),
+    "segv_forward.py": RELU.replace("        return torch.relu(x) * 2.0",
+                                    "        import os, signal\n        os.kill(os.getpid(), signal.SIGSEGV)"),
     "big.py": RELU + "#" * (1 << 20) + "\n",
     "helpers/shapes.py": "ROWS, COLS = 16, 8\n",
     "helpers/uses_sibling.py": "from shapes import ROWS, COLS\n" + RELU.replace("32, 64", "ROWS, COLS"),
@@ -97,6 +104,14 @@ CASES = {
                                             "ended the process while importing (exit status 0)"),
     "optimize, SystemExit(7) at import": Case(["optimize", "exit7.py"], 2, "exit status 7"),
     "optimize, SystemExit(7) in get_inputs": Case(["optimize", "exit7_inputs.py", "--json"], 2, "sys.exit(7)", "error"),
+    "optimize, SystemExit(7) in Model()": Case(["optimize", "exit7_init.py", "--json"], 2,
+                                               "called sys.exit(7) while building its Model or its inputs", "error"),
+    "optimize, os._exit(0) in forward": Case(["optimize", "exit0_forward.py"], 2,
+                                             "ended the process while running Model.forward (exit status 0)"),
+    "optimize, SystemExit(7) in forward": Case(["optimize", "exit7_forward.py", "--json"], 2,
+                                               "called sys.exit(7) while running Model.forward", "error"),
+    "optimize, segfault in forward": Case(["optimize", "segv_forward.py"], 2,
+                                          "crashed while running Model.forward (SIGSEGV)"),
     "optimize program, segfault at import": Case(["optimize", "--mode", "program", "segv.py", "--llm",
                                                   "scripted:rules.json"], 2, "crashed while importing"),
     # ---- optimize: the options
@@ -294,3 +309,16 @@ def test_ctrl_c_while_the_problem_builds_exits_130_and_says_so(workdir, subproce
             proc.kill()
     assert proc.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err and out == ""
+
+
+def test_a_forward_that_hangs_is_stopped_by_the_preflight():
+    """graph mode's preflight runs forward in a child under the preflight's limit (120 s; 5 s here): a forward
+    that never returns is stopped and named, and the caller goes on."""
+    from stitchcuda.verify.task import TaskError, preflight
+
+    hangs = RELU.replace("        return torch.relu(x) * 2.0", "        import time\n        time.sleep(1000)")
+    started = time.monotonic()
+    with pytest.raises(TaskError, match="'hangs.py' did not finish running Model.forward within 5 s; it was stopped"):
+        preflight(hangs, "hangs.py", timeout_s=5, run_model=True)
+    assert time.monotonic() - started < 60
+    preflight(hangs, "hangs.py", timeout_s=60)  # importing it alone is fine: nothing calls forward

@@ -106,7 +106,9 @@ def _run_graph(args: argparse.Namespace, config: dict[str, Any] | None) -> int:
     try:
         if agents:  # before any work: a model the agents cannot reach is known now, not after the plan
             check_llm(kwargs["llm"])
-        task = load_problem(problem)
+        # Graph mode runs the model in this process: its Model() and forward() run once in the preflight's
+        # child first, so that one that exits, crashes or hangs there is named, not the end of the command.
+        task = load_problem(problem, run_model=True)
         model, inputs = _build(task)
     except (UsageError, TaskError) as exc:  # the user's file, or the spec: one line, no traceback
         return _usage(args, f"stitchcuda optimize: {exc}")

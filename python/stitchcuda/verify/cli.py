@@ -12,17 +12,20 @@ from ..cli_support import (EXIT_FAILURE, EXIT_NO_GPU, EXIT_OK, UsageError, at_le
                            problem_folder_importable, read_problem, refuse)
 
 
-def load_problem(path: str | Path):
+def load_problem(path: str | Path, run_model: bool = False):
     """A problem file the commands take (`optimize`, `profile`) as a Task, with `check`'s bounds on its
     reference: a regular file of at most 1 MiB, imported first in a separate sandboxed process
     (verify.task.preflight), so that a file that crashes, exits or hangs while importing is an error naming
-    it, never the end of this process. Modules beside the file import. Raises cli_support.UsageError with
-    the one line to show."""
-    from .task import Task, TaskError
+    it, never the end of this process; ``run_model``: the preflight also builds the model and runs its
+    forward (for a command that runs them in its own process). Modules beside the file import. Raises
+    cli_support.UsageError with the one line to show."""
+    from .task import Task, TaskError, preflight
 
     text = read_problem(path)
     problem_folder_importable(path)
     try:
+        if run_model:
+            preflight(text, str(path), run_model=True)
         return Task.from_source(text, Path(path).stem or "problem", filename=str(path), isolated=True)
     except TaskError as exc:
         raise UsageError(str(exc)) from None

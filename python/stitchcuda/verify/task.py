@@ -244,26 +244,57 @@ def spec_key(spec: dict[str, Any]) -> str:
 # ---- importing a file nobody has run here yet -----------------------------------------------------
 
 _PREFLIGHT = r"""
-import sys
+import os, sys
 source = sys.stdin.read()
+folder = os.path.dirname(os.path.abspath(sys.argv[1]))
+if os.path.isdir(folder):
+    sys.path.insert(0, folder)  # modules beside the file import, as when it runs as a script
 namespace = {"__name__": "stitchcuda_preflight", "__file__": sys.argv[1]}
+
+def stage(name):  # the parent words a crash or an exit by the last stage it read
+    sys.stdout.write("stitchcuda-preflight-stage " + name + "\n")
+    sys.stdout.flush()
+
 exec(compile(source, sys.argv[1], "exec"), namespace)
+if sys.argv[2:] == ["run"]:
+    try:
+        stage("build")
+        import torch
+        init = namespace["get_init_inputs"]() if "get_init_inputs" in namespace else []
+        model = namespace["Model"](*init).eval()
+        inputs = namespace["get_inputs"]()
+        if torch.cuda.is_available():
+            model = model.cuda()
+            inputs = [x.cuda() if isinstance(x, torch.Tensor) else x for x in inputs]
+        stage("forward")
+        with torch.no_grad():
+            model(*inputs)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    except SystemExit as exc:
+        sys.stdout.write("stitchcuda-preflight-exit " + repr(exc.code)[:80] + "\n")
+        sys.stdout.flush()
+        raise
 sys.stdout.write("stitchcuda-preflight-ok\n")
 sys.stdout.flush()
 """
-_PREFLIGHTED: set[str] = set()  # sources that imported cleanly in a separate process
+_PREFLIGHTED: set[str] = set()  # sources (and ":run" for those whose model also ran) that passed
 PREFLIGHT_TIMEOUT_S = 120.0
+_STAGES = {"import": "importing", "build": "building its Model or its inputs", "forward": "running Model.forward"}
 
 
-def preflight(source: str, filename: str, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> None:
+def preflight(source: str, filename: str, timeout_s: float = PREFLIGHT_TIMEOUT_S, *, run_model: bool = False) -> None:
     """Imports `source` once in a separate Python process (without the environment's secrets): a file
     that crashes (a signal), exits (``os._exit``, ``sys.exit``) or hangs at import raises TaskError
-    naming `filename` and the cause instead of ending or blocking this process. A Python exception is
-    left for the caller's own load to report. Each source is checked once per process."""
+    naming `filename` and the cause instead of ending or blocking this process. ``run_model``: it also
+    builds ``Model(*get_init_inputs())`` and runs its forward once on ``get_inputs()`` (on the GPU when
+    there is one), for callers that run the model in their own process (graph mode's ``optimize FILE``).
+    A Python exception is left for the caller's own load to report. Each source is checked once per
+    process."""
     import signal
     import subprocess
 
-    digest = hashlib.sha256(source.encode("utf-8", "surrogatepass")).hexdigest()
+    digest = hashlib.sha256(source.encode("utf-8", "surrogatepass")).hexdigest() + (":run" if run_model else "")
     if digest in _PREFLIGHTED:
         return
     import shutil
@@ -274,27 +305,44 @@ def preflight(source: str, filename: str, timeout_s: float = PREFLIGHT_TIMEOUT_S
 
     # The same sandbox as the Verifier's workers (verify/sandbox.py), with a private folder of its own.
     private = tempfile.mkdtemp(prefix="stitchcuda-preflight-")
-    command = sandbox.command(private, sandbox_wanted(None), [sys.executable, "-c", _PREFLIGHT, filename])
+    argv = [sys.executable, "-c", _PREFLIGHT, filename] + (["run"] if run_model else [])
+    command = sandbox.command(private, sandbox_wanted(None), argv)
     try:
         done = subprocess.run(command, input=source, capture_output=True, text=True, timeout=timeout_s,
                               env=worker_environment(), start_new_session=True)
-    except subprocess.TimeoutExpired:
-        raise TaskError(f"the file {filename!r} did not finish importing within {timeout_s:g} s (a loop or a "
-                        "wait at module level?); it was stopped") from None
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode("utf-8", "replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        stage = _stage(out)
+        hint = " (a loop or a wait at module level?)" if stage == "import" else ""
+        raise TaskError(f"the file {filename!r} did not finish {_STAGES[stage]} within {timeout_s:g} s{hint}; it "
+                        "was stopped") from None
     except OSError:  # no interpreter to start: the caller's own load is all there is
         return
     finally:
         shutil.rmtree(private, ignore_errors=True)
+    while_ = f"while {_STAGES[_stage(done.stdout)]}"
     if done.returncode < 0:
         try:
             sig = signal.Signals(-done.returncode).name
         except ValueError:
             sig = f"signal {-done.returncode}"
-        raise TaskError(f"the file {filename!r} crashed while importing ({sig}); it is not loaded here")
+        raise TaskError(f"the file {filename!r} crashed {while_} ({sig}); it is not loaded here")
     if "stitchcuda-preflight-ok" not in done.stdout:
         if done.returncode != 0 and "Traceback" in done.stderr:
             return  # a Python exception: the caller's load names it
-        raise TaskError(f"the file {filename!r} ended the process while importing (exit status "
-                        f"{done.returncode}); it is not loaded here")
+        called = [line for line in done.stdout.splitlines() if line.startswith("stitchcuda-preflight-exit ")]
+        if called:
+            raise TaskError(f"the file {filename!r} called sys.exit({called[-1].split(' ', 1)[1]}) {while_}; it is "
+                            "not loaded here")
+        raise TaskError(f"the file {filename!r} ended the process {while_} (exit status {done.returncode}); it is "
+                        "not loaded here")
     _PREFLIGHTED.add(digest)
+    if run_model:
+        _PREFLIGHTED.add(digest.removesuffix(":run"))  # it imported, too
+
+
+def _stage(stdout: str) -> str:
+    """The last stage the preflight's child announced ("import" when it announced none)."""
+    stages = [line.split(" ", 1)[1] for line in stdout.splitlines() if line.startswith("stitchcuda-preflight-stage ")]
+    return stages[-1] if stages and stages[-1] in _STAGES else "import"
 
