@@ -18,7 +18,8 @@ from stitchcuda.verify.judge import _judge_clock
 from stitchcuda.verify.report import VerifyReport
 from stitchcuda.verify.task import Task
 
-# 20 ms a call on each side (the candidate adds with numpy: no ATen operator does its work): well above the judge's slack, so the clock can tell a forged time from a real one.
+# 20 ms a call on each side (the candidate adds with numpy: no ATen operator does its work), well above the
+# judge's slack, so the clock can tell a forged time from a real one.
 REFERENCE = textwrap.dedent('''
     import time
     import torch

@@ -568,8 +568,8 @@ class _Run:
 
         return sets, refill
 
-    def _timed_calls(self, fn: Callable[..., Any], sets: list[list[Any]], refill: Callable[[], None],
-                     flush: Any, sync: Any, phases: tuple[str, str] = ("timed", "timed-end")) -> tuple[list[float], list[Any]]:
+    def _timed_calls(self, fn: Callable[..., Any], sets: list[list[Any]], refill: Callable[[], None], flush: Any,
+                     sync: Any, phases: tuple[str, str] = ("timed", "timed-end")) -> tuple[list[float], list[Any]]:
         """The timed phase, between the two ``phases`` messages the judge clocks."""
         cfg = self.config
         self.progress(phases[0])

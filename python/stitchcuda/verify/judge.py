@@ -269,7 +269,8 @@ def _number(value: Any) -> bool:
 def _judge_clock(report: VerifyReport, clock: Any, config: VerifyConfig) -> float | None:
     """Holds the claimed times to the judge's own clock; returns the per-call time the judge will use where
     the claim disagrees with it (None: the claim stands). ``clock``: when each of the worker's phase messages
-    arrived (pool.py, monotonic seconds: the first and the last of each phase); None for a claim that came some other way (no clock to hold it to).
+    arrived (pool.py, monotonic seconds: the first and the last of each phase); None for a claim that came
+    some other way (no clock to hold it to).
     The calibration's messages come before any candidate code is loaded; of the timed phase the judge takes
     the first "timed" and the last "timed-end", so a message the candidate forges can only widen the window
     (a candidate that forges its whole result is still held to it and to the floors)."""
