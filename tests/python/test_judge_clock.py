@@ -107,6 +107,33 @@ def test_a_candidate_whose_times_disagree_with_the_judges_clock_scores_zero_and_
     assert again.correct and not again.hack and again.timing["candidate_ms"] >= 20, again.feedback
 
 
+def test_the_worker_runs_the_empty_phase_before_any_candidate_code_and_brackets_the_timed_calls():
+    """The calibration's messages are the harness's own only if they come before the candidate is loaded."""
+    import json
+
+    from stitchcuda.verify import harness
+
+    events: list[str] = []
+    # The candidate says when its module runs, through the same progress channel the phases use.
+    spy = "import builtins\nbuiltins.__stitchcuda_test_events__.append('candidate imported')\n" + HONEST
+    import builtins
+
+    builtins.__stitchcuda_test_events__ = events  # type: ignore[attr-defined]
+    try:
+        job = {"reference": Task.from_source(REFERENCE).to_spec(), "candidate": spy, "baselines": "judge",
+               "config": VerifyConfig(device="cpu", timing_iters=4, warmup=1).to_dict()}
+        data = harness.run_job(job, events.append)
+        judged = list(events)
+        events.clear()
+        worker_timed = harness.run_job(dict(job, baselines="worker"), events.append)
+    finally:
+        del builtins.__stitchcuda_test_events__  # type: ignore[attr-defined]
+    assert data["correct"], json.dumps(data)[:2000]
+    assert judged == ["calibrate", "calibrated", "compile", "candidate imported", "run", "timed", "timed-end"]
+    assert data["timing"]["candidate_total_ms"] >= 4 * 20
+    assert worker_timed["correct"] and events[:2] == ["compile", "candidate imported"]  # no calibration there
+
+
 # ---- the rule itself, on clocks written by hand ---------------------------------------------------------
 
 
