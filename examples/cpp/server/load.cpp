@@ -1,9 +1,12 @@
 // load: a load test for the batching server on loopback. N clients send samples (a fixed pool of random
 // inputs shaped as GET /healthz says) until a request count or a time limit, and it prints throughput and
 // p50/p99 latency. With --reference PORT it first asks that server (e.g. the LibTorch-eager twin) for the
-// answer to every pooled sample and counts an answer as wrong when it differs beyond --tol.
+// answer to every pooled sample, or with --samples FILE it sends the samples of a file holding their expected
+// answers (scripts/server-load computes them with PyTorch), and counts an answer as wrong when it differs
+// beyond --tol.
 //
-//   load [--port N] [--clients N] [--requests N] [--seconds S] [--reference PORT] [--tol T] [--json]
+//   load [--port N] [--clients N] [--requests N] [--seconds S] [--reference PORT | --samples FILE] [--tol T]
+//        [--json]
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -11,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <mutex>
 #include <random>
 #include <string>
@@ -28,10 +32,12 @@ using stitchcuda_server::base64_encode;
 
 static constexpr const char* kUsage =
     "usage: load [--host H] [--port N] [--clients N] [--requests N] [--seconds S] [--pool N]\n"
-    "            [--reference PORT] [--tol T] [--json]\n"
+    "            [--reference PORT | --samples FILE] [--tol T] [--json]\n"
     "Sends POST /v1/infer from N concurrent clients (default 32) until --requests (default 10000) or\n"
     "--seconds (default 60) is reached; prints throughput and p50/p99 latency. --reference PORT checks every\n"
     "answer against that server's answer for the same sample (|a-b| <= tol * (1 + |b|), default tol 1e-2).\n"
+    "--samples FILE sends the samples of FILE instead of random ones and checks each answer against the one\n"
+    "FILE gives: a JSON list of {\"inputs\": [the request's inputs], \"outputs\": [{\"base64\": ...}, ...]}.\n"
     "Exits 0 when no request failed or was wrong, 1 otherwise, 2 on bad usage.\n";
 
 // Bytes of one random sample for an input slot of /healthz (floats ~N(0,1), integers and bools zero).
@@ -80,7 +86,7 @@ static std::vector<double> values(const json& answer, const json& health) {
 }
 
 int main(int argc, char** argv) {
-  std::string host = "127.0.0.1";
+  std::string host = "127.0.0.1", samples_path;
   long port = 8000, clients = 32, requests = 10000, seconds = 60, pool = 64, reference = 0;
   double tol = 1e-2;
   bool as_json = false;
@@ -92,6 +98,7 @@ int main(int argc, char** argv) {
     const char* v = argv[++i];
     char* end = nullptr;
     if (arg == "--host") { host = v; continue; }
+    if (arg == "--samples") { samples_path = v; continue; }
     if (arg == "--tol") { tol = std::strtod(v, &end); if (*end || tol < 0) return std::fprintf(stderr, "load: --tol needs a number >= 0\n"), 2; continue; }
     long* n = arg == "--port" ? &port : arg == "--clients" ? &clients : arg == "--requests" ? &requests
             : arg == "--seconds" ? &seconds : arg == "--pool" ? &pool : arg == "--reference" ? &reference : nullptr;
@@ -100,22 +107,43 @@ int main(int argc, char** argv) {
     if (*end || *n <= 0) return std::fprintf(stderr, "load: %s needs a positive number\n", arg.c_str()), 2;
   }
 
+  if (reference && !samples_path.empty())
+    return std::fprintf(stderr, "load: --reference and --samples both say what is right: give one\n"), 2;
+
   httplib::Client probe(host, int(port));
   auto health_res = probe.Get("/healthz");
   if (!health_res || health_res->status != 200)
     return std::fprintf(stderr, "error: no server answers GET http://%s:%ld/healthz\n", host.c_str(), port), 1;
   const json health = json::parse(health_res->body);
 
-  // The pool of samples, each a ready request body.
+  // The pool of samples, each a ready request body, and what each must be answered with where known.
   std::mt19937 rng(1234);
   std::vector<std::string> bodies;
-  for (long s = 0; s < pool; ++s) {
+  std::vector<std::vector<double>> expected;
+  if (!samples_path.empty()) {
+    std::ifstream in(samples_path);
+    const json samples = json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (!samples.is_array() || samples.empty())
+      return std::fprintf(stderr, "error: %s cannot be read as a JSON list of samples (see load --help)\n", samples_path.c_str()), 1;
+    for (const auto& s : samples) {
+      bool ok = s.is_object() && s.contains("inputs") && s.contains("outputs") && s["outputs"].is_array() &&
+                s["outputs"].size() == health["outputs"].size();
+      for (std::size_t o = 0; ok && o < s["outputs"].size(); ++o)
+        ok = s["outputs"][o].is_object() && s["outputs"][o].contains("base64") && s["outputs"][o]["base64"].is_string();
+      if (!ok)
+        return std::fprintf(stderr, "error: %s: every sample needs \"inputs\" and \"outputs\", one {\"base64\": ...} per "
+                                    "output of the server (%zu)\n", samples_path.c_str(), health["outputs"].size()), 1;
+      bodies.push_back(json{{"answer", "base64"}, {"inputs", s["inputs"]}}.dump());
+      expected.push_back(values(s, health));
+    }
+    pool = long(bodies.size());
+  }
+  for (long s = long(bodies.size()); s < pool; ++s) {
     json body{{"answer", "base64"}, {"inputs", json::array()}};
     for (const auto& slot : health["inputs"])
       body["inputs"].push_back({{"dtype", slot["dtype"]}, {"shape", slot["shape"]}, {"base64", base64_encode(random_sample(slot, rng))}});
     bodies.push_back(body.dump());
   }
-  std::vector<std::vector<double>> expected;
   if (reference) {
     httplib::Client ref(host, int(reference));
     for (const auto& b : bodies) {
@@ -151,7 +179,7 @@ int main(int argc, char** argv) {
           if (first_error.empty()) first_error = res ? std::to_string(res->status) + " " + res->body : httplib::to_string(res.error());
           continue;
         }
-        if (reference) {
+        if (!expected.empty()) {
           const auto got = values(json::parse(res->body), health);
           const auto& want = expected[std::size_t(r % pool)];
           bool same = got.size() == want.size();
@@ -169,13 +197,13 @@ int main(int argc, char** argv) {
   const long sent = long(latency_ms.size());
   auto metrics = probe.Get("/metrics");
   json out{{"clients", clients}, {"requests", sent}, {"failed", failed.load()}, {"wrong", wrong.load()},
-           {"checked", reference != 0}, {"seconds", wall}, {"throughput_rps", double(sent) / wall},
+           {"checked", !expected.empty()}, {"seconds", wall}, {"throughput_rps", double(sent) / wall},
            {"p50_ms", pct(0.50)}, {"p99_ms", pct(0.99)},
            {"server", metrics && metrics->status == 200 ? json::parse(metrics->body) : json()}};
   if (as_json) std::printf("%s\n", out.dump().c_str());
   else
     std::printf("requests=%ld failed=%ld wrong=%ld%s clients=%ld seconds=%.2f throughput=%.1f req/s p50=%.3f ms p99=%.3f ms\n",
-                sent, failed.load(), wrong.load(), reference ? "" : " (unchecked)", clients, wall, double(sent) / wall,
+                sent, failed.load(), wrong.load(), expected.empty() ? " (unchecked)" : "", clients, wall, double(sent) / wall,
                 pct(0.50), pct(0.99));
   if (!first_error.empty()) std::fprintf(stderr, "first failure: %s\n", first_error.c_str());
   return failed || wrong ? 1 : 0;
