@@ -163,3 +163,64 @@ def test_a_norm_that_reads_its_prologues_value_again_gives_eager_results(tmp_pat
         want = model(x, r)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+class _AutocastAttentionInput(nn.Module):
+    """A pre-norm attention's input under autocast: the fp32 layer norm's output is cast to bf16 once per
+    projection that reads it (three identical casts in the captured graph)."""
+
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.q, self.k, self.v = (nn.Linear(dim, dim) for _ in range(3))
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.q(h) + self.k(h) * self.v(h)
+
+
+def _interpret(graph, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The Graph's own nodes run by torch in order (not the exported program): what the planner's graph
+    computes, so a rewrite of its nodes is checked against the model."""
+    env = {v.name: t for v, t in zip(graph.inputs, inputs)}
+    env.update({w.name: w.data for w in graph.weights})
+
+    def value(a):
+        if isinstance(a, (list, tuple)):
+            return type(a)(value(x) for x in a)
+        return env[a.name] if hasattr(a, "name") and hasattr(a, "producer") else a
+
+    for n in graph.nodes:
+        result = n.target(*value(n.args), **{k: value(v) for k, v in n.kwargs.items()})
+        for v, r in zip(n.outputs, result if isinstance(result, (tuple, list)) else [result]):
+            if v is not None:
+                env[v.name] = r
+    return [env[v.name] for v in graph.outputs]
+
+
+def test_autocasts_repeated_casts_merge_into_one_that_joins_the_norm():
+    torch.manual_seed(4)
+    model, x = _AutocastAttentionInput().eval(), torch.randn(2, 16, 64)
+    graph = capture(model, (x,), autocast=("cpu", torch.bfloat16))
+    of_norm = [n for n in graph.nodes if n.op == "aten::_to_copy" and n.args[0].producer is not None
+               and n.args[0].producer.op == "aten::native_layer_norm"]
+    assert len(of_norm) == 3  # autocast casts the norm's output for each projection
+    plan = OfflinePlanner().plan(graph)
+    assert any(d.startswith("2 repeated cast(s) merged") for d, _ in plan.decisions), plan.decisions
+    assert sum(n.op == "aten::_to_copy" and n.args[0].producer is not None
+               and n.args[0].producer.op == "aten::native_layer_norm" for n in graph.nodes) == 1
+    (norm,) = [g for g in plan.groups if g.kind == "reduction"]
+    assert _ops(norm) == ["native_layer_norm", "_to_copy"] and norm.params["result"].dtype == torch.bfloat16
+    assert not any(set(_ops(g)) == {"_to_copy"} for g in plan.groups if g.kind == "pointwise" and
+                   g.nodes[0].args[0].producer is not None and g.nodes[0].args[0].producer.op == "aten::native_layer_norm")
+    # The rewired graph still computes the model under its autocast, value for value.
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(x)
+    (got,) = _interpret(graph, [x])
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    # Its program compiles (the norm's kernel stores the bf16 cast, read by the three projections).
+    values = reference_values(graph, [x])  # the graph holds the casts: run without autocast, as programs are
+    constants = {g.nodes[0].out.name: values[g.nodes[0].out.name] for g in plan.groups if g.kind == "constant"}
+    lowering = Lowering(graph, plan, constants)
+    lowering.build(plan.groups, graph.inputs, graph.outputs).compile_kernels("sm_90a")
+    assert "__nv_bfloat16* __restrict__ y" in lowering.main_kernels[id(norm)].source

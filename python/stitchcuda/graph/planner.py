@@ -51,7 +51,7 @@ from .templates import (CACHED_ROW_MAX, CACHED_ROW_MIN, CLUSTER_ROW_MAX, DEPTHWI
                         pooling_blocker, split_rows)
 
 __all__ = ["Group", "GraphPlan", "OfflinePlanner", "GENERATED", "unheld_dtype", "split_tf32_choice", "conv_epilogues",
-           "ATTENTION_STEPS"]
+           "ATTENTION_STEPS", "merge_identical_casts"]
 
 
 _VIEW_OPS = VIEW_OPS
@@ -323,6 +323,45 @@ def _output_function(g: Group, nxt: Group, outputs: set[str]) -> Group | None:
                  {**g.params, "output": list(nxt.nodes), "result": leaving[0]})
 
 
+def merge_identical_casts(graph: Graph, outputs: set[str]) -> int:
+    """Points the readers of a `_to_copy` that repeats an earlier one (the same tensor, the same arguments:
+    autocast casting a norm's fp32 output to bf16 once per projection that reads it) at the earlier cast's
+    result and drops the repeat from `graph.nodes`, so the one cast can join its producer's kernel.
+    A repeat that is a graph output keeps its node (an output owns its buffer). The exported program is
+    untouched: the reference run still computes both, equal values. Returns how many were merged."""
+    first: dict[tuple, Node] = {}
+    gone: set[int] = set()
+
+    def swap(a, old: Value, new: Value):
+        if a is old:
+            return new
+        if isinstance(a, (list, tuple)):
+            return type(a)(swap(x, old, new) for x in a)
+        return a
+
+    for n in graph.nodes:
+        src = n.args[0] if n.op == "aten::_to_copy" and len(n.args) == 1 else None
+        if not isinstance(src, Value) or len(n.outputs) != 1 or n.outputs[0] is None:
+            continue
+        key = (src.name, tuple(sorted((k, repr(v)) for k, v in n.kwargs.items())))
+        seen = first.setdefault(key, n)
+        out, kept = n.out, seen.out
+        if seen is n or out.name in outputs or (tuple(out.shape), tuple(out.strides), out.dtype) != \
+                (tuple(kept.shape), tuple(kept.strides), kept.dtype):
+            continue
+        for u in out.users:
+            u.args = swap(u.args, out, kept)
+            u.kwargs = {k: swap(v, out, kept) for k, v in u.kwargs.items()}
+            if all(u is not w for w in kept.users):
+                kept.users.append(u)
+        out.users = []
+        src.users = [u for u in src.users if u is not n]
+        gone.add(id(n))
+    if gone:
+        graph.nodes = [n for n in graph.nodes if id(n) not in gone]
+    return len(gone)
+
+
 def _row_producer_into_loads(out: list[Group], g: Group, outputs: set[str]) -> None:
     """Moves into the loads of the reduction `g` (a statistic applied back to its row) the part of the
     elementwise group just before it (`out[-1]`) that only `g` reads: an RMS norm's fp32 upcast and square,
@@ -385,6 +424,12 @@ class OfflinePlanner:
     def plan(self, graph: Graph) -> GraphPlan:
         decisions, matmul_precision = self._precision_decisions(graph)
         outputs = {v.name for v in graph.outputs}
+        merged = merge_identical_casts(graph, outputs)
+        if merged:
+            decisions.append((f"{merged} repeated cast(s) merged with an identical earlier one",
+                              "torch.autocast casts a value again for each op that reads it (a norm's output "
+                              "before the q, k and v projections): one cast, read by all of them, joins the "
+                              "norm's kernel as its store instead of standing as kernels of their own"))
         attention = self._attention(graph, outputs, decisions)
         groups = _Partition(self, graph, outputs, matmul_precision, attention).groups()
         if attention:  # a causal mask the steps no longer read, built for the scores alone
