@@ -81,7 +81,8 @@ def served(tmp_path: Path):
 def common(served: dict, tmp_path: Path) -> list:
     return ["--server", built("stitchcuda_server_cpu"), "--load", built("stitchcuda_server_load"),
             "--model", served["model"], "--stitched", served["stitched"], "--requests", 600, "--clients", 8,
-            "--seconds", 60, "--warmup", 40, "--max-batch", MAX_BATCH, "--out", tmp_path / "out"]
+            "--seconds", 60, "--warmup", 40, "--max-batch", MAX_BATCH, "--out", tmp_path / "out",
+            "--build", tmp_path / "build"]
 
 
 def test_a_run_checks_every_answer_refuses_bad_requests_and_prints_the_table(served, tmp_path, subprocess_env):
@@ -96,6 +97,10 @@ def test_a_run_checks_every_answer_refuses_bad_requests_and_prints_the_table(ser
     assert lines[head + 3].startswith("stitchcuda / eager: throughput ")
     rows = json.loads((tmp_path / "out" / "server_load.json").read_text())
     assert [r["runner"] for r in rows] == ["stitchcuda", "eager"]
+    # Few files in --out (a GPU call brings back eight at most): the samples stay beside the build.
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "load_eager.log", "load_stitchcuda.log", "server_eager.log", "server_load.json", "server_stitchcuda.log"]
+    assert len(json.loads((tmp_path / "build" / "server-load" / "samples.json").read_text())) == 64
     for r in rows:
         assert r["errors"] == [] and r["exit"] == 0 and r["requests"] == 600 and r["throughput_rps"] > 0
         assert r["p99_ms"] >= r["p50_ms"] > 0
