@@ -95,7 +95,7 @@ def test_a_run_checks_every_answer_refuses_bad_requests_and_prints_the_table(ser
         assert line.split()[6:9] == ["0", "0", "0"], line  # failed, wrong, lost
         assert "11/11" in line, line                       # ten kinds of bad request and the good one after them
     assert lines[head + 3].startswith("stitchcuda / eager: throughput ")
-    rows = json.loads((tmp_path / "out" / "server_load.json").read_text())
+    rows = json.loads((tmp_path / "out" / "server_load.json").read_text())["rows"]
     assert [r["runner"] for r in rows] == ["stitchcuda", "eager"]
     # Few files in --out (a GPU call brings back eight at most): the samples stay beside the build.
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
@@ -118,7 +118,7 @@ def test_a_wrong_answer_fails_the_run(served, tmp_path, subprocess_env):
     assert done.returncode == 1, done.stdout + done.stderr
     assert "FAILED eager: " in done.stderr and " wrong" in done.stderr, done.stderr
     assert "FAILED stitchcuda" not in done.stderr, done.stderr
-    rows = json.loads((tmp_path / "out" / "server_load.json").read_text())
+    rows = json.loads((tmp_path / "out" / "server_load.json").read_text())["rows"]
     assert rows[0]["wrong"] == 0 and rows[1]["wrong"] > 0
 
 
