@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/script.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include <stitchcuda/executor.hpp>
@@ -188,7 +189,10 @@ Loaded program_runner(program::Program p, const ServedModel& model, int workers)
 }
 
 Loaded family_runner(program::ProgramFamily family, const ServedModel& model, int workers) {
-  auto ex = program::FamilyExecutor::create(std::move(family));
+  // Every member stays resident: a server meets every batch size in turn, and releasing a member (which
+  // waits for the device) to run another would stall the batches at each switch.
+  const std::size_t members = family.members.size();
+  auto ex = program::FamilyExecutor::create(std::move(family), {}, {.max_resident = std::max<std::size_t>(members, 1)});
   if (!ex) return {nullptr, ex.error().describe(), ex.error().code == stitchcuda::ErrorCode::Unavailable};
   for (const auto& w : (*ex)->warnings()) std::fprintf(stderr, "warning: %s\n", w.c_str());
   return {std::make_unique<FamilyRunner>(std::move(*ex), model, workers), {}, false};
