@@ -1,11 +1,11 @@
 """The load test's model (scripts/server-load), in the KernelBench problem format (Model, get_inputs,
-get_init_inputs): two pre-norm MLP blocks of a transformer's width and a final LayerNorm,
+get_init_inputs): four pre-norm MLP blocks of a transformer's width and a final LayerNorm,
 x f32[batch, 1024] -> f32[batch, 1024]. Its rows are independent, so a batch pads."""
 
 import torch
 import torch.nn as nn
 
-BATCH, DIM, HIDDEN, BLOCKS = 32, 1024, 4096, 2
+BATCH, DIM, HIDDEN, BLOCKS = 32, 1024, 4096, 4
 
 
 class Model(nn.Module):
