@@ -514,17 +514,18 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
         source = source.replace("the row held in registers", "the row held in shared memory")
         L = [source]
     args = _reduction_args(has_weight, has_bias, rows, cols, prologue, epilogue, output)
+    wide = "vector" if half else "16-byte"  # a 16-bit operand's access is 8 bytes
     if prologue:
-        what_in = "16-byte" if kinds else "scalar"
+        what_in = wide if kinds else "scalar"
         fused = f", {len(prologue.body)} elementwise op(s) fused into the loads ({what_in})"
     else:
         fused = ""
     if epilogue:
         fused += (f", {len(epilogue.body)} elementwise op(s) applying the {kind} to its row "
-                  f"({'16-byte' if ekinds else 'scalar'}"
+                  f"({wide if ekinds else 'scalar'}"
                   f"{f', {len(reuse)} operand(s) from the registers' if reuse else ''})")
     what = ("exact two-pass mean and variance" if kind in ("layer_norm", "group_norm") else
-            "max, then one exp per element" if kind in ("softmax", "log_softmax", "sum_exp") else "16-byte loads")
+            "max, then one exp per element" if kind in ("softmax", "log_softmax", "sum_exp") else f"{wide} loads")
     io = "one read, one value per row" if stat else "one read and one write"
     if output:
         fused += f", {len(output.body)} elementwise op(s) applied before the store"
