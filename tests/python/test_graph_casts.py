@@ -224,3 +224,25 @@ def test_autocasts_repeated_casts_merge_into_one_that_joins_the_norm():
     lowering = Lowering(graph, plan, constants)
     lowering.build(plan.groups, graph.inputs, graph.outputs).compile_kernels("sm_90a")
     assert "__nv_bfloat16* __restrict__ y" in lowering.main_kernels[id(norm)].source
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_the_16_bit_block_runs_its_fused_norms_on_a_gpu(dtype):
+    import stitchcuda
+
+    torch.manual_seed(0)
+    model = _Block().eval().to(device="cuda", dtype=dtype)
+    x = torch.randn(2, 16, 64, device="cuda", dtype=dtype)
+    # keep_slower: the program's mechanics, not its speed at this size
+    fast = stitchcuda.optimize(model, (x,), compare_compile=False, keep_slower=True, progress=False)
+    assert fast.report.status == "optimized", str(fast.report)
+    assert fast.report.verification["passed"], fast.report.verification
+    # Both fused norms passed their group checks (a group that fell back is listed as "aten (fallback)").
+    norms = [g for g in fast.report.groups if g["kind"] == "reduction" and "_to_copy" in g["nodes"]]
+    assert len(norms) == 2, (fast.report.groups, fast.report.fallbacks)
+    for _ in range(3):
+        xs = torch.randn(2, 16, 64, device="cuda", dtype=dtype)
+        with torch.no_grad():
+            want = model(xs)
+            torch.testing.assert_close(fast(xs).float(), want.float(), atol=3e-2, rtol=3e-2)
