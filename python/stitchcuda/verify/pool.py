@@ -83,7 +83,7 @@ class _Process:
 
 
 class _Worker:
-    def __init__(self, device: str | None, private_dir: str | None) -> None:
+    def __init__(self, device: str | None, private_dir: str | None, memory_limit_bytes: int | None = None) -> None:
         from . import sandbox
 
         if settings().sandbox_state:
@@ -98,9 +98,10 @@ class _Worker:
         quiet = not settings().verify_worker_stderr
         try:
             with _spawn_lock:
-                popen = subprocess.Popen(sandbox.command(private_dir, self.sandboxed, worker), env=worker_environment(),
-                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.DEVNULL if quiet else None, pass_fds=(theirs.fileno(),))
+                launch = sandbox.command(private_dir, self.sandboxed, worker, memory_bytes=memory_limit_bytes)
+                popen = subprocess.Popen(launch, env=worker_environment(), stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL if quiet else None,
+                                         pass_fds=(theirs.fileno(),))
         finally:
             theirs.close()
         self.process = _Process(popen)
@@ -430,7 +431,7 @@ class WorkerPool:
 
     def _start(self, slot: int) -> _Worker:
         private = self._private_dir if self.sandbox and self.sandbox_fallback is None else None
-        return _Worker(self.devices[slot], private)
+        return _Worker(self.devices[slot], private, self.memory_limit_bytes)
 
     def sandbox_text(self, worker: _Worker | None = None) -> str:
         """What isolates the candidates of this pool, in one line (the report's timing["sandbox"])."""

@@ -30,7 +30,11 @@ namespace only for a single-threaded process, and importing torch starts threads
 Whatever a layer cannot have on this kernel (user namespaces disabled, a container that forbids a new
 ``/proc``, no libseccomp) is skipped and named in the state the worker reports
 (``STITCHCUDA_SANDBOX_STATE``); the pool warns once. Memory is summed over every process of the
-worker's namespace (``namespace_rss``), so a child that leaves the process group still counts.
+worker's namespace (``namespace_rss``), so a child that leaves the process group still counts. Where
+the caller's cgroup v2 is delegated to it (``cgroup_parent``), the launcher first moves itself into a
+cgroup of its own beside the caller's, whose ``memory.max`` and ``pids.max`` the kernel holds for every
+process the worker starts; elsewhere (a v1 hierarchy, a cgroup not delegated) the reading of ``/proc``
+is all there is, and the state says why (``cgroup_reason``).
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ import shutil
 import sys
 from typing import Any
 
-__all__ = ["LAYERS", "SECCOMP_DENIED", "by_value", "command", "describe", "namespace_rss", "state_of_this_process"]
+__all__ = ["LAYERS", "SECCOMP_DENIED", "by_value", "cgroup_parent", "command", "describe", "namespace_rss",
+           "state_of_this_process"]
 
 # The layers, in the order they are set up (each may be missing on a given machine).
 LAYERS = ("unprivileged_uid", "user_namespace", "pid_namespace", "network_namespace", "proc_hidden",
@@ -100,19 +105,29 @@ SECCOMP_DENIED = (
 _TIOCSTI = 0x5412  # ioctl that types into a terminal
 
 # Where the worker's tools write, inside the private folder.
+# A worker's cgroup v2 (where one is delegated): beside the caller's, named by the launcher's pid. Its memory
+# limit sits above the pool's, whose poller then still reports an `oom` first; the kernel's is the backstop
+# for an allocation faster than the poller's four reads a second. Tasks count threads (torch starts dozens).
+CGROUP_ROOT = "/sys/fs/cgroup"
+CGROUP_PREFIX = "stitchcuda-worker-"
+CGROUP_MEMORY_MARGIN = 1.125
+CGROUP_TASKS = 4096
+
 _WRITABLE = {"HOME": "home", "TMPDIR": "tmp", "XDG_CACHE_HOME": "cache", "TORCHINDUCTOR_CACHE_DIR": "cache/inductor",
              "TRITON_CACHE_DIR": "cache/triton", "TORCH_EXTENSIONS_DIR": "cache/torch_extensions",
              "CUDA_CACHE_PATH": "cache/nv", "STITCHCUDA_CACHE_DIR": "cache/stitchcuda"}
 
 
-def command(private_dir: str | None, sandbox: bool, worker: list[str], skip: tuple[str, ...] = ()) -> list[str]:
+def command(private_dir: str | None, sandbox: bool, worker: list[str], skip: tuple[str, ...] = (),
+            memory_bytes: int | None = None) -> list[str]:
     """The command line that starts ``worker`` (an interpreter's command line) through the launcher.
-    ``skip`` leaves out some of SKIPPABLE (the cost benchmark measures each layer that way)."""
+    ``skip`` leaves out some of SKIPPABLE (the cost benchmark measures each layer that way).
+    ``memory_bytes``: the pool's memory limit, which a delegated cgroup v2 also holds (``cgroup_parent``)."""
     unknown = set(skip) - set(SKIPPABLE)
     if unknown:
         raise ValueError(f"unknown sandbox layers {sorted(unknown)}: the layers that can be left out are {SKIPPABLE}")
     spec = {"private_dir": private_dir, "sandbox": sandbox, "exec": worker, "needs": _needed_paths(worker),
-            "skip": list(skip)}
+            "skip": list(skip), "memory_bytes": memory_bytes}
     return [sys.executable, "-I", "-S", os.path.abspath(__file__), json.dumps(spec)]
 
 
@@ -185,7 +200,34 @@ def describe(state: dict[str, Any] | None) -> str:
              "limits": "limits"}
     held = [names[k] for k in LAYERS if state.get(k)]
     missing = [names[k] for k in LAYERS if not state.get(k)]
+    held += ["cgroup memory and task limits"] if state.get("cgroup") else []  # where one is delegated only
     return "sandbox: " + (", ".join(held) or "no layer") + (f" (missing: {', '.join(missing)})" if missing else "")
+
+
+def cgroup_parent(root: str = CGROUP_ROOT, membership: str = "/proc/self/cgroup") -> tuple[str | None, str]:
+    """Where a worker's cgroup goes: (the folder, "") when this process's cgroup v2 is delegated to it — its
+    parent is writable and hands the memory and pids controllers down — else (None, why not). The worker's
+    cgroup is a sibling of the caller's: a cgroup that holds processes cannot enable controllers for
+    children of its own."""
+    if not os.path.exists(os.path.join(root, "cgroup.controllers")):
+        return None, f"no cgroup v2 at {root} (a v1 or hybrid hierarchy)"
+    try:
+        with open(membership) as f:
+            path = next((line[3:].strip() for line in f if line.startswith("0::")), None)
+        if not path or path == "/":
+            return None, "this process is at the root of its cgroup v2 hierarchy: no parent to put a sibling in"
+        own = os.path.join(root, path.lstrip("/"))
+        with open(os.path.join(own, "cgroup.controllers")) as f:
+            given = f.read().split()
+    except OSError as exc:
+        return None, f"this process's cgroup v2 cannot be read ({exc})"
+    missing = [c for c in ("memory", "pids") if c not in given]
+    if missing:
+        return None, f"the cgroup {path} is not given the {' and '.join(missing)} controller(s) by its parent"
+    parent = os.path.dirname(own)
+    if not (os.access(parent, os.W_OK) and os.access(os.path.join(parent, "cgroup.procs"), os.W_OK)):
+        return None, f"the cgroup above {path} is not delegated to this user (not writable)"
+    return parent, ""
 
 
 def by_value(message: Any) -> bytes:
@@ -279,6 +321,8 @@ def _launch(spec: dict[str, Any]) -> None:
     if spec["sandbox"] and private_dir:
         for sub in _WRITABLE.values():
             os.makedirs(os.path.join(private_dir, sub), exist_ok=True)
+    if spec["sandbox"]:
+        _cgroup(state, spec.get("memory_bytes"))  # before the namespaces: moving needs the caller's rights
     uid, gid, skip = os.getuid(), os.getgid(), set(spec.get("skip") or ())
     target = _unprivileged(state, private_dir) if spec["sandbox"] and "unprivileged_uid" not in skip else None
     running = _processes_of(target[0] if target else uid) if (target or uid != 0) else 0
@@ -310,6 +354,43 @@ def _launch(spec: dict[str, Any]) -> None:
         os.chdir(os.path.join(private_dir, "tmp"))
     env[STATE_VARIABLE] = json.dumps(state)
     os.execve(worker[0], worker, env)
+
+
+def _cgroup(state: dict[str, Any], memory_bytes: int | None, **where: str) -> None:
+    """Moves this launcher (and so everything it starts) into a cgroup v2 of its own with memory.max and
+    pids.max, where one is delegated (``cgroup_parent``); removes the empty cgroups of launchers gone
+    before. Anything that fails leaves the launcher where it was, with the reason in the state. ``where``:
+    cgroup_parent's arguments."""
+    state["cgroup"] = None
+    parent, reason = cgroup_parent(**where)
+    if parent is None:
+        state["cgroup_reason"] = reason
+        return
+    for name in os.listdir(parent):  # earlier workers' cgroups: only an empty one can be removed
+        if name.startswith(CGROUP_PREFIX) and not os.path.exists(f"/proc/{name[len(CGROUP_PREFIX):]}"):
+            try:
+                os.rmdir(os.path.join(parent, name))
+            except OSError:
+                pass
+    mine = os.path.join(parent, f"{CGROUP_PREFIX}{os.getpid()}")
+    try:
+        os.mkdir(mine)
+        if memory_bytes:
+            _write(os.path.join(mine, "memory.max"), str(int(memory_bytes * CGROUP_MEMORY_MARGIN)))
+            try:
+                _write(os.path.join(mine, "memory.swap.max"), "0")  # no way around the limit through swap
+            except OSError:
+                pass  # a kernel without swap accounting
+        _write(os.path.join(mine, "pids.max"), str(CGROUP_TASKS))
+        _write(os.path.join(mine, "cgroup.procs"), str(os.getpid()))
+    except OSError as exc:
+        state["cgroup_reason"] = f"a cgroup could not be made in {parent} ({exc})"
+        try:
+            os.rmdir(mine)
+        except OSError:
+            pass
+        return
+    state["cgroup"] = mine
 
 
 def _unprivileged(state: dict[str, Any], private_dir: str | None) -> tuple[int, int] | None:
