@@ -107,11 +107,12 @@ _TIOCSTI = 0x5412  # ioctl that types into a terminal
 # Where the worker's tools write, inside the private folder.
 # A worker's cgroup v2 (where one is delegated): beside the caller's, named by the launcher's pid. Its memory
 # limit sits above the pool's, whose poller then still reports an `oom` first; the kernel's is the backstop
-# for an allocation faster than the poller's four reads a second. Tasks count threads (torch starts dozens).
+# for an allocation faster than the poller's four reads a second. Tasks count threads: torch starts one per
+# core in every process, torch.compile's workers included, so the cap grows with the machine.
 CGROUP_ROOT = "/sys/fs/cgroup"
 CGROUP_PREFIX = "stitchcuda-worker-"
 CGROUP_MEMORY_MARGIN = 1.125
-CGROUP_TASKS = 4096
+CGROUP_TASKS = max(4096, 64 * (os.cpu_count() or 8))
 
 _WRITABLE = {"HOME": "home", "TMPDIR": "tmp", "XDG_CACHE_HOME": "cache", "TORCHINDUCTOR_CACHE_DIR": "cache/inductor",
              "TRITON_CACHE_DIR": "cache/triton", "TORCH_EXTENSIONS_DIR": "cache/torch_extensions",
