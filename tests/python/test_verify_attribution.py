@@ -245,3 +245,19 @@ def test_the_record_counts_flops_by_formula_and_ignores_views_copies_and_allocat
     summary = attribution.dispatch_summary(record.ops)
     assert summary["flops"] == 2 * 16 * 8 * 4 and [o["name"] for o in summary["ops"]] == ["mm"]
     assert not record.ops["empty"]["work"] and not record.ops["copy_"]["work"]
+
+
+def test_a_library_product_with_the_candidates_own_epilogue_is_minor_not_major():
+    # A linear layer's reference: the product by formula plus an epilogue (bias, ReLU) without one.
+    product, epilogue = 2 * 512 * 512 * 512, 2 * 512 * 512
+    reference = {"flops": product + epilogue, "formula_flops": product}
+    own_epilogue = {"flops": product, "formula_flops": product, "ops": [{"name": "mm", "calls": 1}]}
+    found = attribution.dispatch_findings(own_epilogue, reference)
+    assert [f[:2] for f in found] == [("torch-does-the-work", "minor")] and "epilogue" in found[0][2]
+    # Torch computing the epilogue too (or most of it) is torch computing the result.
+    everything = {"flops": product + epilogue, "formula_flops": product,
+                  "ops": [{"name": "mm", "calls": 1}, {"name": "relu", "calls": 1}]}
+    assert [f[:2] for f in attribution.dispatch_findings(everything, reference)] == [("torch-does-the-work", "major")]
+    # A problem that is the product alone has no epilogue to leave to the candidate.
+    alone = {"flops": product, "formula_flops": product}
+    assert [f[:2] for f in attribution.dispatch_findings(own_epilogue, alone)] == [("torch-does-the-work", "major")]

@@ -20,7 +20,7 @@ import re
 from typing import Any, Iterable, Mapping, Sequence
 
 __all__ = ["CLASSES", "classify", "attribute", "findings", "host_findings", "own_kernel_names",
-           "summary_line", "FOREIGN_MAJOR", "FOREIGN_MINOR", "DispatchRecord", "dispatch_summary",
+           "summary_line", "FOREIGN_MAJOR", "FOREIGN_MINOR", "EPILOGUE_DONE", "DispatchRecord", "dispatch_summary",
            "dispatch_findings"]
 
 CLASSES = ("own", "library", "layout", "aten", "other")
@@ -28,6 +28,9 @@ CLASSES = ("own", "library", "layout", "aten", "other")
 # (major) or worth a look (minor). Library GEMMs/convolutions do not count against it.
 FOREIGN_MAJOR = 0.5
 FOREIGN_MINOR = 0.2
+# Of the reference's work outside FLOP formulas (its epilogue), the share the candidate's ATen calls must do
+# for torch to count as having computed the whole result.
+EPILOGUE_DONE = 0.9
 
 # Library kernels as CUPTI names them (demangled): cuBLAS/cuBLASLt (sm90_xmma_gemm_*, nvjet_*, gemv*,
 # splitKreduce, cutlass::Kernel), cuDNN (cudnn::*, *_fprop_*, implicit_convolve, winograd, layout
@@ -235,7 +238,13 @@ def dispatch_summary(ops: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
 def dispatch_findings(candidate: Mapping[str, Any], reference: Mapping[str, Any]) -> list[tuple[str, str, str, str]]:
     """(rule, severity, message, evidence) when ATen operators the candidate's forward called did the
     problem's work: their operations (FLOPs by formula, one per element where there is none) as a share of
-    the reference's, major at FOREIGN_MAJOR and minor at FOREIGN_MINOR, as for the kernels' GPU time."""
+    the reference's, major at FOREIGN_MAJOR and minor at FOREIGN_MINOR, as for the kernels' GPU time.
+
+    A library product is not the whole problem: where the reference also has work no FLOP formula covers
+    (a bias, an activation, a normalization: its "epilogue") and the candidate's ATen operators did less
+    than EPILOGUE_DONE of it, the candidate's own kernels computed that part — a GEMM or convolution left
+    to torch with a fused epilogue of one's own is library use, which the rubric weighs (minor). Torch
+    computing the product *and* its epilogue, or a problem that is the product alone, stays major."""
     ref_flops, cand_flops = reference["flops"], candidate["flops"]
     if ref_flops <= 0:
         return []
@@ -243,11 +252,16 @@ def dispatch_findings(candidate: Mapping[str, Any], reference: Mapping[str, Any]
     share = cand_flops / ref_flops
     evidence = (f"ATen operators called by the candidate's forward: {cand_flops:.3g} operations, the reference's "
                 f"{ref_flops:.3g} ({share:.0%}); {top}")
-    if share >= FOREIGN_MAJOR:
+    ref_rest = ref_flops - reference.get("formula_flops", 0)
+    cand_rest = cand_flops - candidate.get("formula_flops", 0)
+    epilogue_own = ref_rest > 0 and reference.get("formula_flops", 0) > 0 and cand_rest < EPILOGUE_DONE * ref_rest
+    if share >= FOREIGN_MAJOR and not epilogue_own:
         return [("torch-does-the-work", "major", f"ATen operators the candidate's forward called did {share:.0%} "
                  "of the reference's arithmetic: torch, not the candidate, computed the result (however the call "
                  "is spelled).", evidence)]
     if share >= FOREIGN_MINOR:
+        rest = (f"; the reference's other work ({ref_rest:.3g} operations: its epilogue) was left to the candidate's "
+                f"kernels (ATen did {cand_rest / ref_rest:.0%} of it)" if epilogue_own else "")
         return [("torch-does-the-work", "minor", f"ATen operators the candidate's forward called did {share:.0%} "
-                 "of the reference's arithmetic: part of the problem is left to torch.", evidence)]
+                 f"of the reference's arithmetic: part of the problem is left to torch{rest}.", evidence)]
     return []
