@@ -156,6 +156,35 @@ def test_the_eight_wide_form_indexes_fp32_operands_like_torch(emu):
     assert torch.equal(y, x * 2.0 + z)
 
 
+@pytest.mark.parametrize("dtype", HALVES, ids=IDS)
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "misaligned"])
+def test_a_16_bit_broadcast_kernel_reads_four_halves_at_a_time(where, dtype, offset):
+    # y = x * scale[c] + r: x contiguous (one 8-byte load of four halves), the per-channel scale one value
+    # repeated, r read transposed (four loads); a 16-bit result (8-byte stores) and an fp32 one.
+    emu, device = where
+    torch.manual_seed(7 + offset)
+    shape = (2, 8, 5, 12)
+    n = 2 * 8 * 5 * 12
+    x = torch.randn(n + offset).to(device=device, dtype=dtype)[offset:].view(shape)
+    scale = torch.randn(8).to(device=device, dtype=dtype)
+    r = torch.randn(2, 8, 12, 5).to(device=device, dtype=dtype).transpose(2, 3)  # strided over the group
+    inputs = [PointwiseInput("in0", dtype, tuple(x.stride())), PointwiseInput("in1", dtype, (0, 1, 0, 0)),
+              PointwiseInput("in2", dtype, tuple(r.stride()))]
+    body = ["const float t0 = in0 * in1;", "const float t1 = t0 + in2;"]
+    code = pointwise_kernel("bcast16", shape, inputs, body, [("out0", "t1", dtype), ("out1", "t0", torch.float32)])
+    assert "four outputs per thread" in code.description
+    assert "load4(p0 + (" in code.source and "store4(q0 + i, 0, b0, wide);" in code.source
+    y = torch.full((n + offset,), float("nan"), dtype=dtype, device=device)[offset:]
+    y32 = torch.full((n,), float("nan"), device=device)
+    _run(emu, code, {"in0": x, "in1": scale, "in2": r.transpose(2, 3), "out0": y, "out1": y32})  # r's memory
+    t0 = x.float() * scale.float().view(1, 8, 1, 1)
+    want = (t0 + r.float()).to(dtype)
+    assert torch.equal(y.view(shape).view(torch.int16), want.view(torch.int16))  # one rounding, as torch's
+    assert torch.equal(y32.view(shape), t0)
+    if emu is not None:
+        _compiles(code)
+
+
 # ---- register rows: norms and softmax over 16-bit rows ----
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from ...settings import settings
-from .common import (CTYPE, HALF_DTYPES, PRELUDE, VECTOR8_IO, KernelCode, PointwiseInput, element_index,
-                     element_indices, piece_args, piece_params, piece_select, split_coordinates)
+from .common import (CTYPE, HALF_DTYPES, PRELUDE, VECTOR8_IO, VECTOR_IO_16, KernelCode, PointwiseInput,
+                     element_index, element_indices, piece_args, piece_params, piece_select, split_coordinates)
 
 
 # How a streaming (vectorized) kernel covers its tensor: "once" (the default) — as many blocks as the
@@ -101,6 +101,8 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
         threads = 256
         grid = max(1, -(-(n // 4) // (threads * per)))
     elif grouped:
+        if any(dt in HALF_DTYPES for dt in dtypes):  # 16-bit operands: four values per 8-byte access
+            lines.insert(1, VECTOR_IO_16)
         lines += _grouped_pointwise_loop(name, shape, inputs, results)
         threads, work = 256, n // 4
     elif vectorized:
@@ -202,9 +204,10 @@ def _grouped_pointwise_loop(name: str, shape: tuple[int, ...], inputs: list[Poin
                             results: list[tuple[str, str, torch.dtype]]) -> list[str]:
     """The loop of a pointwise kernel over groups of four consecutive outputs (the last extent a multiple
     of 4). Per operand: `vec` — fp32, unit stride along the last dimension and every other term a multiple
-    of 4, so one 16-byte load; `splat` — broadcast along the last dimension, one load repeated; `gather` —
-    four loads. fp32 results are stored 16 bytes at a time. The 16-byte path runs when every pointer it
-    reads or writes that way is 16-byte aligned; otherwise the same loop takes scalar accesses."""
+    of 4, so one 16-byte load; `vec16` — the same layout in fp16/bf16, one 8-byte load of four halves;
+    `splat` — broadcast along the last dimension, one load repeated; `gather` — four loads. fp32 results
+    are stored 16 bytes at a time, 16-bit ones 8 bytes. The vector path runs when every pointer it reads
+    or writes that way is 16-byte aligned; otherwise the same loop takes scalar accesses."""
     last = len(shape) - 1
     kinds = []
     for inp in inputs:
@@ -213,12 +216,15 @@ def _grouped_pointwise_loop(name: str, shape: tuple[int, ...], inputs: list[Poin
             continue
         stride = inp.strides[last]
         others = [st for d, st in enumerate(inp.strides) if d != last and shape[d] != 1]
-        if inp.dtype == torch.float32 and stride == 1 and all(st % 4 == 0 for st in others) and inp.offset % 4 == 0:
+        unit = stride == 1 and all(st % 4 == 0 for st in others) and inp.offset % 4 == 0
+        if unit and inp.dtype == torch.float32:
             kinds.append("vec")
+        elif unit and inp.dtype in HALF_DTYPES:
+            kinds.append("vec16")
         else:
             kinds.append("splat" if stride == 0 else "gather")
-    wide = [f"p{k}" for k, kd in enumerate(kinds) if kd == "vec"] + \
-           [f"q{k}" for k, (_, _, dt) in enumerate(results) if dt == torch.float32]
+    wide = [f"p{k}" for k, kd in enumerate(kinds) if kd in ("vec", "vec16")] + \
+           [f"q{k}" for k, (_, _, dt) in enumerate(results) if dt in (torch.float32, *HALF_DTYPES)]
     aligned = " | ".join(f"reinterpret_cast<unsigned long long>({p})" for p in wide) or "0ULL"
     coords = split_coordinates("i", shape, list(range(len(shape))))
     L = [f"  const bool wide = (({aligned}) & 15ULL) == 0;",
@@ -245,6 +251,8 @@ def _grouped_pointwise_loop(name: str, shape: tuple[int, ...], inputs: list[Poin
             L += [f"    const long long e{k} = {index};",
                   f"    const float4 a{k} = wide ? *reinterpret_cast<const float4*>(p{k} + e{k})"
                   f" : make_float4(p{k}[e{k}], p{k}[e{k} + 1], p{k}[e{k} + 2], p{k}[e{k} + 3]);"]
+        elif kd == "vec16":
+            L.append(f"    const float4 a{k} = load4(p{k} + ({index}), 0, wide);")
         elif kd == "splat":
             L += [f"    const float s{k} = ld(p{k}, {index});",
                   f"    const float4 a{k} = make_float4(s{k}, s{k}, s{k}, s{k});"]
@@ -261,6 +269,8 @@ def _grouped_pointwise_loop(name: str, shape: tuple[int, ...], inputs: list[Poin
         scalar = f"st(q{k}, i, b{k}.x); st(q{k}, i + 1, b{k}.y); st(q{k}, i + 2, b{k}.z); st(q{k}, i + 3, b{k}.w);"
         if dt == torch.float32:
             L.append(f"    if (wide) *reinterpret_cast<float4*>(q{k} + i) = b{k}; else {{ {scalar} }}")
+        elif dt in HALF_DTYPES:
+            L.append(f"    store4(q{k} + i, 0, b{k}, wide);")
         else:
             L.append(f"    {scalar}")
     L.append("  }")
