@@ -22,6 +22,7 @@ import torch
 from ..errors import CompileError
 from .config import DISTRIBUTIONS, VerifyConfig
 from .compare import OutputError, compare_output, first_difference, fp64_error  # first_difference: re-exported
+from .tolerance import HighPrecision, judge_outputs, wants_reference
 from .report import VerifyReport, build_feedback
 from .static import MAJOR, MINOR
 from .task import Task, TaskError, load_source_module
@@ -176,6 +177,7 @@ class _Run:
             self.init_inputs = self.task.init_inputs()
             # Left in the mode it was built in, as KernelBench does (the candidate is too).
             self.reference = self._to_device(self.task.build_reference(self.seeds[0]))
+            self.high = HighPrecision(self.reference)  # 16-bit outputs are judged against its fp64 forward
         except TaskError as exc:
             r.fail("bad-reference", str(exc))
             raise _Stop
@@ -335,8 +337,10 @@ class _Run:
             if t == 0:
                 problem_rms = rms
             scale = max(1.0, rms / problem_rms) if problem_rms else 1.0
-            cmp_before = self._compare(ref_list, before, scale)
-            cmp_after = self._compare(ref_list, after, scale)
+            exact = self._exact(inputs, ref_list)
+            cmp_before = self._compare(ref_list, before, scale, exact)
+            cmp_after = self._compare(ref_list, after, scale, exact)
+            del exact
             ok_b, ok_a = all(o.ok for o in cmp_before), all(o.ok for o in cmp_after)
             r.trials.append({"seed": seed, "distribution": dist, "ok": ok_a and ok_b,
                              "ok_before_reference": ok_b, "ok_after_reference": ok_a,
@@ -479,15 +483,20 @@ class _Run:
         finally:
             del blocks
 
-    def _compare(self, ref_list: list[Any], out: Any, scale: float) -> list[OutputError]:
+    def _exact(self, inputs: list[Any], ref_list: list[Any]) -> list[Any] | None:
+        """The reference's fp64 outputs on `inputs` where the accuracy rule judges an output (16-bit ones, every
+        float under the tf32/bf16 policies: verify/tolerance.py), else None."""
+        if not wants_reference([e.dtype for e in ref_list if isinstance(e, torch.Tensor)], self.tolerance):
+            return None
+        exact = self.high.outputs(clone_inputs(inputs))
+        if self.high.note:
+            self.report.timing["fp64_reference"] = self.high.note
+        return exact
+
+    def _compare(self, ref_list: list[Any], out: Any, scale: float, exact: list[Any] | None = None) -> list[OutputError]:
         got = flatten(out)
-        if len(got) != len(ref_list):
-            return [OutputError(0, [], "", False, problem=f"the candidate returns {len(got)} outputs, the "
-                                                          f"reference {len(ref_list)}")]
-        result = []
-        for i, (e, g) in enumerate(zip(ref_list, got)):
-            atol, rtol = self.tolerance.for_dtype(e.dtype) if isinstance(e, torch.Tensor) else (0.0, 0.0)
-            result.append(compare_output(i, e, g, atol, rtol, scale))
+        result = judge_outputs(ref_list, got, self.tolerance, scale, exact)
+        for i, g in enumerate(got if len(got) == len(ref_list) else []):
             if isinstance(g, torch.Tensor) and type(g) is not torch.Tensor and not isinstance(g, torch.nn.Parameter):
                 self.report.add("lazy-output", MAJOR, "forward returns a tensor subclass, which can defer or "
                                 "fake the work until the result is read.", f"output {i}: {type(g).__name__}")
@@ -565,6 +574,10 @@ class _Run:
             for k, (dst, src) in enumerate(zip(sets, refills)):
                 refilled(dst, src)
                 expected[k] = flatten(self._call_reference(dst))
+                if wants_reference([e.dtype for e in expected[k] if isinstance(e, torch.Tensor)], self.tolerance):
+                    self._refilled[k] = clone_inputs(dst)  # the re-check's fp64 reference runs on these
+
+        self._refilled: dict[int, list[Any]] = {}
 
         return sets, refill
 
@@ -610,7 +623,7 @@ class _Run:
         for k, (exp, snap) in enumerate(zip(expected, snaps)):
             if exp is None or snap is None:
                 continue
-            cmp = self._compare(exp, snap, 1.0)
+            cmp = self._compare(exp, snap, 1.0, self._exact(self._refilled[k], exp) if k in self._refilled else None)
             if not all(c.ok for c in cmp):
                 bad = next(c for c in cmp if not c.ok)
                 r.add("timed-output-mismatch", MAJOR, "outputs of the timed calls are wrong although the "

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import harness
-from .compare import compare_output
+from .tolerance import HighPrecision, judge_output, wants_reference
 from .config import DISTRIBUTIONS, VerifyConfig
 from .report import VerifyReport, build_feedback
 from .static import MAJOR, MINOR
@@ -57,22 +57,29 @@ def run_reference_job(job: dict[str, Any], progress: Callable[[str], None], ship
         device = _device(cfg)
         seeds = cfg.trial_seeds()
         reference = task.build_reference(seeds[0]).to(device)
+        high, policy = HighPrecision(reference), (cfg.tolerance or task.tolerance)
+        exact: dict[str, list] = {"trials": [], "timed": []}  # the fp64 outputs the accuracy rule judges by
         progress("run")
         with torch.no_grad():
-            def call(inputs: list[Any]) -> list[Any]:
+            def call(inputs: list[Any], kind: str | None = None) -> list[Any]:
                 out = harness.flatten(reference(*harness.clone_inputs(inputs)))
                 if device.type == "cuda":
                     torch.cuda.synchronize()
+                if kind is not None:
+                    wide = high.outputs(harness.clone_inputs(inputs)) if wants_reference(
+                        [x.dtype for x in out if isinstance(x, torch.Tensor)], policy) else None
+                    exact[kind].append([harness.to_host(x) for x in wide] if wide is not None else [])
                 return [harness.to_host(x) for x in out]
 
             problem_non_finite = harness.non_finite(call(harness.trial_inputs(task, seeds[0] - 1, "problem", device)))
             outs = []
             for t, seed in enumerate(seeds):
                 dist = DISTRIBUTIONS[t % len(DISTRIBUTIONS)]
-                out = call(harness.trial_inputs(task, seed, dist, device))
+                out = call(harness.trial_inputs(task, seed, dist, device), "trials")
                 if dist != "problem" and harness.non_finite(out) and not problem_non_finite:
                     dist = "problem (the " + dist + " distribution gives non-finite reference outputs)"
-                    out = call(harness.trial_inputs(task, seed, "problem", device))
+                    exact["trials"].pop()
+                    out = call(harness.trial_inputs(task, seed, "problem", device), "trials")
                 trials.append({"seed": seed, "distribution": dist})
                 outs.append(out)
             timed = []
@@ -81,11 +88,11 @@ def run_reference_job(job: dict[str, Any], progress: Callable[[str], None], ship
                 inputs = harness.clone_inputs(harness.trial_inputs(task, s, "problem", device))
                 sets.append(harness.clone_inputs(inputs))
                 harness.refilled(inputs, harness.trial_inputs(task, s + 1, "problem", device))
-                timed.append(call(inputs))
+                timed.append(call(inputs, "timed"))
             facts.update(_bytes_floor(reference, sets[0], cfg, device))
             if cfg.timing_iters > 0:
                 facts.update(_baselines(reference, sets, cfg, device, task.key))
-        shipped.update(trials=outs, timed=timed)
+        shipped.update(trials=outs, timed=timed, exact_trials=exact["trials"], exact_timed=exact["timed"])
         report.correct = True
     except TaskError as exc:
         report.fail("bad-reference", str(exc))
@@ -175,6 +182,10 @@ class ReferenceRun:
         outputs = body.get("outputs") or {}
         self.outputs = [decode_value(o, tensors) for o in outputs.get("trials", [])] if tensors is not None else []
         self.timed = [decode_value(o, tensors) for o in outputs.get("timed", [])] if tensors is not None else []
+        # The fp64 outputs the accuracy rule judges 16-bit ones by, per trial and timed set ([] where none).
+        self.exact = [decode_value(o, tensors) for o in outputs.get("exact_trials", [])] if tensors is not None else []
+        self.exact_timed = [decode_value(o, tensors) for o in outputs.get("exact_timed", [])] \
+            if tensors is not None else []
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors or [])
 
     @property
@@ -244,7 +255,7 @@ def adjudicate(claim: dict[str, Any], body: dict[str, Any], tensors: Sequence[to
         rms = harness.output_rms(expected)
         problem_rms = rms if t == 0 else problem_rms
         scale = max(1.0, rms / problem_rms) if problem_rms else 1.0
-        bad = _first_bad(expected, got, tolerance, scale)
+        bad = _first_bad(expected, got, tolerance, scale, ref.exact[t] if t < len(ref.exact) else None)
         if bad:
             return _contradicted(report, f"trial {t} (seed {trial['seed']}, {trial['distribution']} inputs): {bad}")
     timed_ran = config.timing_iters > 0 and "candidate_ms" in report.timing
@@ -253,7 +264,7 @@ def adjudicate(claim: dict[str, Any], body: dict[str, Any], tensors: Sequence[to
             return _contradicted(report, f"it sent the outputs of {len(got_timed)} timed input sets; there are "
                                          f"{len(ref.timed)}")
         for k, (expected, got) in enumerate(zip(ref.timed, got_timed)):
-            bad = _first_bad(expected, got, tolerance, 1.0)
+            bad = _first_bad(expected, got, tolerance, 1.0, ref.exact_timed[k] if k < len(ref.exact_timed) else None)
             if bad:
                 return _contradicted(report, f"timed input set {k}: {bad}", rule="timed-output-mismatch")
         _judge_speed(report, ref.facts, _judge_clock(report, body.get("judge_clock"), config))
@@ -367,7 +378,9 @@ def _done(report: VerifyReport) -> dict[str, Any]:
     return report.to_dict()
 
 
-def _first_bad(expected: Sequence[Any], got: Any, tolerance: Any, scale: float) -> str:
+def _first_bad(expected: Sequence[Any], got: Any, tolerance: Any, scale: float, exact: Sequence[Any] | None = None) -> str:
+    """The first output of `got` that the judge does not accept (the table, and the accuracy rule against
+    `exact`, the reference's fp64 outputs, where it judges), in words; "" when every one is."""
     got = list(got) if isinstance(got, list) else [got]
     if len(got) != len(expected):
         return f"{len(got)} outputs where the reference returns {len(expected)}"
@@ -375,7 +388,7 @@ def _first_bad(expected: Sequence[Any], got: Any, tolerance: Any, scale: float) 
         atol, rtol = tolerance.for_dtype(e.dtype) if isinstance(e, torch.Tensor) else (0.0, 0.0)
         if _clearly_within(e, g, atol * scale, rtol):
             continue
-        result = compare_output(i, e, g, atol, rtol, scale)
+        result = judge_output(i, e, g, tolerance, scale, exact[i] if exact and i < len(exact) else None)
         if not result.ok:
             return result.problem or f"output {i}: {result.mismatches} elements outside tolerance"
     return ""
@@ -394,5 +407,9 @@ def _clearly_within(expected: Any, got: Any, atol: float, rtol: float) -> bool:
 
 def encode_outputs(shipped: dict[str, Any], tensors: list[torch.Tensor]) -> dict[str, Any]:
     """The "outputs" of a result body: each trial's and timed set's outputs, tensors appended to ``tensors``."""
-    return {"trials": [encode_value(list(o), tensors) for o in shipped.get("trials", [])],
-            "timed": [encode_value(o, tensors) if o is not None else {"value": None} for o in shipped.get("timed", [])]}
+    encoded = {"trials": [encode_value(list(o), tensors) for o in shipped.get("trials", [])],
+               "timed": [encode_value(o, tensors) if o is not None else {"value": None} for o in shipped.get("timed", [])]}
+    for key in ("exact_trials", "exact_timed"):  # the reference's fp64 outputs (a reference job's only)
+        if key in shipped:
+            encoded[key] = [encode_value(list(o), tensors) for o in shipped[key]]
+    return encoded
