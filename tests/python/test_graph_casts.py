@@ -246,3 +246,17 @@ def test_the_16_bit_block_runs_its_fused_norms_on_a_gpu(dtype):
         with torch.no_grad():
             want = model(xs)
             torch.testing.assert_close(fast(xs).float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_16_bit_layer_norm_is_planned_and_lowered_with_its_row_in_registers(dtype):
+    model = nn.Sequential(nn.LayerNorm(768)).eval().to(dtype)
+    x = torch.randn(4, 16, 768, dtype=dtype)
+    graph = capture(model, (x,))
+    plan = OfflinePlanner().plan(graph)
+    (norm,) = [g for g in plan.groups if g.kind == "reduction"]
+    assert "a warp per row, the row held in registers" in norm.reason, norm.reason
+    lowering = Lowering(graph, plan, {})
+    lowering.build(plan.groups, graph.inputs, graph.outputs)
+    code = lowering.main_kernels[id(norm)]
+    assert "row held in registers" in code.description and "16-bit operands" in code.description

@@ -904,8 +904,8 @@ class OfflinePlanner:
             params["groups"], params["group_hw"] = int(node.args[6]), int(node.args[5])
         if any(isinstance(params.get(k), Value) and params[k].dtype != x.dtype for k in ("weight", "bias")):
             return Group("aten", [node], f"{kind} with weights of another dtype stays an ATen step")
-        if kind in NORMALIZING and x.dtype == node.out.dtype == torch.float32 \
-                and cols % 4 == 0 and CACHED_ROW_MIN <= cols <= SHARED_ROW_MAX:
+        if kind in NORMALIZING and x.dtype == node.out.dtype and x.dtype in (torch.float32, torch.float16, torch.bfloat16) \
+                and cols % 4 == 0 and CACHED_ROW_MIN <= cols <= SHARED_ROW_MAX:  # 16-bit rows too (templates/rows.py)
             held = "registers" if cols <= CACHED_ROW_MAX else "shared memory"
             strategy = f"a {'warp' if cols <= 1024 else 'block'} per row, the row held in {held}"
         elif kind in ("softmax", "log_softmax", "layer_norm", "group_norm") and x.dtype == node.out.dtype == torch.float32 \
