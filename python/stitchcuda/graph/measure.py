@@ -97,9 +97,11 @@ def verify_program(model, optimized: Any, example_inputs, sets: int, plan: Graph
     graph = getattr(optimized, "_graph", None)
     # A graph captured under torch.autocast is judged against the model under that autocast (its fp64 copy
     # stays exact: autocast leaves fp64 tensors alone).
-    return whole_program.verify_whole(under_autocast(model, getattr(graph, "autocast", None)), optimized,
-                                      example_inputs, sets, plan.tolerance_precision,
-                                      no_exact=fp64_too_large(plan, graph), release=getattr(optimized, "release", None))
+    verdict = whole_program.verify_whole(under_autocast(model, getattr(graph, "autocast", None)), optimized,
+                                         example_inputs, sets, plan.tolerance_precision,
+                                         no_exact=fp64_too_large(plan, graph), release=getattr(optimized, "release", None))
+    verdict["precision"] = plan.tolerance_precision  # what judged it: a check of the same program at another size
+    return verdict
 
 
 def fp64_too_large(plan: GraphPlan, graph: Graph | None = None) -> str:

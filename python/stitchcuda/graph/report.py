@@ -63,6 +63,7 @@ class Verification(TypedDict, total=False):
     max_rel_error_fp64: float | None
     detail: str | None
     fp64_note: str | None
+    precision: str   # the tolerance's precision ("tf32" where the model's convolutions run TF32)
     failed_set: int
     # The accuracy rule's verdicts (16-bit outputs, reduced precision policies: verify/tolerance.py), one
     # per output and input set: {set, output, ok, error, eager_error, bound, floor, reference}.
