@@ -334,6 +334,16 @@ def resized_inputs(tensors: Sequence[Any], dims: list[DynamicDim], sizes: Sequen
     return tuple(out)
 
 
+def _first_leaves(inputs: Sequence[Any]) -> list[int]:
+    """For each of the call's inputs, the index of its first tensor among all the call's tensor leaves (the
+    program's inputs, in order)."""
+    first, k = [], 0
+    for t in inputs:
+        first.append(k)
+        k += sum(isinstance(v, torch.Tensor) for v in pytree.tree_flatten(t)[0])
+    return first
+
+
 @dataclass
 class Member:
     """One size's program (an OptimizedModule of the pipeline) or, where it was not built or lost to eager
@@ -380,6 +390,7 @@ class DynamicModule(OptimizedModule):
         self.member_builds = 0
         self.padded_calls = 0
         self._routes: dict[tuple, tuple] = {}  # a call's (shape, dtype) per input -> _route's answer
+        self._first_leaf = _first_leaves(example_inputs)  # input position -> its first tensor among the program's
         self._last: Member | None = None
 
     # what a call's inputs must keep: every axis no dim names, and the dtypes
@@ -438,7 +449,7 @@ class DynamicModule(OptimizedModule):
         padded = member.sizes != sizes
         if padded:
             self.padded_calls += 1
-            call = self._pad(call, sizes, member.sizes)
+            call = self._pad(member, call, sizes)
         tensors = [t for t in pytree.tree_flatten(tuple(call))[0] if isinstance(t, torch.Tensor)]
         graph = member.module._graph
         warn_other_autocast(graph, self._warned)
@@ -471,18 +482,29 @@ class DynamicModule(OptimizedModule):
             log.warning("%s: %s: the original model runs for these inputs", model_name(self.original), why)
         return original()
 
-    def _pad(self, tensors: list, sizes: tuple, member: tuple) -> list:
-        out = list(tensors)
-        for d, s, m in zip(self._dims, sizes, member):
-            if s == m:
-                continue
-            for i, axis in d.inputs:
-                t = out[i]
-                shape = list(t.shape)
-                shape[axis] = m
-                padded = t.new_zeros(shape)
-                padded.narrow(axis, 0, s).copy_(t)
-                out[i] = padded
+    def _pad(self, member: Member, call: list, sizes: tuple) -> list:
+        """The call's inputs at the member's sizes: each padded input written straight into the program's
+        own input buffer (the executor's static input, which run() then does not copy again), its tail
+        along the padded axes zeroed — one copy of the call's rows, as an unpadded call makes."""
+        axes: dict[int, dict[int, tuple[int, int]]] = {}
+        for d, s, m in zip(self._dims, sizes, member.sizes):
+            if s != m:
+                for i, axis in d.inputs:
+                    axes.setdefault(i, {})[axis] = (s, m)
+        statics = member.module._runner.executor.static_inputs(torch.cuda.current_stream())
+        out = list(call)
+        for i, padded in axes.items():
+            buf, t = statics[self._first_leaf[i]], out[i]
+            region = buf
+            for axis, (s, _) in padded.items():
+                region = region.narrow(axis, 0, s)
+            if len(padded) > 1:
+                buf.zero_()
+            else:
+                ((axis, (s, m)),) = padded.items()
+                buf.narrow(axis, s, m - s).zero_()
+            region.copy_(t)
+            out[i] = buf
         return out
 
     def _cut(self, outs: list, sizes: tuple, member: tuple) -> list:
@@ -594,11 +616,7 @@ class DynamicModule(OptimizedModule):
         if not members:
             return super().save(path)
         # The family file counts inputs as the program does: the call's tensor leaves, in order.
-        first_leaf, k = [], 0
-        for t in self._example_inputs:
-            first_leaf.append(k)
-            k += sum(isinstance(v, torch.Tensor) for v in pytree.tree_flatten(t)[0])
-        dims = [dict(name=d.name, min=d.min, max=d.max, pad=d.pad, inputs=[(first_leaf[i], a) for i, a in d.inputs],
+        dims = [dict(name=d.name, min=d.min, max=d.max, pad=d.pad, inputs=[(self._first_leaf[i], a) for i, a in d.inputs],
                      outputs=list(d.outputs)) for d in self._dims]
         ProgramFamily(dims=dims, members=members).save(path)
 
