@@ -62,7 +62,9 @@ def test_batch_family_pads_and_matches_at_every_size(caplog):
     built = fast.member_builds
     _sizes_match(fast, model, lambda s: (s, 64, 256), [1, 5, 24, 47, 48, 77, 96])
     assert fast.other_shape_calls == 0 and fast.padded_calls > 0
-    assert fast.member_builds - built <= 2  # 5 -> 8 and 77 -> 96 (or 128 clamped): buckets, not sizes
+    # The range check built only the maximum (its other sizes ran padded on the example's member); the
+    # calls build buckets, not sizes: 1, 5 -> 8, 24 -> 32; 77 runs on 96.
+    assert fast.member_builds - built <= 3
     with caplog.at_level(logging.WARNING, logger="stitchcuda"):
         big = torch.randn(97, 64, 256, device="cuda")
         torch.testing.assert_close(fast(big), model(big), atol=1e-4, rtol=1e-4)
