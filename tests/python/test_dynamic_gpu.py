@@ -109,3 +109,21 @@ def test_a_sequence_dim_with_its_own_range():
     assert "refused" not in fast.report.dynamic, fast.report.dynamic.get("refused")
     assert not fast.report.dynamic["dims"][0]["pad"]  # the softmax reads the whole sequence
     _sizes_match(fast, model, lambda s: (4, s, 32), [8, 61, 100, 128])
+
+
+def test_torch_compile_backend_serves_a_second_batch_size_with_a_family():
+    from stitchcuda.graph import dynamo
+
+    dynamo.register()
+    torch.manual_seed(3)
+    model = Block(128).cuda().eval()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="stitchcuda")
+    with torch.no_grad():
+        for s in (8, 5, 13, 40):  # the second size makes Dynamo hand over a graph with a symbolic batch
+            x = torch.randn(s, 16, 128, device="cuda")
+            torch.testing.assert_close(compiled(x), model(x), atol=1e-4, rtol=1e-4, msg=lambda m: f"size {s}: {m}")
+    report = dynamo.reports[-1]
+    assert report.status == "optimized" and "refused" not in report.dynamic, (report.reason, report.dynamic)
+    (dim,) = report.dynamic["dims"]
+    assert dim["min"] == 2 and dim["max"] >= 40

@@ -208,10 +208,13 @@ def export_guards(model: torch.nn.Module, tensors: Sequence[Any], dims: list[Dyn
         for i, axis in d.inputs:
             shapes[i] = dict(shapes[i] or {})
             shapes[i][axis] = symbols[d.name]
+    spec: tuple = tuple(shapes)
+    if _takes_varargs(model):  # forward(*inputs) (a keyword call, a Dynamo graph's wrapper): one entry, the tuple
+        spec = (spec,)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            exported = export(model, tuple(tensors), dynamic_shapes=tuple(shapes), strict=False)
+            exported = export(model, tuple(tensors), dynamic_shapes=spec, strict=False)
     except Exception as exc:  # export's constraint violations and anything it cannot trace symbolically
         raise DynamicShapeError(_export_reason(exc, dims)) from exc
     placeholders = [n for n in exported.graph.nodes if n.op == "placeholder"]
@@ -253,6 +256,14 @@ def export_guards(model: torch.nn.Module, tensors: Sequence[Any], dims: list[Dyn
                         other.why_exact = (f"output {j} axis {axis} is {expr} in '{other.name}', not the dim itself: "
                                            "padding cannot be cut back there")
     return guards
+
+
+def _takes_varargs(model: torch.nn.Module) -> bool:
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return bool(params) and params[0].kind is inspect.Parameter.VAR_POSITIONAL
 
 
 def _export_reason(exc: Exception, dims: list[DynamicDim]) -> str:
