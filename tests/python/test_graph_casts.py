@@ -89,15 +89,16 @@ def test_no_cast_stands_alone_in_a_16_bit_llama_block(dtype):
     assert len(casts) == 6, [n.op for n in graph.nodes]  # two norms' up and down, SwiGLU's silu in fp32 and back
     generated = [g for g in plan.groups if g.kind in ("pointwise", "reduction")]
     # Before: 9 kernels — each norm's upcast and square apart from its reduction (the upcast value, read by
-    # the square and the scaling, stored in fp32 with the square), each rotate_half's negation on its own
-    # (the RoPE kernel then read the negated half and the other half as a concatenation's pieces).
+    # the square and the scaling, stored in fp32 with the square), the residual add before the second norm
+    # on its own, each rotate_half's negation on its own (the RoPE kernel then read the negated half and the
+    # other half as a concatenation's pieces).
     assert [(g.kind, _ops(g)) for g in generated] == [
         ("reduction", ["_to_copy", "pow.Tensor_Scalar", "mean.dim", "add.Tensor", "rsqrt", "mul.Tensor", "_to_copy",
                        "mul.Tensor"]),
         ("pointwise", ["mul.Tensor", "cat", "mul.Tensor", "add.Tensor"] * 2),  # q's and k's RoPE, x read rotated
-        ("pointwise", ["add.Tensor"]),                                      # the residual, read again later
-        ("reduction", ["_to_copy", "pow.Tensor_Scalar", "mean.dim", "add.Tensor", "rsqrt", "mul.Tensor", "_to_copy",
-                       "mul.Tensor"]),
+        # The residual add joins the second norm, which also stores the sum the last add reads.
+        ("reduction", ["add.Tensor", "_to_copy", "pow.Tensor_Scalar", "mean.dim", "add.Tensor", "rsqrt", "mul.Tensor",
+                       "_to_copy", "mul.Tensor"]),
         ("pointwise", ["_to_copy", "sigmoid", "mul.Tensor", "_to_copy", "mul.Tensor"]),  # SwiGLU
         ("pointwise", ["add.Tensor"]),
     ], [(g.kind, _ops(g)) for g in generated]
@@ -106,9 +107,11 @@ def test_no_cast_stands_alone_in_a_16_bit_llama_block(dtype):
     for n in casts:
         assert any(op not in ("_to_copy", "clone") for op in _ops(owner[id(n)])), _ops(owner[id(n)])
     assert not any(_ops(g) == ["neg"] for g in plan.groups)
-    norm = generated[0]
+    norm, second = generated[0], generated[2]
     assert [n.op for n in norm.params["prologue"]] == ["aten::_to_copy", "aten::pow.Tensor_Scalar"]
-    assert "recomputed where the row's ops read them" in norm.reason
+    assert "recomputed where the row's ops read them" in norm.reason and "stores" not in norm.params
+    (residual,) = second.params["stores"]
+    assert residual.producer is second.nodes[0] and residual.dtype == dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -121,7 +124,7 @@ def test_the_16_bit_block_program_compiles_for_sm_90(dtype):
     program.compile_kernels("sm_90a")
     norms = [c for g, c in ((g, lowering.main_kernels.get(id(g))) for g in plan.groups)
              if c is not None and g.kind == "reduction"]
-    assert len(norms) == 2
+    assert len(norms) == 2 and "more value(s) of the row stored" in norms[1].description
     ctype = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}[dtype]
     for code in norms:
         # The norm reads the 16-bit row and writes the 16-bit result; no fp32 copy of the row is an argument.
@@ -130,8 +133,8 @@ def test_the_16_bit_block_program_compiles_for_sm_90(dtype):
 
 
 class _ResidualNorm(nn.Module):
-    """fp32 stand-in of the 16-bit norm's shape for the emulator: s = x + r is returned (the residual stream),
-    h = s * 1.5 is read by the square and by the scaling, as the upcast is."""
+    """fp32 stand-in of the 16-bit norm's shape for the emulator: s = x + r is returned (the residual stream,
+    which the norm's kernel stores), h = s * 1.5 is read by the square and by the scaling, as the upcast is."""
 
     def __init__(self, dim: int):
         super().__init__()
@@ -152,12 +155,16 @@ def test_a_norm_that_reads_its_prologues_value_again_gives_eager_results(tmp_pat
     graph = capture(model, (x, r))
     plan = OfflinePlanner().plan(graph)
     generated = [(g.kind, _ops(g)) for g in plan.groups if g.kind in ("pointwise", "reduction")]
-    assert generated == [("pointwise", ["add.Tensor"]),
-                         ("reduction", ["mul.Tensor", "pow.Tensor_Scalar", "mean.dim", "add.Tensor", "rsqrt",
-                                        "mul.Tensor", "mul.Tensor"])], generated
+    # One kernel: it adds the residual on load (x and r read once), and stores the sum s as well as the norm.
+    assert generated == [("reduction", ["add.Tensor", "mul.Tensor", "pow.Tensor_Scalar", "mean.dim", "add.Tensor",
+                                        "rsqrt", "mul.Tensor", "mul.Tensor"])], generated
     values = reference_values(graph, [x, r])
     constants = {g.nodes[0].out.name: values[g.nodes[0].out.name] for g in plan.groups if g.kind == "constant"}
-    program = Lowering(graph, plan, constants).build(plan.groups, graph.inputs, graph.outputs)
+    lowering = Lowering(graph, plan, constants)
+    program = lowering.build(plan.groups, graph.inputs, graph.outputs)
+    (norm,) = [g for g in plan.groups if g.kind == "reduction"]
+    assert "more value(s) of the row stored" in lowering.main_kernels[id(norm)].description
+    assert len(program.kernels) == 1
     got = run_program(EmulatedJit(tmp_path), program, [x, r], {**constants, **values})
     with torch.no_grad():
         want = model(x, r)

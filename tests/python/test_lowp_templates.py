@@ -267,3 +267,39 @@ def test_a_16_bit_rms_norm_matches_the_models_arithmetic(where, dtype, rows, col
     ulp = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype]
     torch.testing.assert_close(y.float(), want.float(), atol=ulp, rtol=ulp)
     assert (y.float() != want.float()).float().mean() < 0.02  # nearly all equal bit for bit
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=IDS)
+@pytest.mark.parametrize("rows, cols", [(5, 2048), (4, 64)], ids=["row-in-registers", "warp-per-row"])
+def test_a_16_bit_residual_rms_norm_stores_the_sum_it_adds(where, dtype, rows, cols):
+    # s = x + r (a bf16 add: rounded), then the RMS norm of s; the kernel stores s too (`also`), computed
+    # again from the registers holding x and r.
+    emu, device = where
+    torch.manual_seed(cols + 1)
+    round16 = {torch.bfloat16: "__bfloat162float(__float2bfloat16_rn({}))",
+               torch.float16: "__half2float(__float2half_rn({}))"}[dtype]
+    row = (cols, 1)
+    prologue = RowPrologue((rows, cols), [PointwiseInput("in0", dtype, row), PointwiseInput("in1", dtype, row)],
+                           [f"const float t0 = {round16.format('in0 + in1')};", "const float t1 = t0 * t0;"], "t1")
+    epilogue = RowPrologue((rows, cols), [PointwiseInput("e0", dtype, row), PointwiseInput("e1", dtype, row),
+                                          PointwiseInput("e2", dtype, (0, 1))],
+                           [f"const float t0 = {round16.format('e0 + e1')};",
+                            "const float t1 = t0 * rsqrtf(stat + 1e-06f);", f"const float t2 = {round16.format('t1')};",
+                            f"const float t3 = {round16.format('e2 * t2')};"], "t3", ("stat",))
+    code = row_reduction_kernel("rres16", "mean", rows, cols, torch.float32, dtype, prologue=prologue,
+                                epilogue=epilogue, same_row={"e0": "in0", "e1": "in1"}, also=(("t0", dtype),))
+    assert "1 more value(s) of the row stored" in code.description
+    x, r = (torch.randn(rows, cols).to(device=device, dtype=dtype) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(cols)).to(device=device, dtype=dtype)
+    y, s = (torch.full((rows, cols), float("nan"), dtype=dtype, device=device) for _ in range(2))
+    _run(emu, code, {"in0": x, "in1": r, "e0": x, "e1": r, "e2": w, "y": y, "y1": s})
+    want_s = x + r
+    h = want_s.float()
+    want = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    assert torch.equal(s, want_s)
+    ulp = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype]
+    torch.testing.assert_close(y.float(), want.float(), atol=ulp, rtol=ulp)
+    if emu is not None:
+        _compiles(code)
+    with pytest.raises(ValueError, match="come from an epilogue's body"):
+        row_reduction_kernel("bad", "mean", rows, cols, torch.float32, dtype, prologue=prologue, also=(("t0", dtype),))

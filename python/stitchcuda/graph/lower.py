@@ -591,10 +591,13 @@ class Lowering:
             prologue = RowPrologue(tuple(x.shape), inputs, body, var[x.name])
         same_row: dict[str, str] = {}
         if p.get("epilogue"):  # elementwise ops over the row reading its statistic: the statistic is never stored
-            # Prologue values the row's ops read (an RMS norm's fp32 upcast of x) are computed again from
-            # the same loads: the prologue's results are never stored.
-            inputs, more, body, var = self._elementwise([*_read_by(p.get("prologue") or [], p["epilogue"]),
-                                                         *p["epilogue"]], tuple(x.shape), {node.out.name: "stat"}, "e")
+            # Prologue values the row's ops read (an RMS norm's fp32 upcast of x), and those the kernel stores
+            # besides its result (the residual sum before the norm, p["stores"]), are computed again from the
+            # same loads.
+            stores = p.get("stores") or []
+            again = _read_by(p.get("prologue") or [], [*p["epilogue"], *(v.producer for v in stores)], stores)
+            inputs, more, body, var = self._elementwise([*again, *p["epilogue"]], tuple(x.shape),
+                                                        {node.out.name: "stat"}, "e")
             epilogue = RowPrologue(tuple(x.shape), inputs, body, var[result.name], ("stat",))
             # The epilogue's reads of the row the reduction reads (an RMS norm's x): from the kernel's registers.
             read = ({i.key: (buffers[i.key], i) for i in prologue.inputs} if prologue else
@@ -639,7 +642,8 @@ class Lowering:
         code = row_reduction_kernel(self._name(p["kind"], g), p["kind"], p["rows"], p["cols"], x.dtype,
                                     result.dtype, eps=p.get("eps", 1e-5), has_weight=has_w, has_bias=has_b,
                                     sm_count=self.sm_count, prologue=prologue, epilogue=epilogue, output=output,
-                                    groups=p.get("groups", 0), group_hw=p.get("group_hw", 0), same_row=same_row)
+                                    groups=p.get("groups", 0), group_hw=p.get("group_hw", 0), same_row=same_row,
+                                    also=tuple((var[v.name], v.dtype) for v in p.get("stores") or []))
         if prologue is None:
             buffers["x"] = self.need(x, contiguous=True)
         if has_w:
@@ -647,6 +651,8 @@ class Lowering:
         if has_b:
             buffers["bias"] = self.need(p["bias"], contiguous=True)
         buffers["y"] = self.produce(result)
+        for j, v in enumerate(p.get("stores") or []):
+            buffers[f"y{j + 1}"] = self.produce(v)
         self._launch(g, code, buffers)
 
     def _lower_normalized(self, g: Group) -> None:
@@ -1342,11 +1348,13 @@ def _attribute(value: Any, node: Node, name: str) -> Any:
     raise LoweringError(f"{node.op}: argument '{name}' = {value!r} cannot be expressed as a program attribute")
 
 
-def _read_by(prologue: list[Node], nodes: list[Node]) -> list[Node]:
-    """The prologue's nodes whose values `nodes` read, directly or through each other, in prologue order."""
+def _read_by(prologue: list[Node], nodes: list[Node], values: list[Value] = ()) -> list[Node]:
+    """The prologue's nodes whose values `nodes` read, directly or through each other, and those making
+    `values`, in prologue order."""
     made_by = {v.name: n for n in prologue for v in n.outputs if v is not None}
-    wanted: set[int] = set()
-    stack = [made_by[v.name] for n in nodes for v in n.inputs if v.name in made_by]
+    wanted: set[int] = {id(made_by[v.name]) for v in values if v.name in made_by}
+    stack = [made_by[v.name] for n in [*nodes, *(made_by[v.name] for v in values if v.name in made_by)]
+             for v in n.inputs if v.name in made_by]
     while stack:
         n = stack.pop()
         if id(n) not in wanted:

@@ -362,14 +362,21 @@ def merge_identical_casts(graph: Graph, outputs: set[str]) -> int:
     return len(gone)
 
 
+# Row-shaped values of the absorbed chain that the rest of the model reads and the norm's kernel stores
+# besides its result (a residual sum; two for a block that keeps two streams).
+ROW_STORES_MAX = 2
+
+
 def _row_producer_into_loads(out: list[Group], g: Group, outputs: set[str]) -> None:
-    """Moves into the loads of the reduction `g` (a statistic applied back to its row) the part of the
-    elementwise group just before it (`out[-1]`) that only `g` reads: an RMS norm's fp32 upcast and square,
-    whose upcast value the row's scaling reads too (`x.float()` read by `pow` and by `h * rsqrt(...)`), so
-    the open chain could not be the reduction's prologue whole. What the rest of the model reads (the
-    residual sum before the norm) stays in that group, stored as before; the upcast value is computed again
-    by the epilogue from the same loaded row (`Lowering._lower_reduction`), never stored: a bf16 norm reads
-    its row once in 16-bit instead of writing and reading it back twice in fp32."""
+    """Moves into the loads of the reduction `g` (a statistic applied back to its row) the elementwise group
+    just before it (`out[-1]`): an RMS norm's fp32 upcast and square, whose upcast value the row's scaling
+    reads too (`x.float()` read by `pow` and by `h * rsqrt(...)`), so the open chain could not be the
+    reduction's prologue whole. The upcast value is computed again by the epilogue from the same loaded
+    row (`Lowering._lower_reduction`), never stored: a bf16 norm reads its row once in 16-bit instead of
+    writing and reading it back twice in fp32. What the rest of the model reads (the residual sum before
+    the norm), up to ROW_STORES_MAX row-shaped values, the norm's kernel stores too (`params["stores"]`),
+    computed again from the rows it loads, so the add is not a kernel of its own; beyond that, those values
+    and what they are computed from stay in the group before, stored as before."""
     pre = out[-1] if out else None
     node = g.params["node"]
     x = node.args[0]
@@ -382,8 +389,16 @@ def _row_producer_into_loads(out: list[Group], g: Group, outputs: set[str]) -> N
     inside = {id(n) for n in g.nodes} | {id(n) for n in pre.nodes}
     made_by = {v.name: n for n in pre.nodes for v in n.outputs if v is not None}
     kept: set[int] = set()
-    stack = [n for n in pre.nodes for v in n.outputs if v is not None
-             and (v.name in outputs or any(id(u) not in inside for u in v.users))]
+    leaving = [v for n in pre.nodes for v in n.outputs if v is not None
+               and (v.name in outputs or any(id(u) not in inside for u in v.users))]
+    if len(leaving) > ROW_STORES_MAX or any(v.dtype not in (torch.float32, torch.float16, torch.bfloat16)
+                                            or tuple(v.shape) != tuple(x.shape) for v in leaving):
+        stack = [v.producer for v in leaving]
+        leaving = []
+    else:
+        # What the rest of the model reads (the residual sum) is written by the norm's kernel too, computed
+        # again from the rows it loads: the group before it goes.
+        stack = []
     while stack:  # what leaves the group, and what it is computed from, stays
         n = stack.pop()
         if id(n) not in kept:
@@ -402,6 +417,9 @@ def _row_producer_into_loads(out: list[Group], g: Group, outputs: set[str]) -> N
     g.params["prologue"] = moved
     g.nodes = [*moved, *g.nodes]
     g.reason += f"; {len(moved)} elementwise op(s) ({ops}) fused into its loads, recomputed where the row's ops read them"
+    if leaving:
+        g.params["stores"] = leaving
+        g.reason += f", {len(leaving)} of their results ({', '.join(v.name for v in leaving)}) stored by the same kernel"
 
 
 class OfflinePlanner:

@@ -3,6 +3,7 @@ where they fit, with prologues, epilogues and output functions fused around the 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -70,7 +71,8 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
                          has_bias: bool = False, sm_count: int = 132,
                          prologue: RowPrologue | None = None, epilogue: RowPrologue | None = None,
                          output: RowPrologue | None = None, groups: int = 0, group_hw: int = 0,
-                         same_row: dict[str, str] | None = None) -> KernelCode:
+                         same_row: dict[str, str] | None = None,
+                         also: tuple[tuple[str, torch.dtype], ...] = ()) -> KernelCode:
     """A kernel reducing each of `rows` contiguous rows of `cols` elements.
 
     softmax/log_softmax/layer_norm write a row of the same size; sum/mean/amax/amin write one value, and
@@ -86,11 +88,16 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
     `same_row` names the epilogue inputs that read the elements the reduction read — epilogue key to "x"
     (the reduction input) or to a prologue input's key (an RMS norm's x, read by the square and by the
     scaling): where the row is held in registers they come from there instead of a second read.
+    `also` lists more values of the epilogue's body, (C variable, dtype), each stored to its own output
+    (y1, y2, .. after y): the residual sum an RMS norm's prologue adds, which the rest of the model reads,
+    computed again from the row and written by the same kernel instead of by a kernel of its own.
     """
     if kind not in REDUCTIONS:
         raise ValueError(f"unknown reduction '{kind}'")
     if epilogue is not None and (kind not in ("sum", "mean", "amax", "amin") or epilogue.extra != ("stat",)):
         raise ValueError(f"an epilogue applies to sum/mean/amax/amin and reads 'stat', not {kind}/{epilogue.extra}")
+    if also and epilogue is None:
+        raise ValueError("more stored values (`also`) come from an epilogue's body: give the epilogue")
     extras = ("yv", "mx") if kind == "sum_exp" else ("yv",)
     if output is not None and (output.extra != extras or epilogue is not None):
         raise ValueError(f"an output function of {kind} reads {extras} and excludes an epilogue, got {output.extra}")
@@ -101,14 +108,14 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
             and ((kind in NORMALIZING and out_dtype == torch.float32) or (kind in STATISTICS and epilogue is None)
                  or (epilogue is not None and out_dtype == torch.float32))):
         return _cached_row_kernel(name, kind, rows, cols, eps, has_weight, has_bias, prologue, output, groups,
-                                  group_hw, out_dtype, epilogue, same_row)
-    if ({dtype, out_dtype} <= {torch.float32, *HALF_DTYPES} and cols % 4 == 0
+                                  group_hw, out_dtype, epilogue, same_row, also=also)
+    if ({dtype, out_dtype, *(dt for _, dt in also)} <= {torch.float32, *HALF_DTYPES} and cols % 4 == 0
             and CACHED_ROW_MIN <= cols <= SHARED_ROW_MAX
             and (kind in NORMALIZING or kind in STATISTICS)):
         # A 16-bit row (or result): the same register-row kernel, four values per 8-byte access of the
         # 16-bit operands, fp32 in registers, one rounding at the store.
         return _cached_row_kernel(name, kind, rows, cols, eps, has_weight, has_bias, prologue, output, groups,
-                                  group_hw, out_dtype, epilogue, same_row, dtype)
+                                  group_hw, out_dtype, epilogue, same_row, dtype, also)
     if (dtype == out_dtype == torch.float32 and kind in ("softmax", "log_softmax", "layer_norm", "group_norm")
             and SHARED_ROW_MAX < cols <= CLUSTER_ROW_MAX and cluster_size(cols) and epilogue is None and output is None):
         return _cluster_row_kernel(name, kind, rows, cols, eps, has_weight, has_bias, prologue, groups, group_hw)
@@ -128,7 +135,9 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
         params += epilogue.params()
     if output:
         params += output.params()
-    params += [f"{U}* __restrict__ y", "long long rows", "long long cols"]
+    params += [f"{U}* __restrict__ y", *[f"{CTYPE[dt]}* __restrict__ y{j + 1}" for j, (_, dt) in enumerate(also)],
+               "long long rows", "long long cols"]
+    more_results = [dataclasses.replace(epilogue, result=var) for var, _ in also]
 
     def Y(idx: str, value: str) -> str:  # the store of one result, through the output function if any
         more = ", m" if kind == "sum_exp" else ""  # the row's maximum, which sum_exp's output reads
@@ -137,6 +146,7 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
 
     L = [PRELUDE, _ROW_PRELUDE, *(prologue.value_function(name) if prologue else []),
          *(epilogue.value_function(name, "e") if epilogue else []),
+         *[line for j, more in enumerate(more_results) for line in more.value_function(name, f"e{j + 1}")],
          *(output.value_function(name, "o") if output else []),
          f"// {name}: {kind} over rows of {cols} ({'a warp' if tpr == 32 else f'{tpr} threads'} per row)"
          + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else ""),
@@ -214,11 +224,18 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
         if epilogue is None:
             L.append(f"  if (t == 0) {Y('row', final)};")
         else:  # every thread holds the statistic after the combine
-            L += [f"  const float stat = {final};",
-                  f"  for (long long c = t; c < cols; c += TPR) st(y, base + c, {name}_e(base + c, stat"
-                  f"{epilogue.pointers()}));"]
+            L += [f"  const float stat = {final};"]
+            if also:
+                L += ["  for (long long c = t; c < cols; c += TPR) {",
+                      f"    st(y, base + c, {name}_e(base + c, stat{epilogue.pointers()}));",
+                      *[f"    st(y{j + 1}, base + c, {name}_e{j + 1}(base + c, stat{epilogue.pointers()}));"
+                        for j in range(len(also))],
+                      "  }"]
+            else:
+                L += [f"  for (long long c = t; c < cols; c += TPR) st(y, base + c, {name}_e(base + c, stat"
+                      f"{epilogue.pointers()}));"]
     L.append("}")
-    args = _reduction_args(has_weight, has_bias, rows, cols, prologue, epilogue, output)
+    args = _reduction_args(has_weight, has_bias, rows, cols, prologue, epilogue, output, len(also))
     grid = (rows + rpb - 1) // rpb
     return KernelCode("\n".join(L) + "\n", name, grid, tpr * rpb, args,
                       f"{kind} over {rows} rows of {cols}, {'warp' if tpr == 32 else 'block'} per row, warp shuffles"
@@ -226,7 +243,8 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
                       + (", online" if kind in ("softmax", "log_softmax", "sum_exp") else "")
                       + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else "")
                       + (f", {len(epilogue.body)} elementwise op(s) applying the {kind} to its row" if epilogue else "")
-                      + (f", {len(output.body)} elementwise op(s) applied before the store" if output else ""))
+                      + (f", {len(output.body)} elementwise op(s) applied before the store" if output else "")
+                      + (f", {len(also)} more value(s) of the row stored" if also else ""))
 
 
 
@@ -239,7 +257,8 @@ def _channel(groups: int, group_hw: int, cols: int):
 
 
 def _reduction_args(has_weight: bool, has_bias: bool, rows: int, cols: int, prologue: RowPrologue | None,
-                    epilogue: RowPrologue | None = None, output: RowPrologue | None = None) -> list[tuple[str, object]]:
+                    epilogue: RowPrologue | None = None, output: RowPrologue | None = None,
+                    also: int = 0) -> list[tuple[str, object]]:
     args: list[tuple[str, object]] = [("in", "x")] if prologue is None else [("in", i.key) for i in prologue.inputs]
     if has_weight:
         args.append(("in", "weight"))
@@ -248,7 +267,7 @@ def _reduction_args(has_weight: bool, has_bias: bool, rows: int, cols: int, prol
     for extra in (epilogue, output):
         if extra:
             args += [("in", i.key) for i in extra.inputs]
-    return args + [("out", "y"), ("i64", rows), ("i64", cols)]
+    return args + [("out", "y"), *[("out", f"y{j + 1}") for j in range(also)], ("i64", rows), ("i64", cols)]
 
 
 # ---- few long rows: split ----
@@ -340,7 +359,7 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
                        has_bias: bool, prologue: RowPrologue | None = None, output: RowPrologue | None = None,
                        groups: int = 0, group_hw: int = 0, out_dtype: torch.dtype = torch.float32,
                        epilogue: RowPrologue | None = None, same_row: dict[str, str] | None = None,
-                       dtype: torch.dtype = torch.float32) -> KernelCode:
+                       dtype: torch.dtype = torch.float32, also: tuple[tuple[str, torch.dtype], ...] = ()) -> KernelCode:
     """Softmax, log-softmax, layer or group norm over fp32 rows, a warp or a block per row: the row is read
     once from memory with 16-byte loads into registers (VPT float4 per thread), reduced there (exact
     two-pass statistics, one exp per element) and written once with 16-byte stores. Rows that are not
@@ -361,14 +380,15 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
     c4 = cols // 4
     shared = cols > CACHED_ROW_MAX  # the row in shared memory, each thread's float4s where its registers were
     tpr, rpb, vpt = _row_geometry(c4)
-    operand_dtypes = {dtype, out_dtype, *(i.dtype for f in (prologue, epilogue, output) if f for i in f.inputs)}
+    operand_dtypes = {dtype, out_dtype, *(dt for _, dt in also),
+                      *(i.dtype for f in (prologue, epilogue, output) if f for i in f.inputs)}
     half = bool(operand_dtypes & set(HALF_DTYPES))  # some 16-bit operand: the 16-bit load4/store4 overloads
     T = CTYPE[dtype]
     params = [f"const {T}* __restrict__ x"] if prologue is None else prologue.params()
     ptrs = ["x + row * cols", "y + row * cols"]
     kinds = prologue.vector_kinds(cols, half) if prologue else None
     # What must be 16-byte aligned for the vector path: the row's start in every row-shaped operand.
-    checked = (["xr"] if prologue is None else []) + ([] if stat else ["yr"])
+    checked = (["xr"] if prologue is None else []) + ([] if stat else ["yr"]) + [f"y{j + 1}r" for j in range(len(also))]
     ekinds = epilogue.vector_kinds(cols, half) if epilogue else None
     # Epilogue operands read from registers: epilogue key -> the float4 expression holding it at step k.
     pkinds = dict(zip((i.key for i in prologue.inputs), kinds)) if prologue and kinds else {}
@@ -395,7 +415,8 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
         params += epilogue.params()
     if output:
         params += output.params()
-    params += [f"{CTYPE[out_dtype]}* __restrict__ y", "long long rows", "long long cols"]
+    params += [f"{CTYPE[out_dtype]}* __restrict__ y",
+               *[f"{CTYPE[dt]}* __restrict__ y{j + 1}" for j, (_, dt) in enumerate(also)], "long long rows", "long long cols"]
     # A group norm reads its weight and bias by channel, one element at a time: not part of the vector check.
     vector_wb = not groups
     aligned = " | ".join(f"reinterpret_cast<unsigned long long>({p})" for p in
@@ -410,6 +431,9 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
          VECTOR_IO, *([VECTOR_IO_16] if half else []),
          *(cached_prologue(name, prologue, kinds, held=kept) if prologue else []),
          *(cached_prologue(name, epilogue, ekinds, "e", held=list(reuse)) if epilogue else []),
+         *[line for j, (var, _) in enumerate(also)
+           for line in cached_prologue(name, dataclasses.replace(epilogue, result=var), ekinds, f"e{j + 1}",
+                                       held=list(reuse))],
          *((output.value_function(name, "o") if stat else cached_output(name, output)) if output else []),
          f'extern "C" __global__ void __launch_bounds__(TPR * RPB) {name}({", ".join(params)}) {{',
          "  const long long row = (long long)blockIdx.x * RPB + threadIdx.x / TPR;",
@@ -418,6 +442,7 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
          "  __shared__ float sh[WARPS];",
          *([f"  const {T}* xr = {ptrs[0]};"] if prologue is None else []),
          *([] if stat else [f"  {CTYPE[out_dtype]}* yr = {ptrs[1]};"]),
+         *[f"  {CTYPE[dt]}* y{j + 1}r = y{j + 1} + row * cols;" for j, (_, dt) in enumerate(also)],
          f"  const bool vec = (({aligned}) & 15ULL) == 0;",
          "  float4 v[VPT];",
          *[f"  float4 r_{key}[VPT];" for key in kept],
@@ -460,7 +485,9 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
         if epilogue is not None:  # every thread holds the statistic after the block's reduction
             L.append("  const float stat = a;")
             each(["const int c = t + k * TPR;",
-                  f"store4(yr, c, {name}_e4(row, c, vec, stat{_operands(epilogue, reuse)}), vec);"])
+                  f"store4(yr, c, {name}_e4(row, c, vec, stat{_operands(epilogue, reuse)}), vec);",
+                  *[f"store4(y{j + 1}r, c, {name}_e{j + 1}4(row, c, vec, stat{_operands(epilogue, reuse)}), vec);"
+                    for j in range(len(also))]])
         else:
             more = ", m" if kind == "sum_exp" else ""
             value = "a" if output is None else f"{name}_o(row, a{more}{output.pointers()})"
@@ -513,7 +540,7 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
             " : make_float4(0.0f, 0.0f, 0.0f, 0.0f);\n  }", ";\n  }", 1).replace("v[k]", "v4[t + k * TPR]")
         source = source.replace("the row held in registers", "the row held in shared memory")
         L = [source]
-    args = _reduction_args(has_weight, has_bias, rows, cols, prologue, epilogue, output)
+    args = _reduction_args(has_weight, has_bias, rows, cols, prologue, epilogue, output, len(also))
     wide = "vector" if half else "16-byte"  # a 16-bit operand's access is 8 bytes
     if prologue:
         what_in = wide if kinds else "scalar"
@@ -529,6 +556,8 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
     io = "one read, one value per row" if stat else "one read and one write"
     if output:
         fused += f", {len(output.body)} elementwise op(s) applied before the store"
+    if also:
+        fused += f", {len(also)} more value(s) of the row stored"
     return KernelCode("\n".join(L) + "\n", name, -(-rows // rpb), tpr * rpb, args,
                       f"{kind} over {rows} rows of {cols}, {'warp' if tpr == 32 else 'block'} per row, row held in {held} "
                       f"({vpt} float4 per thread), {io}, {what}{fused}"
