@@ -270,7 +270,8 @@ def test_a_16_bit_rms_norm_matches_the_models_arithmetic(where, dtype, rows, col
 
 
 @pytest.mark.parametrize("dtype", HALVES, ids=IDS)
-@pytest.mark.parametrize("rows, cols", [(5, 2048), (4, 64)], ids=["row-in-registers", "warp-per-row"])
+@pytest.mark.parametrize("rows, cols", [(5, 2048), (4, 64), (2, 40000)],
+                         ids=["row-in-registers", "warp-per-row", "shared-memory"])
 def test_a_16_bit_residual_rms_norm_stores_the_sum_it_adds(where, dtype, rows, cols):
     # s = x + r (a bf16 add: rounded), then the RMS norm of s; the kernel stores s too (`also`), computed
     # again from the registers holding x and r.
