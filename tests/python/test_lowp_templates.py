@@ -224,6 +224,20 @@ def test_16_bit_rows_match_torch_in_fp32_rounded_once(where, dtype, kind, rows, 
     torch.testing.assert_close(y.float(), want.float(), atol=ulp * (2 if kind == "log_softmax" else 1), rtol=ulp)
 
 
+# A C expression rounding a float expression to the 16-bit type and back, as a cast in the graph does.
+_ROUND16 = {torch.bfloat16: "__bfloat162float(__float2bfloat16_rn({}))", torch.float16: "__half2float(__float2half_rn({}))"}
+_STEP = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}  # one 16-bit rounding step, relative
+
+
+def _sum_and_result_match(emu, code, dtype, s, want_s, y, want) -> None:
+    """The stored residual sum equals torch's 16-bit add bit for bit; the result is within one 16-bit
+    step of torch's (fp32 statistics summed in another order); NVRTC compiles the kernel."""
+    assert torch.equal(s, want_s)
+    torch.testing.assert_close(y.float(), want.float(), atol=_STEP[dtype], rtol=_STEP[dtype])
+    if emu is not None:
+        _compiles(code)
+
+
 def _rms_norm_parts(dtype, shape):
     """An RMS norm as a bf16 Llama computes it, the way the planner fuses it: the prologue squares the fp32
     upcast of x; the epilogue computes the upcast again, scales it by rsqrt(mean + eps), rounds it to
@@ -231,8 +245,7 @@ def _rms_norm_parts(dtype, shape):
     cols = shape[-1]
     prologue = RowPrologue(shape, [PointwiseInput("in0", dtype, (cols, 1))], ["const float t0 = in0;",
                                                                              "const float t1 = t0 * t0;"], "t1")
-    round16 = {torch.bfloat16: "__bfloat162float(__float2bfloat16_rn({}))",
-               torch.float16: "__half2float(__float2half_rn({}))"}[dtype]
+    round16 = _ROUND16[dtype]
     epilogue = RowPrologue(shape, [PointwiseInput("e0", dtype, (cols, 1)), PointwiseInput("e1", dtype, (0, 1))],
                            ["const float t0 = e0;", "const float t1 = t0 * rsqrtf(stat + 1e-06f);",
                             f"const float t2 = {round16.format('t1')};", f"const float t3 = {round16.format('e1 * t2')};"],
@@ -277,8 +290,7 @@ def test_a_16_bit_residual_rms_norm_stores_the_sum_it_adds(where, dtype, rows, c
     # again from the registers holding x and r.
     emu, device = where
     torch.manual_seed(cols + 1)
-    round16 = {torch.bfloat16: "__bfloat162float(__float2bfloat16_rn({}))",
-               torch.float16: "__half2float(__float2half_rn({}))"}[dtype]
+    round16 = _ROUND16[dtype]
     row = (cols, 1)
     prologue = RowPrologue((rows, cols), [PointwiseInput("in0", dtype, row), PointwiseInput("in1", dtype, row)],
                            [f"const float t0 = {round16.format('in0 + in1')};", "const float t1 = t0 * t0;"], "t1")
@@ -297,10 +309,30 @@ def test_a_16_bit_residual_rms_norm_stores_the_sum_it_adds(where, dtype, rows, c
     want_s = x + r
     h = want_s.float()
     want = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
-    assert torch.equal(s, want_s)
-    ulp = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype]
-    torch.testing.assert_close(y.float(), want.float(), atol=ulp, rtol=ulp)
-    if emu is not None:
-        _compiles(code)
+    _sum_and_result_match(emu, code, dtype, s, want_s, y, want)
     with pytest.raises(ValueError, match="come from an epilogue's body"):
         row_reduction_kernel("bad", "mean", rows, cols, torch.float32, dtype, prologue=prologue, also=(("t0", dtype),))
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=IDS)
+@pytest.mark.parametrize("rows, cols", [(6, 768), (3, 64)], ids=["row-in-registers", "warp-per-row"])
+def test_a_16_bit_layer_norm_stores_the_residual_sum_its_prologue_adds(where, dtype, rows, cols):
+    # GPT-2's pre-norm: s = x + r (rounded to 16 bits) feeds the layer norm and the next residual; the norm's
+    # kernel stores s as it loads it (keep_input).
+    emu, device = where
+    torch.manual_seed(cols + 2)
+    round16 = _ROUND16[dtype]
+    prologue = RowPrologue((rows, cols), [PointwiseInput("in0", dtype, (cols, 1)), PointwiseInput("in1", dtype, (cols, 1))],
+                           [f"const float t0 = {round16.format('in0 + in1')};"], "t0")
+    code = row_reduction_kernel("ln_res16", "layer_norm", rows, cols, dtype, has_weight=True, has_bias=True,
+                                prologue=prologue, keep_input=dtype)
+    assert "its input stored as computed" in code.description
+    x, r = (torch.randn(rows, cols).to(device=device, dtype=dtype) for _ in range(2))
+    w, b = (1 + 0.1 * torch.randn(cols)).to(device=device, dtype=dtype), (0.1 * torch.randn(cols)).to(device=device, dtype=dtype)
+    y, s = (torch.full((rows, cols), float("nan"), dtype=dtype, device=device) for _ in range(2))
+    _run(emu, code, {"in0": x, "in1": r, "weight": w, "bias": b, "y": y, "xs": s})
+    want_s = x + r
+    want = torch.nn.functional.layer_norm(want_s.float(), (cols,), w.float(), b.float(), 1e-5).to(dtype)
+    _sum_and_result_match(emu, code, dtype, s, want_s, y, want)
+    with pytest.raises(ValueError, match="stores what a prologue computes"):
+        row_reduction_kernel("bad", "layer_norm", rows, cols, dtype, keep_input=dtype)

@@ -643,7 +643,8 @@ class Lowering:
                                     result.dtype, eps=p.get("eps", 1e-5), has_weight=has_w, has_bias=has_b,
                                     sm_count=self.sm_count, prologue=prologue, epilogue=epilogue, output=output,
                                     groups=p.get("groups", 0), group_hw=p.get("group_hw", 0), same_row=same_row,
-                                    also=tuple((var[v.name], v.dtype) for v in p.get("stores") or []))
+                                    also=tuple((var[v.name], v.dtype) for v in p.get("stores") or []),
+                                    keep_input=p["kept_input"].dtype if p.get("kept_input") is not None else None)
         if prologue is None:
             buffers["x"] = self.need(x, contiguous=True)
         if has_w:
@@ -653,6 +654,8 @@ class Lowering:
         buffers["y"] = self.produce(result)
         for j, v in enumerate(p.get("stores") or []):
             buffers[f"y{j + 1}"] = self.produce(v)
+        if p.get("kept_input") is not None:  # the prologue's result, which later groups read
+            buffers["xs"] = self.produce(p["kept_input"])
         self._launch(g, code, buffers)
 
     def _lower_normalized(self, g: Group) -> None:

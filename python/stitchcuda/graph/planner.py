@@ -776,7 +776,7 @@ class OfflinePlanner:
                     and prev.params.get("kind") == "amax" and not prev.params.get("epilogue") \
                     and "split" not in p and "split" not in prev.params \
                     and not prev.params.get("output") and "layout" not in p and "layout" not in prev.params \
-                    and not p.get("epilogue") and len(p.get("prologue") or []) == 2 \
+                    and not p.get("epilogue") and len(p.get("prologue") or []) == 2 and "kept_input" not in p \
                     and (prev.params["rows"], prev.params["cols"]) == (p["rows"], p["cols"]):
                 amax, (sub, exp) = prev.params["node"], p["prologue"]
                 x, m = amax.args[0], amax.out
@@ -1078,6 +1078,27 @@ class OfflinePlanner:
         return len(leaving) == 1 and leaving[0] is x
 
     @staticmethod
+    def _prologue_kept(chain: Group, node: Node, g: Group, outputs: set[str]) -> bool:
+        """Whether the open chain can be the row reduction's prologue although later ops read its result,
+        the reduction's input, too: the one value it leaves, which the kernel then stores as it loads it
+        (rows of a register-row or warp/block kernel: not split, not columns, not a cluster's). For chains
+        that touch 16-bit values (a bf16 model, or autocast's bf16 products added to an fp32 residual)
+        only, for now: the fp32 suites' plans stay as they were measured until this is timed on them."""
+        x = node.args[0]
+        p = g.params
+        if not any(v is not None and v.dtype in (torch.float16, torch.bfloat16)
+                   for n in chain.nodes for v in [*n.inputs, *n.outputs]):
+            return False
+        if not isinstance(x, Value) or x.producer is None or all(n is not x.producer for n in chain.nodes) \
+                or chain.params["shape"] != x.shape or _reads_pieces(chain) \
+                or x.dtype not in (torch.float32, torch.float16, torch.bfloat16) \
+                or p.get("kind") not in (*NORMALIZING, "sum", "mean", "amax", "amin") or "split" in p \
+                or p.get("layout") == "column" or p["cols"] > SHARED_ROW_MAX \
+                or any(rotate_half_source(n) is not None for n in chain.nodes):
+            return False
+        return [v.name for v in chain.outputs(outputs)] == [x.name] and (len(x.users) > 1 or x.name in outputs)
+
+    @staticmethod
     def _cat_blocker(node: Node) -> str | None:
         """None when the elementwise kernel after a concatenation can read its pieces in place (every
         reader an elementwise op over the concatenation's shape: DenseNet's batch norm and ReLU of the
@@ -1181,7 +1202,7 @@ def _row_reader(c: Group, y: Value, rows: int, cols: int) -> str | None:
     """How `c` reads the normalized rows `y`: "stat", "gather" or None (not a per-row reader)."""
     q = c.params
     if c.kind == "reduction" and q.get("kind") in ("sum", "mean", "amax", "amin") and not q.get("epilogue") \
-            and q.get("layout") != "column" \
+            and q.get("layout") != "column" and "kept_input" not in q \
             and ((q["rows"], q["cols"]) == (rows, cols) or (q["rows"], q["cols"]) == (1, rows * cols)):
         x = q["node"].args[0]
         if q.get("prologue"):
@@ -1328,6 +1349,17 @@ class _Partition:
             g.params["prologue"] = list(chain.nodes)
             g.nodes = [*chain.nodes, node]
             g.reason += f", with {len(chain.nodes)} elementwise op(s) ({ops}) fused into its loads"
+        elif g.kind == "reduction" and chain is not None and self.list[-1] is chain and \
+                planner._prologue_kept(chain, node, g, self.outputs):
+            # The chain computes the reduction's input, which later ops read too (a residual sum before a
+            # layer norm): fused into the loads all the same, and the kernel stores it as it computes it.
+            self.list.pop()
+            ops = ", ".join(n.op.removeprefix("aten::") for n in chain.nodes)
+            g.params["prologue"] = list(chain.nodes)
+            g.params["kept_input"] = node.args[0]
+            g.nodes = [*chain.nodes, node]
+            g.reason += (f", with {len(chain.nodes)} elementwise op(s) ({ops}) fused into its loads; their result, "
+                         "which later ops read too, stored by the same kernel")
         return g
 
     def _pointwise(self, node: Node) -> None:

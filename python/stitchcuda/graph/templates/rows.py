@@ -72,7 +72,8 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
                          prologue: RowPrologue | None = None, epilogue: RowPrologue | None = None,
                          output: RowPrologue | None = None, groups: int = 0, group_hw: int = 0,
                          same_row: dict[str, str] | None = None,
-                         also: tuple[tuple[str, torch.dtype], ...] = ()) -> KernelCode:
+                         also: tuple[tuple[str, torch.dtype], ...] = (),
+                         keep_input: torch.dtype | None = None) -> KernelCode:
     """A kernel reducing each of `rows` contiguous rows of `cols` elements.
 
     softmax/log_softmax/layer_norm write a row of the same size; sum/mean/amax/amin write one value, and
@@ -91,6 +92,8 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
     `also` lists more values of the epilogue's body, (C variable, dtype), each stored to its own output
     (y1, y2, .. after y): the residual sum an RMS norm's prologue adds, which the rest of the model reads,
     computed again from the row and written by the same kernel instead of by a kernel of its own.
+    `keep_input` (a dtype) stores the reduction input the prologue computes to output `xs` as it is
+    loaded: a residual sum that a layer norm reads and the rest of the model reads too.
     """
     if kind not in REDUCTIONS:
         raise ValueError(f"unknown reduction '{kind}'")
@@ -98,6 +101,8 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
         raise ValueError(f"an epilogue applies to sum/mean/amax/amin and reads 'stat', not {kind}/{epilogue.extra}")
     if also and epilogue is None:
         raise ValueError("more stored values (`also`) come from an epilogue's body: give the epilogue")
+    if keep_input is not None and prologue is None:
+        raise ValueError("keep_input stores what a prologue computes: give the prologue")
     extras = ("yv", "mx") if kind == "sum_exp" else ("yv",)
     if output is not None and (output.extra != extras or epilogue is not None):
         raise ValueError(f"an output function of {kind} reads {extras} and excludes an epilogue, got {output.extra}")
@@ -108,16 +113,18 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
             and ((kind in NORMALIZING and out_dtype == torch.float32) or (kind in STATISTICS and epilogue is None)
                  or (epilogue is not None and out_dtype == torch.float32))):
         return _cached_row_kernel(name, kind, rows, cols, eps, has_weight, has_bias, prologue, output, groups,
-                                  group_hw, out_dtype, epilogue, same_row, also=also)
-    if ({dtype, out_dtype, *(dt for _, dt in also)} <= {torch.float32, *HALF_DTYPES} and cols % 4 == 0
+                                  group_hw, out_dtype, epilogue, same_row, also=also, keep_input=keep_input)
+    if ({dtype, out_dtype, *(dt for _, dt in also), keep_input or dtype} <= {torch.float32, *HALF_DTYPES}
+            and cols % 4 == 0
             and CACHED_ROW_MIN <= cols <= SHARED_ROW_MAX
             and (kind in NORMALIZING or kind in STATISTICS)):
         # A 16-bit row (or result): the same register-row kernel, four values per 8-byte access of the
         # 16-bit operands, fp32 in registers, one rounding at the store.
         return _cached_row_kernel(name, kind, rows, cols, eps, has_weight, has_bias, prologue, output, groups,
-                                  group_hw, out_dtype, epilogue, same_row, dtype, also)
+                                  group_hw, out_dtype, epilogue, same_row, dtype, also, keep_input)
     if (dtype == out_dtype == torch.float32 and kind in ("softmax", "log_softmax", "layer_norm", "group_norm")
-            and SHARED_ROW_MAX < cols <= CLUSTER_ROW_MAX and cluster_size(cols) and epilogue is None and output is None):
+            and SHARED_ROW_MAX < cols <= CLUSTER_ROW_MAX and cluster_size(cols) and epilogue is None and output is None
+            and keep_input is None):
         return _cluster_row_kernel(name, kind, rows, cols, eps, has_weight, has_bias, prologue, groups, group_hw)
     ch = _channel(groups, group_hw, cols)
     X = (lambda idx: f"ld(x, {idx})") if prologue is None else \
@@ -136,7 +143,9 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
     if output:
         params += output.params()
     params += [f"{U}* __restrict__ y", *[f"{CTYPE[dt]}* __restrict__ y{j + 1}" for j, (_, dt) in enumerate(also)],
+               *([f"{CTYPE[keep_input]}* __restrict__ xs"] if keep_input is not None else []),
                "long long rows", "long long cols"]
+    kept = " st(xs, base + c, v);" if keep_input is not None else ""  # the input, stored as it is read
     more_results = [dataclasses.replace(epilogue, result=var) for var, _ in also]
 
     def Y(idx: str, value: str) -> str:  # the store of one result, through the output function if any
@@ -178,7 +187,7 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
     if kind in ("softmax", "log_softmax", "sum_exp"):
         L += ["  float m = -__int_as_float(0x7f800000), s = 0.0f;",
               "  for (long long c = t; c < cols; c += TPR) {",
-              f"    const float v = {X('base + c')};",
+              f"    const float v = {X('base + c')};{kept}",
               "    softmax_combine(m, s, v, 1.0f);",
               "  }",
               "  warp_softmax(m, s);"]
@@ -194,7 +203,7 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
     elif kind in ("layer_norm", "group_norm"):
         L += ["  float n = 0.0f, mean = 0.0f, m2 = 0.0f;",
               "  for (long long c = t; c < cols; c += TPR) {",
-              f"    const float v = {X('base + c')};",
+              f"    const float v = {X('base + c')};{kept}",
               # __fdividef: an IEEE division expands to a call with a slow-path branch, which keeps each
               # iteration's load apart (one in flight per thread); the approximate one is two instructions.
               "    n += 1.0f; const float d = v - mean; mean += __fdividef(d, n); m2 += d * (v - mean);",
@@ -216,7 +225,7 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
         reduce = {"sum": "warp_sum", "mean": "warp_sum", "amax": "warp_max", "amin": "warp_min"}[kind]
         L += [f"  float a = {init};",
               "  for (long long c = t; c < cols; c += TPR) {",
-              f"    const float v = {X('base + c')}; {step};",
+              f"    const float v = {X('base + c')}; {step};{kept}",
               "  }",
               f"  a = {reduce}(a);"]
         block_combine(["a"], f"  if (lane >= WARPS) a = {init};\n  a = {reduce}(a);")
@@ -235,7 +244,8 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
                 L += [f"  for (long long c = t; c < cols; c += TPR) st(y, base + c, {name}_e(base + c, stat"
                       f"{epilogue.pointers()}));"]
     L.append("}")
-    args = _reduction_args(has_weight, has_bias, rows, cols, prologue, epilogue, output, len(also))
+    args = _reduction_args(has_weight, has_bias, rows, cols, prologue, epilogue, output, len(also),
+                           keep_input is not None)
     grid = (rows + rpb - 1) // rpb
     return KernelCode("\n".join(L) + "\n", name, grid, tpr * rpb, args,
                       f"{kind} over {rows} rows of {cols}, {'warp' if tpr == 32 else 'block'} per row, warp shuffles"
@@ -244,7 +254,8 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
                       + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else "")
                       + (f", {len(epilogue.body)} elementwise op(s) applying the {kind} to its row" if epilogue else "")
                       + (f", {len(output.body)} elementwise op(s) applied before the store" if output else "")
-                      + (f", {len(also)} more value(s) of the row stored" if also else ""))
+                      + (f", {len(also)} more value(s) of the row stored" if also else "")
+                      + (", its input stored as computed" if keep_input is not None else ""))
 
 
 
@@ -258,7 +269,7 @@ def _channel(groups: int, group_hw: int, cols: int):
 
 def _reduction_args(has_weight: bool, has_bias: bool, rows: int, cols: int, prologue: RowPrologue | None,
                     epilogue: RowPrologue | None = None, output: RowPrologue | None = None,
-                    also: int = 0) -> list[tuple[str, object]]:
+                    also: int = 0, keep_input: bool = False) -> list[tuple[str, object]]:
     args: list[tuple[str, object]] = [("in", "x")] if prologue is None else [("in", i.key) for i in prologue.inputs]
     if has_weight:
         args.append(("in", "weight"))
@@ -267,7 +278,8 @@ def _reduction_args(has_weight: bool, has_bias: bool, rows: int, cols: int, prol
     for extra in (epilogue, output):
         if extra:
             args += [("in", i.key) for i in extra.inputs]
-    return args + [("out", "y"), *[("out", f"y{j + 1}") for j in range(also)], ("i64", rows), ("i64", cols)]
+    return args + [("out", "y"), *[("out", f"y{j + 1}") for j in range(also)], *([("out", "xs")] if keep_input else []),
+                   ("i64", rows), ("i64", cols)]
 
 
 # ---- few long rows: split ----
@@ -359,7 +371,8 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
                        has_bias: bool, prologue: RowPrologue | None = None, output: RowPrologue | None = None,
                        groups: int = 0, group_hw: int = 0, out_dtype: torch.dtype = torch.float32,
                        epilogue: RowPrologue | None = None, same_row: dict[str, str] | None = None,
-                       dtype: torch.dtype = torch.float32, also: tuple[tuple[str, torch.dtype], ...] = ()) -> KernelCode:
+                       dtype: torch.dtype = torch.float32, also: tuple[tuple[str, torch.dtype], ...] = (),
+                       keep_input: torch.dtype | None = None) -> KernelCode:
     """Softmax, log-softmax, layer or group norm over fp32 rows, a warp or a block per row: the row is read
     once from memory with 16-byte loads into registers (VPT float4 per thread), reduced there (exact
     two-pass statistics, one exp per element) and written once with 16-byte stores. Rows that are not
@@ -380,7 +393,7 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
     c4 = cols // 4
     shared = cols > CACHED_ROW_MAX  # the row in shared memory, each thread's float4s where its registers were
     tpr, rpb, vpt = _row_geometry(c4)
-    operand_dtypes = {dtype, out_dtype, *(dt for _, dt in also),
+    operand_dtypes = {dtype, out_dtype, *(dt for _, dt in also), keep_input or dtype,
                       *(i.dtype for f in (prologue, epilogue, output) if f for i in f.inputs)}
     half = bool(operand_dtypes & set(HALF_DTYPES))  # some 16-bit operand: the 16-bit load4/store4 overloads
     T = CTYPE[dtype]
@@ -388,7 +401,8 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
     ptrs = ["x + row * cols", "y + row * cols"]
     kinds = prologue.vector_kinds(cols, half) if prologue else None
     # What must be 16-byte aligned for the vector path: the row's start in every row-shaped operand.
-    checked = (["xr"] if prologue is None else []) + ([] if stat else ["yr"]) + [f"y{j + 1}r" for j in range(len(also))]
+    checked = (["xr"] if prologue is None else []) + ([] if stat else ["yr"]) + [f"y{j + 1}r" for j in range(len(also))] \
+        + (["xsr"] if keep_input is not None else [])
     ekinds = epilogue.vector_kinds(cols, half) if epilogue else None
     # Epilogue operands read from registers: epilogue key -> the float4 expression holding it at step k.
     pkinds = dict(zip((i.key for i in prologue.inputs), kinds)) if prologue and kinds else {}
@@ -416,7 +430,9 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
     if output:
         params += output.params()
     params += [f"{CTYPE[out_dtype]}* __restrict__ y",
-               *[f"{CTYPE[dt]}* __restrict__ y{j + 1}" for j, (_, dt) in enumerate(also)], "long long rows", "long long cols"]
+               *[f"{CTYPE[dt]}* __restrict__ y{j + 1}" for j, (_, dt) in enumerate(also)],
+               *([f"{CTYPE[keep_input]}* __restrict__ xs"] if keep_input is not None else []), "long long rows",
+               "long long cols"]
     # A group norm reads its weight and bias by channel, one element at a time: not part of the vector check.
     vector_wb = not groups
     aligned = " | ".join(f"reinterpret_cast<unsigned long long>({p})" for p in
@@ -443,6 +459,7 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
          *([f"  const {T}* xr = {ptrs[0]};"] if prologue is None else []),
          *([] if stat else [f"  {CTYPE[out_dtype]}* yr = {ptrs[1]};"]),
          *[f"  {CTYPE[dt]}* y{j + 1}r = y{j + 1} + row * cols;" for j, (_, dt) in enumerate(also)],
+         *([f"  {CTYPE[keep_input]}* xsr = xs + row * cols;"] if keep_input is not None else []),
          f"  const bool vec = (({aligned}) & 15ULL) == 0;",
          "  float4 v[VPT];",
          *[f"  float4 r_{key}[VPT];" for key in kept],
@@ -459,6 +476,9 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
     def each(body: list[str]) -> None:
         L.extend(["#pragma unroll", "  for (int k = 0; k < VPT; ++k) {",
                   "    if (t + k * TPR >= C4) break;", *[f"    {b}" for b in body], "  }"])
+
+    if keep_input is not None:  # the input the prologue computed, stored before anything changes it
+        each(["store4(xsr, t + k * TPR, v[k], vec);"])
 
     def store(c: str, value: str) -> str:  # one float4 of results, through the output function if any
         if output is not None:
@@ -540,7 +560,8 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
             " : make_float4(0.0f, 0.0f, 0.0f, 0.0f);\n  }", ";\n  }", 1).replace("v[k]", "v4[t + k * TPR]")
         source = source.replace("the row held in registers", "the row held in shared memory")
         L = [source]
-    args = _reduction_args(has_weight, has_bias, rows, cols, prologue, epilogue, output, len(also))
+    args = _reduction_args(has_weight, has_bias, rows, cols, prologue, epilogue, output, len(also),
+                           keep_input is not None)
     wide = "vector" if half else "16-byte"  # a 16-bit operand's access is 8 bytes
     if prologue:
         what_in = wide if kinds else "scalar"
@@ -558,6 +579,8 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
         fused += f", {len(output.body)} elementwise op(s) applied before the store"
     if also:
         fused += f", {len(also)} more value(s) of the row stored"
+    if keep_input is not None:
+        fused += ", its input stored as computed"
     return KernelCode("\n".join(L) + "\n", name, -(-rows // rpb), tpr * rpb, args,
                       f"{kind} over {rows} rows of {cols}, {'warp' if tpr == 32 else 'block'} per row, row held in {held} "
                       f"({vpt} float4 per thread), {io}, {what}{fused}"
