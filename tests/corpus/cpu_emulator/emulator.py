@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -96,28 +97,52 @@ class EmulatedModule:
         return EmulatedKernel(self._library, self._launch, self._source, name)
 
 
+def _cache_dir() -> Path:
+    """Where built kernels are kept between runs (like ccache for the C++ build): STITCHCUDA_EMULATOR_CACHE,
+    else the user's cache folder. Entries are keyed by everything that goes into the build."""
+    folder = os.environ.get("STITCHCUDA_EMULATOR_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "stitchcuda", "emulator")
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+_FLAGS = ["-std=c++20", "-O1", "-fPIC"]
+
+
+def _toolchain_key() -> str:
+    """The compiler and the emulator's own sources: a change to any of them builds everything again."""
+    version = subprocess.run(["g++", "--version"], capture_output=True, text=True).stdout
+    parts = [version, " ".join(_FLAGS), (HERE / "cuda_on_cpu.hpp").read_text(), (HERE / "launch.cpp").read_text()]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
 class EmulatedJit:
     def __init__(self, workdir: Path) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self._runtime = self.workdir / "launch.o"
+        self._cache = _cache_dir()
+        self._key = _toolchain_key()
+        self._runtime = self._cache / f"launch-{self._key}.o"
         if not self._runtime.exists():
-            subprocess.run(["g++", "-std=c++20", "-O1", "-fPIC", "-c", str(HERE / "launch.cpp"), "-o",
-                            str(self._runtime)], check=True)
+            built = self.workdir / "launch.o"
+            subprocess.run(["g++", *_FLAGS, "-c", str(HERE / "launch.cpp"), "-o", str(built)], check=True)
+            os.replace(built, self._runtime)  # atomic: parallel test workers may build it at once
 
     def build(self, source: str) -> ctypes.CDLL:
         text = re.sub(r"extern\s+__shared__\s+(\w+)\s+(\w+)\s*\[\s*\]\s*;",
                       r"\1* \2 = reinterpret_cast<\1*>(emu_dynamic_shared);", source)
-        digest = hashlib.sha256(text.encode()).hexdigest()[:20]
-        library = self.workdir / f"k{digest}.so"
+        digest = hashlib.sha256((self._key + text).encode()).hexdigest()[:24]
+        library = self._cache / f"k{digest}.so"
         if not library.exists():
             cpp = self.workdir / f"k{digest}.cpp"
-            cpp.write_text(f'#include "{HERE / "cuda_on_cpu.hpp"}"\n' + text)
-            done = subprocess.run(["g++", "-std=c++20", "-O1", "-fPIC", "-shared", "-w", str(cpp),
-                                   str(self._runtime), "-o", str(library), "-lpthread"],
-                                  capture_output=True, text=True)
+            cpp.write_text('#include "cuda_on_cpu.hpp"\n' + text)
+            built = self.workdir / f"k{digest}.so"
+            done = subprocess.run(["g++", *_FLAGS, "-shared", "-w", f"-I{HERE}", str(cpp), str(self._runtime),
+                                   "-o", str(built), "-lpthread"], capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"emulator build failed:\n{done.stderr[-4000:]}")
+            os.replace(built, library)
         return ctypes.CDLL(str(library))
 
     def install(self, monkeypatch) -> None:
