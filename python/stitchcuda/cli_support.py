@@ -1,5 +1,5 @@
 """What every command line of StitchCUDA shares: the exit codes, the early end (`refuse`), the bounded read
-of a problem file, and argparse value types.
+of a source file (a problem file here, a candidate or reference in verify/check.py), and argparse value types.
 
 It is on the ground floor (it imports nothing of StitchCUDA but the native module) so that the CLI modules beside each
 layer (graph/cli.py, agents/cli.py, verify/cli.py, profile/cli.py, the bench commands) use it without
@@ -62,28 +62,36 @@ def no_gpu_reason() -> str | None:
 # ---- problem files ---------------------------------------------------------------------------------
 
 
-def read_problem(path: str | os.PathLike) -> str:
-    """The text of a problem file, bounded as the Verifier bounds its inputs: only a regular file (a FIFO
-    would block and /dev/zero never ends), at most MAX_PROBLEM_BYTES, UTF-8. UsageError says what is wrong."""
+def read_bounded_text(path: str | os.PathLike, limit: int | None, *, label: str, kind: str, fix: str,
+                      error: type[Exception]) -> str:
+    """The UTF-8 text of the file ``path``, read as every entry of StitchCUDA reads a source it is given:
+    only a regular file (a FIFO would block, /dev/zero never ends), at most ``limit`` bytes (None: no bound).
+    Anything else raises ``error`` in the caller's words: ``label`` names the file ("'x.py'", "the candidate
+    'x.py'"), ``kind`` what it is ("problem file"), ``fix`` what to give instead ("give a .py problem file")."""
     path = os.fspath(path)
     try:
         info = os.stat(path)
     except OSError as exc:
-        raise UsageError(f"cannot read {path!r}: {exc.strerror}") from None
+        raise error(f"cannot read {label}: {exc.strerror}") from None
     if not stat.S_ISREG(info.st_mode):
-        raise UsageError(f"{path!r} is not a regular file (a FIFO, device or folder is never read): give a .py "
-                         "problem file")
-    if info.st_size > MAX_PROBLEM_BYTES:
-        raise UsageError(f"{path!r} is {info.st_size} bytes, more than the {MAX_PROBLEM_BYTES} a problem file "
-                         "may have")
+        raise error(f"{label} is not a regular file (a FIFO, device or folder is never read): {fix}")
+    if limit is not None and info.st_size > limit:
+        raise error(f"{label} is {info.st_size} bytes, more than the {limit} a {kind} may have")
     try:
         with open(path, encoding="utf-8") as f:
-            text = f.read(MAX_PROBLEM_BYTES + 1)
+            text = f.read(limit + 1 if limit is not None else -1)
     except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"cannot read {path!r}: {exc.strerror if isinstance(exc, OSError) else exc}") from None
-    if len(text) > MAX_PROBLEM_BYTES:  # grew since stat(): still bounded
-        raise UsageError(f"{path!r} is more than the {MAX_PROBLEM_BYTES} bytes a problem file may have")
+        raise error(f"cannot read {label}: {exc.strerror if isinstance(exc, OSError) else exc}") from None
+    if limit is not None and len(text) > limit:  # grew since stat(): still bounded
+        raise error(f"{label} is more than the {limit} bytes a {kind} may have")
     return text
+
+
+def read_problem(path: str | os.PathLike) -> str:
+    """The text of a problem file, bounded as the Verifier bounds its inputs (``read_bounded_text``: a
+    regular file of at most MAX_PROBLEM_BYTES, UTF-8). UsageError says what is wrong."""
+    return read_bounded_text(path, MAX_PROBLEM_BYTES, label=repr(os.fspath(path)), kind="problem file",
+                             fix="give a .py problem file", error=UsageError)
 
 
 def problem_folder_importable(path: str | os.PathLike) -> None:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import time
 from typing import Any
 
+from ..cli_support import read_bounded_text
 from .config import VerifyConfig
 from .pool import WorkerPool, default_pool
 from .report import VerifyReport, build_feedback
@@ -27,27 +27,13 @@ MAX_SOURCE_BYTES = 1 << 20
 
 
 def _read(obj: Any, what: str, limit: int | None = MAX_SOURCE_BYTES) -> tuple[str, str]:
-    """(source, name) from a path or source text; TaskError-like ValueError with a clear reason.
-    Only regular files are read (a FIFO or a device would block or never end), at most MAX_SOURCE_BYTES."""
+    """(source, name) from a path or source text; ValueError with a clear reason. A path is read as every
+    entry reads a source (cli_support.read_bounded_text: a regular file, at most ``limit`` bytes)."""
     if isinstance(obj, os.PathLike) or (isinstance(obj, str) and "\n" not in obj
                                         and (obj.strip().endswith(".py") or os.path.exists(obj))):
         path = os.fspath(obj)
-        try:
-            info = os.stat(path)
-        except OSError as exc:
-            raise ValueError(f"cannot read the {what} {path!r}: {exc.strerror}") from None
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError(f"the {what} {path!r} is not a regular file (a FIFO, device or folder is never read): "
-                             "pass a .py file")
-        if limit is not None and info.st_size > limit:
-            raise ValueError(f"the {what} {path!r} is {info.st_size} bytes, more than the {limit} a "
-                             "source file may have")
-        try:
-            with open(path, encoding="utf-8") as f:
-                return f.read(limit + 1 if limit is not None else -1), path
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"cannot read the {what} {path!r}: {exc.strerror if isinstance(exc, OSError) else exc}") \
-                from None
+        return read_bounded_text(path, limit, label=f"the {what} {path!r}", kind="source file",
+                                 fix="pass a .py file", error=ValueError), path
     if isinstance(obj, str):
         if not obj.strip():
             raise ValueError(f"the {what} is empty.")
