@@ -152,11 +152,11 @@ py::list to_py(const std::vector<at::Tensor>& ts) {
 
 void* stream_of(std::uintptr_t s) { return reinterpret_cast<void*>(s); }
 
-// {buffer id: torch.Tensor}: weights an executor reads in place.
+// {buffer id: torch.Tensor}: weights an executor reads in place, states it reads and updates in place.
 std::map<BufferId, at::Tensor> shared_of(const py::dict& shared) {
   std::map<BufferId, at::Tensor> tensors;
   for (const auto& [key, value] : shared) {
-    if (!THPVariable_Check(value.ptr())) invalid("shared weights map buffer ids to torch.Tensor values");
+    if (!THPVariable_Check(value.ptr())) invalid("shared weights and states map buffer ids to torch.Tensor values");
     tensors.emplace(key.cast<BufferId>(), THPVariable_Unpack(value.ptr()));
   }
   return tensors;
@@ -169,6 +169,7 @@ py::dict executor_stats(const ExecutorStats& s) {
   d["workspace_bytes"] = s.workspace_bytes;
   d["device_launches"] = s.device_launches, d["host_replay_note"] = s.host_replay_note;
   d["weight_bytes"] = s.weight_bytes, d["shared_weight_bytes"] = s.shared_weight_bytes;
+  d["state_bytes"] = s.state_bytes, d["shared_state_bytes"] = s.shared_state_bytes;
   return d;
 }
 
@@ -421,6 +422,10 @@ void bind_program(py::module_& m) {
                               std::optional<std::vector<std::int64_t>> strides, std::string name) {
         return b.intermediate(spec_of(shape, dtype, strides), std::move(name));
       }, py::arg("shape"), py::arg("dtype") = "f32", py::arg("strides") = py::none(), py::arg("name") = "")
+      .def("state", [](ProgramBuilder& b, std::vector<std::int64_t> shape, const std::string& dtype,
+                       std::optional<std::vector<std::int64_t>> strides, std::string name) {
+        return b.state(spec_of(shape, dtype, strides), std::move(name));
+      }, py::arg("shape"), py::arg("dtype") = "f32", py::arg("strides") = py::none(), py::arg("name") = "")
       .def("weight", [](ProgramBuilder& b, std::vector<std::int64_t> shape, const std::string& dtype,
                         std::optional<py::bytes> data, std::optional<std::vector<std::int64_t>> strides, std::string name) {
         TensorSpec s = spec_of(shape, dtype, strides);
@@ -533,6 +538,18 @@ void bind_program(py::module_& m) {
         }
         unwrap(std::move(r));
       })
+      .def("state", [](const Executor& e, BufferId id) {
+        return py::reinterpret_steal<py::object>(THPVariable_Wrap(unwrap(e.state(id))));
+      })
+      .def("reset_states", [](Executor& e) {
+        Result<void> r;
+        {
+          py::gil_scoped_release release;
+          r = e.reset_states();
+        }
+        unwrap(std::move(r));
+      })
+      .def_property_readonly("states", &Executor::states)
       .def_property_readonly("inputs", &Executor::inputs)
       .def_property_readonly("outputs", &Executor::outputs)
       .def_property_readonly("device", &Executor::device)

@@ -55,12 +55,15 @@ struct ExecutorStats {
   std::size_t workspace_bytes = 0; ///< cuBLASLt workspace of one instance (what its matmuls' algorithms use)
   std::size_t weight_bytes = 0;    ///< weights uploaded into the executor's own memory
   std::size_t shared_weight_bytes = 0;  ///< weights read in place from tensors given at creation
+  std::size_t state_bytes = 0;     ///< states allocated (zero-filled) by the executor
+  std::size_t shared_state_bytes = 0;  ///< states bound to tensors given at creation
   /// Why replays run from the host although ExecutorOptions::device_launch asked otherwise ("" if not).
   std::string host_replay_note;
 };
 
 /// Runs one Program; thread-safe: each stream gets its own instance (arena, static inputs/outputs,
-/// captured graph), so threads running on their own streams replay concurrently.
+/// captured graph), so threads running on their own streams replay concurrently. States are the
+/// executor's, not an instance's: runs of a program with states belong on one stream at a time.
 class Executor {
  public:
   /// Validates and plans the program, loads its kernels (the CUBIN when it was built for this device's
@@ -73,6 +76,9 @@ class Executor {
   /// strides, live on the executor's device and start 256-byte aligned; the executor keeps a reference
   /// (the tensor stays alive) and reads whatever the tensor holds at run time. set_weight refuses a shared
   /// weight: write to the tensor instead.
+  /// `shared` may also bind states (BufferRole::state, a KV cache): the steps read and update the caller's
+  /// tensor in place, run after run. A state left out is allocated zero-filled. Either way its address is
+  /// fixed for the executor's life, so a captured graph replays against it.
   static Result<std::shared_ptr<Executor>> create(program::Program program, ExecutorOptions options,
                                                   const std::map<program::BufferId, at::Tensor>& shared);
   /// Program::load + create.
@@ -98,6 +104,13 @@ class Executor {
   /// Replaces a weight's contents (same shape and dtype); captured graphs see the new values. A weight
   /// shared at creation is the caller's tensor and is refused here.
   Result<void> set_weight(program::BufferId weight, const at::Tensor& value);
+  /// The tensor state `id` lives in (the caller's, where shared at creation): reading it shows what the runs
+  /// wrote; writing it (in place, between runs) changes what the next run reads.
+  Result<at::Tensor> state(program::BufferId id) const;
+  /// The state buffer ids, ascending.
+  std::vector<program::BufferId> states() const;
+  /// Fills every state with zeros (a new sequence for a KV cache); waits for the device.
+  Result<void> reset_states();
   /// Frees what runs allocated: every stream's arena, cuBLASLt workspace, split scratch, static inputs
   /// and outputs, and captured graph. The weights and loaded kernels stay; the next run allocates again
   /// (and, replaying, captures again). For a caller that needs the memory back between calls — a

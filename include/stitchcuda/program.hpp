@@ -111,8 +111,13 @@ enum class BufferRole : std::uint8_t {
   output,        ///< bound by the caller at run time, written by the program
   weight,        ///< constant data stored in the artifact
   intermediate,  ///< placed in the arena by liveness planning
+  /// Read and updated in place across runs (a KV cache): the executor binds it at creation (the caller's
+  /// tensor, or its own zero-filled one) and keeps its address for its life. Steps may read it before any
+  /// step writes it (it holds the previous runs' values) and write it in place; it is never an output, and
+  /// the artifact records its spec only (a loaded program starts with zeros).
+  state,
 };
-/// "input", "output", "weight", "intermediate".
+/// "input", "output", "weight", "intermediate", "state".
 const char* to_string(BufferRole role) noexcept;
 
 /// A tensor the program reads or writes.
@@ -318,6 +323,8 @@ class ProgramBuilder {
   BufferId weight(TensorSpec spec, std::string bytes = {}, std::string name = {});
   /// Adds an intermediate buffer for the arena.
   BufferId intermediate(TensorSpec spec, std::string name = {});
+  /// Adds a state: a tensor the program reads and updates in place across runs (BufferRole::state).
+  BufferId state(TensorSpec spec, std::string name = {});
   /// Adds a kernel to the table; returns its index.
   std::uint32_t kernel(KernelSource kernel);
 

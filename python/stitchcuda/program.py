@@ -71,6 +71,12 @@ class ProgramBuilder:
         (BufferPlan::large_storage_bytes), allocated by the executor for the steps that use it."""
         return self._b.intermediate(list(shape), dtype_name(dtype), strides, name)
 
+    def state(self, shape: Sequence[int], dtype: torch.dtype | str = "f32", *, strides=None, name: str = "") -> int:
+        """A tensor the program reads and updates in place across runs (a KV cache): steps may read it before
+        any writes it, an executor binds it to the tensor shared for it (Program.share_state) or to zeros
+        of its own, and the artifact stores its spec alone (a loaded program starts from zeros)."""
+        return self._b.state(list(shape), dtype_name(dtype), strides, name)
+
     def weight(self, shape: Sequence[int] | torch.Tensor, dtype: torch.dtype | str = "f32", *, data=None,
                strides=None, name: str = "") -> int:
         """Constant data stored in the artifact: pass a tensor (any device), or a shape plus raw bytes. A
@@ -143,24 +149,39 @@ class Program:
         executors check its device and alignment and keep a reference to it. A weight built without bytes
         (data=None) takes them from `tensor` when the program is saved or serialized: the artifact always
         holds every weight, and a loaded program uploads its own copy."""
+        self._share(buffer, tensor, "weight", "share the tensor the weight was built from")
+
+    def share_state(self, buffer: int, tensor: torch.Tensor) -> None:
+        """Executors made from this Program object read and update state `buffer` in `tensor`, in place (a
+        model's KV cache buffer: the program's decode steps write the cache the model holds). `tensor` must
+        have the state's dtype, shape and strides; executors check its device and alignment. A state not
+        shared starts as zeros of the executor's own (Executor.state reads it)."""
+        self._share(buffer, tensor, "state", "share a tensor of the state's layout")
+
+    def _share(self, buffer: int, tensor: torch.Tensor, role: str, fix: str) -> None:
         spec = next((b for b in self.buffers if b["id"] == buffer), None)
-        if spec is None or spec["role"] != "weight":
-            raise InvalidArgumentError(f"buffer {buffer} is not a weight of this program: only weights can be shared")
+        if spec is None or spec["role"] != role:
+            raise InvalidArgumentError(f"buffer {buffer} is not a {role} of this program: share_{role} takes a {role}")
         def layout(shape, strides, dtype):  # strides matter along extents above 1 only, as for run()'s inputs
             return list(shape), [st if e > 1 else 0 for st, e in zip(strides, shape)], dtype
 
         dtype = _NAMES.get(tensor.dtype, str(tensor.dtype))
         if layout(spec["shape"], spec["strides"], spec["dtype"]) != layout(tensor.shape, tensor.stride(), dtype):
             raise InvalidArgumentError(
-                f"weight {buffer} ('{spec['name']}') is {spec['dtype']}{list(spec['shape'])} strides "
-                f"{list(spec['strides'])} but the tensor shared for it is {dtype}{list(tensor.shape)} strides {list(tensor.stride())}: share "
-                "the tensor the weight was built from")
+                f"{role} {buffer} ('{spec['name']}') is {spec['dtype']}{list(spec['shape'])} strides "
+                f"{list(spec['strides'])} but the tensor shared for it is {dtype}{list(tensor.shape)} strides "
+                f"{list(tensor.stride())}: {fix}")
         self._shared[buffer] = tensor
 
     @property
     def shared_weights(self) -> dict[int, torch.Tensor]:
-        """Weight buffer id -> the tensor executors read it from (see share_weight)."""
+        """Weight (and state) buffer id -> the tensor executors read it from (see share_weight, share_state)."""
         return dict(self._shared)
+
+    @property
+    def states(self) -> list[int]:
+        """The state buffer ids (BufferRole::state), ascending."""
+        return sorted(b["id"] for b in self.buffers if b["role"] == "state")
 
     @staticmethod
     def load(path: str | os.PathLike) -> "Program":
@@ -208,7 +229,8 @@ class Program:
         """The bytes of shared weights built without them (graph mode stores none for a parameter it reads
         in place), copied from their tensors for the length of a save, then let go of again: an artifact
         always holds every weight, and the host holds no copy of the model's weights in between."""
-        filled = [bid for bid in self._shared if not self._p.has_weight_data(bid)]
+        weights = {b["id"] for b in self.buffers if b["role"] == "weight"}  # a state stores no bytes
+        filled = [bid for bid in self._shared if bid in weights and not self._p.has_weight_data(bid)]
         try:
             for bid in filled:
                 self._p.set_weight_data(bid, _storage_bytes(self._shared[bid]))
@@ -314,9 +336,24 @@ class Executor:
 
     def release(self) -> None:
         """Frees what runs allocated (each stream's arena, workspace, static inputs and outputs, captured
-        graph), keeping the weights and kernels: the next run allocates, and captures, again. Waits for
-        the GPU; not while another thread runs the program."""
+        graph), keeping the weights, states and kernels: the next run allocates, and captures, again. Waits
+        for the GPU; not while another thread runs the program."""
         self._e.release()
+
+    @property
+    def states(self) -> list[int]:
+        """The program's state buffer ids, ascending."""
+        return list(self._e.states)
+
+    def state(self, buffer: int) -> torch.Tensor:
+        """The tensor state `buffer` lives in (the one shared for it, else the executor's own): what the runs
+        wrote; writing it between runs changes what the next run reads. Runs of a program with states belong
+        on one stream at a time (the states are the executor's, not a stream's)."""
+        return self._e.state(buffer)
+
+    def reset_states(self) -> None:
+        """Fills every state with zeros (a new sequence); waits for the GPU."""
+        self._e.reset_states()
 
     @property
     def device(self) -> int:
@@ -331,7 +368,8 @@ class Executor:
         """runs, eager_runs, replays, device_launches, captures, copies_skipped, instances, arena_bytes,
         workspace_bytes (an instance's cuBLASLt workspace: the most its matmuls' chosen algorithms use, none
         without a matmul), weight_bytes (uploaded into its own memory), shared_weight_bytes (read in place from the tensors
-        shared with Program.share_weight), host_replay_note."""
+        shared with Program.share_weight), state_bytes (its own zero-filled states), shared_state_bytes (states in
+        the tensors shared with Program.share_state), host_replay_note."""
         return self._e.stats()
 
 

@@ -197,7 +197,8 @@ class Field {
   std::string path_;
 };
 
-constexpr BufferRole kRoles[] = {BufferRole::input, BufferRole::output, BufferRole::weight, BufferRole::intermediate};
+constexpr BufferRole kRoles[] = {BufferRole::input, BufferRole::output, BufferRole::weight, BufferRole::intermediate,
+                                 BufferRole::state};
 constexpr DType kDTypes[] = {DType::f32, DType::f16, DType::bf16, DType::f64, DType::i32, DType::i64, DType::u8, DType::boolean};
 constexpr Epilogue kEpilogues[] = {Epilogue::none, Epilogue::relu, Epilogue::gelu, Epilogue::bias, Epilogue::bias_relu, Epilogue::bias_gelu};
 constexpr ComputePrecision kPrecisions[] = {ComputePrecision::fp32, ComputePrecision::tf32x3, ComputePrecision::tf32,

@@ -47,6 +47,7 @@ const char* to_string(BufferRole role) noexcept {
     case BufferRole::output: return "output";
     case BufferRole::weight: return "weight";
     case BufferRole::intermediate: return "intermediate";
+    case BufferRole::state: return "state";
   }
   return "?";
 }
@@ -240,6 +241,9 @@ BufferId ProgramBuilder::weight(TensorSpec spec, std::string bytes, std::string 
 }
 BufferId ProgramBuilder::intermediate(TensorSpec spec, std::string name) {
   return add(std::move(spec), BufferRole::intermediate, std::move(name));
+}
+BufferId ProgramBuilder::state(TensorSpec spec, std::string name) {
+  return add(std::move(spec), BufferRole::state, std::move(name));
 }
 
 std::uint32_t ProgramBuilder::kernel(KernelSource kernel) {

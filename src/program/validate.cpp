@@ -129,10 +129,13 @@ class Checker {
         usable = false;
         continue;
       }
-      if (b.role == BufferRole::input || b.role == BufferRole::weight) {
+      // A state holds the previous runs' values (zeros before the first): readable from the first step.
+      if (b.role == BufferRole::input || b.role == BufferRole::weight || b.role == BufferRole::state) {
         written_.insert(b.id);
         ever_written_.insert(b.id);
       }
+      if (b.role == BufferRole::state && s.numel() == 0)
+        problems_.push_back(where + " is empty: a state holds values between runs (give it at least one element)");
     }
     for (const auto& [id, bytes] : p_.weights) {
       auto it = by_id_.find(id);

@@ -6,6 +6,8 @@
 #include <ATen/core/jit_type.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
+#include <algorithm>
+#include <optional>
 #include <set>
 
 namespace stitchcuda::torch::detail {
@@ -128,9 +130,6 @@ Result<BoundAtenOp> BoundAtenOp::bind(const AtenOp& step, const Program& program
                 "(the overload follows the dot, e.g. aten::add.Tensor; aten::relu has the overload '' and is written "
                 "without a dot)");
   const c10::FunctionSchema& schema = handle->schema();
-  if (schema.is_mutable())
-    return fail(ErrorCode::InvalidArgument, "ATen op '" + step.op + "' writes one of its arguments in place; programs "
-                                            "use functional overloads (the result goes to the step's output buffer)");
 
   BoundAtenOp bound;
   bound.handle_ = std::make_shared<c10::OperatorHandle>(*handle);
@@ -206,6 +205,29 @@ Result<BoundAtenOp> BoundAtenOp::bind(const AtenOp& step, const Program& program
       return fail(ErrorCode::InvalidArgument, "ATen op '" + step.op + "' has no argument '" + key +
                                                   "' (its arguments:" + names + ")");
     }
+  // Programs use functional overloads (the result goes to the step's output buffer), except where a step
+  // updates a state in place (a KV cache written at a position): the argument it writes is a state, or a
+  // view of one, and is the step's output too.
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    const c10::AliasInfo* alias = args[i].alias_info();
+    if (!alias || !alias->isWrite()) continue;
+    const Slot& slot = bound.slots_[i];
+    std::optional<BufferId> written;
+    if (slot.kind == Slot::tensor) written = step.inputs[slot.first];
+    BufferId root = written.value_or(0);
+    for (bool found = written.has_value(); found;) {  // through views to the storage's buffer
+      found = false;
+      for (const Step& s : program.steps)
+        if (auto* v = std::get_if<View>(&s); v && v->result == root) root = v->source, found = true;
+    }
+    const Buffer* b = written ? program.buffer(root) : nullptr;
+    if (!b || b->role != BufferRole::state ||
+        std::find(step.outputs.begin(), step.outputs.end(), *written) == step.outputs.end())
+      return fail(ErrorCode::InvalidArgument, "ATen op '" + step.op + "' writes its argument '" + args[i].name() +
+                                                  "' in place; programs use functional overloads (the result goes to "
+                                                  "the step's output buffer), except to update a state in place (the "
+                                                  "state, or a view of it, given as that argument and as the output)");
+  }
   std::size_t tensor_returns = 0;
   bool list_return = false;
   for (const auto& r : schema.returns()) {
@@ -219,7 +241,6 @@ Result<BoundAtenOp> BoundAtenOp::bind(const AtenOp& step, const Program& program
     return fail(ErrorCode::InvalidArgument, "ATen op '" + step.op + "' returns " + std::to_string(tensor_returns) +
                                                 " tensor(s) but the step names " + std::to_string(step.outputs.size()) +
                                                 " output buffer(s)");
-  (void)program;
   return bound;
 }
 

@@ -203,6 +203,8 @@ struct Executor::Impl {
   std::map<BufferId, at::Tensor> weights;          // device copies, or the caller's tensors where shared
   std::set<BufferId> shared;                       // weights read in place from the caller's tensors
   std::size_t weight_bytes = 0, shared_weight_bytes = 0;
+  std::map<BufferId, at::Tensor> states;           // fixed for the executor's life: the caller's where shared
+  std::size_t state_bytes = 0, shared_state_bytes = 0;
   const jit::detail::DriverApi* driver = nullptr;
 
   std::mutex instances_mu;
@@ -336,6 +338,7 @@ Result<Instance*> Executor::Impl::instance(void* stream) {
       in->tensors[slot.at(p.buffer)] = at::from_blob(base + p.offset, s.shape, s.strides, options_for(s));
     }
     for (const auto& [id, t] : weights) in->tensors[slot.at(id)] = t;
+    for (const auto& [id, t] : states) in->tensors[slot.at(id)] = t;
     in->matmuls.resize(program.steps.size());
     for (std::size_t i = 0; i < program.steps.size(); ++i)
       if (auto* m = std::get_if<Matmul>(&program.steps[i])) {
@@ -492,6 +495,8 @@ Result<void> Executor::Impl::execute(Instance& in, void* stream, bool own_output
               (results[r].sizes() != c10::IntArrayRef(s.shape) || results[r].scalar_type() != scalar_type(s.dtype)))
             ok = fail(ErrorCode::InvalidArgument, "result " + std::to_string(r) + " is " + describe(results[r]) +
                                                       " but its buffer is " + s.describe());
+          else if (out.defined() && out.is_same(results[r]))
+            continue;  // an in-place update of a state: the op wrote the buffer itself
           else if ((adoptable[k] || (own_outputs && adopt_output[k] && !out.defined())) && adopt(results[r], s, args))
             out = results[r];  // no copy: a convolution's output is often the largest tensor of the step
           else {
@@ -646,27 +651,41 @@ Result<std::shared_ptr<Executor>> Executor::create(Program program, ExecutorOpti
                            "host-side replay advances the generator between runs";
   for (const auto& [id, t] : shared) {
     auto found = x.slot.find(id);
-    if (found == x.slot.end() || x.program.buffers[found->second].role != BufferRole::weight)
-      return fail(ErrorCode::InvalidArgument, "buffer " + std::to_string(id) + " is not a weight of this program: only "
-                                              "weights can be shared");
+    const BufferRole role = found == x.slot.end() ? BufferRole::intermediate : x.program.buffers[found->second].role;
+    if (role != BufferRole::weight && role != BufferRole::state)
+      return fail(ErrorCode::InvalidArgument, "buffer " + std::to_string(id) + " is not a weight or state of this "
+                                              "program: only those can be shared");
     const Buffer& b = x.program.buffers[found->second];
-    std::string name = "shared weight " + std::to_string(id) + (b.name.empty() ? "" : " ('" + b.name + "')");
+    std::string name = std::string("shared ") + to_string(role) + " " + std::to_string(id) +
+                       (b.name.empty() ? "" : " ('" + b.name + "')");
+    const bool weight = role == BufferRole::weight;
+    const std::string otherwise = weight ? ", or leave it out to upload the program's own copy"
+                                         : ", or leave it out for a zero-filled state of the executor's own";
     if (!t.defined()) return fail(ErrorCode::InvalidArgument, name + " is an undefined tensor");
     if (!t.is_cuda() || t.get_device() != x.device)
       return fail(ErrorCode::InvalidArgument, name + " is on " + t.device().str() + " but the program runs on cuda:" +
-                                                  std::to_string(x.device) + ": share a tensor on that device, or leave it "
-                                                  "out to upload the program's own copy");
+                                                  std::to_string(x.device) + ": share a tensor on that device" + otherwise);
     if (!matches(t, b.spec))
       return fail(ErrorCode::InvalidArgument, name + " must be " + b.spec.describe() + " but is " + describe(t) +
-                                                  ": share the tensor the weight was built from, or leave it out to upload "
-                                                  "the program's own copy");
+                                                  (weight ? ": share the tensor the weight was built from"
+                                                          : ": share a tensor of the state's layout") + otherwise);
     if (reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 256 != 0)
-      return fail(ErrorCode::InvalidArgument, name + " does not start 256-byte aligned (kernels load weights in vectors): "
-                                                  "leave it out to upload the program's own copy");
+      return fail(ErrorCode::InvalidArgument, name + " does not start 256-byte aligned (kernels load it in vectors): "
+                                                  "share a whole tensor (torch allocates at 256-byte boundaries)" + otherwise);
   }
   try {
     c10::cuda::CUDAGuard guard(c10::DeviceIndex(x.device));
     for (const Buffer& b : x.program.buffers) {
+      if (b.role == BufferRole::state) {
+        if (auto it = shared.find(b.id); it != shared.end()) {
+          x.states[b.id] = it->second;  // the caller's tensor: read and updated in place
+          x.shared_state_bytes += b.spec.storage_bytes();
+        } else {
+          x.states[b.id] = at::zeros(b.spec.shape, x.options_for(b.spec)).as_strided(b.spec.shape, b.spec.strides);
+          x.state_bytes += b.spec.storage_bytes();
+        }
+        continue;
+      }
       if (b.role != BufferRole::weight) continue;
       if (auto it = shared.find(b.id); it != shared.end()) {
         x.weights[b.id] = it->second;  // a reference: the caller's tensor is read in place
@@ -874,6 +893,32 @@ Result<void> Executor::set_weight(BufferId weight, const at::Tensor& value) {
   return {};
 }
 
+Result<at::Tensor> Executor::state(BufferId id) const {
+  auto it = impl_->states.find(id);
+  if (it == impl_->states.end())
+    return fail(ErrorCode::InvalidArgument, "buffer " + std::to_string(id) + " is not a state of this program (its "
+                                            "states: " + std::to_string(impl_->states.size()) + ", see states())");
+  return it->second;
+}
+
+std::vector<BufferId> Executor::states() const {
+  std::vector<BufferId> ids;
+  for (const auto& [id, t] : impl_->states) ids.push_back(id);
+  return ids;
+}
+
+Result<void> Executor::reset_states() {
+  try {
+    c10::cuda::CUDAGuard guard(c10::DeviceIndex(impl_->device));
+    c10::cuda::device_synchronize();  // no run in flight still reads or writes them
+    for (auto& [id, t] : impl_->states) t.zero_();
+    c10::cuda::device_synchronize();
+  } catch (const c10::Error& e) {
+    return fail(ErrorCode::CudaError, std::string("resetting the states failed: ") + e.what_without_backtrace());
+  }
+  return {};
+}
+
 Result<void> Executor::release() {
   std::lock_guard<std::mutex> lock(impl_->instances_mu);
   try {
@@ -910,6 +955,7 @@ ExecutorStats Executor::stats() const {
   }
   s.arena_bytes = impl_->plan.arena_bytes;
   s.weight_bytes = impl_->weight_bytes, s.shared_weight_bytes = impl_->shared_weight_bytes;
+  s.state_bytes = impl_->state_bytes, s.shared_state_bytes = impl_->shared_state_bytes;
   return s;
 }
 

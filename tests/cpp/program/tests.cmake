@@ -4,4 +4,5 @@ target_sources(stitchcuda_cpp_tests PRIVATE
   ${CMAKE_CURRENT_SOURCE_DIR}/program/test_plan.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/program/test_artifact.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/program/test_family.cpp
+  ${CMAKE_CURRENT_SOURCE_DIR}/program/test_state.cpp
 )
