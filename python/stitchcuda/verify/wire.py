@@ -48,29 +48,40 @@ class Message:
     tensors: list[torch.Tensor] = field(default_factory=list)
 
 
-def pack(kind: str, nonce: str, body: dict[str, Any], tensors: Sequence[torch.Tensor] = ()) -> bytes:
-    """One frame. Tensors go as their contiguous CPU bytes."""
-    blobs, specs = [], []
+def pack(kind: str, nonce: str, body: dict[str, Any], tensors: Sequence[torch.Tensor] = ()) -> bytearray:
+    """One frame. Tensors go as their contiguous CPU bytes, each copied once into the frame (a result carries
+    the outputs of every trial: a GEMM's are gigabytes, and each extra copy costs a second of host time)."""
+    hosts, specs = [], []
     for t in tensors:
         t = t.detach().to("cpu").contiguous()
         specs.append({"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)})
-        blobs.append(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        hosts.append(t.reshape(-1).view(torch.uint8))
     header = json.dumps({"kind": kind, "nonce": nonce, "body": body, "tensors": specs},
                         default=_plain).encode("utf-8")
     if len(header) > MAX_HEADER_BYTES:
         raise WireError(f"a {kind!r} header of {len(header)} bytes is more than the {MAX_HEADER_BYTES} allowed")
-    return MAGIC + struct.pack(">I", len(header)) + header + b"".join(blobs)
+    frame = bytearray(8 + len(header) + sum(h.numel() for h in hosts))
+    frame[:8] = MAGIC + struct.pack(">I", len(header))
+    offset = 8 + len(header)
+    frame[8:offset] = header
+    view = memoryview(frame)
+    for h in hosts:
+        if h.numel():
+            view[offset:offset + h.numel()] = h.numpy()
+            offset += h.numel()
+    return frame
 
 
-def unpack(data: bytes, kinds: Sequence[str] = KINDS) -> Message:
+def unpack(data: bytes | bytearray, kinds: Sequence[str] = KINDS) -> Message:
     """The message in ``data``; WireError naming the first thing that is wrong with it."""
+    view = memoryview(data)
     if len(data) < 8 or data[:4] != MAGIC:
         raise WireError("not a frame of the worker protocol (no magic)")
     (size,) = struct.unpack(">I", data[4:8])
     if size > MAX_HEADER_BYTES or 8 + size > len(data):
         raise WireError(f"a header length of {size} bytes in a frame of {len(data)}")
     try:
-        header = json.loads(data[8:8 + size].decode("utf-8"))
+        header = json.loads(bytes(view[8:8 + size]).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise WireError(f"the header is not JSON: {type(exc).__name__}") from None
     if not isinstance(header, dict) or set(header) != {"kind", "nonce", "body", "tensors"}:
@@ -92,7 +103,7 @@ def unpack(data: bytes, kinds: Sequence[str] = KINDS) -> Message:
         if offset + nbytes > len(data):
             raise WireError(f"tensor {i} ({spec['dtype']} {shape}) needs {nbytes} bytes; the frame has "
                             f"{len(data) - offset} left")
-        raw = bytearray(data[offset:offset + nbytes])  # a copy the tensor owns
+        raw = bytearray(view[offset:offset + nbytes])  # one copy, which the tensor owns
         tensor = torch.frombuffer(raw, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
         tensors.append(tensor.view(dtype).reshape(shape) if numel else torch.empty(shape, dtype=dtype))
         offset += nbytes
