@@ -3,6 +3,7 @@ the generated kernel's description, and the elementwise inputs and functions oth
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -84,6 +85,59 @@ class KernelCode:
     description: str = ""
     vectorized: bool = False
     shared_mem: int = 0  # dynamic shared memory per block (bytes)
+    extent: "Extent | None" = None  # the outer extent its source leaves to the launch, if any
+
+    def at(self, value: int) -> "KernelCode":
+        """This kernel launched for another outer extent (`extent.value`'s meaning: the elements of a pointwise
+        kernel, the rows of a row reduction, the images of a layout conversion): the same source, so one
+        compiled kernel serves every size it allows, with the extent's argument and the grid computed from
+        `value`. ValueError, naming the reason, where the source was written for sizes `value` is not."""
+        e = self.extent
+        if e is None:
+            raise ValueError(f"kernel {self.name} fixes every extent in its source: generate it for the new size")
+        why = e.refuses(value)
+        if why:
+            raise ValueError(f"kernel {self.name} cannot serve {value}: {why}; generate it for that size")
+        args = list(self.args)
+        if e.arg is not None:
+            args[e.arg] = (args[e.arg][0], value)
+        blocks = e.blocks(value)
+        grid = blocks if isinstance(self.grid, int) else tuple(
+            blocks if a == e.axis else g for a, g in enumerate(self.grid))
+        return dataclasses.replace(self, args=args, grid=grid)
+
+
+@dataclass(frozen=True)
+class Extent:
+    """How a kernel follows its outermost extent without a new source (a batch that varies): `value`, the
+    extent as generated (in the unit of the kernel's argument `arg` — an index into KernelCode.args — or of
+    grid dimension `axis` alone where no argument carries it), and the grid along `axis`: ceil(value * scale
+    / unit) blocks, at most `cap` (0: no cap; a grid-stride loop covers the rest). The source serves the
+    multiples of `align` in 1..`limit` (0: no limit): float4 loads need whole vectors, 32-bit index
+    arithmetic a bound, a grid dimension its 65,535."""
+
+    value: int
+    arg: int | None
+    axis: int = 0
+    unit: int = 1
+    scale: int = 1
+    cap: int = 0
+    align: int = 1
+    limit: int = 0
+
+    def blocks(self, value: int) -> int:
+        n = max(1, -(-(value * self.scale) // self.unit))
+        return min(n, self.cap) if self.cap else n
+
+    def refuses(self, value: int) -> str:
+        """Why the source does not serve `value` ("" when it does)."""
+        if value < 1:
+            return "an extent below 1"
+        if value % self.align:
+            return f"its source takes multiples of {self.align}"
+        if self.limit and value > self.limit:
+            return f"its source's index arithmetic holds at most {self.limit}"
+        return ""
 
 
 
@@ -170,8 +224,10 @@ def split_coordinates(value: str, shape: tuple[int, ...], dims: list[int]) -> li
     for d in dims:
         n *= shape[d]
     t, suffix = ("unsigned", "u") if n < 2 ** 31 else ("long long", "LL")
+    # The outermost coordinate is what the others leave (the value lies within the extents): its extent
+    # stays out of the source, so one kernel serves every size of it (a batch that varies).
     return [f"{t} r = ({t})({value});"] + [f"const {t} c{d} = r % {shape[d]}{suffix}; r /= {shape[d]}{suffix};"
-                                           for d in reversed(dims)]
+                                           for d in reversed(dims[1:])] + [f"const {t} c{d} = r;" for d in dims[:1]]
 
 
 def element_index(inp: PointwiseInput, shape: tuple[int, ...], dims: int | None = None) -> str:

@@ -3,10 +3,12 @@ per step for broadcast ones."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ...settings import settings
-from .common import (CTYPE, HALF_DTYPES, PRELUDE, VECTOR8_IO, VECTOR_IO_16, KernelCode, PointwiseInput,
+from .common import (CTYPE, HALF_DTYPES, PRELUDE, VECTOR8_IO, VECTOR_IO_16, Extent, KernelCode, PointwiseInput,
                      element_index, element_indices, piece_args, piece_params, piece_select, split_coordinates)
 
 
@@ -18,6 +20,19 @@ from .common import (CTYPE, HALF_DTYPES, PRELUDE, VECTOR8_IO, VECTOR_IO_16, Kern
 # against 1.117 in an earlier one). STITCHCUDA_POINTWISE_LOOP picks one, to measure the two.
 POINTWISE_LOOPS = ("once", "stride")
 ONCE_FLOAT4 = {2: 4, 4: 2}  # float4 per operand and thread by operand count (inputs + outputs), else 1
+
+
+def outer_free(shape: tuple[int, ...]) -> str:
+    """A shape in a kernel's comment without its outermost extent ("[N, 256, 64]"), which the kernel takes
+    from its arguments: the same code at every size of it is one source, compiled once."""
+    return "[" + ", ".join(["N", *map(str, shape[1:])]) + "]" if shape else "[]"
+
+
+def outer_varies(shape: tuple[int, ...], inputs: list[PointwiseInput]) -> bool:
+    """Whether a pointwise kernel of `shape` serves other outermost extents as generated: not when that
+    extent is 1 (its coordinate, always 0, is left out of every index) nor when a concatenation's pieces
+    lie along it (their boundaries are in the source)."""
+    return bool(shape) and shape[0] > 1 and not any(i.pieces and i.cat_dim == 0 for i in inputs)
 
 
 def pointwise_loop() -> str:
@@ -43,7 +58,7 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
     params = [p for k, i in enumerate(inputs) for p in piece_params(k, i, CTYPE[i.dtype])]
     params += [f"{CTYPE[dt]}* __restrict__ q{k}" for k, (_, _, dt) in enumerate(results)]
     params.append("long long n")
-    lines = [PRELUDE, f"// {name}: {len(body)} fused elementwise op(s) over {list(shape)}",
+    lines = [PRELUDE, f"// {name}: {len(body)} fused elementwise op(s) over {outer_free(shape)}",
              *body_function(name, len(inputs), body, results)]
     all_linear = all(i.linear(shape) for i in inputs)
     vectorized = (all_linear and n % 4 == 0 and all(i.dtype == torch.float32 for i in inputs)
@@ -52,6 +67,8 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
     if all_linear and n % 8 == 0 and any(dt in HALF_DTYPES for dt in dtypes) \
             and all(dt in (torch.float32, *HALF_DTYPES) for dt in dtypes):
         return eight_wide_pointwise_kernel(name, shape, n, inputs, body, results, params)
+    # The index arithmetic of strided operands splits n into coordinates: 32-bit below 2^31 (split_coordinates).
+    limit = 0 if all_linear else (2 ** 31 - 1 if n < 2 ** 31 else 0)
     # Broadcast or strided operands over a last dimension of a multiple of 4: four consecutive outputs share
     # every coordinate but the last, so each operand is one 16-byte load, one value repeated, or four loads.
     rotated = any(i.rotate for i in inputs)  # RoPE's rotate_half: one element at a time, its own index and sign
@@ -144,6 +161,11 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
     if grid is None:
         grid = max(1, min((work + threads - 1) // threads, sm_count * 16))
     args = [a for i in inputs for a in piece_args(i)] + [("out", key) for key, _, _ in results] + [("i64", n)]
+    # The source holds every extent but the outermost, which comes from n: the grid follows n as above.
+    per_block = 4 * threads * per if once else 4 * threads if (vectorized or grouped) else threads
+    inner = math.prod(shape[1:]) if len(shape) > 1 else 1
+    align = math.lcm(inner, 4 if (vectorized or grouped) else 1)
+    extent = Extent(n, len(args) - 1, unit=per_block, cap=0 if once else sm_count * 16, align=align, limit=limit)
     pieces = sum(len(i.pieces) for i in inputs)
     kind = (f"vectorized float4, {per} per operand and thread in one pass (no grid-stride loop)" if once
             else "vectorized float4, two per thread and step" if deep else "vectorized float4" if vectorized
@@ -153,7 +175,7 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
     read = f", a concatenation's {pieces} pieces read in place" if pieces else ""
     return KernelCode("\n".join(lines) + "\n", name, grid, threads, args,
                       f"{len(body)} elementwise op(s), {kind}, {len(inputs)} input(s){read}, {len(results)} output(s)",
-                      vectorized)
+                      vectorized, extent=extent if outer_varies(shape, inputs) else None)
 
 
 def eight_wide_pointwise_kernel(name: str, shape: tuple[int, ...], n: int, inputs: list[PointwiseInput], body: list[str],
@@ -168,7 +190,7 @@ def eight_wide_pointwise_kernel(name: str, shape: tuple[int, ...], n: int, input
     per = 2 if operands <= 4 else 1  # groups of eight per thread: more operands' registers would cost occupancy
     pointers = [f"p{k}" for k in range(len(inputs))] + [f"q{k}" for k in range(len(results))]
     aligned = " | ".join(f"reinterpret_cast<unsigned long long>({p})" for p in pointers)
-    L = [PRELUDE, VECTOR8_IO, f"// {name}: {len(body)} fused elementwise op(s) over {list(shape)}",
+    L = [PRELUDE, VECTOR8_IO, f"// {name}: {len(body)} fused elementwise op(s) over {outer_free(shape)}",
          *body_function(name, len(inputs), body, results),
          f'extern "C" __global__ void {name}({", ".join(params)}) {{',
          "  const long long n8 = n / 8;",
@@ -194,10 +216,12 @@ def eight_wide_pointwise_kernel(name: str, shape: tuple[int, ...], n: int, input
     threads = 256
     grid = max(1, -(-(n // 8) // (threads * per)))
     args = [a for i in inputs for a in piece_args(i)] + [("out", key) for key, _, _ in results] + [("i64", n)]
+    extent = Extent(n, len(args) - 1, unit=8 * threads * per, align=math.lcm(8, math.prod(shape[1:]) if shape else 1)) \
+        if outer_varies(shape, inputs) else None
     return KernelCode("\n".join(L) + "\n", name, grid, threads, args,
                       f"{len(body)} elementwise op(s), vectorized 16-bit: eight values per 16-byte access, {per} "
                       f"group(s) of eight per thread in one pass, fp32 math, {len(inputs)} input(s), "
-                      f"{len(results)} output(s)", True)
+                      f"{len(results)} output(s)", True, extent=extent)
 
 
 def _grouped_pointwise_loop(name: str, shape: tuple[int, ...], inputs: list[PointwiseInput],

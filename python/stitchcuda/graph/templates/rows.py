@@ -4,11 +4,12 @@ where they fit, with prologues, epilogues and output functions fused around the 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
 
-from .common import (CTYPE, HALF_DTYPES, PRELUDE, VECTOR_IO, VECTOR_IO_16, KernelCode, RowPrologue, element_index,
+from .common import (CTYPE, HALF_DTYPES, PRELUDE, VECTOR_IO, VECTOR_IO_16, Extent, KernelCode, RowPrologue, element_index,
                      split_coordinates)
 from .ops import float_literal
 
@@ -247,7 +248,9 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
     args = _reduction_args(has_weight, has_bias, rows, cols, prologue, epilogue, output, len(also),
                            keep_input is not None)
     grid = (rows + rpb - 1) // rpb
-    return KernelCode("\n".join(L) + "\n", name, grid, tpr * rpb, args,
+    return KernelCode("\n".join(L) + "\n", name, grid, tpr * rpb, args, extent=row_extent(
+                          rows, args, rpb, (prologue, epilogue, output, *more_results), groups),
+                      description=
                       f"{kind} over {rows} rows of {cols}, {'warp' if tpr == 32 else 'block'} per row, warp shuffles"
                       + (" + shared-memory combine" if shared else "") + (", Welford" if kind in ("layer_norm", "group_norm") else "")
                       + (", online" if kind in ("softmax", "log_softmax", "sum_exp") else "")
@@ -257,6 +260,28 @@ def row_reduction_kernel(name: str, kind: str, rows: int, cols: int, dtype: torc
                       + (f", {len(also)} more value(s) of the row stored" if also else "")
                       + (", its input stored as computed" if keep_input is not None else ""))
 
+
+
+def row_extent(rows: int, args: list, per_block: int, fused: tuple[RowPrologue | None, ...], groups: int = 0,
+               scale: int = 1) -> Extent | None:
+    """The row count as the launch's (a row kernel's source holds only the row's length): its argument is
+    the first i64 of `args`, the grid ceil(rows * scale / per_block). With ops fused in (`fused`), each
+    function's shape splits its flat index into coordinates below the outermost: the rows then come in
+    multiples of what one outermost index holds, and its 32-bit arithmetic bounds them; a group norm's rows
+    are whole images (multiples of `groups`). None where the outermost extent is 1 (left out of indices)."""
+    align, limit = max(groups, 1), 0
+    for f in fused:
+        if f is None:
+            continue
+        outer, total = (f.shape[0], math.prod(f.shape)) if f.shape else (1, 1)
+        if outer <= 1 or rows % outer or total % rows:
+            return None
+        align = math.lcm(align, rows // outer)
+        if total < 2 ** 31:  # split_coordinates' unsigned arithmetic
+            most = (2 ** 31 - 1) // (total // rows)
+            limit = min(limit, most) if limit else most
+    arg = next(k for k, (kind, _) in enumerate(args) if kind == "i64")
+    return Extent(rows, arg, unit=per_block, scale=scale, align=align, limit=limit)
 
 
 def _channel(groups: int, group_hw: int, cols: int):
@@ -582,6 +607,7 @@ def _cached_row_kernel(name: str, kind: str, rows: int, cols: int, eps: float, h
     if keep_input is not None:
         fused += ", its input stored as computed"
     return KernelCode("\n".join(L) + "\n", name, -(-rows // rpb), tpr * rpb, args,
+                      extent=row_extent(rows, args, rpb, (prologue, output, epilogue), groups), description=
                       f"{kind} over {rows} rows of {cols}, {'warp' if tpr == 32 else 'block'} per row, row held in {held} "
                       f"({vpt} float4 per thread), {io}, {what}{fused}"
                       + (", 16-bit operands four values per 8-byte access, fp32 in registers" if half else ""),
@@ -735,6 +761,7 @@ __device__ __forceinline__ float cluster_max(float v, float* slots, int k) {
     args = _reduction_args(has_weight, has_bias, rows, cols, prologue, None, None)
     fused = f", {len(prologue.body)} elementwise op(s) fused into the loads (scalar)" if prologue else ""
     return KernelCode("\n".join(L) + "\n", name, rows * n, CLUSTER_THREADS, args,
+                      extent=row_extent(rows, args, 1, (prologue,), groups, scale=n), description=
                       f"{kind} over {rows} rows of {cols}, a cluster of {n} blocks per row, each holding {part} values "
                       "in shared memory, statistics combined through distributed shared memory, one read and one "
                       f"write{fused}", vectorized=prologue is None, shared_mem=4 * part)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import CTYPE, PRELUDE, KernelCode, PointwiseInput, element_index
+from .common import CTYPE, PRELUDE, Extent, KernelCode, PointwiseInput, element_index
 from .pointwise import body_function
 
 TILE = 32  # a 32 x 32 tile of (channels, pixels) per block: each warp's loads and stores are 32 consecutive values
@@ -32,7 +32,7 @@ def nchw_to_nhwc_kernel(name: str, shape: tuple[int, ...], dtype: torch.dtype) -
     source = "\n".join([
         "#include <cuda_fp16.h>",
         "#include <cuda_bf16.h>",
-        f"// {name}: [{n}, {c}, {h}, {w}] NCHW to NHWC, {TILE}x{TILE} tiles of (channels, pixels) through shared memory",
+        f"// {name}: [N, {c}, {h}, {w}] NCHW to NHWC, {TILE}x{TILE} tiles of (channels, pixels) through shared memory",
         f"#define TILE {TILE}",
         f"#define ROWS {ROWS}",
         f'extern "C" __global__ void __launch_bounds__(TILE * ROWS) {name}(const {T}* __restrict__ x, '
@@ -56,7 +56,9 @@ def nchw_to_nhwc_kernel(name: str, shape: tuple[int, ...], dtype: torch.dtype) -
         "}",
     ]) + "\n"
     grid = (-(-hw // TILE), -(-c // TILE), n)
+    # The images are the grid's third dimension: the source serves any number of them (up to 65,535).
     return KernelCode(source, name, grid, (TILE, ROWS), [("in", "in0"), ("out", "out0")],
+                      extent=Extent(n, None, axis=2, limit=65535), description=
                       f"NCHW to NHWC of [{n}, {c}, {h}, {w}]: {TILE}x{TILE} tiles through shared memory, "
                       "coalesced reads and writes")
 
@@ -84,7 +86,7 @@ def pointwise_from_nhwc_kernel(name: str, shape: tuple[int, ...], inputs: list[P
     params.append("long long n")
     coords = ["        const long long c0 = blockIdx.z, c1 = ch;",
               f"        const long long c2 = p / {w}, c3 = p % {w};"]
-    L = [PRELUDE, f"// {name}: {len(body)} fused elementwise op(s) over [{n}, {c}, {h}, {w}], NCHW results, "
+    L = [PRELUDE, f"// {name}: {len(body)} fused elementwise op(s) over [N, {c}, {h}, {w}], NCHW results, "
          f"{len(staged)} NHWC operand(s) staged through {TILE}x{TILE} tiles",
          f"#define TILE {TILE}", f"#define ROWS {ROWS}",
          *body_function(name, len(inputs), body, results),
@@ -118,6 +120,9 @@ def pointwise_from_nhwc_kernel(name: str, shape: tuple[int, ...], inputs: list[P
          "}"]
     grid = (-(-hw // TILE), -(-c // TILE), n)
     args = [("in", i.key) for i in inputs] + [("out", key) for key, _, _ in results] + [("i64", n * c * hw)]
-    return KernelCode("\n".join(L) + "\n", name, grid, (TILE, ROWS), args,
+    # n counts elements (the pointwise kernels' argument); the images, n / (C * H * W), are the grid's third dimension.
+    return KernelCode("\n".join(L) + "\n", name, grid, (TILE, ROWS), args, extent=Extent(
+                          n * c * hw, len(args) - 1, axis=2, unit=c * hw, align=c * hw, limit=65535 * c * hw)
+                      if n > 1 else None, description=
                       f"{len(body)} elementwise op(s) at a channels-last chain's output edge: {len(staged)} NHWC "
                       f"operand(s) staged through {TILE}x{TILE} tiles in shared memory, NCHW results stored coalesced")
