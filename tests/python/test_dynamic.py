@@ -164,3 +164,70 @@ def test_bench_sizes_and_summary():
     assert s["1"]["family_vs_compile"] == pytest.approx(0.5 ** 0.5)  # sqrt(2 * 0.25)
     assert s["example"]["family_over_static_example"] == pytest.approx(1.0)
     assert s["optimize_wall_ratio"]["max"] == pytest.approx(3.0) and s["refused"] == ["b"]
+
+
+class Head(torch.nn.Module):
+    """Pointwise chains (one broadcast over the batch), a layer norm and a log-softmax around two GEMMs."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.norm, self.b = torch.nn.Linear(64, 128), torch.nn.LayerNorm(128), torch.nn.Linear(128, 96)
+        self.shift = torch.nn.Parameter(torch.randn(6, 128))
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.a(x), approximate="tanh") * 0.5 + self.shift
+        return torch.log_softmax(self.b(self.norm(h)), dim=-1)
+
+
+def _kernel_sources(model, inputs) -> set[str]:
+    from stitchcuda.graph import Lowering, OfflinePlanner, capture
+
+    graph = capture(model, inputs)
+    plan = OfflinePlanner().plan(graph)
+    return {k["source"] for k in Lowering(graph, plan, {}).build(plan.groups, graph.inputs, graph.outputs).kernels}
+
+
+def test_a_member_at_another_batch_compiles_no_kernel_the_example_did_not():
+    # The templates leave the batch to the launch: a member's kernels are the example's sources (the kernel
+    # cache compiles them once), launched with their own sizes and grids.
+    model = Head().eval()
+    x = torch.randn(4, 6, 64)
+    dims = parse_dynamic("auto", (x,))
+    with torch.no_grad():
+        example = _kernel_sources(model, (x,))
+        member = _kernel_sources(model, resized_inputs((x,), dims, [16]))
+    assert len(example) >= 2 and member == example
+
+
+def test_members_take_the_example_programs_timed_choices():
+    from stitchcuda.graph.build import Decided, member_variants
+    from stitchcuda.graph.groups import GraphPlan
+
+    plan = GraphPlan([], [], "fp32", channels_last=frozenset({"conv1", "relu1"}), conv_epilogues={1: {}})
+    assert member_variants(plan, Decided(True, True, "graph", "")) == [(plan.channels_last, True)]
+    assert member_variants(plan, Decided(False, False, "direct", "")) == [(frozenset(), False)]
+    plain = GraphPlan([], [], "fp32")  # nothing channels-last or fusable at this size: the plain variant
+    assert member_variants(plain, Decided(True, True, "graph", "")) == [(frozenset(), False)]
+
+
+def test_the_wall_breakdown_says_what_the_members_repeat():
+    from stitchcuda.bench.dynamic import wall_line
+    from stitchcuda.graph.dynamic import Member, wall_breakdown
+    from stitchcuda.graph.module import OptimizedModule
+    from stitchcuda.graph.report import Report
+
+    def module(**stages):
+        report = Report()
+        report.stage_seconds.update(stages)
+        return OptimizedModule(Mlp(), None, None, report)
+
+    example, member = module(capture=0.5, build=1.0), module(capture=0.25, build=0.25)
+    members = [Member((8,), example, "", 1.5), Member((16,), member, "", 0.5)]
+    checks = [{"build_s": 0.0, "verify_s": 0.125}, {"build_s": 0.5, "verify_s": 0.25}]
+    w = wall_breakdown(0.1, 1.5, example, checks, members)
+    assert w["members_built"] == 1 and w["members"] == 0.5 and w["verify"] == 0.375
+    assert w["member_stages"] == {"capture": 0.25, "build": 0.25} and w["example_stages"]["build"] == 1.0
+    line = wall_line({"problem": "p", "static_s": 1.4, "dynamic_s": 2.5, "static_stages": {"capture": 0.5},
+                      "dynamic_wall": w})
+    assert line == ("p: static 1.4 s (capture 0.50); dynamic 2.5 s: export 0.10 + example 1.50 + 1 member(s) 0.50 "
+                    "(capture 0.25, build 0.25) + verify 0.38")

@@ -72,6 +72,25 @@ def test_batch_family_pads_and_matches_at_every_size(caplog):
     assert any("'batch' is 97, outside the 1..96" in r.getMessage() for r in caplog.records)
 
 
+def test_members_reuse_the_examples_choices_and_kernels_and_say_where_the_time_went():
+    torch.manual_seed(4)
+    model = Block(128).cuda().eval()
+    x = torch.randn(12, 32, 128, device="cuda")
+    fast = stitchcuda.optimize(model, (x,), dynamic="auto", compare_compile=False, keep_slower=True)
+    dyn = fast.report.dynamic
+    assert "refused" not in dyn, dyn.get("refused")
+    (top,) = [m for m in fast._members.values() if m.sizes == (24,)]  # the range's maximum, built by the check
+    replay = [d for d in top.module.report.decisions if d[0].startswith(("replay as", "launch the steps"))]
+    assert replay and replay[0][1].startswith("as the example's program")  # one runner built, none timed
+    example = {k["source"] for k in fast.program.kernels}
+    assert {k["source"] for k in top.module.program.kernels} <= example  # no kernel compiled for the member
+    wall = dyn["wall_s"]
+    assert wall["members_built"] == 1 and wall["members"] > 0 and wall["verify"] > 0
+    assert set(wall["member_stages"]) >= {"capture", "generate_and_check", "build", "verify", "measure"}
+    # Every member is still verified and timed against eager at its own size.
+    assert top.module.report.verification["passed"] and top.module.report.timing["eager_ms"] > 0
+
+
 def test_the_family_saved_serves_its_sizes_from_the_file(tmp_path):
     torch.manual_seed(2)
     model = Block(128).cuda().eval()

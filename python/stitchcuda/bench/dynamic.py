@@ -10,7 +10,9 @@ Columns per problem and size: eager_ms, family_ms (the optimized module, its mem
 correct; per problem: the static optimize's and the dynamic one's wall seconds, the members built and how
 each size was served (program, padded, original). Summary: per size, the geomean speed-up over eager of the
 family, of compile and the family over compile, and the family at each size over the static program at
-the example shape (the issue's 0.9x target). STITCHCUDA_DYNAMIC_PADDING=off measures exact members.
+the example shape (the issue's 0.9x target), and optimize()'s wall time with dynamic="auto" over the static
+one's (the issue's 2x target), with where each spent it, stage by stage (report.dynamic["wall_s"]).
+STITCHCUDA_DYNAMIC_PADDING=off measures exact members.
 Progress goes to stderr, the table (or --json) to stdout; exit 1 when any output is wrong.
 """
 
@@ -32,7 +34,7 @@ from .problems import default_dir, load, model_files, shrink
 from .reference import compare_outputs
 from .tables import geomean
 
-__all__ = ["batch_sizes", "measure_problem", "summarize_sizes", "main"]
+__all__ = ["batch_sizes", "measure_problem", "summarize_sizes", "wall_line", "main"]
 
 LABELS = ("1", "prime", "half", "example", "2x")
 
@@ -69,12 +71,14 @@ def measure_problem(path: Path, small: bool = False, compile_column: bool = True
         row["static_s"] = round(time.perf_counter() - t0, 2)
         row["static_runs"] = "program" if static.report.status == "optimized" else "original"
         row["static_speedup"] = static.report.timing.get("speedup_eager") if row["static_runs"] == "program" else 1.0
+        row["static_stages"] = {k: round(v, 3) for k, v in static.report.stage_seconds.items()}
         del static
         gc.collect()
         t0 = time.perf_counter()
         family = stitchcuda.optimize(model, inputs, dynamic="auto", compare_compile=False, progress=False)
         row["dynamic_s"] = round(time.perf_counter() - t0, 2)
         row["refused"] = family.report.dynamic.get("refused", "")
+        row["dynamic_wall"] = family.report.dynamic.get("wall_s", {})  # export, example, members, verify
         if not isinstance(family, DynamicModule):
             row["sizes"] = {}
             return row
@@ -148,7 +152,23 @@ def _table(rows: list[dict], summary: dict) -> str:
                      f"{_f(s['family_vs_compile'])}, over static@example {_f(s['family_over_static_example'])}")
     w = summary["optimize_wall_ratio"]
     lines.append(f"optimize wall, dynamic over static: geomean {_f(w['geomean'])}, max {_f(w['max'])}")
+    lines += ["", "where optimize's seconds went (static: its stages; dynamic: export, the example's program, the "
+              "members the range check built and their stages summed, the range check's verification):"]
+    lines += [wall_line(r) for r in rows if r.get("static_stages")]
     return "\n".join(lines)
+
+
+def wall_line(row: dict) -> str:
+    """One problem's static and dynamic optimize() seconds, by stage."""
+    def stages(d: dict) -> str:
+        return ", ".join(f"{k} {v:.2f}" for k, v in d.items())
+
+    w = row.get("dynamic_wall") or {}
+    dynamic = (f"export {w['export']:.2f} + example {w['example']:.2f} + {w['members_built']} member(s) "
+               f"{w['members']:.2f} ({stages(w['member_stages'])}) + verify {w['verify']:.2f}" if w
+               else "no family (see refused)")
+    return (f"{row['problem']}: static {row['static_s']} s ({stages(row['static_stages'])}); dynamic "
+            f"{row.get('dynamic_s')} s: {dynamic}")
 
 
 def _f(v: float | None) -> str:

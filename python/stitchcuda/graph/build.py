@@ -5,6 +5,7 @@ replay or direct launches), and the report's view of what was built (groups, mem
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -19,7 +20,8 @@ from .state import PipelineState, Variant
 
 __all__ = ["build_program", "build_variant", "owning_constants", "program_memory", "choose_variant", "planned_bytes",
            "buffer_bytes", "variant_decisions", "choose_replay", "LAUNCH_US", "REPLAY_COPY_MARGIN", "replay_estimate",
-           "nothing_to_gain", "is_replay_decision", "planned_entries", "record_unheld", "group_entries", "used_in"]
+           "nothing_to_gain", "is_replay_decision", "planned_entries", "record_unheld", "group_entries", "used_in",
+           "Decided", "decided_by", "member_variants"]
 
 
 def build_program(state: PipelineState) -> OptimizedModule:
@@ -69,7 +71,15 @@ def build_variant(state: PipelineState) -> tuple[OptimizedModule, float]:
     runner, ms = None, float("inf")
     held: dict[bool, int] = {}
     report.memory = program_memory(program)
-    if graphs:
+    decided = state.decided
+    if graphs and decided is not None and decided.replay in ("graph", "direct"):
+        # A family member runs as the example's program was found to run fastest: one runner, not two timed.
+        why = f"as the example's program ({decided.why})"
+        program.set_replay(decided.replay, why)
+        runner = ProgramModule(program, graphs=decided.replay == "graph")
+        report.decisions[:] = [d for d in report.decisions if not is_replay_decision(d)] + [(REPLAY_TITLES[
+            decided.replay == "graph"], why)]
+    elif graphs:
         runner, decision, ms = choose_replay(program, state.contiguous_inputs, held)
         report.decisions[:] = [d for d in report.decisions if not is_replay_decision(d)] + [decision]
         kept = program.replay["mode"] == "graph"
@@ -219,7 +229,7 @@ def choose_replay(program: Program, inputs: list[torch.Tensor],
     else:  # neither ran: keep the graph runner and let verification report the failure
         return (ProgramModule(program, graphs=True), ("replay as one CUDA graph", f"neither mode ran: {errors[True]}"),
                 float("inf"))
-    decision = "replay as one CUDA graph" if use_graph else "launch the steps directly (no CUDA graph)"
+    decision = REPLAY_TITLES[use_graph]
     program.set_replay("graph" if use_graph else "direct", why)  # a saved artifact runs the same way
     kept = runners.pop(False, None) if not use_graph else None
     runners.clear()
@@ -265,8 +275,40 @@ def nothing_to_gain(plan: GraphPlan, fallback: set[int], graph: Graph | None = N
             f"graph replay would copy {moved / 2 / 2**20:,.0f} MiB of inputs and outputs to save one launch")
 
 
+REPLAY_TITLES = {True: "replay as one CUDA graph", False: "launch the steps directly (no CUDA graph)"}
+
+
 def is_replay_decision(decision: tuple[str, str]) -> bool:
-    return decision[0] in ("replay as one CUDA graph", "launch the steps directly (no CUDA graph)")
+    return decision[0] in REPLAY_TITLES.values()
+
+
+@dataclass(frozen=True)
+class Decided:
+    """What optimize() timed on the example's program that a dynamic family's other members take from it
+    instead of timing again at their size (graph/dynamic.py): the variant kept (convolution chains
+    channels-last, convolution epilogues fused in cuDNN) and the runner (`replay`: "graph", "direct", or ""
+    where none was measured); `why`: the measurement. Every member is still checked, verified and timed
+    against eager at its own size."""
+
+    channels_last: bool
+    fused_epilogues: bool
+    replay: str
+    why: str
+
+
+def decided_by(state: PipelineState) -> Decided:
+    """The timed choices of the state's built program."""
+    replay = state.optimized.program.replay
+    mode = replay.get("mode", "")
+    return Decided(bool(state.plan.channels_last), bool(state.plan.fuse_conv_epilogues),
+                   mode if mode in ("graph", "direct") else "", replay.get("reason", ""))
+
+
+def member_variants(plan: GraphPlan, decided: Decided) -> list[Variant]:
+    """A member's one variant: the example's choice, in this plan's values (a plan without a
+    channels-last chain or a fusable epilogue has only the plain one)."""
+    return [(plan.channels_last if decided.channels_last else frozenset(),
+             decided.fused_epilogues and bool(plan.conv_epilogues))]
 
 
 def planned_entries(plan: GraphPlan) -> list[dict]:

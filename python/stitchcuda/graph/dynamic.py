@@ -45,7 +45,7 @@ from .module import OptimizedModule, model_name, positional_call, shapes_text
 from .options import OptimizeOptions
 
 __all__ = ["DynamicDim", "DynamicModule", "parse_dynamic", "export_guards", "choose_member", "stress_sizes",
-           "resized_inputs", "optimize_dynamic", "parameter_names", "MAX_RESIDENT", "AUTO"]
+           "resized_inputs", "optimize_dynamic", "wall_breakdown", "parameter_names", "MAX_RESIDENT", "AUTO"]
 
 log = get_logger(__name__)
 
@@ -390,6 +390,7 @@ class DynamicModule(OptimizedModule):
                  example_inputs: tuple, options: OptimizeOptions, guards: list[str]) -> None:
         super().__init__(model, example.program, example._graph, example.report, options.graphs, example._runner)
         self._dims, self._options, self._guards = dims, options, guards
+        self._decided = getattr(example, "decided", None)  # the example's timed choices, reused by every member
         self._traced = model
         self._example_inputs = example_inputs
         self._fixed = self._fixed_signature(example_inputs)
@@ -559,7 +560,7 @@ class DynamicModule(OptimizedModule):
                                       verify_sets=min(self._options.verify_sets, 2), llm=None, resume=None,
                                       run_dir=None)
         self.release()  # the member's build and checks never hold the others' working memory
-        module = run_pipeline(self._traced, inputs, options)
+        module = run_pipeline(self._traced, inputs, options, decided=self._decided)
         self.member_builds += 1
         reason = "" if module._runner is not None else module.report.reason
         if reason:
@@ -606,7 +607,16 @@ class DynamicModule(OptimizedModule):
         return rows
 
     def _check_at(self, sizes, input_set, verify_whole) -> dict:
+        t0 = time.perf_counter()
+        builds = self.member_builds
         member = self.member_for(sizes, any_larger=True)
+        built_s = time.perf_counter() - t0 if self.member_builds > builds else 0.0
+        row = self._verify_at(sizes, member, input_set, verify_whole)
+        # Where the range check's time goes: building a member, or verifying the call against the model.
+        row["build_s"], row["verify_s"] = round(built_s, 3), round(time.perf_counter() - t0 - built_s, 3)
+        return row
+
+    def _verify_at(self, sizes, member: Member, input_set, verify_whole) -> dict:
         inputs = input_set(resized_inputs(self._example_inputs, self._dims, sizes), 1)
         row = {"sizes": dict(zip((d.name for d in self._dims), sizes)), "member": member.sizes,
                "padded": member.sizes != sizes, "runs": "program" if member.runs_program else "original"}
@@ -632,6 +642,24 @@ class DynamicModule(OptimizedModule):
         ProgramFamily(dims=dims, members=members).save(path)
 
 
+def wall_breakdown(export_s: float, example_s: float, example: OptimizedModule, checks: list[dict],
+                   members: Any) -> dict:
+    """Where a dynamic optimize()'s wall time went, in seconds: export's symbolic trace, the example's
+    program (and its stages), the members the range check built (and their stages, summed), and the range
+    check's verification of each size against the model. What the members repeat of the example's work
+    is what the family costs over a static optimize()."""
+    built = [m for m in members if m.module is not None and m.module is not example]
+    stages: dict[str, float] = {}
+    for m in built:
+        for k, v in m.module.report.stage_seconds.items():
+            stages[k] = stages.get(k, 0.0) + v
+    return {"export": round(export_s, 3), "example": round(example_s, 3),
+            "example_stages": {k: round(v, 3) for k, v in example.report.stage_seconds.items()},
+            "members": round(sum(r.get("build_s", 0.0) for r in checks), 3), "members_built": len(built),
+            "member_stages": {k: round(v, 3) for k, v in stages.items()},
+            "verify": round(sum(r.get("verify_s", 0.0) for r in checks), 3)}
+
+
 def optimize_dynamic(model: torch.nn.Module, tensors: tuple, options: OptimizeOptions,
                      names: Sequence[str] = ()) -> OptimizedModule:
     """run_pipeline for a call whose dims in `options.dynamic` may vary: the example's program, then the
@@ -647,7 +675,9 @@ def optimize_dynamic(model: torch.nn.Module, tensors: tuple, options: OptimizeOp
     except DynamicShapeError as exc:
         guards, refused = [], str(exc)
     export_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
     fast = run_pipeline(model, tensors, options)
+    example_s = time.perf_counter() - t1
     info = {"dims": [dataclasses.asdict(d) for d in dims], "guards": guards, "export_s": round(export_s, 3)}
     fast.report.dynamic = info
     if refused:
@@ -662,6 +692,7 @@ def optimize_dynamic(model: torch.nn.Module, tensors: tuple, options: OptimizeOp
     t1 = time.perf_counter()
     info["range_check"] = family.check_range()
     info["range_check_s"] = round(time.perf_counter() - t1, 3)
+    info["wall_s"] = wall_breakdown(export_s, example_s, fast, info["range_check"], family._members.values())
     info["dims"] = [dataclasses.asdict(d) for d in dims]  # after the check: a dim may have lost its padding
     info["members"] = family.members
     passed = all(r["passed"] for r in info["range_check"])

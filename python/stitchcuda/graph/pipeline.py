@@ -18,8 +18,8 @@ import torch.utils._pytree as pytree
 from ..log import StepProgress, get_logger
 from ..verify import hardware
 from .agents import AgentBudget, run_agents
-from .build import (build_program, nothing_to_gain, owning_constants, planned_entries, record_unheld,
-                    used_in)
+from .build import (Decided, build_program, decided_by, member_variants, nothing_to_gain, owning_constants,
+                    planned_entries, record_unheld, used_in)
 from .capture import CaptureError, capture
 from .checks import check_groups, memory_target
 from .lower import Lowering, LoweringError, constant_values
@@ -182,6 +182,8 @@ def build_stage(state: PipelineState) -> Fallback | None:
                                                      else [frozenset()])]
     if plan.conv_epilogues:
         state.variants.append((state.variants[0][0], True))
+    if state.decided is not None:  # a family member: the example's variant, not timed again
+        state.variants = member_variants(plan, state.decided)
     with state.steps.step("building the program"), timed_stage(state.report, "build"):
         state.optimized = build_program(state)
     record_peak(state.report, "build")
@@ -215,7 +217,9 @@ def measure_stage(state: PipelineState) -> Fallback | None:
                                       options.compare_compile and options.measure)
     record_peak(report, "measure")
     why = not_faster(report.timing)
-    lost = explain_loss(state) if why else ""  # the kernels that cost more than their ATen ops, in report.timing
+    # The kernels that cost more than their ATen ops, in report.timing; a family member's loss is said by its
+    # times alone (the example's program, built first, carries this analysis).
+    lost = explain_loss(state) if why and state.decided is None else ""
     if not options.keep_slower and why:
         return Fallback(f"the stitched program is not faster than the model on the example inputs ({why}, by the "
                         f"Verifier's timer){'; ' + lost if lost else ''}: the original model runs (keep_slower=True "
@@ -228,9 +232,13 @@ STAGES: tuple[tuple[str, Callable[[PipelineState], Fallback | None]], ...] = (
     ("build", build_stage), ("verify", verify_stage), ("measure", measure_stage))
 
 
-def run_pipeline(model: torch.nn.Module, example_inputs: tuple, options: OptimizeOptions) -> OptimizedModule:
-    """optimize() on a module in eval mode and its positional inputs (keyword inputs already appended)."""
-    state = PipelineState(model, tuple(example_inputs), options, steps=StepProgress(options.progress))
+def run_pipeline(model: torch.nn.Module, example_inputs: tuple, options: OptimizeOptions,
+                 decided: Decided | None = None) -> OptimizedModule:
+    """optimize() on a module in eval mode and its positional inputs (keyword inputs already appended).
+    `decided`: a dynamic family's member takes these choices from the example's program (build.Decided)
+    instead of timing them; the module returned carries its own as `.decided` where a program was built."""
+    state = PipelineState(model, tuple(example_inputs), options, steps=StepProgress(options.progress),
+                          decided=decided)
     if not torch.cuda.is_available():
         state.report.reason = "no CUDA device: the model runs eagerly"
         if options.agents:
@@ -260,6 +268,8 @@ def run_stages(state: PipelineState, stages: tuple = STAGES) -> OptimizedModule:
                      time.perf_counter() - t0)
             if stop is not None:
                 return _eager(state, stop)
+        if state.optimized is not None and state.optimized.program is not None:
+            state.optimized.decided = decided_by(state)
         return state.optimized
     except (CaptureError, LoweringError) as exc:  # what graph mode cannot take, with the reason and the fix
         return _eager(state, Fallback(str(exc)))

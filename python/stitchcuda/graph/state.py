@@ -43,6 +43,7 @@ class PipelineState:
     contiguous_inputs: list[torch.Tensor] = field(default_factory=list)  # build
     variants: list[Variant] = field(default_factory=list)         # build: the variants still to choose from
     optimized: Any = None                       # build: the OptimizedModule of the current program
+    decided: Any = None                         # a dynamic family's member: the example's timed choices (build.Decided)
 
     @property
     def passed(self) -> bool:
