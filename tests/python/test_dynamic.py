@@ -231,3 +231,18 @@ def test_the_wall_breakdown_says_what_the_members_repeat():
                       "dynamic_wall": w})
     assert line == ("p: static 1.4 s (capture 0.50); dynamic 2.5 s: export 0.10 + example 1.50 + 1 member(s) 0.50 "
                     "(capture 0.25, build 0.25) + verify 0.38")
+
+
+@pytest.mark.parametrize("dtype, precision, truth", [(torch.float32, "fp32", False), (torch.float32, "tf32", True),
+                                                     (torch.bfloat16, "fp32", True)])
+def test_the_range_check_copies_the_model_to_fp64_only_where_that_decides(dtype, precision, truth):
+    from stitchcuda.graph import capture
+    from stitchcuda.graph.dynamic import DynamicModule
+    from stitchcuda.graph.module import OptimizedModule
+    from stitchcuda.graph.options import OptimizeOptions
+    from stitchcuda.graph.report import Report
+
+    model, x = Mlp().eval().to(dtype), (torch.randn(8, 16, dtype=dtype), torch.randn(8, 8, dtype=dtype))
+    example = OptimizedModule(model, None, capture(model, x), Report())
+    family = DynamicModule(model, example, parse_dynamic("auto", x), x, OptimizeOptions(), [])
+    assert (family._no_truth_needed(precision) == "") == truth
