@@ -246,3 +246,76 @@ def test_the_range_check_copies_the_model_to_fp64_only_where_that_decides(dtype,
     example = OptimizedModule(model, None, capture(model, x), Report())
     family = DynamicModule(model, example, parse_dynamic("auto", x), x, OptimizeOptions(), [])
     assert (family._no_truth_needed(precision) == "") == truth
+
+
+class Flattened(torch.nn.Module):
+    """A view whose extents are computed from the batch (sym_size and arithmetic on it in the export)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.lin = torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.Linear(4 * 5 * 5, 10)
+
+    def forward(self, x):
+        y = torch.relu(self.conv(x))
+        return torch.softmax(self.lin(y.reshape(x.shape[0], -1)), -1).view(x.shape[0] * 2, 5)
+
+
+def _graph_signature(graph) -> list:
+    from stitchcuda.graph import Value
+
+    def arg(a):
+        if isinstance(a, Value):
+            return a.shape, a.strides, a.dtype, a.storage_offset, a.kind
+        return tuple(arg(x) for x in a) if isinstance(a, (list, tuple)) else a
+
+    return [(n.op, arg(n.args), arg(tuple(sorted(n.kwargs.items()))), arg(tuple(n.outputs))) for n in graph.nodes]
+
+
+@pytest.mark.parametrize("model, example", [(Head(), (torch.randn(4, 6, 64),)), (Flattened(), (torch.randn(3, 3, 5, 5),)),
+                                            (Mlp(), (torch.randn(8, 16), torch.randn(8, 8)))],
+                         ids=["broadcast-and-norm", "sizes-from-the-batch", "two-carriers"])
+def test_one_symbolic_export_specialized_is_the_graph_capture_makes_at_each_size(model, example):
+    from stitchcuda.graph import capture
+    from stitchcuda.graph.dynamic import dim_symbols, export_symbolic, specialize
+    from stitchcuda.graph.lower import reference_values
+
+    model = model.eval()
+    dims = parse_dynamic("auto", example)
+    with torch.no_grad():
+        symbolic = export_symbolic(model, example, dims)
+        symbols = dim_symbols(symbolic, dims)
+        for size in (dims[0].example, 1, 2 * dims[0].example - 1):
+            inputs = resized_inputs(example, dims, [size])
+            read = capture(model, inputs, exported=specialize(symbolic, symbols, [size]))
+            assert _graph_signature(read) == _graph_signature(capture(model, inputs))
+            # The specialized graph runs at its size (the group checks record their values from it).
+            values = reference_values(read, list(inputs))
+            torch.testing.assert_close(values[read.outputs[0].name], model(*inputs))
+
+
+def test_the_capture_stage_reads_the_specialized_program_or_exports_when_it_cannot(caplog):
+    from stitchcuda.graph import pipeline
+    from stitchcuda.graph.dynamic import dim_symbols, export_symbolic, specialize
+    from stitchcuda.graph.options import OptimizeOptions
+    from stitchcuda.graph.state import PipelineState
+    from stitchcuda.log import StepProgress
+
+    model, x = Head().eval(), (torch.randn(4, 6, 64),)
+    dims = parse_dynamic("auto", x)
+    symbolic = export_symbolic(model, x, dims)
+    inputs = resized_inputs(x, dims, [7])
+
+    def stage(exported):
+        state = PipelineState(model, inputs, OptimizeOptions(isolated=False), steps=StepProgress(False),
+                              exported=exported)
+        assert pipeline.capture_stage(state) is None
+        return state.graph
+
+    read = stage(lambda: specialize(symbolic, dim_symbols(symbolic, dims), [7]))
+    assert isinstance(read.exported, type(specialize(symbolic, dim_symbols(symbolic, dims), [7])))
+    assert read.inputs[0].shape == (7, 6, 64)
+    with caplog.at_level(logging.INFO, logger="stitchcuda"):
+        exported = stage(lambda: specialize(symbolic, [], [7]))  # no size bound: the program cannot be read
+    assert not isinstance(exported.exported, type(read.exported)) and exported.inputs[0].shape == (7, 6, 64)
+    assert _graph_signature(exported) == _graph_signature(read)
+    assert any("exporting at these sizes" in r.getMessage() for r in caplog.records)

@@ -294,7 +294,7 @@ def _fx_names_every_dtype() -> None:
                 table[dtype] = str(dtype).removeprefix("torch.")
 
 
-def _export(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Any:
+def _export(model: torch.nn.Module, example_inputs: Sequence[Any], dynamic_shapes: Any = None) -> Any:
     _fx_names_every_dtype()
     # Without autograd: the program is an inference forward, and tensors made under torch.inference_mode()
     # (an inference server's inputs) cannot be traced with autograd recording; a model loaded there (its
@@ -304,7 +304,7 @@ def _export(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Any:
     with warnings.catch_warnings(), _recurrent_shapes_only(), mode, _export_quietly():
         # torch's own pytree deprecation notices, raised inside export: not the user's concern.
         warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
-        exported = torch.export.export(model, tuple(example_inputs), strict=False)
+        exported = torch.export.export(model, tuple(example_inputs), dynamic_shapes=dynamic_shapes, strict=False)
         return exported.run_decompositions(_decompositions())
 
 
@@ -477,7 +477,7 @@ class _FlatOutputs(torch.nn.Module):
 
 
 def capture(model: torch.nn.Module, example_inputs: Sequence[Any],
-            autocast: tuple[str, torch.dtype] | bool | None = None) -> Graph:
+            autocast: tuple[str, torch.dtype] | bool | None = None, exported: Any = None) -> Graph:
     """Exports `model` on `example_inputs` and returns its core-ATen graph. A transformers model (or one
     returning an object of that library pytree did not know: a causal LM's DynamicCache) is exported
     returning its output's tensors, and the graph's out_spec rebuilds the output, cache included.
@@ -493,7 +493,9 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any],
                       "ATen inlines into explicit casts; the program computes what the model computes under this "
                       "autocast, called inside it or not (a call outside it logs a warning once)"))
     with autocast_as(None):  # the export's trace and its decomposition see no autocast but the model's own
-        exported, out_spec, more = _exported(model, example_inputs)
+        # `exported`: a core-ATen program already made for these inputs (graph/dynamic.py specializes one
+        # exported with symbolic sizes), read instead of exporting again.
+        exported, out_spec, more = (exported, None, []) if exported is not None else _exported(model, example_inputs)
     notes += more
     apart = _convolution_biases_apart(exported)
     if apart:

@@ -15,6 +15,12 @@ for one member size and kept only where it is correct and faster there:
 - a dim where padding changes the answer (a sequence that a softmax or a mean reads whole) is served
   **exactly**: a member per size that occurs, built on first use.
 
+What the programs share, so that a member costs a fraction of the first: one export (the symbolic one that
+checks the dims, lowered to core ATen once; each program's graph is it at the program's sizes,
+`specialize`), the choices timed on the example's program (its variant and runner, build.Decided) and the
+compiled kernels (the templates leave the batch to the launch, so a member's sources are the example's).
+Each is still planned, checked group by group, verified and timed against eager at its own size.
+
 optimize() verifies the family over the range before returning: at the range's ends, a prime, half the
 example and the example, on fresh inputs, through the same calls a user makes; a dim whose padded sizes do
 not match the model is switched to exact members. At most MAX_RESIDENT members hold their working memory
@@ -40,6 +46,9 @@ import torch.utils._pytree as pytree
 from ..errors import InvalidArgumentError
 from ..log import get_logger
 from ..settings import settings
+# capture's export (no autograd, its core-ATen decompositions), here with symbolic sizes; and its test for a
+# transformers model, whose output capture flattens (a specialized program keeps export's own).
+from .capture import _export as export_core, _transformers_model, autocast_in_effect
 from .capture import under_autocast, warn_other_autocast
 from .module import OptimizedModule, model_name, positional_call, shapes_text
 from .options import OptimizeOptions
@@ -195,12 +204,11 @@ class DynamicShapeError(Exception):
     """The model cannot vary a declared dim (torch.export's reason is in the message)."""
 
 
-def export_guards(model: torch.nn.Module, tensors: Sequence[Any], dims: list[DynamicDim]) -> list[str]:
-    """Exports `model` with the dims symbolic (torch.export.Dim per dim): a model that fixes a dim raises
-    DynamicShapeError with export's reason; a range export narrows (the model needs batch >= 2) narrows the
-    dim. Sets each dim's output axes from the symbolic output shapes (an output extent that is not the
-    dim itself, 2 * batch, leaves that dim without padding). Returns the guards, as text."""
-    from torch.export import Dim, export
+def export_symbolic(model: torch.nn.Module, tensors: Sequence[Any], dims: list[DynamicDim]) -> Any:
+    """`model` exported once with the dims symbolic (torch.export.Dim per dim), as capture exports a model
+    (no autograd, lowered to its core ATen): a model that fixes a dim raises DynamicShapeError with
+    export's reason. Every member's graph is this program at the member's sizes (specialize)."""
+    from torch.export import Dim
 
     symbols = {d.name: Dim(_identifier(d.name), min=d.min, max=d.max) for d in dims}
     shapes: list[Any] = [None] * len(tensors)
@@ -214,9 +222,19 @@ def export_guards(model: torch.nn.Module, tensors: Sequence[Any], dims: list[Dyn
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            exported = export(model, tuple(tensors), dynamic_shapes=spec, strict=False)
+            return export_core(model, tuple(tensors), dynamic_shapes=spec)
     except Exception as exc:  # export's constraint violations and anything it cannot trace symbolically
         raise DynamicShapeError(_export_reason(exc, dims)) from exc
+
+
+def export_guards(model: torch.nn.Module, tensors: Sequence[Any], dims: list[DynamicDim],
+                  exported: Any = None) -> list[str]:
+    """The guards of `model`'s symbolic export (`exported`, or export_symbolic's, which raises
+    DynamicShapeError where the model fixes a dim): a range export narrows (the model needs batch >= 2)
+    narrows the dim. Sets each dim's output axes from the symbolic output shapes (an output extent that is
+    not the dim itself, 2 * batch, leaves that dim without padding). Returns the guards, as text."""
+    if exported is None:
+        exported = export_symbolic(model, tensors, dims)
     placeholders = [n for n in exported.graph.nodes if n.op == "placeholder"]
     user = [n for n, spec in zip(placeholders, exported.graph_signature.input_specs)
             if spec.kind.name == "USER_INPUT"]
@@ -282,6 +300,89 @@ def _export_reason(exc: Exception, dims: list[DynamicDim]) -> str:
 def _identifier(name: str) -> str:
     text = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
     return text if text and not text[0].isdigit() else f"d_{text}"
+
+
+# ---- one export, every member's graph ----------------------------------------------------------------------
+
+class SpecializedProgram:
+    """The symbolic export's core-ATen program at concrete sizes, as capture() reads an exported program:
+    its FX graph and module (each value's metadata at these sizes, the size computations folded into
+    constants), the export's signature, weights and call spec. The weights are the model's tensors."""
+
+    def __init__(self, exported: Any, module: torch.fx.GraphModule) -> None:
+        self.graph_module, self.graph = module, module.graph
+        self.graph_signature, self.state_dict = exported.graph_signature, exported.state_dict
+        self.constants, self.call_spec = exported.constants, exported.call_spec
+
+
+def dim_symbols(exported: Any, dims: list[DynamicDim]) -> list[Any] | None:
+    """Each dim's symbol in the symbolic export (the extent of its first carrier), or None where one is not
+    a plain symbol (export tied it to an expression of another): such a program is not specialized."""
+    placeholders = [n for n in exported.graph.nodes if n.op == "placeholder"]
+    user = [n for n, spec in zip(placeholders, exported.graph_signature.input_specs) if spec.kind.name == "USER_INPUT"]
+    found = []
+    for d in dims:
+        i, axis = d.inputs[0]
+        extent = user[i].meta["val"].shape[axis] if i < len(user) else None
+        if not isinstance(extent, torch.SymInt) or not extent.node.expr.is_Symbol:
+            return None
+        found.append(extent.node.expr)
+    return found
+
+
+def specialize(exported: Any, symbols: Sequence[Any], sizes: Sequence[int]) -> SpecializedProgram:
+    """`exported` (export_symbolic's) at `sizes`, one per symbol: a copy of its graph where every value's
+    metadata is a fake tensor of its concrete shape, strides and offset, and every node computing a size
+    (sym_size, the arithmetic on it) is replaced by its value in the nodes that read it. Milliseconds,
+    where exporting the model again at each size costs a trace and a decomposition."""
+    import sympy
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    bound = {sym: sympy.Integer(size) for sym, size in zip(symbols, sizes)}
+
+    def value(x: Any) -> Any:
+        if isinstance(x, torch.SymBool):
+            return bool(x.node.expr.xreplace(bound))
+        if isinstance(x, torch.SymInt):
+            return int(x.node.expr.xreplace(bound))
+        if isinstance(x, torch.SymFloat):
+            return float(x.node.expr.xreplace(bound))
+        return x
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return value(t)
+        shape, strides = [value(e) for e in t.shape], [value(e) for e in t.stride()]
+        with mode:
+            return torch.empty_strided(shape, strides, dtype=t.dtype, device=t.device).as_strided(
+                shape, strides, value(t.storage_offset()))
+
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(exported.graph_module.graph, {}))
+    for node in list(graph.nodes):
+        val = node.meta.get("val")
+        if node.op == "call_function" and isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)):
+            size = value(val)
+            for user in list(node.users):
+                user.args = torch.fx.node.map_arg(user.args, lambda a: size if a is node else a)
+                user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda a: size if a is node else a)
+            graph.erase_node(node)
+        elif val is not None:
+            node.meta = {**node.meta, "val": pytree.tree_map(fake, val)}
+    return SpecializedProgram(exported, torch.fx.GraphModule(exported.graph_module, graph))
+
+
+def specializable(model: torch.nn.Module) -> str:
+    """Why members are exported again rather than specialized from the symbolic export, or "": under
+    torch.autocast capture enters it inside the forward, and a transformers model's output is flattened
+    into tensors for export (the symbolic export is of neither)."""
+    if autocast_in_effect() is not None:
+        return "optimize() was called under torch.autocast"
+    if _transformers_model(model):
+        return "a transformers model's output is flattened for export"
+    return ""
 
 
 # ---- members ----------------------------------------------------------------------------------------------
@@ -387,10 +488,13 @@ class DynamicModule(OptimizedModule):
     `.report.dynamic` lists the dims, guards, members and the range check."""
 
     def __init__(self, model: torch.nn.Module, example: OptimizedModule, dims: list[DynamicDim],
-                 example_inputs: tuple, options: OptimizeOptions, guards: list[str]) -> None:
+                 example_inputs: tuple, options: OptimizeOptions, guards: list[str],
+                 symbolic: Any = None, symbols: Sequence[Any] | None = None) -> None:
         super().__init__(model, example.program, example._graph, example.report, options.graphs, example._runner)
         self._dims, self._options, self._guards = dims, options, guards
         self._decided = getattr(example, "decided", None)  # the example's timed choices, reused by every member
+        # The symbolic export (export_symbolic) and its dims' symbols: each member's graph is read from it.
+        self._symbolic, self._symbols = symbolic, symbols
         self._traced = model
         self._example_inputs = example_inputs
         self._fixed = self._fixed_signature(example_inputs)
@@ -560,7 +664,10 @@ class DynamicModule(OptimizedModule):
                                       verify_sets=min(self._options.verify_sets, 2), llm=None, resume=None,
                                       run_dir=None)
         self.release()  # the member's build and checks never hold the others' working memory
-        module = run_pipeline(self._traced, inputs, options, decided=self._decided)
+        exported = None
+        if self._symbolic is not None and self._symbols is not None:
+            exported = lambda: specialize(self._symbolic, self._symbols, sizes)  # noqa: E731
+        module = run_pipeline(self._traced, inputs, options, decided=self._decided, exported=exported)
         self.member_builds += 1
         reason = "" if module._runner is not None else module.report.reason
         if reason:
@@ -680,16 +787,28 @@ def optimize_dynamic(model: torch.nn.Module, tensors: tuple, options: OptimizeOp
 
     dims = parse_dynamic(options.dynamic, tensors, names or parameter_names(model))
     t0 = time.perf_counter()
+    symbolic, symbols, exported = None, None, None
     try:
-        guards = export_guards(model, tensors, dims)
+        symbolic = export_symbolic(model, tensors, dims)
+        guards = export_guards(model, tensors, dims, symbolic)
         refused = ""
     except DynamicShapeError as exc:
         guards, refused = [], str(exc)
+    # Every program of the family, the example's first, is read from the one symbolic export at its sizes
+    # where it can be (graph/pipeline.py exports the model as usual where reading it fails).
+    exported_again = specializable(model) if symbolic is not None else "no symbolic export"
+    if not exported_again:
+        symbols = dim_symbols(symbolic, dims)
+        exported_again = "" if symbols is not None else "export tied a dim to an expression of another"
+    if not exported_again:
+        exported = lambda: specialize(symbolic, symbols, [d.example for d in dims])  # noqa: E731
     export_s = time.perf_counter() - t0
     t1 = time.perf_counter()
-    fast = run_pipeline(model, tensors, options)
+    fast = run_pipeline(model, tensors, options, exported=exported)
     example_s = time.perf_counter() - t1
-    info = {"dims": [dataclasses.asdict(d) for d in dims], "guards": guards, "export_s": round(export_s, 3)}
+    info = {"dims": [dataclasses.asdict(d) for d in dims], "guards": guards, "export_s": round(export_s, 3),
+            "members_captured": "exported again at each size: " + exported_again if exported_again
+            else "specialized from one symbolic export"}
     fast.report.dynamic = info
     if refused:
         info["refused"] = refused
@@ -699,7 +818,7 @@ def optimize_dynamic(model: torch.nn.Module, tensors: tuple, options: OptimizeOp
     if fast._runner is None:
         info["refused"] = "the example's program runs the original model, so every size does"
         return fast
-    family = DynamicModule(model, fast, dims, tensors, options, guards)
+    family = DynamicModule(model, fast, dims, tensors, options, guards, None if exported_again else symbolic, symbols)
     t1 = time.perf_counter()
     info["range_check"] = family.check_range()
     info["range_check_s"] = round(time.perf_counter() - t1, 3)

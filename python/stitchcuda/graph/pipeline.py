@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
@@ -20,7 +20,7 @@ from ..verify import hardware
 from .agents import AgentBudget, run_agents
 from .build import (Decided, build_program, decided_by, member_variants, nothing_to_gain, owning_constants,
                     planned_entries, record_unheld, used_in)
-from .capture import CaptureError, capture
+from .capture import CaptureError, Graph, capture
 from .checks import check_groups, memory_target
 from .lower import Lowering, LoweringError, constant_values
 from .measure import (allocated, device_facts, explain_loss, measure_speed, not_faster, record_peak, timed_stage,
@@ -59,12 +59,26 @@ def capture_stage(state: PipelineState) -> Fallback | None:
     report = state.report
     with state.steps.step("capturing"):
         t0 = time.perf_counter()
-        state.graph = capture(state.model, state.example_inputs)
+        state.graph = _specialized(state) or capture(state.model, state.example_inputs)
         report.stage_seconds["capture"] = time.perf_counter() - t0
     record_peak(report, "capture")
     report.op_counts = state.graph.op_counts()
     report.decisions += state.graph.notes
     return None
+
+
+def _specialized(state: PipelineState) -> Graph | None:
+    """The graph read from the program `state.exported` gives (a dynamic family's: the model exported
+    once with its dims symbolic, specialized to these sizes), or None to export as usual: none given, or
+    one that cannot be read (said in the log; the export that follows decides)."""
+    if state.exported is None:
+        return None
+    try:
+        return capture(state.model, state.example_inputs, exported=state.exported())
+    except Exception as exc:  # the family's shortcut only: the model is exported at these sizes instead
+        log.info("capture: the specialized symbolic export was not read (%s: %s); exporting at these sizes",
+                 type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return None
 
 
 def plan_stage(state: PipelineState) -> Fallback | None:
@@ -233,12 +247,14 @@ STAGES: tuple[tuple[str, Callable[[PipelineState], Fallback | None]], ...] = (
 
 
 def run_pipeline(model: torch.nn.Module, example_inputs: tuple, options: OptimizeOptions,
-                 decided: Decided | None = None) -> OptimizedModule:
+                 decided: Decided | None = None, exported: Callable[[], Any] | None = None) -> OptimizedModule:
     """optimize() on a module in eval mode and its positional inputs (keyword inputs already appended).
-    `decided`: a dynamic family's member takes these choices from the example's program (build.Decided)
-    instead of timing them; the module returned carries its own as `.decided` where a program was built."""
+    A dynamic family's programs (graph/dynamic.py) pass `decided`, the choices a member takes from the
+    example's program (build.Decided) instead of timing them — the module returned carries its own as
+    `.decided` where a program was built — and `exported`, which gives the core-ATen program to capture
+    from instead of exporting the model again."""
     state = PipelineState(model, tuple(example_inputs), options, steps=StepProgress(options.progress),
-                          decided=decided)
+                          decided=decided, exported=exported)
     if not torch.cuda.is_available():
         state.report.reason = "no CUDA device: the model runs eagerly"
         if options.agents:

@@ -44,6 +44,7 @@ class PipelineState:
     variants: list[Variant] = field(default_factory=list)         # build: the variants still to choose from
     optimized: Any = None                       # build: the OptimizedModule of the current program
     decided: Any = None                         # a dynamic family's member: the example's timed choices (build.Decided)
+    exported: Any = None                        # dynamic: () -> the core-ATen program capture reads, not exporting
 
     @property
     def passed(self) -> bool:
