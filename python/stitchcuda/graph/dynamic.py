@@ -50,6 +50,7 @@ from ..settings import settings
 # transformers model, whose output capture flattens (a specialized program keeps export's own).
 from .capture import _export as export_core, _transformers_model, autocast_in_effect
 from .capture import under_autocast, warn_other_autocast
+from .measure import no_truth_needed
 from .module import OptimizedModule, model_name, positional_call, shapes_text
 from .options import OptimizeOptions
 
@@ -738,15 +739,8 @@ class DynamicModule(OptimizedModule):
                 "max_abs_error": verdict.get("max_abs_error")}
 
     def _no_truth_needed(self, precision: str) -> str:
-        """Why the range check makes no fp64 copy of the model, or "" where it does: an fp64 result decides
-        only outputs judged by the accuracy rule (16-bit ones, fp32 ones under TF32); fp32 outputs at fp32
-        are judged by the tolerance table, and the copy (the model's weights again, in fp64, and its
-        forward) would only add the error against it to the row."""
-        from ..verify.tolerance import by_accuracy
-
-        if any(by_accuracy(v.dtype, precision) for v in self._graph.outputs if v is not None):
-            return ""
-        return "the range check judges these outputs by the tolerance table alone"
+        """Why the range check makes no fp64 copy of the model (measure.no_truth_needed), or ""."""
+        return no_truth_needed(self._graph, precision)
 
     def save(self, path) -> None:
         from ..program import ProgramFamily  # the artifact that holds every member

@@ -24,7 +24,7 @@ from .state import PipelineState
 __all__ = ["device_facts", "hardware_record", "time_ms", "allocated", "copy_ms", "timed_stage", "record_peak",
            "flat_tensors", "verify_program", "fp64_too_large", "VARIANT_TIE", "MEASURE_ROUNDS", "MEASURE_REPEATS",
            "KEEP_MARGIN", "not_faster", "measure_speed", "verify_state", "LOSSES_LISTED", "losing_groups", "loss_text",
-           "group_times", "explain_loss", "kernels_of_groups", "OTHER_STEPS"]
+           "group_times", "explain_loss", "kernels_of_groups", "OTHER_STEPS", "no_truth_needed"]
 
 # Program variants whose times are within this share of the fastest's are a tie (the timer's spread on
 # one model): of those, the one whose plan holds the least working memory is kept.
@@ -89,7 +89,7 @@ def flat_tensors(inputs) -> list[torch.Tensor]:
     return [t.contiguous() for t in pytree.tree_flatten(tuple(inputs))[0] if isinstance(t, torch.Tensor)]
 
 
-def verify_program(model, optimized: Any, example_inputs, sets: int, plan: GraphPlan) -> dict:
+def verify_program(model, optimized: Any, example_inputs, sets: int, plan: GraphPlan, no_exact: str = "") -> dict:
     """The whole program against the module, judged by the Verifier (verify.program.verify_whole): the
     example inputs, then fresh random sets, under the tolerance table for the plan's precision; the
     error against an fp64 copy of the model too. {passed, input_sets, max_abs_error, max_rel_error_fp64,
@@ -99,7 +99,8 @@ def verify_program(model, optimized: Any, example_inputs, sets: int, plan: Graph
     # stays exact: autocast leaves fp64 tensors alone).
     verdict = whole_program.verify_whole(under_autocast(model, getattr(graph, "autocast", None)), optimized,
                                          example_inputs, sets, plan.tolerance_precision,
-                                         no_exact=fp64_too_large(plan, graph), release=getattr(optimized, "release", None))
+                                         no_exact=no_exact or fp64_too_large(plan, graph),
+                                         release=getattr(optimized, "release", None))
     verdict["precision"] = plan.tolerance_precision  # what judged it: a check of the same program at another size
     return verdict
 
@@ -184,8 +185,24 @@ def measure_speed(model, optimized: Any, example_inputs, compare_compile: bool) 
 
 
 def verify_state(state: PipelineState, optimized: Any) -> dict:
-    """verify_program on the state's model, example inputs, plan and verify_sets."""
-    return verify_program(state.model, optimized, state.example_inputs, state.options.verify_sets, state.plan)
+    """verify_program on the state's model, example inputs, plan and verify_sets. A dynamic family's member
+    (state.decided) makes the fp64 copy only where it decides (no_truth_needed): the example's verification
+    reports the error against it."""
+    spared = no_truth_needed(state.graph, state.plan.tolerance_precision) if state.decided is not None else ""
+    return verify_program(state.model, optimized, state.example_inputs, state.options.verify_sets, state.plan,
+                          no_exact=spared)
+
+
+def no_truth_needed(graph: Graph, precision: str) -> str:
+    """Why an fp64 copy of the model would decide nothing in a verification of `graph`'s outputs at
+    `precision`, or "" where it would: an fp64 result judges only the outputs under the accuracy rule
+    (16-bit ones, fp32 ones under TF32); fp32 outputs at fp32 are judged by the tolerance table, and the
+    copy (the weights again in fp64, and its forward) would only add the error against it to the report."""
+    from ..verify.tolerance import by_accuracy
+
+    if any(by_accuracy(v.dtype, precision) for v in graph.outputs if v is not None):
+        return ""
+    return "its outputs are judged by the tolerance table alone (fp32 at fp32), which an fp64 result does not change"
 
 
 # ---- why a program loses -------------------------------------------------------------------------------
