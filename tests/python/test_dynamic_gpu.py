@@ -84,6 +84,7 @@ def test_members_reuse_the_examples_choices_and_kernels_and_say_where_the_time_w
     assert replay and replay[0][1].startswith("as the example's program")  # one runner built, none timed
     example = {k["source"] for k in fast.program.kernels}
     assert {k["source"] for k in top.module.program.kernels} <= example  # no kernel compiled for the member
+    assert dyn["members_captured"] == "specialized from one symbolic export"  # no second trace of the model
     wall = dyn["wall_s"]
     assert wall["members_built"] == 1 and wall["members"] > 0 and wall["verify"] > 0
     assert set(wall["member_stages"]) >= {"capture", "generate_and_check", "build", "verify", "measure"}
