@@ -569,16 +569,20 @@ def test_softmax_rows_with_an_operand_and_an_output_function(emu):
 _PROGRAM_DTYPES = {"f32": torch.float32, "i64": torch.int64, "bool": torch.bool, "i32": torch.int32}
 
 
-def run_program(emu, program, inputs: list[torch.Tensor], constants: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+def run_program(emu, program, inputs: list[torch.Tensor], constants: dict[str, torch.Tensor],
+                states: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
     """The program's outputs on the CPU: buffers allocated as it declares them (NaN-filled where floating,
     so a value no step writes shows), views as strided aliases, kernel steps through the emulator, ATen
-    steps through torch.ops with the step's attributes."""
+    steps through torch.ops with the step's attributes. `states`: the tensors its states live in, by
+    name (updated in place, as an executor updates the tensors shared with it)."""
     buffers: dict[int, torch.Tensor] = {}
     named_inputs = iter(inputs)
     for b in program.buffers:
         dtype = _PROGRAM_DTYPES[b["dtype"]]
         if b["role"] == "input":
             buffers[b["id"]] = next(named_inputs)
+        elif b["role"] == "state":
+            buffers[b["id"]] = states[b["name"]]
         elif b["role"] == "weight":  # laid out as the program stores it (a channels-last filter: NHWC)
             buffers[b["id"]] = torch.empty_strided(b["shape"], b["strides"], dtype=dtype).copy_(constants[b["name"]])
         else:
@@ -609,7 +613,13 @@ def run_program(emu, program, inputs: list[torch.Tensor], constants: dict[str, t
                     break
                 if arg.name not in attributes:
                     given.append(None)
-            result = op(*given, **attributes)
+            names = [a.name for a in op._schema.arguments]
+            if any(names.index(k) < len(given) for k in attributes if k in names):
+                # A number between tensors (index_copy_(self, dim, index, source)): the tensors by schema name.
+                tensors = [a.name for a in op._schema.arguments if "Tensor" in str(a.type) and a.name not in attributes]
+                result = op(**dict(zip(tensors, given)), **attributes)
+            else:
+                result = op(*given, **attributes)
             for i, r in zip(step["outputs"], result if isinstance(result, (tuple, list)) else [result]):
                 buffers[i].copy_(r)
         elif step["kind"] == "matmul" and step["epilogue"] == "none" and step["beta"] == 0.0:

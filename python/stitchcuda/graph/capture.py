@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 from ..log import get_logger
 from ..settings import settings
 
-__all__ = ["CaptureError", "Value", "Node", "Graph", "capture", "AUTOCAST_DEVICES", "autocast_in_effect", "autocast_as",
+__all__ = ["CaptureError", "Value", "Node", "Graph", "capture", "state_updates", "INPLACE_UPDATES", "AUTOCAST_DEVICES", "autocast_in_effect", "autocast_as",
            "under_autocast", "warn_other_autocast"]
 
 
@@ -42,7 +42,7 @@ class Value:
     shape: tuple[int, ...]
     strides: tuple[int, ...]
     dtype: torch.dtype
-    kind: str  # "input", "weight", "node"
+    kind: str  # "input", "weight", "state" (a buffer the forward updates: a KV cache), "node"
     storage_offset: int = 0
     data: torch.Tensor | None = None  # weights: the tensor
     producer: "Node | None" = None
@@ -115,6 +115,14 @@ class Graph:
     # The torch.autocast the model was captured under, (device type, dtype), or None: its casts are the
     # graph's own _to_copy nodes, so the graph (and the program) computes that autocast's forward.
     autocast: tuple[str, torch.dtype] | None = None
+    # Buffers the forward updates (a static KV cache), kind "state", data the model's buffer itself; for
+    # each, by name, the value the forward leaves in it, and where that value is an update of the state
+    # computable in place (INPLACE_UPDATES), the node computing it: the program writes it into the state and
+    # its readers read the state. Any other new value is copied into the state at the end of the program.
+    states: list[Value] = field(default_factory=list)
+    state_values: dict[str, Value] = field(default_factory=dict)
+    state_updates: dict[str, Node] = field(default_factory=dict)
+    state_buffers: dict[str, str] = field(default_factory=dict)  # a state's value name -> the model's buffer name
 
     def output_leaves(self, tensors: Sequence[Any]) -> list[Any]:
         """All the output's leaves in order: `tensors` (the outputs' values) with the constants put back."""
@@ -205,7 +213,15 @@ def _meta(val: Any, name: str) -> tuple:
 # any/where/full_like steps that guard fully masked rows. The recurrent layers (LSTM, GRU, RNN) run as
 # cuDNN's persistent recurrence kernels; decomposed, a 6-layer LSTM over 512 steps unrolls into ~3,000
 # matmuls and ~30,000 pointwise ops, thousands of groups to generate and check, slower when done.
-KEPT_WHOLE = ("scaled_dot_product_attention.default", "lstm.input", "gru.input", "rnn_tanh.input", "rnn_relu.input")
+KEPT_WHOLE = ("scaled_dot_product_attention.default", "lstm.input", "gru.input", "rnn_tanh.input", "rnn_relu.input",
+              "index_copy.default")
+# index_copy (a KV cache written at cache_position) is kept too: its decomposition, index_put with None
+# indices for the leading dims, has no in-place form a program step can run.
+
+# The functional updates whose result can become a state's new value in place: op -> how the program
+# writes it (an in-place overload over the state, or a copy into a slice of it).
+INPLACE_UPDATES = {"aten::index_copy": "aten::index_copy_", "aten::copy": "aten::copy_",
+                   "aten::slice_scatter": "aten::copy_"}
 
 
 def _recurrent_outputs(op):
@@ -506,8 +522,42 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any],
     reader.read()
     if not reader.inputs:
         raise CaptureError("the model has no tensor inputs")
+    updates = state_updates(reader.nodes, reader.states, reader.new_values, reader.targets)
+    if reader.states:
+        copied = [reader.targets[v.name] for v in reader.states if v.name not in updates]
+        notes.append((f"{len(reader.states)} buffer(s) the forward updates are program states: "
+                      + ", ".join(f"{reader.targets[name]} ({node.op}, in place)" for name, node in updates.items())
+                      + (", " if updates and copied else "") + ", ".join(f"{b} (copied back whole)" for b in copied),
+                      "torch.export gives a buffer's update as a new value; the program writes an index_copy_, a "
+                      "slice assignment or a copy_ of the buffer into the buffer itself (a KV cache is not copied per "
+                      "call) and copies any other new value into it at the end; executors made beside the model "
+                      "update the model's own buffer"))
     return Graph(reader.inputs, reader.weights, reader.nodes, reader.outputs, out_spec or exported.call_spec.out_spec,
-                 exported.call_spec.in_spec, exported, notes, reader.output_constants, autocast)
+                 exported.call_spec.in_spec, exported, notes, reader.output_constants, autocast, reader.states,
+                 reader.new_values, updates, {v.name: reader.targets[v.name] for v in reader.states})
+
+
+def state_updates(nodes: Sequence[Node], states: Sequence[Value], new_values: dict[str, Value],
+                  buffers: dict[str, str]) -> dict[str, Node]:
+    """The states whose new value is an update of the state itself computable in place (one of
+    INPLACE_UPDATES applied to it), each with the node computing it. Such an update read again by a node
+    after it would see the new value: a CaptureError naming the buffer and the readers."""
+    order = {id(n): i for i, n in enumerate(nodes)}
+    updates: dict[str, Node] = {}
+    for state in states:
+        new = new_values[state.name]
+        node = new.producer
+        if node is None or node.op not in INPLACE_UPDATES or not node.args or node.args[0] is not state \
+                or node.outputs[0] is not new:
+            continue  # copied back whole at the end
+        later = [n.name for n in state.users if order[id(n)] > order[id(node)]]
+        if later:
+            raise CaptureError(
+                f"the forward reads the old value of buffer '{buffers[state.name]}' ({', '.join(later)}) after updating "
+                f"it ({node.name}): a program writes the update in place, so a later read would see the new value; "
+                "clone the old value before the update")
+        updates[state.name] = node
+    return updates
 
 
 # ---- torch.autocast ----------------------------------------------------------------------------------
@@ -621,6 +671,14 @@ class _GraphReader:
         self.placeholder_target = {spec.arg.name: spec.target for spec in sig.input_specs
                                    if spec.target is not None and hasattr(spec.arg, "name")}
         self.user_inputs = set(sig.user_inputs)
+        # output name -> the buffer it becomes (torch.export's buffer mutations)
+        self.mutations: dict[str, str] = dict(sig.buffers_to_mutate)
+        if getattr(sig, "user_inputs_to_mutate", None):
+            raise CaptureError(f"the forward writes its input(s) {sorted(sig.user_inputs_to_mutate.values())} in place: "
+                               "programs do not write their inputs; return the new value instead")
+        self.states: list[Value] = []
+        self.targets: dict[str, str] = {}  # a state's value name -> its buffer
+        self.new_values: dict[str, Value] = {}  # a state's value name -> the value the forward leaves in it
         self.values: dict[str, Value] = {}
         self.inputs: list[Value] = []
         self.weights: list[Value] = []
@@ -663,8 +721,13 @@ class _GraphReader:
             data = self.state.get(target) if target is not None else None
             if data is None:
                 raise CaptureError(f"graph input '{fx.name}' is neither a user input nor a known weight")
-            v = Value(fx.name, shape, strides, dtype, "weight", offset, data=data.detach())
-            self.weights.append(v)
+            if target in self.mutations.values():
+                v = Value(fx.name, shape, strides, dtype, "state", offset, data=data.detach())
+                self.states.append(v)
+                self.targets[fx.name] = target
+            else:
+                v = Value(fx.name, shape, strides, dtype, "weight", offset, data=data.detach())
+                self.weights.append(v)
         self.values[fx.name] = v
 
     def _call(self, fx: Any) -> None:
@@ -716,7 +779,20 @@ class _GraphReader:
 
     def _output(self, fx: Any) -> None:
         outs = fx.args[0]
-        leaves = [self.convert(o) for o in (outs if isinstance(outs, (list, tuple)) else [outs])]
+        outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+        # The buffers' new values come first; they are the states' updates, not outputs.
+        by_target = {self.targets[v.name]: v for v in self.states}
+        while outs and isinstance(outs[0], torch.fx.Node) and outs[0].name in self.mutations:
+            o = outs.pop(0)
+            new = self.convert(o)
+            state = by_target[self.mutations[o.name]]
+            if new is not state:  # a buffer left as it was needs no update
+                self.new_values[state.name] = new
+        for v in [v for v in self.states if v.name not in self.new_values]:
+            v.kind = "weight"  # read only, after all
+            self.states.remove(v)
+            self.weights.append(v)
+        leaves = [self.convert(o) for o in outs]
         # A number, string or None beside the tensors (a count, a flag) is the same on every call: the
         # output is rebuilt with it; the program computes the tensors.
         for k, o in enumerate(leaves):

@@ -22,7 +22,7 @@ from ..verify.program import HOST_REFERENCE_BYTES, check_program
 from ..verify.tolerance import by_accuracy
 from ..verify.tolerance import tolerance  # the Verifier's table; re-exported for graph-mode callers
 from .accuracy import candidate_outputs, judge_group, rule_precision
-from .capture import Graph, Node, Value
+from .capture import INPLACE_UPDATES, Graph, Node, Value
 from .layout import channels_last_strides, depthwise_nhwc, is_channels_last
 from .layout import contiguous_strides as _contiguous_strides
 from .groups import Group, GraphPlan
@@ -46,7 +46,7 @@ def reference_values(graph: Graph, inputs: list[torch.Tensor], keep: set[str] | 
     large models, recording every intermediate at once costs more memory than the model's forward)."""
     env: dict[str, torch.Tensor] = {}
     gm = graph.exported.graph_module
-    weights = {w.name: w.data for w in graph.weights}
+    weights = {w.name: w.data for w in (*graph.weights, *graph.states)}  # the states as the call finds them
     user = {v.name: t for v, t in zip(graph.inputs, inputs)}
     args = []
     for fx in gm.graph.nodes:
@@ -88,7 +88,7 @@ def constant_values(graph: Graph, names: set[str]) -> dict[str, torch.Tensor]:
             continue
         needed.add(name)
         stack.extend(a.name for a in by_name[name].all_input_nodes)
-    weights = {w.name: w.data for w in graph.weights}
+    weights = {w.name: w.data for w in (*graph.weights, *graph.states)}  # the states as the call finds them
     env: dict[str, Any] = {}
     with torch.no_grad():
         for fx in gm.graph.nodes:
@@ -197,7 +197,7 @@ def stream_values(graph: Graph, inputs: list[torch.Tensor], wanted: dict[Any, se
     if forward is not None and _stream_from_forward(graph, user, wanted, on_ready, keep, kept, forward):
         return kept
     gm = graph.exported.graph_module
-    weights = {w.name: w.data for w in graph.weights}
+    weights = {w.name: w.data for w in (*graph.weights, *graph.states)}  # the states as the call finds them
     args = [user[fx.name] if fx.name in user else weights[fx.name]
             for fx in gm.graph.nodes if fx.op == "placeholder"]
     recording = _Recording(wanted, on_ready, keep, kept)
@@ -407,6 +407,10 @@ class Lowering:
         self.nhwc_copies: dict[str, int] = {}  # a convolution input's channels-last copy, made once
         self.on_aten: dict[int, str] = {}  # generated groups this layout runs as ATen steps: id -> why
         self.shared: dict[int, torch.Tensor] = {}  # weight buffer -> the GPU tensor executors read in place
+        self.shared_states: dict[int, torch.Tensor] = {}  # state buffer -> the model's buffer executors update
+        self.updates = {id(n) for n in graph.state_updates.values()}  # nodes lowered in place (_update_in_place)
+        self.updated: set[str] = set()  # states whose update is lowered: their old value is gone
+        self.state_values = {v.name for v in graph.state_values.values()}  # stored like outputs (copied in)
         self.kernel_ids: dict[str, int] = {}  # a kernel's source -> its index in the kernel table
         self.prefixes: dict[str, str] = {}  # provisional kernel name (_name) -> its prefix
 
@@ -419,9 +423,14 @@ class Lowering:
 
     def need(self, v: Value, contiguous: bool = False) -> int:
         """The buffer holding `v`, materializing views and constants on first use."""
+        if v.kind == "state" and v.name in self.updated:
+            raise LoweringError(f"state '{v.name}' is read after the step that updates it in place: this read wants "
+                                "its old value; the plan must order it before the update")
         if v.name not in self.buf:
             if v.name in self.pending:
                 self._lower_view(self.pending.pop(v.name))
+            elif v.kind == "state":
+                self._record(v, self._state(v), v.shape, v.strides, v.dtype)
             elif v.kind == "weight" or v.name in self.constants:
                 self._record(v, *self._store_weight(self._data(v), v.name, v.name in self.channels_last))
             else:
@@ -458,6 +467,34 @@ class Lowering:
         else:
             bid = self.b.weight(data, name=name)
         return bid, tuple(data.shape), strides, data.dtype
+
+    def _state(self, v: Value) -> int:
+        """A state buffer for the model's buffer `v` (a KV cache), in its layout; executors made beside the
+        model update the buffer itself, in place, where it is on the GPU (Program.share_state)."""
+        bid = self.b.state(list(v.shape), v.dtype, strides=list(v.strides), name=self.graph.state_buffers.get(v.name, v.name))
+        if v.data is not None and v.data.is_cuda and v.data.data_ptr() % 256 == 0:
+            self.shared_states[bid] = v.data
+        return bid
+
+    def _update_in_place(self, n: Node, inputs: list[int], attributes: dict[str, Any]) -> None:
+        """`n`, the functional update whose result is a state's new value (capture's state_updates), as a step
+        writing the state in place; its result's readers read the state."""
+        state = n.args[0]
+        sbid = self.need(state)
+        if n.op == "aten::slice_scatter":  # the source copied into the slice of the state it replaces
+            names = [a.name for a in n.target._schema.arguments]
+            bound = dict(zip(names, n.args))
+            bound.update(n.kwargs)
+            meta = torch.empty_strided(state.shape, state.strides, dtype=state.dtype, device="meta")
+            part = torch.ops.aten.slice.Tensor(meta, bound.get("dim", 0), bound.get("start"), bound.get("end"),
+                                               bound.get("step", 1))
+            view = self.b.view("slice", sbid, list(part.shape), strides=list(part.stride()),
+                               storage_offset=part.storage_offset())
+            self.b.aten("aten::copy_", [view, self.need(bound["src"])], [view])
+        else:
+            self.b.aten(INPLACE_UPDATES[n.op], inputs, [sbid], **attributes)
+        self._record(n.out, sbid, state.shape, state.strides, state.dtype)
+        self.updated.add(state.name)
 
     def produce(self, v: Value, captured_layout: bool = False, strides: tuple[int, ...] | None = None) -> int:
         """A fresh buffer for `v` (the output buffer when `v` is a graph output): contiguous, or, with
@@ -544,6 +581,16 @@ class Lowering:
                     self.written.add(v.name)
         for v, bid in extra_outputs:
             self.b.aten("aten::clone", [self.need(v)], [bid])
+        # States whose new value is not an in-place update of them: copied in last, after every read of the
+        # old value (a running total's add_, a whole-buffer copy_ export folds into its source's op). Only in
+        # the whole forward's program: a group's own program (its check) leaves the states alone.
+        whole = [v.name for v in inputs] == [v.name for v in self.graph.inputs]
+        for state in self.graph.states if whole else ():
+            new = self.graph.state_values.get(state.name)
+            if new is not None and state.name not in self.graph.state_updates:
+                source = self.need(new)
+                target = self.need(state)
+                self.b.aten("aten::copy_", [target, source], [target])
         # The policy caps the steps: an fp32 plan whose GEMMs run as tf32x3 (fp32's accuracy on TF32 tensor
         # cores) allows exactly that and nothing lossier.
         split = self.plan.precision == "fp32" and any(
@@ -551,9 +598,15 @@ class Lowering:
         self.b.precision("tf32x3" if split else self.plan.precision)
         if hardware:
             self.b.verified_on(**hardware)
+        for state, node in self.graph.state_updates.items() if whole else ():
+            if self.buf.get(node.out.name) != self.buf.get(state):
+                raise LoweringError(f"the update of state '{state}' ({node.op}) was not lowered in place: its group "
+                                    "must run as an ATen step")
         program = self.b.build()
         for bid, tensor in self.shared.items():
             program.share_weight(bid, tensor)
+        for bid, tensor in self.shared_states.items():
+            program.share_state(bid, tensor)
         return program
 
     # ---- groups ----
@@ -951,7 +1004,7 @@ class Lowering:
 
     def _lower_pointwise(self, g: Group) -> None:
         shape = tuple(g.params["shape"])
-        outputs = g.outputs(set(self.output_ids))
+        outputs = g.outputs(set(self.output_ids) | self.state_values)
         inputs, buffers, body, var = self._elementwise(g.nodes, shape, rotations=True, cats=True,
                                                        relayout=g.params.get("relayout"))
         rotated = any(i.rotate for i in inputs)
@@ -1165,6 +1218,9 @@ class Lowering:
                     raise LoweringError(f"{n.op}: layout {value} is not supported (programs hold strided tensors)")
                 continue  # the default
             attributes[arg.name] = _attribute(value, n, arg.name)
+        if id(n) in self.updates:
+            self._update_in_place(n, inputs, attributes)
+            return
         layouts = self._aten_result_strides(n, nhwc_input) if captured_layout else None
         outs = []
         for k, v in enumerate(n.outputs):
@@ -1478,7 +1534,7 @@ def check_group(graph: Graph, plan: GraphPlan, group: Group, values: dict[str, t
     host memory (verify.program.check_program's in_place_from), so the check holds one tensor of that
     size, not two. A group whose 16-bit (or reduced-policy) outputs differ from ATen's is judged again by
     the accuracy rule against its subgraph in fp64 (graph/accuracy.py), which decides."""
-    outputs_all = {v.name for v in graph.outputs}
+    outputs_all = {v.name for v in (*graph.outputs, *graph.state_values.values())}
     # The group's weights and constants are inputs of its program too, fed like the recorded values
     # (through CUDA IPC with a pool), not bytes in its artifact: the worker would upload a copy of each,
     # and a projection's weight is as large as its activations. Its kernels are the same either way:

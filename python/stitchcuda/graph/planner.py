@@ -441,7 +441,8 @@ class OfflinePlanner:
 
     def plan(self, graph: Graph) -> GraphPlan:
         decisions, matmul_precision = self._precision_decisions(graph)
-        outputs = {v.name for v in graph.outputs}
+        # A buffer's new value (a program state's) is stored like an output: the state is written from it.
+        outputs = {v.name for v in (*graph.outputs, *graph.state_values.values())}
         merged = merge_identical_casts(graph, outputs)
         if merged:
             decisions.append((f"{merged} repeated cast(s) merged with an identical earlier one",
