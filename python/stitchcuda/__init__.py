@@ -24,7 +24,7 @@ except ImportError as exc:  # pragma: no cover - depends on the build state
 from . import agents, errors, jit, llm, profile, rubric
 from .rubric import reward
 from .program import FamilyExecutor, FamilyModule, Program, ProgramBuilder, ProgramFamily, ProgramModule, load
-from .graph import OptimizedModule, optimize
+from .graph import OptimizedModule, StaticCacheGenerator, TransformersStaticCacheLM, optimize
 from .doctor import doctor
 from .errors import (
     CancelledError,
@@ -55,5 +55,5 @@ def __getattr__(name: str):
 
 __all__ = ["__version__", "agents", "jit", "llm", "profile", "errors", "doctor", "Program", "ProgramBuilder", "ProgramModule", "load",
            "ProgramFamily", "FamilyExecutor", "FamilyModule",
-           "optimize", "OptimizedModule", "rubric", "reward",
+           "optimize", "OptimizedModule", "StaticCacheGenerator", "TransformersStaticCacheLM", "rubric", "reward",
            *errors.__all__]

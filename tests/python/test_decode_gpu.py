@@ -1,0 +1,76 @@
+"""Decoding on a GPU: the optimized prefill and decode programs of the Llama-like static-cache model give eager's
+greedy tokens at fp32, update the model's own caches in place, and the decode program replays as one CUDA
+graph per step; a transformers causal LM through TransformersStaticCacheLM gives transformers' own greedy
+tokens (skipped where transformers is not installed).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_decode import LlamaConfig, TinyLlama, eager_greedy  # noqa: E402
+
+from stitchcuda import StaticCacheGenerator  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def test_the_optimized_generator_gives_eagers_greedy_tokens_and_replays_decode_as_a_graph():
+    config = LlamaConfig(vocab=512, dim=128, layers=2, heads=8, kv_heads=2, hidden=256, max_len=64, batch=2)
+    torch.manual_seed(0)
+    model = TinyLlama(config).eval().cuda()
+    torch.manual_seed(0)
+    twin = TinyLlama(config).eval().cuda()
+    gen = StaticCacheGenerator.optimize(model, batch_size=2, prompt_length=12, max_length=64, keep_slower=True,
+                                        compare_compile=False)
+    for fast in (gen.prefill_module, gen.decode_module):
+        assert fast.report.status == "optimized", fast.report.reason
+        assert sorted(fast.program.states) and len(fast.program.states) == 4
+    caches = {c.data_ptr() for c in model.caches()}
+    assert {c.data_ptr() for c in gen.caches} == caches  # the programs update the model's buffers
+    ids = torch.randint(0, config.vocab, (2, 12), device="cuda")
+    with torch.no_grad():
+        got = gen.generate(ids, 40)
+        expected = eager_greedy(twin, ids, 40)
+    assert torch.equal(got, expected)
+    for mine, theirs in zip(model.caches(), twin.caches()):
+        torch.testing.assert_close(mine[:, :, :51], theirs[:, :, :51], rtol=1e-4, atol=1e-4)
+    stats = gen.decode_module._runner.executor.stats()
+    assert stats["captures"] == 1 and stats["replays"] >= 38, stats
+    assert stats["shared_state_bytes"] == sum(c.numel() * 4 for c in model.caches())
+    # A prompt of another length runs the model itself for its prefill; decode still runs the program.
+    shorter = ids[:, :7]
+    with torch.no_grad():
+        assert torch.equal(gen.generate(shorter, 10), eager_greedy(twin, shorter, 10))
+    assert gen.prefill_module.other_shape_calls == 1
+
+
+def test_a_transformers_causal_lm_gives_its_own_greedy_tokens():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval().cuda()
+    gen = StaticCacheGenerator.for_transformers(model, batch_size=1, prompt_length=10, max_length=48, keep_slower=True,
+                                                compare_compile=False)
+    assert gen.decode_module.report.status == "optimized", gen.decode_module.report.reason
+    ids = torch.randint(0, 256, (1, 10), device="cuda")
+    with torch.no_grad():
+        got = gen.generate(ids, 16)
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
+                                  do_sample=False, pad_token_id=0)
+    assert torch.equal(got, expected)
+    assert gen.decode_module._runner.executor.stats()["replays"] >= 14
