@@ -319,3 +319,22 @@ def test_the_capture_stage_reads_the_specialized_program_or_exports_when_it_cann
     assert not isinstance(exported.exported, type(read.exported)) and exported.inputs[0].shape == (7, 6, 64)
     assert _graph_signature(exported) == _graph_signature(read)
     assert any("exporting at these sizes" in r.getMessage() for r in caplog.records)
+
+
+def test_a_symbolic_export_that_cannot_be_lowered_still_gives_the_guards(monkeypatch):
+    # The guards need export's trace alone; the family then captures each program at its size.
+    from stitchcuda.graph import dynamic
+
+    model, x = Mlp().eval(), (torch.randn(8, 16), torch.randn(8, 8))
+    dims = parse_dynamic("auto", x)
+
+    def unlowerable(*args, **kwargs):
+        raise RuntimeError("a decomposition that branches on a symbolic size")
+
+    monkeypatch.setattr(dynamic, "export_core", unlowerable)
+    with pytest.raises(DynamicShapeError, match="branches on a symbolic size"):
+        dynamic.export_symbolic(model, x, dims)
+    fast = stitchcuda.optimize(model, x, dynamic="auto")
+    assert fast.report.dynamic["guards"] == ["'batch' in 1..16"]
+    assert fast.report.dynamic["members_captured"].startswith("exported again at each size: the symbolic export was "
+                                                             "not lowered")

@@ -205,11 +205,12 @@ class DynamicShapeError(Exception):
     """The model cannot vary a declared dim (torch.export's reason is in the message)."""
 
 
-def export_symbolic(model: torch.nn.Module, tensors: Sequence[Any], dims: list[DynamicDim]) -> Any:
+def export_symbolic(model: torch.nn.Module, tensors: Sequence[Any], dims: list[DynamicDim], lower: bool = True) -> Any:
     """`model` exported once with the dims symbolic (torch.export.Dim per dim), as capture exports a model
-    (no autograd, lowered to its core ATen): a model that fixes a dim raises DynamicShapeError with
-    export's reason. Every member's graph is this program at the member's sizes (specialize)."""
-    from torch.export import Dim
+    (no autograd, lowered to its core ATen; `lower=False`: torch.export's program as it traced it): a
+    model that fixes a dim raises DynamicShapeError with export's reason. Every member's graph is the
+    lowered program at the member's sizes (specialize)."""
+    from torch.export import Dim, export
 
     symbols = {d.name: Dim(_identifier(d.name), min=d.min, max=d.max) for d in dims}
     shapes: list[Any] = [None] * len(tensors)
@@ -223,6 +224,8 @@ def export_symbolic(model: torch.nn.Module, tensors: Sequence[Any], dims: list[D
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            if not lower:
+                return export(model, tuple(tensors), dynamic_shapes=spec, strict=False)
             return export_core(model, tuple(tensors), dynamic_shapes=spec)
     except Exception as exc:  # export's constraint violations and anything it cannot trace symbolically
         raise DynamicShapeError(_export_reason(exc, dims)) from exc
@@ -781,16 +784,22 @@ def optimize_dynamic(model: torch.nn.Module, tensors: tuple, options: OptimizeOp
 
     dims = parse_dynamic(options.dynamic, tensors, names or parameter_names(model))
     t0 = time.perf_counter()
-    symbolic, symbols, exported = None, None, None
+    symbolic, symbols, exported, unlowered = None, None, None, ""
     try:
-        symbolic = export_symbolic(model, tensors, dims)
-        guards = export_guards(model, tensors, dims, symbolic)
+        try:
+            symbolic = export_symbolic(model, tensors, dims)
+        except DynamicShapeError as exc:  # the trace, or its lowering to core ATen: the guards need the trace alone
+            if str(exc).startswith("the model fixes"):  # the trace itself refused the dims
+                raise
+            unlowered = str(exc)
+        guards = export_guards(model, tensors, dims, symbolic or export_symbolic(model, tensors, dims, lower=False))
         refused = ""
     except DynamicShapeError as exc:
         guards, refused = [], str(exc)
     # Every program of the family, the example's first, is read from the one symbolic export at its sizes
     # where it can be (graph/pipeline.py exports the model as usual where reading it fails).
-    exported_again = specializable(model) if symbolic is not None else "no symbolic export"
+    exported_again = specializable(model) if symbolic is not None else (
+        f"the symbolic export was not lowered ({unlowered[:200]})" if unlowered else "no symbolic export")
     if not exported_again:
         symbols = dim_symbols(symbolic, dims)
         exported_again = "" if symbols is not None else "export tied a dim to an expression of another"
