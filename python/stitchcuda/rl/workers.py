@@ -243,6 +243,17 @@ def run_item(item: RewardItem, pool: Any, device: str, retries: int = 1) -> dict
                     "attempts": attempts, "mode": mode, "retried_because": causes}
 
 
+def item_phases(outcome: Mapping[str, Any], raw: Mapping[str, Any] | None) -> dict[str, float]:
+    """Where a scored item's time went: the Verifier's phases (verify.pool.PHASE_NAMES, from the pool's raw
+    result of the last attempt) and "caller", the rest of score_completion's time in this process (reading
+    the reply, the source rules, the rubric's scorecard)."""
+    phases = dict(((raw or {}).get("timing") or {}).get("phases_s") or {})
+    wall = (outcome.get("result") or {}).get("wall_s")
+    if isinstance(wall, (int, float)):
+        phases["caller"] = round(max(0.0, wall - sum(phases.values())), 4)
+    return phases
+
+
 def local_devices() -> list[str]:
     """Every visible GPU as "cuda:i", or ["cpu"] where there is none."""
     try:
@@ -320,11 +331,13 @@ class LocalSlot(Slot):
     "cpu"), started lazily (or by ``warm``) and replaced by its WorkerPool after a crash, hang or leak."""
 
     def __init__(self, device: str, name: str | None = None, *, retries: int = 1, sandbox: bool | None = None,
-                 memory_limit_bytes: int | None = None) -> None:
+                 memory_limit_bytes: int | None = None, references: Any = None) -> None:
         self.device = device
         self.name = name or device
         self.retries = retries
         self._pool = _recording_pool_class()(devices=[device], sandbox=sandbox, memory_limit_bytes=memory_limit_bytes)
+        if references is not None:  # a verify.judge.ReferenceCache shared with other slots
+            self._pool.references = references
         self._lock = threading.Lock()
 
     @property
@@ -336,6 +349,9 @@ class LocalSlot(Slot):
         with self._lock:  # one item at a time per process
             out = run_item(item, self._pool, self.device, self.retries)
             out["worker_pid"] = self.pid
+            phases = item_phases(out, self._pool.last_raw)
+            if phases:
+                out["phases_s"] = phases
             return out
 
     def warm(self) -> None:
@@ -457,8 +473,13 @@ class RewardPool:
         if len({d.startswith("cuda") for d in devices}) > 1:
             raise InvalidArgumentError(f"devices {devices} mix GPUs and the CPU: a pool scores in one mode, so "
                                        "give GPUs only or 'cpu' only")
+        # One cache of the judge's reference runs for every worker: a task's reference (its outputs, and its
+        # baselines timed with torch.compile) is run once for the pool, not once per worker.
+        from ..verify.judge import ReferenceCache
+
+        references = ReferenceCache()
         return [LocalSlot(d, f"{d}#{k}" if workers_per_device > 1 else d, retries=retries, sandbox=sandbox,
-                          memory_limit_bytes=memory_limit_bytes)
+                          memory_limit_bytes=memory_limit_bytes, references=references)
                 for d in devices for k in range(workers_per_device)]
 
     # -- submitting ----------------------------------------------------------------------------------
@@ -540,6 +561,8 @@ class RewardPool:
         if job is not None and job.started is not None:
             service["queue_s"] = round(job.started - job.enqueued, 4)
             service["run_s"] = round(outcome.get("run_s", 0.0), 4)
+            if outcome.get("phases_s"):
+                service["phases_s"] = outcome["phases_s"]
         if outcome.get("retried_because") and not cached:
             service["retried_because"] = outcome["retried_because"]
         if "result" in outcome:

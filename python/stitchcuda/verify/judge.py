@@ -8,6 +8,7 @@ own baseline, and its findings are believed only where they accuse (docs/verify.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import threading
 import time
@@ -194,12 +195,18 @@ class ReferenceRun:
 
 
 class ReferenceCache:
-    """The judge's reference runs by task and config, least recently used first out past ``limit_bytes``:
-    a reward scores many candidates of one task, and the reference is run (and timed) once for them."""
+    """The judge's reference runs by task and config, least recently used first out past ``limit_bytes``
+    (default: a sixteenth of the machine's memory, at least 2 GiB): a reward scores many candidates of one
+    task, and the reference is run (and timed) once for them. The facts of a run (its baseline times and
+    floors: small, and the costly part to make again) are kept for FACTS_KEPT tasks whatever the outputs'
+    size, so a task whose outputs were let go runs its reference again without timing its baselines again."""
 
-    def __init__(self, limit_bytes: int = 2 << 30) -> None:
-        self.limit_bytes = limit_bytes
+    FACTS_KEPT = 4096
+
+    def __init__(self, limit_bytes: int | None = None) -> None:
+        self.limit_bytes = default_cache_bytes() if limit_bytes is None else limit_bytes
         self._runs: "OrderedDict[tuple, ReferenceRun]" = OrderedDict()
+        self._facts: "OrderedDict[tuple, dict[str, Any]]" = OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, key: tuple) -> ReferenceRun | None:
@@ -209,13 +216,35 @@ class ReferenceCache:
                 self._runs.move_to_end(key)
             return run
 
+    def facts(self, key: tuple) -> dict[str, Any] | None:
+        """The facts of the task's last good run (baseline times, floors), or None."""
+        with self._lock:
+            found = self._facts.get(key)
+            return dict(found) if found is not None else None
+
     def put(self, key: tuple, run: ReferenceRun) -> None:
-        if not run.ok or run.nbytes > self.limit_bytes:
+        if not run.ok:
             return
         with self._lock:
+            self._facts[key] = dict(run.facts)
+            self._facts.move_to_end(key)
+            while len(self._facts) > self.FACTS_KEPT:
+                self._facts.popitem(last=False)
+            if run.nbytes > self.limit_bytes:
+                return
             self._runs[key] = run
             while sum(r.nbytes for r in self._runs.values()) > self.limit_bytes:
                 self._runs.popitem(last=False)
+
+
+def default_cache_bytes() -> int:
+    """A sixteenth of the machine's memory and at least 2 GiB: the five corpus problems' reference outputs
+    (a GEMM's 1.75 GiB among them) fit on a GPU host, so none is run again for each candidate."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 0
+    return max(2 << 30, total // 16)
 
 
 def cache_key(job: dict[str, Any], device: str) -> tuple:

@@ -303,13 +303,23 @@ class WorkerPool:
         config = VerifyConfig.from_dict(job.config)
         key = cache_key(jobs.as_dict(job), _job_device(config.device, self.devices[slot]))
         ref = self.references.get(key)
+        reference_s = None
         if ref is None:
+            started = time.monotonic()
             self._running(slot)  # the candidate's worker starts (imports torch) while the judge's works
+            # The baselines' times (torch.compile, 2x100 timed calls) are kept apart from the outputs: when
+            # only the outputs were let go (too large to keep beside the other tasks'), they alone are made
+            # again, not the baselines.
+            facts = self.references.facts(key)
+            ref_config = job.config if facts is None else dict(job.config, timing_iters=0)
             # On the candidate's slot: the judge's timing never overlaps a candidate's on the same device.
-            data, body, tensors = self.judge_pool()._run_on(slot, jobs.ReferenceJob(job.reference, job.config),
+            data, body, tensors = self.judge_pool()._run_on(slot, jobs.ReferenceJob(job.reference, ref_config),
                                                             compile_limit_s, run_limit_s)
             ref = ReferenceRun(data, body or {}, tensors)
+            if facts is not None and ref.ok:
+                ref.facts = {**ref.facts, **facts}
             self.references.put(key, ref)
+            reference_s = time.monotonic() - started
         if not ref.ok:
             data = {k: v for k, v in ref.report.items() if k != "judge"}
             error = dict(data.get("error") or {})
@@ -317,10 +327,17 @@ class WorkerPool:
             data["error"] = error
             return data
         data, body, tensors = self._run_on(slot, replace(job, baselines="judge"), compile_limit_s, run_limit_s)
+        phases = dict(data.get("timing", {}).get("phases_s") or {})
+        if reference_s is not None:
+            phases["reference"] = reference_s
         if body is None:  # no result of the candidate's own: a crash, a timeout, a broken protocol
+            data.setdefault("timing", {})["phases_s"] = _rounded(phases)
             return data
         tolerance = config.tolerance or Tolerance.from_dict(job.reference["tolerance"])
+        started = time.monotonic()
         verdict = adjudicate(data, body, tensors, ref, config, tolerance)
+        phases["judge"] = time.monotonic() - started
+        verdict.setdefault("timing", {})["phases_s"] = _rounded(phases)
         if any(f.get("rule") == "forged-timing" for f in verdict.get("findings", [])):
             self._replace(slot)  # whatever rewrote its times may still sit in the worker for the next candidate
         return verdict
@@ -336,8 +353,11 @@ class WorkerPool:
 
     def _run_on(self, slot: int, job: jobs.Job, compile_limit_s: float,
                 run_limit_s: float) -> tuple[dict[str, Any], dict[str, Any] | None, list[Any]]:
-        """(report dict, the result's body, its tensors); body None when the job ended without a result."""
+        """(report dict, the result's body, its tensors); body None when the job ended without a result.
+        The report's timing["phases_s"] says where the job's time went, on this process's clock (PHASE_NAMES)."""
+        began = time.monotonic()
         worker = self._running(slot)
+        started_here = not worker.ready
         if worker.ready and worker.conn.poll(0):
             # Something the last candidate left behind (a thread still writing): a fresh worker for this job.
             self._replace(slot)
@@ -356,6 +376,7 @@ class WorkerPool:
             self._replace(slot)
             return failure_dict("crash", f"verification worker for {self.devices[slot]}: {problem}"), None, []
         self._warn_once(worker.info.get("sandbox"))
+        sent = time.monotonic()
         job = replace(job, config=dict(job.config, device=_job_device(job.config.get("device"), self.devices[slot])))
         nonce = secrets.token_hex(16)
         try:
@@ -384,6 +405,7 @@ class WorkerPool:
                 where = "loading and compiling the candidate" if phase == "compile" else "running the candidate"
                 return failure_dict("timeout", f"the candidate exceeded the {limit:g} s limit for {where}; "
                                                "the worker was killed.", compiled=compiled), None, []
+            arrived = time.monotonic()
             try:
                 message = wire.receive(worker.conn, self.result_limit_bytes, kinds=("phase", "result"))
             except (EOFError, OSError):
@@ -413,6 +435,7 @@ class WorkerPool:
             if data.pop("recycle", False):
                 self._replace(slot)
             data.setdefault("timing", {})["sandbox"] = self.sandbox_text(worker)
+            data["timing"]["phases_s"] = _rounded(_phases(began if started_here else None, sent, clock, arrived))
             return data, dict(message.body, judge_clock=clock), message.tensors
 
     def _violation(self, slot: int, what: str, compiled: bool) -> dict[str, Any]:
@@ -464,6 +487,43 @@ class WorkerPool:
             worker.kill()
         self._workers[slot] = None  # a new one starts with the next job
         self.replacements += 1
+
+
+# Where a job's time goes, in order (timing["phases_s"]): the worker's start when the job had to wait for it;
+# the job's set-up in the worker (the task's reference built, before the judge's runs its empty timed phase
+# there: "calibration"); loading the candidate (its imports, NVRTC, ModelNew()); the correctness trials
+# (reference and candidate runs, the fp64 and dispatch checks); the timed calls; what follows them (the CUPTI
+# cross-check, the outputs packed); reading the result frame. A static job has "static" (NVRTC and the rules)
+# where the rest are. The judged path adds "reference" (the judge's reference run, when it was not kept) and
+# "judge" (the outputs compared). Every figure is on the caller's clock, from the worker's phase messages.
+PHASE_NAMES = ("worker_start", "setup", "calibration", "load", "trials", "timed", "after", "static", "receive",
+               "reference", "judge")
+_MARKS = (("calibrate", "setup"), ("calibrated", "calibration"), ("compile", "setup"), ("run", "load"),
+          ("timed", "trials"), ("timed-end", "timed"))
+
+
+def _phases(began: float | None, sent: float, clock: dict[str, list[float]], arrived: float) -> dict[str, float]:
+    """The durations of a job's phases from the arrival times of its phase messages (``clock``: first and
+    last of each), the job's sending and its result's arrival; the reading of the frame ends now."""
+    out: dict[str, float] = {}
+    if began is not None:
+        out["worker_start"] = sent - began
+    last = sent
+    for mark, name in _MARKS:
+        at = (clock.get(mark) or [None, None])[-1 if mark == "timed-end" else 0]
+        if at is not None and at >= last:
+            out[name] = out.get(name, 0.0) + at - last
+            last = at
+    # What follows the last phase message: after the timed calls, after the trials when nothing was timed.
+    rest = "after" if "timed-end" in clock else "trials" if "run" in clock else "load" if "compile" in clock \
+        else "setup" if clock else "static"
+    out[rest] = out.get(rest, 0.0) + arrived - last
+    out["receive"] = time.monotonic() - arrived
+    return out
+
+
+def _rounded(phases: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 4) for k, v in phases.items()}
 
 
 def default_memory_limit() -> int:
