@@ -41,13 +41,27 @@ def _gelu_bias(shape, bias_strides, sm_count=132):
     return pointwise_kernel("k", shape, inputs, body, [("y", "t0", torch.float32)], sm_count)
 
 
-@pytest.mark.parametrize("inner, bias", [((64,), (0, 1)), ((3, 40), (0, 0, 1)), ((5, 6), (0, 1, 0))],
-                         ids=["rows-broadcast-four-wide", "3d-last-broadcast", "middle-broadcast-strided"])
+@pytest.mark.parametrize("inner, bias", [((64,), (0, 1)), ((3, 40), (0, 0, 1)), ((5, 6), (0, 1, 0)), ((64,), (64, 1))],
+                         ids=["rows-broadcast-four-wide", "3d-last-broadcast", "middle-broadcast-strided",
+                              "contiguous-vectorized-one-pass"])
 def test_a_pointwise_source_is_the_same_at_every_batch(inner, bias):
     a, b = _gelu_bias((6, *inner), bias, 2), _gelu_bias((23, *inner), bias, 2)
     assert a.source == b.source  # the batch is nowhere in the source: one NVRTC compile serves both
     moved = a.at(b.extent.value)
     assert (moved.grid, moved.args) == (b.grid, b.args)  # the grid is computed from the size as the template does
+
+
+@emulated
+def test_a_grid_stride_kernel_keeps_its_capped_grid_at_any_batch(stitch_settings, emu):
+    # The grid-stride form: at most 16 blocks per SM, the loop covers the rest (sm_count=1: 16 blocks).
+    stitch_settings(STITCHCUDA_POINTWISE_LOOP="stride")
+    small, large = _gelu_bias((4, 64), (64, 1), sm_count=1), _gelu_bias((2000, 64), (64, 1), sm_count=1)
+    assert small.source == large.source and "v + stride < n4" in small.source
+    assert (small.grid, small.at(2000 * 64).grid) == (1, 16) == (small.grid, large.grid)
+    x, b = torch.randn(1500, 64), torch.randn(1500, 64)
+    y = torch.full_like(x, float("nan"))
+    _launch(emu, small.at(x.numel()), {"x": x, "b": b, "y": y})
+    torch.testing.assert_close(y, x * torch.sigmoid(1.702 * x) + b, atol=1e-5, rtol=1e-5)
 
 
 @emulated
