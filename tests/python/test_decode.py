@@ -23,7 +23,7 @@ from test_decode_capture import lowered  # noqa: E402  (capture, plan and lower,
 from test_graph_emulated import run_program  # noqa: E402  (the program's steps on the CPU)
 
 import stitchcuda  # noqa: E402
-from stitchcuda import InvalidArgumentError, StaticCacheGenerator  # noqa: E402
+from stitchcuda import InvalidArgumentError, StaticCacheGenerator, TransformersStaticCacheLM  # noqa: E402
 
 emulated = pytest.mark.skipif(unavailable() is not None, reason=f"CUDA emulator: {unavailable()}")
 
@@ -285,3 +285,32 @@ def test_prefill_and_decode_programs_give_eagers_greedy_tokens_at_fp32(emu):
     assert torch.equal(got, expected)
     for mine, theirs in zip(model.caches(), twin.caches()):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+
+
+@emulated
+def test_a_transformers_llama_over_its_static_cache_gives_transformers_greedy_tokens(emu):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    lm = TransformersStaticCacheLM(model, batch_size=1, max_length=24)
+    graph, prefill, prefill_values = lowered(lm, (torch.zeros(1, 6, dtype=torch.long), torch.arange(6)))
+    _, decode, decode_values = lowered(lm, (torch.zeros(1, 1, dtype=torch.long), torch.tensor([6])))
+    in_place = sorted(graph.state_buffers[n].rpartition(".")[2] for n in graph.state_updates)
+    assert in_place == ["layer0_keys", "layer0_values", "layer1_keys", "layer1_values"]
+    # The exported module wraps this one (its output flattened): its buffers' names carry the wrapper's prefix.
+    prefix = next(iter(graph.state_buffers.values())).rpartition("layer")[0]
+    states = {prefix + name: t for name, t in lm.named_buffers()}
+
+    def run(program, values):
+        return lambda ids, positions: run_program(emu, program, [ids, positions.clone()], values, states)[0]
+
+    gen = StaticCacheGenerator(lm, max_length=24, batch_size=1, prefill=run(prefill, prefill_values),
+                               decode=run(decode, decode_values))
+    ids = torch.randint(0, 256, (1, 6))
+    got = gen.generate(ids, 8)
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                                  do_sample=False, pad_token_id=0)
+    assert torch.equal(got, expected)

@@ -21,6 +21,7 @@ from test_graph_emulated import run_program  # noqa: E402  (the program's steps 
 
 from stitchcuda.graph import CaptureError, Lowering, OfflinePlanner, capture, reference_values  # noqa: E402
 from stitchcuda.graph.capture import state_updates  # noqa: E402
+from stitchcuda.program import DTYPES  # noqa: E402
 
 emulated = pytest.mark.skipif(unavailable() is not None, reason=f"CUDA emulator: {unavailable()}")
 
@@ -139,7 +140,14 @@ def lowered(model: nn.Module, inputs: tuple):
     plan = OfflinePlanner().plan(graph)
     values = reference_values(graph, list(inputs))
     constants = {g.nodes[0].out.name: values[g.nodes[0].out.name] for g in plan.groups if g.kind == "constant"}
-    return graph, Lowering(graph, plan, constants).build(plan.groups, graph.inputs, graph.outputs), values
+    program = Lowering(graph, plan, constants).build(plan.groups, graph.inputs, graph.outputs)
+    nodes = {n.name: n for n in graph.nodes}
+    for b in program.buffers:  # a number the lowering made a 0-dim weight of: "<node>.<argument>"
+        if b["role"] == "weight" and b["name"] not in values:
+            node = nodes[b["name"].rpartition(".")[0]]
+            bound = dict(zip((a.name for a in node.target._schema.arguments), node.args)) | node.kwargs
+            values[b["name"]] = torch.tensor(bound[b["name"].rpartition(".")[2]], dtype=DTYPES[b["dtype"]])
+    return graph, program, values
 
 
 @emulated

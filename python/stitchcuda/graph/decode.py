@@ -182,10 +182,10 @@ def _states_of(module: Any) -> list[torch.Tensor]:
 
 class TransformersStaticCacheLM(torch.nn.Module):
     """A transformers causal LM as ``forward(input_ids, cache_position) -> logits`` over a StaticCache of
-    `max_length` positions for `batch_size` sequences. The cache's key and value tensors are registered as
-    this module's buffers (``key_cache_<layer>``, ``value_cache_<layer>``) and handed back to the cache at
-    every call, so that torch.export traces their updates as buffer mutations (program states) and the
-    programs update these very tensors."""
+    `max_length` positions for `batch_size` sequences. Every tensor the cache's layers hold — the keys and
+    values, and a layer's own counters where it keeps some — is registered as this module's buffer
+    (``layer<i>_keys``, ``layer<i>_values``, ...) and handed back to the cache at every call, so torch.export
+    traces their updates as buffer mutations (program states) and the programs update these very tensors."""
 
     def __init__(self, model: torch.nn.Module, *, batch_size: int, max_length: int) -> None:
         super().__init__()
@@ -206,15 +206,13 @@ class TransformersStaticCacheLM(torch.nn.Module):
         if hasattr(cache, "early_initialization"):  # layers allocate lazily otherwise, at the first update
             cache.early_initialization(batch_size, heads, head_dim, dtype, device)
         self.cache = cache
-        self._slots = _cache_slots(cache)  # each layer's (keys, values) places
-        for i, (keys, values) in enumerate(self._slots):
-            self.register_buffer(f"key_cache_{i}", _get(keys), persistent=False)
-            self.register_buffer(f"value_cache_{i}", _get(values), persistent=False)
+        self._places = _cache_tensors(cache)  # buffer name -> where the cache keeps that tensor
+        for name, place in self._places.items():
+            self.register_buffer(name, _get(place), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
-        for i, (keys, values) in enumerate(self._slots):
-            _set(keys, getattr(self, f"key_cache_{i}"))
-            _set(values, getattr(self, f"value_cache_{i}"))
+        for name, place in self._places.items():
+            _set(place, getattr(self, name))
         out = self.model(input_ids=input_ids, cache_position=cache_position, past_key_values=self.cache,
                          use_cache=True)
         return out.logits
@@ -223,14 +221,17 @@ class TransformersStaticCacheLM(torch.nn.Module):
 Place = tuple[Any, Any]  # (an object and an attribute name, or a list and an index)
 
 
-def _cache_slots(cache: Any) -> list[tuple[Place, Place]]:
-    """Where each layer's key and value tensors live in a StaticCache: ``layers[i].keys/values``
-    (transformers 4.56 and later) or ``key_cache[i]``/``value_cache[i]`` (before)."""
+def _cache_tensors(cache: Any) -> dict[str, Place]:
+    """Where a StaticCache keeps its tensors, by the buffer name they get: every tensor attribute of
+    ``layers[i]`` (transformers 4.56 and later: keys, values, and what else a layer keeps), or
+    ``key_cache[i]``/``value_cache[i]`` (before)."""
     layers = getattr(cache, "layers", None)
-    if layers and all(getattr(layer, "keys", None) is not None for layer in layers):
-        return [((layer, "keys"), (layer, "values")) for layer in layers]
+    if layers and all(isinstance(getattr(layer, "keys", None), torch.Tensor) for layer in layers):
+        return {f"layer{i}_{attr}": (layer, attr) for i, layer in enumerate(layers)
+                for attr, value in vars(layer).items() if isinstance(value, torch.Tensor)}
     if getattr(cache, "key_cache", None) is not None:
-        return [((cache.key_cache, i), (cache.value_cache, i)) for i in range(len(cache.key_cache))]
+        return {**{f"layer{i}_keys": (cache.key_cache, i) for i in range(len(cache.key_cache))},
+                **{f"layer{i}_values": (cache.value_cache, i) for i in range(len(cache.value_cache))}}
     raise InvalidArgumentError("this transformers StaticCache keeps its tensors where StitchCUDA does not look "
                                "(layers[i].keys or key_cache[i]): write the model's forward in the static-cache style "
                                "and use StaticCacheGenerator directly")
