@@ -256,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import reward as bench_reward
 
     bench_reward.register(suites)  # `bench reward`, with its own options
+    from .bench import inference as bench_inference
+
+    bench_inference.register(suites)  # `bench inference`, with its own options
     # Both take a minute or more before they print anything: a running stage on stderr says what is happening.
     jit.set_defaults(run=_stepped("bench jit: cold compiles, cache hits, nvcc's load_inline, launches", _bench))
     reward = suites.choices["reward"]
