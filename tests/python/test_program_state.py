@@ -1,6 +1,7 @@
 """Program state from Python (a KV cache the program owns): the builder's state(), validation, the artifact
-keeping its spec and no bytes, share_state's checks; on a GPU, an executor updating a shared cache in place
-run after run, replayed as one CUDA graph, and one that owns zero-filled states of its own.
+keeping its spec and no bytes, share_state's checks, in-place ATen overloads refused on anything else; on a
+GPU, an executor updating a shared cache in place run after run, replayed as one CUDA graph, and one that
+owns zero-filled states of its own.
 """
 
 from __future__ import annotations
@@ -110,8 +111,8 @@ def test_an_executor_owns_zero_filled_states_when_none_is_shared():
     assert int(torch.count_nonzero(loaded.state(cache_id))) == 0
 
 
-@pytest.mark.gpu
 def test_an_in_place_op_on_anything_but_a_state_is_refused():
+    # Binding the steps' ATen ops comes before any device is needed: this fails the same way everywhere.
     b = ProgramBuilder()
     pos = b.input([1], "i64")
     k = b.input([HEADS, 1, DIM])
