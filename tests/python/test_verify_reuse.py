@@ -93,3 +93,27 @@ def test_the_cache_keeps_facts_of_runs_too_large_to_keep():
                           {}, None)
     cache.put(("broken",), broken)
     assert cache.facts(("broken",)) is None  # a failed run teaches nothing
+
+
+def test_the_judges_float32_pass_reads_every_chunk():
+    import torch
+
+    from stitchcuda.verify.judge import CLEAR_CHUNK, _clearly_within
+
+    expected = torch.rand(2 * CLEAR_CHUNK + 5)
+    assert _clearly_within(expected, expected.clone(), 1e-5, 1e-5)
+    for where in (0, CLEAR_CHUNK, 2 * CLEAR_CHUNK + 4):  # first chunk, a chunk's first element, the short last chunk
+        got = expected.clone()
+        got[where] += 1e-3
+        assert not _clearly_within(expected, got, 1e-5, 1e-5)
+        got[where] = float("nan")
+        assert not _clearly_within(expected, got, 1e-5, 1e-5)
+    infinite = expected.clone()
+    infinite[CLEAR_CHUNK + 1] = float("inf")  # the comparator, not this pass, decides on an infinite reference
+    assert not _clearly_within(infinite, infinite.clone(), 1e-5, 1e-5)
+    half = torch.rand(1000).half()
+    assert _clearly_within(half, half.clone(), 1e-3, 1e-3) and not _clearly_within(half, half.float(), 1e-3, 1e-3)
+    # Half the bound: an error of 0.4 of it passes here, 0.6 of it goes to the full comparator.
+    bound = 1e-4 + 1e-4 * expected.abs()
+    assert _clearly_within(expected, expected + 0.4 * bound, 1e-4, 1e-4)
+    assert not _clearly_within(expected, expected + 0.6 * bound, 1e-4, 1e-4)
