@@ -471,8 +471,12 @@ class Lowering:
     def _state(self, v: Value) -> int:
         """A state buffer for the model's buffer `v` (a KV cache), in its layout; executors made beside the
         model update the buffer itself, in place, where it is on the GPU (Program.share_state)."""
-        bid = self.b.state(list(v.shape), v.dtype, strides=list(v.strides), name=self.graph.state_buffers.get(v.name, v.name))
-        if v.data is not None and v.data.is_cuda and v.data.data_ptr() % 256 == 0:
+        name = self.graph.state_buffers.get(v.name, v.name)
+        bid = self.b.state(list(v.shape), v.dtype, strides=list(v.strides), name=name)
+        if v.data is not None and v.data.is_cuda:
+            if v.data.data_ptr() % 256:  # a state of the executor's own would leave the model's buffer behind
+                raise LoweringError(f"buffer '{name}' does not start 256-byte aligned (a view into a larger tensor): "
+                                    "the program cannot update it in place; register a tensor of its own")
             self.shared_states[bid] = v.data
         return bid
 
