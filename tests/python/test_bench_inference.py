@@ -114,8 +114,8 @@ def test_tables_show_rows_errors_and_what_the_deadline_left_out():
 
 # ---- options and refusals -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("argv", [["--only", "llama,t5"], ["--batches", "0"], ["--prompts", "a"],
-                                  ["--new-tokens", "1"], ["--dtypes", "fp16"], ["--deadline", "-1"], ["--repeats", "0"]])
+@pytest.mark.parametrize("argv", [["--only", "llama,t5"], ["--batches", "0"], ["--prompts", "a"], ["--new-tokens", "1"],
+                                  ["--dtypes", "fp16"], ["--deadline", "-1"], ["--repeats", "0"]])
 def test_bad_options_are_usage_errors(argv, capsys):
     assert inf.main(argv) == 2
     assert "error" in capsys.readouterr().err

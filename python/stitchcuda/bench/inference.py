@@ -20,9 +20,11 @@ modes default and reduce-overhead (the best of them is the baseline) and stitchc
 ratios over the best compile mode; outputs against eager's (fp32: the Verifier's tolerance; bf16: the accuracy
 rule against a wide reference).
 
-Every time is the Verifier's timer (verify/timing.measure). --deadline bounds the run: no row starts after it
-and the rows finished are reported; --json prints one object, otherwise tables. Exit 3 when the machine lacks
-a CUDA GPU or transformers (nothing ran), 2 for bad options. Docs: docs/inference.md.
+Every time is the Verifier's timer (verify/timing.measure); optimize() runs without its own torch.compile
+comparison (compare_compile=False: the compile columns are here). --deadline bounds the run: no row or
+column starts after it and the rows finished are reported; SIGINT or SIGTERM ends it with the rows so far
+printed (exit 130). --json prints one object, otherwise tables. Exit 3 when the machine lacks a CUDA GPU or
+transformers (nothing ran), 2 for bad options. Docs: docs/inference.md.
 """
 
 from __future__ import annotations
@@ -31,14 +33,17 @@ import argparse
 import gc
 import inspect
 import json
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from ..cli_support import EXIT_NO_GPU, EXIT_OK, EXIT_USAGE, at_least, no_gpu_reason, non_negative_float, refuse
+from ..cli_support import (EXIT_INTERRUPTED, EXIT_NO_GPU, EXIT_OK, EXIT_USAGE, at_least, no_gpu_reason,
+                           non_negative_float, refuse)
 from .precision import accuracy_verdict, dtype_name, precision_flags, row_floor
 from .reference import compare_outputs, fp64_errors, fp64_reference, reference_dtype
 from .results import first_line
@@ -301,11 +306,13 @@ def _column(row: dict, settings: Settings, name: str, body: Callable[[], None]) 
 
 
 def causal_row(tf: Any, model: torch.nn.Module, settings: Settings, batch: int, prompt: int, dtype: str,
-               gpu: dict) -> dict:
-    """One causal LM row: the three columns at `batch` x `prompt` tokens, then the derived numbers."""
+               gpu: dict, row: dict | None = None) -> dict:
+    """One causal LM row (filled into `row` as it is measured): the three columns at `batch` x `prompt`
+    tokens, then the derived numbers."""
     n = settings.new_tokens
-    row: dict[str, Any] = {"model": "llama", "dtype": dtype, "batch": batch, "prompt": prompt, "new_tokens": n,
-                           **decode_sizes(model)}
+    row = {} if row is None else row
+    row.update({"model": "llama", "dtype": dtype, "batch": batch, "prompt": prompt, "new_tokens": n,
+                **decode_sizes(model)})
     torch.manual_seed(prompt * 1000 + batch)
     ids = torch.randint(2, model.config.vocab_size, (batch, prompt), device=model.device)
     mask = torch.ones_like(ids)
@@ -354,7 +361,7 @@ def causal_row(tf: Any, model: torch.nn.Module, settings: Settings, batch: int, 
         # module in training mode, and a new module starts in it).
         lm = TransformersStaticCacheLM(model, batch_size=batch, max_length=prompt + n).eval()
         gen = StaticCacheGenerator.optimize(lm, batch_size=batch, prompt_length=prompt, max_length=prompt + n,
-                                            progress=False, precision="fp32")
+                                            progress=False, precision="fp32", compare_compile=False)
         row["stitch_optimize_s"] = round(time.perf_counter() - t0, 2)
         for stage in ("prefill", "decode"):  # a program that fell back runs the model: the row says so
             report = getattr(getattr(gen, f"{stage}_module", None), "report", None)
@@ -415,12 +422,15 @@ def _logit_accuracy(model: torch.nn.Module, gen: Any, ids: torch.Tensor, first: 
     return out
 
 
-def forward_row(model: torch.nn.Module, inputs: tuple, name: str, dtype: str, settings: Settings) -> dict:
-    """One forward row: eager, each compile mode, optimize(); outputs checked against eager's."""
+def forward_row(model: torch.nn.Module, inputs: tuple, name: str, dtype: str, settings: Settings,
+                row: dict | None = None) -> dict:
+    """One forward row (filled into `row` as it is measured): eager, each compile mode, optimize(); outputs
+    checked against eager's."""
     from ..graph import optimize
 
-    row: dict[str, Any] = {"model": name, "dtype": dtype, "input_shape": list(inputs[0].shape),
-                           "params": sum(p.numel() for p in model.parameters())}
+    row = {} if row is None else row
+    row.update({"model": name, "dtype": dtype, "input_shape": list(inputs[0].shape),
+                "params": sum(p.numel() for p in model.parameters())})
     outputs: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         want = model(*inputs)
@@ -442,7 +452,7 @@ def forward_row(model: torch.nn.Module, inputs: tuple, name: str, dtype: str, se
 
     def stitch() -> None:
         t0 = time.perf_counter()
-        fast = optimize(model, inputs, progress=False, precision="fp32")
+        fast = optimize(model, inputs, progress=False, precision="fp32", compare_compile=False)
         row["optimize_s"] = round(time.perf_counter() - t0, 2)
         row["stitch_status"] = fast.report.status
         if fast.report.reason:
@@ -484,6 +494,8 @@ def _judge_forward(row: dict, model: torch.nn.Module, inputs: tuple, want: torch
 
 
 def run(settings: Settings, json_output: bool = False) -> int:
+    """The whole bench: the refusal when the machine lacks something, else every row, printed (the rows
+    finished so far, and exit 130, when SIGINT or SIGTERM stops it)."""
     missing = missing_requirements()
     if missing:
         return refuse(PROG, "needs " + " and ".join(missing) + "; nothing was measured", EXIT_NO_GPU, json_output)
@@ -494,39 +506,69 @@ def run(settings: Settings, json_output: bool = False) -> int:
     gpu = hardware.describe()
     out: dict[str, Any] = {"device": gpu, "torch": torch.__version__, "transformers": tf.__version__,
                            "settings": settings.to_dict(), "compile_recipe": COMPILE_RECIPE, "causal": [],
-                           "forward": [], "deadline_reached": False, "not_run": []}
-    plan = [(name, dtype) for name in settings.only for dtype in settings.dtypes]
-    with precision_flags("fp32"):  # TF32 off in every column: fp32 means fp32
-        for name, dtype in plan:
-            labels = ([f"{name}[{dtype}] batch {b} prompt {p}" for b in settings.batches for p in settings.prompts]
-                      if name in CAUSAL_MODELS else [f"{name}[{dtype}]"])
-            if settings.expired():
-                out["not_run"] += labels
-                continue
-            with torch.device("cuda"):
-                torch.manual_seed(0)
-                if name in CAUSAL_MODELS:
-                    model = tf.LlamaForCausalLM(_llama_config(tf, settings.small)).to(DTYPES[dtype]).eval()
-                else:
-                    model, make_inputs = forward_model(tf, name, settings.small)
-                    model = model.to(DTYPES[dtype])
-            if name in CAUSAL_MODELS:
-                for label, (b, p) in zip(labels, [(b, p) for b in settings.batches for p in settings.prompts]):
-                    if settings.expired():
-                        out["not_run"].append(label)
-                        continue
-                    out["causal"].append(causal_row(tf, model, settings, b, p, dtype, gpu))
-                    _progress(out["causal"][-1])
-            else:
-                inputs = tuple(t.to(DTYPES[dtype]) if t.is_floating_point() else t for t in make_inputs())
-                out["forward"].append(forward_row(model, inputs, name, dtype, settings))
-                _progress(out["forward"][-1])
-            del model
-            _release()
+                           "forward": [], "deadline_reached": False, "not_run": [], "interrupted": False}
+    current: list[dict] = []  # the row being measured: marked when a signal stops it
+    stop = signal.getsignal(signal.SIGTERM)
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread:  # a killed run (a job's time limit) still prints what it measured
+        signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with precision_flags("fp32"):  # TF32 off in every column: fp32 means fp32
+            _measure(tf, settings, gpu, out, current)
+    except KeyboardInterrupt:
+        out["interrupted"] = True
+        for row in current:
+            row["interrupted"] = True
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, stop)
+    for row in out["causal"]:  # a row a signal stopped gets what its columns allow too
+        if "weight_bytes" in row:
+            derive_causal(row, gpu.get("dram_tb_s") or 0.0)
+    for row in out["forward"]:
+        derive_forward(row)
     out["deadline_reached"] = bool(out["not_run"]) or any(r.get("incomplete") for r in out["causal"] + out["forward"])
     out["wall_s"] = round(time.perf_counter() - settings.start, 1)
-    print(json.dumps(out) if json_output else format_tables(out))
-    return EXIT_OK
+    print(json.dumps(out) if json_output else format_tables(out), flush=True)
+    return EXIT_INTERRUPTED if out["interrupted"] else EXIT_OK
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _measure(tf: Any, settings: Settings, gpu: dict, out: dict, current: list[dict]) -> None:
+    """Every row of the plan into `out` (a row is in `out` from its start, `current` while it runs)."""
+    for name, dtype in [(name, dtype) for name in settings.only for dtype in settings.dtypes]:
+        shapes = [(b, p) for b in settings.batches for p in settings.prompts] if name in CAUSAL_MODELS else [None]
+        labels = [f"{name}[{dtype}]" + (f" batch {s[0]} prompt {s[1]}" if s else "") for s in shapes]
+        if settings.expired():
+            out["not_run"] += labels
+            continue
+        with torch.device("cuda"):
+            torch.manual_seed(0)
+            if name in CAUSAL_MODELS:
+                model = tf.LlamaForCausalLM(_llama_config(tf, settings.small)).to(DTYPES[dtype]).eval()
+            else:
+                model, make_inputs = forward_model(tf, name, settings.small)
+                model = model.to(DTYPES[dtype])
+        for label, shape in zip(labels, shapes):
+            if settings.expired():
+                out["not_run"].append(label)
+                continue
+            row: dict[str, Any] = {}
+            current[:] = [row]
+            if shape is not None:
+                out["causal"].append(row)
+                causal_row(tf, model, settings, *shape, dtype, gpu, row)
+            else:
+                out["forward"].append(row)
+                inputs = tuple(t.to(DTYPES[dtype]) if t.is_floating_point() else t for t in make_inputs())
+                forward_row(model, inputs, name, dtype, settings, row)
+            current.clear()
+            _progress(row)
+        del model
+        _release()
 
 
 def _progress(row: dict) -> None:
