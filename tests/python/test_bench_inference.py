@@ -133,7 +133,18 @@ def test_lengths_past_the_models_positions_are_refused_before_anything_runs(caps
     assert inf.main(["--prompts", "4000", "--json"]) == 2
     assert "4096 positions" in json.loads(capsys.readouterr().out)["error"]
     assert inf.main(["--small", "--prompts", "1000", "--new-tokens", "100"]) == 2
-    assert "--small models hold 1024 positions" in capsys.readouterr().err
+    assert "1024 positions (--small)" in capsys.readouterr().err
+    no_lm = inf.settings_from(cli.build_parser().parse_args(["bench", "inference", "--only", "bert", "--prompts",
+                                                             "4000"]))
+    assert no_lm.prompts == (4000,)  # no causal LM runs: its positions do not bound the lengths
+
+
+def test_small_runs_take_short_lengths_unless_told():
+    parse = cli.build_parser().parse_args
+    small = inf.settings_from(parse(["bench", "inference", "--small"]))
+    assert (small.prompts, small.new_tokens, small.small) == (inf.SMALL_PROMPTS, inf.SMALL_NEW_TOKENS, True)
+    told = inf.settings_from(parse(["bench", "inference", "--small", "--prompts", "64", "--new-tokens", "3"]))
+    assert (told.prompts, told.new_tokens) == ((64,), 3)
 
 
 def test_the_command_line_parses_the_bench_and_its_options():

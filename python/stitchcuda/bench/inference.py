@@ -230,8 +230,8 @@ class Settings:
 
     only: tuple[str, ...] = MODELS
     batches: tuple[int, ...] = (1, 8, 32)
-    prompts: tuple[int, ...] = (512, 2048)
-    new_tokens: int = 256
+    prompts: tuple[int, ...] = (512, 2048)  # PROMPTS
+    new_tokens: int = 256  # NEW_TOKENS
     dtypes: tuple[str, ...] = ("bf16", "fp32")
     small: bool = False
     repeats: int = 3
@@ -630,6 +630,13 @@ def format_tables(out: dict) -> str:
 
 # ---- the command line -------------------------------------------------------------------------------------------
 
+PROMPTS, NEW_TOKENS, SMALL_PROMPTS, SMALL_NEW_TOKENS = (512, 2048), 256, (32,), 8
+
+
+def _csv(values: tuple[int, ...]) -> str:
+    return ",".join(map(str, values))
+
+
 def _names(text: str) -> tuple[str, ...]:
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     unknown = [n for n in names if n not in MODELS]
@@ -660,14 +667,16 @@ def add_options(parser: argparse.ArgumentParser) -> None:
                         help=f"models to run, in this order (default {','.join(MODELS)})")
     parser.add_argument("--batches", type=_counts, default=(1, 8, 32), metavar="N,M",
                         help="causal LM batch sizes (default 1,8,32)")
-    parser.add_argument("--prompts", type=_counts, default=(512, 2048), metavar="N,M",
-                        help="causal LM prompt lengths in tokens (default 512,2048)")
-    parser.add_argument("--new-tokens", type=at_least(2, "(the first comes from the prefill)"), default=256,
-                        metavar="N", help="greedy tokens generated per sequence (default 256)")
+    parser.add_argument("--prompts", type=_counts, default=None, metavar="N,M",
+                        help=f"causal LM prompt lengths in tokens (default {_csv(PROMPTS)}; --small: "
+                             f"{_csv(SMALL_PROMPTS)})")
+    parser.add_argument("--new-tokens", type=at_least(2, "(the first comes from the prefill)"), default=None,
+                        metavar="N", help=f"greedy tokens generated per sequence (default {NEW_TOKENS}; --small: "
+                                          f"{SMALL_NEW_TOKENS})")
     parser.add_argument("--dtypes", type=_dtypes, default=("bf16", "fp32"), metavar="A,B",
                         help="model dtypes (default bf16,fp32)")
-    parser.add_argument("--small", action="store_true", help="tiny configs of the same architectures (checks "
-                        "the bench itself; use with small --prompts)")
+    parser.add_argument("--small", action="store_true", help="tiny configs of the same architectures, short "
+                        "prompts (checks the bench itself in seconds)")
     parser.add_argument("--repeats", type=at_least(1), default=3, metavar="N",
                         help="timed generations per column (forwards: ten times as many calls; default 3)")
     parser.add_argument("--deadline", type=non_negative_float, default=0.0, metavar="SECONDS",
@@ -676,15 +685,15 @@ def add_options(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    """Settings from parsed options; ValueError for combinations argparse cannot see."""
-    if not args.small:
-        longest = max(args.prompts) + args.new_tokens
-        if "llama" in args.only and longest > 4096:
-            raise ValueError(f"a prompt of {max(args.prompts)} tokens and {args.new_tokens} new ones pass the "
-                             "Llama-like model's 4096 positions: ask for fewer")
-    elif max(args.prompts) + args.new_tokens > 1024:
-        raise ValueError("--small models hold 1024 positions: use shorter --prompts / --new-tokens with --small")
-    return Settings(only=args.only, batches=args.batches, prompts=args.prompts, new_tokens=args.new_tokens,
+    """Settings from parsed options (lengths not given: the defaults of the model size); ValueError for
+    combinations argparse cannot see."""
+    prompts = args.prompts or (SMALL_PROMPTS if args.small else PROMPTS)
+    new_tokens = args.new_tokens or (SMALL_NEW_TOKENS if args.small else NEW_TOKENS)
+    positions = 1024 if args.small else 4096
+    if "llama" in args.only and max(prompts) + new_tokens > positions:
+        raise ValueError(f"a prompt of {max(prompts)} tokens and {new_tokens} new ones pass the Llama-like "
+                         f"model's {positions} positions{' (--small)' if args.small else ''}: ask for fewer")
+    return Settings(only=args.only, batches=args.batches, prompts=prompts, new_tokens=new_tokens,
                     dtypes=args.dtypes, small=args.small, repeats=args.repeats, deadline_s=args.deadline or None)
 
 
