@@ -314,3 +314,22 @@ def test_a_transformers_llama_over_its_static_cache_gives_transformers_greedy_to
         expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
                                   do_sample=False, pad_token_id=0)
     assert torch.equal(got, expected)
+
+
+def test_for_transformers_plans_both_programs_and_generates_transformers_tokens():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    gen = StaticCacheGenerator.for_transformers(model, batch_size=1, prompt_length=5, max_length=20, measure=False)
+    assert not gen.model.training
+    for fast in (gen.prefill_module, gen.decode_module):
+        notes = " ".join(text for text, _ in fast.report.decisions)
+        assert "layer0_keys (aten::index_copy, in place)" in notes or torch.cuda.is_available(), notes
+    ids = torch.randint(0, 128, (1, 5))
+    with torch.no_grad():
+        got = gen.generate(ids, 6)
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
+                                  do_sample=False, pad_token_id=0)
+    assert torch.equal(got, expected)

@@ -12,6 +12,7 @@ StaticCache whose tensors are the programs' states (TransformersStaticCacheLM).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Sequence
 
 import torch
@@ -192,6 +193,7 @@ class TransformersStaticCacheLM(torch.nn.Module):
         from transformers import StaticCache  # the caller's transformers; not a StitchCUDA dependency
 
         self.model = model
+        self.training = model.training  # a wrapper in the model's mode: optimize() takes an eval-mode model
         config = model.config
         device = _device_of(model)
         dtype = next(model.parameters()).dtype
@@ -206,6 +208,9 @@ class TransformersStaticCacheLM(torch.nn.Module):
         if hasattr(cache, "early_initialization"):  # layers allocate lazily otherwise, at the first update
             cache.early_initialization(batch_size, heads, head_dim, dtype, device)
         self.cache = cache
+        # transformers 5.25 renamed the forward's past_key_values to cache (the old name warns until 5.40)
+        accepted = inspect.signature(model.forward).parameters
+        self._cache_argument = "cache" if "cache" in accepted else "past_key_values"
         self._places = _cache_tensors(cache)  # buffer name -> where the cache keeps that tensor
         for name, place in self._places.items():
             self.register_buffer(name, _get(place), persistent=False)
@@ -213,8 +218,8 @@ class TransformersStaticCacheLM(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         for name, place in self._places.items():
             _set(place, getattr(self, name))
-        out = self.model(input_ids=input_ids, cache_position=cache_position, past_key_values=self.cache,
-                         use_cache=True)
+        out = self.model(input_ids=input_ids, cache_position=cache_position, use_cache=True,
+                         **{self._cache_argument: self.cache})
         return out.logits
 
 
