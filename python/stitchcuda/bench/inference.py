@@ -121,13 +121,17 @@ def decode_sizes(model: torch.nn.Module) -> dict[str, int]:
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     if embed is not None and (head is None or head.weight is not embed.weight):
         weight_bytes -= embed.weight.numel() * embed.weight.element_size()
-    config = model.config
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads, head_dim = _kv_shape(model.config)
     width = params[0].element_size()
     return {"params": sum(p.numel() for p in params), "weight_bytes": int(weight_bytes),
-            "kv_bytes_per_position": 2 * config.num_hidden_layers * kv_heads * head_dim * width}
+            "kv_bytes_per_position": 2 * model.config.num_hidden_layers * kv_heads * head_dim * width}
+
+
+def _kv_shape(config: Any) -> tuple[int, int]:
+    """(key-value heads, head dim) of a causal LM's config."""
+    heads = config.num_attention_heads
+    return (getattr(config, "num_key_value_heads", None) or heads,
+            getattr(config, "head_dim", None) or config.hidden_size // heads)
 
 
 def decode_speed_of_light(weight_bytes: int, kv_bytes_per_position: int, batch: int, prompt: int, new_tokens: int,
@@ -329,6 +333,10 @@ def causal_row(tf: Any, model: torch.nn.Module, settings: Settings, batch: int, 
 
     def compiled() -> None:
         cache = tf.StaticCache(config=model.config, max_cache_len=prompt + n)
+        if hasattr(cache, "early_initialization"):  # allocated now: the compiled prefill must not allocate it
+            kv_heads, head_dim = _kv_shape(model.config)
+            cache.early_initialization(batch_size=batch, num_heads=kv_heads, head_dim=head_dim, dtype=model.dtype,
+                                       device=model.device)
         keyword = cache_keyword(model)  # read before the forward is replaced by its compiled wrapper
         model.generation_config.disable_compile = True
         model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
