@@ -1562,8 +1562,8 @@ def check_group(graph: Graph, plan: GraphPlan, group: Group, values: dict[str, t
         if key is not None:
             memo[key] = (False, why)
         return False, why, None
-    feed = [(v.data.detach() if v.kind == "weight" else constants[v.name] if v.name in constants else values[v.name])
-            .contiguous() for v in inputs]
+    feed = [(v.data.detach() if v.kind in ("weight", "state") else constants[v.name] if v.name in constants
+             else values[v.name]).contiguous() for v in inputs]
     wants = [values[v.name] for v in outputs]
     # A template convolution is judged as the whole program is: against ATen's, which may have run with TF32.
     judged = plan.tolerance_precision if group.kind == "conv" else plan.precision
