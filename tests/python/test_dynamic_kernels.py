@@ -14,8 +14,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "corpus"))
 from cpu_emulator.emulator import EmulatedJit, EmulatedModule, unavailable  # noqa: E402
 
-from stitchcuda.graph.templates import (PointwiseInput, RowPrologue, nchw_to_nhwc_kernel, pointwise_kernel,  # noqa: E402
-                                        row_reduction_kernel)
+from stitchcuda.graph.templates import (PointwiseInput, RowPrologue, column_reduction_kernel,  # noqa: E402
+                                        nchw_to_nhwc_kernel, pointwise_kernel, row_reduction_kernel)
 
 emulated = pytest.mark.skipif(unavailable() is not None, reason=f"CUDA emulator: {unavailable()}")
 
@@ -138,3 +138,20 @@ def test_one_layout_conversion_serves_any_number_of_images(emu):
     assert launch.grid == (code.grid[0], code.grid[1], 4)
     _launch(emu, launch, {"in0": x, "out0": y})
     torch.testing.assert_close(y, x.permute(0, 2, 3, 1))
+
+
+@pytest.mark.parametrize("kind", ["sum", "argmax"])
+def test_a_column_reduction_source_is_the_same_at_every_outer_extent(kind):
+    a, b = (column_reduction_kernel("c", kind, outer, 24, 40, torch.float32) for outer in (3, 10))
+    assert a.source == b.source and (a.at(10).grid, a.at(10).args) == (b.grid, b.args)
+
+
+@emulated
+def test_one_column_reduction_serves_two_batches(emu):
+    # A mean over a sequence of [batch, 24, 40], the outer extent the grid's second dimension.
+    code = column_reduction_kernel("c", "mean", 3, 24, 40, torch.float32)
+    for batch in (3, 6):
+        x = torch.randn(batch, 24, 40)
+        y = torch.full((batch, 40), float("nan"))
+        _launch(emu, code.at(batch), {"x": x, "y": y})
+        torch.testing.assert_close(y, x.mean(1), atol=1e-5, rtol=1e-5)

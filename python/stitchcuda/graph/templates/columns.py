@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import CTYPE, PRELUDE, KernelCode, RowPrologue
+from .common import CTYPE, PRELUDE, Extent, KernelCode, RowPrologue
 
 
 def _column_inputs(name: str, dtype: torch.dtype, prologue: RowPrologue | None):
@@ -16,10 +16,24 @@ def _column_inputs(name: str, dtype: torch.dtype, prologue: RowPrologue | None):
             [("in", i.key) for i in prologue.inputs])
 
 
-def _column_code(name: str, lines: list[str], outer: int, inner: int, args: list, description: str) -> KernelCode:
+def _column_code(name: str, lines: list[str], outer: int, inner: int, args: list, description: str,
+                 extent: Extent | None = None) -> KernelCode:
     """The kernel of a column reduction: a block per 32 columns of one outer index, 8 warps."""
     return KernelCode("\n".join(lines) + "\n", name, (-(-inner // 32), outer, 1), (32, 8, 1), [*args, ("out", "y")],
-                      description)
+                      description, extent=extent)
+
+
+def column_extent(outer: int, reduce: int, inner: int, prologue: RowPrologue | None = None) -> Extent | None:
+    """The outer extent as the grid's second dimension (up to 65,535): the source holds only the reduced and
+    inner extents. A prologue's coordinates are 32-bit while its elements number below 2^31, which bounds
+    the outer extent; an outer extent of 1 leaves its coordinate out of the prologue's indices (None)."""
+    limit = 65535
+    if prologue is not None:
+        if outer <= 1:
+            return None
+        if outer * reduce * inner < 2 ** 31:
+            limit = min(limit, (2 ** 31 - 1) // (reduce * inner))
+    return Extent(outer, None, axis=1, limit=limit)
 
 
 def column_reduction_kernel(name: str, kind: str, outer: int, reduce: int, inner: int, dtype: torch.dtype,
@@ -42,7 +56,7 @@ def column_reduction_kernel(name: str, kind: str, outer: int, reduce: int, inner
     params.append(f"{CTYPE[out_dtype]}* __restrict__ y")
     final = f"a / {reduce}.0f" if kind == "mean" else "a"
     L = [PRELUDE, *(prologue.value_function(name) if prologue else []),
-         f"// {name}: {kind} over the middle extent {reduce} of [{outer}, {reduce}, {inner}]"
+         f"// {name}: {kind} over the middle extent {reduce} of [N, {reduce}, {inner}]"
          + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else ""),
          f'extern "C" __global__ void __launch_bounds__(256) {name}({", ".join(params)}) {{',
          "  __shared__ float sh[8][33];",
@@ -69,7 +83,8 @@ def column_reduction_kernel(name: str, kind: str, outer: int, reduce: int, inner
     return _column_code(name, L, outer, inner, args,
                         f"{kind} over the middle extent {reduce} of [{outer}, {reduce}, {inner}]: 32 coalesced columns "
                         "per block, 8 warps splitting the extent, shared-memory combine"
-                        + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else ""))
+                        + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else ""),
+                        column_extent(outer, reduce, inner, prologue))
 
 
 def _column_arg_kernel(name: str, kind: str, outer: int, reduce: int, inner: int, dtype: torch.dtype,
@@ -84,7 +99,7 @@ def _column_arg_kernel(name: str, kind: str, outer: int, reduce: int, inner: int
     X, params, args = _column_inputs(name, dtype, prologue)
     params.append("long long* __restrict__ y")
     L = [PRELUDE, *(prologue.value_function(name) if prologue else []),
-         f"// {name}: {kind} over the middle extent {reduce} of [{outer}, {reduce}, {inner}]"
+         f"// {name}: {kind} over the middle extent {reduce} of [N, {reduce}, {inner}]"
          + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else ""),
          *_first_function(better),
          f'extern "C" __global__ void __launch_bounds__(256) {name}({", ".join(params)}) {{',
@@ -117,7 +132,8 @@ def _column_arg_kernel(name: str, kind: str, outer: int, reduce: int, inner: int
                         f"{kind} over the middle extent {reduce} of [{outer}, {reduce}, {inner}]: 32 coalesced columns "
                         "per block, 8 warps splitting the extent, (value, index) pairs combined in shared memory, "
                         "torch's first-index and NaN rules"
-                        + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else ""))
+                        + (f", {len(prologue.body)} elementwise op(s) fused into the loads" if prologue else ""),
+                        column_extent(outer, reduce, inner, prologue))
 
 
 def _first_function(better: str) -> list[str]:
@@ -138,7 +154,7 @@ def _column_arg_kernel_4(name: str, kind: str, better: str, outer: int, reduce: 
     columns, 8 warps splitting the extent, then 128 threads combining the 8 warps' pairs of a column each.
     A misaligned x (a view at an odd offset) takes four scalar loads instead (inner % 4 == 0, so every
     row start shares x's alignment)."""
-    L = [PRELUDE, f"// {name}: {kind} over the middle extent {reduce} of [{outer}, {reduce}, {inner}], 4 columns per thread",
+    L = [PRELUDE, f"// {name}: {kind} over the middle extent {reduce} of [N, {reduce}, {inner}], 4 columns per thread",
          *_first_function(better),
          f'extern "C" __global__ void __launch_bounds__(256) {name}(const float* __restrict__ x, '
          "long long* __restrict__ y) {",
@@ -189,6 +205,7 @@ def _column_arg_kernel_4(name: str, kind: str, better: str, outer: int, reduce: 
          "  }",
          "}"]
     return KernelCode("\n".join(L) + "\n", name, (-(-inner // 128), outer, 1), (32, 8, 1), [("in", "x"), ("out", "y")],
+                      extent=column_extent(outer, reduce, inner), description=
                       f"{kind} over the middle extent {reduce} of [{outer}, {reduce}, {inner}]: 4 columns per thread "
                       "(16-byte loads; scalar when x is misaligned), 128 columns per block, 8 warps splitting the "
                       "extent, (value, index) pairs combined in shared memory, torch's first-index and NaN rules")
