@@ -338,6 +338,7 @@ def causal_row(tf: Any, model: torch.nn.Module, settings: Settings, batch: int, 
             cache.early_initialization(batch_size=batch, num_heads=kv_heads, head_dim=head_dim, dtype=model.dtype,
                                        device=model.device)
         keyword = cache_keyword(model)  # read before the forward is replaced by its compiled wrapper
+        disabled = model.generation_config.disable_compile
         model.generation_config.disable_compile = True
         model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
         try:
@@ -355,7 +356,7 @@ def causal_row(tf: Any, model: torch.nn.Module, settings: Settings, batch: int, 
             row["compile_s"] = round(first - row["compile_generate_ms"] / 1e3, 2)  # the first call less a steady one
         finally:
             del model.forward  # the instance attribute: the class's forward again
-            model.generation_config.disable_compile = False
+            model.generation_config.disable_compile = disabled
             torch._dynamo.reset()
 
     def stitch() -> None:
@@ -452,7 +453,8 @@ def forward_row(model: torch.nn.Module, inputs: tuple, name: str, dtype: str, se
             compiled = torch.compile(model, mode=None if mode == "default" else mode)
             with torch.no_grad():
                 t0 = time.perf_counter()
-                outputs[mode] = compiled(*inputs).clone()  # a CUDA graph's output is overwritten by its next replay
+                # a CUDA graph's output is overwritten by its next replay: a copy
+                outputs[f"compile_{_key(mode)}"] = compiled(*inputs).clone()
                 _sync()
             row[f"compile_{_key(mode)}_s"] = round(time.perf_counter() - t0, 2)
             row[f"compile_{_key(mode)}_ms"] = _time(lambda: compiled(*inputs), settings.repeats * 10, warmup=3)
@@ -487,9 +489,9 @@ def _judge_forward(row: dict, model: torch.nn.Module, inputs: tuple, want: torch
     if dtype == "fp32":
         for column, got in outputs.items():
             ok, err, detail = compare_outputs(got, want, "fp32")
-            row[f"{_key(column)}_correct"], row[f"{_key(column)}_max_abs_error"] = ok, err
+            row[f"{column}_correct"], row[f"{column}_max_abs_error"] = ok, err
             if detail:
-                row[f"{_key(column)}_difference"] = detail
+                row[f"{column}_difference"] = detail
         return
     ref, note = fp64_reference(model, inputs, want, dtype=reference_dtype(model, inputs, want))
     if ref is None:
@@ -497,7 +499,7 @@ def _judge_forward(row: dict, model: torch.nn.Module, inputs: tuple, want: torch
         return
     eager_err = fp64_errors(want, ref)["max_rel"]
     floor = row_floor({"dtype": "bfloat16", "precision": "fp32"})
-    row["accuracy"] = {_key(column): accuracy_verdict(fp64_errors(got, ref)["max_rel"], eager_err, floor)
+    row["accuracy"] = {column: accuracy_verdict(fp64_errors(got, ref)["max_rel"], eager_err, floor)
                        for column, got in outputs.items()}
 
 
