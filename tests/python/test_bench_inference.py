@@ -179,6 +179,14 @@ def test_a_machine_without_a_gpu_or_transformers_gets_exit_3_and_the_reasons(cap
     assert ("pip install transformers" in error) == (not HAS_TRANSFORMERS)
 
 
+def test_transformers_that_cannot_be_imported_is_named_with_the_fix(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # how Python marks a module that cannot be imported
+    missing = inf.missing_requirements()
+    assert any(m.startswith("the transformers package (ModuleNotFoundError") and "pip install transformers" in m
+               for m in missing), missing
+    assert any("CUDA GPU" in m for m in missing) == (not torch.cuda.is_available())
+
+
 # ---- real models ----------------------------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed (the bench's models come from it)")
