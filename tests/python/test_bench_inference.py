@@ -204,7 +204,7 @@ def test_decode_sizes_of_the_llama_like_model():
 
 
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed (the bench's models come from it)")
-def test_the_logit_accuracy_of_a_static_cache_generator_on_the_cpu():
+def test_repeated_sequences_and_the_logit_accuracy_of_a_static_cache_generator_on_the_cpu():
     import transformers as tf
 
     decode = pytest.importorskip("stitchcuda.graph.decode")
@@ -213,11 +213,14 @@ def test_the_logit_accuracy_of_a_static_cache_generator_on_the_cpu():
     ids = torch.randint(2, 256, (2, 8))
     with torch.no_grad():
         eager = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)[:, 8:]
-        def generator():  # the model itself runs the steps (nothing optimized): eager's numbers, one sequence each
-            lm = decode.TransformersStaticCacheLM(model, batch_size=2, max_length=12)
-            return decode.StaticCacheGenerator(lm, max_length=12, batch_size=2)
-        assert inf.token_identity(generator().generate(ids, 4)[:, 8:], eager)["identical"] == 8
-        accuracy = inf._logit_accuracy(model, generator(), ids, eager[:, 0])
+        # The model itself runs the steps (nothing optimized): eager's numbers.
+        lm = decode.TransformersStaticCacheLM(model, batch_size=2, max_length=12)
+        gen = decode.StaticCacheGenerator(lm, max_length=12, batch_size=2)
+        for _ in range(2):  # a second sequence on the same cache: _restart zeroes it, position counters too
+            inf._restart(gen)
+            assert inf.token_identity(gen.generate(ids, 4)[:, 8:], eager)["identical"] == 8
+        inf._restart(gen)
+        accuracy = inf._logit_accuracy(model, gen, ids, eager[:, 0])
     for stage in ("prefill", "first_decode_step"):
         assert accuracy[stage]["ok"] is True and accuracy[stage]["error"] <= accuracy[stage]["bound"]
 

@@ -361,16 +361,14 @@ def causal_row(tf: Any, model: torch.nn.Module, settings: Settings, batch: int, 
 
     def stitch() -> None:
         try:
-            from ..graph.decode import StaticCacheGenerator, TransformersStaticCacheLM
+            from ..graph.decode import StaticCacheGenerator
         except ImportError as exc:
             row["stitch_error"] = f"StitchCUDA decode is not available in this build ({first_line(exc)})"
             return
         t0 = time.perf_counter()
-        # StaticCacheGenerator.for_transformers's steps, the wrapper put in eval mode (optimize() refuses a
-        # module in training mode, and a new module starts in it).
-        lm = TransformersStaticCacheLM(model, batch_size=batch, max_length=prompt + n).eval()
-        gen = StaticCacheGenerator.optimize(lm, batch_size=batch, prompt_length=prompt, max_length=prompt + n,
-                                            progress=False, precision="fp32", compare_compile=False)
+        gen = StaticCacheGenerator.for_transformers(model, batch_size=batch, prompt_length=prompt,
+                                                    max_length=prompt + n, progress=False, precision="fp32",
+                                                    compare_compile=False)
         row["stitch_optimize_s"] = round(time.perf_counter() - t0, 2)
         for stage in ("prefill", "decode"):  # a program that fell back runs the model: the row says so
             report = getattr(getattr(gen, f"{stage}_module", None), "report", None)
@@ -378,12 +376,21 @@ def causal_row(tf: Any, model: torch.nn.Module, settings: Settings, batch: int, 
                                                                        f"{stage}_module)")
             if getattr(report, "reason", ""):
                 row[f"stitch_{stage}_reason"] = report.reason
+        def prefill() -> torch.Tensor:
+            _restart(gen)
+            return gen.prefill(ids)
+
+        def whole() -> torch.Tensor:
+            _restart(gen)
+            return gen.generate(ids, n)
+
         with torch.no_grad():
-            tokens["stitch"] = gen.generate(ids, n)[:, prompt:]
+            tokens["stitch"] = whole()[:, prompt:]
             if dtype == "bf16" and "eager" in tokens:
+                _restart(gen)
                 row["accuracy"] = _logit_accuracy(model, gen, ids, tokens["eager"][:, 0])
-        row["stitch_prefill_ms"] = _time(lambda: gen.prefill(ids).argmax(-1), settings.repeats)
-        row["stitch_generate_ms"] = _time(lambda: gen.generate(ids, n), settings.repeats)
+        row["stitch_prefill_ms"] = _time(lambda: prefill().argmax(-1), settings.repeats)
+        row["stitch_generate_ms"] = _time(whole, settings.repeats)
 
     try:
         for name, body in (("eager", eager), ("compile", compiled), ("stitch", stitch)):
@@ -394,6 +401,17 @@ def causal_row(tf: Any, model: torch.nn.Module, settings: Settings, batch: int, 
         if col in tokens and "eager" in tokens:
             row[f"{col}_tokens"] = token_identity(tokens[col], tokens["eager"])
     return derive_causal(row, gpu.get("dram_tb_s") or 0.0)
+
+
+def _restart(gen: Any) -> None:
+    """A new sequence from a zeroed cache, as a server starts each request (inside the timed call, as the
+    compile column's cache.reset() is): the generator's reset() and every tensor the cache wrapper holds
+    itself, transformers 5's position counters (cumulative_length) included, which a StaticCache layer
+    advances on each update whatever position it is given: a second prompt would be written past the
+    first. Only the wrapper's own buffers (recurse=False): the model's (rotary tables) stay as they are."""
+    gen.reset()
+    for buffer in getattr(gen, "model", torch.nn.Module()).buffers(recurse=False):
+        buffer.zero_()
 
 
 class _LastLogits(torch.nn.Module):
