@@ -106,10 +106,29 @@ def test_tables_show_rows_errors_and_what_the_deadline_left_out():
     cells = dict(zip(inf.CAUSAL_TABLE, lines[header + 1].split(" | ")))
     assert cells["eager_tokens_per_s"] == f"{8 * 256 / 5.12:.4g}" and cells["stitch_tokens_per_s"] == "-"
     assert cells["compile_identical"] == "2050/2056"
-    assert "llama[bf16] stitch_error: StitchCUDA decode is not available in this build" in text
+    assert "llama[bf16] batch 8 prompt 512 stitch_error: StitchCUDA decode is not available in this build" in text
+    assert cells["stitch_accurate"] == "-"  # no verdict without the column
     fwd = dict(zip(inf.FORWARD_TABLE, lines[lines.index(" | ".join(inf.FORWARD_TABLE)) + 1].split(" | ")))
     assert fwd["stitch_over_best_compile"] == "1.333" and fwd["correct_or_accurate"] == "True"
     assert lines[-1] == "not run (the deadline passed): vit[bf16]"
+
+
+def test_tables_show_verdicts_and_rows_cut_short():
+    accurate = inf.derive_causal(_causal_row(accuracy={"prefill": {"ok": True}, "first_decode_step": {"ok": True}}),
+                                 3.35)
+    wrong = inf.derive_causal(_causal_row(accuracy={"prefill": {"ok": True}, "first_decode_step": {"ok": False}},
+                                          not_run=["stitch"], incomplete=True), 3.35)
+    stopped = inf.derive_causal(_causal_row(batch=32, interrupted=True), 3.35)
+    text = inf.format_tables({"device": {"gpu": "NVIDIA H100", "dram_tb_s": 3.35}, "torch": "2.11", "transformers": "5",
+                              "settings": {"new_tokens": 257}, "causal": [accurate, wrong, stopped], "forward": [],
+                              "not_run": [], "interrupted": True})
+    lines = text.splitlines()
+    first = lines.index(" | ".join(inf.CAUSAL_TABLE)) + 1
+    verdicts = [dict(zip(inf.CAUSAL_TABLE, line.split(" | ")))["stitch_accurate"] for line in lines[first:first + 3]]
+    assert verdicts == ["True", "False", "-"]
+    assert "  llama[bf16] batch 8 prompt 512: columns not run (the deadline passed): stitch" in lines
+    assert "  llama[bf16] batch 32 prompt 512: stopped by a signal" in lines
+    assert lines[-1] == "stopped by a signal: the rows above are what was measured"
 
 
 # ---- options and refusals -----------------------------------------------------------------------------------------
@@ -194,7 +213,7 @@ def test_decode_sizes_of_the_llama_like_model():
     import transformers as tf
 
     with torch.device("meta"):  # the full 1.1B-parameter config, no memory
-        model = tf.LlamaForCausalLM(inf._llama_config(tf, small=False)).to(torch.bfloat16)
+        model = tf.LlamaForCausalLM(inf.llama_config(tf, small=False)).to(torch.bfloat16)
     sizes = inf.decode_sizes(model)
     layer = 2048 * 2048 * 2 + 2048 * 512 * 2 + 3 * 2048 * 8192 + 2 * 2048  # q, o; k, v; the MLP; two norms
     assert sizes["params"] == 16 * layer + 2 * 32000 * 2048 + 2048
@@ -209,7 +228,7 @@ def test_repeated_sequences_and_the_logit_accuracy_of_a_static_cache_generator_o
 
     decode = pytest.importorskip("stitchcuda.graph.decode")
     torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(inf._llama_config(tf, small=True)).eval()
+    model = tf.LlamaForCausalLM(inf.llama_config(tf, small=True)).eval()
     ids = torch.randint(2, 256, (2, 8))
     with torch.no_grad():
         eager = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)[:, 8:]

@@ -44,7 +44,7 @@ import torch
 
 from ..cli_support import (EXIT_INTERRUPTED, EXIT_NO_GPU, EXIT_OK, EXIT_USAGE, at_least, no_gpu_reason,
                            non_negative_float, refuse)
-from .precision import accuracy_verdict, dtype_name, precision_flags, row_floor
+from .precision import accuracy_verdict, precision_flags, row_floor
 from .reference import compare_outputs, fp64_errors, fp64_reference, reference_dtype
 from .results import first_line
 
@@ -54,16 +54,19 @@ FORWARD_MODELS = ("gpt2", "bert", "vit")
 MODELS = CAUSAL_MODELS + FORWARD_MODELS
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 COMPILE_MODES = ("default", "reduce-overhead")
+BATCHES, PROMPTS, NEW_TOKENS = (1, 8, 32), (512, 2048), 256
+SMALL_PROMPTS, SMALL_NEW_TOKENS = (32,), 8  # --small's, unless told
 COMPILE_RECIPE = ("model.forward = torch.compile(model.forward, mode='reduce-overhead', fullgraph=True); "
-                  "generate(past_key_values=StaticCache(config, max_cache_len=prompt + new_tokens)) "
+                  "generate() into a StaticCache(config, max_cache_len=prompt + new_tokens) passed as its cache "
                   "(generation_config.disable_compile: generate() does not compile the compiled forward again)")
 
 
 # ---- the models ---------------------------------------------------------------------------------------------
-# Full sizes as the issue names them; --small: tiny configs of the same architectures (CPU-sized), for a quick
-# run that checks the bench itself.
+# Full sizes: the models people deploy at these scales; --small: tiny configs of the same architectures
+# (CPU-sized), for a quick run that checks the bench itself.
 
-def _llama_config(tf: Any, small: bool) -> Any:
+def llama_config(tf: Any, small: bool) -> Any:
+    """The Llama-like causal LM's config (`tf`: the transformers module): 1.1B parameters, or tiny."""
     sizes = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=1024) if small else
              dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -88,9 +91,9 @@ class _Field(torch.nn.Module):
 def forward_model(tf: Any, name: str, small: bool, device: str = "cuda") -> tuple[torch.nn.Module, Callable[[], tuple]]:
     """(the model, a function making its inputs on `device`) of a forward row, in eval mode."""
     if name == "gpt2":
-        config = tf.GPT2Config(**(dict(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0,
-                                            eos_token_id=0) if small
-                                  else dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024)))
+        sizes = (dict(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0)
+                 if small else dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024))
+        config = tf.GPT2Config(**sizes)
         batch, seq = (1, 16) if small else (4, 1024)
         model = _Field(tf.GPT2LMHeadModel(config), "logits", use_cache=False)
         return model.eval(), lambda: (torch.randint(0, config.vocab_size, (batch, seq), device=device),)
@@ -233,9 +236,9 @@ class Settings:
     """What one run measures (the command line's options)."""
 
     only: tuple[str, ...] = MODELS
-    batches: tuple[int, ...] = (1, 8, 32)
-    prompts: tuple[int, ...] = (512, 2048)  # PROMPTS
-    new_tokens: int = 256  # NEW_TOKENS
+    batches: tuple[int, ...] = BATCHES
+    prompts: tuple[int, ...] = PROMPTS
+    new_tokens: int = NEW_TOKENS
     dtypes: tuple[str, ...] = ("bf16", "fp32")
     small: bool = False
     repeats: int = 3
@@ -576,7 +579,7 @@ def _measure(tf: Any, settings: Settings, gpu: dict, out: dict, current: list[di
         with torch.device("cuda"):
             torch.manual_seed(0)
             if name in CAUSAL_MODELS:
-                model = tf.LlamaForCausalLM(_llama_config(tf, settings.small)).to(DTYPES[dtype]).eval()
+                model = tf.LlamaForCausalLM(llama_config(tf, settings.small)).to(DTYPES[dtype]).eval()
             else:
                 model, make_inputs = forward_model(tf, name, settings.small)
                 model = model.to(DTYPES[dtype])
@@ -611,7 +614,7 @@ CAUSAL_TABLE = ("dtype", "batch", "prompt", "eager_prefill_ms", "compile_prefill
                 "eager_tokens_per_s", "compile_tokens_per_s", "stitch_tokens_per_s", "speed_of_light_tokens_per_s",
                 "stitch_fraction_of_speed_of_light", "compile_fraction_of_speed_of_light", "stitch_decode_over_compile",
                 "stitch_prefill_over_compile", "compile_s", "stitch_optimize_s", "compile_identical",
-                "stitch_identical")
+                "stitch_identical", "stitch_accurate")
 FORWARD_TABLE = ("model", "dtype", "input_shape", "eager_ms", "best_compile_mode", "best_compile_ms", "stitch_ms",
                  "stitch_over_best_compile", "best_compile_over_eager", "stitch_status", "correct_or_accurate",
                  "optimize_s")
@@ -632,7 +635,15 @@ def _table_row(row: dict, keys: tuple[str, ...]) -> dict:
     verdicts = row.get("accuracy") or {}
     flat["correct_or_accurate"] = (row.get("stitch_correct") if row.get("dtype") == "fp32"
                                    else (verdicts.get("stitch") or {}).get("ok"))
+    if "batch" in row and verdicts:  # a causal row: the rule on the prefill and on the first decode step
+        oks = [v.get("ok") for v in verdicts.values()]
+        flat["stitch_accurate"] = None if None in oks else all(oks)
     return {k: flat.get(k) for k in keys}
+
+
+def _label(row: dict) -> str:
+    shape = f" batch {row['batch']} prompt {row['prompt']}" if "batch" in row else ""
+    return f"{row.get('model')}[{row.get('dtype')}]{shape}"
 
 
 def format_tables(out: dict) -> str:
@@ -648,18 +659,19 @@ def format_tables(out: dict) -> str:
         lines += ["", title, " | ".join(keys)]
         lines += [" | ".join(_cell(v) for v in _table_row(r, keys).values()) for r in rows]
         for r in rows:
-            for k, v in r.items():
-                if k.endswith(("_error", "_reason")):
-                    lines.append(f"  {r['model']}[{r['dtype']}] {k}: {v}")
+            lines += [f"  {_label(r)} {k}: {v}" for k, v in r.items() if k.endswith(("_error", "_reason"))]
+            if r.get("interrupted"):
+                lines.append(f"  {_label(r)}: stopped by a signal")
+            elif r.get("not_run"):
+                lines.append(f"  {_label(r)}: columns not run (the deadline passed): {', '.join(r['not_run'])}")
     if out["not_run"]:
         lines += ["", f"not run (the deadline passed): {', '.join(out['not_run'])}"]
+    if out.get("interrupted"):
+        lines += ["", "stopped by a signal: the rows above are what was measured"]
     return "\n".join(lines)
 
 
 # ---- the command line -------------------------------------------------------------------------------------------
-
-PROMPTS, NEW_TOKENS, SMALL_PROMPTS, SMALL_NEW_TOKENS = (512, 2048), 256, (32,), 8
-
 
 def _csv(values: tuple[int, ...]) -> str:
     return ",".join(map(str, values))
@@ -693,8 +705,8 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--only", type=_names, default=MODELS, metavar="A,B",
                         help=f"models to run, in this order (default {','.join(MODELS)})")
-    parser.add_argument("--batches", type=_counts, default=(1, 8, 32), metavar="N,M",
-                        help="causal LM batch sizes (default 1,8,32)")
+    parser.add_argument("--batches", type=_counts, default=BATCHES, metavar="N,M",
+                        help=f"causal LM batch sizes (default {_csv(BATCHES)})")
     parser.add_argument("--prompts", type=_counts, default=None, metavar="N,M",
                         help=f"causal LM prompt lengths in tokens (default {_csv(PROMPTS)}; --small: "
                              f"{_csv(SMALL_PROMPTS)})")
