@@ -716,7 +716,7 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtypes", type=_dtypes, default=("bf16", "fp32"), metavar="A,B",
                         help="model dtypes (default bf16,fp32)")
     parser.add_argument("--small", action="store_true", help="tiny configs of the same architectures, short "
-                        "prompts (checks the bench itself in seconds)")
+                        "prompts (checks the bench itself; compiling takes most of its time)")
     parser.add_argument("--repeats", type=at_least(1), default=3, metavar="N",
                         help="timed generations per column (forwards: ten times as many calls; default 3)")
     parser.add_argument("--deadline", type=non_negative_float, default=0.0, metavar="SECONDS",
