@@ -117,3 +117,16 @@ def test_the_judges_float32_pass_reads_every_chunk():
     bound = 1e-4 + 1e-4 * expected.abs()
     assert _clearly_within(expected, expected + 0.4 * bound, 1e-4, 1e-4)
     assert not _clearly_within(expected, expected + 0.6 * bound, 1e-4, 1e-4)
+
+
+def test_the_reference_outputs_rms_is_computed_once_per_run(pool, monkeypatch):
+    from stitchcuda.verify import harness
+
+    calls = []
+    real = harness.output_rms
+    monkeypatch.setattr(harness, "output_rms", lambda outputs: calls.append(1) or real(outputs))
+    pool.references = ReferenceCache()  # a new reference run, judged twice
+    first = check(PROBLEM, CANDIDATE + "# 5\n", config=CONFIG, pool=pool)
+    second = check(PROBLEM, CANDIDATE + "# 6\n", config=CONFIG, pool=pool)
+    assert first.correct and second.correct
+    assert len(calls) == CONFIG.trials  # once per trial for the first candidate, none for the second
