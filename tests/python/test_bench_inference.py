@@ -235,10 +235,8 @@ def test_repeated_sequences_and_the_logit_accuracy_of_a_static_cache_generator_o
         # The model itself runs the steps (nothing optimized): eager's numbers.
         lm = decode.TransformersStaticCacheLM(model, batch_size=2, max_length=12)
         gen = decode.StaticCacheGenerator(lm, max_length=12, batch_size=2)
-        for _ in range(2):  # a second sequence on the same cache: _restart zeroes it, position counters too
-            inf._restart(gen)
+        for _ in range(2):  # a second sequence on the same cache: prefill zeroes it, position counters too
             assert inf.token_identity(gen.generate(ids, 4)[:, 8:], eager)["identical"] == 8
-        inf._restart(gen)
         accuracy = inf._logit_accuracy(model, gen, ids, eager[:, 0])
     for stage in ("prefill", "first_decode_step"):
         assert accuracy[stage]["ok"] is True and accuracy[stage]["error"] <= accuracy[stage]["bound"]

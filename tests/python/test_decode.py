@@ -314,6 +314,12 @@ def test_a_transformers_llama_over_its_static_cache_gives_transformers_greedy_to
         expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
                                   do_sample=False, pad_token_id=0)
     assert torch.equal(got, expected)
+    # A second sequence starts from zeroed caches: a transformers 5 cache layer counts its own writes.
+    ids = torch.randint(0, 256, (1, 6))
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                                  do_sample=False, pad_token_id=0)
+    assert torch.equal(gen.generate(ids, 8), expected)
 
 
 def test_for_transformers_plans_both_programs_and_generates_transformers_tokens():
@@ -333,3 +339,9 @@ def test_for_transformers_plans_both_programs_and_generates_transformers_tokens(
         expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
                                   do_sample=False, pad_token_id=0)
     assert torch.equal(got, expected)
+    # Another prompt on the same generator: its own tokens, not an append after the first sequence.
+    ids = torch.randint(0, 128, (1, 5))
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
+                                  do_sample=False, pad_token_id=0)
+        assert torch.equal(gen.generate(ids, 6), expected)

