@@ -1,34 +1,28 @@
-// The `.stitch` artifact: a fixed header (magic, format version, manifest length, manifest SHA-256),
-// a JSON manifest listing sections with their offsets, sizes and SHA-256, then the sections' bytes.
+// The `.stitch` artifact of one program, in the program layer's container (detail/container.hpp): the
+// program's buffers and steps, precision, hardware and replay as JSON sections, then its kernels and weights.
 // Reading trusts nothing: every length is bounded, every checksum verified, every field type-checked.
 #include <stitchcuda/program.hpp>
+#include <stitchcuda/decode.hpp>
 #include <stitchcuda/family.hpp>
 #include <stitchcuda/jit.hpp>
 
-#include <unistd.h>
-
-#include <atomic>
 #include <cmath>
-#include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <limits>
 
 #include <nlohmann/json.hpp>
 
-#include <stitchcuda/detail/sha256.hpp>
+#include <stitchcuda/detail/container.hpp>
 
 namespace stitchcuda::program {
 namespace {
 
 using nlohmann::json;
-namespace fs = std::filesystem;
+using detail::Field;
+using detail::Malformed;
 
-constexpr char kMagic[8] = {'S', 'T', 'I', 'T', 'C', 'H', '\x00', '\x01'};
-constexpr std::size_t kHeaderBytes = 8 + 4 + 8 + 32;
-// A manifest is metadata (buffers, steps, section table); weights and CUBINs are sections.
-constexpr std::uint64_t kMaxManifestBytes = 64ull << 20;
-constexpr const char* kFormatName = "stitchcuda.program";
+const detail::ContainerKind kArtifact{{'S', 'T', 'I', 'T', 'C', 'H', '\x00', '\x01'}, kArtifactVersion,
+                                      "stitchcuda.program", "artifact", "not a valid .stitch artifact",
+                                      "not a .stitch file"};
 
 // ---- writing ----
 
@@ -100,102 +94,7 @@ json step_json(const Step& step) {
 std::string kernel_section(std::size_t k, const char* part) { return "kernel." + std::to_string(k) + "." + part; }
 std::string weight_section(BufferId id) { return "weight." + std::to_string(id); }
 
-void put_le(std::string& out, std::uint64_t v, int bytes) {
-  for (int i = 0; i < bytes; ++i) out += char((v >> (8 * i)) & 0xff);
-}
-
-std::uint64_t get_le(std::string_view in, std::size_t at, int bytes) {
-  std::uint64_t v = 0;
-  for (int i = 0; i < bytes; ++i) v |= std::uint64_t(static_cast<unsigned char>(in[at + i])) << (8 * i);
-  return v;
-}
-
-// ---- reading: a cursor over untrusted JSON that names the path of whatever is wrong ----
-
-struct Malformed {
-  std::string what;
-};
-
-class Field {
- public:
-  Field(const json& j, std::string path) : j_(j), path_(std::move(path)) {}
-
-  Field operator[](const char* key) const {
-    if (!j_.is_object()) throw Malformed{path_ + " is not an object"};
-    auto it = j_.find(key);
-    if (it == j_.end()) throw Malformed{"missing field '" + path_ + "." + key + "'"};
-    return Field(*it, path_ + "." + key);
-  }
-  bool has(const char* key) const { return j_.is_object() && j_.contains(key); }
-  std::vector<Field> items() const {
-    if (!j_.is_array()) throw Malformed{path_ + " is not a list"};
-    std::vector<Field> out;
-    for (std::size_t i = 0; i < j_.size(); ++i) out.emplace_back(j_[i], path_ + "[" + std::to_string(i) + "]");
-    return out;
-  }
-  std::vector<std::pair<std::string, Field>> members() const {
-    if (!j_.is_object()) throw Malformed{path_ + " is not an object"};
-    std::vector<std::pair<std::string, Field>> out;
-    for (auto it = j_.begin(); it != j_.end(); ++it) out.emplace_back(it.key(), Field(it.value(), path_ + "." + it.key()));
-    return out;
-  }
-  std::int64_t integer(std::int64_t lo = std::numeric_limits<std::int64_t>::min(),
-                       std::int64_t hi = std::numeric_limits<std::int64_t>::max()) const {
-    if (!j_.is_number_integer()) throw Malformed{path_ + " is not an integer"};
-    if (j_.is_number_unsigned() && j_.get<std::uint64_t>() > std::uint64_t(hi))
-      throw Malformed{path_ + " = " + std::to_string(j_.get<std::uint64_t>()) + " is out of range"};
-    std::int64_t v = j_.get<std::int64_t>();
-    if (v < lo || v > hi) throw Malformed{path_ + " = " + std::to_string(v) + " is out of range"};
-    return v;
-  }
-  std::uint32_t u32() const { return std::uint32_t(integer(0, std::numeric_limits<std::uint32_t>::max())); }
-  std::uint64_t size() const {
-    if (!j_.is_number_unsigned() && !(j_.is_number_integer() && j_.get<std::int64_t>() >= 0))
-      throw Malformed{path_ + " is not a size"};
-    return j_.get<std::uint64_t>();
-  }
-  double number() const {
-    if (j_.is_number()) return j_.get<double>();
-    if (j_.is_string()) {
-      const auto& s = j_.get_ref<const std::string&>();
-      if (s == "nan") return std::numeric_limits<double>::quiet_NaN();
-      if (s == "inf") return std::numeric_limits<double>::infinity();
-      if (s == "-inf") return -std::numeric_limits<double>::infinity();
-    }
-    throw Malformed{path_ + " is not a number"};
-  }
-  bool boolean() const {
-    if (!j_.is_boolean()) throw Malformed{path_ + " is not true or false"};
-    return j_.get<bool>();
-  }
-  std::string text() const {
-    if (!j_.is_string()) throw Malformed{path_ + " is not a string"};
-    return j_.get<std::string>();
-  }
-  std::vector<std::int64_t> integers() const {
-    std::vector<std::int64_t> out;
-    for (const Field& f : items()) out.push_back(f.integer());
-    return out;
-  }
-  std::vector<BufferId> ids() const {
-    std::vector<BufferId> out;
-    for (const Field& f : items()) out.push_back(f.u32());
-    return out;
-  }
-  // An enum value by its to_string name.
-  template <class E, std::size_t N>
-  E choice(const E (&options)[N]) const {
-    std::string s = text();
-    for (E e : options)
-      if (s == to_string(e)) return e;
-    throw Malformed{path_ + " = \"" + s + "\" is not a known value"};
-  }
-  bool is_null() const { return j_.is_null(); }
-
- private:
-  const json& j_;
-  std::string path_;
-};
+// ---- reading ----
 
 constexpr BufferRole kRoles[] = {BufferRole::input, BufferRole::output, BufferRole::weight, BufferRole::intermediate,
                                  BufferRole::state};
@@ -287,10 +186,6 @@ json parse_json(std::string_view text, const std::string& what) {
   return j;
 }
 
-tl::unexpected<Error> corrupt(const std::string& what) {
-  return fail(ErrorCode::InvalidArgument, "not a valid .stitch artifact: " + what);
-}
-
 }  // namespace
 
 std::string Program::serialize() const {
@@ -300,93 +195,38 @@ std::string Program::serialize() const {
   for (const KernelSource& k : kernels)
     program["kernels"].push_back({{"name", k.name}, {"options", k.options}, {"arch", k.arch}, {"signature", k.signature}});
 
-  std::vector<std::pair<std::string, std::string>> sections;
-  sections.emplace_back("program", program.dump());  // compact: programs grow with their steps
-  sections.emplace_back("precision", json{{"matmul", to_string(precision.matmul)}, {"cudnn_tf32", precision.cudnn_tf32}}.dump(1));
-  sections.emplace_back("hardware", json{{"device", verified_on.device}, {"arch", verified_on.arch},
+  // The sections view these texts and the program's own kernels and weights: nothing large is copied twice.
+  const std::string program_text = program.dump();  // compact: programs grow with their steps
+  const std::string precision_text =
+      json{{"matmul", to_string(precision.matmul)}, {"cudnn_tf32", precision.cudnn_tf32}}.dump(1);
+  const std::string hardware_text = json{{"device", verified_on.device}, {"arch", verified_on.arch},
                                          {"driver", verified_on.driver}, {"cuda", verified_on.cuda},
-                                         {"torch", verified_on.torch}}.dump(1));
-  if (replay.mode != Replay::unmeasured)
-    sections.emplace_back("replay", json{{"mode", to_string(replay.mode)},
-                                         {"reason", replay.reason}}.dump(1));
+                                         {"torch", verified_on.torch}}.dump(1);
+  const std::string replay_text = json{{"mode", to_string(replay.mode)}, {"reason", replay.reason}}.dump(1);
+  std::vector<std::pair<std::string, std::string_view>> views;
+  views.emplace_back("program", program_text);
+  views.emplace_back("precision", precision_text);
+  views.emplace_back("hardware", hardware_text);
+  if (replay.mode != Replay::unmeasured) views.emplace_back("replay", replay_text);
   for (std::size_t k = 0; k < kernels.size(); ++k) {
-    sections.emplace_back(kernel_section(k, "source"), kernels[k].source);
-    sections.emplace_back(kernel_section(k, "cubin"), kernels[k].cubin);
+    views.emplace_back(kernel_section(k, "source"), kernels[k].source);
+    views.emplace_back(kernel_section(k, "cubin"), kernels[k].cubin);
   }
-  for (const auto& [id, bytes] : weights) sections.emplace_back(weight_section(id), bytes);
-
-  json manifest = {{"format", kFormatName}, {"version", kArtifactVersion}, {"library", stitchcuda::version()},
-                   {"sections", json::array()}};
-  std::uint64_t offset = 0;
-  for (const auto& [name, bytes] : sections) {
-    manifest["sections"].push_back({{"name", name}, {"offset", offset}, {"size", bytes.size()},
-                                    {"sha256", detail::sha256_hex(bytes)}});
-    offset += bytes.size();
-  }
-  std::string manifest_text = manifest.dump(1);
-
-  std::string out(kMagic, sizeof(kMagic));
-  put_le(out, kArtifactVersion, 4);
-  put_le(out, manifest_text.size(), 8);
-  auto digest = detail::Sha256().update(manifest_text).digest();
-  out.append(reinterpret_cast<const char*>(digest.data()), digest.size());
-  out += manifest_text;
-  for (const auto& section : sections) out += section.second;
-  return out;
+  for (const auto& [id, bytes] : weights) views.emplace_back(weight_section(id), bytes);
+  return detail::write_container(kArtifact, json::object(), views);
 }
 
 Result<Program> Program::deserialize(std::string_view bytes) {
-  if (bytes.size() < kHeaderBytes)
-    return corrupt("the file holds " + std::to_string(bytes.size()) + " bytes, fewer than the " +
-                   std::to_string(kHeaderBytes) + "-byte header (truncated?)");
+  // A family or a decode pair starts with a header of its own: name the loader that reads it.
   if (is_family_artifact(bytes))
     return fail(ErrorCode::InvalidArgument, "a program family (one program per size of a dynamic range), not a single "
                                             "program: load it with FamilyExecutor::load in C++ or stitchcuda.load in Python");
-  if (std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0) return corrupt("wrong magic bytes (not a .stitch file)");
-  auto version = std::uint32_t(get_le(bytes, 8, 4));
-  if (version != kArtifactVersion)
-    return corrupt("format version " + std::to_string(version) + " is not supported; this library reads version " +
-                   std::to_string(kArtifactVersion) + " (re-export the artifact with a matching StitchCUDA)");
-  std::uint64_t manifest_size = get_le(bytes, 12, 8);
-  if (manifest_size > bytes.size() - kHeaderBytes || manifest_size > kMaxManifestBytes)
-    return corrupt("the manifest claims " + std::to_string(manifest_size) + " bytes but only " +
-                   std::to_string(bytes.size() - kHeaderBytes) + " follow the header (truncated?)");
-  std::string_view manifest_text = bytes.substr(kHeaderBytes, manifest_size);
-  auto digest = detail::Sha256().update(manifest_text).digest();
-  if (std::memcmp(bytes.data() + 20, digest.data(), digest.size()) != 0)
-    return corrupt("the manifest's SHA-256 does not match (the file was modified or damaged)");
-  std::string_view payload = bytes.substr(kHeaderBytes + manifest_size);
-
-  try {
-    json manifest_json = parse_json(manifest_text, "the manifest");
-    Field manifest(manifest_json, "manifest");
-    if (manifest["format"].text() != kFormatName) throw Malformed{"manifest.format is not \"" + std::string(kFormatName) + "\""};
-    if (manifest["version"].integer() != kArtifactVersion)
-      throw Malformed{"manifest.version differs from the header's format version"};
-
-    // Sections must tile the payload exactly, in order: a gap, overlap or trailing byte is damage.
-    std::map<std::string, std::string_view> sections;
-    std::uint64_t expected_offset = 0;
-    for (const Field& s : manifest["sections"].items()) {
-      std::string name = s["name"].text();
-      std::uint64_t offset = s["offset"].size(), size = s["size"].size();
-      if (offset != expected_offset || size > payload.size() || offset > payload.size() - size)
-        throw Malformed{"section '" + name + "' at offset " + std::to_string(offset) + " with " + std::to_string(size) +
-                        " bytes lies outside the " + std::to_string(payload.size()) + " payload bytes (truncated?)"};
-      std::string_view data = payload.substr(offset, size);
-      if (detail::sha256_hex(data) != s["sha256"].text())
-        throw Malformed{"section '" + name + "' fails its SHA-256 check (the file was modified or damaged)"};
-      if (!sections.emplace(name, data).second) throw Malformed{"section '" + name + "' appears twice"};
-      expected_offset = offset + size;
-    }
-    if (expected_offset != payload.size())
-      throw Malformed{std::to_string(payload.size() - expected_offset) + " bytes follow the last section"};
-    auto section = [&](const std::string& name) {
-      auto it = sections.find(name);
-      if (it == sections.end()) throw Malformed{"missing section '" + name + "'"};
-      return it->second;
-    };
-
+  if (is_decode_artifact(bytes))
+    return fail(ErrorCode::InvalidArgument, "a prefill + decode pair (a token loop), not a single program: load it with "
+                                            "Generator::load in C++ or stitchcuda.load in Python");
+  return detail::read_checked<Program>(kArtifact, bytes, "program", [](const detail::Container& file) {
+    const auto& sections = file.sections;
+    auto section = [&](const std::string& name) { return file.section(name); };
     Program p;
     json program_json = parse_json(section("program"), "section 'program'");
     Field program(program_json, "program");
@@ -454,79 +294,14 @@ Result<Program> Program::deserialize(std::string_view bytes) {
       }
       throw Malformed{"unknown section '" + name + "'"};
     }
-    if (auto ok = p.validate(); !ok) return corrupt("the stored program does not validate: " + ok.error().message);
     return p;
-  } catch (const Malformed& m) {
-    return corrupt(m.what);
-  } catch (const std::exception& e) {
-    // A safety net: the checks above should leave nothing for nlohmann or the library to throw.
-    return corrupt(std::string("unexpected parse failure: ") + e.what());
-  }
+  });
 }
 
-Result<void> Program::save(const std::string& path) const {
-  if (auto ok = validate(); !ok) return tl::unexpected(ok.error());
-  static std::atomic<unsigned> counter{0};
-  std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
-  std::error_code ec;
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) return fail(ErrorCode::IoError, "cannot write '" + tmp + "': check that the folder exists and is writable");
-    std::string data = serialize();
-    out.write(data.data(), std::streamsize(data.size()));
-    out.flush();
-    if (!out) {
-      out.close();
-      fs::remove(tmp, ec);
-      return fail(ErrorCode::IoError, "writing '" + tmp + "' failed (disk full?)");
-    }
-  }
-  // rename is atomic within one folder: a reader sees the old artifact or the new one, never a part.
-  fs::rename(tmp, path, ec);
-  if (ec) {
-    std::error_code ignored;
-    fs::remove(tmp, ignored);
-    return fail(ErrorCode::IoError, "cannot move the artifact into '" + path + "': " + ec.message());
-  }
-  return {};
-}
+Result<void> Program::save(const std::string& path) const { return detail::save_checked(kArtifact, path, *this); }
 
 Result<Program> Program::load(const std::string& path) {
-  std::error_code ec;
-  if (!fs::is_regular_file(path, ec)) return fail(ErrorCode::NotFound, "no artifact at '" + path + "'");
-  const std::uintmax_t size = fs::file_size(path, ec);
-  if (ec) return fail(ErrorCode::IoError, "cannot read the size of '" + path + "': " + ec.message());
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return fail(ErrorCode::IoError, "cannot open '" + path + "' for reading");
-  // The header first: its manifest length is checked against the file's size, and held to what a manifest
-  // can be, before anything the size of the file is allocated.
-  std::string data(std::min<std::uintmax_t>(size, kHeaderBytes), '\0');
-  in.read(data.data(), std::streamsize(data.size()));
-  if (std::uintmax_t(in.gcount()) != data.size()) return fail(ErrorCode::IoError, "reading '" + path + "' failed");
-  if (data.size() == kHeaderBytes) {
-    const std::uint64_t manifest_size = get_le(data, 12, 8);
-    if (manifest_size > size - kHeaderBytes || manifest_size > kMaxManifestBytes)
-      return fail(ErrorCode::InvalidArgument, "'" + path + "' is not a valid StitchCUDA artifact: the manifest claims " +
-                                                  std::to_string(manifest_size) + " bytes of a " + std::to_string(size) +
-                                                  "-byte file (at most " + std::to_string(kMaxManifestBytes) + ")");
-  }
-  try {
-    data.resize(size);
-  } catch (const std::bad_alloc&) {
-    return fail(ErrorCode::IoError, "'" + path + "' (" + std::to_string(size) + " bytes) does not fit in memory");
-  }
-  if (size > kHeaderBytes) {
-    in.read(data.data() + kHeaderBytes, std::streamsize(size - kHeaderBytes));
-    if (std::uintmax_t(in.gcount()) != size - kHeaderBytes)
-      return fail(ErrorCode::IoError, "reading '" + path + "' failed (the file changed while it was read?)");
-  }
-  auto program = deserialize(data);
-  if (!program) {
-    Error e = program.error();
-    e.message = "'" + path + "' is " + e.message;
-    return tl::unexpected(std::move(e));
-  }
-  return program;
+  return detail::load_container_file(kArtifact, path, &Program::deserialize);
 }
 
 }  // namespace stitchcuda::program

@@ -1,16 +1,10 @@
 // ProgramFamily (family.hpp): validation of the dims and members, the member choice for a call's sizes,
-// and the family file — the `.stitch` container's header layout under its own magic, a JSON manifest,
-// then each member's program (as `.stitch` bytes without weights) and every distinct weight once.
+// and the family file — the program layer's container (detail/container.hpp) under its own magic: a JSON
+// manifest of the dims and members, each member's program (`.stitch` bytes without weights) and every
+// distinct weight once.
 #include <stitchcuda/family.hpp>
 
-#include <unistd.h>
-
 #include <algorithm>
-#include <atomic>
-#include <bit>
-#include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <limits>
 #include <map>
 #include <optional>
@@ -19,21 +13,20 @@
 
 #include <nlohmann/json.hpp>
 
-#include <stitchcuda/detail/sha256.hpp>
+#include <stitchcuda/detail/container.hpp>
 
 namespace stitchcuda::program {
 namespace {
 
 using nlohmann::json;
-namespace fs = std::filesystem;
+using detail::Field;
+using detail::Malformed;
 
-// The header of a `.stitch` file (magic, version, manifest length, manifest SHA-256) with another magic,
-// so that Program::load's header check holds and the two kinds tell apart by their first 8 bytes.
-constexpr char kFamilyMagic[8] = {'S', 'T', 'I', 'T', 'C', 'H', 'F', '\x01'};
-constexpr std::size_t kHeader = 8 + 4 + 8 + 32;
-constexpr std::uint64_t kMaxManifest = 64ull << 20;
+// The container's header with another magic than a program's: the kinds tell apart by their first 8 bytes.
+const detail::ContainerKind kFamilyFile{{'S', 'T', 'I', 'T', 'C', 'H', 'F', '\x01'}, kFamilyArtifactVersion,
+                                        "stitchcuda.family", "family file", "not a valid program family file",
+                                        "a single program's .stitch file loads with Program::load / Executor::load"};
 constexpr std::int64_t kMaxSize = std::numeric_limits<std::int32_t>::max();
-constexpr const char* kFormat = "stitchcuda.family";
 
 tl::unexpected<Error> invalid(std::string message) { return fail(ErrorCode::InvalidArgument, std::move(message)); }
 
@@ -140,58 +133,6 @@ tl::unexpected<Error> duplicate(const std::vector<DynamicDim>& dims, const std::
                  "]'s too: one program per sizes");
 }
 
-// ---- the file ----
-
-// Header integers are little-endian, as the `.stitch` header's; this library builds for such hosts only.
-static_assert(std::endian::native == std::endian::little);
-template <class T>
-void append(std::string& out, T value) {
-  out.append(reinterpret_cast<const char*>(&value), sizeof value);
-}
-template <class T>
-T read_at(std::string_view in, std::size_t at) {
-  T value;
-  std::memcpy(&value, in.data() + at, sizeof value);
-  return value;
-}
-
-struct Malformed {
-  std::string what;
-};
-
-// A field of the untrusted manifest, or Malformed naming its path.
-const json& field(const json& j, const char* key, const std::string& path) {
-  if (!j.is_object()) throw Malformed{path + " is not an object"};
-  auto it = j.find(key);
-  if (it == j.end()) throw Malformed{"missing field '" + path + "." + key + "'"};
-  return *it;
-}
-
-const json& list(const json& j, const std::string& path) {
-  if (!j.is_array()) throw Malformed{path + " is not a list"};
-  return j;
-}
-
-std::int64_t integer(const json& j, const std::string& path, std::int64_t lo, std::int64_t hi) {
-  if (!j.is_number_integer() || (j.is_number_unsigned() && j.get<std::uint64_t>() > std::uint64_t(hi)) ||
-      j.get<std::int64_t>() < lo || j.get<std::int64_t>() > hi)
-    throw Malformed{path + " is not an integer in " + std::to_string(lo) + ".." + std::to_string(hi)};
-  return j.get<std::int64_t>();
-}
-
-std::vector<std::pair<std::uint32_t, std::uint32_t>> pairs(const json& j, const std::string& path) {
-  std::vector<std::pair<std::uint32_t, std::uint32_t>> out;
-  for (std::size_t k = 0; k < list(j, path).size(); ++k) {
-    const std::string at = path + "[" + std::to_string(k) + "]";
-    if (!j[k].is_array() || j[k].size() != 2) throw Malformed{at + " is not an (index, axis) pair"};
-    constexpr std::int64_t u32 = std::numeric_limits<std::uint32_t>::max();
-    out.emplace_back(std::uint32_t(integer(j[k][0], at + "[0]", 0, u32)), std::uint32_t(integer(j[k][1], at + "[1]", 0, u32)));
-  }
-  return out;
-}
-
-tl::unexpected<Error> corrupt(const std::string& what) { return invalid("not a valid program family file: " + what); }
-
 }  // namespace
 
 std::vector<const Buffer*> io_buffers(const Program& program, BufferRole role) {
@@ -202,9 +143,7 @@ std::vector<const Buffer*> io_buffers(const Program& program, BufferRole role) {
   return out;
 }
 
-bool is_family_artifact(std::string_view bytes) noexcept {
-  return bytes.size() >= sizeof(kFamilyMagic) && std::memcmp(bytes.data(), kFamilyMagic, sizeof(kFamilyMagic)) == 0;
-}
+bool is_family_artifact(std::string_view bytes) noexcept { return detail::has_magic(kFamilyFile, bytes); }
 
 Result<void> ProgramFamily::validate() const {
   if (auto ok = check_dims(dims); !ok) return ok;
@@ -323,190 +262,47 @@ Result<std::size_t> select_member(const std::vector<DynamicDim>& dims, const std
 }
 
 std::string ProgramFamily::serialize() const {
-  // Every distinct weight once: members of one model hold the same bytes for the same parameter, so each
-  // is compared with the stored weights of its size (a byte compare, no second hash of the weights).
-  std::vector<const std::string*> pool;
-  std::multimap<std::size_t, std::size_t> pool_by_size;
+  std::vector<const Program*> programs;
+  for (const FamilyMember& m : members) programs.push_back(&m.program);
+  const detail::PooledPrograms pooled = detail::pool_weights(programs);
   json members_json = json::array();
-  std::vector<std::string> programs;
-  for (const FamilyMember& m : members) {
-    json weights = json::array();
-    for (const auto& [id, bytes] : m.program.weights) {
-      std::optional<std::size_t> found;
-      for (auto [it, end] = pool_by_size.equal_range(bytes.size()); it != end && !found; ++it)
-        if (*pool[it->second] == bytes) found = it->second;
-      if (!found) {
-        found = pool.size();
-        pool.push_back(&bytes);
-        pool_by_size.emplace(bytes.size(), *found);
-      }
-      weights.push_back({id, *found});
-    }
-    Program stripped = m.program;  // a copy, not field by field: a field added to Program is never lost
-    stripped.weights.clear();
-    programs.push_back(stripped.serialize());
-    members_json.push_back({{"sizes", m.sizes}, {"weights", weights}});
-  }
+  for (std::size_t i = 0; i < members.size(); ++i)
+    members_json.push_back({{"sizes", members[i].sizes}, {"weights", pooled.weights[i]}});
   json dims_json = json::array();
   for (const DynamicDim& d : dims)
     dims_json.push_back({{"name", d.name}, {"min", d.min}, {"max", d.max}, {"pad", d.pad}, {"inputs", d.inputs},
                          {"outputs", d.outputs}});
   // Sections in this order: member.0 .. member.N-1, then weight.0 .. weight.K-1.
-  json sections = json::array();
-  auto section = [&](const std::string& name, std::string_view bytes) {
-    sections.push_back({{"name", name}, {"size", bytes.size()}, {"sha256", detail::sha256_hex(bytes)}});
-  };
-  for (std::size_t i = 0; i < programs.size(); ++i) section("member." + std::to_string(i), programs[i]);
-  for (std::size_t k = 0; k < pool.size(); ++k) section("weight." + std::to_string(k), *pool[k]);
-  const std::string manifest = json{{"format", kFormat}, {"version", kFamilyArtifactVersion},
-                                    {"library", stitchcuda::version()}, {"dims", dims_json},
-                                    {"members", members_json}, {"sections", sections}}.dump(1);
-  std::string out(kFamilyMagic, sizeof(kFamilyMagic));
-  append(out, std::uint32_t(kFamilyArtifactVersion));
-  append(out, std::uint64_t(manifest.size()));
-  auto digest = detail::Sha256().update(manifest).digest();
-  out.append(reinterpret_cast<const char*>(digest.data()), digest.size());
-  out += manifest;
-  for (const std::string& p : programs) out += p;
-  for (const std::string* w : pool) out += *w;
-  return out;
+  std::vector<std::pair<std::string, std::string_view>> sections;
+  for (std::size_t i = 0; i < pooled.programs.size(); ++i) sections.emplace_back("member." + std::to_string(i), pooled.programs[i]);
+  pooled.add_weight_sections(sections);
+  return detail::write_container(kFamilyFile, json{{"dims", dims_json}, {"members", members_json}}, sections);
 }
 
 Result<ProgramFamily> ProgramFamily::deserialize(std::string_view bytes) {
-  if (bytes.size() < kHeader)
-    return corrupt("it holds " + std::to_string(bytes.size()) + " bytes, fewer than the " + std::to_string(kHeader) +
-                   "-byte header (truncated?)");
-  if (!is_family_artifact(bytes))
-    return corrupt("wrong magic bytes (a single program's .stitch file loads with Program::load / Executor::load)");
-  if (auto v = read_at<std::uint32_t>(bytes, 8); v != kFamilyArtifactVersion)
-    return corrupt("format version " + std::to_string(v) + " is not supported; this library reads version " +
-                   std::to_string(kFamilyArtifactVersion) + " (re-export the family with a matching StitchCUDA)");
-  const std::uint64_t manifest_size = read_at<std::uint64_t>(bytes, 12);
-  if (manifest_size > bytes.size() - kHeader || manifest_size > kMaxManifest)
-    return corrupt("the manifest claims " + std::to_string(manifest_size) + " bytes but " +
-                   std::to_string(bytes.size() - kHeader) + " follow the header (truncated?)");
-  const std::string_view manifest_text = bytes.substr(kHeader, manifest_size);
-  if (auto digest = detail::Sha256().update(manifest_text).digest(); std::memcmp(bytes.data() + 20, digest.data(), digest.size()))
-    return corrupt("the manifest's SHA-256 does not match (the file was modified or damaged)");
-  std::string_view payload = bytes.substr(kHeader + manifest_size);
-  ProgramFamily family;
-  try {
-    const json manifest = json::parse(manifest_text.begin(), manifest_text.end(), nullptr, false);
-    if (manifest.is_discarded()) throw Malformed{"the manifest is not valid JSON"};
-    if (field(manifest, "format", "manifest") != kFormat)
-      throw Malformed{"manifest.format is not \"" + std::string(kFormat) + "\""};
-    if (field(manifest, "version", "manifest") != kFamilyArtifactVersion)
-      throw Malformed{"manifest.version differs from the header's format version"};
-    // Sections follow one another in the manifest's order and fill the payload exactly.
-    std::map<std::string, std::string_view> sections;
-    const json& listed = list(field(manifest, "sections", "manifest"), "manifest.sections");
-    for (std::size_t s = 0; s < listed.size(); ++s) {
-      const std::string at = "manifest.sections[" + std::to_string(s) + "]";
-      const json& name = field(listed[s], "name", at);
-      const json& sha = field(listed[s], "sha256", at);
-      if (!name.is_string() || !sha.is_string()) throw Malformed{at + " has a name or sha256 that is not a string"};
-      const auto size =
-          std::uint64_t(integer(field(listed[s], "size", at), at + ".size", 0, std::numeric_limits<std::int64_t>::max()));
-      if (size > payload.size())
-        throw Malformed{"section '" + name.get<std::string>() + "' claims " + std::to_string(size) + " bytes but " +
-                        std::to_string(payload.size()) + " remain (truncated?)"};
-      const std::string_view data = payload.substr(0, size);
-      payload.remove_prefix(size);
-      if (detail::sha256_hex(data) != sha.get<std::string>())
-        throw Malformed{"section '" + name.get<std::string>() + "' fails its SHA-256 check (the file was modified or damaged)"};
-      if (!sections.emplace(name.get<std::string>(), data).second)
-        throw Malformed{"section '" + name.get<std::string>() + "' appears twice"};
-    }
-    if (!payload.empty()) throw Malformed{std::to_string(payload.size()) + " bytes follow the last section"};
-
-    const json& dims = list(field(manifest, "dims", "manifest"), "manifest.dims");
-    for (std::size_t d = 0; d < dims.size(); ++d) {
-      const std::string at = "manifest.dims[" + std::to_string(d) + "]";
-      const json& name = field(dims[d], "name", at);
-      const json& pad = field(dims[d], "pad", at);
-      if (!name.is_string()) throw Malformed{at + ".name is not a string"};
-      if (!pad.is_boolean()) throw Malformed{at + ".pad is not true or false"};
-      family.dims.push_back({name.get<std::string>(), integer(field(dims[d], "min", at), at + ".min", 0, kMaxSize),
-                             integer(field(dims[d], "max", at), at + ".max", 0, kMaxSize), pad.get<bool>(),
-                             pairs(field(dims[d], "inputs", at), at + ".inputs"),
-                             pairs(field(dims[d], "outputs", at), at + ".outputs")});
-    }
+  return detail::read_checked<ProgramFamily>(kFamilyFile, bytes, "family", [](const detail::Container& file) {
+    Field manifest(file.manifest, "manifest");
+    ProgramFamily family;
+    for (const Field& d : manifest["dims"].items())
+      family.dims.push_back({d["name"].text(), d["min"].integer(0, kMaxSize), d["max"].integer(0, kMaxSize),
+                             d["pad"].boolean(), d["inputs"].pairs(), d["outputs"].pairs()});
     std::set<std::string> used;
-    const json& members = list(field(manifest, "members", "manifest"), "manifest.members");
+    const auto members = manifest["members"].items();
     for (std::size_t i = 0; i < members.size(); ++i) {
-      const std::string at = "manifest.members[" + std::to_string(i) + "]", name = "member." + std::to_string(i);
-      auto program_bytes = sections.find(name);
-      if (program_bytes == sections.end()) throw Malformed{"missing section '" + name + "'"};
-      used.insert(name);
-      auto program = Program::deserialize(program_bytes->second);
-      if (!program) throw Malformed{"section '" + name + "' holds " + program.error().message};
-      FamilyMember m{{}, std::move(*program)};
-      const json& sizes = list(field(members[i], "sizes", at), at + ".sizes");
-      for (std::size_t d = 0; d < sizes.size(); ++d)
-        m.sizes.push_back(integer(sizes[d], at + ".sizes[" + std::to_string(d) + "]", 0, kMaxSize));
-      const auto weights = pairs(field(members[i], "weights", at), at + ".weights");
-      for (const auto& [id, k] : weights) {
-        const std::string weight = "weight." + std::to_string(k);
-        auto data = sections.find(weight);
-        if (data == sections.end()) throw Malformed{at + ".weights names section '" + weight + "', which the file lacks"};
-        used.insert(weight);
-        if (!m.program.weights.emplace(id, std::string(data->second)).second)
-          throw Malformed{at + ".weights names buffer " + std::to_string(id) + " twice"};
-      }
+      FamilyMember m{{}, detail::read_pooled_program(file, "member." + std::to_string(i), members[i]["weights"], used)};
+      for (const Field& size : members[i]["sizes"].items()) m.sizes.push_back(size.integer(0, kMaxSize));
       family.members.push_back(std::move(m));
     }
-    for (const auto& [name, data] : sections)  // nothing in the file goes unchecked
+    for (const auto& [name, data] : file.sections)  // nothing in the file goes unchecked
       if (!used.count(name)) throw Malformed{"section '" + name + "' belongs to no member"};
-  } catch (const Malformed& m) {
-    return corrupt(m.what);
-  } catch (const std::exception& e) {  // a safety net: the checks above leave nlohmann nothing to throw
-    return corrupt(std::string("unexpected parse failure: ") + e.what());
-  }
-  if (auto ok = family.validate(); !ok) return corrupt("the stored family does not validate: " + ok.error().message);
-  return family;
+    return family;
+  });
 }
 
-Result<void> ProgramFamily::save(const std::string& path) const {
-  if (auto ok = validate(); !ok) return ok;
-  static std::atomic<unsigned> counter{0};
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
-  const std::string data = serialize();
-  bool written = false;
-  if (std::ofstream out(tmp, std::ios::binary | std::ios::trunc); out) {
-    out.write(data.data(), std::streamsize(data.size()));
-    written = bool(out.flush());
-  }
-  std::error_code ec;
-  if (written) fs::rename(tmp, path, ec);  // atomic in one folder: readers see the old file or the new one
-  if (!written || ec) {
-    fs::remove(tmp, ec);
-    return fail(ErrorCode::IoError, "cannot write the family file '" + path + "' (through '" + tmp + "'): check that the "
-                                    "folder exists and is writable, and that the disk has room");
-  }
-  return {};
-}
+Result<void> ProgramFamily::save(const std::string& path) const { return detail::save_checked(kFamilyFile, path, *this); }
 
 Result<ProgramFamily> ProgramFamily::load(const std::string& path) {
-  std::error_code ec;
-  if (!fs::is_regular_file(path, ec)) return fail(ErrorCode::NotFound, "no family file at '" + path + "'");
-  const std::uintmax_t size = fs::file_size(path, ec);
-  std::ifstream in(path, std::ios::binary);
-  if (ec || !in) return fail(ErrorCode::IoError, "cannot open '" + path + "' for reading");
-  std::string data;
-  try {
-    data.resize(size);
-  } catch (const std::bad_alloc&) {
-    return fail(ErrorCode::IoError, "'" + path + "' (" + std::to_string(size) + " bytes) does not fit in memory");
-  }
-  if (!in.read(data.data(), std::streamsize(size)))
-    return fail(ErrorCode::IoError, "reading '" + path + "' failed (the file changed while it was read?)");
-  auto family = deserialize(data);
-  if (!family) {
-    Error e = family.error();
-    e.message = "'" + path + "' is " + e.message;
-    return tl::unexpected(std::move(e));
-  }
-  return family;
+  return detail::load_container_file(kFamilyFile, path, &ProgramFamily::deserialize);
 }
 
 }  // namespace stitchcuda::program
