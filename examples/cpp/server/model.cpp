@@ -25,7 +25,22 @@ static std::string shape_text(const std::vector<std::int64_t>& shape) {
   return s + "]";
 }
 
+// A state (a KV cache) is read and updated in place run after run: the rows of a batch would share it and
+// the workers' streams would race on it. Such a program is a token loop's step, not a request's forward.
+static bool has_state(const program::Program& p, std::string& why) {
+  for (const auto& b : p.buffers)
+    if (b.role == program::BufferRole::state) {
+      why = "the program has a state, '" + (b.name.empty() ? "buffer " + std::to_string(b.id) : b.name) + "' (" +
+            b.spec.describe() + "), which each run reads and updates in place (a KV cache): the server batches "
+            "requests and runs batches on several streams at once, which would mix their states. Serve a program "
+            "without states, or run a saved prefill + decode pair with `serve generate` (docs/decode.md)";
+      return true;
+    }
+  return false;
+}
+
 std::optional<ServedModel> ServedModel::from_program(const program::Program& p, std::string& why) {
+  if (has_state(p, why)) return std::nullopt;
   ServedModel m;
   auto add = [&](const program::Buffer& b, std::vector<TensorSlot>& to, const char* kind) {
     const std::string name = b.name.empty() ? kind + std::to_string(to.size()) : b.name;
@@ -65,6 +80,8 @@ std::optional<ServedModel> ServedModel::from_family(const program::ProgramFamily
     why = ok.error().message;
     return std::nullopt;
   }
+  for (const auto& member : f.members)
+    if (has_state(member.program, why)) return std::nullopt;
   if (f.dims.size() != 1) {
     why = "the family varies " + std::to_string(f.dims.size()) + " dims; the server stacks requests along one, the "
           "batch: serve a family whose only dim is dim 0 of every input and output";

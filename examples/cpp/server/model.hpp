@@ -33,8 +33,9 @@ struct ServedModel {
   /// The largest batch a family may declare here: the batcher keeps a counter per batch size.
   static constexpr std::int64_t kMaxFamilyBatch = 1 << 16;
 
-  /// From a loaded program; an error (std::nullopt with `why` set) when a buffer is not contiguous or its
-  /// dim 0 differs from the first input's.
+  /// From a loaded program; an error (std::nullopt with `why` set) when the program has a state (runs of it
+  /// cannot be batched or run concurrently), a buffer is not contiguous or its dim 0 differs from the first
+  /// input's.
   static std::optional<ServedModel> from_program(const stitchcuda::program::Program& program, std::string& why);
   /// From a loaded family whose one dim is the batch: dim 0 of every input and output, from 1 to at most
   /// kMaxFamilyBatch, every size served (the dim pads, or a member per size). An error says which not.

@@ -56,6 +56,31 @@ TEST_CASE("server: the served model takes dim 0 of every input and output as the
   CHECK(contains(why, "scalar"));
 }
 
+TEST_CASE("server: a program with a state is refused at load, naming the state and what to do", "[server]") {
+  // A KV cache read and updated in place run after run: batched rows and concurrent streams would share it.
+  program::ProgramBuilder b;
+  auto x = b.input(program::TensorSpec::contiguous({4, 3}), "x");
+  auto pos = b.input(program::TensorSpec::contiguous({1}, program::DType::i64), "cache_position");
+  auto cache = b.state(program::TensorSpec::contiguous({4, 8, 3}), "layer0.k_cache");
+  auto y = b.output(program::TensorSpec::contiguous({4, 3}), "y");
+  b.aten("aten::index_copy_", {cache, pos, x}, {cache}, {{"dim", std::int64_t(1)}});
+  b.aten("aten::sum.dim_IntList", {cache}, {y}, {{"dim", std::vector<std::int64_t>{1}}});
+  auto stateful = b.build();
+  REQUIRE(stateful.has_value());
+  std::string why;
+  CHECK_FALSE(ServedModel::from_program(*stateful, why));
+  CHECK(contains(why, "the program has a state, 'layer0.k_cache' (f32[4, 8, 3])"));
+  CHECK(contains(why, "serve generate"));
+
+  // In a family too: its members are served the same way.
+  program::ProgramFamily family;
+  family.dims.push_back({"batch", 1, 4, true, {{0, 0}}, {{0, 0}}});
+  family.members.push_back({{4}, *stateful});
+  REQUIRE(family.validate().has_value());
+  CHECK_FALSE(ServedModel::from_family(family, why));
+  CHECK(contains(why, "'layer0.k_cache'"));
+}
+
 TEST_CASE("server: a program family is served at every batch up to its batch dim's max", "[server]") {
   std::string why;
   auto m = ServedModel::from_family(stitchcuda_test::linear_family({1, 2, 4, 16}, 3, 2, true), why);
