@@ -5,10 +5,12 @@ Prefill: the fused kernel against SDPA's flash (bf16 only: it has no fp32 kernel
 backends and torch.compile of the math form, at bf16 and fp32, on Llama-1B prefill (1x32x2048x64, causal),
 ViT-B (64x12x197x64) and BERT-base (32x12x512x64). Decode: the split-KV pair against SDPA (its own backend
 choice) for one new token at batch 1, 8 and 32 over 512 and 2,048 cached keys (32 query heads, 8 kv heads,
-D = 128, bf16). Every time is the Verifier's timer (verify/timing.measure, L2 flushed before each call);
-ratios are baseline / ours (above 1: ours is faster) and the speed of light is max(bytes / DRAM bandwidth,
-FLOPs / peak) from the GPU's table. Each result is checked against the fp64 math form first. bf16 runs the
-tensor-core (WMMA) kernel; its FMA variant is timed beside it (fma_kernel).
+D = 128, bf16), and the decode step over a static cache of 2,048 slots at positions 100, 1,000 and 2,000 (the
+masked kernels, reading only the kept keys, against SDPA with the mask, batch 1 and 8). Every time is the
+Verifier's timer (verify/timing.measure, L2 flushed before each call); ratios are baseline / ours (above 1:
+ours is faster) and the speed of light is max(bytes / DRAM bandwidth, FLOPs / peak) from the GPU's table.
+Each result is checked against the fp64 math form first. bf16 runs the tensor-core (WMMA) kernel; its FMA
+variant is timed beside it (fma_kernel).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ PREFILL = [("llama-1b-prefill", 1, 32, 2048, 64, True), ("vit-b-16", 64, 12, 197
            ("bert-base", 32, 12, 512, 64, False)]
 DECODE = [(b, n) for b in (1, 8, 32) for n in (512, 2048)]
 DECODE_HEADS, DECODE_KV_HEADS, DECODE_DIM = 32, 8, 128
+# The decode step over a static cache: its slots, the positions decoded at, the batches.
+STATIC_POSITIONS, STATIC_AT, STATIC_BATCHES = 2048, (100, 1000, 2000), (1, 8)
 
 
 def _math(q, k, v, causal):
@@ -110,6 +114,27 @@ def prefill(gpu: dict) -> list[dict]:
     return rows
 
 
+def _decode_pair(kernels, tensors: dict) -> Callable[[], None]:
+    """The decode pair's two launches as one call, their workspace added to `tensors`; run once."""
+    tensors |= {"ws_ml": torch.empty(kernels.workspace_ml, device="cuda"),
+                "ws_acc": torch.empty(kernels.workspace_acc, device="cuda")}
+    first, second = _launcher(kernels.partial, tensors), _launcher(kernels.combine, tensors)
+
+    def ours():
+        first()
+        second()
+    ours()
+    torch.cuda.synchronize()
+    return ours
+
+
+def _decode_error(o: torch.Tensor, q, k, v) -> float:
+    """The largest error of a decode output against the fp64 math form over k and v (GQA repeated)."""
+    rep = q.shape[1] // k.shape[1]
+    want = _math(q.double(), k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1), False)
+    return (o.double() - want).abs().max().item()
+
+
 def decode(gpu: dict) -> list[dict]:
     rows = []
     h, hk, d, dtype = DECODE_HEADS, DECODE_KV_HEADS, DECODE_DIM, torch.bfloat16
@@ -119,25 +144,49 @@ def decode(gpu: dict) -> list[dict]:
         kernels = decode_attention_kernels(f"bench_dec_{d}", batch=b, heads=h, kv_heads=hk, q_tokens=1, max_len=n,
                                            head_dim=d, dtype=dtype, sms=gpu["sms"])
         t = {"q": q, "k": k, "v": v, "o": torch.empty_like(q),
-             "lengths": torch.full((b,), n, dtype=torch.int32, device="cuda"),
-             "ws_ml": torch.empty(kernels.workspace_ml, device="cuda"),
-             "ws_acc": torch.empty(kernels.workspace_acc, device="cuda")}
-        first, second = _launcher(kernels.partial, t), _launcher(kernels.combine, t)
-
-        def ours():
-            first()
-            second()
-        ours()
-        torch.cuda.synchronize()
-        want = _math(q.double(), k.double().repeat_interleave(h // hk, 1), v.double().repeat_interleave(h // hk, 1),
-                     False)
+             "lengths": torch.full((b,), n, dtype=torch.int32, device="cuda")}
+        ours = _decode_pair(kernels, t)
         row = {"batch": b, "kv_len": n, "H": h, "H_kv": hk, "D": d, "dtype": "bfloat16", "splits": kernels.splits,
-               "max_abs_error_vs_fp64": (t["o"].double() - want).abs().max().item(), "ours_ms": _time(ours),
+               "max_abs_error_vs_fp64": _decode_error(t["o"], q, k, v), "ours_ms": _time(ours),
                "sdpa_ms": _time(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))}
         size = 2 * k.numel() * k.element_size() + 2 * q.numel() * q.element_size()
         row["speed_of_light_ms"] = size / (gpu["dram_tb_s"] * 1e9)
         _ratios(row)
         rows.append(row)
+    return rows
+
+
+def static_cache(gpu: dict) -> list[dict]:
+    """The decode step over a static cache of STATIC_POSITIONS slots, as a static-cache model runs it: one new
+    token at `position`, the keys past it masked. SDPA with the mask reads every slot; the masked decode
+    kernels read the mask, then only the kept keys. bytes_* count what each must read from DRAM (K and V
+    rows, the mask once, q and the output); the speed of light is the kept keys' bytes over DRAM bandwidth."""
+    rows = []
+    h, hk, d, dtype, n = DECODE_HEADS, DECODE_KV_HEADS, DECODE_DIM, torch.bfloat16, STATIC_POSITIONS
+    for b in STATIC_BATCHES:
+        k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=dtype) for _ in range(2))
+        q = torch.randn(b, h, 1, d, device="cuda", dtype=dtype)
+        kernels = decode_attention_kernels(f"bench_dec_mask_{d}", batch=b, heads=h, kv_heads=hk, q_tokens=1,
+                                           max_len=n, head_dim=d, dtype=dtype, sms=gpu["sms"], mask_dtype=torch.bool,
+                                           strides={"mask": (0, 0, 0, 1)})
+        for position in STATIC_AT:
+            mask = (torch.arange(n, device="cuda") <= position)[None, None, None, :]
+            t = {"q": q, "k": k, "v": v, "mask": mask, "o": torch.empty_like(q)}
+            ours = _decode_pair(kernels, t)
+            kept = position + 1
+            row_bytes = 2 * b * hk * d * k.element_size()  # one key's K and V rows over the batch's kv heads
+            ends = 2 * q.numel() * q.element_size()
+            row = {"batch": b, "cache": n, "position": position, "splits": kernels.splits,
+                   "max_abs_error_vs_fp64": _decode_error(t["o"], q, k[:, :, :kept], v[:, :, :kept]),
+                   "ours_ms": _time(ours),
+                   "sdpa_ms": _time(lambda m=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=m,
+                                                                                   enable_gqa=True)),
+                   "bytes_ours": kept * row_bytes + n + ends, "bytes_sdpa": n * row_bytes + n + ends}
+            row["speed_of_light_ms"] = row["bytes_ours"] / (gpu["dram_tb_s"] * 1e9)
+            _ratios(row)
+            rows.append(row)
+        del k, v
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -167,7 +216,8 @@ def run(json_output: bool = False) -> int:
         return EXIT_NO_GPU
     gpu = hardware.describe()
     torch.manual_seed(0)
-    out = {"device": gpu, "torch": torch.__version__, "prefill": prefill(gpu), "decode": decode(gpu)}
+    out = {"device": gpu, "torch": torch.__version__, "prefill": prefill(gpu), "decode": decode(gpu),
+           "static_cache": static_cache(gpu)}
     if json_output:
         print(json.dumps(out))
         return 0
@@ -179,6 +229,9 @@ def run(json_output: bool = False) -> int:
     print("\ndecode, bf16, 32 heads / 8 kv heads, D = 128")
     print(_table(out["decode"], ["batch", "kv_len", "splits", "ours_ms", "sdpa_over_ours", "fraction_of_speed_of_light",
                                  "max_abs_error_vs_fp64"]))
+    print(f"\ndecode over a static cache of {STATIC_POSITIONS} slots, keys past the position masked (bf16, as above)")
+    print(_table(out["static_cache"], ["batch", "position", "splits", "ours_ms", "sdpa_over_ours", "bytes_ours",
+                                       "bytes_sdpa", "fraction_of_speed_of_light", "max_abs_error_vs_fp64"]))
     return 0
 
 

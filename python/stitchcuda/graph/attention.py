@@ -2,10 +2,10 @@
 softmax -> dropout in eval -> matmul), through the views, transposes and GQA repeats around it, and describes
 each as an `Attention` (q, k, v, scale, causal, mask, sizes) that the fused attention kernels can compute.
 
-The planner replaces written-out attention by one step that never builds the scores (OfflinePlanner's
-attention groups): what that step can take (`sdpa_blocker`, `template_blocker`), the nodes it replaces
-(`replaced_nodes`) and its reference without the scores, computed in slices of query rows (`reference`)
-are here beside the recognizer. See docs/attention.md.
+The planner replaces written-out attention, and SDPA calls of decode's shape, by one step that never builds
+the scores (OfflinePlanner's attention groups): what that step can take (`sdpa_blocker`, `template_blocker`,
+`decode_blocker`), the nodes it replaces (`replaced_nodes`) and its reference without the scores, computed
+in slices of query rows (`reference`) are here beside the recognizer. See docs/attention.md.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 
 from .capture import Graph, Node, Value
 
-__all__ = ["Attention", "find_attention", "sdpa_blocker", "template_blocker", "replaced_nodes", "attention_inputs",
-           "reference", "reference_values", "REFERENCE_SLICE_BYTES"]
+__all__ = ["Attention", "find_attention", "sdpa_blocker", "template_blocker", "decode_blocker", "replaced_nodes",
+           "attention_inputs", "reference", "reference_values", "REFERENCE_SLICE_BYTES"]
 
 # Ops that change no value, only how it is seen: the matmul's operand reshapes, dropout in eval (a clone).
 _SAME_VALUES = {"view", "_unsafe_view", "reshape", "clone", "alias", "contiguous", "expand"}
@@ -221,6 +221,8 @@ class _Finder:
         if mask is not None:
             found.mask = mask
             found.mask_kind = "keep" if mask.dtype == torch.bool else "additive"
+            if mask.dtype == torch.bool:  # SDPA drops a False key outright: the fill of -inf
+                found.mask_value = float("-inf")
         return found
 
     # ---- written out --------------------------------------------------------------------------------
@@ -433,6 +435,28 @@ def template_blocker(a: Attention) -> str | None:
         return why
     if a.head_dim not in HEAD_DIMS or a.value_dim != a.head_dim:
         return f"head dims {a.head_dim} / {a.value_dim} (the template: equal, one of {HEAD_DIMS})"
+    return None
+
+
+def decode_blocker(a: Attention) -> str | None:
+    """None when `a` has decode's shape and the split-KV decode kernels (templates/attention.py) compute it,
+    else why not. Decode's shape: at most DECODE_MAX_TOKENS query tokens against at least DECODE_MIN_CHUNK
+    keys. A few query rows per head make attention a pass over the keys, each K and V row read for a few
+    dot products: its time is its bytes read. Over a static cache SDPA reads every one of the max_length
+    keys and leaves the masked ones to the softmax; the decode kernels split the keys across blocks
+    (one per split, so a sequence's keys fill the GPU) and read only the ones the mask keeps. Below
+    DECODE_MIN_CHUNK keys there is one split and little to pass over."""
+    from .templates.attention import DECODE_MAX_TOKENS, DECODE_MIN_CHUNK
+
+    why = template_blocker(a)
+    if why is not None:
+        return why
+    if a.q_len > DECODE_MAX_TOKENS:
+        return f"{a.q_len} query tokens (decode: at most {DECODE_MAX_TOKENS})"
+    if a.kv_len < DECODE_MIN_CHUNK:
+        return f"{a.kv_len} keys (decode: at least {DECODE_MIN_CHUNK}, one split's worth)"
+    if a.causal:  # SDPA's is_causal is top-left aligned: over a cache it would hide the cache, not the future
+        return "a causal flag over a cache (decode takes the mask that says which positions are filled)"
     return None
 
 

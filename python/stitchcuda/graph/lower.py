@@ -31,7 +31,7 @@ from .templates import (FUSABLE_DTYPES, POINTWISE_OPS, CatPiece, KernelCode, Poi
                         column_reduction_kernel, depthwise_conv_kernel, depthwise_conv_nhwc_kernel, nchw_to_nhwc_kernel,
                         normalized_rows_kernel, pointwise_from_nhwc_kernel, pointwise_kernel, pooling_kernel,
                         pooling_nhwc_kernel, row_reduction_kernel, scan_kernel)
-from .templates.attention import flash_attention_kernel
+from .templates.attention import decode_attention_kernels, flash_attention_kernel
 
 __all__ = ["LoweringError", "Lowering", "reference_values", "stream_values", "check_group", "working_bytes", "tolerance"]
 
@@ -903,6 +903,9 @@ class Lowering:
         if g.params["impl"] == "fused":
             self._lower_fused_attention(g, a, mask)
             return
+        if g.params["impl"] == "decode":
+            self._lower_decode_attention(g, a, mask)
+            return
         rank = len(a.q.shape)
         rep = a.heads // a.kv_heads
         # Flash takes GQA as it is (enable_gqa); the memory-efficient kernel (fp32) reads repeated heads.
@@ -1004,6 +1007,40 @@ class Lowering:
             buffers["mask"] = mask
         code = dataclasses.replace(code, args=args + [("f32", a.scale)])
         self._launch(g, code, buffers)
+        self._attention_viewed(a, buffers["o"])
+
+    def _lower_decode_attention(self, g: Group, a, mask: int | None) -> None:
+        """The split-KV decode pair (templates/attention.py) reading q, k, v (a KV cache state in place) and
+        the mask through their strides; its fp32 workspace (each split's max, sum and partial output) two
+        intermediates, placed in the arena."""
+        rank = len(a.q.shape)
+        bids, strides = {}, {}
+        for key, x in (("q", a.q), ("k", a.k), ("v", a.v)):
+            bid = self.need(x)
+            if self.spec[bid][1][-1] != 1:
+                bid = self.need(x, contiguous=True)
+            st = self.spec[bid][1]
+            bids[key], strides[key] = bid, (st[0] if rank == 4 else 0, st[-3], st[-2])
+        heads, tokens, d = a.heads, a.q_len, a.head_dim
+        strides["o"] = (heads * tokens * d, tokens * d, d)  # the result, contiguous
+        if mask is not None:
+            shape, st, _ = self.spec[mask]
+            strides["mask"] = broadcast_strides(shape, st, (a.batch, heads, tokens, a.kv_len))
+            bids["mask"] = mask
+        name = self._name("decode_attention", g)
+        for part in ("partial", "combine"):  # named after their source, as _launch names every kernel
+            self.prefixes[f"{name}_{part}"] = f"decode_attention_{part}"
+        pair = decode_attention_kernels(name, batch=a.batch, heads=heads,
+                                        kv_heads=a.kv_heads, q_tokens=tokens, max_len=a.kv_len, head_dim=d,
+                                        dtype=a.q.dtype, sms=self.sm_count, lengths=False, strides=strides,
+                                        mask_dtype=None if mask is None else self.spec[mask][2])
+        buffers = {**bids, "o": self._attention_result(a, (*a.q.shape[:-1], d))}
+        for key, floats in (("ws_ml", pair.workspace_ml), ("ws_acc", pair.workspace_acc)):
+            buffers[key] = self.b.intermediate([floats], "f32", name=f"{a.output.name}.{key}")
+            self.spec[buffers[key]] = ((floats,), (1,), torch.float32)
+        partial = dataclasses.replace(pair.partial, args=pair.partial.args[:-1] + [("f32", a.scale)])
+        self._launch(g, partial, buffers)
+        self._launch(g, pair.combine, buffers, main=False)
         self._attention_viewed(a, buffers["o"])
 
     def _lower_pointwise(self, g: Group) -> None:

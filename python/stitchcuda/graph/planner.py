@@ -29,7 +29,9 @@ apply first.
 - Attention written out (matmul -> scale -> mask -> softmax -> matmul, graph/attention.py) becomes one
   attention group: an ATen scaled_dot_product_attention step by default (ATen picks flash or
   memory-efficient at run time), or the fused template where asked (`attention="fused"`); either way the
-  N x N scores are never in memory. SDPA calls stay the ATen steps the capture keeps whole.
+  N x N scores are never in memory. Attention of decode's shape (a few query tokens over many cached keys),
+  written out or an SDPA call, becomes the split-KV decode kernels, which read only the keys its mask keeps
+  (`attention="sdpa"` keeps the ATen step). Other SDPA calls stay the ATen steps the capture keeps whole.
 - Views become View steps (no copy) where the source's layout allows.
 - Values computed only from weights are folded into constants.
 - Everything else (other convolutions through cuDNN, other pooling, indexing, ...) stays an ATen step.
@@ -41,7 +43,8 @@ import torch
 
 from ..program import DTYPES as PROGRAM_DTYPES
 from ..settings import settings
-from .attention import attention_inputs, find_attention, replaced_nodes, sdpa_blocker, template_blocker
+from .attention import (attention_inputs, decode_blocker, find_attention, replaced_nodes, sdpa_blocker,
+                        template_blocker)
 from .capture import VIEW_OPS, Graph, Node, Value
 from .gemm_precision import bf16_products, split_tf32_choice
 from .groups import GENERATED, Group, GraphPlan
@@ -69,9 +72,12 @@ _REDUCTION_OPS = {"aten::_softmax": "softmax", "aten::_log_softmax": "log_softma
                   "aten::argmax": "argmax", "aten::argmin": "argmin"}
 _POOL_OPS = {"aten::avg_pool2d": "avg", "aten::max_pool2d_with_indices": "max", "aten::max_pool2d": "max"}
 _SCAN_OPS = {"aten::cumsum": "cumsum", "aten::cumprod": "cumprod"}
-# What written-out attention becomes (OfflinePlanner's `attention`): one ATen SDPA step, the fused template
-# where it computes the attention (else the SDPA step), or the matmul and softmax groups as written.
-ATTENTION_STEPS = ("sdpa", "fused", "off")
+# What attention becomes (OfflinePlanner's `attention`). "auto": attention of decode's shape (a few query
+# tokens over many cached keys, SDPA calls included) the split-KV decode kernels, other written-out attention
+# one ATen SDPA step; "sdpa": the ATen step for all; "fused": the decode kernels, else the fused prefill
+# template where it computes the attention (else the SDPA step); "off": written-out attention stays the matmul
+# and softmax groups, SDPA calls their ATen step.
+ATTENTION_STEPS = ("auto", "sdpa", "fused", "off")
 
 
 def unheld_dtype(node: Node) -> torch.dtype | None:
@@ -427,7 +433,7 @@ class OfflinePlanner:
     "tf32" or "bf16" allow faster matmuls."""
 
     def __init__(self, precision: str = "fp32", graphs: bool = True, peaks: dict | None = None,
-                 split_tf32: bool = True, attention: str = "sdpa") -> None:
+                 split_tf32: bool = True, attention: str = "auto") -> None:
         if precision not in ("fp32", "tf32", "bf16"):
             raise ValueError(f"precision must be 'fp32', 'tf32' or 'bf16', not {precision!r}")
         if attention not in ATTENTION_STEPS:
@@ -482,16 +488,19 @@ class OfflinePlanner:
         return plan
 
     def _attention(self, graph: Graph, outputs: set[str], decisions: list[tuple[str, str]]) -> dict[int, Group]:
-        """Attention written out (graph/attention.py) as one group each, by the id of every node it takes:
-        one step that never builds the N x N scores, placed where the attention's output is made. Where
-        that step cannot take it (a learned scale aside, which the recognizer already refuses: dropout
-        in training, mixed dtypes, a finite fill that does not mask), the decisions say why and the
-        matmul and softmax groups stay."""
+        """Attention written out (graph/attention.py), and SDPA calls of decode's shape, as one group each, by
+        the id of every node it takes: one step that never builds the N x N scores, placed where the
+        attention's output is made. Decode's shape (`decode_blocker`: a few query tokens over many keys)
+        becomes the split-KV decode kernels unless `attention="sdpa"`: over a static cache SDPA reads every
+        key, the kernels only those the mask keeps. Where no step can take written-out attention (a learned
+        scale aside, which the recognizer already refuses: dropout in training, mixed dtypes, a finite fill
+        that does not mask), the decisions say why and the matmul and softmax groups stay."""
         if self.attention == "off":
             return {}
         taken: dict[int, Group] = {}
         for a in find_attention(graph):
-            if a.kind != "written":
+            decode = self.attention in ("auto", "fused") and decode_blocker(a) is None
+            if a.kind != "written" and not decode:
                 continue  # an SDPA call: already one ATen step (capture's KEPT_WHOLE)
             why_not = sdpa_blocker(a)
             if why_not is not None:
@@ -499,19 +508,27 @@ class OfflinePlanner:
                                   f"one attention step cannot take it: {why_not}"))
                 continue
             template = template_blocker(a)
-            fused = self.attention == "fused" and template is None
+            impl = "decode" if decode else "fused" if self.attention == "fused" and template is None else "sdpa"
             what = (f"{'causal ' if a.causal else ''}attention {a.batch}x{a.heads}"
                     f"{f'(kv {a.kv_heads})' if a.kv_heads != a.heads else ''}x{a.q_len}x{a.kv_len}x{a.head_dim}"
                     f"{f', {a.mask_kind} mask' if a.mask is not None else ''}")
-            how = ("the fused attention template (online softmax, the scores in registers)" if fused else
-                   "one ATen scaled_dot_product_attention step (ATen picks flash or memory-efficient at run time)")
+            how = {"decode": "the split-KV decode kernels (the keys cut into splits across blocks, a key the mask "
+                             "drops never read)",
+                   "fused": "the fused attention template (online softmax, the scores in registers)",
+                   "sdpa": "one ATen scaled_dot_product_attention step (ATen picks flash or memory-efficient at "
+                           "run time)"}[impl]
             nodes = replaced_nodes(a, outputs)
+            source = f"written out ({len(nodes)} ops)" if a.kind == "written" else f"an SDPA call ({len(nodes)} ops)"
             group = Group("attention", nodes,
-                          f"{what} written out ({len(nodes)} ops) as {how}: the {a.q_len}x{a.kv_len} scores never in "
-                          "memory" + (f"; the template cannot: {template}" if self.attention == "fused" and not fused
-                                      else ""),
-                          {"attention": a, "impl": "fused" if fused else "sdpa", "inputs": attention_inputs(a),
-                           "template": template})
+                          f"{what} {source} as {how}: the {a.q_len}x{a.kv_len} scores never in memory"
+                          + (f"; the template cannot: {template}" if self.attention == "fused" and impl == "sdpa"
+                             else ""),
+                          {"attention": a, "impl": impl, "inputs": attention_inputs(a), "template": template})
+            if decode:
+                decisions.append((f"attention at {a.output.name} ({what}) as the split-KV decode kernels",
+                                  f"{a.q_len} query token(s) over {a.kv_len} keys: the attention is a pass over "
+                                  "the keys, its time its bytes read; SDPA reads all of them, the decode kernels "
+                                  "only those the mask keeps (attention=\"sdpa\" keeps the ATen step)"))
             for n in nodes:
                 taken[id(n)] = group
         return taken

@@ -25,12 +25,15 @@ BN/4 scores (8) + the row state, under the 255 limit at D = 256 and about 64 at 
 kernel's budget: WmmaTiles.
 
 Decode (`decode_attention_kernels`). One to a few query tokens per sequence against a KV cache
-[B, H_kv, S_max, D] with a per-sequence length (int32 [B]). The keys of a sequence are cut into `splits`
+[B, H_kv, S_max, D] with a per-sequence length (int32 [B]), a mask, or neither. The keys are cut into `splits`
 chunks, one block each (grid splits x (H_q * tokens) x B, 128 threads): each warp takes groups of four
 consecutive keys (one group in four, their loads issued together), lanes hold D/32 of q and of the
 accumulator, the dot products reduced by shuffles; the four warps' (max, sum, acc) are merged in shared
 memory and written to a workspace; a second kernel (one block of D threads per query row) rescales and
-sums the splits. Query token t of T sees keys < length - T + t + 1.
+sums the splits. Query token t of T sees keys < length - T + t + 1. Under a mask (a static cache's: every
+slot there, the ones past the position masked) the block first reads DECODE_MASK_TILE mask entries at a
+time, one per thread: a tile the mask drops entirely costs its mask bytes and no K or V load, and in a kept
+tile a warp loads the rows of its kept keys alone (`_decode_mask_loop`).
 """
 
 from __future__ import annotations
@@ -404,6 +407,8 @@ class DecodeKernels:
 
 DECODE_KEYS = 4  # keys a warp of the decode kernel loads per step
 DECODE_MIN_CHUNK = 64  # keys per split at the least: below, a split's fixed cost outweighs its keys
+DECODE_MAX_TOKENS = 16  # query tokens per sequence the decode kernels take (one block each)
+DECODE_MASK_TILE = 128  # keys whose mask entries a block reads at once (one per thread) before any K or V
 
 
 def decode_splits(rows: int, max_len: int, sms: int = 132) -> int:
@@ -412,48 +417,17 @@ def decode_splits(rows: int, max_len: int, sms: int = 132) -> int:
     return max(1, min(want, math.ceil(max_len / DECODE_MIN_CHUNK)))
 
 
-def decode_attention_kernels(name: str, *, batch: int, heads: int, kv_heads: int, q_tokens: int, max_len: int,
-                             head_dim: int, dtype: torch.dtype, lse: bool = False, splits: int | None = None,
-                             sms: int = 132) -> DecodeKernels:
-    """Split-KV decode of q [B, H, T, D] (T = q_tokens, the newest tokens) against caches k and v
-    [B, H_kv, S_max, D] holding `lengths[b]` valid keys (int32 [B], the new tokens' included). The
-    partial kernel takes q, k, v, lengths, ws_ml, ws_acc, H, T, H / H_kv, chunk, the (batch, head, token)
-    strides of q, k, v and the scale; the combine kernel ws_ml, ws_acc, o, [lse], H, T, the strides of o."""
-    _check(dtype, head_dim)
-    if heads % kv_heads:
-        raise InvalidArgumentError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
-    rows = batch * heads * q_tokens
-    splits = splits or decode_splits(rows, max_len, sms)
-    chunk = math.ceil(max_len / splits)
-    d, t, per = head_dim, CTYPE[dtype], head_dim // 32
-    partial_params = [f"const {t}* __restrict__ q", f"const {t}* __restrict__ k", f"const {t}* __restrict__ v",
-                      "const int* __restrict__ lengths", "float* __restrict__ ws_ml", "float* __restrict__ ws_acc",
-                      "long long H", "long long T", "long long group", "long long chunk"]
-    partial_params += [f"long long {x}s{s}" for x in "qkv" for s in "bhn"] + ["float scale"]
-    partial = PRELUDE + NEG_INF + f"""
-// Split-KV decode, partial: one block per (split, head x token, batch); four warps, every fourth key each.
-extern "C" __global__ void __launch_bounds__(128) {name}_partial({", ".join(partial_params)}) {{
-  __shared__ float wm[4], wl[4], wacc[4][{d}];
-  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const long long b = blockIdx.z, h = blockIdx.y / T, tok = blockIdx.y % T, hk = h / group;
-  const long long limit = (long long)lengths[b] - T + tok + 1;  // this token sees the keys before it
-  const long long s0 = (long long)blockIdx.x * chunk;
-  const long long s1 = s0 + chunk < limit ? s0 + chunk : limit;
-  const {t}* qb = q + b * qsb + h * qsh + tok * qsn;
-  const {t}* kb = k + b * ksb + hk * ksh;
-  const {t}* vb = v + b * vsb + hk * vsh;
-  float qr[{per}], acc[{per}], m = NEG_INF, l = 0.0f;
-  #pragma unroll
-  for (int i = 0; i < {per}; ++i) {{ qr[i] = ld(qb, lane + 32 * i) * scale; acc[i] = 0.0f; }}
-  // Each warp takes {DECODE_KEYS} consecutive keys per step (every {4 * DECODE_KEYS}th group), their loads issued
-  // together: one key at a time leaves a warp waiting on each load's latency (a chain of load, FMAs, five
-  // shuffles, exp) with little memory in flight.
-  for (long long n0 = s0 + w * {DECODE_KEYS}; n0 < s1; n0 += {4 * DECODE_KEYS}) {{  // warp-uniform
-    float dot[{DECODE_KEYS}];
+def _decode_keys_step(valid: str, bias: str | None, per: int) -> str:
+    """One warp's step over DECODE_KEYS keys n0 + u: the dot products of the keys for which `valid` (a C
+    condition on u) holds, plus `bias` (a C expression on u: the additive mask) where given, folded into the
+    running (m, l, acc). Only valid keys' K and V rows are loaded; the caller runs it when one key is valid
+    (so the new max is finite)."""
+    add = f"\n    for (int u = 0; u < {DECODE_KEYS}; ++u) dot[u] += {bias};" if bias else ""
+    return f"""    float dot[{DECODE_KEYS}];
     #pragma unroll
     for (int u = 0; u < {DECODE_KEYS}; ++u) {{
       dot[u] = 0.0f;
-      if (n0 + u < s1) {{
+      if ({valid}) {{
         #pragma unroll
         for (int i = 0; i < {per}; ++i) dot[u] = fmaf(qr[i], ld(kb, (n0 + u) * ksn + lane + 32 * i), dot[u]);
       }}
@@ -462,15 +436,15 @@ extern "C" __global__ void __launch_bounds__(128) {name}_partial({", ".join(part
     for (int o = 16; o > 0; o >>= 1) {{
       #pragma unroll
       for (int u = 0; u < {DECODE_KEYS}; ++u) dot[u] += __shfl_xor_sync(0xffffffffu, dot[u], o);
-    }}
+    }}{add}
     float mnew = m;
     #pragma unroll
-    for (int u = 0; u < {DECODE_KEYS}; ++u) if (n0 + u < s1) mnew = fmaxf(mnew, dot[u]);
-    const float alpha = expf(m - mnew);  // key n0 exists, so mnew is finite
+    for (int u = 0; u < {DECODE_KEYS}; ++u) if ({valid}) mnew = fmaxf(mnew, dot[u]);
+    const float alpha = expf(m - mnew);  // a valid key exists, so mnew is finite
     float e[{DECODE_KEYS}];
     #pragma unroll
     for (int u = 0; u < {DECODE_KEYS}; ++u) {{
-      e[u] = n0 + u < s1 ? expf(dot[u] - mnew) : 0.0f;
+      e[u] = ({valid}) ? expf(dot[u] - mnew) : 0.0f;
       l = (u == 0 ? l * alpha : l) + e[u];
     }}
     m = mnew;
@@ -479,10 +453,112 @@ extern "C" __global__ void __launch_bounds__(128) {name}_partial({", ".join(part
       float a = acc[i] * alpha;
       #pragma unroll
       for (int u = 0; u < {DECODE_KEYS}; ++u)
-        if (n0 + u < s1) a = fmaf(e[u], ld(vb, (n0 + u) * vsn + lane + 32 * i), a);
+        if ({valid}) a = fmaf(e[u], ld(vb, (n0 + u) * vsn + lane + 32 * i), a);
       acc[i] = a;
+    }}"""
+
+
+def _decode_mask_loop(mask_dtype: torch.dtype, per: int) -> str:
+    """The keys [s0, s1) under a mask, DECODE_MASK_TILE at a time: the block first reads the tile's mask
+    entries (one per thread, a byte or two per key against 2 x D x dtype bytes of K and V), and a tile
+    with no kept key is passed over without a load of K or V; in a kept tile each warp reads the rows of
+    its kept keys alone. A key is dropped where a boolean mask is False or an additive one is -inf."""
+    tile = DECODE_MASK_TILE
+    entry = "(mb[n * msj] ? 0.0f : NEG_INF)" if mask_dtype is torch.bool else "ld(mb, n * msj)"
+    return f"""  __shared__ float bias[{tile}];  // the tile's mask as a score bias: NEG_INF where a key is dropped
+  __shared__ long long kept_tile;   // the last tile with a kept key (a barrier orders its writes; no reset)
+  if (threadIdx.x == 0) kept_tile = -1;
+  for (long long t0 = s0; t0 < s1; t0 += {tile}) {{  // block-uniform
+    const long long n = t0 + threadIdx.x;
+    const float mine = n < s1 ? {entry} : NEG_INF;
+    __syncthreads();  // the previous tile's readers of bias are done
+    bias[threadIdx.x] = mine;
+    if (mine != NEG_INF) kept_tile = t0;
+    __syncthreads();
+    if (kept_tile != t0) continue;  // every key of the tile dropped: its K and V are never read
+    const long long t1 = t0 + {tile} < s1 ? t0 + {tile} : s1;
+    for (long long n0 = t0 + w * {DECODE_KEYS}; n0 < t1; n0 += {4 * DECODE_KEYS}) {{  // warp-uniform
+      float bs[{DECODE_KEYS}];
+      bool any = false;
+      #pragma unroll
+      for (int u = 0; u < {DECODE_KEYS}; ++u) {{
+        bs[u] = n0 + u < t1 ? bias[n0 + u - t0] : NEG_INF;
+        any = any || bs[u] != NEG_INF;
+      }}
+      if (!any) continue;  // the warp's four keys dropped
+{_decode_keys_step(f"bs[u] != NEG_INF", "bs[u]", per)}
     }}
-  }}
+  }}"""
+
+
+def decode_attention_kernels(name: str, *, batch: int, heads: int, kv_heads: int, q_tokens: int, max_len: int,
+                             head_dim: int, dtype: torch.dtype, lse: bool = False, splits: int | None = None,
+                             sms: int = 132, mask_dtype: torch.dtype | None = None, lengths: bool | None = None,
+                             strides: dict[str, tuple[int, ...]] | None = None) -> DecodeKernels:
+    """Split-KV decode of q [B, H, T, D] (T = q_tokens, the newest tokens) against caches k and v
+    [B, H_kv, S_max, D]. Which keys a token sees:
+
+    - `lengths` (the default without a mask): `lengths[b]` valid keys (int32 [B], the new tokens' included);
+      token t of T sees the keys before position `length - T + t + 1`;
+    - `mask_dtype` (torch.bool: True attends; or a float dtype, added to the scores, -inf dropping a key): a
+      mask [B|1, H|1, T|1, S_max] read through four strides (0 where broadcast), as SDPA's attn_mask; a
+      run of DECODE_MASK_TILE keys the mask drops entirely is never loaded (`_decode_mask_loop`). With
+      `lengths` too, both apply;
+    - neither (`lengths=False`): every one of the S_max keys.
+
+    The partial kernel takes q, k, v, [lengths], [mask], ws_ml, ws_acc, H, T, H / H_kv, chunk, the (batch,
+    head, token) strides of q, k, v, [the mask's four strides] and the scale; the combine kernel ws_ml,
+    ws_acc, o, [lse], H, T, the strides of o. `strides` ("q", "k", "v", "o": three each, "mask": four)
+    replaces the contiguous defaults; the unit stride along D is required."""
+    _check(dtype, head_dim)
+    if heads % kv_heads:
+        raise InvalidArgumentError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
+    if not 1 <= q_tokens <= DECODE_MAX_TOKENS:
+        raise InvalidArgumentError(f"the decode kernels take 1 to {DECODE_MAX_TOKENS} query tokens, not {q_tokens}; "
+                                   "run a longer query through the prefill kernel or SDPA")
+    if mask_dtype is not None and mask_dtype not in (torch.bool, *ATTENTION_DTYPES):
+        raise InvalidArgumentError(f"an attention mask is boolean or fp32/fp16/bf16, not {mask_dtype}")
+    lengths = mask_dtype is None if lengths is None else lengths
+    rows = batch * heads * q_tokens
+    splits = splits or decode_splits(rows, max_len, sms)
+    chunk = math.ceil(max_len / splits)
+    d, t, per = head_dim, CTYPE[dtype], head_dim // 32
+    partial_params = [f"const {t}* __restrict__ q", f"const {t}* __restrict__ k", f"const {t}* __restrict__ v"]
+    partial_params += ["const int* __restrict__ lengths"] if lengths else []
+    partial_params += [f"const {CTYPE[mask_dtype]}* __restrict__ mask"] if mask_dtype is not None else []
+    partial_params += ["float* __restrict__ ws_ml", "float* __restrict__ ws_acc",
+                       "long long H", "long long T", "long long group", "long long chunk"]
+    partial_params += [f"long long {x}s{s}" for x in "qkv" for s in "bhn"]
+    partial_params += ["long long msb", "long long msh", "long long msi", "long long msj"] if mask_dtype else []
+    partial_params.append("float scale")
+    limit = ("(long long)lengths[b] - T + tok + 1;  // this token sees the keys before it" if lengths
+             else f"{max_len}LL;")
+    if mask_dtype is None:
+        # Each warp takes DECODE_KEYS consecutive keys per step (every 4 * DECODE_KEYS-th group), their loads
+        # issued together: one key at a time leaves a warp waiting on each load's latency (a chain of load,
+        # FMAs, five shuffles, exp) with little memory in flight.
+        keys = (f"  for (long long n0 = s0 + w * {DECODE_KEYS}; n0 < s1; n0 += {4 * DECODE_KEYS}) {{  // warp-uniform\n"
+                f"{_decode_keys_step('n0 + u < s1', None, per)}\n  }}")
+        mask_base = ""
+    else:
+        keys = _decode_mask_loop(mask_dtype, per)
+        mask_base = f"  const {CTYPE[mask_dtype]}* mb = mask + b * msb + h * msh + tok * msi;\n"
+    partial = PRELUDE + NEG_INF + f"""
+// Split-KV decode, partial: one block per (split, head x token, batch); four warps, every fourth key each.
+extern "C" __global__ void __launch_bounds__(128) {name}_partial({", ".join(partial_params)}) {{
+  __shared__ float wm[4], wl[4], wacc[4][{d}];
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const long long b = blockIdx.z, h = blockIdx.y / T, tok = blockIdx.y % T, hk = h / group;
+  const long long limit = {limit}
+  const long long s0 = (long long)blockIdx.x * chunk;
+  const long long s1 = s0 + chunk < limit ? s0 + chunk : limit;
+  const {t}* qb = q + b * qsb + h * qsh + tok * qsn;
+  const {t}* kb = k + b * ksb + hk * ksh;
+  const {t}* vb = v + b * vsb + hk * vsh;
+{mask_base}  float qr[{per}], acc[{per}], m = NEG_INF, l = 0.0f;
+  #pragma unroll
+  for (int i = 0; i < {per}; ++i) {{ qr[i] = ld(qb, lane + 32 * i) * scale; acc[i] = 0.0f; }}
+{keys}
   if (lane == 0) {{ wm[w] = m; wl[w] = l; }}
   #pragma unroll
   for (int i = 0; i < {per}; ++i) wacc[w][lane + 32 * i] = acc[i];
@@ -521,18 +597,27 @@ extern "C" __global__ void __launch_bounds__({d}) {name}_combine({", ".join(comb
     den += ml[2 * s + 1] * f;
     num += ws_acc[(row * {splits} + s) * {d} + threadIdx.x] * f;
   }}
-  st(o + b * osb + h * osh + tok * osn, threadIdx.x, num / den);
+  st(o + b * osb + h * osh + tok * osn, threadIdx.x, num / den);  // every key dropped: 0 / 0, NaN as SDPA
 {"  if (threadIdx.x == 0) lse[row] = M + logf(den);" if lse else ""}
 }}
 """
     qs = (heads * q_tokens * d, q_tokens * d, d)
     kvs = (kv_heads * max_len * d, max_len * d, d)
-    partial_args = [("in", "q"), ("in", "k"), ("in", "v"), ("in", "lengths"), ("out", "ws_ml"), ("out", "ws_acc"),
-                    ("i64", heads), ("i64", q_tokens), ("i64", heads // kv_heads), ("i64", chunk)]
-    partial_args += [("i64", x) for x in (*qs, *kvs, *kvs)] + [("f32", 1.0 / math.sqrt(d))]
+    given = strides or {}
+    st = {"q": qs, "k": kvs, "v": kvs, "o": qs,
+          "mask": (heads * q_tokens * max_len, q_tokens * max_len, max_len, 1)} | given
+    partial_args = [("in", "q"), ("in", "k"), ("in", "v")] + ([("in", "lengths")] if lengths else [])
+    partial_args += [("in", "mask")] if mask_dtype is not None else []
+    partial_args += [("out", "ws_ml"), ("out", "ws_acc"), ("i64", heads), ("i64", q_tokens),
+                     ("i64", heads // kv_heads), ("i64", chunk)]
+    partial_args += [("i64", x) for x in (*st["q"], *st["k"], *st["v"])]
+    partial_args += [("i64", x) for x in st["mask"]] if mask_dtype is not None else []
+    partial_args.append(("f32", 1.0 / math.sqrt(d)))
     combine_args = [("in", "ws_ml"), ("in", "ws_acc"), ("out", "o")] + ([("out", "lse")] if lse else [])
-    combine_args += [("i64", heads), ("i64", q_tokens)] + [("i64", x) for x in qs]
-    what = f"decode {batch}x{heads}(kv {kv_heads})x{q_tokens} over {max_len} keys, D = {d}, {t}"
+    combine_args += [("i64", heads), ("i64", q_tokens)] + [("i64", x) for x in st["o"]]
+    seen = [f"{mask_dtype} mask"] * (mask_dtype is not None) + ["lengths"] * lengths
+    what = (f"decode {batch}x{heads}(kv {kv_heads})x{q_tokens} over {max_len} keys ({' and '.join(seen) or 'all'}), "
+            f"D = {d}, {t}")
     return DecodeKernels(
         KernelCode(partial, f"{name}_partial", grid=(splits, heads * q_tokens, batch), block=128, args=partial_args,
                    description=f"{what}: {splits} splits of {chunk} keys"),

@@ -1,0 +1,364 @@
+"""The decode step's attention over a static KV cache: the split-KV decode kernels under a mask
+(graph/templates/attention.py) read only the keys the mask keeps, and the planner lowers attention of decode's
+shape (SDPA calls included) to them. On the CPU through the CUDA emulator: the masked kernels against torch
+(boolean prefix and non-prefix masks, additive masks with -inf, batch-broadcast and per-batch masks, GQA,
+several query tokens), which K and V elements they load, a cache holding NaN past the kept keys, and a
+Llama-like model's decode program generating eager's greedy tokens; on a GPU, every dtype against SDPA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "corpus"))
+from cpu_emulator.emulator import EmulatedJit, EmulatedModule, unavailable  # noqa: E402
+from test_attention_templates import _fp32_only, _launch  # noqa: E402  (a template's kernel on the emulator)
+from test_decode import LlamaConfig, TinyLlama, eager_greedy  # noqa: E402  (the static-cache model)
+from test_decode_capture import lowered  # noqa: E402  (capture, plan and lower)
+from test_graph_emulated import run_program  # noqa: E402  (the program's steps on the CPU)
+
+from stitchcuda import StaticCacheGenerator, jit  # noqa: E402
+from stitchcuda.errors import InvalidArgumentError  # noqa: E402
+from stitchcuda.graph import OfflinePlanner, capture  # noqa: E402
+from stitchcuda.graph.templates.attention import DECODE_MASK_TILE, decode_attention_kernels  # noqa: E402
+
+emulated = pytest.mark.skipif(unavailable() is not None, reason=f"CUDA emulator: {unavailable()}")
+
+
+def reference(q, k, v, mask=None):
+    """softmax(q k^T / sqrt(D) + mask) v in fp64, GQA by repeating kv heads; a boolean mask keeps True."""
+    q, k, v = q.double(), k.double(), v.double()
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.double()
+    return torch.softmax(s, -1) @ v
+
+
+def mask_strides(mask, shape):
+    """The mask's strides over [B, H, T, S], 0 where it is broadcast (as the lowering passes them)."""
+    full = mask.expand(shape)
+    return tuple(0 if mask.shape[i] == 1 and full.shape[i] != 1 else mask.stride(i) for i in range(4))
+
+
+def masked_kernels(q, k, mask, splits=None, name="dec_mask"):
+    b, h, t, d = q.shape
+    strides = {"mask": mask_strides(mask, (b, h, t, k.shape[2]))} if mask is not None else None
+    return decode_attention_kernels(name, batch=b, heads=h, kv_heads=k.shape[1], q_tokens=t, max_len=k.shape[2],
+                                    head_dim=d, dtype=torch.float32, mask_dtype=None if mask is None else mask.dtype,
+                                    lengths=False, splits=splits, strides=strides)
+
+
+def run_masked(emu, q, k, v, mask, splits=None, source=None):
+    """The masked decode pair on the emulator (NaN-filled output and workspace, so a slot nobody writes shows)."""
+    kernels = masked_kernels(q, k, mask, splits)
+    tensors = {"q": q, "k": k, "v": v, "mask": mask, "o": torch.full_like(q, float("nan")),
+               "ws_ml": torch.full((kernels.workspace_ml,), float("nan")),
+               "ws_acc": torch.full((kernels.workspace_acc,), float("nan"))}
+    if source is None:
+        _launch(emu, kernels.partial, tensors)
+    else:  # an instrumented partial kernel (read_map)
+        source(kernels.partial, tensors)
+    _launch(emu, kernels.combine, tensors)
+    return tensors["o"], kernels
+
+
+def _cache(b=2, h=4, hk=2, t=1, s=300, d=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, h, t, d, generator=g), torch.randn(b, hk, s, d, generator=g),
+            torch.randn(b, hk, s, d, generator=g))
+
+
+def _masks(b, h, t, s):
+    """Name -> mask: the static cache's prefix, a non-prefix pattern, additive ones with -inf, broadcast over
+    batch and heads or given per batch, head and token."""
+    g = torch.Generator().manual_seed(s)
+    prefix = (torch.arange(s) <= 100)[None, None, None, :]                     # [1, 1, 1, S]: position 100
+    pattern = torch.zeros(b, 1, 1, s, dtype=torch.bool)                        # [B, 1, 1, S], per sequence
+    pattern[0, ..., 3:40] = True                                                # a run in the first split
+    pattern[0, ..., 250:260] = True                                             # one in the last, none between
+    pattern[1, ..., ::7] = True                                                 # every seventh key
+    additive = torch.randn(1, h, t, s, generator=g) * 2                         # [1, H, T, S]
+    additive[..., 80:230] = float("-inf")                                       # whole splits dropped
+    additive[..., 5] = float("-inf")
+    per_token = torch.rand(b, h, t, s, generator=g) < 0.3                       # [B, H, T, S]
+    per_token[..., 0] = True  # every row keeps one key (a row with none is NaN, in SDPA too)
+    return {"prefix": prefix, "pattern": pattern, "additive": additive, "per-token": per_token}
+
+
+# ---- the kernels on the emulator, fp32 ----------------------------------------------------------------------
+
+@emulated
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("kind", ["prefix", "pattern", "additive", "per-token"])
+def test_masked_decode_matches_torch(emu, kind, tokens):
+    q, k, v = _cache(t=tokens, seed=tokens)
+    mask = _masks(2, 4, tokens, 300)[kind]
+    o, kernels = run_masked(emu, q, k, v, mask, splits=4)
+    assert kernels.splits == 4 and kernels.chunk == 75
+    torch.testing.assert_close(o.double(), reference(q, k, v, mask), atol=1e-5, rtol=1e-5)
+    if mask.dtype == torch.bool:  # SDPA itself, as the model calls it
+        torch.testing.assert_close(o, F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1),
+                                                                     v.repeat_interleave(2, 1), attn_mask=mask),
+                                   atol=1e-5, rtol=1e-5)
+
+
+@emulated
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_masked_decode_larger_head_dims_and_no_mask(emu, head_dim):
+    q, k, v = _cache(b=1, h=2, hk=1, s=200, d=head_dim, seed=head_dim)
+    mask = (torch.arange(200) < 150)[None, None, None, :]
+    o, _ = run_masked(emu, q, k, v, mask)
+    torch.testing.assert_close(o.double(), reference(q, k, v, mask), atol=1e-5, rtol=1e-5)
+    o, kernels = run_masked(emu, q, k, v, None)  # no mask, no lengths: every key of the cache
+    assert "(all)" in kernels.partial.description
+    torch.testing.assert_close(o.double(), reference(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+@emulated
+def test_bf16_inputs_by_the_accuracy_rule(emu):
+    """The emulator has no 16-bit types: the bf16 kernel differs from the fp32 one in its loads (bf16 to fp32)
+    and its store (rounded to bf16), mirrored here around the fp32 kernel; its error against fp64 stays within
+    twice SDPA's own at bf16 plus 1e-3, the rule the GPU tests use."""
+    q, k, v = (x.bfloat16() for x in _cache(seed=5))
+    for kind, mask in _masks(2, 4, 1, 300).items():
+        mask = mask if mask.dtype == torch.bool else mask.bfloat16()
+        o, _ = run_masked(emu, q.float(), k.float(), v.float(), mask if mask.dtype == torch.bool else mask.float())
+        want = reference(q, k, v, mask)
+        sdpa = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                              attn_mask=mask)
+        sdpa_err = (sdpa.double() - want).abs().max().item()
+        ours_err = (o.bfloat16().double() - want).abs().max().item()
+        assert ours_err <= 2 * sdpa_err + 1e-3, (kind, ours_err, sdpa_err)
+
+
+# The partial kernel with its K and V loads counted: `ld(kb, i)` and `ld(vb, i)` also mark the element they read
+# in a byte map per cache (set by emu_watch before the launch).
+READ_MAP = r"""
+static const float* emu_k0; static const float* emu_v0;
+static unsigned char* emu_kseen; static unsigned char* emu_vseen;
+extern "C" void emu_watch(const float* k, const float* v, unsigned char* ks, unsigned char* vs) {
+  emu_k0 = k; emu_v0 = v; emu_kseen = ks; emu_vseen = vs;
+}
+inline float ld_k(const float* p, long long i) { emu_kseen[(p + i) - emu_k0] = 1; return p[i]; }
+inline float ld_v(const float* p, long long i) { emu_vseen[(p + i) - emu_v0] = 1; return p[i]; }
+"""
+
+
+def read_map(emu, seen):
+    def run(code, tensors):
+        source = _fp32_only(code.source).replace("ld(kb, ", "ld_k(kb, ").replace("ld(vb, ", "ld_v(vb, ")
+        source = source.replace('extern "C" __global__', READ_MAP + 'extern "C" __global__', 1)
+        module = EmulatedModule(emu, source)
+        k, v = tensors["k"], tensors["v"]
+        seen["k"], seen["v"] = (torch.zeros(x.shape, dtype=torch.uint8) for x in (k, v))
+        module._library.emu_watch(*(ctypes.c_void_p(x.data_ptr()) for x in (k, v, seen["k"], seen["v"])))
+        args = [tensors[key] if kind in ("in", "out") else key for kind, key in code.args]
+        module.kernel(code.name)(code.grid, code.block, *args, shared_mem=code.shared_mem)
+    return run
+
+
+@emulated
+@pytest.mark.parametrize("kind", ["prefix", "pattern", "additive"])
+def test_the_kernel_loads_only_the_keys_the_mask_keeps(emu, kind):
+    q, k, v = _cache(seed=11)
+    mask = _masks(2, 4, 1, 300)[kind]
+    seen = {}
+    o, _ = run_masked(emu, q, k, v, mask, splits=4, source=read_map(emu, seen))
+    torch.testing.assert_close(o.double(), reference(q, k, v, mask), atol=1e-5, rtol=1e-5)
+    keep = (mask if mask.dtype == torch.bool else mask != float("-inf")).expand(2, 4, 1, 300)
+    # a kv head's key is kept where any query head reading it keeps it; every element of its row is read
+    kept = keep[:, :, 0].reshape(2, 2, 2, 300).any(2)
+    for cache in "kv":
+        rows = seen[cache].bool()
+        assert torch.equal(rows.all(-1), kept) and torch.equal(rows.any(-1), kept), cache
+    assert int(kept.sum()) < kept.numel() // 2  # most of the cache is never read
+
+
+@emulated
+def test_a_cache_holding_nan_past_the_kept_keys(emu):
+    """Eager SDPA over the whole cache multiplies the NaN of a dropped key by its zero probability and returns
+    NaN; the kernel never reads those keys and returns the attention over the kept ones."""
+    q, k, v = _cache(seed=3)
+    position = 100
+    mask = (torch.arange(300) <= position)[None, None, None, :]
+    k[:, :, position + 1:], v[:, :, position + 1:] = float("nan"), float("nan")
+    eager = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask)
+    assert eager.isnan().all()
+    o, _ = run_masked(emu, q, k, v, mask, splits=4)
+    keep = slice(0, position + 1)
+    torch.testing.assert_close(o.double(), reference(q, k[:, :, keep], v[:, :, keep]), atol=1e-5, rtol=1e-5)
+
+
+@emulated
+def test_the_lengths_form_and_a_mask_apply_together(emu):
+    q, k, v = _cache(seed=4)
+    mask = _masks(2, 4, 1, 300)["pattern"]
+    kernels = decode_attention_kernels("dec_both", batch=2, heads=4, kv_heads=2, q_tokens=1, max_len=300,
+                                       head_dim=64, dtype=torch.float32, mask_dtype=torch.bool, lengths=True,
+                                       splits=3, strides={"mask": mask_strides(mask, (2, 4, 1, 300))})
+    tensors = {"q": q, "k": k, "v": v, "mask": mask, "lengths": torch.tensor([255, 300], dtype=torch.int32),
+               "o": torch.full_like(q, float("nan")), "ws_ml": torch.empty(kernels.workspace_ml),
+               "ws_acc": torch.empty(kernels.workspace_acc)}
+    _launch(emu, kernels.partial, tensors)
+    _launch(emu, kernels.combine, tensors)
+    both = mask & (torch.arange(300) < torch.tensor([255, 300])[:, None])[:, None, None, :]
+    torch.testing.assert_close(tensors["o"].double(), reference(q, k, v, both), atol=1e-5, rtol=1e-5)
+
+
+def test_masked_kernels_compile_for_sm90a_in_every_dtype():
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for mask_dtype in (torch.bool, dtype):
+            for d in (64, 256):
+                pair = decode_attention_kernels("dec_mask", batch=8, heads=32, kv_heads=8, q_tokens=1, max_len=2048,
+                                                head_dim=d, dtype=dtype, mask_dtype=mask_dtype)
+                for code in (pair.partial, pair.combine):
+                    assert jit.compile_module(code.source, arch="sm_90a").kernel(code.name).name == code.name
+
+
+def test_bad_decode_requests_name_the_fix():
+    with pytest.raises(InvalidArgumentError, match="1 to 16 query tokens.*prefill kernel or SDPA"):
+        decode_attention_kernels("x", batch=1, heads=2, kv_heads=1, q_tokens=17, max_len=256, head_dim=64,
+                                 dtype=torch.float32)
+    with pytest.raises(InvalidArgumentError, match="boolean or fp32/fp16/bf16"):
+        decode_attention_kernels("x", batch=1, heads=2, kv_heads=1, q_tokens=1, max_len=256, head_dim=64,
+                                 dtype=torch.float32, mask_dtype=torch.int32)
+    assert DECODE_MASK_TILE == 128  # one mask entry per thread of the 128-thread block
+
+
+# ---- the planner and the decode program -----------------------------------------------------------------------
+
+def llama(max_len=160, seed=0):
+    torch.manual_seed(seed)
+    return TinyLlama(LlamaConfig(dim=128, max_len=max_len)).eval()  # head dim 32, GQA 4 / 2
+
+
+def _attention_groups(model, attention, tokens):
+    inputs = (torch.zeros(2, tokens, dtype=torch.long), torch.arange(tokens))
+    plan = OfflinePlanner(attention=attention).plan(capture(model, inputs))
+    return plan, [g for g in plan.groups if g.kind == "attention"]
+
+
+def test_the_decode_step_is_planned_as_the_decode_kernels_and_sdpa_forces_aten():
+    model = llama()
+    plan, groups = _attention_groups(model, "auto", 1)
+    assert [g.params["impl"] for g in groups] == ["decode", "decode"]
+    assert "split-KV decode kernels" in groups[0].reason and "an SDPA call" in groups[0].reason
+    assert any("as the split-KV decode kernels" in text and "only those the mask keeps" in why
+               for text, why in plan.decisions)
+    # the GQA repeat of the cache (a copy of it per step) goes with the SDPA call
+    assert not any("repeat" in n.op or n.op == "aten::clone" for g in plan.groups for n in g.nodes
+                   if g.kind != "attention")
+    _, forced = _attention_groups(model, "sdpa", 1)
+    assert forced == []  # the SDPA calls stay the ATen steps the capture keeps whole
+    _, prefill = _attention_groups(model, "auto", 24)  # 24 query tokens: a prefill, left to SDPA
+    assert prefill == []
+
+
+def test_short_caches_and_small_head_dims_stay_sdpa():
+    _, groups = _attention_groups(llama(max_len=32), "auto", 1)  # fewer keys than one split
+    assert groups == []
+    from stitchcuda.graph.attention import decode_blocker, find_attention
+    model = TinyLlama(LlamaConfig(max_len=160)).eval()  # head dim 8
+    (a, _) = find_attention(capture(model, (torch.zeros(2, 1, dtype=torch.long), torch.tensor([3]))))
+    assert "head dims 8 / 8" in decode_blocker(a)
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    return EmulatedJit(tmp_path_factory.mktemp("decode_attention"))
+
+
+@emulated
+def test_the_decode_program_runs_the_kernels_and_gives_eagers_greedy_tokens(emu):
+    model, twin = llama(), llama()
+    prompt, new = 5, 6
+    _, prefill, prefill_values = lowered(model, (torch.zeros(2, prompt, dtype=torch.long), torch.arange(prompt)))
+    _, decode, decode_values = lowered(model, (torch.zeros(2, 1, dtype=torch.long), torch.tensor([prompt])))
+    names = [decode.kernels[s["kernel"]]["name"] for s in decode.steps if s["kind"] == "kernel"]
+    assert sum(n.startswith("decode_attention_partial") for n in names) == 2  # one per layer
+    assert not any(s["kind"] == "aten" and "scaled_dot_product" in s["op"] for s in decode.steps)
+    assert not any(s["kind"] == "aten" and "repeat" in s["op"] for s in decode.steps)
+    states = dict(model.named_buffers())
+
+    def run(program, values):
+        return lambda ids, positions: run_program(emu, program, [ids, positions.clone()], values, states)[0]
+
+    gen = StaticCacheGenerator(model, max_length=160, batch_size=2, prefill=run(prefill, prefill_values),
+                               decode=run(decode, decode_values), caches=model.caches())
+    ids = torch.randint(0, 96, (2, prompt))
+    got = gen.generate(ids, new)
+    with torch.no_grad():
+        expected = eager_greedy(twin, ids, new)
+    assert torch.equal(got, expected)
+    for mine, theirs in zip(model.caches(), twin.caches()):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+
+
+# ---- the GPU ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("position", [100, 1000, 2000])
+def test_gpu_masked_decode_against_sdpa(dtype, position):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    g = torch.Generator(device="cuda").manual_seed(position)
+    b, h, hk, s_max, d = 8, 32, 8, 2048, 128
+    q = torch.randn(b, h, 1, d, device="cuda", generator=g).to(dtype)
+    k, v = (torch.randn(b, hk, s_max, d, device="cuda", generator=g).to(dtype) for _ in range(2))
+    k[:, :, position + 1:], v[:, :, position + 1:] = float("nan"), float("nan")  # never read
+    mask = (torch.arange(s_max, device="cuda") <= position)[None, None, None, :]
+    pair = decode_attention_kernels("dec_gpu_mask", batch=b, heads=h, kv_heads=hk, q_tokens=1, max_len=s_max,
+                                    head_dim=d, dtype=dtype, mask_dtype=torch.bool,
+                                    strides={"mask": (0, 0, 0, 1)})
+    t = {"q": q, "k": k, "v": v, "mask": mask, "o": torch.empty_like(q),
+         "ws_ml": torch.empty(pair.workspace_ml, device="cuda"),
+         "ws_acc": torch.empty(pair.workspace_acc, device="cuda")}
+    for code in (pair.partial, pair.combine):
+        args = [t[key] if kind in ("in", "out") else key for kind, key in code.args]
+        jit.compile(code.source, code.name)(code.grid, code.block, *args, shared_mem=code.shared_mem)
+    keep = slice(0, position + 1)
+    want = reference(q, k[:, :, keep], v[:, :, keep])
+    if dtype == torch.float32:
+        torch.testing.assert_close(t["o"].double(), want, atol=1e-4, rtol=1e-4)
+        return
+    sdpa = F.scaled_dot_product_attention(q, k[:, :, keep], v[:, :, keep], enable_gqa=True)
+    sdpa_err = (sdpa.double() - want).abs().max().item()
+    assert (t["o"].double() - want).abs().max().item() <= 2 * sdpa_err + 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_optimized_decode_runs_the_kernels_and_gives_eagers_greedy_tokens():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # eager's fp32 exactly
+    try:
+        config = LlamaConfig(vocab=512, dim=256, layers=2, heads=8, kv_heads=2, hidden=512, max_len=256, batch=2)
+        torch.manual_seed(0)
+        model = TinyLlama(config).eval().cuda()
+        torch.manual_seed(0)
+        twin = TinyLlama(config).eval().cuda()
+        gen = StaticCacheGenerator.optimize(model, batch_size=2, prompt_length=12, max_length=256, keep_slower=True,
+                                            compare_compile=False)
+        assert gen.decode_module.report.status == "optimized", gen.decode_module.report.reason
+        names = [k["name"] for k in gen.decode_module.program.kernels]
+        assert sum(n.startswith("decode_attention_partial") for n in names) == 1  # both layers: one source
+        assert any("split-KV" in text for text, _ in gen.decode_module.report.decisions)
+        ids = torch.randint(0, config.vocab, (2, 12), device="cuda")
+        with torch.no_grad():
+            got = gen.generate(ids, 100)  # positions 12..111: the masked kernels skip most of the 256 slots
+            expected = eager_greedy(twin, ids, 100)
+        assert torch.equal(got, expected)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
