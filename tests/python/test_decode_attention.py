@@ -262,6 +262,8 @@ def test_the_decode_step_is_planned_as_the_decode_kernels_and_sdpa_forces_aten()
     assert forced == []  # the SDPA calls stay the ATen steps the capture keeps whole
     _, prefill = _attention_groups(model, "auto", 24)  # 24 query tokens: a prefill, left to SDPA
     assert prefill == []
+    _, short = _attention_groups(model, "auto", 6)  # a 6-token prompt: decode's shape, a mask row per token
+    assert [g.params["impl"] for g in short] == ["decode", "decode"]
 
 
 def test_short_caches_and_small_head_dims_stay_sdpa():
@@ -271,6 +273,20 @@ def test_short_caches_and_small_head_dims_stay_sdpa():
     model = TinyLlama(LlamaConfig(max_len=160)).eval()  # head dim 8
     (a, _) = find_attention(capture(model, (torch.zeros(2, 1, dtype=torch.long), torch.tensor([3]))))
     assert "head dims 8 / 8" in decode_blocker(a)
+
+
+def test_optimize_plans_and_compiles_the_decode_kernels_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the GPU test runs the optimized generator")
+    model = llama()
+    gen = StaticCacheGenerator.optimize(model, batch_size=2, prompt_length=20, max_length=160, measure=False)
+    decode = [text for text, _ in gen.decode_module.report.decisions if "split-KV" in text]
+    prefill = [text for text, _ in gen.prefill_module.report.decisions if "split-KV" in text]
+    assert len(decode) == 2 and prefill == []  # one per layer; the 20-token prefill stays SDPA
+    assert "compiled only" in gen.decode_module.report.reason  # NVRTC built the kernels; no GPU runs them
+    ids = torch.randint(0, 96, (2, 20))
+    with torch.no_grad():  # here the model itself runs
+        assert torch.equal(gen.generate(ids, 4), eager_greedy(llama(), ids, 4))
 
 
 @pytest.fixture(scope="module")
@@ -302,6 +318,26 @@ def test_the_decode_program_runs_the_kernels_and_gives_eagers_greedy_tokens(emu)
     assert torch.equal(got, expected)
     for mine, theirs in zip(model.caches(), twin.caches()):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+
+
+@emulated
+def test_the_decode_program_never_reads_cache_slots_past_the_position(emu):
+    """Slots past the position hold NaN (as an uninitialized cache might): the model's eager SDPA over the whole
+    cache returns NaN logits, the decode program, whose attention reads only the kept slots, the clean logits."""
+    model, clean = llama(), llama()
+    _, decode, values = lowered(model, (torch.zeros(2, 1, dtype=torch.long), torch.tensor([7])))
+    ids = torch.randint(0, 96, (2, 7))
+    with torch.no_grad():
+        for m in (model, clean):
+            m(ids, torch.arange(7))  # the prompt's keys and values at positions 0..6
+        for cache in model.caches():
+            cache[:, :, 8:] = float("nan")  # the step writes position 7; 8.. are never kept
+        token, position = torch.randint(0, 96, (2, 1)), torch.tensor([7])
+        want = clean(token, position)
+        assert model(token, position).isnan().all()  # eager reads them (and writes position 7, as the program will)
+    states = dict(model.named_buffers())
+    got = run_program(emu, decode, [token, position.clone()], values, states)[0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 # ---- the GPU ---------------------------------------------------------------------------------------------------
