@@ -25,7 +25,7 @@ from test_decode import LlamaConfig, TinyLlama, eager_greedy  # noqa: E402  (the
 from test_decode_capture import lowered  # noqa: E402  (capture, plan and lower)
 from test_graph_emulated import run_program  # noqa: E402  (the program's steps on the CPU)
 
-from stitchcuda import StaticCacheGenerator, jit  # noqa: E402
+from stitchcuda import StaticCacheGenerator, TransformersStaticCacheLM, jit  # noqa: E402
 from stitchcuda.errors import InvalidArgumentError  # noqa: E402
 from stitchcuda.graph import OfflinePlanner, capture  # noqa: E402
 from stitchcuda.graph.templates.attention import DECODE_MASK_TILE, decode_attention_kernels  # noqa: E402
@@ -338,6 +338,34 @@ def test_the_decode_program_never_reads_cache_slots_past_the_position(emu):
     states = dict(model.named_buffers())
     got = run_program(emu, decode, [token, position.clone()], values, states)[0]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@emulated
+def test_a_transformers_llamas_decode_program_runs_the_kernels_and_gives_its_greedy_tokens(emu):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()  # head dim 32
+    lm = TransformersStaticCacheLM(model, batch_size=1, max_length=96)
+    graph, prefill, prefill_values = lowered(lm, (torch.zeros(1, 20, dtype=torch.long), torch.arange(20)))
+    _, decode, decode_values = lowered(lm, (torch.zeros(1, 1, dtype=torch.long), torch.tensor([20])))
+    names = [decode.kernels[s["kernel"]]["name"] for s in decode.steps if s["kind"] == "kernel"]
+    assert sum(n.startswith("decode_attention_partial") for n in names) == 2  # transformers' SDPA calls
+    prefix = next(iter(graph.state_buffers.values())).rpartition("layer")[0]
+    states = {prefix + name: t for name, t in lm.named_buffers()}
+
+    def run(program, values):
+        return lambda ids, positions: run_program(emu, program, [ids, positions.clone()], values, states)[0]
+
+    gen = StaticCacheGenerator(lm, max_length=96, batch_size=1, prefill=run(prefill, prefill_values),
+                               decode=run(decode, decode_values))
+    ids = torch.randint(0, 256, (1, 20))
+    got = gen.generate(ids, 6)
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
+                                  do_sample=False, pad_token_id=0)
+    assert torch.equal(got, expected)
 
 
 # ---- the GPU ---------------------------------------------------------------------------------------------------
