@@ -15,7 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "corpus"))
 from cpu_emulator.emulator import EmulatedJit, EmulatedModule, unavailable  # noqa: E402
 
 from stitchcuda.graph.templates import (PointwiseInput, RowPrologue, column_reduction_kernel,  # noqa: E402
-                                        nchw_to_nhwc_kernel, pointwise_kernel, row_reduction_kernel)
+                                        depthwise_conv_kernel, depthwise_conv_nhwc_kernel, nchw_to_nhwc_kernel,
+                                        pointwise_kernel, pooling_kernel, pooling_nhwc_kernel, row_reduction_kernel)
 
 emulated = pytest.mark.skipif(unavailable() is not None, reason=f"CUDA emulator: {unavailable()}")
 
@@ -155,3 +156,44 @@ def test_one_column_reduction_serves_two_batches(emu):
         y = torch.full((batch, 40), float("nan"))
         _launch(emu, code.at(batch), {"x": x, "y": y})
         torch.testing.assert_close(y, x.mean(1), atol=1e-5, rtol=1e-5)
+
+
+IMAGE_KERNELS = {
+    "max-pool": lambda n: pooling_kernel("p", "max", (n, 3, 12, 16), (2, 2), (2, 2), (0, 0)),
+    "avg-pool-clipped": lambda n: pooling_kernel("p", "avg", (n, 3, 9, 11), (3, 3), (2, 2), (1, 1),
+                                                 count_include_pad=False),
+    "max-pool-nhwc": lambda n: pooling_nhwc_kernel("p", "max", (n, 8, 12, 12), (3, 3), (1, 1), (1, 1)),
+    "depthwise": lambda n: depthwise_conv_kernel("d", (n, 4, 10, 12), (3, 3), (1, 1), (1, 1), (1, 1), torch.float32),
+    "depthwise-strided": lambda n: depthwise_conv_kernel("d", (n, 4, 11, 9), (3, 3), (2, 2), (1, 1), (1, 1),
+                                                         torch.float32),
+    "depthwise-nhwc": lambda n: depthwise_conv_nhwc_kernel("d", (n, 8, 10, 10), (3, 3), (1, 1), (1, 1), (1, 1)),
+}
+
+
+@pytest.mark.parametrize("kind", list(IMAGE_KERNELS))
+def test_pooling_and_depthwise_sources_are_the_same_at_every_batch(kind):
+    a, b = IMAGE_KERNELS[kind](2), IMAGE_KERNELS[kind](7)
+    assert a.source == b.source
+    moved = a.at(b.extent.value)
+    assert (moved.grid, moved.args) == (b.grid, b.args)
+
+
+@emulated
+@pytest.mark.parametrize("kind", ["max-pool", "avg-pool-clipped", "depthwise-strided"])
+def test_one_pooling_or_depthwise_kernel_serves_two_batches(emu, kind):
+    torch.manual_seed(5)
+    code = IMAGE_KERNELS[kind](2)
+    for batch in (2, 5):
+        fresh = IMAGE_KERNELS[kind](batch)
+        if kind.startswith("depthwise"):
+            x, weight = torch.randn(batch, 4, 11, 9), torch.randn(4, 1, 3, 3)
+            want = torch.nn.functional.conv2d(x, weight, None, (2, 2), (1, 1), (1, 1), 4)
+            tensors = {"x": x, "weight": weight}
+        else:
+            x = torch.randn(batch, 3, 12, 16) if kind == "max-pool" else torch.randn(batch, 3, 9, 11)
+            want = (torch.nn.functional.max_pool2d(x, 2, 2) if kind == "max-pool" else
+                    torch.nn.functional.avg_pool2d(x, 3, 2, 1, count_include_pad=False))
+            tensors = {"x": x}
+        y = torch.full_like(want, float("nan"))
+        _launch(emu, code.at(fresh.extent.value), {**tensors, "y": y})
+        torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)

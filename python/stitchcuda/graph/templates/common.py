@@ -141,6 +141,17 @@ class Extent:
 
 
 
+def images_extent(value: int, args: list, per_image: int, per_block: int, cap: int, output: "RowPrologue | None",
+                  limit: int = 0) -> "Extent | None":
+    """The Extent of an image kernel (pooling, a depthwise convolution) whose last argument counts what it
+    covers (`value`, `per_image` of it an image, `per_block` a block of its grid-stride loop, at most `cap`
+    blocks): any number of images, unless an output function's coordinates were written for one image
+    (an extent of 1 leaves its coordinate out of the function's indices)."""
+    if output is not None and value <= per_image:
+        return None
+    return Extent(value, len(args) - 1, unit=per_block, cap=cap, align=per_image, limit=limit)
+
+
 @dataclass
 class PointwiseInput:
     """One tensor a pointwise kernel reads, with its strides (elements) over the group's output shape."""
@@ -352,11 +363,12 @@ class RowPrologue:
         return ok and all(inp.strides[d] == 0 or full[d] == 1 for d in range(len(full)) if d not in tail)
 
 
-def nhwc_pixel_loop(total: int, c4: int, oh: int, ow: int) -> list[str]:
-    """The grid-stride loop of a channels-last kernel over `total` = N x OH x OW x C/4 items, each four
-    consecutive channels (c) of one output pixel (n, oy, ox): adjacent threads take adjacent channels, so
-    their 16-byte loads and stores are coalesced. Opens the loop body; the caller closes it."""
-    return [f"  for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < {total}LL; "
+def nhwc_pixel_loop(c4: int, oh: int, ow: int) -> list[str]:
+    """The grid-stride loop of a channels-last kernel over `total` (a value of the kernel's, from its
+    arguments: N x OH x OW x C/4) items, each four consecutive channels (c) of one output pixel (n, oy,
+    ox): adjacent threads take adjacent channels, so their 16-byte loads and stores are coalesced. Opens
+    the loop body; the caller closes it."""
+    return ["  for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total; "
             "g += (long long)gridDim.x * blockDim.x) {",
             f"    const int c = (int)(g % {c4}LL) * 4;",
             f"    long long rest = g / {c4}LL;",

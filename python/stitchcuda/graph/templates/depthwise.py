@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import CTYPE, PRELUDE, KernelCode, RowPrologue, nhwc_pixel_loop
+from .common import CTYPE, PRELUDE, KernelCode, RowPrologue, images_extent, nhwc_pixel_loop
 
 
 DEPTHWISE_MAX_TAPS = 49  # up to 7x7: the taps are unrolled
@@ -98,7 +98,7 @@ def depthwise_conv_kernel(name: str, x_shape: tuple[int, int, int, int], kernel:
             "      }",
             "    }",
             f"    const long long o = plane * {oh * ow}LL + (long long)oy * {ow} + ox;"]
-    generic = [f"  for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < {total}LL; "
+    generic = ["  for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total; "
                "g += (long long)gridDim.x * blockDim.x) {",
                *head("g"),
                f"      const int x0 = ox * {sw} - {pw};",
@@ -113,8 +113,9 @@ def depthwise_conv_kernel(name: str, x_shape: tuple[int, int, int, int], kernel:
                "  }"]
     L = [PRELUDE, *(output.coordinate_function(name) if output else []),
          f"// {name}: depthwise {kh}x{kw} convolution (stride {sh}x{sw}, padding {ph}x{pw}, dilation {dh}x{dw}) "
-         f"over [{n_}, {c_}, {h}, {w}] -> [{n_}, {c_}, {oh}, {ow}], {vec} output(s) per thread",
-         f'extern "C" __global__ void __launch_bounds__(256) {name}({", ".join(params)}) {{']
+         f"over [N, {c_}, {h}, {w}] -> [N, {c_}, {oh}, {ow}], {vec} output(s) per thread",
+         f'extern "C" __global__ void __launch_bounds__(256) {name}({", ".join(params)}) {{',
+         f"  const long long total = n / {vec};  // the threads' groups of {vec} outputs: the batch is n's"]
     if shuffled:
         comp = "xyzw"
         wide_ptrs = ["x"] + (["y"] if out_dtype == torch.float32 else [])
@@ -139,9 +140,9 @@ def depthwise_conv_kernel(name: str, x_shape: tuple[int, int, int, int], kernel:
               # the last group again and store nothing.
               "  const int lane = threadIdx.x & 31;",
               "  for (long long g0 = blockIdx.x * (long long)blockDim.x + (threadIdx.x & ~31); "
-              f"g0 < {total}LL; g0 += (long long)gridDim.x * blockDim.x) {{",
-              "    const bool valid = g0 + lane < " + f"{total}LL;",
-              f"    const long long g = valid ? g0 + lane : {total - 1}LL;",
+              "g0 < total; g0 += (long long)gridDim.x * blockDim.x) {",
+              "    const bool valid = g0 + lane < total;",
+              "    const long long g = valid ? g0 + lane : total - 1;",
               *head("g"),
               f"      const float4 mid = row_in ? *reinterpret_cast<const float4*>(xp + (long long)iy * {w} + ox)"
               " : make_float4(0.0f, 0.0f, 0.0f, 0.0f);",
@@ -160,7 +161,10 @@ def depthwise_conv_kernel(name: str, x_shape: tuple[int, int, int, int], kernel:
     args = [("in", "x"), ("in", "weight")] + ([("in", "bias")] if has_bias else [])
     args += [("in", i.key) for i in output.inputs] if output else []
     args += [("out", "y"), ("i64", n_ * c_ * oh * ow)]
-    return KernelCode("\n".join(L) + "\n", name, grid, threads, args,
+    # n, the outputs, gives the batch: a 32-bit index while the groups number below 2^31.
+    extent = images_extent(n_ * c_ * oh * ow, args, c_ * oh * ow, threads * vec, sm_count * 16, output,
+                           ((2 ** 31 - 1) * vec) if total < 2 ** 31 else 0)
+    return KernelCode("\n".join(L) + "\n", name, grid, threads, args, extent=extent, description=
                       f"depthwise {kh}x{kw} convolution over [{n_}, {c_}, {h}, {w}], {vec} outputs per thread, "
                       f"{how}"
                       + (f", {len(output.body)} elementwise op(s) applied before the store" if output else ""))
@@ -198,9 +202,10 @@ def depthwise_conv_nhwc_kernel(name: str, x_shape: tuple[int, int, int, int], ke
     comp = "xyzw"
     L = [PRELUDE, *(output.coordinate_function(name) if output else []),
          f"// {name}: depthwise {kh}x{kw} convolution (stride {sh}x{sw}, padding {ph}x{pw}, dilation {dh}x{dw}) "
-         f"over NHWC [{n_}, {c_}, {h}, {w}] -> NHWC [{n_}, {c_}, {oh}, {ow}], four channels per thread",
+         f"over NHWC [N, {c_}, {h}, {w}] -> NHWC [N, {c_}, {oh}, {ow}], four channels per thread",
          f'extern "C" __global__ void __launch_bounds__(256) {name}({", ".join(params)}) {{',
-         *nhwc_pixel_loop(total, c4, oh, ow),
+         "  const long long total = n / 4;  // the threads' groups of four channels: the batch is n's",
+         *nhwc_pixel_loop(c4, oh, ow),
          "    float acc[4] = {" + ", ".join(init(j) for j in range(4)) + "};",
          "#pragma unroll",
          f"    for (int r = 0; r < {kh}; ++r) {{",
@@ -222,7 +227,8 @@ def depthwise_conv_nhwc_kernel(name: str, x_shape: tuple[int, int, int, int], ke
     args = [("in", "x"), ("in", "weight")] + ([("in", "bias")] if has_bias else [])
     args += [("in", i.key) for i in output.inputs] if output else []
     args += [("out", "y"), ("i64", n_ * c_ * oh * ow)]
-    return KernelCode("\n".join(L) + "\n", name, grid, 256, args,
+    extent = images_extent(n_ * c_ * oh * ow, args, c_ * oh * ow, 4 * 256, sm_count * 16, output)
+    return KernelCode("\n".join(L) + "\n", name, grid, 256, args, extent=extent, description=
                       f"depthwise {kh}x{kw} convolution over NHWC [{n_}, {c_}, {h}, {w}], four channels per thread, "
                       "16-byte loads and stores along the channels"
                       + (f", {len(output.body)} elementwise op(s) applied before the store" if output else ""))

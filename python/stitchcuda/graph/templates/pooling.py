@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import CTYPE, PRELUDE, KernelCode, RowPrologue, nhwc_pixel_loop
+from .common import CTYPE, PRELUDE, KernelCode, RowPrologue, images_extent, nhwc_pixel_loop
 
 __all__ = ["POOL_MAX_TAPS", "POOL_DTYPES", "pool_output_size", "pooling_blocker", "pooling_kernel",
            "pooling_nhwc_kernel"]
@@ -85,7 +85,7 @@ def pooling_kernel(name: str, kind: str, x_shape: tuple[int, ...], kernel: tuple
     """`kind` "avg" (aten::avg_pool2d) or "max" (aten::max_pool2d, the values of max_pool2d_with_indices)
     over a contiguous [N, C, H, W] (or [C, H, W]) input. An `output` function (the elementwise ops after
     the pooling) maps each result (`yv`) before the store, at the output's coordinates, so the pooled
-    value is never stored. Arguments: x, [output inputs], y."""
+    value is never stored. Arguments: x, [output inputs], y, total (the threads' output groups)."""
     why_not = pooling_blocker(kind, x_shape, kernel, stride, padding, dilation, ceil_mode, dtype)
     if why_not is not None:
         raise ValueError(f"{kind} pooling has no template here: {why_not}")
@@ -132,8 +132,11 @@ def pooling_kernel(name: str, kind: str, x_shape: tuple[int, ...], kernel: tuple
     wide = (dtype == torch.float32 and w % 4 == 0 and vec == 4 and left <= 4 and right <= 4 and sw <= 4
             and rows * width <= _HELD_VALUES)
 
-    params = [f"const {T}* __restrict__ x"] + (output.params() if output else []) + [f"{U}* __restrict__ y"]
+    # `total`, the threads' output groups, is an argument: the batch is the launch's.
+    params = [f"const {T}* __restrict__ x"] + (output.params() if output else []) + [f"{U}* __restrict__ y",
+                                                                                     "long long total"]
     ix_t, sfx = ("unsigned", "u") if total < 2 ** 31 else ("long long", "LL")  # 32-bit division when it fits
+    batch = "N" if rank == 4 else 1  # the comment: the source holds no batch
     coords = "c, oy, ox + {j}" if rank == 3 else "n, c, oy, ox + {j}"
 
     def head(g: str) -> list[str]:  # the thread's outputs: ox.. of rows oy0.., plane n * C + c
@@ -223,7 +226,7 @@ def pooling_kernel(name: str, kind: str, x_shape: tuple[int, ...], kernel: tuple
 
     # The general path: per input row, the segment's values one predicated load each (the neutral value
     # where the column or row is outside the input; the compiler predicates, no branch), then the taps.
-    generic = [f"  for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < {total}LL; "
+    generic = ["  for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total; "
                "g += (long long)gridDim.x * blockDim.x) {",
                *head("g"),
                "#pragma unroll",
@@ -246,7 +249,7 @@ def pooling_kernel(name: str, kind: str, x_shape: tuple[int, ...], kernel: tuple
          + (", ceil mode" if ceil_mode else "")
          + ("" if is_max else ", padding counted" if count_include_pad else ", padding not counted")
          + (f", divisor {divisor_override}" if divisor_override is not None else "")
-         + f") over [{n_}, {c_}, {h}, {w}] -> [{n_}, {c_}, {oh}, {ow}], {rh}x{vec} outputs per thread",
+         + f") over [{batch}, {c_}, {h}, {w}] -> [{batch}, {c_}, {oh}, {ow}], {rh}x{vec} outputs per thread",
          f'extern "C" __global__ void __launch_bounds__(256) {name}({", ".join(params)}) {{']
     if out_dtype == torch.float32 and vec == 4 and ow % 4 == 0:
         L.append("  const bool wide_y = (reinterpret_cast<unsigned long long>(y) & 15ULL) == 0;")
@@ -301,9 +304,9 @@ def pooling_kernel(name: str, kind: str, x_shape: tuple[int, ...], kernel: tuple
               # the last outputs again and store nothing.
               "  const int lane = threadIdx.x & 31;",
               "  for (long long g0 = blockIdx.x * (long long)blockDim.x + (threadIdx.x & ~31); "
-              f"g0 < {total}LL; g0 += (long long)gridDim.x * blockDim.x) {{",
-              f"    const bool valid = g0 + lane < {total}LL;",
-              f"    const long long g = valid ? g0 + lane : {total - 1}LL;",
+              "g0 < total; g0 += (long long)gridDim.x * blockDim.x) {",
+              "    const bool valid = g0 + lane < total;",
+              "    const long long g = valid ? g0 + lane : total - 1;",
               *head("g"),
               "    const bool from_left = lane != 0 && ox > 0;  // the left lane holds outputs ox - 4 of this row",
               f"    const bool from_right = lane != 31 && ox + 4 < {ow};  // the right lane holds ox + 4",
@@ -322,8 +325,10 @@ def pooling_kernel(name: str, kind: str, x_shape: tuple[int, ...], kernel: tuple
     L += generic + ["}"]
     threads = 256
     grid = max(1, min(-(-total // threads), sm_count * 16))
-    args = [("in", "x")] + ([("in", i.key) for i in output.inputs] if output else []) + [("out", "y")]
-    return KernelCode("\n".join(L) + "\n", name, grid, threads, args,
+    args = [("in", "x")] + ([("in", i.key) for i in output.inputs] if output else []) + [("out", "y"), ("i64", total)]
+    extent = None if rank == 3 else images_extent(total, args, c_ * ohg * owg, threads, sm_count * 16, output,
+                                                  2 ** 31 - 1 if total < 2 ** 31 else 0)
+    return KernelCode("\n".join(L) + "\n", name, grid, threads, args, extent=extent, description=
                       f"{kind} pooling {kh}x{kw} over {list(x_shape)}, {rh}x{vec} outputs per thread, {how}"
                       + (f", {len(output.body)} elementwise op(s) applied before the store" if output else ""))
 
@@ -337,7 +342,7 @@ def pooling_nhwc_kernel(name: str, kind: str, x_shape: tuple[int, ...], kernel: 
     every tap of its window is one 16-byte load (adjacent threads read adjacent channels), with PyTorch's
     semantics as pooling_kernel's (the neutral value for padding, the divisor PyTorch counts, a NaN in a
     max window returned), and the `output` function applied before one 16-byte store; max_pool2d's indices
-    are never written. Arguments: x, [output inputs], y."""
+    are never written. Arguments: x, [output inputs], y, total (the threads' groups of four channels)."""
     why_not = pooling_blocker(kind, x_shape, kernel, stride, padding, dilation, ceil_mode, torch.float32)
     if why_not is None and (len(x_shape) != 4 or x_shape[1] % 4):
         why_not = "the channels-last template pools [N, C, H, W] with channels in multiples of 4"
@@ -374,13 +379,14 @@ def pooling_nhwc_kernel(name: str, kind: str, x_shape: tuple[int, ...], kernel: 
     fill = _NEG_INF if is_max else "0.0f"
     combine = (lambda j: f"acc.{comp[j]} = fmaxf(acc.{comp[j]}, v.{comp[j]}); bad{j} |= v.{comp[j]} != v.{comp[j]};") \
         if is_max else (lambda j: f"acc.{comp[j]} += v.{comp[j]};")
-    params = ["const float* __restrict__ x"] + (output.params() if output else []) + ["float* __restrict__ y"]
+    params = ["const float* __restrict__ x"] + (output.params() if output else []) + ["float* __restrict__ y",
+                                                                                     "long long total"]
     L = [PRELUDE, *(output.coordinate_function(name) if output else []),
          f"// {name}: {kind} pooling {kh}x{kw} (stride {sh}x{sw}, padding {ph}x{pw}, dilation {dh}x{dw}"
-         + (", ceil mode" if ceil_mode else "") + f") over NHWC [{n_}, {c_}, {h}, {w}] -> NHWC [{n_}, {c_}, {oh}, {ow}], "
+         + (", ceil mode" if ceil_mode else "") + f") over NHWC [N, {c_}, {h}, {w}] -> NHWC [N, {c_}, {oh}, {ow}], "
          "four channels per thread",
          f'extern "C" __global__ void __launch_bounds__(256) {name}({", ".join(params)}) {{',
-         *nhwc_pixel_loop(total, c4, oh, ow),
+         *nhwc_pixel_loop(c4, oh, ow),
          f"    const int hs = oy * {sh} - {ph}, ws = ox * {sw} - {pw};  // the window's first row and column",
          f"    float4 acc = make_float4({fill}, {fill}, {fill}, {fill});",
          *(["    bool bad0 = false, bad1 = false, bad2 = false, bad3 = false;"] if is_max else []),
@@ -400,8 +406,9 @@ def pooling_nhwc_kernel(name: str, kind: str, x_shape: tuple[int, ...], kernel: 
          "  }",
          "}"]
     grid = max(1, min(-(-total // 256), sm_count * 16))
-    args = [("in", "x")] + ([("in", i.key) for i in output.inputs] if output else []) + [("out", "y")]
-    return KernelCode("\n".join(L) + "\n", name, grid, 256, args,
+    args = [("in", "x")] + ([("in", i.key) for i in output.inputs] if output else []) + [("out", "y"), ("i64", total)]
+    extent = images_extent(total, args, oh * ow * c4, 256, sm_count * 16, output)
+    return KernelCode("\n".join(L) + "\n", name, grid, 256, args, extent=extent, description=
                       f"{kind} pooling {kh}x{kw} over NHWC [{n_}, {c_}, {h}, {w}], four channels per thread, 16-byte "
                       "loads and stores along the channels"
                       + (f", {len(output.body)} elementwise op(s) applied before the store" if output else ""))
