@@ -368,6 +368,34 @@ def test_a_transformers_llamas_decode_program_runs_the_kernels_and_gives_its_gre
     assert torch.equal(got, expected)
 
 
+@emulated
+@pytest.mark.parametrize("name", ["additive", "padding-drop", "repeat-gqa"])
+def test_written_out_attention_of_decode_shape_runs_the_kernels(emu, name):
+    """Attention written with matmuls and a softmax, two query tokens over 200 keys: the same decode kernels,
+    the module's output."""
+    from test_graph_attention import Additive, PaddingDrop, RepeatGQA, _program
+    g = torch.Generator().manual_seed(2)
+    kv = 2 if name == "repeat-gqa" else 4
+    q = torch.randn(2, 4, 2, 32, generator=g)
+    k, v = (torch.randn(2, kv, 200, 32, generator=g) for _ in range(2))
+    additive = torch.randn(2, 1, 2, 200, generator=g)
+    additive[..., 60:190] = float("-inf")
+    pad = torch.zeros(2, 200, dtype=torch.bool)
+    pad[0, 30:] = True
+    extra = {"additive": (additive,), "padding-drop": (pad,)}.get(name, ())
+    module = {"additive": Additive, "padding-drop": PaddingDrop, "repeat-gqa": RepeatGQA}[name]().eval()
+    inputs = (q, k, v, *extra)
+    graph = capture(module, inputs)
+    plan = OfflinePlanner().plan(graph)
+    assert [g.params["impl"] for g in plan.groups if g.kind == "attention"] == ["decode"]
+    program, values = _program(graph, plan, inputs)
+    names = [program.kernels[s["kernel"]]["name"] for s in program.steps if s["kind"] == "kernel"]
+    assert any(n.startswith("decode_attention_partial") for n in names)
+    (got,) = run_program(emu, program, list(inputs), values)
+    with torch.no_grad():
+        torch.testing.assert_close(got, module(*inputs), atol=1e-5, rtol=1e-5)
+
+
 # ---- the GPU ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
