@@ -1,13 +1,16 @@
-// Bindings of the program layer: ProgramBuilder, Program (validate, plan, save/load), the Executor, and
-// ProgramFamily with its FamilyExecutor (one program per member size of a dynamic range).
+// Bindings of the program layer: ProgramBuilder, Program (validate, plan, save/load), the Executor,
+// ProgramFamily with its FamilyExecutor (one program per member size of a dynamic range), and DecodePrograms
+// with its Generator (a prefill + decode pair's C++ token loop).
 // The Pythonic surface (stitchcuda.Program, stitchcuda.load) is in python/stitchcuda/program.py.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <stitchcuda/decode.hpp>
 #include <stitchcuda/executor.hpp>
 #include <stitchcuda/family.hpp>
 #include <stitchcuda/family_executor.hpp>
+#include <stitchcuda/generator.hpp>
 #include <stitchcuda/program.hpp>
 
 #include "errors.hpp"
@@ -325,6 +328,58 @@ void bind_family(py::module_& pm) {
       });
 }
 
+// DecodePrograms and Generator (stitchcuda.program.DecodePrograms / LoadedGenerator wrap them).
+void bind_decode(py::module_& pm) {
+  py::class_<DecodePrograms>(pm, "DecodePrograms")
+      .def(py::init([](const Program& prefill, const Program& decode, std::int64_t max_length) {
+        return DecodePrograms{prefill, decode, max_length};
+      }), py::arg("prefill"), py::arg("decode"), py::arg("max_length"))
+      .def("validate", [](const DecodePrograms& d) { unwrap(d.validate()); })
+      .def("serialize", [](const DecodePrograms& d) { return py::bytes(d.serialize()); })
+      .def_static("deserialize", [](const py::bytes& b) { return unwrap(DecodePrograms::deserialize(std::string(b))); })
+      .def("save", [](const DecodePrograms& d, const std::string& path) { unwrap(d.save(path)); })
+      .def_static("load", [](const std::string& path) { return unwrap(DecodePrograms::load(path)); })
+      .def_property_readonly("prefill", [](const DecodePrograms& d) { return d.prefill; })  // copies: Python owns them
+      .def_property_readonly("decode", [](const DecodePrograms& d) { return d.decode; })
+      .def_readonly("max_length", &DecodePrograms::max_length)
+      .def_property_readonly("state_pairs", &DecodePrograms::state_pairs);
+  pm.def("is_decode_artifact", [](const py::bytes& b) { return is_decode_artifact(std::string(b)); });
+
+  py::class_<stitchcuda::torch::Generator>(pm, "Generator")
+      .def(py::init([](const DecodePrograms& d, bool graphs, int device) {
+        Result<std::unique_ptr<stitchcuda::torch::Generator>> r;
+        {
+          py::gil_scoped_release release;
+          r = stitchcuda::torch::Generator::create(d, {device, graphs});
+        }
+        return unwrap(std::move(r));
+      }), py::arg("programs"), py::arg("graphs") = true, py::arg("device") = -1)
+      .def("generate", [](stitchcuda::torch::Generator& g, const py::object& prompt, std::int64_t max_new_tokens,
+                          std::uintptr_t stream) {
+        if (!THPVariable_Check(prompt.ptr())) invalid("the prompt is a torch.Tensor of token ids");
+        at::Tensor ids = THPVariable_Unpack(prompt.ptr());
+        Result<at::Tensor> r;
+        {
+          py::gil_scoped_release release;
+          r = g.generate(ids, max_new_tokens, stream_of(stream));
+        }
+        return py::reinterpret_steal<py::object>(THPVariable_Wrap(unwrap(std::move(r))));
+      }, py::arg("prompt"), py::arg("max_new_tokens"), py::arg("stream") = 0)
+      .def_property_readonly("batch", &stitchcuda::torch::Generator::batch)
+      .def_property_readonly("prompt_length", &stitchcuda::torch::Generator::prompt_length)
+      .def_property_readonly("max_length", &stitchcuda::torch::Generator::max_length)
+      .def_property_readonly("vocab", &stitchcuda::torch::Generator::vocab)
+      .def_property_readonly("device", &stitchcuda::torch::Generator::device)
+      .def_property_readonly("warnings", &stitchcuda::torch::Generator::warnings)
+      .def("stats", [](const stitchcuda::torch::Generator& g) {
+        auto s = g.stats();
+        py::dict d;
+        d["sequences"] = s.sequences, d["tokens"] = s.tokens;
+        d["prefill"] = executor_stats(s.prefill), d["decode"] = executor_stats(s.decode);
+        return d;
+      });
+}
+
 }  // namespace
 
 void bind_program(py::module_& m) {
@@ -558,6 +613,7 @@ void bind_program(py::module_& m) {
       .def("stats", [](const Executor& e) { return executor_stats(e.stats()); });
 
   bind_family(pm);
+  bind_decode(pm);
 }
 
 }  // namespace stitchcuda::bindings

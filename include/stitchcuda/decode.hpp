@@ -31,7 +31,7 @@ struct DecodePrograms {
   Result<void> validate() const;
   /// (prefill state id, decode state id) for every state, by name, in the prefill's buffer-id order.
   std::vector<std::pair<BufferId, BufferId>> state_pairs() const;
-  std::int64_t batch() const;          ///< the prefill's token ids' dim 0
+  std::int64_t batch() const;          ///< the prefill's token ids' dim 0 (0 where the pair has none)
   std::int64_t prompt_length() const; ///< the prefill's token ids' dim 1
   std::int64_t vocab() const;         ///< the logits' last dim
 

@@ -10,8 +10,10 @@
     model = stitchcuda.load("mlp.stitch")      # an nn.Module
     out = model(torch.randn(64, 256, device="cuda"))
 
-See docs/program.md for the step kinds, the artifact layout and the executor, and docs/family.md for
-ProgramFamily: one program per member size of a dynamic range (batch buckets), run by FamilyExecutor.
+See docs/program.md for the step kinds, the artifact layout and the executor, docs/family.md for
+ProgramFamily: one program per member size of a dynamic range (batch buckets), run by FamilyExecutor, and
+docs/decode.md for DecodePrograms: a prefill + decode pair over one KV cache, whose token loop
+LoadedGenerator runs in C++.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from . import _C
 from .errors import InvalidArgumentError
 
 __all__ = ["Program", "ProgramBuilder", "Executor", "ProgramModule", "ProgramFamily", "FamilyExecutor", "FamilyModule",
-           "load", "DTYPES"]
+           "DecodePrograms", "LoadedGenerator", "load", "DTYPES"]
 
 # Program dtype names and the torch dtypes they mean.
 DTYPES: dict[str, torch.dtype] = {
@@ -407,7 +409,57 @@ class ProgramModule(torch.nn.Module):
         return repr(self.program)
 
 
-class ProgramFamily:
+class _ProgramsFile:
+    """What ProgramFamily and DecodePrograms share: several programs of one model in one file, each distinct
+    weight once, checked by their C++ class (``_C.program.<_NATIVE>``) on validate, save and load."""
+
+    _NATIVE = ""  # the C++ class
+    _WHAT = ""    # how messages name a file: "the family file"
+
+    def _programs(self) -> list[Program]:
+        raise NotImplementedError
+
+    def _make_native(self):
+        raise NotImplementedError
+
+    @staticmethod
+    def _from_native(native: Any, what: str):
+        raise NotImplementedError
+
+    def _native(self, *, with_shared_bytes: bool = False):
+        """The C++ value (copies of the programs). ``with_shared_bytes``: weights read in place from a model's
+        tensors and stored without bytes take those tensors' values, as Program.save does."""
+        with contextlib.ExitStack() as stack:
+            if with_shared_bytes:
+                for program in self._programs():
+                    stack.enter_context(program._shared_bytes())
+            return self._make_native()
+
+    def validate(self) -> None:
+        """Raises InvalidArgumentError naming what is at fault ("dims[0].max", "decode's state 'k' is ...")."""
+        self._native().validate()
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the file atomically (validates first): each program once, each distinct weight once."""
+        self._native(with_shared_bytes=True).save(os.fspath(path))
+
+    def serialize(self) -> bytes:
+        """The file's bytes."""
+        return self._native(with_shared_bytes=True).serialize()
+
+    @classmethod
+    def load(cls, path: str | os.PathLike):
+        """Reads a file ``save`` wrote; a truncated, damaged, wrong-version or invalid one raises InvalidArgumentError."""
+        path = os.fspath(path)
+        return cls._from_native(getattr(_C.program, cls._NATIVE).load(path), f"{cls._WHAT} {path!r}")
+
+    @classmethod
+    def deserialize(cls, data: bytes):
+        """Reads the file's bytes (the errors of ``load``)."""
+        return cls._from_native(getattr(_C.program, cls._NATIVE).deserialize(data), f"{cls._WHAT}'s bytes")
+
+
+class ProgramFamily(_ProgramsFile):
     """Programs that differ only in the sizes of some dims — one per member size of a dynamic range (batch
     buckets 1, 2, 4, ..., or sizes built as they occur) — served together by FamilyExecutor.
 
@@ -430,14 +482,13 @@ class ProgramFamily:
             raise InvalidArgumentError(f"a family member is a Program, not {type(program).__name__}")
         self.members.append((tuple(int(s) for s in sizes), program))
 
-    def _native(self, *, with_shared_bytes: bool = False):
-        """The C++ ProgramFamily of these members (copies of their programs). ``with_shared_bytes``: shared
-        weights stored without bytes take their tensors' values, as Program.save does."""
-        with contextlib.ExitStack() as stack:
-            if with_shared_bytes:
-                for _, program in self.members:
-                    stack.enter_context(program._shared_bytes())
-            return _C.program.ProgramFamily(self.dims, [(list(sizes), p._p) for sizes, p in self.members])
+    _NATIVE, _WHAT = "ProgramFamily", "the family file"
+
+    def _programs(self) -> list[Program]:
+        return [program for _, program in self.members]
+
+    def _make_native(self):
+        return _C.program.ProgramFamily(self.dims, [(list(sizes), p._p) for sizes, p in self.members])
 
     @staticmethod
     def _from_native(native: Any, what: str) -> "ProgramFamily":
@@ -445,29 +496,6 @@ class ProgramFamily:
         for i, sizes in enumerate(native.member_sizes):
             family.add(sizes, Program._read(native.program(i), f"{what}, member {i}"))
         return family
-
-    def validate(self) -> None:
-        """Raises InvalidArgumentError naming the field at fault ("dims[0].max", "members[2].sizes[0]")."""
-        self._native().validate()
-
-    def save(self, path: str | os.PathLike) -> None:
-        """Writes the family file atomically: each member's program once, each distinct weight once."""
-        self._native(with_shared_bytes=True).save(os.fspath(path))
-
-    def serialize(self) -> bytes:
-        """The family file's bytes."""
-        return self._native(with_shared_bytes=True).serialize()
-
-    @staticmethod
-    def load(path: str | os.PathLike) -> "ProgramFamily":
-        """Reads a family file; a truncated, damaged or wrong-version one raises InvalidArgumentError."""
-        path = os.fspath(path)
-        return ProgramFamily._from_native(_C.program.ProgramFamily.load(path), f"the family file {path!r}")
-
-    @staticmethod
-    def deserialize(data: bytes) -> "ProgramFamily":
-        """Reads family file bytes (the errors of ``load``)."""
-        return ProgramFamily._from_native(_C.program.ProgramFamily.deserialize(data), "the family's bytes")
 
     def sizes_of(self, shapes: Sequence[Sequence[int]]) -> tuple[int, ...]:
         """Each dim's size in a call whose inputs have these shapes (an error names a size out of range)."""
@@ -537,12 +565,93 @@ class FamilyModule(ProgramModule):
         self._inputs = _inputs_of(family.members[0][1])
 
 
-def load(path: str | os.PathLike, *, graphs: bool | None = None, device: int | None = None) -> ProgramModule:
+class DecodePrograms(_ProgramsFile):
+    """A causal LM's prefill and decode programs over one static KV cache (their states, paired by name),
+    as ``StaticCacheGenerator.save`` writes them: ``prefill`` takes the prompt (``[batch, prompt_length]``
+    token ids and their positions), ``decode`` one token, both return logits; ``max_length`` is the cache's
+    positions. ``validate()`` says what does not make a pair; ``generator()`` runs the token loop in C++."""
+
+    def __init__(self, prefill: Program, decode: Program, *, max_length: int) -> None:
+        for role, program in (("prefill", prefill), ("decode", decode)):
+            if not isinstance(program, Program):
+                raise InvalidArgumentError(f"the {role} is a Program, not {type(program).__name__}")
+        self.prefill, self.decode, self.max_length = prefill, decode, int(max_length)
+
+    _NATIVE, _WHAT = "DecodePrograms", "the prefill + decode file"
+
+    def _programs(self) -> list[Program]:
+        return [self.prefill, self.decode]
+
+    def _make_native(self):
+        return _C.program.DecodePrograms(self.prefill._p, self.decode._p, self.max_length)
+
+    @staticmethod
+    def _from_native(native: Any, what: str) -> "DecodePrograms":
+        return DecodePrograms(Program._read(native.prefill, f"{what}, prefill"), Program._read(native.decode, f"{what}, decode"),
+                              max_length=native.max_length)
+
+    @property
+    def state_pairs(self) -> list[tuple[int, int]]:
+        """(prefill state id, decode state id) of every state, paired by name."""
+        return [tuple(p) for p in self._native().state_pairs]
+
+    @property
+    def batch_size(self) -> int:
+        return int(_inputs_of(self.prefill)[0]["shape"][0])
+
+    @property
+    def prompt_length(self) -> int:
+        return int(_inputs_of(self.prefill)[0]["shape"][1])
+
+    def generator(self, *, graphs: bool = True, device: int | None = None) -> "LoadedGenerator":
+        """The C++ token loop over these programs (needs a GPU)."""
+        return LoadedGenerator(self, graphs=graphs, device=device)
+
+    def __repr__(self) -> str:
+        return (f"<stitchcuda.DecodePrograms: batch {self.batch_size}, prompts of {self.prompt_length} tokens, "
+                f"{self.max_length} cache positions, {len(self.state_pairs)} states>")
+
+
+class LoadedGenerator:
+    """Greedy generation from a DecodePrograms in C++ (torch::Generator): the prefill, then one decode step
+    per token replayed as a CUDA graph, both over one cache the generator owns (zeroed at each call); the
+    next token is chosen on the device. What ``stitchcuda.load`` returns for a prefill + decode file."""
+
+    def __init__(self, programs: DecodePrograms, *, graphs: bool = True, device: int | None = None) -> None:
+        self.programs = programs
+        for program in (programs.prefill, programs.decode):
+            _note_kernels(program)
+        self._g = _C.program.Generator(programs._native(with_shared_bytes=True), bool(graphs),
+                                       -1 if device is None else int(device))
+        for text in self._g.warnings:
+            warnings.warn(f"stitchcuda: {text}", RuntimeWarning, stacklevel=2)
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *,
+                 stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+        """The prompts ``input_ids`` [batch, prompt_length] followed by ``max_new_tokens`` greedy tokens, as
+        StaticCacheGenerator.generate returns them (on the GPU)."""
+        new = self._g.generate(input_ids, int(max_new_tokens), 0 if stream is None else int(stream.cuda_stream))
+        return torch.cat([input_ids.to(new.device, torch.long), new], dim=1)
+
+    @property
+    def device(self) -> int:
+        return self._g.device
+
+    def stats(self) -> dict:
+        """sequences, tokens, and the prefill's and decode's Executor.stats()."""
+        return self._g.stats()
+
+
+def load(path: str | os.PathLike, *, graphs: bool | None = None,
+         device: int | None = None) -> ProgramModule | LoadedGenerator:
     """Loads a `.stitch` artifact — one program, or a program family (a FamilyModule) — as a callable
-    nn.Module running on the GPU."""
+    nn.Module running on the GPU; a prefill + decode file (StaticCacheGenerator.save) as a LoadedGenerator."""
     with contextlib.suppress(OSError), open(path, "rb") as f:
-        if _C.program.is_family_artifact(f.read(8)):
+        head = f.read(8)
+        if _C.program.is_family_artifact(head):
             return FamilyModule(ProgramFamily.load(path), graphs=graphs, device=device)
+        if _C.program.is_decode_artifact(head):
+            return LoadedGenerator(DecodePrograms.load(path), graphs=graphs is not False, device=device)
     return ProgramModule(Program.load(path), graphs=graphs, device=device)
 
 

@@ -75,15 +75,19 @@ Result<std::map<std::string, const Buffer*>> states_by_name(const Program& p, co
   return out;
 }
 
-const TensorSpec& io_spec(const Program& p, BufferRole role, std::size_t index) { return io_buffers(p, role)[index]->spec; }
+// Extent `axis` of the first input or output of `role`, or 0 where the program has no such thing (unvalidated).
+std::int64_t extent(const Program& p, BufferRole role, std::size_t axis) {
+  const auto buffers = io_buffers(p, role);
+  return buffers.empty() || buffers[0]->spec.shape.size() <= axis ? 0 : buffers[0]->spec.shape[axis];
+}
 
 }  // namespace
 
 bool is_decode_artifact(std::string_view bytes) noexcept { return detail::has_magic(kDecodeFile, bytes); }
 
-std::int64_t DecodePrograms::batch() const { return io_spec(prefill, BufferRole::input, 0).shape.at(0); }
-std::int64_t DecodePrograms::prompt_length() const { return io_spec(prefill, BufferRole::input, 0).shape.at(1); }
-std::int64_t DecodePrograms::vocab() const { return io_spec(prefill, BufferRole::output, 0).shape.at(2); }
+std::int64_t DecodePrograms::batch() const { return extent(prefill, BufferRole::input, 0); }
+std::int64_t DecodePrograms::prompt_length() const { return extent(prefill, BufferRole::input, 1); }
+std::int64_t DecodePrograms::vocab() const { return extent(prefill, BufferRole::output, 2); }
 
 Result<void> DecodePrograms::validate() const {
   if (max_length < 2 || max_length > kMaxLength)
@@ -93,17 +97,16 @@ Result<void> DecodePrograms::validate() const {
     if (auto ok = p->validate(); !ok) return invalid(std::string(which) + " does not validate: " + ok.error().message);
     if (auto ok = check_io(*p, which); !ok) return ok;
   }
-  const TensorSpec& decode_ids = io_spec(decode, BufferRole::input, 0);
-  if (decode_ids.shape[1] != 1)
-    return invalid("decode takes " + std::to_string(decode_ids.shape[1]) + " tokens per sequence, not 1: build it for "
+  if (const std::int64_t tokens = extent(decode, BufferRole::input, 1); tokens != 1)
+    return invalid("decode takes " + std::to_string(tokens) + " tokens per sequence, not 1: build it for "
                    "one token ([batch, 1] and one position)");
-  if (decode_ids.shape[0] != batch())
-    return invalid("decode's batch is " + std::to_string(decode_ids.shape[0]) + ", prefill's is " + std::to_string(batch()) +
+  if (const std::int64_t b = extent(decode, BufferRole::input, 0); b != batch())
+    return invalid("decode's batch is " + std::to_string(b) + ", prefill's is " + std::to_string(batch()) +
                    ": both run over one cache, built for one batch");
   if (prompt_length() >= max_length)
     return invalid("prefill takes prompts of " + std::to_string(prompt_length()) + " tokens but the cache holds " +
                    std::to_string(max_length) + " positions (max_length): no new token would fit");
-  if (const std::int64_t v = io_spec(decode, BufferRole::output, 0).shape[2]; v != vocab())
+  if (const std::int64_t v = extent(decode, BufferRole::output, 2); v != vocab())
     return invalid("decode's logits have a vocabulary of " + std::to_string(v) + ", prefill's of " + std::to_string(vocab()) +
                    ": build both programs from one model");
   auto mine = states_by_name(prefill, "prefill");

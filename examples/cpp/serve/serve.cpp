@@ -2,8 +2,11 @@
 // builds a small MLP program with ProgramBuilder and saves it first), then answers requests from
 // several threads, each on its own CUDA stream, replaying the program's CUDA graph. Every answer is
 // compared with an eager (no graph) executor of the same artifact; the host time per forward is printed.
+// `serve generate` runs the token loop of a saved prefill + decode pair (StaticCacheGenerator.save):
+// prompt token ids in, greedy tokens out.
 //
 //   serve [artifact.stitch] [--threads N] [--requests N]     (serve --help says more)
+//   serve generate PAIR.stitch --prompt 1,2,3 [--new-tokens N]
 //
 // Prints "ok ..." on success, "no GPU: built only (...)" where no GPU is present; exits 1 on any error,
 // 2 on bad usage.
@@ -18,12 +21,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <stitchcuda/executor.hpp>
+#include <stitchcuda/generator.hpp>
 #include <stitchcuda/program.hpp>
 
 namespace program = stitchcuda::program;
@@ -64,10 +69,14 @@ static program::Program demo_program(int batch) {
 
 static constexpr const char* kUsage =
     "usage: serve [ARTIFACT.stitch] [--threads N] [--requests N]\n"
+    "       serve generate PAIR.stitch --prompt IDS [--new-tokens N]\n"
     "Loads a .stitch artifact (given none, builds and saves a small MLP program first) and answers N requests\n"
     "from several threads, each on its own CUDA stream, checking every answer against an eager executor.\n"
     "  --threads N    threads serving requests (default 4)\n"
     "  --requests N   requests in all (default 100)\n"
+    "generate: greedy tokens from a saved prefill + decode pair (StaticCacheGenerator.save in Python):\n"
+    "  --prompt IDS     the prompt's token ids, comma-separated; sequences of a batch separated by ';'\n"
+    "  --new-tokens N   tokens to generate per sequence (default 16)\n"
     "Prints 'ok ...' on success, 'no GPU: built only (...)' without a GPU; exits 1 on an error, 2 on bad usage.\n";
 
 // A count after a flag, or 0 when it is missing or not a positive number.
@@ -78,7 +87,90 @@ static int count_after(int argc, char** argv, int& i) {
   return *end == '\0' && v > 0 && v <= 1 << 20 ? int(v) : 0;
 }
 
+// "1,2,3;4,5,6" -> rows of token ids, or nothing when it is not that.
+static std::optional<std::vector<std::vector<std::int64_t>>> token_rows(const std::string& text) {
+  std::vector<std::vector<std::int64_t>> rows(1);
+  std::size_t at = 0;
+  while (at <= text.size()) {
+    const std::size_t end = text.find_first_of(",;", at);
+    const std::string item = text.substr(at, end == std::string::npos ? std::string::npos : end - at);
+    char* stop = nullptr;
+    const long long v = std::strtoll(item.c_str(), &stop, 10);
+    if (item.empty() || *stop != '\0' || v < 0) return std::nullopt;
+    rows.back().push_back(v);
+    if (end == std::string::npos) break;
+    if (text[end] == ';') rows.emplace_back();
+    at = end + 1;
+  }
+  for (const auto& row : rows)
+    if (row.size() != rows[0].size()) return std::nullopt;
+  return rows;
+}
+
+// serve generate PAIR --prompt IDS [--new-tokens N]: the C++ token loop of a saved prefill + decode pair.
+static int generate_main(int argc, char** argv) {
+  std::string path, prompt_text;
+  int new_tokens = 16;
+  for (int i = 2; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--prompt" && i + 1 < argc) {
+      prompt_text = argv[++i];
+    } else if (arg == "--new-tokens") {
+      if (!(new_tokens = count_after(argc, argv, i))) {
+        std::fprintf(stderr, "serve generate: --new-tokens needs a positive number\n%s", kUsage);
+        return 2;
+      }
+    } else if (arg.rfind("-", 0) != 0 && path.empty()) {
+      path = arg;
+    } else {
+      std::fprintf(stderr, "serve generate: unexpected argument '%s'\n%s", arg.c_str(), kUsage);
+      return 2;
+    }
+  }
+  const auto rows = token_rows(prompt_text);
+  if (path.empty() || !rows) {
+    std::fprintf(stderr, "serve generate: give PAIR.stitch and --prompt with token ids (non-negative integers, ',' between "
+                         "tokens, ';' between sequences of equal length)\n%s", kUsage);
+    return 2;
+  }
+  auto pair = program::DecodePrograms::load(path);
+  if (!pair) return failed(("loading " + path).c_str(), pair.error());
+  std::printf("pair %s: batch %lld, prompts of %lld tokens, %lld cache positions, vocabulary %lld\n", path.c_str(),
+              (long long)pair->batch(), (long long)pair->prompt_length(), (long long)pair->max_length,
+              (long long)pair->vocab());
+  auto generator = stitchcuda::torch::Generator::create(std::move(*pair));
+  if (!generator) {
+    if (generator.error().code == stitchcuda::ErrorCode::Unavailable) {
+      std::printf("no GPU: built only (%s)\n", generator.error().message.c_str());
+      return 0;
+    }
+    return failed("creating the generator", generator.error());
+  }
+  for (const auto& w : (*generator)->warnings()) std::fprintf(stderr, "warning: %s\n", w.c_str());
+  std::vector<std::int64_t> prompt;
+  for (const auto& row : *rows) prompt.insert(prompt.end(), row.begin(), row.end());
+  auto first = (*generator)->generate(prompt, new_tokens);  // the decode step captured here
+  if (!first) return failed("generating", first.error());
+  const auto t0 = std::chrono::steady_clock::now();
+  auto tokens = (*generator)->generate(prompt, new_tokens);  // timed: prefill + the replayed steps
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  if (!tokens) return failed("generating", tokens.error());
+  for (std::size_t r = 0; r < rows->size(); ++r) {
+    std::printf("tokens[%zu]:", r);
+    for (int t = 0; t < new_tokens; ++t) std::printf(" %lld", (long long)(*tokens)[r * std::size_t(new_tokens) + std::size_t(t)]);
+    std::printf("\n");
+  }
+  const auto stats = (*generator)->stats();
+  const bool same = *first == *tokens;  // greedy: a sequence's tokens do not depend on the run
+  std::printf("%s sequences=%zu new_tokens=%d ms=%.3f tokens_per_s=%.1f decode_replays=%llu decode_captures=%llu\n",
+              same ? "ok" : "FAILED (two runs of one prompt differ)", rows->size(), new_tokens, ms,
+              double(rows->size()) * new_tokens / (ms / 1000.0), (unsigned long long)stats.decode.replays,
+              (unsigned long long)stats.decode.captures);
+  return same ? 0 : 1;
+}
+
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "generate") return generate_main(argc, argv);
   std::string path;
   int threads = 4, requests = 100;
   for (int i = 1; i < argc; ++i) {
@@ -107,6 +199,14 @@ int main(int argc, char** argv) {
   if (!loaded) return failed(("loading " + path).c_str(), loaded.error());
   std::printf("artifact %s: %zu buffers, %zu steps, %zu kernels\n", path.c_str(), loaded->buffers.size(),
               loaded->steps.size(), loaded->kernels.size());
+  // A state (a KV cache) is updated in place by every run: the threads' concurrent runs would share it.
+  for (const auto& b : loaded->buffers)
+    if (b.role == program::BufferRole::state) {
+      std::fprintf(stderr, "error: the program has a state, '%s' (%s), updated in place by every run: its runs cannot be "
+                   "answered from several threads at once; for a saved prefill + decode pair use `serve generate`\n",
+                   b.name.c_str(), b.spec.describe().c_str());
+      return 1;
+    }
 
   auto served = program::Executor::create(*loaded);
   if (!served) {

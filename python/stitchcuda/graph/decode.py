@@ -13,13 +13,14 @@ StaticCache whose tensors are the programs' states (TransformersStaticCacheLM).
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any, Callable, Sequence
 
 import torch
 
 from ..errors import InvalidArgumentError
 from ..log import get_logger
-from .module import OptimizedModule
+from .module import NoProgramError, OptimizedModule
 from .optimize import optimize
 
 __all__ = ["StaticCacheGenerator", "TransformersStaticCacheLM"]
@@ -89,6 +90,35 @@ class StaticCacheGenerator:
         positions whose tensors are the programs' states (TransformersStaticCacheLM)."""
         return cls.optimize(TransformersStaticCacheLM(model, batch_size=batch_size, max_length=max_length),
                             batch_size=batch_size, prompt_length=prompt_length, max_length=max_length, **options)
+
+    # ---- saving ----
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the prefill and decode programs as one file (their weights once, the cache as their paired
+        states, ``max_length``): ``stitchcuda.load(path)`` runs its token loop in C++, as does
+        ``torch::Generator::load`` and ``serve generate`` without Python (docs/decode.md). Both modules must
+        run programs (an OptimizedModule whose report.status is 'optimized'), over the same cache tensors."""
+        from ..program import DecodePrograms, Program
+
+        programs = []
+        for role, module in (("prefill", self.prefill_module), ("decode", self.decode_module)):
+            program = getattr(module, "program", None)
+            if not isinstance(program, Program):
+                report = getattr(module, "report", None)
+                why = f" ({report.reason})" if getattr(report, "reason", None) else ""
+                raise NoProgramError(f"nothing to save: the {role} runs {type(module).__name__}, not a stitched program"
+                                     f"{why}; save a generator whose prefill_module and decode_module both have a "
+                                     "program (StaticCacheGenerator.optimize on a GPU, both reports 'optimized')")
+            programs.append(program)
+        pair = DecodePrograms(*programs, max_length=self.max_length)
+        # The file pairs states by name; where both programs read a model's tensor, it must be the same one.
+        names = [{b["id"]: b["name"] for b in p.buffers if b["role"] == "state"} for p in programs]
+        for mine, theirs in pair.state_pairs:
+            a, b = programs[0].shared_weights.get(mine), programs[1].shared_weights.get(theirs)
+            if a is not None and b is not None and a is not b:
+                raise InvalidArgumentError(f"the prefill's state '{names[0][mine]}' and the decode's are different "
+                                           "tensors: build both programs from one model (StaticCacheGenerator.optimize)")
+        pair.save(path)
 
     # ---- the cache ----
 

@@ -1,0 +1,183 @@
+// Generator (generator.hpp): the greedy token loop over a prefill + decode pair. The prefill executor owns
+// the cache (its states, zero-filled); the decode executor is created over those very tensors, so a step
+// reads what the prefill and the steps before it wrote. Tokens stay on the device: argmax writes the next
+// step's input in place, the position advances in place, and the decode step replays its CUDA graph.
+#include <stitchcuda/generator.hpp>
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <mutex>
+
+#include <stitchcuda/family.hpp>
+#include "steps.hpp"
+
+namespace stitchcuda::torch {
+
+using program::BufferId;
+using program::BufferRole;
+
+struct Generator::Impl {
+  program::DecodePrograms programs;
+  std::shared_ptr<Executor> prefill, decode;
+  std::vector<BufferId> states;  // the prefill's state ids: the cache, zeroed before each sequence
+  std::mutex mu;                 // one sequence at a time: the cache is one
+  std::atomic<std::uint64_t> sequences{0}, tokens{0};
+};
+
+Generator::Generator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Generator::~Generator() = default;
+
+Result<std::unique_ptr<Generator>> Generator::create(program::DecodePrograms programs, GeneratorOptions options) {
+  if (auto ok = programs.validate(); !ok) return tl::unexpected(ok.error());
+  auto impl = std::make_unique<Impl>();
+  const auto pairs = programs.state_pairs();
+  ExecutorOptions prefill_options;
+  prefill_options.device = options.device;
+  if (!options.graphs) prefill_options.graphs = false;  // else the program's measured choice: it runs once a sequence
+  auto prefill = Executor::create(programs.prefill, prefill_options);
+  if (!prefill) {
+    Error e = prefill.error();
+    e.message = "the prefill program: " + e.message;
+    return tl::unexpected(std::move(e));
+  }
+  std::map<BufferId, at::Tensor> shared;
+  for (const auto& [mine, theirs] : pairs) {
+    auto state = (*prefill)->state(mine);
+    if (!state) return tl::unexpected(state.error());
+    shared.emplace(theirs, *state);
+    impl->states.push_back(mine);
+  }
+  ExecutorOptions decode_options;
+  decode_options.device = (*prefill)->device();
+  decode_options.graphs = options.graphs;
+  auto decode = Executor::create(programs.decode, decode_options, shared);
+  if (!decode) {
+    Error e = decode.error();
+    e.message = "the decode program: " + e.message;
+    return tl::unexpected(std::move(e));
+  }
+  impl->prefill = std::move(*prefill);
+  impl->decode = std::move(*decode);
+  impl->programs = std::move(programs);
+  return std::make_unique<Generator>(std::move(impl));
+}
+
+Result<std::unique_ptr<Generator>> Generator::load(const std::string& path, GeneratorOptions options) {
+  auto programs = program::DecodePrograms::load(path);
+  if (!programs) return tl::unexpected(programs.error());
+  return create(std::move(*programs), options);
+}
+
+Result<at::Tensor> Generator::generate(const at::Tensor& prompt, std::int64_t max_new_tokens, void* stream) {
+  Impl& x = *impl_;
+  const std::int64_t batch = this->batch(), length = prompt_length(), cache = max_length();
+  if (!prompt.defined() || prompt.dim() != 2 || !c10::isIntegralType(prompt.scalar_type(), /*includeBool=*/false) ||
+      prompt.size(0) != batch || prompt.size(1) != length) {
+    std::string got = prompt.defined() ? std::string(c10::toString(prompt.scalar_type())) + " " + c10::str(prompt.sizes())
+                                       : "an undefined tensor";
+    return fail(ErrorCode::InvalidArgument, "the prompt must be integer token ids [" + std::to_string(batch) + ", " +
+                                                std::to_string(length) + "] (the batch and prompt length the prefill "
+                                                "program was built for) but is " + got +
+                                                ": pad or cut the prompts, or save a generator built for this shape");
+  }
+  if (max_new_tokens < 1)
+    return fail(ErrorCode::InvalidArgument, "max_new_tokens must be at least 1, not " + std::to_string(max_new_tokens));
+  // The last new token is returned, never written to the cache: the prompt and max_new_tokens - 1 are.
+  if (length + max_new_tokens - 1 > cache)
+    return fail(ErrorCode::InvalidArgument, "a prompt of " + std::to_string(length) + " tokens and " +
+                                                std::to_string(max_new_tokens) + " new ones needs positions 0.." +
+                                                std::to_string(length + max_new_tokens - 2) + " but the cache holds " +
+                                                std::to_string(cache) + " (max_length): ask for fewer tokens");
+  std::lock_guard<std::mutex> lock(x.mu);
+  try {
+    const auto device = c10::Device(at::kCUDA, c10::DeviceIndex(x.prefill->device()));
+    c10::cuda::CUDAGuard device_guard(device);
+    auto on = stream ? c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream), device.index())
+                     : c10::cuda::getCurrentCUDAStream(device.index());
+    c10::cuda::CUDAStreamGuard stream_guard(on);
+    void* raw = on.stream();
+    auto spec = [](const program::Program& p, BufferRole role, std::size_t i) { return program::io_buffers(p, role)[i]->spec; };
+    auto on_device = [&](const program::TensorSpec& s) { return at::TensorOptions().device(device).dtype(detail::scalar_type(s.dtype)); };
+
+    // A new sequence starts from a zeroed cache (a cache that counts its own writes would append otherwise).
+    for (BufferId id : x.states) {
+      auto state = x.prefill->state(id);
+      if (!state) return tl::unexpected(state.error());
+      state->zero_();
+    }
+    const auto ids_spec = spec(x.programs.prefill, BufferRole::input, 0);
+    const auto positions_spec = spec(x.programs.prefill, BufferRole::input, 1);
+    std::vector<at::Tensor> prefill_in{prompt.to(on_device(ids_spec)).contiguous(),
+                                       at::arange(length, on_device(positions_spec))};
+    auto logits = x.prefill->run(prefill_in, raw);
+    if (!logits) return tl::unexpected(logits.error());
+
+    at::Tensor out = at::empty({batch, max_new_tokens}, at::TensorOptions().device(device).dtype(at::kLong));
+    // The decode step's own input and output tensors (its graph's static buffers): argmax writes the next
+    // token ids into the input, the position advances in place, and a replay copies nothing.
+    auto step_in = x.decode->static_inputs(raw);
+    auto step_out = x.decode->static_outputs(raw);
+    if (!step_in) return tl::unexpected(step_in.error());
+    if (!step_out) return tl::unexpected(step_out.error());
+    at::Tensor& ids = (*step_in)[0];
+    at::Tensor& position = (*step_in)[1];
+    // The logits of the last position: [batch, vocab] -> the greedy token of each sequence.
+    auto choose = [&](const at::Tensor& all, std::int64_t i) {
+      at::Tensor token = all.select(1, all.size(1) - 1).argmax(-1);
+      out.select(1, i).copy_(token);
+      ids.copy_(token.view({batch, 1}));
+    };
+    choose((*logits)[0], 0);
+    position.fill_(length);
+    for (std::int64_t i = 1; i < max_new_tokens; ++i) {
+      if (auto ran = x.decode->run(*step_in, *step_out, raw); !ran) return tl::unexpected(ran.error());
+      choose((*step_out)[0], i);
+      position.add_(1);
+    }
+    x.sequences++;
+    x.tokens += std::uint64_t(max_new_tokens);
+    return out;
+  } catch (const c10::Error& e) {
+    return fail(ErrorCode::CudaError, std::string("generating failed: ") + e.what_without_backtrace());
+  }
+}
+
+Result<std::vector<std::int64_t>> Generator::generate(const std::vector<std::int64_t>& prompt, std::int64_t max_new_tokens) {
+  if (std::int64_t(prompt.size()) != batch() * prompt_length())
+    return fail(ErrorCode::InvalidArgument, "the prompt holds " + std::to_string(prompt.size()) + " token ids but the "
+                                                "prefill program takes " + std::to_string(batch()) + " x " +
+                                                std::to_string(prompt_length()) + " (batch x prompt length, row-major)");
+  try {
+    at::Tensor ids = at::from_blob(const_cast<std::int64_t*>(prompt.data()), {batch(), prompt_length()}, at::kLong);
+    auto tokens = generate(ids, max_new_tokens);
+    if (!tokens) return tl::unexpected(tokens.error());
+    at::Tensor host = tokens->cpu();  // waits for the loop
+    return std::vector<std::int64_t>(host.data_ptr<std::int64_t>(), host.data_ptr<std::int64_t>() + host.numel());
+  } catch (const c10::Error& e) {
+    return fail(ErrorCode::CudaError, std::string("generating failed: ") + e.what_without_backtrace());
+  }
+}
+
+std::int64_t Generator::batch() const { return impl_->programs.batch(); }
+std::int64_t Generator::prompt_length() const { return impl_->programs.prompt_length(); }
+std::int64_t Generator::max_length() const { return impl_->programs.max_length; }
+std::int64_t Generator::vocab() const { return impl_->programs.vocab(); }
+int Generator::device() const { return impl_->prefill->device(); }
+
+GeneratorStats Generator::stats() const {
+  return {impl_->sequences.load(), impl_->tokens.load(), impl_->prefill->stats(), impl_->decode->stats()};
+}
+
+std::vector<std::string> Generator::warnings() const {
+  std::vector<std::string> out = impl_->prefill->warnings();
+  for (const std::string& w : impl_->decode->warnings())
+    if (std::find(out.begin(), out.end(), w) == out.end()) out.push_back(w);
+  return out;
+}
+
+}  // namespace stitchcuda::torch
