@@ -294,6 +294,16 @@ def emu(tmp_path_factory):
     return EmulatedJit(tmp_path_factory.mktemp("decode_attention"))
 
 
+def emulated_generator(emu, model, max_length, batch, prefill, decode, states) -> StaticCacheGenerator:
+    """A generator whose prefill and decode are the lowered (program, values) pairs run on the emulator over
+    `states`, the model's own buffers by program name."""
+    def run(program, values):
+        return lambda ids, positions: run_program(emu, program, [ids, positions.clone()], values, states)[0]
+
+    return StaticCacheGenerator(model, max_length=max_length, batch_size=batch, prefill=run(*prefill),
+                                decode=run(*decode))
+
+
 @emulated
 def test_the_decode_program_runs_the_kernels_and_gives_eagers_greedy_tokens(emu):
     model, twin = llama(), llama()
@@ -304,13 +314,8 @@ def test_the_decode_program_runs_the_kernels_and_gives_eagers_greedy_tokens(emu)
     assert sum(n.startswith("decode_attention_partial") for n in names) == 2  # one per layer
     assert not any(s["kind"] == "aten" and "scaled_dot_product" in s["op"] for s in decode.steps)
     assert not any(s["kind"] == "aten" and "repeat" in s["op"] for s in decode.steps)
-    states = dict(model.named_buffers())
-
-    def run(program, values):
-        return lambda ids, positions: run_program(emu, program, [ids, positions.clone()], values, states)[0]
-
-    gen = StaticCacheGenerator(model, max_length=160, batch_size=2, prefill=run(prefill, prefill_values),
-                               decode=run(decode, decode_values), caches=model.caches())
+    gen = emulated_generator(emu, model, 160, 2, (prefill, prefill_values), (decode, decode_values),
+                             dict(model.named_buffers()))
     ids = torch.randint(0, 96, (2, prompt))
     got = gen.generate(ids, new)
     with torch.no_grad():
@@ -353,13 +358,8 @@ def test_a_transformers_llamas_decode_program_runs_the_kernels_and_gives_its_gre
     names = [decode.kernels[s["kernel"]]["name"] for s in decode.steps if s["kind"] == "kernel"]
     assert sum(n.startswith("decode_attention_partial") for n in names) == 2  # transformers' SDPA calls
     prefix = next(iter(graph.state_buffers.values())).rpartition("layer")[0]
-    states = {prefix + name: t for name, t in lm.named_buffers()}
-
-    def run(program, values):
-        return lambda ids, positions: run_program(emu, program, [ids, positions.clone()], values, states)[0]
-
-    gen = StaticCacheGenerator(lm, max_length=96, batch_size=1, prefill=run(prefill, prefill_values),
-                               decode=run(decode, decode_values))
+    gen = emulated_generator(emu, lm, 96, 1, (prefill, prefill_values), (decode, decode_values),
+                             {prefix + name: t for name, t in lm.named_buffers()})
     ids = torch.randint(0, 256, (1, 20))
     got = gen.generate(ids, 6)
     with torch.no_grad():
