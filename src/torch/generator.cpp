@@ -22,7 +22,9 @@ using program::BufferId;
 using program::BufferRole;
 
 struct Generator::Impl {
-  program::DecodePrograms programs;
+  // The pair's shape (its programs, weights included, live on in the executors alone).
+  std::int64_t batch = 0, prompt_length = 0, max_length = 0, vocab = 0;
+  program::TensorSpec ids, positions;  // the prefill's inputs
   std::shared_ptr<Executor> prefill, decode;
   std::vector<BufferId> states;  // the prefill's state ids: the cache, zeroed before each sequence
   std::mutex mu;                 // one sequence at a time: the cache is one
@@ -35,11 +37,15 @@ Generator::~Generator() = default;
 Result<std::unique_ptr<Generator>> Generator::create(program::DecodePrograms programs, GeneratorOptions options) {
   if (auto ok = programs.validate(); !ok) return tl::unexpected(ok.error());
   auto impl = std::make_unique<Impl>();
+  impl->batch = programs.batch(), impl->prompt_length = programs.prompt_length();
+  impl->max_length = programs.max_length, impl->vocab = programs.vocab();
+  const auto inputs = program::io_buffers(programs.prefill, BufferRole::input);
+  impl->ids = inputs[0]->spec, impl->positions = inputs[1]->spec;
   const auto pairs = programs.state_pairs();
   ExecutorOptions prefill_options;
   prefill_options.device = options.device;
   if (!options.graphs) prefill_options.graphs = false;  // else the program's measured choice: it runs once a sequence
-  auto prefill = Executor::create(programs.prefill, prefill_options);
+  auto prefill = Executor::create(std::move(programs.prefill), prefill_options);
   if (!prefill) {
     Error e = prefill.error();
     e.message = "the prefill program: " + e.message;
@@ -55,7 +61,7 @@ Result<std::unique_ptr<Generator>> Generator::create(program::DecodePrograms pro
   ExecutorOptions decode_options;
   decode_options.device = (*prefill)->device();
   decode_options.graphs = options.graphs;
-  auto decode = Executor::create(programs.decode, decode_options, shared);
+  auto decode = Executor::create(std::move(programs.decode), decode_options, shared);
   if (!decode) {
     Error e = decode.error();
     e.message = "the decode program: " + e.message;
@@ -63,7 +69,6 @@ Result<std::unique_ptr<Generator>> Generator::create(program::DecodePrograms pro
   }
   impl->prefill = std::move(*prefill);
   impl->decode = std::move(*decode);
-  impl->programs = std::move(programs);
   return std::make_unique<Generator>(std::move(impl));
 }
 
@@ -93,6 +98,16 @@ Result<at::Tensor> Generator::generate(const at::Tensor& prompt, std::int64_t ma
                                                 std::to_string(max_new_tokens) + " new ones needs positions 0.." +
                                                 std::to_string(length + max_new_tokens - 2) + " but the cache holds " +
                                                 std::to_string(cache) + " (max_length): ask for fewer tokens");
+  try {  // an id past the embedding table would fault on the device: checked here (one read of two numbers)
+    if (const auto range = at::aminmax(prompt); std::get<0>(range).item<std::int64_t>() < 0 ||
+                                                std::get<1>(range).item<std::int64_t>() >= vocab())
+      return fail(ErrorCode::InvalidArgument, "the prompt holds token ids from " +
+                                                  std::to_string(std::get<0>(range).item<std::int64_t>()) + " to " +
+                                                  std::to_string(std::get<1>(range).item<std::int64_t>()) +
+                                                  " but the vocabulary is 0.." + std::to_string(vocab() - 1));
+  } catch (const c10::Error& e) {
+    return fail(ErrorCode::InvalidArgument, std::string("reading the prompt failed: ") + e.what_without_backtrace());
+  }
   std::lock_guard<std::mutex> lock(x.mu);
   try {
     const auto device = c10::Device(at::kCUDA, c10::DeviceIndex(x.prefill->device()));
@@ -101,7 +116,6 @@ Result<at::Tensor> Generator::generate(const at::Tensor& prompt, std::int64_t ma
                      : c10::cuda::getCurrentCUDAStream(device.index());
     c10::cuda::CUDAStreamGuard stream_guard(on);
     void* raw = on.stream();
-    auto spec = [](const program::Program& p, BufferRole role, std::size_t i) { return program::io_buffers(p, role)[i]->spec; };
     auto on_device = [&](const program::TensorSpec& s) { return at::TensorOptions().device(device).dtype(detail::scalar_type(s.dtype)); };
 
     // A new sequence starts from a zeroed cache (a cache that counts its own writes would append otherwise).
@@ -110,10 +124,7 @@ Result<at::Tensor> Generator::generate(const at::Tensor& prompt, std::int64_t ma
       if (!state) return tl::unexpected(state.error());
       state->zero_();
     }
-    const auto ids_spec = spec(x.programs.prefill, BufferRole::input, 0);
-    const auto positions_spec = spec(x.programs.prefill, BufferRole::input, 1);
-    std::vector<at::Tensor> prefill_in{prompt.to(on_device(ids_spec)).contiguous(),
-                                       at::arange(length, on_device(positions_spec))};
+    std::vector<at::Tensor> prefill_in{prompt.to(on_device(x.ids)).contiguous(), at::arange(length, on_device(x.positions))};
     auto logits = x.prefill->run(prefill_in, raw);
     if (!logits) return tl::unexpected(logits.error());
 
@@ -163,10 +174,10 @@ Result<std::vector<std::int64_t>> Generator::generate(const std::vector<std::int
   }
 }
 
-std::int64_t Generator::batch() const { return impl_->programs.batch(); }
-std::int64_t Generator::prompt_length() const { return impl_->programs.prompt_length(); }
-std::int64_t Generator::max_length() const { return impl_->programs.max_length; }
-std::int64_t Generator::vocab() const { return impl_->programs.vocab(); }
+std::int64_t Generator::batch() const { return impl_->batch; }
+std::int64_t Generator::prompt_length() const { return impl_->prompt_length; }
+std::int64_t Generator::max_length() const { return impl_->max_length; }
+std::int64_t Generator::vocab() const { return impl_->vocab; }
 int Generator::device() const { return impl_->prefill->device(); }
 
 GeneratorStats Generator::stats() const {

@@ -127,3 +127,6 @@ def test_the_cpp_token_loop_of_a_saved_pair_gives_the_python_generators_tokens(t
         loaded.generate(ids, 13)
     with pytest.raises(InvalidArgumentError, match=r"the prompt must be integer token ids \[2, 5\]"):
         loaded.generate(ids[:, :4], 3)
+    with pytest.raises(InvalidArgumentError, match=r"token ids from 0 to 96 but the vocabulary is 0\.\.95"):
+        loaded.generate(torch.cat([ids[:, :4].clamp(min=1) * 0, torch.full((BATCH, 1), 96, device="cuda")], 1), 3)
+    assert torch.equal(loaded.generate(ids, 8), expected)  # refused calls leave the loop as it was
