@@ -287,6 +287,11 @@ void PooledPrograms::add_weight_sections(std::vector<std::pair<std::string, std:
   for (std::size_t k = 0; k < pool.size(); ++k) sections.emplace_back("weight." + std::to_string(k), *pool[k]);
 }
 
+void require_all_used(const Container& file, const std::set<std::string>& used, const char* orphan) {
+  for (const auto& [name, data] : file.sections)
+    if (!used.count(name)) throw Malformed{"section '" + name + "' " + orphan};
+}
+
 Program read_pooled_program(const Container& file, const std::string& name, const Field& weights,
                             std::set<std::string>& used) {
   auto program = Program::deserialize(file.section(name));

@@ -17,7 +17,6 @@ namespace {
 
 using nlohmann::json;
 using detail::Field;
-using detail::Malformed;
 
 const detail::ContainerKind kDecodeFile{{'S', 'T', 'I', 'T', 'C', 'H', 'D', '\x01'}, kDecodeArtifactVersion,
                                         "stitchcuda.decode", "decode pair file", "not a valid prefill + decode file",
@@ -157,8 +156,7 @@ Result<DecodePrograms> DecodePrograms::deserialize(std::string_view bytes) {
     std::set<std::string> used;
     pair.prefill = detail::read_pooled_program(file, "program.prefill", manifest["programs"]["prefill"]["weights"], used);
     pair.decode = detail::read_pooled_program(file, "program.decode", manifest["programs"]["decode"]["weights"], used);
-    for (const auto& [name, data] : file.sections)  // nothing in the file goes unchecked
-      if (!used.count(name)) throw Malformed{"section '" + name + "' belongs to neither program"};
+    detail::require_all_used(file, used, "belongs to neither program");
     return pair;
   });
 }

@@ -20,7 +20,6 @@ namespace {
 
 using nlohmann::json;
 using detail::Field;
-using detail::Malformed;
 
 // The container's header with another magic than a program's: the kinds tell apart by their first 8 bytes.
 const detail::ContainerKind kFamilyFile{{'S', 'T', 'I', 'T', 'C', 'H', 'F', '\x01'}, kFamilyArtifactVersion,
@@ -293,8 +292,7 @@ Result<ProgramFamily> ProgramFamily::deserialize(std::string_view bytes) {
       for (const Field& size : members[i]["sizes"].items()) m.sizes.push_back(size.integer(0, kMaxSize));
       family.members.push_back(std::move(m));
     }
-    for (const auto& [name, data] : file.sections)  // nothing in the file goes unchecked
-      if (!used.count(name)) throw Malformed{"section '" + name + "' belongs to no member"};
+    detail::require_all_used(file, used, "belongs to no member");
     return family;
   });
 }

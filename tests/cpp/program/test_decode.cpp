@@ -4,6 +4,7 @@
 #include <string>
 
 #include <stitchcuda/decode.hpp>
+#include <stitchcuda/detail/container.hpp>
 #include <stitchcuda/family.hpp>
 
 #include "catch_shim.hpp"
@@ -167,6 +168,22 @@ TEST_CASE("a damaged or mistaken prefill + decode file is a clear error", "[prog
   flipped[flipped.size() - 2] ^= 0x20;  // inside the last weight
   CHECK(contains(error(flipped), "fails its SHA-256 check"));
   CHECK(contains(error(lm_program(1).serialize()), "wrong magic bytes (a single program's .stitch file"));
+  // Re-packed with fresh checksums (the container's own writer), so the reader's checks behind them run.
+  const program::detail::ContainerKind kind{{'S', 'T', 'I', 'T', 'C', 'H', 'D', '\x01'}, kDecodeArtifactVersion,
+                                            "stitchcuda.decode", "decode pair file", "not a valid prefill + decode file", ""};
+  auto file = program::detail::read_container(kind, bytes);
+  REQUIRE(file.has_value());
+  std::vector<std::pair<std::string, std::string_view>> sections(file->sections.begin(), file->sections.end());
+  sections.emplace_back("surprise", "?");
+  CHECK(contains(error(program::detail::write_container(kind, file->manifest, sections)),
+                 "section 'surprise' belongs to neither program"));
+  sections.pop_back();
+  std::erase_if(sections, [](const auto& s) { return s.first == "weight.0"; });
+  CHECK(contains(error(program::detail::write_container(kind, file->manifest, sections)),
+                 "manifest.programs.prefill.weights names section 'weight.0', which the file lacks"));
+  auto manifest = file->manifest;
+  manifest.erase("max_length");
+  CHECK(contains(error(program::detail::write_container(kind, manifest, {})), "missing field 'manifest.max_length'"));
   // Programs that do not make a pair are refused on reading too, not only on saving.
   DecodePrograms mismatched{lm_program(5), lm_program(1, "other"), kMaxLength};
   CHECK(contains(error(mismatched.serialize()), "the stored pair does not validate: prefill has a state"));

@@ -164,6 +164,9 @@ struct PooledPrograms {
 };
 PooledPrograms pool_weights(const std::vector<const Program*>& programs);
 
+/// Malformed "section 'x' <orphan>" for the first section of `file` not in `used`: nothing in a file goes
+/// unchecked.
+void require_all_used(const Container& file, const std::set<std::string>& used, const char* orphan);
 /// The program in section `name` with the pooled weights `weights` ([[buffer id, pool index], ...]) lists;
 /// records the sections it used in `used`. Malformed on any problem.
 Program read_pooled_program(const Container& file, const std::string& name, const Field& weights,
