@@ -237,6 +237,22 @@ def test_bad_decode_requests_name_the_fix():
 
 # ---- the planner and the decode program -----------------------------------------------------------------------
 
+@pytest.fixture(autouse=True)
+def _decode_kernels_chosen(stitch_settings):
+    """The kernels are opt-in (STITCHCUDA_ATTENTION=auto) until measured ahead of SDPA: every test here opts in."""
+    stitch_settings(attention="auto")
+
+
+def test_by_default_the_decode_step_keeps_sdpa(stitch_settings):
+    stitch_settings(STITCHCUDA_ATTENTION=None)  # as if unset
+    assert OfflinePlanner().attention == "sdpa"
+    _, groups = _attention_groups(llama(), None, 1)
+    assert groups == []  # the SDPA calls stay the ATen steps the capture keeps whole
+    stitch_settings(STITCHCUDA_ATTENTION="auto")
+    _, groups = _attention_groups(llama(), None, 1)
+    assert [g.params["impl"] for g in groups] == ["decode", "decode"]
+
+
 def llama(max_len=160, seed=0):
     torch.manual_seed(seed)
     return TinyLlama(LlamaConfig(dim=128, max_len=max_len)).eval()  # head dim 32, GQA 4 / 2

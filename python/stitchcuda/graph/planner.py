@@ -29,9 +29,10 @@ apply first.
 - Attention written out (matmul -> scale -> mask -> softmax -> matmul, graph/attention.py) becomes one
   attention group: an ATen scaled_dot_product_attention step by default (ATen picks flash or
   memory-efficient at run time), or the fused template where asked (`attention="fused"`); either way the
-  N x N scores are never in memory. Attention of decode's shape (a few query tokens over many cached keys),
-  written out or an SDPA call, becomes the split-KV decode kernels, which read only the keys its mask keeps
-  (`attention="sdpa"` keeps the ATen step). Other SDPA calls stay the ATen steps the capture keeps whole.
+  N x N scores are never in memory. With `attention="auto"` (or STITCHCUDA_ATTENTION=auto), attention of
+  decode's shape (a few query tokens over many cached keys), written out or an SDPA call, becomes the
+  split-KV decode kernels, which read only the keys its mask keeps; the default keeps the ATen step until the
+  kernels are measured ahead of it. Other SDPA calls stay the ATen steps the capture keeps whole.
 - Views become View steps (no copy) where the source's layout allows.
 - Values computed only from weights are folded into constants.
 - Everything else (other convolutions through cuDNN, other pooling, indexing, ...) stays an ATen step.
@@ -72,11 +73,13 @@ _REDUCTION_OPS = {"aten::_softmax": "softmax", "aten::_log_softmax": "log_softma
                   "aten::argmax": "argmax", "aten::argmin": "argmin"}
 _POOL_OPS = {"aten::avg_pool2d": "avg", "aten::max_pool2d_with_indices": "max", "aten::max_pool2d": "max"}
 _SCAN_OPS = {"aten::cumsum": "cumsum", "aten::cumprod": "cumprod"}
-# What attention becomes (OfflinePlanner's `attention`). "auto": attention of decode's shape (a few query
-# tokens over many cached keys, SDPA calls included) the split-KV decode kernels, other written-out attention
-# one ATen SDPA step; "sdpa": the ATen step for all; "fused": the decode kernels, else the fused prefill
-# template where it computes the attention (else the SDPA step); "off": written-out attention stays the matmul
-# and softmax groups, SDPA calls their ATen step.
+# What attention becomes (OfflinePlanner's `attention`, STITCHCUDA_ATTENTION by default). "sdpa" (the
+# default): written-out attention one ATen SDPA step, SDPA calls their own; "auto": attention of decode's shape
+# (a few query tokens over many cached keys, SDPA calls included) the split-KV decode kernels, other attention
+# as "sdpa"; "fused": the decode kernels, else the fused prefill template where it computes the attention
+# (else the SDPA step); "off": written-out attention stays the matmul and softmax groups. The kernels are not
+# the default until they are measured ahead of SDPA (docs/attention.md: the first measurement had the decode
+# pair at 0.26-0.62x of SDPA over a full cache; over a static cache they read only the kept keys).
 ATTENTION_STEPS = ("auto", "sdpa", "fused", "off")
 
 
@@ -433,9 +436,10 @@ class OfflinePlanner:
     "tf32" or "bf16" allow faster matmuls."""
 
     def __init__(self, precision: str = "fp32", graphs: bool = True, peaks: dict | None = None,
-                 split_tf32: bool = True, attention: str = "auto") -> None:
+                 split_tf32: bool = True, attention: str | None = None) -> None:
         if precision not in ("fp32", "tf32", "bf16"):
             raise ValueError(f"precision must be 'fp32', 'tf32' or 'bf16', not {precision!r}")
+        attention = settings().attention if attention is None else attention
         if attention not in ATTENTION_STEPS:
             raise ValueError(f"attention must be one of {ATTENTION_STEPS}, not {attention!r}")
         self.attention = attention
@@ -491,7 +495,7 @@ class OfflinePlanner:
         """Attention written out (graph/attention.py), and SDPA calls of decode's shape, as one group each, by
         the id of every node it takes: one step that never builds the N x N scores, placed where the
         attention's output is made. Decode's shape (`decode_blocker`: a few query tokens over many keys)
-        becomes the split-KV decode kernels unless `attention="sdpa"`: over a static cache SDPA reads every
+        becomes the split-KV decode kernels with `attention="auto"` or "fused": over a static cache SDPA reads every
         key, the kernels only those the mask keeps. Where no step can take written-out attention (a learned
         scale aside, which the recognizer already refuses: dropout in training, mixed dtypes, a finite fill
         that does not mask), the decisions say why and the matmul and softmax groups stay."""
