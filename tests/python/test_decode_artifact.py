@@ -95,6 +95,26 @@ def test_a_damaged_pair_file_is_refused_by_name(llama_programs, tmp_path):
         DecodePrograms.deserialize(prefill.serialize())
 
 
+def test_a_transformers_llamas_programs_make_a_pair_with_its_cache_tensors_paired(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    lm = stitchcuda.TransformersStaticCacheLM(transformers.LlamaForCausalLM(config).eval(), batch_size=1, max_length=24)
+    _, prefill, _ = lowered(lm, (torch.zeros(1, 6, dtype=torch.long), torch.arange(6)))
+    _, decode, _ = lowered(lm, (torch.zeros(1, 1, dtype=torch.long), torch.tensor([6])))
+    path = tmp_path / "hf.decode.stitch"
+    StaticCacheGenerator(lm, max_length=24, batch_size=1, prefill=SimpleNamespace(program=prefill),
+                         decode=SimpleNamespace(program=decode)).save(path)
+    back = DecodePrograms.load(path)
+    names = {b["id"]: b["name"] for b in back.prefill.buffers if b["role"] == "state"}
+    # Every tensor the cache's layers hold is a state of both (keys, values and any counter a layer keeps).
+    assert {names[a].rpartition(".")[2] for a, _ in back.state_pairs} == {name for name, _ in lm.named_buffers(recurse=False)}
+    logits = next(b for b in back.prefill.buffers if b["role"] == "output")
+    assert logits["shape"][0] == 1 and logits["shape"][2] == 128  # the last position's logits alone, or all six
+    assert (back.prompt_length, back.max_length) == (6, 24)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without a GPU gives")
 def test_loading_the_token_loop_without_a_gpu_says_so(llama_programs, tmp_path):
     model, prefill, decode = llama_programs
@@ -130,3 +150,21 @@ def test_the_cpp_token_loop_of_a_saved_pair_gives_the_python_generators_tokens(t
     with pytest.raises(InvalidArgumentError, match=r"token ids from 0 to 96 but the vocabulary is 0\.\.95"):
         loaded.generate(torch.cat([ids[:, :4].clamp(min=1) * 0, torch.full((BATCH, 1), 96, device="cuda")], 1), 3)
     assert torch.equal(loaded.generate(ids, 8), expected)  # refused calls leave the loop as it was
+
+
+@pytest.mark.gpu
+def test_the_cpp_token_loop_of_a_transformers_llama_gives_the_python_generators_tokens(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval().cuda()
+    gen = StaticCacheGenerator.for_transformers(model, batch_size=1, prompt_length=6, max_length=24)
+    ids = torch.randint(0, 256, (1, 6), device="cuda")
+    with torch.no_grad():
+        expected = gen.generate(ids, 10)
+    path = tmp_path / "hf.decode.stitch"
+    gen.save(path)
+    loaded = stitchcuda.load(path)
+    for _ in range(2):  # each call starts from zeroed caches (a layer's own write counter included)
+        assert torch.equal(loaded.generate(ids, 10), expected)
