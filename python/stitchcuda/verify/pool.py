@@ -34,6 +34,7 @@ from .report import failure_dict
 __all__ = ["WorkerPool", "default_pool", "trusted_pool", "worker_environment", "SECRET_PATTERN"]
 
 GRACE_S = 5.0  # a killed job is reported within its limit + this
+FRAME_S = 30.0  # a message that began to arrive is whole within its phase's limit + this (2 GiB at 70 MB/s)
 MEMORY_POLL_S = 0.25  # how often a running job's host memory is read
 READY_LIMIT_S = 300.0  # importing torch and initializing CUDA in a fresh worker
 _spawn_lock = threading.Lock()
@@ -407,7 +408,10 @@ class WorkerPool:
                                                "the worker was killed.", compiled=compiled), None, []
             arrived = time.monotonic()
             try:
-                message = wire.receive(worker.conn, self.result_limit_bytes, kinds=("phase", "result"))
+                # Bounded: a frame begun must be whole within FRAME_S past the phase's limit (a candidate that
+                # writes a frame's start to the pipe and sleeps would otherwise hold this thread for ever).
+                message = wire.receive(worker.conn, self.result_limit_bytes, kinds=("phase", "result"),
+                                       deadline=max(deadline, arrived) + FRAME_S)
             except (EOFError, OSError):
                 cause = _exit_text(worker.process)
                 self._replace(slot)

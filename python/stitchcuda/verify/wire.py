@@ -9,7 +9,10 @@ tensors), then the tensors' bytes back to back, exactly as many as the header's 
 from __future__ import annotations
 
 import json
+import os
+import select
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -130,9 +133,13 @@ def send(conn: Any, kind: str, nonce: str, body: dict[str, Any], tensors: Sequen
     conn.send_bytes(pack(kind, nonce, body, tensors))
 
 
-def receive(conn: Any, limit_bytes: int = DEFAULT_LIMIT_BYTES, kinds: Sequence[str] = KINDS) -> Message:
+def receive(conn: Any, limit_bytes: int = DEFAULT_LIMIT_BYTES, kinds: Sequence[str] = KINDS,
+            deadline: float | None = None) -> Message:
     """Reads one frame of at most ``limit_bytes``. EOFError when the worker is gone; WireError for anything
-    that is not a frame (too long, malformed): the stream is then out of step and the worker must go."""
+    that is not a frame (too long, malformed, or with ``deadline``, a time.monotonic() value, not complete
+    by then): the stream is then out of step and the worker must go."""
+    if deadline is not None:
+        return unpack(_read_frame(conn.fileno(), limit_bytes, deadline), kinds)
     try:
         data = conn.recv_bytes(limit_bytes)
     except OSError as exc:
@@ -140,6 +147,35 @@ def receive(conn: Any, limit_bytes: int = DEFAULT_LIMIT_BYTES, kinds: Sequence[s
             raise WireError(f"a message longer than the {limit_bytes} bytes allowed") from None
         raise
     return unpack(data, kinds)
+
+
+def _read_frame(fd: int, limit_bytes: int, deadline: float) -> bytearray:
+    """One message of multiprocessing.Connection's framing (a 4-byte big-endian length, or -1 and an 8-byte
+    one), read straight into one buffer, waiting for each part at most until ``deadline``: a worker that
+    writes the start of a frame and stops is a WireError then, not a caller blocked for ever."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+
+    def exactly(n: int) -> bytearray:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            left = deadline - time.monotonic()
+            if left <= 0 or not poller.poll(left * 1000):
+                raise WireError(f"a message stopped arriving: {got} of {n} bytes came before the deadline")
+            k = os.readv(fd, [view[got:]])
+            if k == 0:
+                raise EOFError
+            got += k
+        return buf
+
+    (size,) = struct.unpack("!i", exactly(4))
+    if size == -1:
+        (size,) = struct.unpack("!Q", exactly(8))
+    if not 0 <= size <= limit_bytes:
+        raise WireError(f"a message longer than the {limit_bytes} bytes allowed")
+    return exactly(size)
 
 
 def encode_value(value: Any, tensors: list[torch.Tensor]) -> Any:
