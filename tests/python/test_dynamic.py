@@ -338,3 +338,18 @@ def test_a_symbolic_export_that_cannot_be_lowered_still_gives_the_guards(monkeyp
     assert fast.report.dynamic["guards"] == ["'batch' in 1..16"]
     assert fast.report.dynamic["members_captured"].startswith("exported again at each size: the symbolic export was "
                                                              "not lowered")
+
+
+class RowScaleColumnBias(torch.nn.Module):
+    def forward(self, x, row_scale, col_bias):
+        return torch.nn.functional.hardtanh(x * row_scale + col_bias) - 0.5 * x
+
+
+def test_auto_leaves_out_an_input_whose_extent_is_the_batchs_by_chance():
+    # A square example: the column bias's 8 is the batch's 8, but the model ties it to x's columns.
+    x, row_scale, col_bias = torch.randn(8, 8), torch.rand(8, 1) + 0.5, torch.randn(8)
+    fast = stitchcuda.optimize(RowScaleColumnBias().eval(), (x, row_scale, col_bias), dynamic="auto")
+    dyn = fast.report.dynamic
+    assert dyn["dims"][0]["inputs"] == [(0, 0), (1, 0)] and "fixes" not in dyn.get("refused", "")
+    assert any("'auto' varies the batch of 2 of the 3 inputs" in g and "fixes 'batch' to 8" in g for g in dyn["guards"])
+    assert dyn["members_captured"] == "specialized from one symbolic export"

@@ -775,6 +775,30 @@ def wall_breakdown(export_s: float, example_s: float, example: OptimizedModule, 
             "verify": round(sum(r.get("verify_s", 0.0) for r in checks), 3)}
 
 
+def _family_export(model: torch.nn.Module, tensors: Sequence[Any], dims: list[DynamicDim]) -> tuple[Any, list[str], str]:
+    """(the symbolic export lowered to core ATen or None, the guards, why it was not lowered): the guards
+    need export's trace alone, so a lowering that fails leaves the family without specialized programs, not
+    without its dims. DynamicShapeError where the model cannot vary them."""
+    symbolic, unlowered = None, ""
+    try:
+        symbolic = export_symbolic(model, tensors, dims)
+    except DynamicShapeError as exc:  # the trace, or its lowering to core ATen
+        if str(exc).startswith("the model fixes"):  # the trace itself refused the dims
+            raise
+        unlowered = str(exc)
+    guards = export_guards(model, tensors, dims, symbolic or export_symbolic(model, tensors, dims, lower=False))
+    return symbolic, guards, unlowered
+
+
+def _same_rank_carriers(dims: list[DynamicDim], tensors: Sequence[Any]) -> list[DynamicDim] | None:
+    """"auto"'s batch on the inputs of the first carrier's rank only (a column bias whose extent is the
+    batch's by chance is left out), or None where that leaves out none."""
+    (d,) = dims
+    rank = tensors[d.inputs[0][0]].dim()
+    kept = [(i, a) for i, a in d.inputs if tensors[i].dim() == rank]
+    return None if len(kept) == len(d.inputs) else [dataclasses.replace(d, inputs=kept, outputs=[])]
+
+
 def optimize_dynamic(model: torch.nn.Module, tensors: tuple, options: OptimizeOptions,
                      names: Sequence[str] = ()) -> OptimizedModule:
     """run_pipeline for a call whose dims in `options.dynamic` may vary: the example's program, then the
@@ -784,18 +808,21 @@ def optimize_dynamic(model: torch.nn.Module, tensors: tuple, options: OptimizeOp
 
     dims = parse_dynamic(options.dynamic, tensors, names or parameter_names(model))
     t0 = time.perf_counter()
-    symbolic, symbols, exported, unlowered = None, None, None, ""
+    symbols, exported, dropped = None, None, ""
     try:
-        try:
-            symbolic = export_symbolic(model, tensors, dims)
-        except DynamicShapeError as exc:  # the trace, or its lowering to core ATen: the guards need the trace alone
-            if str(exc).startswith("the model fixes"):  # the trace itself refused the dims
-                raise
-            unlowered = str(exc)
-        guards = export_guards(model, tensors, dims, symbolic or export_symbolic(model, tensors, dims, lower=False))
+        symbolic, guards, unlowered = _family_export(model, tensors, dims)
         refused = ""
     except DynamicShapeError as exc:
-        guards, refused = [], str(exc)
+        symbolic, guards, unlowered, refused = None, [], "", str(exc)
+        fewer = _same_rank_carriers(dims, tensors) if options.dynamic == AUTO else None
+        if fewer is not None:  # "auto" may have taken an input whose axis 0 has the batch's extent by chance
+            try:
+                symbolic, guards, unlowered = _family_export(model, tensors, fewer)
+                dropped = (f"'auto' varies the batch of {len(fewer[0].inputs)} of the {len(dims[0].inputs)} inputs "
+                           f"whose axis 0 has its extent: with all of them, {refused}")
+                dims, refused = fewer, ""
+            except DynamicShapeError:
+                pass
     # Every program of the family, the example's first, is read from the one symbolic export at its sizes
     # where it can be (graph/pipeline.py exports the model as usual where reading it fails).
     exported_again = specializable(model) if symbolic is not None else (
@@ -809,6 +836,8 @@ def optimize_dynamic(model: torch.nn.Module, tensors: tuple, options: OptimizeOp
     t1 = time.perf_counter()
     fast = run_pipeline(model, tensors, options, exported=exported)
     example_s = time.perf_counter() - t1
+    if dropped:
+        guards.append(dropped)
     info = {"dims": [dataclasses.asdict(d) for d in dims], "guards": guards, "export_s": round(export_s, 3),
             "members_captured": "exported again at each size: " + exported_again if exported_again
             else "specialized from one symbolic export"}
