@@ -113,3 +113,18 @@ def test_a_candidate_that_stalls_the_pipe_loses_its_worker_not_the_caller(monkey
         # The next candidate gets a fresh worker and a verdict of its own (a torch-only one: no custom kernel).
         assert honest.correct and honest.error is None
         assert not any(f.rule == "protocol-violation" for f in honest.findings)
+
+
+def test_a_frame_read_into_its_own_buffer_is_read_in_place():
+    import struct
+
+    first, second = torch.rand(16), torch.arange(7)
+    frame = wire.pack("result", "n", {"report": {}}, [first, second])
+    start = len(frame) - 16 * 4 - 7 * 8
+    assert start % wire.ALIGN == 0  # the header is padded: the first tensor starts aligned
+    data = bytearray(frame)
+    message = wire.unpack(data, ("result",))
+    data[start:start + 4] = struct.pack("<f", 5.0)
+    assert message.tensors[0][0].item() == 5.0  # a view of the frame, not a copy
+    copied = wire.unpack(bytes(frame), ("result",))
+    assert torch.equal(copied.tensors[0], first) and torch.equal(copied.tensors[1], second)

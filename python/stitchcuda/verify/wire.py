@@ -32,6 +32,9 @@ KINDS = ("ready", "startup-error", "phase", "result")
 # the candidate's timed calls: the judge clocks both (judge.py, "the judge's clock").
 PHASES = ("compile", "run", "calibrate", "calibrated", "timed", "timed-end")
 MAX_DIMS = 16
+# A frame's first tensor starts at a multiple of this many bytes (the header is padded to it), and each next
+# one where the sizes before it allow, so the judge reads them in place.
+ALIGN = 64
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
@@ -63,6 +66,7 @@ def pack(kind: str, nonce: str, body: dict[str, Any], tensors: Sequence[torch.Te
                         default=_plain).encode("utf-8")
     if len(header) > MAX_HEADER_BYTES:
         raise WireError(f"a {kind!r} header of {len(header)} bytes is more than the {MAX_HEADER_BYTES} allowed")
+    header += b" " * (-(8 + len(header)) % ALIGN)  # JSON's trailing blanks: the tensors start aligned
     frame = bytearray(8 + len(header) + sum(h.numel() for h in hosts))
     frame[:8] = MAGIC + struct.pack(">I", len(header))
     offset = 8 + len(header)
@@ -106,8 +110,13 @@ def unpack(data: bytes | bytearray, kinds: Sequence[str] = KINDS) -> Message:
         if offset + nbytes > len(data):
             raise WireError(f"tensor {i} ({spec['dtype']} {shape}) needs {nbytes} bytes; the frame has "
                             f"{len(data) - offset} left")
-        raw = bytearray(view[offset:offset + nbytes])  # one copy, which the tensor owns
-        tensor = torch.frombuffer(raw, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+        if not nbytes:
+            tensor = torch.empty(0, dtype=torch.uint8)
+        elif isinstance(data, bytearray) and offset % dtype.itemsize == 0:
+            # A view of the frame (read into a buffer of its own: receive with a deadline), not a copy.
+            tensor = torch.frombuffer(data, dtype=torch.uint8, offset=offset, count=nbytes)
+        else:
+            tensor = torch.frombuffer(bytearray(view[offset:offset + nbytes]), dtype=torch.uint8)  # owns a copy
         tensors.append(tensor.view(dtype).reshape(shape) if numel else torch.empty(shape, dtype=dtype))
         offset += nbytes
     if offset != len(data):
