@@ -385,7 +385,9 @@ def run(workers: int | None = None, candidates: int | None = None, json_output: 
     scaling: dict[str, Any] | None = None
     try:
         progress(f"warming up {2 * len(slots)} worker(s) on {', '.join(devices)}: each meets every problem once")
-        _warm(slots + groups["unsandboxed"], mixed, mode)
+        # One group after the other: the judge's baselines, timed once per problem in the first, see a quiet GPU.
+        _warm(slots, mixed, mode)
+        _warm(groups["unsandboxed"], mixed, mode)
         warm_s = budget.elapsed()
         for label, cands in (("honest", honest), ("mixed", mixed)):
             phases[label] = _measure(groups, cands, count, label, mode, budget)
