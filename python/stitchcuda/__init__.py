@@ -23,7 +23,8 @@ except ImportError as exc:  # pragma: no cover - depends on the build state
 
 from . import agents, errors, jit, llm, profile, rubric
 from .rubric import reward
-from .program import FamilyExecutor, FamilyModule, Program, ProgramBuilder, ProgramFamily, ProgramModule, load
+from .program import (DecodePrograms, FamilyExecutor, FamilyModule, LoadedGenerator, Program, ProgramBuilder, ProgramFamily,
+                      ProgramModule, load)
 from .graph import OptimizedModule, StaticCacheGenerator, TransformersStaticCacheLM, optimize
 from .doctor import doctor
 from .errors import (
@@ -54,6 +55,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'stitchcuda' has no attribute {name!r}")
 
 __all__ = ["__version__", "agents", "jit", "llm", "profile", "errors", "doctor", "Program", "ProgramBuilder", "ProgramModule", "load",
-           "ProgramFamily", "FamilyExecutor", "FamilyModule",
+           "ProgramFamily", "FamilyExecutor", "FamilyModule", "DecodePrograms", "LoadedGenerator",
            "optimize", "OptimizedModule", "StaticCacheGenerator", "TransformersStaticCacheLM", "rubric", "reward",
            *errors.__all__]

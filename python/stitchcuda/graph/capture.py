@@ -27,7 +27,7 @@ from ..log import get_logger
 from ..settings import settings
 
 __all__ = ["CaptureError", "Value", "Node", "Graph", "capture", "state_updates", "INPLACE_UPDATES", "AUTOCAST_DEVICES", "autocast_in_effect", "autocast_as",
-           "under_autocast", "warn_other_autocast"]
+           "under_autocast", "warn_other_autocast", "export_program", "is_transformers_model"]
 
 
 class CaptureError(Exception):
@@ -310,7 +310,7 @@ def _fx_names_every_dtype() -> None:
                 table[dtype] = str(dtype).removeprefix("torch.")
 
 
-def _export(model: torch.nn.Module, example_inputs: Sequence[Any], dynamic_shapes: Any = None) -> Any:
+def export_program(model: torch.nn.Module, example_inputs: Sequence[Any], dynamic_shapes: Any = None) -> Any:
     _fx_names_every_dtype()
     # Without autograd: the program is an inference forward, and tensors made under torch.inference_mode()
     # (an inference server's inputs) cannot be traced with autograd recording; a model loaded there (its
@@ -418,7 +418,7 @@ def _capture_error(exc: Exception, transformers: bool = False) -> CaptureError:
 _UNKNOWN_OUTPUT = re.compile(r"Found <class '([\w.]+)'> in output, which is not a known type")
 
 
-def _transformers_model(model: torch.nn.Module, exc: Exception | None = None) -> bool:
+def is_transformers_model(model: torch.nn.Module, exc: Exception | None = None) -> bool:
     """Whether `model` is (or holds) a transformers model, or failed to export (`exc`) by returning an
     object of that library pytree did not know (a causal LM's DynamicCache). Such a model is exported
     returning its output's tensors, after transformers' own pytree support for its caches (its utility
@@ -634,17 +634,17 @@ def _exported(model: torch.nn.Module, example_inputs: Sequence[Any]) -> tuple[An
     transformers model is exported returning its output's tensors (_FlatOutputs)."""
     out_spec, notes = None, []
     inner = model.inner if isinstance(model, _UnderAutocast) else model
-    flat = _transformers_model(inner)
+    flat = is_transformers_model(inner)
     if not flat:
         try:
-            return _export(model, example_inputs), None, notes
+            return export_program(model, example_inputs), None, notes
         except Exception as exc:  # torch raises many types here; the message is what the user needs
-            flat = _transformers_model(inner, exc)
+            flat = is_transformers_model(inner, exc)
             if not flat:
                 raise _capture_error(exc) from exc
     specs: list[Any] = []
     try:
-        exported = _export(_FlatOutputs(model, specs.append), example_inputs)
+        exported = export_program(_FlatOutputs(model, specs.append), example_inputs)
     except Exception as exc:
         raise _capture_error(exc, transformers=True) from exc
     out_spec = specs[-1]

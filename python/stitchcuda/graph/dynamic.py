@@ -48,7 +48,7 @@ from ..log import get_logger
 from ..settings import settings
 # capture's export (no autograd, its core-ATen decompositions), here with symbolic sizes; and its test for a
 # transformers model, whose output capture flattens (a specialized program keeps export's own).
-from .capture import _export as export_core, _transformers_model, autocast_in_effect
+from .capture import autocast_in_effect, export_program as export_core, is_transformers_model
 from .capture import under_autocast, warn_other_autocast
 from .measure import no_truth_needed
 from .module import OptimizedModule, model_name, positional_call, shapes_text
@@ -384,7 +384,7 @@ def specializable(model: torch.nn.Module) -> str:
     into tensors for export (the symbolic export is of neither)."""
     if autocast_in_effect() is not None:
         return "optimize() was called under torch.autocast"
-    if _transformers_model(model):
+    if is_transformers_model(model):
         return "a transformers model's output is flattened for export"
     return ""
 
