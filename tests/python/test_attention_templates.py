@@ -52,6 +52,27 @@ def test_every_kernel_compiles_for_sm90a(dtype, head_dim):
     assert prefill.shared_mem == prefill_tiles(head_dim).shared_mem <= 227 * 1024
 
 
+def _spills(code) -> str:
+    """ptxas's report for a kernel (NVRTC's log with -v): its stack frame and spills."""
+    log = jit.compile_module(code.source, arch="sm_90a", extra_flags=["--ptxas-options=-v"]).log
+    return re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores", log).group(0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("group, tokens, mask", [(1, 1, None), (4, 1, None), (8, 1, torch.bool), (4, 5, "add"),
+                                                 (8, 16, None)], ids=["mha", "gqa4", "gqa8-mask", "gqa4-t5-add",
+                                                                     "gqa8-t16"])
+def test_every_decode_variant_compiles_without_spills(dtype, head_dim, group, tokens, mask):
+    """Every head dim, dtype, GQA group (up to DECODE_MAX_ROWS query rows a block, in registers) and key form
+    compiles for sm_90a with no stack frame and no spill: a spill would put the q rows or accumulators in
+    local memory on every key."""
+    pair = decode_attention_kernels("dec_v", batch=2, heads=8 * group, kv_heads=8, q_tokens=tokens, max_len=2048,
+                                    head_dim=head_dim, dtype=dtype, mask_dtype=dtype if mask == "add" else mask)
+    assert _spills(pair.partial) == "0 bytes stack frame, 0 bytes spill stores"
+    assert jit.compile_module(pair.combine.source, arch="sm_90a").kernel(pair.combine.name)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_tensor_core_prefill_compiles_for_sm90a(dtype, head_dim):
@@ -257,6 +278,17 @@ def run_decode(emu, q, k_cache, v_cache, lengths, *, splits=None):
     return tensors["o"], tensors["lse"], kernels
 
 
+def _check_lengths(o, lse, q, k, v, lengths):
+    """Each sequence against the math form over its first `length` keys, its T new tokens (the last T of
+    the cache) causal among themselves, bottom-right aligned."""
+    tokens = q.shape[2]
+    for i, n in enumerate(lengths.tolist()):
+        causal_mask = torch.ones(tokens, n, dtype=torch.bool).tril(n - tokens)
+        want, want_lse = reference(q[i:i + 1], k[i:i + 1, :, :n], v[i:i + 1, :, :n], mask=causal_mask)
+        torch.testing.assert_close(o[i:i + 1], want.float(), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(lse[i:i + 1], want_lse.float(), atol=1e-4, rtol=1e-4)
+
+
 @emulated
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_decode_with_ragged_lengths_and_splits(emu, tokens):
@@ -267,12 +299,7 @@ def test_decode_with_ragged_lengths_and_splits(emu, tokens):
     lengths = torch.tensor([300, 5, 131])
     o, lse, kernels = run_decode(emu, q, k, v, lengths, splits=4)
     assert kernels.splits == 4 and kernels.chunk == 75  # the 5-key sequence leaves three splits empty
-    for i, n in enumerate(lengths.tolist()):
-        # the new tokens are the last `tokens` of the cache: causal among themselves, bottom-right aligned
-        causal_mask = torch.ones(tokens, n, dtype=torch.bool).tril(n - tokens)
-        want, want_lse = reference(q[i:i + 1], k[i:i + 1, :, :n], v[i:i + 1, :, :n], mask=causal_mask)
-        torch.testing.assert_close(o[i:i + 1], want.float(), atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(lse[i:i + 1], want_lse.float(), atol=1e-4, rtol=1e-4)
+    _check_lengths(o, lse, q, k, v, lengths)
 
 
 @emulated
@@ -285,11 +312,51 @@ def test_decode_head_dim_128_one_split(emu):
     torch.testing.assert_close(o, reference(q, k, v)[0].float(), atol=1e-4, rtol=1e-4)
 
 
+@emulated
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_gqa_groups_head_dims_and_tokens(emu, group, head_dim, tokens):
+    """A block serves the query rows of one KV head: 1, 4 or 8 heads x 1 or 5 tokens (8 x 5 = 40 rows: five
+    blocks of 8; 4 x 5 = 20 rows: three of 7, the last with a row past the group), ragged lengths."""
+    g = torch.Generator().manual_seed(group * 1000 + head_dim + tokens)
+    hk, s_max = 2 if group < 8 else 1, 150
+    q = torch.randn(2, group * hk, tokens, head_dim, generator=g)
+    k, v = (torch.randn(2, hk, s_max, head_dim, generator=g) for _ in range(2))
+    lengths = torch.tensor([150, 71])
+    o, lse, kernels = run_decode(emu, q, k, v, lengths, splits=2)
+    lay = kernels.layout
+    assert lay.rows * lay.row_blocks >= group * tokens > lay.rows * (lay.row_blocks - 1) and lay.rows <= 8
+    assert kernels.partial.grid == (2, hk * lay.row_blocks, 2)
+    _check_lengths(o, lse, q, k, v, lengths)
+
+
 def test_decode_splits_fill_the_gpu_without_tiny_chunks():
     from stitchcuda.graph.templates.attention import decode_splits
-    assert decode_splits(rows=32, max_len=2048) == 9  # 32 rows x 9 splits >= 2 blocks per SM of 132
-    assert decode_splits(rows=1024, max_len=2048) == 1
-    assert decode_splits(rows=1, max_len=100) == 2  # never below 64 keys a split
+    assert decode_splits(blocks=64, max_len=2048) == 5  # 64 blocks x 5 splits >= 2 blocks per SM of 132
+    assert decode_splits(blocks=1024, max_len=2048) == 1
+    assert decode_splits(blocks=1, max_len=100) == 2  # never below 64 keys a split
+
+
+# The bench's decode shapes (32 query heads, 8 KV heads, D = 128, bf16, one token): batch, keys -> splits.
+# A block serves a (split, KV head, batch): batch 1 is cut finest, capped by the 64-key minimum at 512 keys.
+BENCH_SPLITS = {(1, 512): 8, (1, 2048): 32, (8, 512): 5, (8, 2048): 5, (32, 512): 2, (32, 2048): 2}
+
+
+@pytest.mark.parametrize("batch, keys", list(BENCH_SPLITS))
+def test_the_split_count_for_the_benchs_shapes(batch, keys):
+    pair = decode_attention_kernels("dec", batch=batch, heads=32, kv_heads=8, q_tokens=1, max_len=keys,
+                                    head_dim=128, dtype=torch.bfloat16)
+    lay = pair.layout
+    assert pair.splits == BENCH_SPLITS[batch, keys]
+    assert pair.partial.grid == (pair.splits, 8, batch) and pair.partial.block == 128  # one block per KV head
+    assert pair.chunk >= 64 and (pair.chunk * pair.splits >= keys > pair.chunk * (pair.splits - 1))
+    blocks = batch * 8 * pair.splits
+    assert blocks >= 2 * 132 or pair.chunk < 2 * 64  # twice the SMs unless the minimum chunk stops it
+    # 16-byte loads of bf16 rows: 8 elements a lane, 16 lanes a 128-element row, two keys a load instruction,
+    # four loads of K and four of V in flight a lane; the group's four query rows in one block
+    assert (lay.vec, lay.lanes, lay.keys_per_load, lay.unroll, lay.rows, lay.row_blocks) == (8, 16, 2, 4, 4, 1)
+    assert pair.workspace_acc == batch * 32 * pair.splits * 128
 
 
 # ---- the GPU: every dtype against SDPA --------------------------------------------------------------------
@@ -370,7 +437,9 @@ def test_the_benchmark_says_it_needs_a_gpu():
 
 def test_the_benchmark_ratios_are_baseline_over_ours():
     from stitchcuda.bench.attention import _ratios
-    row = {"ours_ms": 2.0, "sdpa_flash_ms": 1.0, "sdpa_math_ms": None, "speed_of_light_ms": 0.5}
+    row = {"ours_ms": 2.0, "sdpa_flash_ms": 1.0, "sdpa_math_ms": None, "speed_of_light_ms": 0.5,
+           "ours_queued_ms": 1.5, "sdpa_queued_ms": 0.9}
     _ratios(row)
     assert row["sdpa_flash_over_ours"] == 0.5 and "sdpa_math_over_ours" not in row
+    assert not any(key.startswith(("ours_queued_over", "sdpa_queued_over")) for key in row)  # queued: like for like
     assert row["fraction_of_speed_of_light"] == 0.25

@@ -113,6 +113,20 @@ def test_masked_decode_matches_torch(emu, kind, tokens):
 
 
 @emulated
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("group", [1, 8])
+@pytest.mark.parametrize("kind", ["pattern", "additive", "per-token"])
+def test_masked_decode_per_gqa_group_and_tokens(emu, kind, group, tokens):
+    """A block's query rows (the group's heads x the tokens, 8 x 5 in five blocks of 8) each under their own
+    mask row: per head and token masks, additive ones, per-sequence patterns."""
+    q, k, v = _cache(b=2, h=group, hk=1, t=tokens, s=300, seed=group + tokens)
+    mask = _masks(2, group, tokens, 300)[kind]
+    o, kernels = run_masked(emu, q, k, v, mask, splits=3)
+    assert kernels.partial.grid == (3, kernels.layout.row_blocks, 2)
+    torch.testing.assert_close(o.double(), reference(q, k, v, mask), atol=1e-5, rtol=1e-5)
+
+
+@emulated
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_masked_decode_larger_head_dims_and_no_mask(emu, head_dim):
     q, k, v = _cache(b=1, h=2, hk=1, s=200, d=head_dim, seed=head_dim)
@@ -141,30 +155,52 @@ def test_bf16_inputs_by_the_accuracy_rule(emu):
         assert ours_err <= 2 * sdpa_err + 1e-3, (kind, ours_err, sdpa_err)
 
 
-# The partial kernel with its K and V loads counted: `ld(kb, i)` and `ld(vb, i)` also mark the element they read
-# in a byte map per cache (set by emu_watch before the launch).
-READ_MAP = r"""
+# The partial kernel with its K and V loads counted: `kv_load(kb, i, vec)` and `kv_load(vb, i, vec)` also add one
+# to each element they read in a count map per cache (set by emu_watch before the launch), and count the loads
+# made 16 bytes at once (vec) and element by element.
+READ_COUNT = r"""
 static const float* emu_k0; static const float* emu_v0;
-static unsigned char* emu_kseen; static unsigned char* emu_vseen;
-extern "C" void emu_watch(const float* k, const float* v, unsigned char* ks, unsigned char* vs) {
-  emu_k0 = k; emu_v0 = v; emu_kseen = ks; emu_vseen = vs;
+static int* emu_kcount; static int* emu_vcount; static long long* emu_loads;
+extern "C" void emu_watch(const float* k, const float* v, int* kc, int* vc, long long* loads) {
+  emu_k0 = k; emu_v0 = v; emu_kcount = kc; emu_vcount = vc; emu_loads = loads;
 }
-inline float ld_k(const float* p, long long i) { emu_kseen[(p + i) - emu_k0] = 1; return p[i]; }
-inline float ld_v(const float* p, long long i) { emu_vseen[(p + i) - emu_v0] = 1; return p[i]; }
+inline void emu_count(int* map, long long at, bool vec) {
+  for (int e = 0; e < 4; ++e) __atomic_fetch_add(&map[at + e], 1, __ATOMIC_RELAXED);
+  __atomic_fetch_add(&emu_loads[vec ? 0 : 1], 1, __ATOMIC_RELAXED);
+}
+inline kvraw kv_load_k(const float* p, long long i, bool vec) {
+  emu_count(emu_kcount, (p + i) - emu_k0, vec);
+  return kv_load(p, i, vec);
+}
+inline kvraw kv_load_v(const float* p, long long i, bool vec) {
+  emu_count(emu_vcount, (p + i) - emu_v0, vec);
+  return kv_load(p, i, vec);
+}
 """
 
 
-def read_map(emu, seen):
+def read_count(emu, seen):
+    """Runs a partial kernel with its loads counted: seen["k"], seen["v"] (int32, the caches' shapes: how many
+    times each element was loaded) and seen["loads"] (16-byte loads, element-by-element loads)."""
     def run(code, tensors):
-        source = _fp32_only(code.source).replace("ld(kb, ", "ld_k(kb, ").replace("ld(vb, ", "ld_v(vb, ")
-        source = source.replace('extern "C" __global__', READ_MAP + 'extern "C" __global__', 1)
+        source = _fp32_only(code.source).replace("kv_load(kb, ", "kv_load_k(kb, ")
+        source = source.replace("kv_load(vb, ", "kv_load_v(vb, ")
+        assert source.count("kv_load_k(kb, ") == source.count("kv_load_v(vb, ") == 1  # the kernel's one K and V load
+        source = source.replace('extern "C" __global__', READ_COUNT + 'extern "C" __global__', 1)
         module = EmulatedModule(emu, source)
         k, v = tensors["k"], tensors["v"]
-        seen["k"], seen["v"] = (torch.zeros(x.shape, dtype=torch.uint8) for x in (k, v))
-        module._library.emu_watch(*(ctypes.c_void_p(x.data_ptr()) for x in (k, v, seen["k"], seen["v"])))
+        seen["k"], seen["v"] = (torch.zeros(x.shape, dtype=torch.int32) for x in (k, v))
+        seen["loads"] = torch.zeros(2, dtype=torch.int64)
+        module._library.emu_watch(*(ctypes.c_void_p(x.data_ptr()) for x in (k, v, seen["k"], seen["v"], seen["loads"])))
         args = [tensors[key] if kind in ("in", "out") else key for kind, key in code.args]
         module.kernel(code.name)(code.grid, code.block, *args, shared_mem=code.shared_mem)
     return run
+
+
+def _kept_rows(keep, kv_heads):
+    """[B, H_kv, S]: the keys some query head (and token) reading each KV head keeps, from keep [B, H, T, S]."""
+    b, h, t, s = keep.shape
+    return keep.reshape(b, kv_heads, h // kv_heads, t, s).any(3).any(2)
 
 
 @emulated
@@ -173,15 +209,71 @@ def test_the_kernel_loads_only_the_keys_the_mask_keeps(emu, kind):
     q, k, v = _cache(seed=11)
     mask = _masks(2, 4, 1, 300)[kind]
     seen = {}
-    o, _ = run_masked(emu, q, k, v, mask, splits=4, source=read_map(emu, seen))
+    o, _ = run_masked(emu, q, k, v, mask, splits=4, source=read_count(emu, seen))
     torch.testing.assert_close(o.double(), reference(q, k, v, mask), atol=1e-5, rtol=1e-5)
     keep = (mask if mask.dtype == torch.bool else mask != float("-inf")).expand(2, 4, 1, 300)
-    # a kv head's key is kept where any query head reading it keeps it; every element of its row is read
-    kept = keep[:, :, 0].reshape(2, 2, 2, 300).any(2)
+    # a kv head's key is kept where any query head reading it keeps it; every element of its row is read once
+    kept = _kept_rows(keep, 2)
     for cache in "kv":
-        rows = seen[cache].bool()
-        assert torch.equal(rows.all(-1), kept) and torch.equal(rows.any(-1), kept), cache
+        assert torch.equal(seen[cache], kept[..., None].int().expand_as(seen[cache])), cache
     assert int(kept.sum()) < kept.numel() // 2  # most of the cache is never read
+    assert seen["loads"][1] == 0  # aligned fp32 rows: every load 16 bytes
+
+
+@emulated
+@pytest.mark.parametrize("form", ["lengths", "mask"])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_each_kept_row_is_loaded_once_per_kv_head_not_per_query_head(emu, group, form):
+    """GQA: the `group` query heads sharing a KV head are served by one block, so each kept K and V row is
+    read from memory once per KV head (the old kernel, one block per query head, read it `group` times)."""
+    hk, s_max = 2, 200
+    q, k, v = _cache(b=2, h=group * hk, hk=hk, s=s_max, seed=group)
+    seen = {}
+    if form == "mask":
+        mask = (torch.arange(s_max) <= 120)[None, None, None, :]
+        o, kernels = run_masked(emu, q, k, v, mask, splits=3, source=read_count(emu, seen))
+        keep = mask.expand(2, group * hk, 1, s_max)
+        torch.testing.assert_close(o.double(), reference(q, k, v, mask), atol=1e-5, rtol=1e-5)
+    else:
+        lengths = torch.tensor([200, 77], dtype=torch.int32)
+        kernels = decode_attention_kernels("dec_len", batch=2, heads=group * hk, kv_heads=hk, q_tokens=1,
+                                           max_len=s_max, head_dim=64, dtype=torch.float32, splits=3)
+        tensors = {"q": q, "k": k, "v": v, "lengths": lengths, "o": torch.full_like(q, float("nan")),
+                   "ws_ml": torch.empty(kernels.workspace_ml), "ws_acc": torch.empty(kernels.workspace_acc)}
+        read_count(emu, seen)(kernels.partial, tensors)
+        _launch(emu, kernels.combine, tensors)
+        keep = (torch.arange(s_max) < lengths[:, None].long())[:, None, None, :].expand(2, group * hk, 1, s_max)
+        torch.testing.assert_close(tensors["o"].double(), reference(q, k, v, keep), atol=1e-5, rtol=1e-5)
+    assert kernels.layout.row_blocks == 1 and kernels.partial.grid[1] == hk
+    kept = _kept_rows(keep, hk)
+    for cache in "kv":
+        assert torch.equal(seen[cache], kept[..., None].int().expand_as(seen[cache])), cache
+    # 16-byte loads: one per 4 floats of each kept row
+    assert seen["loads"].tolist() == [2 * int(kept.sum()) * 64 // 4, 0]
+
+
+@emulated
+def test_unaligned_caches_are_read_element_by_element(emu):
+    """K and V one element past a 16-byte boundary (views into a larger buffer) with a token stride of D + 1:
+    the kernel takes element loads instead of 16-byte ones (counted), and the same attention."""
+    g = torch.Generator().manual_seed(9)
+    b, h, hk, s_max, d = 2, 4, 2, 130, 64
+    q = torch.randn(b, h, 1, d, generator=g)
+    store = torch.randn(2, b * hk * s_max * (d + 1) + 1, generator=g)
+    k, v = (x[1:].view(b, hk, s_max, d + 1)[..., :d] for x in store)  # what the kernel reads
+    kernels = decode_attention_kernels("dec_unaligned", batch=b, heads=h, kv_heads=hk, q_tokens=1, max_len=s_max,
+                                       head_dim=d, dtype=torch.float32, splits=2,
+                                       strides={"k": k.stride()[:3], "v": v.stride()[:3]})
+    lengths = torch.tensor([130, 67], dtype=torch.int32)
+    tensors = {"q": q, "k": store[0, 1:], "v": store[1, 1:], "lengths": lengths,
+               "o": torch.full_like(q, float("nan")), "ws_ml": torch.empty(kernels.workspace_ml),
+               "ws_acc": torch.empty(kernels.workspace_acc)}
+    seen = {}
+    read_count(emu, seen)(kernels.partial, tensors)
+    _launch(emu, kernels.combine, tensors)
+    keep = (torch.arange(s_max) < lengths[:, None].long())[:, None, None, :]
+    torch.testing.assert_close(tensors["o"].double(), reference(q, k, v, keep), atol=1e-5, rtol=1e-5)
+    assert seen["loads"][0] == 0 and seen["loads"][1] == 2 * int(lengths.sum()) * hk * d // 4
 
 
 @emulated

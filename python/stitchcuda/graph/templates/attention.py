@@ -25,15 +25,38 @@ BN/4 scores (8) + the row state, under the 255 limit at D = 256 and about 64 at 
 kernel's budget: WmmaTiles.
 
 Decode (`decode_attention_kernels`). One to a few query tokens per sequence against a KV cache
-[B, H_kv, S_max, D] with a per-sequence length (int32 [B]), a mask, or neither. The keys are cut into `splits`
-chunks, one block each (grid splits x (H_q * tokens) x B, 128 threads): each warp takes groups of four
-consecutive keys (one group in four, their loads issued together), lanes hold D/32 of q and of the
-accumulator, the dot products reduced by shuffles; the four warps' (max, sum, acc) are merged in shared
-memory and written to a workspace; a second kernel (one block of D threads per query row) rescales and
-sums the splits. Query token t of T sees keys < length - T + t + 1. Under a mask (a static cache's: every
-slot there, the ones past the position masked) the block first reads DECODE_MASK_TILE mask entries at a
-time, one per thread: a tile the mask drops entirely costs its mask bytes and no K or V load, and in a kept
-tile a warp loads the rows of its kept keys alone (`_decode_mask_loop`).
+[B, H_kv, S_max, D] with a per-sequence length (int32 [B]), a mask, or neither. Its time is its bytes: each
+K and V row is read for a few dot products. The floor at the bench's shapes (32 query / 8 KV heads, D = 128,
+bf16: K and V are 4,096 bytes per key per sequence over the 8 KV heads; 3.35 TB/s on an H100):
+
+    batch, keys    K + V bytes   at DRAM bandwidth   blocks (splits)   old kernel's blocks (splits)
+    1, 512           2.1 MB        0.63 us             64 (8)             256 (8)
+    1, 2048          8.4 MB        2.5 us             256 (32)            288 (9)
+    8, 512          16.8 MB        5.0 us             320 (5)             512 (2)
+    8, 2048         67.1 MB       20.0 us             320 (5)             512 (2)
+    32, 512         67.1 MB       20.0 us             512 (2)            1024 (1)
+    32, 2048       268.4 MB       80.1 us             512 (2)            1024 (1)
+
+(q and the output add 16 KB per sequence.) Filling 132 SMs twice takes 264 blocks. The old kernel ran one block
+per query head: a KV row was read by the 4 heads of its group (4x the bytes through L2, once from DRAM at
+best), with 2-byte scalar loads (a warp's load instruction covered 64 bytes of one key; 4 keys, 256 bytes, in
+flight a warp), and chose splits per query row, so batch 8 and 32 had 1-2 splits. At batch 1 and 512 keys
+the floor is under a microsecond: the two launches, not the bytes, bound it there.
+
+Now a partial block serves one (split, KV head, batch) and all the group x T query rows reading that KV
+head (at most DECODE_MAX_ROWS, their q and accumulators in registers; more rows take more row blocks), so each
+kept K and V row is loaded from memory once per KV head (`DecodeLayout`): 16-byte loads (8 halves / 4
+floats a lane), D / 8 lanes a row at 16 bits (16 at D = 128: two keys a load instruction), 4 loads of K and
+4 of V in flight a lane before the first use (8 keys, 4 KB a warp at D = 128 bf16; 2 of each with 8 rows),
+the dots of every row from the same registers, reduced over the row's lanes, an online softmax per row and
+key group, the key groups merged by shuffles and the 4 warps in shared memory, the split's (max, sum,
+accumulator) per row written to an fp32 workspace; a second kernel (one block of D threads per query row)
+rescales and sums the splits. Splits (`decode_splits`): batch x KV heads x row blocks x splits fills the SMs
+twice, no split under DECODE_MIN_CHUNK keys. Query token t of T sees keys < length - T + t + 1. Under a mask
+(a static cache's: every slot there, the ones past the position masked) the block first reads
+DECODE_MASK_TILE keys' mask entries for its rows, one key per thread: a tile no row keeps a key of costs its
+mask bytes and no K or V load, and in a kept tile a warp loads the rows of the keys some row keeps
+(`_decode_mask_loop`); a row that drops a key another row keeps weighs it by probability 0.
 """
 
 from __future__ import annotations
@@ -395,7 +418,8 @@ extern "C" __global__ void __launch_bounds__(128) {name}({", ".join(params)}) {{
 class DecodeKernels:
     """The two launches of split-KV decode and the fp32 workspace between them: `partial` writes each
     split's (max, sum) to "ws_ml" (rows x splits x 2) and its unnormalized output to "ws_acc"
-    (rows x splits x D); `combine` merges them into "o" (and "lse")."""
+    (rows x splits x D), a row being one (batch, query head, token) in that order; `combine` merges them
+    into "o" (and "lse")."""
 
     partial: KernelCode
     combine: KernelCode
@@ -403,90 +427,216 @@ class DecodeKernels:
     chunk: int  # keys per split
     workspace_ml: int  # floats
     workspace_acc: int  # floats
+    layout: "DecodeLayout"
 
 
-DECODE_KEYS = 4  # keys a warp of the decode kernel loads per step
 DECODE_MIN_CHUNK = 64  # keys per split at the least: below, a split's fixed cost outweighs its keys
-DECODE_MAX_TOKENS = 16  # query tokens per sequence the decode kernels take (one block each)
+DECODE_MAX_TOKENS = 16  # query tokens per sequence the decode kernels take
 DECODE_MASK_TILE = 128  # keys whose mask entries a block reads at once (one per thread) before any K or V
+DECODE_WARPS = 4  # warps of a partial block (128 threads: one mask entry each)
+DECODE_MAX_ROWS = 8  # query rows a partial block serves at most (their q and accumulators live in registers)
 
 
-def decode_splits(rows: int, max_len: int, sms: int = 132) -> int:
-    """Splits per query row: enough blocks for two per SM, no split under DECODE_MIN_CHUNK keys."""
-    want = math.ceil(2 * sms / max(rows, 1))
+@dataclass(frozen=True)
+class DecodeLayout:
+    """How a partial block of the decode kernel reads K and V. A block serves one (split, KV head, batch) and
+    `rows` of the query rows reading that KV head (the group's heads x the tokens, `row_blocks` blocks when
+    there are more than DECODE_MAX_ROWS). Each lane loads `vec` elements at once (16 bytes: 4 floats or 8
+    halves); `lanes` lanes cover one K or V row (D / vec rounded up to a power of two, at most 32; a lane
+    takes `per` vectors of the row), so one load instruction of a warp covers `keys_per_load` = 32 / lanes
+    keys, and each lane issues `unroll` such loads of K and of V before the first use."""
+
+    head_dim: int
+    vec: int
+    lanes: int
+    per: int
+    unroll: int
+    rows: int
+    row_blocks: int
+
+    @property
+    def vectors(self) -> int:
+        """16-byte vectors in one K or V row."""
+        return self.head_dim // self.vec
+
+    @property
+    def keys_per_load(self) -> int:
+        return 32 // self.lanes
+
+    @property
+    def warp_keys(self) -> int:
+        """Keys one warp loads per step (every lane's K and V loads in flight together)."""
+        return self.keys_per_load * self.unroll
+
+    @property
+    def block_keys(self) -> int:
+        return DECODE_WARPS * self.warp_keys
+
+
+def decode_layout(head_dim: int, dtype: torch.dtype, group_rows: int) -> DecodeLayout:
+    """The layout for D = head_dim, the input dtype and `group_rows` (= H / H_kv x T) query rows per KV head:
+    16-byte loads, `unroll` chosen so that each lane has 128 bytes of K and V in flight per step, at most
+    DECODE_MAX_ROWS rows a block (per lane: rows x vec x per floats of q and as many of the accumulator,
+    rows x unroll scores; 8 rows keep that near 160 registers at D = 128 bf16), spread evenly."""
+    vec = 16 // torch.empty((), dtype=dtype).element_size()
+    vectors = head_dim // vec
+    lanes = min(32, 1 << (vectors - 1).bit_length())
+    per = math.ceil(vectors / lanes)
+    row_blocks = math.ceil(group_rows / DECODE_MAX_ROWS)
+    rows = math.ceil(group_rows / row_blocks)
+    in_flight = 4 if rows * vec * per <= 32 else 2  # 16-byte vectors of K (and of V) a lane loads per step
+    return DecodeLayout(head_dim, vec, lanes, per, max(1, in_flight // per), rows, row_blocks)
+
+
+def decode_splits(blocks: int, max_len: int, sms: int = 132) -> int:
+    """Splits of the keys: enough that `blocks` (batch x KV heads x row blocks) x splits fills the SMs at
+    least twice, no split under DECODE_MIN_CHUNK keys."""
+    want = math.ceil(2 * sms / max(blocks, 1))
     return max(1, min(want, math.ceil(max_len / DECODE_MIN_CHUNK)))
 
 
-def _decode_keys_step(valid: str, bias: str | None, per: int) -> str:
-    """One warp's step over DECODE_KEYS keys n0 + u: the dot products of the keys for which `valid` (a C
-    condition on u) holds, plus `bias` (a C expression on u: the additive mask) where given, folded into the
-    running (m, l, acc). Only valid keys' K and V rows are loaded; the caller runs it when one key is valid
-    (so the new max is finite)."""
-    add = f"\n    for (int u = 0; u < {DECODE_KEYS}; ++u) dot[u] += {bias};" if bias else ""
-    return f"""    float dot[{DECODE_KEYS}];
+# 16-byte loads of K and V rows (`kv_load`: `vec` false where the pointer or the token stride is not 16-byte
+# aligned, then element by element) and their conversion to fp32 (`kv_unpack`), for one input dtype: each
+# source holds its own dtype's alone (an fp32 source no 16-bit line, which the CPU emulator lacks).
+_KV_IO = {
+    torch.float32: r"""
+typedef float4 kvraw;
+__device__ __forceinline__ kvraw kv_zero() { return make_float4(0.0f, 0.0f, 0.0f, 0.0f); }
+__device__ __forceinline__ kvraw kv_load(const float* p, long long i, bool vec) {
+  return vec ? *reinterpret_cast<const float4*>(p + i) : make_float4(p[i], p[i + 1], p[i + 2], p[i + 3]);
+}
+__device__ __forceinline__ void kv_unpack(kvraw r, float* f) { f[0] = r.x; f[1] = r.y; f[2] = r.z; f[3] = r.w; }
+""",
+    torch.float16: r"""
+typedef uint4 kvraw;
+__device__ __forceinline__ kvraw kv_zero() { return make_uint4(0u, 0u, 0u, 0u); }
+__device__ __forceinline__ kvraw kv_load(const __half* p, long long i, bool vec) { if (vec) return *reinterpret_cast<const uint4*>(p + i); const unsigned short* s = reinterpret_cast<const unsigned short*>(p + i); return make_uint4(s[0] | (unsigned)s[1] << 16, s[2] | (unsigned)s[3] << 16, s[4] | (unsigned)s[5] << 16, s[6] | (unsigned)s[7] << 16); }
+__device__ __forceinline__ void kv_unpack(kvraw r, float* f) { const __half2* h = reinterpret_cast<const __half2*>(&r); for (int j = 0; j < 4; ++j) { const float2 x = __half22float2(h[j]); f[2 * j] = x.x; f[2 * j + 1] = x.y; } }
+""",
+    torch.bfloat16: r"""
+typedef uint4 kvraw;
+__device__ __forceinline__ kvraw kv_zero() { return make_uint4(0u, 0u, 0u, 0u); }
+__device__ __forceinline__ kvraw kv_load(const __nv_bfloat16* p, long long i, bool vec) { if (vec) return *reinterpret_cast<const uint4*>(p + i); const unsigned short* s = reinterpret_cast<const unsigned short*>(p + i); return make_uint4(s[0] | (unsigned)s[1] << 16, s[2] | (unsigned)s[3] << 16, s[4] | (unsigned)s[5] << 16, s[6] | (unsigned)s[7] << 16); }
+__device__ __forceinline__ void kv_unpack(kvraw r, float* f) { const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&r); for (int j = 0; j < 4; ++j) { const float2 x = __bfloat1622float2(h[j]); f[2 * j] = x.x; f[2 * j + 1] = x.y; } }
+""",
+}
+
+
+def _decode_step(lay: DecodeLayout, kept: str, bias: str) -> str:
+    """One warp's step over its `warp_keys` keys n0 + u * keys_per_load + kg: the K and V rows of the keys for
+    which `kept` (a C condition on n) holds are loaded once, 16 bytes a lane, all before the first use; the
+    block's query rows' scores are reduced over the row's lanes, `bias` (a C expression on i, the row, and
+    n: 0, -inf or the additive mask) added, and each row's (m, l, acc) updated: an online softmax per row
+    and key group."""
+    u_, p_, v_, r_, f_ = lay.unroll, lay.per, lay.vec, lay.rows, lay.vec * lay.per
+    partial = lay.vectors % lay.lanes != 0  # some lanes have no vector of the row
+    cin = " && li + {L} * j < {V}".format(L=lay.lanes, V=lay.vectors) if partial else ""
+    return f"""    kvraw kr[{u_}][{p_}], vr[{u_}][{p_}];
+    bool kok[{u_}];
     #pragma unroll
-    for (int u = 0; u < {DECODE_KEYS}; ++u) {{
-      dot[u] = 0.0f;
-      if ({valid}) {{
+    for (int u = 0; u < {u_}; ++u) {{
+      const long long n = n0 + u * {lay.keys_per_load} + kg;
+      kok[u] = {kept};
+      #pragma unroll
+      for (int j = 0; j < {p_}; ++j)
+        kr[u][j] = kok[u]{cin} ? kv_load(kb, n * ksn + (li + {lay.lanes} * j) * {v_}, vec) : kv_zero();
+    }}
+    #pragma unroll
+    for (int u = 0; u < {u_}; ++u) {{
+      const long long n = n0 + u * {lay.keys_per_load} + kg;
+      #pragma unroll
+      for (int j = 0; j < {p_}; ++j)
+        vr[u][j] = kok[u]{cin} ? kv_load(vb, n * vsn + (li + {lay.lanes} * j) * {v_}, vec) : kv_zero();
+    }}
+    float s[{r_}][{u_}];
+    #pragma unroll
+    for (int u = 0; u < {u_}; ++u) {{
+      float kf[{f_}];
+      #pragma unroll
+      for (int j = 0; j < {p_}; ++j) kv_unpack(kr[u][j], kf + j * {v_});
+      #pragma unroll
+      for (int i = 0; i < {r_}; ++i) {{
+        float d = 0.0f;
         #pragma unroll
-        for (int i = 0; i < {per}; ++i) dot[u] = fmaf(qr[i], ld(kb, (n0 + u) * ksn + lane + 32 * i), dot[u]);
+        for (int x = 0; x < {f_}; ++x) d = fmaf(qr[i][x], kf[x], d);
+        s[i][u] = d;
       }}
     }}
     #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {{
+    for (int o = {lay.lanes // 2}; o > 0; o >>= 1) {{  // the row's lanes: every lane ends with the whole dot
       #pragma unroll
-      for (int u = 0; u < {DECODE_KEYS}; ++u) dot[u] += __shfl_xor_sync(0xffffffffu, dot[u], o);
-    }}{add}
-    float mnew = m;
-    #pragma unroll
-    for (int u = 0; u < {DECODE_KEYS}; ++u) if ({valid}) mnew = fmaxf(mnew, dot[u]);
-    const float alpha = expf(m - mnew);  // a valid key exists, so mnew is finite
-    float e[{DECODE_KEYS}];
-    #pragma unroll
-    for (int u = 0; u < {DECODE_KEYS}; ++u) {{
-      e[u] = ({valid}) ? expf(dot[u] - mnew) : 0.0f;
-      l = (u == 0 ? l * alpha : l) + e[u];
+      for (int i = 0; i < {r_}; ++i) {{
+        #pragma unroll
+        for (int u = 0; u < {u_}; ++u) s[i][u] += __shfl_xor_sync(0xffffffffu, s[i][u], o);
+      }}
     }}
-    m = mnew;
     #pragma unroll
-    for (int i = 0; i < {per}; ++i) {{
-      float a = acc[i] * alpha;
+    for (int i = 0; i < {r_}; ++i) {{
+      float mx = NEG_INF;
       #pragma unroll
-      for (int u = 0; u < {DECODE_KEYS}; ++u)
-        if ({valid}) a = fmaf(e[u], ld(vb, (n0 + u) * vsn + lane + 32 * i), a);
-      acc[i] = a;
+      for (int u = 0; u < {u_}; ++u) {{
+        const long long n = n0 + u * {lay.keys_per_load} + kg;
+        s[i][u] = kok[u] ? s[i][u] + ({bias}) : NEG_INF;
+        mx = fmaxf(mx, s[i][u]);
+      }}
+      const float mnew = fmaxf(m[i], mx);
+      const float base = mnew == NEG_INF ? 0.0f : mnew;  // a row with no key yet keeps probabilities 0
+      const float alpha = expf(m[i] - base);
+      float sum = 0.0f;
+      #pragma unroll
+      for (int u = 0; u < {u_}; ++u) {{ s[i][u] = expf(s[i][u] - base); sum += s[i][u]; }}
+      l[i] = l[i] * alpha + sum;
+      m[i] = mnew;
+      #pragma unroll
+      for (int x = 0; x < {f_}; ++x) acc[i][x] *= alpha;
+    }}
+    #pragma unroll
+    for (int u = 0; u < {u_}; ++u) {{
+      float vf[{f_}];
+      #pragma unroll
+      for (int j = 0; j < {p_}; ++j) kv_unpack(vr[u][j], vf + j * {v_});
+      #pragma unroll
+      for (int i = 0; i < {r_}; ++i) {{
+        #pragma unroll
+        for (int x = 0; x < {f_}; ++x) acc[i][x] = fmaf(s[i][u], vf[x], acc[i][x]);
+      }}
     }}"""
 
 
-def _decode_mask_loop(mask_dtype: torch.dtype, per: int) -> str:
+def _decode_mask_loop(lay: DecodeLayout, mask_dtype: torch.dtype) -> str:
     """The keys [s0, s1) under a mask, DECODE_MASK_TILE at a time: the block first reads the tile's mask
-    entries (one per thread, a byte or two per key against 2 x D x dtype bytes of K and V), and a tile
-    with no kept key is passed over without a load of K or V; in a kept tile each warp reads the rows of
-    its kept keys alone. A key is dropped where a boolean mask is False or an additive one is -inf."""
-    tile = DECODE_MASK_TILE
-    entry = "(mb[n * msj] ? 0.0f : NEG_INF)" if mask_dtype is torch.bool else "ld(mb, n * msj)"
-    return f"""  __shared__ float bias[{tile}];  // the tile's mask as a score bias: NEG_INF where a key is dropped
-  __shared__ long long kept_tile;   // the last tile with a kept key (a barrier orders its writes; no reset)
+    entries for its rows (one key per thread, a byte or two per key and row against 2 x D x dtype bytes of K
+    and V), and a tile no row keeps a key of is passed over without a load of K or V; in a kept tile a warp
+    step with no kept key is passed over too, and the others load the rows of the keys some row keeps. A key
+    is dropped where a boolean mask is False or an additive one is -inf."""
+    tile, r_ = DECODE_MASK_TILE, lay.rows
+    entry = "(mp[n * msj] ? 0.0f : NEG_INF)" if mask_dtype is torch.bool else "ld(mp, n * msj)"
+    step = _decode_step(lay, "n < t1 && keep[n - t0]", "bias[i][n - t0]")
+    return f"""  __shared__ float bias[{r_}][{tile}];  // the tile's mask as a score bias per row: NEG_INF drops the key
+  __shared__ unsigned char keep[{tile}];   // some row keeps the key
+  __shared__ long long kept_tile;          // the last tile with a kept key (a barrier orders its writes)
   if (threadIdx.x == 0) kept_tile = -1;
   for (long long t0 = s0; t0 < s1; t0 += {tile}) {{  // block-uniform
     const long long n = t0 + threadIdx.x;
-    const float mine = n < s1 ? {entry} : NEG_INF;
-    __syncthreads();  // the previous tile's readers of bias are done
-    bias[threadIdx.x] = mine;
-    if (mine != NEG_INF) kept_tile = t0;
+    bool any = false;
+    __syncthreads();  // the previous tile's readers of bias and keep are done
+    #pragma unroll
+    for (int i = 0; i < {r_}; ++i) {{
+      const {CTYPE[mask_dtype]}* mp = mask + moff[i];
+      const float x = n < s1 && n < lim[i] ? {entry} : NEG_INF;
+      bias[i][threadIdx.x] = x;
+      any = any || x != NEG_INF;
+    }}
+    keep[threadIdx.x] = any;
+    if (any) kept_tile = t0;
     __syncthreads();
-    if (kept_tile != t0) continue;  // every key of the tile dropped: its K and V are never read
+    if (kept_tile != t0) continue;  // every key of the tile dropped by every row: its K and V are never read
     const long long t1 = t0 + {tile} < s1 ? t0 + {tile} : s1;
-    for (long long n0 = t0 + w * {DECODE_KEYS}; n0 < t1; n0 += {4 * DECODE_KEYS}) {{  // warp-uniform
-      float bs[{DECODE_KEYS}];
-      bool any = false;
-      #pragma unroll
-      for (int u = 0; u < {DECODE_KEYS}; ++u) {{
-        bs[u] = n0 + u < t1 ? bias[n0 + u - t0] : NEG_INF;
-        any = any || bs[u] != NEG_INF;
-      }}
-      if (!any) continue;  // the warp's four keys dropped
-{_decode_keys_step(f"bs[u] != NEG_INF", "bs[u]", per)}
+    for (long long n0 = t0 + w * {lay.warp_keys}; n0 < t1; n0 += {lay.block_keys}) {{  // warp-uniform
+      bool live = false;
+      for (int x = 0; x < {lay.warp_keys}; ++x) live = live || (n0 + x < t1 && keep[n0 + x - t0]);
+      if (!live) continue;  // the step's keys all dropped
+{step}
     }}
   }}"""
 
@@ -506,10 +656,13 @@ def decode_attention_kernels(name: str, *, batch: int, heads: int, kv_heads: int
       `lengths` too, both apply;
     - neither (`lengths=False`): every one of the S_max keys.
 
-    The partial kernel takes q, k, v, [lengths], [mask], ws_ml, ws_acc, H, T, H / H_kv, chunk, the (batch,
-    head, token) strides of q, k, v, [the mask's four strides] and the scale; the combine kernel ws_ml,
-    ws_acc, o, [lse], H, T, the strides of o. `strides` ("q", "k", "v", "o": three each, "mask": four)
-    replaces the contiguous defaults; the unit stride along D is required."""
+    A partial block serves one (split, KV head, batch) and the query rows reading that KV head
+    (`DecodeLayout`): each K and V row is loaded once per KV head, not once per query head. The partial
+    kernel takes q, k, v, [lengths], [mask], ws_ml, ws_acc, H, T, H / H_kv, chunk, the (batch, head, token)
+    strides of q, k, v, [the mask's four strides] and the scale; the combine kernel ws_ml, ws_acc, o, [lse],
+    H, T, the strides of o. `strides` ("q", "k", "v", "o": three each, "mask": four) replaces the
+    contiguous defaults; the unit stride along D is required. K and V are read 16 bytes at a time where
+    their pointers and token strides allow it (else element by element, the same result)."""
     _check(dtype, head_dim)
     if heads % kv_heads:
         raise InvalidArgumentError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
@@ -519,10 +672,12 @@ def decode_attention_kernels(name: str, *, batch: int, heads: int, kv_heads: int
     if mask_dtype is not None and mask_dtype not in (torch.bool, *ATTENTION_DTYPES):
         raise InvalidArgumentError(f"an attention mask is boolean or fp32/fp16/bf16, not {mask_dtype}")
     lengths = mask_dtype is None if lengths is None else lengths
+    group = heads // kv_heads
+    lay = decode_layout(head_dim, dtype, group * q_tokens)
     rows = batch * heads * q_tokens
-    splits = splits or decode_splits(rows, max_len, sms)
+    splits = splits or decode_splits(batch * kv_heads * lay.row_blocks, max_len, sms)
     chunk = math.ceil(max_len / splits)
-    d, t, per = head_dim, CTYPE[dtype], head_dim // 32
+    d, t, r_, f_ = head_dim, CTYPE[dtype], lay.rows, lay.vec * lay.per
     partial_params = [f"const {t}* __restrict__ q", f"const {t}* __restrict__ k", f"const {t}* __restrict__ v"]
     partial_params += ["const int* __restrict__ lengths"] if lengths else []
     partial_params += [f"const {CTYPE[mask_dtype]}* __restrict__ mask"] if mask_dtype is not None else []
@@ -531,52 +686,101 @@ def decode_attention_kernels(name: str, *, batch: int, heads: int, kv_heads: int
     partial_params += [f"long long {x}s{s}" for x in "qkv" for s in "bhn"]
     partial_params += ["long long msb", "long long msh", "long long msi", "long long msj"] if mask_dtype else []
     partial_params.append("float scale")
-    limit = ("(long long)lengths[b] - T + tok + 1;  // this token sees the keys before it" if lengths
-             else f"{max_len}LL;")
+    limit = "(long long)lengths[b] - T + tok + 1" if lengths else f"{max_len}LL"
     if mask_dtype is None:
-        # Each warp takes DECODE_KEYS consecutive keys per step (every 4 * DECODE_KEYS-th group), their loads
-        # issued together: one key at a time leaves a warp waiting on each load's latency (a chain of load,
-        # FMAs, five shuffles, exp) with little memory in flight.
-        keys = (f"  for (long long n0 = s0 + w * {DECODE_KEYS}; n0 < s1; n0 += {4 * DECODE_KEYS}) {{  // warp-uniform\n"
-                f"{_decode_keys_step('n0 + u < s1', None, per)}\n  }}")
-        mask_base = ""
+        keys = (f"  for (long long n0 = s0 + w * {lay.warp_keys}; n0 < s1; n0 += {lay.block_keys}) {{"
+                f"  // warp-uniform\n{_decode_step(lay, 'n < s1', 'n < lim[i] ? 0.0f : NEG_INF')}\n  }}")
+        moff = ""
     else:
-        keys = _decode_mask_loop(mask_dtype, per)
-        mask_base = f"  const {CTYPE[mask_dtype]}* mb = mask + b * msb + h * msh + tok * msi;\n"
-    partial = PRELUDE + NEG_INF + f"""
-// Split-KV decode, partial: one block per (split, head x token, batch); four warps, every fourth key each.
-extern "C" __global__ void __launch_bounds__(128) {name}_partial({", ".join(partial_params)}) {{
-  __shared__ float wm[4], wl[4], wacc[4][{d}];
-  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const long long b = blockIdx.z, h = blockIdx.y / T, tok = blockIdx.y % T, hk = h / group;
-  const long long limit = {limit}
-  const long long s0 = (long long)blockIdx.x * chunk;
-  const long long s1 = s0 + chunk < limit ? s0 + chunk : limit;
-  const {t}* qb = q + b * qsb + h * qsh + tok * qsn;
+        keys = _decode_mask_loop(lay, mask_dtype)
+        moff = f"  __shared__ long long moff[{r_}];  // each row's mask offset\n"
+    cin = f"li + {lay.lanes} * j < {lay.vectors}"
+    partial = PRELUDE + NEG_INF + _KV_IO[dtype] + f"""
+// Split-KV decode, partial: one block per (split, KV head x row block, batch) serving its {r_} query rows
+// (the heads sharing the KV head x the tokens); {DECODE_WARPS} warps, each step {lay.warp_keys} keys a warp
+// ({lay.lanes} lanes a key, {lay.vec} elements a load, {lay.unroll} loads of K and of V in flight).
+extern "C" __global__ void __launch_bounds__({32 * DECODE_WARPS}) {name}_partial({", ".join(partial_params)}) {{
+  __shared__ float wm[{DECODE_WARPS}][{r_}], wl[{DECODE_WARPS}][{r_}], wacc[{DECODE_WARPS}][{r_}][{d}];
+{moff}  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, kg = lane / {lay.lanes}, li = lane % {lay.lanes};
+  const long long b = blockIdx.z, hk = blockIdx.y / {lay.row_blocks}, r0 = (blockIdx.y % {lay.row_blocks}) * {r_};
+  const long long R = group * T;
   const {t}* kb = k + b * ksb + hk * ksh;
   const {t}* vb = v + b * vsb + hk * vsh;
-{mask_base}  float qr[{per}], acc[{per}], m = NEG_INF, l = 0.0f;
+  const bool vec = ((reinterpret_cast<unsigned long long>(kb) | reinterpret_cast<unsigned long long>(vb)) & 15) == 0
+                   && ksn % {lay.vec} == 0 && vsn % {lay.vec} == 0;  // 16-byte loads
+  float qr[{r_}][{f_}], acc[{r_}][{f_}], m[{r_}], l[{r_}];
+  long long hi = 0;
+  int lim[{r_}];  // the keys each row sees: those before lim
   #pragma unroll
-  for (int i = 0; i < {per}; ++i) {{ qr[i] = ld(qb, lane + 32 * i) * scale; acc[i] = 0.0f; }}
-{keys}
-  if (lane == 0) {{ wm[w] = m; wl[w] = l; }}
-  #pragma unroll
-  for (int i = 0; i < {per}; ++i) wacc[w][lane + 32 * i] = acc[i];
-  __syncthreads();
-  const float M = fmaxf(fmaxf(wm[0], wm[1]), fmaxf(wm[2], wm[3]));
-  const float base = M == NEG_INF ? 0.0f : M;  // an empty split: sum 0, accumulator 0
-  const long long slot = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-  for (int c = threadIdx.x; c < {d}; c += 128) {{
-    float a = 0.0f;
+  for (int i = 0; i < {r_}; ++i) {{
+    const long long r = r0 + i, h = hk * group + r / T, tok = r % T;
+    const bool real = r < R;  // the last row block's rows past R see nothing and are not written
+    lim[i] = real ? (int)({limit}) : 0;
+    hi = lim[i] > hi ? lim[i] : hi;
+    const {t}* qb = q + b * qsb + h * qsh + tok * qsn;
     #pragma unroll
-    for (int j = 0; j < 4; ++j) a += wacc[j][c] * expf(wm[j] - base);
-    ws_acc[slot * {d} + c] = a;
+    for (int j = 0; j < {lay.per}; ++j) {{
+      #pragma unroll
+      for (int e = 0; e < {lay.vec}; ++e)
+        qr[i][j * {lay.vec} + e] = real && {cin} ? ld(qb, (li + {lay.lanes} * j) * {lay.vec} + e) * scale : 0.0f;
+    }}
+    #pragma unroll
+    for (int x = 0; x < {f_}; ++x) acc[i][x] = 0.0f;
+    m[i] = NEG_INF;
+    l[i] = 0.0f;
+{"    if (threadIdx.x == 0) moff[i] = b * msb + h * msh + tok * msi;" if mask_dtype is not None else ""}
   }}
-  if (threadIdx.x == 0) {{
-    float s = 0.0f;
-    for (int j = 0; j < 4; ++j) s += wl[j] * expf(wm[j] - base);
-    ws_ml[slot * 2] = M;
-    ws_ml[slot * 2 + 1] = s;
+  const long long s0 = (long long)blockIdx.x * chunk;
+  const long long s1 = s0 + chunk < hi ? s0 + chunk : hi;
+{"  __syncthreads();  // moff" if mask_dtype is not None else ""}
+{keys}
+  // Merge the warp's key groups (lanes kg of every row position), then the warps through shared memory.
+  #pragma unroll
+  for (int o = {lay.lanes}; o < 32; o <<= 1) {{
+    #pragma unroll
+    for (int i = 0; i < {r_}; ++i) {{
+      const float mo = __shfl_xor_sync(0xffffffffu, m[i], o), lo = __shfl_xor_sync(0xffffffffu, l[i], o);
+      const float M = fmaxf(m[i], mo), base = M == NEG_INF ? 0.0f : M;
+      const float a = expf(m[i] - base), c = expf(mo - base);
+      l[i] = l[i] * a + lo * c;
+      m[i] = M;
+      #pragma unroll
+      for (int x = 0; x < {f_}; ++x) acc[i][x] = acc[i][x] * a + __shfl_xor_sync(0xffffffffu, acc[i][x], o) * c;
+    }}
+  }}
+  if (kg == 0) {{
+    #pragma unroll
+    for (int i = 0; i < {r_}; ++i) {{
+      if (li == 0) {{ wm[w][i] = m[i]; wl[w][i] = l[i]; }}
+      #pragma unroll
+      for (int j = 0; j < {lay.per}; ++j) {{
+        if ({cin}) {{
+          #pragma unroll
+          for (int e = 0; e < {lay.vec}; ++e)
+            wacc[w][i][(li + {lay.lanes} * j) * {lay.vec} + e] = acc[i][j * {lay.vec} + e];
+        }}
+      }}
+    }}
+  }}
+  __syncthreads();
+  for (int x = threadIdx.x; x < {r_ * d}; x += {32 * DECODE_WARPS}) {{
+    const int i = x / {d}, c = x % {d};
+    const long long r = r0 + i;
+    if (r >= R) continue;
+    float M = NEG_INF;
+    #pragma unroll
+    for (int j = 0; j < {DECODE_WARPS}; ++j) M = fmaxf(M, wm[j][i]);
+    const float base = M == NEG_INF ? 0.0f : M;  // an empty split: sum 0, accumulator 0
+    float a = 0.0f, s = 0.0f;
+    #pragma unroll
+    for (int j = 0; j < {DECODE_WARPS}; ++j) {{
+      const float f = expf(wm[j][i] - base);
+      a += wacc[j][i][c] * f;
+      s += wl[j][i] * f;
+    }}
+    const long long row = (b * H + hk * group + r / T) * T + r % T, slot = row * gridDim.x + blockIdx.x;
+    ws_acc[slot * {d} + c] = a;
+    if (c == 0) {{ ws_ml[slot * 2] = M; ws_ml[slot * 2 + 1] = s; }}
   }}
 }}
 """
@@ -609,7 +813,7 @@ extern "C" __global__ void __launch_bounds__({d}) {name}_combine({", ".join(comb
     partial_args = [("in", "q"), ("in", "k"), ("in", "v")] + ([("in", "lengths")] if lengths else [])
     partial_args += [("in", "mask")] if mask_dtype is not None else []
     partial_args += [("out", "ws_ml"), ("out", "ws_acc"), ("i64", heads), ("i64", q_tokens),
-                     ("i64", heads // kv_heads), ("i64", chunk)]
+                     ("i64", group), ("i64", chunk)]
     partial_args += [("i64", x) for x in (*st["q"], *st["k"], *st["v"])]
     partial_args += [("i64", x) for x in st["mask"]] if mask_dtype is not None else []
     partial_args.append(("f32", 1.0 / math.sqrt(d)))
@@ -619,8 +823,9 @@ extern "C" __global__ void __launch_bounds__({d}) {name}_combine({", ".join(comb
     what = (f"decode {batch}x{heads}(kv {kv_heads})x{q_tokens} over {max_len} keys ({' and '.join(seen) or 'all'}), "
             f"D = {d}, {t}")
     return DecodeKernels(
-        KernelCode(partial, f"{name}_partial", grid=(splits, heads * q_tokens, batch), block=128, args=partial_args,
-                   description=f"{what}: {splits} splits of {chunk} keys"),
+        KernelCode(partial, f"{name}_partial", grid=(splits, kv_heads * lay.row_blocks, batch),
+                   block=32 * DECODE_WARPS, args=partial_args,
+                   description=f"{what}: {splits} splits of {chunk} keys, {lay.rows} query rows a block"),
         KernelCode(PRELUDE + NEG_INF + combine, f"{name}_combine", grid=rows, block=d, args=combine_args,
                    description=f"{what}: combine of {splits} splits"),
-        splits, chunk, rows * splits * 2, rows * splits * d)
+        splits, chunk, rows * splits * 2, rows * splits * d, lay)
