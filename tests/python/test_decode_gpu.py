@@ -1,11 +1,13 @@
 """Decoding on a GPU: the optimized prefill and decode programs of the Llama-like static-cache model give eager's
 greedy tokens at fp32, update the model's own caches in place, and the decode program replays as one CUDA
 graph per step; a transformers causal LM through TransformersStaticCacheLM gives transformers' own greedy
-tokens (skipped where transformers is not installed).
+tokens (skipped where transformers is not installed). Through prefill buckets, prompts of every length (one
+token, a prime, a bucket's length and one past it) and fewer sequences than the batch give the same.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -83,3 +85,48 @@ def test_a_transformers_causal_lm_gives_its_own_greedy_tokens():
                                   do_sample=False, pad_token_id=0)
     assert torch.equal(got, expected)
     assert gen.decode_module._runner.executor.stats()["runs"] >= 15
+
+
+def test_prefill_buckets_give_eagers_greedy_tokens_at_every_prompt_length():
+    """Prompts of 1, 13 (a prime), 16 (a bucket's length), 17 and 31 tokens through the bucket programs of 16 and
+    32 positions, right-padded, the logits at each prompt's last token; one sequence of the two beside a dummy row."""
+    config = LlamaConfig(vocab=512, dim=128, layers=2, heads=8, kv_heads=2, hidden=256, max_len=64, batch=2)
+    torch.manual_seed(0)
+    model = TinyLlama(config).eval().cuda()
+    torch.manual_seed(0)
+    twin = TinyLlama(config).eval().cuda()
+    gen = StaticCacheGenerator.optimize(model, batch_size=2, max_length=64, prompt_lengths=32, keep_slower=True,
+                                        compare_compile=False)
+    assert sorted(gen.prefill_buckets) == [16, 32]
+    for fast in (*gen.prefill_buckets.values(), gen.decode_module):
+        assert fast.report.status == "optimized", fast.report.reason
+    assert {c.data_ptr() for c in gen.caches} == {c.data_ptr() for c in model.caches()}
+    with torch.no_grad():
+        for tokens in (1, 13, 16, 17, 31):
+            ids = torch.randint(0, config.vocab, (2, tokens), device="cuda")
+            assert torch.equal(gen.generate(ids, 24), eager_greedy(twin, ids, 24)), tokens
+        for bucket in gen.prefill_buckets.values():
+            assert bucket.other_shape_calls == 0  # every prompt ran a program
+        single = TinyLlama(dataclasses.replace(config, batch=1)).eval().cuda()
+        single.load_state_dict(twin.state_dict())
+        ids = torch.randint(0, config.vocab, (1, 13), device="cuda")
+        assert torch.equal(gen.generate(ids, 24), eager_greedy(single, ids, 24))
+
+
+def test_a_transformers_causal_lm_through_prefill_buckets_gives_its_own_greedy_tokens():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval().cuda()
+    gen = StaticCacheGenerator.for_transformers(model, batch_size=1, max_length=48, prompt_lengths=(12,),
+                                                keep_slower=True, compare_compile=False)
+    (bucket,) = gen.prefill_buckets.values()
+    assert bucket.report.status == "optimized", bucket.report.reason
+    with torch.no_grad():
+        for tokens in (5, 11, 16):
+            ids = torch.randint(0, 256, (1, tokens), device="cuda")
+            expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,
+                                      do_sample=False, pad_token_id=0)
+            assert torch.equal(gen.generate(ids, 12), expected), tokens
+    assert bucket.other_shape_calls == 0
