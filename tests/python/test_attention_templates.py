@@ -331,6 +331,20 @@ def test_decode_gqa_groups_head_dims_and_tokens(emu, group, head_dim, tokens):
     _check_lengths(o, lse, q, k, v, lengths)
 
 
+@emulated
+@pytest.mark.parametrize("head_dim", [96, 160])
+def test_decode_head_dims_that_leave_lanes_idle(emu, head_dim):
+    """Rows of 24 and 40 float4 vectors on 32 lanes: some lanes hold no vector of a row (96), or a second one
+    only on the first 8 lanes (160)."""
+    g = torch.Generator().manual_seed(head_dim)
+    q = torch.randn(2, 8, 3, head_dim, generator=g)
+    k, v = (torch.randn(2, 2, 140, head_dim, generator=g) for _ in range(2))
+    lengths = torch.tensor([140, 66])
+    o, lse, kernels = run_decode(emu, q, k, v, lengths, splits=2)
+    assert (kernels.layout.lanes, kernels.layout.per) == ((32, 1) if head_dim == 96 else (32, 2))
+    _check_lengths(o, lse, q, k, v, lengths)
+
+
 def test_decode_splits_fill_the_gpu_without_tiny_chunks():
     from stitchcuda.graph.templates.attention import decode_splits
     assert decode_splits(blocks=64, max_len=2048) == 5  # 64 blocks x 5 splits >= 2 blocks per SM of 132
@@ -421,6 +435,43 @@ def test_gpu_decode_against_sdpa(dtype):
                                                                 enable_gqa=True)
         sdpa_err = (sdpa.double() - want).abs().max().item()
         assert (t["o"][i:i + 1].double() - want).abs().max().item() <= 2 * sdpa_err + 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group, tokens, head_dim, offset", [(1, 1, 64, 0), (8, 5, 256, 0), (4, 3, 80, 0),
+                                                             (4, 1, 128, 1)],
+                         ids=["mha-d64", "gqa8-t5-d256", "gqa4-t3-d80", "gqa4-unaligned"])
+def test_gpu_decode_groups_tokens_and_alignment(dtype, group, tokens, head_dim, offset):
+    """The block layouts on the GPU: one row block and eight (8 x 5 rows), a head dim whose rows leave lanes
+    idle (80), and caches one element off a 16-byte boundary (element loads), against fp64."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    g = torch.Generator(device="cuda").manual_seed(group * tokens + head_dim)
+    b, hk, s_max = 3, 4, 700
+    q = torch.randn(b, group * hk, tokens, head_dim, device="cuda", generator=g).to(dtype)
+    size = b * hk * s_max * head_dim
+    store = torch.randn(2, size + offset, device="cuda", generator=g).to(dtype)
+    k, v = (x[offset:].view(b, hk, s_max, head_dim) for x in store)
+    lengths = torch.tensor([700, 9, 333], dtype=torch.int32, device="cuda")
+    kernels = decode_attention_kernels("dec_gpu_layout", batch=b, heads=group * hk, kv_heads=hk, q_tokens=tokens,
+                                       max_len=s_max, head_dim=head_dim, dtype=dtype)
+    t = {"q": q, "k": k, "v": v, "lengths": lengths, "o": torch.empty_like(q),
+         "ws_ml": torch.empty(kernels.workspace_ml, device="cuda"),
+         "ws_acc": torch.empty(kernels.workspace_acc, device="cuda")}
+    for code in (kernels.partial, kernels.combine):
+        args = [t[key] if kind in ("in", "out") else key for kind, key in code.args]
+        jit.compile(code.source, code.name)(code.grid, code.block, *args, shared_mem=code.shared_mem)
+    for i, n in enumerate(lengths.tolist()):
+        causal_mask = torch.ones(tokens, n, dtype=torch.bool, device="cuda").tril(n - tokens)
+        want = reference(q[i:i + 1], k[i:i + 1, :, :n], v[i:i + 1, :, :n], mask=causal_mask)[0]
+        err = (t["o"][i:i + 1].double() - want).abs().max().item()
+        if dtype == torch.float32:
+            assert err <= 1e-4, err
+            continue
+        sdpa = torch.nn.functional.scaled_dot_product_attention(
+            q[i:i + 1], k[i:i + 1, :, :n], v[i:i + 1, :, :n], attn_mask=causal_mask, enable_gqa=True)
+        assert err <= 2 * (sdpa.double() - want).abs().max().item() + 1e-3
 
 
 # ---- the benchmark -----------------------------------------------------------------------------------------
