@@ -117,6 +117,10 @@ bool is_tensor_list(const c10::TypePtr& t) {
   auto list = t->cast<c10::ListType>();
   return list && list->getElementType()->kind() == c10::TypeKind::TensorType;
 }
+bool is_optional_tensor_list(const c10::TypePtr& t) {  // Tensor?[]: index.Tensor's indices
+  auto list = t->cast<c10::ListType>();
+  return list && is_optional_tensor(list->getElementType());
+}
 
 }  // namespace
 
@@ -178,6 +182,31 @@ Result<BoundAtenOp> BoundAtenOp::bind(const AtenOp& step, const Program& program
       }
       slot.kind = Slot::tensor_list, slot.first = next, slot.count = take;
       next += take;
+    } else if (is_optional_tensor_list(type)) {
+      // Tensor?[] (x[:, idx] is index.Tensor(x, [None, idx])): the inputs left for it, in order; with the
+      // attribute "<name>:present" (one 0 or 1 per entry), the entries it marks 0 are absent.
+      std::size_t later = 0;
+      for (std::size_t j = i + 1; j < args.size(); ++j) later += is_tensor(args[j].type()) ? 1 : 0;
+      std::size_t left = n_inputs - next >= later ? n_inputs - next - later : 0;
+      if (auto mask = step.attributes.find(arg.name() + ":present"); mask != step.attributes.end()) {
+        auto* flags = std::get_if<std::vector<std::int64_t>>(&mask->second);
+        std::size_t given = 0;
+        bool ok = flags != nullptr;
+        for (std::size_t k = 0; ok && k < flags->size(); ++k) {
+          ok = (*flags)[k] == 0 || (*flags)[k] == 1;
+          given += ok && (*flags)[k] == 1 ? 1 : 0;
+        }
+        if (!ok || given != left)
+          return fail(ErrorCode::InvalidArgument, "ATen op '" + step.op + "', attribute '" + mask->first +
+                                                      "': must be a list of 0 (absent) and 1 (the next input) with one 1 for "
+                                                      "each of the " + std::to_string(left) + " input(s) left");
+        for (std::int64_t f : *flags) slot.present.push_back(f == 1);
+        used.insert(mask->first);
+      } else {
+        slot.present.assign(left, true);
+      }
+      slot.kind = Slot::optional_tensor_list, slot.first = next, slot.count = left;
+      next += left;
     } else if (auto it = step.attributes.find(arg.name()); it != step.attributes.end()) {
       std::string why;
       auto value = convert(it->second, type, arg.N(), why);
@@ -253,6 +282,13 @@ std::vector<at::Tensor> BoundAtenOp::call(const std::vector<at::Tensor>& inputs)
       case Slot::tensor_list:
         stack.emplace_back(std::vector<at::Tensor>(inputs.begin() + long(s.first), inputs.begin() + long(s.first + s.count)));
         break;
+      case Slot::optional_tensor_list: {
+        c10::List<std::optional<at::Tensor>> list;
+        std::size_t k = s.first;
+        for (bool present : s.present) list.push_back(present ? std::optional<at::Tensor>(inputs[k++]) : std::nullopt);
+        stack.emplace_back(std::move(list));
+        break;
+      }
       case Slot::optional_absent: stack.emplace_back(); break;
       case Slot::value: stack.push_back(s.constant); break;
     }

@@ -70,8 +70,9 @@ class BoundAtenOp {
  private:
   // One schema argument: a tensor from the inputs (or a list of them), or a fixed value.
   struct Slot {
-    enum Kind { tensor, tensor_list, optional_absent, value } kind = value;
-    std::size_t first = 0, count = 0;  // inputs used by tensor / tensor_list
+    enum Kind { tensor, tensor_list, optional_tensor_list, optional_absent, value } kind = value;
+    std::size_t first = 0, count = 0;  // inputs used by tensor / tensor_list / optional_tensor_list
+    std::vector<bool> present;         // optional_tensor_list: per entry, whether it is the next input or absent
     c10::IValue constant;              // for value
   };
   std::shared_ptr<c10::OperatorHandle> handle_;

@@ -230,6 +230,28 @@ def test_group_norm_with_a_silu_applied_before_the_store(emu, n, c, hw, groups, 
     torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)
 
 
+class _LastPosition(torch.nn.Module):
+    """A value read at given positions: y[:, idx] (index.Tensor with an absent leading index)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.randn(16))
+
+    def forward(self, x, idx):
+        return torch.tanh(x * self.scale)[:, idx]
+
+
+def test_indexing_with_an_absent_index_is_an_aten_step_that_runs(emu):
+    torch.manual_seed(0)
+    model, x, idx = _LastPosition().eval(), torch.randn(2, 8, 16), torch.tensor([7, 2])
+    _, program, constants = _lowered(model, (x, idx))
+    steps = [s for s in program.steps if s["kind"] == "aten" and s["op"] == "aten::index.Tensor"]
+    assert steps and steps[0]["attributes"]["indices:present"] == [0, 1]
+    (got,) = run_program(emu, program, [x, idx], constants)
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(x, idx), rtol=1e-5, atol=1e-5)
+
+
 def test_an_output_function_reads_an_operand_by_index(emu):
     # softmax(x) * mask + r: a full-shape operand and a column vector, in the register path.
     rows, cols = 2, 2048
@@ -569,6 +591,29 @@ def test_softmax_rows_with_an_operand_and_an_output_function(emu):
 _PROGRAM_DTYPES = {"f32": torch.float32, "i64": torch.int64, "bool": torch.bool, "i32": torch.int32}
 
 
+def _optional_lists(op, given: list, attributes: dict) -> list:
+    """The step's inputs with each Tensor?[] argument (index.Tensor's indices) made one list, as the executor
+    binds it: its entries the next inputs, None where "<name>:present" marks one absent."""
+    args = op._schema.arguments
+    if not any(str(a.type) == "List[Optional[Tensor]]" for a in args):
+        return given
+    out, k = [], 0
+    for i, arg in enumerate(args):
+        t = str(arg.type)
+        if t == "List[Optional[Tensor]]":
+            later = sum(str(a.type) == "Tensor" for a in args[i + 1:])
+            flags = attributes.get(f"{arg.name}:present", [1] * (len(given) - k - later))
+            entries = []
+            for f in flags:
+                entries.append(given[k] if f else None)
+                k += bool(f)
+            out.append(entries)
+        elif "Tensor" in t and k < len(given):
+            out.append(given[k])
+            k += 1
+    return out + given[k:]
+
+
 def run_program(emu, program, inputs: list[torch.Tensor], constants: dict[str, torch.Tensor],
                 states: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
     """The program's outputs on the CPU: buffers allocated as it declares them (NaN-filled where floating,
@@ -603,8 +648,9 @@ def run_program(emu, program, inputs: list[torch.Tensor], constants: dict[str, t
             name, _, overload = step["op"].removeprefix("aten::").partition(".")
             op = getattr(getattr(torch.ops.aten, name), overload or "default")
             attributes = {k: _PROGRAM_DTYPES.get(v, v) if k == "dtype" else v
-                          for k, v in step["attributes"].items()}
+                          for k, v in step["attributes"].items() if not k.endswith(":present")}
             given = [buffers[i] for i in step["inputs"]]
+            given = _optional_lists(op, given, step["attributes"])
             # Optional tensors the step leaves out after its inputs (a convolution without a bias) are None,
             # as the executor binds them.
             for arg in op._schema.arguments[len(given):]:

@@ -199,6 +199,29 @@ def test_aten_steps_are_checked_against_the_dispatcher_before_any_gpu(op, attrib
         b.build().executor()
 
 
+def _indexing(present):
+    """y = x[:, idx] as the capture gives it: index.Tensor(x, [None, idx]), the absent entry marked."""
+    b = ProgramBuilder()
+    x, idx, y = b.input([4, 6]), b.input([2], "i64"), b.output([4, 2])
+    b.aten("aten::index.Tensor", [x, idx], [y], **({"indices:present": present} if present is not None else {}))
+    return b.build()
+
+
+@pytest.mark.parametrize("present, message", [([0, 2], "list of 0 \\(absent\\) and 1"),
+                                              ([1, 1], "one 1 for each of the 1 input\\(s\\) left")])
+def test_an_optional_tensor_list_marks_its_absent_entries(present, message):
+    with pytest.raises(stitchcuda.InvalidArgumentError, match=rf"aten::index.Tensor.*{message}"):
+        _indexing(present).executor()
+
+
+def test_an_optional_tensor_list_binds_before_any_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the GPU tests run such steps")
+    for present in ([0, 1], None):  # x[:, idx], and x[idx] with every entry given
+        with pytest.raises(stitchcuda.UnavailableError):  # past the binding: only the device is missing
+            _indexing(present).executor()
+
+
 def test_executor_without_a_gpu_says_why():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

@@ -1244,7 +1244,9 @@ class Lowering:
                         else torch.float64
                     inputs.append(self.b.weight(torch.tensor(value, dtype=dtype), name=f"{n.name}.{arg.name}"))
                 elif isinstance(value, (list, tuple)):
-                    inputs.extend(self.need(v) for v in value)
+                    if any(v is None for v in value):  # Tensor?[]: x[:, idx] is index.Tensor(x, [None, idx])
+                        attributes[f"{arg.name}:present"] = [int(v is not None) for v in value]
+                    inputs.extend(self.need(v) for v in value if v is not None)
                     if sum(str(a.type) == "List[Tensor]" for a in arguments) > 1:
                         attributes[f"{arg.name}:count"] = len(value)  # lstm: hx, then params
                 elif value is None and any(p > i for p in tensor_positions):
