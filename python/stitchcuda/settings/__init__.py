@@ -347,8 +347,8 @@ OTHER_VARIABLES = (
     Setting("STITCHCUDA_GPU_BUILD", Folder(), None, "scripts", "scripts/gpu-check",
             "the build folder; outside a tree copied afresh for every device call, a second call only relinks",
             "build-gpu in the tree"),
-    Setting("STITCHCUDA_GPU_PART", choice("1", "2", "3", "4"), None, "scripts", "scripts/gpu-check",
-            "one of the check's four parts, each fitting a 10-minute device call", "the whole check"),
+    Setting("STITCHCUDA_GPU_PART", choice("1", "2", "3", "4", "5", "6", "7", "8"), None, "scripts", "scripts/gpu-check",
+            "one of the check's eight parts, each fitting a 10-minute device call (docs/building.md)", "the whole check"),
 )
 
 
