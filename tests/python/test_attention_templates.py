@@ -385,6 +385,18 @@ def _gpu_prefill(q, k, v, causal, tensor_cores):
     return o
 
 
+def gpu_decode(kernels, tensors: dict) -> torch.Tensor:
+    """Runs a decode pair on the GPU over `tensors` (q, k, v, lengths or mask; the output and the workspace
+    are added) and returns the output."""
+    q = tensors["q"]
+    tensors |= {"o": torch.empty_like(q), "ws_ml": torch.empty(kernels.workspace_ml, device=q.device),
+                "ws_acc": torch.empty(kernels.workspace_acc, device=q.device)}
+    for code in (kernels.partial, kernels.combine):
+        args = [tensors[key] if kind in ("in", "out") else key for kind, key in code.args]
+        jit.compile(code.source, code.name)(code.grid, code.block, *args, shared_mem=code.shared_mem)
+    return tensors["o"]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, tensor_cores", [(torch.float32, False), (torch.float16, True), (torch.float16, False),
                                                  (torch.bfloat16, True), (torch.bfloat16, False)],
@@ -420,21 +432,16 @@ def test_gpu_decode_against_sdpa(dtype):
     lengths = torch.randint(1, s_max + 1, (b,), device="cuda", generator=g).int()
     kernels = decode_attention_kernels("dec_gpu", batch=b, heads=h, kv_heads=hk, q_tokens=1, max_len=s_max,
                                        head_dim=d, dtype=dtype)
-    t = {"q": q, "k": k, "v": v, "lengths": lengths, "o": torch.empty_like(q),
-         "ws_ml": torch.empty(kernels.workspace_ml, device="cuda"),
-         "ws_acc": torch.empty(kernels.workspace_acc, device="cuda")}
-    for code in (kernels.partial, kernels.combine):
-        args = [t[key] if kind in ("in", "out") else key for kind, key in code.args]
-        jit.compile(code.source, code.name)(code.grid, code.block, *args, shared_mem=code.shared_mem)
+    o = gpu_decode(kernels, {"q": q, "k": k, "v": v, "lengths": lengths})
     for i, n in enumerate(lengths.tolist()):
         want = reference(q[i:i + 1], k[i:i + 1, :, :n], v[i:i + 1, :, :n])[0]
         if dtype == torch.float32:
-            torch.testing.assert_close(t["o"][i:i + 1].double(), want, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(o[i:i + 1].double(), want, atol=1e-4, rtol=1e-4)
             continue
         sdpa = torch.nn.functional.scaled_dot_product_attention(q[i:i + 1], k[i:i + 1, :, :n], v[i:i + 1, :, :n],
                                                                 enable_gqa=True)
         sdpa_err = (sdpa.double() - want).abs().max().item()
-        assert (t["o"][i:i + 1].double() - want).abs().max().item() <= 2 * sdpa_err + 1e-3
+        assert (o[i:i + 1].double() - want).abs().max().item() <= 2 * sdpa_err + 1e-3
 
 
 @pytest.mark.gpu
@@ -456,16 +463,11 @@ def test_gpu_decode_groups_tokens_and_alignment(dtype, group, tokens, head_dim, 
     lengths = torch.tensor([700, 9, 333], dtype=torch.int32, device="cuda")
     kernels = decode_attention_kernels("dec_gpu_layout", batch=b, heads=group * hk, kv_heads=hk, q_tokens=tokens,
                                        max_len=s_max, head_dim=head_dim, dtype=dtype)
-    t = {"q": q, "k": k, "v": v, "lengths": lengths, "o": torch.empty_like(q),
-         "ws_ml": torch.empty(kernels.workspace_ml, device="cuda"),
-         "ws_acc": torch.empty(kernels.workspace_acc, device="cuda")}
-    for code in (kernels.partial, kernels.combine):
-        args = [t[key] if kind in ("in", "out") else key for kind, key in code.args]
-        jit.compile(code.source, code.name)(code.grid, code.block, *args, shared_mem=code.shared_mem)
+    o = gpu_decode(kernels, {"q": q, "k": k, "v": v, "lengths": lengths})
     for i, n in enumerate(lengths.tolist()):
         causal_mask = torch.ones(tokens, n, dtype=torch.bool, device="cuda").tril(n - tokens)
         want = reference(q[i:i + 1], k[i:i + 1, :, :n], v[i:i + 1, :, :n], mask=causal_mask)[0]
-        err = (t["o"][i:i + 1].double() - want).abs().max().item()
+        err = (o[i:i + 1].double() - want).abs().max().item()
         if dtype == torch.float32:
             assert err <= 1e-4, err
             continue

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "corpus"))
 from cpu_emulator.emulator import EmulatedJit, EmulatedModule, unavailable  # noqa: E402
-from test_attention_templates import _fp32_only, _launch  # noqa: E402  (a template's kernel on the emulator)
+from test_attention_templates import _fp32_only, _launch, gpu_decode  # noqa: E402  (a template's kernel)
 from test_decode import LlamaConfig, TinyLlama, eager_greedy  # noqa: E402  (the static-cache model)
 from test_decode_capture import lowered  # noqa: E402  (capture, plan and lower)
 from test_graph_emulated import run_program  # noqa: E402  (the program's steps on the CPU)
@@ -521,20 +521,15 @@ def test_gpu_masked_decode_against_sdpa(dtype, position):
     pair = decode_attention_kernels("dec_gpu_mask", batch=b, heads=h, kv_heads=hk, q_tokens=1, max_len=s_max,
                                     head_dim=d, dtype=dtype, mask_dtype=torch.bool,
                                     strides={"mask": (0, 0, 0, 1)})
-    t = {"q": q, "k": k, "v": v, "mask": mask, "o": torch.empty_like(q),
-         "ws_ml": torch.empty(pair.workspace_ml, device="cuda"),
-         "ws_acc": torch.empty(pair.workspace_acc, device="cuda")}
-    for code in (pair.partial, pair.combine):
-        args = [t[key] if kind in ("in", "out") else key for kind, key in code.args]
-        jit.compile(code.source, code.name)(code.grid, code.block, *args, shared_mem=code.shared_mem)
+    o = gpu_decode(pair, {"q": q, "k": k, "v": v, "mask": mask})
     keep = slice(0, position + 1)
     want = reference(q, k[:, :, keep], v[:, :, keep])
     if dtype == torch.float32:
-        torch.testing.assert_close(t["o"].double(), want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(o.double(), want, atol=1e-4, rtol=1e-4)
         return
     sdpa = F.scaled_dot_product_attention(q, k[:, :, keep], v[:, :, keep], enable_gqa=True)
     sdpa_err = (sdpa.double() - want).abs().max().item()
-    assert (t["o"].double() - want).abs().max().item() <= 2 * sdpa_err + 1e-3
+    assert (o.double() - want).abs().max().item() <= 2 * sdpa_err + 1e-3
 
 
 @pytest.mark.gpu
