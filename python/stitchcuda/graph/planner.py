@@ -78,8 +78,8 @@ _SCAN_OPS = {"aten::cumsum": "cumsum", "aten::cumprod": "cumprod"}
 # (a few query tokens over many cached keys, SDPA calls included) the split-KV decode kernels, other attention
 # as "sdpa"; "fused": the decode kernels, else the fused prefill template where it computes the attention
 # (else the SDPA step); "off": written-out attention stays the matmul and softmax groups. The kernels are not
-# the default until they are measured ahead of SDPA (docs/attention.md: the first measurement had the decode
-# pair at 0.26-0.62x of SDPA over a full cache; over a static cache they read only the kept keys).
+# the default until they are measured ahead of SDPA (docs/attention.md: the first decode kernel measured
+# 0.26-0.62x of SDPA over a full cache; its rewrite to the floor has not run on a GPU yet).
 ATTENTION_STEPS = ("auto", "sdpa", "fused", "off")
 
 
