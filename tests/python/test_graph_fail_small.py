@@ -901,6 +901,8 @@ def test_recording_never_writes_a_model_input_an_op_hands_on_unchanged():
     x = torch.randn(8, 16)
     before = x.clone()
     graph = capture(PassThrough().eval(), (x,))
+    assert len(graph.outputs) == 1  # the input's new value is not an output: the program does not write it
+    assert any("writes its input 'x' in place" in text for text, _ in graph.notes)
     seen = {}
     stream_values(graph, [x], {"out": {graph.outputs[0].name}}, lambda key, held: seen.update(held))
     assert torch.equal(x, before)

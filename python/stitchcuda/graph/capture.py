@@ -520,6 +520,7 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any],
                       "reads the output adds it in its loads, one read and write of the output fewer"))
     reader = _GraphReader(exported)
     reader.read()
+    notes += reader.notes
     if not reader.inputs:
         raise CaptureError("the model has no tensor inputs")
     updates = state_updates(reader.nodes, reader.states, reader.new_values, reader.targets)
@@ -673,9 +674,10 @@ class _GraphReader:
         self.user_inputs = set(sig.user_inputs)
         # output name -> the buffer it becomes (torch.export's buffer mutations)
         self.mutations: dict[str, str] = dict(sig.buffers_to_mutate)
-        if getattr(sig, "user_inputs_to_mutate", None):
-            raise CaptureError(f"the forward writes its input(s) {sorted(sig.user_inputs_to_mutate.values())} in place: "
-                               "programs do not write their inputs; return the new value instead")
+        # output name -> the user input the forward writes in place (relu_(x) of an input): the program
+        # computes the value and leaves the caller's tensor as it was (a note says so)
+        self.input_mutations: dict[str, str] = dict(getattr(sig, "user_inputs_to_mutate", None) or {})
+        self.notes: list[tuple[str, str]] = []
         self.states: list[Value] = []
         self.targets: dict[str, str] = {}  # a state's value name -> its buffer
         self.new_values: dict[str, Value] = {}  # a state's value name -> the value the forward leaves in it
@@ -780,10 +782,17 @@ class _GraphReader:
     def _output(self, fx: Any) -> None:
         outs = fx.args[0]
         outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-        # The buffers' new values come first; they are the states' updates, not outputs.
+        # The buffers' and inputs' new values come first; they are the states' updates, not outputs.
         by_target = {self.targets[v.name]: v for v in self.states}
-        while outs and isinstance(outs[0], torch.fx.Node) and outs[0].name in self.mutations:
-            o = outs.pop(0)
+        # (counted, not matched by name: a value the forward also returns is both an update and an output)
+        first = len(self.mutations) + len(self.input_mutations)
+        updates, outs = outs[:first], outs[first:]
+        for o in updates:
+            if o.name in self.input_mutations:
+                self.notes.append((f"the forward writes its input '{self.input_mutations[o.name]}' in place; the program "
+                                   "does not", "a program never writes its inputs: it computes the same outputs and the "
+                                   "caller's tensor keeps its values (return the new value to have it)"))
+                continue
             new = self.convert(o)
             state = by_target[self.mutations[o.name]]
             if new is not state:  # a buffer left as it was needs no update
