@@ -140,6 +140,28 @@ def eager_greedy(model: TinyLlama, ids: torch.Tensor, new: int) -> torch.Tensor:
     return torch.cat(out, dim=1)
 
 
+def emulated_generator(emu, model, max_length, batch, prefill, decode, states, caches=()) -> StaticCacheGenerator:
+    """A generator whose prefill and decode are lowered (program, values) pairs run on the CUDA emulator over
+    `states`, the model's own buffers by program name."""
+    def run(program, values):
+        return lambda ids, positions: run_program(emu, program, [ids, positions.clone()], values, states)[0]
+
+    return StaticCacheGenerator(model, max_length=max_length, batch_size=batch, prefill=run(*prefill),
+                                decode=run(*decode), caches=caches)
+
+
+def assert_eagers_greedy_tokens(gen: StaticCacheGenerator, model: TinyLlama, twin: TinyLlama, prompt: int, new: int):
+    """`gen` over `model` generates what eager greedy decoding of `twin` (the same weights) does, and leaves the
+    same caches."""
+    ids = torch.randint(0, 96, (gen.batch_size, prompt))
+    got = gen.generate(ids, new)
+    with torch.no_grad():
+        expected = eager_greedy(twin, ids, new)
+    assert torch.equal(got, expected)
+    for mine, theirs in zip(model.caches(), twin.caches()):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+
+
 def tiny_llama(seed: int = 0) -> TinyLlama:
     torch.manual_seed(seed)
     return TinyLlama().eval()
@@ -271,20 +293,9 @@ def test_prefill_and_decode_programs_give_eagers_greedy_tokens_at_fp32(emu):
     prompt, new = 5, 6
     _, prefill, prefill_values = lowered(model, (torch.zeros(2, prompt, dtype=torch.long), torch.arange(prompt)))
     _, decode, decode_values = lowered(model, (torch.zeros(2, 1, dtype=torch.long), torch.tensor([prompt])))
-    states = dict(model.named_buffers())
-
-    def run(program, values):
-        return lambda ids, positions: run_program(emu, program, [ids, positions.clone()], values, states)[0]
-
-    gen = StaticCacheGenerator(model, max_length=16, batch_size=2, prefill=run(prefill, prefill_values),
-                               decode=run(decode, decode_values), caches=model.caches())
-    ids = torch.randint(0, 96, (2, prompt))
-    got = gen.generate(ids, new)
-    with torch.no_grad():
-        expected = eager_greedy(twin, ids, new)
-    assert torch.equal(got, expected)
-    for mine, theirs in zip(model.caches(), twin.caches()):
-        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+    gen = emulated_generator(emu, model, 16, 2, (prefill, prefill_values), (decode, decode_values),
+                             dict(model.named_buffers()), caches=model.caches())
+    assert_eagers_greedy_tokens(gen, model, twin, prompt, new)
 
 
 @emulated
@@ -302,12 +313,7 @@ def test_a_transformers_llama_over_its_static_cache_gives_transformers_greedy_to
     # The exported module wraps this one (its output flattened): its buffers' names carry the wrapper's prefix.
     prefix = next(iter(graph.state_buffers.values())).rpartition("layer")[0]
     states = {prefix + name: t for name, t in lm.named_buffers()}
-
-    def run(program, values):
-        return lambda ids, positions: run_program(emu, program, [ids, positions.clone()], values, states)[0]
-
-    gen = StaticCacheGenerator(lm, max_length=24, batch_size=1, prefill=run(prefill, prefill_values),
-                               decode=run(decode, decode_values))
+    gen = emulated_generator(emu, lm, 24, 1, (prefill, prefill_values), (decode, decode_values), states)
     ids = torch.randint(0, 256, (1, 6))
     got = gen.generate(ids, 8)
     with torch.no_grad():

@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "corpus"))
 from cpu_emulator.emulator import EmulatedJit, EmulatedModule, unavailable  # noqa: E402
 from test_attention_templates import _fp32_only, _launch, gpu_decode  # noqa: E402  (a template's kernel)
-from test_decode import LlamaConfig, TinyLlama, eager_greedy  # noqa: E402  (the static-cache model)
+from test_decode import (LlamaConfig, TinyLlama, assert_eagers_greedy_tokens, eager_greedy,  # noqa: E402
+                         emulated_generator)  # the static-cache model and its emulated generator
 from test_decode_capture import lowered  # noqa: E402  (capture, plan and lower)
 from test_graph_emulated import run_program  # noqa: E402  (the program's steps on the CPU)
 
@@ -402,16 +403,6 @@ def emu(tmp_path_factory):
     return EmulatedJit(tmp_path_factory.mktemp("decode_attention"))
 
 
-def emulated_generator(emu, model, max_length, batch, prefill, decode, states) -> StaticCacheGenerator:
-    """A generator whose prefill and decode are the lowered (program, values) pairs run on the emulator over
-    `states`, the model's own buffers by program name."""
-    def run(program, values):
-        return lambda ids, positions: run_program(emu, program, [ids, positions.clone()], values, states)[0]
-
-    return StaticCacheGenerator(model, max_length=max_length, batch_size=batch, prefill=run(*prefill),
-                                decode=run(*decode))
-
-
 @emulated
 def test_the_decode_program_runs_the_kernels_and_gives_eagers_greedy_tokens(emu):
     model, twin = llama(), llama()
@@ -424,13 +415,7 @@ def test_the_decode_program_runs_the_kernels_and_gives_eagers_greedy_tokens(emu)
     assert not any(s["kind"] == "aten" and "repeat" in s["op"] for s in decode.steps)
     gen = emulated_generator(emu, model, 160, 2, (prefill, prefill_values), (decode, decode_values),
                              dict(model.named_buffers()))
-    ids = torch.randint(0, 96, (2, prompt))
-    got = gen.generate(ids, new)
-    with torch.no_grad():
-        expected = eager_greedy(twin, ids, new)
-    assert torch.equal(got, expected)
-    for mine, theirs in zip(model.caches(), twin.caches()):
-        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+    assert_eagers_greedy_tokens(gen, model, twin, prompt, new)
 
 
 @emulated
