@@ -1,4 +1,4 @@
-"""Greedy generation over a static KV cache the program owns: prefill programs (the prompt: one per
+"""Generation (greedy or sampled) over a static KV cache the program owns: prefill programs (the prompt: one per
 power-of-two length bucket, or one for an exact length) and a decode program (one token; one fixed shape
 per batch, so it replays as a CUDA graph), all updating the model's cache buffers in place (program
 states), and the token loop around them. See docs/decode.md.
@@ -14,6 +14,7 @@ StaticCache whose tensors are the programs' states (TransformersStaticCacheLM).
 from __future__ import annotations
 
 import inspect
+import math
 import os
 from typing import Any, Callable, Mapping, Sequence
 
@@ -26,7 +27,8 @@ from .module import NoProgramError, OptimizedModule
 from .optimize import optimize
 
 __all__ = ["StaticCacheGenerator", "TransformersStaticCacheLM", "LastPositionLogits", "prefill_model",
-           "bucket_lengths", "check_padded_prefill", "BUCKET_FLOOR"]
+           "bucket_lengths", "check_padded_prefill", "BUCKET_FLOOR", "next_tokens", "check_sampling",
+           "EOS_CHECK_EVERY"]
 
 log = get_logger(__name__)
 
@@ -40,7 +42,7 @@ BUCKET_FLOOR = 16
 
 
 class StaticCacheGenerator:
-    """Greedy decoding with a causal LM in the static-cache style: ``forward(input_ids, cache_position)``
+    """Decoding (greedy or sampled) with a causal LM in the static-cache style: ``forward(input_ids, cache_position)``
     returns logits ``[batch, tokens, vocab]`` and writes each layer's keys and values into cache buffers of
     ``max_length`` positions at ``cache_position`` (``index_copy_``), its attention masked by the positions.
 
@@ -285,37 +287,129 @@ class StaticCacheGenerator:
         self.position += 1
         return logits[:, -1]
 
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int,
-                 eos_token_id: int | None = None) -> torch.Tensor:
-        """Greedy continuation of the prompts `input_ids` [rows, tokens] (rows up to the batch): the prompt
-        followed by `max_new_tokens` tokens, [rows, tokens + max_new_tokens] (fewer once every sequence has
-        produced `eos_token_id`, which then repeats). The whole sequence must fit the cache: checked first."""
-        if int(max_new_tokens) < 1:
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None, *,
+                 do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """The prompts `input_ids` [rows, tokens] (rows up to the batch) followed by `max_new_tokens` new
+        tokens each, [rows, tokens + max_new_tokens]: greedy (the argmax) by default; with ``do_sample=True``
+        drawn on the device from the logits divided by `temperature`, cut to the `top_k` likeliest and to the
+        smallest set whose probability reaches `top_p` (`next_tokens`), from `generator` (a torch.Generator
+        of the model's device: the same seed, the same tokens). With `eos_token_id`, a sequence that has
+        produced it repeats it, and the result ends where every sequence has (fewer columns). The whole
+        sequence must fit the cache, and the arguments must be valid: both checked before anything runs."""
+        if isinstance(max_new_tokens, bool) or int(max_new_tokens) < 1:
             raise InvalidArgumentError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
+        check_sampling(do_sample, temperature, top_k, top_p)
+        if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int)
+                                         or eos_token_id < 0):
+            raise InvalidArgumentError(f"eos_token_id is one token id (an int >= 0) or None, not {eos_token_id!r}")
         ids = self._full_batch(input_ids)
         rows = input_ids.shape[0]
+        if do_sample and generator is not None:
+            _check_generator(generator, ids.device)
         self.position = 0
         # The last new token is never written to the cache: the prompt and max_new_tokens - 1 are.
         self._reserve(ids.shape[1] + max_new_tokens - 1,
                       f"a prompt of {ids.shape[1]} tokens and {max_new_tokens} new ones")
-        out = [ids]
-        token = self._prefill(ids).argmax(-1)
+
+        def choose(logits: torch.Tensor) -> torch.Tensor:
+            return next_tokens(logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                               generator=generator)
+
+        token = choose(self._prefill(ids))
         self._rows = rows
+        new = [token]
         done = None
         if eos_token_id is not None:  # the dummy rows count as done: only real rows keep the loop going
             done = (token == eos_token_id) | (torch.arange(len(token), device=token.device) >= rows)
-        out.append(token[:, None])
-        for _ in range(int(max_new_tokens) - 1):
-            if done is not None and bool(done.all()):
+            eos = torch.full_like(token, eos_token_id)
+        for i in range(1, int(max_new_tokens)):
+            # `done` stays on the device and is read every EOS_CHECK_EVERY tokens: a read waits for every
+            # step queued before it, and a read per token would keep the host from queueing ahead. The
+            # steps past the end are trimmed below (a finished row repeats eos, so the end is exact).
+            if done is not None and i % EOS_CHECK_EVERY == 0 and bool(done.all()):
                 break
-            nxt = self._step(token[:, None]).argmax(-1)
+            token = choose(self._step(token[:, None]))
             if done is not None:
-                nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
-                done = done | (nxt == eos_token_id)
-            token = nxt
-            out.append(token[:, None])
-        return torch.cat(out, dim=1)[:rows]
+                token = torch.where(done, eos, token)
+                done |= token == eos
+            new.append(token)
+        tokens = torch.stack(new, dim=1)[:rows]
+        if done is not None:
+            tokens = tokens[:, :_until_all_ended(tokens, eos_token_id)]
+        return torch.cat([ids[:rows], tokens], dim=1)
 
+
+# How many new tokens generate() queues between two reads of its eos flags on the host: each read drains
+# the queue (the device then idles while the next step is launched); 16 makes that wait 1/16 of the steps'
+# and generates at most 15 steps past the last sequence's end.
+EOS_CHECK_EVERY = 16
+
+
+def _until_all_ended(tokens: torch.Tensor, eos_token_id: int) -> int:
+    """How many columns of `tokens` [rows, new] run up to the first where every row shows eos (a finished
+    row repeats it, so that column is where the last row ended), or all of them."""
+    ended = (tokens == eos_token_id).all(0).nonzero()
+    return int(ended[0]) + 1 if len(ended) else tokens.shape[1]
+
+
+def check_sampling(do_sample: bool, temperature: float = 1.0, top_k: int | None = None,
+                   top_p: float | None = None) -> None:
+    """InvalidArgumentError naming the value and the fix where generate()'s sampling arguments are unusable
+    (the rules the C++ Generator's SamplingOptions follow too)."""
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    if not number(temperature) or not math.isfinite(temperature):
+        raise InvalidArgumentError(f"temperature must be a finite number (the logits are divided by it), not "
+                                   f"{temperature!r}")
+    if not do_sample:
+        if temperature != 1.0 or top_k is not None or top_p is not None:
+            raise InvalidArgumentError("temperature, top_k and top_p shape sampling, and do_sample=False decodes "
+                                       "greedily (the argmax of the logits): pass do_sample=True to sample, or leave "
+                                       "them out")
+        return
+    if temperature == 0:
+        raise InvalidArgumentError("do_sample=True with a temperature of 0 is greedy decoding: pass do_sample=False "
+                                   "(the argmax), or a temperature above 0 to sample")
+    if temperature < 0:
+        raise InvalidArgumentError(f"temperature must be above 0 (the logits are divided by it), not {temperature}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise InvalidArgumentError(f"top_k must be an int >= 1 (sample among the k likeliest tokens) or None "
+                                   f"(all), not {top_k!r}")
+    if top_p is not None and (not number(top_p) or not 0 < top_p <= 1):
+        raise InvalidArgumentError(f"top_p must be a number in (0, 1] (sample among the fewest likeliest tokens "
+                                   f"whose probability reaches it) or None (all), not {top_p!r}")
+
+
+def _check_generator(generator: Any, device: torch.device) -> None:
+    if not isinstance(generator, torch.Generator):
+        raise InvalidArgumentError(f"generator must be a torch.Generator, not {type(generator).__name__}")
+    if generator.device.type != device.type:
+        raise InvalidArgumentError(f"the generator is on {generator.device} but the tokens are on {device}: "
+                                   f"draw from torch.Generator(device='{device.type}')")
+
+
+def next_tokens(logits: torch.Tensor, *, do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The next token of each row of `logits` [rows, vocab], int64 [rows], on the logits' device with no
+    host sync: the argmax, or with `do_sample` a draw (torch.multinomial from `generator`) from the softmax
+    of the logits / `temperature` in fp32, those below the `top_k`-th largest (ties kept) and those past the
+    smallest set of the likeliest whose probability reaches `top_p` set to -inf first. The C++ Generator
+    runs the same operations in the same order: seeded alike, both draw the same tokens."""
+    if not do_sample:
+        return logits.argmax(-1)
+    scores = logits.float() / temperature
+    if top_k is not None and top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        ordered, order = torch.sort(scores, dim=-1, descending=True)
+        probs = ordered.softmax(-1)
+        # A token is dropped where the likelier ones already reach top_p: the likeliest always stays.
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        scores = scores.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
+    return torch.multinomial(scores.softmax(-1), 1, generator=generator)[:, 0]
 
 def bucket_lengths(prompt_lengths: int | Sequence[int], max_length: int) -> list[int]:
     """The prefill buckets serving `prompt_lengths`, ascending: for an int (the longest prompt) every power
