@@ -345,6 +345,16 @@ void bind_decode(py::module_& pm) {
       .def_property_readonly("state_pairs", &DecodePrograms::state_pairs);
   pm.def("is_decode_artifact", [](const py::bytes& b) { return is_decode_artifact(std::string(b)); });
 
+  // SamplingOptions as keywords (registered before Generator.generate, whose default is one).
+  using stitchcuda::torch::SamplingOptions;
+  py::class_<SamplingOptions>(pm, "SamplingOptions")
+      .def(py::init([](bool do_sample, double temperature, std::int64_t top_k, double top_p, std::uint64_t seed,
+                       std::int64_t eos_token_id) {
+        return SamplingOptions{do_sample, temperature, top_k, top_p, seed, eos_token_id};
+      }), py::arg("do_sample") = false, py::arg("temperature") = 1.0, py::arg("top_k") = 0, py::arg("top_p") = 1.0,
+         py::arg("seed") = 0, py::arg("eos_token_id") = -1)
+      .def("check", [](const SamplingOptions& o) { unwrap(stitchcuda::torch::check_sampling(o)); });
+
   py::class_<stitchcuda::torch::Generator>(pm, "Generator")
       .def(py::init([](const DecodePrograms& d, bool graphs, int device) {
         Result<std::unique_ptr<stitchcuda::torch::Generator>> r;
@@ -355,16 +365,17 @@ void bind_decode(py::module_& pm) {
         return unwrap(std::move(r));
       }), py::arg("programs"), py::arg("graphs") = true, py::arg("device") = -1)
       .def("generate", [](stitchcuda::torch::Generator& g, const py::object& prompt, std::int64_t max_new_tokens,
-                          std::uintptr_t stream) {
+                          std::uintptr_t stream, const stitchcuda::torch::SamplingOptions& options) {
         if (!THPVariable_Check(prompt.ptr())) invalid("the prompt is a torch.Tensor of token ids");
         at::Tensor ids = THPVariable_Unpack(prompt.ptr());
         Result<at::Tensor> r;
         {
           py::gil_scoped_release release;
-          r = g.generate(ids, max_new_tokens, stream_of(stream));
+          r = g.generate(ids, max_new_tokens, options, stream_of(stream));
         }
         return py::reinterpret_steal<py::object>(THPVariable_Wrap(unwrap(std::move(r))));
-      }, py::arg("prompt"), py::arg("max_new_tokens"), py::arg("stream") = 0)
+      }, py::arg("prompt"), py::arg("max_new_tokens"), py::arg("stream") = 0,
+         py::arg("options") = stitchcuda::torch::SamplingOptions{})
       .def_property_readonly("batch", &stitchcuda::torch::Generator::batch)
       .def_property_readonly("prompt_length", &stitchcuda::torch::Generator::prompt_length)
       .def_property_readonly("max_length", &stitchcuda::torch::Generator::max_length)
@@ -378,6 +389,18 @@ void bind_decode(py::module_& pm) {
         d["prefill"] = executor_stats(s.prefill), d["decode"] = executor_stats(s.decode);
         return d;
       });
+
+  // next_tokens draws from a generator of the logits' device started at options.seed (the CPU's too).
+  pm.def("next_tokens", [](const py::object& logits, const SamplingOptions& options) {
+    if (!THPVariable_Check(logits.ptr())) invalid("the logits are a torch.Tensor [rows, vocab]");
+    at::Tensor l = THPVariable_Unpack(logits.ptr());
+    Result<at::Tensor> r;
+    {
+      py::gil_scoped_release release;
+      r = stitchcuda::torch::next_tokens(l, options, stitchcuda::torch::seeded_generator(l.device(), options.seed));
+    }
+    return py::reinterpret_steal<py::object>(THPVariable_Wrap(unwrap(std::move(r))));
+  }, py::arg("logits"), py::arg("options"));
 }
 
 }  // namespace

@@ -613,9 +613,9 @@ class DecodePrograms(_ProgramsFile):
 
 
 class LoadedGenerator:
-    """Greedy generation from a DecodePrograms in C++ (torch::Generator): the prefill, then one decode step
-    per token replayed as a CUDA graph, both over one cache the generator owns (zeroed at each call); the
-    next token is chosen on the device. What ``stitchcuda.load`` returns for a prefill + decode file."""
+    """Generation (greedy or sampled) from a DecodePrograms in C++ (torch::Generator): the prefill, then one
+    decode step per token replayed as a CUDA graph, both over one cache the generator owns (zeroed at each
+    call); the next token is chosen on the device. What ``stitchcuda.load`` returns for a prefill + decode file."""
 
     def __init__(self, programs: DecodePrograms, *, graphs: bool = True, device: int | None = None) -> None:
         self.programs = programs
@@ -626,11 +626,22 @@ class LoadedGenerator:
         for text in self._g.warnings:
             warnings.warn(f"stitchcuda: {text}", RuntimeWarning, stacklevel=2)
 
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *,
-                 stream: torch.cuda.Stream | None = None) -> torch.Tensor:
-        """The prompts ``input_ids`` [batch, prompt_length] followed by ``max_new_tokens`` greedy tokens, as
-        StaticCacheGenerator.generate returns them (on the GPU)."""
-        new = self._g.generate(input_ids, int(max_new_tokens), 0 if stream is None else int(stream.cuda_stream))
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None, *,
+                 do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int = 0, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+        """The prompts ``input_ids`` [batch, prompt_length] followed by ``max_new_tokens`` tokens, greedy or
+        sampled, as StaticCacheGenerator.generate returns them (on the GPU); a sample draws from a generator
+        started at `seed` each call (StaticCacheGenerator's with torch.Generator('cuda').manual_seed(seed)
+        draws the same tokens)."""
+        from .graph.decode import check_sampling
+
+        check_sampling(do_sample, temperature, top_k, top_p, eos_token_id)  # the Python rules (C++'s are the same)
+        options = _C.program.SamplingOptions(
+            do_sample=bool(do_sample), temperature=float(temperature), top_k=0 if top_k is None else int(top_k),
+            top_p=1.0 if top_p is None else float(top_p), seed=int(seed),
+            eos_token_id=-1 if eos_token_id is None else int(eos_token_id))
+        new = self._g.generate(input_ids, int(max_new_tokens), 0 if stream is None else int(stream.cuda_stream),
+                               options)
         return torch.cat([input_ids.to(new.device, torch.long), new], dim=1)
 
     @property

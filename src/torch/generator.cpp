@@ -1,17 +1,24 @@
-// Generator (generator.hpp): the greedy token loop over a prefill + decode pair. The prefill executor owns
-// the cache (its states, zero-filled); the decode executor is created over those very tensors, so a step
-// reads what the prefill and the steps before it wrote. Tokens stay on the device: argmax writes the next
-// step's input in place, the position advances in place, and the decode step replays its CUDA graph.
+// Generator (generator.hpp): the token loop over a prefill + decode pair. The prefill executor owns the
+// cache (its states, zero-filled); the decode executor is created over those very tensors, so a step reads
+// what the prefill and the steps before it wrote. Tokens stay on the device: the chosen token (argmax, or a
+// seeded draw) is written into the next step's input in place, the position advances in place, and the
+// decode step replays its CUDA graph; an eos check reads the device once every kEosCheckEvery tokens.
 #include <stitchcuda/generator.hpp>
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <limits>
 #include <map>
 #include <mutex>
+#include <optional>
+#include <sstream>
 
 #include <stitchcuda/family.hpp>
 #include "steps.hpp"
@@ -20,6 +27,83 @@ namespace stitchcuda::torch {
 
 using program::BufferId;
 using program::BufferRole;
+
+namespace {
+
+std::string number(double v) {
+  std::ostringstream text;
+  text << v;
+  return text.str();
+}
+
+// Python's next_tokens (graph/decode.py), operation for operation: seeded alike, both draw the same tokens.
+at::Tensor choose_tokens(const at::Tensor& logits, const SamplingOptions& o, const at::Generator& generator) {
+  if (!o.do_sample) return logits.argmax(-1);
+  constexpr double inf = std::numeric_limits<double>::infinity();
+  at::Tensor scores = logits.to(at::kFloat) / o.temperature;
+  if (o.top_k > 0 && o.top_k < scores.size(-1)) {
+    at::Tensor kth = std::get<0>(scores.topk(o.top_k, -1)).narrow(-1, o.top_k - 1, 1);
+    scores = scores.masked_fill(scores < kth, -inf);
+  }
+  if (o.top_p < 1.0) {
+    auto [ordered, order] = scores.sort(-1, /*descending=*/true);
+    at::Tensor probs = ordered.softmax(-1);
+    // A token is dropped where the likelier ones already reach top_p: the likeliest always stays.
+    at::Tensor drop = (probs.cumsum(-1) - probs) >= o.top_p;
+    scores = scores.scatter(-1, order, ordered.masked_fill(drop, -inf));
+  }
+  std::optional<at::Generator> from;
+  if (generator.defined()) from = generator;
+  return at::multinomial(scores.softmax(-1), 1, /*replacement=*/false, from).select(-1, 0);
+}
+
+}  // namespace
+
+Result<void> check_sampling(const SamplingOptions& o) {
+  auto bad = [](std::string message) { return fail(ErrorCode::InvalidArgument, std::move(message)); };
+  if (!std::isfinite(o.temperature))
+    return bad("temperature must be a finite number (the logits are divided by it), not " + number(o.temperature));
+  if (o.eos_token_id < -1)
+    return bad("eos_token_id is one token id (>= 0) or -1 (none), not " + std::to_string(o.eos_token_id));
+  if (!o.do_sample) {
+    if (o.temperature != 1.0 || o.top_k != 0 || o.top_p != 1.0)
+      return bad("temperature, top_k and top_p shape sampling, and do_sample=false decodes greedily (the argmax of "
+                 "the logits): set do_sample to sample, or leave them at their defaults (1, 0, 1)");
+    return {};
+  }
+  if (o.temperature == 0)
+    return bad("do_sample with a temperature of 0 is greedy decoding: set do_sample=false (the argmax), or a "
+               "temperature above 0 to sample");
+  if (o.temperature < 0) return bad("temperature must be above 0 (the logits are divided by it), not " + number(o.temperature));
+  if (o.top_k < 0)
+    return bad("top_k must be >= 1 (sample among the k likeliest tokens) or 0 (all), not " + std::to_string(o.top_k));
+  if (!(o.top_p > 0 && o.top_p <= 1))
+    return bad("top_p must be a number in (0, 1] (sample among the fewest likeliest tokens whose probability reaches "
+               "it; 1: all), not " + number(o.top_p));
+  return {};
+}
+
+at::Generator seeded_generator(c10::Device device, std::uint64_t seed) {
+  at::Generator generator = device.is_cuda() ? at::cuda::detail::createCUDAGenerator(device.index())
+                                             : at::detail::createCPUGenerator(seed);
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  generator.set_current_seed(seed);  // as torch.Generator.manual_seed: the seed, and the counter at 0
+  return generator;
+}
+
+Result<at::Tensor> next_tokens(const at::Tensor& logits, const SamplingOptions& options, at::Generator generator) {
+  if (auto ok = check_sampling(options); !ok) return tl::unexpected(ok.error());
+  if (!logits.defined() || logits.dim() != 2 || !at::isFloatingType(logits.scalar_type()))
+    return fail(ErrorCode::InvalidArgument,
+                "the logits must be a floating-point [rows, vocab] tensor, not " +
+                    (logits.defined() ? std::string(c10::toString(logits.scalar_type())) + " " + c10::str(logits.sizes())
+                                      : std::string("an undefined tensor")));
+  try {
+    return choose_tokens(logits, options, generator);
+  } catch (const c10::Error& e) {  // a generator of another device than the logits', among others
+    return fail(ErrorCode::InvalidArgument, std::string("choosing the next tokens failed: ") + e.what_without_backtrace());
+  }
+}
 
 struct Generator::Impl {
   // The pair's shape (its programs, weights included, live on in the executors alone).
@@ -78,7 +162,8 @@ Result<std::unique_ptr<Generator>> Generator::load(const std::string& path, Gene
   return create(std::move(*programs), options);
 }
 
-Result<at::Tensor> Generator::generate(const at::Tensor& prompt, std::int64_t max_new_tokens, void* stream) {
+Result<at::Tensor> Generator::generate(const at::Tensor& prompt, std::int64_t max_new_tokens,
+                                       const SamplingOptions& options, void* stream) {
   Impl& x = *impl_;
   const std::int64_t batch = this->batch(), length = prompt_length(), cache = max_length();
   if (!prompt.defined() || prompt.dim() != 2 || !c10::isIntegralType(prompt.scalar_type(), /*includeBool=*/false) ||
@@ -98,6 +183,10 @@ Result<at::Tensor> Generator::generate(const at::Tensor& prompt, std::int64_t ma
                                                 std::to_string(max_new_tokens) + " new ones needs positions 0.." +
                                                 std::to_string(length + max_new_tokens - 2) + " but the cache holds " +
                                                 std::to_string(cache) + " (max_length): ask for fewer tokens");
+  if (auto ok = check_sampling(options); !ok) return tl::unexpected(ok.error());
+  if (options.eos_token_id >= vocab())
+    return fail(ErrorCode::InvalidArgument, "eos_token_id " + std::to_string(options.eos_token_id) +
+                                                " is past the vocabulary 0.." + std::to_string(vocab() - 1));
   try {  // an id past the embedding table would fault on the device: checked here (one read of two numbers)
     if (const auto range = at::aminmax(prompt); std::get<0>(range).item<std::int64_t>() < 0 ||
                                                 std::get<1>(range).item<std::int64_t>() >= vocab())
@@ -137,35 +226,58 @@ Result<at::Tensor> Generator::generate(const at::Tensor& prompt, std::int64_t ma
     if (!step_out) return tl::unexpected(step_out.error());
     at::Tensor& ids = (*step_in)[0];
     at::Tensor& position = (*step_in)[1];
-    // The logits of the last position: [batch, vocab] -> the greedy token of each sequence.
+    // Each call draws from its own generator at options.seed: one prompt and seed, one answer.
+    const at::Generator draws = options.do_sample ? seeded_generator(device, options.seed) : at::Generator();
+    const std::int64_t eos = options.eos_token_id;
+    at::Tensor done;  // [batch] bool on the device: the sequences that produced eos (which then repeat it)
+    // The logits of the last position: [batch, vocab] -> the next token of each sequence.
     auto choose = [&](const at::Tensor& all, std::int64_t i) {
-      at::Tensor token = all.select(1, all.size(1) - 1).argmax(-1);
+      at::Tensor token = choose_tokens(all.select(1, all.size(1) - 1), options, draws);
+      if (eos >= 0) {
+        if (done.defined()) {
+          token = at::where(done, at::Scalar(eos), token);
+          done.logical_or_(token == eos);
+        } else {
+          done = token == eos;
+        }
+      }
       out.select(1, i).copy_(token);
       ids.copy_(token.view({batch, 1}));
     };
     choose((*logits)[0], 0);
     position.fill_(length);
+    std::int64_t made = max_new_tokens;
     for (std::int64_t i = 1; i < max_new_tokens; ++i) {
+      // The flags are read (a wait for every step queued) once every kEosCheckEvery tokens, not per token.
+      if (eos >= 0 && i % kEosCheckEvery == 0 && done.all().item<bool>()) {
+        made = i;
+        break;
+      }
       if (auto ran = x.decode->run(*step_in, *step_out, raw); !ran) return tl::unexpected(ran.error());
       choose((*step_out)[0], i);
       position.add_(1);
     }
+    if (eos >= 0) {  // up to the first column where every sequence shows eos: exact, as a finished one repeats it
+      at::Tensor ended = out.narrow(1, 0, made).eq(eos).all(0).nonzero();
+      if (ended.size(0) > 0) made = ended[0][0].item<std::int64_t>() + 1;
+    }
     x.sequences++;
-    x.tokens += std::uint64_t(max_new_tokens);
-    return out;
+    x.tokens += std::uint64_t(made);
+    return made == max_new_tokens ? out : out.narrow(1, 0, made).contiguous();
   } catch (const c10::Error& e) {
     return fail(ErrorCode::CudaError, std::string("generating failed: ") + e.what_without_backtrace());
   }
 }
 
-Result<std::vector<std::int64_t>> Generator::generate(const std::vector<std::int64_t>& prompt, std::int64_t max_new_tokens) {
+Result<std::vector<std::int64_t>> Generator::generate(const std::vector<std::int64_t>& prompt, std::int64_t max_new_tokens,
+                                                      const SamplingOptions& options) {
   if (std::int64_t(prompt.size()) != batch() * prompt_length())
     return fail(ErrorCode::InvalidArgument, "the prompt holds " + std::to_string(prompt.size()) + " token ids but the "
                                                 "prefill program takes " + std::to_string(batch()) + " x " +
                                                 std::to_string(prompt_length()) + " (batch x prompt length, row-major)");
   try {
     at::Tensor ids = at::from_blob(const_cast<std::int64_t*>(prompt.data()), {batch(), prompt_length()}, at::kLong);
-    auto tokens = generate(ids, max_new_tokens);
+    auto tokens = generate(ids, max_new_tokens, options);
     if (!tokens) return tl::unexpected(tokens.error());
     at::Tensor host = tokens->cpu();  // waits for the loop
     return std::vector<std::int64_t>(host.data_ptr<std::int64_t>(), host.data_ptr<std::int64_t>() + host.numel());

@@ -1,6 +1,8 @@
 """Sampling in StaticCacheGenerator.generate (temperature, top-k, top-p from a seeded torch.Generator) against an
 eager loop drawing with the same function, the distributions it draws from, its argument checks, and the eos
-check that reads the device every EOS_CHECK_EVERY tokens yet ends exactly where the last sequence did.
+check that reads the device every EOS_CHECK_EVERY tokens yet ends exactly where the last sequence did; the C++
+Generator's choice of tokens (stitchcuda::torch::next_tokens and SamplingOptions' checks, on the CPU through the
+bindings) drawing Python's tokens from the same seed, and on a GPU its token loop of a saved pair doing so.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_decode import LlamaConfig, TinyLlama, eager_greedy, tiny_llama  # noqa: E402  (a small static-cache LM)
 
-from stitchcuda import InvalidArgumentError, StaticCacheGenerator  # noqa: E402
+import stitchcuda  # noqa: E402
+from stitchcuda import InvalidArgumentError, StaticCacheGenerator, _C  # noqa: E402
 from stitchcuda.graph.decode import EOS_CHECK_EVERY, next_tokens  # noqa: E402
 
 VOCAB = 96
@@ -223,3 +226,78 @@ def test_a_generator_of_another_device_is_refused():
     with pytest.raises(InvalidArgumentError, match=r"draw from torch.Generator\(device='cpu'\)"):
         gen.generate(torch.zeros(2, 3, dtype=torch.long), 4, do_sample=True,
                      generator=torch.Generator(device="cuda"))
+
+
+# ---- the C++ Generator's choice of tokens --------------------------------------------------------------------
+
+def cpp_next_tokens(logits: torch.Tensor, **options) -> torch.Tensor:
+    return _C.program.next_tokens(logits, _C.program.SamplingOptions(**options))
+
+
+@pytest.mark.parametrize("options", [{}, dict(do_sample=True), dict(do_sample=True, temperature=0.6),
+                                     dict(do_sample=True, top_k=5), dict(do_sample=True, top_p=0.8),
+                                     dict(do_sample=True, temperature=1.4, top_k=12, top_p=0.9)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_draws_pythons_tokens_from_the_same_seed(options, dtype):
+    logits = (2 * torch.randn(64, 50, generator=seeded(0))).to(dtype)
+    got = cpp_next_tokens(logits, seed=1234, **options)
+    assert got.dtype == torch.int64 and got.shape == (64,)
+    assert torch.equal(got, next_tokens(logits, generator=seeded(1234), **options))
+    if options:  # a sample: another seed draws other tokens
+        assert not torch.equal(cpp_next_tokens(logits, seed=1235, **options), got)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(do_sample=True, temperature=0.0), r"temperature of 0 is greedy decoding: set do_sample=false"),
+    (dict(do_sample=True, temperature=-1.0), r"temperature must be above 0 .*not -1"),
+    (dict(do_sample=True, temperature=float("inf")), r"temperature must be a finite number"),
+    (dict(do_sample=True, top_k=-2), r"top_k must be >= 1 .* or 0 \(all\), not -2"),
+    (dict(do_sample=True, top_p=0.0), r"top_p must be a number in \(0, 1\]"),
+    (dict(do_sample=True, top_p=1.01), r"top_p must be a number in \(0, 1\].*not 1.01"),
+    (dict(temperature=0.5), r"do_sample=false decodes greedily .*set do_sample to sample"),
+    (dict(top_p=0.9), r"do_sample=false decodes greedily"),
+    (dict(eos_token_id=-3), r"eos_token_id is one token id \(>= 0\) or -1 \(none\), not -3"),
+])
+def test_cpp_sampling_options_are_checked_with_the_fix_named(options, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        _C.program.SamplingOptions(**options).check()
+    with pytest.raises(InvalidArgumentError, match=message):
+        cpp_next_tokens(torch.zeros(2, 8), **options)
+
+
+def test_cpp_next_tokens_takes_floating_point_rows_of_logits():
+    _C.program.SamplingOptions(do_sample=True, temperature=0.5, top_k=3, top_p=0.5, eos_token_id=7).check()
+    with pytest.raises(InvalidArgumentError, match=r"floating-point \[rows, vocab\] tensor, not Long \[2, 8\]"):
+        cpp_next_tokens(torch.zeros(2, 8, dtype=torch.long))
+    with pytest.raises(InvalidArgumentError, match=r"floating-point \[rows, vocab\] tensor, not Float \[8\]"):
+        cpp_next_tokens(torch.zeros(8), do_sample=True)
+
+
+@pytest.mark.gpu
+def test_the_cpp_token_loop_samples_the_python_generators_tokens_and_stops_at_eos_alike(tmp_path):
+    model = long_llama().cuda()
+    gen = StaticCacheGenerator.optimize(model, batch_size=2, prompt_length=5, max_length=48)
+    for module in (gen.prefill_module, gen.decode_module):
+        assert module.report.status == "optimized", module.report.reason
+    path = tmp_path / "llama.decode.stitch"
+    gen.save(path)
+    loaded = stitchcuda.load(path)
+    ids = torch.randint(0, VOCAB, (2, 5), generator=seeded(6)).cuda()
+    options = dict(do_sample=True, temperature=1.5, top_k=8, top_p=0.95)
+
+    def python(new, eos=None, seed=3):
+        with torch.no_grad():
+            return gen.generate(ids, new, eos, generator=torch.Generator(device="cuda").manual_seed(seed), **options)
+
+    free = python(40)
+    for _ in range(2):  # a call captures the decode step, the next replays it: one seed, one answer
+        assert torch.equal(loaded.generate(ids, 40, seed=3, **options), free)
+    assert not torch.equal(loaded.generate(ids, 40, seed=4, **options), free)
+    eos = ending_token(free[:, 5:].cpu())
+    stopped = loaded.generate(ids, 40, eos, seed=3, **options)
+    assert torch.equal(stopped, python(40, eos)) and torch.equal(stopped, with_eos(free, 5, eos))
+    assert torch.equal(loaded.generate(ids, 12), gen.generate(ids, 12))  # greedy, as before
+    with pytest.raises(InvalidArgumentError, match=r"eos_token_id 96 is past the vocabulary 0\.\.95"):
+        loaded._g.generate(ids, 4, 0, _C.program.SamplingOptions(eos_token_id=96))
+    with pytest.raises(InvalidArgumentError, match=r"temperature of 0 is greedy decoding"):
+        loaded.generate(ids, 4, do_sample=True, temperature=0)

@@ -3,10 +3,11 @@
 // several threads, each on its own CUDA stream, replaying the program's CUDA graph. Every answer is
 // compared with an eager (no graph) executor of the same artifact; the host time per forward is printed.
 // `serve generate` runs the token loop of a saved prefill + decode pair (StaticCacheGenerator.save):
-// prompt token ids in, greedy tokens out.
+// prompt token ids in, greedy or sampled tokens out.
 //
 //   serve [artifact.stitch] [--threads N] [--requests N]     (serve --help says more)
-//   serve generate PAIR.stitch --prompt 1,2,3 [--new-tokens N]
+//   serve generate PAIR.stitch --prompt 1,2,3 [--new-tokens N] [--do-sample --temperature T --top-k K
+//                  --top-p P --seed S] [--eos ID]
 //
 // Prints "ok ..." on success, "no GPU: built only (...)" where no GPU is present; exits 1 on any error,
 // 2 on bad usage.
@@ -17,6 +18,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -69,14 +71,22 @@ static program::Program demo_program(int batch) {
 
 static constexpr const char* kUsage =
     "usage: serve [ARTIFACT.stitch] [--threads N] [--requests N]\n"
-    "       serve generate PAIR.stitch --prompt IDS [--new-tokens N]\n"
+    "       serve generate PAIR.stitch --prompt IDS [--new-tokens N] [--do-sample [--temperature T] [--top-k K]\n"
+    "                      [--top-p P] [--seed S]] [--eos ID]\n"
     "Loads a .stitch artifact (given none, builds and saves a small MLP program first) and answers N requests\n"
     "from several threads, each on its own CUDA stream, checking every answer against an eager executor.\n"
     "  --threads N    threads serving requests (default 4)\n"
     "  --requests N   requests in all (default 100)\n"
-    "generate: greedy tokens from a saved prefill + decode pair (StaticCacheGenerator.save in Python):\n"
+    "generate: tokens from a saved prefill + decode pair (StaticCacheGenerator.save in Python), greedy unless\n"
+    "--do-sample:\n"
     "  --prompt IDS     the prompt's token ids, comma-separated; sequences of a batch separated by ';'\n"
     "  --new-tokens N   tokens to generate per sequence (default 16)\n"
+    "  --do-sample      draw each token from the softmax of the logits instead of taking the argmax\n"
+    "  --temperature T  divide the logits by T > 0 before drawing (default 1)\n"
+    "  --top-k K        draw among the K likeliest tokens (default 0: all)\n"
+    "  --top-p P        draw among the fewest likeliest tokens whose probability reaches P, 0 < P <= 1 (default 1)\n"
+    "  --seed S         the draws' seed: one prompt and seed, one answer (default 0)\n"
+    "  --eos ID         a sequence that produces token ID repeats it; generation ends once all have\n"
     "Prints 'ok ...' on success, 'no GPU: built only (...)' without a GPU; exits 1 on an error, 2 on bad usage.\n";
 
 // A count after a flag, or 0 when it is missing or not a positive number.
@@ -107,12 +117,33 @@ static std::optional<std::vector<std::vector<std::int64_t>>> token_rows(const st
   return rows;
 }
 
-// serve generate PAIR --prompt IDS [--new-tokens N]: the C++ token loop of a saved prefill + decode pair.
+// The number after a flag (all of the text a number), or nothing.
+static std::optional<double> number_after(int argc, char** argv, int& i) {
+  if (i + 1 >= argc) return std::nullopt;
+  char* end = nullptr;
+  const char* text = argv[++i];
+  const double v = std::strtod(text, &end);
+  return *text != '\0' && *end == '\0' ? std::optional<double>(v) : std::nullopt;
+}
+
+// serve generate PAIR --prompt IDS [--new-tokens N] [sampling flags]: the C++ token loop of a saved pair.
 static int generate_main(int argc, char** argv) {
   std::string path, prompt_text;
   int new_tokens = 16;
+  stitchcuda::torch::SamplingOptions options;
   for (int i = 2; i < argc; ++i) {
     const std::string arg = argv[i];
+    // A flag taking a whole number (a token id, a count, a seed) of at least `least`.
+    const char* given = i + 1 < argc ? argv[i + 1] : "";  // the value after the flag, for the message
+    auto whole = [&](const char* what, double least) -> std::optional<double> {
+      auto v = number_after(argc, argv, i);
+      if (!v || *v != std::floor(*v) || *v < least || *v > 9.0e15) {
+        std::fprintf(stderr, "serve generate: %s needs a whole number >= %.0f, not '%s'\n%s", what, least, given,
+                     kUsage);
+        return std::nullopt;
+      }
+      return v;
+    };
     if (arg == "--prompt" && i + 1 < argc) {
       prompt_text = argv[++i];
     } else if (arg == "--new-tokens") {
@@ -120,6 +151,21 @@ static int generate_main(int argc, char** argv) {
         std::fprintf(stderr, "serve generate: --new-tokens needs a positive number\n%s", kUsage);
         return 2;
       }
+    } else if (arg == "--do-sample") {
+      options.do_sample = true;
+    } else if (arg == "--temperature" || arg == "--top-p") {
+      const auto v = number_after(argc, argv, i);
+      if (!v) {
+        std::fprintf(stderr, "serve generate: %s needs a number, not '%s'\n%s", arg.c_str(), given, kUsage);
+        return 2;
+      }
+      (arg == "--temperature" ? options.temperature : options.top_p) = *v;
+    } else if (arg == "--top-k" || arg == "--seed" || arg == "--eos") {
+      const auto v = whole(arg.c_str(), 0);
+      if (!v) return 2;
+      if (arg == "--top-k") options.top_k = std::int64_t(*v);
+      if (arg == "--seed") options.seed = std::uint64_t(*v);
+      if (arg == "--eos") options.eos_token_id = std::int64_t(*v);
     } else if (arg.rfind("-", 0) != 0 && path.empty()) {
       path = arg;
     } else {
@@ -131,6 +177,10 @@ static int generate_main(int argc, char** argv) {
   if (path.empty() || !rows) {
     std::fprintf(stderr, "serve generate: give PAIR.stitch and --prompt with token ids (non-negative integers, ',' between "
                          "tokens, ';' between sequences of equal length)\n%s", kUsage);
+    return 2;
+  }
+  if (auto ok = stitchcuda::torch::check_sampling(options); !ok) {  // before a file is read or a GPU touched
+    std::fprintf(stderr, "serve generate: %s\n%s", ok.error().message.c_str(), kUsage);
     return 2;
   }
   auto pair = program::DecodePrograms::load(path);
@@ -149,22 +199,24 @@ static int generate_main(int argc, char** argv) {
   for (const auto& w : (*generator)->warnings()) std::fprintf(stderr, "warning: %s\n", w.c_str());
   std::vector<std::int64_t> prompt;
   for (const auto& row : *rows) prompt.insert(prompt.end(), row.begin(), row.end());
-  auto first = (*generator)->generate(prompt, new_tokens);  // the decode step captured here
+  auto first = (*generator)->generate(prompt, new_tokens, options);  // the decode step captured here
   if (!first) return failed("generating", first.error());
   const auto t0 = std::chrono::steady_clock::now();
-  auto tokens = (*generator)->generate(prompt, new_tokens);  // timed: prefill + the replayed steps
+  auto tokens = (*generator)->generate(prompt, new_tokens, options);  // timed: prefill + the replayed steps
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   if (!tokens) return failed("generating", tokens.error());
+  const std::size_t made = tokens->size() / rows->size();  // fewer than new_tokens where --eos ended them all
   for (std::size_t r = 0; r < rows->size(); ++r) {
     std::printf("tokens[%zu]:", r);
-    for (int t = 0; t < new_tokens; ++t) std::printf(" %lld", (long long)(*tokens)[r * std::size_t(new_tokens) + std::size_t(t)]);
+    for (std::size_t t = 0; t < made; ++t) std::printf(" %lld", (long long)(*tokens)[r * made + t]);
     std::printf("\n");
   }
   const auto stats = (*generator)->stats();
-  const bool same = *first == *tokens;  // greedy: a sequence's tokens do not depend on the run
-  std::printf("%s sequences=%zu new_tokens=%d ms=%.3f tokens_per_s=%.1f decode_replays=%llu decode_captures=%llu\n",
-              same ? "ok" : "FAILED (two runs of one prompt differ)", rows->size(), new_tokens, ms,
-              double(rows->size()) * new_tokens / (ms / 1000.0), (unsigned long long)stats.decode.replays,
+  // Greedy, or sampled from one seed: a sequence's tokens do not depend on the run.
+  const bool same = *first == *tokens;
+  std::printf("%s sequences=%zu new_tokens=%zu ms=%.3f tokens_per_s=%.1f decode_replays=%llu decode_captures=%llu\n",
+              same ? "ok" : "FAILED (two runs of one prompt differ)", rows->size(), made, ms,
+              double(rows->size() * made) / (ms / 1000.0), (unsigned long long)stats.decode.replays,
               (unsigned long long)stats.decode.captures);
   return same ? 0 : 1;
 }

@@ -299,10 +299,7 @@ class StaticCacheGenerator:
         sequence must fit the cache, and the arguments must be valid: both checked before anything runs."""
         if isinstance(max_new_tokens, bool) or int(max_new_tokens) < 1:
             raise InvalidArgumentError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
-        check_sampling(do_sample, temperature, top_k, top_p)
-        if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int)
-                                         or eos_token_id < 0):
-            raise InvalidArgumentError(f"eos_token_id is one token id (an int >= 0) or None, not {eos_token_id!r}")
+        check_sampling(do_sample, temperature, top_k, top_p, eos_token_id)
         ids = self._full_batch(input_ids)
         rows = input_ids.shape[0]
         if do_sample and generator is not None:
@@ -353,12 +350,16 @@ def _until_all_ended(tokens: torch.Tensor, eos_token_id: int) -> int:
     return int(ended[0]) + 1 if len(ended) else tokens.shape[1]
 
 
-def check_sampling(do_sample: bool, temperature: float = 1.0, top_k: int | None = None,
-                   top_p: float | None = None) -> None:
-    """InvalidArgumentError naming the value and the fix where generate()'s sampling arguments are unusable
-    (the rules the C++ Generator's SamplingOptions follow too)."""
+def check_sampling(do_sample: bool, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                   eos_token_id: int | None = None) -> None:
+    """InvalidArgumentError naming the value and the fix where generate()'s arguments choosing the tokens are
+    unusable (the rules the C++ Generator's SamplingOptions follow too)."""
     def number(x: Any) -> bool:
         return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int)
+                                     or eos_token_id < 0):
+        raise InvalidArgumentError(f"eos_token_id is one token id (an int >= 0) or None, not {eos_token_id!r}")
 
     if not number(temperature) or not math.isfinite(temperature):
         raise InvalidArgumentError(f"temperature must be a finite number (the logits are divided by it), not "
