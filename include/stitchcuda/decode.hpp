@@ -1,7 +1,7 @@
 // stitchcuda::program::DecodePrograms — a causal LM's prefill and decode programs over one static KV cache
 // (their states), as data: the pair's checks (inputs, logits, states paired by name with one layout) and
 // its file, both programs in one container with their weights stored once. torch::Generator
-// (generator.hpp) runs the greedy token loop over it.
+// (generator.hpp) runs the token loop (greedy or sampled) over it.
 #pragma once
 
 #include <cstdint>
