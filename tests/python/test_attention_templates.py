@@ -77,7 +77,8 @@ def test_every_decode_variant_compiles_without_spills(dtype, head_dim, group, to
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_tensor_core_prefill_compiles_for_sm90a(dtype, head_dim):
     code = flash_attention_kernel("fa_tc", batch=2, heads=8, kv_heads=2, q_len=300, kv_len=300, head_dim=head_dim,
-                                  dtype=dtype, causal=True, mask_dtype=torch.bool, lse=True, tensor_cores=True)
+                                  dtype=dtype, causal=True, mask_dtype=torch.bool, lse=True, tensor_cores=True,
+                                  mma=False)  # the WMMA kernel (test_flash_mma.py tests the mma.sync one)
     assert jit.compile_module(code.source, arch="sm_90a").kernel(code.name).name == code.name
     assert code.block == 128 and code.shared_mem == wmma_tiles(head_dim).shared_mem <= 227 * 1024
 
@@ -240,7 +241,8 @@ def run_wmma_prefill(emu, q, k, v, *, causal=False, mask=None):
     b, h, nq, d = q.shape
     code = flash_attention_kernel("fa_tc_emu", batch=b, heads=h, kv_heads=k.shape[1], q_len=nq, kv_len=k.shape[2],
                                   head_dim=d, dtype=torch.float16, causal=causal,
-                                  mask_dtype=None if mask is None else mask.dtype, lse=True, tensor_cores=True)
+                                  mask_dtype=None if mask is None else mask.dtype, lse=True, tensor_cores=True,
+                                  mma=False)
     params = re.search(r"fa_tc_emu\((.*?)\) \{", code.source).group(1).replace("__half", "float").split(", ")
     from stitchcuda.graph.templates.attention import _score_lines
     source = _wmma_source("fa_tc_emu", params, wmma_tiles(d), "float", causal,

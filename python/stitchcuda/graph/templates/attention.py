@@ -68,6 +68,7 @@ import torch
 
 from ...errors import InvalidArgumentError
 from .common import CTYPE, PRELUDE, KernelCode
+from .flash_mma import MMA_HEAD_DIMS, MmaTiles, flash_mma_source, mma_tiles
 
 # -inf without <math.h> (NVRTC has none): the bit pattern of -inf.
 NEG_INF = "#define NEG_INF __int_as_float(0xff800000)\n"
@@ -112,14 +113,16 @@ def _check(dtype: torch.dtype, head_dim: int) -> None:
 def flash_attention_kernel(name: str, *, batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int,
                            head_dim: int, dtype: torch.dtype, causal: bool = False,
                            mask_dtype: torch.dtype | None = None, lse: bool = False,
-                           tensor_cores: bool | None = None) -> KernelCode:
+                           tensor_cores: bool | None = None, mma: bool | None = None) -> KernelCode:
     """The prefill / encoder kernel for q [B, H, Nq, D], k and v [B, H_kv, Nk, D] (any token and head
     strides, unit stride along D). Arguments, in order: q, k, v, [mask], o, [lse (fp32 [B, H, Nq])], then
     Nq, Nk, H, H / H_kv, the (batch, head, token) strides of q, k, v and o, [the mask's four strides] and
     the scale (f32). The returned `args` carry the contiguous strides; a caller with other layouts
     replaces them. `mask_dtype`: None, torch.bool (True attends) or a float dtype (added to the scores).
     `tensor_cores` (default: for fp16/bf16): the WMMA variant (`_wmma_source`), which also needs token
-    strides that are multiples of 8 elements and 16-byte aligned q, k, v; False: the FMA kernel."""
+    strides that are multiples of 8 elements and 16-byte aligned q, k, v; False: the FMA kernel. `mma`
+    (default: where it applies, head dims 64 and 128): the tensor-core kernel is the mma.sync one
+    (flash_mma.py: scores, probabilities and output in registers) rather than WMMA; same contract."""
     _check(dtype, head_dim)
     if tensor_cores is None:
         tensor_cores = dtype != torch.float32
@@ -146,7 +149,11 @@ def flash_attention_kernel(name: str, *, batch: int, heads: int, kv_heads: int, 
 
     score = _score_lines("s[j]", causal, mask_dtype)
     mask_base = f"  const {CTYPE[mask_dtype]}* mb = mask + b * msb + h * msh;" if mask_dtype is not None else ""
-    if tensor_cores:
+    if tensor_cores and mma is not False and head_dim in MMA_HEAD_DIMS:
+        tiles = mma_tiles(head_dim, mask_dtype is not None)
+        source = flash_mma_source(name, params, tiles, t, causal, mask_dtype, lse)
+        bm, bn = tiles.bm, tiles.bn
+    elif tensor_cores:
         tiles = wmma_tiles(head_dim)
         source = _wmma_source(name, params, tiles, t, causal, mask_base, lse,
                               _score_lines("Sw[r * SF + c]", causal, mask_dtype))
@@ -164,7 +171,8 @@ def flash_attention_kernel(name: str, *, batch: int, heads: int, kv_heads: int, 
         args += [("i64", heads * q_len * kv_len), ("i64", q_len * kv_len), ("i64", kv_len), ("i64", 1)]
     args.append(("f32", 1.0 / math.sqrt(head_dim)))
     what = f"{'causal ' if causal else ''}attention {batch}x{heads}(kv {kv_heads})x{q_len}x{kv_len}x{head_dim}"
-    what += f" {t}, {bm}x{bn} tiles, {'WMMA tensor cores' if tensor_cores else 'FMA'}"
+    engine = ("mma.sync tensor cores" if isinstance(tiles, MmaTiles) else "WMMA tensor cores") if tensor_cores else "FMA"
+    what += f" {t}, {bm}x{bn} tiles, {engine}"
     return KernelCode(source, name, grid=(math.ceil(q_len / bm), batch * heads), block=tiles.threads, args=args,
                       description=what + (f", {mask_dtype} mask" if mask_dtype else ""), shared_mem=tiles.shared_mem)
 
