@@ -220,7 +220,7 @@ def test_unusable_arguments_are_refused_before_anything_runs(options, message):
     assert calls == []
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device for the generator's device check")
+@pytest.mark.gpu
 def test_a_generator_of_another_device_is_refused():
     gen = StaticCacheGenerator(tiny_llama(), max_length=16, batch_size=2)
     with pytest.raises(InvalidArgumentError, match=r"draw from torch.Generator\(device='cpu'\)"):
