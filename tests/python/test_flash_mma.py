@@ -73,7 +73,8 @@ def test_every_variant_compiles_for_sm90_without_spills(dtype, head_dim, variant
 # ---- the CPU emulator: the same kernel, fragments exchanged lane by lane ----------------------------------
 
 # What the emulated helpers need beyond the emulator's CUDA: __syncwarp (the warp's barrier).
-EMULATION = "#define STITCHCUDA_EMULATE_MMA\ninline void __syncwarp(unsigned = 0xffffffffu) { emu_warp->bar.arrive_and_wait(); }\n"
+EMULATION = ("#define STITCHCUDA_EMULATE_MMA\n"
+             "inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp->bar.arrive_and_wait(); }\n")
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +90,8 @@ def run_emulated(emu, q, k, v, *, causal=False, mask=None):
     code = flash_attention_kernel("fa_mma_emu", batch=b, heads=h, kv_heads=k.shape[1], q_len=nq, kv_len=k.shape[2],
                                   head_dim=d, dtype=torch.bfloat16, causal=causal, mask_dtype=mask_dtype, lse=True)
     params = re.search(r"fa_mma_emu\((.*?)\) \{", code.source).group(1).replace("__nv_bfloat16", "float")
-    source = flash_mma_source("fa_mma_emu", params.split(", "), mma_tiles(d, mask is not None), "float", causal, mask_dtype, True)
+    source = flash_mma_source("fa_mma_emu", params.split(", "), mma_tiles(d, mask is not None), "float", causal,
+                              mask_dtype, True)
     o, lse = torch.full_like(q, float("nan")), torch.full((b, h, nq), float("nan"))
     tensors = {"q": q, "k": k, "v": v, "mask": mask, "o": o, "lse": lse}
     args = [tensors[key] if kind in ("in", "out") else key for kind, key in code.args]

@@ -3,7 +3,8 @@
 
 Prefill: the fused kernel against SDPA's flash (bf16 only: it has no fp32 kernel), memory-efficient and math
 backends and torch.compile of the math form, at bf16 and fp32, on Llama-1B prefill (1x32x2048x64, causal),
-ViT-B (64x12x197x64) and BERT-base (32x12x512x64). Decode: the split-KV pair against SDPA (its own backend
+ViT-B (64x12x197x64), BERT-base (32x12x512x64) and a head dim of 128 (1x32x2048x128, causal). Decode:
+the split-KV pair against SDPA (its own backend
 choice) for one new token at batch 1, 8 and 32 over 512 and 2,048 cached keys (32 query heads, 8 kv heads,
 D = 128, bf16; timed as called, and with a busy-wait queued ahead, `*_queued_ms`, so the host's launch
 latency does not show, as in the decode step's CUDA graph), and the decode step over a static cache of 2,048
@@ -11,8 +12,8 @@ slots at positions 100, 1,000 and 2,000 (the masked kernels, reading only the ke
 mask, batch 1 and 8). Every time is the
 Verifier's timer (verify/timing.measure, L2 flushed before each call); ratios are baseline / ours (above 1:
 ours is faster) and the speed of light is max(bytes / DRAM bandwidth, FLOPs / peak) from the GPU's table.
-Each result is checked against the fp64 math form first. bf16 runs the tensor-core (WMMA) kernel; its FMA
-variant is timed beside it (fma_kernel).
+Each result is checked against the fp64 math form first. bf16 runs the tensor-core kernel (mma.sync at head
+dims 64 and 128, WMMA at others); its WMMA and FMA variants are timed beside it (wmma_kernel, fma_kernel).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from ..verify import hardware
 from ..verify.timing import measure
 
 PREFILL = [("llama-1b-prefill", 1, 32, 2048, 64, True), ("vit-b-16", 64, 12, 197, 64, False),
-           ("bert-base", 32, 12, 512, 64, False)]
+           ("bert-base", 32, 12, 512, 64, False), ("d128-causal", 1, 32, 2048, 128, True)]
 DECODE = [(b, n) for b in (1, 8, 32) for n in (512, 2048)]
 DECODE_HEADS, DECODE_KV_HEADS, DECODE_DIM = 32, 8, 128
 # The decode step over a static cache: its slots, the positions decoded at, the batches.
@@ -106,10 +107,11 @@ def prefill(gpu: dict) -> list[dict]:
                 row["compile_math_ms"] = _time(lambda: compiled(q, k, v, causal))
             except Exception as exc:  # noqa: BLE001 — a compile failure is a result to report, not a crash
                 row["compile_math_ms"], row["compile_math_error"] = None, str(exc).splitlines()[0][:160]
-            if dtype != torch.float32:  # the FMA variant beside the tensor-core kernel, for the record
-                fma = flash_attention_kernel(f"bench_fa_fma_{d}", batch=b, heads=h, kv_heads=h, q_len=n, kv_len=n,
-                                             head_dim=d, dtype=dtype, causal=causal, tensor_cores=False)
-                row["fma_kernel_ms"] = _time(_launcher(fma, {"q": q, "k": k, "v": v, "o": torch.empty_like(q)}))
+            if dtype != torch.float32:  # ours' 16-bit alternatives, for the record
+                for label, kernel in (("fma_kernel", dict(tensor_cores=False)), ("wmma_kernel", dict(mma=False))):
+                    other = flash_attention_kernel(f"bench_fa_{label}_{d}", batch=b, heads=h, kv_heads=h, q_len=n,
+                                                   kv_len=n, head_dim=d, dtype=dtype, causal=causal, **kernel)
+                    row[f"{label}_ms"] = _time(_launcher(other, {"q": q, "k": k, "v": v, "o": torch.empty_like(q)}))
             flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
             size = q.element_size() * 4 * q.numel()
             peak = gpu["bf16_tflops"] if dtype != torch.float32 else gpu["fp32_tflops"]
@@ -238,6 +240,7 @@ def run(json_output: bool = False) -> int:
     print("\nprefill (ratios: baseline time / ours)")
     print(_table(out["prefill"], ["shape", "dtype", "ours_ms", "sdpa_flash_over_ours", "sdpa_efficient_over_ours",
                                   "sdpa_math_over_ours", "compile_math_over_ours", "fma_kernel_over_ours",
+                                  "wmma_kernel_over_ours",
                                   "fraction_of_speed_of_light", "max_abs_error_vs_fp64"]))
     print("\ndecode, bf16, 32 heads / 8 kv heads, D = 128")
     print(_table(out["decode"], ["batch", "kv_len", "splits", "blocks", "ours_ms", "sdpa_over_ours",

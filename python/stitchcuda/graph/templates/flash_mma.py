@@ -121,7 +121,10 @@ def _helpers(t: str) -> str:
 struct pk {{ float x, y; }};
 struct chunk {{ float v[8]; }};
 __device__ __forceinline__ pk pack(float a, float b) {{ return {{a, b}}; }}
-__device__ __forceinline__ float* lanes_of_warp() {{ __shared__ float x[4][32][12]; return &x[threadIdx.x >> 5][0][0]; }}
+__device__ __forceinline__ float* lanes_of_warp() {{
+  __shared__ float x[4][32][12];
+  return &x[threadIdx.x >> 5][0][0];
+}}
 __device__ __forceinline__ void cp_async8(T* dst, const T* src, bool valid) {{
   *reinterpret_cast<chunk*>(dst) = valid ? *reinterpret_cast<const chunk*>(src) : chunk{{}};
 }}
@@ -181,7 +184,8 @@ __device__ __forceinline__ void ldsm_x4(pk r[4], const T* base, int off, bool tr
 __device__ __forceinline__ void mma16816(float c[4], const pk a[4], const pk b[2]) {{
   asm("mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 {{%0, %1, %2, %3}}, {{%4, %5, %6, %7}}, {{%8, %9}}, "
       "{{%0, %1, %2, %3}};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }}
 #endif
 """
@@ -356,7 +360,7 @@ extern "C" __global__ void __launch_bounds__(128) {name}({", ".join(params)}) {{
       }}
     }}
     #pragma unroll
-    for (int kk = 0; kk < {bn // 16}; ++kk) {{  // O += P V: the accumulators of 8-key tiles 2kk, 2kk+1 are P's A fragment
+    for (int kk = 0; kk < {bn // 16}; ++kk) {{  // O += P V; S's 8-key tiles 2kk, 2kk + 1 are P's A fragment
       pk pf[{mt}][4];
       #pragma unroll
       for (int i = 0; i < {mt}; ++i) {{
