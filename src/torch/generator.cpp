@@ -74,7 +74,8 @@ Result<void> check_sampling(const SamplingOptions& o) {
   if (o.temperature == 0)
     return bad("do_sample with a temperature of 0 is greedy decoding: set do_sample=false (the argmax), or a "
                "temperature above 0 to sample");
-  if (o.temperature < 0) return bad("temperature must be above 0 (the logits are divided by it), not " + number(o.temperature));
+  if (o.temperature < 0)
+    return bad("temperature must be above 0 (the logits are divided by it), not " + number(o.temperature));
   if (o.top_k < 0)
     return bad("top_k must be >= 1 (sample among the k likeliest tokens) or 0 (all), not " + std::to_string(o.top_k));
   if (!(o.top_p > 0 && o.top_p <= 1))
