@@ -11,12 +11,12 @@ sequences, less at short ones and causal:
     Llama-1B 1x32/32x2048x64 causal     17.2    33.6    17.4 us     49.1 us      10.0 us
     ViT-B 64x12/12x197x64               7.6     77.5     7.7 us     21.8 us      23.1 us
     BERT-base 32x12/12x512x64           25.8   100.7    26.0 us     73.6 us      30.0 us
-    1x32/8x2048x128 causal              34.4    41.9    34.7 us     98.2 us      12.5 us
+    1x32/32x2048x128 causal             34.4    67.1    34.7 us     98.2 us      20.0 us
     8x32/8x2048x128 causal             274.9   335.5   277.8 us    785.4 us     100.2 us
     8x32/8x512x128 causal               17.2    83.9    17.4 us     49.1 us      25.0 us
 
-(the first three are the bench's prefill rows; its first measurement had SDPA's flash backend at 0.128,
-0.11 and 0.128 ms there, timer included: 0.9x of it is the target). So the kernel is matrix-bound except
+(the first four are the bench's prefill rows; its first measurement had SDPA's flash backend at 0.128,
+0.11 and 0.128 ms on the first three, timer included: 0.9x of it is the target). So the kernel is matrix-bound except
 at ViT's short sequences, where the bytes are as large as the FLOPs.
 
 What bounds a block below the tensor rate is shared memory: a warp reads every K and V element of a tile
