@@ -73,6 +73,23 @@ def test_every_decode_variant_compiles_without_spills(dtype, head_dim, group, to
     assert jit.compile_module(pair.combine.source, arch="sm_90a").kernel(pair.combine.name)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("causal, mask", [(False, None), (True, torch.bool), (False, "add")],
+                         ids=["plain", "causal-bool", "additive"])
+def test_fma_prefill_keeps_its_tiles_in_registers(dtype, head_dim, causal, mask):
+    """The FMA prefill (fp32, and fp16/bf16 with tensor_cores=False) at every head dim: its TM x 4 scores and
+    TM x D / 8 accumulators a thread stay in registers (no stack frame, no spill, which would put them in
+    local memory inside the FMA loops), 256 threads, and its shared memory within the H100's 227 KB."""
+    code = flash_attention_kernel("fa_regs", batch=2, heads=8, kv_heads=2, q_len=300, kv_len=300, head_dim=head_dim,
+                                  dtype=dtype, causal=causal, mask_dtype=dtype if mask == "add" else mask, lse=True,
+                                  tensor_cores=False)
+    tiles = prefill_tiles(head_dim)
+    assert _spills(code) == "0 bytes stack frame, 0 bytes spill stores"
+    assert code.block == tiles.threads == 256 and code.grid == (math.ceil(300 / tiles.bm), 16)
+    assert code.shared_mem == tiles.shared_mem <= 227 * 1024
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_tensor_core_prefill_compiles_for_sm90a(dtype, head_dim):
@@ -153,6 +170,15 @@ CASES = {
     "head-dim-32": dict(shape=(2, 2, 1, 65, 65, 32), causal=True),
     "head-dim-96": dict(shape=(1, 1, 1, 17, 50, 96), causal=True),
     "head-dim-256": dict(shape=(1, 1, 1, 40, 40, 256)),
+    # fp32 prefill tiles are 128 (64 above D = 128) query rows x 32 keys: ragged query and key counts, Nq < Nk
+    "ragged-d128-causal": dict(shape=(1, 2, 1, 33, 70, 128), causal=True),
+    "ragged-d32-additive": dict(shape=(2, 2, 2, 33, 70, 32), mask="additive"),
+    "ragged-d256-gqa-padding": dict(shape=(2, 4, 2, 33, 70, 256), mask="padding"),
+    "d160-causal": dict(shape=(1, 2, 2, 70, 70, 160), causal=True),
+    # three query blocks (started last first under causal) over ten key tiles through both K/V buffers
+    "three-blocks-d64-causal": dict(shape=(1, 1, 1, 300, 300, 64), causal=True),
+    # causal blocks are remapped across (batch, head) too: every head's last query block launches first
+    "two-blocks-8-heads-gqa-causal": dict(shape=(2, 4, 2, 150, 150, 32), causal=True),
 }
 
 
@@ -177,6 +203,29 @@ def test_prefill_matches_math_attention(emu, case):
     o, lse = run_prefill(emu, q, k, v, causal=causal, mask=mask, lse=True)
     want, want_lse = reference(q, k, v, causal=causal, mask=mask)
     torch.testing.assert_close(o, want.float(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse, want_lse.float(), atol=1e-4, rtol=1e-4)
+
+
+@emulated
+@pytest.mark.parametrize("pad", [0, 1], ids=["aligned", "rows-padded-by-one"])
+def test_prefill_reads_projection_layouts_in_place(emu, pad):
+    """q, k, v and the output as [B, N, H, D] (a projection's layout) read and written through their strides.
+    Rows padded by one float make the K and V token strides odd: the kernel then stages K and V with element
+    loads instead of 16-byte asynchronous copies, with the same result."""
+    g = torch.Generator().manual_seed(11 + pad)
+    b, h, hk, nq, nk, d = 2, 4, 2, 45, 70, 64
+    qs, ks, vs = (torch.randn(b, n, x, d + pad, generator=g) for x, n in ((h, nq), (hk, nk), (hk, nk)))
+    q, k, v = (x[..., :d].transpose(1, 2) for x in (qs, ks, vs))
+    code = flash_attention_kernel("fa_strided", batch=b, heads=h, kv_heads=hk, q_len=nq, kv_len=nk, head_dim=d,
+                                  dtype=torch.float32, causal=True, lse=True)
+    o, lse = torch.full((b, nq, h, d), float("nan")), torch.full((b, h, nq), float("nan"))
+    first = [kind for kind, _ in code.args].index("i64") + 4  # after Nq, Nk, H, group: the strides
+    strides = [x.stride(i) for x in (q, k, v, o.transpose(1, 2)) for i in range(3)]
+    _launch(emu, code, {"q": qs, "k": ks, "v": vs, "o": o, "lse": lse},
+            {first + i: stride for i, stride in enumerate(strides)})
+    want, want_lse = reference(q, k, v, causal=True)
+    assert (k.stride(2) % 4 != 0) == bool(pad)
+    torch.testing.assert_close(o.transpose(1, 2), want.float(), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(lse, want_lse.float(), atol=1e-4, rtol=1e-4)
 
 
@@ -377,12 +426,17 @@ def test_the_split_count_for_the_benchs_shapes(batch, keys):
 
 # ---- the GPU: every dtype against SDPA --------------------------------------------------------------------
 
-def _gpu_prefill(q, k, v, causal, tensor_cores):
+def _gpu_prefill(q, k, v, causal, tensor_cores, padding=None):
+    """The prefill kernel on the GPU; `padding`: a boolean key-padding mask [B, 1, 1, Nk] (strides (Nk, 0, 0, 1))."""
     b, h, n, d = q.shape
     code = flash_attention_kernel("fa_gpu", batch=b, heads=h, kv_heads=k.shape[1], q_len=n, kv_len=k.shape[2],
-                                  head_dim=d, dtype=q.dtype, causal=causal, tensor_cores=tensor_cores)
+                                  head_dim=d, dtype=q.dtype, causal=causal, tensor_cores=tensor_cores,
+                                  mask_dtype=None if padding is None else torch.bool)
     o = torch.empty_like(q)
-    args = [{"q": q, "k": k, "v": v, "o": o}[key] if kind in ("in", "out") else key for kind, key in code.args]
+    args = [{"q": q, "k": k, "v": v, "o": o, "mask": padding}[key] if kind in ("in", "out") else key
+            for kind, key in code.args]
+    if padding is not None:  # the mask's four strides come before the scale
+        args[-5:-1] = [k.shape[2], 0, 0, 1]
     jit.compile(code.source, code.name)(code.grid, code.block, *args, shared_mem=code.shared_mem)
     return o
 
@@ -420,6 +474,28 @@ def test_gpu_prefill_against_sdpa(dtype, tensor_cores, causal, head_dim):
     sdpa_err = (sdpa.double() - want).abs().max().item()
     our_err = (ours.double() - want).abs().max().item()
     assert our_err <= 2 * sdpa_err + 1e-3, (our_err, sdpa_err)  # the accuracy rule: SDPA's own error, a floor
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["plain", "causal", "key-padding"])
+def test_gpu_fp32_prefill_at_a_kernelbench_size_matches_sdpa(form):
+    """fp32 at a KernelBench-like size (batch 32, 16 heads, 512 tokens, D = 64: four query blocks of 128 rows,
+    sixteen key tiles through both buffers, 16-byte asynchronous copies): within 1e-4 of SDPA (its
+    memory-efficient backend at fp32) and of the fp64 math form."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    g = torch.Generator(device="cuda").manual_seed(54)
+    b, h, n, d = 32, 16, 512, 64
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", generator=g) for _ in range(3))
+    padding = None
+    if form == "key-padding":  # every other sequence keeps its first 300 keys
+        padding = torch.ones(b, 1, 1, n, dtype=torch.bool, device="cuda")
+        padding[::2, ..., 300:] = False
+    ours = _gpu_prefill(q, k, v, form == "causal", False, padding)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=padding, is_causal=form == "causal")
+    torch.testing.assert_close(ours, sdpa, atol=1e-4, rtol=1e-4)
+    want = reference(q, k, v, causal=form == "causal", mask=padding)[0]
+    assert (ours.double() - want).abs().max().item() <= 1e-4
 
 
 @pytest.mark.gpu

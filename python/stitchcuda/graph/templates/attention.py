@@ -3,26 +3,52 @@
 
 Prefill (`flash_attention_kernel`). A block owns BM query rows of one (batch, head); it walks the keys in
 tiles of BN, staging K and V through shared memory, and keeps per row a running max and sum (fp32, the
-online softmax) and the output accumulator in registers, rescaled when the max grows. Four threads share a
-row: each computes BN/4 of the tile's scores (keys p, p + 4, ..) and owns D/4 of the output columns
-(p, p + 4, ..), the row's max and sum combined by two shuffles. Causal blocks stop at their last row's key
-tile. The mask is one broadcastable tensor [B|1, H|1, Nq, Nk] read through strides (0 where broadcast):
-additive (any float dtype) or boolean (True attends, as SDPA's): a key-padding mask is a boolean mask with
-strides (Nk, 0, 0, 1). GQA/MQA read kv head h / (H_q / H_kv). Q, K, V and the output are read and written
-through (batch, head, token) strides, so a [B, N, H, D] projection output needs no copy.
+online softmax) and the output accumulator in registers, rescaled when the max grows. Causal blocks stop
+at their last row's key tile. The mask is one broadcastable tensor [B|1, H|1, Nq, Nk] read through strides
+(0 where broadcast): additive (any float dtype) or boolean (True attends, as SDPA's): a key-padding mask is
+a boolean mask with strides (Nk, 0, 0, 1). GQA/MQA read kv head h / (H_q / H_kv). Q, K, V and the output
+are read and written through (batch, head, token) strides, so a [B, N, H, D] projection output needs no
+copy.
 
 Softmax state and accumulation are fp32 in every dtype; the output is rounded once, to the input dtype.
-fp32 inputs: plain FMAs over fp32 tiles (true fp32, as eager's math is). fp16/bf16 inputs (by default):
-Q K^T and P V on tensor cores through WMMA 16x16x16 fragments with fp32 accumulation (`_wmma_source`,
-4 warps x 16 query rows, the probabilities rounded to the input dtype for P V as FlashAttention does);
-with tensor_cores=False, the FMA kernel over converted fp32 tiles.
+fp32 inputs: FMAs over fp32 tiles (true fp32, as eager's math is: no TF32), register-tiled (below).
+fp16/bf16 inputs (by default): Q K^T and P V on tensor cores through WMMA 16x16x16 fragments with fp32
+accumulation (`_wmma_source`, 4 warps x 16 query rows, the probabilities rounded to the input dtype for P V
+as FlashAttention does); with tensor_cores=False, the FMA kernel over converted fp32 tiles.
 
-Budget per block of the FMA kernel (fp32 staging, floats): Q BM x (D+1), K BN x (D+1), V BN x D,
-P BM x (BN+1) — the +1 pads keep the four-threads-per-row reads of Q, K and P on distinct banks. D <= 128:
-BM = 64, BN = 32, 256 threads: 41.6 KB at D = 64, 74 KB at D = 128; D = 256: BM = 32, BN = 32, 128
-threads, 103 KB (two blocks per H100 SM's 228 KB). Registers per thread: D/4 accumulators (16..64) +
-BN/4 scores (8) + the row state, under the 255 limit at D = 256 and about 64 at D = 64. The tensor-core
-kernel's budget: WmmaTiles.
+The fp32 FMA kernel's floor. Attention is 4 B H Nq Nk D FLOPs (half under causal), all FMAs at fp32: no
+tensor core computes true fp32, and the H100's FP32 rate is 67 TFLOP/s (132 SMs x 128 lanes x 2 x 1.98
+GHz). Its bytes (q, k, v, o) are a few percent of that time, so the bound is the FMA issue rate:
+
+    shape (fp32, D = 64)          GFLOP   at 67 TFLOP/s   SDPA memory-efficient, measured (TFLOP/s)
+    1x32x2048, causal (Llama)      17.2      256 us          775 us (22)
+    64x12x197 (ViT-B)               7.6      114 us          424 us (18)
+    32x12x512 (BERT-base)          25.8      385 us          823 us (31)
+    32x8x256                        4.3       64 us
+    32x16x512                      34.4      513 us
+    32x16x1024                    137.4     2051 us
+
+(the measured column: the first benchmark run, docs/attention.md). The memory-efficient backend (CUTLASS
+SIMT at fp32) reaches a quarter to a half of the FMA rate; the bar is to beat it.
+
+The old kernel gave a row 4 threads, each reading the query row's element from shared memory for every
+key's FMA: one shared-memory load per FMA, bound by shared memory at a fraction of the FMA rate. Now each
+thread computes a TM x 4 micro-tile of S (TM query rows x 4 keys) from TM + 4 float4 loads a step of 4
+along D, 16 TM FMAs (64 at TM = 4: 8 FMAs a load instruction), and a TM x D/8 tile of O the same way
+(TM float4 of P and D/8 float4 of V rows per 4 keys, 4 TM D/8 FMAs). 8 lanes share a row (its max and sum
+in 3 shuffles); a warp is 4 row groups x 8 lanes, so a float4 read of Q or P serves 4 rows on 4 distinct
+bank groups and of K 8 keys (pads of 4 floats), one 128-byte shared-memory wavefront either way, against
+16 TM FMA instructions: at TM = 4 and full FMA rate, half the shared-memory bandwidth in S and 3/8 in P V.
+K and V tiles are double-buffered with 16-byte cp.async copies (fp32 with 16-byte aligned rows; element
+loads otherwise), the next tile's issued before this one's products. Per tile and thread at D = 64, TM = 4:
+2,048 FMAs against about 700 other instructions (loads, the softmax's exp, max and mask, the rescale):
+about 73% of the issue slots are FMAs, ~49 TFLOP/s at best, 1.5-2.5x the memory-efficient backend's
+rate above; tiles past Nq or Nk waste their share (ViT's 197 tokens: 256 rows x 224 keys computed).
+Tiles (`PrefillTiles`): D <= 128: BM = 128, TM = 4, BN = 32, 256 threads, 87 KB of shared memory at D = 64
+(two blocks an SM, the launch bound capping the registers at 128: 124 used), 151 KB at D = 128 (168-226
+registers); D > 128: BM = 64, TM = 2 (the D/8 x TM accumulators), 204 KB at D = 256. Causal grids launch
+every head's last query block first. Unmeasured: it has not run on a GPU. The tensor-core kernel's budget:
+WmmaTiles.
 
 Decode (`decode_attention_kernels`). One to a few query tokens per sequence against a KV cache
 [B, H_kv, S_max, D] with a per-sequence length (int32 [B]), a mask, or neither. Its time is its bytes: each
@@ -77,28 +103,86 @@ ATTENTION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HEAD_DIMS = (32, 64, 80, 96, 128, 160, 192, 224, 256)  # multiples of 32 (decode lanes) up to 256
 
 
+# The FMA prefill kernel's thread layout: 8 lanes share a query row (a row's max and sum are 3 shuffles), each
+# lane holding 4 of a tile's keys (BN = 32).
+PREFILL_LANES, PREFILL_KEYS = 8, 4
+
+
 @dataclass(frozen=True)
 class PrefillTiles:
-    """Tile sizes of the prefill kernel for one head dim: BM query rows, BN keys, 4 * BM threads."""
+    """Tile sizes of the FMA prefill kernel for one head dim: BM query rows, BN keys a tile, `rows` (TM) query
+    rows a thread; BM / TM row groups of 8 lanes (256 threads). Shared memory (floats): Q [BM][D + 4], K
+    [2][BN][D + 4] and V [2][BN][D] (two stages), P [BM][BN + 8]; the pads put the float4 reads of a warp's
+    4 rows of Q and P and 8 keys of K on distinct banks, and P's scalar writes too."""
 
     bm: int
     bn: int
     head_dim: int
+    rows: int
+
+    @property
+    def row_groups(self) -> int:
+        return self.bm // self.rows
 
     @property
     def threads(self) -> int:
-        return 4 * self.bm
+        return PREFILL_LANES * self.row_groups
+
+    @property
+    def blocks_per_sm(self) -> int:
+        """Blocks an H100 SM holds by shared memory (228 KB, 1 KB reserved a block): 2 up to D = 80, else 1.
+        It is the kernel's launch bound, so ptxas neither caps the registers below what one block may use
+        (it chose 128 and spilled at D = 96) nor lets them exceed 128 where two blocks fit."""
+        return 2 if 2 * (self.shared_mem + 1024) <= 228 * 1024 else 1
+
+    @property
+    def q_pitch(self) -> int:
+        return self.head_dim + 4
+
+    @property
+    def k_pitch(self) -> int:
+        return self.head_dim + 4
+
+    @property
+    def p_pitch(self) -> int:
+        return self.bn + 8
 
     @property
     def shared_mem(self) -> int:
         d = self.head_dim
-        return 4 * (self.bm * (d + 1) + self.bn * (d + 1) + self.bn * d + self.bm * (self.bn + 1))
+        return 4 * (self.bm * self.q_pitch + 2 * self.bn * (self.k_pitch + d) + self.bm * self.p_pitch)
 
 
 def prefill_tiles(head_dim: int) -> PrefillTiles:
-    """BM = 64 up to D = 128 (256 threads, at most 74 KB of shared memory), BM = 32 above (the staged Q
-    tile and the D/4 accumulators per thread double with D)."""
-    return PrefillTiles(64 if head_dim <= 128 else 32, 32, head_dim)
+    """BM = 128, 4 rows a thread up to D = 128 (87 KB of shared memory at D = 64: two blocks an SM; 151 KB at
+    D = 128); BM = 64, 2 rows a thread above (204 KB at D = 256), so the TM x D / 8 output accumulators stay
+    at 64 registers or fewer."""
+    if head_dim <= 128:
+        return PrefillTiles(128, PREFILL_LANES * PREFILL_KEYS, head_dim, 4)
+    return PrefillTiles(64, PREFILL_LANES * PREFILL_KEYS, head_dim, 2)
+
+
+_CP_ASYNC = r"""
+// 16-byte global -> shared copies completing asynchronously (cp.async, sm_80+). Compiled as plain C++ (the CPU
+// emulator, where __CUDA_ARCH__ is not defined) they are ordinary copies, and the waits are no-ops.
+__device__ __forceinline__ void cp_async16(float* dst, const float* src) {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src));
+#else
+  *reinterpret_cast<float4*>(dst) = *reinterpret_cast<const float4*>(src);
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#endif
+}
+"""
 
 
 def _check(dtype: torch.dtype, head_dim: int) -> None:
@@ -201,81 +285,173 @@ def _online_max(lanes: tuple[int, ...]) -> str:
 
 def _fma_source(name: str, params: list[str], tiles: PrefillTiles, t: str, causal: bool, mask_base: str,
                 lse: bool, score: list[str]) -> str:
-    bm, bn, d = tiles.bm, tiles.bn, tiles.head_dim
-    return PRELUDE + NEG_INF + f"""
-// Fused attention forward: {bm} query rows x {bn}-key tiles, D = {d}, {t}; fp32 online softmax.
-extern "C" __global__ void __launch_bounds__({4 * bm}) {name}({", ".join(params)}) {{
+    """The register-tiled FMA kernel (fp32 inputs; fp16/bf16 with tensor_cores=False, over tiles converted to
+    fp32). Lane cg (0..7) of row group rg (4 a warp) owns the query rows rg + RG * i (i < TM; RG row groups,
+    so a warp's float4 reads of Q and P touch 4 consecutive rows), of S the keys cg + 8 * j (8 consecutive K
+    rows a read) and of O the columns 32 * x + 4 * cg + (0..3) (a warp reads 8 consecutive float4 of a V
+    row). Per tile: S in registers, its row max and sum over the 8 lanes by shuffles, P through shared
+    memory to the lanes of the same rows, O rescaled in registers. K and V are double-buffered: the next
+    tile's copies are issued before this one's products."""
+    bm, bn, d, tm, tn = tiles.bm, tiles.bn, tiles.head_dim, tiles.rows, PREFILL_KEYS
+    rg_total, threads, qp, kp, pp = tiles.row_groups, tiles.threads, tiles.q_pitch, tiles.k_pitch, tiles.p_pitch
+    cols, pieces = d // PREFILL_LANES, d // (4 * PREFILL_LANES)
+    fp32 = t == "float"
+    # K and V tile copies: 16-byte cp.async (fp32, aligned rows; no registers, overlapping the tile computed
+    # meanwhile) or element loads converted to fp32 (fp16/bf16, unaligned fp32), the same layout either way.
+    copy = f"""      if (vec && in) {{
+        cp_async16(Kd + c * {kp} + e, kb + n * ksn + e);
+        cp_async16(Vd + c * {d} + e, vb + n * vsn + e);
+        continue;
+      }}
+""" if fp32 else ""
+    vec = ("  const bool vec = ((reinterpret_cast<unsigned long long>(kb) | reinterpret_cast<unsigned long long>(vb)) "
+           "& 15) == 0 && ksn % 4 == 0 && vsn % 4 == 0;  // 16-byte copies\n") if fp32 else ""
+    pv = "\n".join(f"""        #pragma unroll
+        for (int x = 0; x < {pieces}; ++x) {{
+          const float4 vf = *reinterpret_cast<const float4*>(Vt + (c + {u}) * {d} + 32 * x + 4 * cg);
+          #pragma unroll
+          for (int i = 0; i < {tm}; ++i) {{
+            acc[i][4 * x] = fmaf(pf[i].{w}, vf.x, acc[i][4 * x]);
+            acc[i][4 * x + 1] = fmaf(pf[i].{w}, vf.y, acc[i][4 * x + 1]);
+            acc[i][4 * x + 2] = fmaf(pf[i].{w}, vf.z, acc[i][4 * x + 2]);
+            acc[i][4 * x + 3] = fmaf(pf[i].{w}, vf.w, acc[i][4 * x + 3]);
+          }}
+        }}""" for u, w in enumerate("xyzw"))
+    # causal: blocks launch in linear order; the first gridDim.y run the last query block (the most keys) of every
+    # (batch, head), and so on, so the short blocks fill in at the end
+    order = ("  const long long lin = (long long)blockIdx.y * gridDim.x + blockIdx.x;\n"
+             f"  const long long bh = lin % gridDim.y, q0 = (gridDim.x - 1 - lin / gridDim.y) * {bm};"
+             if causal else f"  const long long bh = blockIdx.y, q0 = (long long)blockIdx.x * {bm};")
+    return PRELUDE + NEG_INF + _CP_ASYNC + f"""
+// Fused attention forward, register-tiled FMAs: {bm} query rows x {bn}-key tiles, D = {d}, {t}; fp32 online
+// softmax. {threads} threads: 8 lanes a row group, {rg_total} row groups of {tm} rows (rg + {rg_total} i), each
+// lane {tm} x {tn} scores (keys cg + 8 j) and {tm} x {cols} outputs (columns 32 x + 4 cg + 0..3).
+extern "C" __global__ void __launch_bounds__({threads}, {tiles.blocks_per_sm}) {name}({", ".join(params)}) {{
   extern __shared__ float smem[];
-  float* Qs = smem;                    // [{bm}][{d + 1}]
-  float* Ks = Qs + {bm * (d + 1)};     // [{bn}][{d + 1}]
-  float* Vs = Ks + {bn * (d + 1)};     // [{bn}][{d}]
-  float* Ps = Vs + {bn * d};           // [{bm}][{bn + 1}] this tile's probabilities
-  const int t = threadIdx.x, r = t >> 2, p = t & 3;
-  const long long b = blockIdx.y / H, h = blockIdx.y % H, hk = h / group;
-  const long long q0 = (long long)blockIdx.x * {bm}, row = q0 + r;
+  float* Qs = smem;                        // [{bm}][{qp}]
+  float* Ks = Qs + {bm * qp};              // [2][{bn}][{kp}]
+  float* Vs = Ks + {2 * bn * kp};          // [2][{bn}][{d}]
+  float* Ps = Vs + {2 * bn * d};           // [{bm}][{pp}] this tile's probabilities
+  const int tid = threadIdx.x, lane = tid & 31, cg = lane & 7, rg = (tid >> 5) * 4 + (lane >> 3);
+{order}
+  const long long b = bh / H, h = bh % H, hk = h / group;
   const {t}* qb = q + b * qsb + h * qsh;
   const {t}* kb = k + b * ksb + hk * ksh;
   const {t}* vb = v + b * vsb + hk * vsh;
 {mask_base}
-  for (int i = t; i < {bm * d}; i += {4 * bm}) {{
-    const int rr = i / {d}, c = i % {d};
-    Qs[rr * {d + 1} + c] = q0 + rr < Nq ? ld(qb, (q0 + rr) * qsn + c) : 0.0f;
+{vec}  for (int i = tid; i < {bm * d // 4}; i += {threads}) {{
+    const int r = i / {d // 4}, e = (i % {d // 4}) * 4;
+    const long long n = q0 + r;
+    float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (n < Nq) x = make_float4(ld(qb, n * qsn + e), ld(qb, n * qsn + e + 1), ld(qb, n * qsn + e + 2),
+                                ld(qb, n * qsn + e + 3));
+    *reinterpret_cast<float4*>(Qs + r * {qp} + e) = x;
   }}
-  float m = NEG_INF, l = 0.0f, acc[{d // 4}];
+  // The K and V rows of keys [k0, k0 + {bn}) into buffer `buf` (zeros past Nk).
+  auto stage = [&](long long k0, int buf) {{
+    float* Kd = Ks + buf * {bn * kp};
+    float* Vd = Vs + buf * {bn * d};
+    for (int i = tid; i < {bn * d // 4}; i += {threads}) {{
+      const int c = i / {d // 4}, e = (i % {d // 4}) * 4;
+      const long long n = k0 + c;
+      const bool in = n < Nk;
+{copy}      float4 kx = make_float4(0.0f, 0.0f, 0.0f, 0.0f), vx = kx;
+      if (in) {{
+        const long long x = n * ksn + e, y = n * vsn + e;
+        kx = make_float4(ld(kb, x), ld(kb, x + 1), ld(kb, x + 2), ld(kb, x + 3));
+        vx = make_float4(ld(vb, y), ld(vb, y + 1), ld(vb, y + 2), ld(vb, y + 3));
+      }}
+      *reinterpret_cast<float4*>(Kd + c * {kp} + e) = kx;
+      *reinterpret_cast<float4*>(Vd + c * {d} + e) = vx;
+    }}
+    cp_async_commit();
+  }};
+  float mr[{tm}], lr[{tm}], acc[{tm}][{cols}];
   #pragma unroll
-  for (int i = 0; i < {d // 4}; ++i) acc[i] = 0.0f;
-  const long long kend = {"(q0 + " + str(bm) + " < Nk ? q0 + " + str(bm) + " : Nk)" if causal else "Nk"};
-  for (long long k0 = 0; k0 < kend; k0 += {bn}) {{
-    __syncthreads();  // the previous tile's readers are done (and Q is staged, the first time)
-    for (int i = t; i < {bn * d}; i += {4 * bm}) {{
-      const int c = i / {d}, e = i % {d};
-      const bool in = k0 + c < Nk;
-      Ks[c * {d + 1} + e] = in ? ld(kb, (k0 + c) * ksn + e) : 0.0f;
-      Vs[c * {d} + e] = in ? ld(vb, (k0 + c) * vsn + e) : 0.0f;
-    }}
-    __syncthreads();
-    float s[{bn // 4}];
+  for (int i = 0; i < {tm}; ++i) {{
+    mr[i] = NEG_INF;
+    lr[i] = 0.0f;
     #pragma unroll
-    for (int j = 0; j < {bn // 4}; ++j) s[j] = 0.0f;
-    for (int e = 0; e < {d}; ++e) {{
-      const float qe = Qs[r * {d + 1} + e];
+    for (int x = 0; x < {cols}; ++x) acc[i][x] = 0.0f;
+  }}
+  const long long kend = {f"(q0 + {bm} < Nk ? q0 + {bm} : Nk)" if causal else "Nk"};
+  if (kend > 0) stage(0, 0);
+  int buf = 0;
+  for (long long k0 = 0; k0 < kend; k0 += {bn}, buf ^= 1) {{
+    cp_async_wait_all();
+    __syncthreads();  // this tile is in `buf` (Q too, the first time); every thread is done with the last one
+    if (k0 + {bn} < kend) stage(k0 + {bn}, buf ^ 1);  // the next tile lands while this one is computed
+    const float* Kt = Ks + buf * {bn * kp};
+    const float* Vt = Vs + buf * {bn * d};
+    float s[{tm * tn}];
+    #pragma unroll
+    for (int j = 0; j < {tm * tn}; ++j) s[j] = 0.0f;
+    #pragma unroll 2  // two steps' loads in flight; no spill at any head dim (a test checks ptxas's report)
+    for (int e = 0; e < {d}; e += 4) {{  // S = Q K^T: {tm} + {tn} float4 loads feed {16 * tm} FMAs
+      float4 qf[{tm}], kf[{tn}];
       #pragma unroll
-      for (int j = 0; j < {bn // 4}; ++j) s[j] = fmaf(qe, Ks[(p + 4 * j) * {d + 1} + e], s[j]);
+      for (int i = 0; i < {tm}; ++i) qf[i] = *reinterpret_cast<const float4*>(Qs + (rg + {rg_total} * i) * {qp} + e);
+      #pragma unroll
+      for (int j = 0; j < {tn}; ++j) kf[j] = *reinterpret_cast<const float4*>(Kt + (cg + 8 * j) * {kp} + e);
+      #pragma unroll
+      for (int i = 0; i < {tm}; ++i) {{
+        #pragma unroll
+        for (int j = 0; j < {tn}; ++j) {{
+          float a = s[i * {tn} + j];
+          a = fmaf(qf[i].x, kf[j].x, a);
+          a = fmaf(qf[i].y, kf[j].y, a);
+          a = fmaf(qf[i].z, kf[j].z, a);
+          s[i * {tn} + j] = fmaf(qf[i].w, kf[j].w, a);
+        }}
+      }}
     }}
-    float mx = NEG_INF;
+    float rmax[{tm}];
     #pragma unroll
-    for (int j = 0; j < {bn // 4}; ++j) {{
-      const long long n = k0 + p + 4 * j;
+    for (int i = 0; i < {tm}; ++i) rmax[i] = NEG_INF;
+    #pragma unroll
+    for (int j = 0; j < {tm * tn}; ++j) {{
+      const long long row = q0 + rg + {rg_total} * (j / {tn}), n = k0 + cg + 8 * (j % {tn});
 {chr(10).join(score)}
       s[j] = keep ? x : NEG_INF;
-      mx = fmaxf(mx, s[j]);
+      rmax[j / {tn}] = fmaxf(rmax[j / {tn}], s[j]);
     }}
-{_online_max((1, 2))}
     #pragma unroll
-    for (int j = 0; j < {bn // 4}; ++j) {{
-      const float e = expf(s[j] - base);
-      sum += e;
-      Ps[r * {bn + 1} + p + 4 * j] = e;
-    }}
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    l = l * alpha + sum;
-    m = mnew;
-    #pragma unroll
-    for (int i = 0; i < {d // 4}; ++i) acc[i] *= alpha;
-    __syncthreads();  // the row's probabilities, written by its four threads
-    for (int c = 0; c < {bn}; ++c) {{
-      const float pc = Ps[r * {bn + 1} + c];
+    for (int i = 0; i < {tm}; ++i) {{
+      float mx = rmax[i];
+      const float m = mr[i];
+{_online_max((1, 2, 4))}
       #pragma unroll
-      for (int i = 0; i < {d // 4}; ++i) acc[i] = fmaf(pc, Vs[c * {d} + p + 4 * i], acc[i]);
+      for (int j = 0; j < {tn}; ++j) {{
+        const float p = expf(s[i * {tn} + j] - base);
+        sum += p;
+        Ps[(rg + {rg_total} * i) * {pp} + cg + 8 * j] = p;
+      }}
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+      lr[i] = lr[i] * alpha + sum;
+      mr[i] = mnew;
+      #pragma unroll
+      for (int x = 0; x < {cols}; ++x) acc[i][x] *= alpha;
+    }}
+    __syncthreads();  // the tile's probabilities, written by the rows' 8 lanes
+    #pragma unroll 2
+    for (int c = 0; c < {bn}; c += 4) {{  // O += P V: {tm} + {4 * pieces} float4 loads feed {16 * tm * pieces} FMAs
+      float4 pf[{tm}];
+      #pragma unroll
+      for (int i = 0; i < {tm}; ++i) pf[i] = *reinterpret_cast<const float4*>(Ps + (rg + {rg_total} * i) * {pp} + c);
+{pv}
     }}
   }}
-  if (row < Nq) {{
-    const float inv = 1.0f / l;  // a row with every key masked: 0 / 0, NaN as softmax gives
+  #pragma unroll
+  for (int i = 0; i < {tm}; ++i) {{
+    const long long row = q0 + rg + {rg_total} * i;
+    if (row >= Nq) continue;
+    const float inv = 1.0f / lr[i];  // a row with every key masked: 0 / 0, NaN as softmax gives
     {t}* ob = o + b * osb + h * osh + row * osn;
     #pragma unroll
-    for (int i = 0; i < {d // 4}; ++i) st(ob, p + 4 * i, acc[i] * inv);
-{"    if (p == 0) lse[blockIdx.y * Nq + row] = m + logf(l);" if lse else ""}
+    for (int x = 0; x < {cols}; ++x) st(ob, 32 * (x / 4) + 4 * cg + x % 4, acc[i][x] * inv);
+{"    if (cg == 0) lse[bh * Nq + row] = mr[i] + logf(lr[i]);" if lse else ""}
   }}
 }}
 """
