@@ -19,20 +19,23 @@ sequences, less at short ones and causal:
 0.11 and 0.128 ms on the first three, timer included: 0.9x of it is the target). So the kernel is matrix-bound except
 at ViT's short sequences, where the bytes are as large as the FLOPs.
 
-What bounds a block below the tensor rate is shared memory: a warp reads every K and V element of a tile
-through `ldmatrix` for its 16 query rows (a 256-byte B fragment per m16n8k16 product, 4096 FLOPs), and an SM
-reads 128 bytes of shared memory a clock. At 16 rows a warp that is 2 clocks a product per SM, 2048
-FLOP/clk, about 470 TFLOP/s over 132 SMs at 1.75 GHz: above FlashAttention-2, under the `mma.sync` rate.
-At D = 64 a warp owns 32 rows (two m16 tiles) and reuses each K and V fragment twice, halving that cost;
-there the exponentials (one per score, 16 a clock per SM, against 4 D = 256 FLOPs per score) come close
-to the products, which the two warps' interleaving hides. At D = 128 a warp keeps 16 rows: Q's fragments
-(32 registers), the output (64) and the scores (32) fit under 255 registers, 32 rows would not.
+Two things bound a block below the tensor rate. Shared memory: a warp reads every K and V element of a
+tile through `ldmatrix` for its 16 query rows (a 256-byte B fragment per m16n8k16 product, 4096 FLOPs), and
+an SM reads 128 bytes of shared memory a clock: at 16 rows a warp, 2 clocks a product per SM, 2048
+FLOP/clk, about 470 TFLOP/s over 132 SMs at 1.75 GHz, above FlashAttention-2 and under the `mma.sync` rate.
+And L2: each K and V tile a block loads serves its BM query rows, 4 x BM FLOPs per byte at D = 64 and
+2 x BM at D = 128; at 64 rows and D = 128, 470 TFLOP/s would need 7 TB/s from L2, more than it delivers,
+so a block has 128 rows (as FlashAttention-2's). At D = 64 a warp owns 32 of them (two m16 tiles), reusing
+each K and V fragment twice, which halves the shared-memory cost; there the exponentials (one per score,
+16 a clock per SM, against 4 D = 256 FLOPs per score) come close to the products. At D = 128 two m16 tiles'
+state (Q fragments 64 registers, output 128, scores 64) cannot fit in 255 registers: 8 warps of 16 rows,
+one block an SM, and a third stage so two tiles are in flight while one is computed.
 
-Design (one block of 4 warps per 64 (D = 128) or 128 (D = 64) query rows of one (batch, head)):
+Design (one block per 128 query rows of one (batch, head); `MmaTiles`):
 - Q is copied to shared memory once and loaded into registers by `ldmatrix` (A fragments for the whole
   loop). K and V tiles of 64 keys are copied by `cp.async` (16 bytes a thread, zero-filled past Nk) into
-  two stages: tile j + 1 loads while tile j is computed, one barrier per tile. Rows are padded by 8
-  elements (16 bytes), so the 8 row addresses of an `ldmatrix` phase fall on distinct bank groups.
+  2 or 3 stages: the next tiles load while this one is computed, one barrier per tile. Rows are padded by
+  8 elements (16 bytes), so the 8 row addresses of an `ldmatrix` phase fall on distinct bank groups.
 - S = Q K^T with `mma.sync.m16n8k16` (K fragments by `ldmatrix`, V's by `ldmatrix.trans`): each lane holds
   2 scores of rows g and g + 8 per 8-key tile (g = lane / 4); a row's 4 lanes combine max and sum by two
   shuffles. Scores are scaled by scale x log2(e) and exponentiated with exp2; masking (bounds, causal)
@@ -42,14 +45,15 @@ Design (one block of 4 warps per 64 (D = 128) or 128 (D = 64) query rows of one 
   between S, P and O. The output accumulators are rescaled per tile, each lane's partial row sum is
   combined over the quad once at the end, and the output is written once (staged through the warp's own
   Q rows for 16-byte stores), with the log-sum-exp if asked.
-- Causal blocks stop at their last row's key tile, and the heaviest (last) query blocks run first: the
-  block index is remapped so every (batch, head)'s last block comes before any second-to-last one, so
-  the grid's tail is short blocks.
+- Causal blocks stop at their last row's key tile, a warp whose rows all precede a tile skips it, and the
+  heaviest (last) query blocks run first: the block index is remapped so every (batch, head)'s last block
+  comes before any second-to-last one, so the grid's tail is short blocks.
 
 The CPU emulator runs this same kernel body: every PTX instruction (`mma`, `ldmatrix`, `cp.async`) sits
 in a small helper with a `STITCHCUDA_EMULATE_MMA` alternative written from the instruction's per-lane
 fragment layout over fp32 elements (the lanes' registers exchanged through a per-warp shared array,
-one exchange per instruction), so the layouts are exercised exactly (tests/python/test_flash_mma.py).
+one exchange per instruction; a copy lands when a wait retires its group), so the layouts and the
+pipeline's waits are exercised exactly (tests/python/test_flash_mma.py).
 """
 
 from __future__ import annotations
@@ -71,10 +75,12 @@ _PTX = {"__half": ("f16", "__floats2half2_rn", "__half2"),
 
 @dataclass(frozen=True)
 class MmaTiles:
-    """Tiles of the mma.sync prefill: 4 warps of `m_tiles` x 16 query rows, BN = 64 keys a tile; shared
-    memory holds Q [BM][D + 8] and two stages of K and V [64][D + 8] in the input dtype. Two m16 tiles a warp
-    at D = 64 without a user mask; a mask's loads (16 entries a row per lane and tile, at run-time strides)
-    would push two tiles' state past 255 registers, so masked kernels keep one."""
+    """Tiles of the mma.sync prefill: BM = 128 query rows a block, `warps` warps of `m_tiles` x 16 rows,
+    BN = 64 keys a tile; shared memory holds Q [BM][D + 8] and `stages` stages of K and V [64][D + 8] in the
+    input dtype. Two m16 tiles a warp (4 warps) at D = 64 without a user mask: each K and V fragment serves
+    both. At D = 128 two tiles' state (Q fragments, output, scores: 256 registers) would not fit, nor under a
+    mask at D = 64 (its entries, 16 a row per lane and tile at run-time strides): 8 warps of one tile, one
+    block an SM (about 170-245 registers a thread), so three stages keep two tiles in flight."""
 
     head_dim: int
     masked: bool = False
@@ -84,25 +90,35 @@ class MmaTiles:
         return 2 if self.head_dim <= 64 and not self.masked else 1
 
     @property
+    def warps(self) -> int:
+        return 8 // self.m_tiles
+
+    @property
     def bm(self) -> int:
-        return 64 * self.m_tiles
+        return 128
 
     @property
     def bn(self) -> int:
         return 64
 
     @property
+    def stages(self) -> int:
+        return 2 if self.warps == 4 else 3
+
+    @property
     def threads(self) -> int:
-        return 128
+        return 32 * self.warps
 
     @property
     def shared_mem(self) -> int:
-        return 2 * (self.head_dim + 8) * (self.bm + 4 * self.bn)
+        return 2 * (self.head_dim + 8) * (self.bm + 2 * self.stages * self.bn)
 
 
 def mma_tiles(head_dim: int, masked: bool = False) -> MmaTiles:
-    """128 query rows at D = 64 (55 KB of shared memory; 64 rows, 46 KB, under a user mask), 64 at D = 128
-    (87 KB): two blocks an SM or more."""
+    """D = 64: 4 warps x 32 rows, 2 stages, 55 KB of shared memory (two blocks an SM); under a user mask 8 x 16
+    rows, 3 stages, 92 KB. D = 128: 8 warps x 16 rows, 3 stages, 139 KB (one block an SM). 128 rows a block
+    either way: each K and V tile read from L2 serves 128 query rows (64 would double the L2 traffic, about
+    7 TB/s at D = 128 at 470 TFLOP/s, past what the L2 delivers)."""
     return MmaTiles(head_dim, masked)
 
 
@@ -122,14 +138,29 @@ struct pk {{ float x, y; }};
 struct chunk {{ float v[8]; }};
 __device__ __forceinline__ pk pack(float a, float b) {{ return {{a, b}}; }}
 __device__ __forceinline__ float* lanes_of_warp() {{
-  __shared__ float x[4][32][12];
+  __shared__ float x[8][32][12];  // at most 8 warps a block
   return &x[threadIdx.x >> 5][0][0];
 }}
+// cp.async: a copy lands in shared memory only when a wait retires its group (the latest the GPU may land
+// it), so a wait count or barrier too few reads stale data here too.
+struct emu_copies {{ T* dst[64]; chunk val[64]; int group[64]; int n, committed; }};
+__device__ __forceinline__ emu_copies& pending_copies() {{ static thread_local emu_copies c{{}}; return c; }}
 __device__ __forceinline__ void cp_async8(T* dst, const T* src, bool valid) {{
-  *reinterpret_cast<chunk*>(dst) = valid ? *reinterpret_cast<const chunk*>(src) : chunk{{}};
+  emu_copies& c = pending_copies();
+  c.dst[c.n] = dst;
+  c.val[c.n] = valid ? *reinterpret_cast<const chunk*>(src) : chunk{{}};
+  c.group[c.n++] = c.committed;
 }}
-__device__ __forceinline__ void cp_async_commit() {{}}
-__device__ __forceinline__ void cp_async_wait_all() {{}}
+__device__ __forceinline__ void cp_async_commit() {{ ++pending_copies().committed; }}
+template <int N> __device__ __forceinline__ void cp_async_wait() {{
+  emu_copies& c = pending_copies();
+  int kept = 0;
+  for (int i = 0; i < c.n; ++i) {{
+    if (c.group[i] < c.committed - N) {{ *reinterpret_cast<chunk*>(c.dst[i]) = c.val[i]; continue; }}
+    c.dst[kept] = c.dst[i]; c.val[kept] = c.val[i]; c.group[kept++] = c.group[i];
+  }}
+  c.n = kept;
+}}
 // ldmatrix .x4: lane l addresses row l % 8 of matrix l / 8 and receives, of matrix j, elements (l / 4, 2 (l % 4))
 // and (l / 4, 2 (l % 4) + 1) in r[j]; .trans: elements (2 (l % 4), l / 4) and (2 (l % 4) + 1, l / 4).
 __device__ __forceinline__ void ldsm_x4(pk r[4], const T* base, int off, bool trans) {{
@@ -172,7 +203,10 @@ __device__ __forceinline__ void cp_async8(T* dst, const T* src, bool valid) {{
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(smem_u32(dst)), "l"(src), "r"(valid ? 16 : 0));
 }}
 __device__ __forceinline__ void cp_async_commit() {{ asm volatile("cp.async.commit_group;\n" ::); }}
-__device__ __forceinline__ void cp_async_wait_all() {{ asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }}
+// Wait until at most N of this thread's committed copy groups are still in flight.
+template <int N> __device__ __forceinline__ void cp_async_wait() {{
+  asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+}}
 __device__ __forceinline__ void ldsm_x4(pk r[4], const T* base, int off, bool trans) {{
   if (trans)
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{%0, %1, %2, %3}}, [%4];\n"
@@ -216,7 +250,7 @@ def flash_mma_source(name: str, params: list[str], tiles: MmaTiles, t: str, caus
                      mask_dtype: torch.dtype | None, lse: bool) -> str:
     """The kernel's source: `params` as flash_attention_kernel declares them, `t` the element type (float
     only for the emulator, with STITCHCUDA_EMULATE_MMA defined)."""
-    d, bm, bn, mt = tiles.head_dim, tiles.bm, tiles.bn, tiles.m_tiles
+    d, bm, bn, mt, nt_, st = tiles.head_dim, tiles.bm, tiles.bn, tiles.m_tiles, tiles.threads, tiles.stages
     ld_ = d + 8
     mask_base = (f"  const {CTYPE[mask_dtype]}* mb = mask + b * msb + h * msh;" if mask_dtype is not None else "")
     if causal:  # every (batch, head)'s last query block first, then the second-to-last, ...: heavy blocks lead
@@ -229,16 +263,19 @@ def flash_mma_source(name: str, params: list[str], tiles: MmaTiles, t: str, caus
         kend, edge = "Nk", f"k0 + {bn} > Nk"
     per_row, per_score = _scores(causal, mask_dtype)
     per_row = per_row.replace("{bn}", str(bn))
-    rs = 128 // (d // 8)  # rows between one thread's 16-byte copies of a tile
+    rs = nt_ // (d // 8)  # rows between one thread's 16-byte copies of a tile
+    live = (f"    if (k0 > q0 + w * {16 * mt} + {16 * mt - 1}) continue;  // every row of this warp is before the tile"
+            if causal else "")
     lse_line = ("      if (tq == 0 && row < Nq) lse[bh * Nq + row] = (m[i][hr] + log2f(lt)) * 0.6931471805599453f;"
                 if lse else "")
     return PRELUDE + NEG_INF + f"typedef {t} T;\n" + _helpers(t) + f"""
-// Fused attention forward, mma.sync m16n8k16: {bm} query rows ({mt} x 16 a warp) x {bn}-key tiles, D = {d}.
-extern "C" __global__ void __launch_bounds__(128) {name}({", ".join(params)}) {{
+// Fused attention forward, mma.sync m16n8k16: {bm} query rows ({tiles.warps} warps of {mt} x 16) x {bn}-key
+// tiles in {st} stages, D = {d}.
+extern "C" __global__ void __launch_bounds__({nt_}) {name}({", ".join(params)}) {{
   extern __shared__ float4 smem4[];  // 16-byte aligned: cp.async and ldmatrix rows
   T* Qs = reinterpret_cast<T*>(smem4);  // [{bm}][{ld_}]
-  T* Ks = Qs + {bm * ld_};             // [2][{bn}][{ld_}]
-  T* Vs = Ks + {2 * bn * ld_};          // [2][{bn}][{ld_}]
+  T* Ks = Qs + {bm * ld_};  // [{st}][{bn}][{ld_}]
+  T* Vs = Ks + {st * bn * ld_};  // [{st}][{bn}][{ld_}]
   const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
 {block}
   const long long b = bh / H, h = bh % H, hk = h / group, q0 = qblk * {bm};
@@ -249,8 +286,8 @@ extern "C" __global__ void __launch_bounds__(128) {name}({", ".join(params)}) {{
   const long long kend = {kend};
   const int tiles = (int)((kend + {bn - 1}) / {bn});
   #pragma unroll
-  for (int x = 0; x < {bm * d // 8 // 128}; ++x) {{  // Q: 16-byte copies, zeros past the last query
-    const int i = tid + 128 * x, r = i / {d // 8}, c = (i % {d // 8}) * 8;
+  for (int x = 0; x < {bm * d // 8 // nt_}; ++x) {{  // Q: 16-byte copies, zeros past the last query
+    const int i = tid + {nt_} * x, r = i / {d // 8}, c = (i % {d // 8}) * 8;
     const bool in = q0 + r < Nq;
     cp_async8(Qs + r * {ld_} + c, qb + (in ? q0 + r : 0) * qsn + c, in);
   }}
@@ -258,12 +295,12 @@ extern "C" __global__ void __launch_bounds__(128) {name}({", ".join(params)}) {{
   // stepped by {rs} rows, so no per-copy 64-bit offset is kept live across the loop.
   const int cr = tid / {d // 8}, cc = (tid % {d // 8}) * 8;
   const long long kstep = {rs} * ksn, vstep = {rs} * vsn;
-  auto load_tile = [&](int j) {{  // K and V of key tile j into stage j % 2, zeros past the last key
+  auto load_tile = [&](int j) {{  // K and V of key tile j into stage j % {st}, zeros past the last key
     const long long n0 = (long long)j * {bn} + cr;
     const T* kp = kb + n0 * ksn + cc;
     const T* vp = vb + n0 * vsn + cc;
-    T* ks = Ks + (j & 1) * {bn * ld_} + cr * {ld_} + cc;
-    T* vs = Vs + (j & 1) * {bn * ld_} + cr * {ld_} + cc;
+    T* ks = Ks + (j % {st}) * {bn * ld_} + cr * {ld_} + cc;
+    T* vs = Vs + (j % {st}) * {bn * ld_} + cr * {ld_} + cc;
     #pragma unroll
     for (int x = 0; x < {bn // rs}; ++x) {{
       const bool in = n0 + x * {rs} < Nk;
@@ -272,9 +309,14 @@ extern "C" __global__ void __launch_bounds__(128) {name}({", ".join(params)}) {{
       kp += kstep;
       vp += vstep;
     }}
-    cp_async_commit();
   }};
-  if (tiles > 0) load_tile(0);
+  // Tiles 0 .. {st - 2} in flight (the first group with Q); one group is committed per tile below, empty
+  // past the last, so "tile j landed" is always "at most {st - 2} groups pending".
+  #pragma unroll
+  for (int j = 0; j < {st - 1}; ++j) {{
+    if (j < tiles) load_tile(j);
+    cp_async_commit();
+  }}
   const float sl2 = scale * 1.4426950408889634f;  // exp(x) = exp2(x log2 e): one multiply folded into the scale
   pk qf[{mt}][{d // 16}][4];
   float acc[{mt}][{d // 8}][4], m[{mt}][2], l[{mt}][2];
@@ -286,9 +328,10 @@ extern "C" __global__ void __launch_bounds__(128) {name}({", ".join(params)}) {{
     l[i][0] = l[i][1] = 0.0f;
   }}
   for (int j = 0; j < tiles; ++j) {{
-    cp_async_wait_all();  // this thread's copies of tile j (and Q) landed
-    __syncthreads();      // everyone's have, and everyone is done with tile j - 1, whose stage j + 1 takes
-    if (j + 1 < tiles) load_tile(j + 1);
+    cp_async_wait<{st - 2}>();  // this thread's copies of tile j (and Q) landed
+    __syncthreads();  // everyone's have, and everyone is done with tile j - 1, whose stage tile j + {st - 1} takes
+    if (j + {st - 1} < tiles) load_tile(j + {st - 1});
+    cp_async_commit();
     if (j == 0) {{  // Q's A fragments, held for the whole loop
       #pragma unroll
       for (int i = 0; i < {mt}; ++i) {{
@@ -297,9 +340,10 @@ extern "C" __global__ void __launch_bounds__(128) {name}({", ".join(params)}) {{
           ldsm_x4(qf[i][kk], Qs, (w * {16 * mt} + i * 16 + (lane & 15)) * {ld_} + kk * 16 + (lane >> 4) * 8, false);
       }}
     }}
-    const T* ks = Ks + (j & 1) * {bn * ld_};
-    const T* vs = Vs + (j & 1) * {bn * ld_};
+    const T* ks = Ks + (j % {st}) * {bn * ld_};
+    const T* vs = Vs + (j % {st}) * {bn * ld_};
     const long long k0 = (long long)j * {bn};
+{live}
     const bool edge = {edge};
     float s[{mt}][{bn // 8}][4];
     #pragma unroll
@@ -384,7 +428,7 @@ extern "C" __global__ void __launch_bounds__(128) {name}({", ".join(params)}) {{
   // The output: normalized, rounded once, staged in the warp's own Q rows (read only by this warp, at j = 0),
   // then written with 16-byte stores where the output's pointer and token stride allow.
   if (tiles == 0) {{  // no key (Nk = 0): Q's copies are still in flight into the rows staged below
-    cp_async_wait_all();
+    cp_async_wait<0>();
     __syncthreads();
   }}
   T* stage = Qs + w * {16 * mt * ld_};
