@@ -25,6 +25,7 @@ import torch.utils._pytree as pytree
 
 from ..log import get_logger
 from ..settings import settings
+from .hoist_index import hoist_indexing, indexing_note
 
 __all__ = ["CaptureError", "Value", "Node", "Graph", "capture", "state_updates", "INPLACE_UPDATES", "AUTOCAST_DEVICES", "autocast_in_effect", "autocast_as",
            "under_autocast", "warn_other_autocast", "export_program", "is_transformers_model"]
@@ -518,6 +519,10 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any],
         notes.append((f"{apart} convolution bias(es) added by the elementwise kernel after the convolution",
                       "cuDNN's convolution adds its bias in a pass of its own over the output; the kernel that "
                       "reads the output adds it in its loads, one read and write of the output fewer"))
+    moved = hoist_indexing(exported.graph_module.graph)  # an LM's last-position logits: its head on those rows
+    if moved:
+        exported.graph_module.recompile()
+        notes.append(indexing_note(moved))
     reader = _GraphReader(exported)
     reader.read()
     notes += reader.notes
