@@ -177,6 +177,8 @@ CASES = {
     "d160-causal": dict(shape=(1, 2, 2, 70, 70, 160), causal=True),
     # three query blocks (started last first under causal) over ten key tiles through both K/V buffers
     "three-blocks-d64-causal": dict(shape=(1, 1, 1, 300, 300, 64), causal=True),
+    # no mask: tiles inside Nq x Nk skip the per-score tests (the first block's first three), the rest keep them
+    "two-blocks-d64-cross": dict(shape=(1, 2, 2, 200, 100, 64)),
     # causal blocks are remapped across (batch, head) too: every head's last query block launches first
     "two-blocks-8-heads-gqa-causal": dict(shape=(2, 4, 2, 150, 150, 32), causal=True),
 }

@@ -47,7 +47,8 @@ rate above; tiles past Nq or Nk waste their share (ViT's 197 tokens: 256 rows x 
 Tiles (`PrefillTiles`): D <= 128: BM = 128, TM = 4, BN = 32, 256 threads, 87 KB of shared memory at D = 64
 (two blocks an SM, the launch bound capping the registers at 128: 124 used), 151 KB at D = 128 (168-226
 registers); D > 128: BM = 64, TM = 2 (the D/8 x TM accumulators), 204 KB at D = 256. Causal grids launch
-every head's last query block first. Unmeasured: it has not run on a GPU. The tensor-core kernel's budget:
+every head's last query block first; without a mask, tiles inside Nq x Nk (under the diagonal, causal)
+skip the per-score tests. Unmeasured: it has not run on a GPU. The tensor-core kernel's budget:
 WmmaTiles.
 
 Decode (`decode_attention_kernels`). One to a few query tokens per sequence against a KV cache
@@ -131,7 +132,7 @@ class PrefillTiles:
     @property
     def blocks_per_sm(self) -> int:
         """Blocks an H100 SM holds by shared memory (228 KB, 1 KB reserved a block): 2 up to D = 80, else 1.
-        It is the kernel's launch bound, so ptxas neither caps the registers below what one block may use
+        It is the fp32 kernel's launch bound, so ptxas neither caps the registers below what one block may use
         (it chose 128 and spilled at D = 96) nor lets them exceed 128 where two blocks fit."""
         return 2 if 2 * (self.shared_mem + 1024) <= 228 * 1024 else 1
 
@@ -317,6 +318,20 @@ def _fma_source(name: str, params: list[str], tiles: PrefillTiles, t: str, causa
             acc[i][4 * x + 3] = fmaf(pf[i].{w}, vf.w, acc[i][4 * x + 3]);
           }}
         }}""" for u, w in enumerate("xyzw"))
+    # fp16/bf16 tiles (tensor_cores=False, a fallback) are converted through registers: under the 128-register
+    # bound of two blocks an SM ptxas spilled at D = 64, so they ask for one
+    blocks = tiles.blocks_per_sm if fp32 else 1
+    # Without a mask, a tile inside Nq x Nk (and under the diagonal, causal) keeps every score: it skips the
+    # per-score tests (block-uniform), most tiles of a long sequence.
+    inside = f"k0 + {bn} <= Nk && q0 + {bm} <= Nq" + (f" && k0 + {bn} <= q0 + 1" if causal else "")
+    whole = "" if mask_base else f"""    if ({inside}) {{
+      #pragma unroll
+      for (int j = 0; j < {tm * tn}; ++j) {{
+        s[j] *= scale;
+        rmax[j / {tn}] = fmaxf(rmax[j / {tn}], s[j]);
+      }}
+    }} else {{
+"""
     # causal: blocks launch in linear order; the first gridDim.y run the last query block (the most keys) of every
     # (batch, head), and so on, so the short blocks fill in at the end
     order = ("  const long long lin = (long long)blockIdx.y * gridDim.x + blockIdx.x;\n"
@@ -326,7 +341,7 @@ def _fma_source(name: str, params: list[str], tiles: PrefillTiles, t: str, causa
 // Fused attention forward, register-tiled FMAs: {bm} query rows x {bn}-key tiles, D = {d}, {t}; fp32 online
 // softmax. {threads} threads: 8 lanes a row group, {rg_total} row groups of {tm} rows (rg + {rg_total} i), each
 // lane {tm} x {tn} scores (keys cg + 8 j) and {tm} x {cols} outputs (columns 32 x + 4 cg + 0..3).
-extern "C" __global__ void __launch_bounds__({threads}, {tiles.blocks_per_sm}) {name}({", ".join(params)}) {{
+extern "C" __global__ void __launch_bounds__({threads}, {blocks}) {name}({", ".join(params)}) {{
   extern __shared__ float smem[];
   float* Qs = smem;                        // [{bm}][{qp}]
   float* Ks = Qs + {bm * qp};              // [2][{bn}][{kp}]
@@ -408,13 +423,14 @@ extern "C" __global__ void __launch_bounds__({threads}, {tiles.blocks_per_sm}) {
     float rmax[{tm}];
     #pragma unroll
     for (int i = 0; i < {tm}; ++i) rmax[i] = NEG_INF;
-    #pragma unroll
+{whole}    #pragma unroll
     for (int j = 0; j < {tm * tn}; ++j) {{
       const long long row = q0 + rg + {rg_total} * (j / {tn}), n = k0 + cg + 8 * (j % {tn});
 {chr(10).join(score)}
       s[j] = keep ? x : NEG_INF;
       rmax[j / {tn}] = fmaxf(rmax[j / {tn}], s[j]);
     }}
+{"    }" if whole else ""}
     #pragma unroll
     for (int i = 0; i < {tm}; ++i) {{
       float mx = rmax[i];
