@@ -451,7 +451,9 @@ def _release(module: Any) -> None:
 class LastPositionLogits(torch.nn.Module):
     """A static-cache LM ``forward(input_ids, cache_position) -> logits [batch, tokens, vocab]`` as a padded
     prefill: ``forward(input_ids, cache_position, last) -> logits [batch, 1, vocab]`` at position `last` (a
-    one-element index tensor, an input of the program: one program serves every prompt of its bucket)."""
+    one-element index tensor, an input of the program: one program serves every prompt of its bucket).
+    Captured, the index moves above the LM head and final norm (graph/hoist_index.py), so the program's head
+    runs on one row per sequence, not on every position of the bucket."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
