@@ -84,9 +84,11 @@ def emu(tmp_path_factory):
     return EmulatedJit(tmp_path_factory.mktemp("flash_mma"))
 
 
-def run_emulated(emu, q, k, v, *, causal=False, mask=None):
+def run_emulated(emu, q, k, v, *, causal=False, mask=None, out=None):
     """The kernel over fp32 q, k, v (standing in for bf16: the element type is the only change), the mask's
-    broadcast dims read with stride 0; returns the output and the log-sum-exp."""
+    broadcast dims read with stride 0; returns the output and the log-sum-exp. q, k, v and `out` (the output
+    to write, by default a new contiguous one) may be views at offset 0 of contiguous tensors: the kernel
+    gets those tensors and the views' (batch, head, token) strides."""
     b, h, nq, d = q.shape
     mask_dtype = None if mask is None else mask.dtype
     code = flash_attention_kernel("fa_mma_emu", batch=b, heads=h, kv_heads=k.shape[1], q_len=nq, kv_len=k.shape[2],
@@ -94,9 +96,13 @@ def run_emulated(emu, q, k, v, *, causal=False, mask=None):
     params = re.search(r"fa_mma_emu\((.*?)\) \{", code.source).group(1).replace("__nv_bfloat16", "float")
     source = flash_mma_source("fa_mma_emu", params.split(", "), mma_tiles(d, mask is not None), "float", causal,
                               mask_dtype, True)
-    o, lse = torch.full_like(q, float("nan")), torch.full((b, h, nq), float("nan"))
-    tensors = {"q": q, "k": k, "v": v, "mask": mask, "o": o, "lse": lse}
+    o = torch.full_like(q, float("nan")) if out is None else out
+    lse = torch.full((b, h, nq), float("nan"))
+    views = {"q": q, "k": k, "v": v, "o": o}
+    tensors = {key: x if x._base is None else x._base for key, x in views.items()} | {"mask": mask, "lse": lse}
     args = [tensors[key] if kind in ("in", "out") else key for kind, key in code.args]
+    first = sum(kind in ("in", "out") for kind, _ in code.args) + 4  # Nq, Nk, H, group, then the strides
+    args[first:first + 12] = [x.stride(i) for x in views.values() for i in range(3)]
     if mask is not None:  # the mask's four strides come before the scale
         full = mask.expand(b, h, nq, k.shape[2])
         strides = [0 if mask.shape[i] == 1 and full.shape[i] != 1 else mask.stride(i) for i in range(4)]
@@ -152,6 +158,23 @@ def test_emulated_kernel_matches_fp64(emu, case):
     if case == "d64-causal-bool-mask":  # the row that keeps no key: NaN as softmax gives, lse -inf
         assert o[:, :, 3].isnan().all() and (lse[:, :, 3] == float("-inf")).all()
         assert not o[:, :, 4:].isnan().any()
+
+
+@emulated
+@pytest.mark.parametrize("head_dim", MMA_HEAD_DIMS)
+def test_emulated_kernel_reads_and_writes_projection_layouts(emu, head_dim):
+    """q, k, v as [B, N, H, D] (a projection's output) read through their strides, GQA 2:1, causal; the output
+    written into [B, N, H, D + 1] rows (a token stride that rules out the 16-byte stores: element stores)."""
+    g = torch.Generator().manual_seed(head_dim)
+    b, h, hk, n = 2, 4, 2, 77
+    q = torch.randn(b, n, h, head_dim, generator=g).bfloat16().float().transpose(1, 2)
+    k, v = (torch.randn(b, n, hk, head_dim, generator=g).bfloat16().float().transpose(1, 2) for _ in range(2))
+    out = torch.full((b, n, h, head_dim + 1), float("nan"))
+    o, lse = run_emulated(emu, q, k, v, causal=True, out=out[..., :head_dim].transpose(1, 2))
+    want, want_lse = reference(q, k, v, causal=True)
+    torch.testing.assert_close(o, want.float(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse, want_lse.float(), atol=1e-4, rtol=1e-4)
+    assert out[..., head_dim].isnan().all()  # the pad column is never written
 
 
 @emulated
@@ -233,4 +256,26 @@ def test_gpu_mma_prefill_masks_against_sdpa(head_dim, mask):
     _gpu_run(code, {"q": q, "k": k, "v": v, "mask": m, "o": o})
     want = reference(q, k, v, mask=m)[0]
     sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    assert (o.double() - want).abs().max().item() <= 2 * (sdpa.double() - want).abs().max().item() + 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", MMA_HEAD_DIMS)
+def test_gpu_mma_prefill_reads_projection_layouts(head_dim):
+    """q, k, v as [B, N, H, D] views (16-byte aligned token strides: the cp.async copies read them in place),
+    GQA 4:1, causal, the output [B, H, N, D]: against SDPA on the same views."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    g = torch.Generator(device="cuda").manual_seed(head_dim + 1)
+    b, h, hk, n = 2, 8, 2, 517
+    q = torch.randn(b, n, h, head_dim, device="cuda", generator=g).bfloat16().transpose(1, 2)
+    k, v = (torch.randn(b, n, hk, head_dim, device="cuda", generator=g).bfloat16().transpose(1, 2) for _ in range(2))
+    code = flash_attention_kernel("fa_mma_views", batch=b, heads=h, kv_heads=hk, q_len=n, kv_len=n,
+                                  head_dim=head_dim, dtype=torch.bfloat16, causal=True)
+    o = torch.empty(b, h, n, head_dim, device="cuda", dtype=torch.bfloat16)
+    first = sum(kind in ("in", "out") for kind, _ in code.args) + 4
+    code.args[first:first + 9] = [("i64", x.stride(i)) for x in (q, k, v) for i in range(3)]
+    _gpu_run(code, {"q": q._base, "k": k._base, "v": v._base, "o": o})  # the launcher takes contiguous tensors
+    want = reference(q, k, v, causal=True)[0]
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     assert (o.double() - want).abs().max().item() <= 2 * (sdpa.double() - want).abs().max().item() + 1e-3
