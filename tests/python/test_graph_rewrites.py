@@ -10,14 +10,20 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "corpus"))
-from test_decode import RMSNorm, tiny_llama  # noqa: E402  (a Llama-like LM over a static KV cache)
+from cpu_emulator.emulator import EmulatedJit  # noqa: E402
+from test_decode import RMSNorm, emulated, tiny_llama  # noqa: E402  (a Llama-like LM over a static KV cache)
+from test_decode_buckets import hf_llama  # noqa: E402
+from test_decode_capture import lowered  # noqa: E402  (capture, plan and lower)
+from test_graph_emulated import run_program  # noqa: E402  (a program's steps on the CPU)
 
+from stitchcuda import TransformersStaticCacheLM  # noqa: E402
 from stitchcuda.graph import capture  # noqa: E402
 from stitchcuda.graph.capture import export_program  # noqa: E402
 from stitchcuda.graph.decode import LastPositionLogits  # noqa: E402
@@ -58,10 +64,10 @@ def head_rows(graph) -> int:
 class Tail(nn.Module):
     """A final norm and LM head over hidden states (an LM's last steps), returning `pick(logits)`."""
 
-    def __init__(self, pick, dim: int = 32) -> None:
+    def __init__(self, pick, dim: int = 32, bias: bool = True) -> None:
         super().__init__()
         self.norm = RMSNorm(dim, 1e-5)
-        self.head = nn.Linear(dim, VOCAB)
+        self.head = nn.Linear(dim, VOCAB, bias=bias)
         self.pick = pick
 
     def forward(self, h):
@@ -234,3 +240,53 @@ def test_a_value_read_by_two_ops_of_the_moved_branch_moves_with_them():
     (got,) = outputs(graph, (a, b))
     with torch.no_grad():
         assert torch.equal(got, model.head(model.norm(a[:, -1] + b[:, -1])))
+
+
+def test_a_transformers_llamas_index_moves_from_its_head_up_to_the_last_attention():
+    lm = TransformersStaticCacheLM(hf_llama(vocab=256), batch_size=1, max_length=24)
+    graph = capture(lm, (torch.zeros(1, 16, dtype=torch.long), torch.arange(16), torch.tensor([15])))
+    rows = [n.out.shape for n in graph.nodes if n.op == "aten::mm"]
+    # two layers: q, k, v, o, gate, up, down each; the last layer's o and MLP and the head on the one position
+    assert rows[-5:] == [(1, 64), (1, 128), (1, 128), (1, 64), (1, 256)]
+    assert all(r[0] == 16 for r in rows[:-5])
+
+
+# ---- the rewritten graphs as programs (CUDA emulator) ----------------------------------------------------------
+
+class Shared(nn.Module):
+    """The GEMM's input, [batch x tokens, dim], is read whole by a second output: the index is taken from it
+    with the token axis split out of its rows ([batch, tokens, dim]) and merged back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = RMSNorm(32, 1e-5)
+        self.head = nn.Linear(32, VOCAB, bias=False)  # (the emulator runs plain cuBLASLt products)
+
+    def forward(self, h, last):
+        flat = self.norm(h).reshape(-1, 32)
+        logits = self.head(flat).view(h.shape[0], h.shape[1], VOCAB)
+        return logits.index_select(1, last), flat.sum(0)
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    return EmulatedJit(tmp_path_factory.mktemp("emulated_rewrites"))
+
+
+@emulated
+def test_the_rewritten_graphs_lower_to_programs_that_compute_the_models_outputs(emu):
+    torch.manual_seed(5)
+    cases = {
+        "a slice of four positions": (Tail(lambda logits: logits[:, -4:], bias=False).eval(), (torch.randn(2, 9, 32),)),
+        "the index taken inside GEMM rows": (Shared().eval(), (torch.randn(2, 6, 32), torch.tensor([2, 5]))),
+    }
+    for what, (model, inputs) in cases.items():
+        graph, program, values = lowered(model, inputs)
+        assert any("index moved" in text for text, _ in graph.notes), what
+        got = run_program(emu, program, list(inputs), values)
+        with torch.no_grad():
+            expected = model(*inputs)
+        expected = expected if isinstance(expected, tuple) else (expected,)
+        assert len(got) == len(expected), what
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5, msg=what)
