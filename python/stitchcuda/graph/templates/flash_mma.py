@@ -145,9 +145,9 @@ __device__ __forceinline__ float* lanes_of_warp() {{
 // it), so a wait count or barrier too few reads stale data here too.
 struct emu_copies {{ T* dst[64]; chunk val[64]; int group[64]; int n, committed; }};
 __device__ __forceinline__ emu_copies& pending_copies() {{ static thread_local emu_copies c{{}}; return c; }}
-__device__ __forceinline__ void cp_async8(T* dst, const T* src, bool valid) {{
+__device__ __forceinline__ void cp_async8(T* base, int off, const T* src, bool valid) {{
   emu_copies& c = pending_copies();
-  c.dst[c.n] = dst;
+  c.dst[c.n] = base + off;
   c.val[c.n] = valid ? *reinterpret_cast<const chunk*>(src) : chunk{{}};
   c.group[c.n++] = c.committed;
 }}
@@ -197,10 +197,14 @@ __device__ __forceinline__ void mma16816(float c[4], const pk a[4], const pk b[2
 typedef unsigned pk;    // two fp16/bf16 elements, the lower index in the low half
 typedef uint4 chunk;    // eight elements: one 16-byte copy
 {real_pack}
-__device__ __forceinline__ unsigned smem_u32(const void* p) {{ return (unsigned)__cvta_generic_to_shared(p); }}
+// Shared-memory addresses are 32-bit: base + off computed there, not as 64-bit generic pointers.
+__device__ __forceinline__ unsigned smem_u32(const T* base, int off) {{
+  return (unsigned)__cvta_generic_to_shared(base) + (unsigned)(off * (int)sizeof(T));
+}}
 // 16 bytes global -> shared, asynchronous; src-size 0 writes zeros (rows past the last key or query).
-__device__ __forceinline__ void cp_async8(T* dst, const T* src, bool valid) {{
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(smem_u32(dst)), "l"(src), "r"(valid ? 16 : 0));
+__device__ __forceinline__ void cp_async8(T* base, int off, const T* src, bool valid) {{
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+               :: "r"(smem_u32(base, off)), "l"(src), "r"(valid ? 16 : 0));
 }}
 __device__ __forceinline__ void cp_async_commit() {{ asm volatile("cp.async.commit_group;\n" ::); }}
 // Wait until at most N of this thread's committed copy groups are still in flight.
@@ -210,10 +214,10 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {{
 __device__ __forceinline__ void ldsm_x4(pk r[4], const T* base, int off, bool trans) {{
   if (trans)
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{%0, %1, %2, %3}}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(base + off)));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(base, off)));
   else
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{%0, %1, %2, %3}}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(base + off)));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(base, off)));
 }}
 __device__ __forceinline__ void mma16816(float c[4], const pk a[4], const pk b[2]) {{
   asm("mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 {{%0, %1, %2, %3}}, {{%4, %5, %6, %7}}, {{%8, %9}}, "
@@ -289,7 +293,7 @@ extern "C" __global__ void __launch_bounds__({nt_}) {name}({", ".join(params)}) 
   for (int x = 0; x < {bm * d // 8 // nt_}; ++x) {{  // Q: 16-byte copies, zeros past the last query
     const int i = tid + {nt_} * x, r = i / {d // 8}, c = (i % {d // 8}) * 8;
     const bool in = q0 + r < Nq;
-    cp_async8(Qs + r * {ld_} + c, qb + (in ? q0 + r : 0) * qsn + c, in);
+    cp_async8(Qs, r * {ld_} + c, qb + (in ? q0 + r : 0) * qsn + c, in);
   }}
   // A thread's copies of a K or V tile: rows cr, cr + {rs}, ... at column cc (16 bytes each), its pointers
   // stepped by {rs} rows, so no per-copy 64-bit offset is kept live across the loop.
@@ -299,13 +303,12 @@ extern "C" __global__ void __launch_bounds__({nt_}) {name}({", ".join(params)}) 
     const long long n0 = (long long)j * {bn} + cr;
     const T* kp = kb + n0 * ksn + cc;
     const T* vp = vb + n0 * vsn + cc;
-    T* ks = Ks + (j % {st}) * {bn * ld_} + cr * {ld_} + cc;
-    T* vs = Vs + (j % {st}) * {bn * ld_} + cr * {ld_} + cc;
+    const int so = (j % {st}) * {bn * ld_} + cr * {ld_} + cc;  // this thread's first element of the stage
     #pragma unroll
     for (int x = 0; x < {bn // rs}; ++x) {{
       const bool in = n0 + x * {rs} < Nk;
-      cp_async8(ks + x * {rs * ld_}, in ? kp : kb, in);
-      cp_async8(vs + x * {rs * ld_}, in ? vp : vb, in);
+      cp_async8(Ks, so + x * {rs * ld_}, in ? kp : kb, in);
+      cp_async8(Vs, so + x * {rs * ld_}, in ? vp : vb, in);
       kp += kstep;
       vp += vstep;
     }}
@@ -340,8 +343,7 @@ extern "C" __global__ void __launch_bounds__({nt_}) {name}({", ".join(params)}) 
           ldsm_x4(qf[i][kk], Qs, (w * {16 * mt} + i * 16 + (lane & 15)) * {ld_} + kk * 16 + (lane >> 4) * 8, false);
       }}
     }}
-    const T* ks = Ks + (j % {st}) * {bn * ld_};
-    const T* vs = Vs + (j % {st}) * {bn * ld_};
+    const int so = (j % {st}) * {bn * ld_};  // the stage of tile j, in K's and V's buffers
     const long long k0 = (long long)j * {bn};
 {live}
     const bool edge = {edge};
@@ -356,7 +358,7 @@ extern "C" __global__ void __launch_bounds__({nt_}) {name}({", ".join(params)}) 
       #pragma unroll
       for (int kk = 0; kk < {d // 16}; ++kk) {{
         pk kf[4];
-        ldsm_x4(kf, ks, (np * 16 + (lane >> 4) * 8 + (lane & 7)) * {ld_} + kk * 16 + ((lane >> 3) & 1) * 8, false);
+        ldsm_x4(kf, Ks, so + (np * 16 + (lane >> 4) * 8 + (lane & 7)) * {ld_} + kk * 16 + ((lane >> 3) & 1) * 8, false);
         #pragma unroll
         for (int i = 0; i < {mt}; ++i) {{
           mma16816(s[i][2 * np], qf[i][kk], kf);
@@ -416,7 +418,7 @@ extern "C" __global__ void __launch_bounds__({nt_}) {name}({", ".join(params)}) 
       #pragma unroll
       for (int dp = 0; dp < {d // 16}; ++dp) {{
         pk vf[4];
-        ldsm_x4(vf, vs, (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * {ld_} + dp * 16 + (lane >> 4) * 8, true);
+        ldsm_x4(vf, Vs, so + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * {ld_} + dp * 16 + (lane >> 4) * 8, true);
         #pragma unroll
         for (int i = 0; i < {mt}; ++i) {{
           mma16816(acc[i][2 * dp], pf[i], vf);
