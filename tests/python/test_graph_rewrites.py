@@ -147,6 +147,35 @@ def test_a_slice_of_several_positions_merged_into_gemm_rows():
     assert torch.equal(got, by_hand)
 
 
+
+def test_hand_written_attention_passes_the_index_to_its_query_rows_and_keeps_keys_and_values_whole():
+    # Each query row of softmax(q k^T + mask) v is its own: the index moves through P @ V, the softmax over the
+    # keys, the masking (its [tokens, tokens] mask indexed too) and q k^T to the rows of q; k and v, and the
+    # projection they share with q, keep every position.
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv, self.out, self.head = nn.Linear(32, 96), nn.Linear(32, 32), nn.Linear(32, VOCAB)
+
+        def forward(self, x):
+            b, t, d = x.shape
+            q, k, v = self.qkv(x).view(b, t, 3, 4, d // 4).permute(2, 0, 3, 1, 4)
+            scores = (q @ k.transpose(-1, -2) / 8 ** 0.5).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1),
+                                                                      float("-inf"))
+            y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d)
+            return self.head(self.out(y))[:, -1]
+
+    torch.manual_seed(6)
+    model = Attention().eval()
+    x = torch.randn(2, 10, 32)
+    graph = capture(model, (x,))
+    products = [n.out.shape for n in graph.nodes if n.op == "aten::bmm"]
+    assert products == [(8, 1, 10), (8, 1, 8)]  # one query row per head against all 10 keys
+    assert [out for _, out in matmuls(graph)] == [(20, 96), (2, 32), (2, VOCAB)]
+    (got,) = outputs(graph, (x,))
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(x), rtol=1e-5, atol=1e-6)
+
 # ---- where the index stays -------------------------------------------------------------------------------------
 
 def test_an_index_after_ops_that_mix_positions_leaves_the_graph_as_it_was():
