@@ -351,3 +351,26 @@ def test_for_transformers_plans_both_programs_and_generates_transformers_tokens(
         expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
                                   do_sample=False, pad_token_id=0)
         assert torch.equal(gen.generate(ids, 6), expected)
+
+
+def test_a_transformers_forward_called_again_with_the_same_inputs_writes_the_same_positions():
+    """optimize() runs a program many times with its example inputs (verification, timing, a CUDA graph's capture):
+    a transformers 5 cache layer writes where its own counter says and advances it, so each call used to write
+    past the last one's until the cache ran out (an index out of bounds on the GPU). The wrapper now starts every
+    call at cache_position: the same inputs write the same positions and give the same logits."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)
+    torch.manual_seed(0)
+    lm = TransformersStaticCacheLM(transformers.LlamaForCausalLM(config).eval(), batch_size=1, max_length=8)
+    ids, position = torch.randint(0, 64, (1, 3)), torch.arange(3)
+    with torch.no_grad():
+        first = lm(ids, position)
+        for _ in range(5):  # 5 x 3 positions: far past the 8 the cache holds, had the counter kept going
+            again = lm(ids, position)
+        assert torch.equal(again, first)
+        keys = lm.cache_tensors()[0]
+        assert keys[:, :, :3].abs().sum() > 0 and keys[:, :, 3:].abs().sum() == 0
+        step = lm(ids[:, :1], torch.tensor([3]))  # the next position, after a prefill called six times
+        assert keys[:, :, 3].abs().sum() > 0 and keys[:, :, 4:].abs().sum() == 0
+    assert step.shape == (1, 1, 64)

@@ -610,6 +610,12 @@ class TransformersStaticCacheLM(torch.nn.Module):
                 last: torch.Tensor | None = None) -> torch.Tensor:
         for name, place in self._places.items():
             _set(place, getattr(self, name))
+        # A layer that writes at its own counter (transformers 5's cumulative_length, advanced by every
+        # update) starts each call at cache_position: a call is then a function of its inputs, as the
+        # program's replays, optimize()'s verification and timing runs need (run after run from a counter
+        # left where the last call put it, the writes walk past the cache: an index out of bounds).
+        for name in self._counters:
+            getattr(self, name).copy_(cache_position[0])
         if last is None:
             out = self.model(input_ids=input_ids, cache_position=cache_position, use_cache=True,
                              **{self._cache_argument: self.cache}, **self._last_only)
