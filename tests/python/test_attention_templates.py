@@ -551,8 +551,11 @@ def test_gpu_decode_groups_tokens_and_alignment(dtype, group, tokens, head_dim, 
         if dtype == torch.float32:
             assert err <= 1e-4, err
             continue
+        # SDPA's rounding is the yardstick, on copies: given the cache one element off a 16-byte boundary, its
+        # fp16/bf16 kernel faulted (misaligned address, torch 2.11 on an H100) after ours had run and matched.
         sdpa = torch.nn.functional.scaled_dot_product_attention(
-            q[i:i + 1], k[i:i + 1, :, :n], v[i:i + 1, :, :n], attn_mask=causal_mask, enable_gqa=True)
+            q[i:i + 1], k[i:i + 1, :, :n].contiguous(), v[i:i + 1, :, :n].contiguous(), attn_mask=causal_mask,
+            enable_gqa=True)
         assert err <= 2 * (sdpa.double() - want).abs().max().item() + 1e-3
 
 
