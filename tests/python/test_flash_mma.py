@@ -84,11 +84,11 @@ def emu(tmp_path_factory):
     return EmulatedJit(tmp_path_factory.mktemp("flash_mma"))
 
 
-def run_emulated(emu, q, k, v, *, causal=False, mask=None, out=None):
+def run_emulated(emu, q, k, v, *, causal=False, mask=None, out=None, scale=None):
     """The kernel over fp32 q, k, v (standing in for bf16: the element type is the only change), the mask's
     broadcast dims read with stride 0; returns the output and the log-sum-exp. q, k, v and `out` (the output
     to write, by default a new contiguous one) may be views at offset 0 of contiguous tensors: the kernel
-    gets those tensors and the views' (batch, head, token) strides."""
+    gets those tensors and the views' (batch, head, token) strides. `scale`: the kernel's, else 1 / sqrt(D)."""
     b, h, nq, d = q.shape
     mask_dtype = None if mask is None else mask.dtype
     code = flash_attention_kernel("fa_mma_emu", batch=b, heads=h, kv_heads=k.shape[1], q_len=nq, kv_len=k.shape[2],
@@ -107,6 +107,8 @@ def run_emulated(emu, q, k, v, *, causal=False, mask=None, out=None):
         full = mask.expand(b, h, nq, k.shape[2])
         strides = [0 if mask.shape[i] == 1 and full.shape[i] != 1 else mask.stride(i) for i in range(4)]
         args[-5:-1] = strides
+    if scale is not None:
+        args[-1] = scale
     kernel = EmulatedModule(emu, EMULATION + _fp32_only(source)).kernel("fa_mma_emu")
     kernel(code.grid, code.block, *args, shared_mem=2 * code.shared_mem)  # fp32 elements: twice the bytes
     return o, lse
@@ -175,6 +177,20 @@ def test_emulated_kernel_reads_and_writes_projection_layouts(emu, head_dim):
     torch.testing.assert_close(o, want.float(), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(lse, want_lse.float(), atol=1e-4, rtol=1e-4)
     assert out[..., head_dim].isnan().all()  # the pad column is never written
+
+
+@emulated
+@pytest.mark.parametrize("scale, case", [(-0.3, "d64-causal-130"), (0.0, "d64-causal-130"),
+                                         (-0.3, "d64-additive-gqa4")], ids=["negative", "zero", "negative-masked"])
+def test_emulated_kernel_takes_any_scale(emu, scale, case):
+    """Without a user mask the kernel takes the max of the raw scores and folds the scale into exp2's FFMA,
+    which needs a positive factor: a negative scale negates Q's fragments instead, and scale 0 (every kept
+    key weighed alike) must not turn the masked keys' -inf into NaN."""
+    q, k, v, causal, mask = _case(**CASES[case])
+    o, lse = run_emulated(emu, q, k, v, causal=causal, mask=mask, scale=scale)
+    want, want_lse = reference(q, k, v, causal=causal, mask=mask, scale=scale)
+    torch.testing.assert_close(o, want.float(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse, want_lse.float(), atol=1e-4, rtol=1e-4)
 
 
 @emulated

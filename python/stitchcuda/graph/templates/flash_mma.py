@@ -38,8 +38,10 @@ Design (one block per 128 query rows of one (batch, head); `MmaTiles`):
   8 elements (16 bytes), so the 8 row addresses of an `ldmatrix` phase fall on distinct bank groups.
 - S = Q K^T with `mma.sync.m16n8k16` (K fragments by `ldmatrix`, V's by `ldmatrix.trans`): each lane holds
   2 scores of rows g and g + 8 per 8-key tile (g = lane / 4); a row's 4 lanes combine max and sum by two
-  shuffles. Scores are scaled by scale x log2(e) and exponentiated with exp2; masking (bounds, causal)
-  runs only on the tiles that need it (the last, and causal blocks' diagonal), a user mask on every tile.
+  shuffles. Without a user mask the max is of the raw scores and p = exp2(s x sl2 - max) is one FFMA and
+  one MUFU (sl2 = scale x log2(e), kept positive: Q's fragments are negated for a negative scale); masking
+  (bounds, causal) runs only on the tiles that need it (the last, and causal blocks' diagonal). A user mask
+  (on every tile) is applied to the scaled scores.
 - The m16n8k16 accumulators of two 8-key tiles are, element for element, the A fragment of one 16-key
   step, so P is rounded to the input dtype in registers and multiplied by V at once: no shared memory
   between S, P and O. The output accumulators are rescaled per tile, each lane's partial row sum is
@@ -137,6 +139,7 @@ def _helpers(t: str) -> str:
 struct pk {{ float x, y; }};
 struct chunk {{ float v[8]; }};
 __device__ __forceinline__ pk pack(float a, float b) {{ return {{a, b}}; }}
+__device__ __forceinline__ pk negate(pk x) {{ return {{-x.x, -x.y}}; }}
 __device__ __forceinline__ float* lanes_of_warp() {{
   __shared__ float x[8][32][12];  // at most 8 warps a block
   return &x[threadIdx.x >> 5][0][0];
@@ -197,6 +200,7 @@ __device__ __forceinline__ void mma16816(float c[4], const pk a[4], const pk b[2
 typedef unsigned pk;    // two fp16/bf16 elements, the lower index in the low half
 typedef uint4 chunk;    // eight elements: one 16-byte copy
 {real_pack}
+__device__ __forceinline__ pk negate(pk x) {{ return x ^ 0x80008000u; }}  // both elements' sign bits
 // Shared-memory addresses are 32-bit: base + off computed there, not as 64-bit generic pointers.
 __device__ __forceinline__ unsigned smem_u32(const T* base, int off) {{
   return (unsigned)__cvta_generic_to_shared(base) + (unsigned)(off * (int)sizeof(T));
@@ -233,7 +237,8 @@ def _scores(causal: bool, mask_dtype: torch.dtype | None) -> tuple[str, str]:
     """The masking of a tile's scores: per row (`row`), `lim`, the keys k0 + c kept for c < lim (bounds and
     causal: computed only on the tiles that need it, `edge`) and, under a user mask, `mr`, the row's mask
     entries from key k0 (a row past Nq reads row Nq - 1's, never written out); per score `x` (raw Q K^T of
-    key k0 + c), its value in log2 units or NEG_INF. Offsets within the tile are 32-bit."""
+    key k0 + c), NEG_INF where dropped, else: without a user mask x itself (scaled by sl2 >= 0 in the max and
+    in exp2's FFMA, as FlashAttention-2 does), under one its value in log2 units. Offsets are 32-bit."""
     bound = "Nk - k0" + (", rc = row - k0 + 1" if causal else "")
     limit = "r < rc ? r : rc" if causal else "r"
     row = f"""        int lim = {{bn}};
@@ -243,7 +248,7 @@ def _scores(causal: bool, mask_dtype: torch.dtype | None) -> tuple[str, str]:
           lim = x <= 0 ? 0 : x < {{bn}} ? (int)x : {{bn}};
         }}"""
     if mask_dtype is None:
-        return row, """            x = edge && c >= lim ? NEG_INF : x * sl2;"""
+        return row, """            x = edge && c >= lim ? NEG_INF : x;"""
     row += "\n        const auto* mr = mb + (row < Nq ? row : Nq - 1) * msi + k0 * msj;"
     if mask_dtype is torch.bool:
         return row, """            x = c < lim && mr[c * msj] ? x * sl2 : NEG_INF;"""
@@ -266,6 +271,15 @@ def flash_mma_source(name: str, params: list[str], tiles: MmaTiles, t: str, caus
         block = "  const long long bh = blockIdx.y, qblk = blockIdx.x;"
         kend, edge = "Nk", f"k0 + {bn} > Nk"
     per_row, per_score = _scores(causal, mask_dtype)
+    if mask_dtype is None:  # raw scores: Q negated where the scale is, so sl2 >= 0 and max(raw) x sl2 is the max
+        scale_lines = """  const bool flip = scale < 0.0f;
+  // exp(x scale) = exp2(x sl2): log2 e folded into the scale; sl2 > 0 also at scale 0, where -inf x 0 is NaN
+  const float sl2 = fmaxf(fabsf(scale) * 1.4426950408889634f, 1e-30f);"""
+        flip = "          if (flip) for (int r = 0; r < 4; ++r) qf[i][kk][r] = negate(qf[i][kk][r]);"
+        tile_max, exponent = "mx * sl2", "fmaf(s[i][nt][2 * hr + e], sl2, -base)"
+    else:
+        scale_lines = "  const float sl2 = scale * 1.4426950408889634f;  // exp(x scale) = exp2(x sl2)"
+        flip, tile_max, exponent = "", "mx", "s[i][nt][2 * hr + e] - base"
     per_row = per_row.replace("{bn}", str(bn))
     rs = nt_ // (d // 8)  # rows between one thread's 16-byte copies of a tile
     live = (f"    if (k0 > q0 + w * {16 * mt} + {16 * mt - 1}) continue;  // every row of this warp is before the tile"
@@ -320,7 +334,7 @@ extern "C" __global__ void __launch_bounds__({nt_}) {name}({", ".join(params)}) 
     if (j < tiles) load_tile(j);
     cp_async_commit();
   }}
-  const float sl2 = scale * 1.4426950408889634f;  // exp(x) = exp2(x log2 e): one multiply folded into the scale
+{scale_lines}
   pk qf[{mt}][{d // 16}][4];
   float acc[{mt}][{d // 8}][4], m[{mt}][2], l[{mt}][2];
   #pragma unroll
@@ -339,8 +353,10 @@ extern "C" __global__ void __launch_bounds__({nt_}) {name}({", ".join(params)}) 
       #pragma unroll
       for (int i = 0; i < {mt}; ++i) {{
         #pragma unroll
-        for (int kk = 0; kk < {d // 16}; ++kk)
+        for (int kk = 0; kk < {d // 16}; ++kk) {{
           ldsm_x4(qf[i][kk], Qs, (w * {16 * mt} + i * 16 + (lane & 15)) * {ld_} + kk * 16 + (lane >> 4) * 8, false);
+{flip}
+        }}
       }}
     }}
     const int so = (j % {st}) * {bn * ld_};  // the stage of tile j, in K's and V's buffers
@@ -386,7 +402,7 @@ extern "C" __global__ void __launch_bounds__({nt_}) {name}({", ".join(params)}) 
         }}
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the row's four lanes
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float mnew = fmaxf(m[i][hr], mx);
+        const float mnew = fmaxf(m[i][hr], {tile_max});
         const float base = mnew == NEG_INF ? 0.0f : mnew;  // a row masked so far keeps probabilities 0
         const float alpha = exp2f(m[i][hr] - base);
         m[i][hr] = mnew;
@@ -395,7 +411,7 @@ extern "C" __global__ void __launch_bounds__({nt_}) {name}({", ".join(params)}) 
         for (int nt = 0; nt < {bn // 8}; ++nt) {{
           #pragma unroll
           for (int e = 0; e < 2; ++e) {{
-            const float p = exp2f(s[i][nt][2 * hr + e] - base);
+            const float p = exp2f({exponent});
             s[i][nt][2 * hr + e] = p;
             sum += p;
           }}
