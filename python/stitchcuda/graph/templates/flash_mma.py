@@ -82,7 +82,7 @@ class MmaTiles:
     input dtype. Two m16 tiles a warp (4 warps) at D = 64 without a user mask: each K and V fragment serves
     both. At D = 128 two tiles' state (Q fragments, output, scores: 256 registers) would not fit, nor under a
     mask at D = 64 (its entries, 16 a row per lane and tile at run-time strides): 8 warps of one tile, one
-    block an SM (about 170-245 registers a thread), so three stages keep two tiles in flight."""
+    block an SM (134-244 registers a thread), so three stages keep two tiles in flight."""
 
     head_dim: int
     masked: bool = False
