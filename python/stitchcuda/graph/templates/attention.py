@@ -89,6 +89,7 @@ mask bytes and no K or V load, and in a kept tile a warp loads the rows of the k
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import dataclass
 
 import torch
@@ -105,7 +106,8 @@ HEAD_DIMS = (32, 64, 80, 96, 128, 160, 192, 224, 256)  # multiples of 32 (decode
 
 
 # The FMA prefill kernel's thread layout: 8 lanes share a query row (a row's max and sum are 3 shuffles), each
-# lane holding 4 of a tile's keys (BN = 32).
+# lane holding 4 of a tile's keys (BN = 32). Fixed, not tuning knobs: _fma_source's indexing (4 row groups a
+# warp, V columns 32 x + 4 cg) and its bank-conflict analysis are written for these values.
 PREFILL_LANES, PREFILL_KEYS = 8, 4
 
 
@@ -307,23 +309,31 @@ def _fma_source(name: str, params: list[str], tiles: PrefillTiles, t: str, causa
 """ if fp32 else ""
     vec = ("  const bool vec = ((reinterpret_cast<unsigned long long>(kb) | reinterpret_cast<unsigned long long>(vb)) "
            "& 15) == 0 && ksn % 4 == 0 && vsn % 4 == 0;  // 16-byte copies\n") if fp32 else ""
-    pv = "\n".join(f"""        #pragma unroll
-        for (int x = 0; x < {pieces}; ++x) {{
-          const float4 vf = *reinterpret_cast<const float4*>(Vt + (c + {u}) * {d} + 32 * x + 4 * cg);
-          #pragma unroll
-          for (int i = 0; i < {tm}; ++i) {{
-            acc[i][4 * x] = fmaf(pf[i].{w}, vf.x, acc[i][4 * x]);
-            acc[i][4 * x + 1] = fmaf(pf[i].{w}, vf.y, acc[i][4 * x + 1]);
-            acc[i][4 * x + 2] = fmaf(pf[i].{w}, vf.z, acc[i][4 * x + 2]);
-            acc[i][4 * x + 3] = fmaf(pf[i].{w}, vf.w, acc[i][4 * x + 3]);
-          }}
-        }}""" for u, w in enumerate("xyzw"))
+    pv = "\n".join(f"""      #pragma unroll
+      for (int x = 0; x < {pieces}; ++x) {{  // key c + {u}
+        const float4 vf = *reinterpret_cast<const float4*>(Vt + (c + {u}) * {d} + 32 * x + 4 * cg);
+        #pragma unroll
+        for (int i = 0; i < {tm}; ++i) {{
+          acc[i][4 * x] = fmaf(pf[i].{w}, vf.x, acc[i][4 * x]);
+          acc[i][4 * x + 1] = fmaf(pf[i].{w}, vf.y, acc[i][4 * x + 1]);
+          acc[i][4 * x + 2] = fmaf(pf[i].{w}, vf.z, acc[i][4 * x + 2]);
+          acc[i][4 * x + 3] = fmaf(pf[i].{w}, vf.w, acc[i][4 * x + 3]);
+        }}
+      }}""" for u, w in enumerate("xyzw"))
     # fp16/bf16 tiles (tensor_cores=False, a fallback) are converted through registers: under the 128-register
     # bound of two blocks an SM ptxas spilled at D = 64, so they ask for one
     blocks = tiles.blocks_per_sm if fp32 else 1
     # Without a mask, a tile inside Nq x Nk (and under the diagonal, causal) keeps every score: it skips the
     # per-score tests (block-uniform), most tiles of a long sequence.
     inside = f"k0 + {bn} <= Nk && q0 + {bm} <= Nq" + (f" && k0 + {bn} <= q0 + 1" if causal else "")
+    tested = f"""    #pragma unroll
+    for (int j = 0; j < {tm * tn}; ++j) {{
+      const long long row = q0 + rg + {rg_total} * (j / {tn}), n = k0 + cg + 8 * (j % {tn});
+{chr(10).join(score)}
+      s[j] = keep ? x : NEG_INF;
+      rmax[j / {tn}] = fmaxf(rmax[j / {tn}], s[j]);
+    }}"""
+    tested = tested if mask_base else textwrap.indent(tested, "  ")
     whole = "" if mask_base else f"""    if ({inside}) {{
       #pragma unroll
       for (int j = 0; j < {tm * tn}; ++j) {{
@@ -343,10 +353,10 @@ def _fma_source(name: str, params: list[str], tiles: PrefillTiles, t: str, causa
 // lane {tm} x {tn} scores (keys cg + 8 j) and {tm} x {cols} outputs (columns 32 x + 4 cg + 0..3).
 extern "C" __global__ void __launch_bounds__({threads}, {blocks}) {name}({", ".join(params)}) {{
   extern __shared__ float smem[];
-  float* Qs = smem;                        // [{bm}][{qp}]
-  float* Ks = Qs + {bm * qp};              // [2][{bn}][{kp}]
-  float* Vs = Ks + {2 * bn * kp};          // [2][{bn}][{d}]
-  float* Ps = Vs + {2 * bn * d};           // [{bm}][{pp}] this tile's probabilities
+  float* Qs = smem;  // [{bm}][{qp}]
+  float* Ks = Qs + {bm * qp};  // [2][{bn}][{kp}]
+  float* Vs = Ks + {2 * bn * kp};  // [2][{bn}][{d}]
+  float* Ps = Vs + {2 * bn * d};  // [{bm}][{pp}] this tile's probabilities
   const int tid = threadIdx.x, lane = tid & 31, cg = lane & 7, rg = (tid >> 5) * 4 + (lane >> 3);
 {order}
   const long long b = bh / H, h = bh % H, hk = h / group;
@@ -423,19 +433,13 @@ extern "C" __global__ void __launch_bounds__({threads}, {blocks}) {name}({", ".j
     float rmax[{tm}];
     #pragma unroll
     for (int i = 0; i < {tm}; ++i) rmax[i] = NEG_INF;
-{whole}    #pragma unroll
-    for (int j = 0; j < {tm * tn}; ++j) {{
-      const long long row = q0 + rg + {rg_total} * (j / {tn}), n = k0 + cg + 8 * (j % {tn});
-{chr(10).join(score)}
-      s[j] = keep ? x : NEG_INF;
-      rmax[j / {tn}] = fmaxf(rmax[j / {tn}], s[j]);
-    }}
+{whole}{tested}
 {"    }" if whole else ""}
     #pragma unroll
     for (int i = 0; i < {tm}; ++i) {{
       float mx = rmax[i];
       const float m = mr[i];
-{_online_max((1, 2, 4))}
+{textwrap.indent(_online_max((1, 2, 4)), "  ")}
       #pragma unroll
       for (int j = 0; j < {tn}; ++j) {{
         const float p = expf(s[i * {tn} + j] - base);
