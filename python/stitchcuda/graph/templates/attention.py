@@ -45,7 +45,7 @@ loads otherwise), the next tile's issued before this one's products. Per tile an
 about 73% of the issue slots are FMAs, ~49 TFLOP/s at best, 1.5-2.5x the memory-efficient backend's
 rate above; tiles past Nq or Nk waste their share (ViT's 197 tokens: 256 rows x 224 keys computed).
 Tiles (`PrefillTiles`): D <= 128: BM = 128, TM = 4, BN = 32, 256 threads, 87 KB of shared memory at D = 64
-(two blocks an SM, the launch bound capping the registers at 128: 124 used), 151 KB at D = 128 (168-226
+(two blocks an SM, the launch bound capping the registers at 128: 124-128 used), 151 KB at D = 128 (168-226
 registers); D > 128: BM = 64, TM = 2 (the D/8 x TM accumulators), 204 KB at D = 256. Causal grids launch
 every head's last query block first; without a mask, tiles inside Nq x Nk (under the diagonal, causal)
 skip the per-score tests. Unmeasured: it has not run on a GPU. The tensor-core kernel's budget:
