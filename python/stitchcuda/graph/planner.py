@@ -29,10 +29,11 @@ apply first.
 - Attention written out (matmul -> scale -> mask -> softmax -> matmul, graph/attention.py) becomes one
   attention group: an ATen scaled_dot_product_attention step by default (ATen picks flash or
   memory-efficient at run time), or the fused template where asked (`attention="fused"`); either way the
-  N x N scores are never in memory. With `attention="auto"` (or STITCHCUDA_ATTENTION=auto), attention of
-  decode's shape (a few query tokens over many cached keys), written out or an SDPA call, becomes the
-  split-KV decode kernels, which read only the keys its mask keeps; the default keeps the ATen step until the
-  kernels are measured ahead of it. Other SDPA calls stay the ATen steps the capture keeps whole.
+  N x N scores are never in memory. Attention of decode's shape over a static cache (a few query tokens
+  over every cached position, a mask saying which are filled), written out or an SDPA call, becomes the
+  split-KV decode kernels, which read only the keys the mask keeps (the default, `attention="auto"`; 2.1 to
+  4.9x SDPA on an H100, which reads every position); over exactly the filled keys (no mask) SDPA is ahead and
+  stays. Other SDPA calls stay the ATen steps the capture keeps whole.
 - Views become View steps (no copy) where the source's layout allows.
 - Values computed only from weights are folded into constants.
 - Everything else (other convolutions through cuDNN, other pooling, indexing, ...) stays an ATen step.
@@ -73,13 +74,15 @@ _REDUCTION_OPS = {"aten::_softmax": "softmax", "aten::_log_softmax": "log_softma
                   "aten::argmax": "argmax", "aten::argmin": "argmin"}
 _POOL_OPS = {"aten::avg_pool2d": "avg", "aten::max_pool2d_with_indices": "max", "aten::max_pool2d": "max"}
 _SCAN_OPS = {"aten::cumsum": "cumsum", "aten::cumprod": "cumprod"}
-# What attention becomes (OfflinePlanner's `attention`, STITCHCUDA_ATTENTION by default). "sdpa" (the
-# default): written-out attention one ATen SDPA step, SDPA calls their own; "auto": attention of decode's shape
-# (a few query tokens over many cached keys, SDPA calls included) the split-KV decode kernels, other attention
-# as "sdpa"; "fused": the decode kernels, else the fused prefill template where it computes the attention
-# (else the SDPA step); "off": written-out attention stays the matmul and softmax groups. The kernels are not
-# the default until they are measured ahead of SDPA (docs/attention.md: the first decode kernel measured
-# 0.26-0.62x of SDPA over a full cache; its rewrite to the floor has not run on a GPU yet).
+# What attention becomes (OfflinePlanner's `attention`, STITCHCUDA_ATTENTION by default). "auto" (the
+# default): attention of decode's shape over a static cache (a few query tokens, a mask over the cached
+# positions; SDPA calls included) the split-KV decode kernels, other attention as "sdpa"; "sdpa": written-out
+# attention one ATen SDPA step, SDPA calls their own; "fused": the decode kernels wherever decode's shape
+# allows, else the fused prefill template where it computes the attention (else the SDPA step); "off":
+# written-out attention stays the matmul and softmax groups. Why "auto" draws the line at the mask
+# (docs/attention.md, H100): over a 2,048-position static cache the kernels ran 2.1-4.9x SDPA, which reads
+# every position; over exactly the filled keys SDPA's kernel was ahead (ours 0.63-0.84x of it), and the
+# prefill template trails SDPA's flash backend.
 ATTENTION_STEPS = ("auto", "sdpa", "fused", "off")
 
 
@@ -495,15 +498,16 @@ class OfflinePlanner:
         """Attention written out (graph/attention.py), and SDPA calls of decode's shape, as one group each, by
         the id of every node it takes: one step that never builds the N x N scores, placed where the
         attention's output is made. Decode's shape (`decode_blocker`: a few query tokens over many keys)
-        becomes the split-KV decode kernels with `attention="auto"` or "fused": over a static cache SDPA reads every
-        key, the kernels only those the mask keeps. Where no step can take written-out attention (a learned
+        becomes the split-KV decode kernels with `attention="fused"`, and with "auto" where a mask says which
+        keys count (a static cache): SDPA reads every key, the kernels only those the mask keeps. Where no step can take written-out attention (a learned
         scale aside, which the recognizer already refuses: dropout in training, mixed dtypes, a finite fill
         that does not mask), the decisions say why and the matmul and softmax groups stay."""
         if self.attention == "off":
             return {}
         taken: dict[int, Group] = {}
         for a in find_attention(graph):
-            decode = self.attention in ("auto", "fused") and decode_blocker(a) is None
+            decode = ((self.attention == "fused" or self.attention == "auto" and a.mask is not None)
+                      and decode_blocker(a) is None)
             if a.kind != "written" and not decode:
                 continue  # an SDPA call: already one ATen step (capture's KEPT_WHOLE)
             why_not = sdpa_blocker(a)

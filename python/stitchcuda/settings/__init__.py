@@ -225,9 +225,10 @@ class Settings:
         "STITCHCUDA_POINTWISE_LOOP", choice("once", "stride"), "once", "graph's pointwise template",
         "once: a thread per few float4 of each operand, one pass; stride: a grid-stride loop (to measure the two)")
     attention: str = _var(
-        "STITCHCUDA_ATTENTION", choice("sdpa", "auto", "fused", "off"), "sdpa", "graph planner (attention)",
-        "sdpa: attention is one ATen SDPA step; auto: attention of decode's shape (a few query tokens over many "
-        "cached keys) the split-KV decode kernels, reading only the keys the mask keeps; fused: those, else the "
+        "STITCHCUDA_ATTENTION", choice("sdpa", "auto", "fused", "off"), "auto", "graph planner (attention)",
+        "auto: attention of decode's shape over a static cache (a few query tokens, a mask over the cached "
+        "positions) the split-KV decode kernels, reading only the keys the mask keeps, other attention as sdpa; "
+        "sdpa: attention is one ATen SDPA step; fused: the decode kernels wherever decode's shape allows, else the "
         "fused prefill template; off: written-out attention stays its matmul and softmax groups")
     dynamic_padding: str = _var(
         "STITCHCUDA_DYNAMIC_PADDING", choice("on", "off"), "on", "optimize(dynamic=)",
