@@ -3,12 +3,13 @@ each position of that dimension on its own, so they run on the kept positions on
 keeps the last position's logits computes its final norm and LM head on one row per sequence, not one per token.
 
 The rewrite works on the exported FX graph (capture reads it afterwards, and the reference interpreter runs the
-same graph). Which ops an index passes, and what stops it, is in docs/graph.md ("Indexing hoisted"); in short:
-pointwise ops and casts, matmuls along their rows, softmax and reductions over another dimension, layer norm over
-the trailing dimensions, and views that keep the indexed positions apart, each only where every reader of its
-result wants the same positions. Anything that mixes positions (attention, a cumulative sum, a convolution over
-the sequence, a reduction over the indexed dimension) or a value read elsewhere whole stays as it was and is
-indexed where the moved ops read it.
+same graph). Which ops an index passes, and what stops it, is in docs/graph.md ("An index moved above row-wise
+ops"); in short: pointwise ops and casts, matmuls along their rows, softmax and reductions over another
+dimension, layer norm over the trailing dimensions, and views that keep the indexed positions apart, each only
+where every reader of its result wants the same positions. Anything that mixes positions (SDPA, a cumulative
+sum, a convolution over the sequence, a reduction over the indexed dimension) or a value read elsewhere whole
+stays as it was and is indexed where the moved ops read it: the index never makes a value be computed twice,
+whole for one reader and in part for another.
 """
 
 from __future__ import annotations
@@ -405,8 +406,9 @@ def _hoist(graph: Graph, index: _Index) -> Hoisted | None:
     made: list[Node] = []
     try:
         result, new = _rebuild(graph, index, region, reads, bounds, mode, made)
-        if tuple(result.meta["val"].shape) != _shape(index.node) or result.meta["val"].dtype != index.node.meta["val"].dtype:
-            raise ValueError(f"the moved index gives {tuple(result.meta['val'].shape)}, not {_shape(index.node)}")
+        got, wanted = result.meta["val"], index.node.meta["val"]
+        if got.shape != wanted.shape or got.dtype != wanted.dtype:
+            raise ValueError(f"the moved index gives {tuple(got.shape)}, not {tuple(wanted.shape)}")
         graph.lint()  # every new node after what it reads
     except Exception:  # a view the fewer positions cannot take (a slice merged into rows): the graph as it was
         for node in reversed(made):
