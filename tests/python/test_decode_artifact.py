@@ -168,3 +168,16 @@ def test_the_cpp_token_loop_of_a_transformers_llama_gives_the_python_generators_
     loaded = stitchcuda.load(path)
     for _ in range(2):  # each call starts from zeroed caches (a layer's own write counter included)
         assert torch.equal(loaded.generate(ids, 10), expected)
+
+
+def test_the_pair_check_compares_the_states_memory_not_the_python_objects():
+    """A build holds its own `.data` of the model's cache (a new Python object over the same memory): save() on
+    the H100 refused a genuine pair because it compared objects. Same memory pairs; a copy or a shifted view
+    does not."""
+    from stitchcuda.graph.decode import _same_memory
+
+    cache = torch.zeros(2, 4, 16, 8)
+    assert cache.data is not cache.data and _same_memory(cache.data, cache.data)
+    assert not _same_memory(cache, cache.clone())
+    assert not _same_memory(cache, cache[:, :, 1:])
+    assert not _same_memory(cache, cache.transpose(2, 3))

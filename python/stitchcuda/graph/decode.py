@@ -177,11 +177,12 @@ class StaticCacheGenerator:
                                      "program (StaticCacheGenerator.optimize on a GPU, both reports 'optimized')")
             programs.append(program)
         pair = DecodePrograms(*programs, max_length=self.max_length)
-        # The file pairs states by name; where both programs read a model's tensor, it must be the same one.
+        # The file pairs states by name; where both programs read a model's tensor, it must be the same memory
+        # (not necessarily the same Python object: a build may hold its own view of the buffer).
         names = [{b["id"]: b["name"] for b in p.buffers if b["role"] == "state"} for p in programs]
         for mine, theirs in pair.state_pairs:
             a, b = programs[0].shared_weights.get(mine), programs[1].shared_weights.get(theirs)
-            if a is not None and b is not None and a is not b:
+            if a is not None and b is not None and not _same_memory(a, b):
                 raise InvalidArgumentError(f"the prefill's state '{names[0][mine]}' and the decode's are different "
                                            "tensors: build both programs from one model (StaticCacheGenerator.optimize)")
         pair.save(path)
@@ -533,6 +534,12 @@ def _device_of(model: torch.nn.Module) -> torch.device:
     for t in (*model.parameters(), *model.buffers()):
         return t.device
     return torch.device("cpu")
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Two tensors over the same elements: one device, address, dtype, shape and strides."""
+    return (a.device == b.device and a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride())
 
 
 def _states_of(module: Any) -> list[torch.Tensor]:
