@@ -176,6 +176,21 @@ def test_hand_written_attention_passes_the_index_to_its_query_rows_and_keeps_key
     with torch.no_grad():
         torch.testing.assert_close(got, model(x), rtol=1e-5, atol=1e-6)
 
+
+def test_the_rewrite_can_be_turned_off_to_measure_it(monkeypatch):
+    from stitchcuda.settings import reload
+
+    model, h = Tail(lambda logits: logits[:, -1]).eval(), torch.randn(3, 10, 32)
+    monkeypatch.setenv("STITCHCUDA_HOIST_INDEX", "0")
+    reload()
+    try:
+        graph = capture(model, (h,))
+    finally:
+        monkeypatch.delenv("STITCHCUDA_HOIST_INDEX")
+        reload()
+    assert head_rows(graph) == 30 and not any("index moved" in text for text, _ in graph.notes)
+    assert head_rows(capture(model, (h,))) == 3
+
 # ---- where the index stays -------------------------------------------------------------------------------------
 
 def test_an_index_after_ops_that_mix_positions_leaves_the_graph_as_it_was():

@@ -519,7 +519,8 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any],
         notes.append((f"{apart} convolution bias(es) added by the elementwise kernel after the convolution",
                       "cuDNN's convolution adds its bias in a pass of its own over the output; the kernel that "
                       "reads the output adds it in its loads, one read and write of the output fewer"))
-    moved = hoist_indexing(exported.graph_module.graph)  # an LM's last-position logits: its head on those rows
+    # an LM's last-position logits: its head on those rows
+    moved = hoist_indexing(exported.graph_module.graph) if settings().hoist_index else []
     if moved:
         exported.graph_module.recompile()
         notes.append(indexing_note(moved))

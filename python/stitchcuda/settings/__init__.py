@@ -217,6 +217,10 @@ class Settings:
     conv_bias_apart: bool = _var(
         "STITCHCUDA_CONV_BIAS_APART", Flag(), True, "graph capture",
         "0: a convolution keeps its bias instead of the generated kernel after it adding it in its loads")
+    hoist_index: bool = _var(
+        "STITCHCUDA_HOIST_INDEX", Flag(), True, "graph capture",
+        "0: an index of some positions (logits[:, -1]) stays where the forward has it, after the row-wise ops "
+        "that computed every position (to measure the rewrite)")
     channels_last: str = _var(
         "STITCHCUDA_CHANNELS_LAST", choice("auto", "on", "off"), "auto", "graph planner (layout)",
         "auto: channels-last chains of tensor-core convolutions; on: of every eligible convolution (the NHWC "
