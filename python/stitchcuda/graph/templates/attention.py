@@ -12,9 +12,11 @@ copy.
 
 Softmax state and accumulation are fp32 in every dtype; the output is rounded once, to the input dtype.
 fp32 inputs: FMAs over fp32 tiles (true fp32, as eager's math is: no TF32), register-tiled (below).
-fp16/bf16 inputs (by default): Q K^T and P V on tensor cores through WMMA 16x16x16 fragments with fp32
-accumulation (`_wmma_source`, 4 warps x 16 query rows, the probabilities rounded to the input dtype for P V
-as FlashAttention does); with tensor_cores=False, the FMA kernel over converted fp32 tiles.
+fp16/bf16 inputs (by default): Q K^T and P V on tensor cores with fp32 accumulation, the probabilities
+rounded to the input dtype for P V as FlashAttention does: at head dims 64 and 128 through mma.sync with
+the scores, probabilities and output in registers (flash_mma.py), at the others (or mma=False) through
+WMMA 16x16x16 fragments (`_wmma_source`, 4 warps x 16 query rows); with tensor_cores=False, the FMA kernel
+over converted fp32 tiles.
 
 The fp32 FMA kernel's floor. Attention is 4 B H Nq Nk D FLOPs (half under causal), all FMAs at fp32: no
 tensor core computes true fp32, and the H100's FP32 rate is 67 TFLOP/s (132 SMs x 128 lanes x 2 x 1.98
