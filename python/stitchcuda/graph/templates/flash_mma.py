@@ -233,23 +233,34 @@ __device__ __forceinline__ void mma16816(float c[4], const pk a[4], const pk b[2
 """
 
 
-def _scores(causal: bool, mask_dtype: torch.dtype | None) -> tuple[str, str]:
-    """The masking of a tile's scores: per row (`row`), `lim`, the keys k0 + c kept for c < lim (bounds and
-    causal: computed only on the tiles that need it, `edge`) and, under a user mask, `mr`, the row's mask
-    entries from key k0 (a row past Nq reads row Nq - 1's, never written out); per score `x` (raw Q K^T of
-    key k0 + c), NEG_INF where dropped, else: without a user mask x itself (scaled by sl2 >= 0 in the max and
-    in exp2's FFMA, as FlashAttention-2 does), under one its value in log2 units. Offsets are 32-bit."""
+def _scores(causal: bool, mask_dtype: torch.dtype | None, bn: int) -> tuple[str, str]:
+    """The masking of a tile's scores, per row (`row`) and per score `x` (raw Q K^T of key k0 + c): `lim`, the
+    keys kept for c < lim (bounds and causal), computed only on the tiles that need it (`edge`). Without a
+    user mask the scores stay raw (sl2 >= 0 scales them in the max and in exp2's FFMA, as FlashAttention-2
+    does) and a tile that is not `edge` runs no masking code at all; under one (read through `mr`, the row's
+    entries from key k0; a row past Nq reads row Nq - 1's, never written out) every score is turned into log2
+    units or NEG_INF. Offsets within the tile are 32-bit."""
     bound = "Nk - k0" + (", rc = row - k0 + 1" if causal else "")
     limit = "r < rc ? r : rc" if causal else "r"
-    row = f"""        int lim = {{bn}};
-        if (edge) {{
-          const long long r = {bound};
+    lim = f"""          const long long r = {bound};
           const long long x = {limit};
-          lim = x <= 0 ? 0 : x < {{bn}} ? (int)x : {{bn}};
-        }}"""
+          const int lim = x <= 0 ? 0 : x < {bn} ? (int)x : {bn};"""
     if mask_dtype is None:
-        return row, """            x = edge && c >= lim ? NEG_INF : x;"""
-    row += "\n        const auto* mr = mb + (row < Nq ? row : Nq - 1) * msi + k0 * msj;"
+        return f"""        if (edge) {{  // block-uniform: the last tile, a causal block's diagonal
+{lim}
+          #pragma unroll
+          for (int nt = 0; nt < {bn // 8}; ++nt) {{
+            #pragma unroll
+            for (int e = 0; e < 2; ++e) {{
+              if (nt * 8 + 2 * tq + e >= lim) s[i][nt][2 * hr + e] = NEG_INF;
+            }}
+          }}
+        }}""", ""
+    row = f"""        int lim = {bn};
+        if (edge) {{
+{lim.replace("const int lim", "lim")}
+        }}
+        const auto* mr = mb + (row < Nq ? row : Nq - 1) * msi + k0 * msj;"""
     if mask_dtype is torch.bool:
         return row, """            x = c < lim && mr[c * msj] ? x * sl2 : NEG_INF;"""
     return row, """            x = c < lim ? fmaf(ld(mr, c * msj), 1.4426950408889634f, x * sl2) : NEG_INF;"""
@@ -270,7 +281,12 @@ def flash_mma_source(name: str, params: list[str], tiles: MmaTiles, t: str, caus
     else:
         block = "  const long long bh = blockIdx.y, qblk = blockIdx.x;"
         kend, edge = "Nk", f"k0 + {bn} > Nk"
-    per_row, per_score = _scores(causal, mask_dtype)
+    per_row, per_score = _scores(causal, mask_dtype, bn)
+    per_score = (f"""            const int c = nt * 8 + 2 * tq + e;
+            float x = s[i][nt][2 * hr + e];
+{per_score}
+            s[i][nt][2 * hr + e] = x;
+            mx = fmaxf(mx, x);""" if per_score else "            mx = fmaxf(mx, s[i][nt][2 * hr + e]);")
     if mask_dtype is None:  # raw scores: Q negated where the scale is, so sl2 >= 0 and max(raw) x sl2 is the max
         scale_lines = """  const bool flip = scale < 0.0f;
   // exp(x scale) = exp2(x sl2): log2 e folded into the scale; sl2 > 0 also at scale 0, where -inf x 0 is NaN
@@ -280,7 +296,6 @@ def flash_mma_source(name: str, params: list[str], tiles: MmaTiles, t: str, caus
     else:
         scale_lines = "  const float sl2 = scale * 1.4426950408889634f;  // exp(x scale) = exp2(x sl2)"
         flip, tile_max, exponent = "", "mx", "s[i][nt][2 * hr + e] - base"
-    per_row = per_row.replace("{bn}", str(bn))
     rs = nt_ // (d // 8)  # rows between one thread's 16-byte copies of a tile
     live = (f"    if (k0 > q0 + w * {16 * mt} + {16 * mt - 1}) continue;  // every row of this warp is before the tile"
             if causal else "")
@@ -393,11 +408,7 @@ extern "C" __global__ void __launch_bounds__({nt_}) {name}({", ".join(params)}) 
         for (int nt = 0; nt < {bn // 8}; ++nt) {{
           #pragma unroll
           for (int e = 0; e < 2; ++e) {{
-            const int c = nt * 8 + 2 * tq + e;
-            float x = s[i][nt][2 * hr + e];
 {per_score}
-            s[i][nt][2 * hr + e] = x;
-            mx = fmaxf(mx, x);
           }}
         }}
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the row's four lanes
