@@ -126,6 +126,9 @@ CASES = {  # batch, heads, kv heads, queries, keys, head dim
     # diagonal skipping tiles
     "d128-causal-300": dict(shape=(1, 1, 1, 300, 300, 128), causal=True),
     "d64-padding-300-keys": dict(shape=(2, 1, 1, 40, 300, 64), mask="padding"),
+    # causal with Nq != Nk (top-left aligned, as SDPA's is_causal): fewer queries than keys, and more
+    "d128-causal-33x130": dict(shape=(1, 2, 1, 33, 130, 128), causal=True),
+    "d64-causal-130x70": dict(shape=(1, 1, 1, 130, 70, 64), causal=True),
 }
 
 
