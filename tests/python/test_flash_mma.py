@@ -16,6 +16,7 @@ from cpu_emulator.emulator import EmulatedJit, EmulatedModule, unavailable  # no
 from test_attention_templates import _fp32_only, _spills, reference  # noqa: E402  (fp64 attention, ptxas's report)
 
 from stitchcuda import jit  # noqa: E402
+from stitchcuda.errors import InvalidArgumentError  # noqa: E402
 from stitchcuda.graph.templates.attention import flash_attention_kernel  # noqa: E402
 from stitchcuda.graph.templates.flash_mma import MMA_HEAD_DIMS, flash_mma_source, mma_tiles  # noqa: E402
 
@@ -41,6 +42,16 @@ def test_the_mma_kernel_serves_head_dims_64_and_128(dtype, head_dim):
     wmma = flash_attention_kernel("fa", batch=2, heads=8, kv_heads=2, q_len=300, kv_len=300, head_dim=head_dim,
                                   dtype=dtype, causal=True, mma=False)
     assert "WMMA tensor cores" in wmma.description and wmma.args == code.args  # the same launch arguments
+
+
+def test_mma_true_where_it_does_not_apply_is_refused_with_the_fix():
+    for dtype, head_dim, kw in ((torch.bfloat16, 96, {}), (torch.float32, 64, {}),
+                                (torch.bfloat16, 64, dict(tensor_cores=False))):
+        with pytest.raises(InvalidArgumentError, match="leave mma unset"):
+            flash_attention_kernel("fa", batch=1, heads=2, kv_heads=2, q_len=64, kv_len=64, head_dim=head_dim,
+                                   dtype=dtype, mma=True, **kw)
+    assert "mma.sync" in flash_attention_kernel("fa", batch=1, heads=2, kv_heads=2, q_len=64, kv_len=64, head_dim=64,
+                                                dtype=torch.float16, mma=True).description
 
 
 # ---- NVRTC, compile only -------------------------------------------------------------------------------

@@ -217,6 +217,9 @@ def flash_attention_kernel(name: str, *, batch: int, heads: int, kv_heads: int, 
         tensor_cores = dtype != torch.float32
     if tensor_cores and dtype == torch.float32:
         raise InvalidArgumentError("tensor_cores takes fp16/bf16 inputs; fp32 attention runs on FMAs (true fp32)")
+    if mma and not (tensor_cores and head_dim in MMA_HEAD_DIMS):
+        raise InvalidArgumentError(f"mma=True takes fp16/bf16 inputs on tensor cores at head dims {MMA_HEAD_DIMS}, "
+                                   f"not {dtype} at {head_dim}; leave mma unset to pick the kernel")
     if heads % kv_heads:
         raise InvalidArgumentError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
     if mask_dtype is not None and mask_dtype not in (torch.bool, *ATTENTION_DTYPES):
