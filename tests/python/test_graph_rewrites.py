@@ -191,6 +191,24 @@ def test_the_rewrite_can_be_turned_off_to_measure_it(monkeypatch):
     assert head_rows(graph) == 30 and not any("index moved" in text for text, _ in graph.notes)
     assert head_rows(capture(model, (h,))) == 3
 
+
+def test_an_index_tensor_the_forward_makes_moves_up_too():
+    class Picked(nn.Module):  # positions 7, 0, 7, 3: a constant the forward builds, after the ops it moves above
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.proj = nn.LayerNorm(16), nn.Linear(16, 12)
+
+        def forward(self, x):
+            return F.gelu(self.proj(self.norm(x))).index_select(1, torch.tensor([7, 0, 7, 3]))
+
+    torch.manual_seed(7)
+    model, x = Picked().eval(), torch.randn(2, 8, 16)
+    graph = capture(model, (x,))
+    assert [left for left, _ in matmuls(graph)] == [(8, 16)]  # 2 sequences x 4 picks
+    (got,) = outputs(graph, (x,))
+    with torch.no_grad():
+        assert torch.equal(got, F.gelu(model.proj(model.norm(x.index_select(1, torch.tensor([7, 0, 7, 3]))))))
+
 # ---- where the index stays -------------------------------------------------------------------------------------
 
 def test_an_index_after_ops_that_mix_positions_leaves_the_graph_as_it_was():

@@ -431,9 +431,9 @@ def _hoist(graph: Graph, index: _Index) -> Hoisted | None:
 
 def _rebuild(graph: Graph, index: _Index, region: dict[Node, Rows], reads: dict[Node, Reads],
              bounds: dict[tuple[Node, Rows], None], mode: Any, made: list[Node]) -> tuple[Node, dict[Node, Node]]:
-    """The region's nodes again on the kept positions, each placed just before the node it repeats (and each
-    boundary's index just after the value), so values live no longer than before. Returns the index's value
-    and each region node's repetition."""
+    """The region's nodes again on the kept positions, each placed just before the node it repeats (or, when it
+    comes first, just after an index tensor the forward computes) and each boundary's index just after the
+    value, so values live no longer than before. Returns the index's value and each region node's repetition."""
     order = list(graph.nodes)
     placeholders = [n for n in order if n.op == "placeholder"]
     new: dict[Node, Node] = {}
@@ -456,6 +456,8 @@ def _rebuild(graph: Graph, index: _Index, region: dict[Node, Rows], reads: dict[
                     ([index.tensor] if index.tensor is not None else []), key=order.index)
         cut[(value, rows)] = _take(add, after, value, rows, index)
 
+    # A region node before a computed index tensor (a constant's clone) is repeated just after that tensor.
+    late = order[order.index(index.tensor) + 1] if index.tensor is not None else None
     for node in sorted(region, key=order.index):
         rows = region[node]
         how = dict(reads[node])
@@ -467,7 +469,8 @@ def _rebuild(graph: Graph, index: _Index, region: dict[Node, Rows], reads: dict[
 
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), replace)
         args = _resized(node, rows, index, args)
-        new[node] = add(node, None, node.target, args, kwargs, node)
+        before = late if late is not None and order.index(node) < order.index(late) else node
+        new[node] = add(before, None, node.target, args, kwargs, node)
     result = new[index.source]
     if index.drop:
         result = add(index.node, None, aten.squeeze.dims, (result, [index.dim]), {}, index.node)
