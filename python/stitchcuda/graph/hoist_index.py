@@ -38,6 +38,9 @@ class Rows:
     inner: int = 1
 
 
+# What reading an op's arguments raises where they are not as its rule expects: the op is then left alone.
+_UNEXPECTED = (AttributeError, IndexError, KeyError, TypeError, ValueError, ZeroDivisionError)
+
 WHOLE = None  # a reader that takes the value whole: a weight, an operand broadcast along the indexed dimension
 
 Reads = list[tuple[Node, "Rows | None"]]
@@ -82,7 +85,10 @@ def hoist_indexing(graph: Graph) -> list[Hoisted]:
     done: list[Hoisted] = []
     alive = set(graph.nodes)
     for node in list(graph.nodes):
-        index = _as_index(node) if node in alive else None  # (not one an earlier rewrite erased)
+        try:
+            index = _as_index(node) if node in alive else None  # (not one an earlier rewrite erased)
+        except _UNEXPECTED:  # arguments no index of ours has (a symbolic position): left as it is
+            index = None
         moved = _hoist(graph, index) if index is not None else None
         if moved is not None:
             done.append(moved)
@@ -396,7 +402,7 @@ def _consistent(found: Reads) -> bool:
 def _hoist(graph: Graph, index: _Index) -> Hoisted | None:
     try:
         region, reads, bounds = _region(index)
-    except (AttributeError, IndexError, KeyError, TypeError, ValueError):  # arguments no rule expects: left as is
+    except _UNEXPECTED:  # arguments no rule expects: left as it is
         return None
     if not any(n.target not in _VIEWS for n in region):
         return None  # only views above the index: nothing computes fewer positions
