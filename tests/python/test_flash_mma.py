@@ -86,7 +86,7 @@ def test_every_variant_compiles_for_sm90_without_spills(dtype, head_dim, variant
 # ---- the CPU emulator: the same kernel, fragments exchanged lane by lane ----------------------------------
 
 # What the emulated helpers need beyond the emulator's CUDA: __syncwarp (the warp's barrier).
-EMULATION = ("#define STITCHCUDA_EMULATE_MMA\n"
+EMULATION = ("#define EMULATE_MMA_ON_CPU\n"
              "inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp->bar.arrive_and_wait(); }\n")
 
 

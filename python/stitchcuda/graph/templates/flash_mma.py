@@ -52,7 +52,7 @@ Design (one block per 128 query rows of one (batch, head); `MmaTiles`):
   comes before any second-to-last one, so the grid's tail is short blocks.
 
 The CPU emulator runs this same kernel body: every PTX instruction (`mma`, `ldmatrix`, `cp.async`) sits
-in a small helper with a `STITCHCUDA_EMULATE_MMA` alternative written from the instruction's per-lane
+in a small helper with a `EMULATE_MMA_ON_CPU` alternative written from the instruction's per-lane
 fragment layout over fp32 elements (the lanes' registers exchanged through a per-warp shared array,
 one exchange per instruction; a copy lands when a wait retires its group), so the layouts and the
 pipeline's waits are exercised exactly (tests/python/test_flash_mma.py).
@@ -133,7 +133,7 @@ def _helpers(t: str) -> str:
     else:  # the emulated build (t = float) never compiles the PTX branch
         kind, real_pack = "", '#error "the mma.sync prefill takes fp16 or bf16 inputs"'
     return rf"""
-#ifdef STITCHCUDA_EMULATE_MMA
+#ifdef EMULATE_MMA_ON_CPU
 // The CPU emulator: a fragment register holds two fp32 elements; a lane reads the other lanes' registers
 // through a per-warp array (one exchange per instruction, as the instruction moves them between lanes).
 struct pk {{ float x, y; }};
@@ -269,7 +269,7 @@ def _scores(causal: bool, mask_dtype: torch.dtype | None, bn: int) -> tuple[str,
 def flash_mma_source(name: str, params: list[str], tiles: MmaTiles, t: str, causal: bool,
                      mask_dtype: torch.dtype | None, lse: bool) -> str:
     """The kernel's source: `params` as flash_attention_kernel declares them, `t` the element type (float
-    only for the emulator, with STITCHCUDA_EMULATE_MMA defined)."""
+    only for the emulator, with EMULATE_MMA_ON_CPU defined)."""
     d, bm, bn, mt, nt_, st = tiles.head_dim, tiles.bm, tiles.bn, tiles.m_tiles, tiles.threads, tiles.stages
     ld_ = d + 8
     mask_base = (f"  const {CTYPE[mask_dtype]}* mb = mask + b * msb + h * msh;" if mask_dtype is not None else "")
