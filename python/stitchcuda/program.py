@@ -632,10 +632,8 @@ class LoadedGenerator:
         """The prompts ``input_ids`` [batch, prompt_length] followed by ``max_new_tokens`` tokens, greedy or
         sampled, as StaticCacheGenerator.generate returns them (on the GPU); a sample draws from a generator
         started at `seed` each call (StaticCacheGenerator's with torch.Generator('cuda').manual_seed(seed)
-        draws the same tokens)."""
-        from .graph.decode import check_sampling
-
-        check_sampling(do_sample, temperature, top_k, top_p, eos_token_id)  # the Python rules (C++'s are the same)
+        draws the same tokens). Bad sampling options are refused by the C++ Generator's own check (the rules
+        StaticCacheGenerator.generate applies), raised here as InvalidArgumentError."""
         options = _C.program.SamplingOptions(
             do_sample=bool(do_sample), temperature=float(temperature), top_k=0 if top_k is None else int(top_k),
             top_p=1.0 if top_p is None else float(top_p), seed=int(seed),
