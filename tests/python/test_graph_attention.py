@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "corpus"))
@@ -219,6 +220,48 @@ def test_a_head_dim_the_template_lacks_falls_back_to_sdpa_and_says_so():
     _, plan = _plan(RepeatGQA().eval(), (torch.randn(1, 4, 8, 40), k, v), attention="fused")
     (group,) = [g for g in plan.groups if g.kind == "attention"]
     assert group.params["impl"] == "sdpa" and "the template cannot: head dims 40" in group.reason
+
+
+class SdpaCall(nn.Module):
+    def __init__(self, causal: bool) -> None:
+        super().__init__()
+        self.causal = causal
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+
+
+class LongTriuCausal(nn.Module):  # TriuCausal at any length
+    def forward(self, q, k, v):
+        n = q.shape[-2]
+        s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        s = s.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), diagonal=1), float("-inf"))
+        return torch.softmax(s, dim=-1) @ v
+
+
+@pytest.mark.parametrize("module, dtype, n, d, impl", [
+    (LongTriuCausal(), torch.float32, 256, 64, "fused"),  # written out, fp32 at 64: the FMA kernel led SDPA
+    (LongTriuCausal(), torch.float32, 256, 128, "sdpa"),  # fp32 at 128: 0.83x of SDPA's memory-efficient kernel
+    (SdpaCall(True), torch.bfloat16, 256, 128, "fused"),  # an SDPA call at bf16: the mma.sync kernel led flash
+    (SdpaCall(False), torch.float16, 197, 64, "fused"),
+    (SdpaCall(False), torch.bfloat16, 256, 96, None),  # no kernel measured at 96: the call stays SDPA's
+    (SdpaCall(True), torch.bfloat16, 64, 64, None),  # fewer queries than the measured shapes
+], ids=["written-fp32-d64", "written-fp32-d128", "sdpa-bf16-d128", "sdpa-fp16-d64", "sdpa-bf16-d96", "sdpa-short"])
+def test_auto_takes_prefill_attention_where_the_template_was_measured_ahead(module, dtype, n, d, impl):
+    inputs = tuple(torch.randn(1, 4, n, d).to(dtype) for _ in range(3))
+    _, plan = _plan(module.eval(), inputs, attention="auto")
+    groups = [g for g in plan.groups if g.kind == "attention"]
+    assert [g.params["impl"] for g in groups] == ([impl] if impl else [])
+    if impl == "fused":
+        assert any("as the fused prefill template" in text and "measured ahead of SDPA" in why
+                   for text, why in plan.decisions)
+
+
+def test_auto_leaves_masked_prefill_attention_to_sdpa():
+    q, k, v = (torch.randn(1, 4, 256, 64) for _ in range(3))
+    additive = torch.randn(1, 1, 256, 256)
+    _, plan = _plan(Additive().eval(), (q, k, v, additive), attention="auto")
+    assert [g.params["impl"] for g in plan.groups if g.kind == "attention"] == ["sdpa"]
 
 
 def test_the_bf16_tensor_core_path_compiles_with_nvrtc():

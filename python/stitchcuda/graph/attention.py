@@ -438,6 +438,31 @@ def template_blocker(a: Attention) -> str | None:
     return None
 
 
+# Where the fused prefill template was measured ahead of SDPA (bench.attention on an H100, docs/attention.md):
+# the mma.sync kernel at fp16/bf16 and head dims 64 and 128 (1.02-1.36x SDPA's flash backend), the FMA kernel
+# at fp32 and head dims up to 64 (1.08-1.17x the memory-efficient backend; 0.83x at 128), causal or not, no mask,
+# 197 to 2,048 queries.
+PREFILL_AHEAD = {torch.float16: (64, 128), torch.bfloat16: (64, 128), torch.float32: (32, 64)}
+PREFILL_MIN_QUERIES = 128  # the measured shapes had 197 to 2,048 queries; a query block is 64-128 rows
+
+
+def prefill_blocker(a: Attention) -> str | None:
+    """None when attention="auto" takes `a` as the fused prefill template (where the template computes it and
+    was measured ahead of SDPA: PREFILL_AHEAD, no mask), else why SDPA keeps it."""
+    why = template_blocker(a)
+    if why is not None:
+        return why
+    if a.head_dim not in PREFILL_AHEAD.get(a.q.dtype, ()):
+        where = "; ".join(f"{str(t).removeprefix('torch.')}: {', '.join(map(str, d))}" for t, d in PREFILL_AHEAD.items())
+        return (f"head dim {a.head_dim} at {str(a.q.dtype).removeprefix('torch.')} (the template measured ahead of "
+                f"SDPA at head dims {where})")
+    if a.mask is not None:
+        return "a mask (the template's masked form is not measured against SDPA yet)"
+    if a.q_len < PREFILL_MIN_QUERIES:
+        return f"{a.q_len} query tokens (measured ahead from {PREFILL_MIN_QUERIES}: a block's rows fill)"
+    return None
+
+
 def decode_blocker(a: Attention) -> str | None:
     """None when `a` has decode's shape and the split-KV decode kernels (templates/attention.py) compute it,
     else why not. Decode's shape: at most DECODE_MAX_TOKENS query tokens against at least DECODE_MIN_CHUNK

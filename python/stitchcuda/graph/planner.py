@@ -33,7 +33,9 @@ apply first.
   over every cached position, a mask saying which are filled), written out or an SDPA call, becomes the
   split-KV decode kernels, which read only the keys the mask keeps (the default, `attention="auto"`; 2.1 to
   4.9x SDPA on an H100, which reads every position); over exactly the filled keys (no mask) SDPA is ahead and
-  stays. Other SDPA calls stay the ATen steps the capture keeps whole.
+  stays. Prefill attention (written out or an SDPA call) becomes the fused prefill template where it was
+  measured ahead of SDPA's kernels (attention.PREFILL_AHEAD: fp16/bf16 at head dims 64 and 128, fp32 up to
+  64; no mask; 128 queries or more). Other SDPA calls stay the ATen steps the capture keeps whole.
 - Views become View steps (no copy) where the source's layout allows.
 - Values computed only from weights are folded into constants.
 - Everything else (other convolutions through cuDNN, other pooling, indexing, ...) stays an ATen step.
@@ -45,8 +47,8 @@ import torch
 
 from ..program import DTYPES as PROGRAM_DTYPES
 from ..settings import settings
-from .attention import (attention_inputs, decode_blocker, find_attention, replaced_nodes, sdpa_blocker,
-                        template_blocker)
+from .attention import (attention_inputs, decode_blocker, find_attention, prefill_blocker, replaced_nodes,
+                        sdpa_blocker, template_blocker)
 from .capture import VIEW_OPS, Graph, Node, Value
 from .gemm_precision import bf16_products, split_tf32_choice
 from .groups import GENERATED, Group, GraphPlan
@@ -76,13 +78,15 @@ _POOL_OPS = {"aten::avg_pool2d": "avg", "aten::max_pool2d_with_indices": "max", 
 _SCAN_OPS = {"aten::cumsum": "cumsum", "aten::cumprod": "cumprod"}
 # What attention becomes (OfflinePlanner's `attention`, STITCHCUDA_ATTENTION by default). "auto" (the
 # default): attention of decode's shape over a static cache (a few query tokens, a mask over the cached
-# positions; SDPA calls included) the split-KV decode kernels, other attention as "sdpa"; "sdpa": written-out
+# positions; SDPA calls included) the split-KV decode kernels, prefill attention where the fused template
+# was measured ahead of SDPA (attention.prefill_blocker) that template, other attention as "sdpa"; "sdpa": written-out
 # attention one ATen SDPA step, SDPA calls their own; "fused": the decode kernels wherever decode's shape
 # allows, else the fused prefill template where it computes the attention (else the SDPA step); "off":
 # written-out attention stays the matmul and softmax groups. Why "auto" draws the line at the mask
 # (docs/attention.md, H100): over a 2,048-position static cache the kernels ran 2.1-4.9x SDPA, which reads
-# every position; over exactly the filled keys SDPA's kernel was ahead (ours 0.63-0.84x of it), and the
-# prefill template trails SDPA's flash backend.
+# every position; over exactly the filled keys SDPA's kernel was ahead (ours 0.63-0.84x of it). The prefill
+# template ran 1.02-1.36x SDPA's flash backend at bf16 (the mma.sync kernel) and 1.08-1.17x its memory-
+# efficient backend at fp32 with head dim 64, 0.83x at 128.
 ATTENTION_STEPS = ("auto", "sdpa", "fused", "off")
 
 
@@ -508,7 +512,8 @@ class OfflinePlanner:
         for a in find_attention(graph):
             decode = ((self.attention == "fused" or self.attention == "auto" and a.mask is not None)
                       and decode_blocker(a) is None)
-            if a.kind != "written" and not decode:
+            ahead = not decode and self.attention == "auto" and prefill_blocker(a) is None
+            if a.kind != "written" and not decode and not ahead:
                 continue  # an SDPA call: already one ATen step (capture's KEPT_WHOLE)
             why_not = sdpa_blocker(a)
             if why_not is not None:
@@ -516,7 +521,8 @@ class OfflinePlanner:
                                   f"one attention step cannot take it: {why_not}"))
                 continue
             template = template_blocker(a)
-            impl = "decode" if decode else "fused" if self.attention == "fused" and template is None else "sdpa"
+            impl = ("decode" if decode else "fused" if (self.attention == "fused" or ahead) and template is None
+                    else "sdpa")
             what = (f"{'causal ' if a.causal else ''}attention {a.batch}x{a.heads}"
                     f"{f'(kv {a.kv_heads})' if a.kv_heads != a.heads else ''}x{a.q_len}x{a.kv_len}x{a.head_dim}"
                     f"{f', {a.mask_kind} mask' if a.mask is not None else ''}")
@@ -537,6 +543,11 @@ class OfflinePlanner:
                                   f"{a.q_len} query token(s) over {a.kv_len} keys: the attention is a pass over "
                                   "the keys, its time its bytes read; SDPA reads all of them, the decode kernels "
                                   "only those the mask keeps (attention=\"sdpa\" keeps the ATen step)"))
+            elif ahead:
+                decisions.append((f"attention at {a.output.name} ({what}) as the fused prefill template",
+                                  f"{str(a.q.dtype).removeprefix('torch.')} at head dim {a.head_dim}, no mask: where the "
+                                  "template was measured ahead of SDPA's kernels (attention=\"sdpa\" keeps the ATen "
+                                  "step)"))
             for n in nodes:
                 taken[id(n)] = group
         return taken
