@@ -242,11 +242,12 @@ class LongTriuCausal(nn.Module):  # TriuCausal at any length
 @pytest.mark.parametrize("module, dtype, n, d, impl", [
     (LongTriuCausal(), torch.float32, 256, 64, "fused"),  # written out, fp32 at 64: the FMA kernel led SDPA
     (LongTriuCausal(), torch.float32, 256, 128, "sdpa"),  # fp32 at 128: 0.83x of SDPA's memory-efficient kernel
+    (LongTriuCausal(), torch.float32, 256, 32, "sdpa"),  # fp32 at 32: not measured
     (SdpaCall(True), torch.bfloat16, 256, 128, "fused"),  # an SDPA call at bf16: the mma.sync kernel led flash
     (SdpaCall(False), torch.float16, 197, 64, "fused"),
     (SdpaCall(False), torch.bfloat16, 256, 96, None),  # no kernel measured at 96: the call stays SDPA's
     (SdpaCall(True), torch.bfloat16, 64, 64, None),  # fewer queries than the measured shapes
-], ids=["written-fp32-d64", "written-fp32-d128", "sdpa-bf16-d128", "sdpa-fp16-d64", "sdpa-bf16-d96", "sdpa-short"])
+], ids=["written-fp32-d64", "written-fp32-d128", "written-fp32-d32", "sdpa-bf16-d128", "sdpa-fp16-d64", "sdpa-bf16-d96", "sdpa-short"])
 def test_auto_takes_prefill_attention_where_the_template_was_measured_ahead(module, dtype, n, d, impl):
     inputs = tuple(torch.randn(1, 4, n, d).to(dtype) for _ in range(3))
     _, plan = _plan(module.eval(), inputs, attention="auto")

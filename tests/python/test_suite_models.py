@@ -58,8 +58,8 @@ def _captured(stem: str):
 
 
 @functools.lru_cache(maxsize=1)
-def _planned(stem: str):
-    return OfflinePlanner().plan(_captured(stem))
+def _planned(stem: str, attention: str | None = None):
+    return OfflinePlanner(attention=attention).plan(_captured(stem))
 
 
 @functools.lru_cache(maxsize=1)
@@ -68,9 +68,10 @@ def _values(stem: str) -> dict[str, torch.Tensor]:
     return reference_values(_captured(stem), list(inputs))
 
 
-def _partition(stem: str) -> list[tuple[str, list[str]]]:
+def _partition(stem: str, attention: str | None = None) -> list[tuple[str, list[str]]]:
     """(kind, ops) of every group that computes something (views and weight-only constants left out)."""
-    return [(g.kind, [n.op for n in g.nodes]) for g in _planned(stem).groups if g.kind not in ("view", "constant")]
+    return [(g.kind, [n.op for n in g.nodes]) for g in _planned(stem, attention).groups
+            if g.kind not in ("view", "constant")]
 
 
 # ---- the suite itself ----
@@ -135,6 +136,8 @@ def test_plan_lowers_to_a_valid_program_whose_kernels_compile(stem):
     program.validate()
     # A pooling group whose input is stored channels-last runs as ATen steps (lowering.on_aten).
     fused = sum(g.kind in ("pointwise", "reduction", "conv", "pool") for g in plan.groups) - len(lowering.on_aten)
+    # An attention group is one kernel as the fused template, two as the decode pair, none as the SDPA step.
+    fused += sum({"fused": 1, "decode": 2}.get(g.params["impl"], 0) for g in plan.groups if g.kind == "attention")
     # One kernel per fused group, plus one copy to NHWC at the edge of each channels-last convolution chain.
     edges = [code for _, code in lowering.kernels if code.name.startswith("to_nhwc")]
     assert len(lowering.kernels) == fused + len(edges)
@@ -292,12 +295,19 @@ def test_bench_suite_without_a_gpu_says_why_and_returns_3(capsys):
     assert out.count("\n") == 1 and "no GPU" in out
 
 
-def test_golden_sdpa_stays_one_library_step_fed_by_views_without_copies():
-    # scaled_dot_product_attention is kept whole (flash / memory-efficient kernels), not decomposed into
-    # GEMMs around a materialized score tensor; q, k and v are strided views of the qkv projection.
-    assert _partition("attention_sdpa") == [("gemm", ["aten::addmm"]), ("aten", ["aten::scaled_dot_product_attention"]),
-                                            ("gemm", ["aten::addmm"])]
-    graph, plan = _captured("attention_sdpa"), _planned("attention_sdpa")
+def test_golden_sdpa_is_the_fused_template_by_default_and_one_library_step_under_sdpa():
+    # fp32 at head dim 64, causal, no mask: where the template measured ahead of SDPA's memory-efficient
+    # kernel, auto takes the SDPA call as the template; either way the attention is one step, never GEMMs
+    # around a materialized score tensor.
+    sdpa = ["aten::scaled_dot_product_attention"]
+    assert _partition("attention_sdpa") == [("gemm", ["aten::addmm"]), ("attention", sdpa), ("gemm", ["aten::addmm"])]
+    assert _partition("attention_sdpa", "sdpa") == [("gemm", ["aten::addmm"]), ("aten", sdpa), ("gemm", ["aten::addmm"])]
+
+
+def test_golden_sdpa_step_is_fed_by_views_without_copies():
+    # Under attention="sdpa", scaled_dot_product_attention is kept whole (flash / memory-efficient kernels);
+    # q, k and v are strided views of the qkv projection.
+    graph, plan = _captured("attention_sdpa"), _planned("attention_sdpa", "sdpa")
     lowering = Lowering(graph, plan, {})
     program = lowering.build(plan.groups, graph.inputs, graph.outputs)
     program.validate()
@@ -336,7 +346,7 @@ def test_a_traced_view_the_planned_layout_cannot_take_copies_contiguous_first(mo
     from stitchcuda.graph import lower
 
     monkeypatch.setattr(lower, "_dense_permutation", lambda shape, strides: False)
-    graph, plan = _captured("attention_sdpa"), _planned("attention_sdpa")
+    graph, plan = _captured("attention_sdpa"), _planned("attention_sdpa", "sdpa")
     program = Lowering(graph, plan, {}).build(plan.groups, graph.inputs, graph.outputs)
     program.validate()
     aten = [s["op"] for s in program.steps if s["kind"] == "aten"]

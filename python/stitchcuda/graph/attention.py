@@ -440,9 +440,9 @@ def template_blocker(a: Attention) -> str | None:
 
 # Where the fused prefill template was measured ahead of SDPA (bench.attention on an H100, docs/attention.md):
 # the mma.sync kernel at fp16/bf16 and head dims 64 and 128 (1.02-1.36x SDPA's flash backend), the FMA kernel
-# at fp32 and head dims up to 64 (1.08-1.17x the memory-efficient backend; 0.83x at 128), causal or not, no mask,
+# at fp32 and head dim 64 (1.08-1.17x the memory-efficient backend; 0.83x at 128), causal or not, no mask,
 # 197 to 2,048 queries.
-PREFILL_AHEAD = {torch.float16: (64, 128), torch.bfloat16: (64, 128), torch.float32: (32, 64)}
+PREFILL_AHEAD = {torch.float16: (64, 128), torch.bfloat16: (64, 128), torch.float32: (64,)}
 PREFILL_MIN_QUERIES = 128  # the measured shapes had 197 to 2,048 queries; a query block is 64-128 rows
 
 

@@ -34,8 +34,8 @@ apply first.
   split-KV decode kernels, which read only the keys the mask keeps (the default, `attention="auto"`; 2.1 to
   4.9x SDPA on an H100, which reads every position); over exactly the filled keys (no mask) SDPA is ahead and
   stays. Prefill attention (written out or an SDPA call) becomes the fused prefill template where it was
-  measured ahead of SDPA's kernels (attention.PREFILL_AHEAD: fp16/bf16 at head dims 64 and 128, fp32 up to
-  64; no mask; 128 queries or more). Other SDPA calls stay the ATen steps the capture keeps whole.
+  measured ahead of SDPA's kernels (attention.PREFILL_AHEAD: fp16/bf16 at head dims 64 and 128, fp32 at head
+  dim 64; no mask; 128 queries or more). Other SDPA calls stay the ATen steps the capture keeps whole.
 - Views become View steps (no copy) where the source's layout allows.
 - Values computed only from weights are folded into constants.
 - Everything else (other convolutions through cuDNN, other pooling, indexing, ...) stays an ATen step.

@@ -232,7 +232,7 @@ class Settings:
         "STITCHCUDA_ATTENTION", choice("sdpa", "auto", "fused", "off"), "auto", "graph planner (attention)",
         "auto: attention of decode's shape over a static cache (a few query tokens, a mask over the cached "
         "positions) the split-KV decode kernels, reading only the keys the mask keeps; prefill attention the fused "
-        "template where it was measured ahead of SDPA (fp16/bf16 head dims 64 and 128, fp32 up to 64, no mask); "
+        "template where it was measured ahead of SDPA (fp16/bf16 head dims 64 and 128, fp32 head dim 64, no mask); "
         "other attention as sdpa; "
         "sdpa: attention is one ATen SDPA step; fused: the decode kernels wherever decode's shape allows, else the "
         "fused prefill template; off: written-out attention stays its matmul and softmax groups")
