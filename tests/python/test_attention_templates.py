@@ -579,3 +579,84 @@ def test_the_benchmark_ratios_are_baseline_over_ours():
     assert row["sdpa_flash_over_ours"] == 0.5 and "sdpa_math_over_ours" not in row
     assert not any(key.startswith(("ours_queued_over", "sdpa_queued_over")) for key in row)  # queued: like for like
     assert row["fraction_of_speed_of_light"] == 0.25
+
+
+# ---- the benchmark's split sweep -------------------------------------------------------------------------
+
+# The split counts the bench times for its decode shapes (BENCH_SPLITS' chosen ones; the static cache's 2,048
+# slots at batch 1 and 8 are (1, 2048) and (8, 2048)): half, twice and four times the chosen one, capped at
+# keys / 64 (DECODE_MIN_CHUNK) and at least 1.
+BENCH_SPLIT_CANDIDATES = {(1, 512): [4, 8], (1, 2048): [16, 32], (8, 512): [2, 5, 8], (8, 2048): [2, 5, 10, 20],
+                          (32, 512): [1, 2, 4, 8], (32, 2048): [1, 2, 4, 8]}
+
+
+@pytest.mark.parametrize("batch, keys", list(BENCH_SPLIT_CANDIDATES))
+def test_the_benchs_split_candidates_for_its_shapes(batch, keys):
+    from functools import partial
+
+    from stitchcuda.bench.attention import _split_kernels, split_candidates
+    chosen = BENCH_SPLITS[batch, keys]
+    assert split_candidates(chosen, keys) == BENCH_SPLIT_CANDIDATES[batch, keys]
+    # the row builder's kernels: one pair per candidate, the chosen one reused, every split given keys (an
+    # empty split would time blocks that do nothing) and none under the 64-key minimum
+    make = partial(decode_attention_kernels, "dec", batch=batch, heads=32, kv_heads=8, q_tokens=1, max_len=keys,
+                   head_dim=128, dtype=torch.bfloat16)
+    pair = make()
+    pairs = _split_kernels(make, pair, keys)
+    assert list(pairs) == BENCH_SPLIT_CANDIDATES[batch, keys] and pairs[chosen] is pair
+    for splits, other in pairs.items():
+        assert other.splits == splits and other.partial.grid == (splits, 8, batch)
+        assert other.chunk >= 64 and other.chunk * (splits - 1) < keys
+        assert other.partial.source == pair.partial.source  # one compiled partial kernel: the same occupancy
+
+
+def test_split_candidates_bounds_and_bad_input():
+    from stitchcuda.bench.attention import split_candidates
+    assert split_candidates(1, 64) == [1]  # one chunk's worth of keys: nothing else to try
+    assert split_candidates(1, 4096) == [1, 2, 4]
+    assert split_candidates(3, 100) == [1, 2, 3]  # 100 keys: at most 2 splits of >= 64, the chosen one kept
+    with pytest.raises(InvalidArgumentError, match="must be >= 1"):
+        split_candidates(0, 2048)
+
+
+def test_the_split_record_picks_the_fastest_correct_count():
+    from stitchcuda.bench.attention import split_record, split_tolerance
+    tolerance = split_tolerance(4e-3)
+    assert tolerance == pytest.approx(9e-3)
+    times = {2: 0.145, 1: 0.2, 4: 0.1, 8: 0.09}
+    errors = {1: 4e-3, 2: 4e-3, 4: 5e-3, 8: 0.25}  # 8 splits fastest but wrong: not the best
+    record = split_record(2, times, errors, tolerance)
+    assert list(record["ours_ms_at_splits"]) == [1, 2, 4, 8]
+    assert record["wrong_splits"] == [8] and record["best_splits"] == 4
+    assert record["best_over_chosen"] == 1.45 and record["best_splits_x"] == "4 (2x)"
+    record = split_record(2, {1: 0.3, 2: 0.145}, {1: float("nan"), 2: 4e-3}, tolerance)
+    assert record["wrong_splits"] == [1] and record["best_splits"] == 2 and record["best_over_chosen"] == 1.0
+    assert record["best_splits_x"] == "2 (1x)"
+
+
+@pytest.mark.gpu
+def test_gpu_the_benchs_split_sweep_times_and_checks_every_count():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from functools import partial
+
+    from stitchcuda.bench.attention import _decode_error, _decode_pair, _split_kernels, _split_sweep
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    b, n = 8, 2048
+    q = torch.randn(b, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, 8, n, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    make = partial(decode_attention_kernels, "bench_sweep", batch=b, heads=32, kv_heads=8, q_tokens=1, max_len=n,
+                   head_dim=128, dtype=torch.bfloat16, sms=sms)
+    pair = make()
+    t = {"q": q, "k": k, "v": v, "o": torch.empty_like(q), "lengths": torch.full((b,), n, dtype=torch.int32,
+                                                                                 device="cuda")}
+    _decode_pair(pair, t)
+    chosen_error = _decode_error(t["o"], q, k, v)
+    record = _split_sweep(_split_kernels(make, pair, n), pair.splits, t, lambda o: _decode_error(o, q, k, v),
+                          chosen_error, sms)
+    assert set(record["ours_ms_at_splits"]) == set(record["error_at_splits"]) == set(record["waves_at_splits"])
+    assert all(ms > 0 for ms in record["ours_ms_at_splits"].values()) and record["wrong_splits"] == []
+    assert record["best_splits"] in record["ours_ms_at_splits"] and record["best_over_chosen"] >= 1.0
+    resident = record["resident_blocks_per_sm"]
+    assert resident >= 1
+    assert record["waves"] == round(pair.splits * 8 * b / (sms * resident), 2)

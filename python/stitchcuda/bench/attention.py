@@ -9,7 +9,10 @@ choice) for one new token at batch 1, 8 and 32 over 512 and 2,048 cached keys (3
 D = 128, bf16; timed as called, and with a busy-wait queued ahead, `*_queued_ms`, so the host's launch
 latency does not show, as in the decode step's CUDA graph), and the decode step over a static cache of 2,048
 slots at positions 100, 1,000 and 2,000 (the masked kernels, reading only the kept keys, against SDPA with the
-mask, batch 1 and 8). Every time is the
+mask, batch 1 and 8). Each decode and static-cache row also times the pair at other split counts
+(`split_candidates`: half, twice and four times the chosen one, queued as above) and reports the best, the
+resident blocks per SM and the waves of partial blocks: a count that leaves the last wave part full may lose
+to another. Every time is the
 Verifier's timer (verify/timing.measure, L2 flushed before each call); ratios are baseline / ours (above 1:
 ours is faster) and the speed of light is max(bytes / DRAM bandwidth, FLOPs / peak) from the GPU's table.
 Each result is checked against the fp64 math form first. bf16 runs the tensor-core kernel (mma.sync at head
@@ -19,7 +22,9 @@ dims 64 and 128, WMMA at others); its WMMA and FMA variants are timed beside it 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
 import sys
 from typing import Any, Callable
 
@@ -27,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import jit
-from ..graph.templates.attention import decode_attention_kernels, flash_attention_kernel
+from ..errors import InvalidArgumentError
+from ..graph.templates.attention import DECODE_MIN_CHUNK, decode_attention_kernels, flash_attention_kernel
 from ..verify import hardware
 from ..verify.timing import measure
 
@@ -48,14 +54,14 @@ def _math(q, k, v, causal):
 
 
 def _launcher(code, tensors: dict) -> Callable[[], None]:
-    kernel = jit.compile(code.source, code.name)
+    kernel = jit.compile(code.source, code.name)  # cached: a second compile of the same source is a lookup
     args = [tensors[key] if kind in ("in", "out") else key for kind, key in code.args]
     return lambda: kernel(code.grid, code.block, *args, shared_mem=code.shared_mem)
 
 
-def _time(fn, busy_cycles: int = 0) -> float:
+def _time(fn, busy_cycles: int = 0, repeats: int = 30) -> float:
     with torch.no_grad():
-        return measure(fn, repeats=30, warmup=5, busy_cycles=busy_cycles).ms
+        return measure(fn, repeats=repeats, warmup=5, busy_cycles=busy_cycles).ms
 
 
 # A busy-wait queued before each timed decode call (about 0.5 ms), so the host's launch latency never shows:
@@ -145,14 +151,87 @@ def _decode_error(o: torch.Tensor, q, k, v) -> float:
     return (o.double() - want).abs().max().item()
 
 
+# The split counts timed beside the chosen one, as multiples of it (wave quantization: blocks / (SMs x resident)
+# a little above a whole number runs a last wave mostly empty, which more or fewer splits may avoid).
+SPLIT_FACTORS = (0.5, 2, 4)
+SPLIT_REPEATS = 10  # timed calls per alternative split count: the sweep adds little to the bench's time
+
+
+def split_candidates(chosen: int, max_len: int) -> list[int]:
+    """The split counts the bench times for one decode shape, ascending: the chosen one and SPLIT_FACTORS times
+    it, each within 1 .. ceil(max_len / DECODE_MIN_CHUNK) (the kernels' smallest chunk), deduplicated."""
+    if chosen < 1 or max_len < 1:
+        raise InvalidArgumentError(f"split_candidates: the chosen splits and max_len must be >= 1, not {chosen} "
+                                   f"and {max_len}")
+    top = max(1, -(-max_len // DECODE_MIN_CHUNK))
+    return sorted({chosen} | {min(top, max(1, int(chosen * f))) for f in SPLIT_FACTORS})
+
+
+def split_tolerance(chosen_error: float) -> float:
+    """The largest error another split count may have: twice the chosen one's plus 1e-3, the rule the GPU tests
+    hold the decode kernels to against SDPA (another count changes only the fp32 summation order; the bf16
+    output's rounding dominates both)."""
+    return 2 * chosen_error + 1e-3
+
+
+def split_record(chosen: int, times: dict[int, float], errors: dict[int, float], tolerance: float) -> dict:
+    """A row's split sweep from each count's time and error: `ours_ms_at_splits`, `error_at_splits`,
+    `wrong_splits` (error above `tolerance`, or NaN), `best_splits` (the fastest correct count),
+    `best_over_chosen` (chosen ms / best ms: above 1, the best count beats the chosen one) and
+    `best_splits_x` ("best (multiple of the chosen)x"), the printed column."""
+    wrong = sorted(s for s, e in errors.items() if not e <= tolerance)
+    right = {s: ms for s, ms in times.items() if s not in wrong and ms}
+    best = min(right, key=right.__getitem__) if right else None
+    record: dict[str, Any] = {"ours_ms_at_splits": dict(sorted(times.items())),
+                              "error_at_splits": dict(sorted(errors.items())), "wrong_splits": wrong,
+                              "best_splits": best, "best_over_chosen": None, "best_splits_x": None}
+    if best is not None and times.get(chosen):
+        record["best_over_chosen"] = round(times[chosen] / times[best], 3)
+        record["best_splits_x"] = f"{best} ({best / chosen:.2g}x)"
+    return record
+
+
+def _split_kernels(make: Callable[..., Any], chosen, max_len: int) -> dict:
+    """The decode pair at each of split_candidates' counts (`make(splits)` builds one; the chosen one reused)."""
+    return {s: chosen if s == chosen.splits else make(splits=s) for s in split_candidates(chosen.splits, max_len)}
+
+
+def _occupancy(kernels, sms: int) -> dict:
+    """Resident partial blocks per SM (the driver's occupancy of the compiled kernel; every split count runs
+    the same source) and the waves of partial blocks at each split count: blocks / (SMs x resident)."""
+    code = next(iter(kernels.values())).partial
+    block = math.prod(code.block) if isinstance(code.block, tuple) else code.block
+    resident = jit.compile(code.source, code.name).occupancy(block, code.shared_mem)
+    waves = {s: round(math.prod(k.partial.grid) / (sms * resident), 2) if resident else None
+             for s, k in kernels.items()}
+    return {"resident_blocks_per_sm": resident, "waves_at_splits": waves}
+
+
+def _split_sweep(kernels: dict, chosen: int, tensors: dict, error: Callable[[torch.Tensor], float],
+                 chosen_error: float, sms: int) -> dict:
+    """Each split count's pair run on `tensors` (its own output and workspace), checked with `error`, and timed
+    queued (as the decode step's CUDA graph runs it) with SPLIT_REPEATS calls; split_record's keys, the
+    occupancy's and `waves` at the chosen count."""
+    times, errors = {}, {}
+    for s, pair in kernels.items():
+        t = tensors | {"o": torch.empty_like(tensors["o"])}
+        ours = _decode_pair(pair, t)
+        errors[s] = error(t["o"])
+        times[s] = _time(ours, QUEUED_CYCLES, SPLIT_REPEATS)
+    record = split_record(chosen, times, errors, split_tolerance(chosen_error)) | _occupancy(kernels, sms)
+    record["waves"] = record["waves_at_splits"][chosen]
+    return record
+
+
 def decode(gpu: dict) -> list[dict]:
     rows = []
     h, hk, d, dtype = DECODE_HEADS, DECODE_KV_HEADS, DECODE_DIM, torch.bfloat16
     for b, n in DECODE:
         q = torch.randn(b, h, 1, d, device="cuda", dtype=dtype)
         k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=dtype) for _ in range(2))
-        kernels = decode_attention_kernels(f"bench_dec_{d}", batch=b, heads=h, kv_heads=hk, q_tokens=1, max_len=n,
-                                           head_dim=d, dtype=dtype, sms=gpu["sms"])
+        make = functools.partial(decode_attention_kernels, f"bench_dec_{d}", batch=b, heads=h, kv_heads=hk,
+                                 q_tokens=1, max_len=n, head_dim=d, dtype=dtype, sms=gpu["sms"])
+        kernels = make()
         t = {"q": q, "k": k, "v": v, "o": torch.empty_like(q),
              "lengths": torch.full((b,), n, dtype=torch.int32, device="cuda")}
         ours = _decode_pair(kernels, t)
@@ -167,6 +246,8 @@ def decode(gpu: dict) -> list[dict]:
         _ratios(row)
         row["sdpa_over_ours_queued"] = round(row["sdpa_queued_ms"] / row["ours_queued_ms"], 3)
         row["fraction_of_speed_of_light_queued"] = round(row["speed_of_light_ms"] / row["ours_queued_ms"], 3)
+        row |= _split_sweep(_split_kernels(make, kernels, n), kernels.splits, t,
+                            lambda o: _decode_error(o, q, k, v), row["max_abs_error_vs_fp64"], gpu["sms"])
         rows.append(row)
     return rows
 
@@ -181,9 +262,11 @@ def static_cache(gpu: dict) -> list[dict]:
     for b in STATIC_BATCHES:
         k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=dtype) for _ in range(2))
         q = torch.randn(b, h, 1, d, device="cuda", dtype=dtype)
-        kernels = decode_attention_kernels(f"bench_dec_mask_{d}", batch=b, heads=h, kv_heads=hk, q_tokens=1,
-                                           max_len=n, head_dim=d, dtype=dtype, sms=gpu["sms"], mask_dtype=torch.bool,
-                                           strides={"mask": (0, 0, 0, 1)})
+        make = functools.partial(decode_attention_kernels, f"bench_dec_mask_{d}", batch=b, heads=h, kv_heads=hk,
+                                 q_tokens=1, max_len=n, head_dim=d, dtype=dtype, sms=gpu["sms"],
+                                 mask_dtype=torch.bool, strides={"mask": (0, 0, 0, 1)})
+        kernels = make()
+        sweep = _split_kernels(make, kernels, n)  # built once a batch, run at every position
         for position in STATIC_AT:
             mask = (torch.arange(n, device="cuda") <= position)[None, None, None, :]
             t = {"q": q, "k": k, "v": v, "mask": mask, "o": torch.empty_like(q)}
@@ -199,6 +282,9 @@ def static_cache(gpu: dict) -> list[dict]:
                    "bytes_ours": kept * row_bytes + n + ends, "bytes_sdpa": n * row_bytes + n + ends}
             row["speed_of_light_ms"] = row["bytes_ours"] / (gpu["dram_tb_s"] * 1e9)
             _ratios(row)
+            row |= _split_sweep(sweep, kernels.splits, t,
+                                lambda o, kept=kept: _decode_error(o, q, k[:, :, :kept], v[:, :, :kept]),
+                                row["max_abs_error_vs_fp64"], gpu["sms"])
             rows.append(row)
         del k, v
         torch.cuda.empty_cache()
@@ -216,8 +302,12 @@ def _ratios(row: dict) -> None:
         row["fraction_of_speed_of_light"] = round(row["speed_of_light_ms"] / ours, 3)
 
 
+# Printed headers that differ from the row's key.
+HEADERS = {"best_splits_x": "best splits (x of chosen)"}
+
+
 def _table(rows: list[dict], keys: list[str]) -> str:
-    lines = [" | ".join(keys)]
+    lines = [" | ".join(HEADERS.get(k, k) for k in keys)]
     for r in rows:
         lines.append(" | ".join(f"{r.get(k):.4g}" if isinstance(r.get(k), float) else str(r.get(k)) for k in keys))
     return "\n".join(lines)
@@ -246,10 +336,13 @@ def run(json_output: bool = False) -> int:
     print("\ndecode, bf16, 32 heads / 8 kv heads, D = 128")
     print(_table(out["decode"], ["batch", "kv_len", "splits", "blocks", "ours_ms", "sdpa_over_ours",
                                  "fraction_of_speed_of_light", "ours_queued_ms", "sdpa_over_ours_queued",
-                                 "fraction_of_speed_of_light_queued", "max_abs_error_vs_fp64"]))
+                                 "fraction_of_speed_of_light_queued", "max_abs_error_vs_fp64", "resident_blocks_per_sm",
+                                 "waves", "best_splits_x", "best_over_chosen", "wrong_splits"]))
     print(f"\ndecode over a static cache of {STATIC_POSITIONS} slots, keys past the position masked (bf16, as above)")
     print(_table(out["static_cache"], ["batch", "position", "splits", "ours_ms", "sdpa_over_ours", "bytes_ours",
-                                       "bytes_sdpa", "fraction_of_speed_of_light", "max_abs_error_vs_fp64"]))
+                                       "bytes_sdpa", "fraction_of_speed_of_light", "max_abs_error_vs_fp64",
+                                       "resident_blocks_per_sm", "waves", "best_splits_x", "best_over_chosen",
+                                       "wrong_splits"]))
     return 0
 
 
