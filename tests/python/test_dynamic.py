@@ -353,3 +353,33 @@ def test_auto_leaves_out_an_input_whose_extent_is_the_batchs_by_chance():
     assert dyn["dims"][0]["inputs"] == [(0, 0), (1, 0)] and "fixes" not in dyn.get("refused", "")
     assert any("'auto' varies the batch of 2 of the 3 inputs" in g and "fixes 'batch' to 8" in g for g in dyn["guards"])
     assert dyn["members_captured"] == "specialized from one symbolic export"
+
+
+def test_a_padded_sizes_time_is_split_and_its_executor_counts_read():
+    from stitchcuda.bench.dynamic import executor_counts, padded_breakdown, padded_line
+
+    stats = {"runs": 10, "replays": 8, "device_launches": 0, "eager_runs": 2, "captures": 1, "copies_skipped": 8,
+             "instances": 1, "arena_bytes": 4096, "host_replay_note": "few nodes"}
+    before = executor_counts(stats)
+    assert before == {"runs": 10, "replays": 8, "device_launches": 0, "eager_runs": 2, "captures": 1,
+                      "copies_skipped": 8, "instances": 1}
+    # 23 timed calls, each a replay whose padded input needed no copy: nothing to note.
+    clean = dict(before, runs=33, replays=31, copies_skipped=31)
+    cell = padded_breakdown(0.342, 0.089, 0.01, before, clean)
+    assert cell["member_exact_ms"] == 0.089 and cell["pad_ms"] == 0.01
+    assert cell["unexplained_ms"] == pytest.approx(0.243)
+    assert cell["executor"] == {"delta": {"runs": 23, "replays": 23, "device_launches": 0, "eager_runs": 0,
+                                          "captures": 0, "copies_skipped": 23}, "instances": [1, 1]}
+    assert cell["notes"] == []
+    # A capture per call, a second instance, and the padded input copied again are each named.
+    bad = dict(before, runs=33, replays=31, captures=24, copies_skipped=8, instances=2)
+    notes = padded_breakdown(0.342, 0.089, 0.01, before, bad)["notes"]
+    assert [n.split(" ", 2)[1] for n in notes] == ["CUDA", "executor", "replay(s)"]
+    assert notes[0].startswith("23 CUDA graph capture(s)") and notes[2].startswith("23 replay(s) copied")
+    released = padded_breakdown(0.3, 0.1, 0.0, before, dict(before, runs=33, eager_runs=25))["notes"]
+    assert released == ["23 eager run(s) during the timed calls (the member's working memory was released, or "
+                        "never warmed)"]
+    line = padded_line("conv", "prime", {"size": 7, "member": [8], "family_ms": 0.342, "host_ms": 0.05, **cell})
+    assert line == ("conv prime (7 on [8]): family 0.342 ms = member exact 0.089 + pad and cut 0.010 + unexplained "
+                    "0.243; host 0.050 ms a call; executor runs +23, replays +23, device_launches +0, eager_runs +0, "
+                    "captures +0, copies_skipped +23, instances 1 -> 1")

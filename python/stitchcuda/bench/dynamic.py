@@ -8,7 +8,12 @@ torch.compile(dynamic=True), timed in one run, outputs checked against eager at 
 Columns per problem and size: eager_ms, family_ms (the optimized module, its member built before timing;
 "original" where that size runs the model), compile_ms (torch.compile(dynamic=True), warmed at the size),
 correct; per problem: the static optimize's and the dynamic one's wall seconds, the members built and how
-each size was served (program, padded, original). Summary: per size, the geomean speed-up over eager of the
+each size was served (program, padded, original). A padded size also says where its time goes, same run:
+member_exact_ms (the serving member's executor run directly on inputs padded beforehand), pad_ms (the
+pad into the member's input buffer and the cut of its outputs, without the run), unexplained_ms (what the
+family call costs beyond both: routing, Python, anything else) and what the member's executor counted
+during the family's timed calls (runs, replays, captures, eager runs, skipped copies, instances); every
+program-served size gives host_ms (wall time per call of back-to-back calls). Summary: per size, the geomean speed-up over eager of the
 family, of compile and the family over compile, and the family at each size over the static program at
 the example shape (the issue's 0.9x target), and optimize()'s wall time with dynamic="auto" over the static
 one's (the issue's 2x target), with where each spent it, stage by stage (report.dynamic["wall_s"]).
@@ -28,15 +33,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from ..settings import settings
 from .problems import default_dir, load, model_files, shrink
 from .reference import compare_outputs
 from .tables import geomean
 
-__all__ = ["batch_sizes", "measure_problem", "summarize_sizes", "wall_line", "main"]
+__all__ = ["batch_sizes", "measure_problem", "summarize_sizes", "wall_line", "executor_counts", "padded_breakdown",
+           "padded_line", "main"]
 
 LABELS = ("1", "prime", "half", "example", "2x")
+# Executor.stats() counters that say what a run did: a capture, an eager run or a second instance during
+# timed calls, or a padded input copied again, shows here.
+STAT_KEYS = ("runs", "replays", "device_launches", "eager_runs", "captures", "copies_skipped", "instances")
 
 
 def batch_sizes(example: int) -> dict[str, int]:
@@ -49,6 +59,81 @@ def _ms(fn) -> float:
     from ..verify import measure
 
     return measure(fn, repeats=20, warmup=3).median_ms
+
+
+def _host_ms(fn, calls: int = 20) -> float:
+    """Wall milliseconds per call of `calls` back-to-back calls, synchronized before and after: where the
+    host is slower than the GPU, this is the host's time a call."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e3
+
+
+def executor_counts(stats: dict) -> dict:
+    """The counters of an Executor.stats() that say what its runs did (STAT_KEYS), as ints."""
+    return {k: int(stats[k]) for k in STAT_KEYS if k in stats}
+
+
+def padded_breakdown(family_ms: float, member_exact_ms: float, pad_ms: float, before: dict, after: dict) -> dict:
+    """A padded size's columns: the member's exact run, the pad and cut, what the family call costs beyond
+    both, the member's executor counters over the family's timed calls (`before`, `after`: executor_counts)
+    and notes on what they show: a capture or an eager run during timed calls, more than one instance (the
+    pad wrote another instance's buffers than the run read), padded inputs copied again."""
+    delta = {k: after[k] - before[k] for k in before if k in after and k != "instances"}
+    notes = []
+    if delta.get("captures"):
+        notes.append(f"{delta['captures']} CUDA graph capture(s) during the timed calls")
+    if delta.get("eager_runs"):
+        notes.append(f"{delta['eager_runs']} eager run(s) during the timed calls (the member's working memory was "
+                     "released, or never warmed)")
+    if after.get("instances", 0) > 1 or after.get("instances", 0) > before.get("instances", 0):
+        notes.append(f"{after['instances']} executor instance(s) after the timed calls ({before.get('instances', 0)} "
+                     "before): one per stream is expected")
+    if delta.get("replays") and delta.get("copies_skipped", 0) < delta["replays"]:
+        notes.append(f"{delta['replays'] - delta.get('copies_skipped', 0)} replay(s) copied the padded input again "
+                     "(the pad wrote a buffer the run did not read)")
+    return {"member_exact_ms": member_exact_ms, "pad_ms": pad_ms,
+            "unexplained_ms": round(family_ms - member_exact_ms - pad_ms, 4),
+            "executor": {"delta": delta, "instances": [before.get("instances"), after.get("instances")]},
+            "notes": notes}
+
+
+def padded_line(problem: str, label: str, cell: dict) -> str:
+    """One padded size's time, split: the family call against the member's exact run, the pad and cut, the
+    rest, and what the member's executor did meanwhile."""
+    d = cell["executor"]["delta"]
+    counts = ", ".join(f"{k} +{v}" for k, v in d.items())
+    return (f"{problem} {label} ({cell['size']} on {cell['member']}): family {cell['family_ms']:.3f} ms = member exact "
+            f"{cell['member_exact_ms']:.3f} + pad and cut {cell['pad_ms']:.3f} + unexplained "
+            f"{cell['unexplained_ms']:.3f}; host {cell.get('host_ms', 0.0):.3f} ms a call; executor {counts}, "
+            f"instances {cell['executor']['instances'][0]} -> {cell['executor']['instances'][1]}"
+            + "".join(f"; {n}" for n in cell["notes"]))
+
+
+def _family_call(family, xs: tuple) -> tuple[list, tuple]:
+    """The call's inputs as DynamicModule.forward passes them on, and its route (sizes, member, why): the
+    bench times the family's own pieces, its _route, _pad and _cut."""
+    from ..graph.module import positional_call
+
+    ordered = positional_call(xs, {}, family._arity, family._keywords, family._settings)
+    call = [v for i, v in enumerate(ordered) if i not in family._settings]
+    return call, family._route(call)
+
+
+def _padded_columns(family, call: list, route: tuple, family_ms: float, before: dict, after: dict) -> dict:
+    """padded_breakdown for a padded size, timing the member's executor on inputs padded beforehand (the
+    padded ones copied out of the member's buffers) and the pad and cut alone."""
+    sizes, member, _ = route
+    executor = member.module._runner.executor
+    padded = [t.clone() if isinstance(t, torch.Tensor) else t for t in family._pad(member, list(call), sizes)]
+    flat = [t for t in pytree.tree_flatten(tuple(padded))[0] if isinstance(t, torch.Tensor)]
+    outs = executor.run(flat)
+    exact = _ms(lambda: executor.run(flat))
+    pad = _ms(lambda: (family._pad(member, list(call), sizes), family._cut(outs, sizes, member.sizes)))
+    return {"member": list(member.sizes), **padded_breakdown(family_ms, exact, pad, before, after)}
 
 
 def _log(text: str) -> None:
@@ -94,10 +179,19 @@ def measure_problem(path: Path, small: bool = False, compile_column: bool = True
             got = family(*xs)  # builds the member on first use
             first_s = time.perf_counter() - t0
             ok, err, detail = compare_outputs(got, want)
+            served = ("original" if family.other_shape_calls > before
+                      else ("padded" if family.padded_calls > pads else "program"))
             cell = {"size": size, "correct": ok, "max_abs_error": err, "first_call_s": round(first_s, 3),
-                    "served": "original" if family.other_shape_calls > before
-                    else ("padded" if family.padded_calls > pads else "program"),
-                    "eager_ms": _ms(lambda: model(*xs)), "family_ms": _ms(lambda: family(*xs))}
+                    "served": served, "eager_ms": _ms(lambda: model(*xs))}
+            # A padded size: the serving member's counters around the family's timed calls, then its pieces.
+            call, route = _family_call(family, xs) if served == "padded" else (None, None)
+            counts = executor_counts(route[1].module._runner.executor.stats()) if route else {}
+            cell["family_ms"] = _ms(lambda: family(*xs))
+            after = executor_counts(route[1].module._runner.executor.stats()) if route else {}
+            if served != "original":
+                cell["host_ms"] = round(_host_ms(lambda: family(*xs)), 4)
+            if route:
+                cell.update(_padded_columns(family, call, route, cell["family_ms"], counts, after))
             if not ok:
                 cell["detail"] = detail
             if compiled is not None:
@@ -152,6 +246,10 @@ def _table(rows: list[dict], summary: dict) -> str:
                      f"{_f(s['family_vs_compile'])}, over static@example {_f(s['family_over_static_example'])}")
     w = summary["optimize_wall_ratio"]
     lines.append(f"optimize wall, dynamic over static: geomean {_f(w['geomean'])}, max {_f(w['max'])}")
+    padded = [padded_line(r["problem"], label, c) for r in rows for label, c in r.get("sizes", {}).items()
+              if "member_exact_ms" in c]
+    if padded:
+        lines += ["", "where a padded call's time goes (same run):", *padded]
     lines += ["", "where optimize's seconds went (static: its stages; dynamic: export, the example's program, the "
               "members the range check built and their stages summed, the range check's verification):"]
     lines += [wall_line(r) for r in rows if r.get("static_stages")]
