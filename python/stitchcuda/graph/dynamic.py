@@ -470,6 +470,10 @@ class Member:
     reason: str
     seconds: float
     last_used: float = 0.0
+    # Held from a padded call's write into the program's input buffer until its run has read it, and by
+    # every other run of the member: another thread's call in between would overwrite the rows (or copy
+    # its own input into that buffer) before the run reads them.
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def runs_program(self) -> bool:
@@ -567,13 +571,14 @@ class DynamicModule(OptimizedModule):
         if member is None:
             return self._original(why, original)
         padded = member.sizes != sizes
-        if padded:
-            self.padded_calls += 1
-            call = self._pad(member, call, sizes)
-        tensors = [t for t in pytree.tree_flatten(tuple(call))[0] if isinstance(t, torch.Tensor)]
         graph = member.module._graph
         warn_other_autocast(graph, self._warned)
-        outs = member.module._runner.executor.run([t.contiguous() for t in tensors])  # its ATen steps exclude autocast
+        with member.lock:
+            if padded:
+                self.padded_calls += 1
+                call = self._pad(member, call, sizes)
+            tensors = [t for t in pytree.tree_flatten(tuple(call))[0] if isinstance(t, torch.Tensor)]
+            outs = member.module._runner.executor.run([t.contiguous() for t in tensors])  # ATen steps exclude autocast
         if padded:
             outs = self._cut(outs, sizes, member.sizes)
         if member is not self._last:  # another member ran: the least recently used give their memory back
@@ -679,14 +684,16 @@ class DynamicModule(OptimizedModule):
         return Member(sizes, module, reason, time.perf_counter() - t0)
 
     def _release_idle(self) -> None:
-        resident = [m for m in reversed(self._members.values()) if m.runs_program]
+        resident = [m for m in reversed(list(self._members.values())) if m.runs_program]
         for m in resident[MAX_RESIDENT:]:
-            m.module.release()
+            with m.lock:  # never under another thread's run of it (the executor frees what that run uses)
+                m.module.release()
 
     def release(self) -> None:
-        for m in self._members.values():
+        for m in list(self._members.values()):
             if m.runs_program:
-                m.module.release()
+                with m.lock:
+                    m.module.release()
 
     @property
     def dims(self) -> list[DynamicDim]:
