@@ -379,7 +379,8 @@ def test_a_padded_sizes_time_is_split_and_its_executor_counts_read():
     released = padded_breakdown(0.3, 0.1, 0.0, before, dict(before, runs=33, eager_runs=25))["notes"]
     assert released == ["23 eager run(s) during the timed calls (the member's working memory was released, or "
                         "never warmed)"]
-    line = padded_line("conv", "prime", {"size": 7, "member": [8], "family_ms": 0.342, "host_ms": 0.05, **cell})
+    line = padded_line("conv", "prime", {"size": 7, "member": [8], "family_ms": 0.342, "host_ms": 0.05,
+                                         "member_exact_host_ms": 0.02, **cell})
     assert line == ("conv prime (7 on [8]): family 0.342 ms = member exact 0.089 + pad and cut 0.010 + unexplained "
-                    "0.243; host 0.050 ms a call; executor runs +23, replays +23, device_launches +0, eager_runs +0, "
-                    "captures +0, copies_skipped +23, instances 1 -> 1")
+                    "0.243; host 0.050 ms a call (the member's exact run 0.020); executor runs +23, replays +23, "
+                    "device_launches +0, eager_runs +0, captures +0, copies_skipped +23, instances 1 -> 1")

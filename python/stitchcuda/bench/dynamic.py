@@ -13,7 +13,8 @@ member_exact_ms (the serving member's executor run directly on inputs padded bef
 pad into the member's input buffer and the cut of its outputs, without the run), unexplained_ms (what the
 family call costs beyond both: routing, Python, anything else) and what the member's executor counted
 during the family's timed calls (runs, replays, captures, eager runs, skipped copies, instances); every
-program-served size gives host_ms (wall time per call of back-to-back calls). Summary: per size, the geomean speed-up over eager of the
+program-served size gives host_ms (wall time per call of back-to-back calls; member_exact_host_ms the
+member's exact run's). Summary: per size, the geomean speed-up over eager of the
 family, of compile and the family over compile, and the family at each size over the static program at
 the example shape (the issue's 0.9x target), and optimize()'s wall time with dynamic="auto" over the static
 one's (the issue's 2x target), with where each spent it, stage by stage (report.dynamic["wall_s"]).
@@ -108,7 +109,8 @@ def padded_line(problem: str, label: str, cell: dict) -> str:
     counts = ", ".join(f"{k} +{v}" for k, v in d.items())
     return (f"{problem} {label} ({cell['size']} on {cell['member']}): family {cell['family_ms']:.3f} ms = member exact "
             f"{cell['member_exact_ms']:.3f} + pad and cut {cell['pad_ms']:.3f} + unexplained "
-            f"{cell['unexplained_ms']:.3f}; host {cell.get('host_ms', 0.0):.3f} ms a call; executor {counts}, "
+            f"{cell['unexplained_ms']:.3f}; host {cell.get('host_ms', 0.0):.3f} ms a call (the member's exact run "
+            f"{cell.get('member_exact_host_ms', 0.0):.3f}); executor {counts}, "
             f"instances {cell['executor']['instances'][0]} -> {cell['executor']['instances'][1]}"
             + "".join(f"; {n}" for n in cell["notes"]))
 
@@ -133,7 +135,8 @@ def _padded_columns(family, call: list, route: tuple, family_ms: float, before: 
     outs = executor.run(flat)
     exact = _ms(lambda: executor.run(flat))
     pad = _ms(lambda: (family._pad(member, list(call), sizes), family._cut(outs, sizes, member.sizes)))
-    return {"member": list(member.sizes), **padded_breakdown(family_ms, exact, pad, before, after)}
+    return {"member": list(member.sizes), "member_exact_host_ms": round(_host_ms(lambda: executor.run(flat)), 4),
+            **padded_breakdown(family_ms, exact, pad, before, after)}
 
 
 def _log(text: str) -> None:
