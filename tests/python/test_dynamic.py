@@ -379,6 +379,8 @@ def test_a_padded_sizes_time_is_split_and_its_executor_counts_read():
     released = padded_breakdown(0.3, 0.1, 0.0, before, dict(before, runs=33, eager_runs=25))["notes"]
     assert released == ["23 eager run(s) during the timed calls (the member's working memory was released, or "
                         "never warmed)"]
+    direct = dict(before, replays=0, captures=0, copies_skipped=0)  # a member that launches its steps directly
+    assert padded_breakdown(0.3, 0.1, 0.0, direct, dict(direct, runs=33, eager_runs=25))["notes"] == []
     line = padded_line("conv", "prime", {"size": 7, "member": [8], "family_ms": 0.342, "host_ms": 0.05,
                                          "member_exact_host_ms": 0.02, **cell})
     assert line == ("conv prime (7 on [8]): family 0.342 ms = member exact 0.089 + pad and cut 0.010 + unexplained "

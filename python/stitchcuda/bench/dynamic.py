@@ -82,12 +82,13 @@ def padded_breakdown(family_ms: float, member_exact_ms: float, pad_ms: float, be
     """A padded size's columns: the member's exact run, the pad and cut, what the family call costs beyond
     both, the member's executor counters over the family's timed calls (`before`, `after`: executor_counts)
     and notes on what they show: a capture or an eager run during timed calls, more than one instance (the
-    pad wrote another instance's buffers than the run read), padded inputs copied again."""
+    pad wrote another instance's buffers than the run read), padded inputs copied again. Eager runs are
+    noted only for a member that replays CUDA graphs (one that launches its steps directly runs eagerly)."""
     delta = {k: after[k] - before[k] for k in before if k in after and k != "instances"}
     notes = []
     if delta.get("captures"):
         notes.append(f"{delta['captures']} CUDA graph capture(s) during the timed calls")
-    if delta.get("eager_runs"):
+    if delta.get("eager_runs") and after.get("replays", 0) > 0:  # a member that launches directly runs eagerly
         notes.append(f"{delta['eager_runs']} eager run(s) during the timed calls (the member's working memory was "
                      "released, or never warmed)")
     if after.get("instances", 0) > 1 or after.get("instances", 0) > before.get("instances", 0):
