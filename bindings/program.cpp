@@ -397,7 +397,7 @@ void bind_decode(py::module_& pm) {
     Result<at::Tensor> r;
     {
       py::gil_scoped_release release;
-      r = stitchcuda::torch::next_tokens(l, options, stitchcuda::torch::seeded_generator(l.device(), options.seed));
+      r = stitchcuda::torch::next_tokens(l, options);
     }
     return py::reinterpret_steal<py::object>(THPVariable_Wrap(unwrap(std::move(r))));
   }, py::arg("logits"), py::arg("options"));

@@ -5,8 +5,6 @@
 // stitchcuda::torch).
 #pragma once
 
-#include <ATen/core/Generator.h>
-
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -43,13 +41,11 @@ struct SamplingOptions {
 Result<void> check_sampling(const SamplingOptions& options);
 
 /// The next token of each row of `logits` [rows, vocab] (any device, the CPU included), int64 [rows], with no
-/// host sync: the argmax, or with do_sample a draw (at::multinomial from `generator`, one of the logits'
-/// device: seeded_generator) from the softmax of logits / temperature in fp32 cut to top_k and top_p.
+/// host sync: the argmax, or with do_sample a draw (at::multinomial from a generator of the logits' device
+/// started at options.seed, as torch.Generator(device).manual_seed(seed)) from the softmax of
+/// logits / temperature in fp32 cut to top_k and top_p.
 /// Errors: unusable options (check_sampling), logits that are not [rows, vocab] floating point.
-Result<at::Tensor> next_tokens(const at::Tensor& logits, const SamplingOptions& options, at::Generator generator = {});
-
-/// A random generator of `device`'s kind started at `seed`: torch.Generator(device).manual_seed(seed).
-at::Generator seeded_generator(c10::Device device, std::uint64_t seed);
+Result<at::Tensor> next_tokens(const at::Tensor& logits, const SamplingOptions& options);
 
 /// Counters since creation.
 struct GeneratorStats {

@@ -57,6 +57,15 @@ at::Tensor choose_tokens(const at::Tensor& logits, const SamplingOptions& o, con
   return at::multinomial(scores.softmax(-1), 1, /*replacement=*/false, from).select(-1, 0);
 }
 
+// A random generator of `device`'s kind started at `seed`: torch.Generator(device).manual_seed(seed).
+at::Generator seeded_generator(c10::Device device, std::uint64_t seed) {
+  at::Generator generator = device.is_cuda() ? at::cuda::detail::createCUDAGenerator(device.index())
+                                             : at::detail::createCPUGenerator(seed);
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  generator.set_current_seed(seed);  // as torch.Generator.manual_seed: the seed, and the counter at 0
+  return generator;
+}
+
 }  // namespace
 
 Result<void> check_sampling(const SamplingOptions& o) {
@@ -84,15 +93,7 @@ Result<void> check_sampling(const SamplingOptions& o) {
   return {};
 }
 
-at::Generator seeded_generator(c10::Device device, std::uint64_t seed) {
-  at::Generator generator = device.is_cuda() ? at::cuda::detail::createCUDAGenerator(device.index())
-                                             : at::detail::createCPUGenerator(seed);
-  std::lock_guard<std::mutex> lock(generator.mutex());
-  generator.set_current_seed(seed);  // as torch.Generator.manual_seed: the seed, and the counter at 0
-  return generator;
-}
-
-Result<at::Tensor> next_tokens(const at::Tensor& logits, const SamplingOptions& options, at::Generator generator) {
+Result<at::Tensor> next_tokens(const at::Tensor& logits, const SamplingOptions& options) {
   if (auto ok = check_sampling(options); !ok) return tl::unexpected(ok.error());
   if (!logits.defined() || logits.dim() != 2 || !at::isFloatingType(logits.scalar_type()))
     return fail(ErrorCode::InvalidArgument,
@@ -100,7 +101,7 @@ Result<at::Tensor> next_tokens(const at::Tensor& logits, const SamplingOptions& 
                     (logits.defined() ? std::string(c10::toString(logits.scalar_type())) + " " + c10::str(logits.sizes())
                                       : std::string("an undefined tensor")));
   try {
-    return choose_tokens(logits, options, generator);
+    return choose_tokens(logits, options, seeded_generator(logits.device(), options.seed));
   } catch (const c10::Error& e) {  // a generator of another device than the logits', among others
     return fail(ErrorCode::InvalidArgument, std::string("choosing the next tokens failed: ") + e.what_without_backtrace());
   }
