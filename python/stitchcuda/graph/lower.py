@@ -17,13 +17,14 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-from ..program import Program, ProgramBuilder, dtype_name
+from ..program import Program, dtype_name
 from ..verify.program import HOST_REFERENCE_BYTES, check_program
 from ..verify.tolerance import by_accuracy
 from ..verify.tolerance import tolerance  # the Verifier's table; re-exported for graph-mode callers
 from .accuracy import candidate_outputs, judge_group, rule_precision
 from .capture import INPLACE_UPDATES, Graph, Node, Value
 from .layout import channels_last_strides, depthwise_nhwc, is_channels_last
+from .merge_launches import mark_generated, program_builder
 from .layout import contiguous_strides as _contiguous_strides
 from .groups import Group, GraphPlan
 from .planner import broadcast_strides, in_place_cat, relayout_strides, rotate_half_source
@@ -395,7 +396,7 @@ class Lowering:
 
     def __init__(self, graph: Graph, plan: GraphPlan, constants: dict[str, torch.Tensor], sm_count: int = 132) -> None:
         self.graph, self.plan, self.constants, self.sm_count = graph, plan, constants, sm_count
-        self.b = ProgramBuilder()
+        self.b = program_builder(sm_count)  # STITCHCUDA_MERGE_LAUNCHES=1: merges small independent launches
         self.buf: dict[str, int] = {}
         self.spec: dict[int, tuple[tuple[int, ...], tuple[int, ...], torch.dtype]] = {}
         self.pending: dict[str, Group] = {}
@@ -870,12 +871,15 @@ class Lowering:
         # activation of a transformer, a group and its check) is the same source in every program, compiled
         # once (the kernel cache) and one kernel table entry per program.
         key = code.source.replace(code.name, "\0")
+        template = code.name in self.prefixes  # a template's own code: only such launches may merge
         if code.name in self.prefixes:
             name = f"{self.prefixes[code.name]}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
             code = dataclasses.replace(code, name=name, source=key.replace("\0", name))
         k = self.kernel_ids.get(code.source)
         if k is None:
             k = self.kernel_ids[code.source] = self.b.kernel(code.source, code.name)
+        if template:
+            mark_generated(self.b, k)
         args = []
         for kind, key in code.args:
             args.append((kind, buffers[key]) if kind in ("in", "out") else (kind, key))

@@ -221,6 +221,10 @@ class Settings:
         "STITCHCUDA_HOIST_INDEX", Flag(), True, "graph capture",
         "0: an index of some positions (logits[:, -1]) stays where the forward has it, after the row-wise ops "
         "that computed every position (to measure the rewrite)")
+    merge_launches: bool = _var(
+        "STITCHCUDA_MERGE_LAUNCHES", Flag(), False, "graph lowering (graph/merge_launches.py)",
+        "1: small launches of generated kernels that do not depend on one another run as one launch of a merged "
+        "kernel (off until measured ahead on the GPU)")
     channels_last: str = _var(
         "STITCHCUDA_CHANNELS_LAST", choice("auto", "on", "off"), "auto", "graph planner (layout)",
         "auto: channels-last chains of tensor-core convolutions; on: of every eligible convolution (the NHWC "
