@@ -17,8 +17,9 @@ from cpu_emulator.emulator import EmulatedJit, EmulatedModule, unavailable  # no
 
 from stitchcuda import jit  # noqa: E402
 from stitchcuda.errors import InvalidArgumentError  # noqa: E402
-from stitchcuda.graph.templates.attention import (HEAD_DIMS, _wmma_source, decode_attention_kernels,  # noqa: E402
-                                                  flash_attention_kernel, prefill_tiles, wmma_tiles)
+from stitchcuda.graph.templates.attention import (HEAD_DIMS, PrefillTiles, _wmma_source,  # noqa: E402
+                                                  decode_attention_kernels, flash_attention_kernel,
+                                                  fma_tile_candidates, prefill_tiles, wmma_tiles)
 
 emulated = pytest.mark.skipif(unavailable() is not None, reason=f"CUDA emulator: {unavailable()}")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -88,6 +89,35 @@ def test_fma_prefill_keeps_its_tiles_in_registers(dtype, head_dim, causal, mask)
     assert _spills(code) == "0 bytes stack frame, 0 bytes spill stores"
     assert code.block == tiles.threads == 256 and code.grid == (math.ceil(300 / tiles.bm), 16)
     assert code.shared_mem == tiles.shared_mem <= 227 * 1024
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_fp32_tilings_the_bench_sweeps_fit_and_keep_their_tiles_in_registers(head_dim):
+    """Each tiling bench.attention times beside the default (64 x 2 gives 256 threads at most 128 registers: two
+    blocks an SM, twice the warps of 128 x 4 at D = 128) compiles without spills, its block and grid as its
+    BM and TM say."""
+    candidates = fma_tile_candidates(head_dim)
+    assert candidates[0] == prefill_tiles(head_dim)
+    assert [(t.bm, t.rows) for t in candidates] == [(128, 4), (64, 4), (64, 2), (32, 2)]
+    for tiles in candidates[1:]:
+        for mask in (None, torch.bool):
+            code = flash_attention_kernel("fa_t", batch=1, heads=4, kv_heads=4, q_len=300, kv_len=300,
+                                          head_dim=head_dim, dtype=torch.float32, causal=True, mask_dtype=mask,
+                                          lse=True, fma_tiles=tiles)
+            assert _spills(code) == "0 bytes stack frame, 0 bytes spill stores", (tiles, mask)
+            assert code.block == tiles.threads == 8 * tiles.bm // tiles.rows
+            assert code.grid == (math.ceil(300 / tiles.bm), 4) and code.shared_mem == tiles.shared_mem
+
+
+def test_a_tiling_the_kernel_cannot_take_is_refused_with_the_fix():
+    for tiles, why in ((PrefillTiles(64, 16, 64, 2), "BN must be 32"), (PrefillTiles(40, 32, 64, 4), "multiple of 4"),
+                       (PrefillTiles(256, 32, 256, 2), "shared memory"), (PrefillTiles(64, 32, 128, 2), "head dim 128")):
+        with pytest.raises(InvalidArgumentError, match=f"fma_tiles: .*{why}.*fma_tile_candidates"):
+            flash_attention_kernel("x", batch=1, heads=1, kv_heads=1, q_len=8, kv_len=8, head_dim=64,
+                                   dtype=torch.float32, fma_tiles=tiles)
+    with pytest.raises(InvalidArgumentError, match="FMA kernel only"):
+        flash_attention_kernel("x", batch=1, heads=1, kv_heads=1, q_len=8, kv_len=8, head_dim=64,
+                               dtype=torch.bfloat16, fma_tiles=PrefillTiles(64, 32, 64, 2))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -206,6 +236,22 @@ def test_prefill_matches_math_attention(emu, case):
     want, want_lse = reference(q, k, v, causal=causal, mask=mask)
     torch.testing.assert_close(o, want.float(), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(lse, want_lse.float(), atol=1e-4, rtol=1e-4)
+
+
+@emulated
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_every_fp32_tiling_matches_math_attention(emu, head_dim):
+    """The tilings the bench sweeps compute what the default does: ragged query and key counts over several
+    query blocks (causal, remapped) and both K/V buffers, GQA."""
+    q, k, v, causal, mask = _case((1, 4, 2, 150, 150, head_dim), causal=True)
+    want, want_lse = reference(q, k, v, causal=True)
+    for tiles in fma_tile_candidates(head_dim)[1:]:
+        code = flash_attention_kernel("fa_tiles", batch=1, heads=4, kv_heads=2, q_len=150, kv_len=150,
+                                      head_dim=head_dim, dtype=torch.float32, causal=True, lse=True, fma_tiles=tiles)
+        o, lse = torch.full_like(q, float("nan")), torch.full((1, 4, 150), float("nan"))
+        _launch(emu, code, {"q": q, "k": k, "v": v, "o": o, "lse": lse})
+        torch.testing.assert_close(o, want.float(), atol=1e-4, rtol=1e-4, msg=lambda m: f"{tiles}: {m}")
+        torch.testing.assert_close(lse, want_lse.float(), atol=1e-4, rtol=1e-4)
 
 
 @emulated
@@ -632,6 +678,15 @@ def test_the_split_record_picks_the_fastest_correct_count():
     record = split_record(2, {1: 0.3, 2: 0.145}, {1: float("nan"), 2: 4e-3}, tolerance)
     assert record["wrong_splits"] == [1] and record["best_splits"] == 2 and record["best_over_chosen"] == 1.0
     assert record["best_splits_x"] == "2 (1x)"
+
+
+def test_the_tile_record_picks_the_fastest_correct_tiling():
+    from stitchcuda.bench.attention import tile_record
+    record = tile_record({"128x4": 1.16, "64x4": 1.0, "64x2": 0.9, "32x2": 0.8},
+                         {"128x4": 3e-6, "64x4": 4e-6, "64x2": 5e-6, "32x2": 2e-3})  # 32 x 2 fastest but wrong
+    assert record["best_fma_tiles"] == "64x2" and record["best_over_default_tiles"] == pytest.approx(1.16 / 0.9)
+    record = tile_record({"128x4": 1.0, "64x2": 0.5}, {"128x4": 3e-6, "64x2": float("nan")})
+    assert record["best_fma_tiles"] == "128x4" and record["best_over_default_tiles"] == 1.0
 
 
 @pytest.mark.gpu

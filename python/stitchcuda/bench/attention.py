@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 from .. import jit
 from ..errors import InvalidArgumentError
-from ..graph.templates.attention import DECODE_MIN_CHUNK, decode_attention_kernels, flash_attention_kernel
+from ..graph.templates.attention import (DECODE_MIN_CHUNK, decode_attention_kernels, flash_attention_kernel,
+                                         fma_tile_candidates)
 from ..verify import hardware
 from ..verify.timing import measure
 
@@ -113,6 +114,8 @@ def prefill(gpu: dict) -> list[dict]:
                 row["compile_math_ms"] = _time(lambda: compiled(q, k, v, causal))
             except Exception as exc:  # noqa: BLE001 — a compile failure is a result to report, not a crash
                 row["compile_math_ms"], row["compile_math_error"] = None, str(exc).splitlines()[0][:160]
+            if dtype == torch.float32:  # the FMA kernel's other tilings, so one run can pick the default
+                row |= _tile_sweep(d, b, h, n, causal, q, k, v)
             if dtype != torch.float32:  # ours' 16-bit alternatives, for the record
                 for label, kernel in (("fma_kernel", dict(tensor_cores=False)), ("wmma_kernel", dict(mma=False))):
                     other = flash_attention_kernel(f"bench_fa_{label}_{d}", batch=b, heads=h, kv_heads=h, q_len=n,
@@ -128,6 +131,38 @@ def prefill(gpu: dict) -> list[dict]:
             del q, k, v, o
             torch.cuda.empty_cache()
     return rows
+
+
+def tiles_label(tiles) -> str:
+    return f"{tiles.bm}x{tiles.rows}"
+
+
+def _tile_sweep(d: int, b: int, h: int, n: int, causal: bool, q, k, v) -> dict:
+    """The fp32 FMA kernel at each of fma_tile_candidates' tilings (BM x TM): time and error against fp64 each,
+    and the fastest correct one (`best_fma_tiles`; errors above twice the default's are wrong)."""
+    times, errors = {}, {}
+    for tiles in fma_tile_candidates(d):
+        o = torch.empty_like(q)
+        code = flash_attention_kernel(f"bench_fa_t{tiles.bm}x{tiles.rows}_{d}", batch=b, heads=h, kv_heads=h, q_len=n,
+                                      kv_len=n, head_dim=d, dtype=q.dtype, causal=causal, fma_tiles=tiles)
+        run = _launcher(code, {"q": q, "k": k, "v": v, "o": o})
+        run()
+        torch.cuda.synchronize()
+        label = tiles_label(tiles)
+        errors[label], times[label] = _error(o, q, k, v, causal), _time(run)
+    return tile_record(times, errors)
+
+
+def tile_record(times: dict[str, float], errors: dict[str, float]) -> dict:
+    """`fma_tiles_ms` and `fma_tiles_error` by tiling (the default first), `best_fma_tiles` (the fastest whose
+    error is finite and within twice the default's, or 1e-5) and `best_over_default_tiles` (the default's time
+    over the best's)."""
+    default = next(iter(times))
+    bound = max(2 * errors[default], 1e-5)
+    good = [t for t in times if math.isfinite(errors[t]) and errors[t] <= bound]
+    best = min(good, key=times.get) if good else None
+    return {"fma_tiles_ms": times, "fma_tiles_error": errors, "best_fma_tiles": best,
+            "best_over_default_tiles": times[default] / times[best] if best else None}
 
 
 def _decode_pair(kernels, tensors: dict) -> Callable[[], None]:
@@ -332,7 +367,8 @@ def run(json_output: bool = False) -> int:
     print(_table(out["prefill"], ["shape", "dtype", "ours_ms", "sdpa_flash_over_ours", "sdpa_efficient_over_ours",
                                   "sdpa_math_over_ours", "compile_math_over_ours", "fma_kernel_over_ours",
                                   "wmma_kernel_over_ours",
-                                  "ours_tflops", "fraction_of_speed_of_light", "max_abs_error_vs_fp64"]))
+                                  "ours_tflops", "fraction_of_speed_of_light", "max_abs_error_vs_fp64",
+                                  "best_fma_tiles", "best_over_default_tiles"]))
     print("\ndecode, bf16, 32 heads / 8 kv heads, D = 128")
     print(_table(out["decode"], ["batch", "kv_len", "splits", "blocks", "ours_ms", "sdpa_over_ours",
                                  "fraction_of_speed_of_light", "ours_queued_ms", "sdpa_over_ours_queued",

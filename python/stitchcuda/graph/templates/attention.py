@@ -116,7 +116,7 @@ PREFILL_LANES, PREFILL_KEYS = 8, 4
 @dataclass(frozen=True)
 class PrefillTiles:
     """Tile sizes of the FMA prefill kernel for one head dim: BM query rows, BN keys a tile, `rows` (TM) query
-    rows a thread; BM / TM row groups of 8 lanes (256 threads). Shared memory (floats): Q [BM][D + 4], K
+    rows a thread; BM / TM row groups of 8 lanes (8 BM / TM threads). Shared memory (floats): Q [BM][D + 4], K
     [2][BN][D + 4] and V [2][BN][D] (two stages), P [BM][BN + 8]; the pads put the float4 reads of a warp's
     4 rows of Q and P and 8 keys of K on distinct banks, and P's scalar writes too."""
 
@@ -156,6 +156,34 @@ class PrefillTiles:
     def shared_mem(self) -> int:
         d = self.head_dim
         return 4 * (self.bm * self.q_pitch + 2 * self.bn * (self.k_pitch + d) + self.bm * self.p_pitch)
+
+
+def fma_tile_candidates(head_dim: int) -> list[PrefillTiles]:
+    """The FMA prefill's tilings bench.attention times side by side at fp32 (the default first): BM x TM of
+    128 x 4 (the default), 64 x 4 (two blocks an SM where 128 rows fit one: each block waits at its own
+    barriers while the other computes), 64 x 2 (256 threads of at most 128 registers, twice the warps an SM
+    at D = 128: more latency hidden, 6 loads per 32 FMAs instead of 8 per 64) and 32 x 2. Those that do not
+    fit (shared memory, 4 row groups a warp) are left out."""
+    tiles = [prefill_tiles(head_dim)]
+    for bm, tm in ((128, 4), (64, 4), (64, 2), (32, 2)):
+        t = PrefillTiles(bm, PREFILL_LANES * PREFILL_KEYS, head_dim, tm)
+        if t not in tiles and _tiles_fit(t) is None:
+            tiles.append(t)
+    return tiles
+
+
+def _tiles_fit(tiles: PrefillTiles) -> str | None:
+    """Why the FMA kernel cannot take `tiles` (None: it can)."""
+    if tiles.bn != PREFILL_LANES * PREFILL_KEYS:
+        return f"BN must be {PREFILL_LANES * PREFILL_KEYS} (8 lanes x 4 keys), not {tiles.bn}"
+    if tiles.rows < 1 or tiles.bm % tiles.rows or tiles.row_groups % 4:
+        return (f"BM ({tiles.bm}) must be TM ({tiles.rows}) times a multiple of 4 row groups (a warp is 4 row "
+                "groups of 8 lanes)")
+    if tiles.threads > 1024:
+        return f"{tiles.threads} threads a block is over 1,024"
+    if tiles.shared_mem > 227 * 1024:
+        return f"{tiles.shared_mem} bytes of shared memory is over the H100's 227 KB a block"
+    return None
 
 
 def prefill_tiles(head_dim: int) -> PrefillTiles:
@@ -202,7 +230,8 @@ def _check(dtype: torch.dtype, head_dim: int) -> None:
 def flash_attention_kernel(name: str, *, batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int,
                            head_dim: int, dtype: torch.dtype, causal: bool = False,
                            mask_dtype: torch.dtype | None = None, lse: bool = False,
-                           tensor_cores: bool | None = None, mma: bool | None = None) -> KernelCode:
+                           tensor_cores: bool | None = None, mma: bool | None = None,
+                           fma_tiles: PrefillTiles | None = None) -> KernelCode:
     """The prefill / encoder kernel for q [B, H, Nq, D], k and v [B, H_kv, Nk, D] (any token and head
     strides, unit stride along D). Arguments, in order: q, k, v, [mask], o, [lse (fp32 [B, H, Nq])], then
     Nq, Nk, H, H / H_kv, the (batch, head, token) strides of q, k, v and o, [the mask's four strides] and
@@ -211,7 +240,8 @@ def flash_attention_kernel(name: str, *, batch: int, heads: int, kv_heads: int, 
     `tensor_cores` (default: for fp16/bf16): the WMMA variant (`_wmma_source`), which also needs token
     strides that are multiples of 8 elements and 16-byte aligned q, k, v; False: the FMA kernel. `mma`
     (default: where it applies, head dims 64 and 128): the tensor-core kernel is the mma.sync one
-    (flash_mma.py: scores, probabilities and output in registers) rather than WMMA; same contract."""
+    (flash_mma.py: scores, probabilities and output in registers) rather than WMMA; same contract.
+    `fma_tiles`: the FMA kernel's tiling (default prefill_tiles(head_dim); fma_tile_candidates lists others)."""
     _check(dtype, head_dim)
     if tensor_cores is None:
         tensor_cores = dtype != torch.float32
@@ -224,7 +254,13 @@ def flash_attention_kernel(name: str, *, batch: int, heads: int, kv_heads: int, 
         raise InvalidArgumentError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
     if mask_dtype is not None and mask_dtype not in (torch.bool, *ATTENTION_DTYPES):
         raise InvalidArgumentError(f"an attention mask is boolean or fp32/fp16/bf16, not {mask_dtype}")
-    tiles = prefill_tiles(head_dim)
+    if fma_tiles is not None:
+        why = _tiles_fit(fma_tiles) or (None if fma_tiles.head_dim == head_dim else
+                                        f"the tiles are for head dim {fma_tiles.head_dim}, not {head_dim}")
+        if why is not None or tensor_cores:
+            raise InvalidArgumentError(f"fma_tiles: {why or 'the FMA kernel only (tensor_cores=False or fp32)'}; "
+                                       "take one of fma_tile_candidates(head_dim)")
+    tiles = fma_tiles or prefill_tiles(head_dim)
     bm, bn, d = tiles.bm, tiles.bn, head_dim
     t = CTYPE[dtype]
     params = [f"const {t}* __restrict__ q", f"const {t}* __restrict__ k", f"const {t}* __restrict__ v"]
