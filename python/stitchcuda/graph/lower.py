@@ -33,6 +33,8 @@ from .templates import (FUSABLE_DTYPES, POINTWISE_OPS, CatPiece, KernelCode, Poi
                         normalized_rows_kernel, pointwise_from_nhwc_kernel, pointwise_kernel, pooling_kernel,
                         pooling_nhwc_kernel, row_reduction_kernel, scan_kernel)
 from .templates.attention import decode_attention_kernels, flash_attention_kernel
+from .templates.scatter import (CacheIndex, CacheTarget, IntegerChain, cache_write_kernel, integer_expression,
+                                integer_kernel)
 
 __all__ = ["LoweringError", "Lowering", "reference_values", "stream_values", "check_group", "working_bytes", "tolerance"]
 
@@ -575,6 +577,8 @@ class Lowering:
                 self._lower_kernel_step(g)
             elif g.kind == "attention":
                 self._lower_attention(g)
+            elif g.kind in ("cache_write", "integer"):  # graph/cache_write.py's groups
+                self._lower_cache_write(g)
             else:
                 raise LoweringError(f"unknown group kind {g.kind}")
         # Outputs nothing wrote (a returned input, weight, constant or view, or a value returned twice).
@@ -896,6 +900,91 @@ class Lowering:
         for k, v in enumerate(g.params["outputs"]):
             buffers[f"out{k}"] = self.produce(v)
         self._launch(g, code, buffers)
+
+    # ---- KV cache writes and int64 bookkeeping (graph/cache_write.py, templates/scatter.py) ----
+
+    def _lower_cache_write(self, g: Group) -> None:
+        """A cache_write group (its states written in place at the index, their sources' elementwise producers and
+        its int64 ops in the same kernel) or an integer group (int64 ops alone)."""
+        outputs = g.outputs(set(self.output_ids) | self.state_values)
+        index = g.params["writes"][0].args[2] if g.kind == "cache_write" else None
+        stored = [*outputs, *([index] if index is not None and index.name not in {v.name for v in outputs} else [])]
+        chains, buffers, ints = self._integer_chains(g.params["integer"], stored)
+        if g.kind == "integer":
+            self._launch(g, integer_kernel(self._name("integer", g), chains), buffers)
+            return
+        writes = g.params["writes"]
+        dim, shape = writes[0].args[1] % len(writes[0].out.shape), tuple(writes[0].args[3].shape)
+        inputs, more, body, var = self._elementwise(g.params["pointwise"], shape, rotations=True, cats=True)
+        buffers.update(more)
+        for n in writes:  # a source no op of the group computes is read as it lies
+            source = n.args[3]
+            if source.name not in var:
+                key = var[source.name] = f"in{len(inputs)}"
+                buffers[key] = self.need(source)
+                vshape, vstrides, _ = self.spec[buffers[key]]
+                inputs.append(PointwiseInput(key, source.dtype, broadcast_strides(tuple(vshape), tuple(vstrides), shape)))
+        if index.name in ints:  # computed by the thread that writes at it
+            where = CacheIndex(chain=int(ints[index.name][1:].partition("_")[0]), var=ints[index.name])
+        else:
+            buffers["idx"] = self.need(index)
+            where = CacheIndex("idx", self.spec[buffers["idx"]][1][0])
+        targets = []
+        for k, n in enumerate(writes):
+            state = n.args[0]
+            buffers[f"w{k}"] = sbid = self.need(state)
+            sshape, sstrides, _ = self.spec[sbid]
+            targets.append(CacheTarget(f"w{k}", state.dtype, tuple(sstrides), sshape[dim], var[n.args[3].name]))
+        made = {v.name for n in g.params["pointwise"] for v in n.outputs if v is not None}
+        stores = [(f"q{k}", var[v.name], v.dtype) for k, v in enumerate(o for o in outputs if o.name in made)]
+        for (key, _, _), v in zip(stores, [o for o in outputs if o.name in made]):
+            buffers[key] = self.produce(v)
+        code = cache_write_kernel(self._name("cache_write", g), shape, dim, inputs, body, targets, where, stores,
+                                  chains)
+        self._launch(g, code, buffers)
+        for n in writes:  # the update's readers read the state
+            state = n.args[0]
+            self._record(n.out, self.buf[state.name], state.shape, state.strides, state.dtype)
+            self.updated.add(state.name)
+
+    def _integer_chains(self, nodes: list[Node], outputs: list[Value]
+                        ) -> tuple[list[IntegerChain], dict[str, int], dict[str, str]]:
+        """`nodes` (int64 add/sub) as integer chains, one per result shape, in 64-bit C: each chain's results are
+        its values among `outputs` (buffers keyed z{chain}_{k}). Also returns the buffers the chains read and
+        each value's variable (c{chain}_t{k})."""
+        chains: dict[tuple, IntegerChain] = {}
+        buffers: dict[str, int] = {}
+        var: dict[str, str] = {}
+        read: dict[tuple[int, str], str] = {}  # (chain, tensor) -> its variable in the chain
+        for n in nodes:
+            shape = tuple(n.out.shape)
+            c = chains.setdefault(shape, IntegerChain(shape, [], [], []))
+            at = list(chains).index(shape)
+            operands = []
+            for a in n.args[:2]:
+                if not isinstance(a, Value):
+                    operands.append(f"{int(a)}LL")
+                elif a.name in var and var[a.name].startswith(f"c{at}_"):
+                    operands.append(var[a.name])
+                else:
+                    if (at, a.name) not in read:  # each tensor loaded once per chain
+                        key = f"j{at}_{len(c.inputs)}"
+                        buffers[key] = self.need(a)
+                        vshape, vstrides, _ = self.spec[buffers[key]]
+                        c.inputs.append(PointwiseInput(key, torch.int64,
+                                                       broadcast_strides(tuple(vshape), tuple(vstrides), shape)))
+                        read[(at, a.name)] = f"in{len(c.inputs) - 1}"
+                    operands.append(read[(at, a.name)])
+            alpha = int(n.kwargs.get("alpha", n.args[2] if len(n.args) > 2 else 1))
+            var[n.out.name] = f"c{at}_t{len(c.body)}"
+            c.body.append(f"const long long {var[n.out.name]} = {integer_expression(n.op, *operands, alpha)};")
+        for v in outputs:
+            if v.name in var:
+                at = int(var[v.name][1:].partition("_")[0])
+                key = f"z{at}_{len(list(chains.values())[at].results)}"
+                list(chains.values())[at].results.append((key, var[v.name]))
+                buffers[key] = self.produce(v)
+        return list(chains.values()), buffers, var
 
     # ---- attention: one step, the scores never in memory ----
 

@@ -50,6 +50,7 @@ from ..settings import settings
 from .attention import (attention_inputs, decode_blocker, find_attention, prefill_blocker, replaced_nodes,
                         sdpa_blocker, template_blocker)
 from .capture import VIEW_OPS, Graph, Node, Value
+from .cache_write import fuse_cache_writes
 from .gemm_precision import bf16_products, split_tf32_choice
 from .groups import GENERATED, Group, GraphPlan
 from .layout import channels_last_values
@@ -471,6 +472,8 @@ class OfflinePlanner:
         if attention:  # a causal mask the steps no longer read, built for the scores alone
             groups = _without_unread_groups(groups, outputs)
         groups = self._without_unread_negations(groups, outputs)
+        if settings().fuse_cache_write:  # KV cache writes and int64 bookkeeping as generated kernels
+            groups = fuse_cache_writes(groups, graph, outputs)
         self._split_decision(groups, decisions)
         if matmul_precision == "fp32_or_split":
             matmul_precision = "fp32"

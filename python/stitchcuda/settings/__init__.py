@@ -244,6 +244,11 @@ class Settings:
         "STITCHCUDA_DYNAMIC_PADDING", choice("on", "off"), "on", "optimize(dynamic=)",
         "on: a size is served by a larger member, zero-padded, where the range check allows; off: a member per "
         "size that occurs (to measure the two)")
+    fuse_cache_write: bool = _var(
+        "STITCHCUDA_FUSE_CACHE_WRITE", Flag(), False, "graph planner (KV cache writes)",
+        "1: a KV cache's index_copy_ into a program state is a generated kernel, with its source's elementwise "
+        "producers (RoPE), the layer's other cache write at the same index and its small int64 bookkeeping in "
+        "the same launch, and small int64 adds are generated kernels; 0: ATen steps (until measured on a GPU)")
     # the agents
     docs_dir: Path | None = _var(
         "STITCHCUDA_DOCS_DIR", Folder(), None, "agents' retrieval (program mode, graph mode's agents, rl prompts)",

@@ -48,6 +48,16 @@ def body_function(name: str, inputs: int, body: list[str], results: list[tuple[s
             + [f"  r{k} = {var};" for k, (_, var, _) in enumerate(results)] + ["}"])
 
 
+def element_load(k: int, inp: PointwiseInput, shape: tuple[int, ...], index: str) -> str:
+    """The C expression of input `k`'s value at the coordinates c0.. (`index`: its element index, unused for a
+    concatenation's pieces): a piece chosen by range, RoPE's rotated half negated, or one load."""
+    if inp.pieces:
+        return piece_select(k, inp, shape, lambda p, e, _: f"ld({p}, {e})")
+    if inp.rotate:
+        return f"c{len(shape) - 1} < {inp.rotate} ? -ld(p{k}, {index}) : ld(p{k}, {index})"
+    return f"ld(p{k}, {index})"
+
+
 def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseInput],
                      body: list[str], results: list[tuple[str, str, torch.dtype]], sm_count: int = 132) -> KernelCode:
     """A fused elementwise kernel. `body` are C statements over the float variables `in0..inK`
@@ -144,11 +154,8 @@ def pointwise_kernel(name: str, shape: tuple[int, ...], inputs: list[PointwiseIn
                      "i += (long long)gridDim.x * blockDim.x) {")
         coords, indices = element_indices(shape, inputs)
         lines += [f"    {c}" for c in coords]
-        last = len(shape) - 1
-        lines += [f"    const float v{k} = " + (
-            f"{piece_select(k, inp, shape, lambda p, e, _: f'ld({p}, {e})')};" if inp.pieces
-            else f"c{last} < {inp.rotate} ? -ld(p{k}, {index}) : ld(p{k}, {index});" if inp.rotate
-            else f"ld(p{k}, {index});") for k, (inp, index) in enumerate(zip(inputs, indices))]
+        lines += [f"    const float v{k} = {element_load(k, inp, shape, index)};"
+                  for k, (inp, index) in enumerate(zip(inputs, indices))]
         for k in range(len(results)):
             lines.append(f"    float o{k};")
         call = [f"v{k}" for k in range(len(inputs))] + [f"o{k}" for k in range(len(results))]
