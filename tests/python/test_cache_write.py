@@ -252,3 +252,29 @@ def test_a_transformers_decode_with_the_fused_writes_gives_its_greedy_tokens(fus
         expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
                                   do_sample=False, pad_token_id=0)
     assert torch.equal(gen.generate(ids, 16), expected)
+
+
+def test_the_bench_without_a_gpu_says_so_and_measures_nothing(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    from stitchcuda.bench.cache_write import main
+
+    assert main(["--small"]) == 3
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_the_bench_times_both_settings_in_one_run(capsys):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    pytest.importorskip("transformers")
+    import json
+
+    from stitchcuda.bench.cache_write import main
+
+    assert main(["--small", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    for r in rows:
+        assert r["status_off"] == r["status_on"] == "optimized"
+        assert r["launches_on"] < r["launches_off"] and r["same_tokens"]
+        assert r["decode_ms_on"] > 0 and r["decode_ms_off"] > 0
