@@ -396,3 +396,40 @@ def test_on_the_gpu_the_merged_program_gives_bit_for_bit_the_same_outputs(dtype)
         for graphs in (False, True):
             outs.append(program.executor(graphs=graphs).run([x]))
     assert all(torch.equal(a, c) for got in outs[1:] for a, c in zip(outs[0], got))
+
+
+def test_optimize_reports_how_many_launches_it_merged():
+    import stitchcuda
+
+    with override(merge_launches=True):
+        fast = stitchcuda.optimize(Branches().eval(), (torch.randn(4, 64),))
+    merged = [(title, why) for title, why in fast.report.decisions if "STITCHCUDA_MERGE_LAUNCHES=1" in why]
+    assert len(merged) == 1 and merged[0][0] == "3 kernel launches merged into 1", fast.report.decisions
+    with override(merge_launches=False):
+        fast = stitchcuda.optimize(Branches().eval(), (torch.randn(4, 64),))
+    assert not any("MERGE_LAUNCHES" in why for _, why in fast.report.decisions)
+
+
+# ---- the bench (bench/program.py, part 6): its arithmetic, and its refusal without a GPU ------------------------
+
+
+def test_the_bench_row_gives_ratios_off_over_on_and_the_time_saved_per_launch():
+    from stitchcuda.bench.program import merge_row
+
+    row = merge_row("m", {"gpu_ms": 0.2, "wall_us": 300.0, "launches": 40},
+                    {"gpu_ms": 0.16, "wall_us": 250.0, "launches": 30, "bitwise_equal": True})
+    assert (row["gpu_ratio"], row["wall_ratio"], row["launches_saved"]) == (1.25, 1.2, 10)
+    assert row["gpu_us_saved_per_launch"] == pytest.approx(4.0) and row["bitwise_equal"] is True
+    same = merge_row("m", {"gpu_ms": 0.1, "wall_us": 90.0, "launches": 5},
+                     {"gpu_ms": 0.1, "wall_us": 90.0, "launches": 5, "bitwise_equal": True})
+    assert same["gpu_ratio"] == 1.0 and same["gpu_us_saved_per_launch"] is None  # nothing merged
+
+
+def test_the_bench_part_refuses_to_run_without_a_gpu():
+    import subprocess
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the bench runs")
+    done = subprocess.run([sys.executable, "-m", "stitchcuda.bench.program", "merged_launches"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 3 and "no GPU" in done.stderr + done.stdout

@@ -13,6 +13,7 @@ from ..program import DTYPES, Program, ProgramModule
 from .capture import Graph
 from .lower import Lowering, working_bytes
 from .measure import VARIANT_TIE, allocated, copy_ms, hardware_record, time_ms
+from .merge_launches import with_merge_decision
 from .module import OptimizedModule
 from .groups import GENERATED, GraphPlan
 from .report import Report
@@ -65,6 +66,7 @@ def build_variant(state: PipelineState) -> tuple[OptimizedModule, float]:
     plan, report, graphs = state.plan, state.report, state.options.graphs
     lowering = Lowering(state.graph, plan, state.constants, state.sm_count)
     program = lowering.build(plan.groups, state.graph.inputs, state.graph.outputs, state.fallback, hardware_record())
+    report.decisions[:] = with_merge_decision(report.decisions, lowering.b)
     program.compile_kernels()
     # The kernels of this program (its layout, its fused epilogues), not the group checks' programs.
     report.groups = group_entries(plan, lowering, state.fallback, lowering.main_kernels)

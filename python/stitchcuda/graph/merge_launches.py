@@ -34,7 +34,7 @@ import torch
 from ..program import Program, ProgramBuilder, dtype_name
 from ..settings import settings
 
-__all__ = ["MergingBuilder", "program_builder", "mark_generated", "merge_decision", "mergeable_source",
+__all__ = ["MergingBuilder", "program_builder", "mark_generated", "merge_decision", "with_merge_decision", "mergeable_source",
            "merged_kernel", "MAX_BODIES", "WINDOW"]
 
 MAX_BODIES = 8         # bodies per merged kernel: its dispatch is a chain of comparisons, and the source grows
@@ -66,12 +66,20 @@ def merge_decision(builder: ProgramBuilder) -> tuple[str, str] | None:
         return None
     s = builder.summary
     if not s["groups"]:
-        return ("no launches merged", f"STITCHCUDA_MERGE_LAUNCHES=1, but no two of the {s['candidates']} small "
-                "launches of generated kernels were independent, adjacent enough and alike (block size)")
+        return ("no launches merged", f"no two of the {s['candidates']} small launches of generated kernels were "
+                "independent, near enough and alike (block size) (STITCHCUDA_MERGE_LAUNCHES=1)")
     return (f"{s['merged']} kernel launches merged into {len(s['groups'])}",
             f"small launches of generated kernels that no step orders between run as one launch each "
             f"({', '.join(str(n) for n in s['groups'])} bodies); {s['launches_before']} launches became "
             f"{s['launches_after']} (STITCHCUDA_MERGE_LAUNCHES=1)")
+
+
+def with_merge_decision(decisions: list, builder: ProgramBuilder) -> list:
+    """`decisions` with the decision on the program `builder` built in place of one on an earlier build (a
+    variant built again)."""
+    kept = [d for d in decisions if "STITCHCUDA_MERGE_LAUNCHES=1" not in d[1]]
+    decision = merge_decision(builder)
+    return kept + ([decision] if decision else [])
 
 
 # ---- which kernels can merge, and the merged source ----------------------------------------------------------
@@ -218,6 +226,7 @@ class MergingBuilder(ProgramBuilder):
         self._storage: dict[int, tuple[int, int, float, str]] = {}  # buffer -> (root, first byte, end byte, dtype)
         self._kernels: list[tuple[str, str, tuple, dict]] = []
         self._settings: list[tuple[str, tuple, dict]] = []
+        self._mergeable: dict[int, tuple[bool, str, int]] = {}  # kernel -> mergeable_source's answer
 
     # buffers: ids as the native builder will number them
     def _buffer(self, method: str, dtype: str, args: tuple, kwargs: dict) -> int:
@@ -317,19 +326,31 @@ class MergingBuilder(ProgramBuilder):
         if grid[0] > WAVES * self.sm_count or any(kind not in ("in", "out", "inout", *_SCALAR_TYPES) for kind, _ in args):
             return
         source, name = self._kernels[kernel][:2]
-        ok, _, shared = mergeable_source(source, name)
+        if kernel not in self._mergeable:
+            self._mergeable[kernel] = mergeable_source(source, name)
+        ok, _, shared = self._mergeable[kernel]
         if ok and shared <= SHARED_LIMIT:
             s.part, s.shared = Part(source, name, grid[0], block, tuple(args)), shared
 
-    def _conflict(self, a: _Step, b: _Step) -> bool:
-        """Whether a and b touch overlapping bytes of one storage, one of them writing."""
-        def overlaps(x: int, y: int) -> bool:
-            rx, sx, ex, _ = self._storage[x]
-            ry, sy, ey, _ = self._storage[y]
-            return rx == ry and sx < ey and sy < ex
+    def _accesses(self, s: _Step) -> list[tuple[int, float, float, bool]]:
+        """(root storage, first byte, end byte, writes) of each buffer the step reads or writes."""
+        return [(*self._storage[b][:3], write) for write, buffers in ((False, s.reads), (True, s.writes))
+                for b in buffers]
 
-        return (any(overlaps(w, y) for w in a.writes for y in b.reads + b.writes)
-                or any(overlaps(w, x) for w in b.writes for x in a.reads))
+    def _conflicts(self, steps: list[_Step]) -> list[set[int]]:
+        """For each mergeable launch, the other steps it must stay ordered with: those touching overlapping bytes
+        of one storage, one of the two writing."""
+        by_root: dict[int, list[tuple[int, float, float, bool]]] = {}
+        for j, t in enumerate(steps):
+            for root, first, end, write in self._accesses(t):
+                by_root.setdefault(root, []).append((j, first, end, write))
+        out: list[set[int]] = [set() for _ in steps]
+        for i, s in enumerate(steps):
+            if s.part is None:
+                continue
+            for root, first, end, write in self._accesses(s):
+                out[i].update(j for j, f, e, w in by_root[root] if j != i and (write or w) and first < e and f < end)
+        return out
 
     def _schedule(self, steps: list[_Step]) -> tuple[list[list[int]], list[list[int]]]:
         """(the steps' new order as nodes — a node is one step or a merged group of launches — and the groups).
@@ -340,12 +361,9 @@ class MergingBuilder(ProgramBuilder):
         fixed = [i for i, s in enumerate(steps) if s.part is None]
         for a, b in zip(fixed, fixed[1:]):
             succ[a].add(b)
-        for i, s in enumerate(steps):
-            if s.part is None:
-                continue
-            for j, t in enumerate(steps):
-                if j != i and self._conflict(s, t):
-                    succ[min(i, j)].add(max(i, j))
+        for i, others in enumerate(self._conflicts(steps)):
+            for j in others:
+                succ[min(i, j)].add(max(i, j))
         rep = list(range(n))
         members: dict[int, list[int]] = {i: [i] for i in range(n)}
         desc = _descendants(n, succ, rep, members)
@@ -370,7 +388,13 @@ class MergingBuilder(ProgramBuilder):
                 members[g].append(c)
                 del members[c]
                 rep[c] = g
-                desc = _descendants(n, succ, rep, members)
+                # The merged node reaches what either reached; whatever reached either now reaches both.
+                mask = mask_g | 1 << c
+                reach = (desc[g] | desc.pop(c)) & ~mask
+                desc[g] = reach
+                for u, d in desc.items():
+                    if d & mask and u != g:
+                        desc[u] = d | reach | mask
                 break
             else:
                 open_groups.append(c)

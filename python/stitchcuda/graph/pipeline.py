@@ -26,6 +26,7 @@ from .lower import Lowering, LoweringError, constant_values
 from .measure import (allocated, device_facts, explain_loss, measure_speed, not_faster, record_peak, timed_stage,
                       verify_state)
 from .module import OptimizedModule, model_name
+from .merge_launches import with_merge_decision
 from .options import OptimizeOptions
 from .groups import GENERATED, Group
 from .planner import OfflinePlanner
@@ -339,6 +340,7 @@ def plan_only(model: torch.nn.Module, example_inputs: tuple, precision: str, gra
                                             if g.kind == "constant" and g.nodes[0].outputs})
         lowering = Lowering(graph, plan, constants)
         program = lowering.build(plan.groups, graph.inputs, graph.outputs)
+        report.decisions[:] = with_merge_decision(report.decisions, lowering.b)
         program.compile_kernels()
         report.groups = []
         for g in plan.groups:
