@@ -118,6 +118,31 @@ def test_the_plain_builder_is_the_lowerings_while_the_setting_is_off():
     assert merge_decision(ProgramBuilder()) is None
 
 
+def test_a_fault_of_the_pass_leaves_the_program_as_built(monkeypatch):
+    import stitchcuda.graph.merge_launches as merge_launches
+
+    def broken(parts):
+        raise ZeroDivisionError("a fault of the pass")
+
+    monkeypatch.setattr(merge_launches, "merged_kernel", broken)
+    b = MergingBuilder()
+    program = _two_scales(b)
+    assert _names(program) == ["scale_a", "scale_b"]
+    program.validate()
+    title, why = merge_decision(b)
+    assert title == "no launches merged" and "ZeroDivisionError: a fault of the pass" in why
+
+
+def test_a_program_invalid_on_its_own_raises_the_builders_error():
+    from stitchcuda.errors import InvalidArgumentError
+
+    b = MergingBuilder()
+    t, y = b.intermediate([64]), b.output([64])
+    b.launch(_kernel(b, SCALE, "scale_bad"), [1], [64], [("in", t), ("out", y), ("i64", 64), ("f32", 1.0)])
+    with pytest.raises(InvalidArgumentError, match="before any step writes it"):
+        b.build()
+
+
 def _views_program(first: tuple[int, int], second: tuple[int, int], second_writes: bool = True):
     """Two launches over slices of one intermediate: the first writes x[first], the second writes (or reads)
     x[second]; then both slices are read into the outputs."""

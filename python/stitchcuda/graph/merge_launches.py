@@ -31,6 +31,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..log import get_logger
 from ..program import Program, ProgramBuilder, dtype_name
 from ..settings import settings
 
@@ -41,6 +42,8 @@ MAX_BODIES = 8         # bodies per merged kernel: its dispatch is a chain of co
 WINDOW = 48            # steps between the first and the last launch of a merge: reordering stays local
 WAVES = 2              # a merged launch holds at most WAVES * sm_count blocks: a big kernel gains nothing
 SHARED_LIMIT = 32 << 10  # static shared bytes of all bodies together (each body's arrays are its own)
+
+log = get_logger(__name__)
 
 _ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2, "f64": 8, "i32": 4, "i64": 8, "u8": 1, "bool": 1}
 _SCALAR_TYPES = {"i32": "int", "i64": "long long", "f32": "float", "f64": "double"}
@@ -65,6 +68,9 @@ def merge_decision(builder: ProgramBuilder) -> tuple[str, str] | None:
     if not isinstance(builder, MergingBuilder) or builder.summary is None:
         return None
     s = builder.summary
+    if "error" in s:
+        return ("no launches merged", f"the pass failed ({s['error']}): the program runs its launches apart, as "
+                "built (STITCHCUDA_MERGE_LAUNCHES=1)")
     if not s["groups"]:
         return ("no launches merged", f"no two of the {s['candidates']} small launches of generated kernels were "
                 "independent, near enough and alike (block size) (STITCHCUDA_MERGE_LAUNCHES=1)")
@@ -300,15 +306,28 @@ class MergingBuilder(ProgramBuilder):
 
     def build(self) -> Program:
         steps = [s for s in self._log if isinstance(s, _Step)]
-        for s in steps:
-            self._candidate(s)
-        order, groups = self._schedule(steps)
         launches = sum(s.kind == "launch" for s in steps)
+        try:
+            for s in steps:
+                self._candidate(s)
+            order, groups = self._schedule(steps)
+            program = self._replay(steps, order)
+        except Exception as exc:
+            # The program as recorded, unmerged: a fault of the pass costs the merging, not the program. (A
+            # program invalid on its own raises again here, with the builder's own message.)
+            self._b = ProgramBuilder()._b
+            for s in steps:
+                s.part = None
+            program = self._replay(steps, [[i] for i in range(len(steps))])
+            log.warning("merging launches failed, the program runs them apart: %s: %s", type(exc).__name__, exc)
+            self.summary = {"candidates": 0, "groups": [], "merged": 0, "launches_before": launches,
+                            "launches_after": launches, "error": f"{type(exc).__name__}: {exc}"}
+            return program
         merged = sum(len(g) for g in groups)
         self.summary = {"candidates": sum(s.part is not None for s in steps), "groups": [len(g) for g in groups],
                         "merged": merged, "launches_before": launches,
                         "launches_after": launches - merged + len(groups)}
-        return self._replay(steps, order)
+        return program
 
     # ---- the pass ----
 
