@@ -458,3 +458,29 @@ def test_the_bench_part_refuses_to_run_without_a_gpu():
     done = subprocess.run([sys.executable, "-m", "stitchcuda.bench.program", "merged_launches"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 3 and "no GPU" in done.stderr + done.stdout
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_llama_decode_with_merged_launches_gives_the_same_logits_and_tokens():
+    transformers = pytest.importorskip("transformers")
+    from stitchcuda import StaticCacheGenerator
+
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval().cuda()
+    ids = torch.randint(0, 256, (1, 8), device="cuda")
+    results = []
+    for merge in (False, True):
+        with override(merge_launches=merge):
+            gen = StaticCacheGenerator.for_transformers(model, batch_size=1, prompt_length=8, max_length=64,
+                                                        measure=False, keep_slower=True, compare_compile=False)
+        program = gen.decode_module.program
+        assert program is not None and any(n.startswith("merged_") for n in _names(program)) == merge
+        with torch.no_grad():
+            first = gen.prefill(ids)
+            second = gen.step(first.argmax(-1))
+            tokens = gen.generate(ids, 8)
+        results.append((first, second, tokens))
+    (f0, s0, t0), (f1, s1, t1) = results
+    assert torch.equal(f0, f1) and torch.equal(s0, s1) and torch.equal(t0, t1)
