@@ -12,13 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "corpus"))
 from cpu_emulator.emulator import EmulatedJit, EmulatedModule, unavailable  # noqa: E402
-from test_decode import assert_eagers_greedy_tokens, emulated_generator, tiny_llama  # noqa: E402
+from test_decode import (LlamaConfig, TinyLlama, assert_eagers_greedy_tokens, emulated_generator,  # noqa: E402
+                         tiny_llama)
 from test_decode_capture import lowered  # noqa: E402
-from test_graph_emulated import _fp32_only  # noqa: E402
+from test_graph_emulated import _fp32_only, run_program  # noqa: E402
 
 from stitchcuda import TransformersStaticCacheLM, jit  # noqa: E402
 from stitchcuda.graph.capture import capture  # noqa: E402
@@ -142,6 +144,30 @@ def test_int64_bookkeeping_is_exact_past_fp32s_integers(emu):
     assert int(out["z2"]) == 6
 
 
+@emulated
+def test_positions_computed_in_the_writing_kernel_and_its_counter_stored_by_it(emu):
+    # index = start + offsets, computed by each writing thread in int64; the counter start + n, independent of the
+    # writes, stored by the same launch; the positions, which another step reads, stored too.
+    src = torch.randn(1, 2, 3, 8)
+    cache = torch.zeros(1, 2, 12, 8)
+    start, offsets = torch.tensor(9), torch.arange(3)
+    add = "aten::add.Tensor"
+    chains = [IntegerChain((3,), [PointwiseInput("s", torch.int64, (0,)), PointwiseInput("o", torch.int64, (1,))],
+                           [f"const long long t0 = {integer_expression(add, 'in0', 'in1')};"], [("z0", "t0")]),
+              IntegerChain((), [PointwiseInput("s", torch.int64, ())],
+                           [f"const long long t0 = {integer_expression(add, 'in0', '3LL')};"], [("z1", "t0")])]
+    code = cache_write_kernel("cw_chain", (1, 2, 3, 8), 2, [PointwiseInput("in0", torch.float32, tuple(src.stride()))],
+                              [], [CacheTarget("w0", torch.float32, tuple(cache.stride()), 12, "in0")],
+                              CacheIndex(chain=0, var="t0"), chains=chains)
+    kernel = EmulatedModule(emu, _fp32_only(code.source)).kernel(code.name)
+    out = {"z0": torch.zeros(3, dtype=torch.long), "z1": torch.zeros((), dtype=torch.long)}
+    _launch(kernel, code, {"in0": src, "s": start, "o": offsets, "w0": cache, **out})
+    assert torch.equal(out["z0"], start + offsets) and int(out["z1"]) == 12
+    want = torch.zeros(1, 2, 12, 8)
+    want[:, :, 9:12] = src  # positions 9, 10 and 11: all inside the 12 slots
+    assert torch.equal(cache, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_the_kernel_compiles_with_nvrtc_for_every_dtype(dtype):
     code, *_ = _rotary_write(dtype)
@@ -203,6 +229,25 @@ def test_our_llama_generates_eagers_greedy_tokens_with_the_fused_writes(emu, fus
 
 
 @emulated
+def test_without_grouped_query_heads_the_rotated_query_is_stored_by_the_same_launch(emu, fused):
+    # q and k have one shape: their rotaries are one elementwise group, which the cache write takes whole and
+    # which stores the rotated q the attention reads.
+    torch.manual_seed(0)
+    model = TinyLlama(LlamaConfig(kv_heads=4)).eval()
+    twin = TinyLlama(LlamaConfig(kv_heads=4)).eval()
+    twin.load_state_dict(model.state_dict())
+    step = (torch.zeros(2, 1, dtype=torch.long), torch.tensor([5]))
+    plan = OfflinePlanner().plan(capture(model, step))
+    writes = [g for g in plan.groups if g.kind == "cache_write"]
+    assert len(writes) == 2 and all(sum(n.op == "aten::cat" for n in g.nodes) == 2 for g in writes)
+    _, prefill, prefill_values = lowered(model, (torch.zeros(2, 5, dtype=torch.long), torch.arange(5)))
+    _, decode, decode_values = lowered(model, step)
+    gen = emulated_generator(emu, model, 16, 2, (prefill, prefill_values), (decode, decode_values),
+                             dict(model.named_buffers()), caches=model.caches())
+    assert_eagers_greedy_tokens(gen, model, twin, 5, 6)
+
+
+@emulated
 def test_a_transformers_llama_generates_its_greedy_tokens_with_the_fused_writes(emu, fused):
     model = _transformers_llama()
     lm = TransformersStaticCacheLM(model, batch_size=1, max_length=24)
@@ -219,6 +264,46 @@ def test_a_transformers_llama_generates_its_greedy_tokens_with_the_fused_writes(
             expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
                                       do_sample=False, pad_token_id=0)
         assert torch.equal(gen.generate(ids, 8), expected)
+
+
+class CountedCache(nn.Module):
+    """k and v written at `length + arange(n)` (an int64 add), then `length += n`: the layer's bookkeeping."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 64, bias=False)
+        self.register_buffer("k", torch.zeros(1, 2, 12, 16))
+        self.register_buffer("v", torch.zeros(1, 2, 12, 16))
+        self.register_buffer("length", torch.tensor(0))
+
+    def forward(self, x):
+        n = x.shape[1]
+        k, v = self.proj(x).view(1, n, 2, 2, 16).permute(2, 0, 3, 1, 4)
+        positions = self.length + torch.arange(n)
+        self.k.index_copy_(2, positions, k * 2.0)
+        self.v.index_copy_(2, positions, v)
+        self.length.add_(n)
+        return self.k.sum(-1) + self.v.sum(-1)
+
+
+@emulated
+def test_the_positions_and_the_counter_join_the_writes_launch_and_every_call_matches_eager(emu, fused):
+    torch.manual_seed(0)
+    model, twin = CountedCache().eval(), CountedCache().eval()
+    twin.load_state_dict(model.state_dict())
+    graph, program, values = lowered(model, (torch.randn(1, 3, 32),))
+    (write,) = [g for g in OfflinePlanner().plan(graph).groups if g.kind == "cache_write"]
+    assert [n.op for n in write.nodes].count("aten::add.Tensor") == 2  # the positions and the counter
+    assert sum(s["kind"] in ("kernel", "aten") for s in program.steps) == 4  # the write, two sums, the counter's copy
+    states = dict(model.named_buffers())
+    for _ in range(3):  # positions 0-2, 3-5, 6-8: each call's counter read by the next
+        x = torch.randn(1, 3, 32)
+        (got,) = run_program(emu, program, [x], values, states)
+        with torch.no_grad():
+            torch.testing.assert_close(got, twin(x), rtol=1e-5, atol=1e-5)
+        for name, buffer in twin.named_buffers():
+            torch.testing.assert_close(states[name], buffer, rtol=1e-6, atol=1e-6)
+    assert states["length"].dtype == torch.int64 and int(states["length"]) == 9
 
 
 # ---- on a GPU ------------------------------------------------------------------------------------------------
