@@ -28,7 +28,7 @@ from stitchcuda.graph.planner import OfflinePlanner  # noqa: E402
 from stitchcuda.graph.templates.common import PointwiseInput  # noqa: E402
 from stitchcuda.graph.templates.scatter import (CacheIndex, CacheTarget, IntegerChain, cache_write_kernel,  # noqa: E402
                                                 integer_expression, integer_kernel)
-from stitchcuda.settings import reload  # noqa: E402
+from stitchcuda.settings import override  # noqa: E402
 
 emulated = pytest.mark.skipif(unavailable() is not None, reason=f"CUDA emulator: {unavailable()}")
 ROTARY = ["const float t0 = in0 * in1;", "const float t1 = in2 * in3;", "const float t2 = t0 + t1;"]
@@ -40,13 +40,10 @@ def emu(tmp_path_factory):
 
 
 @pytest.fixture
-def fused(monkeypatch):
+def fused():
     """STITCHCUDA_FUSE_CACHE_WRITE=1 for the test."""
-    monkeypatch.setenv("STITCHCUDA_FUSE_CACHE_WRITE", "1")
-    reload()
-    yield
-    monkeypatch.delenv("STITCHCUDA_FUSE_CACHE_WRITE")
-    reload()
+    with override(fuse_cache_write=True):
+        yield
 
 
 def _launch(kernel, code, tensors: dict) -> None:
@@ -109,6 +106,19 @@ def test_a_position_outside_the_cache_writes_nothing_and_the_rest_is_written(emu
     for got, old in zip((t["w0"], t["w1"]), before):
         assert torch.equal(got[:, :, [p for p in range(10) if p != 3]], old[:, :, [p for p in range(10) if p != 3]])
     torch.testing.assert_close(t["w0"][:, :, 3].double(), expected[0][:, :, 3], rtol=1e-6, atol=1e-6)
+
+
+@emulated
+def test_a_cache_stored_transposed_takes_every_value_one_at_a_time(emu):
+    # [B, H, L, D] viewed from [B, H, D, L] storage: the last dimension L apart, no 16-byte store.
+    src = torch.randn(2, 3, 2, 8)
+    storage = torch.zeros(2, 3, 8, 5)
+    cache = storage.transpose(2, 3)
+    code = cache_write_kernel("tr", (2, 3, 2, 8), 2, [PointwiseInput("in0", torch.float32, tuple(src.stride()))], [],
+                              [CacheTarget("w0", torch.float32, tuple(cache.stride()), 5, "in0")], CacheIndex("idx", 1))
+    kernel = EmulatedModule(emu, _fp32_only(code.source)).kernel(code.name)
+    _launch(kernel, code, {"in0": src, "idx": torch.tensor([4, 0]), "w0": storage})
+    assert torch.equal(cache, torch.zeros(2, 3, 5, 8).index_copy_(2, torch.tensor([4, 0]), src))
 
 
 @emulated
@@ -186,19 +196,14 @@ def _launches(program) -> int:
     return sum(s["kind"] in ("kernel", "aten", "matmul") and s.get("op") != "aten::view" for s in program.steps)
 
 
-def test_the_planner_fuses_a_decode_steps_rotary_cache_writes_and_positions(monkeypatch):
+def test_the_planner_fuses_a_decode_steps_rotary_cache_writes_and_positions():
     lm = TransformersStaticCacheLM(_transformers_llama(torch.bfloat16), batch_size=1, max_length=24)
     step = (torch.zeros(1, 1, dtype=torch.long), torch.tensor([6]))
-    _, before, _ = lowered(lm, step)
-    monkeypatch.setenv("STITCHCUDA_FUSE_CACHE_WRITE", "1")
-    reload()
-    try:
-        graph = capture(lm, step)
-        plan = OfflinePlanner().plan(graph)
+    with override(fuse_cache_write=False):
+        _, before, _ = lowered(lm, step)
+    with override(fuse_cache_write=True):
+        plan = OfflinePlanner().plan(capture(lm, step))
         _, after, _ = lowered(lm, step)
-    finally:
-        monkeypatch.delenv("STITCHCUDA_FUSE_CACHE_WRITE")
-        reload()
     writes = [g for g in plan.groups if g.kind == "cache_write"]
     assert len(writes) == 2  # one per layer: its k and v writes together
     for g in writes:

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from typing import Any
 
 import torch
 
-from ..settings import reload
+from ..settings import override
 
 SETTING = "STITCHCUDA_FUSE_CACHE_WRITE"
 BATCHES = (1, 8)
@@ -34,19 +33,10 @@ def launches(program: Any) -> int:
 def _generator(model: torch.nn.Module, fused: bool, batch: int, prompt: int, new: int) -> Any:
     from ..graph.decode import StaticCacheGenerator
 
-    saved = os.environ.get(SETTING)
-    os.environ[SETTING] = "1" if fused else "0"
-    reload()
-    try:
+    with override(fuse_cache_write=fused):  # read while the programs are planned
         return StaticCacheGenerator.for_transformers(model, batch_size=batch, prompt_length=prompt,
                                                      max_length=prompt + new, progress=False, compare_compile=False,
                                                      keep_slower=True)
-    finally:
-        if saved is None:
-            os.environ.pop(SETTING, None)
-        else:
-            os.environ[SETTING] = saved
-        reload()
 
 
 def row(tf: Any, batch: int, small: bool, repeats: int = 5) -> dict:

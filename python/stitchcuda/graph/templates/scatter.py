@@ -183,17 +183,16 @@ def cache_write_kernel(name: str, shape: tuple[int, ...], dim: int, inputs: list
     call = [f"v{k}" for k in range(len(inputs))] + [f"o{k}[e]" for k in range(len(results))]
     L.append(f"    {name}_body({', '.join(call)});")
     L.append("  }")
-    for k, (_, _, dt) in enumerate(stores):  # contiguous over `shape`: element i onwards
+    for k in range(len(stores)):  # contiguous over `shape`: element i onwards
         o = f"o{len(targets) + k}"
-        L.append(_store(f"q{k}", "i", o, dt, per))
+        L.append(_store(f"q{k}", "i", o, per))
     for k, t in enumerate(targets):
         offset = " + ".join(f"{'pos' if d == dim else f'c{d}'} * {t.strides[d]}LL" for d in range(rank)
                             if d != last and (d == dim or shape[d] != 1))
         offset = " + ".join(x for x in (offset, f"c{last}b * {t.strides[last]}LL") if x)
         L.append(f"  if (pos >= 0 && pos < {t.extent}LL) {{")
         L.append(f"    const long long at = {offset};")
-        L.append("  " + _store(f"w{k}", "at", f"o{k}", t.dtype, per if t.strides[last] == 1 else 1,
-                               step=t.strides[last]))
+        L.append("  " + _store(f"w{k}", "at", f"o{k}", per, step=t.strides[last]))
         L.append("  }")
     L.append("}")
     source = "\n".join(L)
@@ -211,9 +210,9 @@ def cache_write_kernel(name: str, shape: tuple[int, ...], dim: int, inputs: list
     return KernelCode(source + "\n", name, grid, threads, args, what, per > 1)
 
 
-def _store(pointer: str, at: str, values: str, dtype: torch.dtype, per: int, step: int = 1) -> str:
-    """`per` values stored from element `at` on: one store8 where the address is 16-byte aligned, else one
-    at a time (`step` elements apart)."""
+def _store(pointer: str, at: str, values: str, per: int, step: int = 1) -> str:
+    """`per` values stored from element `at` on, `step` elements apart: one store8 where they are adjacent and
+    the address is 16-byte aligned, else one at a time."""
     if per == 1 or step != 1:
         return (f"  for (int e = 0; e < {per}; ++e) st({pointer}, {at} + e * {step}LL, {values}[e]);" if per > 1
                 else f"  st({pointer}, {at}, {values}[0]);")
