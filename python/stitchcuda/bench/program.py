@@ -29,8 +29,9 @@
    Verifier's timer and the synchronized wall time per call, the kernel launches of each program, the ratio
    off / on (above 1: the merged program is faster) and the microseconds saved per launch merged away; the
    outputs of the two compared bitwise. Models: a transformers Llama decode step (bf16, batch 1, random
-   weights: StaticCacheGenerator.for_transformers, its decode program at a fixed position) and a suite model
-   at batch 1. `python -m stitchcuda.bench.program merged_launches` runs this part alone.
+   weights: StaticCacheGenerator.for_transformers, its decode program at a fixed position), the same with
+   STITCHCUDA_FUSE_CACHE_WRITE=1, and a suite model at batch 1. `python -m stitchcuda.bench.program
+   merged_launches` runs this part alone.
 """
 
 from __future__ import annotations
@@ -338,17 +339,24 @@ def _suite_case(stem: str) -> tuple:
     return build, f"suite {stem} (batch 1)"
 
 
-def merged_launches(rounds: int = 3, cases: tuple = ("llama", "model_transformer_block")) -> dict:
-    """Part 6 (see the module's docstring): each case's program with the pass off and on, same run."""
+MERGE_CASES = ("llama", "llama+cache_write", "model_transformer_block")
+
+
+def merged_launches(rounds: int = 3, cases: tuple = MERGE_CASES) -> dict:
+    """Part 6 (see the module's docstring): each case's program with the pass off and on, same run. Cases:
+    "llama" (the decode step), "llama+cache_write" (the same with STITCHCUDA_FUSE_CACHE_WRITE=1: the cache writes
+    as generated kernels, more launches to merge) and the stem of a bench/suite model."""
     from ..settings import override
 
     rows = []
     for case in cases:
         try:
-            build, name = _llama_decode_case() if case == "llama" else _suite_case(case)
+            build, name = _llama_decode_case() if case.startswith("llama") else _suite_case(case)
+            extra = {"fuse_cache_write": True} if case == "llama+cache_write" else {}
+            name += " with STITCHCUDA_FUSE_CACHE_WRITE=1" if extra else ""
             runs = {}
             for merge in (False, True):
-                with override(merge_launches=merge):
+                with override(merge_launches=merge, **extra):
                     call, module = build()
                 program = getattr(module, "program", None)
                 if program is None:

@@ -5,16 +5,19 @@ At batch 1 a forward is many small kernels (a decode step's rotary of q and of k
 launch costs a microsecond or more in a CUDA graph whatever its size; merging k of them saves k - 1 of those.
 
 Why the merged kernel computes exactly what the launches did: every block of the merged launch runs exactly one
-original body, as its own function, with the block size it had (all parts share one), its own arguments (the same
-pointers and scalars), and ``blockIdx.x`` / ``gridDim.x`` replaced by the block index and block count it had in its
-own launch (``blockIdx.x - offset`` and a constant). So each thread of each body performs the same operations on
-the same elements in the same order as before; ``__syncthreads`` stays correct because a block never mixes
-bodies. The bodies of one merged launch run concurrently, so the pass only merges launches no step orders
+original body, as its own function, with its own arguments (the same pointers and scalars), and ``blockIdx.x`` /
+``gridDim.x`` / ``blockDim.x`` replaced by the block index, block count and block size it had in its own launch
+(``blockIdx.x - offset`` and constants). The merged launch has the largest block of its bodies; a body of a smaller
+block runs on its first threads and the others return at once, which is exact only for a body that synchronizes
+no barrier and fills whole warps (such a body is merged only then). So each thread of each body performs the same
+operations on the same elements in the same order as before; ``__syncthreads`` stays correct because a block
+never mixes bodies and a body that synchronizes runs at its own block size. The bodies of one merged launch run concurrently, so the pass only merges launches no step orders
 between: no body reads or writes bytes another body writes (views share their base's storage: accesses are
 compared as byte ranges of one root storage), and the launch lands where no step it depends on, or that depends
 on it, is crossed. Only the templates' own kernels are merged (never a kernel step's source, an LLM's or a
 candidate's), and only those whose text the rewrite understands: one ``__global__`` function, a one-dimensional
-grid, no dynamic shared memory, no cluster or grid-wide synchronization, no block index read through assembly.
+grid and block, no dynamic shared memory, no cluster or grid-wide synchronization, no block index read through
+assembly.
 
 ``program_builder(sm_count)`` is the Lowering's builder: a plain ProgramBuilder, or with
 STITCHCUDA_MERGE_LAUNCHES=1 a MergingBuilder, which records the steps and applies the pass at build().
@@ -27,7 +30,7 @@ import hashlib
 import heapq
 import re
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -35,7 +38,8 @@ from ..log import get_logger
 from ..program import Program, ProgramBuilder, dtype_name
 from ..settings import settings
 
-__all__ = ["MergingBuilder", "program_builder", "mark_generated", "merge_decision", "with_merge_decision", "mergeable_source",
+__all__ = ["MergingBuilder", "program_builder", "mark_generated", "merge_decision", "with_merge_decision",
+           "Mergeable", "mergeable_source",
            "merged_kernel", "MAX_BODIES", "WINDOW"]
 
 MAX_BODIES = 8         # bodies per merged kernel: its dispatch is a chain of comparisons, and the source grows
@@ -91,9 +95,10 @@ def with_merge_decision(decisions: list, builder: ProgramBuilder) -> list:
 # ---- which kernels can merge, and the merged source ----------------------------------------------------------
 
 _GLOBAL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^()]*\)\s*)?(\w+)\s*\(')
-_INDEX = re.compile(r"\b(blockIdx|gridDim)\s*\.\s*x\b")
+_INDEX = re.compile(r"\b(blockIdx|gridDim|blockDim)\s*\.\s*x\b")
 _REFUSED = re.compile(r"extern\s+__shared__|cooperative_groups|this_grid|grid_group|__cluster_dims__|clusterDim|"
                       r"%n?ctaid|%cluster|%nclusterid|blockIdx\s*\.\s*[yz]|gridDim\s*\.\s*[yz]")
+_BARRIER = re.compile(r"__syncthreads|\bbar(?:rier)?\.|__barrier|thread_block|cooperative_groups")
 _DEFINE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)(?:[ \t]+(.*))?$", re.M)
 _INCLUDE = re.compile(r"^[ \t]*#[ \t]*include[^\n]*$", re.M)
 _SHARED = re.compile(r"__shared__\s+(?:__align__\s*\(\s*\d+\s*\)\s*)?([A-Za-z_][\w ]*?)\s+(\w+)\s*((?:\[[^\]]*\]\s*)*);")
@@ -101,32 +106,54 @@ _SHARED = re.compile(r"__shared__\s+(?:__align__\s*\(\s*\d+\s*\)\s*)?([A-Za-z_][
 
 @dataclass(frozen=True)
 class Part:
-    """One launch to merge: its kernel's source and name, its grid (blocks along x), block and arguments."""
+    """One launch to merge: its kernel's source and name, its grid (blocks along x), block (threads along x: blocks
+    are one-dimensional), arguments, and whether the kernel synchronizes its block."""
 
     source: str
     name: str
     blocks: int
-    block: tuple[int, int, int]
+    threads: int
     args: tuple[tuple[str, Any], ...]
+    barrier: bool = False
 
 
-def mergeable_source(source: str, name: str) -> tuple[bool, str, int]:
-    """(whether a launch of this kernel may be a body of a merged kernel, why not, its static shared bytes)."""
+def fits(parts: Sequence[Part]) -> bool:
+    """Whether `parts` can be bodies of one merged kernel, launched with the largest block among them: a body of a
+    smaller block runs on its first threads (the others return at once), so it must synchronize no barrier (threads
+    that returned would be missing from it) and fill whole warps (its warp-wide operations see full warps)."""
+    threads = max(p.threads for p in parts)
+    return all(p.threads == threads or (not p.barrier and p.threads % 32 == 0) for p in parts)
+
+
+class Mergeable(NamedTuple):
+    """mergeable_source's answer: whether a launch of the kernel may be a body of a merged kernel (`why` not),
+    its static shared bytes, and whether it synchronizes its block (a body that does runs only at the merged
+    launch's own block size)."""
+
+    ok: bool
+    why: str = ""
+    shared: int = 0
+    barrier: bool = False
+
+
+def mergeable_source(source: str, name: str) -> Mergeable:
+    """Whether the rewrite understands the kernel's source (see the module's docstring)."""
     kernels = _GLOBAL.findall(source)
     if len(re.findall(r"\b__global__\b", source)) != 1 or kernels != [name]:
-        return False, "not exactly one __global__ function, the named one", 0
+        return Mergeable(False, "not exactly one __global__ function, the named one")
     if source.count('extern "C"') != 1:
-        return False, 'another extern "C" declaration', 0
+        return Mergeable(False, 'another extern "C" declaration')
     refused = _REFUSED.search(source)
     if refused:
-        return False, f"reads '{refused.group(0)}' (a grid of more than one dimension, clusters or dynamic shared memory)", 0
-    for word in ("blockIdx", "gridDim"):  # only through .x (.y and .z are refused above)
-        if len(re.findall(rf"\b{word}\b", source)) != len(re.findall(rf"\b{word}\s*\.\s*x\b", source)):
-            return False, f"reads {word} other than through .x", 0
+        return Mergeable(False, f"reads '{refused.group(0)}' (a grid of more than one dimension, clusters or dynamic "
+                                "shared memory)")
+    for word, parts in (("blockIdx", "x"), ("gridDim", "x"), ("blockDim", "xyz")):  # .y, .z of the grid refused above
+        if len(re.findall(rf"\b{word}\b", source)) != len(re.findall(rf"\b{word}\s*\.\s*[{parts}]\b", source)):
+            return Mergeable(False, f"reads {word} other than through {', '.join('.' + p for p in parts)}")
     shared = _static_shared_bytes(source)
     if shared is None:
-        return False, "a __shared__ array whose size the pass cannot read", 0
-    return True, "", shared
+        return Mergeable(False, "a __shared__ array whose size the pass cannot read")
+    return Mergeable(True, "", shared, bool(_BARRIER.search(source)))
 
 
 def _static_shared_bytes(source: str) -> int | None:
@@ -154,19 +181,23 @@ def _static_shared_bytes(source: str) -> int | None:
 
 def _body(part: Part, index: int, offset: int) -> tuple[list[str], str]:
     """(the part's #include lines, its source as __device__ code in a namespace of its own): the kernel becomes a
-    function of that name, blockIdx.x its block index in its own launch, gridDim.x its own block count."""
+    function of that name, blockIdx.x its block index in its own launch, gridDim.x and blockDim.x its own block
+    count and block size."""
     includes = [line.strip() for line in _INCLUDE.findall(part.source)]
     text = _INCLUDE.sub("", part.source)
     text = _GLOBAL.sub(lambda m: f"__device__ __forceinline__ void {m.group(1)}(", text)
-    text = _INDEX.sub(lambda m: f"(blockIdx.x - {offset}u)" if m.group(1) == "blockIdx" else f"({part.blocks}u)", text)
+    own = {"gridDim": f"({part.blocks}u)", "blockDim": f"({part.threads}u)"}
+    text = _INDEX.sub(lambda m: f"(blockIdx.x - {offset}u)" if m.group(1) == "blockIdx" else own[m.group(1)], text)
     undefs = "".join(f"#undef {m}\n" for m in dict.fromkeys(m.group(1) for m in _DEFINE.finditer(text)))
     return includes, f"namespace sc_body{index} {{\n{text}\n}}  // namespace sc_body{index}\n{undefs}"
 
 
 def merged_kernel(parts: Sequence[Part]) -> tuple[str, str, list[tuple[str, Any]]]:
-    """(source, entry point name, arguments) of the kernel running `parts` as one launch of sum(blocks) blocks,
-    block b of part k at offset o_k running part k's body as its block b - o_k. The name is a hash of the source,
-    so the same parts give the same kernel in every program (the kernel cache compiles it once)."""
+    """(source, entry point name, arguments) of the kernel running `parts` as one launch of sum(blocks) blocks of
+    the largest block among them (`fits`), block b of part k at offset o_k running part k's body as its block
+    b - o_k on its first threads. The name is a hash of the source, so the same parts give the same kernel in
+    every program (the kernel cache compiles it once)."""
+    threads = max(p.threads for p in parts)
     includes: list[str] = []
     bodies, params, calls, args = [], [], [], []
     offset = 0
@@ -185,8 +216,10 @@ def merged_kernel(parts: Sequence[Part]) -> tuple[str, str, list[tuple[str, Any]
                 names.append(pname)
             args.append((kind, value))
         offset += part.blocks
-        calls.append(f"  if (blockIdx.x < {offset}u) {{ sc_body{k}::{part.name}({', '.join(names)}); return; }}")
-    threads = part.block[0] * part.block[1] * part.block[2]
+        call = f"sc_body{k}::{part.name}({', '.join(names)});"
+        if part.threads < threads:
+            call = f"if (threadIdx.x < {part.threads}u) {call}"
+        calls.append(f"  if (blockIdx.x < {offset}u) {{ {call} return; }}")
     source = "\n".join([
         *includes,
         "// A merged launch (graph/merge_launches.py): each block runs one body below on its own block range.",
@@ -232,7 +265,7 @@ class MergingBuilder(ProgramBuilder):
         self._storage: dict[int, tuple[int, int, float, str]] = {}  # buffer -> (root, first byte, end byte, dtype)
         self._kernels: list[tuple[str, str, tuple, dict]] = []
         self._settings: list[tuple[str, tuple, dict]] = []
-        self._mergeable: dict[int, tuple[bool, str, int]] = {}  # kernel -> mergeable_source's answer
+        self._mergeable: dict[int, Mergeable] = {}  # kernel -> mergeable_source's answer
 
     # buffers: ids as the native builder will number them
     def _buffer(self, method: str, dtype: str, args: tuple, kwargs: dict) -> int:
@@ -347,9 +380,9 @@ class MergingBuilder(ProgramBuilder):
         source, name = self._kernels[kernel][:2]
         if kernel not in self._mergeable:
             self._mergeable[kernel] = mergeable_source(source, name)
-        ok, _, shared = self._mergeable[kernel]
-        if ok and shared <= SHARED_LIMIT:
-            s.part, s.shared = Part(source, name, grid[0], block, tuple(args)), shared
+        ok, _, shared, barrier = self._mergeable[kernel]
+        if ok and shared <= SHARED_LIMIT and block[1] == block[2] == 1:
+            s.part, s.shared = Part(source, name, grid[0], block[0], tuple(args), barrier), shared
 
     def _accesses(self, s: _Step) -> list[tuple[int, float, float, bool]]:
         """(root storage, first byte, end byte, writes) of each buffer the step reads or writes."""
@@ -397,7 +430,7 @@ class MergingBuilder(ProgramBuilder):
                 if c - first > self.window:
                     open_groups.remove(g)
                     continue
-                if (part.block != parts[0].part.block or len(parts) >= self.max_bodies
+                if (not fits([p.part for p in parts] + [part]) or len(parts) >= self.max_bodies
                         or sum(p.part.blocks for p in parts) + part.blocks > WAVES * self.sm_count
                         or sum(p.shared for p in parts) + steps[c].shared > SHARED_LIMIT):
                     continue
@@ -445,7 +478,7 @@ class MergingBuilder(ProgramBuilder):
                 parts = [steps[i].part for i in node]
                 source, name, args = merged_kernel(parts)
                 ProgramBuilder.launch(self, kernel(source, name, {}), [sum(p.blocks for p in parts)],
-                                      list(parts[0].block), args)
+                                      [max(p.threads for p in parts)], args)
             else:
                 getattr(ProgramBuilder, s.kind)(self, *s.call[0], **s.call[1])
 
