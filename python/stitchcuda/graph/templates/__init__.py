@@ -28,6 +28,9 @@ kind of kernel.
 - `transpose`: a channels-last chain's edges: NCHW to NHWC at its input, 32 x 32 tiles through shared
   memory, and at its output the elementwise ops writing an NCHW result from NHWC operands staged through
   the same tiles;
+- `scatter`: a KV cache's `index_copy_` into a program state, its source's elementwise producers (RoPE) and
+  its int64 bookkeeping (positions, a counter; exact in 64-bit integers) in the same launch, eight values
+  per thread stored 16 bytes at a time; small int64 adds alone in one block;
 - `common`: the prelude every kernel includes, KernelCode, and the inputs and elementwise functions the
   others share.
 
