@@ -367,9 +367,10 @@ def _llama_decode(dtype, merge: bool, max_length: int = 32, **settings):
     return lm, graph, program, values
 
 
-def test_a_bf16_llama_decode_step_launches_fewer_kernels_and_nvrtc_compiles_them():
-    _, _, off, _ = _llama_decode(torch.bfloat16, False)
-    _, _, on, _ = _llama_decode(torch.bfloat16, True)
+@pytest.mark.parametrize("cache_write", [False, True], ids=["aten-cache-writes", "generated-cache-writes"])
+def test_a_bf16_llama_decode_step_launches_fewer_kernels_and_nvrtc_compiles_them(cache_write):
+    _, _, off, _ = _llama_decode(torch.bfloat16, False, fuse_cache_write=cache_write)
+    _, _, on, _ = _llama_decode(torch.bfloat16, True, fuse_cache_write=cache_write)
     before, after = len(_kernel_steps(off)), len(_kernel_steps(on))
     assert after < before
     assert len(on.steps) == len(off.steps) - (before - after)  # only launches went
