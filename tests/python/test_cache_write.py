@@ -206,6 +206,7 @@ def test_the_planner_fuses_a_decode_steps_rotary_cache_writes_and_positions():
         _, after, _ = lowered(lm, step)
     writes = [g for g in plan.groups if g.kind == "cache_write"]
     assert len(writes) == 2  # one per layer: its k and v writes together
+    assert any(text.startswith("4 KV cache write(s) in 2 generated kernel(s)") for text, _ in plan.decisions)
     for g in writes:
         ops = [n.op for n in g.nodes]
         assert ops.count("aten::index_copy") == 2 and "aten::cat" in ops and "aten::add.Tensor" in ops  # k rotary

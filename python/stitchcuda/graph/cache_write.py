@@ -61,10 +61,13 @@ def cache_write_blocker(node: Node, graph: Graph) -> str | None:
     return None
 
 
-def fuse_cache_writes(groups: list[Group], graph: Graph, outputs: set[str]) -> list[Group]:
+def fuse_cache_writes(groups: list[Group], graph: Graph, outputs: set[str],
+                      decisions: list[tuple[str, str]] | None = None) -> list[Group]:
     """`groups` with each cache-writing index_copy's ATen step a cache_write group (its source's pointwise
     producer, the index's integer group and the other write at the same index merged in where the order
-    allows) and each small int64 add an integer group, adjacent integer groups merged."""
+    allows) and each small int64 add an integer group, adjacent integer groups merged. `decisions` (the plan's)
+    gains one entry saying what the pass took, where it took something."""
+    before = sum(g.kind not in ("view", "constant") for g in groups)
     out: list[Group] = []
     for g in groups:
         n = g.nodes[0] if g.kind == "aten" and len(g.nodes) == 1 else None
@@ -87,6 +90,14 @@ def fuse_cache_writes(groups: list[Group], graph: Graph, outputs: set[str]) -> l
                 g.reason += (f"; {len(g.params['writes'])} write(s) at the same index, "
                              f"{len(g.params['pointwise'])} elementwise op(s) computing the source(s) "
                              f"and {len(g.params['integer'])} int64 op(s) in the same launch")
+    writes = [g for g in out if g.kind == "cache_write"]
+    if decisions is not None and (writes or any(g.kind == "integer" for g in out)):
+        after = sum(g.kind not in ("view", "constant") for g in out)
+        decisions.append((f"{sum(len(g.params['writes']) for g in writes)} KV cache write(s) in {len(writes)} generated "
+                          f"kernel(s), int64 bookkeeping exact in integers: {before} steps become {after}",
+                          "STITCHCUDA_FUSE_CACHE_WRITE=1: a cache write also computes its source's elementwise ops "
+                          "(RoPE), the other write at its index and its positions, so k goes from the projection "
+                          "to the cache in one launch"))
     return out
 
 

@@ -473,7 +473,7 @@ class OfflinePlanner:
             groups = _without_unread_groups(groups, outputs)
         groups = self._without_unread_negations(groups, outputs)
         if settings().fuse_cache_write:  # KV cache writes and int64 bookkeeping as generated kernels
-            groups = fuse_cache_writes(groups, graph, outputs)
+            groups = fuse_cache_writes(groups, graph, outputs, decisions)
         self._split_decision(groups, decisions)
         if matmul_precision == "fp32_or_split":
             matmul_precision = "fp32"
