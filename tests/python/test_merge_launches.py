@@ -36,7 +36,8 @@ __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
-extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME(const float* __restrict__ x, float* __restrict__ y, long long n) {
+extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME(const float* __restrict__ x, float* __restrict__ y,
+                                                             long long n) {
   __shared__ float sh[WARPS];
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   float v = warp_sum(i < n ? x[i] : 0.0f);
@@ -545,3 +546,14 @@ def test_on_the_gpu_a_llama_decode_with_merged_launches_gives_the_same_logits_an
         results.append((first, second, tokens))
     (f0, s0, t0), (f1, s1, t1) = results
     assert torch.equal(f0, f1) and torch.equal(s0, s1) and torch.equal(t0, t1)
+
+
+def test_shared_array_extents_are_integer_expressions_of_literals_and_macros_only():
+    from stitchcuda.graph.merge_launches import _integer, _static_shared_bytes
+
+    assert (_integer("8 * (32 + 1)"), _integer("7 / 2"), _integer("2u * 4")) == (264, 3, 8)
+    assert _integer("n") is None and _integer("__import__('os')") is None and _integer("1 << 4") is None
+    source = "#define TILE 32\n#define WARPS (TILE / 8)\n#define F(a) ((a) * 2)\n" \
+             "__shared__ float t[TILE][TILE + 1];\n__shared__ long long s[WARPS];\n"
+    assert _static_shared_bytes(source) == 32 * 33 * 4 + 4 * 8
+    assert _static_shared_bytes(source + "__shared__ float u[F(2)];\n") is None  # a function-like macro

@@ -11,13 +11,14 @@ original body, as its own function, with its own arguments (the same pointers an
 block runs on its first threads and the others return at once, which is exact only for a body that synchronizes
 no barrier and fills whole warps (such a body is merged only then). So each thread of each body performs the same
 operations on the same elements in the same order as before; ``__syncthreads`` stays correct because a block
-never mixes bodies and a body that synchronizes runs at its own block size. The bodies of one merged launch run concurrently, so the pass only merges launches no step orders
-between: no body reads or writes bytes another body writes (views share their base's storage: accesses are
-compared as byte ranges of one root storage), and the launch lands where no step it depends on, or that depends
-on it, is crossed. Only the templates' own kernels are merged (never a kernel step's source, an LLM's or a
-candidate's), and only those whose text the rewrite understands: one ``__global__`` function, a one-dimensional
-grid and block, no dynamic shared memory, no cluster or grid-wide synchronization, no block index read through
-assembly.
+never mixes bodies and a body that synchronizes runs at its own block size.
+
+The bodies of one merged launch run concurrently, so the pass only merges launches no step orders between: no
+body reads or writes bytes another body writes (views share their base's storage: accesses are compared as byte
+ranges of one root storage), and the launch lands where no step it depends on, or that depends on it, is crossed.
+Only the templates' own kernels are merged (never a kernel step's source, an LLM's or a candidate's), and only
+those whose text the rewrite understands: one ``__global__`` function, a one-dimensional grid and block, no
+dynamic shared memory, no cluster or grid-wide synchronization, no block index read through assembly.
 
 ``program_builder(sm_count)`` is the Lowering's builder: a plain ProgramBuilder, or with
 STITCHCUDA_MERGE_LAUNCHES=1 a MergingBuilder, which records the steps and applies the pass at build().
@@ -26,6 +27,7 @@ See docs/graph.md, "Merged launches".
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import heapq
 import re
@@ -39,8 +41,7 @@ from ..program import Program, ProgramBuilder, dtype_name
 from ..settings import settings
 
 __all__ = ["MergingBuilder", "program_builder", "mark_generated", "merge_decision", "with_merge_decision",
-           "Mergeable", "mergeable_source",
-           "merged_kernel", "MAX_BODIES", "WINDOW"]
+           "Mergeable", "mergeable_source", "Part", "fits", "merged_kernel", "MAX_BODIES", "WINDOW"]
 
 MAX_BODIES = 8         # bodies per merged kernel: its dispatch is a chain of comparisons, and the source grows
 WINDOW = 48            # steps between the first and the last launch of a merge: reordering stays local
@@ -77,7 +78,7 @@ def merge_decision(builder: ProgramBuilder) -> tuple[str, str] | None:
                 "built (STITCHCUDA_MERGE_LAUNCHES=1)")
     if not s["groups"]:
         return ("no launches merged", f"no two of the {s['candidates']} small launches of generated kernels were "
-                "independent, near enough and alike (block size) (STITCHCUDA_MERGE_LAUNCHES=1)")
+                "independent, near enough and of block sizes that fit together (STITCHCUDA_MERGE_LAUNCHES=1)")
     return (f"{s['merged']} kernel launches merged into {len(s['groups'])}",
             f"small launches of generated kernels that no step orders between run as one launch each "
             f"({', '.join(str(n) for n in s['groups'])} bodies); {s['launches_before']} launches became "
@@ -99,9 +100,10 @@ _INDEX = re.compile(r"\b(blockIdx|gridDim|blockDim)\s*\.\s*x\b")
 _REFUSED = re.compile(r"extern\s+__shared__|cooperative_groups|this_grid|grid_group|__cluster_dims__|clusterDim|"
                       r"%n?ctaid|%cluster|%nclusterid|blockIdx\s*\.\s*[yz]|gridDim\s*\.\s*[yz]")
 _BARRIER = re.compile(r"__syncthreads|\bbar(?:rier)?\.|__barrier|thread_block|cooperative_groups")
-_DEFINE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)(?:[ \t]+(.*))?$", re.M)
+_DEFINE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)(\([^)]*\))?(?:[ \t]+(.*))?$", re.M)  # name, (params), body
 _INCLUDE = re.compile(r"^[ \t]*#[ \t]*include[^\n]*$", re.M)
-_SHARED = re.compile(r"__shared__\s+(?:__align__\s*\(\s*\d+\s*\)\s*)?([A-Za-z_][\w ]*?)\s+(\w+)\s*((?:\[[^\]]*\]\s*)*);")
+_SHARED = re.compile(r"__shared__\s+(?:__align__\s*\(\s*\d+\s*\)\s*)?([A-Za-z_][\w ]*?)\s+(\w+)\s*"
+                     r"((?:\[[^\]]*\]\s*)*);")
 
 
 @dataclass(frozen=True)
@@ -159,24 +161,43 @@ def mergeable_source(source: str, name: str) -> Mergeable:
 def _static_shared_bytes(source: str) -> int | None:
     """The bytes of the source's static __shared__ arrays, from their declarations and the integer macros they
     use; None when a type or an extent is not a plain number."""
-    macros = {m.group(1): (m.group(2) or "").strip() for m in _DEFINE.finditer(source)}
+    macros = {m.group(1): (m.group(3) or "").strip() for m in _DEFINE.finditer(source) if m.group(2) is None}
     total = 0
     for m in _SHARED.finditer(source):
         size = _TYPE_BYTES.get(" ".join(m.group(1).split()))
         if size is None:
             return None
         for extent in re.findall(r"\[([^\]]*)\]", m.group(3)):
-            text = re.sub(r"\b[A-Za-z_]\w*\b", lambda w: macros.get(w.group(0), "?"), extent)
-            if not re.fullmatch(r"[\d\s+*()\-/]+", text):
+            for _ in range(4):  # macros defined through other macros
+                extent = re.sub(r"\b[A-Za-z_]\w*\b", lambda w: f"({macros[w.group(0)]})" if w.group(0) in macros
+                                else w.group(0), extent)
+            count = _integer(extent)
+            if count is None:
                 return None
-            try:
-                size *= int(eval(text.replace("/", "//"), {"__builtins__": {}}))  # digits and + - * / ( ) only
-            except (SyntaxError, ZeroDivisionError):
-                return None
+            size *= count
         total += size
     if len(re.findall(r"\b__shared__\b", source)) != len(_SHARED.findall(source)):
         return None  # a declaration the pattern did not read
     return total
+
+
+def _integer(text: str) -> int | None:
+    """The value of an integer expression of literals, + - * / % and parentheses (C's division of non-negative
+    numbers); None for anything else."""
+    ops = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+           ast.Div: lambda a, b: a // b, ast.Mod: lambda a, b: a % b}
+
+    def value(node) -> int:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            return ops[type(node.op)](value(node.left), value(node.right))
+        raise ValueError
+
+    try:
+        return value(ast.parse(re.sub(r"(?<=\d)[uUlL]+\b", "", text.strip()), mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError):
+        return None
 
 
 def _body(part: Part, index: int, offset: int) -> tuple[list[str], str]:
@@ -375,7 +396,9 @@ class MergingBuilder(ProgramBuilder):
             return
         if self._kernels[kernel][3].get("options"):
             return  # NVRTC options of its own: the merged kernel compiles with none
-        if grid[0] > WAVES * self.sm_count or any(kind not in ("in", "out", "inout", *_SCALAR_TYPES) for kind, _ in args):
+        if grid[0] > WAVES * self.sm_count:
+            return  # not small
+        if any(kind not in ("in", "out", "inout", *_SCALAR_TYPES) for kind, _ in args):
             return
         source, name = self._kernels[kernel][:2]
         if kernel not in self._mergeable:
