@@ -322,7 +322,8 @@ def test_the_kernel_matches_index_copy_on_a_gpu(dtype):
     code, t, expected, rotated = _rotary_write(dtype, positions=(0, 9))
     cuda = {key: _memory(v).cuda() for key, v in t.items()}
     _launch(jit.compile(code.source, code.name), code, cuda)
-    tol = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    # fp32: the kernel's product and sum may contract into one FMA (one rounding fewer than fp32 ops apart)
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     for key, want in zip(("w0", "w1"), expected):
         torch.testing.assert_close(cuda[key].cpu().double(), want.to(dtype).double(), **tol)
     torch.testing.assert_close(cuda["q0"].cpu().double(), rotated.to(dtype).double(), **tol)
@@ -335,14 +336,20 @@ def test_a_transformers_decode_with_the_fused_writes_gives_its_greedy_tokens(fus
     from stitchcuda import StaticCacheGenerator
 
     model = _transformers_llama().cuda()
-    gen = StaticCacheGenerator.for_transformers(model, batch_size=1, prompt_length=8, max_length=64)
-    assert gen.decode_module.report.status == "optimized", gen.decode_module.report.reason
-    assert any(k["name"].startswith("cache_write") for k in gen.decode_module.program.kernels)
-    ids = torch.randint(0, 256, (1, 8), device="cuda")
-    with torch.no_grad():
-        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
-                                  do_sample=False, pad_token_id=0)
-    assert torch.equal(gen.generate(ids, 16), expected)
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 products on both sides: transformers' exact tokens
+    try:
+        gen = StaticCacheGenerator.for_transformers(model, batch_size=1, prompt_length=8, max_length=64,
+                                                    keep_slower=True, compare_compile=False)
+        assert gen.decode_module.report.status == "optimized", gen.decode_module.report.reason
+        assert any(k["name"].startswith("cache_write") for k in gen.decode_module.program.kernels)
+        ids = torch.randint(0, 256, (1, 8), device="cuda")
+        with torch.no_grad():
+            expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
+                                      do_sample=False, pad_token_id=0)
+        assert torch.equal(gen.generate(ids, 16), expected)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def test_the_bench_without_a_gpu_says_so_and_measures_nothing(capsys):
