@@ -31,7 +31,7 @@
    outputs of the two compared bitwise. Models: a transformers Llama decode step (bf16, batch 1, random
    weights: StaticCacheGenerator.for_transformers, its decode program at a fixed position), the same with
    STITCHCUDA_FUSE_CACHE_WRITE=1, and a suite model at batch 1. `python -m stitchcuda.bench.program
-   merged_launches` runs this part alone.
+   merged_launches [CASE ...]` runs this part alone (cases: llama, llama+cache_write, a suite model's stem).
 """
 
 from __future__ import annotations
@@ -392,10 +392,12 @@ if __name__ == "__main__":
 
     from ..cli_support import EXIT_NO_GPU, no_gpu_reason, refuse
 
-    if sys.argv[1:] == ["merged_launches"]:
+    if sys.argv[1:2] == ["merged_launches"]:  # then the cases to run (default MERGE_CASES)
         why = no_gpu_reason()
         if why is not None:
             sys.exit(refuse("bench program merged_launches", f"no GPU ({why}); nothing measured", EXIT_NO_GPU, False))
-        print(json.dumps({"device": torch.cuda.get_device_name(), "merged_launches": merged_launches()}, indent=2))
+        cases = tuple(sys.argv[2:]) or MERGE_CASES
+        print(json.dumps({"device": torch.cuda.get_device_name(), "merged_launches": merged_launches(cases=cases)},
+                         indent=2))
     else:
         sys.exit(run(json_output="--json" in sys.argv[1:]))
