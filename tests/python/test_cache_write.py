@@ -91,7 +91,19 @@ def test_the_kernel_writes_the_rotated_source_where_index_copy_does(emu, positio
     code, t, expected, rotated = _rotary_write(torch.float32, positions=positions)
     kernel = EmulatedModule(emu, _fp32_only(code.source)).kernel(code.name)
     _launch(kernel, code, {key: _memory(v) for key, v in t.items()})
-    assert code.vectorized and "store8" in code.source  # 16-byte stores of eight values
+    assert code.vectorized and "store8" in code.source and "load8(p2" in code.source  # 16-byte accesses
+    for got, want in zip((t["w0"], t["w1"]), expected):
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(t["q0"].double(), rotated, rtol=1e-6, atol=1e-6)
+
+
+@emulated
+def test_a_rotated_half_of_four_is_read_one_value_at_a_time(emu):
+    # D = 8: a thread's eight values straddle the two halves, so the rotated input is read element by element.
+    code, t, expected, rotated = _rotary_write(torch.float32, dim=8)
+    assert "load8(p0" in code.source and "load8(p2" not in code.source
+    kernel = EmulatedModule(emu, _fp32_only(code.source)).kernel(code.name)
+    _launch(kernel, code, {key: _memory(v) for key, v in t.items()})
     for got, want in zip((t["w0"], t["w1"]), expected):
         torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(t["q0"].double(), rotated, rtol=1e-6, atol=1e-6)

@@ -5,6 +5,7 @@ position counter) computed exactly, in integers."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -125,9 +126,9 @@ def cache_write_kernel(name: str, shape: tuple[int, ...], dim: int, inputs: list
     """`state.index_copy_(dim, index, source)` for each target, the sources computed by `body` (C statements
     over the float inputs in0.., pointwise_kernel's body) over `shape`, the sources' shape: the element of
     `shape` at coordinates c is written at c with c[dim] replaced by index[c[dim]]. Each thread takes VECTOR
-    consecutive elements of the last dimension (where it divides) and stores them with one 16-byte store
-    per state (two for fp32) where the state's address allows, else one at a time; any state and input
-    strides. `stores` (key, variable, dtype): values others read too (a rotated key), stored contiguous over
+    consecutive elements of the last dimension (where it divides), loads each input's eight with one 16-byte
+    load (two for fp32) where they lie adjacent and aligned, and stores them with one 16-byte store per state
+    (two for fp32) where the state's address allows, else one at a time; any state and input strides. `stores` (key, variable, dtype): values others read too (a rotated key), stored contiguous over
     `shape`. `chains`: int64 bookkeeping computed in the same launch (threads of block 0 store it), one of
     which may give the index.
 
@@ -174,11 +175,21 @@ def cache_write_kernel(name: str, shape: tuple[int, ...], dim: int, inputs: list
         L += [f"  long long {', '.join(outs)};",
               f"  {name}_int{index.chain}({', '.join([f'(long long)c{dim}', *pointers, *outs])});",
               f"  const long long pos = x{which};"]
+    wide = [k for k, inp in enumerate(inputs) if per > 1 and _eight_in_a_row(inp, shape)]
+    for k in wide:  # eight adjacent values: one 16-byte load where aligned (RoPE's rotated half: negated whole)
+        inp = inputs[k]
+        at = re.sub(rf"\bc{last}\b", f"c{last}b", element_index(inp, shape))
+        L += [f"  float a{k}[{per}];",
+              f"  {{ const long long b = {at}; if ((reinterpret_cast<unsigned long long>(p{k} + b) & 15ULL) == 0) "
+              f"load8(p{k} + b, 0, a{k}); else for (int e = 0; e < {per}; ++e) a{k}[e] = ld(p{k}, b + e); }}"]
+        if inp.rotate:
+            L.append(f"  if (c{last}b < {inp.rotate}) for (int e = 0; e < {per}; ++e) a{k}[e] = -a{k}[e];")
     L += [f"  float o{k}[{per}];" for k in range(len(results))]
     L.append("#pragma unroll")
     L.append(f"  for (int e = 0; e < {per}; ++e) {{")
-    L.append(f"    const auto c{last} = c{last}b + e;")
-    L += [f"    const float v{k} = {element_load(k, inp, shape, element_index(inp, shape))};"
+    if len(wide) < len(inputs):
+        L.append(f"    const auto c{last} = c{last}b + e;")
+    L += [f"    const float v{k} = " + (f"a{k}[e];" if k in wide else f"{element_load(k, inp, shape, element_index(inp, shape))};")
           for k, inp in enumerate(inputs)]
     call = [f"v{k}" for k in range(len(inputs))] + [f"o{k}[e]" for k in range(len(results))]
     L.append(f"    {name}_body({', '.join(call)});")
@@ -208,6 +219,15 @@ def cache_write_kernel(name: str, shape: tuple[int, ...], dim: int, inputs: list
             + (f", {len(stores)} value(s) stored for other readers" if stores else "")
             + (f", {len(chains)} int64 chain(s)" if chains else ""))
     return KernelCode(source + "\n", name, grid, threads, args, what, per > 1)
+
+
+def _eight_in_a_row(inp: PointwiseInput, shape: tuple[int, ...]) -> bool:
+    """Whether a thread's VECTOR elements of `inp` (from a last coordinate that is a multiple of VECTOR) lie
+    adjacent in memory from a multiple of VECTOR: unit stride along the last dimension, every other stride
+    and the offset multiples of VECTOR, and a rotated half of whole groups (never a concatenation's pieces)."""
+    if inp.pieces or inp.strides[-1] != 1 or inp.offset % VECTOR or inp.rotate % VECTOR:
+        return False
+    return all(st % VECTOR == 0 for d, st in enumerate(inp.strides[:-1]) if shape[d] != 1)
 
 
 def _store(pointer: str, at: str, values: str, per: int, step: int = 1) -> str:
