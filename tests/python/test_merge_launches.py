@@ -1,7 +1,8 @@
-"""Merged launches (graph/merge_launches.py): which launches merge (independent ones, alike, small, of generated
-kernels only), that no order a step depends on changes (random programs, views included), that NVRTC compiles
-the merged kernels, and that a program with the pass on gives bit for bit what it gives with the pass off — on
-the CUDA emulator (a small MLP with parallel branches, a transformers Llama decode step) and on the GPU."""
+"""Merged launches (graph/merge_launches.py): which launches merge (independent ones, small, of block sizes that fit
+together, of generated kernels only), that no order a step depends on changes (random programs, views included),
+that NVRTC compiles the merged kernels, and that a program with the pass on gives bit for bit what it gives with
+the pass off — on the CUDA emulator (hand-built programs of several block sizes, a small MLP with parallel
+branches, a transformers Llama decode step) and on the GPU."""
 
 from __future__ import annotations
 
