@@ -18,8 +18,9 @@ from cpu_emulator.emulator import EmulatedJit, EmulatedModule, unavailable  # no
 from stitchcuda import jit  # noqa: E402
 from stitchcuda.errors import InvalidArgumentError  # noqa: E402
 from stitchcuda.graph.templates.attention import (HEAD_DIMS, PrefillTiles, _wmma_source,  # noqa: E402
-                                                  decode_attention_kernels, flash_attention_kernel,
-                                                  fma_tile_candidates, prefill_tiles, wmma_tiles)
+                                                  decode_attention_kernels, decode_lane_candidates, decode_layout,
+                                                  flash_attention_kernel, fma_tile_candidates, prefill_tiles,
+                                                  wmma_tiles)
 
 emulated = pytest.mark.skipif(unavailable() is not None, reason=f"CUDA emulator: {unavailable()}")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -365,10 +366,11 @@ def test_tensor_core_prefill_logic_matches_math_attention(emu, case):
     torch.testing.assert_close(lse, want_lse.float(), atol=1e-4, rtol=1e-4)
 
 
-def run_decode(emu, q, k_cache, v_cache, lengths, *, splits=None):
+def run_decode(emu, q, k_cache, v_cache, lengths, *, splits=None, lanes=None):
     b, h, t, d = q.shape
     kernels = decode_attention_kernels("dec_emu", batch=b, heads=h, kv_heads=k_cache.shape[1], q_tokens=t,
-                                       max_len=k_cache.shape[2], head_dim=d, dtype=q.dtype, lse=True, splits=splits)
+                                       max_len=k_cache.shape[2], head_dim=d, dtype=q.dtype, lse=True, splits=splits,
+                                       lanes=lanes)
     tensors = {"q": q, "k": k_cache, "v": v_cache, "lengths": lengths.int(), "o": torch.full_like(q, float("nan")),
                "ws_ml": torch.full((kernels.workspace_ml,), float("nan")),
                "ws_acc": torch.full((kernels.workspace_acc,), float("nan")), "lse": torch.zeros(b, h, t)}
@@ -428,6 +430,32 @@ def test_decode_gqa_groups_head_dims_and_tokens(emu, group, head_dim, tokens):
     assert lay.rows * lay.row_blocks >= group * tokens > lay.rows * (lay.row_blocks - 1) and lay.rows <= 8
     assert kernels.partial.grid == (2, hk * lay.row_blocks, 2)
     _check_lengths(o, lse, q, k, v, lengths)
+
+
+@emulated
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_with_fewer_lanes_a_key_matches(emu, head_dim):
+    """The bench's other lane count (half the default: a lane holds two vectors of a row, one shuffle step less a
+    score) computes the same attention: GQA group 4, two tokens, ragged lengths over splits."""
+    lanes = decode_lane_candidates(head_dim, torch.float32)
+    assert lanes == {64: [16, 8], 128: [32, 16]}[head_dim]  # fp32: 4 elements a 16-byte vector
+    g = torch.Generator().manual_seed(head_dim + 3)
+    q = torch.randn(2, 8, 2, head_dim, generator=g)
+    k, v = (torch.randn(2, 2, 150, head_dim, generator=g) for _ in range(2))
+    lengths = torch.tensor([150, 71])
+    o, lse, kernels = run_decode(emu, q, k, v, lengths, splits=2, lanes=lanes[1])
+    assert kernels.layout.lanes == lanes[1] and kernels.layout.per == 2 * decode_layout(head_dim, torch.float32, 8).per
+    _check_lengths(o, lse, q, k, v, lengths)
+
+
+def test_the_lanes_a_key_are_a_power_of_two_within_the_row():
+    assert decode_lane_candidates(128, torch.bfloat16) == [16, 8]
+    pair = decode_attention_kernels("dec_l", batch=32, heads=32, kv_heads=8, q_tokens=1, max_len=2048, head_dim=128,
+                                    dtype=torch.bfloat16, lanes=8)
+    assert _spills(pair.partial) == "0 bytes stack frame, 0 bytes spill stores"  # the bench's shape, group 4
+    for lanes in (0, 3, 32):
+        with pytest.raises(InvalidArgumentError, match=f"power of two from 1 to 16 .* not {lanes}; take one of"):
+            decode_layout(128, torch.bfloat16, 4, lanes)
 
 
 @emulated
@@ -680,13 +708,14 @@ def test_the_split_record_picks_the_fastest_correct_count():
     assert record["best_splits_x"] == "2 (1x)"
 
 
-def test_the_tile_record_picks_the_fastest_correct_tiling():
-    from stitchcuda.bench.attention import tile_record
-    record = tile_record({"128x4": 1.16, "64x4": 1.0, "64x2": 0.9, "32x2": 0.8},
-                         {"128x4": 3e-6, "64x4": 4e-6, "64x2": 5e-6, "32x2": 2e-3})  # 32 x 2 fastest but wrong
-    assert record["best_fma_tiles"] == "64x2" and record["best_over_default_tiles"] == pytest.approx(1.16 / 0.9)
-    record = tile_record({"128x4": 1.0, "64x2": 0.5}, {"128x4": 3e-6, "64x2": float("nan")})
-    assert record["best_fma_tiles"] == "128x4" and record["best_over_default_tiles"] == 1.0
+def test_the_variant_record_picks_the_fastest_correct_variant():
+    from stitchcuda.bench.attention import variant_record
+    record = variant_record("fma_tiles", {"128x4": 1.16, "64x4": 1.0, "64x2": 0.9, "32x2": 0.8},
+                            {"128x4": 3e-6, "64x4": 4e-6, "64x2": 5e-6, "32x2": 2e-3})  # 32 x 2 fastest but wrong
+    assert record["best_fma_tiles"] == "64x2" and record["best_over_default_fma_tiles"] == pytest.approx(1.16 / 0.9)
+    assert list(record["fma_tiles_ms"]) == ["128x4", "64x4", "64x2", "32x2"]
+    record = variant_record("lanes", {"16": 1.0, "8": 0.5}, {"16": 3e-6, "8": float("nan")})
+    assert record["best_lanes"] == "16" and record["best_over_default_lanes"] == 1.0
 
 
 @pytest.mark.gpu

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 from .. import jit
 from ..errors import InvalidArgumentError
-from ..graph.templates.attention import (DECODE_MIN_CHUNK, decode_attention_kernels, flash_attention_kernel,
-                                         fma_tile_candidates)
+from ..graph.templates.attention import (DECODE_MIN_CHUNK, decode_attention_kernels, decode_lane_candidates,
+                                         flash_attention_kernel, fma_tile_candidates)
 from ..verify import hardware
 from ..verify.timing import measure
 
@@ -150,19 +150,19 @@ def _tile_sweep(d: int, b: int, h: int, n: int, causal: bool, q, k, v) -> dict:
         torch.cuda.synchronize()
         label = tiles_label(tiles)
         errors[label], times[label] = _error(o, q, k, v, causal), _time(run)
-    return tile_record(times, errors)
+    return variant_record("fma_tiles", times, errors)
 
 
-def tile_record(times: dict[str, float], errors: dict[str, float]) -> dict:
-    """`fma_tiles_ms` and `fma_tiles_error` by tiling (the default first), `best_fma_tiles` (the fastest whose
-    error is finite and within twice the default's, or 1e-5) and `best_over_default_tiles` (the default's time
-    over the best's)."""
+def variant_record(name: str, times: dict[str, float], errors: dict[str, float]) -> dict:
+    """A kernel's variants timed side by side (the default first): `<name>_ms` and `<name>_error` by variant,
+    `best_<name>` (the fastest whose error is finite and within twice the default's, or 1e-5) and
+    `best_over_default_<name>` (the default's time over the best's)."""
     default = next(iter(times))
     bound = max(2 * errors[default], 1e-5)
     good = [t for t in times if math.isfinite(errors[t]) and errors[t] <= bound]
     best = min(good, key=times.get) if good else None
-    return {"fma_tiles_ms": times, "fma_tiles_error": errors, "best_fma_tiles": best,
-            "best_over_default_tiles": times[default] / times[best] if best else None}
+    return {f"{name}_ms": times, f"{name}_error": errors, f"best_{name}": best,
+            f"best_over_default_{name}": times[default] / times[best] if best else None}
 
 
 def _decode_pair(kernels, tensors: dict) -> Callable[[], None]:
@@ -258,6 +258,19 @@ def _split_sweep(kernels: dict, chosen: int, tensors: dict, error: Callable[[tor
     return record
 
 
+def _lane_sweep(make: Callable[..., Any], chosen, tensors: dict, error: Callable[[torch.Tensor], float]) -> dict:
+    """The pair at each of decode_lane_candidates' lanes a key (the chosen split count), queued: fewer lanes a key
+    take fewer shuffles a score and more registers; variant_record's keys under "lanes"."""
+    times, errors = {}, {}
+    for lanes in decode_lane_candidates(chosen.layout.head_dim, tensors["q"].dtype):
+        pair = chosen if lanes == chosen.layout.lanes else make(splits=chosen.splits, lanes=lanes)
+        t = tensors | {"o": torch.empty_like(tensors["o"])}
+        ours = _decode_pair(pair, t)
+        errors[str(lanes)] = error(t["o"])
+        times[str(lanes)] = _time(ours, QUEUED_CYCLES, SPLIT_REPEATS)
+    return variant_record("lanes", times, errors)
+
+
 def decode(gpu: dict) -> list[dict]:
     rows = []
     h, hk, d, dtype = DECODE_HEADS, DECODE_KV_HEADS, DECODE_DIM, torch.bfloat16
@@ -283,6 +296,7 @@ def decode(gpu: dict) -> list[dict]:
         row["fraction_of_speed_of_light_queued"] = round(row["speed_of_light_ms"] / row["ours_queued_ms"], 3)
         row |= _split_sweep(_split_kernels(make, kernels, n), kernels.splits, t,
                             lambda o: _decode_error(o, q, k, v), row["max_abs_error_vs_fp64"], gpu["sms"])
+        row |= _lane_sweep(make, kernels, t, lambda o: _decode_error(o, q, k, v))
         rows.append(row)
     return rows
 
@@ -368,12 +382,13 @@ def run(json_output: bool = False) -> int:
                                   "sdpa_math_over_ours", "compile_math_over_ours", "fma_kernel_over_ours",
                                   "wmma_kernel_over_ours",
                                   "ours_tflops", "fraction_of_speed_of_light", "max_abs_error_vs_fp64",
-                                  "best_fma_tiles", "best_over_default_tiles"]))
+                                  "best_fma_tiles", "best_over_default_fma_tiles"]))
     print("\ndecode, bf16, 32 heads / 8 kv heads, D = 128")
     print(_table(out["decode"], ["batch", "kv_len", "splits", "blocks", "ours_ms", "sdpa_over_ours",
                                  "fraction_of_speed_of_light", "ours_queued_ms", "sdpa_over_ours_queued",
                                  "fraction_of_speed_of_light_queued", "max_abs_error_vs_fp64", "resident_blocks_per_sm",
-                                 "waves", "best_splits_x", "best_over_chosen", "wrong_splits"]))
+                                 "waves", "best_splits_x", "best_over_chosen", "wrong_splits", "best_lanes",
+                                 "best_over_default_lanes"]))
     print(f"\ndecode over a static cache of {STATIC_POSITIONS} slots, keys past the position masked (bf16, as above)")
     print(_table(out["static_cache"], ["batch", "position", "splits", "ours_ms", "sdpa_over_ours", "bytes_ours",
                                        "bytes_sdpa", "fraction_of_speed_of_light", "max_abs_error_vs_fp64",

@@ -718,19 +718,32 @@ class DecodeLayout:
         return DECODE_WARPS * self.warp_keys
 
 
-def decode_layout(head_dim: int, dtype: torch.dtype, group_rows: int) -> DecodeLayout:
+def decode_layout(head_dim: int, dtype: torch.dtype, group_rows: int, lanes: int | None = None) -> DecodeLayout:
     """The layout for D = head_dim, the input dtype and `group_rows` (= H / H_kv x T) query rows per KV head:
     16-byte loads, `unroll` chosen so that each lane has 128 bytes of K and V in flight per step, at most
     DECODE_MAX_ROWS rows a block (per lane: rows x vec x per floats of q and as many of the accumulator,
-    rows x unroll scores; 8 rows keep that near 160 registers at D = 128 bf16), spread evenly."""
+    rows x unroll scores; 8 rows keep that near 160 registers at D = 128 bf16), spread evenly. `lanes` (a power
+    of two up to the default, the row's vectors rounded up to a power of two) gives a key fewer lanes, each more
+    of its vectors: fewer shuffles per score (log2 lanes steps) for more registers (decode_lane_candidates)."""
     vec = 16 // torch.empty((), dtype=dtype).element_size()
     vectors = head_dim // vec
-    lanes = min(32, 1 << (vectors - 1).bit_length())
+    widest = min(32, 1 << (vectors - 1).bit_length())
+    if lanes is not None and (lanes < 1 or lanes & (lanes - 1) or lanes > widest):
+        raise InvalidArgumentError(f"decode lanes must be a power of two from 1 to {widest} at head dim {head_dim} "
+                                   f"and {dtype}, not {lanes}; take one of decode_lane_candidates")
+    lanes = lanes or widest
     per = math.ceil(vectors / lanes)
     row_blocks = math.ceil(group_rows / DECODE_MAX_ROWS)
     rows = math.ceil(group_rows / row_blocks)
     in_flight = 4 if rows * vec * per <= 32 else 2  # 16-byte vectors of K (and of V) a lane loads per step
     return DecodeLayout(head_dim, vec, lanes, per, max(1, in_flight // per), rows, row_blocks)
+
+
+def decode_lane_candidates(head_dim: int, dtype: torch.dtype) -> list[int]:
+    """Lanes a key the bench times (the default first): the default and half of it, where half still has 4
+    lanes (a lane then holds twice the vectors of q and of the accumulator a row)."""
+    widest = decode_layout(head_dim, dtype, 1).lanes
+    return [widest] + ([widest // 2] if widest // 2 >= 4 else [])
 
 
 def decode_splits(blocks: int, max_len: int, sms: int = 132) -> int:
@@ -889,7 +902,8 @@ def _decode_mask_loop(lay: DecodeLayout, mask_dtype: torch.dtype) -> str:
 def decode_attention_kernels(name: str, *, batch: int, heads: int, kv_heads: int, q_tokens: int, max_len: int,
                              head_dim: int, dtype: torch.dtype, lse: bool = False, splits: int | None = None,
                              sms: int = 132, mask_dtype: torch.dtype | None = None, lengths: bool | None = None,
-                             strides: dict[str, tuple[int, ...]] | None = None) -> DecodeKernels:
+                             strides: dict[str, tuple[int, ...]] | None = None,
+                             lanes: int | None = None) -> DecodeKernels:
     """Split-KV decode of q [B, H, T, D] (T = q_tokens, the newest tokens) against caches k and v
     [B, H_kv, S_max, D]. Which keys a token sees:
 
@@ -907,7 +921,8 @@ def decode_attention_kernels(name: str, *, batch: int, heads: int, kv_heads: int
     strides of q, k, v, [the mask's four strides] and the scale; the combine kernel ws_ml, ws_acc, o, [lse],
     H, T, the strides of o. `strides` ("q", "k", "v", "o": three each, "mask": four) replaces the
     contiguous defaults; the unit stride along D is required. K and V are read 16 bytes at a time where
-    their pointers and token strides allow it (else element by element, the same result)."""
+    their pointers and token strides allow it (else element by element, the same result). `lanes`: lanes a
+    key (decode_layout; default the widest)."""
     _check(dtype, head_dim)
     if heads % kv_heads:
         raise InvalidArgumentError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
@@ -918,7 +933,7 @@ def decode_attention_kernels(name: str, *, batch: int, heads: int, kv_heads: int
         raise InvalidArgumentError(f"an attention mask is boolean or fp32/fp16/bf16, not {mask_dtype}")
     lengths = mask_dtype is None if lengths is None else lengths
     group = heads // kv_heads
-    lay = decode_layout(head_dim, dtype, group * q_tokens)
+    lay = decode_layout(head_dim, dtype, group * q_tokens, lanes)
     rows = batch * heads * q_tokens
     splits = splits or decode_splits(batch * kv_heads * lay.row_blocks, max_len, sms)
     chunk = math.ceil(max_len / splits)
