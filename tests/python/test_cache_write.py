@@ -362,29 +362,3 @@ def test_a_transformers_decode_with_the_fused_writes_gives_its_greedy_tokens(fus
         assert torch.equal(gen.generate(ids, 16), expected)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
-
-
-def test_the_bench_without_a_gpu_says_so_and_measures_nothing(capsys):
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present")
-    from stitchcuda.bench.cache_write import main
-
-    assert main(["--small"]) == 3
-    assert "needs a CUDA GPU" in capsys.readouterr().err
-
-
-@pytest.mark.gpu
-def test_the_bench_times_both_settings_in_one_run(capsys):
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    pytest.importorskip("transformers")
-    import json
-
-    from stitchcuda.bench.cache_write import main
-
-    assert main(["--small", "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)["rows"]
-    for r in rows:
-        assert r["status_off"] == r["status_on"] == "optimized"
-        assert r["launches_on"] < r["launches_off"] and r["same_tokens"]
-        assert r["decode_ms_on"] > 0 and r["decode_ms_off"] > 0

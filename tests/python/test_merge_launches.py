@@ -499,31 +499,6 @@ def test_optimize_reports_how_many_launches_it_merged():
     assert not any("MERGE_LAUNCHES" in why for _, why in fast.report.decisions)
 
 
-# ---- the bench (bench/program.py, part 6): its arithmetic, and its refusal without a GPU ------------------------
-
-
-def test_the_bench_row_gives_ratios_off_over_on_and_the_time_saved_per_launch():
-    from stitchcuda.bench.program import merge_row
-
-    row = merge_row("m", {"gpu_ms": 0.2, "wall_us": 300.0, "launches": 40},
-                    {"gpu_ms": 0.16, "wall_us": 250.0, "launches": 30, "bitwise_equal": True})
-    assert (row["gpu_ratio"], row["wall_ratio"], row["launches_saved"]) == (1.25, 1.2, 10)
-    assert row["gpu_us_saved_per_launch"] == pytest.approx(4.0) and row["bitwise_equal"] is True
-    same = merge_row("m", {"gpu_ms": 0.1, "wall_us": 90.0, "launches": 5},
-                     {"gpu_ms": 0.1, "wall_us": 90.0, "launches": 5, "bitwise_equal": True})
-    assert same["gpu_ratio"] == 1.0 and same["gpu_us_saved_per_launch"] is None  # nothing merged
-
-
-def test_the_bench_part_refuses_to_run_without_a_gpu():
-    import subprocess
-
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present: the bench runs")
-    done = subprocess.run([sys.executable, "-m", "stitchcuda.bench.program", "merged_launches"], capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 3 and "no GPU" in done.stderr + done.stdout
-
-
 @pytest.mark.gpu
 def test_on_the_gpu_a_llama_decode_with_merged_launches_gives_the_same_logits_and_tokens(monkeypatch):
     transformers = pytest.importorskip("transformers")

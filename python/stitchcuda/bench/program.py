@@ -24,14 +24,6 @@
    (STITCHCUDA_TF32X3_FUSE_LO=0), `tf32x3_fused_lo` fuses the lo ones only (=1). Each variant's
    `peak_mib`: the GPU memory its run allocated beside the operands and the result (cuBLASLt's workspace
    and the split parts).
-6. Merged launches (graph/merge_launches.py, STITCHCUDA_MERGE_LAUNCHES): each model's program built with the
-   pass off and on, in the same run, timed alternately (rounds of both): GPU milliseconds per call on the
-   Verifier's timer and the synchronized wall time per call, the kernel launches of each program, the ratio
-   off / on (above 1: the merged program is faster) and the microseconds saved per launch merged away; the
-   outputs of the two compared bitwise. Models: a transformers Llama decode step (bf16, batch 1, random
-   weights: StaticCacheGenerator.for_transformers, its decode program at a fixed position), the same with
-   STITCHCUDA_FUSE_CACHE_WRITE=1, and a suite model at batch 1. `python -m stitchcuda.bench.program
-   merged_launches [CASE ...]` runs this part alone (cases: llama, llama+cache_write, a suite model's stem).
 """
 
 from __future__ import annotations
@@ -274,130 +266,9 @@ def run(json_output: bool = False) -> int:
     if why is not None:
         return refuse("bench program", f"no GPU ({why}); nothing measured", EXIT_NO_GPU, json_output)
     report = {"device": torch.cuda.get_device_name(), "host_overhead": host_overhead(), "epilogues": epilogues(),
-              "tf32x3": tf32x3(), "planning": planning(), "artifact": artifact_identity(),
-              "merged_launches": merged_launches()}
+              "tf32x3": tf32x3(), "planning": planning(), "artifact": artifact_identity()}
     if json_output:
         print(json.dumps(report))
     else:
         print(json.dumps(report, indent=2))
     return 0
-
-
-def merge_row(name: str, off: dict, on: dict) -> dict:
-    """One model's row from its two measurements (each: gpu_ms, wall_us, launches, and the outputs' equality
-    under `bitwise_equal` in `on`): the ratios off / on and the time saved per launch merged away."""
-    saved = off["launches"] - on["launches"]
-    row = {"model": name, "launches_off": off["launches"], "launches_on": on["launches"], "launches_saved": saved,
-           "gpu_ms_off": round(off["gpu_ms"], 4), "gpu_ms_on": round(on["gpu_ms"], 4),
-           "wall_us_off": round(off["wall_us"], 2), "wall_us_on": round(on["wall_us"], 2),
-           "gpu_ratio": round(off["gpu_ms"] / on["gpu_ms"], 3) if on["gpu_ms"] > 0 else None,
-           "wall_ratio": round(off["wall_us"] / on["wall_us"], 3) if on["wall_us"] > 0 else None,
-           "gpu_us_saved_per_launch": round((off["gpu_ms"] - on["gpu_ms"]) * 1e3 / saved, 3) if saved > 0 else None,
-           "bitwise_equal": on.get("bitwise_equal")}
-    return row
-
-
-def _llama_decode_case(layers: int = 8, hidden: int = 1024) -> tuple:
-    """(a builder of the decode step's callable for one setting of the pass, its name): a transformers Llama
-    (GQA, RoPE, RMSNorm, SwiGLU) with random weights in bf16, batch 1, its decode program at position 16."""
-    import transformers
-
-    from ..graph.decode import StaticCacheGenerator
-
-    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                                      num_hidden_layers=layers, num_attention_heads=hidden // 64,
-                                      num_key_value_heads=max(1, hidden // 256), max_position_embeddings=512)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval().to("cuda", torch.bfloat16)
-    prompt = torch.randint(0, 32000, (1, 16), device="cuda")
-    token, position = torch.randint(0, 32000, (1, 1), device="cuda"), torch.tensor([16], device="cuda")
-
-    def build():
-        gen = StaticCacheGenerator.for_transformers(model, batch_size=1, prompt_length=16, max_length=256,
-                                                    compare_compile=False, keep_slower=True)
-        gen.prefill(prompt)  # the same cache contents for both programs
-        module = gen.decode_module
-        return (lambda: module(token, position)), module
-
-    return build, f"llama decode step ({layers} layers x {hidden}, bf16, batch 1)"
-
-
-def _suite_case(stem: str) -> tuple:
-    """A bench/suite model at batch 1 (its inputs' first dimension cut to 1), optimized by optimize()."""
-    from ..graph import optimize
-    from .problems import load, suite_dir
-
-    module = load(suite_dir() / f"{stem}.py")
-    torch.manual_seed(0)
-    model = module.Model(*module.get_init_inputs()).eval().cuda()
-    inputs = tuple(t[:1].cuda() if torch.is_tensor(t) and t.dim() > 1 else t for t in module.get_inputs())
-
-    def build():
-        fast = optimize(model, inputs, compare_compile=False, keep_slower=True)  # a program either way
-        return (lambda: fast(*inputs)), fast
-
-    return build, f"suite {stem} (batch 1)"
-
-
-MERGE_CASES = ("llama", "llama+cache_write", "model_transformer_block")
-
-
-def merged_launches(rounds: int = 3, cases: tuple = MERGE_CASES) -> dict:
-    """Part 6 (see the module's docstring): each case's program with the pass off and on, same run. Cases:
-    "llama" (the decode step), "llama+cache_write" (the same with STITCHCUDA_FUSE_CACHE_WRITE=1: the cache writes
-    as generated kernels, more launches to merge) and the stem of a bench/suite model."""
-    from ..settings import override
-
-    rows = []
-    for case in cases:
-        try:
-            build, name = _llama_decode_case() if case.startswith("llama") else _suite_case(case)
-            extra = {"fuse_cache_write": True} if case == "llama+cache_write" else {}
-            name += " with STITCHCUDA_FUSE_CACHE_WRITE=1" if extra else ""
-            runs = {}
-            for merge in (False, True):
-                with override(merge_launches=merge, **extra):
-                    call, module = build()
-                program = getattr(module, "program", None)
-                if program is None:
-                    raise RuntimeError(f"no program to time with the pass {'on' if merge else 'off'}: "
-                                       f"{module.report.status}: {module.report.reason}")
-                launches = sum(s["kind"] == "kernel" for s in program.steps)
-                with torch.no_grad():
-                    first = [t.clone() for t in (lambda o: o if isinstance(o, (tuple, list)) else [o])(call())]
-                runs[merge] = {"call": call, "out": first, "launches": launches, "gpu": [], "wall": [],
-                               "decisions": [d for d, why in module.report.decisions if "MERGE_LAUNCHES" in why],
-                               "status": module.report.status}
-            with torch.no_grad():
-                for _ in range(rounds):  # alternating, so drift in clocks or temperature falls on both alike
-                    for merge in (False, True):
-                        runs[merge]["gpu"].append(gpu_ms(runs[merge]["call"]))
-                        runs[merge]["wall"].append(_host_us(runs[merge]["call"], repeats=100))
-            outs = [r["out"] for r in runs.values()]
-            measured = {merge: {"gpu_ms": statistics.median(r["gpu"]), "wall_us": statistics.median(r["wall"]),
-                                "launches": r["launches"]} for merge, r in runs.items()}
-            measured[True]["bitwise_equal"] = all(torch.equal(a, b) for a, b in zip(*outs))
-            row = merge_row(name, measured[False], measured[True])
-            row.update(status_off=runs[False]["status"], status_on=runs[True]["status"],
-                       decision=(runs[True]["decisions"] or [None])[0])
-        except Exception as exc:  # one case's failure is its row, the others still run
-            row = {"model": case, "error": f"{type(exc).__name__}: {exc}"}
-        rows.append(row)
-        torch.cuda.empty_cache()
-    return {"rounds": rounds, "rows": rows}
-
-
-if __name__ == "__main__":
-    import sys
-
-    from ..cli_support import EXIT_NO_GPU, no_gpu_reason, refuse
-
-    if sys.argv[1:2] == ["merged_launches"]:  # then the cases to run (default MERGE_CASES)
-        why = no_gpu_reason()
-        if why is not None:
-            sys.exit(refuse("bench program merged_launches", f"no GPU ({why}); nothing measured", EXIT_NO_GPU, False))
-        cases = tuple(sys.argv[2:]) or MERGE_CASES
-        print(json.dumps({"device": torch.cuda.get_device_name(), "merged_launches": merged_launches(cases=cases)},
-                         indent=2))
-    else:
-        sys.exit(run(json_output="--json" in sys.argv[1:]))
