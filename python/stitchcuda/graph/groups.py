@@ -10,14 +10,15 @@ from .capture import Node, Value
 __all__ = ["Group", "GraphPlan", "GENERATED"]
 
 # Group kinds whose code the template Coder writes (and optimize checks against ATen before use). An
-# attention group (written-out attention as one step: SDPA or the fused template) is checked too.
-GENERATED = ("gemm", "pointwise", "reduction", "conv", "pool", "scan", "attention")
+# attention group (written-out attention as one step: SDPA or the fused template) is checked too, and so is a
+# gemv group (sibling projections of decode's shape as one kernel, templates/gemv.py).
+GENERATED = ("gemm", "pointwise", "reduction", "conv", "pool", "scan", "attention", "gemv")
 
 
 @dataclass
 class Group:
-    """A unit of the plan: `kind` in gemm, pointwise, reduction, conv, pool, scan, attention, view, constant,
-    aten."""
+    """A unit of the plan: `kind` in gemm, pointwise, reduction, conv, pool, scan, attention, gemv, view,
+    constant, aten."""
 
     kind: str
     nodes: list[Node]

@@ -33,6 +33,7 @@ from .templates import (FUSABLE_DTYPES, POINTWISE_OPS, CatPiece, KernelCode, Poi
                         normalized_rows_kernel, pointwise_from_nhwc_kernel, pointwise_kernel, pooling_kernel,
                         pooling_nhwc_kernel, row_reduction_kernel, scan_kernel)
 from .templates.attention import decode_attention_kernels, flash_attention_kernel
+from .templates.gemv import gemv_kernel
 from .templates.scatter import (CacheIndex, CacheTarget, IntegerChain, cache_write_kernel, integer_expression,
                                 integer_kernel)
 
@@ -575,6 +576,8 @@ class Lowering:
                 self._lower_scan(g)
             elif g.kind == "kernel_step":
                 self._lower_kernel_step(g)
+            elif g.kind == "gemv":
+                self._lower_gemv(g)
             elif g.kind == "attention":
                 self._lower_attention(g)
             elif g.kind in ("cache_write", "integer"):  # graph/cache_write.py's groups
@@ -636,6 +639,22 @@ class Lowering:
         batch = p["result"].shape[0] if node.op == "aten::bmm" else 1
         self.b.matmul(a, b, c, bias=bias, transpose_a=p["transpose_a"], transpose_b=p["transpose_b"], batch=batch,
                       epilogue=p["epilogue"], precision=p["precision"])
+
+    def _lower_gemv(self, g: Group) -> None:
+        """Sibling projections sharing x (templates/gemv.py's merge_projections) as one GEMV launch: x and each
+        weight and bias read in place (the model's own), one output each, or one with the SiLU epilogue."""
+        p = g.params
+        buffers = {"x": self.need(p["x"], contiguous=True)}
+        for j, (w, b) in enumerate(zip(p["weights"], p["biases"])):
+            buffers[f"w{j}"] = self.need(w, contiguous=True)
+            if b is not None:
+                buffers[f"b{j}"] = self.need(b, contiguous=True)
+        for o, v in enumerate(p["results"]):
+            buffers[f"y{o}"] = self.produce(v)
+        code = gemv_kernel(self._name("gemv", g), rows=p["rows"], k=p["k"], columns=[w.shape[0] for w in p["weights"]],
+                           dtype=p["x"].dtype, bias=[b is not None for b in p["biases"]], epilogue=p["epilogue"],
+                           sms=self.sm_count)
+        self._launch(g, code, buffers)
 
     def _lower_reduction(self, g: Group) -> None:
         p = g.params

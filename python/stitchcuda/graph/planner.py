@@ -57,6 +57,7 @@ from .layout import channels_last_values
 from .templates import (CACHED_ROW_MAX, CACHED_ROW_MIN, CLUSTER_ROW_MAX, DEPTHWISE_MAX_TAPS, FUSABLE_DTYPES, NORMALIZING,
                         POINTWISE_OPS, SCAN_EXTENT_MAX, SHARED_ROW_MAX, STATISTICS, aten_tile, cluster_size,
                         pooling_blocker, split_rows)
+from .projections import merge_projections
 
 __all__ = ["Group", "GraphPlan", "OfflinePlanner", "GENERATED", "unheld_dtype", "split_tf32_choice", "conv_epilogues",
            "ATTENTION_STEPS", "merge_identical_casts"]
@@ -472,6 +473,8 @@ class OfflinePlanner:
         if attention:  # a causal mask the steps no longer read, built for the scores alone
             groups = _without_unread_groups(groups, outputs)
         groups = self._without_unread_negations(groups, outputs)
+        if settings().gemv:  # sibling projections of decode's shape as one GEMV kernel (graph/projections.py)
+            groups = merge_projections(groups, outputs, decisions)
         if settings().fuse_cache_write:  # KV cache writes and int64 bookkeeping as generated kernels
             groups = fuse_cache_writes(groups, graph, outputs, decisions)
         self._split_decision(groups, decisions)

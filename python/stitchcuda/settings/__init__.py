@@ -240,6 +240,10 @@ class Settings:
         "other attention as sdpa; "
         "sdpa: attention is one ATen SDPA step; fused: the decode kernels wherever decode's shape allows, else the "
         "fused prefill template; off: written-out attention stays its matmul and softmax groups")
+    gemv: bool = _var(
+        "STITCHCUDA_GEMV", Flag(), False, "graph planner (templates/gemv.py)",
+        "1: projections of decode's shape (x of at most 16 rows) that share x run as one generated GEMV kernel "
+        "(q, k and v; gate and up with SiLU(gate) * up fused); 0: a cuBLASLt matmul each (until measured on a GPU)")
     dynamic_padding: str = _var(
         "STITCHCUDA_DYNAMIC_PADDING", choice("on", "off"), "on", "optimize(dynamic=)",
         "on: a size is served by a larger member, zero-padded, where the range check allows; off: a member per "
