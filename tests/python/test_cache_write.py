@@ -272,10 +272,16 @@ def test_a_transformers_llama_generates_its_greedy_tokens_with_the_fused_writes(
     graph, prefill, prefill_values = lowered(lm, (torch.zeros(1, 6, dtype=torch.long), torch.arange(6)))
     _, decode, decode_values = lowered(lm, (torch.zeros(1, 1, dtype=torch.long), torch.tensor([6])))
     assert not any(s["kind"] == "aten" and s["op"] in ("aten::index_copy_", "aten::add.Tensor") for s in decode.steps)
+    assert_transformers_greedy_tokens(emu, model, lm, graph, (prefill, prefill_values), (decode, decode_values))
+
+
+def assert_transformers_greedy_tokens(emu, model, lm, graph, prefill, decode) -> None:
+    """The emulated prefill and decode programs of `lm` (a 24-slot TransformersStaticCacheLM over `model`) generate
+    transformers' own greedy tokens, twice: the second sequence starts from zeroed caches and counters."""
     prefix = next(iter(graph.state_buffers.values())).rpartition("layer")[0]
     states = {prefix + name: t for name, t in lm.named_buffers()}
-    gen = emulated_generator(emu, lm, 24, 1, (prefill, prefill_values), (decode, decode_values), states)
-    for seed in (1, 2):  # the second sequence starts from zeroed caches and counters
+    gen = emulated_generator(emu, lm, 24, 1, prefill, decode, states)
+    for seed in (1, 2):
         torch.manual_seed(seed)
         ids = torch.randint(0, 256, (1, 6))
         with torch.no_grad():

@@ -15,8 +15,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "corpus"))
 from cpu_emulator.emulator import EmulatedJit, EmulatedModule, unavailable  # noqa: E402
-from test_cache_write import _launches, _transformers_llama  # noqa: E402
-from test_decode import emulated_generator  # noqa: E402
+from test_cache_write import _launches, _transformers_llama, assert_transformers_greedy_tokens  # noqa: E402
 from test_decode_capture import lowered  # noqa: E402
 from test_graph_emulated import _fp32_only  # noqa: E402
 
@@ -149,16 +148,7 @@ def test_a_transformers_llama_generates_its_greedy_tokens_with_the_gemv(emu, oth
     # 55 launches: the GEMV takes 4 a layer away (47); the cache writes 9 more (k's rotary and both writes one
     # launch a layer, the six int64 adds one: 38); merging 5 more (q's rotary beside the write, ...: 33)
     assert (_launches(plain), _launches(decode)) == (55, 33 if others else 47)
-    prefix = next(iter(graph.state_buffers.values())).rpartition("layer")[0]
-    states = {prefix + name: t for name, t in lm.named_buffers()}
-    gen = emulated_generator(emu, lm, 24, 1, (prefill, prefill_values), (decode, decode_values), states)
-    for seed in (1, 2):
-        torch.manual_seed(seed)
-        ids = torch.randint(0, 256, (1, 6))
-        with torch.no_grad():
-            expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
-                                      do_sample=False, pad_token_id=0)
-        assert torch.equal(gen.generate(ids, 8), expected)
+    assert_transformers_greedy_tokens(emu, model, lm, graph, (prefill, prefill_values), (decode, decode_values))
 
 
 @pytest.mark.gpu
