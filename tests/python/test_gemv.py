@@ -160,7 +160,7 @@ def test_the_kernel_matches_torch_on_a_gpu_at_llama_sizes(dtype):
         code, tensors, want = _case(rows, 2048, columns, epilogue, dtype=dtype, seed=rows)
         tensors = {name: t.cuda() for name, t in tensors.items()}
         kernel = jit.compile(code.source, code.name)
-        kernel.launch(code.grid, code.block, *[tensors[v] if kind in ("in", "out") else v for kind, v in code.args])
+        kernel(code.grid, code.block, *[tensors[v] if kind in ("in", "out") else v for kind, v in code.args])
         torch.cuda.synchronize()
         tol = 2e-5 if dtype == torch.float32 else 2e-2
         for o, y in enumerate(want):
