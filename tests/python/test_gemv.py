@@ -165,3 +165,34 @@ def test_the_kernel_matches_torch_on_a_gpu_at_llama_sizes(dtype):
         tol = 2e-5 if dtype == torch.float32 else 2e-2
         for o, y in enumerate(want):
             torch.testing.assert_close(tensors[f"y{o}"].double().cpu(), y, atol=tol, rtol=tol)
+
+
+# ---- the bench (bench/gemv.py) --------------------------------------------------------------------------------
+
+def test_the_benchs_floor_counts_every_weight_once_and_each_output():
+    from stitchcuda.bench.gemv import floor_bytes, ratios
+    assert floor_bytes(1, 2048, [2048, 512, 512], 3) == 2 * (3072 * 2048 + 2048 + 3072)
+    assert floor_bytes(8, 2048, [8192, 8192], 1) == 2 * (16384 * 2048 + 8 * 2048 + 8 * 8192)  # one output: the product
+    row = ratios({"bytes": 3_350_000, "ours_ms": 0.002, "linear_ms": 0.004, "concat_ms": 0.003}, 3.35)
+    assert (row["linear_over_ours"], row["concat_over_ours"]) == (2.0, 1.5)
+    assert (row["ours_of_floor"], row["linear_of_floor"]) == (0.5, 0.25)
+    assert ratios({"bytes": 1, "ours_ms": 1.0, "linear_ms": 1.0, "concat_ms": 1.0}, 0.0)["ours_of_floor"] is None
+
+
+def test_the_bench_without_a_gpu_says_so(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the bench would run")
+    from stitchcuda.bench.gemv import main
+    assert main([]) == 3 and "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_the_bench_times_every_case_and_checks_it(capsys):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    import json
+
+    from stitchcuda.bench.gemv import main
+    assert main(["--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert len(rows) == 6 and all(r["max_abs_error_vs_fp64"] < 0.1 and r["ours_ms"] > 0 for r in rows)
