@@ -641,7 +641,7 @@ class Lowering:
                       epilogue=p["epilogue"], precision=p["precision"])
 
     def _lower_gemv(self, g: Group) -> None:
-        """Sibling projections sharing x (templates/gemv.py's merge_projections) as one GEMV launch: x and each
+        """Sibling projections sharing x (graph/projections.py) as one GEMV launch (templates/gemv.py): x and each
         weight and bias read in place (the model's own), one output each, or one with the SiLU epilogue."""
         p = g.params
         buffers = {"x": self.need(p["x"], contiguous=True)}
