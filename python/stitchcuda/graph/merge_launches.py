@@ -30,6 +30,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import heapq
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Sequence
@@ -545,15 +546,8 @@ def _span(shape, strides) -> int:
     if any(e == 0 for e in shape):
         return 0
     if strides is None:
-        return _prod(shape)
+        return math.prod(int(e) for e in shape)
     return 1 + sum((e - 1) * abs(st) for e, st in zip(shape, strides))
-
-
-def _prod(xs) -> int:
-    out = 1
-    for x in xs:
-        out *= int(x)
-    return out
 
 
 def _contracted(n: int, succ: list[set[int]], rep: list[int], members: dict[int, list[int]]) -> dict[int, set[int]]:
